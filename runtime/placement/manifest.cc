@@ -1,0 +1,144 @@
+#include "runtime/placement/manifest.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Create(ManifestOptions options,
+                                                                                   std::vector<SlotRecord> slots,
+                                                                                   const Topology& topology) {
+  if (options.num_experts <= 0) return absl::InvalidArgumentError("placement.num_experts: must be positive");
+  if (slots.empty()) return absl::InvalidArgumentError("placement.slots: must not be empty");
+  auto m = std::shared_ptr<PlacementManifest>(new PlacementManifest());
+  m->options_ = std::move(options);
+  const int q_count = static_cast<int>(slots.size());
+  m->slots_.resize(q_count);
+  std::vector<bool> seen(q_count, false);
+  std::unordered_set<std::string> names;
+  for (SlotRecord& s : slots) {
+    const int q = s.slot.value();
+    if (q < 0 || q >= q_count || seen[q]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement.slots: physical_slot_id ", q, " is duplicated or outside [0, ", q_count, ")"));
+    }
+    if (s.name.empty()) s.name = absl::StrCat("q", q);
+    if (!names.insert(s.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("placement.slots[", q, "].name: duplicate slot name ", s.name));
+    }
+    if (s.expert.value() < 0 || s.expert.value() >= m->options_.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat("placement.slots[", s.name, "].logical_expert_id: ",
+                                                     s.expert.value(), " outside [0, ", m->options_.num_experts, ")"));
+    }
+    if (!topology.HasRank(s.rank)) {
+      return absl::InvalidArgumentError(absl::StrCat("placement.slots[", s.name, "].destination_rank: rank ",
+                                                     s.rank.value(), " is not in the topology"));
+    }
+    if (s.domain.value() < 0 || s.domain.value() >= topology.num_nodes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement.slots[", s.name, "].topology_domain_id: unknown domain ", s.domain.value()));
+    }
+    if (s.replica_name.empty()) s.replica_name = absl::StrCat("e", s.expert.value(), "-r", s.replica.value());
+    seen[q] = true;
+    m->slots_[q] = std::move(s);
+  }
+
+  // rho_v(e), ordered by (replica id, slot id): a counting pass over experts.
+  const int e_count = m->options_.num_experts;
+  m->expert_begin_.assign(e_count + 1, 0);
+  for (const SlotRecord& s : m->slots_) ++m->expert_begin_[s.expert.value() + 1];
+  for (int e = 0; e < e_count; ++e) m->expert_begin_[e + 1] += m->expert_begin_[e];
+  m->expert_slots_.resize(q_count);
+  std::vector<int32_t> fill(m->expert_begin_.begin(), m->expert_begin_.end() - 1);
+  for (const SlotRecord& s : m->slots_) m->expert_slots_[fill[s.expert.value()]++] = s.slot;
+  for (int e = 0; e < e_count; ++e) {
+    std::stable_sort(m->expert_slots_.begin() + m->expert_begin_[e], m->expert_slots_.begin() + m->expert_begin_[e + 1],
+                     [&](PhysicalSlotId a, PhysicalSlotId b) { return m->slots_[a.value()].replica < m->slots_[b.value()].replica; });
+  }
+
+  m->local_slots_.assign(topology.num_ranks(), {});
+  m->local_index_.assign(q_count, -1);
+  for (const SlotRecord& s : m->slots_) {
+    auto& local = m->local_slots_[s.rank.value()];
+    m->local_index_[s.slot.value()] = static_cast<int32_t>(local.size());
+    local.push_back(s.slot);
+  }
+  return std::shared_ptr<const PlacementManifest>(std::move(m));
+}
+
+std::string PlacementManifest::VersionName() const { return absl::StrCat("placement-v", options_.version.value()); }
+
+absl::Span<const PhysicalSlotId> PlacementManifest::SlotsOf(LogicalExpertId e) const {
+  if (e.value() < 0 || e.value() >= options_.num_experts) return {};
+  return absl::MakeConstSpan(expert_slots_.data() + expert_begin_[e.value()],
+                             expert_begin_[e.value() + 1] - expert_begin_[e.value()]);
+}
+
+absl::Span<const PhysicalSlotId> PlacementManifest::LocalSlots(Rank r) const {
+  if (r.value() < 0 || r.value() >= num_ranks()) return {};
+  return local_slots_[r.value()];
+}
+
+int PlacementManifest::FindSlot(const std::string& name) const {
+  for (const SlotRecord& s : slots_) {
+    if (s.name == name) return s.slot.value();
+  }
+  return -1;
+}
+
+const char* IncompatibilityName(Incompatibility reason) {
+  switch (reason) {
+    case Incompatibility::kNone:
+      return "compatible";
+    case Incompatibility::kWrongExpert:
+      return "slot stores another logical expert";
+    case Incompatibility::kStaleCheckpoint:
+      return "replica checkpoint differs from the generation's checkpoint";
+    case Incompatibility::kRankOutsideGroup:
+      return "destination rank is outside the process group";
+    case Incompatibility::kDomainMismatch:
+      return "topology domain does not own the destination rank";
+  }
+  return "unknown";
+}
+
+Incompatibility CheckCompatible(LogicalExpertId e, PhysicalSlotId q, const PlacementManifest& manifest,
+                                const ProcessGroup& group, const Topology& topology) {
+  const SlotRecord& s = manifest.slot(q);
+  if (s.expert != e) return Incompatibility::kWrongExpert;
+  if (s.checkpoint != manifest.checkpoint()) return Incompatibility::kStaleCheckpoint;
+  if (!group.Contains(s.rank)) return Incompatibility::kRankOutsideGroup;
+  if (!topology.HasRank(s.rank) || topology.NodeOf(s.rank) != s.domain) return Incompatibility::kDomainMismatch;
+  return Incompatibility::kNone;
+}
+
+absl::Status VerifyForPublish(const PlacementManifest& manifest, const ProcessGroup& group, const Topology& topology) {
+  if (manifest.process_group() != group.id() || manifest.epoch() != group.epoch()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        manifest.VersionName(), " is bound to process group ", manifest.process_group().value(), " epoch ",
+        manifest.epoch().value(), ", not ", group.id().value(), " epoch ", group.epoch().value()));
+  }
+  for (const SlotRecord& s : manifest.slots()) {
+    const Incompatibility why = CheckCompatible(s.expert, s.slot, manifest, group, topology);
+    if (why != Incompatibility::kNone) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(manifest.VersionName(), " slot ", s.name, ": ", IncompatibilityName(why)));
+    }
+  }
+  for (int e = 0; e < manifest.num_experts(); ++e) {
+    const auto copies = manifest.SlotsOf(LogicalExpertId(e));
+    for (PhysicalSlotId q : copies) {
+      if (manifest.slot(q).parameter_digest != manifest.slot(copies.front()).parameter_digest) {
+        return absl::FailedPreconditionError(absl::StrCat(manifest.VersionName(), " slot ", manifest.slot(q).name,
+                                                          ": parameter digest differs from the other replicas of "
+                                                          "logical expert ",
+                                                          e));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe

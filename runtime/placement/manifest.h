@@ -1,0 +1,102 @@
+// Versioned placement manifests and the compatibility predicate (spec 0x02B1, 0x02B2, 0x01D1).
+//
+// A manifest stores physical slots under one placement generation. The complete key of a
+// slot is (placement version, physical slot id); slot ids are dense 0..Q-1 inside a version.
+// Manifests are immutable once created and shared as shared_ptr<const PlacementManifest>
+// between the registry, plans and dispatch handles; they are safe to read from any thread.
+#ifndef MOE_RUNTIME_PLACEMENT_MANIFEST_H_
+#define MOE_RUNTIME_PLACEMENT_MANIFEST_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "runtime/ids.h"
+#include "runtime/placement/topology.h"
+
+namespace moe {
+
+struct SlotRecord {
+  PhysicalSlotId slot;
+  std::string name;          // "q1"; unique inside the version
+  LogicalExpertId expert;
+  ReplicaId replica;         // copy index among the expert's copies
+  std::string replica_name;  // "e0-r1"
+  Rank rank;                 // destination rank
+  TopologyDomainId domain;   // topology domain the manifest claims for the rank
+  CheckpointVersion checkpoint;
+  ParameterDigest parameter_digest;
+};
+
+struct ManifestOptions {
+  PlacementVersion version;
+  ProcessGroupId process_group;
+  ProcessGroupEpoch epoch;
+  CheckpointVersion checkpoint;  // the generation's checkpoint: c_v(e) for every logical expert
+  int num_experts = 0;
+};
+
+class PlacementManifest {
+ public:
+  // Structural validation only (dense ids, unique names, experts and ranks in range). Whether
+  // each slot is *compatible* is the predicate below; publishing requires VerifyForPublish.
+  static absl::StatusOr<std::shared_ptr<const PlacementManifest>> Create(ManifestOptions options,
+                                                                          std::vector<SlotRecord> slots,
+                                                                          const Topology& topology);
+
+  PlacementVersion version() const { return options_.version; }
+  std::string VersionName() const;  // "placement-v17"
+  const ProcessGroupId& process_group() const { return options_.process_group; }
+  ProcessGroupEpoch epoch() const { return options_.epoch; }
+  const CheckpointVersion& checkpoint() const { return options_.checkpoint; }
+  int num_experts() const { return options_.num_experts; }
+  int num_slots() const { return static_cast<int>(slots_.size()); }
+  int num_ranks() const { return static_cast<int>(local_slots_.size()); }
+
+  const SlotRecord& slot(PhysicalSlotId q) const { return slots_[q.value()]; }
+  const std::vector<SlotRecord>& slots() const { return slots_; }
+  // rho_v(e): the slots holding logical expert e, ordered by (replica id, slot id).
+  absl::Span<const PhysicalSlotId> SlotsOf(LogicalExpertId e) const;
+  // Explicit local slot order of a rank (slot id order): the expert-offset coordinate.
+  absl::Span<const PhysicalSlotId> LocalSlots(Rank r) const;
+  // Position of q in LocalSlots(slot(q).rank).
+  int LocalIndex(PhysicalSlotId q) const { return local_index_[q.value()]; }
+  // Slot id by name, or -1.
+  int FindSlot(const std::string& name) const;
+
+ private:
+  ManifestOptions options_;
+  std::vector<SlotRecord> slots_;
+  std::vector<int32_t> expert_begin_;           // E + 1 offsets into expert_slots_
+  std::vector<PhysicalSlotId> expert_slots_;
+  std::vector<std::vector<PhysicalSlotId>> local_slots_;
+  std::vector<int32_t> local_index_;
+};
+
+enum class Incompatibility {
+  kNone = 0,
+  kWrongExpert,        // the slot stores another logical expert
+  kStaleCheckpoint,    // the replica's checkpoint differs from c_v(e)
+  kRankOutsideGroup,   // the destination rank is not in the pinned communicator
+  kDomainMismatch,     // the topology label does not own that rank
+};
+const char* IncompatibilityName(Incompatibility reason);
+
+// compatible(r, q; v) of 0x01D1 for a route targeting logical expert `e`: all four clauses.
+Incompatibility CheckCompatible(LogicalExpertId e, PhysicalSlotId q, const PlacementManifest& manifest,
+                                const ProcessGroup& group, const Topology& topology);
+inline bool Compatible(LogicalExpertId e, PhysicalSlotId q, const PlacementManifest& manifest,
+                       const ProcessGroup& group, const Topology& topology) {
+  return CheckCompatible(e, q, manifest, group, topology) == Incompatibility::kNone;
+}
+
+// Before a generation may serve: every slot is compatible with its own expert, the manifest
+// names this process group and epoch, and all replicas of one logical expert agree on the
+// parameter digest (0x02B2). FAILED_PRECONDITION naming the first offending slot otherwise.
+absl::Status VerifyForPublish(const PlacementManifest& manifest, const ProcessGroup& group, const Topology& topology);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_PLACEMENT_MANIFEST_H_

@@ -1,0 +1,138 @@
+#include "runtime/placement/migration.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+const char* MigrationActionName(MigrationAction a) {
+  switch (a) {
+    case MigrationAction::kRetain:
+      return "retain";
+    case MigrationAction::kLocalDuplicate:
+      return "same-GPU duplicate";
+    case MigrationAction::kSameNodeCopy:
+      return "same-node network copy";
+    case MigrationAction::kCrossNodeCopy:
+      return "cross-node network copy";
+    case MigrationAction::kCheckpointLoad:
+      return "checkpoint load";
+  }
+  return "unknown";
+}
+
+namespace {
+bool SameState(const SlotRecord& a, const PlacementManifest& am, const SlotRecord& b, const PlacementManifest& bm) {
+  return a.expert == b.expert && a.checkpoint == b.checkpoint && am.checkpoint() == bm.checkpoint() &&
+         a.parameter_digest == b.parameter_digest;
+}
+}  // namespace
+
+absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const PlacementManifest& to,
+                                            const Topology& topology, int64_t expert_bytes) {
+  if (expert_bytes <= 0) return absl::InvalidArgumentError("expert_bytes: must be positive");
+  if (from.num_experts() != to.num_experts()) {
+    return absl::FailedPreconditionError(absl::StrCat(from.VersionName(), " and ", to.VersionName(),
+                                                      " disagree on the number of logical experts"));
+  }
+  MigrationPlan plan;
+  std::vector<bool> claimed(from.num_slots(), false);
+  // Per (rank, expert): the first target slot that materialized the expert there.
+  std::vector<int32_t> materialized(static_cast<size_t>(topology.num_ranks()) * to.num_experts(), -1);
+
+  for (int r = 0; r < topology.num_ranks(); ++r) {
+    for (PhysicalSlotId q : to.LocalSlots(Rank(r))) {
+      const SlotRecord& t = to.slot(q);
+      MigrationStep step;
+      step.target_rank = Rank(r);
+      step.target_slot = q;
+      step.expert = t.expert;
+      step.bytes = expert_bytes;
+      step.source_rank = Rank(-1);
+      step.source_slot = PhysicalSlotId(-1);
+      int32_t& first = materialized[static_cast<size_t>(r) * to.num_experts() + t.expert.value()];
+
+      // Retain an unclaimed compatible copy already resident on this rank.
+      int retain = -1;
+      for (PhysicalSlotId s : from.LocalSlots(Rank(r))) {
+        if (!claimed[s.value()] && SameState(from.slot(s), from, t, to)) {
+          retain = s.value();
+          break;
+        }
+      }
+      if (retain >= 0) {
+        claimed[retain] = true;
+        step.action = MigrationAction::kRetain;
+        step.source_rank = Rank(r);
+        step.source_slot = PhysicalSlotId(retain);
+      } else if (first >= 0) {
+        step.action = MigrationAction::kLocalDuplicate;
+        step.source_rank = Rank(r);
+        step.source_slot = PhysicalSlotId(first);
+        step.source_is_target = true;
+      } else {
+        // Nearest compatible holder in the source placement.
+        int best = -1;
+        for (PhysicalSlotId s : from.SlotsOf(t.expert)) {
+          const SlotRecord& c = from.slot(s);
+          if (!SameState(c, from, t, to) || !topology.HasRank(c.rank)) continue;
+          if (best < 0) {
+            best = s.value();
+            continue;
+          }
+          const SlotRecord& b = from.slot(PhysicalSlotId(best));
+          const bool c_near = topology.NodeOf(c.rank) == topology.NodeOf(Rank(r));
+          const bool b_near = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r));
+          if (c_near != b_near ? c_near : (c.rank != b.rank ? c.rank < b.rank : c.slot < b.slot)) best = s.value();
+        }
+        if (best < 0) {
+          step.action = MigrationAction::kCheckpointLoad;
+        } else {
+          const SlotRecord& b = from.slot(PhysicalSlotId(best));
+          step.action = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r)) ? MigrationAction::kSameNodeCopy
+                                                                             : MigrationAction::kCrossNodeCopy;
+          step.source_rank = b.rank;
+          step.source_slot = b.slot;
+        }
+      }
+      if (first < 0) first = q.value();
+      switch (step.action) {
+        case MigrationAction::kRetain:
+          ++plan.retained_copies;
+          plan.retained_bytes += expert_bytes;
+          break;
+        case MigrationAction::kLocalDuplicate:
+          ++plan.local_duplicates;
+          plan.local_bytes += expert_bytes;
+          break;
+        case MigrationAction::kSameNodeCopy:
+          ++plan.same_node_copies;
+          plan.same_node_bytes += expert_bytes;
+          break;
+        case MigrationAction::kCrossNodeCopy:
+          ++plan.cross_node_copies;
+          plan.cross_node_bytes += expert_bytes;
+          break;
+        case MigrationAction::kCheckpointLoad:
+          ++plan.checkpoint_loads;
+          plan.checkpoint_bytes += expert_bytes;
+          break;
+      }
+      plan.steps.push_back(step);
+    }
+  }
+  for (int s = 0; s < from.num_slots(); ++s) {
+    if (!claimed[s]) {
+      ++plan.retired_copies;
+      plan.retired_bytes += expert_bytes;
+    }
+  }
+  plan.resident_from = static_cast<int64_t>(from.num_slots()) * expert_bytes;
+  plan.resident_to = static_cast<int64_t>(to.num_slots()) * expert_bytes;
+  plan.peak_bytes = plan.resident_from + plan.resident_to - plan.retained_bytes;
+  plan.reserved_bytes = plan.resident_to - plan.retained_bytes;
+  return plan;
+}
+
+}  // namespace moe

@@ -1,0 +1,64 @@
+// The semantic handoff: accepted route rows as the router produced them (spec 0x01A0, 0x03A).
+//
+// Route r carries I_r = (s, r, p, t, j, e, g): execution scope, route id (its index here),
+// origin partition (source rank), origin token row, route slot in [0, k), logical expert and
+// combine gate, plus the router's admission state. The runtime never recomputes or edits these
+// fields. Freeze() seals them with a canonical SHA-256 digest; planning re-verifies the digest
+// first, so a mutated logical expert or gate fails before any physical decision is made.
+//
+// Storage is columnar (one vector per field), never one heap object per route.
+#ifndef MOE_RUNTIME_SEMANTIC_H_
+#define MOE_RUNTIME_SEMANTIC_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/ids.h"
+
+namespace moe {
+
+struct SemanticHandoff {
+  std::string contract_version = "moe.semantic.v1";
+  ExecutionScopeId scope;
+  int32_t num_experts = 0;
+  int32_t top_k = 0;
+  int32_t num_partitions = 0;  // source ranks of the group (members, even with zero tokens)
+
+  std::vector<Rank> origin;              // p
+  std::vector<int32_t> token;            // t, row inside the origin partition
+  std::vector<int32_t> route_slot;       // j in [0, k)
+  std::vector<LogicalExpertId> expert;   // e
+  std::vector<float> gate;               // g, FP32
+  std::vector<uint8_t> admitted;         // 1 = accepted by the router, 0 = dropped
+
+  int32_t size() const { return static_cast<int32_t>(origin.size()); }
+  void Reserve(size_t n);
+  void Add(Rank p, int32_t t, int32_t j, LogicalExpertId e, float g, bool admitted_route = true);
+  // Column lengths agree; ranks, tokens, route slots and experts in range; gates finite and
+  // non-negative; (p, t, j) unique. INVALID_ARGUMENT naming the field otherwise.
+  absl::Status Validate() const;
+};
+
+using Sha256 = std::array<uint8_t, 32>;
+std::string HexDigest(const Sha256& digest);
+
+// SHA-256 over the canonical encoding: fixed field order, little-endian fixed-width integers,
+// IEEE-754 bits for gates, length-prefixed strings.
+Sha256 SemanticDigest(const SemanticHandoff& handoff);
+
+struct FrozenHandoff {
+  SemanticHandoff routes;
+  Sha256 digest{};
+};
+
+// Validates and seals a handoff.
+absl::StatusOr<FrozenHandoff> Freeze(SemanticHandoff handoff);
+// FAILED_PRECONDITION when the routes no longer hash to the sealed digest.
+absl::Status VerifyFrozen(const FrozenHandoff& frozen);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_SEMANTIC_H_
