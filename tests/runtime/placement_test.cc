@@ -1,0 +1,205 @@
+#include "runtime/placement/manifest.h"
+#include "runtime/placement/registry.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "runtime/exec/dispatch_handle.h"
+#include "tests/runtime/fixtures.h"
+
+namespace moe {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(ManifestTest, ReplicaSetsAndLocalOrder) {
+  Topology t = fixture::FourRankTwoNode();
+  auto m = fixture::V17(t);
+  EXPECT_EQ(m->VersionName(), "placement-v17");
+  EXPECT_THAT(m->SlotsOf(LogicalExpertId(0)), ElementsAre(PhysicalSlotId(0), PhysicalSlotId(1)));
+  EXPECT_THAT(m->SlotsOf(LogicalExpertId(1)), ElementsAre(PhysicalSlotId(2), PhysicalSlotId(3)));
+  EXPECT_THAT(m->LocalSlots(Rank(1)), ElementsAre(PhysicalSlotId(1), PhysicalSlotId(2)));
+  EXPECT_EQ(m->LocalIndex(PhysicalSlotId(2)), 1);
+  EXPECT_EQ(m->slot(PhysicalSlotId(1)).replica_name, "e0-r1");
+  EXPECT_EQ(m->FindSlot("q4"), 4);
+  EXPECT_TRUE(VerifyForPublish(*m, fixture::IdentityGroup(), t).ok());
+}
+
+TEST(ManifestTest, StructuralErrorsNameTheField) {
+  Topology t = fixture::FourRankTwoNode();
+  auto slots = fixture::V17Slots();
+  slots[2].slot = PhysicalSlotId(1);
+  EXPECT_THAT(std::string(PlacementManifest::Create(fixture::Options(17), slots, t).status().message()),
+              HasSubstr("physical_slot_id"));
+  slots = fixture::V17Slots();
+  slots[0].rank = Rank(9);
+  EXPECT_THAT(std::string(PlacementManifest::Create(fixture::Options(17), slots, t).status().message()),
+              HasSubstr("destination_rank"));
+  slots = fixture::V17Slots();
+  slots[0].expert = LogicalExpertId(4);
+  EXPECT_THAT(std::string(PlacementManifest::Create(fixture::Options(17), slots, t).status().message()),
+              HasSubstr("logical_expert_id"));
+}
+
+// 0x01D1: the four clauses reject four different failures.
+TEST(ManifestTest, CompatibilityPredicateHasFourClauses) {
+  Topology t = fixture::FourRankTwoNode();
+  ProcessGroup g = fixture::IdentityGroup();
+  auto slots = fixture::V17Slots();
+  slots[1].checkpoint = CheckpointVersion("checkpoint-0041");  // stale replica of expert 0
+  slots[3].domain = TopologyDomainId(0);                        // rank 2 is on node-1
+  auto m = *PlacementManifest::Create(fixture::Options(17), slots, t);
+  EXPECT_EQ(CheckCompatible(LogicalExpertId(0), PhysicalSlotId(0), *m, g, t), Incompatibility::kNone);
+  EXPECT_EQ(CheckCompatible(LogicalExpertId(1), PhysicalSlotId(0), *m, g, t), Incompatibility::kWrongExpert);
+  EXPECT_EQ(CheckCompatible(LogicalExpertId(0), PhysicalSlotId(1), *m, g, t), Incompatibility::kStaleCheckpoint);
+  EXPECT_EQ(CheckCompatible(LogicalExpertId(1), PhysicalSlotId(3), *m, g, t), Incompatibility::kDomainMismatch);
+  ProcessGroup three = *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(0), Rank(1), Rank(2)});
+  EXPECT_EQ(CheckCompatible(LogicalExpertId(3), PhysicalSlotId(5), *m, three, t), Incompatibility::kRankOutsideGroup);
+  EXPECT_THAT(std::string(VerifyForPublish(*m, g, t).message()), HasSubstr("q1"));
+}
+
+TEST(ManifestTest, PublishRequiresEqualReplicaDigests) {
+  Topology t = fixture::FourRankTwoNode();
+  auto slots = fixture::V17Slots();
+  slots[3].parameter_digest = ParameterDigest("expert-1-state-v41");
+  auto m = *PlacementManifest::Create(fixture::Options(17), slots, t);
+  auto s = VerifyForPublish(*m, fixture::IdentityGroup(), t);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("parameter digest"));
+}
+
+std::shared_ptr<const PlacementManifest> Version(int64_t v) {
+  Topology t = fixture::FourRankTwoNode();
+  return *PlacementManifest::Create(fixture::Options(v), fixture::V17Slots(), t);
+}
+
+InverseCoordinates Inverse() {
+  InverseCoordinates inv;
+  inv.token = {0, 0, 1};
+  inv.gate = {0.5f, 0.25f, 1.0f};
+  inv.num_tokens = 2;
+  return inv;
+}
+
+absl::Status DriveToExpertOutput(DispatchHandle* h) {
+  if (auto s = h->BindPlan(Inverse()); !s.ok()) return s;
+  if (auto s = h->MarkDispatchInFlight(); !s.ok()) return s;
+  if (auto s = h->MarkExpertRowsReady(); !s.ok()) return s;
+  return h->MarkExpertOutputReady();
+}
+
+// 0x02B3: the eight-step dispatch/combine generation fence.
+TEST(GenerationFenceTest, EightStepFence) {
+  GenerationRegistry registry;
+  ProcessGroup g = fixture::IdentityGroup();
+  FrozenHandoff handoff = *Freeze(fixture::EightRoutes());
+  // 1. placement-v17 is active
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  EXPECT_EQ(*registry.State(PlacementVersion(17)), GenerationState::kActive);
+  // 2. dispatch-h17 acquires one v17 generation reference
+  auto h17 = *DispatchHandle::Acquire(HandleId(17), handoff, &registry, g);
+  EXPECT_EQ(h17->placement_version(), PlacementVersion(17));
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 1);
+  ASSERT_TRUE(DriveToExpertOutput(h17.get()).ok());
+  // 3. placement-v18 becomes active for new dispatches; 4. v17 enters DRAINING
+  ASSERT_TRUE(registry.Prepare(Version(18)).ok());
+  EXPECT_EQ(*registry.State(PlacementVersion(18)), GenerationState::kPrepared);
+  ASSERT_TRUE(registry.Activate(PlacementVersion(18)).ok());
+  EXPECT_EQ(registry.ActiveVersion(), 18);
+  EXPECT_EQ(*registry.State(PlacementVersion(17)), GenerationState::kDraining);
+  auto h18 = *DispatchHandle::Acquire(HandleId(18), handoff, &registry, g);
+  EXPECT_EQ(h18->placement_version(), PlacementVersion(18));  // new work goes to v18
+  // 5. retirement of v17 is denied: refcount = 1
+  EXPECT_FALSE(registry.CanRetire(PlacementVersion(17)));
+  absl::Status denied = registry.Retire(PlacementVersion(17));
+  EXPECT_EQ(denied.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(denied.message()), HasSubstr("refcount = 1"));
+  // 6. combine uses dispatch-h17 and v17 metadata (a v18 executor is refused)
+  std::vector<float> rows = {1, 2, 3, 4, 5, 6}, out(4, 0.0f);
+  EXPECT_EQ(CombineAndRelease(h17.get(), registry, PlacementVersion(18), rows, 2, absl::MakeSpan(out)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(h17->state(), HandleState::kExpertOutputReady);
+  EXPECT_THAT(out, ElementsAre(0, 0, 0, 0));
+  // 7. the handle releases its generation reference
+  ASSERT_TRUE(CombineAndRelease(h17.get(), registry, PlacementVersion(17), rows, 2, absl::MakeSpan(out)).ok());
+  EXPECT_THAT(out, ElementsAre(0.5f + 0.75f, 1.0f + 1.0f, 5, 6));
+  EXPECT_EQ(h17->state(), HandleState::kReleasable);
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);
+  // 8. retirement of v17 is now allowed
+  EXPECT_TRUE(registry.CanRetire(PlacementVersion(17)));
+  EXPECT_TRUE(registry.Retire(PlacementVersion(17)).ok());
+  EXPECT_EQ(*registry.State(PlacementVersion(17)), GenerationState::kRetired);
+  EXPECT_FALSE(registry.RequireLive(PlacementVersion(17)).ok());
+  EXPECT_FALSE(registry.Activate(PlacementVersion(17)).ok());
+  // The active generation cannot retire.
+  EXPECT_FALSE(registry.Retire(PlacementVersion(18)).ok());
+}
+
+TEST(DispatchHandleTest, LifetimeIsEnforced) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  FrozenHandoff handoff = *Freeze(fixture::EightRoutes());
+  auto h = *DispatchHandle::Acquire(HandleId(1), handoff, &registry, fixture::IdentityGroup());
+  std::vector<float> rows(6, 1.0f), out(4, 0.0f);
+  // combine before dispatch completes
+  ASSERT_TRUE(h->BindPlan(Inverse()).ok());
+  ASSERT_TRUE(h->MarkDispatchInFlight().ok());
+  absl::Status early = CombineAndRelease(h.get(), registry, PlacementVersion(17), rows, 2, absl::MakeSpan(out));
+  EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(early.message()), HasSubstr("dispatch_in_flight"));
+  ASSERT_TRUE(h->MarkExpertRowsReady().ok());
+  ASSERT_TRUE(h->MarkExpertOutputReady().ok());
+  ASSERT_TRUE(CombineAndRelease(h.get(), registry, PlacementVersion(17), rows, 2, absl::MakeSpan(out)).ok());
+  // double combine
+  absl::Status twice = CombineAndRelease(h.get(), registry, PlacementVersion(17), rows, 2, absl::MakeSpan(out));
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(twice.message()), HasSubstr("already past"));
+  EXPECT_FALSE(h->Release().ok());
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);
+}
+
+TEST(DispatchHandleTest, RejectsMutatedHandoffAndForeignEpoch) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  FrozenHandoff handoff = *Freeze(fixture::EightRoutes());
+  EXPECT_EQ(DispatchHandle::Acquire(HandleId(1), handoff, &registry, fixture::IdentityGroup()).status().code(),
+            absl::StatusCode::kUnavailable);  // nothing active yet
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  ProcessGroup rebuilt = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), 4);
+  EXPECT_EQ(DispatchHandle::Acquire(HandleId(2), handoff, &registry, rebuilt).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);  // the failed acquire left no reference
+  handoff.routes.gate[0] = 0.9f;
+  EXPECT_EQ(DispatchHandle::Acquire(HandleId(3), handoff, &registry, fixture::IdentityGroup()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(DispatchHandleTest, AbandonedHandleDoesNotPinTheGeneration) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  {
+    auto h = *DispatchHandle::Acquire(HandleId(5), *Freeze(fixture::EightRoutes()), &registry, fixture::IdentityGroup());
+    EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 1);
+  }
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);
+}
+
+TEST(RegistryTest, RollbackReactivatesDrainingGeneration) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  ASSERT_TRUE(registry.Prepare(Version(18)).ok());
+  EXPECT_EQ(registry.Prepare(Version(18)).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(18)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());  // rollback
+  EXPECT_EQ(*registry.State(PlacementVersion(18)), GenerationState::kDraining);
+  ASSERT_TRUE(registry.StopDispatch(PlacementVersion(17)).ok());
+  EXPECT_EQ(registry.ActiveVersion(), -1);
+  EXPECT_EQ(registry.List().size(), 2u);
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,69 @@
+#include "runtime/semantic.h"
+
+#include <cmath>
+#include <type_traits>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "runtime/ids.h"
+#include "tests/runtime/fixtures.h"
+
+namespace moe {
+namespace {
+
+// Identity namespaces do not convert into each other (0x01A0).
+static_assert(!std::is_convertible_v<Rank, PeerSlot>);
+static_assert(!std::is_convertible_v<LogicalExpertId, PhysicalSlotId>);
+static_assert(!std::is_convertible_v<int, Rank>);
+static_assert(!std::is_convertible_v<PlacementVersion, ProcessGroupEpoch>);
+static_assert(!std::is_convertible_v<CheckpointVersion, ProcessGroupId>);
+
+TEST(SemanticTest, DigestIsCanonicalAndSensitiveToEveryField) {
+  const SemanticHandoff base = fixture::EightRoutes();
+  const Sha256 d0 = SemanticDigest(base);
+  EXPECT_EQ(d0, SemanticDigest(fixture::EightRoutes()));
+  EXPECT_EQ(HexDigest(d0).size(), 64u);
+  auto mutated = [&](auto f) {
+    SemanticHandoff h = fixture::EightRoutes();
+    f(h);
+    return SemanticDigest(h);
+  };
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.expert[0] = LogicalExpertId(1); }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.gate[0] = std::nextafter(h.gate[0], 1.0f); }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.token[2] = 0; }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.route_slot[0] = 1; }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.origin[7] = Rank(0); }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.admitted[3] = 0; }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.scope = ExecutionScopeId(2); }));
+  EXPECT_NE(d0, mutated([](SemanticHandoff& h) { h.top_k = 3; }));
+}
+
+TEST(SemanticTest, FrozenHandoffDetectsMutation) {
+  FrozenHandoff f = *Freeze(fixture::EightRoutes());
+  EXPECT_TRUE(VerifyFrozen(f).ok());
+  f.routes.expert[4] = LogicalExpertId(2);
+  EXPECT_EQ(VerifyFrozen(f).code(), absl::StatusCode::kFailedPrecondition);
+  FrozenHandoff g = *Freeze(fixture::EightRoutes());
+  g.routes.gate[1] = 0.36f;
+  EXPECT_EQ(VerifyFrozen(g).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SemanticTest, ValidationNamesTheField) {
+  auto expect_invalid = [](auto f, const char* field) {
+    SemanticHandoff h = fixture::EightRoutes();
+    f(h);
+    auto frozen = Freeze(h);
+    ASSERT_EQ(frozen.status().code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_THAT(std::string(frozen.status().message()), ::testing::HasSubstr(field));
+  };
+  expect_invalid([](SemanticHandoff& h) { h.gate[2] = std::nanf(""); }, "gate");
+  expect_invalid([](SemanticHandoff& h) { h.gate[2] = -0.1f; }, "gate");
+  expect_invalid([](SemanticHandoff& h) { h.route_slot[0] = 2; }, "route_slot");
+  expect_invalid([](SemanticHandoff& h) { h.expert[0] = LogicalExpertId(4); }, "logical_expert");
+  expect_invalid([](SemanticHandoff& h) { h.origin[0] = Rank(4); }, "source_rank");
+  expect_invalid([](SemanticHandoff& h) { h.route_slot[1] = 0; }, "duplicate");
+  expect_invalid([](SemanticHandoff& h) { h.gate.pop_back(); }, "column lengths");
+}
+
+}  // namespace
+}  // namespace moe
