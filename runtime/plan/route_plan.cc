@@ -147,10 +147,6 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
   const PlacementManifest& m = layout.manifest();
   const ProcessGroup& g = layout.group();
   const int p_count = topology.num_ranks();
-  if (g.size() != p_count) {
-    return absl::FailedPreconditionError(absl::StrCat("process group ", g.id().value(), " has ", g.size(),
-                                                      " peers but the topology has ", p_count, " ranks"));
-  }
   if (static_cast<int32_t>(slots.size()) != h.size()) {
     return absl::InvalidArgumentError(absl::StrCat("physical_slot: ", slots.size(), " entries for ", h.size(), " routes"));
   }
@@ -159,6 +155,7 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
                                                       m.VersionName(), " holds ", m.num_experts()));
   }
 
+  // Route checks come first so a slot outside the group is reported as such (clause 3).
   ClusterPlan plan;
   plan.num_ranks = p_count;
   plan.count_matrix.assign(static_cast<size_t>(p_count) * p_count, 0);
@@ -198,6 +195,10 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
     ++plan.accepted;
   }
 
+  if (g.size() != p_count) {
+    return absl::FailedPreconditionError(absl::StrCat("process group ", g.id().value(), " has ", g.size(),
+                                                      " peers but the topology has ", p_count, " ranks"));
+  }
   for (int s = 0; s < p_count; ++s) {
     RETURN_IF_ERROR(PlanSource(layout, source_slots[s], &plan.source[s]));
     for (size_t i = 0; i < plan.source_routes[s].size(); ++i) {

@@ -1,0 +1,72 @@
+#include "control/json_util.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace moe::json {
+
+absl::StatusOr<Json> Parse(const std::string& text, const std::string& what) {
+  try {
+    return Json::parse(text);
+  } catch (const Json::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": malformed JSON: ", e.what()));
+  }
+}
+
+absl::StatusOr<Json> ParseFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot open file"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return Parse(ss.str(), path);
+}
+
+absl::StatusOr<const Json*> Member(const Json& obj, const std::string& path, const std::string& key) {
+  if (!obj.is_object()) return Invalid(path, "expected an object");
+  auto it = obj.find(key);
+  if (it == obj.end()) return Invalid(path.empty() ? key : absl::StrCat(path, ".", key), "missing");
+  return &*it;
+}
+
+absl::StatusOr<int64_t> Int(const Json& v, const std::string& path) {
+  if (v.is_number_integer()) return v.get<int64_t>();
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::floor(d) == d && std::abs(d) < 9e15) return static_cast<int64_t>(d);
+  }
+  return Invalid(path, absl::StrCat("expected an integer, got ", v.dump()));
+}
+
+absl::StatusOr<double> Number(const Json& v, const std::string& path) {
+  if (v.is_number()) return v.get<double>();
+  return Invalid(path, absl::StrCat("expected a number, got ", v.dump()));
+}
+
+absl::StatusOr<std::string> String(const Json& v, const std::string& path) {
+  if (v.is_string()) return v.get<std::string>();
+  return Invalid(path, absl::StrCat("expected a string, got ", v.dump()));
+}
+
+absl::StatusOr<const Json*> Array(const Json& v, const std::string& path) {
+  if (v.is_array()) return &v;
+  return Invalid(path, absl::StrCat("expected an array, got ", v.type_name()));
+}
+
+absl::StatusOr<bool> Bool(const Json& v, const std::string& path) {
+  if (v.is_boolean()) return v.get<bool>();
+  return Invalid(path, absl::StrCat("expected true or false, got ", v.dump()));
+}
+
+absl::StatusOr<int64_t> IntOr(const Json& obj, const std::string& path, const std::string& key, int64_t fallback) {
+  if (!obj.is_object() || !obj.contains(key)) return fallback;
+  return Int(obj.at(key), absl::StrCat(path, path.empty() ? "" : ".", key));
+}
+
+absl::StatusOr<std::string> StringOr(const Json& obj, const std::string& path, const std::string& key,
+                                     const std::string& fallback) {
+  if (!obj.is_object() || !obj.contains(key)) return fallback;
+  return String(obj.at(key), absl::StrCat(path, path.empty() ? "" : ".", key));
+}
+
+}  // namespace moe::json

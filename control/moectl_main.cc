@@ -1,0 +1,82 @@
+// moectl: the operator CLI. Offline subcommands (no controller needed):
+//   moectl plan --trace FILE [--json] [--selector POLICY]
+//   moectl eplb solve --input FILE
+// Bad input prints one message naming the field and exits 2.
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "control/eplb_io.h"
+#include "control/trace.h"
+#include "runtime/logging.h"
+
+ABSL_FLAG(std::string, trace, "", "plan: layer-step trace JSON (docs/trace-format.md)");
+ABSL_FLAG(std::string, input, "", "eplb solve: load JSON {weight, num_replicas, num_groups, num_nodes, num_gpus}");
+ABSL_FLAG(bool, json, false, "print machine-readable JSON instead of tables");
+ABSL_FLAG(std::string, selector, "locality-first",
+          "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
+
+namespace {
+
+constexpr char kUsage[] =
+    "moectl: operator CLI of moe-runtime.\n"
+    "  moectl plan --trace FILE [--json] [--selector POLICY]   plan a layer-step trace, print plan and ledgers\n"
+    "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n";
+
+int Fail(const absl::Status& s) {
+  spdlog::error("{}", std::string(s.message()));
+  const bool input_error = s.code() == absl::StatusCode::kInvalidArgument ||
+                           s.code() == absl::StatusCode::kFailedPrecondition ||
+                           s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kOutOfRange;
+  return input_error ? 2 : 1;
+}
+
+int Plan() {
+  const std::string path = absl::GetFlag(FLAGS_trace);
+  if (path.empty()) return Fail(absl::InvalidArgumentError("--trace: required"));
+  auto selector = moe::ParseSelectorPolicy(absl::GetFlag(FLAGS_selector));
+  if (!selector.ok()) return Fail(selector.status());
+  auto doc = moe::json::ParseFile(path);
+  if (!doc.ok()) return Fail(doc.status());
+  auto trace = moe::ParseTrace(*doc);
+  if (!trace.ok()) return Fail(absl::Status(trace.status().code(), absl::StrCat(path, ": ", trace.status().message())));
+  auto report = moe::PlanTrace(*trace, *selector);
+  if (!report.ok()) return Fail(absl::Status(report.status().code(), absl::StrCat(path, ": ", report.status().message())));
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << report->dump(2) << "\n";
+  } else {
+    std::cout << moe::RenderPlanText(*report);
+  }
+  return 0;
+}
+
+int EplbSolve() {
+  const std::string path = absl::GetFlag(FLAGS_input);
+  if (path.empty()) return Fail(absl::InvalidArgumentError("--input: required"));
+  auto doc = moe::json::ParseFile(path);
+  if (!doc.ok()) return Fail(doc.status());
+  auto problem = moe::ParseEplbProblem(*doc);
+  if (!problem.ok()) return Fail(absl::Status(problem.status().code(), absl::StrCat(path, ": ", problem.status().message())));
+  auto solution = moe::RebalanceExperts(*problem);
+  if (!solution.ok()) return Fail(absl::Status(solution.status().code(), absl::StrCat(path, ": ", solution.status().message())));
+  std::cout << moe::EplbSolutionJson(*solution).dump() << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  moe::InitLogging("moectl", "info");
+  std::vector<std::string> cmd(args.begin() + 1, args.end());
+  if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
+  if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
+  std::fputs(kUsage, stderr);
+  return 2;
+}
