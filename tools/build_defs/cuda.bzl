@@ -22,7 +22,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], cuda_deps = [], copts = [], *
         obj = "_objs_cuda/%s/%s.pic.o" % (name, src.replace("/", "_")[:-len(".cu")])
         native.genrule(
             name = "%s_%s_nvcc" % (name, src.replace("/", "_").replace(".", "_")),
-            srcs = [src] + hdrs + native.glob(["**/*.cuh", "**/*.h"]),
+            srcs = depset([src] + hdrs + native.glob(["**/*.cuh", "**/*.h"])).to_list(),
             outs = [obj],
             cmd = "%s %s %s -I. -I$(GENDIR) -c $(location %s) -o $@" % (
                 NVCC,

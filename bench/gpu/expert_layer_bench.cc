@@ -1,0 +1,250 @@
+// The local expert layer on one GPU: route rows (device histogram + scan + row assignment),
+// gather rows expert-major, SwiGLU experts (gate+up GEMM, activation, down GEMM), gate-weighted
+// combine, for the shapes; plus the two ceilings measured in the same run: cuBLAS BF16
+// 8192^3 and a device-to-device copy. Prints one JSON object per line (bench/gpu/report.py
+// joins them with the PyTorch reference).
+//
+// Usage: expert_layer_bench [--reps N] [--layout grouped|padded|block] [--quick]
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/gpu/fill.h"
+#include "kernels/api.h"
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                        \
+  do {                                                                                       \
+    cudaError_t e_ = (x);                                                                    \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+#define CHECK_OK(x)                                                                                   \
+  do {                                                                                                \
+    absl::Status s_ = (x);                                                                            \
+    if (!s_.ok()) {                                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, std::string(s_.message()).c_str()); \
+      std::exit(1);                                                                                   \
+    }                                                                                                 \
+  } while (0)
+
+struct Shape {
+  const char* name;
+  int e, k, d, f;
+  std::vector<int64_t> tokens;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <typename F>
+double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) body();
+  CHECK_CUDA(cudaStreamSynchronize(st));
+  std::vector<double> us;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, st));
+    body();
+    CHECK_CUDA(cudaEventRecord(b, st));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1000.0);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return Median(us);
+}
+
+double DenseTflops(cublasHandle_t h, cudaStream_t st, int reps) {
+  const int n = 8192;
+  void *a, *b, *c;
+  CHECK_CUDA(cudaMalloc(&a, 2LL * n * n));
+  CHECK_CUDA(cudaMalloc(&b, 2LL * n * n));
+  CHECK_CUDA(cudaMalloc(&c, 2LL * n * n));
+  CHECK_CUDA(moe::bench::FillRandomBf16(a, 1LL * n * n, 1, 1.0f, st));
+  CHECK_CUDA(moe::bench::FillRandomBf16(b, 1LL * n * n, 2, 1.0f, st));
+  cublasSetStream(h, st);
+  const float alpha = 1, beta = 0;
+  const double us = TimeMedianUs(reps, st, [&] {
+    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c, CUDA_R_16BF,
+                 n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  });
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  return 2.0 * n * n * static_cast<double>(n) / (us * 1e-6) / 1e12;
+}
+
+// Device-to-device copy rate counting bytes read plus bytes written (the way the notes quote it).
+double CopyTBps(cudaStream_t st, int reps) {
+  const size_t bytes = size_t{2} << 30;
+  void *a, *b;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(moe::bench::FillRandomBf16(a, bytes / 2, 3, 1.0f, st));
+  const double us = TimeMedianUs(reps, st, [&] { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st); });
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * bytes / (us * 1e-6) / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20;
+  bool quick = false;
+  moe::kernels::Layout layout = moe::kernels::Layout::kGrouped;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--layout") && i + 1 < argc) {
+      const std::string l = argv[++i];
+      layout = l == "padded" ? moe::kernels::Layout::kPaddedDense
+                             : (l == "block" ? moe::kernels::Layout::kBlockSparse : moe::kernels::Layout::kGrouped);
+    }
+  }
+  auto kernels_or = moe::kernels::CreateCudaKernels();
+  CHECK_OK(kernels_or.status());
+  auto& kernels = *kernels_or;
+  cudaStream_t st;
+  CHECK_CUDA(cudaStreamCreate(&st));
+  cublasHandle_t h;
+  cublasCreate(&h);
+
+  const double dense = DenseTflops(h, st, reps);
+  const double copy = CopyTBps(st, reps);
+  std::printf("{\"kind\": \"ceiling\", \"impl\": \"moe-runtime\", \"dense_bf16_tflops\": %.1f, \"copy_tbps\": %.3f, \"kernels\": \"%s\"}\n",
+              dense, copy, kernels->name());
+
+  std::vector<Shape> shapes = {
+      {"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 16, 128, 1024, 8192}},
+      {"E32-k8-d7168-f2048", 32, 8, 7168, 2048, {16, 128, 1024, 4096}},
+      {"E8-k2-d4096-f14336", 8, 2, 4096, 14336, {1, 128, 8192}},
+  };
+  if (quick) shapes = {{"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 1024}}};
+
+  std::mt19937 rng(7);
+  for (const Shape& s : shapes) {
+    const int64_t wgu_n = static_cast<int64_t>(s.e) * 2 * s.f * s.d, wd_n = static_cast<int64_t>(s.e) * s.d * s.f;
+    void *wgu, *wd;
+    CHECK_CUDA(cudaMalloc(&wgu, wgu_n * 2));
+    CHECK_CUDA(cudaMalloc(&wd, wd_n * 2));
+    CHECK_CUDA(moe::bench::FillRandomBf16(wgu, wgu_n, 11, 1.0f / std::sqrt(static_cast<float>(s.d)), st));
+    CHECK_CUDA(moe::bench::FillRandomBf16(wd, wd_n, 12, 1.0f / std::sqrt(static_cast<float>(s.f)), st));
+    for (int64_t t : s.tokens) {
+      const int64_t routes = t * s.k;
+      // Uniform top-k without replacement; gates normalized per token.
+      std::vector<int32_t> topk(routes);
+      std::vector<float> gates(routes);
+      std::vector<int> perm(s.e);
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int64_t i = 0; i < t; ++i) {
+        for (int j = 0; j < s.k; ++j) std::swap(perm[j], perm[j + rng() % (s.e - j)]);
+        float sum = 0;
+        for (int j = 0; j < s.k; ++j) {
+          topk[i * s.k + j] = perm[j];
+          gates[i * s.k + j] = 0.1f + static_cast<float>(rng() % 1000) / 1000.0f;
+          sum += gates[i * s.k + j];
+        }
+        for (int j = 0; j < s.k; ++j) gates[i * s.k + j] /= sum;
+      }
+      std::vector<bool> hit(s.e, false);
+      for (int32_t id : topk) hit[id] = true;
+      const int experts_hit = static_cast<int>(std::count(hit.begin(), hit.end(), true));
+
+      void *hidden, *packed, *expert_out, *out;
+      int32_t *d_topk, *row_of_route, *token_of_row;
+      float* d_gates;
+      int64_t *counts, *offsets;
+      CHECK_CUDA(cudaMalloc(&hidden, t * s.d * 2));
+      CHECK_CUDA(cudaMalloc(&packed, routes * s.d * 2));
+      CHECK_CUDA(cudaMalloc(&expert_out, routes * s.d * 2));
+      CHECK_CUDA(cudaMalloc(&out, t * s.d * 2));
+      CHECK_CUDA(cudaMalloc(&d_topk, routes * 4));
+      CHECK_CUDA(cudaMalloc(&row_of_route, routes * 4));
+      CHECK_CUDA(cudaMalloc(&token_of_row, routes * 4));
+      CHECK_CUDA(cudaMalloc(&d_gates, routes * 4));
+      CHECK_CUDA(cudaMalloc(&counts, s.e * 8));
+      CHECK_CUDA(cudaMalloc(&offsets, (s.e + 1) * 8));
+      CHECK_CUDA(moe::bench::FillRandomBf16(hidden, t * s.d, 13 + t, 1.0f, st));
+      CHECK_CUDA(cudaMemcpy(d_topk, topk.data(), routes * 4, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(d_gates, gates.data(), routes * 4, cudaMemcpyHostToDevice));
+      std::vector<int64_t> host_offsets(s.e + 1);
+      int64_t max_seg = 1;
+
+      auto layer = [&] {
+        CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
+        // Prefill path: the GEMM shapes come back to the host once per step.
+        CHECK_CUDA(cudaMemcpyAsync(host_offsets.data(), offsets, (s.e + 1) * 8, cudaMemcpyDeviceToHost, st));
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        moe::kernels::GatherParams g;
+        g.d = s.d;
+        g.in = hidden;
+        g.in_rows = t;
+        g.index = token_of_row;
+        g.n = routes;
+        g.out = packed;
+        CHECK_OK(kernels->Gather(g, st));
+        moe::kernels::SwigluParams p;
+        p.layout = {layout, max_seg, 8, 128};
+        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
+        p.x = static_cast<const uint16_t*>(packed);
+        p.rows = routes;
+        p.host_offsets = host_offsets.data();
+        p.y = static_cast<uint16_t*>(expert_out);
+        CHECK_OK(kernels->Swiglu(p, st));
+        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
+                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
+        CHECK_OK(kernels->Combine(c, st));
+      };
+      // Capacity for the padded layout: the largest segment of this routing.
+      layer();
+      CHECK_CUDA(cudaStreamSynchronize(st));
+      for (int e = 0; e < s.e; ++e) max_seg = std::max(max_seg, host_offsets[e + 1] - host_offsets[e]);
+      const double us = TimeMedianUs(reps, st, layer);
+      const double flops = 6.0 * routes * s.d * static_cast<double>(s.f);
+      const double weight_bytes = static_cast<double>(experts_hit) * 3.0 * s.d * s.f * 2.0;
+      const double act_bytes = (t * s.d * 2.0) * 2 + routes * s.d * 2.0 * 2;  // hidden in, out; packed, expert out
+      const double weight_read_us = weight_bytes / (copy * 1e12) * 1e6;
+      std::printf(
+          "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"layout\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"us\": %.1f, "
+          "\"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, \"weight_read_us\": %.1f, "
+          "\"dense_fraction\": %.3f}\n",
+          moe::kernels::LayoutName(layout), s.name, static_cast<long long>(t), us, flops / (us * 1e-6) / 1e12,
+          (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
+          flops / (us * 1e-6) / 1e12 / dense);
+      std::fflush(stdout);
+      cudaFree(hidden);
+      cudaFree(packed);
+      cudaFree(expert_out);
+      cudaFree(out);
+      cudaFree(d_topk);
+      cudaFree(row_of_route);
+      cudaFree(token_of_row);
+      cudaFree(d_gates);
+      cudaFree(counts);
+      cudaFree(offsets);
+    }
+    cudaFree(wgu);
+    cudaFree(wd);
+  }
+  return 0;
+}

@@ -1,0 +1,10 @@
+#ifndef MOE_BENCH_GPU_FILL_H_
+#define MOE_BENCH_GPU_FILL_H_
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moe::bench {
+cudaError_t FillRandomBf16(void* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+}
+#endif  // MOE_BENCH_GPU_FILL_H_

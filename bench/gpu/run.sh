@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root after tools/gpu_bundle.sh (dist/gpu carried):
+# GPU tests, compute-sanitizer memcheck + racecheck, and the expert-layer benchmark side by
+# side with the PyTorch reference. Results land in $OUT (or ./gpu-out).
+set -uo pipefail
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+echo "== cuda_kernels_test"
+dist/gpu/bin/cuda_kernels_test 2>&1 | tail -15 | tee "$OUT/cuda_kernels_test.txt"
+if [ "${SANITIZE:-1}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 3 dist/gpu/bin/cuda_kernels_test --gtest_brief=1 > "$OUT/sanitizer_$tool.txt" 2>&1
+    echo "rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitizer_$tool.txt" | tail -3 | tr '\n' ' ')"
+  done
+fi
+echo "== benchmark"
+dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours.jsonl" 2> "$OUT/ours.err"; echo "ours rc=$?"; tail -3 "$OUT/ours.err"
+python3 bench/gpu/torch_reference.py ${BENCH_ARGS:-} > "$OUT/torch.jsonl" 2> "$OUT/torch.err"; echo "torch rc=$?"; tail -3 "$OUT/torch.err"
+python3 bench/gpu/report.py "$OUT/ours.jsonl" "$OUT/torch.jsonl" "$OUT/report.md" "$OUT/expert_layer.png"

@@ -1,0 +1,185 @@
+// Expert-execution kernels: one C++ API, two implementations (CPU reference, CUDA).
+//
+// Everything here is raw pointers, sizes, an opaque stream and a params struct; no runtime or
+// RPC types. Each call validates what it can see on the host (offsets monotone with the right
+// sentinel, segment sizes within capacities, scale counts matching the payload, dtypes) and
+// returns INVALID_ARGUMENT / FAILED_PRECONDITION naming the field *before* launching anything.
+//
+// Precision roles (spec 0x0AE): BF16 activations, weights and returned rows; FP32 gates and
+// token accumulation; FP8 E4M3 payloads carry FP32 scales per row or per 128 values. The gate
+// is applied once, in Combine, after the expert.
+//
+// Pointers: the CPU implementation takes host pointers; the CUDA implementation takes device
+// pointers, except the fields named host_* which are always host memory. Calls on the CUDA
+// implementation are asynchronous on `stream` unless documented otherwise.
+// Thread-safety: one ExpertKernels object per stream / thread (it owns scratch buffers).
+#ifndef MOE_KERNELS_API_H_
+#define MOE_KERNELS_API_H_
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace moe::kernels {
+
+using Stream = void*;  // cudaStream_t for the CUDA implementation; ignored on the CPU
+
+enum class DType { kBF16, kFP32, kFP8E4M3 };
+int DTypeBytes(DType t);
+
+// Runner layouts (spec 0x04B-0x04D).
+enum class Layout { kPaddedDense, kGrouped, kBlockSparse };
+const char* LayoutName(Layout l);
+
+struct LayoutParams {
+  Layout layout = Layout::kGrouped;
+  int64_t capacity = 0;      // padded: rows admitted per expert (C); must be >= every segment
+  int64_t alignment = 1;     // padded: C_exec = alignment * ceil(C / alignment)
+  int64_t block_rows = 128;  // block-sparse: each segment rounds up to this multiple
+};
+
+// Executed segment offsets [E + 1] of a layout for useful segment sizes `counts`.
+// FAILED_PRECONDITION when a segment exceeds the padded capacity (never a silent drop).
+absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> counts, std::vector<int64_t>* out);
+
+// Checks segment offsets: E + 1 entries, offsets[0] == 0, monotone, offsets[E] == rows.
+absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, const char* field);
+
+enum class ScaleGranularity { kNone, kPerRow, kPerBlock128 };
+// Number of FP32 scales a [rows, d] FP8 payload carries.
+int64_t ScaleCount(ScaleGranularity g, int64_t rows, int d);
+
+// out[i, :] = in[index[i], :]; index -1 writes zeros (padding). With FP8 payloads the scales
+// are permuted with their rows.
+struct GatherParams {
+  DType dtype = DType::kBF16;
+  int d = 0;
+  const void* in = nullptr;
+  int64_t in_rows = 0;
+  const int32_t* index = nullptr;  // [n]
+  int64_t n = 0;
+  void* out = nullptr;             // [n, d]
+  ScaleGranularity scales = ScaleGranularity::kNone;
+  const float* in_scales = nullptr;
+  int64_t in_scale_count = 0;
+  float* out_scales = nullptr;
+};
+
+// counts[b] = #{i : keys[i] == b}; offsets = exclusive prefix with sentinel. Keys < 0 (dropped
+// routes) are ignored. On CUDA both outputs are device memory and nothing returns to the host.
+struct HistogramParams {
+  const int32_t* keys = nullptr;
+  int64_t n = 0;
+  int num_bins = 0;
+  int64_t* counts = nullptr;   // [num_bins]
+  int64_t* offsets = nullptr;  // [num_bins + 1]
+};
+
+// Expert-major layout of T x k routes on one rank: per-expert counts and offsets, each route's
+// row in the layout (row_of_route[t * k + j]; -1 for ids outside [0, E), i.e. dropped routes),
+// and the source token of each row (token_of_row, [offsets[E]] entries). On CUDA everything is
+// computed and kept on the device (no host round trip); rows within one expert's segment may
+// come in any order (the combine sums per token in slot order, so results do not depend on it).
+struct RouteRowsParams {
+  const int32_t* topk = nullptr;  // [num_tokens, k]
+  int64_t num_tokens = 0;
+  int k = 0;
+  int num_experts = 0;
+  int64_t* counts = nullptr;        // [E]
+  int64_t* offsets = nullptr;       // [E + 1]
+  int32_t* row_of_route = nullptr;  // [num_tokens, k]
+  int32_t* token_of_row = nullptr;  // [num_tokens * k] (only offsets[E] entries are written)
+};
+
+// Expert parameters, BF16, nn.Linear layout ([out, in], row-major).
+struct ExpertWeights {
+  const uint16_t* w_gate_up = nullptr;  // [E, 2 d_ff, d]: rows [0, d_ff) gate, [d_ff, 2 d_ff) up
+  const uint16_t* w_down = nullptr;     // [E, d, d_ff]
+  int num_experts = 0;
+  int d = 0;
+  int d_ff = 0;
+};
+
+// y_q = (SiLU(x_q Wg_q^T) * (x_q Wu_q^T)) Wd_q^T for every local expert segment q, in the
+// chosen layout. x and y are expert-major useful rows; padding and fringe rows exist only
+// inside the runner and never reach y.
+struct SwigluParams {
+  LayoutParams layout;
+  ExpertWeights weights;
+  const uint16_t* x = nullptr;          // [rows, d] BF16
+  int64_t rows = 0;
+  const int64_t* host_offsets = nullptr;// [E + 1], host memory
+  uint16_t* y = nullptr;                // [rows, d] BF16
+  // Value written into padding / fringe input rows (tests poison them with NaN).
+  float padding_value = 0.0f;
+};
+
+// y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
+// row -1 (a dropped route) contributes nothing.
+struct CombineParams {
+  const uint16_t* rows = nullptr;       // [num_rows, d] BF16 returned expert rows
+  int64_t num_rows = 0;
+  int d = 0;
+  const int32_t* row_of_route = nullptr;// [num_tokens, k]
+  const float* gate = nullptr;          // [num_tokens, k] FP32
+  int64_t num_tokens = 0;
+  int k = 0;
+  float* out_fp32 = nullptr;            // optional [num_tokens, d]
+  uint16_t* out_bf16 = nullptr;         // optional [num_tokens, d]
+};
+
+// FP8 E4M3 with FP32 scales: scale = amax / 448 over the row or the 128-value block (1 when the
+// amax is 0), q = satfinite_rne(x / scale).
+struct QuantizeParams {
+  const uint16_t* x = nullptr;  // [rows, d] BF16
+  int64_t rows = 0;
+  int d = 0;
+  ScaleGranularity granularity = ScaleGranularity::kPerRow;
+  uint8_t* q = nullptr;         // [rows, d]
+  float* scales = nullptr;
+  int64_t scale_count = 0;      // must equal ScaleCount(granularity, rows, d)
+};
+
+struct DequantizeParams {
+  const uint8_t* q = nullptr;
+  const float* scales = nullptr;
+  int64_t scale_count = 0;      // must equal ScaleCount(granularity, rows, d): checked before compute
+  int64_t rows = 0;
+  int d = 0;
+  ScaleGranularity granularity = ScaleGranularity::kPerRow;
+  uint16_t* x = nullptr;        // [rows, d] BF16
+};
+
+class ExpertKernels {
+ public:
+  virtual ~ExpertKernels() = default;
+  virtual const char* name() const = 0;
+  virtual absl::Status Gather(const GatherParams& p, Stream stream) = 0;
+  virtual absl::Status HistogramScan(const HistogramParams& p, Stream stream) = 0;
+  virtual absl::Status RouteRows(const RouteRowsParams& p, Stream stream) = 0;
+  virtual absl::Status Swiglu(const SwigluParams& p, Stream stream) = 0;
+  virtual absl::Status Combine(const CombineParams& p, Stream stream) = 0;
+  virtual absl::Status Quantize(const QuantizeParams& p, Stream stream) = 0;
+  virtual absl::Status Dequantize(const DequantizeParams& p, Stream stream) = 0;
+};
+
+std::unique_ptr<ExpertKernels> CreateCpuKernels();
+// UNIMPLEMENTED in a build without --config=cuda; UNAVAILABLE without a usable GPU.
+absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels();
+
+// Host-side checks shared by both implementations (called before any launch).
+absl::Status CheckGather(const GatherParams& p);
+absl::Status CheckHistogram(const HistogramParams& p);
+absl::Status CheckRouteRows(const RouteRowsParams& p);
+absl::Status CheckSwiglu(const SwigluParams& p);
+absl::Status CheckCombine(const CombineParams& p);
+absl::Status CheckQuantize(const QuantizeParams& p);
+absl::Status CheckDequantize(const DequantizeParams& p);
+
+}  // namespace moe::kernels
+
+#endif  // MOE_KERNELS_API_H_

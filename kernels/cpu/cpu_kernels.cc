@@ -1,0 +1,196 @@
+// CPU reference implementation of kernels/api.h: the oracle for the CUDA kernels and the
+// implementation CI runs. GEMMs go through Eigen; rounding points match the CUDA path: the
+// gate/up product is rounded to BF16, the SwiGLU activation is computed in FP32 from those BF16
+// values and rounded to BF16, the down product is rounded to BF16.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "Eigen/Core"
+#include "absl/strings/str_cat.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+
+namespace moe::kernels {
+namespace {
+
+using MatrixRM = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+void ToFloat(const uint16_t* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
+class CpuKernels final : public ExpertKernels {
+ public:
+  const char* name() const override { return "cpu"; }
+
+  absl::Status Gather(const GatherParams& p, Stream) override {
+    absl::Status s = CheckGather(p);
+    if (!s.ok()) return s;
+    const size_t row_bytes = static_cast<size_t>(p.d) * DTypeBytes(p.dtype);
+    const int64_t spr = ScaleCount(p.scales, 1, p.d);  // scales per row
+    for (int64_t i = 0; i < p.n; ++i) {
+      const int32_t src = p.index[i];
+      if (src >= p.in_rows) {
+        return absl::InvalidArgumentError(absl::StrCat("gather.index[", i, "]: ", src, " outside [0, ", p.in_rows, ")"));
+      }
+    }
+    for (int64_t i = 0; i < p.n; ++i) {
+      const int32_t src = p.index[i];
+      char* dst = static_cast<char*>(p.out) + i * row_bytes;
+      if (src < 0) {
+        std::memset(dst, 0, row_bytes);
+      } else {
+        std::memcpy(dst, static_cast<const char*>(p.in) + src * row_bytes, row_bytes);
+      }
+      for (int64_t j = 0; j < spr; ++j) p.out_scales[i * spr + j] = src < 0 ? 1.0f : p.in_scales[src * spr + j];
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status HistogramScan(const HistogramParams& p, Stream) override {
+    absl::Status s = CheckHistogram(p);
+    if (!s.ok()) return s;
+    std::fill(p.counts, p.counts + p.num_bins, 0);
+    for (int64_t i = 0; i < p.n; ++i) {
+      if (p.keys[i] >= p.num_bins) {
+        return absl::InvalidArgumentError(absl::StrCat("histogram.keys[", i, "]: ", p.keys[i], " >= ", p.num_bins));
+      }
+      if (p.keys[i] >= 0) ++p.counts[p.keys[i]];
+    }
+    p.offsets[0] = 0;
+    for (int b = 0; b < p.num_bins; ++b) p.offsets[b + 1] = p.offsets[b] + p.counts[b];
+    return absl::OkStatus();
+  }
+
+  absl::Status RouteRows(const RouteRowsParams& p, Stream) override {
+    absl::Status s = CheckRouteRows(p);
+    if (!s.ok()) return s;
+    // A stable counting sort: rows of one expert keep (token, slot) order.
+    std::fill(p.counts, p.counts + p.num_experts, 0);
+    const int64_t n = p.num_tokens * p.k;
+    for (int64_t i = 0; i < n; ++i) {
+      if (p.topk[i] >= 0 && p.topk[i] < p.num_experts) ++p.counts[p.topk[i]];
+    }
+    p.offsets[0] = 0;
+    for (int e = 0; e < p.num_experts; ++e) p.offsets[e + 1] = p.offsets[e] + p.counts[e];
+    std::vector<int64_t> next(p.offsets, p.offsets + p.num_experts);
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t e = p.topk[i];
+      if (e < 0 || e >= p.num_experts) {
+        p.row_of_route[i] = -1;
+        continue;
+      }
+      const int64_t row = next[e]++;
+      p.row_of_route[i] = static_cast<int32_t>(row);
+      p.token_of_row[row] = static_cast<int32_t>(i / p.k);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Swiglu(const SwigluParams& p, Stream) override {
+    absl::Status s = CheckSwiglu(p);
+    if (!s.ok()) return s;
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    std::vector<int64_t> counts(e_count), executed;
+    for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
+    s = ExecutedOffsets(p.layout, counts, &executed);
+    if (!s.ok()) return s;
+    MatrixRM wgu(2 * f, d), wd(d, f);
+    for (int e = 0; e < e_count; ++e) {
+      const int64_t m = executed[e + 1] - executed[e];
+      // Grouped: an empty segment is no problem, but keeps its index (its weights stay bound
+      // to this expert). Padded: the dense runner executes every slot, padding included.
+      if (m == 0) continue;
+      // Phase: scatter useful rows into the executed segment; padding rows get the marker.
+      MatrixRM x(m, d);
+      x.setConstant(p.padding_value);
+      ToFloat(p.x + p.host_offsets[e] * d, counts[e] * d, x.data());
+      ToFloat(w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d, 2LL * f * d, wgu.data());
+      ToFloat(w.w_down + static_cast<int64_t>(e) * d * f, static_cast<int64_t>(d) * f, wd.data());
+      // Phase: gate and up in one GEMM, rounded to BF16.
+      MatrixRM h = x * wgu.transpose();
+      MatrixRM a(m, f);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int c = 0; c < f; ++c) {
+          const float g = RoundBf16(h(r, c));
+          const float u = RoundBf16(h(r, f + c));
+          a(r, c) = RoundBf16(g / (1.0f + std::exp(-g)) * u);
+        }
+      }
+      // Phase: down projection; only useful rows leave the runner.
+      MatrixRM y = a * wd.transpose();
+      uint16_t* out = p.y + p.host_offsets[e] * d;
+      for (int64_t r = 0; r < counts[e]; ++r) {
+        for (int c = 0; c < d; ++c) out[r * d + c] = FloatToBf16(y(r, c));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Combine(const CombineParams& p, Stream) override {
+    absl::Status s = CheckCombine(p);
+    if (!s.ok()) return s;
+    for (int64_t i = 0; i < p.num_tokens * p.k; ++i) {
+      if (p.row_of_route[i] >= p.num_rows) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("combine.row_of_route[", i, "]: ", p.row_of_route[i], " >= ", p.num_rows, " rows"));
+      }
+    }
+    std::vector<float> acc(p.d);
+    for (int64_t t = 0; t < p.num_tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int j = 0; j < p.k; ++j) {
+        const int32_t row = p.row_of_route[t * p.k + j];
+        if (row < 0) continue;
+        const float g = p.gate[t * p.k + j];
+        const uint16_t* r = p.rows + static_cast<int64_t>(row) * p.d;
+        for (int c = 0; c < p.d; ++c) acc[c] += g * Bf16ToFloat(r[c]);
+      }
+      if (p.out_fp32 != nullptr) std::copy(acc.begin(), acc.end(), p.out_fp32 + t * p.d);
+      if (p.out_bf16 != nullptr) {
+        for (int c = 0; c < p.d; ++c) p.out_bf16[t * p.d + c] = FloatToBf16(acc[c]);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Quantize(const QuantizeParams& p, Stream) override {
+    absl::Status s = CheckQuantize(p);
+    if (!s.ok()) return s;
+    const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
+    const int64_t per_row = ScaleCount(p.granularity, 1, p.d);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      for (int64_t g = 0; g < per_row; ++g) {
+        const int begin = static_cast<int>(g * group), end = std::min(p.d, begin + group);
+        float amax = 0;
+        for (int c = begin; c < end; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(p.x[r * p.d + c])));
+        const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
+        p.scales[r * per_row + g] = scale;
+        for (int c = begin; c < end; ++c) p.q[r * p.d + c] = FloatToFp8E4M3(Bf16ToFloat(p.x[r * p.d + c]) / scale);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Dequantize(const DequantizeParams& p, Stream) override {
+    absl::Status s = CheckDequantize(p);
+    if (!s.ok()) return s;
+    const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
+    const int64_t per_row = ScaleCount(p.granularity, 1, p.d);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      for (int c = 0; c < p.d; ++c) {
+        const float scale = p.scales[r * per_row + c / group];
+        p.x[r * p.d + c] = FloatToBf16(Fp8E4M3ToFloat(p.q[r * p.d + c]) * scale);
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<ExpertKernels> CreateCpuKernels() { return std::make_unique<CpuKernels>(); }
+
+}  // namespace moe::kernels

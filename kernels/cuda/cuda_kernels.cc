@@ -1,0 +1,294 @@
+// CUDA implementation of kernels/api.h (host side). GEMMs go through cuBLAS (BF16 operands,
+// FP32 accumulation): gate and up are one GEMM per expert ([2 d_ff, d] weights), the SwiGLU
+// activation is one fused elementwise kernel, the down projection a second GEMM. The grouped
+// and block-sparse layouts run as one cublasGemmGroupedBatchedEx call per projection; the padded
+// layout, whose segments are all C_exec rows, as one strided-batched GEMM.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/api.h"
+#include "kernels/cuda/checks.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/numeric.h"
+
+namespace moe::kernels {
+namespace {
+
+// A device allocation that only grows (the kernels object's scratch space).
+class Scratch {
+ public:
+  ~Scratch() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  absl::StatusOr<void*> Get(size_t bytes) {
+    if (bytes > size_) {
+      if (ptr_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFree(ptr_));
+      ptr_ = nullptr;
+      size_ = 0;
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
+      size_ = bytes;
+    }
+    return ptr_;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// One row-major GEMM problem C[m, n] = A[m, k] * B[n, k]^T (B is an nn.Linear weight).
+struct Problem {
+  int m, n, k;
+  const void* a;
+  const void* b;
+  void* c;
+};
+
+class CudaKernels final : public ExpertKernels {
+ public:
+  explicit CudaKernels(cublasHandle_t handle) : handle_(handle) {
+    const char* mode = std::getenv("MOE_GROUPED_GEMM");
+    loop_gemm_ = mode != nullptr && std::strcmp(mode, "loop") == 0;
+  }
+  ~CudaKernels() override { cublasDestroy(handle_); }
+  const char* name() const override { return loop_gemm_ ? "cuda(loop)" : "cuda"; }
+
+  absl::Status Gather(const GatherParams& p, Stream stream) override {
+    absl::Status s = CheckGather(p);
+    if (!s.ok()) return s;
+    auto st = static_cast<cudaStream_t>(stream);
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.in, p.in_rows, p.index, p.n, static_cast<int64_t>(p.d) * DTypeBytes(p.dtype),
+                                          p.out, 0, st));
+    if (p.scales != ScaleGranularity::kNone) {
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherScales(p.in_scales, p.in_rows, p.index, p.n, ScaleCount(p.scales, 1, p.d),
+                                                    p.out_scales, st));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status HistogramScan(const HistogramParams& p, Stream stream) override {
+    absl::Status s = CheckHistogram(p);
+    if (!s.ok()) return s;
+    if (p.num_bins > 12 * 1024) return absl::InvalidArgumentError("histogram.num_bins: at most 12288 on CUDA");
+    CUDA_RETURN_IF_ERROR(
+        cuda::LaunchHistogramScan(p.keys, p.n, p.num_bins, p.counts, p.offsets, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::Status RouteRows(const RouteRowsParams& p, Stream stream) override {
+    absl::Status s = CheckRouteRows(p);
+    if (!s.ok()) return s;
+    if (p.num_experts > 12 * 1024) return absl::InvalidArgumentError("route_rows.num_experts: at most 12288 on CUDA");
+    auto st = static_cast<cudaStream_t>(stream);
+    auto cursor = cursor_scratch_.Get(static_cast<size_t>(p.num_experts) * sizeof(int32_t));
+    if (!cursor.ok()) return cursor.status();
+    CUDA_RETURN_IF_ERROR(cuda::LaunchHistogramScan(p.topk, p.num_tokens * p.k, p.num_experts, p.counts, p.offsets, st));
+    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(*cursor, 0, static_cast<size_t>(p.num_experts) * sizeof(int32_t), st));
+    CUDA_RETURN_IF_ERROR(cuda::LaunchAssignRows(p.topk, p.num_tokens, p.k, p.offsets, p.num_experts,
+                                                static_cast<int32_t*>(*cursor), p.row_of_route, p.token_of_row, st));
+    return absl::OkStatus();
+  }
+
+  absl::Status Swiglu(const SwigluParams& p, Stream stream) override {
+    absl::Status s = CheckSwiglu(p);
+    if (!s.ok()) return s;
+    auto st = static_cast<cudaStream_t>(stream);
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    std::vector<int64_t> counts(e_count), executed;
+    for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
+    s = ExecutedOffsets(p.layout, counts, &executed);
+    if (!s.ok()) return s;
+    const int64_t exec_rows = executed[e_count];
+    if (exec_rows == 0) return absl::OkStatus();
+    const bool direct = p.layout.layout == Layout::kGrouped;  // x and y are used in place
+
+    // Scratch: [executed x] [executed y] [h: exec x 2f] [a: exec x f] [row map].
+    auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
+    const size_t x_bytes = direct ? 0 : align(exec_rows * d * 2);
+    const size_t h_bytes = align(exec_rows * 2 * f * 2);
+    const size_t a_bytes = align(exec_rows * f * 2);
+    const size_t map_bytes = direct ? 0 : align(exec_rows * 4);
+    auto base = scratch_.Get(2 * x_bytes + h_bytes + a_bytes + map_bytes);
+    if (!base.ok()) return base.status();
+    char* ptr = static_cast<char*>(*base);
+    uint16_t* xe = direct ? const_cast<uint16_t*>(p.x) : reinterpret_cast<uint16_t*>(ptr);
+    uint16_t* ye = direct ? p.y : reinterpret_cast<uint16_t*>(ptr + x_bytes);
+    uint16_t* h = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes);
+    uint16_t* a = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes + h_bytes);
+    int32_t* map = reinterpret_cast<int32_t*>(ptr + 2 * x_bytes + h_bytes + a_bytes);
+
+    if (!direct) {
+      // Phase: scatter useful rows into the executed layout; padding rows get padding_value.
+      host_map_.assign(exec_rows, -1);
+      for (int e = 0; e < e_count; ++e) {
+        for (int64_t i = 0; i < counts[e]; ++i) host_map_[executed[e] + i] = static_cast<int32_t>(p.host_offsets[e] + i);
+      }
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(map, host_map_.data(), exec_rows * 4, cudaMemcpyHostToDevice, st));
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.x, p.rows, map, exec_rows, static_cast<int64_t>(d) * 2, xe,
+                                                  FloatToBf16(p.padding_value), st));
+    }
+
+    // Phase: gate+up GEMM per segment, activation, down GEMM.
+    CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle_, st));
+    std::vector<Problem> up, down;
+    for (int e = 0; e < e_count; ++e) {
+      const int64_t m = executed[e + 1] - executed[e];
+      if (m == 0) continue;
+      up.push_back({static_cast<int>(m), 2 * f, d, xe + executed[e] * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
+                    h + executed[e] * 2 * f});
+      down.push_back({static_cast<int>(m), d, f, a + executed[e] * f, w.w_down + static_cast<int64_t>(e) * d * f,
+                      ye + executed[e] * d});
+    }
+    const bool uniform = p.layout.layout == Layout::kPaddedDense;
+    s = uniform ? StridedBatched(up, st) : Grouped(up, st);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
+    s = uniform ? StridedBatched(down, st) : Grouped(down, st);
+    if (!s.ok()) return s;
+
+    if (!direct) {
+      // Phase: only useful rows leave the runner.
+      host_map_.assign(p.rows, -1);
+      for (int e = 0; e < e_count; ++e) {
+        for (int64_t i = 0; i < counts[e]; ++i) host_map_[p.host_offsets[e] + i] = static_cast<int32_t>(executed[e] + i);
+      }
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(map, host_map_.data(), p.rows * 4, cudaMemcpyHostToDevice, st));
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
+      // host_map_ is reused by the next call: wait until the copy has read it.
+      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Combine(const CombineParams& p, Stream stream) override {
+    absl::Status s = CheckCombine(p);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchCombine(p.rows, p.num_rows, p.d, p.row_of_route, p.gate, p.num_tokens, p.k,
+                                             p.out_fp32, p.out_bf16, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::Status Quantize(const QuantizeParams& p, Stream stream) override {
+    absl::Status s = CheckQuantize(p);
+    if (!s.ok()) return s;
+    const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
+    CUDA_RETURN_IF_ERROR(
+        cuda::LaunchQuantizeFp8(p.x, p.rows, p.d, group, p.q, p.scales, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::Status Dequantize(const DequantizeParams& p, Stream stream) override {
+    absl::Status s = CheckDequantize(p);
+    if (!s.ok()) return s;
+    const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
+    CUDA_RETURN_IF_ERROR(
+        cuda::LaunchDequantizeFp8(p.q, p.scales, p.rows, p.d, group, p.x, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
+ private:
+  // Row-major C = A B^T is column-major C^T = B A^T: cuBLAS(transa = T on B, transb = N on A).
+  absl::Status Gemm(const Problem& q) {
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k,
+                                        q.a, CUDA_R_16BF, q.k, &beta, q.c, CUDA_R_16BF, q.n, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  }
+
+  absl::Status StridedBatched(const std::vector<Problem>& ps, cudaStream_t) {
+    if (ps.empty()) return absl::OkStatus();
+    const Problem& q = ps.front();
+    const float alpha = 1.0f, beta = 0.0f;
+    const int64_t stride_b = static_cast<int64_t>(q.n) * q.k;
+    const int64_t stride_a = static_cast<int64_t>(q.m) * q.k;
+    const int64_t stride_c = static_cast<int64_t>(q.m) * q.n;
+    CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
+        handle_, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k, stride_b, q.a, CUDA_R_16BF, q.k,
+        stride_a, &beta, q.c, CUDA_R_16BF, q.n, stride_c, static_cast<int>(ps.size()), CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  }
+
+  absl::Status Grouped(const std::vector<Problem>& ps, cudaStream_t st) {
+    if (ps.empty()) return absl::OkStatus();
+    if (loop_gemm_ || ps.size() == 1) {
+      for (const Problem& q : ps) {
+        absl::Status s = Gemm(q);
+        if (!s.ok()) return s;
+      }
+      return absl::OkStatus();
+    }
+    const int g = static_cast<int>(ps.size());
+    trans_a_.assign(g, CUBLAS_OP_T);
+    trans_b_.assign(g, CUBLAS_OP_N);
+    m_.resize(g);
+    n_.resize(g);
+    k_.resize(g);
+    lda_.resize(g);
+    ldb_.resize(g);
+    ldc_.resize(g);
+    ones_.assign(g, 1);
+    alpha_.assign(g, 1.0f);
+    beta_.assign(g, 0.0f);
+    ptrs_.resize(3 * g);
+    for (int i = 0; i < g; ++i) {
+      const Problem& q = ps[i];
+      m_[i] = q.n;
+      n_[i] = q.m;
+      k_[i] = q.k;
+      lda_[i] = q.k;
+      ldb_[i] = q.k;
+      ldc_[i] = q.n;
+      ptrs_[i] = q.b;
+      ptrs_[g + i] = q.a;
+      ptrs_[2 * g + i] = q.c;
+    }
+    auto dev = ptr_scratch_.Get(ptrs_.size() * sizeof(void*));
+    if (!dev.ok()) return dev.status();
+    void** d_ptrs = static_cast<void**>(*dev);
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ptrs, ptrs_.data(), ptrs_.size() * sizeof(void*), cudaMemcpyHostToDevice, st));
+    const cublasStatus_t rc = cublasGemmGroupedBatchedEx(
+        handle_, trans_a_.data(), trans_b_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(), d_ptrs, CUDA_R_16BF,
+        lda_.data(), d_ptrs + g, CUDA_R_16BF, ldb_.data(), beta_.data(), d_ptrs + 2 * g, CUDA_R_16BF, ldc_.data(), g,
+        ones_.data(), CUBLAS_COMPUTE_32F);
+    // The pointer table is host memory reused by the next call: wait until the copy read it.
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+    if (rc == CUBLAS_STATUS_NOT_SUPPORTED) {
+      loop_gemm_ = true;  // this cuBLAS cannot group BF16: fall back to one GEMM per problem
+      return Grouped(ps, st);
+    }
+    CUBLAS_RETURN_IF_ERROR(rc);
+    return absl::OkStatus();
+  }
+
+  cublasHandle_t handle_;
+  bool loop_gemm_ = false;
+  Scratch scratch_, ptr_scratch_, cursor_scratch_;
+  std::vector<int32_t> host_map_;
+  std::vector<cublasOperation_t> trans_a_, trans_b_;
+  std::vector<int> m_, n_, k_, lda_, ldb_, ldc_, ones_;
+  std::vector<float> alpha_, beta_;
+  std::vector<const void*> ptrs_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    return absl::UnavailableError("no CUDA device is available");
+  }
+  cublasHandle_t handle;
+  CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
+  return std::unique_ptr<ExpertKernels>(new CudaKernels(handle));
+}
+
+}  // namespace moe::kernels

@@ -1,0 +1,351 @@
+// Device kernels of the CUDA implementation. Memory-bound work: 16-byte accesses per thread
+// where row sizes allow, grid-stride loops, no host round trips.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/launch.h"
+
+namespace moe::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+int Blocks(int64_t work, int per_block = kThreads) {
+  const int64_t b = (work + per_block - 1) / per_block;
+  return static_cast<int>(b < 1 ? 1 : (b > 65535LL * 16 ? 65535LL * 16 : b));
+}
+
+// ---- gather ---------------------------------------------------------------------------------
+
+template <typename V>
+__global__ void GatherRowsKernel(const V* __restrict__ in, int64_t in_rows, const int32_t* __restrict__ index,
+                                 int64_t n, int64_t vecs_per_row, V* __restrict__ out, V fill) {
+  const int64_t total = n * vecs_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / vecs_per_row;
+    const int64_t v = i - row * vecs_per_row;
+    const int32_t src = index[row];
+    // NOTE: an index outside the input is padding, never an out-of-bounds read.
+    out[i] = (src >= 0 && src < in_rows) ? in[src * vecs_per_row + v] : fill;
+  }
+}
+
+__global__ void GatherScalesKernel(const float* __restrict__ in, int64_t in_rows, const int32_t* __restrict__ index,
+                                   int64_t n, int64_t per_row, float* __restrict__ out) {
+  const int64_t total = n * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / per_row;
+    const int32_t src = index[row];
+    out[i] = (src >= 0 && src < in_rows) ? in[src * per_row + (i - row * per_row)] : 1.0f;
+  }
+}
+
+// ---- histogram + scan ---------------------------------------------------------------------
+
+__global__ void ZeroKernel(int64_t* p, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = 0;
+}
+
+__global__ void HistogramKernel(const int32_t* __restrict__ keys, int64_t n, int num_bins,
+                                unsigned long long* __restrict__ counts) {
+  extern __shared__ unsigned int local[];
+  for (int b = threadIdx.x; b < num_bins; b += blockDim.x) local[b] = 0;
+  __syncthreads();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t k = keys[i];
+    if (k >= 0 && k < num_bins) atomicAdd(&local[k], 1u);
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < num_bins; b += blockDim.x) {
+    if (local[b] != 0) atomicAdd(&counts[b], static_cast<unsigned long long>(local[b]));
+  }
+}
+
+__global__ void ExclusiveScanKernel(const int64_t* __restrict__ counts, int num_bins, int64_t* __restrict__ offsets) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int64_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < num_bins; base += kThreads) {
+    const int b = base + threadIdx.x;
+    const int64_t v = b < num_bins ? counts[b] : 0;
+    int64_t excl, total;
+    Scan(storage).ExclusiveSum(v, excl, total);
+    if (b < num_bins) offsets[b] = carry + excl;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) offsets[num_bins] = carry;
+}
+
+// ---- SwiGLU activation ----------------------------------------------------------------------
+
+__global__ void SwigluActivationKernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int f,
+                                       __nv_bfloat16* __restrict__ a) {
+  const int64_t total = rows * f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / f;
+    const int64_t c = i - r * f;
+    const float g = __bfloat162float(h[r * 2 * f + c]);
+    const float u = __bfloat162float(h[r * 2 * f + f + c]);
+    a[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+__global__ void SwigluActivationVec8Kernel(const uint4* __restrict__ h, int64_t rows, int f8, uint4* __restrict__ a) {
+  // f8 = f / 8: eight BF16 per 16-byte vector.
+  const int64_t total = rows * f8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / f8;
+    const int64_t c = i - r * f8;
+    const uint4 gv = h[r * 2 * f8 + c];
+    const uint4 uv = h[r * 2 * f8 + f8 + c];
+    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
+    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
+    uint4 out;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 g = __bfloat1622float2(g2[j]);
+      const float2 u = __bfloat1622float2(u2[j]);
+      o2[j] = __floats2bfloat162_rn(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y);
+    }
+    a[i] = out;
+  }
+}
+
+// ---- combine ---------------------------------------------------------------------------------
+
+template <int K_MAX>
+__global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
+                                  const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
+                                  int64_t num_tokens, int k, float* __restrict__ out_fp32, uint4* __restrict__ out_bf16) {
+  const int64_t total = num_tokens * d8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / d8;
+    const int64_t c = i - t * d8;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < k; ++j) {
+      const int32_t row = row_of_route[t * k + j];
+      if (row < 0 || row >= num_rows) continue;
+      const float g = gate[t * k + j];
+      const uint4 v = rows[row * d8 + c];
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 x = __bfloat1622float2(v2[q]);
+        acc[2 * q] += g * x.x;
+        acc[2 * q + 1] += g * x.y;
+      }
+    }
+    if (out_fp32 != nullptr) {
+      float4* o = reinterpret_cast<float4*>(out_fp32 + t * d8 * 8 + c * 8);
+      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    if (out_bf16 != nullptr) {
+      uint4 ob;
+      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&ob);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+      out_bf16[t * d8 + c] = ob;
+    }
+  }
+}
+
+__global__ void CombineKernel(const __nv_bfloat16* __restrict__ rows, int64_t num_rows, int d,
+                              const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
+                              int64_t num_tokens, int k, float* __restrict__ out_fp32,
+                              __nv_bfloat16* __restrict__ out_bf16) {
+  const int64_t total = num_tokens * d;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / d;
+    const int64_t c = i - t * d;
+    float acc = 0;
+    for (int j = 0; j < k; ++j) {
+      const int32_t row = row_of_route[t * k + j];
+      if (row < 0 || row >= num_rows) continue;
+      acc += gate[t * k + j] * __bfloat162float(rows[row * d + c]);
+    }
+    if (out_fp32 != nullptr) out_fp32[i] = acc;
+    if (out_bf16 != nullptr) out_bf16[i] = __float2bfloat16_rn(acc);
+  }
+}
+
+// ---- FP8 -------------------------------------------------------------------------------------
+
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// One block per (row, group): block-wide amax, then quantize the group.
+__global__ void QuantizeFp8Kernel(const __nv_bfloat16* __restrict__ x, int d, int group, int groups_per_row,
+                                  __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  __shared__ float scale_shared;
+  const int64_t row = blockIdx.x / groups_per_row;
+  const int g = blockIdx.x % groups_per_row;
+  const int begin = g * group;
+  const int end = min(d, begin + group);
+  float amax = 0;
+  for (int c = begin + threadIdx.x; c < end; c += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(x[row * d + c])));
+  amax = Reduce(storage).Reduce(amax, MaxOp());
+  if (threadIdx.x == 0) {
+    scale_shared = amax > 0 ? amax / 448.0f : 1.0f;
+    scales[blockIdx.x] = scale_shared;
+  }
+  __syncthreads();
+  const float scale = scale_shared;
+  for (int c = begin + threadIdx.x; c < end; c += blockDim.x) {
+    q[row * d + c] = __nv_cvt_float_to_fp8(__bfloat162float(x[row * d + c]) / scale, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+__global__ void DequantizeFp8Kernel(const __nv_fp8_storage_t* __restrict__ q, const float* __restrict__ scales,
+                                    int64_t rows, int d, int group, int groups_per_row, __nv_bfloat16* __restrict__ x) {
+  const int64_t total = rows * d;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / d;
+    const int c = static_cast<int>(i - r * d);
+    const __half_raw hr = __nv_cvt_fp8_to_halfraw(q[i], __NV_E4M3);
+    const float v = __half2float(__half(hr));
+    x[i] = __float2bfloat16_rn(v * scales[r * groups_per_row + c / group]);
+  }
+}
+
+// ---- local-layer row assignment -------------------------------------------------------------
+
+__global__ void AssignRowsKernel(const int32_t* __restrict__ topk, int64_t num_tokens, int k,
+                                 const int64_t* __restrict__ offsets, int num_experts, int32_t* __restrict__ cursor,
+                                 int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
+  const int64_t total = num_tokens * k;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t e = topk[i];
+    if (e < 0 || e >= num_experts) {
+      row_of_route[i] = -1;
+      continue;
+    }
+    // NOTE: rows inside one expert's segment are assigned in atomic order; the combine sums
+    // over j per token, so results do not depend on that order.
+    const int32_t row = static_cast<int32_t>(offsets[e]) + atomicAdd(&cursor[e], 1);
+    row_of_route[i] = row;
+    token_of_row[row] = static_cast<int32_t>(i / k);
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchGatherRows(const void* in, int64_t in_rows, const int32_t* index, int64_t n, int64_t row_bytes,
+                             void* out, uint16_t fill_bf16, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    const uint32_t f = static_cast<uint32_t>(fill_bf16) | (static_cast<uint32_t>(fill_bf16) << 16);
+    const int64_t vecs = row_bytes / 16;
+    GatherRowsKernel<uint4><<<Blocks(n * vecs), kThreads, 0, stream>>>(
+        static_cast<const uint4*>(in), in_rows, index, n, vecs, static_cast<uint4*>(out), make_uint4(f, f, f, f));
+  } else if (row_bytes % 2 == 0) {
+    const int64_t vecs = row_bytes / 2;
+    GatherRowsKernel<uint16_t><<<Blocks(n * vecs), kThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(in), in_rows, index, n, vecs, static_cast<uint16_t*>(out), fill_bf16);
+  } else {
+    GatherRowsKernel<uint8_t><<<Blocks(n * row_bytes), kThreads, 0, stream>>>(
+        static_cast<const uint8_t*>(in), in_rows, index, n, row_bytes, static_cast<uint8_t*>(out),
+        static_cast<uint8_t>(fill_bf16));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherScales(const float* in, int64_t in_rows, const int32_t* index, int64_t n, int64_t per_row,
+                               float* out, cudaStream_t stream) {
+  if (n == 0 || per_row == 0) return cudaSuccess;
+  GatherScalesKernel<<<Blocks(n * per_row), kThreads, 0, stream>>>(in, in_rows, index, n, per_row, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, int64_t* counts, int64_t* offsets,
+                                cudaStream_t stream) {
+  ZeroKernel<<<Blocks(num_bins), kThreads, 0, stream>>>(counts, num_bins);
+  if (n > 0) {
+    const size_t shmem = static_cast<size_t>(num_bins) * sizeof(unsigned int);
+    if (shmem > 48 * 1024) return cudaErrorInvalidValue;
+    HistogramKernel<<<Blocks(n, kThreads * 8), kThreads, shmem, stream>>>(
+        keys, n, num_bins, reinterpret_cast<unsigned long long*>(counts));
+  }
+  ExclusiveScanKernel<<<1, kThreads, 0, stream>>>(counts, num_bins, offsets);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint16_t* a, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (f % 8 == 0 && reinterpret_cast<uintptr_t>(h) % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0) {
+    SwigluActivationVec8Kernel<<<Blocks(rows * f / 8), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint4*>(h), rows, f / 8, reinterpret_cast<uint4*>(a));
+  } else {
+    SwigluActivationKernel<<<Blocks(rows * f), kThreads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(h), rows, f, reinterpret_cast<__nv_bfloat16*>(a));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route,
+                          const float* gate, int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16,
+                          cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  if (d % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(out_fp32) % 16 == 0) {
+    CombineVec8Kernel<8><<<Blocks(num_tokens * d / 8), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint4*>(rows), num_rows, d / 8, row_of_route, gate, num_tokens, k, out_fp32,
+        reinterpret_cast<uint4*>(out_bf16));
+  } else {
+    CombineKernel<<<Blocks(num_tokens * d), kThreads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(rows), num_rows, d, row_of_route, gate, num_tokens, k, out_fp32,
+        reinterpret_cast<__nv_bfloat16*>(out_bf16));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
+                              cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int groups_per_row = (d + group - 1) / group;
+  QuantizeFp8Kernel<<<static_cast<unsigned>(rows * groups_per_row), kThreads, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x), d, group, groups_per_row, reinterpret_cast<__nv_fp8_storage_t*>(q),
+      scales);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
+                                cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int groups_per_row = (d + group - 1) / group;
+  DequantizeFp8Kernel<<<Blocks(rows * d), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q), scales,
+                                                                 rows, d, group, groups_per_row,
+                                                                 reinterpret_cast<__nv_bfloat16*>(x));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, const int64_t* offsets, int num_experts,
+                             int32_t* cursor, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream) {
+  if (num_tokens == 0) return cudaSuccess;
+  AssignRowsKernel<<<Blocks(num_tokens * k), kThreads, 0, stream>>>(topk, num_tokens, k, offsets, num_experts, cursor,
+                                                                    row_of_route, token_of_row);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::kernels::cuda

@@ -1,0 +1,48 @@
+// Launchers of the device kernels (device_kernels.cu). Plain C++ with CUDA runtime types only,
+// so the .cu file needs no Abseil and the host logic (cuda_kernels.cc) compiles with gcc.
+// Every launcher is asynchronous on `stream` and returns the launch error.
+#ifndef MOE_KERNELS_CUDA_LAUNCH_H_
+#define MOE_KERNELS_CUDA_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moe::kernels::cuda {
+
+// out[i] = in[index[i]] for rows of `row_bytes`; index < 0 or >= in_rows writes `fill_bf16`
+// repeated (row_bytes must be even when fill is used) or zeros when fill_bf16 == 0.
+cudaError_t LaunchGatherRows(const void* in, int64_t in_rows, const int32_t* index, int64_t n, int64_t row_bytes,
+                             void* out, uint16_t fill_bf16, cudaStream_t stream);
+// Same permutation for per-row scale groups of `per_row` floats (missing rows get 1.0).
+cudaError_t LaunchGatherScales(const float* in, int64_t in_rows, const int32_t* index, int64_t n, int64_t per_row,
+                               float* out, cudaStream_t stream);
+
+// counts[b] (int64) and the exclusive scan with sentinel, all on the device.
+cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, int64_t* counts, int64_t* offsets,
+                                cudaStream_t stream);
+
+// a[r, c] = bf16(silu(h[r, c]) * h[r, f + c]) for h [rows, 2f] BF16.
+cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint16_t* a, cudaStream_t stream);
+
+// y[t] = sum_j gate[t, j] rows[row_of_route[t, j]] (FP32), written as FP32 and/or BF16.
+cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route,
+                          const float* gate, int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16,
+                          cudaStream_t stream);
+
+// FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block).
+cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
+                              cudaStream_t stream);
+cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
+                                cudaStream_t stream);
+
+// Local-layer helpers: for routes (token t, slot j) with expert ids topk[t * k + j] and the
+// device offsets of an expert-major layout, assign each route a row inside its expert's
+// segment (`cursor` [E] must be zero on entry), record row_of_route[t * k + j] and the source
+// token of every row (token_of_row[row] = t).
+cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, const int64_t* offsets, int num_experts,
+                             int32_t* cursor, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
+
+}  // namespace moe::kernels::cuda
+
+#endif  // MOE_KERNELS_CUDA_LAUNCH_H_

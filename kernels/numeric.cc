@@ -1,0 +1,47 @@
+#include "kernels/numeric.h"
+
+#include <cmath>
+
+namespace moe::kernels {
+
+float Fp8E4M3ToFloat(uint8_t v) {
+  const int sign = v >> 7;
+  const int exp = (v >> 3) & 0xf;
+  const int man = v & 0x7;
+  float mag;
+  if (exp == 0xf && man == 0x7) {
+    mag = std::nanf("");
+  } else if (exp == 0) {
+    mag = std::ldexp(static_cast<float>(man), -9);  // subnormal: man * 2^-6 / 8
+  } else {
+    mag = std::ldexp(1.0f + man / 8.0f, exp - 7);
+  }
+  return sign ? -mag : mag;
+}
+
+uint8_t FloatToFp8E4M3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  const float a = std::fabs(f);
+  if (a >= kFp8E4M3Max) return sign | 0x7e;  // saturate (448)
+  // Binary search over the 127 finite non-negative codes, which increase with the code.
+  int lo = 0, hi = 0x7e;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (Fp8E4M3ToFloat(static_cast<uint8_t>(mid)) <= a) lo = mid; else hi = mid;
+  }
+  const float vlo = Fp8E4M3ToFloat(static_cast<uint8_t>(lo));
+  const float vhi = Fp8E4M3ToFloat(static_cast<uint8_t>(hi));
+  int code;
+  if (a - vlo < vhi - a) {
+    code = lo;
+  } else if (vhi - a < a - vlo) {
+    code = hi;
+  } else {
+    code = (lo % 2 == 0) ? lo : hi;  // tie: even mantissa
+  }
+  if (a == vhi) code = hi;
+  return sign | static_cast<uint8_t>(code);
+}
+
+}  // namespace moe::kernels

@@ -1,0 +1,38 @@
+// Host-side number formats shared by both kernel implementations: BF16 and FP8 E4M3 (OCP
+// "e4m3fn": bias 7, max 448, no infinities, NaN = 0x7f/0xff). Conversions round to nearest
+// even and saturate FP8 to +-448, matching the device's __nv_cvt_float_to_fp8(.., __NV_SATFINITE,
+// __NV_E4M3) and __float2bfloat16_rn, so the CPU oracle and the CUDA kernels agree bit for bit
+// on conversions.
+#ifndef MOE_KERNELS_NUMERIC_H_
+#define MOE_KERNELS_NUMERIC_H_
+
+#include <cstdint>
+#include <cstring>
+
+namespace moe::kernels {
+
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+inline float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float RoundBf16(float f) { return Bf16ToFloat(FloatToBf16(f)); }
+
+constexpr float kFp8E4M3Max = 448.0f;
+
+float Fp8E4M3ToFloat(uint8_t v);
+uint8_t FloatToFp8E4M3(float f);  // round to nearest even, saturating
+
+}  // namespace moe::kernels
+
+#endif  // MOE_KERNELS_NUMERIC_H_

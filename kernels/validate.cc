@@ -1,0 +1,177 @@
+#include "absl/strings/str_cat.h"
+#include "kernels/api.h"
+
+namespace moe::kernels {
+
+int DTypeBytes(DType t) {
+  switch (t) {
+    case DType::kBF16:
+      return 2;
+    case DType::kFP32:
+      return 4;
+    case DType::kFP8E4M3:
+      return 1;
+  }
+  return 0;
+}
+
+const char* LayoutName(Layout l) {
+  switch (l) {
+    case Layout::kPaddedDense:
+      return "padded";
+    case Layout::kGrouped:
+      return "grouped";
+    case Layout::kBlockSparse:
+      return "block-sparse";
+  }
+  return "unknown";
+}
+
+int64_t ScaleCount(ScaleGranularity g, int64_t rows, int d) {
+  switch (g) {
+    case ScaleGranularity::kNone:
+      return 0;
+    case ScaleGranularity::kPerRow:
+      return rows;
+    case ScaleGranularity::kPerBlock128:
+      return rows * ((d + 127) / 128);
+  }
+  return 0;
+}
+
+absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, const char* field) {
+  if (offsets.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": needs E + 1 entries"));
+  if (offsets[0] != 0) return absl::InvalidArgumentError(absl::StrCat(field, "[0]: ", offsets[0], ", must be 0"));
+  for (size_t i = 1; i < offsets.size(); ++i) {
+    if (offsets[i] < offsets[i - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "]: ", offsets[i], " < ", field, "[", i - 1, "] = ", offsets[i - 1]));
+    }
+  }
+  if (offsets.back() != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": sentinel ", offsets.back(), " does not equal the ", rows, " rows"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> counts, std::vector<int64_t>* out) {
+  out->assign(counts.size() + 1, 0);
+  int64_t c_exec = 0;
+  if (p.layout == Layout::kPaddedDense) {
+    if (p.capacity <= 0) return absl::InvalidArgumentError("capacity: must be positive for the padded layout");
+    if (p.alignment <= 0) return absl::InvalidArgumentError("alignment: must be positive");
+    c_exec = p.alignment * ((p.capacity + p.alignment - 1) / p.alignment);
+  }
+  if (p.layout == Layout::kBlockSparse && p.block_rows <= 0) {
+    return absl::InvalidArgumentError("block_rows: must be positive");
+  }
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] < 0) return absl::InvalidArgumentError(absl::StrCat("counts[", e, "]: negative"));
+    int64_t executed = counts[e];
+    if (p.layout == Layout::kPaddedDense) {
+      if (counts[e] > p.capacity) {
+        return absl::FailedPreconditionError(absl::StrCat("segment ", e, " has ", counts[e],
+                                                          " rows, above the padded capacity ", p.capacity));
+      }
+      executed = c_exec;
+    } else if (p.layout == Layout::kBlockSparse) {
+      executed = p.block_rows * ((counts[e] + p.block_rows - 1) / p.block_rows);
+    }
+    (*out)[e + 1] = (*out)[e] + executed;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGather(const GatherParams& p) {
+  if (p.d <= 0) return absl::InvalidArgumentError("gather.d: must be positive");
+  if (p.n < 0 || p.in_rows < 0) return absl::InvalidArgumentError("gather: negative row count");
+  if (p.n > 0 && (p.index == nullptr || p.out == nullptr || (p.in_rows > 0 && p.in == nullptr))) {
+    return absl::InvalidArgumentError("gather: null buffer");
+  }
+  if (p.scales != ScaleGranularity::kNone) {
+    if (p.dtype != DType::kFP8E4M3) return absl::InvalidArgumentError("gather.scales: only FP8 payloads carry scales");
+    const int64_t want = ScaleCount(p.scales, p.in_rows, p.d);
+    if (p.in_scale_count != want) {
+      return absl::InvalidArgumentError(absl::StrCat("gather.in_scale_count: ", p.in_scale_count, ", the payload of ",
+                                                     p.in_rows, " rows x ", p.d, " needs ", want));
+    }
+    if (p.n > 0 && (p.in_scales == nullptr || p.out_scales == nullptr)) {
+      return absl::InvalidArgumentError("gather: null scale buffer");
+    }
+  } else if (p.dtype == DType::kFP8E4M3) {
+    return absl::InvalidArgumentError("gather.scales: an FP8 payload needs its scales");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckHistogram(const HistogramParams& p) {
+  if (p.num_bins <= 0) return absl::InvalidArgumentError("histogram.num_bins: must be positive");
+  if (p.n < 0) return absl::InvalidArgumentError("histogram.n: negative");
+  if (p.counts == nullptr || p.offsets == nullptr || (p.n > 0 && p.keys == nullptr)) {
+    return absl::InvalidArgumentError("histogram: null buffer");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRouteRows(const RouteRowsParams& p) {
+  if (p.num_experts <= 0 || p.k <= 0 || p.num_tokens < 0) {
+    return absl::InvalidArgumentError("route_rows: num_experts and k must be positive");
+  }
+  if (p.counts == nullptr || p.offsets == nullptr) return absl::InvalidArgumentError("route_rows: null counts/offsets");
+  if (p.num_tokens > 0 && (p.topk == nullptr || p.row_of_route == nullptr || p.token_of_row == nullptr)) {
+    return absl::InvalidArgumentError("route_rows: null buffer");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSwiglu(const SwigluParams& p) {
+  const ExpertWeights& w = p.weights;
+  if (w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0) {
+    return absl::InvalidArgumentError("swiglu.weights: num_experts, d and d_ff must be positive");
+  }
+  if (w.w_gate_up == nullptr || w.w_down == nullptr) return absl::InvalidArgumentError("swiglu.weights: null");
+  if (p.host_offsets == nullptr) return absl::InvalidArgumentError("swiglu.host_offsets: null");
+  if (p.rows > 0 && (p.x == nullptr || p.y == nullptr)) return absl::InvalidArgumentError("swiglu: null x or y");
+  absl::Status s = ValidateOffsets(absl::MakeConstSpan(p.host_offsets, w.num_experts + 1), p.rows, "swiglu.host_offsets");
+  if (!s.ok()) return s;
+  std::vector<int64_t> counts(w.num_experts), executed;
+  for (int e = 0; e < w.num_experts; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
+  return ExecutedOffsets(p.layout, counts, &executed);
+}
+
+absl::Status CheckCombine(const CombineParams& p) {
+  if (p.d <= 0 || p.k <= 0) return absl::InvalidArgumentError("combine: d and k must be positive");
+  if (p.num_tokens < 0 || p.num_rows < 0) return absl::InvalidArgumentError("combine: negative size");
+  if (p.out_fp32 == nullptr && p.out_bf16 == nullptr) return absl::InvalidArgumentError("combine: no output");
+  if (p.num_tokens > 0 && (p.row_of_route == nullptr || p.gate == nullptr)) {
+    return absl::InvalidArgumentError("combine: null route map or gates");
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+absl::Status CheckScales(ScaleGranularity g, int64_t count, int64_t rows, int d, const char* what) {
+  if (g == ScaleGranularity::kNone) return absl::InvalidArgumentError(absl::StrCat(what, ".granularity: FP8 needs scales"));
+  const int64_t want = ScaleCount(g, rows, d);
+  if (count != want) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ".scale_count: ", count, ", the payload of ", rows, " rows x ", d,
+                                                   " needs ", want));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CheckQuantize(const QuantizeParams& p) {
+  if (p.d <= 0 || p.rows < 0) return absl::InvalidArgumentError("quantize: bad shape");
+  if (p.rows > 0 && (p.x == nullptr || p.q == nullptr || p.scales == nullptr)) return absl::InvalidArgumentError("quantize: null buffer");
+  return CheckScales(p.granularity, p.scale_count, p.rows, p.d, "quantize");
+}
+
+absl::Status CheckDequantize(const DequantizeParams& p) {
+  if (p.d <= 0 || p.rows < 0) return absl::InvalidArgumentError("dequantize: bad shape");
+  if (p.rows > 0 && (p.x == nullptr || p.q == nullptr || p.scales == nullptr)) return absl::InvalidArgumentError("dequantize: null buffer");
+  return CheckScales(p.granularity, p.scale_count, p.rows, p.d, "dequantize");
+}
+
+}  // namespace moe::kernels

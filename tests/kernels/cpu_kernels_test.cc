@@ -1,0 +1,249 @@
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace moe::kernels {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using testing::Offsets;
+using testing::RandomBf16;
+using testing::RandomCounts;
+using testing::ReferenceSwiglu;
+using testing::RelativeError;
+
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+TEST(NumericTest, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.00390625f)), 1.0f);      // tie -> even
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.01171875f)), 1.015625f); // tie -> even (up)
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(kNaN))));
+}
+
+TEST(NumericTest, Fp8E4M3CodesRoundTripAndSaturate) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;  // NaN codes
+    const float v = Fp8E4M3ToFloat(static_cast<uint8_t>(c));
+    if (c == 0x80) continue;  // -0 encodes as 0x80 and round-trips to 0x80; skip the sign of zero
+    EXPECT_EQ(FloatToFp8E4M3(v), c) << "code " << c << " value " << v;
+  }
+  EXPECT_EQ(Fp8E4M3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(Fp8E4M3ToFloat(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(FloatToFp8E4M3(1000.0f), 0x7e);
+  EXPECT_EQ(FloatToFp8E4M3(-1000.0f), 0xfe);
+  EXPECT_EQ(FloatToFp8E4M3(1.0625f), FloatToFp8E4M3(1.0f));    // tie between 1 and 1.125 -> even
+  EXPECT_EQ(FloatToFp8E4M3(1.1875f), FloatToFp8E4M3(1.25f));   // tie between 1.125 and 1.25 -> even
+}
+
+struct Experts {
+  int e, d, f;
+  std::vector<uint16_t> wgu, wd;
+  Experts(std::mt19937& rng, int e_, int d_, int f_) : e(e_), d(d_), f(f_) {
+    wgu = RandomBf16(rng, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+    wd = RandomBf16(rng, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  }
+  ExpertWeights Weights() const { return {wgu.data(), wd.data(), e, d, f}; }
+};
+
+std::vector<uint16_t> RunSwiglu(ExpertKernels& k, const Experts& w, const std::vector<uint16_t>& x,
+                                const std::vector<int64_t>& offsets, LayoutParams layout, float padding) {
+  std::vector<uint16_t> y(x.size(), FloatToBf16(kNaN));
+  SwigluParams p;
+  p.layout = layout;
+  p.weights = w.Weights();
+  p.x = x.data();
+  p.rows = offsets.back();
+  p.host_offsets = offsets.data();
+  p.y = y.data();
+  p.padding_value = padding;
+  absl::Status s = k.Swiglu(p, nullptr);
+  EXPECT_TRUE(s.ok()) << s;
+  return y;
+}
+
+// The three layouts agree with each other and with a float64 reference on random shapes with
+// skewed and empty experts; NaN-poisoned padding / fringe rows never reach the output.
+TEST(CpuKernelsTest, SwigluLayoutsAgreeAndMatchReference) {
+  std::mt19937 rng(42);
+  auto k = CreateCpuKernels();
+  for (int trial = 0; trial < 6; ++trial) {
+    const int e = 1 + static_cast<int>(rng() % 6);
+    const int d = 8 * (1 + static_cast<int>(rng() % 4));
+    const int f = 8 * (1 + static_cast<int>(rng() % 6));
+    Experts w(rng, e, d, f);
+    const std::vector<int64_t> counts = RandomCounts(rng, e, 9);
+    const std::vector<int64_t> offsets = Offsets(counts);
+    const std::vector<uint16_t> x = RandomBf16(rng, static_cast<size_t>(offsets.back()) * d, 1.0f);
+    int64_t cap = 1;
+    for (int64_t c : counts) cap = std::max(cap, c);
+    auto grouped = RunSwiglu(*k, w, x, offsets, {Layout::kGrouped, 0, 1, 128}, kNaN);
+    auto padded = RunSwiglu(*k, w, x, offsets, {Layout::kPaddedDense, cap, 4, 128}, kNaN);
+    auto block = RunSwiglu(*k, w, x, offsets, {Layout::kBlockSparse, 0, 1, 4}, kNaN);
+    for (int q = 0; q < e; ++q) {
+      for (int64_t r = offsets[q]; r < offsets[q + 1]; ++r) {
+        const auto ref = ReferenceSwiglu(x.data() + r * d, w.wgu.data() + static_cast<size_t>(q) * 2 * f * d,
+                                         w.wd.data() + static_cast<size_t>(q) * d * f, d, f);
+        for (const auto* out : {&grouped, &padded, &block}) {
+          std::vector<uint16_t> row(out->begin() + r * d, out->begin() + (r + 1) * d);
+          EXPECT_LT(RelativeError(row, ref), 2e-2) << "trial " << trial << " expert " << q << " row " << r;
+        }
+      }
+    }
+    // Row results are independent of the layout's padding: bitwise equal.
+    EXPECT_EQ(grouped, padded);
+    EXPECT_EQ(grouped, block);
+  }
+}
+
+TEST(CpuKernelsTest, SwigluValidatesBeforeCompute) {
+  std::mt19937 rng(1);
+  auto k = CreateCpuKernels();
+  Experts w(rng, 3, 8, 8);
+  std::vector<uint16_t> x(5 * 8, 0), y(5 * 8, 0x7fc0);
+  SwigluParams p;
+  p.weights = w.Weights();
+  p.x = x.data();
+  p.y = y.data();
+  p.rows = 5;
+  std::vector<int64_t> bad_order = {0, 3, 2, 5};
+  p.host_offsets = bad_order.data();
+  EXPECT_THAT(std::string(k->Swiglu(p, nullptr).message()), HasSubstr("host_offsets[2]"));
+  std::vector<int64_t> bad_sentinel = {0, 1, 2, 4};
+  p.host_offsets = bad_sentinel.data();
+  EXPECT_THAT(std::string(k->Swiglu(p, nullptr).message()), HasSubstr("sentinel"));
+  std::vector<int64_t> ok = {0, 4, 4, 5};
+  p.host_offsets = ok.data();
+  p.layout = {Layout::kPaddedDense, 3, 1, 128};
+  EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);  // capacity 3 < segment of 4
+  for (uint16_t v : y) EXPECT_EQ(v, 0x7fc0);  // nothing was written
+}
+
+TEST(CpuKernelsTest, RouteRowsIsAStableCountingSort) {
+  auto k = CreateCpuKernels();
+  const std::vector<int32_t> topk = {2, 0, 1, 2, -1, 2};  // 3 tokens, k = 2; one dropped route
+  std::vector<int64_t> counts(3), offsets(4);
+  std::vector<int32_t> row_of_route(6), token_of_row(6, -7);
+  RouteRowsParams p{topk.data(), 3, 2, 3, counts.data(), offsets.data(), row_of_route.data(), token_of_row.data()};
+  ASSERT_TRUE(k->RouteRows(p, nullptr).ok());
+  EXPECT_THAT(counts, ElementsAre(1, 1, 3));
+  EXPECT_THAT(offsets, ElementsAre(0, 1, 2, 5));
+  EXPECT_THAT(row_of_route, ElementsAre(2, 0, 1, 3, -1, 4));
+  EXPECT_THAT(token_of_row, ElementsAre(0, 1, 0, 1, 2, -7));
+}
+
+TEST(CpuKernelsTest, HistogramIgnoresDroppedKeys) {
+  auto k = CreateCpuKernels();
+  const std::vector<int32_t> keys = {3, 1, -1, 3, 0};
+  std::vector<int64_t> counts(4), offsets(5);
+  ASSERT_TRUE(k->HistogramScan({keys.data(), 5, 4, counts.data(), offsets.data()}, nullptr).ok());
+  EXPECT_THAT(counts, ElementsAre(1, 1, 0, 2));
+  EXPECT_THAT(offsets, ElementsAre(0, 1, 2, 2, 4));
+  const std::vector<int32_t> bad = {4};
+  EXPECT_EQ(k->HistogramScan({bad.data(), 1, 4, counts.data(), offsets.data()}, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CpuKernelsTest, CombineAppliesGatesOnceInFp32) {
+  auto k = CreateCpuKernels();
+  // Two rows of d = 2; token 0 takes both (gates 0.25, 0.75), token 1 one route dropped.
+  const std::vector<uint16_t> rows = {FloatToBf16(1), FloatToBf16(2), FloatToBf16(3), FloatToBf16(4)};
+  const std::vector<int32_t> map = {0, 1, 1, -1};
+  const std::vector<float> gate = {0.25f, 0.75f, 0.5f, 9.0f};
+  std::vector<float> out(4);
+  std::vector<uint16_t> out_bf16(4);
+  CombineParams p{rows.data(), 2, 2, map.data(), gate.data(), 2, 2, out.data(), out_bf16.data()};
+  ASSERT_TRUE(k->Combine(p, nullptr).ok());
+  EXPECT_THAT(out, ElementsAre(2.5f, 3.5f, 1.5f, 2.0f));
+  EXPECT_EQ(Bf16ToFloat(out_bf16[1]), 3.5f);
+  const std::vector<int32_t> bad = {0, 2, 1, -1};
+  p.row_of_route = bad.data();
+  EXPECT_THAT(std::string(k->Combine(p, nullptr).message()), HasSubstr("row_of_route[1]"));
+}
+
+// FP8 round trip within the format's bound: |x - x'| <= 2^-4 |x| + 2^-10 scale.
+TEST(CpuKernelsTest, Fp8RoundTripWithinFormatBound) {
+  std::mt19937 rng(9);
+  auto k = CreateCpuKernels();
+  const int rows = 7, d = 300;
+  std::vector<uint16_t> x = RandomBf16(rng, rows * d, 3.0f);
+  x[5] = FloatToBf16(0.0f);
+  for (int c = 0; c < d; ++c) x[3 * d + c] = 0;  // an all-zero row (scale 1)
+  for (ScaleGranularity g : {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128}) {
+    const int64_t n_scales = ScaleCount(g, rows, d);
+    EXPECT_EQ(n_scales, g == ScaleGranularity::kPerRow ? 7 : 21);
+    std::vector<uint8_t> q(rows * d);
+    std::vector<float> scales(n_scales);
+    std::vector<uint16_t> back(rows * d);
+    ASSERT_TRUE(k->Quantize({x.data(), rows, d, g, q.data(), scales.data(), n_scales}, nullptr).ok());
+    ASSERT_TRUE(k->Dequantize({q.data(), scales.data(), n_scales, rows, d, g, back.data()}, nullptr).ok());
+    const int group = g == ScaleGranularity::kPerRow ? d : 128;
+    for (int r = 0; r < rows; ++r) {
+      for (int c = 0; c < d; ++c) {
+        const float v = Bf16ToFloat(x[r * d + c]);
+        const float s = scales[r * (n_scales / rows) + c / group];
+        // One FP8 rounding (2^-4 relative or 2^-10 absolute in scaled units) plus the BF16
+        // rounding of the dequantized value (2^-8 relative).
+        const float bound = std::fabs(v) * (0.0625f + 0.0040f) + s * std::ldexp(1.0f, -10);
+        EXPECT_LE(std::fabs(Bf16ToFloat(back[r * d + c]) - v), bound) << r << "," << c;
+      }
+    }
+  }
+}
+
+// 0x0E: an FP8 scale count that disagrees with the payload is rejected before expert compute.
+TEST(CpuKernelsTest, Fp8ScaleCountMismatchIsRejectedBeforeCompute) {
+  auto k = CreateCpuKernels();
+  std::vector<uint8_t> q(4 * 256, 0x38);
+  std::vector<float> scales(4, 1.0f);
+  std::vector<uint16_t> out(4 * 256, 0x7fc0);
+  absl::Status s = k->Dequantize({q.data(), scales.data(), 4, 4, 256, ScaleGranularity::kPerBlock128, out.data()}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("scale_count"));
+  for (uint16_t v : out) ASSERT_EQ(v, 0x7fc0);
+  GatherParams g;
+  g.dtype = DType::kFP8E4M3;
+  g.d = 256;
+  g.in = q.data();
+  g.in_rows = 4;
+  g.scales = ScaleGranularity::kPerBlock128;
+  g.in_scales = scales.data();
+  g.in_scale_count = 4;
+  EXPECT_THAT(std::string(k->Gather(g, nullptr).message()), HasSubstr("in_scale_count"));
+}
+
+// 0x0AC: scales are permuted with their rows.
+TEST(CpuKernelsTest, GatherPermutesFp8ScalesWithRows) {
+  auto k = CreateCpuKernels();
+  const int d = 4;
+  std::vector<uint8_t> q = {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  std::vector<float> scales = {10, 20, 30};
+  const std::vector<int32_t> index = {2, 0, -1, 1};
+  std::vector<uint8_t> out(16, 0xee);
+  std::vector<float> out_scales(4);
+  GatherParams g{DType::kFP8E4M3, d, q.data(), 3, index.data(), 4, out.data(), ScaleGranularity::kPerRow,
+                 scales.data(), 3, out_scales.data()};
+  ASSERT_TRUE(k->Gather(g, nullptr).ok());
+  EXPECT_THAT(out, ElementsAre(3, 3, 3, 3, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 2, 2));
+  EXPECT_THAT(out_scales, ElementsAre(30, 10, 1, 20));
+}
+
+TEST(CpuKernelsTest, CudaIsUnavailableOrReal) {
+  auto cuda = CreateCudaKernels();
+  if (!cuda.ok()) {
+    EXPECT_TRUE(cuda.status().code() == absl::StatusCode::kUnimplemented ||
+                cuda.status().code() == absl::StatusCode::kUnavailable) << cuda.status();
+  } else {
+    EXPECT_NE(std::string((*cuda)->name()).find("cuda"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace moe::kernels

@@ -1,0 +1,213 @@
+// CUDA implementation vs the CPU reference on random shapes, skewed and empty experts.
+// Tagged gpu: runs on the GPU machine, also under compute-sanitizer (memcheck, racecheck).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace moe::kernels {
+namespace {
+
+using testing::Offsets;
+using testing::RandomBf16;
+using testing::RandomCounts;
+
+template <typename T>
+class DeviceVector {
+ public:
+  explicit DeviceVector(const std::vector<T>& host) : n_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(1, n_) * sizeof(T)), cudaSuccess);
+    if (n_ > 0) EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  explicit DeviceVector(size_t n, T fill = T()) : DeviceVector(std::vector<T>(n, fill)) {}
+  ~DeviceVector() { cudaFree(ptr_); }
+  T* get() { return ptr_; }
+  std::vector<T> Host() const {
+    std::vector<T> out(n_);
+    if (n_ > 0) EXPECT_EQ(cudaMemcpy(out.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_;
+};
+
+class CudaKernelsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto k = CreateCudaKernels();
+    ASSERT_TRUE(k.ok()) << k.status();
+    gpu_ = std::move(*k);
+    cpu_ = CreateCpuKernels();
+  }
+  std::unique_ptr<ExpertKernels> gpu_, cpu_;
+  std::mt19937 rng_{1234};
+};
+
+float MaxAbsDiffBf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, double* rel) {
+  double num = 0, den = 0;
+  float worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const float x = Bf16ToFloat(a[i]), y = Bf16ToFloat(b[i]);
+    if (std::isnan(x) || std::isnan(y)) return INFINITY;
+    worst = std::max(worst, std::fabs(x - y));
+    num += (x - y) * static_cast<double>(x - y);
+    den += static_cast<double>(y) * y;
+  }
+  *rel = den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+  return worst;
+}
+
+TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int trial = 0; trial < 8; ++trial) {
+    const int e = 1 + static_cast<int>(rng_() % 12);
+    const int d = 64 * (1 + static_cast<int>(rng_() % 4));
+    const int f = 32 * (1 + static_cast<int>(rng_() % 6));
+    const auto counts = RandomCounts(rng_, e, 1 + static_cast<int64_t>(rng_() % 70));
+    const auto offsets = Offsets(counts);
+    const int64_t rows = offsets.back();
+    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+    auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+    int64_t cap = 1;
+    for (int64_t c : counts) cap = std::max(cap, c);
+    DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
+    for (LayoutParams layout : {LayoutParams{Layout::kGrouped, 0, 1, 128}, LayoutParams{Layout::kPaddedDense, cap, 8, 128},
+                                LayoutParams{Layout::kBlockSparse, 0, 1, 16}}) {
+      std::vector<uint16_t> ref(x.size(), 0);
+      SwigluParams p;
+      p.layout = layout;
+      p.weights = {wgu.data(), wd.data(), e, d, f};
+      p.x = x.data();
+      p.rows = rows;
+      p.host_offsets = offsets.data();
+      p.y = ref.data();
+      p.padding_value = nan;
+      ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+      DeviceVector<uint16_t> dy(x.size(), FloatToBf16(nan));
+      p.weights = {dwgu.get(), dwd.get(), e, d, f};
+      p.x = dx.get();
+      p.y = dy.get();
+      ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      double rel = 0;
+      const float worst = MaxAbsDiffBf16(dy.Host(), ref, &rel);
+      EXPECT_LT(rel, 1e-2) << LayoutName(layout.layout) << " trial " << trial << " e=" << e << " d=" << d << " f=" << f;
+      EXPECT_TRUE(std::isfinite(worst)) << "padding reached the output (" << LayoutName(layout.layout) << ")";
+    }
+  }
+}
+
+TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
+  for (int trial = 0; trial < 6; ++trial) {
+    const int e = 1 + static_cast<int>(rng_() % 40);
+    const int k = 1 + static_cast<int>(rng_() % 8);
+    const int64_t t = static_cast<int64_t>(rng_() % 300);
+    const int d = 8 * (1 + static_cast<int>(rng_() % 40));
+    std::vector<int32_t> topk(t * k);
+    for (auto& id : topk) id = rng_() % 10 == 0 ? -1 : static_cast<int32_t>(rng_() % std::min(e, 3 + trial));  // skewed
+    std::vector<int64_t> counts(e), offsets(e + 1);
+    std::vector<int32_t> row_of_route(t * k), token_of_row(t * k, -1);
+    ASSERT_TRUE(cpu_->RouteRows({topk.data(), t, k, e, counts.data(), offsets.data(), row_of_route.data(),
+                                 token_of_row.data()}, nullptr).ok());
+    DeviceVector<int32_t> dtopk(topk), drow(t * k, -9), dtok(t * k, -1);
+    DeviceVector<int64_t> dcounts(e), doffsets(e + 1);
+    ASSERT_TRUE(gpu_->RouteRows({dtopk.get(), t, k, e, dcounts.get(), doffsets.get(), drow.get(), dtok.get()}, nullptr).ok());
+    EXPECT_EQ(dcounts.Host(), counts);
+    EXPECT_EQ(doffsets.Host(), offsets);
+    // Rows inside a segment may be ordered differently; each route must land in its expert's
+    // segment, rows must be a permutation, and token_of_row must invert row_of_route.
+    const auto grow = drow.Host();
+    const auto gtok = dtok.Host();
+    std::vector<int> seen(offsets[e], 0);
+    for (int64_t i = 0; i < t * k; ++i) {
+      if (topk[i] < 0) {
+        EXPECT_EQ(grow[i], -1);
+        continue;
+      }
+      ASSERT_GE(grow[i], offsets[topk[i]]);
+      ASSERT_LT(grow[i], offsets[topk[i] + 1]);
+      ++seen[grow[i]];
+      EXPECT_EQ(gtok[grow[i]], i / k);
+    }
+    for (int v : seen) EXPECT_EQ(v, 1);
+
+    // Gather rows into the device layout, then combine with random gates.
+    auto hidden = RandomBf16(rng_, static_cast<size_t>(t) * d, 1.0f);
+    std::vector<float> gate(t * k);
+    for (auto& g : gate) g = std::uniform_real_distribution<float>(0, 1)(rng_);
+    DeviceVector<uint16_t> dhidden(hidden), dpacked(static_cast<size_t>(offsets[e]) * d);
+    GatherParams g;
+    g.d = d;
+    g.in = dhidden.get();
+    g.in_rows = t;
+    g.index = dtok.get();
+    g.n = offsets[e];
+    g.out = dpacked.get();
+    ASSERT_TRUE(gpu_->Gather(g, nullptr).ok());
+    DeviceVector<float> dgate(gate), dout(t * d, -1.0f);
+    DeviceVector<uint16_t> dout16(t * d);
+    CombineParams c{dpacked.get(), offsets[e], d, drow.get(), dgate.get(), t, k, dout.get(), dout16.get()};
+    ASSERT_TRUE(gpu_->Combine(c, nullptr).ok());
+    // CPU: gather by its own stable rows, combine.
+    std::vector<uint16_t> packed(static_cast<size_t>(offsets[e]) * d);
+    g.in = hidden.data();
+    g.index = token_of_row.data();
+    g.out = packed.data();
+    ASSERT_TRUE(cpu_->Gather(g, nullptr).ok());
+    std::vector<float> out(t * d);
+    CombineParams cc{packed.data(), offsets[e], d, row_of_route.data(), gate.data(), t, k, out.data(), nullptr};
+    ASSERT_TRUE(cpu_->Combine(cc, nullptr).ok());
+    const auto got = dout.Host();
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_FLOAT_EQ(got[i], out[i]) << i;  // same order of FP32 adds
+  }
+}
+
+TEST_F(CudaKernelsTest, Fp8MatchesCpuBitForBit) {
+  for (ScaleGranularity gr : {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128}) {
+    const int64_t rows = 37;
+    const int d = 7168;
+    auto x = RandomBf16(rng_, rows * d, 2.0f);
+    const int64_t ns = ScaleCount(gr, rows, d);
+    std::vector<uint8_t> q(rows * d);
+    std::vector<float> scales(ns);
+    ASSERT_TRUE(cpu_->Quantize({x.data(), rows, d, gr, q.data(), scales.data(), ns}, nullptr).ok());
+    DeviceVector<uint16_t> dx(x), dback(rows * d);
+    DeviceVector<uint8_t> dq(rows * d);
+    DeviceVector<float> dscales(ns);
+    ASSERT_TRUE(gpu_->Quantize({dx.get(), rows, d, gr, dq.get(), dscales.get(), ns}, nullptr).ok());
+    EXPECT_EQ(dq.Host(), q);
+    EXPECT_EQ(dscales.Host(), scales);
+    std::vector<uint16_t> back(rows * d);
+    ASSERT_TRUE(cpu_->Dequantize({q.data(), scales.data(), ns, rows, d, gr, back.data()}, nullptr).ok());
+    ASSERT_TRUE(gpu_->Dequantize({dq.get(), dscales.get(), ns, rows, d, gr, dback.get()}, nullptr).ok());
+    EXPECT_EQ(dback.Host(), back);
+    // A wrong scale count is rejected before anything is launched.
+    EXPECT_EQ(gpu_->Dequantize({dq.get(), dscales.get(), ns - 1, rows, d, gr, dback.get()}, nullptr).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_F(CudaKernelsTest, HistogramScanStaysOnDevice) {
+  std::vector<int32_t> keys(100000);
+  for (auto& k : keys) k = static_cast<int32_t>(rng_() % 300) - 10;  // -10..-1 are dropped routes
+  std::vector<int64_t> counts(290), offsets(291);
+  ASSERT_TRUE(cpu_->HistogramScan({keys.data(), static_cast<int64_t>(keys.size()), 290, counts.data(), offsets.data()}, nullptr).ok());
+  DeviceVector<int32_t> dkeys(keys);
+  DeviceVector<int64_t> dcounts(290), doffsets(291);
+  ASSERT_TRUE(gpu_->HistogramScan({dkeys.get(), static_cast<int64_t>(keys.size()), 290, dcounts.get(), doffsets.get()}, nullptr).ok());
+  EXPECT_EQ(dcounts.Host(), counts);
+  EXPECT_EQ(doffsets.Host(), offsets);
+}
+
+}  // namespace
+}  // namespace moe::kernels

@@ -1,0 +1,68 @@
+// Random inputs and a float64 reference for the kernel tests.
+#ifndef MOE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
+#define MOE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+
+namespace moe::kernels::testing {
+
+inline std::vector<uint16_t> RandomBf16(std::mt19937& rng, size_t n, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = FloatToBf16(dist(rng));
+  return v;
+}
+
+// Segment sizes with skew and empty experts.
+inline std::vector<int64_t> RandomCounts(std::mt19937& rng, int experts, int64_t max_rows) {
+  std::vector<int64_t> c(experts);
+  for (int e = 0; e < experts; ++e) {
+    const int kind = static_cast<int>(rng() % 4);
+    c[e] = kind == 0 ? 0 : (kind == 1 ? max_rows : static_cast<int64_t>(rng() % (max_rows + 1)));
+  }
+  return c;
+}
+
+inline std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> o(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) o[e + 1] = o[e] + counts[e];
+  return o;
+}
+
+// float64 SwiGLU of one expert row, from BF16 inputs (no intermediate rounding).
+inline std::vector<double> ReferenceSwiglu(const uint16_t* x, const uint16_t* wgu, const uint16_t* wd, int d, int f) {
+  std::vector<double> a(f), y(d, 0.0);
+  for (int c = 0; c < f; ++c) {
+    double g = 0, u = 0;
+    for (int i = 0; i < d; ++i) {
+      g += static_cast<double>(Bf16ToFloat(x[i])) * Bf16ToFloat(wgu[static_cast<size_t>(c) * d + i]);
+      u += static_cast<double>(Bf16ToFloat(x[i])) * Bf16ToFloat(wgu[static_cast<size_t>(f + c) * d + i]);
+    }
+    a[c] = g / (1.0 + std::exp(-g)) * u;
+  }
+  for (int o = 0; o < d; ++o) {
+    for (int c = 0; c < f; ++c) y[o] += a[c] * Bf16ToFloat(wd[static_cast<size_t>(o) * f + c]);
+  }
+  return y;
+}
+
+// ||a - b|| / ||b|| over BF16 a and float64 b.
+inline double RelativeError(const std::vector<uint16_t>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double x = Bf16ToFloat(a[i]);
+    if (std::isnan(x)) return INFINITY;
+    num += (x - b[i]) * (x - b[i]);
+    den += b[i] * b[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+}  // namespace moe::kernels::testing
+
+#endif  // MOE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_

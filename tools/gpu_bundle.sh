@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds the gpu-tagged tests and benchmarks here (Debian 12, nvcc) and bundles them with the
+# non-system shared libraries they need into dist/gpu, for a GPU machine without Bazel or the
+# Debian libraries (Ubuntu 24.04, CUDA 13): run there with LD_LIBRARY_PATH=dist/gpu/lib.
+# CUDA's own libraries (cudart, cuBLAS, NCCL) come from the GPU machine's CUDA installation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TARGETS=(//tests/kernels:cuda_kernels_test //bench/gpu:expert_layer_bench)
+bazel build --config=gpu "${TARGETS[@]}"
+out=dist/gpu
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+for t in "${TARGETS[@]}"; do
+  path="bazel-bin/$(echo "${t#//}" | tr ':' '/')"
+  cp "$path" "$out/bin/"
+  ldd "$path" | awk '/=> \//{print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|libgcc_s.so*|libstdc++.so*|ld-linux*) ;;
+      libcuda.so*|libcudart.so*|libcublas.so*|libcublasLt.so*|libnccl.so*) ;;
+      *) cp -L "$lib" "$out/lib/" ;;
+    esac
+  done
+done
+chmod -R u+w "$out"
+du -sh "$out"
+ls "$out/lib"
