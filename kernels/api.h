@@ -113,6 +113,10 @@ struct SwigluParams {
   const uint16_t* x = nullptr;          // [rows, d] BF16
   int64_t rows = 0;
   const int64_t* host_offsets = nullptr;// [E + 1], host memory
+  // Decode path (grouped layout only): when host_offsets is null the offsets are read where
+  // the kernels run (device memory on CUDA) and nothing returns to the host; offsets[E] may
+  // then be below `rows`, which is the capacity of x and y.
+  const int64_t* device_offsets = nullptr;
   uint16_t* y = nullptr;                // [rows, d] BF16
   // Value written into padding / fringe input rows (tests poison them with NaN).
   float padding_value = 0.0f;

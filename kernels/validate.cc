@@ -131,8 +131,14 @@ absl::Status CheckSwiglu(const SwigluParams& p) {
     return absl::InvalidArgumentError("swiglu.weights: num_experts, d and d_ff must be positive");
   }
   if (w.w_gate_up == nullptr || w.w_down == nullptr) return absl::InvalidArgumentError("swiglu.weights: null");
-  if (p.host_offsets == nullptr) return absl::InvalidArgumentError("swiglu.host_offsets: null");
   if (p.rows > 0 && (p.x == nullptr || p.y == nullptr)) return absl::InvalidArgumentError("swiglu: null x or y");
+  if (p.host_offsets == nullptr) {
+    if (p.device_offsets == nullptr) return absl::InvalidArgumentError("swiglu: host_offsets or device_offsets required");
+    if (p.layout.layout != Layout::kGrouped) {
+      return absl::InvalidArgumentError("swiglu.device_offsets: only the grouped layout reads offsets on the device");
+    }
+    return absl::OkStatus();
+  }
   absl::Status s = ValidateOffsets(absl::MakeConstSpan(p.host_offsets, w.num_experts + 1), p.rows, "swiglu.host_offsets");
   if (!s.ok()) return s;
   std::vector<int64_t> counts(w.num_experts), executed;

@@ -190,6 +190,28 @@ int main(int argc, char** argv) {
       std::vector<int64_t> host_offsets(s.e + 1);
       int64_t max_seg = 1;
 
+      // Decode path: no host round trip; offsets stay on the device.
+      auto decode_layer = [&] {
+        CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
+        moe::kernels::GatherParams g;
+        g.d = s.d;
+        g.in = hidden;
+        g.in_rows = t;
+        g.index = token_of_row;
+        g.n = routes;
+        g.out = packed;
+        CHECK_OK(kernels->Gather(g, st));
+        moe::kernels::SwigluParams p;
+        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
+        p.x = static_cast<const uint16_t*>(packed);
+        p.rows = routes;
+        p.device_offsets = offsets;
+        p.y = static_cast<uint16_t*>(expert_out);
+        CHECK_OK(kernels->Swiglu(p, st));
+        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
+                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
+        CHECK_OK(kernels->Combine(c, st));
+      };
       auto layer = [&] {
         CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
         // Prefill path: the GEMM shapes come back to the host once per step.
@@ -219,18 +241,21 @@ int main(int argc, char** argv) {
       layer();
       CHECK_CUDA(cudaStreamSynchronize(st));
       for (int e = 0; e < s.e; ++e) max_seg = std::max(max_seg, host_offsets[e + 1] - host_offsets[e]);
-      const double us = TimeMedianUs(reps, st, layer);
       const double flops = 6.0 * routes * s.d * static_cast<double>(s.f);
       const double weight_bytes = static_cast<double>(experts_hit) * 3.0 * s.d * s.f * 2.0;
       const double act_bytes = (t * s.d * 2.0) * 2 + routes * s.d * 2.0 * 2;  // hidden in, out; packed, expert out
       const double weight_read_us = weight_bytes / (copy * 1e12) * 1e6;
-      std::printf(
-          "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"layout\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"us\": %.1f, "
-          "\"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, \"weight_read_us\": %.1f, "
-          "\"dense_fraction\": %.3f}\n",
-          moe::kernels::LayoutName(layout), s.name, static_cast<long long>(t), us, flops / (us * 1e-6) / 1e12,
-          (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
-          flops / (us * 1e-6) / 1e12 / dense);
+      auto report = [&](const char* path, double us) {
+        std::printf(
+            "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"path\": \"%s\", \"layout\": \"%s\", \"shape\": \"%s\", "
+            "\"T\": %lld, \"us\": %.1f, \"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, "
+            "\"weight_read_us\": %.1f, \"dense_fraction\": %.3f}\n",
+            path, moe::kernels::LayoutName(layout), s.name, static_cast<long long>(t), us, flops / (us * 1e-6) / 1e12,
+            (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
+            flops / (us * 1e-6) / 1e12 / dense);
+      };
+      report("prefill", TimeMedianUs(reps, st, layer));
+      if (t <= 128) report("decode", TimeMedianUs(reps, st, decode_layer));
       std::fflush(stdout);
       cudaFree(hidden);
       cudaFree(packed);

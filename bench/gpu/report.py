@@ -22,19 +22,20 @@ def main():
     lines = [f"Ceilings measured in this run: cuBLAS BF16 8192^3 {dense} TFLOP/s "
              f"(PyTorch matmul {tceil.get('dense_bf16_tflops', '?')}), device copy {copy} TB/s (read+write); "
              f"kernels: {ceil['kernels']}.", "",
-             "| shape | T | ours µs | ours TFLOP/s | ours TB/s | PyTorch µs | PyTorch TFLOP/s | speed-up | % of dense | experts hit | weight-read µs | ours / weight-read |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | T | path | ours µs | ours TFLOP/s | ours TB/s | PyTorch µs | PyTorch TFLOP/s | speed-up | % of dense | experts hit | weight-read µs | ours / weight-read |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plot = []
     for r in ours:
         if r["kind"] != "cell":
             continue
         p = refcells.get((r["shape"], r["T"]))
         speed = p["us"] / r["us"] if p else float("nan")
-        lines.append(f"| {r['shape']} | {r['T']} | {r['us']} | {r['tflops']} | {r['bytes_per_s_tb']} | "
+        lines.append(f"| {r['shape']} | {r['T']} | {r.get('path', '-')} | {r['us']} | {r['tflops']} | {r['bytes_per_s_tb']} | "
                      f"{p['us'] if p else '-'} | {p['tflops'] if p else '-'} | {speed:.2f}× | "
                      f"{100 * r['dense_fraction']:.1f}% | {r['experts_hit']} | {r['weight_read_us']} | "
                      f"{r['us'] / r['weight_read_us']:.2f}× |")
-        plot.append((f"{r['shape'].split('-')[0]} T={r['T']}", r["tflops"], p["tflops"] if p else 0))
+        if r.get("path", "prefill") == "prefill" or r["T"] <= 16:
+            plot.append((f"{r['shape'].split('-')[0]} T={r['T']} {r.get('path', '')}", r["tflops"], p["tflops"] if p else 0))
     open(sys.argv[3], "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
     if len(sys.argv) > 4:

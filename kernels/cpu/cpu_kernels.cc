@@ -88,9 +88,20 @@ class CpuKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
-  absl::Status Swiglu(const SwigluParams& p, Stream) override {
-    absl::Status s = CheckSwiglu(p);
+  absl::Status Swiglu(const SwigluParams& p_in, Stream) override {
+    absl::Status s = CheckSwiglu(p_in);
     if (!s.ok()) return s;
+    SwigluParams p = p_in;
+    if (p.host_offsets == nullptr) {
+      // On the CPU "device" offsets are host memory: validate them like host offsets, with
+      // offsets[E] <= rows (rows is the buffers' capacity on this path).
+      p.host_offsets = p.device_offsets;
+      const int64_t used = p.host_offsets[p.weights.num_experts];
+      if (used > p.rows) return absl::InvalidArgumentError("swiglu.device_offsets: sentinel above rows");
+      p.rows = used;
+      s = CheckSwiglu(p);
+      if (!s.ok()) return s;
+    }
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
     std::vector<int64_t> counts(e_count), executed;

@@ -42,6 +42,43 @@ class Scratch {
   size_t size_ = 0;
 };
 
+// Pinned host staging for small host->device tables (row maps, GEMM pointer tables). A copy
+// from pinned memory is asynchronous; before the buffer is refilled the previous copy's event is
+// waited on, which has normally completed long before.
+class PinnedStaging {
+ public:
+  ~PinnedStaging() {
+    if (host_ != nullptr) cudaFreeHost(host_);
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  // Returns a host buffer of at least `bytes`, safe to overwrite now.
+  absl::StatusOr<void*> Acquire(size_t bytes) {
+    if (event_ == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    if (pending_) CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
+    pending_ = false;
+    if (bytes > size_) {
+      if (host_ != nullptr) CUDA_RETURN_IF_ERROR(cudaFreeHost(host_));
+      host_ = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_, bytes));
+      size_ = bytes;
+    }
+    return host_;
+  }
+  // Copies `bytes` of the acquired buffer to `dst` on `stream` and fences the buffer.
+  absl::Status CopyTo(void* dst, size_t bytes, cudaStream_t stream) {
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, host_, bytes, cudaMemcpyHostToDevice, stream));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, stream));
+    pending_ = true;
+    return absl::OkStatus();
+  }
+
+ private:
+  void* host_ = nullptr;
+  size_t size_ = 0;
+  cudaEvent_t event_ = nullptr;
+  bool pending_ = false;
+};
+
 // One row-major GEMM problem C[m, n] = A[m, k] * B[n, k]^T (B is an nn.Linear weight).
 struct Problem {
   int m, n, k;
@@ -55,9 +92,12 @@ class CudaKernels final : public ExpertKernels {
   explicit CudaKernels(cublasHandle_t handle) : handle_(handle) {
     const char* mode = std::getenv("MOE_GROUPED_GEMM");
     loop_gemm_ = mode != nullptr && std::strcmp(mode, "loop") == 0;
+    force_grouped_ = mode != nullptr && std::strcmp(mode, "grouped") == 0;
   }
   ~CudaKernels() override { cublasDestroy(handle_); }
-  const char* name() const override { return loop_gemm_ ? "cuda(loop)" : "cuda"; }
+  const char* name() const override {
+    return loop_gemm_ ? "cuda(gemm: loop)" : (force_grouped_ ? "cuda(gemm: grouped)" : "cuda(gemm: auto)");
+  }
 
   absl::Status Gather(const GatherParams& p, Stream stream) override {
     absl::Status s = CheckGather(p);
@@ -101,6 +141,19 @@ class CudaKernels final : public ExpertKernels {
     auto st = static_cast<cudaStream_t>(stream);
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    if (p.host_offsets == nullptr) {
+      // Decode path: offsets stay on the device.
+      if (!cuda::SmallBatchSupported(d, f)) {
+        return absl::UnimplementedError(absl::StrCat("swiglu.device_offsets: d=", d, ", d_ff=", f,
+                                                     " not supported on the decode path (multiples of 8 required)"));
+      }
+      if (p.rows == 0) return absl::OkStatus();
+      auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
+      if (!a.ok()) return a.status();
+      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.device_offsets, e_count, d, f, w.w_gate_up, w.w_down,
+                                                        static_cast<uint16_t*>(*a), p.y, st));
+      return absl::OkStatus();
+    }
     std::vector<int64_t> counts(e_count), executed;
     for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
     s = ExecutedOffsets(p.layout, counts, &executed);
@@ -114,7 +167,7 @@ class CudaKernels final : public ExpertKernels {
     const size_t x_bytes = direct ? 0 : align(exec_rows * d * 2);
     const size_t h_bytes = align(exec_rows * 2 * f * 2);
     const size_t a_bytes = align(exec_rows * f * 2);
-    const size_t map_bytes = direct ? 0 : align(exec_rows * 4);
+    const size_t map_bytes = direct ? 0 : align(exec_rows * 4) + align(p.rows * 4);
     auto base = scratch_.Get(2 * x_bytes + h_bytes + a_bytes + map_bytes);
     if (!base.ok()) return base.status();
     char* ptr = static_cast<char*>(*base);
@@ -126,11 +179,15 @@ class CudaKernels final : public ExpertKernels {
 
     if (!direct) {
       // Phase: scatter useful rows into the executed layout; padding rows get padding_value.
-      host_map_.assign(exec_rows, -1);
+      auto staged = map_in_.Acquire(exec_rows * 4);
+      if (!staged.ok()) return staged.status();
+      int32_t* host_map = static_cast<int32_t*>(*staged);
+      std::fill(host_map, host_map + exec_rows, -1);
       for (int e = 0; e < e_count; ++e) {
-        for (int64_t i = 0; i < counts[e]; ++i) host_map_[executed[e] + i] = static_cast<int32_t>(p.host_offsets[e] + i);
+        for (int64_t i = 0; i < counts[e]; ++i) host_map[executed[e] + i] = static_cast<int32_t>(p.host_offsets[e] + i);
       }
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(map, host_map_.data(), exec_rows * 4, cudaMemcpyHostToDevice, st));
+      s = map_in_.CopyTo(map, exec_rows * 4, st);
+      if (!s.ok()) return s;
       CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.x, p.rows, map, exec_rows, static_cast<int64_t>(d) * 2, xe,
                                                   FloatToBf16(p.padding_value), st));
     }
@@ -155,14 +212,18 @@ class CudaKernels final : public ExpertKernels {
 
     if (!direct) {
       // Phase: only useful rows leave the runner.
-      host_map_.assign(p.rows, -1);
+      // The second map goes after the first in device scratch (exec_rows >= rows entries).
+      int32_t* out_map = map + exec_rows;
+      auto staged = map_out_.Acquire(p.rows * 4);
+      if (!staged.ok()) return staged.status();
+      int32_t* host_map = static_cast<int32_t*>(*staged);
+      std::fill(host_map, host_map + p.rows, -1);
       for (int e = 0; e < e_count; ++e) {
-        for (int64_t i = 0; i < counts[e]; ++i) host_map_[p.host_offsets[e] + i] = static_cast<int32_t>(executed[e] + i);
+        for (int64_t i = 0; i < counts[e]; ++i) host_map[p.host_offsets[e] + i] = static_cast<int32_t>(executed[e] + i);
       }
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(map, host_map_.data(), p.rows * 4, cudaMemcpyHostToDevice, st));
-      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
-      // host_map_ is reused by the next call: wait until the copy has read it.
-      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+      s = map_out_.CopyTo(out_map, p.rows * 4, st);
+      if (!s.ok()) return s;
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, out_map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
     }
     return absl::OkStatus();
   }
@@ -219,7 +280,12 @@ class CudaKernels final : public ExpertKernels {
 
   absl::Status Grouped(const std::vector<Problem>& ps, cudaStream_t st) {
     if (ps.empty()) return absl::OkStatus();
-    if (loop_gemm_ || ps.size() == 1) {
+    int64_t rows = 0;
+    for (const Problem& q : ps) rows += q.m;
+    // Few or large problems: cuBLAS's tuned single GEMMs beat its grouped kernel (measured on
+    // the H200, bench/RESULTS.md); many small ones: one grouped call amortizes the launches.
+    const bool large = ps.size() <= 8 || rows / static_cast<int64_t>(ps.size()) >= kLoopRowsPerProblem;
+    if ((loop_gemm_ || large) && !force_grouped_) {
       for (const Problem& q : ps) {
         absl::Status s = Gemm(q);
         if (!s.ok()) return s;
@@ -238,7 +304,9 @@ class CudaKernels final : public ExpertKernels {
     ones_.assign(g, 1);
     alpha_.assign(g, 1.0f);
     beta_.assign(g, 0.0f);
-    ptrs_.resize(3 * g);
+    auto staged = ptr_staging_.Acquire(3 * g * sizeof(void*));
+    if (!staged.ok()) return staged.status();
+    const void** ptrs = static_cast<const void**>(*staged);
     for (int i = 0; i < g; ++i) {
       const Problem& q = ps[i];
       m_[i] = q.n;
@@ -247,20 +315,21 @@ class CudaKernels final : public ExpertKernels {
       lda_[i] = q.k;
       ldb_[i] = q.k;
       ldc_[i] = q.n;
-      ptrs_[i] = q.b;
-      ptrs_[g + i] = q.a;
-      ptrs_[2 * g + i] = q.c;
+      ptrs[i] = q.b;
+      ptrs[g + i] = q.a;
+      ptrs[2 * g + i] = q.c;
     }
-    auto dev = ptr_scratch_.Get(ptrs_.size() * sizeof(void*));
+    // NOTE: cuBLAS reads the device pointer table when the GEMM runs; the next call's copy into
+    // the same table is ordered after this GEMM by the stream (one stream per kernels object).
+    auto dev = ptr_scratch_.Get(3 * g * sizeof(void*));
     if (!dev.ok()) return dev.status();
     void** d_ptrs = static_cast<void**>(*dev);
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_ptrs, ptrs_.data(), ptrs_.size() * sizeof(void*), cudaMemcpyHostToDevice, st));
+    absl::Status copied = ptr_staging_.CopyTo(d_ptrs, 3 * g * sizeof(void*), st);
+    if (!copied.ok()) return copied;
     const cublasStatus_t rc = cublasGemmGroupedBatchedEx(
         handle_, trans_a_.data(), trans_b_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(), d_ptrs, CUDA_R_16BF,
         lda_.data(), d_ptrs + g, CUDA_R_16BF, ldb_.data(), beta_.data(), d_ptrs + 2 * g, CUDA_R_16BF, ldc_.data(), g,
         ones_.data(), CUBLAS_COMPUTE_32F);
-    // The pointer table is host memory reused by the next call: wait until the copy read it.
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
     if (rc == CUBLAS_STATUS_NOT_SUPPORTED) {
       loop_gemm_ = true;  // this cuBLAS cannot group BF16: fall back to one GEMM per problem
       return Grouped(ps, st);
@@ -271,12 +340,13 @@ class CudaKernels final : public ExpertKernels {
 
   cublasHandle_t handle_;
   bool loop_gemm_ = false;
+  bool force_grouped_ = false;
+  static constexpr int64_t kLoopRowsPerProblem = 768;
   Scratch scratch_, ptr_scratch_, cursor_scratch_;
-  std::vector<int32_t> host_map_;
+  PinnedStaging map_in_, map_out_, ptr_staging_;
   std::vector<cublasOperation_t> trans_a_, trans_b_;
   std::vector<int> m_, n_, k_, lda_, ldb_, ldc_, ones_;
   std::vector<float> alpha_, beta_;
-  std::vector<const void*> ptrs_;
 };
 
 }  // namespace

@@ -43,6 +43,13 @@ cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t r
 cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, const int64_t* offsets, int num_experts,
                              int32_t* cursor, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
 
+// Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
+// correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16.
+bool SmallBatchSupported(int d, int f);
+cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int64_t* offsets, int num_experts, int d, int f,
+                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                                   cudaStream_t stream);
+
 }  // namespace moe::kernels::cuda
 
 #endif  // MOE_KERNELS_CUDA_LAUNCH_H_

@@ -126,6 +126,30 @@ TEST(CpuKernelsTest, SwigluValidatesBeforeCompute) {
   for (uint16_t v : y) EXPECT_EQ(v, 0x7fc0);  // nothing was written
 }
 
+TEST(CpuKernelsTest, DeviceOffsetPathEqualsHostOffsetPath) {
+  std::mt19937 rng(5);
+  auto k = CreateCpuKernels();
+  Experts w(rng, 4, 16, 24);
+  const std::vector<int64_t> offsets = {0, 2, 2, 7, 9};
+  const auto x = RandomBf16(rng, 12 * 16, 1.0f);  // 12 rows of capacity, 9 used
+  std::vector<uint16_t> y1(12 * 16, 0), y2(12 * 16, 0);
+  SwigluParams p;
+  p.weights = w.Weights();
+  p.x = x.data();
+  p.rows = 9;
+  p.host_offsets = offsets.data();
+  p.y = y1.data();
+  ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
+  p.host_offsets = nullptr;
+  p.device_offsets = offsets.data();
+  p.rows = 12;
+  p.y = y2.data();
+  ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
+  EXPECT_EQ(y1, y2);
+  p.layout = {Layout::kPaddedDense, 8, 1, 128};
+  EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CpuKernelsTest, RouteRowsIsAStableCountingSort) {
   auto k = CreateCpuKernels();
   const std::vector<int32_t> topk = {2, 0, 1, 2, -1, 2};  // 3 tokens, k = 2; one dropped route

@@ -24,14 +24,18 @@ class DeviceVector {
  public:
   explicit DeviceVector(const std::vector<T>& host) : n_(host.size()) {
     EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(1, n_) * sizeof(T)), cudaSuccess);
-    if (n_ > 0) EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    if (n_ > 0) {
+      EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    }
   }
   explicit DeviceVector(size_t n, T fill = T()) : DeviceVector(std::vector<T>(n, fill)) {}
   ~DeviceVector() { cudaFree(ptr_); }
   T* get() { return ptr_; }
   std::vector<T> Host() const {
     std::vector<T> out(n_);
-    if (n_ > 0) EXPECT_EQ(cudaMemcpy(out.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    if (n_ > 0) {
+      EXPECT_EQ(cudaMemcpy(out.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    }
     return out;
   }
 
@@ -104,6 +108,43 @@ TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
       EXPECT_LT(rel, 1e-2) << LayoutName(layout.layout) << " trial " << trial << " e=" << e << " d=" << d << " f=" << f;
       EXPECT_TRUE(std::isfinite(worst)) << "padding reached the output (" << LayoutName(layout.layout) << ")";
     }
+  }
+}
+
+// Decode path: offsets read on the device, segments longer than one staged chunk included.
+TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
+  for (int trial = 0; trial < 6; ++trial) {
+    const int e = 1 + static_cast<int>(rng_() % 20);
+    const int d = trial == 0 ? 7168 : 64 * (1 + static_cast<int>(rng_() % 8));
+    const int f = 64 * (1 + static_cast<int>(rng_() % 8));
+    const auto counts = RandomCounts(rng_, e, trial < 3 ? 5 : 40);
+    const auto offsets = Offsets(counts);
+    const int64_t rows = offsets.back() + 3;  // capacity above the used rows
+    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+    auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+    std::vector<uint16_t> ref(x.size(), 0);
+    SwigluParams p;
+    p.weights = {wgu.data(), wd.data(), e, d, f};
+    p.x = x.data();
+    p.rows = rows;
+    p.device_offsets = offsets.data();  // host memory is the CPU's "device"
+    p.y = ref.data();
+    ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+    DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x), dy(x.size(), 0);
+    DeviceVector<int64_t> doff(offsets);
+    p.weights = {dwgu.get(), dwd.get(), e, d, f};
+    p.x = dx.get();
+    p.y = dy.get();
+    p.device_offsets = doff.get();
+    ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    auto got = dy.Host();
+    got.resize(offsets.back() * d);
+    ref.resize(offsets.back() * d);
+    double rel = 0;
+    EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, ref, &rel)));
+    EXPECT_LT(rel, 1e-2) << "trial " << trial << " e=" << e << " d=" << d << " f=" << f;
   }
 }
 
