@@ -20,6 +20,7 @@ echo "== benchmark"
 dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours.jsonl" 2> "$OUT/ours.err"; echo "ours rc=$?"; tail -3 "$OUT/ours.err"
 python3 bench/gpu/torch_reference.py ${BENCH_ARGS:-} > "$OUT/torch.jsonl" 2> "$OUT/torch.err"; echo "torch rc=$?"; tail -3 "$OUT/torch.err"
 python3 bench/gpu/report.py "$OUT/ours.jsonl" "$OUT/torch.jsonl" "$OUT/report.md" "$OUT/expert_layer.png"
+grep breakdown "$OUT/ours.jsonl" || true
 if [ "${AB:-0}" = 1 ]; then
   echo "== A/B: every multi-expert GEMM through cublasGemmGroupedBatchedEx"
   MOE_GROUPED_GEMM=grouped dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours_grouped.jsonl" 2>&1

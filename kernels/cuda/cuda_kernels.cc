@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -90,11 +91,26 @@ struct Problem {
 class CudaKernels final : public ExpertKernels {
  public:
   explicit CudaKernels(cublasHandle_t handle) : handle_(handle) {
+    for (int i = 0; i < kSideStreams; ++i) {
+      side_ok_ = side_ok_ && cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking) == cudaSuccess &&
+                 cublasCreate(&side_handle_[i]) == CUBLAS_STATUS_SUCCESS &&
+                 cublasSetStream(side_handle_[i], side_[i]) == CUBLAS_STATUS_SUCCESS &&
+                 cudaEventCreateWithFlags(&side_done_[i], cudaEventDisableTiming) == cudaSuccess;
+    }
+    side_ok_ = side_ok_ && cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming) == cudaSuccess;
     const char* mode = std::getenv("MOE_GROUPED_GEMM");
     loop_gemm_ = mode != nullptr && std::strcmp(mode, "loop") == 0;
     force_grouped_ = mode != nullptr && std::strcmp(mode, "grouped") == 0;
   }
-  ~CudaKernels() override { cublasDestroy(handle_); }
+  ~CudaKernels() override {
+    for (int i = 0; i < kSideStreams; ++i) {
+      if (side_handle_[i] != nullptr) cublasDestroy(side_handle_[i]);
+      if (side_done_[i] != nullptr) cudaEventDestroy(side_done_[i]);
+      if (side_[i] != nullptr) cudaStreamDestroy(side_[i]);
+    }
+    if (fork_ != nullptr) cudaEventDestroy(fork_);
+    cublasDestroy(handle_);
+  }
   const char* name() const override {
     return loop_gemm_ ? "cuda(gemm: loop)" : (force_grouped_ ? "cuda(gemm: grouped)" : "cuda(gemm: auto)");
   }
@@ -204,11 +220,23 @@ class CudaKernels final : public ExpertKernels {
                       ye + executed[e] * d});
     }
     const bool uniform = p.layout.layout == Layout::kPaddedDense;
-    s = uniform ? StridedBatched(up, st) : Grouped(up, st);
-    if (!s.ok()) return s;
-    CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
-    s = uniform ? StridedBatched(down, st) : Grouped(down, st);
-    if (!s.ok()) return s;
+    int64_t executed_total = 0;
+    for (const Problem& q : up) executed_total += q.m;
+    const bool chains = !uniform && !force_grouped_ && side_ok_ &&
+                        (loop_gemm_ || up.size() <= 8 || executed_total / static_cast<int64_t>(up.size()) >= kChainRows);
+    if (chains) {
+      // Few or large segments: one chain (gate+up GEMM, activation, down GEMM) per expert, the
+      // chains spread over side streams so one expert's memory-bound activation overlaps
+      // another's GEMMs and small GEMMs share the GPU.
+      s = Chains(up, down, f, st);
+      if (!s.ok()) return s;
+    } else {
+      s = uniform ? StridedBatched(up, st) : Grouped(up, st);
+      if (!s.ok()) return s;
+      CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
+      s = uniform ? StridedBatched(down, st) : Grouped(down, st);
+      if (!s.ok()) return s;
+    }
 
     if (!direct) {
       // Phase: only useful rows leave the runner.
@@ -264,6 +292,35 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status GemmOn(cublasHandle_t handle, const Problem& q) {
+    const float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k,
+                                        q.a, CUDA_R_16BF, q.k, &beta, q.c, CUDA_R_16BF, q.n, CUBLAS_COMPUTE_32F,
+                                        CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  }
+
+  absl::Status Chains(const std::vector<Problem>& up, const std::vector<Problem>& down, int f, cudaStream_t st) {
+    const int streams = static_cast<int>(std::min<size_t>(kSideStreams, up.size()));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, st));
+    for (int i = 0; i < streams; ++i) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_[i], fork_, 0));
+    for (size_t i = 0; i < up.size(); ++i) {
+      const int sid = static_cast<int>(i % streams);
+      absl::Status s = GemmOn(side_handle_[sid], up[i]);
+      if (!s.ok()) return s;
+      CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(static_cast<const uint16_t*>(up[i].c), up[i].m, f,
+                                                        const_cast<uint16_t*>(static_cast<const uint16_t*>(down[i].a)),
+                                                        side_[sid]));
+      s = GemmOn(side_handle_[sid], down[i]);
+      if (!s.ok()) return s;
+    }
+    for (int i = 0; i < streams; ++i) {
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(side_done_[i], side_[i]));
+      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(st, side_done_[i], 0));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status StridedBatched(const std::vector<Problem>& ps, cudaStream_t) {
     if (ps.empty()) return absl::OkStatus();
     const Problem& q = ps.front();
@@ -280,12 +337,7 @@ class CudaKernels final : public ExpertKernels {
 
   absl::Status Grouped(const std::vector<Problem>& ps, cudaStream_t st) {
     if (ps.empty()) return absl::OkStatus();
-    int64_t rows = 0;
-    for (const Problem& q : ps) rows += q.m;
-    // Few or large problems: cuBLAS's tuned single GEMMs beat its grouped kernel (measured on
-    // the H200, bench/RESULTS.md); many small ones: one grouped call amortizes the launches.
-    const bool large = ps.size() <= 8 || rows / static_cast<int64_t>(ps.size()) >= kLoopRowsPerProblem;
-    if ((loop_gemm_ || large) && !force_grouped_) {
+    if (ps.size() == 1 || loop_gemm_) {
       for (const Problem& q : ps) {
         absl::Status s = Gemm(q);
         if (!s.ok()) return s;
@@ -341,7 +393,14 @@ class CudaKernels final : public ExpertKernels {
   cublasHandle_t handle_;
   bool loop_gemm_ = false;
   bool force_grouped_ = false;
-  static constexpr int64_t kLoopRowsPerProblem = 768;
+  // Segments at least this long run as per-expert chains (measured on the H200, bench/RESULTS.md).
+  static constexpr int64_t kChainRows = 128;
+  static constexpr int kSideStreams = 4;
+  bool side_ok_ = true;
+  cudaStream_t side_[kSideStreams] = {};
+  cublasHandle_t side_handle_[kSideStreams] = {};
+  cudaEvent_t side_done_[kSideStreams] = {};
+  cudaEvent_t fork_ = nullptr;
   Scratch scratch_, ptr_scratch_, cursor_scratch_;
   PinnedStaging map_in_, map_out_, ptr_staging_;
   std::vector<cublasOperation_t> trans_a_, trans_b_;

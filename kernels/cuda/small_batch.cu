@@ -29,27 +29,38 @@ __device__ __forceinline__ float WarpSum(float v) {
 
 // Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
 // Accumulates per staged row into acc[r].
+// Four 16-byte weight loads are issued before any use, so each lane keeps 64 bytes in flight.
 __device__ __forceinline__ void DotRows(const uint4* __restrict__ w, const uint4* __restrict__ xs, int len8, int rows,
                                         float (&acc)[kMaxRows]) {
   const int lane = threadIdx.x & 31;
-  for (int i = lane; i < len8; i += 32) {
-    const uint4 wv = __ldg(w + i);
-    const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-    float2 wf[4];
+  for (int base = lane; base < len8; base += 32 * 4) {
+    uint4 wv[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) wf[q] = __bfloat1622float2(w2[q]);
+    for (int u = 0; u < 4; ++u) {
+      const int i = base + u * 32;
+      wv[u] = i < len8 ? __ldg(w + i) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r < rows) {
-        const uint4 xv = xs[r * len8 + i];
-        const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-        float s = 0;
+    for (int u = 0; u < 4; ++u) {
+      const int i = base + u * 32;
+      if (i >= len8) break;
+      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
+      float2 wf[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 xf = __bfloat1622float2(x2[q]);
-          s += wf[q].x * xf.x + wf[q].y * xf.y;
+      for (int q = 0; q < 4; ++q) wf[q] = __bfloat1622float2(w2[q]);
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < rows) {
+          const uint4 xv = xs[r * len8 + i];
+          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+          float s = 0;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 xf = __bfloat1622float2(x2[q]);
+            s += wf[q].x * xf.x + wf[q].y * xf.y;
+          }
+          acc[r] += s;
         }
-        acc[r] += s;
       }
     }
   }
@@ -155,15 +166,24 @@ bool SmallBatchSupported(int d, int f) {
 cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int64_t* offsets, int num_experts, int d, int f,
                                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                                    cudaStream_t stream) {
-  int device = 0, sms = 132;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  // Device attributes and the shared-memory opt-in are set once per process (first call).
+  static int sms = 0;
+  static cudaError_t setup = [] {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(GateUpKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBudget));
+    }
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(DownKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBudget));
+    }
+    return e;
+  }();
+  if (setup != cudaSuccess) return setup;
   const int chunk_x = ChunkRows(d), chunk_a = ChunkRows(f);
   const size_t smem_x = static_cast<size_t>(chunk_x) * d * 2, smem_a = static_cast<size_t>(chunk_a) * f * 2;
-  cudaError_t e = cudaFuncSetAttribute(GateUpKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBudget));
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(DownKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBudget));
-  if (e != cudaSuccess) return e;
+  cudaError_t e;
   const int items_up = num_experts * ((f + kTileRows - 1) / kTileRows);
   GateUpKernel<<<Grid(items_up, sms), kWarps * 32, smem_x, stream>>>(
       reinterpret_cast<const uint4*>(x), offsets, num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
