@@ -117,6 +117,9 @@ struct SwigluParams {
   // the kernels run (device memory on CUDA) and nothing returns to the host; offsets[E] may
   // then be below `rows`, which is the capacity of x and y.
   const int64_t* device_offsets = nullptr;
+  // Optional bound on any segment's length on the decode path (e.g. the token count when a
+  // token's k routes go to distinct experts); 0 = unknown. Only speed depends on it.
+  int64_t max_segment_rows = 0;
   uint16_t* y = nullptr;                // [rows, d] BF16
   // Value written into padding / fringe input rows (tests poison them with NaN).
   float padding_value = 0.0f;

@@ -110,11 +110,16 @@ double CopyTBps(cudaStream_t st, int reps) {
 
 int main(int argc, char** argv) {
   int reps = 20;
-  bool quick = false;
+  bool quick = false, decode_only = false;
+  std::string only_shape;
+  int64_t only_tokens = -1;
   moe::kernels::Layout layout = moe::kernels::Layout::kGrouped;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
+    if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
+    if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_tokens = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--layout") && i + 1 < argc) {
       const std::string l = argv[++i];
       layout = l == "padded" ? moe::kernels::Layout::kPaddedDense
@@ -143,6 +148,7 @@ int main(int argc, char** argv) {
 
   std::mt19937 rng(7);
   for (const Shape& s : shapes) {
+    if (!only_shape.empty() && only_shape != s.name) continue;
     const int64_t wgu_n = static_cast<int64_t>(s.e) * 2 * s.f * s.d, wd_n = static_cast<int64_t>(s.e) * s.d * s.f;
     void *wgu, *wd;
     CHECK_CUDA(cudaMalloc(&wgu, wgu_n * 2));
@@ -150,6 +156,7 @@ int main(int argc, char** argv) {
     CHECK_CUDA(moe::bench::FillRandomBf16(wgu, wgu_n, 11, 1.0f / std::sqrt(static_cast<float>(s.d)), st));
     CHECK_CUDA(moe::bench::FillRandomBf16(wd, wd_n, 12, 1.0f / std::sqrt(static_cast<float>(s.f)), st));
     for (int64_t t : s.tokens) {
+      if (only_tokens > 0 && t != only_tokens) continue;
       const int64_t routes = t * s.k;
       // Uniform top-k without replacement; gates normalized per token.
       std::vector<int32_t> topk(routes);
@@ -206,6 +213,7 @@ int main(int argc, char** argv) {
         p.x = static_cast<const uint16_t*>(packed);
         p.rows = routes;
         p.device_offsets = offsets;
+        p.max_segment_rows = t;  // a token's k routes go to distinct experts
         p.y = static_cast<uint16_t*>(expert_out);
         CHECK_OK(kernels->Swiglu(p, st));
         moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
@@ -238,7 +246,7 @@ int main(int argc, char** argv) {
         CHECK_OK(kernels->Combine(c, st));
       };
       // Capacity for the padded layout: the largest segment of this routing.
-      layer();
+      if (!decode_only) layer();
       CHECK_CUDA(cudaStreamSynchronize(st));
       for (int e = 0; e < s.e; ++e) max_seg = std::max(max_seg, host_offsets[e + 1] - host_offsets[e]);
       const double flops = 6.0 * routes * s.d * static_cast<double>(s.f);
@@ -254,7 +262,7 @@ int main(int argc, char** argv) {
             (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
             flops / (us * 1e-6) / 1e12 / dense);
       };
-      report("prefill", TimeMedianUs(reps, st, layer));
+      if (!decode_only) report("prefill", TimeMedianUs(reps, st, layer));
       if (t <= 128) report("decode", TimeMedianUs(reps, st, decode_layer));
       if (t <= 16) {
         // Stage breakdown of the decode path (each stage alone, same inputs).
@@ -275,6 +283,7 @@ int main(int argc, char** argv) {
         p.x = static_cast<const uint16_t*>(packed);
         p.rows = routes;
         p.device_offsets = offsets;
+        p.max_segment_rows = t;  // a token's k routes go to distinct experts
         p.y = static_cast<uint16_t*>(expert_out);
         const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(p, st)); });
         moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,

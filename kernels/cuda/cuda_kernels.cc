@@ -101,6 +101,9 @@ class CudaKernels final : public ExpertKernels {
     const char* mode = std::getenv("MOE_GROUPED_GEMM");
     loop_gemm_ = mode != nullptr && std::strcmp(mode, "loop") == 0;
     force_grouped_ = mode != nullptr && std::strcmp(mode, "grouped") == 0;
+    if (const char* n = std::getenv("MOE_CHAIN_STREAMS"); n != nullptr) {
+      chain_streams_ = std::max(1, std::min(kSideStreams, std::atoi(n)));
+    }
   }
   ~CudaKernels() override {
     for (int i = 0; i < kSideStreams; ++i) {
@@ -167,7 +170,8 @@ class CudaKernels final : public ExpertKernels {
       auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
       if (!a.ok()) return a.status();
       CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.device_offsets, e_count, d, f, w.w_gate_up, w.w_down,
-                                                        static_cast<uint16_t*>(*a), p.y, st));
+                                                        static_cast<uint16_t*>(*a), p.y,
+                                                        p.max_segment_rows > 0 ? p.max_segment_rows : p.rows, st));
       return absl::OkStatus();
     }
     std::vector<int64_t> counts(e_count), executed;
@@ -222,8 +226,9 @@ class CudaKernels final : public ExpertKernels {
     const bool uniform = p.layout.layout == Layout::kPaddedDense;
     int64_t executed_total = 0;
     for (const Problem& q : up) executed_total += q.m;
+    const int64_t avg_rows = executed_total / static_cast<int64_t>(up.size());
     const bool chains = !uniform && !force_grouped_ && side_ok_ &&
-                        (loop_gemm_ || up.size() <= 8 || executed_total / static_cast<int64_t>(up.size()) >= kChainRows);
+                        (loop_gemm_ || up.size() <= 8 || avg_rows * 2 * f * static_cast<int64_t>(d) >= kChainWork);
     if (chains) {
       // Few or large segments: one chain (gate+up GEMM, activation, down GEMM) per expert, the
       // chains spread over side streams so one expert's memory-bound activation overlaps
@@ -301,7 +306,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status Chains(const std::vector<Problem>& up, const std::vector<Problem>& down, int f, cudaStream_t st) {
-    const int streams = static_cast<int>(std::min<size_t>(kSideStreams, up.size()));
+    const int streams = static_cast<int>(std::min<size_t>(chain_streams_, up.size()));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, st));
     for (int i = 0; i < streams; ++i) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_[i], fork_, 0));
     for (size_t i = 0; i < up.size(); ++i) {
@@ -393,9 +398,11 @@ class CudaKernels final : public ExpertKernels {
   cublasHandle_t handle_;
   bool loop_gemm_ = false;
   bool force_grouped_ = false;
-  // Segments at least this long run as per-expert chains (measured on the H200, bench/RESULTS.md).
-  static constexpr int64_t kChainRows = 128;
+  // Segments whose gate+up GEMM has at least this many multiply-adds run as per-expert chains;
+  // below it one grouped call wins (measured on the H200, bench/RESULTS.md).
+  static constexpr int64_t kChainWork = 4'000'000'000;
   static constexpr int kSideStreams = 4;
+  int chain_streams_ = kSideStreams;
   bool side_ok_ = true;
   cudaStream_t side_[kSideStreams] = {};
   cublasHandle_t side_handle_[kSideStreams] = {};

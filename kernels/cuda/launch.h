@@ -48,7 +48,7 @@ cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, con
 bool SmallBatchSupported(int d, int f);
 cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int64_t* offsets, int num_experts, int d, int f,
                                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                                   cudaStream_t stream);
+                                   int64_t max_segment_rows, cudaStream_t stream);
 
 }  // namespace moe::kernels::cuda
 
