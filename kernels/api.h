@@ -120,6 +120,11 @@ struct SwigluParams {
   // Optional bound on any segment's length on the decode path (e.g. the token count when a
   // token's k routes go to distinct experts); 0 = unknown. Only speed depends on it.
   int64_t max_segment_rows = 0;
+  // Optional, decode path: layout row r is read from x[x_row_index[r]] (x is then the source,
+  // e.g. the token rows of the hidden state, and `x_rows` its row count): the gather into
+  // expert-major order is fused into the expert kernel's operand load.
+  const int32_t* x_row_index = nullptr;
+  int64_t x_rows = 0;
   uint16_t* y = nullptr;                // [rows, d] BF16
   // Value written into padding / fringe input rows (tests poison them with NaN).
   float padding_value = 0.0f;

@@ -132,6 +132,9 @@ absl::Status CheckSwiglu(const SwigluParams& p) {
   }
   if (w.w_gate_up == nullptr || w.w_down == nullptr) return absl::InvalidArgumentError("swiglu.weights: null");
   if (p.rows > 0 && (p.x == nullptr || p.y == nullptr)) return absl::InvalidArgumentError("swiglu: null x or y");
+  if (p.x_row_index != nullptr && p.host_offsets != nullptr) {
+    return absl::InvalidArgumentError("swiglu.x_row_index: only with device_offsets (the decode path)");
+  }
   if (p.host_offsets == nullptr) {
     if (p.device_offsets == nullptr) return absl::InvalidArgumentError("swiglu: host_offsets or device_offsets required");
     if (p.layout.layout != Layout::kGrouped) {

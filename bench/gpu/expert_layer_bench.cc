@@ -200,17 +200,11 @@ int main(int argc, char** argv) {
       // Decode path: no host round trip; offsets stay on the device.
       auto decode_layer = [&] {
         CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
-        moe::kernels::GatherParams g;
-        g.d = s.d;
-        g.in = hidden;
-        g.in_rows = t;
-        g.index = token_of_row;
-        g.n = routes;
-        g.out = packed;
-        CHECK_OK(kernels->Gather(g, st));
         moe::kernels::SwigluParams p;
         p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
-        p.x = static_cast<const uint16_t*>(packed);
+        p.x = static_cast<const uint16_t*>(hidden);  // the gather is fused into the expert kernel
+        p.x_row_index = token_of_row;
+        p.x_rows = t;
         p.rows = routes;
         p.device_offsets = offsets;
         p.max_segment_rows = t;  // a token's k routes go to distinct experts

@@ -21,6 +21,9 @@ void ToFloat(const uint16_t* in, int64_t n, float* out) {
 }
 
 class CpuKernels final : public ExpertKernels {
+ private:
+  std::vector<uint16_t> gathered_;
+
  public:
   const char* name() const override { return "cpu"; }
 
@@ -99,6 +102,21 @@ class CpuKernels final : public ExpertKernels {
       const int64_t used = p.host_offsets[p.weights.num_experts];
       if (used > p.rows) return absl::InvalidArgumentError("swiglu.device_offsets: sentinel above rows");
       p.rows = used;
+      if (p.x_row_index != nullptr) {
+        // The fused gather of the decode path, done up front on the CPU.
+        gathered_.resize(static_cast<size_t>(used) * p.weights.d);
+        for (int64_t r = 0; r < used; ++r) {
+          const int32_t src = p.x_row_index[r];
+          if (src < 0 || src >= p.x_rows) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("swiglu.x_row_index[", r, "]: ", src, " outside [0, ", p.x_rows, ")"));
+          }
+          std::memcpy(gathered_.data() + r * p.weights.d, p.x + static_cast<int64_t>(src) * p.weights.d,
+                      sizeof(uint16_t) * p.weights.d);
+        }
+        p.x = gathered_.data();
+        p.x_row_index = nullptr;
+      }
       s = CheckSwiglu(p);
       if (!s.ok()) return s;
     }

@@ -145,6 +145,11 @@ class CudaKernels final : public ExpertKernels {
     if (!s.ok()) return s;
     if (p.num_experts > 12 * 1024) return absl::InvalidArgumentError("route_rows.num_experts: at most 12288 on CUDA");
     auto st = static_cast<cudaStream_t>(stream);
+    if (cuda::RouteRowsSmall(p.num_tokens * p.k, p.num_experts)) {
+      CUDA_RETURN_IF_ERROR(cuda::LaunchRouteRowsSmall(p.topk, p.num_tokens, p.k, p.num_experts, p.counts, p.offsets,
+                                                      p.row_of_route, p.token_of_row, st));
+      return absl::OkStatus();
+    }
     auto cursor = cursor_scratch_.Get(static_cast<size_t>(p.num_experts) * sizeof(int32_t));
     if (!cursor.ok()) return cursor.status();
     CUDA_RETURN_IF_ERROR(cuda::LaunchHistogramScan(p.topk, p.num_tokens * p.k, p.num_experts, p.counts, p.offsets, st));
@@ -169,7 +174,7 @@ class CudaKernels final : public ExpertKernels {
       if (p.rows == 0) return absl::OkStatus();
       auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
       if (!a.ok()) return a.status();
-      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.device_offsets, e_count, d, f, w.w_gate_up, w.w_down,
+      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up, w.w_down,
                                                         static_cast<uint16_t*>(*a), p.y,
                                                         p.max_segment_rows > 0 ? p.max_segment_rows : p.rows, st));
       return absl::OkStatus();

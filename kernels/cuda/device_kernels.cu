@@ -249,7 +249,68 @@ __global__ void AssignRowsKernel(const int32_t* __restrict__ topk, int64_t num_t
   }
 }
 
+// One block does the whole step for small inputs: histogram in shared memory, scan, row
+// assignment (one launch instead of four).
+constexpr int kRouteThreads = 1024;
+__global__ void __launch_bounds__(kRouteThreads) RouteRowsSmallKernel(
+    const int32_t* __restrict__ topk, int64_t num_tokens, int k, int num_experts, int64_t* __restrict__ counts,
+    int64_t* __restrict__ offsets, int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
+  using Scan = cub::BlockScan<int, kRouteThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int carry;
+  extern __shared__ int shared[];
+  int* count = shared;               // [E], then the cursor
+  int* base = shared + num_experts;  // [E] exclusive offsets
+  const int64_t n = num_tokens * k;
+  for (int b = threadIdx.x; b < num_experts; b += blockDim.x) count[b] = 0;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t e = topk[i];
+    if (e >= 0 && e < num_experts) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  for (int b0 = 0; b0 < num_experts; b0 += kRouteThreads) {
+    const int b = b0 + threadIdx.x;
+    const int v = b < num_experts ? count[b] : 0;
+    int excl, total;
+    Scan(storage).ExclusiveSum(v, excl, total);
+    if (b < num_experts) {
+      base[b] = carry + excl;
+      counts[b] = v;
+      offsets[b] = carry + excl;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) offsets[num_experts] = carry;
+  for (int b = threadIdx.x; b < num_experts; b += blockDim.x) count[b] = 0;  // reuse as cursor
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t e = topk[i];
+    if (e < 0 || e >= num_experts) {
+      row_of_route[i] = -1;
+      continue;
+    }
+    const int32_t row = base[e] + atomicAdd(&count[e], 1);
+    row_of_route[i] = row;
+    token_of_row[row] = static_cast<int32_t>(i / k);
+  }
+}
+
 }  // namespace
+
+bool RouteRowsSmall(int64_t routes, int num_experts) {
+  return routes <= 16384 && static_cast<size_t>(num_experts) * 2 * sizeof(int) <= 40 * 1024;
+}
+
+cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
+                                 int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream) {
+  RouteRowsSmallKernel<<<1, kRouteThreads, static_cast<size_t>(num_experts) * 2 * sizeof(int), stream>>>(
+      topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchGatherRows(const void* in, int64_t in_rows, const int32_t* index, int64_t n, int64_t row_bytes,
                              void* out, uint16_t fill_bf16, cudaStream_t stream) {

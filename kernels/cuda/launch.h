@@ -43,10 +43,16 @@ cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t r
 cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, const int64_t* offsets, int num_experts,
                              int32_t* cursor, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
 
+// The same in one single-block launch, for decode-sized inputs (RouteRowsSmall says when).
+bool RouteRowsSmall(int64_t routes, int num_experts);
+cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
+                                 int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
+
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16.
 bool SmallBatchSupported(int d, int f);
-cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int64_t* offsets, int num_experts, int d, int f,
+// With x_row_index, layout row r reads x[x_row_index[r]] (the gather fused into the load).
+cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
                                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                                    int64_t max_segment_rows, cudaStream_t stream);
 

@@ -18,7 +18,7 @@ namespace moe::kernels::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kRowsPerWarp = 2;
+constexpr int kRowsPerWarp = 1;
 constexpr int kTileRows = kWarps * kRowsPerWarp;  // output rows per work item
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -29,52 +29,67 @@ __device__ __forceinline__ float WarpSum(float v) {
 
 // Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
 // Accumulates per staged row into acc[r].
-// Four 16-byte weight loads are issued before any use, so each lane keeps 64 bytes in flight.
-// ROWS is the staged-chunk capacity (a compile-time constant keeps accumulators in registers
-// and the unrolled code small); `rows` <= ROWS are valid.
-template <int ROWS>
-__device__ __forceinline__ void DotRows(const uint4* __restrict__ w, const uint4* __restrict__ xs, int len8, int rows,
-                                        float (&acc)[ROWS]) {
+// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. Four vectors of
+// every weight row are loaded before any use, so a lane keeps 64 * NW bytes in flight. ROWS is
+// the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
+// unrolled code small); `rows` <= ROWS are valid.
+template <int ROWS, int NW>
+__device__ __forceinline__ void DotRows(const uint4* const (&w)[NW], const uint4* __restrict__ xs, int len8, int rows,
+                                        float (&acc)[NW][ROWS]) {
   const int lane = threadIdx.x & 31;
   for (int base = lane; base < len8; base += 32 * 4) {
-    uint4 wv[4];
+    uint4 wv[NW][4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int i = base + u * 32;
-      wv[u] = i < len8 ? __ldg(w + i) : make_uint4(0, 0, 0, 0);
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * 32;
+        wv[n][u] = i < len8 ? __ldg(w[n] + i) : make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int i = base + u * 32;
       if (i >= len8) break;
-      const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
-      float2 wf[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) wf[q] = __bfloat1622float2(w2[q]);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         if (r < rows) {
           const uint4 xv = xs[r * len8 + i];
           const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-          float s = 0;
+          float2 xf[4];
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 xf = __bfloat1622float2(x2[q]);
-            s += wf[q].x * xf.x + wf[q].y * xf.y;
+          for (int q = 0; q < 4; ++q) xf[q] = __bfloat1622float2(x2[q]);
+#pragma unroll
+          for (int n = 0; n < NW; ++n) {
+            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[n][u]);
+            float s = 0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const float2 wf = __bfloat1622float2(w2[q]);
+              s += wf.x * xf[q].x + wf.y * xf[q].y;
+            }
+            acc[n][r] += s;
           }
-          acc[r] += s;
         }
       }
     }
   }
 }
 
-__device__ __forceinline__ void StageRows(const uint4* __restrict__ src, int len8, int rows, uint4* __restrict__ dst) {
-  for (int i = threadIdx.x; i < rows * len8; i += blockDim.x) dst[i] = src[i];
+// Stages `rows` rows starting at layout row r0; with `row_index` the rows are gathered from
+// their source (e.g. token rows of the hidden state): the permutation is fused into the load.
+__device__ __forceinline__ void StageRows(const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
+                                          int64_t r0, int len8, int rows, uint4* __restrict__ dst) {
+  for (int i = threadIdx.x; i < rows * len8; i += blockDim.x) {
+    const int r = i / len8;
+    const int64_t row = row_index != nullptr ? row_index[r0 + r] : r0 + r;
+    dst[i] = src[row * len8 + (i - r * len8)];
+  }
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restrict__ x, const int64_t* __restrict__ offsets,
+__global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
+                                                           const int64_t* __restrict__ offsets,
                                                            int num_experts, int d8, int f,
                                                            const uint4* __restrict__ w_gate_up, int chunk_rows,
                                                            __nv_bfloat16* __restrict__ a) {
@@ -89,22 +104,21 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restr
     for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
       const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
       __syncthreads();  // the previous chunk's readers are done with xs
-      StageRows(x + r0 * d8, d8, rows, xs);
+      StageRows(x, x_row_index, r0, d8, rows, xs);
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < kRowsPerWarp; ++j) {
         const int c = tile * kTileRows + warp * kRowsPerWarp + j;
         if (c >= f) break;
-        float g[ROWS] = {}, u[ROWS] = {};
-        const uint4* wg = w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8;
-        const uint4* wu = w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8;
-        DotRows<ROWS>(wg, xs, d8, rows, g);
-        DotRows<ROWS>(wu, xs, d8, rows, u);
+        float gu[2][ROWS] = {};
+        const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
+                                   w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
+        DotRows<ROWS, 2>(w, xs, d8, rows, gu);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (r < rows) {
-            const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(g[r])));
-            const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(u[r])));
+            const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
+            const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
             if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
           }
         }
@@ -129,18 +143,19 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restric
     for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
       const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
       __syncthreads();
-      StageRows(a + r0 * f8, f8, rows, as);
+      StageRows(a, nullptr, r0, f8, rows, as);
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < kRowsPerWarp; ++j) {
         const int o = tile * kTileRows + warp * kRowsPerWarp + j;
         if (o >= d) break;
-        float acc[ROWS] = {};
-        DotRows<ROWS>(w_down + (static_cast<int64_t>(e) * d + o) * f8, as, f8, rows, acc);
+        float acc[1][ROWS] = {};
+        const uint4* const w[1] = {w_down + (static_cast<int64_t>(e) * d + o) * f8};
+        DotRows<ROWS, 1>(w, as, f8, rows, acc);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (r < rows) {
-            const float v = WarpSum(acc[r]);
+            const float v = WarpSum(acc[0][r]);
             if ((threadIdx.x & 31) == 0) y[(r0 + r) * d + o] = __float2bfloat16_rn(v);
           }
         }
@@ -162,7 +177,7 @@ int Grid(int items, int sms) {
 }
 
 template <int ROWS>
-cudaError_t Launch(const uint16_t* x, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
                    const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
   // Device attributes and the shared-memory opt-in are set once per process and ROWS.
   static int sms = 0;
@@ -183,7 +198,8 @@ cudaError_t Launch(const uint16_t* x, const int64_t* offsets, int num_experts, i
   const size_t smem_x = static_cast<size_t>(chunk_x) * d * 2, smem_a = static_cast<size_t>(chunk_a) * f * 2;
   const int items_up = num_experts * ((f + kTileRows - 1) / kTileRows);
   GateUpKernel<ROWS><<<Grid(items_up, sms), kWarps * 32, smem_x, stream>>>(
-      reinterpret_cast<const uint4*>(x), offsets, num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
+      reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
+      reinterpret_cast<const uint4*>(w_gate_up),
       chunk_x, reinterpret_cast<__nv_bfloat16*>(a));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
@@ -201,14 +217,14 @@ bool SmallBatchSupported(int d, int f) {
   return d % 8 == 0 && f % 8 == 0 && static_cast<size_t>(d) * 2 <= kSmemBudget && static_cast<size_t>(f) * 2 <= kSmemBudget;
 }
 
-cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int64_t* offsets, int num_experts, int d, int f,
+cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
                                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                                    int64_t max_segment_rows, cudaStream_t stream) {
   // The chunk capacity follows the caller's bound on segment length (rows beyond a chunk loop).
-  if (max_segment_rows <= 1) return Launch<1>(x, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  if (max_segment_rows <= 2) return Launch<2>(x, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  if (max_segment_rows <= 4) return Launch<4>(x, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  return Launch<8>(x, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  if (max_segment_rows <= 1) return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  if (max_segment_rows <= 2) return Launch<2>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  if (max_segment_rows <= 4) return Launch<4>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  return Launch<8>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
 }
 
 }  // namespace moe::kernels::cuda

@@ -146,6 +146,23 @@ TEST(CpuKernelsTest, DeviceOffsetPathEqualsHostOffsetPath) {
   p.y = y2.data();
   ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
   EXPECT_EQ(y1, y2);
+  // Fused gather: layout row r reads source row 11 - r.
+  std::vector<uint16_t> source(12 * 16), y3(12 * 16, 0);
+  std::vector<int32_t> index(12);
+  for (int r = 0; r < 12; ++r) {
+    index[r] = 11 - r;
+    std::copy_n(x.begin() + r * 16, 16, source.begin() + (11 - r) * 16);
+  }
+  p.x = source.data();
+  p.x_row_index = index.data();
+  p.x_rows = 12;
+  p.y = y3.data();
+  ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
+  EXPECT_EQ(std::vector<uint16_t>(y3.begin(), y3.begin() + 9 * 16), std::vector<uint16_t>(y1.begin(), y1.begin() + 9 * 16));
+  index[3] = 12;
+  EXPECT_THAT(std::string(k->Swiglu(p, nullptr).message()), HasSubstr("x_row_index[3]"));
+  p.x = x.data();
+  p.x_row_index = nullptr;
   p.layout = {Layout::kPaddedDense, 8, 1, 128};
   EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
