@@ -18,8 +18,22 @@ namespace moe::kernels::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kRowsPerWarp = 1;
-constexpr int kTileRows = kWarps * kRowsPerWarp;  // output rows per work item
+constexpr int kUpRowsPerWarp = 1;    // gate/up: each column is two weight rows
+constexpr int kDownRowsPerWarp = 4;  // down: four output rows per warp, loaded together
+constexpr int kUpTile = kWarps * kUpRowsPerWarp;
+constexpr int kDownTile = kWarps * kDownRowsPerWarp;
+// Offsets of up to this many experts are cached in shared memory: scanning work items of
+// experts without rows then costs no global-memory latency.
+constexpr int kCachedExperts = 2048;
+
+// Loads offsets[0..E] into shared memory (when E fits) and returns where to read them.
+__device__ __forceinline__ const int64_t* CacheOffsets(const int64_t* __restrict__ offsets, int num_experts,
+                                                       int64_t* cache) {
+  if (num_experts > kCachedExperts) return offsets;
+  for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) cache[i] = offsets[i];
+  __syncthreads();
+  return cache;
+}
 
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
@@ -34,7 +48,7 @@ __device__ __forceinline__ float WarpSum(float v) {
 // the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
 // unrolled code small); `rows` <= ROWS are valid.
 template <int ROWS, int NW>
-__device__ __forceinline__ void DotRows(const uint4* const (&w)[NW], const uint4* __restrict__ xs, int len8, int rows,
+__device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __restrict__ xs, int len8, int rows,
                                         float (&acc)[NW][ROWS]) {
   const int lane = threadIdx.x & 31;
   for (int base = lane; base < len8; base += 32 * 4) {
@@ -94,11 +108,13 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restr
                                                            const uint4* __restrict__ w_gate_up, int chunk_rows,
                                                            __nv_bfloat16* __restrict__ a) {
   extern __shared__ uint4 xs[];
-  const int tiles = (f + kTileRows - 1) / kTileRows;
+  __shared__ int64_t offset_cache[kCachedExperts + 1];
+  const int64_t* off = CacheOffsets(offsets, num_experts, offset_cache);
+  const int tiles = (f + kUpTile - 1) / kUpTile;
   const int warp = threadIdx.x >> 5;
   for (int item = blockIdx.x; item < num_experts * tiles; item += gridDim.x) {
     const int e = item / tiles;
-    const int64_t begin = offsets[e], end = offsets[e + 1];
+    const int64_t begin = off[e], end = off[e + 1];
     if (begin == end) continue;
     const int tile = item - e * tiles;
     for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
@@ -107,8 +123,8 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restr
       StageRows(x, x_row_index, r0, d8, rows, xs);
       __syncthreads();
 #pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) {
-        const int c = tile * kTileRows + warp * kRowsPerWarp + j;
+      for (int j = 0; j < kUpRowsPerWarp; ++j) {
+        const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
         if (c >= f) break;
         float gu[2][ROWS] = {};
         const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
@@ -133,11 +149,13 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restric
                                                          const uint4* __restrict__ w_down, int chunk_rows,
                                                          __nv_bfloat16* __restrict__ y) {
   extern __shared__ uint4 as[];
-  const int tiles = (d + kTileRows - 1) / kTileRows;
+  __shared__ int64_t offset_cache[kCachedExperts + 1];
+  const int64_t* off = CacheOffsets(offsets, num_experts, offset_cache);
+  const int tiles = (d + kDownTile - 1) / kDownTile;
   const int warp = threadIdx.x >> 5;
   for (int item = blockIdx.x; item < num_experts * tiles; item += gridDim.x) {
     const int e = item / tiles;
-    const int64_t begin = offsets[e], end = offsets[e + 1];
+    const int64_t begin = off[e], end = off[e + 1];
     if (begin == end) continue;
     const int tile = item - e * tiles;
     for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
@@ -145,18 +163,25 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restric
       __syncthreads();
       StageRows(a, nullptr, r0, f8, rows, as);
       __syncthreads();
+      // Four output rows per warp, their weight rows streamed together (clamped at d; the
+      // duplicate rows of a ragged last tile are computed but not written).
+      const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
+      if (o0 >= d) continue;
+      const uint4* w[kDownRowsPerWarp];
 #pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) {
-        const int o = tile * kTileRows + warp * kRowsPerWarp + j;
-        if (o >= d) break;
-        float acc[1][ROWS] = {};
-        const uint4* const w[1] = {w_down + (static_cast<int64_t>(e) * d + o) * f8};
-        DotRows<ROWS, 1>(w, as, f8, rows, acc);
+      for (int j = 0; j < kDownRowsPerWarp; ++j) {
+        const int o = o0 + j < d ? o0 + j : d - 1;
+        w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
+      }
+      float acc[kDownRowsPerWarp][ROWS] = {};
+      DotRows<ROWS, kDownRowsPerWarp>(w, as, f8, rows, acc);
+#pragma unroll
+      for (int j = 0; j < kDownRowsPerWarp; ++j) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (r < rows) {
-            const float v = WarpSum(acc[0][r]);
-            if ((threadIdx.x & 31) == 0) y[(r0 + r) * d + o] = __float2bfloat16_rn(v);
+            const float v = WarpSum(acc[j][r]);
+            if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
           }
         }
       }
@@ -196,14 +221,14 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
   if (setup != cudaSuccess) return setup;
   const int chunk_x = ChunkRows(ROWS, d), chunk_a = ChunkRows(ROWS, f);
   const size_t smem_x = static_cast<size_t>(chunk_x) * d * 2, smem_a = static_cast<size_t>(chunk_a) * f * 2;
-  const int items_up = num_experts * ((f + kTileRows - 1) / kTileRows);
+  const int items_up = num_experts * ((f + kUpTile - 1) / kUpTile);
   GateUpKernel<ROWS><<<Grid(items_up, sms), kWarps * 32, smem_x, stream>>>(
       reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
       reinterpret_cast<const uint4*>(w_gate_up),
       chunk_x, reinterpret_cast<__nv_bfloat16*>(a));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  const int items_down = num_experts * ((d + kTileRows - 1) / kTileRows);
+  const int items_down = num_experts * ((d + kDownTile - 1) / kDownTile);
   DownKernel<ROWS><<<Grid(items_down, sms), kWarps * 32, smem_a, stream>>>(
       reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d, reinterpret_cast<const uint4*>(w_down), chunk_a,
       reinterpret_cast<__nv_bfloat16*>(y));
