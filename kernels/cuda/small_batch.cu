@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include "kernels/cuda/launch.h"
 
 namespace moe::kernels::cuda {
@@ -22,17 +24,41 @@ constexpr int kUpRowsPerWarp = 1;    // gate/up: each column is two weight rows
 constexpr int kDownRowsPerWarp = 4;  // down: four output rows per warp, loaded together
 constexpr int kUpTile = kWarps * kUpRowsPerWarp;
 constexpr int kDownTile = kWarps * kDownRowsPerWarp;
-// Offsets of up to this many experts are cached in shared memory: scanning work items of
-// experts without rows then costs no global-memory latency.
+// Up to this many experts, each block caches the offsets in shared memory and compacts the list
+// of experts that have rows, so work items are (active expert, tile) only: experts without
+// rows cost nothing and the busy items spread evenly over the blocks.
 constexpr int kCachedExperts = 2048;
 
-// Loads offsets[0..E] into shared memory (when E fits) and returns where to read them.
-__device__ __forceinline__ const int64_t* CacheOffsets(const int64_t* __restrict__ offsets, int num_experts,
-                                                       int64_t* cache) {
-  if (num_experts > kCachedExperts) return offsets;
+struct ActiveExperts {
+  const int64_t* offsets;  // [E + 1]
+  const int* ids;          // active expert ids (nullptr: every expert, in order)
+  int count;
+};
+
+__device__ ActiveExperts CompactActive(const int64_t* __restrict__ offsets, int num_experts, int64_t* cache,
+                                       int* ids) {
+  if (num_experts > kCachedExperts) return {offsets, nullptr, num_experts};
+  using Scan = cub::BlockScan<int, kWarps * 32>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int carry;
   for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) cache[i] = offsets[i];
+  if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  return cache;
+  for (int e0 = 0; e0 < num_experts; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    const int busy = e < num_experts && cache[e + 1] > cache[e] ? 1 : 0;
+    int slot, total;
+    Scan(storage).ExclusiveSum(busy, slot, total);
+    if (busy) ids[carry + slot] = e;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  return {cache, ids, carry};
+}
+
+__host__ __device__ size_t ActiveBytes(int num_experts) {
+  return num_experts > kCachedExperts ? 0 : static_cast<size_t>(num_experts + 1) * 8 + static_cast<size_t>(num_experts) * 4;
 }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -107,16 +133,18 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restr
                                                            int num_experts, int d8, int f,
                                                            const uint4* __restrict__ w_gate_up, int chunk_rows,
                                                            __nv_bfloat16* __restrict__ a) {
-  extern __shared__ uint4 xs[];
-  __shared__ int64_t offset_cache[kCachedExperts + 1];
-  const int64_t* off = CacheOffsets(offsets, num_experts, offset_cache);
+  extern __shared__ uint4 smem[];
+  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
+  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem),
+                                          reinterpret_cast<int*>(reinterpret_cast<int64_t*>(smem) + num_experts + 1));
+  uint4* xs = smem + active_vecs;
   const int tiles = (f + kUpTile - 1) / kUpTile;
   const int warp = threadIdx.x >> 5;
-  for (int item = blockIdx.x; item < num_experts * tiles; item += gridDim.x) {
-    const int e = item / tiles;
-    const int64_t begin = off[e], end = off[e + 1];
+  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
+    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
+    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
     if (begin == end) continue;
-    const int tile = item - e * tiles;
+    const int tile = item % tiles;
     for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
       const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
       __syncthreads();  // the previous chunk's readers are done with xs
@@ -148,16 +176,18 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restric
                                                          int num_experts, int f8, int d,
                                                          const uint4* __restrict__ w_down, int chunk_rows,
                                                          __nv_bfloat16* __restrict__ y) {
-  extern __shared__ uint4 as[];
-  __shared__ int64_t offset_cache[kCachedExperts + 1];
-  const int64_t* off = CacheOffsets(offsets, num_experts, offset_cache);
+  extern __shared__ uint4 smem[];
+  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
+  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem),
+                                          reinterpret_cast<int*>(reinterpret_cast<int64_t*>(smem) + num_experts + 1));
+  uint4* as = smem + active_vecs;
   const int tiles = (d + kDownTile - 1) / kDownTile;
   const int warp = threadIdx.x >> 5;
-  for (int item = blockIdx.x; item < num_experts * tiles; item += gridDim.x) {
-    const int e = item / tiles;
-    const int64_t begin = off[e], end = off[e + 1];
+  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
+    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
+    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
     if (begin == end) continue;
-    const int tile = item - e * tiles;
+    const int tile = item % tiles;
     for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
       const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
       __syncthreads();
@@ -189,17 +219,14 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restric
   }
 }
 
-constexpr size_t kSmemBudget = 96 * 1024;
+constexpr size_t kSmemBudget = 96 * 1024;  // staged rows; the active-expert cache comes on top
 
 int ChunkRows(int rows_cap, int len) {
   const int fit = static_cast<int>(kSmemBudget / (static_cast<size_t>(len) * 2));
   return fit < rows_cap ? (fit < 1 ? 1 : fit) : rows_cap;
 }
 
-int Grid(int items, int sms) {
-  const int g = sms * 8;
-  return items < g ? items : g;
-}
+int Grid(int items, int resident) { return items < resident ? items : resident; }
 
 template <int ROWS>
 cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
@@ -211,25 +238,32 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
     cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(GateUpKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBudget));
+      e = cudaFuncSetAttribute(GateUpKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
     }
     if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(DownKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBudget));
+      e = cudaFuncSetAttribute(DownKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
     }
     return e;
   }();
   if (setup != cudaSuccess) return setup;
   const int chunk_x = ChunkRows(ROWS, d), chunk_a = ChunkRows(ROWS, f);
-  const size_t smem_x = static_cast<size_t>(chunk_x) * d * 2, smem_a = static_cast<size_t>(chunk_a) * f * 2;
+  const size_t active = (ActiveBytes(num_experts) + 15) / 16 * 16;
+  const size_t smem_x = active + static_cast<size_t>(chunk_x) * d * 2, smem_a = active + static_cast<size_t>(chunk_a) * f * 2;
+  // One resident wave: blocks stride over the work items.
+  int per_sm_up = 1, per_sm_down = 1;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_up, GateUpKernel<ROWS>, kWarps * 32, smem_x);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_down, DownKernel<ROWS>, kWarps * 32, smem_a);
   const int items_up = num_experts * ((f + kUpTile - 1) / kUpTile);
-  GateUpKernel<ROWS><<<Grid(items_up, sms), kWarps * 32, smem_x, stream>>>(
+  GateUpKernel<ROWS><<<Grid(items_up, sms * (per_sm_up > 0 ? per_sm_up : 1)), kWarps * 32, smem_x, stream>>>(
       reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
       reinterpret_cast<const uint4*>(w_gate_up),
       chunk_x, reinterpret_cast<__nv_bfloat16*>(a));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   const int items_down = num_experts * ((d + kDownTile - 1) / kDownTile);
-  DownKernel<ROWS><<<Grid(items_down, sms), kWarps * 32, smem_a, stream>>>(
+  DownKernel<ROWS><<<Grid(items_down, sms * (per_sm_down > 0 ? per_sm_down : 1)), kWarps * 32, smem_a, stream>>>(
       reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d, reinterpret_cast<const uint4*>(w_down), chunk_a,
       reinterpret_cast<__nv_bfloat16*>(y));
   return cudaGetLastError();
