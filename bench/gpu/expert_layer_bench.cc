@@ -258,6 +258,36 @@ int main(int argc, char** argv) {
       };
       if (!decode_only) report("prefill", TimeMedianUs(reps, st, layer));
       if (t <= 128) report("decode", TimeMedianUs(reps, st, decode_layer));
+      if (t >= 4096 && !decode_only) {
+        // Stage breakdown of the prefill path (each stage alone, same inputs).
+        layer();
+        const double route_us = TimeMedianUs(reps, st, [&] {
+          CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
+        });
+        moe::kernels::GatherParams g;
+        g.d = s.d;
+        g.in = hidden;
+        g.in_rows = t;
+        g.index = token_of_row;
+        g.n = routes;
+        g.out = packed;
+        const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Gather(g, st)); });
+        moe::kernels::SwigluParams p;
+        p.layout = {layout, max_seg, 8, 128};
+        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
+        p.x = static_cast<const uint16_t*>(packed);
+        p.rows = routes;
+        p.host_offsets = host_offsets.data();
+        p.y = static_cast<uint16_t*>(expert_out);
+        const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(p, st)); });
+        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
+                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
+        const double combine_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Combine(c, st)); });
+        std::printf("{\"kind\": \"breakdown\", \"path\": \"prefill\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
+                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f}\n",
+                    s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us,
+                    flops / (dense * 1e12) * 1e6);
+      }
       if (t <= 16) {
         // Stage breakdown of the decode path (each stage alone, same inputs).
         decode_layer();

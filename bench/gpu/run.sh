@@ -17,10 +17,12 @@ if [ "${SANITIZE:-1}" = 1 ]; then
   done
 fi
 echo "== benchmark"
+# At most 8 files come back: sanitizer logs are bundled into one archive at the end.
 dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours.jsonl" 2> "$OUT/ours.err"; echo "ours rc=$?"; tail -3 "$OUT/ours.err"
 python3 bench/gpu/torch_reference.py ${BENCH_ARGS:-} > "$OUT/torch.jsonl" 2> "$OUT/torch.err"; echo "torch rc=$?"; tail -3 "$OUT/torch.err"
 python3 bench/gpu/report.py "$OUT/ours.jsonl" "$OUT/torch.jsonl" "$OUT/report.md" "$OUT/expert_layer.png"
 grep breakdown "$OUT/ours.jsonl" || true
+tar -C "$OUT" -czf "$OUT/logs.tgz" --remove-files $(cd "$OUT" && ls sanitizer_*.txt *.err gpu.txt cuda_kernels_test.txt 2>/dev/null) 2>/dev/null || true
 if [ "${AB:-0}" = 1 ]; then
   echo "== A/B: every multi-expert GEMM through cublasGemmGroupedBatchedEx"
   MOE_GROUPED_GEMM=grouped dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours_grouped.jsonl" 2>&1

@@ -102,7 +102,7 @@ class CudaKernels final : public ExpertKernels {
     loop_gemm_ = mode != nullptr && std::strcmp(mode, "loop") == 0;
     force_grouped_ = mode != nullptr && std::strcmp(mode, "grouped") == 0;
     if (const char* n = std::getenv("MOE_CHAIN_STREAMS"); n != nullptr) {
-      chain_streams_ = std::max(1, std::min(kSideStreams, std::atoi(n)));
+      chain_streams_env_ = std::max(1, std::min(kSideStreams, std::atoi(n)));
     }
   }
   ~CudaKernels() override {
@@ -238,7 +238,9 @@ class CudaKernels final : public ExpertKernels {
       // Few or large segments: one chain (gate+up GEMM, activation, down GEMM) per expert, the
       // chains spread over side streams so one expert's memory-bound activation overlaps
       // another's GEMMs and small GEMMs share the GPU.
-      s = Chains(up, down, f, st);
+      // Large GEMMs fill the GPU alone (concurrent ones only contend); smaller ones share it.
+      const int streams = chain_streams_env_ > 0 ? chain_streams_env_ : (avg_rows >= 1024 ? 1 : kSideStreams);
+      s = Chains(up, down, f, streams, st);
       if (!s.ok()) return s;
     } else {
       s = uniform ? StridedBatched(up, st) : Grouped(up, st);
@@ -310,8 +312,9 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
-  absl::Status Chains(const std::vector<Problem>& up, const std::vector<Problem>& down, int f, cudaStream_t st) {
-    const int streams = static_cast<int>(std::min<size_t>(chain_streams_, up.size()));
+  absl::Status Chains(const std::vector<Problem>& up, const std::vector<Problem>& down, int f, int max_streams,
+                      cudaStream_t st) {
+    const int streams = static_cast<int>(std::min<size_t>(max_streams, up.size()));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(fork_, st));
     for (int i = 0; i < streams; ++i) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_[i], fork_, 0));
     for (size_t i = 0; i < up.size(); ++i) {
@@ -407,7 +410,7 @@ class CudaKernels final : public ExpertKernels {
   // below it one grouped call wins (measured on the H200, bench/RESULTS.md).
   static constexpr int64_t kChainWork = 4'000'000'000;
   static constexpr int kSideStreams = 4;
-  int chain_streams_ = kSideStreams;
+  int chain_streams_env_ = 0;  // MOE_CHAIN_STREAMS override for A/B runs
   bool side_ok_ = true;
   cudaStream_t side_[kSideStreams] = {};
   cublasHandle_t side_handle_[kSideStreams] = {};

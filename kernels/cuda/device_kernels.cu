@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(kRouteThreads) RouteRowsSmallKernel(
 }  // namespace
 
 bool RouteRowsSmall(int64_t routes, int num_experts) {
-  return routes <= 16384 && static_cast<size_t>(num_experts) * 2 * sizeof(int) <= 40 * 1024;
+  // One block: fine for decode-sized steps; beyond that the multi-block path parallelizes.
+  return routes <= 2048 && static_cast<size_t>(num_experts) * 2 * sizeof(int) <= 40 * 1024;
 }
 
 cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,

@@ -69,26 +69,28 @@ __device__ __forceinline__ float WarpSum(float v) {
 
 // Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
 // Accumulates per staged row into acc[r].
-// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. Four vectors of
-// every weight row are loaded before any use, so a lane keeps 64 * NW bytes in flight. ROWS is
+// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. A batch of vectors
+// of every weight row is loaded before any use (8 per row for one or two rows, 4 for four), so
+// a lane keeps 128 or 256 bytes in flight. ROWS is
 // the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
 // unrolled code small); `rows` <= ROWS are valid.
 template <int ROWS, int NW>
 __device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __restrict__ xs, int len8, int rows,
                                         float (&acc)[NW][ROWS]) {
+  constexpr int kBatch = NW >= 4 ? 4 : 8;  // vectors per weight row in flight (registers permitting)
   const int lane = threadIdx.x & 31;
-  for (int base = lane; base < len8; base += 32 * 4) {
-    uint4 wv[NW][4];
+  for (int base = lane; base < len8; base += 32 * kBatch) {
+    uint4 wv[NW][kBatch];
 #pragma unroll
     for (int n = 0; n < NW; ++n) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < kBatch; ++u) {
         const int i = base + u * 32;
         wv[n][u] = i < len8 ? __ldg(w[n] + i) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       const int i = base + u * 32;
       if (i >= len8) break;
 #pragma unroll
