@@ -238,8 +238,11 @@ class CudaKernels final : public ExpertKernels {
       // Few or large segments: one chain (gate+up GEMM, activation, down GEMM) per expert, the
       // chains spread over side streams so one expert's memory-bound activation overlaps
       // another's GEMMs and small GEMMs share the GPU.
-      // Large GEMMs fill the GPU alone (concurrent ones only contend); smaller ones share it.
-      const int streams = chain_streams_env_ > 0 ? chain_streams_env_ : (avg_rows >= 1024 ? 1 : kSideStreams);
+      // Measured on the H200 (bench/RESULTS.md): a few experts gain from overlapping one
+      // expert's activation with another's GEMMs; many large GEMMs (1024+ rows) fill the GPU
+      // alone and only contend when concurrent; many smaller ones share it.
+      const bool many_large = up.size() > 8 && avg_rows >= 1024;
+      const int streams = chain_streams_env_ > 0 ? chain_streams_env_ : (many_large ? 1 : kSideStreams);
       s = Chains(up, down, f, streams, st);
       if (!s.ok()) return s;
     } else {
