@@ -195,49 +195,59 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaMemcpy(d_topk, topk.data(), routes * 4, cudaMemcpyHostToDevice));
       CHECK_CUDA(cudaMemcpy(d_gates, gates.data(), routes * 4, cudaMemcpyHostToDevice));
       std::vector<int64_t> host_offsets(s.e + 1);
-      int64_t max_seg = 1;
 
-      // Decode path: no host round trip; offsets stay on the device.
-      auto decode_layer = [&] {
+      // The stages, shared by the two paths and the breakdowns.
+      int64_t max_seg = 1;
+      auto route = [&] {
         CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
-        moe::kernels::SwigluParams p;
-        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
-        p.x = static_cast<const uint16_t*>(hidden);  // the gather is fused into the expert kernel
-        p.x_row_index = token_of_row;
-        p.x_rows = t;
-        p.rows = routes;
-        p.device_offsets = offsets;
-        p.max_segment_rows = t;  // a token's k routes go to distinct experts
-        p.y = static_cast<uint16_t*>(expert_out);
-        CHECK_OK(kernels->Swiglu(p, st));
-        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
-                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
-        CHECK_OK(kernels->Combine(c, st));
       };
+      moe::kernels::GatherParams gather;
+      gather.d = s.d;
+      gather.in = hidden;
+      gather.in_rows = t;
+      gather.index = token_of_row;
+      gather.n = routes;
+      gather.out = packed;
+      moe::kernels::SwigluParams prefill;  // host offsets: the GEMM shapes
+      prefill.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
+      prefill.x = static_cast<const uint16_t*>(packed);
+      prefill.rows = routes;
+      prefill.host_offsets = host_offsets.data();
+      prefill.y = static_cast<uint16_t*>(expert_out);
+      moe::kernels::SwigluParams decode = prefill;  // device offsets, gather fused into the loads
+      decode.host_offsets = nullptr;
+      decode.device_offsets = offsets;
+      decode.max_segment_rows = t;  // a token's k routes go to distinct experts
+      decode.x = static_cast<const uint16_t*>(hidden);
+      decode.x_row_index = token_of_row;
+      decode.x_rows = t;
+      const moe::kernels::CombineParams combine{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route,
+                                                d_gates, t, s.k, nullptr, static_cast<uint16_t*>(out)};
       auto layer = [&] {
-        CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
+        route();
         // Prefill path: the GEMM shapes come back to the host once per step.
         CHECK_CUDA(cudaMemcpyAsync(host_offsets.data(), offsets, (s.e + 1) * 8, cudaMemcpyDeviceToHost, st));
         CHECK_CUDA(cudaStreamSynchronize(st));
-        moe::kernels::GatherParams g;
-        g.d = s.d;
-        g.in = hidden;
-        g.in_rows = t;
-        g.index = token_of_row;
-        g.n = routes;
-        g.out = packed;
-        CHECK_OK(kernels->Gather(g, st));
-        moe::kernels::SwigluParams p;
-        p.layout = {layout, max_seg, 8, 128};
-        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
-        p.x = static_cast<const uint16_t*>(packed);
-        p.rows = routes;
-        p.host_offsets = host_offsets.data();
-        p.y = static_cast<uint16_t*>(expert_out);
-        CHECK_OK(kernels->Swiglu(p, st));
-        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
-                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
-        CHECK_OK(kernels->Combine(c, st));
+        CHECK_OK(kernels->Gather(gather, st));
+        prefill.layout = {layout, max_seg, 8, 128};
+        CHECK_OK(kernels->Swiglu(prefill, st));
+        CHECK_OK(kernels->Combine(combine, st));
+      };
+      // Decode path: no host round trip; offsets stay on the device.
+      auto decode_layer = [&] {
+        route();
+        CHECK_OK(kernels->Swiglu(decode, st));
+        CHECK_OK(kernels->Combine(combine, st));
+      };
+      // Stage-alone medians (same inputs); `experts` is the given Swiglu variant.
+      auto breakdown = [&](const char* path, const moe::kernels::SwigluParams& experts, double floor_us) {
+        const double route_us = TimeMedianUs(reps, st, route);
+        const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Gather(gather, st)); });
+        const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(experts, st)); });
+        const double combine_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Combine(combine, st)); });
+        std::printf("{\"kind\": \"breakdown\", \"path\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
+                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f}\n",
+                    path, s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us, floor_us);
       };
       // Capacity for the padded layout: the largest segment of this routing.
       if (!decode_only) layer();
@@ -258,64 +268,10 @@ int main(int argc, char** argv) {
       };
       if (!decode_only) report("prefill", TimeMedianUs(reps, st, layer));
       if (t <= 128) report("decode", TimeMedianUs(reps, st, decode_layer));
-      if (t >= 4096 && !decode_only) {
-        // Stage breakdown of the prefill path (each stage alone, same inputs).
-        layer();
-        const double route_us = TimeMedianUs(reps, st, [&] {
-          CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
-        });
-        moe::kernels::GatherParams g;
-        g.d = s.d;
-        g.in = hidden;
-        g.in_rows = t;
-        g.index = token_of_row;
-        g.n = routes;
-        g.out = packed;
-        const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Gather(g, st)); });
-        moe::kernels::SwigluParams p;
-        p.layout = {layout, max_seg, 8, 128};
-        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
-        p.x = static_cast<const uint16_t*>(packed);
-        p.rows = routes;
-        p.host_offsets = host_offsets.data();
-        p.y = static_cast<uint16_t*>(expert_out);
-        const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(p, st)); });
-        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
-                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
-        const double combine_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Combine(c, st)); });
-        std::printf("{\"kind\": \"breakdown\", \"path\": \"prefill\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
-                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f}\n",
-                    s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us,
-                    flops / (dense * 1e12) * 1e6);
-      }
+      if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
       if (t <= 16) {
-        // Stage breakdown of the decode path (each stage alone, same inputs).
         decode_layer();
-        const double route_us = TimeMedianUs(reps, st, [&] {
-          CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
-        });
-        moe::kernels::GatherParams g;
-        g.d = s.d;
-        g.in = hidden;
-        g.in_rows = t;
-        g.index = token_of_row;
-        g.n = routes;
-        g.out = packed;
-        const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Gather(g, st)); });
-        moe::kernels::SwigluParams p;
-        p.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
-        p.x = static_cast<const uint16_t*>(packed);
-        p.rows = routes;
-        p.device_offsets = offsets;
-        p.max_segment_rows = t;  // a token's k routes go to distinct experts
-        p.y = static_cast<uint16_t*>(expert_out);
-        const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(p, st)); });
-        moe::kernels::CombineParams c{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route, d_gates,
-                                      t, s.k, nullptr, static_cast<uint16_t*>(out)};
-        const double combine_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Combine(c, st)); });
-        std::printf("{\"kind\": \"breakdown\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
-                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f}\n",
-                    s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us);
+        breakdown("decode", decode, flops / (dense * 1e12) * 1e6);
       }
       std::fflush(stdout);
       cudaFree(hidden);

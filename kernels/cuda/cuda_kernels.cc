@@ -299,14 +299,6 @@ class CudaKernels final : public ExpertKernels {
 
  private:
   // Row-major C = A B^T is column-major C^T = B A^T: cuBLAS(transa = T on B, transb = N on A).
-  absl::Status Gemm(const Problem& q) {
-    const float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k,
-                                        q.a, CUDA_R_16BF, q.k, &beta, q.c, CUDA_R_16BF, q.n, CUBLAS_COMPUTE_32F,
-                                        CUBLAS_GEMM_DEFAULT));
-    return absl::OkStatus();
-  }
-
   absl::Status GemmOn(cublasHandle_t handle, const Problem& q) {
     const float alpha = 1.0f, beta = 0.0f;
     CUBLAS_RETURN_IF_ERROR(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k,
@@ -355,7 +347,7 @@ class CudaKernels final : public ExpertKernels {
     if (ps.empty()) return absl::OkStatus();
     if (ps.size() == 1 || loop_gemm_) {
       for (const Problem& q : ps) {
-        absl::Status s = Gemm(q);
+        absl::Status s = GemmOn(handle_, q);
         if (!s.ok()) return s;
       }
       return absl::OkStatus();

@@ -129,48 +129,60 @@ __device__ __forceinline__ void StageRows(const uint4* __restrict__ src, const i
   }
 }
 
+// The work loop both kernels share: compact the active experts, then stride over (active
+// expert, tile) items; for each, stage the expert's rows chunk by chunk and call
+// body(e, tile, r0, rows, staged) with every thread of the block.
+template <typename Body>
+__device__ __forceinline__ void ForEachStagedChunk(const int64_t* __restrict__ offsets, int num_experts, int tiles,
+                                                   const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
+                                                   int len8, int chunk_rows, Body&& body) {
+  extern __shared__ uint4 smem[];
+  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
+  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem),
+                                          reinterpret_cast<int*>(reinterpret_cast<int64_t*>(smem) + num_experts + 1));
+  uint4* staged = smem + active_vecs;
+  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
+    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
+    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
+    if (begin == end) continue;
+    for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
+      const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
+      __syncthreads();  // the previous chunk's readers are done with the staged rows
+      StageRows(src, row_index, r0, len8, rows, staged);
+      __syncthreads();
+      body(e, item % tiles, r0, rows, staged);
+    }
+  }
+}
+
 template <int ROWS>
 __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                                                            const int64_t* __restrict__ offsets,
                                                            int num_experts, int d8, int f,
                                                            const uint4* __restrict__ w_gate_up, int chunk_rows,
                                                            __nv_bfloat16* __restrict__ a) {
-  extern __shared__ uint4 smem[];
-  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
-  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem),
-                                          reinterpret_cast<int*>(reinterpret_cast<int64_t*>(smem) + num_experts + 1));
-  uint4* xs = smem + active_vecs;
-  const int tiles = (f + kUpTile - 1) / kUpTile;
   const int warp = threadIdx.x >> 5;
-  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
-    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
-    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
-    if (begin == end) continue;
-    const int tile = item % tiles;
-    for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
-      const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
-      __syncthreads();  // the previous chunk's readers are done with xs
-      StageRows(x, x_row_index, r0, d8, rows, xs);
-      __syncthreads();
+  ForEachStagedChunk(offsets, num_experts, (f + kUpTile - 1) / kUpTile, x, x_row_index, d8, chunk_rows,
+                     [&](int e, int tile, int64_t r0, int rows, const uint4* xs) {
 #pragma unroll
-      for (int j = 0; j < kUpRowsPerWarp; ++j) {
-        const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
-        if (c >= f) break;
-        float gu[2][ROWS] = {};
-        const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
-                                   w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
-        DotRows<ROWS, 2>(w, xs, d8, rows, gu);
+    for (int j = 0; j < kUpRowsPerWarp; ++j) {
+      const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
+      if (c >= f) break;
+      float gu[2][ROWS] = {};
+      const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
+                                 w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
+      DotRows<ROWS, 2>(w, xs, d8, rows, gu);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          if (r < rows) {
-            const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
-            const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
-            if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
-          }
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+          // Activation in the epilogue: gate and up rounded to BF16 as the GEMM path does.
+          const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
+          const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
+          if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
         }
       }
     }
-  }
+  });
 }
 
 template <int ROWS>
@@ -178,47 +190,32 @@ __global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restric
                                                          int num_experts, int f8, int d,
                                                          const uint4* __restrict__ w_down, int chunk_rows,
                                                          __nv_bfloat16* __restrict__ y) {
-  extern __shared__ uint4 smem[];
-  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
-  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem),
-                                          reinterpret_cast<int*>(reinterpret_cast<int64_t*>(smem) + num_experts + 1));
-  uint4* as = smem + active_vecs;
-  const int tiles = (d + kDownTile - 1) / kDownTile;
   const int warp = threadIdx.x >> 5;
-  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
-    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
-    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
-    if (begin == end) continue;
-    const int tile = item % tiles;
-    for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
-      const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
-      __syncthreads();
-      StageRows(a, nullptr, r0, f8, rows, as);
-      __syncthreads();
-      // Four output rows per warp, their weight rows streamed together (clamped at d; the
-      // duplicate rows of a ragged last tile are computed but not written).
-      const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
-      if (o0 >= d) continue;
-      const uint4* w[kDownRowsPerWarp];
+  ForEachStagedChunk(offsets, num_experts, (d + kDownTile - 1) / kDownTile, a, nullptr, f8, chunk_rows,
+                     [&](int e, int tile, int64_t r0, int rows, const uint4* as) {
+    // Four output rows per warp, their weight rows streamed together (clamped at d; the
+    // duplicate rows of a ragged last tile are computed but not written).
+    const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
+    if (o0 >= d) return;
+    const uint4* w[kDownRowsPerWarp];
 #pragma unroll
-      for (int j = 0; j < kDownRowsPerWarp; ++j) {
-        const int o = o0 + j < d ? o0 + j : d - 1;
-        w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
-      }
-      float acc[kDownRowsPerWarp][ROWS] = {};
-      DotRows<ROWS, kDownRowsPerWarp>(w, as, f8, rows, acc);
+    for (int j = 0; j < kDownRowsPerWarp; ++j) {
+      const int o = o0 + j < d ? o0 + j : d - 1;
+      w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
+    }
+    float acc[kDownRowsPerWarp][ROWS] = {};
+    DotRows<ROWS, kDownRowsPerWarp>(w, as, f8, rows, acc);
 #pragma unroll
-      for (int j = 0; j < kDownRowsPerWarp; ++j) {
+    for (int j = 0; j < kDownRowsPerWarp; ++j) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          if (r < rows) {
-            const float v = WarpSum(acc[j][r]);
-            if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
-          }
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+          const float v = WarpSum(acc[j][r]);
+          if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
         }
       }
     }
-  }
+  });
 }
 
 constexpr size_t kSmemBudget = 96 * 1024;  // staged rows; the active-expert cache comes on top

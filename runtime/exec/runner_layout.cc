@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/api.h"
 
 namespace moe {
 
@@ -19,48 +20,42 @@ const char* RunnerKindName(RunnerKind kind) {
   return "unknown";
 }
 
+namespace {
+kernels::Layout ToKernelLayout(RunnerKind kind) {
+  switch (kind) {
+    case RunnerKind::kPaddedDense:
+      return kernels::Layout::kPaddedDense;
+    case RunnerKind::kGrouped:
+      return kernels::Layout::kGrouped;
+    case RunnerKind::kBlockSparse:
+      return kernels::Layout::kBlockSparse;
+  }
+  return kernels::Layout::kGrouped;
+}
+}  // namespace
+
 absl::StatusOr<RunnerLayout> MakeRunnerLayout(absl::Span<const int64_t> counts, const RunnerLayoutParams& params) {
   RunnerLayout layout;
   layout.kind = params.kind;
   layout.counts.assign(counts.begin(), counts.end());
-  const int l_count = static_cast<int>(counts.size());
-  layout.executed_offsets.assign(l_count + 1, 0);
-  for (int l = 0; l < l_count; ++l) {
-    if (counts[l] < 0) return absl::InvalidArgumentError(absl::StrCat("counts[", l, "]: negative"));
-    layout.useful_rows += counts[l];
-  }
+  // The executed-segment arithmetic is the kernels' own, so plans and runners cannot disagree.
+  const kernels::LayoutParams kp{ToKernelLayout(params.kind), params.capacity, params.alignment, params.block_rows};
+  absl::Status s = kernels::ExecutedOffsets(kp, counts, &layout.executed_offsets);
+  if (!s.ok()) return s;
+  for (int64_t c : counts) layout.useful_rows += c;
+  layout.executed_rows = layout.executed_offsets.back();
   switch (params.kind) {
-    case RunnerKind::kPaddedDense: {
-      if (params.capacity <= 0) return absl::InvalidArgumentError("capacity: must be positive for the padded layout");
-      if (params.alignment <= 0) return absl::InvalidArgumentError("alignment: must be positive");
-      const int64_t c_exec = params.alignment * ((params.capacity + params.alignment - 1) / params.alignment);
-      for (int l = 0; l < l_count; ++l) {
-        if (counts[l] > params.capacity) {
-          // 0x04G: a capacity below max(n_q) would silently turn overflow into a runner drop.
-          return absl::FailedPreconditionError(absl::StrCat("local slot ", l, " has ", counts[l],
-                                                            " rows, above the padded capacity ", params.capacity));
-        }
-        layout.executed_offsets[l + 1] = layout.executed_offsets[l] + c_exec;
-      }
-      layout.capacity_rows = params.capacity * l_count;
+    case RunnerKind::kPaddedDense:
+      layout.capacity_rows = params.capacity * static_cast<int64_t>(counts.size());
       break;
-    }
     case RunnerKind::kGrouped:
-      for (int l = 0; l < l_count; ++l) layout.executed_offsets[l + 1] = layout.executed_offsets[l] + counts[l];
       layout.capacity_rows = layout.useful_rows;
       break;
-    case RunnerKind::kBlockSparse: {
-      if (params.block_rows <= 0) return absl::InvalidArgumentError("block_rows: must be positive");
-      const int64_t b = params.block_rows;
-      layout.block_rows = b;
-      for (int l = 0; l < l_count; ++l) {
-        layout.executed_offsets[l + 1] = layout.executed_offsets[l] + b * ((counts[l] + b - 1) / b);
-      }
-      layout.capacity_rows = layout.executed_offsets[l_count];
+    case RunnerKind::kBlockSparse:
+      layout.block_rows = params.block_rows;
+      layout.capacity_rows = layout.executed_rows;
       break;
-    }
   }
-  layout.executed_rows = layout.executed_offsets[l_count];
   return layout;
 }
 
