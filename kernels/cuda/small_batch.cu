@@ -21,7 +21,7 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kUpRowsPerWarp = 1;    // gate/up: each column is two weight rows
-constexpr int kDownRowsPerWarp = 4;  // down: four output rows per warp, loaded together
+constexpr int kDownRowsPerWarp = 2;  // down: two output rows per warp, loaded together
 constexpr int kUpTile = kWarps * kUpRowsPerWarp;
 constexpr int kDownTile = kWarps * kDownRowsPerWarp;
 // Up to this many experts, each block caches the offsets in shared memory and compacts the list
@@ -69,15 +69,15 @@ __device__ __forceinline__ float WarpSum(float v) {
 
 // Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
 // Accumulates per staged row into acc[r].
-// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. A batch of vectors
-// of every weight row is loaded before any use (8 per row for one or two rows, 4 for four), so
-// a lane keeps 128 or 256 bytes in flight. ROWS is
+// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. Four vectors of
+// every weight row are loaded before any use, so a lane keeps 64 * NW bytes in flight; the
+// kernels are capped at 64 registers per thread (4 blocks of 256 per SM) to keep warps resident. ROWS is
 // the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
 // unrolled code small); `rows` <= ROWS are valid.
 template <int ROWS, int NW>
 __device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __restrict__ xs, int len8, int rows,
                                         float (&acc)[NW][ROWS]) {
-  constexpr int kBatch = NW >= 4 ? 4 : 8;  // vectors per weight row in flight (registers permitting)
+  constexpr int kBatch = 4;  // vectors per weight row in flight (more costs occupancy: registers)
   const int lane = threadIdx.x & 31;
   for (int base = lane; base < len8; base += 32 * kBatch) {
     uint4 wv[NW][kBatch];
@@ -156,7 +156,7 @@ __device__ __forceinline__ void ForEachStagedChunk(const int64_t* __restrict__ o
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
+__global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                                                            const int64_t* __restrict__ offsets,
                                                            int num_experts, int d8, int f,
                                                            const uint4* __restrict__ w_gate_up, int chunk_rows,
@@ -186,14 +186,14 @@ __global__ void __launch_bounds__(kWarps * 32) GateUpKernel(const uint4* __restr
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
+__global__ void __launch_bounds__(kWarps * 32, 4) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
                                                          int num_experts, int f8, int d,
                                                          const uint4* __restrict__ w_down, int chunk_rows,
                                                          __nv_bfloat16* __restrict__ y) {
   const int warp = threadIdx.x >> 5;
   ForEachStagedChunk(offsets, num_experts, (d + kDownTile - 1) / kDownTile, a, nullptr, f8, chunk_rows,
                      [&](int e, int tile, int64_t r0, int rows, const uint4* as) {
-    // Four output rows per warp, their weight rows streamed together (clamped at d; the
+    // Two output rows per warp, their weight rows streamed together (clamped at d; the
     // duplicate rows of a ragged last tile are computed but not written).
     const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
     if (o0 >= d) return;
