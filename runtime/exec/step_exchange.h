@@ -1,0 +1,40 @@
+// Agreement before payload moves (spec 0x0E "peer route counts disagree -> abort before payload
+// exchange"; DESIGN "every rankd must reach the same decision for the same layer step").
+//
+// AgreeOnStep is collective over the step's process group: every member contributes its step
+// header (step id, layer, placement generation, process-group epoch) and its count row (rows it
+// sends to each peer slot). Every member receives every header, so all members reach the same
+// verdict from the same data: either all proceed with the receive splits (the count matrix
+// column of this member) or all return ABORTED naming the field and the disagreeing peer slot.
+// No member enters the payload exchange after a disagreement.
+#ifndef MOE_RUNTIME_EXEC_STEP_EXCHANGE_H_
+#define MOE_RUNTIME_EXEC_STEP_EXCHANGE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "runtime/transport/transport.h"
+
+namespace moe {
+
+struct StepHeader {
+  uint64_t step_id = 0;
+  int64_t layer = 0;
+  int64_t placement_version = 0;
+  int64_t process_group_epoch = 0;
+};
+
+struct StepAgreement {
+  std::vector<int64_t> count_matrix;  // [P * P], row = source peer slot, column = destination
+  std::vector<int64_t> recv_counts;   // this member's column
+};
+
+absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
+                                          absl::Span<const int64_t> send_counts, absl::Duration timeout);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_EXEC_STEP_EXCHANGE_H_

@@ -1,0 +1,92 @@
+// Transport: the collectives a layer step needs between the ranks of one process group
+// (spec 0x03C; conventions 5). Implementations: loopback (in-process, for unit tests), UCX (host
+// memory over shm/tcp), NCCL (GPU; grouped send/recv).
+//
+// Coordinates are communicator peer slots, never global ranks (0x07B). Every call is collective:
+// each member calls it with the same `seq` (e.g. the step id), and calls of one member are made
+// in the same order on every member. A call returns only when this member's part is complete.
+//
+// Failure outcomes (0x0E): a peer that does not answer by the deadline is DEADLINE_EXCEEDED, a
+// peer whose connection failed is UNAVAILABLE; either names the peer slot. Buffers are intact
+// for the caller to reuse after any return.
+//
+// Thread-safety: one thread drives a Transport at a time.
+#ifndef MOE_RUNTIME_TRANSPORT_TRANSPORT_H_
+#define MOE_RUNTIME_TRANSPORT_TRANSPORT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace moe {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  // This member's peer slot and the group size.
+  virtual int slot() const = 0;
+  virtual int size() const = 0;
+
+  // out[i * bytes, (i + 1) * bytes) = peer slot i's `in` (this member's included).
+  virtual absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) = 0;
+
+  // Variable all-to-all: send segment i (send_bytes[i] bytes, packed in peer order from `send`)
+  // to peer slot i; receive recv_bytes[i] bytes from peer slot i into `recv` (packed in peer
+  // order). Sizes must agree pairwise (the header exchange establishes them).
+  virtual absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                                 absl::Span<const int64_t> recv_bytes, absl::Duration timeout) = 0;
+};
+
+// In-process transport for `size` members driven by different threads.
+class LoopbackFabric {
+ public:
+  explicit LoopbackFabric(int size);
+  ~LoopbackFabric();
+  // The endpoint of one member; the fabric must outlive it.
+  std::unique_ptr<Transport> Endpoint(int slot);
+
+ private:
+  friend class LoopbackTransport;
+  struct State;
+  std::unique_ptr<State> state_;
+  int size_;
+};
+
+struct UcxOptions {
+  int slot = 0;
+  // "host:port" of every member's listener, in peer-slot order (this member's included).
+  std::vector<std::string> addresses;
+  // How long Create() waits for every peer to be reachable.
+  absl::Duration connect_timeout = absl::Seconds(30);
+};
+
+// UCX (tag API, client-server endpoints over sockaddr). Host memory only.
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& options);
+
+// A UCX listener on `host` with an ephemeral port, created before the peers' addresses are
+// known (for rendezvous through files). Pass it to CreateUcxTransportWithListener.
+class UcxListenerHandle;
+struct UcxListenerDeleter {
+  void operator()(UcxListenerHandle* h) const;
+};
+using UcxListener = std::unique_ptr<UcxListenerHandle, UcxListenerDeleter>;
+absl::StatusOr<UcxListener> CreateUcxListener(const std::string& host);
+std::string UcxListenerAddress(const UcxListenerHandle& listener);
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportWithListener(UcxListener listener,
+                                                                          const UcxOptions& options);
+
+// Rendezvous through a directory: writes `address` as <dir>/<slot>.addr and waits until all
+// `size` members have written theirs. Returns the addresses in peer-slot order.
+absl::StatusOr<std::vector<std::string>> RendezvousAddresses(const std::string& dir, int slot, int size,
+                                                             const std::string& address, absl::Duration timeout);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_TRANSPORT_TRANSPORT_H_

@@ -1,0 +1,417 @@
+// UCX implementation of Transport: tag-matched messages between client-server endpoints.
+//
+// Every member listens on its own address; every member opens a client endpoint to every
+// other member and sends through it; receives match on the worker by tag, whatever endpoint
+// the message came through. Tags carry (kind, seq, source slot), so collectives of different
+// steps never match each other. Progress is driven by the calling thread (UCS_THREAD_MODE_SINGLE).
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "runtime/transport/transport.h"
+
+#define UCX_RETURN_IF_ERROR(expr)                                                                       \
+  do {                                                                                                  \
+    const ucs_status_t moe_ucs_ = (expr);                                                               \
+    if (moe_ucs_ != UCS_OK) {                                                                           \
+      return absl::UnavailableError(absl::StrCat("UCX error ", ucs_status_string(moe_ucs_), " in `", #expr, \
+                                                 "` at ", __FILE__, ":", __LINE__));                    \
+    }                                                                                                   \
+  } while (0)
+
+namespace moe {
+namespace {
+
+constexpr uint64_t kHello = 1, kGather = 2, kAllToAll = 3;
+
+uint64_t Tag(uint64_t kind, uint64_t seq, int src) {
+  return (kind << 60) | ((seq & ((uint64_t{1} << 44) - 1)) << 16) | static_cast<uint64_t>(src & 0xffff);
+}
+
+absl::StatusOr<sockaddr_storage> Resolve(const std::string& address, socklen_t* len) {
+  std::vector<std::string> parts = absl::StrSplit(address, ':');
+  int port = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "': expected host:port"));
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(parts[0].c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "': cannot resolve host"));
+  }
+  sockaddr_storage out{};
+  std::memcpy(&out, res->ai_addr, res->ai_addrlen);
+  reinterpret_cast<sockaddr_in*>(&out)->sin_port = htons(static_cast<uint16_t>(port));
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return out;
+}
+
+}  // namespace
+
+// Context, worker and listener: created first so the listening port can be published.
+class UcxListenerHandle {
+ public:
+  ~UcxListenerHandle() {
+    for (ucp_ep_h ep : accepted) CloseEp(ep, /*force=*/true);
+    if (listener != nullptr) ucp_listener_destroy(listener);
+    if (worker != nullptr) ucp_worker_destroy(worker);
+    if (context != nullptr) ucp_cleanup(context);
+  }
+  // A graceful close flushes what this side sent (a member that finished its part must not
+  // drop data its peers still receive); a forced close does not wait. Either is bounded.
+  void CloseEp(ucp_ep_h ep, bool force) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* req = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(req)) {
+      const absl::Time deadline = absl::Now() + absl::Seconds(2);
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && absl::Now() < deadline) ucp_worker_progress(worker);
+      if (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_request_cancel(worker, req);
+      ucp_request_free(req);
+    }
+  }
+  static void IgnoreError(void*, ucp_ep_h, ucs_status_t) {}
+  static void OnConnect(ucp_conn_request_h request, void* arg) {
+    auto* self = static_cast<UcxListenerHandle*>(arg);
+    ucp_ep_params_t params{};
+    // Accepted endpoints only keep the peer's client endpoint connected; failures surface on
+    // this member's own client endpoint to that peer.
+    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.conn_request = request;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxListenerHandle::IgnoreError;
+    params.err_handler.arg = nullptr;
+    ucp_ep_h ep;
+    if (ucp_ep_create(self->worker, &params, &ep) == UCS_OK) self->accepted.push_back(ep);
+  }
+
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_listener_h listener = nullptr;
+  std::vector<ucp_ep_h> accepted;  // kept open so peers' client endpoints stay connected
+  std::string address;
+};
+
+void UcxListenerDeleter::operator()(UcxListenerHandle* h) const { delete h; }
+
+absl::StatusOr<UcxListener> CreateUcxListener(const std::string& host_port) {
+  UcxListener h(new UcxListenerHandle());
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  UCX_RETURN_IF_ERROR(ucp_init(&params, nullptr, &h->context));
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  UCX_RETURN_IF_ERROR(ucp_worker_create(h->context, &wp, &h->worker));
+  const std::string with_port = host_port.find(':') == std::string::npos ? host_port + ":0" : host_port;
+  socklen_t len = 0;
+  auto addr = Resolve(with_port, &len);
+  if (!addr.ok()) return addr.status();
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&*addr);
+  lp.sockaddr.addrlen = len;
+  lp.conn_handler.cb = &UcxListenerHandle::OnConnect;
+  lp.conn_handler.arg = h.get();
+  UCX_RETURN_IF_ERROR(ucp_listener_create(h->worker, &lp, &h->listener));
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  UCX_RETURN_IF_ERROR(ucp_listener_query(h->listener, &attr));
+  const int port = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+  h->address = absl::StrCat(std::vector<std::string>(absl::StrSplit(with_port, ':'))[0], ":", port);
+  return h;
+}
+
+std::string UcxListenerAddress(const UcxListenerHandle& listener) { return listener.address; }
+
+namespace {
+
+struct Peer {
+  ucp_ep_h ep = nullptr;
+  ucs_status_t failure = UCS_OK;
+};
+
+class UcxTransport final : public Transport {
+ public:
+  UcxTransport(UcxListener base, UcxOptions options)
+      : base_(std::move(base)), options_(std::move(options)), peers_(options_.addresses.size()) {}
+  ~UcxTransport() override {
+    for (Peer& p : peers_) {
+      if (p.ep != nullptr) base_->CloseEp(p.ep, /*force=*/p.failure != UCS_OK);
+    }
+  }
+  const char* name() const override { return "ucx"; }
+  int slot() const override { return options_.slot; }
+  int size() const override { return static_cast<int>(peers_.size()); }
+
+  absl::Status Connect() {
+    const absl::Time deadline = absl::Now() + options_.connect_timeout;
+    // Every member sends a hello to every other member until all hellos have arrived; a
+    // client endpoint that fails (peer not listening yet) is recreated and retried.
+    for (int i = 0; i < size(); ++i) {
+      if (i == slot()) continue;
+      absl::Status s = OpenEp(i);
+      if (!s.ok()) return s;
+    }
+    std::vector<bool> sent(size(), false), heard(size(), false);
+    sent[slot()] = heard[slot()] = true;
+    std::vector<void*> recvs(size(), nullptr), sends(size(), nullptr);
+    uint8_t sink[1], hello = 1;
+    for (int i = 0; i < size(); ++i) {
+      if (i != slot()) recvs[i] = PostRecv(Tag(kHello, 0, i), sink, 1);
+    }
+    while (true) {
+      ucp_worker_progress(base_->worker);
+      bool done = true;
+      for (int i = 0; i < size(); ++i) {
+        if (i == slot()) continue;
+        if (!heard[i] && Completed(&recvs[i])) heard[i] = true;
+        if (!sent[i]) {
+          if (sends[i] == nullptr) sends[i] = PostSend(i, Tag(kHello, 0, slot()), &hello, 1);
+          if (UCS_PTR_IS_ERR(sends[i]) || peers_[i].failure != UCS_OK) {
+            // The peer is not listening yet: reopen and resend after a short pause.
+            if (UCS_PTR_IS_PTR(sends[i])) {
+              ucp_request_cancel(base_->worker, sends[i]);
+              ucp_request_free(sends[i]);
+            }
+            sends[i] = nullptr;
+            base_->CloseEp(peers_[i].ep, /*force=*/true);
+            peers_[i] = Peer{};
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            absl::Status s = OpenEp(i);
+            if (!s.ok()) return s;
+          } else if (Completed(&sends[i])) {
+            sent[i] = true;
+          }
+        }
+        done = done && sent[i] && heard[i];
+      }
+      if (done) return absl::OkStatus();
+      if (absl::Now() > deadline) {
+        for (int i = 0; i < size(); ++i) {
+          if (!heard[i] || !sent[i]) {
+            CancelAll(&recvs);
+            CancelAll(&sends);
+            return absl::DeadlineExceededError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
+                                                            ") not reachable within ",
+                                                            absl::FormatDuration(options_.connect_timeout)));
+          }
+        }
+      }
+    }
+  }
+
+  absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    std::vector<int64_t> splits(size(), bytes);
+    std::string packed;
+    packed.reserve(bytes * size());
+    for (int i = 0; i < size(); ++i) packed.append(static_cast<const char*>(in), bytes);
+    return Exchange(kGather, seq, packed.data(), splits, out, splits, timeout);
+  }
+
+  absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                         absl::Span<const int64_t> recv_bytes, absl::Duration timeout) override {
+    if (static_cast<int>(send_bytes.size()) != size() || static_cast<int>(recv_bytes.size()) != size()) {
+      return absl::InvalidArgumentError("split vectors must have one entry per peer slot");
+    }
+    return Exchange(kAllToAll, seq, send, send_bytes, recv, recv_bytes, timeout);
+  }
+
+ private:
+  static void OnError(void* arg, ucp_ep_h, ucs_status_t status) { static_cast<Peer*>(arg)->failure = status; }
+
+  absl::Status OpenEp(int i) {
+    socklen_t len = 0;
+    auto addr = Resolve(options_.addresses[i], &len);
+    if (!addr.ok()) return addr.status();
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&*addr);
+    params.sockaddr.addrlen = len;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = &UcxTransport::OnError;
+    params.err_handler.arg = &peers_[i];
+    UCX_RETURN_IF_ERROR(ucp_ep_create(base_->worker, &params, &peers_[i].ep));
+    return absl::OkStatus();
+  }
+
+  void* PostSend(int i, uint64_t tag, const void* buf, size_t len) {
+    ucp_request_param_t p{};
+    return ucp_tag_send_nbx(peers_[i].ep, buf, len, tag, &p);
+  }
+  void* PostRecv(uint64_t tag, void* buf, size_t len) {
+    ucp_request_param_t p{};
+    return ucp_tag_recv_nbx(base_->worker, buf, len, tag, ~uint64_t{0}, &p);
+  }
+  // True when the request finished (successfully or not); frees it.
+  static bool Completed(void** req, ucs_status_t* status = nullptr) {
+    if (*req == nullptr) {
+      if (status != nullptr) *status = UCS_OK;
+      return true;
+    }
+    if (UCS_PTR_IS_ERR(*req)) {
+      if (status != nullptr) *status = UCS_PTR_STATUS(*req);
+      return true;
+    }
+    const ucs_status_t s = ucp_request_check_status(*req);
+    if (s == UCS_INPROGRESS) return false;
+    if (status != nullptr) *status = s;
+    ucp_request_free(*req);
+    *req = nullptr;
+    return true;
+  }
+  void CancelAll(std::vector<void*>* reqs) {
+    for (void*& r : *reqs) {
+      if (r != nullptr && UCS_PTR_IS_PTR(r)) {
+        ucp_request_cancel(base_->worker, r);
+        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(base_->worker);
+        ucp_request_free(r);
+      }
+      r = nullptr;
+    }
+  }
+
+  absl::Status Exchange(uint64_t kind, uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes,
+                        void* recv, absl::Span<const int64_t> recv_bytes, absl::Duration timeout) {
+    const int n = size(), me = slot();
+    std::vector<int64_t> send_off(n + 1, 0), recv_off(n + 1, 0);
+    for (int i = 0; i < n; ++i) {
+      send_off[i + 1] = send_off[i] + send_bytes[i];
+      recv_off[i + 1] = recv_off[i] + recv_bytes[i];
+    }
+    for (int i = 0; i < n; ++i) {
+      if (i != me && peers_[i].failure != UCS_OK) {
+        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
+                                                   ") failed: ", ucs_status_string(peers_[i].failure)));
+      }
+    }
+    std::vector<void*> recvs(n, nullptr), sends(n, nullptr);
+    std::vector<bool> recv_done(n, false), send_done(n, false);
+    for (int i = 0; i < n; ++i) {
+      if (i == me) continue;
+      recvs[i] = PostRecv(Tag(kind, seq, i), static_cast<char*>(recv) + recv_off[i], recv_bytes[i]);
+    }
+    for (int i = 0; i < n; ++i) {
+      if (i == me) continue;
+      sends[i] = PostSend(i, Tag(kind, seq, me), static_cast<const char*>(send) + send_off[i], send_bytes[i]);
+    }
+    std::memcpy(static_cast<char*>(recv) + recv_off[me], static_cast<const char*>(send) + send_off[me], send_bytes[me]);
+    recv_done[me] = send_done[me] = true;
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      ucp_worker_progress(base_->worker);
+      bool all = true;
+      for (int i = 0; i < n; ++i) {
+        ucs_status_t st = UCS_OK;
+        if (!recv_done[i] && Completed(&recvs[i], &st)) {
+          recv_done[i] = true;
+          if (st != UCS_OK) {
+            CancelAll(&recvs);
+            CancelAll(&sends);
+            return absl::UnavailableError(absl::StrCat("ucx: receive from peer slot ", i, " failed: ", ucs_status_string(st)));
+          }
+        }
+        if (!send_done[i] && Completed(&sends[i], &st)) {
+          send_done[i] = true;
+          if (st != UCS_OK) {
+            CancelAll(&recvs);
+            CancelAll(&sends);
+            return absl::UnavailableError(absl::StrCat("ucx: send to peer slot ", i, " (", options_.addresses[i],
+                                                       ") failed: ", ucs_status_string(st)));
+          }
+        }
+        if (i != me && peers_[i].failure != UCS_OK && !(recv_done[i] && send_done[i])) {
+          CancelAll(&recvs);
+          CancelAll(&sends);
+          return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
+                                                     ") failed: ", ucs_status_string(peers_[i].failure)));
+        }
+        all = all && recv_done[i] && send_done[i];
+      }
+      if (all) return absl::OkStatus();
+      if (absl::Now() > deadline) {
+        int missing = -1;
+        for (int i = 0; i < n && missing < 0; ++i) {
+          if (!recv_done[i] || !send_done[i]) missing = i;
+        }
+        CancelAll(&recvs);
+        CancelAll(&sends);
+        return absl::DeadlineExceededError(absl::StrCat("ucx: peer slot ", missing, " did not answer within ",
+                                                        absl::FormatDuration(timeout), " (seq ", seq, ")"));
+      }
+    }
+  }
+
+  UcxListener base_;
+  UcxOptions options_;
+  std::vector<Peer> peers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportWithListener(UcxListener listener,
+                                                                          const UcxOptions& options) {
+  if (options.addresses.empty()) return absl::InvalidArgumentError("ucx.addresses: empty");
+  if (options.slot < 0 || options.slot >= static_cast<int>(options.addresses.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx.slot: ", options.slot, " outside the group"));
+  }
+  auto t = std::make_unique<UcxTransport>(std::move(listener), options);
+  absl::Status s = t->Connect();
+  if (!s.ok()) return s;
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& options) {
+  if (options.slot < 0 || options.slot >= static_cast<int>(options.addresses.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("ucx.slot: ", options.slot, " outside the group"));
+  }
+  auto listener = CreateUcxListener(options.addresses[options.slot]);
+  if (!listener.ok()) return listener.status();
+  return CreateUcxTransportWithListener(*std::move(listener), options);
+}
+
+absl::StatusOr<std::vector<std::string>> RendezvousAddresses(const std::string& dir, int slot, int size,
+                                                             const std::string& address, absl::Duration timeout) {
+  {
+    const std::string tmp = absl::StrCat(dir, "/", slot, ".addr.tmp");
+    std::ofstream(tmp) << address;
+    if (std::rename(tmp.c_str(), absl::StrCat(dir, "/", slot, ".addr").c_str()) != 0) {
+      return absl::UnavailableError(absl::StrCat("rendezvous: cannot publish into ", dir));
+    }
+  }
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<std::string> out(size);
+  for (int i = 0; i < size; ++i) {
+    while (true) {
+      std::ifstream in(absl::StrCat(dir, "/", i, ".addr"));
+      if (in && std::getline(in, out[i]) && !out[i].empty()) break;
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("rendezvous: slot ", i, " did not publish in ", dir));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  return out;
+}
+
+}  // namespace moe

@@ -1,0 +1,117 @@
+// Scenarios every Transport implementation must pass, run by one member (peer slot). Each
+// returns OkStatus when the member observed the expected outcome.
+#ifndef MOE_TESTS_TRANSPORT_EXCHANGE_SCENARIOS_H_
+#define MOE_TESTS_TRANSPORT_EXCHANGE_SCENARIOS_H_
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "runtime/exec/step_exchange.h"
+#include "runtime/transport/transport.h"
+
+namespace moe::testing {
+
+inline uint8_t Pattern(int src, int dst, uint64_t seq, int64_t i) {
+  return static_cast<uint8_t>((src * 131 + dst * 17 + seq * 7 + i) & 0xff);
+}
+
+// Header agreement, then a random all-to-all-v (zero-count peers included) over `rounds` steps;
+// every member derives the same count matrix from the seed and checks every received byte.
+inline absl::Status RandomExchange(Transport& t, int rounds, uint32_t seed) {
+  const int p = t.size(), me = t.slot();
+  for (int r = 0; r < rounds; ++r) {
+    std::mt19937 rng(seed + r);
+    std::vector<int64_t> matrix(p * p);
+    for (auto& c : matrix) c = rng() % 4 == 0 ? 0 : static_cast<int64_t>(rng() % 5000);
+    std::vector<int64_t> send(matrix.begin() + me * p, matrix.begin() + (me + 1) * p);
+    StepHeader h{static_cast<uint64_t>(100 + r), 7, 17, 12};
+    auto agreement = AgreeOnStep(t, h, send, absl::Seconds(20));
+    if (!agreement.ok()) return agreement.status();
+    std::vector<uint8_t> out, in;
+    for (int j = 0; j < p; ++j) {
+      for (int64_t i = 0; i < send[j]; ++i) out.push_back(Pattern(me, j, h.step_id, i));
+    }
+    int64_t total = 0;
+    for (int64_t c : agreement->recv_counts) total += c;
+    in.assign(total, 0);
+    absl::Status s = t.AllToAllV(h.step_id, out.data(), send, in.data(), agreement->recv_counts, absl::Seconds(20));
+    if (!s.ok()) return s;
+    int64_t off = 0;
+    for (int j = 0; j < p; ++j) {
+      if (agreement->recv_counts[j] != matrix[j * p + me]) return absl::InternalError("recv split is not the transpose");
+      for (int64_t i = 0; i < agreement->recv_counts[j]; ++i) {
+        if (in[off + i] != Pattern(j, me, h.step_id, i)) {
+          return absl::InternalError(absl::StrCat("byte ", i, " from slot ", j, " corrupted in round ", r));
+        }
+      }
+      off += agreement->recv_counts[j];
+    }
+  }
+  return absl::OkStatus();
+}
+
+// `bad_slot` proposes another layer: every member must get ABORTED and none may exchange payload.
+inline absl::Status HeaderMismatchAbortsEveryone(Transport& t, int bad_slot) {
+  std::vector<int64_t> send(t.size(), 1);
+  StepHeader h{200, t.slot() == bad_slot ? 8 : 7, 17, 12};
+  auto agreement = AgreeOnStep(t, h, send, absl::Seconds(20));
+  if (agreement.ok()) return absl::InternalError("a disagreeing header was accepted");
+  if (agreement.status().code() != absl::StatusCode::kAborted) return agreement.status();
+  if (std::string(agreement.status().message()).find("layer") == std::string::npos) {
+    return absl::InternalError(absl::StrCat("abort does not name the field: ", agreement.status().message()));
+  }
+  // Still serving: the next step agrees normally.
+  StepHeader next{201, 7, 17, 12};
+  return AgreeOnStep(t, next, send, absl::Seconds(20)).status();
+}
+
+// The member at `dead_slot` never takes part: everyone else must fail within the timeout.
+inline absl::Status SilentPeerTimesOut(Transport& t, absl::Duration timeout) {
+  std::vector<int64_t> send(t.size(), 1);
+  const absl::Time start = absl::Now();
+  auto agreement = AgreeOnStep(t, StepHeader{300, 7, 17, 12}, send, timeout);
+  const absl::Duration took = absl::Now() - start;
+  if (agreement.ok()) return absl::InternalError("a step with a dead peer succeeded");
+  if (agreement.status().code() != absl::StatusCode::kDeadlineExceeded &&
+      agreement.status().code() != absl::StatusCode::kUnavailable) {
+    return agreement.status();
+  }
+  if (took > timeout + absl::Seconds(2)) {
+    return absl::InternalError(absl::StrCat("failure took ", absl::FormatDuration(took), ", beyond the timeout"));
+  }
+  return absl::OkStatus();
+}
+
+// The member at `dead_slot` takes part in one step, then dies. Every other member must see an
+// error (DEADLINE_EXCEEDED or UNAVAILABLE) within the timeout: at the latest on the next step.
+inline absl::Status KilledPeerFailsFast(Transport& t, int dead_slot, absl::Duration timeout,
+                                        const std::function<void()>& die) {
+  std::vector<int64_t> send(t.size(), 1);
+  for (uint64_t seq : {299u, 300u}) {
+    if (seq == 300u && t.slot() == dead_slot) die();
+    const absl::Time start = absl::Now();
+    auto agreement = AgreeOnStep(t, StepHeader{seq, 7, 17, 12}, send, timeout);
+    const absl::Duration took = absl::Now() - start;
+    if (agreement.ok()) {
+      if (seq == 299u) continue;  // the peer was still alive for this step
+      return absl::InternalError("a step with a dead peer succeeded");
+    }
+    if (agreement.status().code() != absl::StatusCode::kDeadlineExceeded &&
+        agreement.status().code() != absl::StatusCode::kUnavailable) {
+      return agreement.status();
+    }
+    if (took > timeout + absl::Seconds(2)) {
+      return absl::InternalError(absl::StrCat("failure took ", absl::FormatDuration(took), ", beyond the timeout"));
+    }
+    return absl::OkStatus();
+  }
+  return absl::InternalError("unreachable");
+}
+
+}  // namespace moe::testing
+
+#endif  // MOE_TESTS_TRANSPORT_EXCHANGE_SCENARIOS_H_

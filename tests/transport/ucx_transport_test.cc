@@ -1,0 +1,90 @@
+// UCX across real processes: each member is a forked child with its own UCX context, listener
+// and endpoints on the loopback interface, rendezvous through files in a temp directory.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/transport/exchange_scenarios.h"
+
+namespace moe {
+namespace {
+
+// Exit codes of a member.
+constexpr int kOk = 0, kScenarioFailed = 1, kSetupFailed = 2;
+
+std::string FreshDir() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/ucx-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  return std::string(mkdtemp(buf.data()));
+}
+
+int RunMember(const std::string& dir, int slot, int size, const std::function<absl::Status(Transport&)>& scenario) {
+  auto listener = CreateUcxListener("127.0.0.1");
+  if (!listener.ok()) {
+    std::fprintf(stderr, "slot %d: %s\n", slot, std::string(listener.status().message()).c_str());
+    return kSetupFailed;
+  }
+  auto addresses = RendezvousAddresses(dir, slot, size, UcxListenerAddress(**listener), absl::Seconds(30));
+  if (!addresses.ok()) return kSetupFailed;
+  UcxOptions options;
+  options.slot = slot;
+  options.addresses = *addresses;
+  options.connect_timeout = absl::Seconds(30);
+  auto transport = CreateUcxTransportWithListener(*std::move(listener), options);
+  if (!transport.ok()) {
+    std::fprintf(stderr, "slot %d: %s\n", slot, std::string(transport.status().message()).c_str());
+    return kSetupFailed;
+  }
+  absl::Status s = scenario(**transport);
+  if (!s.ok()) std::fprintf(stderr, "slot %d: %s\n", slot, std::string(s.message()).c_str());
+  return s.ok() ? kOk : kScenarioFailed;
+}
+
+// Forks `size` members and returns their exit codes (-signal for a member killed by a signal).
+std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario) {
+  const std::string dir = FreshDir();
+  std::vector<pid_t> pids;
+  for (int i = 0; i < size; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(RunMember(dir, i, size, scenario));
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+  }
+  return codes;
+}
+
+TEST(UcxTransportTest, FourProcessesExchangeRandomSplits) {
+  const auto codes = RunProcesses(4, [](Transport& t) { return testing::RandomExchange(t, 4, 5); });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+}
+
+TEST(UcxTransportTest, HeaderMismatchAbortsAllRanksCleanly) {
+  const auto codes = RunProcesses(4, [](Transport& t) { return testing::HeaderMismatchAbortsEveryone(t, 2); });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+}
+
+TEST(UcxTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
+  const auto codes = RunProcesses(4, [](Transport& t) {
+    return testing::KilledPeerFailsFast(t, 3, absl::Seconds(2), [] { raise(SIGKILL); });
+  });
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+  EXPECT_EQ(codes[3], -SIGKILL);
+}
+
+}  // namespace
+}  // namespace moe
