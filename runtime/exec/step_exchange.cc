@@ -13,18 +13,26 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
     return absl::InvalidArgumentError(
         absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
-  // Wire record: 4 header words then P counts, little-endian int64 (same machine family).
-  const int64_t words = 4 + p;
+  // Wire record: 5 header words then P counts, little-endian int64 (same machine family).
+  constexpr int kHeaderWords = 5;
+  const int64_t words = kHeaderWords + p;
   std::vector<int64_t> mine(words);
   mine[0] = static_cast<int64_t>(header.step_id);
   mine[1] = header.layer;
   mine[2] = header.placement_version;
   mine[3] = header.process_group_epoch;
-  std::memcpy(mine.data() + 4, send_counts.data(), sizeof(int64_t) * p);
+  mine[4] = header.abort;
+  std::memcpy(mine.data() + kHeaderWords, send_counts.data(), sizeof(int64_t) * p);
   std::vector<int64_t> all(words * p);
   absl::Status s = transport.AllGather(header.step_id, mine.data(), words * 8, all.data(), timeout);
   if (!s.ok()) return s;
 
+  for (int i = 0; i < p; ++i) {
+    if (all[i * words + 4] != 0) {
+      return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
+                                             " rejected its input for this step"));
+    }
+  }
   static constexpr const char* kField[4] = {"step_id", "layer", "placement_generation", "process_group_epoch"};
   // Compare every member against slot 0: all members run this same loop over the same data.
   for (int i = 1; i < p; ++i) {
@@ -39,7 +47,7 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   out.count_matrix.resize(static_cast<size_t>(p) * p);
   for (int i = 0; i < p; ++i) {
     for (int j = 0; j < p; ++j) {
-      const int64_t c = all[i * words + 4 + j];
+      const int64_t c = all[i * words + kHeaderWords + j];
       if (c < 0) {
         return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
                                                " reports a negative count for peer slot ", j));

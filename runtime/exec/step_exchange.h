@@ -25,6 +25,9 @@ struct StepHeader {
   int64_t layer = 0;
   int64_t placement_version = 0;
   int64_t process_group_epoch = 0;
+  // Nonzero when this member rejected its own input: it still takes part in the agreement so
+  // that every member aborts the step at once instead of waiting for it.
+  int64_t abort = 0;
 };
 
 struct StepAgreement {

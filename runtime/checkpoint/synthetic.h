@@ -1,0 +1,42 @@
+// Synthetic expert checkpoints: deterministic BF16 SwiGLU weights per logical expert (every
+// replica of an expert is bit-identical), written as safetensors with a SHA-256 digest per
+// expert in the metadata, and loaded per rank in the manifest's local slot order.
+#ifndef MOE_RUNTIME_CHECKPOINT_SYNTHETIC_H_
+#define MOE_RUNTIME_CHECKPOINT_SYNTHETIC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/checkpoint/safetensors.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/manifest.h"
+
+namespace moe {
+
+struct ExpertShape {
+  int num_experts = 0;
+  int d = 0;
+  int d_ff = 0;
+};
+
+// w_gate_up [2 d_ff, d] and w_down [d, d_ff] of one logical expert (BF16 bits).
+void SyntheticExpert(int expert, const ExpertShape& shape, uint64_t seed, std::vector<uint16_t>* w_gate_up,
+                     std::vector<uint16_t>* w_down);
+
+// Tensors "experts.<e>.w_gate_up" / "experts.<e>.w_down"; metadata "checkpoint", "d", "d_ff",
+// "num_experts" and "digest.<e>" (hex SHA-256 over both tensors).
+SafetensorsFile SyntheticCheckpoint(const ExpertShape& shape, uint64_t seed, const std::string& checkpoint_version);
+
+// The weights of `rank`'s slots in `manifest` (local slot order). Each slot's expert digest must
+// equal the slot's parameter_digest (FAILED_PRECONDITION naming the slot otherwise).
+absl::StatusOr<LocalExperts> LoadLocalExperts(const SafetensorsFile& checkpoint, const PlacementManifest& manifest,
+                                              Rank rank);
+
+// Hex SHA-256 of an expert's two tensors (what "digest.<e>" holds).
+std::string ExpertDigest(const std::vector<uint16_t>& w_gate_up, const std::vector<uint16_t>& w_down);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_CHECKPOINT_SYNTHETIC_H_

@@ -1,0 +1,103 @@
+// One rank's side of a layer step (spec 0x03, 0x06H, DESIGN "data flow of one layer step"):
+//
+//   validate -> acquire the ACTIVE generation (dispatch handle) -> replica selection ->
+//   source plan -> header + count agreement with every peer (abort before payload on any
+//   disagreement) -> all-to-all-v of rows and slot metadata -> receive repack by physical slot
+//   -> SwiGLU experts -> return all-to-all-v -> gate-weighted combine in FP32 -> release.
+//
+// Every member of the process group must call Execute for every step, in the same order, with
+// the same step id and layer (a rank with no tokens calls it with T = 0). Rows are BF16 host
+// memory; the kernels object decides where experts run (the CPU reference in CPU builds).
+//
+// Thread-safety: Execute calls are serialized by the caller (one step at a time per rank).
+#ifndef MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
+#define MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/api.h"
+#include "runtime/placement/registry.h"
+#include "runtime/placement/replica_selector.h"
+#include "runtime/placement/topology.h"
+#include "runtime/plan/route_plan.h"
+#include "runtime/transport/transport.h"
+
+namespace moe {
+
+// Weights of this rank's physical slots under one generation, in the manifest's local order.
+struct LocalExperts {
+  int d = 0;
+  int d_ff = 0;
+  std::vector<uint16_t> w_gate_up;  // [L, 2 d_ff, d] BF16
+  std::vector<uint16_t> w_down;     // [L, d, d_ff] BF16
+};
+
+enum class Phase { kPrefill, kDecode };
+
+struct LayerStepInput {
+  uint64_t step_id = 0;
+  int64_t layer = 0;
+  Phase phase = Phase::kPrefill;
+  const uint16_t* hidden = nullptr;      // [tokens, d] BF16
+  int64_t tokens = 0;
+  int d = 0;
+  const int32_t* topk_ids = nullptr;     // [tokens, k]
+  const float* topk_weights = nullptr;   // [tokens, k]
+  int k = 0;
+  const uint8_t* admitted = nullptr;     // optional [tokens, k]; 0 = dropped by the router
+  int64_t expected_generation = -1;      // -1: any
+};
+
+struct StepRecord {
+  int64_t placement_version = 0;
+  int64_t routes_attempted = 0;
+  int64_t routes_accepted = 0;
+  int64_t routes_dropped = 0;
+  int64_t routes_remote = 0;
+  int64_t routes_inter_node = 0;
+  int64_t bytes_sent = 0;  // payload bytes to other ranks (dispatch + return)
+};
+
+struct LayerStepResult {
+  std::vector<uint16_t> output;  // [tokens, d] BF16
+  StepRecord record;
+};
+
+struct LayerExecutorOptions {
+  Rank rank;
+  std::optional<Topology> topology;
+  std::optional<ProcessGroup> group;
+  GenerationRegistry* registry = nullptr;          // not owned
+  Transport* transport = nullptr;                  // not owned; slot() must equal the rank's peer slot
+  kernels::ExpertKernels* kernels = nullptr;       // not owned
+  absl::Duration timeout = absl::Seconds(30);
+  SelectorPolicy selector = SelectorPolicy::kLocalityFirst;
+};
+
+class LayerExecutor {
+ public:
+  static absl::StatusOr<std::unique_ptr<LayerExecutor>> Create(LayerExecutorOptions options);
+
+  // Registers the weights this rank holds under a generation (before it is activated).
+  absl::Status AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts);
+
+  absl::StatusOr<LayerStepResult> Execute(const LayerStepInput& input);
+
+ private:
+  explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
+  absl::Status Validate(const LayerStepInput& in, int num_experts) const;
+
+  LayerExecutorOptions options_;
+  std::unique_ptr<ReplicaSelector> selector_;
+  std::map<int64_t, std::shared_ptr<const LocalExperts>> experts_;
+  std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_

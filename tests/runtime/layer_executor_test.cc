@@ -1,0 +1,228 @@
+// Four ranks in one process (threads over the loopback transport) run layer steps; every
+// rank's output must equal the direct semantic computation (0x03C3) with the same weights.
+#include "runtime/exec/layer_executor.h"
+
+#include <cmath>
+#include <random>
+#include <fstream>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/numeric.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "tests/runtime/fixtures.h"
+
+namespace moe {
+namespace {
+
+constexpr int kRanks = 4, kExperts = 8, kD = 32, kFf = 48, kK = 2;
+
+struct Rank4 {
+  Topology topology = fixture::FourRankTwoNode();
+  ProcessGroup group = fixture::PeerOrderGroup();
+  std::shared_ptr<const PlacementManifest> manifest;
+  SafetensorsFile checkpoint = SyntheticCheckpoint({kExperts, kD, kFf}, 3, "checkpoint-0042");
+  LoopbackFabric fabric{kRanks};
+  std::unique_ptr<kernels::ExpertKernels> kernels[kRanks];
+  GenerationRegistry registry[kRanks];
+  std::unique_ptr<Transport> transport[kRanks];
+  std::unique_ptr<LayerExecutor> exec[kRanks];
+
+  Rank4() {
+    // Ten slots: experts 0 and 1 replicated across nodes; digests from the checkpoint.
+    std::vector<SlotRecord> slots;
+    const int expert_of[10] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1};
+    const int rank_of[10] = {0, 0, 1, 1, 2, 2, 3, 3, 3, 1};
+    for (int q = 0; q < 10; ++q) {
+      SlotRecord s = fixture::Slot(q, expert_of[q], q < 8 ? 0 : 1, rank_of[q], rank_of[q] / 2);
+      s.parameter_digest = ParameterDigest(checkpoint.metadata.at("digest." + std::to_string(expert_of[q])));
+      slots.push_back(s);
+    }
+    manifest = *PlacementManifest::Create(fixture::Options(17, kExperts), slots, topology);
+    for (int r = 0; r < kRanks; ++r) {
+      kernels[r] = kernels::CreateCpuKernels();
+      EXPECT_TRUE(registry[r].Prepare(manifest).ok());
+      EXPECT_TRUE(registry[r].Activate(PlacementVersion(17)).ok());
+      transport[r] = fabric.Endpoint(group.SlotOf(Rank(r)).value());
+      LayerExecutorOptions o;
+      o.rank = Rank(r);
+      o.topology = topology;
+      o.group = group;
+      o.registry = &registry[r];
+      o.transport = transport[r].get();
+      o.kernels = kernels[r].get();
+      o.timeout = absl::Seconds(5);
+      exec[r] = *LayerExecutor::Create(std::move(o));
+      auto local = LoadLocalExperts(checkpoint, *manifest, Rank(r));
+      EXPECT_TRUE(local.ok()) << local.status();
+      EXPECT_TRUE(exec[r]->AddGeneration(PlacementVersion(17), std::make_shared<LocalExperts>(*local)).ok());
+    }
+  }
+};
+
+struct RankInput {
+  std::vector<uint16_t> hidden;
+  std::vector<int32_t> ids;
+  std::vector<float> gates;
+  std::vector<uint8_t> admitted;
+  int64_t tokens = 0;
+};
+
+RankInput RandomInput(std::mt19937& rng, int64_t tokens) {
+  RankInput in;
+  in.tokens = tokens;
+  std::normal_distribution<float> n(0, 1);
+  for (int64_t i = 0; i < tokens * kD; ++i) in.hidden.push_back(kernels::FloatToBf16(n(rng)));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int e0 = static_cast<int>(rng() % kExperts);
+    const int e1 = (e0 + 1 + static_cast<int>(rng() % (kExperts - 1))) % kExperts;
+    in.ids.push_back(e0);
+    in.ids.push_back(e1);
+    const float g = std::uniform_real_distribution<float>(0, 1)(rng);
+    in.gates.push_back(g);
+    in.gates.push_back(1 - g);
+    in.admitted.push_back(rng() % 10 != 0);
+    in.admitted.push_back(1);
+  }
+  return in;
+}
+
+// y_t = sum_j g_tj E_{e_tj}(h_t), experts through the CPU reference kernel one row at a time.
+std::vector<float> Reference(const SafetensorsFile& ckpt, const RankInput& in) {
+  auto k = kernels::CreateCpuKernels();
+  std::vector<float> y(in.tokens * kD, 0.0f);
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    for (int j = 0; j < kK; ++j) {
+      if (!in.admitted[t * kK + j]) continue;
+      const int e = in.ids[t * kK + j];
+      std::vector<uint16_t> gu, dn, out(kD);
+      SyntheticExpert(e, {kExperts, kD, kFf}, 3, &gu, &dn);
+      const int64_t offsets[2] = {0, 1};
+      kernels::SwigluParams p;
+      p.weights = {gu.data(), dn.data(), 1, kD, kFf};
+      p.x = in.hidden.data() + t * kD;
+      p.rows = 1;
+      p.host_offsets = offsets;
+      p.y = out.data();
+      EXPECT_TRUE(k->Swiglu(p, nullptr).ok());
+      for (int c = 0; c < kD; ++c) y[t * kD + c] += in.gates[t * kK + j] * kernels::Bf16ToFloat(out[c]);
+    }
+  }
+  return y;
+}
+
+TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
+  Rank4 w;
+  std::mt19937 rng(21);
+  for (uint64_t step = 1; step <= 4; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, r == 2 ? 0 : 1 + rng() % 24));  // rank 2: no tokens
+    std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        LayerStepInput in;
+        in.step_id = step;
+        in.layer = 3;
+        in.hidden = inputs[r].hidden.data();
+        in.tokens = inputs[r].tokens;
+        in.d = kD;
+        in.topk_ids = inputs[r].ids.data();
+        in.topk_weights = inputs[r].gates.data();
+        in.k = kK;
+        in.admitted = inputs[r].admitted.data();
+        results[r] = w.exec[r]->Execute(in);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+      const auto ref = Reference(w.checkpoint, inputs[r]);
+      ASSERT_EQ(results[r]->output.size(), ref.size());
+      double num = 0, den = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double x = kernels::Bf16ToFloat(results[r]->output[i]);
+        num += (x - ref[i]) * (x - ref[i]);
+        den += ref[i] * static_cast<double>(ref[i]);
+      }
+      EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << "rank " << r << " step " << step;
+      const StepRecord& rec = results[r]->record;
+      EXPECT_EQ(rec.placement_version, 17);
+      EXPECT_EQ(rec.routes_attempted, inputs[r].tokens * kK);
+      EXPECT_EQ(rec.routes_accepted + rec.routes_dropped, rec.routes_attempted);
+      EXPECT_LE(rec.routes_inter_node, rec.routes_remote);
+      EXPECT_EQ(w.registry[r].Refcount(PlacementVersion(17)), 0);  // every handle released
+    }
+  }
+}
+
+TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContinues) {
+  Rank4 w;
+  std::mt19937 rng(5);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 4));
+  inputs[1].ids[3] = kExperts + 5;  // expert id out of range on rank 1
+  inputs[1].admitted[3] = 1;
+  auto run_step = [&](uint64_t step, std::vector<absl::StatusOr<LayerStepResult>>* results) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        LayerStepInput in;
+        in.step_id = step;
+        in.layer = 0;
+        in.hidden = inputs[r].hidden.data();
+        in.tokens = inputs[r].tokens;
+        in.d = kD;
+        in.topk_ids = inputs[r].ids.data();
+        in.topk_weights = inputs[r].gates.data();
+        in.k = kK;
+        in.admitted = inputs[r].admitted.data();
+        (*results)[r] = w.exec[r]->Execute(in);
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
+  const absl::Time start = absl::Now();
+  run_step(1, &results);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // nobody waited out the 5 s timeout
+  EXPECT_EQ(results[1].status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("topk_ids[1][1]"));
+  for (int r : {0, 2, 3}) EXPECT_EQ(results[r].status().code(), absl::StatusCode::kAborted) << "rank " << r;
+  // The next step with good input succeeds everywhere.
+  inputs[1].ids[3] = 0;
+  run_step(2, &results);
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+}
+
+TEST(CheckpointTest, SafetensorsRoundTripAndDigestCheck) {
+  const SafetensorsFile f = SyntheticCheckpoint({3, 16, 8}, 9, "checkpoint-0001");
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/synthetic.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, f).ok());
+  auto back = ReadSafetensors(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->metadata, f.metadata);
+  ASSERT_EQ(back->tensors.size(), 6u);
+  EXPECT_EQ(back->tensors.at("experts.2.w_down").shape, (std::vector<int64_t>{16, 8}));
+  EXPECT_EQ(back->tensors.at("experts.2.w_down").data, f.tensors.at("experts.2.w_down").data);
+  // A manifest slot whose digest disagrees with the checkpoint is refused.
+  Topology t = Topology::SingleNode(1);
+  SlotRecord s = fixture::Slot(0, 2, 0, 0, 0);
+  s.parameter_digest = ParameterDigest(f.metadata.at("digest.1"));
+  ManifestOptions o = fixture::Options(1, 3);
+  auto m = *PlacementManifest::Create(o, {s}, t);
+  auto local = LoadLocalExperts(*back, *m, Rank(0));
+  EXPECT_EQ(local.status().code(), absl::StatusCode::kFailedPrecondition);
+  // A truncated file is detected.
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::ofstream(path, std::ios::binary) << bytes.substr(0, bytes.size() - 10);
+  EXPECT_EQ(ReadSafetensors(path).status().code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace moe
