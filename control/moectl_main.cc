@@ -13,11 +13,18 @@
 #include "absl/strings/str_cat.h"
 #include "control/eplb_io.h"
 #include "control/trace.h"
+#include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
 
 ABSL_FLAG(std::string, trace, "", "plan: layer-step trace JSON (docs/trace-format.md)");
 ABSL_FLAG(std::string, input, "", "eplb solve: load JSON {weight, num_replicas, num_groups, num_nodes, num_gpus}");
 ABSL_FLAG(bool, json, false, "print machine-readable JSON instead of tables");
+ABSL_FLAG(int, experts, 16, "checkpoint synth: logical experts");
+ABSL_FLAG(int, d, 256, "checkpoint synth: hidden width");
+ABSL_FLAG(int, d_ff, 512, "checkpoint synth: expert FFN width");
+ABSL_FLAG(int64_t, seed, 1, "checkpoint synth: weight seed");
+ABSL_FLAG(std::string, version, "checkpoint-0001", "checkpoint synth: checkpoint version");
+ABSL_FLAG(std::string, out, "", "checkpoint synth: output .safetensors path");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
 
@@ -26,7 +33,9 @@ namespace {
 constexpr char kUsage[] =
     "moectl: operator CLI of moe-runtime.\n"
     "  moectl plan --trace FILE [--json] [--selector POLICY]   plan a layer-step trace, print plan and ledgers\n"
-    "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n";
+    "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n"
+    "  moectl checkpoint synth --experts E --d D --d_ff F --seed S --out FILE\n"
+    "                                                          write a synthetic safetensors checkpoint\n";
 
 int Fail(const absl::Status& s) {
   spdlog::error("{}", std::string(s.message()));
@@ -68,6 +77,22 @@ int EplbSolve() {
   return 0;
 }
 
+int CheckpointSynth() {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));
+  const int e = absl::GetFlag(FLAGS_experts), d = absl::GetFlag(FLAGS_d), f = absl::GetFlag(FLAGS_d_ff);
+  if (e <= 0 || d <= 0 || f <= 0 || d % 8 != 0 || f % 8 != 0) {
+    return Fail(absl::InvalidArgumentError("--experts, --d, --d_ff: must be positive, d and d_ff multiples of 8"));
+  }
+  const auto file = moe::SyntheticCheckpoint({e, d, f}, static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)),
+                                             absl::GetFlag(FLAGS_version));
+  absl::Status s = moe::WriteSafetensors(out, file);
+  if (!s.ok()) return Fail(s);
+  std::cout << "wrote " << out << ": " << e << " experts, d=" << d << ", d_ff=" << f << ", "
+            << file.metadata.at("checkpoint") << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -77,6 +102,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> cmd(args.begin() + 1, args.end());
   if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
+  if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
   std::fputs(kUsage, stderr);
   return 2;
 }

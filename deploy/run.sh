@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# The main job at this stage: plan the spec's eight-route fixture trace (0x03A1) and its
-# peer-slot variant (0x07B), printing the physical plan and every ledger, then solve the EPLB
-# fixture (0x08C). Later stages grow this into a local cluster of moe-rankd processes.
+# The main job: (1) plan the spec's fixture trace offline and print the physical plan and its
+# ledgers; (2) run a local cluster of moe-rankd processes with the engine driver, checking every
+# output against the direct semantic computation (deploy/local_cluster.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bazel build //control:moectl >/dev/null 2>&1 || bazel build //control:moectl
-MOECTL=bazel-bin/control/moectl
-echo "== moectl plan --trace deploy/examples/trace-eight-routes.json"
-"$MOECTL" plan --trace deploy/examples/trace-eight-routes.json
+echo "== moectl plan --trace deploy/examples/trace-eight-routes.json (spec 0x03A1)"
+bazel-bin/control/moectl plan --trace deploy/examples/trace-eight-routes.json
 echo
-echo "== moectl plan --trace deploy/examples/trace-peer-order.json (peer-slot order [2,0,3,1])"
-"$MOECTL" plan --trace deploy/examples/trace-peer-order.json | sed -n '1,20p'
+echo "== moectl eplb solve --input deploy/examples/eplb-fixture.json (spec 0x08C)"
+bazel-bin/control/moectl eplb solve --input deploy/examples/eplb-fixture.json
 echo
-echo "== moectl eplb solve --input deploy/examples/eplb-fixture.json"
-"$MOECTL" eplb solve --input deploy/examples/eplb-fixture.json
+echo "== local cluster: ${RANKS:-4} moe-rankd processes over UCX + engine driver"
+exec deploy/local_cluster.sh

@@ -24,7 +24,7 @@ _LIBRARIES = {
     "grpc++": (["grpc++"], []),
     "grpc++_reflection": (["grpc++"], ["-lgrpc++_reflection"]),
     "spdlog": (["spdlog", "fmt"], []),
-    "prometheus_cpp": (["prometheus-cpp-pull", "prometheus-cpp-core"], []),
+    "prometheus_cpp": (["prometheus-cpp-pull", "prometheus-cpp-core"], ["-lcivetweb-cpp", "-lcivetweb"]),
     "ucx": (["ucx"], []),
     "crypto": (["libcrypto"], []),
     "sqlite3": (["sqlite3"], []),

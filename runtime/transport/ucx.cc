@@ -319,7 +319,8 @@ class UcxTransport final : public Transport {
     recv_done[me] = send_done[me] = true;
     const absl::Time deadline = absl::Now() + timeout;
     while (true) {
-      ucp_worker_progress(base_->worker);
+      // Yield when nothing progressed: several ranks may share few cores (local clusters).
+      if (ucp_worker_progress(base_->worker) == 0) std::this_thread::yield();
       bool all = true;
       for (int i = 0; i < n; ++i) {
         ucs_status_t st = UCS_OK;

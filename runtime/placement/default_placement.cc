@@ -1,0 +1,60 @@
+#include "runtime/placement/default_placement.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+Topology TwoNodeTopology(int num_ranks) {
+  const int nodes = num_ranks >= 2 ? 2 : 1;
+  const int per_node = (num_ranks + nodes - 1) / nodes;
+  std::vector<RankInfo> ranks;
+  std::vector<std::string> names;
+  for (int n = 0; n < nodes; ++n) names.push_back(absl::StrCat("node-", n));
+  for (int r = 0; r < num_ranks; ++r) {
+    ranks.push_back(RankInfo{Rank(r), TopologyDomainId(r / per_node), r % per_node, absl::StrCat("nic-", r / per_node),
+                             r % per_node == 0});
+  }
+  return *Topology::Create(std::move(ranks), std::move(names));
+}
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
+    PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
+    const std::map<std::string, std::string>& md) {
+  auto ckpt = md.find("checkpoint");
+  if (ckpt == md.end()) return absl::FailedPreconditionError("checkpoint metadata: no 'checkpoint' version");
+  const int p = topology.num_ranks();
+  std::vector<SlotRecord> slots;
+  auto add = [&](int e, int replica, int rank) -> absl::Status {
+    auto digest = md.find(absl::StrCat("digest.", e));
+    if (digest == md.end()) return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
+    SlotRecord s;
+    s.slot = PhysicalSlotId(static_cast<int32_t>(slots.size()));
+    s.name = absl::StrCat("q", slots.size());
+    s.expert = LogicalExpertId(e);
+    s.replica = ReplicaId(replica);
+    s.rank = Rank(rank);
+    s.domain = topology.NodeOf(Rank(rank));
+    s.checkpoint = CheckpointVersion(ckpt->second);
+    s.parameter_digest = ParameterDigest(digest->second);
+    slots.push_back(std::move(s));
+    return absl::OkStatus();
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    absl::Status s = add(e, 0, e % p);
+    if (!s.ok()) return s;
+  }
+  for (int i = 0; i < extra_replicas; ++i) {
+    const int e = i % num_experts;
+    absl::Status s = add(e, 1 + i / num_experts, (e % p + p / 2 + i / num_experts) % p);
+    if (!s.ok()) return s;
+  }
+  ManifestOptions o;
+  o.version = version;
+  o.process_group = group.id();
+  o.epoch = group.epoch();
+  o.checkpoint = CheckpointVersion(ckpt->second);
+  o.num_experts = num_experts;
+  return PlacementManifest::Create(o, std::move(slots), topology);
+}
+
+}  // namespace moe

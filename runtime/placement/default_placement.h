@@ -1,0 +1,25 @@
+// A deterministic placement for local clusters and tests: logical expert e on rank e % P, plus
+// `extra_replicas` copies of experts 0, 1, ... on the rank half the group away (another node in
+// a two-node topology). Parameter digests come from the checkpoint's metadata.
+#ifndef MOE_RUNTIME_PLACEMENT_DEFAULT_PLACEMENT_H_
+#define MOE_RUNTIME_PLACEMENT_DEFAULT_PLACEMENT_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "runtime/placement/manifest.h"
+
+namespace moe {
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
+    PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
+    const std::map<std::string, std::string>& checkpoint_metadata);
+
+// P ranks on two nodes of P / 2 (one node when P == 1); the first rank of a node is its relay.
+Topology TwoNodeTopology(int num_ranks);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_PLACEMENT_DEFAULT_PLACEMENT_H_

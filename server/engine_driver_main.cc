@@ -1,0 +1,255 @@
+// engine_driver: plays the inference engines of a local cluster. Every step it builds hidden
+// rows and a top-k routing for every rank (a rank may have no tokens), calls every rank's
+// ExpertLayerService at once through the client library, and checks every returned row against
+// the direct semantic computation y_t = sum_j g_tj E_{e_tj}(h_t) (0x03C3) with the same
+// checkpoint. Scenarios: prefill, decode, mixed (split into a prefill and a decode unit, 0x05E)
+// and oversize decode, each under uniform and hot-expert routing. Ends with a summary table;
+// exits non-zero on any failed step or mismatch.
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/logging.h"
+#include "server/client.h"
+
+ABSL_FLAG(std::string, addresses, "", "comma-separated host:port of rank 0..P-1 (or use --port_dir)");
+ABSL_FLAG(std::string, port_dir, "", "directory with <rank>.port files written by moe-rankd --port_file");
+ABSL_FLAG(int, world, 4, "ranks (with --port_dir)");
+ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the ranks serve (for the reference computation)");
+ABSL_FLAG(int, rounds, 3, "rounds of the scenario list");
+ABSL_FLAG(int, k, 4, "experts per token");
+ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
+ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
+ABSL_FLAG(int, oversize_tokens, 9, "tokens per rank in an oversize decode step");
+
+namespace moe {
+namespace {
+
+struct Stats {
+  int64_t steps = 0, failed = 0, mismatches = 0, routes = 0, remote = 0, inter_node = 0, dropped = 0;
+  int64_t replays = 0, decode_steps = 0;
+  std::map<std::string, int64_t> fallbacks;
+  std::map<std::string, std::vector<double>> latency_us;  // by phase
+};
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+class Reference {
+ public:
+  Reference(const SafetensorsFile& ckpt, int d, int f) : d_(d), f_(f), kernels_(kernels::CreateCpuKernels()) {
+    int e = 0;
+    absl::SimpleAtoi(ckpt.metadata.at("num_experts"), &e);
+    for (int i = 0; i < e; ++i) {
+      const std::string& gu = ckpt.tensors.at(absl::StrCat("experts.", i, ".w_gate_up")).data;
+      const std::string& dn = ckpt.tensors.at(absl::StrCat("experts.", i, ".w_down")).data;
+      gate_up_.emplace_back(gu.size() / 2);
+      down_.emplace_back(dn.size() / 2);
+      std::memcpy(gate_up_.back().data(), gu.data(), gu.size());
+      std::memcpy(down_.back().data(), dn.data(), dn.size());
+    }
+  }
+  int num_experts() const { return static_cast<int>(gate_up_.size()); }
+
+  // y_t = sum_j g_tj E_e(h_t) in FP32, rounded to BF16 at the end.
+  std::vector<float> Compute(const StepCall& c) {
+    std::vector<float> y(c.tokens * d_, 0.0f);
+    std::vector<uint16_t> out(d_);
+    const int64_t offsets[2] = {0, 1};
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      for (int j = 0; j < c.k; ++j) {
+        const int64_t i = t * c.k + j;
+        if (!c.admitted.empty() && c.admitted[i] == 0) continue;
+        const int e = c.topk_ids[i];
+        kernels::SwigluParams p;
+        p.weights = {gate_up_[e].data(), down_[e].data(), 1, d_, f_};
+        p.x = c.hidden.data() + t * d_;
+        p.rows = 1;
+        p.host_offsets = offsets;
+        p.y = out.data();
+        if (!kernels_->Swiglu(p, nullptr).ok()) std::abort();
+        for (int col = 0; col < d_; ++col) y[t * d_ + col] += c.topk_weights[i] * kernels::Bf16ToFloat(out[col]);
+      }
+    }
+    return y;
+  }
+
+ private:
+  int d_, f_;
+  std::unique_ptr<kernels::ExpertKernels> kernels_;
+  std::vector<std::vector<uint16_t>> gate_up_, down_;
+};
+
+StepCall MakeCall(std::mt19937& rng, uint64_t step, bool decode, int64_t tokens, int d, int k, int experts, bool hot) {
+  StepCall c;
+  c.step_id = step;
+  c.layer = static_cast<int64_t>(step % 3);
+  c.decode = decode;
+  c.tokens = tokens;
+  c.d = d;
+  c.k = k;
+  std::normal_distribution<float> n(0, 1);
+  for (int64_t i = 0; i < tokens * d; ++i) c.hidden.push_back(kernels::FloatToBf16(n(rng)));
+  std::vector<int> perm(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int e = 0; e < experts; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    if (hot && rng() % 2 == 0) std::swap(perm[0], *std::find(perm.begin(), perm.end(), 0));  // expert 0 is hot
+    float sum = 0;
+    for (int j = 0; j < k; ++j) {
+      c.topk_ids.push_back(perm[j]);
+      c.topk_weights.push_back(0.05f + std::uniform_real_distribution<float>(0, 1)(rng));
+      sum += c.topk_weights.back();
+      c.admitted.push_back(rng() % 20 != 0);  // the router dropped one route in twenty
+    }
+    for (int j = 0; j < k; ++j) c.topk_weights[c.topk_weights.size() - k + j] /= sum;
+  }
+  return c;
+}
+
+std::vector<std::string> Addresses() {
+  if (!absl::GetFlag(FLAGS_addresses).empty()) return absl::StrSplit(absl::GetFlag(FLAGS_addresses), ',');
+  std::vector<std::string> out;
+  for (int r = 0; r < absl::GetFlag(FLAGS_world); ++r) {
+    std::ifstream in(absl::StrCat(absl::GetFlag(FLAGS_port_dir), "/", r, ".port"));
+    std::string port;
+    std::getline(in, port);
+    out.push_back(absl::StrCat("127.0.0.1:", port));
+  }
+  return out;
+}
+
+int Main() {
+  auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+  if (!ckpt.ok()) {
+    spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
+    return 2;
+  }
+  int d = 0, f = 0;
+  absl::SimpleAtoi(ckpt->metadata["d"], &d);
+  absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
+  Reference reference(*ckpt, d, f);
+  const std::vector<std::string> addresses = Addresses();
+  const int p = static_cast<int>(addresses.size());
+  std::vector<std::unique_ptr<ExpertLayerClient>> clients;
+  for (const std::string& a : addresses) {
+    auto c = ExpertLayerClient::Connect(a, absl::Seconds(30));
+    if (!c.ok()) {
+      spdlog::error("{}", std::string(c.status().message()));
+      return 1;
+    }
+    clients.push_back(*std::move(c));
+  }
+  const int k = absl::GetFlag(FLAGS_k);
+  struct Unit {
+    std::string scenario;
+    bool decode;
+    int64_t tokens;
+  };
+  const std::vector<Unit> units = {
+      {"prefill", false, absl::GetFlag(FLAGS_prefill_tokens)},
+      {"decode", true, absl::GetFlag(FLAGS_decode_tokens)},
+      {"mixed/prefill-unit", false, absl::GetFlag(FLAGS_prefill_tokens) / 4},
+      {"mixed/decode-unit", true, absl::GetFlag(FLAGS_decode_tokens) / 2},
+      {"oversize-decode", true, absl::GetFlag(FLAGS_oversize_tokens)},
+  };
+  Stats stats;
+  std::mt19937 rng(42);
+  uint64_t step = 1;
+  const int rounds = absl::GetFlag(FLAGS_rounds);
+  for (int round = 0; round < rounds; ++round) {
+    for (bool hot : {false, true}) {
+      for (const Unit& u : units) {
+        std::vector<StepCall> calls;
+        for (int r = 0; r < p; ++r) {
+          // The last rank sits out every third step with zero tokens (it still takes part).
+          const int64_t tokens = (r == p - 1 && step % 3 == 0) ? 0 : u.tokens;
+          calls.push_back(MakeCall(rng, step, u.decode, tokens, d, k, reference.num_experts(), hot));
+        }
+        std::vector<absl::StatusOr<StepAnswer>> answers(p, absl::UnknownError("not run"));
+        std::vector<std::thread> threads;
+        for (int r = 0; r < p; ++r) threads.emplace_back([&, r] { answers[r] = clients[r]->Execute(calls[r]); });
+        for (auto& t : threads) t.join();
+        for (int r = 0; r < p; ++r) {
+          ++stats.steps;
+          if (!answers[r].ok()) {
+            ++stats.failed;
+            spdlog::error("step {} rank {}: {}", step, r, std::string(answers[r].status().message()));
+            continue;
+          }
+          const std::vector<float> ref = reference.Compute(calls[r]);
+          double num = 0, den = 0;
+          for (size_t i = 0; i < ref.size(); ++i) {
+            const double x = kernels::Bf16ToFloat(answers[r]->output[i]);
+            num += (x - ref[i]) * (x - ref[i]);
+            den += static_cast<double>(ref[i]) * ref[i];
+          }
+          if (!ref.empty() && std::sqrt(num / std::max(den, 1e-30)) > 1e-2) {
+            ++stats.mismatches;
+            spdlog::error("step {} rank {}: output differs from the semantic computation (rel {:.3g})", step, r,
+                          std::sqrt(num / std::max(den, 1e-30)));
+          }
+          const v1::StepRecord& rec = answers[r]->record;
+          stats.routes += rec.routes_accepted();
+          stats.remote += rec.routes_remote();
+          stats.inter_node += rec.routes_inter_node();
+          stats.dropped += rec.routes_dropped();
+          if (u.decode) {
+            ++stats.decode_steps;
+            if (rec.path() == v1::PATH_GRAPH_REPLAY) ++stats.replays;
+            else ++stats.fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
+          }
+          stats.latency_us[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
+        }
+        std::printf("\rround %d/%d  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1, rounds,
+                    static_cast<unsigned long long>(step), u.scenario.c_str(), hot ? "hot" : "uniform",
+                    static_cast<long long>(stats.failed), static_cast<long long>(stats.mismatches));
+        std::fflush(stdout);
+        ++step;
+      }
+    }
+  }
+  std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts)\n", p, k, d, f,
+              reference.num_experts());
+  std::printf("  rank-steps          %lld (failed %lld)\n", static_cast<long long>(stats.steps), static_cast<long long>(stats.failed));
+  std::printf("  routes accepted     %lld (router-dropped %lld)\n", static_cast<long long>(stats.routes), static_cast<long long>(stats.dropped));
+  std::printf("  remote fraction     %.3f\n", stats.routes ? static_cast<double>(stats.remote) / stats.routes : 0.0);
+  std::printf("  inter-node fraction %.3f\n", stats.routes ? static_cast<double>(stats.inter_node) / stats.routes : 0.0);
+  std::printf("  graph replay ratio  %.3f (%lld of %lld decode rank-steps)\n",
+              stats.decode_steps ? static_cast<double>(stats.replays) / stats.decode_steps : 0.0,
+              static_cast<long long>(stats.replays), static_cast<long long>(stats.decode_steps));
+  for (const auto& [reason, n] : stats.fallbacks) std::printf("  fallback %-26s %lld\n", reason.c_str(), static_cast<long long>(n));
+  for (const auto& [phase, v] : stats.latency_us) {
+    std::printf("  %-8s latency     p50 %.0f us  p99 %.0f us  (%zu rank-steps)\n", phase.c_str(), Percentile(v, 0.5),
+                Percentile(v, 0.99), v.size());
+  }
+  std::printf("  mismatches          %lld\n", static_cast<long long>(stats.mismatches));
+  return stats.failed == 0 && stats.mismatches == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  moe::InitLogging("engine_driver", "info");
+  return moe::Main();
+}

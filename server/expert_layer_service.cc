@@ -1,0 +1,121 @@
+#include "server/expert_layer_service.h"
+
+#include <cctype>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/grpc_status.h"
+#include "server/tensor_codec.h"
+
+namespace moe {
+namespace {
+
+std::string StatusLabel(absl::StatusCode code) {
+  std::string s = absl::StatusCodeToString(code);
+  for (char& c : s) c = c == ' ' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepResponse* resp) {
+  const absl::Time start = absl::Now();
+  const bool decode = req.phase() == v1::PHASE_DECODE;
+  const std::string phase = decode ? "decode" : "prefill";
+  absl::Status status = [&]() -> absl::Status {
+    if (req.k() <= 0) return absl::InvalidArgumentError("k: must be positive");
+    auto hidden = DecodeToBf16(req.hidden(), "hidden");
+    if (!hidden.ok()) return hidden.status();
+    const int64_t t = req.hidden().rows();
+    if (req.topk_ids_size() != t * req.k()) {
+      return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(), " entries, hidden has ", t,
+                                                     " rows and k = ", req.k()));
+    }
+    if (req.topk_weights_size() != t * req.k()) {
+      return absl::InvalidArgumentError(absl::StrCat("topk_weights: ", req.topk_weights_size(), " entries, expected ",
+                                                     t * req.k()));
+    }
+    if (!req.admitted().empty() && static_cast<int64_t>(req.admitted().size()) != t * req.k()) {
+      return absl::InvalidArgumentError(absl::StrCat("admitted: ", req.admitted().size(), " entries, expected ", t * req.k()));
+    }
+    LayerStepInput in;
+    in.step_id = req.step_id();
+    in.layer = req.layer();
+    in.phase = decode ? Phase::kDecode : Phase::kPrefill;
+    in.hidden = hidden->data();
+    in.tokens = t;
+    in.d = static_cast<int>(req.hidden().cols());
+    in.topk_ids = req.topk_ids().data();
+    in.topk_weights = req.topk_weights().data();
+    in.k = req.k();
+    in.admitted = req.admitted().empty() ? nullptr : reinterpret_cast<const uint8_t*>(req.admitted().data());
+    in.expected_generation = req.expected_generation() > 0 ? req.expected_generation() : -1;
+    absl::StatusOr<LayerStepResult> result;
+    {
+      absl::MutexLock lock(&step_mu_);
+      result = executor_->Execute(in);
+    }
+    if (!result.ok()) return result.status();
+    resp->set_step_id(req.step_id());
+    EncodeFromBf16(result->output, t, in.d, req.hidden().dtype(), resp->mutable_output());
+    v1::StepRecord* rec = resp->mutable_record();
+    const StepRecord& r = result->record;
+    rec->set_placement_generation(r.placement_version);
+    // Decode graphs need CUDA; this build serves every step eagerly and says why.
+    rec->set_path(v1::PATH_EAGER);
+    if (decode) {
+      rec->set_fallback_reason("stable_buffer_unavailable");
+      metrics_->Fallback("stable_buffer_unavailable");
+    }
+    rec->set_routes_attempted(r.routes_attempted);
+    rec->set_routes_accepted(r.routes_accepted);
+    rec->set_routes_dropped(r.routes_dropped);
+    rec->set_routes_remote(r.routes_remote);
+    rec->set_routes_inter_node(r.routes_inter_node);
+    metrics_->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
+    metrics_->BytesSent(r.bytes_sent);
+    metrics_->Generation(r.placement_version);
+    return absl::OkStatus();
+  }();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (status.ok()) resp->mutable_record()->set_server_latency_us(seconds * 1e6);
+  metrics_->Step(phase, "eager", StatusLabel(status.code()), seconds);
+  return status;
+}
+
+grpc::Status ExpertLayerServiceImpl::Execute(grpc::ServerContext*, const v1::StepRequest* request,
+                                             v1::StepResponse* response) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "moe-rankd is draining");
+    ++in_flight_;
+    metrics_->InFlight(in_flight_);
+  }
+  const absl::Status s = Run(*request, response);
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
+  metrics_->InFlight(in_flight_);
+  return ToGrpcStatus(s);
+}
+
+grpc::Status ExpertLayerServiceImpl::Step(grpc::ServerContext* context,
+                                          grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  v1::StepRequest request;
+  while (stream->Read(&request)) {
+    v1::StepResponse response;
+    const grpc::Status s = Execute(context, &request, &response);
+    // A failed step ends the stream with its status; the engine reopens the stream to go on.
+    if (!s.ok()) return s;
+    if (!stream->Write(response)) break;
+  }
+  return grpc::Status::OK;
+}
+
+void ExpertLayerServiceImpl::Drain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  mu_.Await(absl::Condition(&idle));
+}
+
+}  // namespace moe

@@ -1,0 +1,208 @@
+// moe-rankd: the per-rank serving daemon. Holds the expert weights of its physical slots, joins
+// the process group's transport, and answers its engine's ExpertLayerService calls; gRPC health
+// checking and server reflection on the same port; Prometheus metrics on their own port.
+// SIGTERM drains: steps in flight finish, new ones get UNAVAILABLE, then the process exits.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+
+#include "CivetServer.h"
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/api.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/logging.h"
+#include "runtime/placement/default_placement.h"
+#include "server/expert_layer_service.h"
+#include "server/metrics.h"
+
+ABSL_FLAG(int, rank, 0, "global rank of this daemon");
+ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
+ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus exposer address");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here");
+ABSL_FLAG(std::string, ucx_host, "127.0.0.1", "host the UCX listener binds");
+ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
+ABSL_FLAG(std::string, checkpoint, "", "safetensors checkpoint (moectl checkpoint synth writes one)");
+ABSL_FLAG(int, extra_replicas, 2, "extra replicas of the first experts in the default placement");
+ABSL_FLAG(int64_t, epoch, 1, "process-group epoch");
+ABSL_FLAG(int, timeout_ms, 10000, "collective timeout per step");
+ABSL_FLAG(std::string, release, "dev", "release label on every metric");
+ABSL_FLAG(std::string, log_level, "info", "spdlog level");
+
+namespace moe {
+namespace {
+
+void WriteFile(const std::string& path, const std::string& text) {
+  if (path.empty()) return;
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << text;
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+// civetweb (behind prometheus-cpp's exposer) cannot bind port 0: pick a free port first.
+std::string ResolvePortZero(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || address.substr(colon + 1) != "0") return address;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = 0;
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return absl::StrCat(address.substr(0, colon), ":", port);
+}
+
+int Main() {
+  const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
+  if (world <= 0 || rank < 0 || rank >= world) {
+    spdlog::error("--rank {} / --world {}: rank must be in [0, world)", rank, world);
+    return 2;
+  }
+  // The exposer starts first: civetweb fails to bind once UCX has initialized in this process.
+  RankMetrics metrics(absl::GetFlag(FLAGS_release));
+  metrics.Generation(1);
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    static CivetCallbacks callbacks;
+    callbacks.log_message = [](const struct mg_connection*, const char* message) {
+      spdlog::warn("metrics exposer: {}", message);
+      return 1;
+    };
+    exposer = std::make_unique<prometheus::Exposer>(ResolvePortZero(absl::GetFlag(FLAGS_metrics_listen)), 2, &callbacks);
+  } catch (const std::exception& e) {
+    spdlog::error("--metrics_listen {}: {}", absl::GetFlag(FLAGS_metrics_listen), e.what());
+    return 1;
+  }
+  exposer->RegisterCollectable(metrics.registry());
+  WriteFile(absl::GetFlag(FLAGS_metrics_port_file), absl::StrCat(exposer->GetListeningPorts().at(0)));
+
+  // Block the termination signals in every thread; the main thread waits for them below.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+  if (!ckpt.ok()) {
+    spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
+    return 2;
+  }
+  int num_experts = 0;
+  if (!absl::SimpleAtoi(ckpt->metadata["num_experts"], &num_experts) || num_experts <= 0) {
+    spdlog::error("--checkpoint: metadata has no num_experts");
+    return 2;
+  }
+  const Topology topology = TwoNodeTopology(world);
+  const ProcessGroup group = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(absl::GetFlag(FLAGS_epoch)), world);
+  auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology, group,
+                                   ckpt->metadata);
+  if (!manifest.ok()) {
+    spdlog::error("placement: {}", std::string(manifest.status().message()));
+    return 2;
+  }
+  if (absl::Status s = VerifyForPublish(**manifest, group, topology); !s.ok()) {
+    spdlog::error("placement: {}", std::string(s.message()));
+    return 2;
+  }
+  auto local = LoadLocalExperts(*ckpt, **manifest, Rank(rank));
+  if (!local.ok()) {
+    spdlog::error("weights: {}", std::string(local.status().message()));
+    return 2;
+  }
+  GenerationRegistry registry;
+  registry.Prepare(*manifest).IgnoreError();
+  registry.Activate(PlacementVersion(1)).IgnoreError();
+
+  // Transport: publish the UCX listener, learn the peers', connect.
+  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host));
+  if (!listener.ok()) {
+    spdlog::error("ucx: {}", std::string(listener.status().message()));
+    return 1;
+  }
+  auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
+                                       absl::Seconds(60));
+  if (!addresses.ok()) {
+    spdlog::error("rendezvous: {}", std::string(addresses.status().message()));
+    return 1;
+  }
+  UcxOptions ucx;
+  ucx.slot = group.SlotOf(Rank(rank)).value();
+  ucx.addresses = *addresses;
+  auto transport = CreateUcxTransportWithListener(*std::move(listener), ucx);
+  if (!transport.ok()) {
+    spdlog::error("ucx: {}", std::string(transport.status().message()));
+    return 1;
+  }
+  auto kernels = kernels::CreateCpuKernels();
+  LayerExecutorOptions eo;
+  eo.rank = Rank(rank);
+  eo.topology = topology;
+  eo.group = group;
+  eo.registry = &registry;
+  eo.transport = transport->get();
+  eo.kernels = kernels.get();
+  eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  auto executor = LayerExecutor::Create(std::move(eo));
+  if (!executor.ok()) {
+    spdlog::error("executor: {}", std::string(executor.status().message()));
+    return 1;
+  }
+  (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*std::move(local))).IgnoreError();
+
+  ExpertLayerServiceImpl service(executor->get(), &metrics);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(1 << 30);
+  builder.SetMaxSendMessageSize(1 << 30);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    spdlog::error("--listen {}: cannot bind", absl::GetFlag(FLAGS_listen));
+    return 1;
+  }
+  WriteFile(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
+  spdlog::info("rank {} of {} serving on port {} (metrics on {}), placement-v1 with {} local slots", rank, world, port,
+               exposer->GetListeningPorts().at(0), (*manifest)->LocalSlots(Rank(rank)).size());
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("signal {}: draining", sig);
+  service.Drain();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  spdlog::info("drained, exiting");
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  moe::InitLogging(absl::StrCat("moe-rankd[", absl::GetFlag(FLAGS_rank), "]"), absl::GetFlag(FLAGS_log_level));
+  return moe::Main();
+}

@@ -1,0 +1,113 @@
+#include "server/tensor_codec.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/numeric.h"
+
+namespace moe {
+namespace {
+
+float HalfToFloat(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float v;
+  if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
+  else if (exp == 31) v = man ? NAN : INFINITY;
+  else v = std::ldexp(1.0f + man / 1024.0f, exp - 15);
+  return sign ? -v : v;
+}
+
+uint16_t FloatToHalf(float f) {
+  // Round to nearest even through the float's bits (normal range; saturates to inf, flushes
+  // values below half's subnormal range to zero).
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000);
+  const float a = std::fabs(f);
+  if (std::isnan(f)) return sign | 0x7e00;
+  if (a >= 65520.0f) return sign | 0x7c00;
+  if (a < std::ldexp(1.0f, -24)) return sign;
+  int e;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exp = e - 1 + 15;
+  if (exp <= 0) {  // subnormal
+    const float scaled = std::nearbyint(a * std::ldexp(1.0f, 24));
+    return sign | static_cast<uint16_t>(scaled);
+  }
+  uint32_t man = static_cast<uint32_t>(std::nearbyint((m * 2.0f - 1.0f) * 1024.0f));
+  if (man == 1024) {
+    man = 0;
+    ++exp;
+  }
+  if (exp >= 31) return sign | 0x7c00;
+  return sign | static_cast<uint16_t>(exp << 10) | static_cast<uint16_t>(man);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* field) {
+  if (t.rows() < 0 || t.cols() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape [", t.rows(), ", ", t.cols(), "] is not valid"));
+  }
+  int width = 0;
+  switch (t.dtype()) {
+    case v1::DTYPE_BF16:
+    case v1::DTYPE_FP16:
+      width = 2;
+      break;
+    case v1::DTYPE_FP32:
+      width = 4;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: must be BF16, FP16 or FP32"));
+  }
+  const int64_t n = t.rows() * t.cols();
+  if (static_cast<int64_t>(t.data().size()) != n * width) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", t.data().size(), " bytes, dtype x shape needs ",
+                                                   n * width));
+  }
+  std::vector<uint16_t> out(n);
+  const char* p = t.data().data();
+  for (int64_t i = 0; i < n; ++i) {
+    float v;
+    if (t.dtype() == v1::DTYPE_BF16) {
+      std::memcpy(&out[i], p + 2 * i, 2);
+      continue;
+    }
+    if (t.dtype() == v1::DTYPE_FP16) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * i, 2);
+      v = HalfToFloat(h);
+    } else {
+      std::memcpy(&v, p + 4 * i, 4);
+    }
+    if (!std::isfinite(v)) return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
+    out[i] = kernels::FloatToBf16(v);
+  }
+  return out;
+}
+
+void EncodeFromBf16(const std::vector<uint16_t>& rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out) {
+  out->set_dtype(dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_BF16 : dtype);
+  out->set_rows(n);
+  out->set_cols(d);
+  std::string* data = out->mutable_data();
+  if (out->dtype() == v1::DTYPE_BF16) {
+    data->assign(reinterpret_cast<const char*>(rows.data()), rows.size() * 2);
+    return;
+  }
+  const int width = out->dtype() == v1::DTYPE_FP16 ? 2 : 4;
+  data->resize(rows.size() * width);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float v = kernels::Bf16ToFloat(rows[i]);
+    if (width == 4) {
+      std::memcpy(&(*data)[4 * i], &v, 4);
+    } else {
+      const uint16_t h = FloatToHalf(v);
+      std::memcpy(&(*data)[2 * i], &h, 2);
+    }
+  }
+}
+
+}  // namespace moe
