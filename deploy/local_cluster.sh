@@ -11,27 +11,12 @@ RANKS="${RANKS:-4}"
 ROUNDS="${ROUNDS:-3}"
 bazel build //server:moe-rankd //server:engine_driver //control:moectl >/dev/null 2>&1 ||
   bazel build //server:moe-rankd //server:engine_driver //control:moectl
+source deploy/cluster_lib.sh
 work="$(mktemp -d)"
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-mkdir -p "$work/rendezvous" "$work/ports" "$work/metrics"
+trap 'stop_ranks; rm -rf "$work"' EXIT
 bazel-bin/control/moectl checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
   --out "$work/checkpoint.safetensors"
-for ((r = 0; r < RANKS; r++)); do
-  bazel-bin/server/moe-rankd --rank "$r" --world "$RANKS" --rendezvous_dir "$work/rendezvous" \
-    --checkpoint "$work/checkpoint.safetensors" --port_file "$work/ports/$r.port" \
-    --metrics_port_file "$work/metrics/$r.port" >"$work/rank$r.log" 2>&1 &
-  pids+=($!)
-done
-for ((r = 0; r < RANKS; r++)); do
-  for _ in $(seq 600); do [ -s "$work/ports/$r.port" ] && break; sleep 0.1; done
-  [ -s "$work/ports/$r.port" ] || { echo "rank $r did not start:"; cat "$work/rank$r.log"; exit 1; }
-done
+start_ranks bazel-bin/server/moe-rankd "$work" "$RANKS" "$work/checkpoint.safetensors"
 echo "started $RANKS ranks: gRPC ports $(for f in "$work"/ports/*.port; do printf '%s ' "$(cat "$f")"; done)"
 set +e
 bazel-bin/server/engine_driver --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
@@ -48,8 +33,6 @@ if command -v promtool >/dev/null 2>&1; then
 fi
 echo
 echo "== SIGTERM: drain and exit"
-for pid in "${pids[@]}"; do kill -TERM "$pid"; done
-wait "${pids[@]}" 2>/dev/null || true
-pids=()
+stop_ranks
 grep -h "drained" "$work"/rank*.log | sed 's/^/  /'
 exit $status

@@ -5,6 +5,8 @@
 // checkpoint. Scenarios: prefill, decode, mixed (split into a prefill and a decode unit, 0x05E)
 // and oversize decode, each under uniform and hot-expert routing. Ends with a summary table;
 // exits non-zero on any failed step or mismatch.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <cmath>
@@ -36,6 +38,9 @@ ABSL_FLAG(int, k, 4, "experts per token");
 ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
 ABSL_FLAG(int, oversize_tokens, 9, "tokens per rank in an oversize decode step");
+ABSL_FLAG(std::string, fault, "", "bad_input: rank 1 sends a malformed step (then a good one); dead_rank: expect every "
+                                 "live rank to fail a step within the timeout (a rank was killed)");
+ABSL_FLAG(int, dead_rank, -1, "dead_rank fault: the rank that was killed");
 
 namespace moe {
 namespace {
@@ -125,6 +130,63 @@ StepCall MakeCall(std::mt19937& rng, uint64_t step, bool decode, int64_t tokens,
   return c;
 }
 
+// Fault checks on a live cluster (0x0E): each prints what it saw and returns the exit code.
+int Fault(std::vector<std::unique_ptr<ExpertLayerClient>>& clients, Reference& reference, int d, int k) {
+  const int p = static_cast<int>(clients.size());
+  std::mt19937 rng(9);
+  auto run = [&](uint64_t step, const std::vector<StepCall>& calls, std::vector<absl::StatusOr<StepAnswer>>* answers,
+                 const std::vector<bool>& skip) {
+    answers->assign(p, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < p; ++r) {
+      if (!skip[r]) threads.emplace_back([&, r] { (*answers)[r] = clients[r]->Execute(calls[r], absl::Seconds(30)); });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<StepCall> calls;
+  for (int r = 0; r < p; ++r) calls.push_back(MakeCall(rng, 1000, false, 8, d, k, reference.num_experts(), false));
+  std::vector<absl::StatusOr<StepAnswer>> answers;
+  if (absl::GetFlag(FLAGS_fault) == "bad_input") {
+    calls[1].hidden.pop_back();  // byte length no longer matches dtype x shape
+    const absl::Time start = absl::Now();
+    run(1000, calls, &answers, std::vector<bool>(p, false));
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    bool ok = answers[1].status().code() == absl::StatusCode::kInvalidArgument &&
+              std::string(answers[1].status().message()).find("hidden.data") != std::string::npos;
+    std::printf("rank 1 (malformed): %s\n", answers[1].status().ToString().c_str());
+    for (int r = 0; r < p; ++r) {
+      if (r == 1) continue;
+      std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
+      ok = ok && answers[r].status().code() == absl::StatusCode::kAborted;
+    }
+    std::printf("step answered everywhere in %.2f s\n", seconds);
+    calls.clear();
+    for (int r = 0; r < p; ++r) calls.push_back(MakeCall(rng, 1001, false, 8, d, k, reference.num_experts(), false));
+    run(1001, calls, &answers, std::vector<bool>(p, false));
+    for (int r = 0; r < p; ++r) ok = ok && answers[r].ok();
+    std::printf("next step: %s\n", ok ? "served by every rank" : "FAILED");
+    return ok ? 0 : 1;
+  }
+  if (absl::GetFlag(FLAGS_fault) == "dead_rank") {
+    std::vector<bool> skip(p, false);
+    skip[absl::GetFlag(FLAGS_dead_rank)] = true;
+    const absl::Time start = absl::Now();
+    run(1000, calls, &answers, skip);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    bool ok = true;
+    for (int r = 0; r < p; ++r) {
+      if (skip[r]) continue;
+      std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
+      ok = ok && (answers[r].status().code() == absl::StatusCode::kDeadlineExceeded ||
+                  answers[r].status().code() == absl::StatusCode::kUnavailable);
+    }
+    std::printf("every live rank answered with an error in %.2f s\n", seconds);
+    return ok ? 0 : 1;
+  }
+  spdlog::error("--fault {}: unknown (bad_input, dead_rank)", absl::GetFlag(FLAGS_fault));
+  return 2;
+}
+
 std::vector<std::string> Addresses() {
   if (!absl::GetFlag(FLAGS_addresses).empty()) return absl::StrSplit(absl::GetFlag(FLAGS_addresses), ',');
   std::vector<std::string> out;
@@ -150,7 +212,12 @@ int Main() {
   const std::vector<std::string> addresses = Addresses();
   const int p = static_cast<int>(addresses.size());
   std::vector<std::unique_ptr<ExpertLayerClient>> clients;
-  for (const std::string& a : addresses) {
+  for (int r = 0; r < p; ++r) {
+    const std::string& a = addresses[r];
+    if (r == absl::GetFlag(FLAGS_dead_rank)) {  // a killed rank is not called
+      clients.push_back(nullptr);
+      continue;
+    }
     auto c = ExpertLayerClient::Connect(a, absl::Seconds(30));
     if (!c.ok()) {
       spdlog::error("{}", std::string(c.status().message()));
@@ -159,6 +226,7 @@ int Main() {
     clients.push_back(*std::move(c));
   }
   const int k = absl::GetFlag(FLAGS_k);
+  if (!absl::GetFlag(FLAGS_fault).empty()) return Fault(clients, reference, d, k);
   struct Unit {
     std::string scenario;
     bool decode;
@@ -219,9 +287,11 @@ int Main() {
           }
           stats.latency_us[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
         }
-        std::printf("\rround %d/%d  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1, rounds,
+        std::printf("%s", isatty(1) ? "\r" : "");
+        std::printf("round %d/%d  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1, rounds,
                     static_cast<unsigned long long>(step), u.scenario.c_str(), hot ? "hot" : "uniform",
                     static_cast<long long>(stats.failed), static_cast<long long>(stats.mismatches));
+        if (!isatty(1)) std::printf("\n");
         std::fflush(stdout);
         ++step;
       }

@@ -22,21 +22,28 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
   const absl::Time start = absl::Now();
   const bool decode = req.phase() == v1::PHASE_DECODE;
   const std::string phase = decode ? "decode" : "prefill";
+  // A request rejected here still takes part in its step's agreement (with the abort flag), so
+  // the peers abort at once instead of waiting for this rank.
+  auto reject = [&](absl::Status why) {
+    absl::MutexLock lock(&step_mu_);
+    return executor_->Reject(req.step_id(), req.layer(), std::move(why));
+  };
   absl::Status status = [&]() -> absl::Status {
-    if (req.k() <= 0) return absl::InvalidArgumentError("k: must be positive");
+    if (req.k() <= 0) return reject(absl::InvalidArgumentError("k: must be positive"));
     auto hidden = DecodeToBf16(req.hidden(), "hidden");
-    if (!hidden.ok()) return hidden.status();
+    if (!hidden.ok()) return reject(hidden.status());
     const int64_t t = req.hidden().rows();
     if (req.topk_ids_size() != t * req.k()) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(), " entries, hidden has ", t,
-                                                     " rows and k = ", req.k()));
+      return reject(absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(),
+                                                            " entries, hidden has ", t, " rows and k = ", req.k())));
     }
     if (req.topk_weights_size() != t * req.k()) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_weights: ", req.topk_weights_size(), " entries, expected ",
-                                                     t * req.k()));
+      return reject(absl::InvalidArgumentError(
+          absl::StrCat("topk_weights: ", req.topk_weights_size(), " entries, expected ", t * req.k())));
     }
     if (!req.admitted().empty() && static_cast<int64_t>(req.admitted().size()) != t * req.k()) {
-      return absl::InvalidArgumentError(absl::StrCat("admitted: ", req.admitted().size(), " entries, expected ", t * req.k()));
+      return reject(absl::InvalidArgumentError(
+          absl::StrCat("admitted: ", req.admitted().size(), " entries, expected ", t * req.k())));
     }
     LayerStepInput in;
     in.step_id = req.step_id();

@@ -56,6 +56,13 @@ absl::Status LayerExecutor::Validate(const LayerStepInput& in, int num_experts) 
   return absl::OkStatus();
 }
 
+absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status why) {
+  StepHeader h{step_id, layer, options_.registry->ActiveVersion(), options_.group->epoch().value(), 1};
+  const std::vector<int64_t> zeros(options_.group->size(), 0);
+  AgreeOnStep(*options_.transport, h, zeros, options_.timeout).IgnoreError();
+  return why;
+}
+
 absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in) {
   const Topology& topo = *options_.topology;
   const ProcessGroup& group = *options_.group;
@@ -66,12 +73,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   // A member that cannot run the step still joins the agreement with the abort flag set, so its
   // peers abort at once (they get ABORTED) instead of waiting out the timeout; the member itself
   // answers its engine with the original error.
-  auto reject = [&](absl::Status why) -> absl::Status {
-    StepHeader h{in.step_id, in.layer, options_.registry->ActiveVersion(), group.epoch().value(), 1};
-    const std::vector<int64_t> zeros(p, 0);
-    AgreeOnStep(*options_.transport, h, zeros, options_.timeout).IgnoreError();
-    return why;
-  };
+  auto reject = [&](absl::Status why) { return Reject(in.step_id, in.layer, std::move(why)); };
 
   // Phase: the semantic handoff of this rank's routes, sealed before any physical decision.
   const int64_t active = options_.registry->ActiveVersion();

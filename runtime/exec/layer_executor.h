@@ -88,6 +88,11 @@ class LayerExecutor {
 
   absl::StatusOr<LayerStepResult> Execute(const LayerStepInput& input);
 
+  // For a step this member cannot run (its request was rejected before Execute, e.g. at the RPC
+  // edge): joins the step's agreement with the abort flag so every peer aborts at once, and
+  // returns `why` unchanged.
+  absl::Status Reject(uint64_t step_id, int64_t layer, absl::Status why);
+
  private:
   explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
   absl::Status Validate(const LayerStepInput& in, int num_experts) const;
