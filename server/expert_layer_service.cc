@@ -68,11 +68,10 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     v1::StepRecord* rec = resp->mutable_record();
     const StepRecord& r = result->record;
     rec->set_placement_generation(r.placement_version);
-    // Decode graphs need CUDA; this build serves every step eagerly and says why.
-    rec->set_path(v1::PATH_EAGER);
-    if (decode) {
-      rec->set_fallback_reason("stable_buffer_unavailable");
-      metrics_->Fallback("stable_buffer_unavailable");
+    rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
+    if (decode && !r.graph_replay) {
+      rec->set_fallback_reason(r.fallback_reason);
+      metrics_->Fallback(r.fallback_reason);
     }
     rec->set_routes_attempted(r.routes_attempted);
     rec->set_routes_accepted(r.routes_accepted);

@@ -43,6 +43,8 @@ ABSL_FLAG(int, extra_replicas, 2, "extra replicas of the first experts in the de
 ABSL_FLAG(int64_t, epoch, 1, "process-group epoch");
 ABSL_FLAG(int, timeout_ms, 10000, "collective timeout per step");
 ABSL_FLAG(std::string, release, "dev", "release label on every metric");
+ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "decode graph bucket: tokens per rank");
+ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "decode graph bucket: routes per physical slot");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -164,6 +166,9 @@ int Main() {
   eo.transport = transport->get();
   eo.kernels = kernels.get();
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
+  eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
+  eo.graphs_available = false;  // this daemon serves experts on the CPU: no CUDA graphs
   auto executor = LayerExecutor::Create(std::move(eo));
   if (!executor.ok()) {
     spdlog::error("executor: {}", std::string(executor.status().message()));

@@ -57,9 +57,14 @@ absl::Status LayerExecutor::Validate(const LayerStepInput& in, int num_experts) 
 }
 
 absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status why) {
-  StepHeader h{step_id, layer, options_.registry->ActiveVersion(), options_.group->epoch().value(), 1};
+  const int64_t active = options_.registry->ActiveVersion();
+  StepHeader h{step_id, layer, active, options_.group->epoch().value(), 1};
   const std::vector<int64_t> zeros(options_.group->size(), 0);
-  AgreeOnStep(*options_.transport, h, zeros, options_.timeout).IgnoreError();
+  // The agreement record has one slot count per physical slot of the active generation, as the
+  // peers' records do (all-gathers need equal sizes).
+  auto manifest = options_.registry->RequireLive(PlacementVersion(active));
+  const std::vector<int64_t> slot_zeros(manifest.ok() ? (*manifest)->num_slots() : 0, 0);
+  AgreeOnStep(*options_.transport, h, zeros, options_.timeout, slot_zeros).IgnoreError();
   return why;
 }
 
@@ -144,9 +149,35 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   if (absl::Status planned = PlanSource(layout, accepted_slots, &source); !planned.ok()) return reject(planned);
   const int64_t n_send = static_cast<int64_t>(accepted_ids.size());
 
-  // Phase: agreement before any payload moves.
-  StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value()};
-  ASSIGN_OR_RETURN(StepAgreement agreement, AgreeOnStep(*options_.transport, header, source.send_splits, options_.timeout));
+  // Phase: agreement before any payload moves (header, counts, tokens, routes per slot).
+  std::vector<int64_t> slot_counts(m.num_slots(), 0);
+  for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
+  StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens};
+  ASSIGN_OR_RETURN(StepAgreement agreement,
+                   AgreeOnStep(*options_.transport, header, source.send_splits, options_.timeout, slot_counts));
+
+  // Phase: decode-graph admission, evaluated identically on every member over agreed counts.
+  LayerStepResult result;
+  if (in.phase == Phase::kDecode) {
+    DecodeGraph bucket;
+    bucket.graph_id = absl::StrCat("decode.bucket", options_.decode_rank_tokens, ".v", version.value());
+    bucket.key.process_group = group.id().value();
+    bucket.key.placement_version = version.value();
+    bucket.key.checkpoint = m.checkpoint().value();
+    bucket.key.d = in.d;
+    bucket.key.k = in.k;
+    bucket.key.rank_token_capacity.assign(p, options_.decode_rank_tokens);
+    bucket.key.slot_route_capacity.assign(m.num_slots(), options_.decode_slot_routes);
+    bucket.stable_buffers_ready = options_.graphs_available;
+    AdmissionStep step;
+    step.decode = true;
+    step.key = bucket.key;
+    step.rank_tokens = agreement.rank_tokens;
+    step.slot_routes = agreement.slot_routes;
+    const Admission admission = AdmitDecodeGraph(step, &bucket);
+    result.record.graph_replay = admission.replay;
+    if (!admission.replay) result.record.fallback_reason = FallbackReasonName(admission.reason);
+  }
 
   // Phase: the handle binds the inverse coordinates (origin token and gate per send position).
   const int d = in.d;
@@ -239,7 +270,6 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     row_of_route[r] = pos;
     gates[r] = handle->inverse().gate[pos];
   }
-  LayerStepResult result;
   result.output.assign(static_cast<size_t>(in.tokens) * d, 0);
   if (in.tokens > 0) {
     kernels::CombineParams c{returned.data(), n_send, d, row_of_route.data(), gates.data(), in.tokens, in.k, nullptr,

@@ -16,11 +16,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/api.h"
+#include "runtime/exec/decode_admission.h"
 #include "runtime/placement/registry.h"
 #include "runtime/placement/replica_selector.h"
 #include "runtime/placement/topology.h"
@@ -55,6 +57,8 @@ struct LayerStepInput {
 
 struct StepRecord {
   int64_t placement_version = 0;
+  bool graph_replay = false;
+  std::string fallback_reason;  // decode steps served eagerly: the first failing admission clause
   int64_t routes_attempted = 0;
   int64_t routes_accepted = 0;
   int64_t routes_dropped = 0;
@@ -77,6 +81,12 @@ struct LayerExecutorOptions {
   kernels::ExpertKernels* kernels = nullptr;       // not owned
   absl::Duration timeout = absl::Seconds(30);
   SelectorPolicy selector = SelectorPolicy::kLocalityFirst;
+  // The decode bucket (graph manifest): tokens per rank and routes per physical slot a captured
+  // graph admits. Graphs are captured only where CUDA serves the experts; elsewhere the manifest
+  // still decides admission and the step reports why it ran eagerly.
+  int64_t decode_rank_tokens = 8;
+  int64_t decode_slot_routes = 16;
+  bool graphs_available = false;
 };
 
 class LayerExecutor {

@@ -7,22 +7,27 @@
 namespace moe {
 
 absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
-                                          absl::Span<const int64_t> send_counts, absl::Duration timeout) {
+                                          absl::Span<const int64_t> send_counts, absl::Duration timeout,
+                                          absl::Span<const int64_t> slot_counts) {
   const int p = transport.size();
   if (static_cast<int>(send_counts.size()) != p) {
     return absl::InvalidArgumentError(
         absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
-  // Wire record: 5 header words then P counts, little-endian int64 (same machine family).
-  constexpr int kHeaderWords = 5;
-  const int64_t words = kHeaderWords + p;
+  // Wire record: 7 header words (the last is Q), P counts, Q slot counts; little-endian int64.
+  constexpr int kHeaderWords = 7;
+  const int64_t q = static_cast<int64_t>(slot_counts.size());
+  const int64_t words = kHeaderWords + p + q;
   std::vector<int64_t> mine(words);
   mine[0] = static_cast<int64_t>(header.step_id);
   mine[1] = header.layer;
   mine[2] = header.placement_version;
   mine[3] = header.process_group_epoch;
   mine[4] = header.abort;
+  mine[5] = header.tokens;
+  mine[6] = q;
   std::memcpy(mine.data() + kHeaderWords, send_counts.data(), sizeof(int64_t) * p);
+  if (q > 0) std::memcpy(mine.data() + kHeaderWords + p, slot_counts.data(), sizeof(int64_t) * q);
   std::vector<int64_t> all(words * p);
   absl::Status s = transport.AllGather(header.step_id, mine.data(), words * 8, all.data(), timeout);
   if (!s.ok()) return s;
@@ -33,10 +38,11 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
                                              " rejected its input for this step"));
     }
   }
-  static constexpr const char* kField[4] = {"step_id", "layer", "placement_generation", "process_group_epoch"};
+  static constexpr const char* kField[7] = {"step_id", "layer", "placement_generation", "process_group_epoch",
+                                            "", "", "slot_count_length"};
   // Compare every member against slot 0: all members run this same loop over the same data.
   for (int i = 1; i < p; ++i) {
-    for (int f = 0; f < 4; ++f) {
+    for (int f : {0, 1, 2, 3, 6}) {
       if (all[i * words + f] != all[f]) {
         return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " has ",
                                                kField[f], " ", all[i * words + f], ", peer slot 0 has ", all[f]));
@@ -56,7 +62,13 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
     }
   }
   out.recv_counts.resize(p);
-  for (int i = 0; i < p; ++i) out.recv_counts[i] = out.count_matrix[i * p + transport.slot()];
+  out.rank_tokens.resize(p);
+  out.slot_routes.assign(q, 0);
+  for (int i = 0; i < p; ++i) {
+    out.recv_counts[i] = out.count_matrix[i * p + transport.slot()];
+    out.rank_tokens[i] = all[i * words + 5];
+    for (int64_t j = 0; j < q; ++j) out.slot_routes[j] += all[i * words + kHeaderWords + p + j];
+  }
   return out;
 }
 

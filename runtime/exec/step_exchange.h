@@ -28,15 +28,21 @@ struct StepHeader {
   // Nonzero when this member rejected its own input: it still takes part in the agreement so
   // that every member aborts the step at once instead of waiting for it.
   int64_t abort = 0;
+  int64_t tokens = 0;  // this member's input rows (decode-graph admission needs every rank's)
 };
 
 struct StepAgreement {
   std::vector<int64_t> count_matrix;  // [P * P], row = source peer slot, column = destination
   std::vector<int64_t> recv_counts;   // this member's column
+  std::vector<int64_t> rank_tokens;   // [P], every member's input rows
+  std::vector<int64_t> slot_routes;   // [Q], routes per physical slot summed over members
 };
 
+// `slot_counts` (optional, the same length Q on every member) are this member's routes per
+// physical slot; the agreement sums them.
 absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
-                                          absl::Span<const int64_t> send_counts, absl::Duration timeout);
+                                          absl::Span<const int64_t> send_counts, absl::Duration timeout,
+                                          absl::Span<const int64_t> slot_counts = {});
 
 }  // namespace moe
 

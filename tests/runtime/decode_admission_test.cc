@@ -1,0 +1,103 @@
+#include "runtime/exec/decode_admission.h"
+
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+// 0x05C: graph decode.bucket4.v17 over placement-v17, d = 3, k = 2, P = 4, six slots.
+DecodeGraph Bucket4() {
+  DecodeGraph g;
+  g.graph_id = "decode.bucket4.v17";
+  g.key.process_group = "ep-group-0";
+  g.key.placement_version = 17;
+  g.key.checkpoint = "checkpoint-0042";
+  g.key.d = 3;
+  g.key.k = 2;
+  g.key.rank_token_capacity = {4, 4, 4, 4};
+  g.key.slot_route_capacity = {2, 2, 2, 2, 2, 2};
+  g.stable_buffers_ready = true;
+  return g;
+}
+
+AdmissionStep Step(std::vector<int64_t> tokens, std::vector<int64_t> routes, bool decode = true) {
+  AdmissionStep s;
+  s.decode = decode;
+  s.key = Bucket4().key;
+  s.rank_tokens = std::move(tokens);
+  s.slot_routes = std::move(routes);
+  return s;
+}
+
+TEST(DecodeAdmissionTest, DecodeFixtureReplaysWithItsLedger) {
+  const DecodeGraph g = Bucket4();
+  const AdmissionStep s = Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1});
+  const Admission a = AdmitDecodeGraph(s, &g);
+  EXPECT_TRUE(a.replay);
+  EXPECT_EQ(a.graph_id, "decode.bucket4.v17");
+  const UnitLedger l = GraphUnitLedger(g.key, s.rank_tokens, s.slot_routes, /*act_bytes=*/2, /*num_ranks=*/4);
+  EXPECT_EQ(l.useful_input_rows, 5);
+  EXPECT_EQ(l.executed_dispatch_slots, 16);
+  EXPECT_EQ(l.executed_dispatch_slots - l.useful_input_rows, 11);  // masked input slots
+  EXPECT_EQ(l.useful_routes, 10);
+  EXPECT_EQ(l.executed_runner_rows, 12);
+  EXPECT_EQ(l.graph_payload_bytes, 496);
+  EXPECT_EQ(l.host_submissions, 1);
+}
+
+TEST(DecodeAdmissionTest, EachReasonIsExact) {
+  const DecodeGraph g = Bucket4();
+  EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1}, false), &g).reason, FallbackReason::kPhaseNotDecode);
+  AdmissionStep stale = Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1});
+  stale.key.placement_version = 18;  // replaying a v17 graph against v18 is stale state
+  EXPECT_EQ(AdmitDecodeGraph(stale, &g).reason, FallbackReason::kGraphKeyMismatch);
+  EXPECT_EQ(AdmitDecodeGraph(Step({4, 4, 4, 4}, {2, 2, 2, 2, 2, 2}), &g).replay, true);  // at capacity
+  EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {3, 1, 2, 2, 1, 1}), &g).reason,
+            FallbackReason::kExpertRouteCapacityExceeded);
+  DecodeGraph cold = g;
+  cold.stable_buffers_ready = false;
+  EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1}), &cold).reason,
+            FallbackReason::kStableBufferUnavailable);
+  EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1}), nullptr).reason,
+            FallbackReason::kStableBufferUnavailable);
+  EXPECT_STREQ(FallbackReasonName(FallbackReason::kRankTokenCapacityExceeded), "rank_token_capacity_exceeded");
+}
+
+// 0x05F: the oversize decode fails first on rank tokens and falls back without clipping.
+TEST(DecodeAdmissionTest, OversizeFallsBackWithoutSemanticDrift) {
+  const DecodeGraph g = Bucket4();
+  const AdmissionStep s = Step({5, 4, 2, 0}, {5, 4, 4, 3, 3, 3});
+  const Admission a = AdmitDecodeGraph(s, &g);
+  EXPECT_FALSE(a.replay);
+  EXPECT_EQ(a.reason, FallbackReason::kRankTokenCapacityExceeded);
+  const UnitLedger l = EagerUnitLedger(s.rank_tokens, s.slot_routes, 7);
+  EXPECT_EQ(l.useful_input_rows, 11);
+  EXPECT_EQ(l.executed_dispatch_slots, 11);
+  EXPECT_EQ(l.useful_routes, 22);
+  EXPECT_EQ(l.executed_runner_rows, 22);
+}
+
+// 0x05B and 0x05E: prefill amortization and the mixed batch split by phase.
+TEST(DecodeAdmissionTest, PrefillAndMixedLedgers) {
+  const UnitLedger prefill = EagerUnitLedger({32, 24, 0, 0}, {28, 22, 18, 16, 14, 14}, 7);
+  EXPECT_EQ(prefill.useful_input_rows, 56);
+  EXPECT_EQ(prefill.executed_dispatch_slots, 56);
+  EXPECT_EQ(prefill.useful_routes, 112);
+  EXPECT_EQ(prefill.executed_runner_rows, 112);
+
+  const DecodeGraph g = Bucket4();
+  const UnitLedger p = EagerUnitLedger({7, 5, 0, 0}, {7, 6, 5, 2, 2, 2}, 7);  // 24 routes
+  const AdmissionStep ds = Step({1, 2, 0, 0}, {1, 1, 1, 1, 1, 1});             // 6 routes
+  ASSERT_TRUE(AdmitDecodeGraph(ds, &g).replay);
+  const UnitLedger d = GraphUnitLedger(g.key, ds.rank_tokens, ds.slot_routes, 2, 4);
+  EXPECT_EQ(p.useful_input_rows + d.useful_input_rows, 15);
+  EXPECT_EQ(p.executed_dispatch_slots + d.executed_dispatch_slots, 28);
+  EXPECT_EQ(p.executed_dispatch_slots + d.executed_dispatch_slots - 15, 13);
+  EXPECT_EQ(p.useful_routes + d.useful_routes, 30);
+  EXPECT_EQ(p.executed_runner_rows + d.executed_runner_rows, 36);
+  EXPECT_EQ(p.executed_runner_rows + d.executed_runner_rows - 30, 6);
+  EXPECT_EQ(p.host_submissions + d.host_submissions, 8);
+}
+
+}  // namespace
+}  // namespace moe
