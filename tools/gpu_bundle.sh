@@ -5,7 +5,7 @@
 # CUDA's own libraries (cudart, cuBLAS, NCCL) come from the GPU machine's CUDA installation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TARGETS=(//tests/kernels:cuda_kernels_test //bench/gpu:expert_layer_bench //bench:eplb_bench //control:moectl)
+TARGETS=(//tests/kernels:cuda_kernels_test //tests/transport:nccl_transport_test //bench/gpu:expert_layer_bench //bench/gpu:a2a_bench //bench:eplb_bench //control:moectl)
 bazel build --config=gpu "${TARGETS[@]}"
 out=dist/gpu
 rm -rf "$out"

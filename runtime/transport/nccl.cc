@@ -1,0 +1,189 @@
+#include "runtime/transport/nccl.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#define NCCL_RETURN_IF_ERROR(expr)                                                                          \
+  do {                                                                                                      \
+    const ncclResult_t moe_nccl_ = (expr);                                                                  \
+    if (moe_nccl_ != ncclSuccess && moe_nccl_ != ncclInProgress) {                                          \
+      return absl::UnavailableError(absl::StrCat("NCCL error ", ncclGetErrorString(moe_nccl_), " in `", #expr, \
+                                                 "` at ", __FILE__, ":", __LINE__));                        \
+    }                                                                                                       \
+  } while (0)
+
+#define CUDA_TRANSPORT_RETURN_IF_ERROR(expr)                                                                \
+  do {                                                                                                      \
+    const cudaError_t moe_cuda_ = (expr);                                                                   \
+    if (moe_cuda_ != cudaSuccess) {                                                                         \
+      return absl::InternalError(absl::StrCat("CUDA error ", cudaGetErrorName(moe_cuda_), " in `", #expr,   \
+                                              "` at ", __FILE__, ":", __LINE__));                           \
+    }                                                                                                       \
+  } while (0)
+
+namespace moe {
+namespace {
+
+bool IsDevice(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // plain host memory on older runtimes
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+}
+
+class NcclTransport final : public Transport {
+ public:
+  NcclTransport(NcclOptions options, ncclComm_t comm, cudaStream_t stream)
+      : options_(std::move(options)), comm_(comm), stream_(stream) {}
+  ~NcclTransport() override {
+    if (staging_ != nullptr) cudaFree(staging_);
+    if (comm_ != nullptr) (broken_ ? ncclCommAbort(comm_) : ncclCommDestroy(comm_));
+    cudaStreamDestroy(stream_);
+  }
+  const char* name() const override { return "nccl"; }
+  int slot() const override { return options_.slot; }
+  int size() const override { return options_.size; }
+
+  absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
+    return WithDevice(in, bytes, out, bytes * size(), [&](const void* din, void* dout) -> absl::Status {
+      NCCL_RETURN_IF_ERROR(ncclAllGather(din, dout, bytes, ncclUint8, comm_, stream_));
+      return Wait(seq, timeout);
+    });
+  }
+
+  absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                         absl::Span<const int64_t> recv_bytes, absl::Duration timeout) override {
+    if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
+    if (static_cast<int>(send_bytes.size()) != size() || static_cast<int>(recv_bytes.size()) != size()) {
+      return absl::InvalidArgumentError("split vectors must have one entry per peer slot");
+    }
+    int64_t send_total = 0, recv_total = 0;
+    for (int i = 0; i < size(); ++i) {
+      send_total += send_bytes[i];
+      recv_total += recv_bytes[i];
+    }
+    return WithDevice(send, send_total, recv, recv_total, [&](const void* dsend, void* drecv) -> absl::Status {
+      NCCL_RETURN_IF_ERROR(ncclGroupStart());
+      int64_t so = 0, ro = 0;
+      for (int i = 0; i < size(); ++i) {
+        if (send_bytes[i] > 0) {
+          NCCL_RETURN_IF_ERROR(ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
+        }
+        if (recv_bytes[i] > 0) {
+          NCCL_RETURN_IF_ERROR(ncclRecv(static_cast<char*>(drecv) + ro, recv_bytes[i], ncclUint8, i, comm_, stream_));
+        }
+        so += send_bytes[i];
+        ro += recv_bytes[i];
+      }
+      NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+      return Wait(seq, timeout);
+    });
+  }
+
+ private:
+  // Runs `op` on device pointers, staging host buffers through one device allocation.
+  template <typename Op>
+  absl::Status WithDevice(const void* in, int64_t in_bytes, void* out, int64_t out_bytes, Op&& op) {
+    const bool in_dev = in_bytes == 0 || IsDevice(in);
+    const bool out_dev = out_bytes == 0 || IsDevice(out);
+    if (in_dev && out_dev) return op(in, out);
+    const size_t need = static_cast<size_t>(in_bytes + out_bytes) + 256;
+    if (need > staging_bytes_) {
+      if (staging_ != nullptr) CUDA_TRANSPORT_RETURN_IF_ERROR(cudaFree(staging_));
+      staging_ = nullptr;
+      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaMalloc(&staging_, need));
+      staging_bytes_ = need;
+    }
+    char* din = in_dev ? const_cast<char*>(static_cast<const char*>(in)) : static_cast<char*>(staging_);
+    char* dout = out_dev ? static_cast<char*>(out) : static_cast<char*>(staging_) + ((in_bytes + 255) / 256) * 256;
+    if (!in_dev && in_bytes > 0) {
+      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaMemcpyAsync(din, in, in_bytes, cudaMemcpyHostToDevice, stream_));
+    }
+    absl::Status s = op(din, dout);
+    if (!s.ok()) return s;
+    if (!out_dev && out_bytes > 0) {
+      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaMemcpyAsync(out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
+      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Wait(uint64_t seq, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) {
+        broken_ = true;
+        return absl::InternalError(absl::StrCat("nccl: stream failed: ", cudaGetErrorString(q)));
+      }
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        broken_ = true;
+        return absl::UnavailableError(absl::StrCat("nccl: communicator error ", ncclGetErrorString(async), " (seq ", seq, ")"));
+      }
+      if (absl::Now() > deadline) {
+        // NOTE: aborting releases this member from the collective; peers see their own timeout
+        // or a communicator error. The communicator is unusable afterwards.
+        broken_ = true;
+        ncclCommAbort(comm_);
+        comm_ = nullptr;
+        return absl::DeadlineExceededError(absl::StrCat("nccl: collective (seq ", seq, ") did not finish within ",
+                                                        absl::FormatDuration(timeout)));
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  NcclOptions options_;
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  bool broken_ = false;
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& options) {
+  if (options.size <= 0 || options.slot < 0 || options.slot >= options.size) {
+    return absl::InvalidArgumentError("nccl: slot must be in [0, size)");
+  }
+  CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  ncclUniqueId id;
+  const std::string path = absl::StrCat(options.rendezvous_dir, "/nccl.id");
+  if (options.slot == 0) {
+    NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+    const std::string tmp = path + ".tmp";
+    std::ofstream(tmp, std::ios::binary).write(id.internal, sizeof(id.internal));
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) return absl::UnavailableError("nccl: cannot publish the id");
+  } else {
+    const absl::Time deadline = absl::Now() + options.connect_timeout;
+    while (true) {
+      std::ifstream in(path, std::ios::binary);
+      if (in && in.read(id.internal, sizeof(id.internal))) break;
+      if (absl::Now() > deadline) return absl::DeadlineExceededError("nccl: member 0 did not publish its id");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  ncclComm_t comm;
+  NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm, options.size, id, options.slot));
+  cudaStream_t stream;
+  CUDA_TRANSPORT_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return std::unique_ptr<Transport>(new NcclTransport(options, comm, stream));
+}
+
+}  // namespace moe

@@ -1,0 +1,34 @@
+// NCCL implementation of Transport (GPU; grouped ncclSend/ncclRecv for all-to-all-v, ncclAllGather
+// for the step header). Built only under --config=cuda.
+//
+// Pointers may be device or host memory: host buffers are staged through a device buffer
+// (cudaPointerGetAttributes decides), so the step agreement and host-memory callers work
+// unchanged; device buffers go to NCCL directly. Waits poll the stream and the communicator's
+// asynchronous error until the deadline; on timeout or error the communicator is aborted (no
+// member is left inside a collective) and every later call fails.
+#ifndef MOE_RUNTIME_TRANSPORT_NCCL_H_
+#define MOE_RUNTIME_TRANSPORT_NCCL_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "runtime/transport/transport.h"
+
+namespace moe {
+
+struct NcclOptions {
+  int slot = 0;
+  int size = 1;
+  int device = 0;
+  // Member 0 writes the NCCL unique id here; the others wait for it.
+  std::string rendezvous_dir;
+  absl::Duration connect_timeout = absl::Seconds(60);
+};
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& options);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_TRANSPORT_NCCL_H_
