@@ -90,8 +90,16 @@ int Member(int slot, int p, const std::string& dir, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Count the GPUs in a child: CUDA must not be initialized here before the members fork.
   int p = 0;
-  cudaGetDeviceCount(&p);
+  if (const pid_t pid = fork(); pid == 0) {
+    int n = 0;
+    _exit(cudaGetDeviceCount(&n) == cudaSuccess ? n : 0);
+  } else {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    p = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+  }
   const int reps = argc > 1 ? std::atoi(argv[1]) : 10;
   char tmpl[] = "/tmp/a2a-XXXXXX";
   const std::string dir = mkdtemp(tmpl);

@@ -16,9 +16,16 @@
 namespace moe {
 namespace {
 
+// Counted in a child: CUDA must not be initialized in the parent before it forks the members.
 int Devices() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    int n = 0;
+    _exit(cudaGetDeviceCount(&n) == cudaSuccess ? n : 0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
 }
 
 std::string FreshDir() {
