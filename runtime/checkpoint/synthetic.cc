@@ -8,21 +8,15 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/numeric.h"
+#include "runtime/hash.h"
 
 namespace moe {
 namespace {
 
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 void Fill(std::vector<uint16_t>* out, size_t n, uint64_t seed, float scale) {
   out->resize(n);
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t x = Mix(seed ^ Mix(i));
+    const uint64_t x = SplitMix64(seed ^ SplitMix64(i));
     const float u = (static_cast<float>(x & 0xffffff) / 16777216.0f + static_cast<float>((x >> 24) & 0xffffff) / 16777216.0f) - 1.0f;
     (*out)[i] = kernels::FloatToBf16(u * scale);
   }
@@ -36,8 +30,8 @@ std::string AsBytes(const std::vector<uint16_t>& v) {
 
 void SyntheticExpert(int expert, const ExpertShape& s, uint64_t seed, std::vector<uint16_t>* w_gate_up,
                      std::vector<uint16_t>* w_down) {
-  Fill(w_gate_up, static_cast<size_t>(2) * s.d_ff * s.d, Mix(seed * 1000003 + 2 * expert), 1.7f / std::sqrt(static_cast<float>(s.d)));
-  Fill(w_down, static_cast<size_t>(s.d) * s.d_ff, Mix(seed * 1000003 + 2 * expert + 1), 1.7f / std::sqrt(static_cast<float>(s.d_ff)));
+  Fill(w_gate_up, static_cast<size_t>(2) * s.d_ff * s.d, SplitMix64(seed * 1000003 + 2 * expert), 1.7f / std::sqrt(static_cast<float>(s.d)));
+  Fill(w_down, static_cast<size_t>(s.d) * s.d_ff, SplitMix64(seed * 1000003 + 2 * expert + 1), 1.7f / std::sqrt(static_cast<float>(s.d_ff)));
 }
 
 std::string ExpertDigest(const std::vector<uint16_t>& w_gate_up, const std::vector<uint16_t>& w_down) {

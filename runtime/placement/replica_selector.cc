@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/hash.h"
 
 namespace moe {
 
@@ -30,14 +31,6 @@ absl::StatusOr<SelectorPolicy> ParseSelectorPolicy(const std::string& name) {
 }
 
 namespace {
-
-uint64_t Mix(uint64_t x) {
-  // splitmix64 finalizer: a fixed, platform-independent hash.
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 class SelectorBase : public ReplicaSelector {
  public:
@@ -137,7 +130,7 @@ class SelectorBase : public ReplicaSelector {
         return begin + static_cast<int32_t>(cursor_[e]++ % static_cast<uint64_t>(n));
       }
       case SelectorPolicy::kHash: {
-        const uint64_t key = Mix((static_cast<uint64_t>(routes.scope.value()) << 48) ^
+        const uint64_t key = SplitMix64((static_cast<uint64_t>(routes.scope.value()) << 48) ^
                                  (static_cast<uint64_t>(routes.origin[r].value()) << 32) ^
                                  (static_cast<uint64_t>(routes.token[r]) << 8) ^ static_cast<uint64_t>(routes.route_slot[r]));
         return begin + static_cast<int32_t>(key % static_cast<uint64_t>(n));

@@ -88,6 +88,30 @@ RankInput RandomInput(std::mt19937& rng, int64_t tokens) {
   return in;
 }
 
+// Every rank executes one step on its own thread (the collectives need all of them at once).
+std::vector<absl::StatusOr<LayerStepResult>> RunStep(Rank4& w, const std::vector<RankInput>& inputs, uint64_t step,
+                                                     int64_t layer) {
+  std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      LayerStepInput in;
+      in.step_id = step;
+      in.layer = layer;
+      in.hidden = inputs[r].hidden.data();
+      in.tokens = inputs[r].tokens;
+      in.d = kD;
+      in.topk_ids = inputs[r].ids.data();
+      in.topk_weights = inputs[r].gates.data();
+      in.k = kK;
+      in.admitted = inputs[r].admitted.data();
+      results[r] = w.exec[r]->Execute(in);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
 // y_t = sum_j g_tj E_{e_tj}(h_t), experts through the CPU reference kernel one row at a time.
 std::vector<float> Reference(const SafetensorsFile& ckpt, const RankInput& in) {
   auto k = kernels::CreateCpuKernels();
@@ -118,24 +142,7 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
   for (uint64_t step = 1; step <= 4; ++step) {
     std::vector<RankInput> inputs;
     for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, r == 2 ? 0 : 1 + rng() % 24));  // rank 2: no tokens
-    std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        LayerStepInput in;
-        in.step_id = step;
-        in.layer = 3;
-        in.hidden = inputs[r].hidden.data();
-        in.tokens = inputs[r].tokens;
-        in.d = kD;
-        in.topk_ids = inputs[r].ids.data();
-        in.topk_weights = inputs[r].gates.data();
-        in.k = kK;
-        in.admitted = inputs[r].admitted.data();
-        results[r] = w.exec[r]->Execute(in);
-      });
-    }
-    for (auto& t : threads) t.join();
+    const auto results = RunStep(w, inputs, step, 3);
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
       const auto ref = Reference(w.checkpoint, inputs[r]);
@@ -164,35 +171,15 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
   for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 4));
   inputs[1].ids[3] = kExperts + 5;  // expert id out of range on rank 1
   inputs[1].admitted[3] = 1;
-  auto run_step = [&](uint64_t step, std::vector<absl::StatusOr<LayerStepResult>>* results) {
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        LayerStepInput in;
-        in.step_id = step;
-        in.layer = 0;
-        in.hidden = inputs[r].hidden.data();
-        in.tokens = inputs[r].tokens;
-        in.d = kD;
-        in.topk_ids = inputs[r].ids.data();
-        in.topk_weights = inputs[r].gates.data();
-        in.k = kK;
-        in.admitted = inputs[r].admitted.data();
-        (*results)[r] = w.exec[r]->Execute(in);
-      });
-    }
-    for (auto& t : threads) t.join();
-  };
-  std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
   const absl::Time start = absl::Now();
-  run_step(1, &results);
+  auto results = RunStep(w, inputs, 1, 0);
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // nobody waited out the 5 s timeout
   EXPECT_EQ(results[1].status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("topk_ids[1][1]"));
   for (int r : {0, 2, 3}) EXPECT_EQ(results[r].status().code(), absl::StatusCode::kAborted) << "rank " << r;
   // The next step with good input succeeds everywhere.
   inputs[1].ids[3] = 0;
-  run_step(2, &results);
+  results = RunStep(w, inputs, 2, 0);
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
 }
 

@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "runtime/transport/nccl.h"
 #include "tests/transport/exchange_scenarios.h"
+#include "tests/transport/process_harness.h"
 
 namespace moe {
 namespace {
@@ -28,44 +29,23 @@ int Devices() {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
 }
 
-std::string FreshDir() {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/nccl-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  return std::string(mkdtemp(buf.data()));
-}
-
 std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario) {
-  const std::string dir = FreshDir();
-  std::vector<pid_t> pids;
-  for (int i = 0; i < size; ++i) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      setenv("NCCL_NVLS_ENABLE", "0", 1);
-      NcclOptions o;
-      o.slot = i;
-      o.size = size;
-      o.device = i;
-      o.rendezvous_dir = dir;
-      auto t = CreateNcclTransport(o);
-      if (!t.ok()) {
-        std::fprintf(stderr, "slot %d: %s\n", i, std::string(t.status().message()).c_str());
-        _exit(2);
-      }
-      absl::Status s = scenario(**t);
-      if (!s.ok()) std::fprintf(stderr, "slot %d: %s\n", i, std::string(s.message()).c_str());
-      _exit(s.ok() ? 0 : 1);
+  return testing::ForkMembers(size, "nccl", [&](int slot, const std::string& dir) {
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    NcclOptions o;
+    o.slot = slot;
+    o.size = size;
+    o.device = slot;
+    o.rendezvous_dir = dir;
+    auto t = CreateNcclTransport(o);
+    if (!t.ok()) {
+      std::fprintf(stderr, "slot %d: %s\n", slot, std::string(t.status().message()).c_str());
+      return 2;
     }
-    pids.push_back(pid);
-  }
-  std::vector<int> codes;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
-  }
-  return codes;
+    absl::Status s = scenario(**t);
+    if (!s.ok()) std::fprintf(stderr, "slot %d: %s\n", slot, std::string(s.message()).c_str());
+    return s.ok() ? 0 : 1;
+  });
 }
 
 TEST(NcclTransportTest, RandomExchangeAcrossGpus) {

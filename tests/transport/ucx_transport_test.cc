@@ -13,20 +13,13 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/transport/exchange_scenarios.h"
+#include "tests/transport/process_harness.h"
 
 namespace moe {
 namespace {
 
 // Exit codes of a member.
 constexpr int kOk = 0, kScenarioFailed = 1, kSetupFailed = 2;
-
-std::string FreshDir() {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/ucx-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  return std::string(mkdtemp(buf.data()));
-}
 
 int RunMember(const std::string& dir, int slot, int size, const std::function<absl::Status(Transport&)>& scenario) {
   auto listener = CreateUcxListener("127.0.0.1");
@@ -50,22 +43,8 @@ int RunMember(const std::string& dir, int slot, int size, const std::function<ab
   return s.ok() ? kOk : kScenarioFailed;
 }
 
-// Forks `size` members and returns their exit codes (-signal for a member killed by a signal).
 std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario) {
-  const std::string dir = FreshDir();
-  std::vector<pid_t> pids;
-  for (int i = 0; i < size; ++i) {
-    const pid_t pid = fork();
-    if (pid == 0) _exit(RunMember(dir, i, size, scenario));
-    pids.push_back(pid);
-  }
-  std::vector<int> codes;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
-  }
-  return codes;
+  return testing::ForkMembers(size, "ucx", [&](int slot, const std::string& dir) { return RunMember(dir, slot, size, scenario); });
 }
 
 TEST(UcxTransportTest, FourProcessesExchangeRandomSplits) {

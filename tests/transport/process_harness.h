@@ -1,0 +1,45 @@
+// Runs one test scenario per member in forked processes and collects their exit codes.
+// Members must not inherit an initialized CUDA context or UCX state: call before using either.
+#ifndef MOE_TESTS_TRANSPORT_PROCESS_HARNESS_H_
+#define MOE_TESTS_TRANSPORT_PROCESS_HARNESS_H_
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace moe::testing {
+
+inline std::string FreshDir(const char* prefix) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string tmpl = std::string(base != nullptr ? base : "/tmp") + "/" + prefix + "-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  return std::string(mkdtemp(buf.data()));
+}
+
+// `member(slot, dir)` runs in the child and returns its exit code. Returns every member's exit
+// code (-signal for a member killed by a signal).
+inline std::vector<int> ForkMembers(int size, const char* prefix, const std::function<int(int, const std::string&)>& member) {
+  const std::string dir = FreshDir(prefix);
+  std::vector<pid_t> pids;
+  for (int i = 0; i < size; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(member(i, dir));
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+  }
+  return codes;
+}
+
+}  // namespace moe::testing
+
+#endif  // MOE_TESTS_TRANSPORT_PROCESS_HARNESS_H_
