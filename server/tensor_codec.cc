@@ -69,12 +69,12 @@ absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const ch
   }
   std::vector<uint16_t> out(n);
   const char* p = t.data().data();
+  if (t.dtype() == v1::DTYPE_BF16) {
+    std::memcpy(out.data(), p, n * 2);  // the wire format is the internal format
+    return out;
+  }
   for (int64_t i = 0; i < n; ++i) {
     float v;
-    if (t.dtype() == v1::DTYPE_BF16) {
-      std::memcpy(&out[i], p + 2 * i, 2);
-      continue;
-    }
     if (t.dtype() == v1::DTYPE_FP16) {
       uint16_t h;
       std::memcpy(&h, p + 2 * i, 2);

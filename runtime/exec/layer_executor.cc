@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "runtime/exec/dispatch_handle.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/status.h"
@@ -69,6 +70,7 @@ absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status
 }
 
 absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in) {
+  const absl::Time started = absl::Now();
   const Topology& topo = *options_.topology;
   const ProcessGroup& group = *options_.group;
   const int p = group.size();
@@ -134,23 +136,27 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
 
   // Phase: replica selection and the source plan (accepted routes only, semantic order).
   const SemanticHandoff& routes = frozen.routes;
-  std::vector<PhysicalSlotId> slots(routes.size());
+  std::vector<PhysicalSlotId>& slots = buf_.slots;
+  slots.resize(routes.size());
   if (absl::Status sel = selector_->Select(routes, m, group, topo, {}, absl::MakeSpan(slots)); !sel.ok()) {
     return reject(sel);
   }
-  std::vector<int32_t> accepted_ids;
-  std::vector<PhysicalSlotId> accepted_slots;
+  std::vector<int32_t>& accepted_ids = buf_.accepted_ids;
+  std::vector<PhysicalSlotId>& accepted_slots = buf_.accepted_slots;
+  accepted_ids.clear();
+  accepted_slots.clear();
   for (int32_t r = 0; r < routes.size(); ++r) {
     if (!routes.admitted[r]) continue;
     accepted_ids.push_back(r);
     accepted_slots.push_back(slots[r]);
   }
-  SourcePlan source;
+  SourcePlan& source = buf_.source;
   if (absl::Status planned = PlanSource(layout, accepted_slots, &source); !planned.ok()) return reject(planned);
   const int64_t n_send = static_cast<int64_t>(accepted_ids.size());
 
   // Phase: agreement before any payload moves (header, counts, tokens, routes per slot).
-  std::vector<int64_t> slot_counts(m.num_slots(), 0);
+  std::vector<int64_t>& slot_counts = buf_.slot_counts;
+  slot_counts.assign(m.num_slots(), 0);
   for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
   StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens};
   ASSIGN_OR_RETURN(StepAgreement agreement,
@@ -185,7 +191,8 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   inverse.token.resize(n_send);
   inverse.gate.resize(n_send);
   inverse.num_tokens = in.tokens;
-  std::vector<int32_t> send_meta(n_send);
+  std::vector<int32_t>& send_meta = buf_.send_meta;
+  send_meta.resize(n_send);
   for (int64_t pos = 0; pos < n_send; ++pos) {
     const int32_t r = accepted_ids[source.send_order[pos]];
     inverse.token[pos] = routes.token[r];
@@ -194,7 +201,8 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   }
   RETURN_IF_ERROR(handle->BindPlan(std::move(inverse)));
   const std::vector<int32_t>& send_token = handle->inverse().token;
-  std::vector<uint16_t> send_rows(static_cast<size_t>(n_send) * d);
+  std::vector<uint16_t>& send_rows = buf_.send_rows;
+  send_rows.resize(static_cast<size_t>(n_send) * d);
   kernels::GatherParams pack;
   pack.d = d;
   pack.in = in.hidden;
@@ -212,8 +220,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     send_meta_bytes[i] = source.send_splits[i] * 4;
     recv_meta_bytes[i] = agreement.recv_counts[i] * 4;
   }
-  std::vector<uint16_t> recv_rows(static_cast<size_t>(n_recv) * d);
-  std::vector<int32_t> recv_meta(n_recv);
+  std::vector<uint16_t>& recv_rows = buf_.recv_rows;
+  recv_rows.resize(static_cast<size_t>(n_recv) * d);
+  std::vector<int32_t>& recv_meta = buf_.recv_meta;
+  recv_meta.resize(n_recv);
   RETURN_IF_ERROR(handle->MarkDispatchInFlight());
   RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, send_meta.data(), send_meta_bytes, recv_meta.data(),
                                                 recv_meta_bytes, options_.timeout));
@@ -222,11 +232,15 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   RETURN_IF_ERROR(handle->MarkExpertRowsReady());
 
   // Phase: receive repack by (local slot, source, send position), experts, inverse repack.
-  std::vector<PhysicalSlotId> received(n_recv);
+  std::vector<PhysicalSlotId>& received = buf_.received;
+  received.resize(n_recv);
   for (int64_t i = 0; i < n_recv; ++i) received[i] = PhysicalSlotId(recv_meta[i]);
-  DestinationPlan dest;
+  DestinationPlan& dest = buf_.dest;
   RETURN_IF_ERROR(PlanDestination(layout, options_.rank, agreement.recv_counts, received, &dest));
-  std::vector<uint16_t> expert_in(static_cast<size_t>(n_recv) * d), expert_out(expert_in.size());
+  std::vector<uint16_t>& expert_in = buf_.expert_in;
+  std::vector<uint16_t>& expert_out = buf_.expert_out;
+  expert_in.resize(static_cast<size_t>(n_recv) * d);
+  expert_out.resize(expert_in.size());
   kernels::GatherParams repack;
   repack.d = d;
   repack.in = recv_rows.data();
@@ -250,7 +264,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
   }
   RETURN_IF_ERROR(handle->MarkExpertOutputReady());
-  std::vector<uint16_t> back_rows(expert_out.size()), returned(send_rows.size());
+  std::vector<uint16_t>& back_rows = buf_.back_rows;
+  std::vector<uint16_t>& returned = buf_.returned;
+  back_rows.resize(expert_out.size());
+  returned.resize(send_rows.size());
   kernels::GatherParams unpack = repack;
   unpack.in = expert_out.data();
   unpack.index = dest.expert_position.data();
@@ -262,8 +279,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, back_rows.data(), recv_bytes, returned.data(),
                                                 send_bytes, options_.timeout));
   // Token-major view of the handle's coordinates for the kernel: route (t, j) -> send position.
-  std::vector<int32_t> row_of_route(in.tokens * in.k, -1);
-  std::vector<float> gates(in.tokens * in.k, 0.0f);
+  std::vector<int32_t>& row_of_route = buf_.row_of_route;
+  std::vector<float>& gates = buf_.gates;
+  row_of_route.assign(in.tokens * in.k, -1);
+  gates.assign(in.tokens * in.k, 0.0f);
   for (int64_t i = 0; i < n_send; ++i) {
     const int32_t r = accepted_ids[i];
     const int32_t pos = source.send_position[i];
@@ -292,6 +311,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   for (int i = 0; i < p; ++i) {
     if (i != me) rec.bytes_sent += send_bytes[i] + recv_bytes[i];
   }
+  rec.execute_us = absl::ToDoubleMicroseconds(absl::Now() - started);
   return result;
 }
 

@@ -65,6 +65,7 @@ struct StepRecord {
   int64_t routes_remote = 0;
   int64_t routes_inter_node = 0;
   int64_t bytes_sent = 0;  // payload bytes to other ranks (dispatch + return)
+  double execute_us = 0;   // wall time inside Execute
 };
 
 struct LayerStepResult {
@@ -111,6 +112,19 @@ class LayerExecutor {
   std::unique_ptr<ReplicaSelector> selector_;
   std::map<int64_t, std::shared_ptr<const LocalExperts>> experts_;
   std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_;
+
+  // Step buffers, reused across steps: steady-state steps allocate (and page-fault) nothing.
+  struct Buffers {
+    std::vector<uint16_t> send_rows, recv_rows, expert_in, expert_out, back_rows, returned;
+    std::vector<int32_t> send_meta, recv_meta, row_of_route;
+    std::vector<float> gates;
+    std::vector<PhysicalSlotId> slots, accepted_slots, received;
+    std::vector<int32_t> accepted_ids;
+    std::vector<int64_t> slot_counts;
+    SourcePlan source;
+    DestinationPlan dest;
+  };
+  Buffers buf_;
 };
 
 }  // namespace moe

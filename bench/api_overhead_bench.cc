@@ -1,0 +1,168 @@
+// Per-layer-step overhead of the engine API on loopback, against a bare gRPC echo of the same
+// bytes, in one process and one run: an in-process moe-rankd service (one rank, loopback
+// transport, CPU kernels) and an Echo service on the same kind of socket (127.0.0.1, port 0).
+//
+// API overhead of a step = client-observed latency - time inside the layer executor (reported
+// in StepRecord.compute_latency_us): request encoding, transport, decoding, validation, response
+// encoding and decoding. The echo sends the StepRequest's size and answers with the
+// StepResponse's size. Medians over repetitions; unary and streaming; decode- and prefill-sized.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "bench/echo.grpc.pb.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/placement/default_placement.h"
+#include "server/expert_layer_service.h"
+
+namespace moe {
+namespace {
+
+class EchoImpl final : public bench::Echo::Service {
+ public:
+  explicit EchoImpl(size_t reply_bytes) : reply_(reply_bytes, 'x') {}
+  grpc::Status Call(grpc::ServerContext*, const bench::EchoMessage*, bench::EchoMessage* out) override {
+    out->set_payload(reply_);
+    return grpc::Status::OK;
+  }
+  grpc::Status Stream(grpc::ServerContext*, grpc::ServerReaderWriter<bench::EchoMessage, bench::EchoMessage>* s) override {
+    bench::EchoMessage in, out;
+    out.set_payload(reply_);
+    while (s->Read(&in)) s->Write(out);
+    return grpc::Status::OK;
+  }
+  std::string reply_;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int Main() {
+  const int d = 2048, k = 8, experts = 8, f = 64;
+  const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
+  const Topology topology = TwoNodeTopology(1);
+  const ProcessGroup group = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
+  auto manifest = *DefaultPlacement(PlacementVersion(1), experts, 0, topology, group, ckpt.metadata);
+  GenerationRegistry registry;
+  registry.Prepare(manifest).IgnoreError();
+  registry.Activate(PlacementVersion(1)).IgnoreError();
+  LoopbackFabric fabric(1);
+  auto transport = fabric.Endpoint(0);
+  auto kernels = kernels::CreateCpuKernels();
+  LayerExecutorOptions eo;
+  eo.rank = Rank(0);
+  eo.topology = topology;
+  eo.group = group;
+  eo.registry = &registry;
+  eo.transport = transport.get();
+  eo.kernels = kernels.get();
+  auto executor = *LayerExecutor::Create(std::move(eo));
+  executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
+      .IgnoreError();
+  RankMetrics metrics("bench");
+  ExpertLayerServiceImpl service(executor.get(), &metrics);
+
+  std::printf("%-8s %-7s %8s %12s %12s %12s %12s %8s\n", "payload", "mode", "tokens", "api_us", "echo_us",
+              "server_us", "compute_us", "ratio");
+  for (int64_t tokens : {4, 256}) {
+    v1::StepRequest req;
+    req.set_layer(0);
+    req.set_k(k);
+    req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
+    req.mutable_hidden()->set_rows(tokens);
+    req.mutable_hidden()->set_cols(d);
+    std::string data(tokens * d * 2, '\0');
+    std::mt19937 rng(3);
+    for (int64_t i = 0; i < tokens * d; ++i) {
+      const uint16_t b = kernels::FloatToBf16(std::normal_distribution<float>(0, 1)(rng));
+      std::memcpy(&data[2 * i], &b, 2);
+    }
+    req.mutable_hidden()->set_data(data);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int j = 0; j < k; ++j) {
+        req.add_topk_ids(j);
+        req.add_topk_weights(1.0f / k);
+      }
+    }
+    const size_t reply_bytes = tokens * d * 2 + 64;
+    EchoImpl echo(reply_bytes);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    builder.RegisterService(&echo);
+    builder.SetMaxReceiveMessageSize(1 << 30);
+    auto server = builder.BuildAndStart();
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(1 << 30);
+    auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args);
+    auto stub = v1::ExpertLayerService::NewStub(channel);
+    auto echo_stub = bench::Echo::NewStub(channel);
+    bench::EchoMessage echo_req;
+    echo_req.set_payload(std::string(req.ByteSizeLong(), 'y'));
+    const int reps = 200;
+    uint64_t step = 1;
+    for (const char* mode : {"unary", "stream"}) {
+      std::vector<double> api, compute, plain, server_side;
+      const bool stream = std::string(mode) == "stream";
+      grpc::ClientContext sctx, ectx;
+      auto s = stream ? stub->Step(&sctx) : nullptr;
+      auto es = stream ? echo_stub->Stream(&ectx) : nullptr;
+      for (int r = 0; r < reps + 20; ++r) {
+        // Interleave API and echo calls so both see the same machine state.
+        req.set_step_id(step++);
+        v1::StepResponse resp;
+        absl::Time t0 = absl::Now();
+        if (stream) {
+          s->Write(req);
+          s->Read(&resp);
+        } else {
+          grpc::ClientContext ctx;
+          stub->Execute(&ctx, req, &resp);
+        }
+        const double a = absl::ToDoubleMicroseconds(absl::Now() - t0);
+        bench::EchoMessage eresp;
+        t0 = absl::Now();
+        if (stream) {
+          es->Write(echo_req);
+          es->Read(&eresp);
+        } else {
+          grpc::ClientContext ctx;
+          echo_stub->Call(&ctx, echo_req, &eresp);
+        }
+        const double e = absl::ToDoubleMicroseconds(absl::Now() - t0);
+        if (r >= 20) {
+          api.push_back(a - resp.record().compute_latency_us());
+          server_side.push_back(resp.record().server_latency_us() - resp.record().compute_latency_us());
+          compute.push_back(resp.record().compute_latency_us());
+          plain.push_back(e);
+        }
+      }
+      if (stream) {
+        s->WritesDone();
+        s->Finish().IgnoreError();
+        es->WritesDone();
+        es->Finish().IgnoreError();
+      }
+      std::printf("%-8s %-7s %8lld %12.1f %12.1f %12.1f %12.1f %7.2fx\n", tokens <= 16 ? "decode" : "prefill", mode,
+                  static_cast<long long>(tokens), Median(api), Median(plain), Median(server_side), Median(compute),
+                  Median(api) / Median(plain));
+    }
+    server->Shutdown();
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main() { return moe::Main(); }
