@@ -4,9 +4,15 @@
 //
 // API overhead of a step = client-observed latency - time inside the layer executor (reported
 // in StepRecord.compute_latency_us): request encoding, transport, decoding, validation, response
-// encoding and decoding. The echo sends the StepRequest's size and answers with the
-// StepResponse's size. Medians over repetitions; unary and streaming; decode- and prefill-sized.
+// encoding and decoding. The echo sends the inline StepRequest's size and answers with the inline
+// StepResponse's size. Medians over repetitions; unary, streaming, and unary with the rows in a
+// registered shared-memory region (in and out); decode- and prefill-sized.
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
 
 #include <algorithm>
 #include <cstdio>
@@ -111,23 +117,48 @@ int Main() {
     echo_req.set_payload(std::string(req.ByteSizeLong(), 'y'));
     const int reps = 200;
     uint64_t step = 1;
-    for (const char* mode : {"unary", "stream"}) {
+    // A shared-memory region for the shm mode: hidden rows in, output rows out.
+    const std::string region_name = "/moe-bench-" + std::to_string(getpid());
+    const size_t region_bytes = 2 * data.size();
+    const int fd = shm_open(region_name.c_str(), O_CREAT | O_RDWR, 0600);
+    if (fd < 0 || ftruncate(fd, region_bytes) != 0) return 1;
+    char* region = static_cast<char*>(mmap(nullptr, region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+    std::memcpy(region, data.data(), data.size());
+    {
+      grpc::ClientContext ctx;
+      v1::RegisterRegionRequest reg;
+      reg.set_name(region_name);
+      reg.set_bytes(region_bytes);
+      v1::RegisterRegionResponse ignored;
+      if (!stub->RegisterRegion(&ctx, reg, &ignored).ok()) return 1;
+    }
+    v1::StepRequest shm_req = req;
+    shm_req.mutable_hidden()->clear_data();
+    shm_req.mutable_hidden_region()->set_region(region_name);
+    shm_req.mutable_hidden_region()->set_bytes(data.size());
+    shm_req.mutable_output_region()->set_region(region_name);
+    shm_req.mutable_output_region()->set_offset(data.size());
+    shm_req.mutable_output_region()->set_bytes(data.size());
+    for (const char* mode : {"unary", "stream", "shm"}) {
       std::vector<double> api, compute, plain, server_side;
       const bool stream = std::string(mode) == "stream";
+      const bool shm = std::string(mode) == "shm";
       grpc::ClientContext sctx, ectx;
       auto s = stream ? stub->Step(&sctx) : nullptr;
       auto es = stream ? echo_stub->Stream(&ectx) : nullptr;
       for (int r = 0; r < reps + 20; ++r) {
         // Interleave API and echo calls so both see the same machine state.
-        req.set_step_id(step++);
+        v1::StepRequest& r_req = shm ? shm_req : req;
+        r_req.set_step_id(step++);
         v1::StepResponse resp;
         absl::Time t0 = absl::Now();
         if (stream) {
-          s->Write(req);
+          s->Write(r_req);
           s->Read(&resp);
         } else {
           grpc::ClientContext ctx;
-          stub->Execute(&ctx, req, &resp);
+          stub->Execute(&ctx, r_req, &resp);
         }
         const double a = absl::ToDoubleMicroseconds(absl::Now() - t0);
         bench::EchoMessage eresp;
@@ -157,6 +188,8 @@ int Main() {
                   static_cast<long long>(tokens), Median(api), Median(plain), Median(server_side), Median(compute),
                   Median(api) / Median(plain));
     }
+    munmap(region, region_bytes);
+    shm_unlink(region_name.c_str());
     server->Shutdown();
   }
   return 0;

@@ -30,9 +30,33 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
   };
   absl::Status status = [&]() -> absl::Status {
     if (req.k() <= 0) return reject(absl::InvalidArgumentError("k: must be positive"));
-    auto hidden = DecodeToBf16(req.hidden(), "hidden");
-    if (!hidden.ok()) return reject(hidden.status());
     const int64_t t = req.hidden().rows();
+    // Rows inline or from a registered shared-memory region.
+    absl::StatusOr<std::vector<uint16_t>> hidden;
+    if (req.has_hidden_region()) {
+      if (!req.hidden().data().empty()) {
+        return reject(absl::InvalidArgumentError("hidden.data: must be empty when hidden_region is set"));
+      }
+      const v1::SharedRegionRef& ref = req.hidden_region();
+      auto at = regions_.Resolve(ref.region(), ref.offset(), ref.bytes(), "hidden_region");
+      if (!at.ok()) return reject(at.status());
+      hidden = DecodeToBf16(req.hidden(), *at, ref.bytes(), "hidden_region");
+    } else {
+      hidden = DecodeToBf16(req.hidden(), "hidden");
+    }
+    if (!hidden.ok()) return reject(hidden.status());
+    char* output_at = nullptr;
+    if (req.has_output_region()) {
+      const v1::SharedRegionRef& ref = req.output_region();
+      const int width = WireWidth(req.hidden().dtype());
+      if (ref.bytes() != static_cast<uint64_t>(t * req.hidden().cols() * width)) {
+        return reject(absl::InvalidArgumentError(absl::StrCat("output_region.bytes: ", ref.bytes(), ", the output needs ",
+                                                              t * req.hidden().cols() * width)));
+      }
+      auto at = regions_.Resolve(ref.region(), ref.offset(), ref.bytes(), "output_region");
+      if (!at.ok()) return reject(at.status());
+      output_at = *at;
+    }
     if (req.topk_ids_size() != t * req.k()) {
       return reject(absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(),
                                                             " entries, hidden has ", t, " rows and k = ", req.k())));
@@ -64,7 +88,14 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     }
     if (!result.ok()) return result.status();
     resp->set_step_id(req.step_id());
-    EncodeFromBf16(result->output, t, in.d, req.hidden().dtype(), resp->mutable_output());
+    if (output_at != nullptr) {
+      EncodeBytes(result->output, req.hidden().dtype(), output_at);
+      resp->mutable_output()->set_dtype(req.hidden().dtype());
+      resp->mutable_output()->set_rows(t);
+      resp->mutable_output()->set_cols(in.d);
+    } else {
+      EncodeFromBf16(result->output, t, in.d, req.hidden().dtype(), resp->mutable_output());
+    }
     v1::StepRecord* rec = resp->mutable_record();
     const StepRecord& r = result->record;
     rec->set_placement_generation(r.placement_version);
@@ -116,6 +147,16 @@ grpc::Status ExpertLayerServiceImpl::Step(grpc::ServerContext* context,
     if (!stream->Write(response)) break;
   }
   return grpc::Status::OK;
+}
+
+grpc::Status ExpertLayerServiceImpl::RegisterRegion(grpc::ServerContext*, const v1::RegisterRegionRequest* request,
+                                                    v1::RegisterRegionResponse*) {
+  return ToGrpcStatus(regions_.Register(request->name(), request->bytes()));
+}
+
+grpc::Status ExpertLayerServiceImpl::UnregisterRegion(grpc::ServerContext*, const v1::UnregisterRegionRequest* request,
+                                                      v1::UnregisterRegionResponse*) {
+  return ToGrpcStatus(regions_.Unregister(request->name()));
 }
 
 void ExpertLayerServiceImpl::Drain() {

@@ -11,6 +11,7 @@
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
 #include "runtime/exec/layer_executor.h"
 #include "server/metrics.h"
+#include "server/shared_regions.h"
 
 namespace moe {
 
@@ -22,6 +23,10 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
                        v1::StepResponse* response) override;
   grpc::Status Step(grpc::ServerContext* context,
                     grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) override;
+  grpc::Status RegisterRegion(grpc::ServerContext* context, const v1::RegisterRegionRequest* request,
+                              v1::RegisterRegionResponse* response) override;
+  grpc::Status UnregisterRegion(grpc::ServerContext* context, const v1::UnregisterRegionRequest* request,
+                                v1::UnregisterRegionResponse* response) override;
 
   // Refuses new steps, then blocks until the steps in flight have finished.
   void Drain();
@@ -31,6 +36,7 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
 
   LayerExecutor* executor_;
   RankMetrics* metrics_;
+  SharedRegions regions_;
   absl::Mutex step_mu_;  // one layer step at a time: collectives run in arrival order
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -46,29 +46,31 @@ uint16_t FloatToHalf(float f) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* field) {
+int WireWidth(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+    case v1::DTYPE_FP16:
+      return 2;
+    case v1::DTYPE_FP32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
+                                                   const char* field) {
   if (t.rows() < 0 || t.cols() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": shape [", t.rows(), ", ", t.cols(), "] is not valid"));
   }
-  int width = 0;
-  switch (t.dtype()) {
-    case v1::DTYPE_BF16:
-    case v1::DTYPE_FP16:
-      width = 2;
-      break;
-    case v1::DTYPE_FP32:
-      width = 4;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: must be BF16, FP16 or FP32"));
-  }
+  const int width = WireWidth(t.dtype());
+  if (width == 0) return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: must be BF16, FP16 or FP32"));
   const int64_t n = t.rows() * t.cols();
-  if (static_cast<int64_t>(t.data().size()) != n * width) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", t.data().size(), " bytes, dtype x shape needs ",
-                                                   n * width));
+  if (static_cast<int64_t>(size) != n * width) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", size, " bytes, dtype x shape needs ", n * width));
   }
   std::vector<uint16_t> out(n);
-  const char* p = t.data().data();
+  const char* p = data;
   if (t.dtype() == v1::DTYPE_BF16) {
     std::memcpy(out.data(), p, n * 2);  // the wire format is the internal format
     return out;
@@ -88,26 +90,29 @@ absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const ch
   return out;
 }
 
+void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out) {
+  if (dtype == v1::DTYPE_BF16 || dtype == v1::DTYPE_UNSPECIFIED) {
+    std::memcpy(out, rows.data(), rows.size() * 2);
+    return;
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float v = kernels::Bf16ToFloat(rows[i]);
+    if (dtype == v1::DTYPE_FP32) {
+      std::memcpy(out + 4 * i, &v, 4);
+    } else {
+      const uint16_t h = FloatToHalf(v);
+      std::memcpy(out + 2 * i, &h, 2);
+    }
+  }
+}
+
 void EncodeFromBf16(const std::vector<uint16_t>& rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out) {
   out->set_dtype(dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_BF16 : dtype);
   out->set_rows(n);
   out->set_cols(d);
   std::string* data = out->mutable_data();
-  if (out->dtype() == v1::DTYPE_BF16) {
-    data->assign(reinterpret_cast<const char*>(rows.data()), rows.size() * 2);
-    return;
-  }
-  const int width = out->dtype() == v1::DTYPE_FP16 ? 2 : 4;
-  data->resize(rows.size() * width);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const float v = kernels::Bf16ToFloat(rows[i]);
-    if (width == 4) {
-      std::memcpy(&(*data)[4 * i], &v, 4);
-    } else {
-      const uint16_t h = FloatToHalf(v);
-      std::memcpy(&(*data)[2 * i], &h, 2);
-    }
-  }
+  data->resize(rows.size() * WireWidth(out->dtype()));
+  EncodeBytes(rows, out->dtype(), data->data());
 }
 
 }  // namespace moe

@@ -10,7 +10,16 @@
 
 namespace moe {
 
-absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* field);
+// Bytes per element of a wire dtype (0 for an unsupported one).
+int WireWidth(v1::DType dtype);
+// Rows described by `t` (dtype, rows, cols) whose bytes are `data` (t.data() or a shared region).
+absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
+                                                   const char* field);
+inline absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* field) {
+  return DecodeToBf16(t, t.data().data(), t.data().size(), field);
+}
+// Writes rows as `dtype` into `out` (rows * d * width bytes).
+void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out);
 void EncodeFromBf16(const std::vector<uint16_t>& rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out);
 
 }  // namespace moe

@@ -1,0 +1,210 @@
+// ExpertLayerService over a real gRPC socket (one rank, loopback transport, CPU kernels):
+// inline and shared-memory payloads give the same rows, dtypes round-trip, and bad requests are
+// answered with the documented codes naming the field while the service keeps serving.
+#include "server/expert_layer_service.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <cmath>
+#include <random>
+
+#include <grpcpp/grpcpp.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/placement/default_placement.h"
+
+namespace moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kD = 64, kK = 2, kExperts = 4, kTokens = 5;
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ckpt_ = SyntheticCheckpoint({kExperts, kD, 32}, 2, "checkpoint-0001");
+    const Topology topology = TwoNodeTopology(1);
+    const ProcessGroup group = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
+    auto manifest = *DefaultPlacement(PlacementVersion(1), kExperts, 0, topology, group, ckpt_.metadata);
+    ASSERT_TRUE(registry_.Prepare(manifest).ok());
+    ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
+    transport_ = fabric_.Endpoint(0);
+    kernels_ = kernels::CreateCpuKernels();
+    LayerExecutorOptions eo;
+    eo.rank = Rank(0);
+    eo.topology = topology;
+    eo.group = group;
+    eo.registry = &registry_;
+    eo.transport = transport_.get();
+    eo.kernels = kernels_.get();
+    executor_ = *LayerExecutor::Create(std::move(eo));
+    ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
+                                         std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *manifest, Rank(0))))
+                    .ok());
+    service_ = std::make_unique<ExpertLayerServiceImpl>(executor_.get(), &metrics_);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    stub_ = v1::ExpertLayerService::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  v1::StepRequest Request(uint64_t step) {
+    v1::StepRequest req;
+    req.set_step_id(step);
+    req.set_k(kK);
+    req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
+    req.mutable_hidden()->set_rows(kTokens);
+    req.mutable_hidden()->set_cols(kD);
+    std::mt19937 rng(step);
+    std::string data(kTokens * kD * 2, '\0');
+    for (int i = 0; i < kTokens * kD; ++i) {
+      const uint16_t b = kernels::FloatToBf16(std::normal_distribution<float>(0, 1)(rng));
+      std::memcpy(&data[2 * i], &b, 2);
+    }
+    req.mutable_hidden()->set_data(data);
+    for (int t = 0; t < kTokens; ++t) {
+      req.add_topk_ids(t % kExperts);
+      req.add_topk_ids((t + 1) % kExperts);
+      req.add_topk_weights(0.75f);
+      req.add_topk_weights(0.25f);
+    }
+    return req;
+  }
+
+  grpc::Status Call(const v1::StepRequest& req, v1::StepResponse* resp) {
+    grpc::ClientContext ctx;
+    return stub_->Execute(&ctx, req, resp);
+  }
+
+  SafetensorsFile ckpt_;
+  GenerationRegistry registry_;
+  LoopbackFabric fabric_{1};
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<kernels::ExpertKernels> kernels_;
+  std::unique_ptr<LayerExecutor> executor_;
+  RankMetrics metrics_{"test"};
+  std::unique_ptr<ExpertLayerServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::ExpertLayerService::Stub> stub_;
+};
+
+TEST_F(ServiceTest, SharedMemoryPayloadEqualsInline) {
+  v1::StepResponse inline_resp;
+  ASSERT_TRUE(Call(Request(1), &inline_resp).ok());
+  EXPECT_EQ(inline_resp.record().placement_generation(), 1);
+  EXPECT_EQ(inline_resp.record().routes_accepted(), kTokens * kK);
+
+  const std::string name = "/moe-test-" + std::to_string(getpid());
+  const size_t bytes = 2 * kTokens * kD * 2;
+  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, bytes), 0);
+  char* region = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  v1::StepRequest req = Request(1);
+  std::memcpy(region, req.hidden().data().data(), req.hidden().data().size());
+  req.mutable_hidden()->clear_data();
+  req.mutable_hidden_region()->set_region(name);
+  req.mutable_hidden_region()->set_bytes(kTokens * kD * 2);
+  req.mutable_output_region()->set_region(name);
+  req.mutable_output_region()->set_offset(kTokens * kD * 2);
+  req.mutable_output_region()->set_bytes(kTokens * kD * 2);
+  req.set_step_id(2);
+
+  v1::StepResponse resp;
+  grpc::Status unknown = Call(req, &resp);  // not registered yet
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(unknown.error_message(), HasSubstr("hidden_region.region"));
+
+  grpc::ClientContext rctx;
+  v1::RegisterRegionRequest reg;
+  reg.set_name(name);
+  reg.set_bytes(bytes);
+  v1::RegisterRegionResponse reg_resp;
+  ASSERT_TRUE(stub_->RegisterRegion(&rctx, reg, &reg_resp).ok());
+  req.set_step_id(3);
+  ASSERT_TRUE(Call(req, &resp).ok());
+  EXPECT_TRUE(resp.output().data().empty());
+  EXPECT_EQ(std::string(region + kTokens * kD * 2, kTokens * kD * 2), inline_resp.output().data());
+
+  req.set_step_id(4);
+  req.mutable_hidden_region()->set_offset(bytes - 10);  // runs past the region
+  grpc::Status oob = Call(req, &resp);
+  EXPECT_EQ(oob.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(oob.error_message(), HasSubstr("outside region"));
+  munmap(region, bytes);
+  shm_unlink(name.c_str());
+}
+
+TEST_F(ServiceTest, Fp32RoundTripsAndBadInputNamesTheField) {
+  v1::StepResponse bf16;
+  ASSERT_TRUE(Call(Request(1), &bf16).ok());
+  v1::StepRequest req = Request(1);
+  std::string fp32(kTokens * kD * 4, '\0');
+  for (int i = 0; i < kTokens * kD; ++i) {
+    uint16_t b;
+    std::memcpy(&b, &req.hidden().data()[2 * i], 2);
+    const float v = kernels::Bf16ToFloat(b);
+    std::memcpy(&fp32[4 * i], &v, 4);
+  }
+  req.mutable_hidden()->set_dtype(v1::DTYPE_FP32);
+  req.mutable_hidden()->set_data(fp32);
+  req.set_step_id(2);
+  v1::StepResponse resp;
+  ASSERT_TRUE(Call(req, &resp).ok());
+  ASSERT_EQ(resp.output().dtype(), v1::DTYPE_FP32);
+  for (int i = 0; i < kTokens * kD; ++i) {
+    uint16_t b;
+    float v;
+    std::memcpy(&b, &bf16.output().data()[2 * i], 2);
+    std::memcpy(&v, &resp.output().data()[4 * i], 4);
+    ASSERT_EQ(v, kernels::Bf16ToFloat(b)) << i;
+  }
+
+  auto expect = [&](v1::StepRequest bad, grpc::StatusCode code, const char* field) {
+    static uint64_t step = 100;
+    bad.set_step_id(step++);
+    v1::StepResponse r;
+    const grpc::Status s = Call(bad, &r);
+    EXPECT_EQ(s.error_code(), code) << field << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(field));
+  };
+  v1::StepRequest bad = Request(5);
+  bad.mutable_hidden()->mutable_data()->pop_back();
+  expect(bad, grpc::StatusCode::INVALID_ARGUMENT, "hidden.data");
+  bad = Request(5);
+  bad.set_k(3);
+  expect(bad, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids");
+  bad = Request(5);
+  bad.set_topk_ids(3, kExperts + 1);
+  expect(bad, grpc::StatusCode::INVALID_ARGUMENT, "topk_ids[1][1]");
+  bad = Request(5);
+  bad.set_topk_weights(0, std::nanf(""));
+  expect(bad, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights[0][0]");
+  bad = Request(5);
+  bad.set_topk_weights(2, -1.0f);
+  expect(bad, grpc::StatusCode::INVALID_ARGUMENT, "topk_weights[1][0]");
+  bad = Request(5);
+  bad.set_expected_generation(7);
+  expect(bad, grpc::StatusCode::FAILED_PRECONDITION, "expected_generation");
+  // Still serving.
+  v1::StepResponse ok;
+  v1::StepRequest good = Request(6);
+  good.set_step_id(200);
+  EXPECT_TRUE(Call(good, &ok).ok());
+}
+
+}  // namespace
+}  // namespace moe
