@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
               dense, copy, kernels->name());
 
   std::vector<Shape> shapes = {
-      {"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 16, 128, 1024, 8192}},
+      {"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 16, 64, 128, 1024, 8192}},
       {"E32-k8-d7168-f2048", 32, 8, 7168, 2048, {16, 128, 1024, 4096}},
       {"E8-k2-d4096-f14336", 8, 2, 4096, 14336, {1, 128, 8192}},
   };
@@ -267,7 +267,34 @@ int main(int argc, char** argv) {
             flops / (us * 1e-6) / 1e12 / dense);
       };
       if (!decode_only) report("prefill", TimeMedianUs(reps, st, layer));
-      if (t <= 128) report("decode", TimeMedianUs(reps, st, decode_layer));
+      if (t <= 128) {
+        report("decode", TimeMedianUs(reps, st, decode_layer));
+        // The decode path has no host round trip, so the whole step captures into one CUDA
+        // graph (stable buffers: the same device pointers every replay).
+        decode_layer();
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        decode_layer();
+        CHECK_CUDA(cudaStreamEndCapture(st, &graph));
+        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        report("decode-graph", TimeMedianUs(reps, st, [&] { CHECK_CUDA(cudaGraphLaunch(exec, st)); }));
+        // Replay must reproduce the eager output bit for bit.
+        std::vector<uint16_t> eager_out(t * s.d), graph_out(t * s.d);
+        decode_layer();
+        CHECK_CUDA(cudaMemcpyAsync(eager_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
+        CHECK_CUDA(cudaMemsetAsync(out, 0xff, t * s.d * 2, st));
+        CHECK_CUDA(cudaGraphLaunch(exec, st));
+        CHECK_CUDA(cudaMemcpyAsync(graph_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        if (eager_out != graph_out) {
+          std::fprintf(stderr, "graph replay differs from eager at %s T=%lld\n", s.name, static_cast<long long>(t));
+          return 1;
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
       if (t <= 16) {
         decode_layer();
