@@ -1,0 +1,325 @@
+#include "control/store/release_store.h"
+
+#include <sqlite3.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+namespace {
+
+constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS releases (
+  release_id    TEXT PRIMARY KEY,
+  bundle_digest TEXT NOT NULL,
+  state         TEXT NOT NULL,
+  revision      INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS transitions (
+  seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+  request_id TEXT NOT NULL UNIQUE,
+  release_id TEXT NOT NULL REFERENCES releases(release_id),
+  from_state TEXT NOT NULL,
+  to_state   TEXT NOT NULL,
+  reason     TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS requests (
+  request_id  TEXT PRIMARY KEY,
+  fingerprint TEXT NOT NULL
+);
+)sql";
+
+absl::Status SqlError(sqlite3* db, const std::string& what) {
+  return absl::InternalError(absl::StrCat("sqlite: ", what, ": ", sqlite3_errmsg(db)));
+}
+
+// One prepared statement, finalized on scope exit.
+class Stmt {
+ public:
+  Stmt(sqlite3* db, const char* sql) : db_(db) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
+  ~Stmt() { sqlite3_finalize(stmt_); }
+  Stmt(const Stmt&) = delete;
+  Stmt& operator=(const Stmt&) = delete;
+
+  absl::Status status() const { return rc_ == SQLITE_OK ? absl::OkStatus() : SqlError(db_, "prepare"); }
+  Stmt& Bind(int i, const std::string& v) {
+    sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  Stmt& Bind(int i, int64_t v) {
+    sqlite3_bind_int64(stmt_, i, v);
+    return *this;
+  }
+  // true: a row is available; false: done.
+  absl::StatusOr<bool> Step() {
+    if (rc_ != SQLITE_OK) return status();
+    const int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    return SqlError(db_, "step");
+  }
+  std::string Text(int col) const {
+    const unsigned char* p = sqlite3_column_text(stmt_, col);
+    return p == nullptr ? std::string() : std::string(reinterpret_cast<const char*>(p));
+  }
+  int64_t Int(int col) const { return sqlite3_column_int64(stmt_, col); }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+  int rc_;
+};
+
+absl::Status Exec(sqlite3* db, const char* sql) {
+  char* err = nullptr;
+  if (sqlite3_exec(db, sql, nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string msg = err != nullptr ? err : "unknown";
+    sqlite3_free(err);
+    return absl::InternalError(absl::StrCat("sqlite: ", msg));
+  }
+  return absl::OkStatus();
+}
+
+// BEGIN IMMEDIATE ... COMMIT; rolls back unless Commit() succeeded.
+class WriteTxn {
+ public:
+  explicit WriteTxn(sqlite3* db) : db_(db) { begin_ = Exec(db, "BEGIN IMMEDIATE"); }
+  ~WriteTxn() {
+    if (begin_.ok() && !committed_) Exec(db_, "ROLLBACK").IgnoreError();
+  }
+  const absl::Status& begin() const { return begin_; }
+  absl::Status Commit() {
+    absl::Status s = Exec(db_, "COMMIT");
+    committed_ = s.ok();
+    return s;
+  }
+
+ private:
+  sqlite3* db_;
+  absl::Status begin_;
+  bool committed_ = false;
+};
+
+absl::StatusOr<ReleaseRecord> ReadRelease(sqlite3* db, const std::string& release_id) {
+  Stmt q(db, "SELECT release_id, bundle_digest, state, revision FROM releases WHERE release_id = ?");
+  q.Bind(1, release_id);
+  auto row = q.Step();
+  if (!row.ok()) return row.status();
+  if (!*row) return absl::NotFoundError(absl::StrCat("release_id: no release '", release_id, "'"));
+  ReleaseRecord r;
+  r.release_id = q.Text(0);
+  r.bundle_digest = q.Text(1);
+  auto state = ParseReleaseState(q.Text(2));
+  if (!state.ok()) return absl::InternalError(absl::StrCat("stored state of ", release_id, ": ", state.status().message()));
+  r.state = *state;
+  r.revision = q.Int(3);
+  return r;
+}
+
+// The fingerprint recorded for a request id; empty when the id is new.
+absl::StatusOr<std::string> RecordedFingerprint(sqlite3* db, const std::string& request_id) {
+  Stmt q(db, "SELECT fingerprint FROM requests WHERE request_id = ?");
+  q.Bind(1, request_id);
+  auto row = q.Step();
+  if (!row.ok()) return row.status();
+  return *row ? q.Text(0) : std::string();
+}
+
+absl::Status RecordRequest(sqlite3* db, const std::string& request_id, const std::string& fingerprint) {
+  Stmt ins(db, "INSERT INTO requests(request_id, fingerprint) VALUES (?, ?)");
+  ins.Bind(1, request_id).Bind(2, fingerprint);
+  return ins.Step().status();
+}
+
+absl::StatusOr<std::vector<StoredTransition>> ReadTransitions(Stmt& q) {
+  std::vector<StoredTransition> out;
+  while (true) {
+    auto row = q.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    StoredTransition t;
+    t.seq = q.Int(0);
+    t.request_id = q.Text(1);
+    t.release_id = q.Text(2);
+    auto from = ParseReleaseState(q.Text(3));
+    auto to = ParseReleaseState(q.Text(4));
+    if (!from.ok() || !to.ok()) return absl::InternalError(absl::StrCat("transition seq ", t.seq, ": bad stored state"));
+    t.from = *from;
+    t.to = *to;
+    t.reason = q.Text(5);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+absl::Status RequireRequestId(const std::string& request_id) {
+  if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ReleaseStore>> ReleaseStore::Open(const std::string& path) {
+  if (path.empty() || path == ":memory:") {
+    return absl::InvalidArgumentError("path: the release store needs a file on disk");
+  }
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr) !=
+      SQLITE_OK) {
+    absl::Status s = absl::UnavailableError(absl::StrCat("path: cannot open ", path, ": ", sqlite3_errmsg(db)));
+    sqlite3_close(db);
+    return s;
+  }
+  std::unique_ptr<ReleaseStore> store(new ReleaseStore(db));
+  sqlite3_busy_timeout(db, 5000);
+  for (const char* pragma : {"PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL", "PRAGMA foreign_keys=ON"}) {
+    if (absl::Status s = Exec(db, pragma); !s.ok()) return s;
+  }
+  if (absl::Status s = Exec(db, kSchema); !s.ok()) return s;
+  return store;
+}
+
+ReleaseStore::~ReleaseStore() { sqlite3_close(db_); }
+
+absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_id, const std::string& release_id,
+                                                     const std::string& bundle_digest) {
+  if (absl::Status s = RequireRequestId(request_id); !s.ok()) return s;
+  if (release_id.empty()) return absl::InvalidArgumentError("release_id: required");
+  if (bundle_digest.empty()) return absl::InvalidArgumentError("bundle_digest: required");
+  const std::string fingerprint = absl::StrCat("register|", release_id, "|", bundle_digest);
+  WriteTxn txn(db_);
+  if (!txn.begin().ok()) return txn.begin();
+  auto recorded = RecordedFingerprint(db_, request_id);
+  if (!recorded.ok()) return recorded.status();
+  if (!recorded->empty() && *recorded != fingerprint) {
+    return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+  }
+  auto existing = ReadRelease(db_, release_id);
+  if (existing.ok()) {
+    if (existing->bundle_digest != bundle_digest) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("release_id: '", release_id, "' is registered with bundle digest ", existing->bundle_digest));
+    }
+    return existing;  // idempotent repeat
+  }
+  if (existing.status().code() != absl::StatusCode::kNotFound) return existing.status();
+  Stmt ins(db_, "INSERT INTO releases(release_id, bundle_digest, state, revision) VALUES (?, ?, ?, 0)");
+  ins.Bind(1, release_id).Bind(2, bundle_digest).Bind(3, std::string(ReleaseStateName(ReleaseState::kBuilt)));
+  if (auto s = ins.Step(); !s.ok()) return s.status();
+  if (recorded->empty()) {
+    if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
+  }
+  if (absl::Status s = txn.Commit(); !s.ok()) return s;
+  return ReleaseRecord{release_id, bundle_digest, ReleaseState::kBuilt, 0};
+}
+
+absl::StatusOr<StoredTransition> ReleaseStore::Transition(const std::string& request_id, const std::string& release_id,
+                                                          ReleaseState to, const std::string& reason) {
+  if (absl::Status s = RequireRequestId(request_id); !s.ok()) return s;
+  if (reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
+  const std::string fingerprint = absl::StrCat("transition|", release_id, "|", ReleaseStateName(to), "|", reason);
+  WriteTxn txn(db_);
+  if (!txn.begin().ok()) return txn.begin();
+  auto recorded = RecordedFingerprint(db_, request_id);
+  if (!recorded.ok()) return recorded.status();
+  if (!recorded->empty()) {
+    if (*recorded != fingerprint) {
+      return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+    }
+    Stmt q(db_,
+           "SELECT seq, request_id, release_id, from_state, to_state, reason FROM transitions WHERE request_id = ?");
+    q.Bind(1, request_id);
+    auto rows = ReadTransitions(q);
+    if (!rows.ok()) return rows.status();
+    if (rows->size() != 1) return absl::InternalError(absl::StrCat("request ", request_id, " has no transition row"));
+    return rows->front();  // idempotent repeat: the recorded result
+  }
+  auto rec = ReadRelease(db_, release_id);
+  if (!rec.ok()) return rec.status();
+  if (!LegalTransition(rec->state, to)) {
+    return absl::FailedPreconditionError(absl::StrCat(release_id, ": ", ReleaseStateName(rec->state), " -> ",
+                                                      ReleaseStateName(to), " is not a legal transition"));
+  }
+  Stmt ins(db_, "INSERT INTO transitions(request_id, release_id, from_state, to_state, reason) VALUES (?, ?, ?, ?, ?)");
+  ins.Bind(1, request_id)
+      .Bind(2, release_id)
+      .Bind(3, std::string(ReleaseStateName(rec->state)))
+      .Bind(4, std::string(ReleaseStateName(to)))
+      .Bind(5, reason);
+  if (auto s = ins.Step(); !s.ok()) return s.status();
+  const int64_t seq = sqlite3_last_insert_rowid(db_);
+  Stmt upd(db_, "UPDATE releases SET state = ?, revision = revision + 1 WHERE release_id = ?");
+  upd.Bind(1, std::string(ReleaseStateName(to))).Bind(2, release_id);
+  if (auto s = upd.Step(); !s.ok()) return s.status();
+  if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
+  if (absl::Status s = txn.Commit(); !s.ok()) return s;
+  return StoredTransition{seq, request_id, release_id, rec->state, to, reason};
+}
+
+absl::StatusOr<ReleaseRecord> ReleaseStore::Get(const std::string& release_id) const {
+  return ReadRelease(db_, release_id);
+}
+
+absl::StatusOr<std::vector<ReleaseRecord>> ReleaseStore::List() const {
+  Stmt q(db_, "SELECT release_id FROM releases ORDER BY release_id");
+  std::vector<std::string> ids;
+  while (true) {
+    auto row = q.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    ids.push_back(q.Text(0));
+  }
+  std::vector<ReleaseRecord> out;
+  for (const std::string& id : ids) {
+    auto r = ReadRelease(db_, id);
+    if (!r.ok()) return r.status();
+    out.push_back(*r);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id) const {
+  if (release_id.empty()) {
+    Stmt q(db_, "SELECT seq, request_id, release_id, from_state, to_state, reason FROM transitions ORDER BY seq");
+    return ReadTransitions(q);
+  }
+  Stmt q(db_,
+         "SELECT seq, request_id, release_id, from_state, to_state, reason FROM transitions WHERE release_id = ? "
+         "ORDER BY seq");
+  q.Bind(1, release_id);
+  return ReadTransitions(q);
+}
+
+absl::Status ReleaseStore::Verify() const {
+  {
+    Stmt q(db_, "PRAGMA integrity_check");
+    auto row = q.Step();
+    if (!row.ok()) return row.status();
+    if (!*row || q.Text(0) != "ok") return absl::InternalError(absl::StrCat("integrity_check: ", q.Text(0)));
+  }
+  auto releases = List();
+  if (!releases.ok()) return releases.status();
+  for (const ReleaseRecord& r : *releases) {
+    auto history = History(r.release_id);
+    if (!history.ok()) return history.status();
+    ReleaseState state = ReleaseState::kBuilt;
+    for (const StoredTransition& t : *history) {
+      if (t.from != state || !LegalTransition(t.from, t.to)) {
+        return absl::InternalError(absl::StrCat(r.release_id, ": transition seq ", t.seq, " ", ReleaseStateName(t.from),
+                                                " -> ", ReleaseStateName(t.to), " does not follow ",
+                                                ReleaseStateName(state)));
+      }
+      state = t.to;
+    }
+    if (state != r.state || static_cast<int64_t>(history->size()) != r.revision) {
+      return absl::InternalError(absl::StrCat(r.release_id, ": stored state ", ReleaseStateName(r.state), " rev ",
+                                              r.revision, " but history ends at ", ReleaseStateName(state), " after ",
+                                              history->size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe

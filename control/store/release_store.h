@@ -1,0 +1,72 @@
+// Durable release registry for moe-controller (issue 5): SQLite in WAL mode with synchronous=FULL.
+// Every lifecycle transition is committed here before the controller acts on it, so a controller
+// killed at any point reopens the file and resumes from the last committed transition.
+//
+// Requests are idempotent by client request id: repeating a request id with the same content
+// returns the recorded result; reusing it for a different request is ALREADY_EXISTS.
+#ifndef MOE_CONTROL_STORE_RELEASE_STORE_H_
+#define MOE_CONTROL_STORE_RELEASE_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/release/lifecycle.h"
+
+struct sqlite3;
+
+namespace moe {
+
+struct ReleaseRecord {
+  std::string release_id;
+  std::string bundle_digest;  // digest of the release bundle (0x0C) registered with it
+  ReleaseState state = ReleaseState::kBuilt;
+  int64_t revision = 0;  // number of transitions applied
+};
+
+struct StoredTransition {
+  int64_t seq = 0;  // global commit order
+  std::string request_id;
+  std::string release_id;
+  ReleaseState from = ReleaseState::kBuilt;
+  ReleaseState to = ReleaseState::kBuilt;
+  std::string reason;
+};
+
+class ReleaseStore {
+ public:
+  // Opens or creates the database at `path` (":memory:" is refused: it is not durable).
+  static absl::StatusOr<std::unique_ptr<ReleaseStore>> Open(const std::string& path);
+  ~ReleaseStore();
+  ReleaseStore(const ReleaseStore&) = delete;
+  ReleaseStore& operator=(const ReleaseStore&) = delete;
+
+  // Adds a release in BUILT. INVALID_ARGUMENT for an empty id or digest; ALREADY_EXISTS for a known
+  // release id registered with another digest (the same id and digest is an idempotent repeat).
+  absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
+                                         const std::string& bundle_digest);
+
+  // Commits one transition, checked against the one legal-transition table and the stored state.
+  // NOT_FOUND for an unknown release, FAILED_PRECONDITION for an illegal move; nothing is written
+  // on error.
+  absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
+                                              ReleaseState to, const std::string& reason);
+
+  absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) const;
+  absl::StatusOr<std::vector<ReleaseRecord>> List() const;
+  // Transitions of one release (or of all, for an empty id) in commit order.
+  absl::StatusOr<std::vector<StoredTransition>> History(const std::string& release_id) const;
+  // Checks the file (PRAGMA integrity_check) and that every release's history is a legal chain from
+  // BUILT ending in its stored state. INTERNAL naming the first inconsistency.
+  absl::Status Verify() const;
+
+ private:
+  explicit ReleaseStore(sqlite3* db) : db_(db) {}
+  sqlite3* db_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_CONTROL_STORE_RELEASE_STORE_H_
