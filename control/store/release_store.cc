@@ -2,6 +2,7 @@
 
 #include <sqlite3.h>
 
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -19,11 +20,13 @@ CREATE TABLE IF NOT EXISTS releases (
 );
 CREATE TABLE IF NOT EXISTS transitions (
   seq        INTEGER PRIMARY KEY AUTOINCREMENT,
-  request_id TEXT NOT NULL UNIQUE,
+  request_id TEXT NOT NULL,
+  part       INTEGER NOT NULL,
   release_id TEXT NOT NULL REFERENCES releases(release_id),
   from_state TEXT NOT NULL,
   to_state   TEXT NOT NULL,
-  reason     TEXT NOT NULL
+  reason     TEXT NOT NULL,
+  UNIQUE (request_id, part)
 );
 CREATE TABLE IF NOT EXISTS requests (
   request_id  TEXT PRIMARY KEY,
@@ -142,13 +145,14 @@ absl::StatusOr<std::vector<StoredTransition>> ReadTransitions(Stmt& q) {
     StoredTransition t;
     t.seq = q.Int(0);
     t.request_id = q.Text(1);
-    t.release_id = q.Text(2);
-    auto from = ParseReleaseState(q.Text(3));
-    auto to = ParseReleaseState(q.Text(4));
+    t.part = static_cast<int>(q.Int(2));
+    t.release_id = q.Text(3);
+    auto from = ParseReleaseState(q.Text(4));
+    auto to = ParseReleaseState(q.Text(5));
     if (!from.ok() || !to.ok()) return absl::InternalError(absl::StrCat("transition seq ", t.seq, ": bad stored state"));
     t.from = *from;
     t.to = *to;
-    t.reason = q.Text(5);
+    t.reason = q.Text(6);
     out.push_back(std::move(t));
   }
   return out;
@@ -217,9 +221,24 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
 
 absl::StatusOr<StoredTransition> ReleaseStore::Transition(const std::string& request_id, const std::string& release_id,
                                                           ReleaseState to, const std::string& reason) {
+  auto applied = Apply(request_id, {Move{release_id, to, reason}});
+  if (!applied.ok()) return applied.status();
+  if (applied->size() != 1) {
+    return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+  }
+  return applied->front();
+}
+
+absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::string& request_id,
+                                                                  const std::vector<Move>& moves) {
   if (absl::Status s = RequireRequestId(request_id); !s.ok()) return s;
-  if (reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
-  const std::string fingerprint = absl::StrCat("transition|", release_id, "|", ReleaseStateName(to), "|", reason);
+  if (moves.empty()) return absl::InvalidArgumentError("moves: at least one transition");
+  std::string fingerprint = "transition";
+  for (const Move& m : moves) {
+    if (m.release_id.empty()) return absl::InvalidArgumentError("release_id: required");
+    if (m.reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
+    absl::StrAppend(&fingerprint, "|", m.release_id, "|", ReleaseStateName(m.to), "|", m.reason);
+  }
   WriteTxn txn(db_);
   if (!txn.begin().ok()) return txn.begin();
   auto recorded = RecordedFingerprint(db_, request_id);
@@ -229,33 +248,47 @@ absl::StatusOr<StoredTransition> ReleaseStore::Transition(const std::string& req
       return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
     }
     Stmt q(db_,
-           "SELECT seq, request_id, release_id, from_state, to_state, reason FROM transitions WHERE request_id = ?");
+           "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions "
+           "WHERE request_id = ? ORDER BY part");
     q.Bind(1, request_id);
-    auto rows = ReadTransitions(q);
-    if (!rows.ok()) return rows.status();
-    if (rows->size() != 1) return absl::InternalError(absl::StrCat("request ", request_id, " has no transition row"));
-    return rows->front();  // idempotent repeat: the recorded result
+    return ReadTransitions(q);  // idempotent repeat: the recorded result
   }
-  auto rec = ReadRelease(db_, release_id);
-  if (!rec.ok()) return rec.status();
-  if (!LegalTransition(rec->state, to)) {
-    return absl::FailedPreconditionError(absl::StrCat(release_id, ": ", ReleaseStateName(rec->state), " -> ",
-                                                      ReleaseStateName(to), " is not a legal transition"));
+  // Check the whole batch against the stored states before writing any of it.
+  std::map<std::string, ReleaseState> state;
+  std::vector<StoredTransition> out;
+  for (const Move& m : moves) {
+    if (!state.count(m.release_id)) {
+      auto rec = ReadRelease(db_, m.release_id);
+      if (!rec.ok()) return rec.status();
+      state[m.release_id] = rec->state;
+    }
+    const ReleaseState from = state[m.release_id];
+    if (!LegalTransition(from, m.to)) {
+      return absl::FailedPreconditionError(absl::StrCat(m.release_id, ": ", ReleaseStateName(from), " -> ",
+                                                        ReleaseStateName(m.to), " is not a legal transition"));
+    }
+    state[m.release_id] = m.to;
+    out.push_back(StoredTransition{0, request_id, static_cast<int>(out.size()), m.release_id, from, m.to, m.reason});
   }
-  Stmt ins(db_, "INSERT INTO transitions(request_id, release_id, from_state, to_state, reason) VALUES (?, ?, ?, ?, ?)");
-  ins.Bind(1, request_id)
-      .Bind(2, release_id)
-      .Bind(3, std::string(ReleaseStateName(rec->state)))
-      .Bind(4, std::string(ReleaseStateName(to)))
-      .Bind(5, reason);
-  if (auto s = ins.Step(); !s.ok()) return s.status();
-  const int64_t seq = sqlite3_last_insert_rowid(db_);
-  Stmt upd(db_, "UPDATE releases SET state = ?, revision = revision + 1 WHERE release_id = ?");
-  upd.Bind(1, std::string(ReleaseStateName(to))).Bind(2, release_id);
-  if (auto s = upd.Step(); !s.ok()) return s.status();
+  for (StoredTransition& t : out) {
+    Stmt ins(db_,
+             "INSERT INTO transitions(request_id, part, release_id, from_state, to_state, reason) "
+             "VALUES (?, ?, ?, ?, ?, ?)");
+    ins.Bind(1, request_id)
+        .Bind(2, static_cast<int64_t>(t.part))
+        .Bind(3, t.release_id)
+        .Bind(4, std::string(ReleaseStateName(t.from)))
+        .Bind(5, std::string(ReleaseStateName(t.to)))
+        .Bind(6, t.reason);
+    if (auto s = ins.Step(); !s.ok()) return s.status();
+    t.seq = sqlite3_last_insert_rowid(db_);
+    Stmt upd(db_, "UPDATE releases SET state = ?, revision = revision + 1 WHERE release_id = ?");
+    upd.Bind(1, std::string(ReleaseStateName(t.to))).Bind(2, t.release_id);
+    if (auto s = upd.Step(); !s.ok()) return s.status();
+  }
   if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
   if (absl::Status s = txn.Commit(); !s.ok()) return s;
-  return StoredTransition{seq, request_id, release_id, rec->state, to, reason};
+  return out;
 }
 
 absl::StatusOr<ReleaseRecord> ReleaseStore::Get(const std::string& release_id) const {
@@ -282,11 +315,11 @@ absl::StatusOr<std::vector<ReleaseRecord>> ReleaseStore::List() const {
 
 absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id) const {
   if (release_id.empty()) {
-    Stmt q(db_, "SELECT seq, request_id, release_id, from_state, to_state, reason FROM transitions ORDER BY seq");
+    Stmt q(db_, "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions ORDER BY seq");
     return ReadTransitions(q);
   }
   Stmt q(db_,
-         "SELECT seq, request_id, release_id, from_state, to_state, reason FROM transitions WHERE release_id = ? "
+         "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions WHERE release_id = ? "
          "ORDER BY seq");
   q.Bind(1, release_id);
   return ReadTransitions(q);

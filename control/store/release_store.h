@@ -29,6 +29,7 @@ struct ReleaseRecord {
 struct StoredTransition {
   int64_t seq = 0;  // global commit order
   std::string request_id;
+  int part = 0;  // position within the request's batch
   std::string release_id;
   ReleaseState from = ReleaseState::kBuilt;
   ReleaseState to = ReleaseState::kBuilt;
@@ -53,6 +54,16 @@ class ReleaseStore {
   // on error.
   absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
                                               ReleaseState to, const std::string& reason);
+
+  struct Move {
+    std::string release_id;
+    ReleaseState to;
+    std::string reason;
+  };
+  // Commits several transitions atomically under one request id (promotion: candidate ACTIVE and
+  // prior DRAINING; rollback: candidate DRAINING and prior ACTIVE). Each move is checked against
+  // the state left by the moves before it; if any is illegal nothing is written.
+  absl::StatusOr<std::vector<StoredTransition>> Apply(const std::string& request_id, const std::vector<Move>& moves);
 
   absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) const;
   absl::StatusOr<std::vector<ReleaseRecord>> List() const;

@@ -84,6 +84,44 @@ TEST(ReleaseStoreTest, ErrorsNameTheFieldAndWriteNothing) {
   EXPECT_TRUE(store->Transition("r2", "release-v19", ReleaseState::kVerified, "digests match").ok());
 }
 
+TEST(ReleaseStoreTest, BatchesAreAllOrNothing) {
+  auto store = *ReleaseStore::Open(TempPath("batch.db"));
+  for (const char* id : {"release-v18", "release-v19"}) {
+    ASSERT_TRUE(store->Register(absl::StrCat(id, ":reg"), id, "sha256:aa").ok());
+    for (ReleaseState to : {ReleaseState::kVerified, ReleaseState::kLoaded, ReleaseState::kShadow,
+                            ReleaseState::kCanary}) {
+      ASSERT_TRUE(store->Transition(absl::StrCat(id, ":", ReleaseStateName(to)), id, to, "walk").ok());
+    }
+  }
+  ASSERT_TRUE(store->Transition("v18-active", "release-v18", ReleaseState::kActive, "promoted").ok());
+  // Promotion of v19: candidate ACTIVE and prior DRAINING in one commit.
+  auto promoted = *store->Apply("promote-v19", {{"release-v19", ReleaseState::kActive, "gate passed"},
+                                                {"release-v18", ReleaseState::kDraining, "replaced"}});
+  ASSERT_EQ(promoted.size(), 2u);
+  EXPECT_EQ(promoted[1].seq, promoted[0].seq + 1);
+  const size_t rows = store->History("")->size();
+  // Rollback whose second move is illegal (RETIRED cannot come back): nothing is written.
+  auto bad = store->Apply("rollback-1", {{"release-v19", ReleaseState::kDraining, "fault"},
+                                         {"release-v19", ReleaseState::kActive, "undo"},
+                                         {"release-v18", ReleaseState::kRetired, "oops"},
+                                         {"release-v18", ReleaseState::kActive, "too late"}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("release-v18: RETIRED -> ACTIVE"));
+  EXPECT_EQ(store->History("")->size(), rows);
+  EXPECT_EQ(store->Get("release-v19")->state, ReleaseState::kActive);
+  EXPECT_EQ(store->Get("release-v18")->state, ReleaseState::kDraining);
+  // The ordered rollback, and its idempotent repeat.
+  auto rolled = *store->Apply("rollback-2", {{"release-v19", ReleaseState::kDraining, "candidate faulted"},
+                                             {"release-v18", ReleaseState::kActive, "prior re-activated"}});
+  auto repeat = *store->Apply("rollback-2", {{"release-v19", ReleaseState::kDraining, "candidate faulted"},
+                                             {"release-v18", ReleaseState::kActive, "prior re-activated"}});
+  ASSERT_EQ(repeat.size(), 2u);
+  EXPECT_EQ(repeat[0].seq, rolled[0].seq);
+  EXPECT_EQ(repeat[1].to, ReleaseState::kActive);
+  EXPECT_EQ(store->Get("release-v18")->state, ReleaseState::kActive);
+  EXPECT_TRUE(store->Verify().ok());
+}
+
 // Rollout k: register release-k and walk it to ACTIVE, then drain and retire release-(k-1). Every
 // call carries a deterministic request id, so re-running a rollout after a crash is idempotent.
 // `ack` is called after each committed call.
