@@ -1,6 +1,8 @@
 // moectl: the operator CLI. Offline subcommands (no controller needed):
 //   moectl plan --trace FILE [--json] [--selector POLICY]
 //   moectl eplb solve --input FILE
+//   moectl --controller HOST:PORT --token_file F releases list|show ID, release register|transition,
+//          promote, rollback   (controller subcommands, see docs/cli.md)
 // Bad input prints one message naming the field and exits 2.
 #include <cstdio>
 #include <iostream>
@@ -12,6 +14,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "control/eplb_io.h"
+#include "control/moectl_remote.h"
 #include "control/trace.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
@@ -25,6 +28,13 @@ ABSL_FLAG(int, d_ff, 512, "checkpoint synth: expert FFN width");
 ABSL_FLAG(int64_t, seed, 1, "checkpoint synth: weight seed");
 ABSL_FLAG(std::string, version, "checkpoint-0001", "checkpoint synth: checkpoint version");
 ABSL_FLAG(std::string, out, "", "checkpoint synth: output .safetensors path");
+ABSL_FLAG(std::string, controller, "", "controller subcommands: moe-controller address host:port");
+ABSL_FLAG(std::string, token_file, "", "controller subcommands: file holding the bearer token");
+ABSL_FLAG(std::string, request_id, "", "controller subcommands: idempotency key (random when empty; reuse it to retry)");
+ABSL_FLAG(std::string, digest, "", "release register: bundle digest");
+ABSL_FLAG(std::string, reason, "", "release transition / rollback: reason recorded with the transition");
+ABSL_FLAG(std::string, evidence, "", "promote: JSON file with the promotion gate's inputs (PromotionEvidence)");
+ABSL_FLAG(std::string, prior, "", "rollback: the DRAINING release to re-activate");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
 
@@ -35,13 +45,20 @@ constexpr char kUsage[] =
     "  moectl plan --trace FILE [--json] [--selector POLICY]   plan a layer-step trace, print plan and ledgers\n"
     "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n"
     "  moectl checkpoint synth --experts E --d D --d_ff F --seed S --out FILE\n"
-    "                                                          write a synthetic safetensors checkpoint\n";
+    "                                                          write a synthetic safetensors checkpoint\n"
+    "Controller subcommands (need --controller HOST:PORT --token_file FILE; --json for scripts):\n"
+    "  moectl releases list | releases show ID                 releases, states, transition history\n"
+    "  moectl release register ID --digest D                   register a release bundle (BUILT)\n"
+    "  moectl release transition ID STATE --reason R           one lifecycle transition\n"
+    "  moectl promote ID --evidence FILE                       CANARY -> ACTIVE through the promotion gate\n"
+    "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR\n";
 
 int Fail(const absl::Status& s) {
   spdlog::error("{}", std::string(s.message()));
   const bool input_error = s.code() == absl::StatusCode::kInvalidArgument ||
                            s.code() == absl::StatusCode::kFailedPrecondition ||
-                           s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kOutOfRange;
+                           s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kOutOfRange ||
+                           s.code() == absl::StatusCode::kAlreadyExists;
   return input_error ? 2 : 1;
 }
 
@@ -103,6 +120,19 @@ int main(int argc, char** argv) {
   if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
   if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
+  if (moe::IsRemoteCommand(cmd)) {
+    moe::RemoteOptions o;
+    o.controller = absl::GetFlag(FLAGS_controller);
+    o.token_file = absl::GetFlag(FLAGS_token_file);
+    o.request_id = absl::GetFlag(FLAGS_request_id);
+    o.json = absl::GetFlag(FLAGS_json);
+    o.digest = absl::GetFlag(FLAGS_digest);
+    o.reason = absl::GetFlag(FLAGS_reason);
+    o.evidence = absl::GetFlag(FLAGS_evidence);
+    o.prior = absl::GetFlag(FLAGS_prior);
+    absl::Status s = moe::RunRemote(cmd, o);
+    return s.ok() ? 0 : Fail(s);
+  }
   std::fputs(kUsage, stderr);
   return 2;
 }

@@ -2,10 +2,7 @@
 // the process group's transport, and answers its engine's ExpertLayerService calls; gRPC health
 // checking and server reflection on the same port; Prometheus metrics on their own port.
 // SIGTERM drains: steps in flight finish, new ones get UNAVAILABLE, then the process exits.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -15,7 +12,6 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 
-#include "CivetServer.h"
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/flags/flag.h"
@@ -28,6 +24,7 @@
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
 #include "server/expert_layer_service.h"
+#include "server/daemon_util.h"
 #include "server/metrics.h"
 
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
@@ -50,31 +47,6 @@ ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 namespace moe {
 namespace {
 
-void WriteFile(const std::string& path, const std::string& text) {
-  if (path.empty()) return;
-  const std::string tmp = path + ".tmp";
-  std::ofstream(tmp) << text;
-  std::rename(tmp.c_str(), path.c_str());
-}
-
-// civetweb (behind prometheus-cpp's exposer) cannot bind port 0: pick a free port first.
-std::string ResolvePortZero(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || address.substr(colon + 1) != "0") return address;
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = 0;
-  inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr);
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return absl::StrCat(address.substr(0, colon), ":", port);
-}
-
 int Main() {
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
   if (world <= 0 || rank < 0 || rank >= world) {
@@ -84,27 +56,15 @@ int Main() {
   // The exposer starts first: civetweb fails to bind once UCX has initialized in this process.
   RankMetrics metrics(absl::GetFlag(FLAGS_release));
   metrics.Generation(1);
-  std::unique_ptr<prometheus::Exposer> exposer;
-  try {
-    static CivetCallbacks callbacks;
-    callbacks.log_message = [](const struct mg_connection*, const char* message) {
-      spdlog::warn("metrics exposer: {}", message);
-      return 1;
-    };
-    exposer = std::make_unique<prometheus::Exposer>(ResolvePortZero(absl::GetFlag(FLAGS_metrics_listen)), 2, &callbacks);
-  } catch (const std::exception& e) {
-    spdlog::error("--metrics_listen {}: {}", absl::GetFlag(FLAGS_metrics_listen), e.what());
+  auto exposer = StartExposer(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
+  if (!exposer.ok()) {
+    spdlog::error("{}", std::string(exposer.status().message()));
     return 1;
   }
-  exposer->RegisterCollectable(metrics.registry());
-  WriteFile(absl::GetFlag(FLAGS_metrics_port_file), absl::StrCat(exposer->GetListeningPorts().at(0)));
+  (*exposer)->RegisterCollectable(metrics.registry());
 
   // Block the termination signals in every thread; the main thread waits for them below.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  sigset_t signals = BlockTerminationSignals();
 
   auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
   if (!ckpt.ok()) {
@@ -190,9 +150,9 @@ int Main() {
     spdlog::error("--listen {}: cannot bind", absl::GetFlag(FLAGS_listen));
     return 1;
   }
-  WriteFile(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
+  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   spdlog::info("rank {} of {} serving on port {} (metrics on {}), placement-v1 with {} local slots", rank, world, port,
-               exposer->GetListeningPorts().at(0), (*manifest)->LocalSlots(Rank(rank)).size());
+               (*exposer)->GetListeningPorts().at(0), (*manifest)->LocalSlots(Rank(rank)).size());
 
   int sig = 0;
   sigwait(&signals, &sig);

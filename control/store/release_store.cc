@@ -247,11 +247,7 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
     if (*recorded != fingerprint) {
       return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
     }
-    Stmt q(db_,
-           "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions "
-           "WHERE request_id = ? ORDER BY part");
-    q.Bind(1, request_id);
-    return ReadTransitions(q);  // idempotent repeat: the recorded result
+    return Recorded(request_id);  // idempotent repeat: the recorded result
   }
   // Check the whole batch against the stored states before writing any of it.
   std::map<std::string, ReleaseState> state;
@@ -289,6 +285,14 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
   if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
   if (absl::Status s = txn.Commit(); !s.ok()) return s;
   return out;
+}
+
+absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Recorded(const std::string& request_id) const {
+  Stmt q(db_,
+         "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions "
+         "WHERE request_id = ? ORDER BY part");
+  q.Bind(1, request_id);
+  return ReadTransitions(q);
 }
 
 absl::StatusOr<ReleaseRecord> ReleaseStore::Get(const std::string& release_id) const {

@@ -65,6 +65,10 @@ class ReleaseStore {
   // the state left by the moves before it; if any is illegal nothing is written.
   absl::StatusOr<std::vector<StoredTransition>> Apply(const std::string& request_id, const std::vector<Move>& moves);
 
+  // The transitions committed under `request_id` (empty when the id is new), for callers that
+  // derive a batch from current state and must answer a retry with the recorded result.
+  absl::StatusOr<std::vector<StoredTransition>> Recorded(const std::string& request_id) const;
+
   absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) const;
   absl::StatusOr<std::vector<ReleaseRecord>> List() const;
   // Transitions of one release (or of all, for an empty id) in commit order.

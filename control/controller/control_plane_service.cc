@@ -1,0 +1,234 @@
+#include "control/controller/control_plane_service.h"
+
+#include <openssl/crypto.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+
+namespace {
+
+void Fill(const ReleaseRecord& r, v1::Release* out) {
+  out->set_release_id(r.release_id);
+  out->set_bundle_digest(r.bundle_digest);
+  out->set_state(ToProto(r.state));
+  out->set_revision(r.revision);
+}
+
+void Fill(const StoredTransition& t, v1::TransitionRecord* out) {
+  out->set_seq(t.seq);
+  out->set_request_id(t.request_id);
+  out->set_release_id(t.release_id);
+  out->set_from(ToProto(t.from));
+  out->set_to(ToProto(t.to));
+  out->set_reason(t.reason);
+}
+
+PromotionInputs FromProto(const v1::PromotionEvidence& e) {
+  PromotionInputs in;
+  in.hash_ok = e.hash_ok();
+  in.manifest_ok = e.manifest_ok();
+  in.faults_ok = e.faults_ok();
+  in.rollback_ok = e.rollback_ok();
+  in.shadow_samples = e.shadow_samples();
+  in.canary_samples = e.canary_samples();
+  in.routes_attempted = e.routes_attempted();
+  in.routes_dropped = e.routes_dropped();
+  in.steps = e.steps();
+  in.fallback_steps = e.fallback_steps();
+  in.route_mismatches = e.route_mismatches();
+  in.stale_accepts = e.stale_accepts();
+  in.count_failures = e.count_failures();
+  return in;
+}
+
+}  // namespace
+
+absl::StatusOr<ReleaseState> FromProto(v1::ReleaseState s, const char* field) {
+  switch (s) {
+    case v1::RELEASE_STATE_BUILT:
+      return ReleaseState::kBuilt;
+    case v1::RELEASE_STATE_VERIFIED:
+      return ReleaseState::kVerified;
+    case v1::RELEASE_STATE_LOADED:
+      return ReleaseState::kLoaded;
+    case v1::RELEASE_STATE_SHADOW:
+      return ReleaseState::kShadow;
+    case v1::RELEASE_STATE_CANARY:
+      return ReleaseState::kCanary;
+    case v1::RELEASE_STATE_ACTIVE:
+      return ReleaseState::kActive;
+    case v1::RELEASE_STATE_DRAINING:
+      return ReleaseState::kDraining;
+    case v1::RELEASE_STATE_RETIRED:
+      return ReleaseState::kRetired;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ": unspecified or unknown release state ", s));
+  }
+}
+
+v1::ReleaseState ToProto(ReleaseState s) {
+  return static_cast<v1::ReleaseState>(static_cast<int>(s) + 1);  // both enums list the states in order
+}
+
+grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) const {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: bearer token required");
+  const std::string presented(it->second.data(), it->second.size());
+  const std::string expected = "Bearer " + token_;
+  if (presented.size() != expected.size() ||
+      CRYPTO_memcmp(presented.data(), expected.data(), expected.size()) != 0) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: token rejected");
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::vector<StoredTransition>> ControlPlaneServiceImpl::Replay(const std::string& request_id,
+                                                                            const std::string& release_id,
+                                                                            ReleaseState first_to) const {
+  if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
+  auto recorded = store_->Recorded(request_id);
+  if (!recorded.ok()) return recorded.status();
+  if (!recorded->empty() && (recorded->front().release_id != release_id || recorded->front().to != first_to)) {
+    return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+  }
+  return recorded;
+}
+
+grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
+                                                      v1::Release* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  absl::MutexLock lock(&write_mu_);
+  auto r = store_->Register(req->request_id(), req->release_id(), req->bundle_digest());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  Fill(*r, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx,
+                                                        const v1::TransitionReleaseRequest* req,
+                                                        v1::TransitionRecord* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  auto to = FromProto(req->to(), "to");
+  if (!to.ok()) return ToGrpcStatus(to.status());
+  if (*to == ReleaseState::kActive) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "to: ACTIVE is reached through Promote (the 0x0DC gate)");
+  }
+  absl::MutexLock lock(&write_mu_);
+  auto t = store_->Transition(req->request_id(), req->release_id(), *to, req->reason());
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  Fill(*t, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
+                                              v1::PromoteResponse* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (!req->has_evidence()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "evidence: required");
+  const PromotionDecision d = EvaluatePromotion(FromProto(req->evidence()), thresholds_);
+  if (!d.promote) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", ")));
+  }
+  absl::MutexLock lock(&write_mu_);
+  auto replay = Replay(req->request_id(), req->release_id(), ReleaseState::kActive);
+  if (!replay.ok()) return ToGrpcStatus(replay.status());
+  if (!replay->empty()) {
+    for (const StoredTransition& t : *replay) {
+      if (t.to == ReleaseState::kDraining) resp->set_drained_release_id(t.release_id);
+    }
+    auto rec = store_->Get(req->release_id());
+    if (!rec.ok()) return ToGrpcStatus(rec.status());
+    Fill(*rec, resp->mutable_release());
+    return grpc::Status::OK;
+  }
+  auto candidate = store_->Get(req->release_id());
+  if (!candidate.ok()) return ToGrpcStatus(candidate.status());
+  if (candidate->state != ReleaseState::kCanary) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("release_id: ", req->release_id(), " is ", ReleaseStateName(candidate->state),
+                                     "; only a CANARY release is promoted"));
+  }
+  auto releases = store_->List();
+  if (!releases.ok()) return ToGrpcStatus(releases.status());
+  std::vector<ReleaseStore::Move> moves = {{req->release_id(), ReleaseState::kActive, "promotion gate passed"}};
+  for (const ReleaseRecord& r : *releases) {
+    if (r.state == ReleaseState::kActive && r.release_id != req->release_id()) {
+      moves.push_back({r.release_id, ReleaseState::kDraining, absl::StrCat("replaced by ", req->release_id())});
+    }
+  }
+  auto applied = store_->Apply(req->request_id(), moves);
+  if (!applied.ok()) return ToGrpcStatus(applied.status());
+  for (const StoredTransition& t : *applied) {
+    if (t.to == ReleaseState::kDraining) resp->set_drained_release_id(t.release_id);
+  }
+  auto rec = store_->Get(req->release_id());
+  if (!rec.ok()) return ToGrpcStatus(rec.status());
+  Fill(*rec, resp->mutable_release());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req,
+                                               v1::RollbackResponse* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (req->prior_release_id().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prior_release_id: required");
+  }
+  if (req->prior_release_id() == req->release_id()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prior_release_id: must differ from release_id");
+  }
+  const std::string reason = req->reason().empty() ? "rollback" : req->reason();
+  absl::MutexLock lock(&write_mu_);
+  auto replay = Replay(req->request_id(), req->release_id(), ReleaseState::kDraining);
+  if (!replay.ok()) return ToGrpcStatus(replay.status());
+  if (!replay->empty()) {
+    for (const StoredTransition& t : *replay) Fill(t, resp->add_transitions());
+    return grpc::Status::OK;
+  }
+  auto prior = store_->Get(req->prior_release_id());
+  if (!prior.ok()) return ToGrpcStatus(prior.status());
+  if (prior->state != ReleaseState::kDraining) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("prior_release_id: ", req->prior_release_id(), " is ",
+                                     ReleaseStateName(prior->state), "; only a DRAINING (loaded) release is re-activated"));
+  }
+  // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
+  // activate the prior release. Draining and retiring the candidate follow once ranks drained it.
+  auto applied = store_->Apply(req->request_id(), {{req->release_id(), ReleaseState::kDraining, reason},
+                                                   {req->prior_release_id(), ReleaseState::kActive, reason}});
+  if (!applied.ok()) return ToGrpcStatus(applied.status());
+  for (const StoredTransition& t : *applied) Fill(t, resp->add_transitions());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::GetRelease(grpc::ServerContext* ctx, const v1::GetReleaseRequest* req,
+                                                 v1::Release* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  auto r = store_->Get(req->release_id());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  Fill(*r, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::ListReleases(grpc::ServerContext* ctx, const v1::ListReleasesRequest*,
+                                                   v1::ListReleasesResponse* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  auto releases = store_->List();
+  if (!releases.ok()) return ToGrpcStatus(releases.status());
+  for (const ReleaseRecord& r : *releases) Fill(r, resp->add_releases());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::History(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
+                                              v1::HistoryResponse* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  auto history = store_->History(req->release_id());
+  if (!history.ok()) return ToGrpcStatus(history.status());
+  for (const StoredTransition& t : *history) Fill(t, resp->add_transitions());
+  return grpc::Status::OK;
+}
+
+}  // namespace moe

@@ -1,0 +1,54 @@
+// ControlPlaneService on moe-controller: the release registry over the durable store. Every RPC
+// checks the bearer token first (UNAUTHENTICATED otherwise); mutating RPCs are serialized so a
+// promotion or rollback reads and writes one consistent registry, and each is one atomic store
+// batch, so a controller killed mid-request leaves either all of it or none of it.
+#ifndef MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_
+#define MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "control/store/release_store.h"
+#include "proto/moe/v1/control_plane.grpc.pb.h"
+#include "runtime/release/lifecycle.h"
+
+namespace moe {
+
+class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
+ public:
+  // `token` must be non-empty: calls carry `authorization: Bearer <token>`.
+  ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {})
+      : store_(store), token_(std::move(token)), thresholds_(thresholds) {}
+
+  grpc::Status RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
+                               v1::Release* resp) override;
+  grpc::Status TransitionRelease(grpc::ServerContext* ctx, const v1::TransitionReleaseRequest* req,
+                                 v1::TransitionRecord* resp) override;
+  grpc::Status Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req, v1::PromoteResponse* resp) override;
+  grpc::Status Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req, v1::RollbackResponse* resp) override;
+  grpc::Status GetRelease(grpc::ServerContext* ctx, const v1::GetReleaseRequest* req, v1::Release* resp) override;
+  grpc::Status ListReleases(grpc::ServerContext* ctx, const v1::ListReleasesRequest* req,
+                            v1::ListReleasesResponse* resp) override;
+  grpc::Status History(grpc::ServerContext* ctx, const v1::HistoryRequest* req, v1::HistoryResponse* resp) override;
+
+ private:
+  grpc::Status Authorize(const grpc::ServerContext* ctx) const;
+  // A retried Promote / Rollback: the transitions recorded under `request_id` (empty when new);
+  // ALREADY_EXISTS if the id was used for a different request.
+  absl::StatusOr<std::vector<StoredTransition>> Replay(const std::string& request_id, const std::string& release_id,
+                                                       ReleaseState first_to) const;
+
+  ReleaseStore* store_;
+  const std::string token_;
+  const PromotionThresholds thresholds_;
+  absl::Mutex write_mu_;  // one mutating request at a time
+};
+
+// Conversions between the proto and the lifecycle enum (INVALID_ARGUMENT naming `field`).
+absl::StatusOr<ReleaseState> FromProto(v1::ReleaseState s, const char* field);
+v1::ReleaseState ToProto(ReleaseState s);
+
+}  // namespace moe
+
+#endif  // MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_

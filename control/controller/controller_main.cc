@@ -1,0 +1,153 @@
+// moe-controller: the cluster's release registry. Serves ControlPlaneService (bearer-token
+// authenticated), gRPC health and reflection on a loopback port by default, keeps every transition
+// in a SQLite file (WAL) before answering, and exports Prometheus metrics read from that file.
+#include <signal.h>
+
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "control/controller/control_plane_service.h"
+#include "control/store/release_store.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "runtime/logging.h"
+#include "server/daemon_util.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
+ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus exposer address");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here");
+ABSL_FLAG(std::string, store, "", "SQLite file holding the release registry (created if missing)");
+ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every RPC must carry");
+ABSL_FLAG(int64_t, min_shadow, 100, "promotion gate: shadow samples required");
+ABSL_FLAG(int64_t, min_canary, 200, "promotion gate: canary samples required");
+ABSL_FLAG(double, max_drop_ratio, 0.005, "promotion gate: dropped / attempted routes");
+ABSL_FLAG(double, max_fallback_ratio, 0.15, "promotion gate: fallback steps / steps");
+ABSL_FLAG(std::string, log_level, "info", "spdlog level");
+
+namespace moe {
+namespace {
+
+// Scrape-time view of the store: releases per state and transitions committed, so the numbers
+// are what the file says, also right after a restart. Labels are bounded (eight states).
+class StoreCollector : public prometheus::Collectable {
+ public:
+  explicit StoreCollector(ReleaseStore* store) : store_(store) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily releases{"moe_controller_releases", "releases by lifecycle state",
+                                      prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily transitions{"moe_controller_transitions_total",
+                                         "lifecycle transitions committed to the store, by target state",
+                                         prometheus::MetricType::Counter, {}};
+    std::map<ReleaseState, int64_t> by_state, by_target;
+    if (auto list = store_->List(); list.ok()) {
+      for (const ReleaseRecord& r : *list) ++by_state[r.state];
+    }
+    if (auto history = store_->History(""); history.ok()) {
+      for (const StoredTransition& t : *history) ++by_target[t.to];
+    }
+    for (ReleaseState s : {ReleaseState::kBuilt, ReleaseState::kVerified, ReleaseState::kLoaded, ReleaseState::kShadow,
+                           ReleaseState::kCanary, ReleaseState::kActive, ReleaseState::kDraining,
+                           ReleaseState::kRetired}) {
+      prometheus::ClientMetric g;
+      g.label = {{"state", ReleaseStateName(s)}};
+      g.gauge.value = static_cast<double>(by_state[s]);
+      releases.metric.push_back(g);
+      prometheus::ClientMetric c;
+      c.label = {{"to", ReleaseStateName(s)}};
+      c.counter.value = static_cast<double>(by_target[s]);
+      transitions.metric.push_back(c);
+    }
+    return {releases, transitions};
+  }
+
+ private:
+  ReleaseStore* store_;
+};
+
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("--token_file: required (control RPCs are authenticated)");
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) return absl::InvalidArgumentError(absl::StrCat("--token_file ", path, ": cannot read"));
+  std::string token(absl::StripAsciiWhitespace(line));
+  if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat("--token_file ", path, ": token shorter than 16"));
+  return token;
+}
+
+int Main() {
+  auto token = ReadToken(absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) {
+    spdlog::error("{}", std::string(token.status().message()));
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_store).empty()) {
+    spdlog::error("--store: required");
+    return 2;
+  }
+  auto store = ReleaseStore::Open(absl::GetFlag(FLAGS_store));
+  if (!store.ok()) {
+    spdlog::error("--store: {}", std::string(store.status().message()));
+    return 1;
+  }
+  if (absl::Status s = (*store)->Verify(); !s.ok()) {
+    spdlog::error("--store {}: refusing to serve an inconsistent registry: {}", absl::GetFlag(FLAGS_store),
+                  std::string(s.message()));
+    return 1;
+  }
+  auto exposer = StartExposer(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
+  if (!exposer.ok()) {
+    spdlog::error("{}", std::string(exposer.status().message()));
+    return 1;
+  }
+  auto collector = std::make_shared<StoreCollector>(store->get());
+  (*exposer)->RegisterCollectable(collector);
+  sigset_t signals = BlockTerminationSignals();
+
+  PromotionThresholds thresholds;
+  thresholds.min_shadow = absl::GetFlag(FLAGS_min_shadow);
+  thresholds.min_canary = absl::GetFlag(FLAGS_min_canary);
+  thresholds.max_drop_ratio = absl::GetFlag(FLAGS_max_drop_ratio);
+  thresholds.max_fallback_ratio = absl::GetFlag(FLAGS_max_fallback_ratio);
+  ControlPlaneServiceImpl service(store->get(), *token, thresholds);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    spdlog::error("--listen {}: cannot bind", absl::GetFlag(FLAGS_listen));
+    return 1;
+  }
+  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
+  auto releases = (*store)->List();
+  spdlog::info("serving on port {} (metrics on {}), {} releases in {}", port, (*exposer)->GetListeningPorts().at(0),
+               releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store));
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("signal {}: shutting down", sig);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  moe::InitLogging("moe-controller", absl::GetFlag(FLAGS_log_level));
+  return moe::Main();
+}

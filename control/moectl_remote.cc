@@ -1,0 +1,207 @@
+#include "control/moectl_remote.h"
+
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "proto/moe/v1/control_plane.grpc.pb.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+
+namespace {
+
+std::string StateName(v1::ReleaseState s) {
+  return std::string(absl::StripPrefix(v1::ReleaseState_Name(s), "RELEASE_STATE_"));
+}
+
+absl::StatusOr<v1::ReleaseState> ParseState(const std::string& name) {
+  v1::ReleaseState s;
+  if (!v1::ReleaseState_Parse(absl::StrCat("RELEASE_STATE_", absl::AsciiStrToUpper(name)), &s) ||
+      s == v1::RELEASE_STATE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat("STATE: unknown release state '", name, "'"));
+  }
+  return s;
+}
+
+std::string NewRequestId() {
+  std::random_device rd;
+  return absl::StrFormat("moectl-%08x%08x", rd(), rd());
+}
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  return out;
+}
+
+void PrintReleases(const v1::ListReleasesResponse& list) {
+  std::cout << absl::StrFormat("%-24s %-10s %8s  %s\n", "RELEASE", "STATE", "REVISION", "BUNDLE DIGEST");
+  for (const v1::Release& r : list.releases()) {
+    std::cout << absl::StrFormat("%-24s %-10s %8d  %s\n", r.release_id(), StateName(r.state()), r.revision(),
+                                 r.bundle_digest());
+  }
+}
+
+void PrintTransitions(const google::protobuf::RepeatedPtrField<v1::TransitionRecord>& ts) {
+  std::cout << absl::StrFormat("%6s  %-24s %-10s    %-10s %-28s %s\n", "SEQ", "RELEASE", "FROM", "TO", "REQUEST",
+                               "REASON");
+  for (const v1::TransitionRecord& t : ts) {
+    std::cout << absl::StrFormat("%6d  %-24s %-10s -> %-10s %-28s %s\n", t.seq(), t.release_id(), StateName(t.from()),
+                                 StateName(t.to()), t.request_id(), t.reason());
+  }
+}
+
+absl::StatusOr<v1::PromotionEvidence> ReadEvidence(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("--evidence: required (JSON with the promotion gate's inputs)");
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--evidence ", path, ": cannot read"));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  v1::PromotionEvidence e;
+  auto s = google::protobuf::util::JsonStringToMessage(buf.str(), &e);
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("--evidence ", path, ": ", s.ToString()));
+  return e;
+}
+
+}  // namespace
+
+bool IsRemoteCommand(const std::vector<std::string>& cmd) {
+  if (cmd.empty()) return false;
+  return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback";
+}
+
+absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
+  if (o.controller.empty()) return absl::InvalidArgumentError("--controller: required (host:port of moe-controller)");
+  if (o.token_file.empty()) return absl::InvalidArgumentError("--token_file: required");
+  std::ifstream tf(o.token_file);
+  std::string token;
+  if (!tf || !std::getline(tf, token)) {
+    return absl::InvalidArgumentError(absl::StrCat("--token_file ", o.token_file, ": cannot read"));
+  }
+  token = std::string(absl::StripAsciiWhitespace(token));
+  auto stub = v1::ControlPlaneService::NewStub(grpc::CreateChannel(o.controller, grpc::InsecureChannelCredentials()));
+  auto context = [&] {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata("authorization", "Bearer " + token);
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return ctx;
+  };
+  const std::string request_id = o.request_id.empty() ? NewRequestId() : o.request_id;
+  auto usage = [](const char* what) { return absl::InvalidArgumentError(what); };
+
+  if (cmd[0] == "releases" && cmd.size() == 2 && cmd[1] == "list") {
+    v1::ListReleasesResponse resp;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->ListReleases(ctx.get(), {}, &resp)); !s.ok()) return s;
+    if (o.json) {
+      std::cout << Json(resp) << "\n";
+    } else {
+      PrintReleases(resp);
+    }
+    return absl::OkStatus();
+  }
+  if (cmd[0] == "releases" && cmd.size() == 3 && cmd[1] == "show") {
+    v1::GetReleaseRequest get;
+    get.set_release_id(cmd[2]);
+    v1::Release rel;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->GetRelease(ctx.get(), get, &rel)); !s.ok()) return s;
+    v1::HistoryRequest hreq;
+    hreq.set_release_id(cmd[2]);
+    v1::HistoryResponse hist;
+    auto ctx2 = context();
+    if (auto s = FromGrpcStatus(stub->History(ctx2.get(), hreq, &hist)); !s.ok()) return s;
+    if (o.json) {
+      std::cout << "{\"release\": " << Json(rel) << ", \"history\": " << Json(hist) << "}\n";
+    } else {
+      v1::ListReleasesResponse one;
+      *one.add_releases() = rel;
+      PrintReleases(one);
+      std::cout << "\n";
+      PrintTransitions(hist.transitions());
+    }
+    return absl::OkStatus();
+  }
+  if (cmd[0] == "release" && cmd.size() == 3 && cmd[1] == "register") {
+    v1::RegisterReleaseRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(cmd[2]);
+    req.set_bundle_digest(o.digest);
+    v1::Release rel;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->RegisterRelease(ctx.get(), req, &rel)); !s.ok()) return s;
+    std::cout << (o.json ? Json(rel) : absl::StrCat(rel.release_id(), " ", StateName(rel.state()))) << "\n";
+    return absl::OkStatus();
+  }
+  if (cmd[0] == "release" && cmd.size() == 4 && cmd[1] == "transition") {
+    auto to = ParseState(cmd[3]);
+    if (!to.ok()) return to.status();
+    v1::TransitionReleaseRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(cmd[2]);
+    req.set_to(*to);
+    req.set_reason(o.reason);
+    v1::TransitionRecord rec;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->TransitionRelease(ctx.get(), req, &rec)); !s.ok()) return s;
+    if (o.json) {
+      std::cout << Json(rec) << "\n";
+    } else {
+      std::cout << rec.release_id() << " " << StateName(rec.from()) << " -> " << StateName(rec.to()) << " (seq "
+                << rec.seq() << ", request " << rec.request_id() << ")\n";
+    }
+    return absl::OkStatus();
+  }
+  if (cmd[0] == "promote" && cmd.size() == 2) {
+    auto evidence = ReadEvidence(o.evidence);
+    if (!evidence.ok()) return evidence.status();
+    v1::PromoteRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(cmd[1]);
+    *req.mutable_evidence() = *evidence;
+    v1::PromoteResponse resp;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->Promote(ctx.get(), req, &resp)); !s.ok()) return s;
+    if (o.json) {
+      std::cout << Json(resp) << "\n";
+    } else {
+      std::cout << resp.release().release_id() << " " << StateName(resp.release().state());
+      if (!resp.drained_release_id().empty()) std::cout << "; " << resp.drained_release_id() << " DRAINING";
+      std::cout << "\n";
+    }
+    return absl::OkStatus();
+  }
+  if (cmd[0] == "rollback" && cmd.size() == 2) {
+    v1::RollbackRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(cmd[1]);
+    req.set_prior_release_id(o.prior);
+    req.set_reason(o.reason);
+    v1::RollbackResponse resp;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->Rollback(ctx.get(), req, &resp)); !s.ok()) return s;
+    if (o.json) {
+      std::cout << Json(resp) << "\n";
+    } else {
+      PrintTransitions(resp.transitions());
+    }
+    return absl::OkStatus();
+  }
+  return usage("command: expected releases list | releases show ID | release register ID | "
+               "release transition ID STATE | promote ID | rollback ID");
+}
+
+}  // namespace moe

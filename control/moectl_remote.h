@@ -1,0 +1,32 @@
+// moectl's controller subcommands: a thin gRPC client over ControlPlaneService.
+#ifndef MOE_CONTROL_MOECTL_REMOTE_H_
+#define MOE_CONTROL_MOECTL_REMOTE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace moe {
+
+struct RemoteOptions {
+  std::string controller;  // host:port
+  std::string token_file;
+  std::string request_id;  // generated when empty
+  bool json = false;
+  std::string digest;    // release register
+  std::string reason;    // release transition, rollback
+  std::string evidence;  // promote: JSON file of PromotionEvidence fields
+  std::string prior;     // rollback
+};
+
+// Runs `cmd` (e.g. {"releases", "list"}); prints the result on stdout. NOT_FOUND-style
+// usage errors name the missing argument. Returns the RPC's status.
+absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& options);
+
+// True when `cmd` names a controller subcommand.
+bool IsRemoteCommand(const std::vector<std::string>& cmd);
+
+}  // namespace moe
+
+#endif  // MOE_CONTROL_MOECTL_REMOTE_H_

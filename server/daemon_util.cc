@@ -1,0 +1,72 @@
+#include "server/daemon_util.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "CivetServer.h"
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace moe {
+
+namespace {
+
+std::string ResolvePortZero(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || address.substr(colon + 1) != "0") return address;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = 0;
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return absl::StrCat(address.substr(0, colon), ":", port);
+}
+
+}  // namespace
+
+void WriteFileAtomically(const std::string& path, const std::string& text) {
+  if (path.empty()) return;
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << text;
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::string& address,
+                                                                  const std::string& port_file) {
+  std::unique_ptr<prometheus::Exposer> exposer;
+  try {
+    static CivetCallbacks callbacks;
+    callbacks.log_message = [](const struct mg_connection*, const char* message) {
+      spdlog::warn("metrics exposer: {}", message);
+      return 1;
+    };
+    exposer = std::make_unique<prometheus::Exposer>(ResolvePortZero(address), 2, &callbacks);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("--metrics_listen ", address, ": ", e.what()));
+  }
+  WriteFileAtomically(port_file, absl::StrCat(exposer->GetListeningPorts().at(0)));
+  return exposer;
+}
+
+sigset_t BlockTerminationSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
+
+}  // namespace moe

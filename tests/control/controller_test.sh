@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# moe-controller end to end on real sockets: bearer-token authentication, the release lifecycle
+# through moectl (register, walk, the promotion gate, idempotent retry, ordered rollback), a
+# SIGKILLed controller restarting from its SQLite file with nothing lost, and a Prometheus scrape.
+set -u
+CONTROLLER="$1"
+MOECTL="$2"
+TMP="$(mktemp -d "${TEST_TMPDIR:-/tmp}/controller.XXXXXX")"
+fail=0
+pid=""
+trap '[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; true' EXIT
+check() {  # check NAME EXPECTED_RC PATTERN -- CMD...
+  local name="$1" want_rc="$2" pattern="$3"; shift 4
+  local out rc
+  out="$("$@" 2>&1)"; rc=$?
+  if [ "$rc" != "$want_rc" ]; then echo "FAIL $name: rc=$rc want $want_rc"; echo "$out" | tail -5; fail=1; return; fi
+  if ! grep -q -- "$pattern" <<<"$out"; then echo "FAIL $name: output lacks '$pattern'"; echo "$out" | tail -8; fail=1; return; fi
+  echo "ok   $name"
+}
+start() {
+  rm -f "$TMP/port" "$TMP/metrics.port"
+  "$CONTROLLER" --store "$TMP/registry.db" --token_file "$TMP/token" --port_file "$TMP/port" \
+    --metrics_port_file "$TMP/metrics.port" >>"$TMP/controller.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do [ -s "$TMP/port" ] && [ -s "$TMP/metrics.port" ] && return 0; sleep 0.1; done
+  echo "FAIL controller did not start"; cat "$TMP/controller.log"; exit 1
+}
+
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/token"
+echo "not-the-token-at-all-0000" >"$TMP/wrong"
+start
+C=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/token")
+W=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/wrong")
+
+check "wrong token: list" 1 "token rejected" -- "$MOECTL" "${W[@]}" releases list
+check "wrong token: register" 1 "token rejected" -- "$MOECTL" "${W[@]}" release register release-v18 --digest sha256:18
+check "register needs a digest" 2 "bundle_digest" -- "$MOECTL" "${C[@]}" release register release-v18
+
+cat >"$TMP/pass.json" <<'JSON'
+{"hashOk": true, "manifestOk": true, "faultsOk": true, "rollbackOk": true, "shadowSamples": 100,
+ "canarySamples": 200, "routesAttempted": 800, "routesDropped": 2, "steps": 240, "fallbackSteps": 24}
+JSON
+check "wrong token: promote" 1 "token rejected" -- "$MOECTL" "${W[@]}" promote release-v18 --evidence "$TMP/pass.json"
+sed 's/"steps": 240/"steps": 240, "routeMismatches": 1, "staleAccepts": 2/' "$TMP/pass.json" >"$TMP/mismatch.json"
+
+walk() {  # walk RELEASE: register and take it to CANARY
+  check "register $1" 0 "$1 BUILT" -- "$MOECTL" "${C[@]}" release register "$1" --digest "sha256:$1"
+  for s in VERIFIED LOADED SHADOW CANARY; do
+    check "$1 -> $s" 0 "-> $s" -- "$MOECTL" "${C[@]}" release transition "$1" "$s" --reason "step $s"
+  done
+}
+walk release-v18
+check "ACTIVE only through the gate" 2 "Promote" -- "$MOECTL" "${C[@]}" release transition release-v18 ACTIVE --reason skip
+check "promote v18" 0 "release-v18 ACTIVE" -- "$MOECTL" "${C[@]}" promote release-v18 --evidence "$TMP/pass.json"
+walk release-v19
+check "gate names failing clauses" 2 "N_route_mismatch = 0, N_stale_accept = 0" -- \
+  "$MOECTL" "${C[@]}" promote release-v19 --evidence "$TMP/mismatch.json"
+check "promote v19 drains v18" 0 "release-v18 DRAINING" -- \
+  "$MOECTL" "${C[@]}" promote release-v19 --evidence "$TMP/pass.json" --request_id promote-v19
+rows_before="$("$MOECTL" "${C[@]}" releases show release-v19 | grep -c ' -> ')"
+check "promote retry is idempotent" 0 "release-v18 DRAINING" -- \
+  "$MOECTL" "${C[@]}" promote release-v19 --evidence "$TMP/pass.json" --request_id promote-v19
+rows_after="$("$MOECTL" "${C[@]}" releases show release-v19 | grep -c ' -> ')"
+[ "$rows_before" = "$rows_after" ] && echo "ok   retry wrote nothing ($rows_after transitions)" || { echo "FAIL retry wrote rows"; fail=1; }
+check "request id reused for another request" 2 "request_id" -- \
+  "$MOECTL" "${C[@]}" release transition release-v19 DRAINING --reason x --request_id promote-v19
+check "rollback needs a DRAINING prior" 2 "prior_release_id" -- \
+  "$MOECTL" "${C[@]}" rollback release-v19 --prior release-v19
+check "rollback order" 0 "release-v19 *ACTIVE *-> DRAINING.*" -- \
+  "$MOECTL" "${C[@]}" rollback release-v19 --prior release-v18 --reason "candidate faulted" --request_id rb-1
+"$MOECTL" "${C[@]}" releases show release-v18 >"$TMP/v18.txt"
+grep -q "DRAINING   -> ACTIVE" "$TMP/v18.txt" && echo "ok   v18 re-activated after v19 stopped" || { echo "FAIL v18"; cat "$TMP/v18.txt"; fail=1; }
+check "retire drained candidate" 0 "DRAINING -> RETIRED" -- \
+  "$MOECTL" "${C[@]}" release transition release-v19 RETIRED --reason "handles drained"
+
+# SIGKILL the controller and restart it on the same file: everything committed is still there.
+"$MOECTL" "${C[@]}" releases list --json >"$TMP/before.json"
+kill -9 "$pid"; wait "$pid" 2>/dev/null
+start
+C=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/token")
+"$MOECTL" "${C[@]}" releases list --json >"$TMP/after.json"
+if cmp -s "$TMP/before.json" "$TMP/after.json"; then echo "ok   registry survives SIGKILL"; else
+  echo "FAIL registry changed across restart"; diff "$TMP/before.json" "$TMP/after.json"; fail=1; fi
+check "list after restart" 0 "release-v18 *ACTIVE" -- "$MOECTL" "${C[@]}" releases list
+check "rollback retry after restart" 0 "release-v18" -- \
+  "$MOECTL" "${C[@]}" rollback release-v19 --prior release-v18 --reason "candidate faulted" --request_id rb-1
+
+curl -sf "http://127.0.0.1:$(cat "$TMP/metrics.port")/metrics" >"$TMP/scrape.txt" || { echo "FAIL scrape"; fail=1; }
+grep -q 'moe_controller_releases{state="ACTIVE"} 1' "$TMP/scrape.txt" && grep -q 'moe_controller_releases{state="RETIRED"} 1' "$TMP/scrape.txt" \
+  && echo "ok   metrics show the registry" || { echo "FAIL metrics"; grep moe_controller "$TMP/scrape.txt"; fail=1; }
+if command -v promtool >/dev/null; then
+  promtool check metrics <"$TMP/scrape.txt" && echo "ok   promtool check metrics" || { echo "FAIL promtool"; fail=1; }
+fi
+exit $fail
