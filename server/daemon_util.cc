@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "CivetServer.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
@@ -58,6 +59,16 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::str
   }
   WriteFileAtomically(port_file, absl::StrCat(exposer->GetListeningPorts().at(0)));
   return exposer;
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag) {
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required (control RPCs are authenticated)"));
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": cannot read"));
+  std::string token(absl::StripAsciiWhitespace(line));
+  if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": token shorter than 16"));
+  return token;
 }
 
 sigset_t BlockTerminationSignals() {

@@ -21,6 +21,10 @@ void WriteFileAtomically(const std::string& path, const std::string& text);
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::string& address,
                                                                   const std::string& port_file);
 
+// The bearer token in the first line of `path` (whitespace stripped). INVALID_ARGUMENT naming
+// `flag` when the file is unreadable or the token shorter than 16 characters.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
+
 // Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later).
 sigset_t BlockTerminationSignals();
 

@@ -26,6 +26,7 @@
 #include "server/expert_layer_service.h"
 #include "server/daemon_util.h"
 #include "server/metrics.h"
+#include "server/rank_agent_service.h"
 
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
 ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
@@ -42,6 +43,9 @@ ABSL_FLAG(int, timeout_ms, 10000, "collective timeout per step");
 ABSL_FLAG(std::string, release, "dev", "release label on every metric");
 ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "decode graph bucket: tokens per rank");
 ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "decode graph bucket: routes per physical slot");
+ABSL_FLAG(std::string, agent_token_file, "",
+          "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
+          "empty: the agent API is off and the rank serves placement-v1 only");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -137,12 +141,23 @@ int Main() {
   (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*std::move(local))).IgnoreError();
 
   ExpertLayerServiceImpl service(executor->get(), &metrics);
+  std::unique_ptr<RankAgentServiceImpl> agent;
+  if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {
+    auto token = ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file");
+    if (!token.ok()) {
+      spdlog::error("{}", std::string(token.status().message()));
+      return 2;
+    }
+    agent = std::make_unique<RankAgentServiceImpl>(
+        RankAgentContext{Rank(rank), topology, group, &registry, executor->get(), &*ckpt, *token});
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
+  if (agent != nullptr) builder.RegisterService(agent.get());
   builder.SetMaxReceiveMessageSize(1 << 30);
   builder.SetMaxSendMessageSize(1 << 30);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

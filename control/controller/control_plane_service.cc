@@ -1,9 +1,8 @@
 #include "control/controller/control_plane_service.h"
 
-#include <openssl/crypto.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/bearer_auth.h"
 #include "server/grpc_status.h"
 
 namespace moe {
@@ -74,16 +73,7 @@ v1::ReleaseState ToProto(ReleaseState s) {
 }
 
 grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) const {
-  const auto& md = ctx->client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: bearer token required");
-  const std::string presented(it->second.data(), it->second.size());
-  const std::string expected = "Bearer " + token_;
-  if (presented.size() != expected.size() ||
-      CRYPTO_memcmp(presented.data(), expected.data(), expected.size()) != 0) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "authorization: token rejected");
-  }
-  return grpc::Status::OK;
+  return CheckBearer(ctx, token_);
 }
 
 absl::StatusOr<std::vector<StoredTransition>> ControlPlaneServiceImpl::Replay(const std::string& request_id,

@@ -3,9 +3,7 @@
 // in a SQLite file (WAL) before answering, and exports Prometheus metrics read from that file.
 #include <signal.h>
 
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -15,7 +13,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "control/controller/control_plane_service.h"
 #include "control/store/release_store.h"
 #include "prometheus/collectable.h"
@@ -76,18 +73,8 @@ class StoreCollector : public prometheus::Collectable {
   ReleaseStore* store_;
 };
 
-absl::StatusOr<std::string> ReadToken(const std::string& path) {
-  if (path.empty()) return absl::InvalidArgumentError("--token_file: required (control RPCs are authenticated)");
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) return absl::InvalidArgumentError(absl::StrCat("--token_file ", path, ": cannot read"));
-  std::string token(absl::StripAsciiWhitespace(line));
-  if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat("--token_file ", path, ": token shorter than 16"));
-  return token;
-}
-
 int Main() {
-  auto token = ReadToken(absl::GetFlag(FLAGS_token_file));
+  auto token = ReadTokenFile(absl::GetFlag(FLAGS_token_file), "--token_file");
   if (!token.ok()) {
     spdlog::error("{}", std::string(token.status().message()));
     return 2;

@@ -30,8 +30,15 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
 
 absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts) {
   if (experts == nullptr) return absl::InvalidArgumentError("experts: null");
+  absl::MutexLock lock(&generations_mu_);
   experts_[version.value()] = std::move(experts);
   return absl::OkStatus();
+}
+
+void LayerExecutor::DropGeneration(PlacementVersion version) {
+  absl::MutexLock lock(&generations_mu_);
+  experts_.erase(version.value());
+  layouts_.erase(version.value());
 }
 
 absl::Status LayerExecutor::Validate(const LayerStepInput& in, int num_experts) const {
@@ -116,22 +123,31 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
                                                              in.expected_generation, ", active is placement-v",
                                                              version.value())));
   }
-  auto weights_it = experts_.find(version.value());
-  if (weights_it == experts_.end()) {
+  std::shared_ptr<const LocalExperts> weights_ptr;
+  std::shared_ptr<const PlanLayout> layout_ptr;
+  {
+    absl::MutexLock lock(&generations_mu_);
+    auto it = experts_.find(version.value());
+    if (it != experts_.end()) weights_ptr = it->second;
+    auto lit = layouts_.find(version.value());
+    if (lit != layouts_.end()) layout_ptr = lit->second;
+  }
+  if (weights_ptr == nullptr) {
     return reject(absl::FailedPreconditionError(absl::StrCat("placement-v", version.value(),
                                                              ": no weights loaded on rank ", options_.rank.value())));
   }
-  const LocalExperts& weights = *weights_it->second;
+  const LocalExperts& weights = *weights_ptr;
   if (weights.d != in.d) {
     return reject(absl::InvalidArgumentError(absl::StrCat("hidden: d = ", in.d, ", the experts have d = ", weights.d)));
   }
-  auto layout_it = layouts_.find(version.value());
-  if (layout_it == layouts_.end()) {
+  if (layout_ptr == nullptr) {
     auto layout = PlanLayout::Create(handle->manifest(), group);
     if (!layout.ok()) return reject(layout.status());
-    layout_it = layouts_.emplace(version.value(), std::make_shared<const PlanLayout>(*std::move(layout))).first;
+    layout_ptr = std::make_shared<const PlanLayout>(*std::move(layout));
+    absl::MutexLock lock(&generations_mu_);
+    layouts_[version.value()] = layout_ptr;
   }
-  const PlanLayout& layout = *layout_it->second;
+  const PlanLayout& layout = *layout_ptr;
   const PlacementManifest& m = *handle->manifest();
 
   // Phase: replica selection and the source plan (accepted routes only, semantic order).

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/api.h"
 #include "runtime/exec/decode_admission.h"
@@ -95,7 +96,10 @@ class LayerExecutor {
   static absl::StatusOr<std::unique_ptr<LayerExecutor>> Create(LayerExecutorOptions options);
 
   // Registers the weights this rank holds under a generation (before it is activated).
+  // Safe while steps run; a step keeps the weights it started with until it ends.
   absl::Status AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts);
+  // Frees a retired generation's weights and plan layout (steps still using them hold a reference).
+  void DropGeneration(PlacementVersion version);
 
   absl::StatusOr<LayerStepResult> Execute(const LayerStepInput& input);
 
@@ -110,8 +114,9 @@ class LayerExecutor {
 
   LayerExecutorOptions options_;
   std::unique_ptr<ReplicaSelector> selector_;
-  std::map<int64_t, std::shared_ptr<const LocalExperts>> experts_;
-  std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_;
+  absl::Mutex generations_mu_;
+  std::map<int64_t, std::shared_ptr<const LocalExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);
+  std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
 
   // Step buffers, reused across steps: steady-state steps allocate (and page-fault) nothing.
   struct Buffers {

@@ -1,0 +1,145 @@
+#include "server/rank_agent_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "control/placement_proto.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "server/bearer_auth.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+
+namespace {
+
+v1::GenerationState ToProto(GenerationState s) {
+  switch (s) {
+    case GenerationState::kPrepared:
+      return v1::GENERATION_STATE_PREPARED;
+    case GenerationState::kActive:
+      return v1::GENERATION_STATE_ACTIVE;
+    case GenerationState::kDraining:
+      return v1::GENERATION_STATE_DRAINING;
+    case GenerationState::kRetired:
+      return v1::GENERATION_STATE_RETIRED;
+  }
+  return v1::GENERATION_STATE_UNSPECIFIED;
+}
+
+grpc::Status RequireVersion(const v1::GenerationRequest& req) {
+  if (req.version() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be positive");
+  return grpc::Status::OK;
+}
+
+// Same version, same slots: a repeated PrepareGeneration.
+bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
+  if (a.slots().size() != b.slots().size()) return false;
+  for (size_t i = 0; i < a.slots().size(); ++i) {
+    const SlotRecord &x = a.slots()[i], &y = b.slots()[i];
+    if (x.slot != y.slot || x.expert != y.expert || x.rank != y.rank || x.parameter_digest != y.parameter_digest ||
+        x.checkpoint != y.checkpoint) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+grpc::Status RankAgentServiceImpl::Describe(PlacementVersion v, v1::GenerationStatus* out) const {
+  for (const GenerationInfo& g : c_.registry->List()) {
+    if (g.version != v) continue;
+    out->set_version(v.value());
+    out->set_state(ToProto(g.state));
+    out->set_refcount(g.refcount);
+    out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+    return grpc::Status::OK;
+  }
+  return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("version: placement-v", v.value(), " is unknown here"));
+}
+
+grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, const v1::PrepareGenerationRequest* req,
+                                                     v1::GenerationStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (!req->has_manifest()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest: required");
+  auto manifest = ManifestFromProto(req->manifest(), c_.topology);
+  if (!manifest.ok()) return ToGrpcStatus(manifest.status());
+  const PlacementVersion v = (*manifest)->version();
+  if (v.value() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest.version: must be positive");
+  absl::MutexLock lock(&mu_);
+  if (c_.registry->State(v).ok()) {
+    for (const GenerationInfo& g : c_.registry->List()) {
+      if (g.version == v && SameSlots(*g.manifest, **manifest)) return Describe(v, resp);  // repeat
+    }
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        absl::StrCat("manifest.version: placement-v", v.value(), " exists with other slots"));
+  }
+  // Verify and load everything before the registry sees the generation: a failure leaves nothing.
+  if (absl::Status s = VerifyForPublish(**manifest, c_.group, c_.topology); !s.ok()) return ToGrpcStatus(s);
+  auto local = LoadLocalExperts(*c_.checkpoint, **manifest, c_.rank);
+  if (!local.ok()) return ToGrpcStatus(local.status());
+  if (absl::Status s = c_.executor->AddGeneration(v, std::make_shared<LocalExperts>(*std::move(local))); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  if (absl::Status s = c_.registry->Prepare(*manifest); !s.ok()) {
+    c_.executor->DropGeneration(v);
+    return ToGrpcStatus(s);
+  }
+  return Describe(v, resp);
+}
+
+grpc::Status RankAgentServiceImpl::ActivateGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                                      v1::GenerationStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (grpc::Status s = RequireVersion(*req); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  const PlacementVersion v(req->version());
+  if (c_.registry->ActiveVersion() != v.value()) {
+    if (absl::Status s = c_.registry->Activate(v); !s.ok()) return ToGrpcStatus(s);
+  }
+  return Describe(v, resp);
+}
+
+grpc::Status RankAgentServiceImpl::StopDispatch(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                                v1::GenerationStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (grpc::Status s = RequireVersion(*req); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  const PlacementVersion v(req->version());
+  auto state = c_.registry->State(v);
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  if (*state == GenerationState::kActive) {
+    if (absl::Status s = c_.registry->StopDispatch(v); !s.ok()) return ToGrpcStatus(s);
+  }
+  return Describe(v, resp);
+}
+
+grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                                    v1::GenerationStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (grpc::Status s = RequireVersion(*req); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  const PlacementVersion v(req->version());
+  auto state = c_.registry->State(v);
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  if (*state != GenerationState::kRetired) {
+    if (absl::Status s = c_.registry->Retire(v); !s.ok()) return ToGrpcStatus(s);
+    c_.executor->DropGeneration(v);
+  }
+  return Describe(v, resp);
+}
+
+grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest*,
+                                          v1::AgentStatusResponse* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  resp->set_rank(c_.rank.value());
+  resp->set_active_version(c_.registry->ActiveVersion());
+  for (const GenerationInfo& g : c_.registry->List()) {
+    v1::GenerationStatus* out = resp->add_generations();
+    out->set_version(g.version.value());
+    out->set_state(ToProto(g.state));
+    out->set_refcount(g.refcount);
+    out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace moe

@@ -1,0 +1,53 @@
+// RankAgentService: the controller's view of and handle on this rank's placement generations.
+// Preparing a generation verifies its manifest against this rank's topology and process group,
+// loads this rank's slots from the checkpoint (every slot's parameter digest checked) and adds
+// them beside the active generation; steps in flight are never disturbed. Retirement is refused
+// while any dispatch handle holds the generation (the rank enforces the fence itself).
+#ifndef MOE_SERVER_RANK_AGENT_SERVICE_H_
+#define MOE_SERVER_RANK_AGENT_SERVICE_H_
+
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "proto/moe/v1/rank_agent.grpc.pb.h"
+#include "runtime/checkpoint/safetensors.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/registry.h"
+
+namespace moe {
+
+struct RankAgentContext {
+  Rank rank;
+  Topology topology;
+  ProcessGroup group;
+  GenerationRegistry* registry = nullptr;  // not owned
+  LayerExecutor* executor = nullptr;       // not owned
+  const SafetensorsFile* checkpoint = nullptr;  // not owned
+  std::string token;                       // bearer token; must be non-empty
+};
+
+class RankAgentServiceImpl final : public v1::RankAgentService::Service {
+ public:
+  explicit RankAgentServiceImpl(RankAgentContext context) : c_(std::move(context)) {}
+
+  grpc::Status PrepareGeneration(grpc::ServerContext* ctx, const v1::PrepareGenerationRequest* req,
+                                 v1::GenerationStatus* resp) override;
+  grpc::Status ActivateGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                  v1::GenerationStatus* resp) override;
+  grpc::Status StopDispatch(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                            v1::GenerationStatus* resp) override;
+  grpc::Status RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                v1::GenerationStatus* resp) override;
+  grpc::Status Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest* req,
+                      v1::AgentStatusResponse* resp) override;
+
+ private:
+  grpc::Status Describe(PlacementVersion v, v1::GenerationStatus* out) const;
+
+  RankAgentContext c_;
+  absl::Mutex mu_;  // one lifecycle change at a time
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_RANK_AGENT_SERVICE_H_

@@ -1,0 +1,192 @@
+// RankAgentService over a real gRPC socket on one rank: a new generation is prepared beside the
+// active one (verified, loaded, digests checked), activated for new steps while a handle still
+// holds the old one, and the old one retires only once that handle is gone. Bad manifests are
+// rejected before the registry sees them (0x0E: a differing process-group generation rejects the
+// load); every RPC needs the bearer token.
+#include "server/rank_agent_service.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <random>
+
+#include "control/placement_proto.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/placement/default_placement.h"
+
+namespace moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kD = 64, kExperts = 4;
+constexpr char kToken[] = "agent-token-0123456789";
+
+class RankAgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ckpt_ = SyntheticCheckpoint({kExperts, kD, 32}, 3, "checkpoint-0001");
+    v1_ = *DefaultPlacement(PlacementVersion(1), kExperts, 0, topology_, group_, ckpt_.metadata);
+    ASSERT_TRUE(registry_.Prepare(v1_).ok());
+    ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
+    transport_ = fabric_.Endpoint(0);
+    kernels_ = kernels::CreateCpuKernels();
+    LayerExecutorOptions eo;
+    eo.rank = Rank(0);
+    eo.topology = topology_;
+    eo.group = group_;
+    eo.registry = &registry_;
+    eo.transport = transport_.get();
+    eo.kernels = kernels_.get();
+    executor_ = *LayerExecutor::Create(std::move(eo));
+    ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
+                                         std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v1_, Rank(0))))
+                    .ok());
+    service_ = std::make_unique<RankAgentServiceImpl>(
+        RankAgentContext{Rank(0), topology_, group_, &registry_, executor_.get(), &ckpt_, kToken});
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    stub_ = v1::RankAgentService::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  std::unique_ptr<grpc::ClientContext> Ctx() {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->AddMetadata("authorization", std::string("Bearer ") + kToken);
+    return c;
+  }
+  v1::PlacementManifest Manifest(int64_t version) {
+    return ManifestToProto(**DefaultPlacement(PlacementVersion(version), kExperts, 0, topology_, group_, ckpt_.metadata),
+                           topology_);
+  }
+  grpc::Status Prepare(const v1::PlacementManifest& m, v1::GenerationStatus* out) {
+    v1::PrepareGenerationRequest req;
+    *req.mutable_manifest() = m;
+    return stub_->PrepareGeneration(Ctx().get(), req, out);
+  }
+  grpc::Status Lifecycle(const char* op, int64_t version, v1::GenerationStatus* out) {
+    v1::GenerationRequest req;
+    req.set_version(version);
+    const std::string name(op);
+    if (name == "activate") return stub_->ActivateGeneration(Ctx().get(), req, out);
+    if (name == "stop") return stub_->StopDispatch(Ctx().get(), req, out);
+    return stub_->RetireGeneration(Ctx().get(), req, out);
+  }
+  int64_t StepGeneration(uint64_t step) {
+    const int tokens = 3, k = 2;
+    std::vector<uint16_t> hidden(tokens * kD);
+    std::mt19937 rng(step);
+    for (auto& h : hidden) h = kernels::FloatToBf16(std::normal_distribution<float>(0, 1)(rng));
+    std::vector<int32_t> ids = {0, 1, 2, 3, 1, 2};
+    std::vector<float> w(tokens * k, 0.5f);
+    LayerStepInput in;
+    in.step_id = step;
+    in.hidden = hidden.data();
+    in.tokens = tokens;
+    in.d = kD;
+    in.topk_ids = ids.data();
+    in.topk_weights = w.data();
+    in.k = k;
+    auto r = executor_->Execute(in);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->record.placement_version : -1;
+  }
+
+  SafetensorsFile ckpt_;
+  Topology topology_ = TwoNodeTopology(1);
+  ProcessGroup group_ = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
+  std::shared_ptr<const PlacementManifest> v1_;
+  GenerationRegistry registry_;
+  LoopbackFabric fabric_{1};
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<kernels::ExpertKernels> kernels_;
+  std::unique_ptr<LayerExecutor> executor_;
+  std::unique_ptr<RankAgentServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::RankAgentService::Stub> stub_;
+};
+
+TEST_F(RankAgentTest, GenerationSwapWithFences) {
+  v1::GenerationStatus st;
+  ASSERT_TRUE(Prepare(Manifest(2), &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
+  EXPECT_EQ(st.local_slots(), kExperts);
+  ASSERT_TRUE(Prepare(Manifest(2), &st).ok());  // repeat is idempotent
+  EXPECT_EQ(StepGeneration(1), 1);               // preparing did not change what steps use
+
+  // A step's handle holds placement-v1 across the switch.
+  GenerationLease in_flight = *registry_.AcquireActive(HandleId(900));
+  ASSERT_TRUE(Lifecycle("activate", 2, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_ACTIVE);
+  EXPECT_EQ(StepGeneration(2), 2);  // new steps use v2
+  grpc::Status early = Lifecycle("retire", 1, &st);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(*registry_.State(PlacementVersion(1)), GenerationState::kDraining);
+  ASSERT_TRUE(in_flight.Release().ok());
+  ASSERT_TRUE(Lifecycle("retire", 1, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_RETIRED);
+  ASSERT_TRUE(Lifecycle("retire", 1, &st).ok());  // repeat
+
+  v1::AgentStatusResponse status;
+  ASSERT_TRUE(stub_->Status(Ctx().get(), {}, &status).ok());
+  EXPECT_EQ(status.active_version(), 2);
+  ASSERT_EQ(status.generations_size(), 2);
+  EXPECT_EQ(status.generations(0).state(), v1::GENERATION_STATE_RETIRED);
+  EXPECT_EQ(StepGeneration(3), 2);
+}
+
+TEST_F(RankAgentTest, BadManifestsLeaveNothingBehind) {
+  v1::GenerationStatus st;
+  // Parameter digest drift on one slot: the load is refused, naming the slot.
+  v1::PlacementManifest drift = Manifest(3);
+  drift.mutable_slots(2)->set_parameter_digest("0000");
+  grpc::Status s = Prepare(drift, &st);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_FALSE(registry_.State(PlacementVersion(3)).ok());
+  // Process-group generation differs: reject load.
+  v1::PlacementManifest epoch = Manifest(3);
+  epoch.set_process_group_epoch(2);
+  s = Prepare(epoch, &st);
+  EXPECT_NE(s.error_code(), grpc::StatusCode::OK);
+  EXPECT_THAT(s.error_message(), HasSubstr("epoch"));
+  EXPECT_FALSE(registry_.State(PlacementVersion(3)).ok());
+  // Same version, other slots.
+  ASSERT_TRUE(Prepare(Manifest(3), &st).ok());
+  v1::PlacementManifest other = Manifest(3);
+  other.mutable_slots(0)->set_logical_expert_id(1);
+  other.mutable_slots(1)->set_logical_expert_id(0);
+  EXPECT_EQ(Prepare(other, &st).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  // Unknown version, bad version.
+  EXPECT_EQ(Lifecycle("activate", 7, &st).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Lifecycle("stop", 0, &st).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Nothing changed for serving.
+  EXPECT_EQ(StepGeneration(4), 1);
+}
+
+TEST_F(RankAgentTest, EveryRpcNeedsTheToken) {
+  grpc::ClientContext a, b, c, d, e;
+  v1::GenerationStatus st;
+  v1::AgentStatusResponse status;
+  v1::GenerationRequest req;
+  req.set_version(1);
+  v1::PrepareGenerationRequest prep;
+  *prep.mutable_manifest() = Manifest(2);
+  EXPECT_EQ(stub_->PrepareGeneration(&a, prep, &st).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(stub_->ActivateGeneration(&b, req, &st).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(stub_->StopDispatch(&c, req, &st).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(stub_->RetireGeneration(&d, req, &st).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  e.AddMetadata("authorization", "Bearer wrong");
+  EXPECT_EQ(stub_->Status(&e, {}, &status).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_FALSE(registry_.State(PlacementVersion(2)).ok());
+  EXPECT_EQ(registry_.ActiveVersion(), 1);
+}
+
+}  // namespace
+}  // namespace moe
