@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: (1) plan the spec's fixture trace offline and print the physical plan and its
-# ledgers; (2) run a local cluster of moe-rankd processes with the engine driver, checking every
+# ledgers; (2) the release lifecycle on moe-controller (deploy/controller_demo.sh); (3) run a local cluster of moe-rankd processes with the engine driver, checking every
 # output against the direct semantic computation (deploy/local_cluster.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,9 @@ bazel-bin/control/moectl plan --trace deploy/examples/trace-eight-routes.json
 echo
 echo "== moectl eplb solve --input deploy/examples/eplb-fixture.json (spec 0x08C)"
 bazel-bin/control/moectl eplb solve --input deploy/examples/eplb-fixture.json
+echo
+echo "== moe-controller: release lifecycle, promotion gate, rollback, restart (deploy/controller_demo.sh)"
+deploy/controller_demo.sh
 echo
 echo "== local cluster: ${RANKS:-4} moe-rankd processes over UCX + engine driver"
 exec deploy/local_cluster.sh
