@@ -1,5 +1,7 @@
 #include "server/rank_agent_service.h"
 
+#include <functional>
+
 #include "absl/strings/str_cat.h"
 #include "control/placement_proto.h"
 #include "runtime/checkpoint/synthetic.h"
@@ -22,11 +24,6 @@ v1::GenerationState ToProto(GenerationState s) {
       return v1::GENERATION_STATE_RETIRED;
   }
   return v1::GENERATION_STATE_UNSPECIFIED;
-}
-
-grpc::Status RequireVersion(const v1::GenerationRequest& req) {
-  if (req.version() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be positive");
-  return grpc::Status::OK;
 }
 
 // Same version, same slots: a repeated PrepareGeneration.
@@ -86,45 +83,42 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
   return Describe(v, resp);
 }
 
+grpc::Status RankAgentServiceImpl::Change(
+    const grpc::ServerContext* ctx, const v1::GenerationRequest& req, v1::GenerationStatus* resp,
+    const std::function<absl::Status(PlacementVersion, GenerationState)>& change) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (req.version() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be positive");
+  absl::MutexLock lock(&mu_);
+  const PlacementVersion v(req.version());
+  auto state = c_.registry->State(v);
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  if (absl::Status s = change(v, *state); !s.ok()) return ToGrpcStatus(s);
+  return Describe(v, resp);
+}
+
+// Each change is a no-op when the generation is already where it leads (retries are safe).
 grpc::Status RankAgentServiceImpl::ActivateGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                                       v1::GenerationStatus* resp) {
-  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
-  if (grpc::Status s = RequireVersion(*req); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  const PlacementVersion v(req->version());
-  if (c_.registry->ActiveVersion() != v.value()) {
-    if (absl::Status s = c_.registry->Activate(v); !s.ok()) return ToGrpcStatus(s);
-  }
-  return Describe(v, resp);
+  return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
+    return s == GenerationState::kActive ? absl::OkStatus() : c_.registry->Activate(v);
+  });
 }
 
 grpc::Status RankAgentServiceImpl::StopDispatch(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                                 v1::GenerationStatus* resp) {
-  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
-  if (grpc::Status s = RequireVersion(*req); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  const PlacementVersion v(req->version());
-  auto state = c_.registry->State(v);
-  if (!state.ok()) return ToGrpcStatus(state.status());
-  if (*state == GenerationState::kActive) {
-    if (absl::Status s = c_.registry->StopDispatch(v); !s.ok()) return ToGrpcStatus(s);
-  }
-  return Describe(v, resp);
+  return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
+    return s == GenerationState::kActive ? c_.registry->StopDispatch(v) : absl::OkStatus();
+  });
 }
 
 grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                                     v1::GenerationStatus* resp) {
-  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
-  if (grpc::Status s = RequireVersion(*req); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
-  const PlacementVersion v(req->version());
-  auto state = c_.registry->State(v);
-  if (!state.ok()) return ToGrpcStatus(state.status());
-  if (*state != GenerationState::kRetired) {
-    if (absl::Status s = c_.registry->Retire(v); !s.ok()) return ToGrpcStatus(s);
-    c_.executor->DropGeneration(v);
-  }
-  return Describe(v, resp);
+  return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
+    if (s == GenerationState::kRetired) return absl::OkStatus();
+    absl::Status retired = c_.registry->Retire(v);
+    if (retired.ok()) c_.executor->DropGeneration(v);
+    return retired;
+  });
 }
 
 grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest*,

@@ -6,6 +6,7 @@
 #ifndef MOE_SERVER_RANK_AGENT_SERVICE_H_
 #define MOE_SERVER_RANK_AGENT_SERVICE_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/synchronization/mutex.h"
@@ -43,6 +44,9 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
 
  private:
   grpc::Status Describe(PlacementVersion v, v1::GenerationStatus* out) const;
+  // Authenticates, validates the version, and applies `change` to a known generation under mu_.
+  grpc::Status Change(const grpc::ServerContext* ctx, const v1::GenerationRequest& req, v1::GenerationStatus* resp,
+                      const std::function<absl::Status(PlacementVersion, GenerationState)>& change);
 
   RankAgentContext c_;
   absl::Mutex mu_;  // one lifecycle change at a time

@@ -6,17 +6,9 @@ set -u
 CONTROLLER="$1"
 MOECTL="$2"
 TMP="$(mktemp -d "${TEST_TMPDIR:-/tmp}/controller.XXXXXX")"
-fail=0
+source tests/control/check_lib.sh
 pid=""
 trap '[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; true' EXIT
-check() {  # check NAME EXPECTED_RC PATTERN -- CMD...
-  local name="$1" want_rc="$2" pattern="$3"; shift 4
-  local out rc
-  out="$("$@" 2>&1)"; rc=$?
-  if [ "$rc" != "$want_rc" ]; then echo "FAIL $name: rc=$rc want $want_rc"; echo "$out" | tail -5; fail=1; return; fi
-  if ! grep -q -- "$pattern" <<<"$out"; then echo "FAIL $name: output lacks '$pattern'"; echo "$out" | tail -8; fail=1; return; fi
-  echo "ok   $name"
-}
 start() {
   rm -f "$TMP/port" "$TMP/metrics.port"
   "$CONTROLLER" --store "$TMP/registry.db" --token_file "$TMP/token" --port_file "$TMP/port" \

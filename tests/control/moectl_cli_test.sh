@@ -4,15 +4,7 @@ set -u
 MOECTL="$1"
 EX="deploy/examples"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}"
-fail=0
-check() {  # check NAME EXPECTED_RC PATTERN -- CMD...
-  local name="$1" want_rc="$2" pattern="$3"; shift 4
-  local out rc
-  out="$("$@" 2>&1)"; rc=$?
-  if [ "$rc" != "$want_rc" ]; then echo "FAIL $name: rc=$rc want $want_rc"; echo "$out" | tail -5; fail=1; return; fi
-  if ! grep -q -- "$pattern" <<<"$out"; then echo "FAIL $name: output lacks '$pattern'"; echo "$out" | tail -5; fail=1; return; fi
-  echo "ok   $name"
-}
+source tests/control/check_lib.sh
 
 check "plan text" 0 "p1.t0 -> \[8.22, 82.2, 822.0\]" -- "$MOECTL" plan --trace "$EX/trace-eight-routes.json"
 check "plan json keys" 0 '"expert_offsets"' -- "$MOECTL" plan --trace "$EX/trace-eight-routes.json" --json

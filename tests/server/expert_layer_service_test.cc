@@ -18,7 +18,7 @@
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
-#include "runtime/placement/default_placement.h"
+#include "tests/server/one_rank_fixture.h"
 
 namespace moe {
 namespace {
@@ -27,28 +27,10 @@ using ::testing::HasSubstr;
 
 constexpr int kD = 64, kK = 2, kExperts = 4, kTokens = 5;
 
-class ServiceTest : public ::testing::Test {
+class ServiceTest : public testing::OneRankTest {
  protected:
   void SetUp() override {
-    ckpt_ = SyntheticCheckpoint({kExperts, kD, 32}, 2, "checkpoint-0001");
-    const Topology topology = TwoNodeTopology(1);
-    const ProcessGroup group = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
-    auto manifest = *DefaultPlacement(PlacementVersion(1), kExperts, 0, topology, group, ckpt_.metadata);
-    ASSERT_TRUE(registry_.Prepare(manifest).ok());
-    ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
-    transport_ = fabric_.Endpoint(0);
-    kernels_ = kernels::CreateCpuKernels();
-    LayerExecutorOptions eo;
-    eo.rank = Rank(0);
-    eo.topology = topology;
-    eo.group = group;
-    eo.registry = &registry_;
-    eo.transport = transport_.get();
-    eo.kernels = kernels_.get();
-    executor_ = *LayerExecutor::Create(std::move(eo));
-    ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
-                                         std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *manifest, Rank(0))))
-                    .ok());
+    SetUpRank(kExperts, kD, 32, 2);
     service_ = std::make_unique<ExpertLayerServiceImpl>(executor_.get(), &metrics_);
     grpc::ServerBuilder builder;
     int port = 0;
@@ -88,12 +70,6 @@ class ServiceTest : public ::testing::Test {
     return stub_->Execute(&ctx, req, resp);
   }
 
-  SafetensorsFile ckpt_;
-  GenerationRegistry registry_;
-  LoopbackFabric fabric_{1};
-  std::unique_ptr<Transport> transport_;
-  std::unique_ptr<kernels::ExpertKernels> kernels_;
-  std::unique_ptr<LayerExecutor> executor_;
   RankMetrics metrics_{"test"};
   std::unique_ptr<ExpertLayerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;

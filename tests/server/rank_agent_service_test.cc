@@ -12,10 +12,8 @@
 #include "control/placement_proto.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/api.h"
 #include "kernels/numeric.h"
-#include "runtime/checkpoint/synthetic.h"
-#include "runtime/placement/default_placement.h"
+#include "tests/server/one_rank_fixture.h"
 
 namespace moe {
 namespace {
@@ -25,26 +23,10 @@ using ::testing::HasSubstr;
 constexpr int kD = 64, kExperts = 4;
 constexpr char kToken[] = "agent-token-0123456789";
 
-class RankAgentTest : public ::testing::Test {
+class RankAgentTest : public testing::OneRankTest {
  protected:
   void SetUp() override {
-    ckpt_ = SyntheticCheckpoint({kExperts, kD, 32}, 3, "checkpoint-0001");
-    v1_ = *DefaultPlacement(PlacementVersion(1), kExperts, 0, topology_, group_, ckpt_.metadata);
-    ASSERT_TRUE(registry_.Prepare(v1_).ok());
-    ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
-    transport_ = fabric_.Endpoint(0);
-    kernels_ = kernels::CreateCpuKernels();
-    LayerExecutorOptions eo;
-    eo.rank = Rank(0);
-    eo.topology = topology_;
-    eo.group = group_;
-    eo.registry = &registry_;
-    eo.transport = transport_.get();
-    eo.kernels = kernels_.get();
-    executor_ = *LayerExecutor::Create(std::move(eo));
-    ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
-                                         std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v1_, Rank(0))))
-                    .ok());
+    SetUpRank(kExperts, kD, 32, 3);
     service_ = std::make_unique<RankAgentServiceImpl>(
         RankAgentContext{Rank(0), topology_, group_, &registry_, executor_.get(), &ckpt_, kToken});
     grpc::ServerBuilder builder;
@@ -99,15 +81,6 @@ class RankAgentTest : public ::testing::Test {
     return r.ok() ? r->record.placement_version : -1;
   }
 
-  SafetensorsFile ckpt_;
-  Topology topology_ = TwoNodeTopology(1);
-  ProcessGroup group_ = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
-  std::shared_ptr<const PlacementManifest> v1_;
-  GenerationRegistry registry_;
-  LoopbackFabric fabric_{1};
-  std::unique_ptr<Transport> transport_;
-  std::unique_ptr<kernels::ExpertKernels> kernels_;
-  std::unique_ptr<LayerExecutor> executor_;
   std::unique_ptr<RankAgentServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::RankAgentService::Stub> stub_;

@@ -1,0 +1,51 @@
+// One rank with a synthetic checkpoint, placement-v1 active, a loopback transport and the CPU
+// kernels: the executor the service tests put behind a real gRPC socket.
+#ifndef MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
+#define MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
+
+#include <memory>
+
+#include "gtest/gtest.h"
+#include "kernels/api.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/default_placement.h"
+
+namespace moe::testing {
+
+class OneRankTest : public ::testing::Test {
+ protected:
+  void SetUpRank(int experts, int d, int d_ff, uint64_t seed) {
+    ckpt_ = SyntheticCheckpoint({experts, d, d_ff}, seed, "checkpoint-0001");
+    v1_ = *DefaultPlacement(PlacementVersion(1), experts, 0, topology_, group_, ckpt_.metadata);
+    ASSERT_TRUE(registry_.Prepare(v1_).ok());
+    ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
+    transport_ = fabric_.Endpoint(0);
+    kernels_ = kernels::CreateCpuKernels();
+    LayerExecutorOptions eo;
+    eo.rank = Rank(0);
+    eo.topology = topology_;
+    eo.group = group_;
+    eo.registry = &registry_;
+    eo.transport = transport_.get();
+    eo.kernels = kernels_.get();
+    executor_ = *LayerExecutor::Create(std::move(eo));
+    ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
+                                         std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v1_, Rank(0))))
+                    .ok());
+  }
+
+  SafetensorsFile ckpt_;
+  Topology topology_ = TwoNodeTopology(1);
+  ProcessGroup group_ = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
+  std::shared_ptr<const PlacementManifest> v1_;
+  GenerationRegistry registry_;
+  LoopbackFabric fabric_{1};
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<kernels::ExpertKernels> kernels_;
+  std::unique_ptr<LayerExecutor> executor_;
+};
+
+}  // namespace moe::testing
+
+#endif  // MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
