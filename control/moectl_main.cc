@@ -12,12 +12,17 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "control/eplb_io.h"
 #include "control/moectl_remote.h"
+#include "control/placement_proto.h"
 #include "control/trace.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
+#include "runtime/placement/default_placement.h"
 
 ABSL_FLAG(std::string, trace, "", "plan: layer-step trace JSON (docs/trace-format.md)");
 ABSL_FLAG(std::string, input, "", "eplb solve: load JSON {weight, num_replicas, num_groups, num_nodes, num_gpus}");
@@ -34,6 +39,12 @@ ABSL_FLAG(std::string, request_id, "", "controller subcommands: idempotency key 
 ABSL_FLAG(std::string, digest, "", "release register: bundle digest");
 ABSL_FLAG(std::string, reason, "", "release transition / rollback: reason recorded with the transition");
 ABSL_FLAG(std::string, evidence, "", "promote: JSON file with the promotion gate's inputs (PromotionEvidence)");
+ABSL_FLAG(std::string, manifest, "", "placement load: PlacementManifest JSON (moectl placement synth writes one)");
+ABSL_FLAG(int, world, 4, "placement synth: ranks in the expert-parallel group");
+ABSL_FLAG(int, extra_replicas, 2, "placement synth: extra replicas of the first experts");
+ABSL_FLAG(int64_t, placement_version, 2, "placement synth: generation number");
+ABSL_FLAG(int64_t, epoch, 1, "placement synth: process-group epoch (moe-rankd --epoch)");
+ABSL_FLAG(std::string, checkpoint, "", "placement synth: the checkpoint whose digests the slots carry");
 ABSL_FLAG(std::string, prior, "", "rollback: the DRAINING release to re-activate");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
@@ -51,7 +62,11 @@ constexpr char kUsage[] =
     "  moectl release register ID --digest D                   register a release bundle (BUILT)\n"
     "  moectl release transition ID STATE --reason R           one lifecycle transition\n"
     "  moectl promote ID --evidence FILE                       CANARY -> ACTIVE through the promotion gate\n"
-    "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR\n";
+    "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the ranks)\n"
+    "  moectl placement load ID --manifest FILE                prepare a placement on every rank (VERIFIED -> LOADED)\n"
+    "  moectl status                                           every rank's generations and handles\n"
+    "  moectl placement synth --checkpoint F --world P --extra_replicas N --placement_version V\n"
+    "                                                          (offline) a PlacementManifest JSON for placement load\n";
 
 int Fail(const absl::Status& s) {
   spdlog::error("{}", std::string(s.message()));
@@ -110,6 +125,31 @@ int CheckpointSynth() {
   return 0;
 }
 
+// The default placement moe-rankd builds for itself (DefaultPlacement), at another version and
+// replica count, as PlacementManifest JSON for `moectl placement load`.
+int PlacementSynth() {
+  auto ckpt = moe::ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+  if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
+  int experts = 0;
+  if (!absl::SimpleAtoi(ckpt->metadata["num_experts"], &experts) || experts <= 0) {
+    return Fail(absl::InvalidArgumentError("--checkpoint: metadata has no num_experts"));
+  }
+  const int world = absl::GetFlag(FLAGS_world);
+  if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
+  const moe::Topology topology = moe::TwoNodeTopology(world);
+  const moe::ProcessGroup group = moe::ProcessGroup::Identity(
+      moe::ProcessGroupId("ep-group-0"), moe::ProcessGroupEpoch(absl::GetFlag(FLAGS_epoch)), world);
+  auto m = moe::DefaultPlacement(moe::PlacementVersion(absl::GetFlag(FLAGS_placement_version)), experts,
+                                 absl::GetFlag(FLAGS_extra_replicas), topology, group, ckpt->metadata);
+  if (!m.ok()) return Fail(m.status());
+  std::string json;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  (void)google::protobuf::util::MessageToJsonString(moe::ManifestToProto(**m, topology), &json, o);
+  std::cout << json;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -120,6 +160,7 @@ int main(int argc, char** argv) {
   if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
   if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
+  if (cmd.size() == 2 && cmd[0] == "placement" && cmd[1] == "synth") return PlacementSynth();
   if (moe::IsRemoteCommand(cmd)) {
     moe::RemoteOptions o;
     o.controller = absl::GetFlag(FLAGS_controller);
@@ -130,6 +171,7 @@ int main(int argc, char** argv) {
     o.reason = absl::GetFlag(FLAGS_reason);
     o.evidence = absl::GetFlag(FLAGS_evidence);
     o.prior = absl::GetFlag(FLAGS_prior);
+    o.manifest = absl::GetFlag(FLAGS_manifest);
     absl::Status s = moe::RunRemote(cmd, o);
     return s.ok() ? 0 : Fail(s);
   }

@@ -80,7 +80,8 @@ absl::StatusOr<v1::PromotionEvidence> ReadEvidence(const std::string& path) {
 
 bool IsRemoteCommand(const std::vector<std::string>& cmd) {
   if (cmd.empty()) return false;
-  return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback";
+  return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback" ||
+         cmd[0] == "status" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
 }
 
 absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
@@ -200,8 +201,51 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
     }
     return absl::OkStatus();
   }
+  if (cmd[0] == "placement" && cmd.size() == 3 && cmd[1] == "load") {
+    if (o.manifest.empty()) return absl::InvalidArgumentError("--manifest: required (PlacementManifest JSON)");
+    std::ifstream in(o.manifest);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": cannot read"));
+    std::stringstream buf;
+    buf << in.rdbuf();
+    v1::LoadPlacementRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(cmd[2]);
+    if (auto s = google::protobuf::util::JsonStringToMessage(buf.str(), req.mutable_manifest()); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": ", s.ToString()));
+    }
+    v1::Release rel;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->LoadPlacement(ctx.get(), req, &rel)); !s.ok()) return s;
+    std::cout << (o.json ? Json(rel)
+                         : absl::StrCat(rel.release_id(), " ", StateName(rel.state()), " placement-v",
+                                        rel.placement_version()))
+              << "\n";
+    return absl::OkStatus();
+  }
+  if (cmd[0] == "status" && cmd.size() == 1) {
+    v1::ClusterStatusResponse resp;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->ClusterStatus(ctx.get(), {}, &resp)); !s.ok()) return s;
+    if (o.json) {
+      std::cout << Json(resp) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << absl::StrFormat("%-4s %-22s %-7s %s\n", "RANK", "ADDRESS", "ACTIVE", "GENERATIONS (state/handles)");
+    for (int r = 0; r < resp.ranks_size(); ++r) {
+      const v1::RankAgentReport& rep = resp.ranks(r);
+      std::string gens;
+      for (const v1::GenerationStatus& g : rep.status().generations()) {
+        absl::StrAppend(&gens, gens.empty() ? "" : "  ", "v", g.version(), " ",
+                        absl::StripPrefix(v1::GenerationState_Name(g.state()), "GENERATION_STATE_"), "/", g.refcount());
+      }
+      std::cout << absl::StrFormat("%-4d %-22s %-7s %s\n", r, rep.address(),
+                                   rep.error().empty() ? absl::StrCat("v", rep.status().active_version()) : "-",
+                                   rep.error().empty() ? gens : "unreachable: " + rep.error());
+    }
+    return absl::OkStatus();
+  }
   return usage("command: expected releases list | releases show ID | release register ID | "
-               "release transition ID STATE | promote ID | rollback ID");
+               "release transition ID STATE | placement load ID | promote ID | rollback ID | status");
 }
 
 }  // namespace moe

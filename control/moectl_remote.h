@@ -18,6 +18,7 @@ struct RemoteOptions {
   std::string reason;    // release transition, rollback
   std::string evidence;  // promote: JSON file of PromotionEvidence fields
   std::string prior;     // rollback
+  std::string manifest;  // placement load: PlacementManifest JSON file
 };
 
 // Runs `cmd` (e.g. {"releases", "list"}); prints the result on stdout. NOT_FOUND-style

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job: (1) plan the spec's fixture trace offline and print the physical plan and its
-# ledgers; (2) the release lifecycle on moe-controller (deploy/controller_demo.sh); (3) run a local cluster of moe-rankd processes with the engine driver, checking every
-# output against the direct semantic computation (deploy/local_cluster.sh).
+# ledgers; (2) the release lifecycle on moe-controller (deploy/controller_demo.sh); (3) a local
+# cluster of moe-rankd processes with the engine driver, every output checked against the direct
+# semantic computation (deploy/local_cluster.sh); (4) a new placement rolled out to the ranks and
+# back by moe-controller under live traffic (deploy/live_rollout.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bazel build //control:moectl >/dev/null 2>&1 || bazel build //control:moectl
@@ -15,4 +17,7 @@ echo "== moe-controller: release lifecycle, promotion gate, rollback, restart (d
 deploy/controller_demo.sh
 echo
 echo "== local cluster: ${RANKS:-4} moe-rankd processes over UCX + engine driver"
-exec deploy/local_cluster.sh
+deploy/local_cluster.sh
+echo
+echo "== live rollout: moe-controller rolls placement-v2 out to ${RANKS:-4} ranks and back while the engine driver runs"
+deploy/live_rollout.sh

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cstring>
 #include <cmath>
 #include <cstdio>
@@ -34,6 +35,12 @@ ABSL_FLAG(std::string, port_dir, "", "directory with <rank>.port files written b
 ABSL_FLAG(int, world, 4, "ranks (with --port_dir)");
 ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the ranks serve (for the reference computation)");
 ABSL_FLAG(int, rounds, 3, "rounds of the scenario list");
+ABSL_FLAG(std::string, until_file, "",
+          "live-traffic mode: after --rounds, keep running rounds until this file exists (an operator's rollout "
+          "runs meanwhile)");
+ABSL_FLAG(std::string, ready_file, "", "live-traffic mode: touched after the first round");
+ABSL_FLAG(int, max_retries, 5,
+          "a step every rank answered ABORTED (e.g. ranks switching generation) is retried as a new step this often");
 ABSL_FLAG(int, k, 4, "experts per token");
 ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
@@ -47,7 +54,8 @@ namespace {
 
 struct Stats {
   int64_t steps = 0, failed = 0, mismatches = 0, routes = 0, remote = 0, inter_node = 0, dropped = 0;
-  int64_t replays = 0, decode_steps = 0;
+  int64_t replays = 0, decode_steps = 0, retried = 0, generation_splits = 0;
+  std::vector<std::tuple<int64_t, uint64_t, uint64_t>> timeline;  // (generation, first step, last step)
   std::map<std::string, int64_t> fallbacks;
   std::map<std::string, std::vector<double>> latency_us;  // by phase
 };
@@ -243,7 +251,13 @@ int Main() {
   std::mt19937 rng(42);
   uint64_t step = 1;
   const int rounds = absl::GetFlag(FLAGS_rounds);
-  for (int round = 0; round < rounds; ++round) {
+  const std::string until = absl::GetFlag(FLAGS_until_file);
+  auto more = [&](int round) {
+    if (round < rounds) return true;
+    return !until.empty() && !std::ifstream(until).good();
+  };
+  for (int round = 0; more(round); ++round) {
+    if (round == 1 && !absl::GetFlag(FLAGS_ready_file).empty()) std::ofstream(absl::GetFlag(FLAGS_ready_file)) << "1";
     for (bool hot : {false, true}) {
       for (const Unit& u : units) {
         std::vector<StepCall> calls;
@@ -253,9 +267,32 @@ int Main() {
           calls.push_back(MakeCall(rng, step, u.decode, tokens, d, k, reference.num_experts(), hot));
         }
         std::vector<absl::StatusOr<StepAnswer>> answers(p, absl::UnknownError("not run"));
-        std::vector<std::thread> threads;
-        for (int r = 0; r < p; ++r) threads.emplace_back([&, r] { answers[r] = clients[r]->Execute(calls[r]); });
-        for (auto& t : threads) t.join();
+        for (int attempt = 0;; ++attempt) {
+          std::vector<std::thread> threads;
+          for (int r = 0; r < p; ++r) threads.emplace_back([&, r] { answers[r] = clients[r]->Execute(calls[r]); });
+          for (auto& t : threads) t.join();
+          const bool all_aborted = std::all_of(answers.begin(), answers.end(), [](const auto& a) {
+            return a.status().code() == absl::StatusCode::kAborted;
+          });
+          if (!all_aborted || attempt == absl::GetFlag(FLAGS_max_retries)) break;
+          // The group aborted before payload (no rank computed anything): run it again as a new step.
+          ++stats.retried;
+          const uint64_t retry_id = (uint64_t{1} << 40) + static_cast<uint64_t>(stats.retried);
+          spdlog::info("step {} aborted on every rank ({}); retrying as step {}", step,
+                       std::string(answers[0].status().message()), retry_id);
+          for (StepCall& c : calls) c.step_id = retry_id;
+        }
+        if (answers[0].ok()) {
+          const int64_t gen = answers[0]->record.placement_generation();
+          for (int r = 1; r < p; ++r) {
+            if (answers[r].ok() && answers[r]->record.placement_generation() != gen) ++stats.generation_splits;
+          }
+          if (stats.timeline.empty() || std::get<0>(stats.timeline.back()) != gen) {
+            stats.timeline.emplace_back(gen, step, step);
+          } else {
+            std::get<2>(stats.timeline.back()) = step;
+          }
+        }
         for (int r = 0; r < p; ++r) {
           ++stats.steps;
           if (!answers[r].ok()) {
@@ -288,8 +325,8 @@ int Main() {
           stats.latency_us[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
         }
         std::printf("%s", isatty(1) ? "\r" : "");
-        std::printf("round %d/%d  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1, rounds,
-                    static_cast<unsigned long long>(step), u.scenario.c_str(), hot ? "hot" : "uniform",
+        std::printf("round %d/%s  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1,
+                    round < rounds ? std::to_string(rounds).c_str() : "live", static_cast<unsigned long long>(step), u.scenario.c_str(), hot ? "hot" : "uniform",
                     static_cast<long long>(stats.failed), static_cast<long long>(stats.mismatches));
         if (!isatty(1)) std::printf("\n");
         std::fflush(stdout);
@@ -312,7 +349,19 @@ int Main() {
                 Percentile(v, 0.99), v.size());
   }
   std::printf("  mismatches          %lld\n", static_cast<long long>(stats.mismatches));
-  return stats.failed == 0 && stats.mismatches == 0 ? 0 : 1;
+  std::printf("  steps retried       %lld (aborted on every rank before payload, e.g. during a generation switch)\n",
+              static_cast<long long>(stats.retried));
+  std::printf("  generation timeline");
+  for (const auto& [gen, first, last] : stats.timeline) {
+    std::printf("  placement-v%lld: steps %llu-%llu", static_cast<long long>(gen), static_cast<unsigned long long>(first),
+                static_cast<unsigned long long>(last));
+  }
+  std::printf("\n");
+  if (stats.generation_splits > 0) {
+    std::printf("  GENERATION SPLITS   %lld (ranks answered one step under different generations)\n",
+                static_cast<long long>(stats.generation_splits));
+  }
+  return stats.failed == 0 && stats.mismatches == 0 && stats.generation_splits == 0 ? 0 : 1;
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ void Fill(const ReleaseRecord& r, v1::Release* out) {
   out->set_bundle_digest(r.bundle_digest);
   out->set_state(ToProto(r.state));
   out->set_revision(r.revision);
+  out->set_placement_version(r.placement_version);
 }
 
 void Fill(const StoredTransition& t, v1::TransitionRecord* out) {
@@ -124,40 +125,39 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
                         absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", ")));
   }
   absl::MutexLock lock(&write_mu_);
-  auto replay = Replay(req->request_id(), req->release_id(), ReleaseState::kActive);
-  if (!replay.ok()) return ToGrpcStatus(replay.status());
-  if (!replay->empty()) {
-    for (const StoredTransition& t : *replay) {
-      if (t.to == ReleaseState::kDraining) resp->set_drained_release_id(t.release_id);
-    }
-    auto rec = store_->Get(req->release_id());
-    if (!rec.ok()) return ToGrpcStatus(rec.status());
-    Fill(*rec, resp->mutable_release());
-    return grpc::Status::OK;
-  }
-  auto candidate = store_->Get(req->release_id());
-  if (!candidate.ok()) return ToGrpcStatus(candidate.status());
-  if (candidate->state != ReleaseState::kCanary) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("release_id: ", req->release_id(), " is ", ReleaseStateName(candidate->state),
-                                     "; only a CANARY release is promoted"));
-  }
-  auto releases = store_->List();
-  if (!releases.ok()) return ToGrpcStatus(releases.status());
-  std::vector<ReleaseStore::Move> moves = {{req->release_id(), ReleaseState::kActive, "promotion gate passed"}};
-  for (const ReleaseRecord& r : *releases) {
-    if (r.state == ReleaseState::kActive && r.release_id != req->release_id()) {
-      moves.push_back({r.release_id, ReleaseState::kDraining, absl::StrCat("replaced by ", req->release_id())});
-    }
-  }
-  auto applied = store_->Apply(req->request_id(), moves);
+  auto applied = Replay(req->request_id(), req->release_id(), ReleaseState::kActive);
   if (!applied.ok()) return ToGrpcStatus(applied.status());
+  if (applied->empty()) {
+    auto candidate = store_->Get(req->release_id());
+    if (!candidate.ok()) return ToGrpcStatus(candidate.status());
+    if (candidate->state != ReleaseState::kCanary) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("release_id: ", req->release_id(), " is ", ReleaseStateName(candidate->state),
+                                       "; only a CANARY release is promoted"));
+    }
+    auto releases = store_->List();
+    if (!releases.ok()) return ToGrpcStatus(releases.status());
+    std::vector<ReleaseStore::Move> moves = {{req->release_id(), ReleaseState::kActive, "promotion gate passed"}};
+    for (const ReleaseRecord& r : *releases) {
+      if (r.state == ReleaseState::kActive && r.release_id != req->release_id()) {
+        moves.push_back({r.release_id, ReleaseState::kDraining, absl::StrCat("replaced by ", req->release_id())});
+      }
+    }
+    applied = store_->Apply(req->request_id(), moves);  // committed before any rank acts on it
+    if (!applied.ok()) return ToGrpcStatus(applied.status());
+  }
   for (const StoredTransition& t : *applied) {
     if (t.to == ReleaseState::kDraining) resp->set_drained_release_id(t.release_id);
   }
   auto rec = store_->Get(req->release_id());
   if (!rec.ok()) return ToGrpcStatus(rec.status());
   Fill(*rec, resp->mutable_release());
+  if (agents_ != nullptr && !agents_->empty() && rec->placement_version > 0) {
+    if (absl::Status s = agents_->Activate(rec->placement_version); !s.ok()) {
+      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat(req->release_id(), " is committed ACTIVE but ", s.message(),
+                                                              "; retry with the same request_id")));
+    }
+  }
   return grpc::Status::OK;
 }
 
@@ -172,25 +172,106 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
   }
   const std::string reason = req->reason().empty() ? "rollback" : req->reason();
   absl::MutexLock lock(&write_mu_);
-  auto replay = Replay(req->request_id(), req->release_id(), ReleaseState::kDraining);
-  if (!replay.ok()) return ToGrpcStatus(replay.status());
-  if (!replay->empty()) {
-    for (const StoredTransition& t : *replay) Fill(t, resp->add_transitions());
-    return grpc::Status::OK;
-  }
-  auto prior = store_->Get(req->prior_release_id());
-  if (!prior.ok()) return ToGrpcStatus(prior.status());
-  if (prior->state != ReleaseState::kDraining) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("prior_release_id: ", req->prior_release_id(), " is ",
-                                     ReleaseStateName(prior->state), "; only a DRAINING (loaded) release is re-activated"));
-  }
-  // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
-  // activate the prior release. Draining and retiring the candidate follow once ranks drained it.
-  auto applied = store_->Apply(req->request_id(), {{req->release_id(), ReleaseState::kDraining, reason},
-                                                   {req->prior_release_id(), ReleaseState::kActive, reason}});
+  auto applied = Replay(req->request_id(), req->release_id(), ReleaseState::kDraining);
   if (!applied.ok()) return ToGrpcStatus(applied.status());
+  if (applied->empty()) {
+    auto prior = store_->Get(req->prior_release_id());
+    if (!prior.ok()) return ToGrpcStatus(prior.status());
+    if (prior->state != ReleaseState::kDraining) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("prior_release_id: ", req->prior_release_id(), " is ",
+                                       ReleaseStateName(prior->state),
+                                       "; only a DRAINING (loaded) release is re-activated"));
+    }
+    // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
+    // activate the prior release.
+    applied = store_->Apply(req->request_id(), {{req->release_id(), ReleaseState::kDraining, reason},
+                                                {req->prior_release_id(), ReleaseState::kActive, reason}});
+    if (!applied.ok()) return ToGrpcStatus(applied.status());
+  }
   for (const StoredTransition& t : *applied) Fill(t, resp->add_transitions());
+  if (agents_ == nullptr || agents_->empty()) return grpc::Status::OK;
+  // On the ranks: activate the prior placement (each rank's candidate drains in the same step),
+  // drain the candidate's handles to zero, retire it; then commit the candidate RETIRED.
+  auto candidate = store_->Get(req->release_id());
+  auto prior = store_->Get(req->prior_release_id());
+  if (!candidate.ok()) return ToGrpcStatus(candidate.status());
+  if (!prior.ok()) return ToGrpcStatus(prior.status());
+  if (candidate->placement_version <= 0 || prior->placement_version <= 0 ||
+      candidate->placement_version == prior->placement_version) {
+    return grpc::Status::OK;  // nothing placed on the ranks by these releases
+  }
+  auto drive = [&]() -> absl::Status {
+    if (absl::Status s = agents_->Activate(prior->placement_version); !s.ok()) return s;
+    if (absl::Status s = agents_->AwaitDrained(candidate->placement_version, drain_timeout_); !s.ok()) return s;
+    return agents_->Retire(candidate->placement_version);
+  };
+  if (absl::Status s = drive(); !s.ok()) {
+    return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("rollback committed; on the ranks: ", s.message(),
+                                                            "; retry with the same request_id")));
+  }
+  auto retired = store_->Apply(absl::StrCat(req->request_id(), "/retire"),
+                               {{req->release_id(), ReleaseState::kRetired, "handles drained and retired on every rank"}});
+  if (!retired.ok()) return ToGrpcStatus(retired.status());
+  for (const StoredTransition& t : *retired) Fill(t, resp->add_transitions());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req,
+                                                    v1::Release* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (!req->has_manifest()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest: required");
+  const int64_t version = req->manifest().version();
+  if (version <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest.version: must be positive");
+  if (agents_ == nullptr || agents_->empty()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no rank agents: start moe-controller with --ranks");
+  }
+  absl::MutexLock lock(&write_mu_);
+  auto applied = Replay(req->request_id(), req->release_id(), ReleaseState::kLoaded);
+  if (!applied.ok()) return ToGrpcStatus(applied.status());
+  if (applied->empty()) {
+    auto rec = store_->Get(req->release_id());
+    if (!rec.ok()) return ToGrpcStatus(rec.status());
+    if (rec->state != ReleaseState::kVerified) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("release_id: ", req->release_id(), " is ", ReleaseStateName(rec->state),
+                                       "; a placement is loaded for a VERIFIED release"));
+    }
+    auto releases = store_->List();
+    if (!releases.ok()) return ToGrpcStatus(releases.status());
+    for (const ReleaseRecord& r : *releases) {
+      if (r.placement_version == version && r.release_id != req->release_id()) {
+        return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                            absl::StrCat("manifest.version: placement-v", version, " belongs to ", r.release_id));
+      }
+    }
+    // Every rank has the generation prepared before the release is recorded LOADED.
+    if (absl::Status s = agents_->Prepare(req->manifest()); !s.ok()) return ToGrpcStatus(s);
+    applied = store_->Apply(req->request_id(),
+                            {{req->release_id(), ReleaseState::kLoaded,
+                              absl::StrCat("placement-v", version, " prepared on ", agents_->addresses().size(), " ranks"),
+                              version}});
+    if (!applied.ok()) return ToGrpcStatus(applied.status());
+  }
+  auto rec = store_->Get(req->release_id());
+  if (!rec.ok()) return ToGrpcStatus(rec.status());
+  Fill(*rec, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
+                                                    v1::ClusterStatusResponse* resp) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (agents_ == nullptr) return grpc::Status::OK;
+  for (auto& [status, address] : agents_->Status()) {
+    v1::RankAgentReport* r = resp->add_ranks();
+    r->set_address(address);
+    if (status.ok()) {
+      *r->mutable_status() = *status;
+    } else {
+      r->set_error(std::string(status.status().message()));
+    }
+  }
   return grpc::Status::OK;
 }
 

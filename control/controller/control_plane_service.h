@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "control/controller/agent_pool.h"
 #include "control/store/release_store.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
 #include "runtime/release/lifecycle.h"
@@ -18,8 +19,12 @@ namespace moe {
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
   // `token` must be non-empty: calls carry `authorization: Bearer <token>`.
-  ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {})
-      : store_(store), token_(std::move(token)), thresholds_(thresholds) {}
+  // `agents` (may be null or empty: the registry alone) are the ranks the releases' placements
+  // are driven onto.
+  ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {},
+                          AgentPool* agents = nullptr, absl::Duration drain_timeout = absl::Seconds(60))
+      : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
+        drain_timeout_(drain_timeout) {}
 
   grpc::Status RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                v1::Release* resp) override;
@@ -27,6 +32,10 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
                                  v1::TransitionRecord* resp) override;
   grpc::Status Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req, v1::PromoteResponse* resp) override;
   grpc::Status Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req, v1::RollbackResponse* resp) override;
+  grpc::Status LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req,
+                             v1::Release* resp) override;
+  grpc::Status ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest* req,
+                             v1::ClusterStatusResponse* resp) override;
   grpc::Status GetRelease(grpc::ServerContext* ctx, const v1::GetReleaseRequest* req, v1::Release* resp) override;
   grpc::Status ListReleases(grpc::ServerContext* ctx, const v1::ListReleasesRequest* req,
                             v1::ListReleasesResponse* resp) override;
@@ -42,6 +51,8 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   ReleaseStore* store_;
   const std::string token_;
   const PromotionThresholds thresholds_;
+  AgentPool* agents_;
+  const absl::Duration drain_timeout_;
   absl::Mutex write_mu_;  // one mutating request at a time
 };
 

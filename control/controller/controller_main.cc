@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "control/controller/control_plane_service.h"
 #include "control/store/release_store.h"
 #include "prometheus/collectable.h"
@@ -31,6 +32,10 @@ ABSL_FLAG(int64_t, min_shadow, 100, "promotion gate: shadow samples required");
 ABSL_FLAG(int64_t, min_canary, 200, "promotion gate: canary samples required");
 ABSL_FLAG(double, max_drop_ratio, 0.005, "promotion gate: dropped / attempted routes");
 ABSL_FLAG(double, max_fallback_ratio, 0.15, "promotion gate: fallback steps / steps");
+ABSL_FLAG(std::string, ranks, "", "comma-separated host:port of every moe-rankd's RankAgentService, in rank order "
+          "(empty: the controller keeps the registry only)");
+ABSL_FLAG(std::string, agent_token_file, "", "bearer token for the rank agents (with --ranks)");
+ABSL_FLAG(int, drain_timeout_s, 60, "rollback: how long the ranks may take to drain a candidate's handles");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -107,7 +112,18 @@ int Main() {
   thresholds.min_canary = absl::GetFlag(FLAGS_min_canary);
   thresholds.max_drop_ratio = absl::GetFlag(FLAGS_max_drop_ratio);
   thresholds.max_fallback_ratio = absl::GetFlag(FLAGS_max_fallback_ratio);
-  ControlPlaneServiceImpl service(store->get(), *token, thresholds);
+  std::unique_ptr<AgentPool> agents;
+  if (!absl::GetFlag(FLAGS_ranks).empty()) {
+    auto agent_token = ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file");
+    if (!agent_token.ok()) {
+      spdlog::error("{}", std::string(agent_token.status().message()));
+      return 2;
+    }
+    agents = std::make_unique<AgentPool>(absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',', absl::SkipEmpty()),
+                                         *agent_token);
+  }
+  ControlPlaneServiceImpl service(store->get(), *token, thresholds, agents.get(),
+                                  absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -121,8 +137,9 @@ int Main() {
   }
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   auto releases = (*store)->List();
-  spdlog::info("serving on port {} (metrics on {}), {} releases in {}", port, (*exposer)->GetListeningPorts().at(0),
-               releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store));
+  spdlog::info("serving on port {} (metrics on {}), {} releases in {}, {} rank agents", port,
+               (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store),
+               agents == nullptr ? 0 : agents->addresses().size());
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);

@@ -16,7 +16,8 @@ CREATE TABLE IF NOT EXISTS releases (
   release_id    TEXT PRIMARY KEY,
   bundle_digest TEXT NOT NULL,
   state         TEXT NOT NULL,
-  revision      INTEGER NOT NULL
+  revision      INTEGER NOT NULL,
+  placement_version INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS transitions (
   seq        INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -106,7 +107,7 @@ class WriteTxn {
 };
 
 absl::StatusOr<ReleaseRecord> ReadRelease(sqlite3* db, const std::string& release_id) {
-  Stmt q(db, "SELECT release_id, bundle_digest, state, revision FROM releases WHERE release_id = ?");
+  Stmt q(db, "SELECT release_id, bundle_digest, state, revision, placement_version FROM releases WHERE release_id = ?");
   q.Bind(1, release_id);
   auto row = q.Step();
   if (!row.ok()) return row.status();
@@ -118,6 +119,7 @@ absl::StatusOr<ReleaseRecord> ReadRelease(sqlite3* db, const std::string& releas
   if (!state.ok()) return absl::InternalError(absl::StrCat("stored state of ", release_id, ": ", state.status().message()));
   r.state = *state;
   r.revision = q.Int(3);
+  r.placement_version = q.Int(4);
   return r;
 }
 
@@ -237,7 +239,8 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
   for (const Move& m : moves) {
     if (m.release_id.empty()) return absl::InvalidArgumentError("release_id: required");
     if (m.reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
-    absl::StrAppend(&fingerprint, "|", m.release_id, "|", ReleaseStateName(m.to), "|", m.reason);
+    absl::StrAppend(&fingerprint, "|", m.release_id, "|", ReleaseStateName(m.to), "|", m.reason, "|",
+                    m.placement_version);
   }
   WriteTxn txn(db_);
   if (!txn.begin().ok()) return txn.begin();
@@ -278,8 +281,11 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
         .Bind(6, t.reason);
     if (auto s = ins.Step(); !s.ok()) return s.status();
     t.seq = sqlite3_last_insert_rowid(db_);
-    Stmt upd(db_, "UPDATE releases SET state = ?, revision = revision + 1 WHERE release_id = ?");
-    upd.Bind(1, std::string(ReleaseStateName(t.to))).Bind(2, t.release_id);
+    Stmt upd(db_,
+             "UPDATE releases SET state = ?, revision = revision + 1, "
+             "placement_version = CASE WHEN ? > 0 THEN ? ELSE placement_version END WHERE release_id = ?");
+    const int64_t placement = moves[t.part].placement_version;
+    upd.Bind(1, std::string(ReleaseStateName(t.to))).Bind(2, placement).Bind(3, placement).Bind(4, t.release_id);
     if (auto s = upd.Step(); !s.ok()) return s.status();
   }
   if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;

@@ -24,6 +24,7 @@ struct ReleaseRecord {
   std::string bundle_digest;  // digest of the release bundle (0x0C) registered with it
   ReleaseState state = ReleaseState::kBuilt;
   int64_t revision = 0;  // number of transitions applied
+  int64_t placement_version = 0;  // the placement generation the release serves (0: none yet)
 };
 
 struct StoredTransition {
@@ -59,6 +60,7 @@ class ReleaseStore {
     std::string release_id;
     ReleaseState to;
     std::string reason;
+    int64_t placement_version = 0;  // > 0: recorded on the release in the same commit
   };
   // Commits several transitions atomically under one request id (promotion: candidate ACTIVE and
   // prior DRAINING; rollback: candidate DRAINING and prior ACTIVE). Each move is checked against

@@ -1,0 +1,106 @@
+#include "control/controller/agent_pool.h"
+
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "server/grpc_status.h"
+
+namespace moe {
+
+AgentPool::AgentPool(std::vector<std::string> addresses, std::string token, absl::Duration rpc_timeout)
+    : addresses_(std::move(addresses)), token_(std::move(token)), rpc_timeout_(rpc_timeout) {
+  for (const std::string& a : addresses_) {
+    stubs_.push_back(v1::RankAgentService::NewStub(grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
+  }
+}
+
+std::unique_ptr<grpc::ClientContext> AgentPool::Context() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->AddMetadata("authorization", "Bearer " + token_);
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  return ctx;
+}
+
+absl::Status AgentPool::OnEach(
+    const std::string& what,
+    const std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>& call) {
+  for (size_t r = 0; r < stubs_.size(); ++r) {
+    auto ctx = Context();
+    absl::Status s = FromGrpcStatus(call(*stubs_[r], *ctx));
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(what, " on rank ", r, " (", addresses_[r], "): ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest) {
+  v1::PrepareGenerationRequest req;
+  *req.mutable_manifest() = manifest;
+  return OnEach(absl::StrCat("prepare placement-v", manifest.version()),
+                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
+                  v1::GenerationStatus out;
+                  return stub.PrepareGeneration(&ctx, req, &out);
+                });
+}
+
+absl::Status AgentPool::Activate(int64_t version) {
+  v1::GenerationRequest req;
+  req.set_version(version);
+  return OnEach(absl::StrCat("activate placement-v", version),
+                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
+                  v1::GenerationStatus out;
+                  return stub.ActivateGeneration(&ctx, req, &out);
+                });
+}
+
+absl::Status AgentPool::Retire(int64_t version) {
+  v1::GenerationRequest req;
+  req.set_version(version);
+  return OnEach(absl::StrCat("retire placement-v", version),
+                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
+                  v1::GenerationStatus out;
+                  return stub.RetireGeneration(&ctx, req, &out);
+                });
+}
+
+absl::Status AgentPool::AwaitDrained(int64_t version, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    std::vector<std::string> holding;
+    for (size_t r = 0; r < stubs_.size(); ++r) {
+      auto ctx = Context();
+      v1::AgentStatusResponse st;
+      absl::Status s = FromGrpcStatus(stubs_[r]->Status(ctx.get(), {}, &st));
+      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("status of rank ", r, " (", addresses_[r], "): ", s.message()));
+      for (const v1::GenerationStatus& g : st.generations()) {
+        if (g.version() == version && g.refcount() > 0) holding.push_back(absl::StrCat("rank ", r, ": ", g.refcount()));
+      }
+    }
+    if (holding.empty()) return absl::OkStatus();
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("placement-v", version, " still held (",
+                                                      absl::StrJoin(holding, ", "), ") after ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+std::vector<std::pair<absl::StatusOr<v1::AgentStatusResponse>, std::string>> AgentPool::Status() {
+  std::vector<std::pair<absl::StatusOr<v1::AgentStatusResponse>, std::string>> out;
+  for (size_t r = 0; r < stubs_.size(); ++r) {
+    auto ctx = Context();
+    v1::AgentStatusResponse st;
+    absl::Status s = FromGrpcStatus(stubs_[r]->Status(ctx.get(), {}, &st));
+    out.emplace_back(s.ok() ? absl::StatusOr<v1::AgentStatusResponse>(st) : absl::StatusOr<v1::AgentStatusResponse>(s),
+                     addresses_[r]);
+  }
+  return out;
+}
+
+}  // namespace moe

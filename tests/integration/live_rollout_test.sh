@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# deploy/live_rollout.sh as a test: a placement rolled out to four ranks and rolled back by
+# moe-controller while the engine driver runs steps. Requires: no failed step, no mismatch, no
+# step answered under two generations, the timeline v1 -> v2 -> v1, and v2 retired on every rank.
+set -uo pipefail
+export RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4" SKIP_BUILD=1
+out="${TEST_TMPDIR:-/tmp}/rollout.out"
+deploy/live_rollout.sh >"$out" 2>&1
+rc=$?
+cat "$out"
+fail=0
+check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
+check $rc "live rollout: driver exit 0 (no failed step, no mismatch, no generation split)"
+grep -q "rank-steps .*(failed 0)" "$out"; check $? "no failed rank-step"
+grep -q "mismatches          0" "$out"; check $? "zero mismatches"
+grep -Eq "placement-v1: steps [0-9]+-[0-9]+  placement-v2: steps [0-9]+-[0-9]+  placement-v1: steps" "$out"
+check $? "timeline v1 -> v2 -> v1"
+[ "$(grep -c 'v1 ACTIVE/0  v2 RETIRED/0' "$out")" = 4 ]; check $? "v2 retired, v1 active on all four ranks"
+grep -q "release-v2 *DRAINING *-> RETIRED" "$out"; check $? "candidate committed RETIRED after the ranks drained it"
+exit $fail
