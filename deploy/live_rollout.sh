@@ -70,5 +70,20 @@ set -e
 echo "$(ts)  cluster after the rollback:"
 ctl status | sed 's/^/      /'
 grep -A20 "== local cluster summary" "$work/driver.log"
+if [ -n "${KILL_RANK_CHECK:-}" ]; then
+  # A rank dies before the next rollout: loading a placement must stop and say which rank, not hang.
+  kill -9 "${RANK_PIDS[1]}"
+  $M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 3 \
+    --extra_replicas 4 >"$work/placement-v3.json"
+  ctl release register release-v3 --digest sha256:v3 >/dev/null
+  ctl release transition release-v3 VERIFIED --reason "bundle digests checked" >/dev/null
+  start_s=$(date +%s)
+  if out="$(ctl placement load release-v3 --manifest "$work/placement-v3.json" 2>&1)"; then
+    echo "killed rank: placement load succeeded?!"; status=1
+  else
+    echo "killed rank: placement load refused after $(($(date +%s) - start_s)) s: ${out#*moectl: }"
+  fi
+  echo "killed rank: release-v3 is $(ctl releases list | awk '$1 == "release-v3" {print $2}')"
+fi
 [ -n "${KEEP_LOGS:-}" ] && cp "$work/driver.log" "$work/controller.log" "$KEEP_LOGS/" 2>/dev/null
 exit $status

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # deploy/live_rollout.sh as a test: a placement rolled out to four ranks and rolled back by
 # moe-controller while the engine driver runs steps. Requires: no failed step, no mismatch, no
-# step answered under two generations, the timeline v1 -> v2 -> v1, and v2 retired on every rank.
+# step answered under two generations, the timeline v1 -> v2 -> v1, and v2 retired on every rank;
+# then a rank is killed and the next placement load stops at once, naming it, committing nothing.
 set -uo pipefail
-export RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4" SKIP_BUILD=1
+export RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4" SKIP_BUILD=1 KILL_RANK_CHECK=1
 out="${TEST_TMPDIR:-/tmp}/rollout.out"
 deploy/live_rollout.sh >"$out" 2>&1
 rc=$?
@@ -17,4 +18,7 @@ grep -Eq "placement-v1: steps [0-9]+-[0-9]+  placement-v2: steps [0-9]+-[0-9]+  
 check $? "timeline v1 -> v2 -> v1"
 [ "$(grep -c 'v1 ACTIVE/0  v2 RETIRED/0' "$out")" = 4 ]; check $? "v2 retired, v1 active on all four ranks"
 grep -q "release-v2 *DRAINING *-> RETIRED" "$out"; check $? "candidate committed RETIRED after the ranks drained it"
+grep -Eq "killed rank: placement load refused after [0-9] s: .*rank 1 \(127.0.0.1:[0-9]+\)" "$out"
+check $? "a killed rank stops the next placement load within seconds, naming the rank"
+grep -q "killed rank: release-v3 is VERIFIED" "$out"; check $? "nothing committed for the failed load"
 exit $fail
