@@ -32,7 +32,7 @@ ABSL_FLAG(int, d, 256, "checkpoint synth: hidden width");
 ABSL_FLAG(int, d_ff, 512, "checkpoint synth: expert FFN width");
 ABSL_FLAG(int64_t, seed, 1, "checkpoint synth: weight seed");
 ABSL_FLAG(std::string, version, "checkpoint-0001", "checkpoint synth: checkpoint version");
-ABSL_FLAG(std::string, out, "", "checkpoint synth: output .safetensors path");
+ABSL_FLAG(std::string, out, "", "checkpoint synth: output .safetensors path; rebalance: PlacementManifest JSON to write");
 ABSL_FLAG(std::string, controller, "", "controller subcommands: moe-controller address host:port");
 ABSL_FLAG(std::string, token_file, "", "controller subcommands: file holding the bearer token");
 ABSL_FLAG(std::string, request_id, "", "controller subcommands: idempotency key (random when empty; reuse it to retry)");
@@ -42,9 +42,13 @@ ABSL_FLAG(std::string, evidence, "", "promote: JSON file with the promotion gate
 ABSL_FLAG(std::string, manifest, "", "placement load: PlacementManifest JSON (moectl placement synth writes one)");
 ABSL_FLAG(int, world, 4, "placement synth: ranks in the expert-parallel group");
 ABSL_FLAG(int, extra_replicas, 2, "placement synth: extra replicas of the first experts");
-ABSL_FLAG(int64_t, placement_version, 2, "placement synth: generation number");
+ABSL_FLAG(int64_t, placement_version, 2, "placement synth, rebalance --out: generation number");
 ABSL_FLAG(int64_t, epoch, 1, "placement synth: process-group epoch (moe-rankd --epoch)");
-ABSL_FLAG(std::string, checkpoint, "", "placement synth: the checkpoint whose digests the slots carry");
+ABSL_FLAG(std::string, checkpoint, "", "placement synth, rebalance --out: the checkpoint whose digests the slots carry");
+ABSL_FLAG(bool, dry_run, false, "rebalance: plan only (required)");
+ABSL_FLAG(int, num_replicas, 0, "rebalance: physical slots of the new placement (0: current, rounded to the ranks)");
+ABSL_FLAG(int, num_groups, 1, "rebalance: expert groups (EPLB hierarchical policy)");
+ABSL_FLAG(int, num_nodes, 1, "rebalance: nodes (EPLB hierarchical policy)");
 ABSL_FLAG(std::string, prior, "", "rollback: the DRAINING release to re-activate");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
@@ -65,6 +69,8 @@ constexpr char kUsage[] =
     "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the ranks)\n"
     "  moectl placement load ID --manifest FILE                prepare a placement on every rank (VERIFIED -> LOADED)\n"
     "  moectl status                                           every rank's generations and handles\n"
+    "  moectl rebalance --dry_run [--num_replicas Q] [--out F --checkpoint C --placement_version V]\n"
+    "                                                          EPLB over the ranks' observed load, balancedness before/after\n"
     "  moectl placement synth --checkpoint F --world P --extra_replicas N --placement_version V\n"
     "                                                          (offline) a PlacementManifest JSON for placement load\n";
 
@@ -172,6 +178,14 @@ int main(int argc, char** argv) {
     o.evidence = absl::GetFlag(FLAGS_evidence);
     o.prior = absl::GetFlag(FLAGS_prior);
     o.manifest = absl::GetFlag(FLAGS_manifest);
+    o.dry_run = absl::GetFlag(FLAGS_dry_run);
+    o.num_replicas = absl::GetFlag(FLAGS_num_replicas);
+    o.num_groups = absl::GetFlag(FLAGS_num_groups);
+    o.num_nodes = absl::GetFlag(FLAGS_num_nodes);
+    o.out = absl::GetFlag(FLAGS_out);
+    o.checkpoint = absl::GetFlag(FLAGS_checkpoint);
+    o.placement_version = absl::GetFlag(FLAGS_placement_version);
+    o.epoch = absl::GetFlag(FLAGS_epoch);
     absl::Status s = moe::RunRemote(cmd, o);
     return s.ok() ? 0 : Fail(s);
   }

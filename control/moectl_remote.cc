@@ -13,7 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "control/placement_proto.h"
+#include "control/rebalance.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
+#include "runtime/checkpoint/safetensors.h"
+#include "runtime/placement/default_placement.h"
 #include "server/grpc_status.h"
 
 namespace moe {
@@ -81,7 +85,7 @@ absl::StatusOr<v1::PromotionEvidence> ReadEvidence(const std::string& path) {
 bool IsRemoteCommand(const std::vector<std::string>& cmd) {
   if (cmd.empty()) return false;
   return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback" ||
-         cmd[0] == "status" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
+         cmd[0] == "status" || cmd[0] == "rebalance" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
 }
 
 absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
@@ -222,6 +226,53 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
               << "\n";
     return absl::OkStatus();
   }
+  if (cmd[0] == "rebalance" && cmd.size() == 1) {
+    if (!o.dry_run) return absl::InvalidArgumentError("--dry_run: required (rebalance only plans; load the plan with placement load)");
+    v1::ClusterStatusResponse resp;
+    auto ctx = context();
+    if (auto s = FromGrpcStatus(stub->ClusterStatus(ctx.get(), {}, &resp)); !s.ok()) return s;
+    RebalanceInput in;
+    in.num_replicas = o.num_replicas;
+    in.num_groups = o.num_groups;
+    in.num_nodes = o.num_nodes;
+    for (const v1::RankAgentReport& rep : resp.ranks()) {
+      if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
+      const auto& routes = rep.status().expert_routes();
+      if (in.expert_load.size() < static_cast<size_t>(routes.size())) in.expert_load.resize(routes.size(), 0);
+      for (int e = 0; e < routes.size(); ++e) in.expert_load[e] += routes[e];
+      in.current_slot_experts.emplace_back(rep.status().active_slot_experts().begin(),
+                                           rep.status().active_slot_experts().end());
+    }
+    auto plan = PlanRebalance(in);
+    if (!plan.ok()) return plan.status();
+    std::cout << absl::StrFormat("EPLB over the load of %d ranks: %d physical slots\n", resp.ranks_size(),
+                                 plan->num_replicas);
+    std::cout << absl::StrFormat("%-8s %12s %8s %8s\n", "EXPERT", "ROUTES", "COPIES", "AFTER");
+    for (size_t e = 0; e < in.expert_load.size(); ++e) {
+      std::cout << absl::StrFormat("%-8d %12d %8d %8d\n", e, in.expert_load[e], plan->copies_before[e],
+                                   plan->copies_after[e]);
+    }
+    std::cout << absl::StrFormat("%-8s %14s %14s\n", "RANK", "LOAD BEFORE", "LOAD AFTER");
+    for (size_t r = 0; r < plan->rank_load_before.size(); ++r) {
+      std::cout << absl::StrFormat("%-8d %14.1f %14.1f\n", r, plan->rank_load_before[r], plan->rank_load_after[r]);
+    }
+    std::cout << absl::StrFormat("balancedness (mean/max rank load): before %.3f, after %.3f\n",
+                                 plan->balancedness_before, plan->balancedness_after);
+    if (!o.out.empty()) {
+      auto ckpt = ReadSafetensors(o.checkpoint);
+      if (!ckpt.ok()) return absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message()));
+      const int world = resp.ranks_size();
+      const Topology topology = TwoNodeTopology(world);
+      const ProcessGroup group =
+          ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(o.epoch), world);
+      auto m = PlacementFromAssignment(PlacementVersion(o.placement_version), static_cast<int>(in.expert_load.size()),
+                                       plan->expert_rank, topology, group, ckpt->metadata);
+      if (!m.ok()) return m.status();
+      std::ofstream(o.out) << Json(ManifestToProto(**m, topology));
+      std::cout << "wrote placement-v" << o.placement_version << " to " << o.out << "\n";
+    }
+    return absl::OkStatus();
+  }
   if (cmd[0] == "status" && cmd.size() == 1) {
     v1::ClusterStatusResponse resp;
     auto ctx = context();
@@ -245,7 +296,7 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
     return absl::OkStatus();
   }
   return usage("command: expected releases list | releases show ID | release register ID | "
-               "release transition ID STATE | placement load ID | promote ID | rollback ID | status");
+               "release transition ID STATE | placement load ID | promote ID | rollback ID | status | rebalance");
 }
 
 }  // namespace moe

@@ -2,6 +2,7 @@
 #ifndef MOE_CONTROL_MOECTL_REMOTE_H_
 #define MOE_CONTROL_MOECTL_REMOTE_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,11 @@ struct RemoteOptions {
   std::string evidence;  // promote: JSON file of PromotionEvidence fields
   std::string prior;     // rollback
   std::string manifest;  // placement load: PlacementManifest JSON file
+  // rebalance
+  bool dry_run = false;
+  int num_replicas = 0, num_groups = 1, num_nodes = 1;
+  std::string out, checkpoint;  // with --out: write the plan as a PlacementManifest JSON
+  int64_t placement_version = 0, epoch = 1;
 };
 
 // Runs `cmd` (e.g. {"releases", "list"}); prints the result on stdout. NOT_FOUND-style

@@ -3,7 +3,8 @@
 # processes with their RankAgentService on, moe-controller driving them, and the engine driver
 # running steps (every output checked against the semantic computation) the whole time.
 #   release-v1 = the placement the ranks start with (placement-v1), registered and promoted;
-#   release-v2 = placement-v2 (more replicas of the hot experts), loaded on every rank beside v1,
+#   release-v2 = placement-v2, computed by EPLB from the expert load the ranks observed (expert 0 is
+#                hot in half of the driver's steps), loaded on every rank beside v1,
 #                promoted (every rank switches new steps to v2), then rolled back: every rank
 #                re-activates v1, drains v2's handles to zero and retires it.
 # Exit status: the driver's (0 = no failed step, no mismatch, no step split across generations).
@@ -37,16 +38,17 @@ C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
 ctl() { $M "${C[@]}" "$@"; }
 ts() { date +%H:%M:%S.%N | cut -c1-12; }
 
-walk_and_load() {  # walk_and_load RELEASE VERSION EXTRA_REPLICAS
-  $M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version "$2" \
-    --extra_replicas "$3" >"$work/placement-v$2.json"
-  ctl release register "$1" --digest "sha256:$(sha256sum "$work/placement-v$2.json" | cut -c1-16)" >/dev/null
+walk_and_load() {  # walk_and_load RELEASE MANIFEST_JSON
+  ctl release register "$1" --digest "sha256:$(sha256sum "$2" | cut -c1-16)" >/dev/null
   ctl release transition "$1" VERIFIED --reason "bundle digests checked" >/dev/null
-  echo "$(ts)  $(ctl placement load "$1" --manifest "$work/placement-v$2.json")"
+  echo "$(ts)  $(ctl placement load "$1" --manifest "$2")"
   ctl release transition "$1" SHADOW --reason "shadow" >/dev/null
   ctl release transition "$1" CANARY --reason "canary" >/dev/null
 }
-walk_and_load release-v1 1 2  # the placement the ranks started with: preparing it again is a no-op
+# release-v1: the placement the ranks started with (preparing it again is a no-op).
+$M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 1 \
+  --extra_replicas 2 >"$work/placement-v1.json"
+walk_and_load release-v1 "$work/placement-v1.json"
 echo "$(ts)  promote: $(ctl promote release-v1 --evidence deploy/examples/promotion-evidence.json)"
 
 "$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
@@ -54,7 +56,10 @@ echo "$(ts)  promote: $(ctl promote release-v1 --evidence deploy/examples/promot
 driver=$!
 for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
 echo "$(ts)  engine driver running steps"
-walk_and_load release-v2 2 6
+echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dry_run):"
+ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/checkpoint.safetensors" \
+  --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
+walk_and_load release-v2 "$work/placement-v2.json"
 echo "$(ts)  promote: $(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json)"
 sleep 2
 echo "$(ts)  cluster after the promotion:"

@@ -126,12 +126,18 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
   resp->set_rank(c_.rank.value());
   resp->set_active_version(c_.registry->ActiveVersion());
+  for (int64_t n : c_.executor->ExpertLoad()) resp->add_expert_routes(n);
   for (const GenerationInfo& g : c_.registry->List()) {
     v1::GenerationStatus* out = resp->add_generations();
     out->set_version(g.version.value());
     out->set_state(ToProto(g.state));
     out->set_refcount(g.refcount);
     out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+    if (g.state == GenerationState::kActive) {
+      for (PhysicalSlotId q : g.manifest->LocalSlots(c_.rank)) {
+        resp->add_active_slot_experts(g.manifest->slot(q).expert.value());
+      }
+    }
   }
   return grpc::Status::OK;
 }

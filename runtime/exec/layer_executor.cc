@@ -35,6 +35,11 @@ absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_
   return absl::OkStatus();
 }
 
+std::vector<int64_t> LayerExecutor::ExpertLoad() const {
+  absl::MutexLock lock(&generations_mu_);
+  return expert_load_;
+}
+
 void LayerExecutor::DropGeneration(PlacementVersion version) {
   absl::MutexLock lock(&generations_mu_);
   experts_.erase(version.value());
@@ -101,6 +106,14 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   h.top_k = in.k;
   h.num_partitions = topo.num_ranks();
   h.Reserve(in.tokens * in.k);
+  {
+    // The load signal for rebalancing: routes this rank's tokens chose, per logical expert.
+    absl::MutexLock lock(&generations_mu_);
+    if (expert_load_.size() < static_cast<size_t>(h.num_experts)) expert_load_.resize(h.num_experts, 0);
+    for (int64_t i = 0; i < in.tokens * in.k; ++i) {
+      if (in.admitted == nullptr || in.admitted[i] != 0) ++expert_load_[in.topk_ids[i]];
+    }
+  }
   for (int64_t t = 0; t < in.tokens; ++t) {
     for (int j = 0; j < in.k; ++j) {
       const int64_t i = t * in.k + j;

@@ -101,6 +101,9 @@ class LayerExecutor {
   // Frees a retired generation's weights and plan layout (steps still using them hold a reference).
   void DropGeneration(PlacementVersion version);
 
+  // Admitted routes this rank's tokens sent to each logical expert since start (EPLB's input).
+  std::vector<int64_t> ExpertLoad() const;
+
   absl::StatusOr<LayerStepResult> Execute(const LayerStepInput& input);
 
   // For a step this member cannot run (its request was rejected before Execute, e.g. at the RPC
@@ -114,7 +117,8 @@ class LayerExecutor {
 
   LayerExecutorOptions options_;
   std::unique_ptr<ReplicaSelector> selector_;
-  absl::Mutex generations_mu_;
+  mutable absl::Mutex generations_mu_;
+  std::vector<int64_t> expert_load_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const LocalExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
 

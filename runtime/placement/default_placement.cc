@@ -17,36 +17,29 @@ Topology TwoNodeTopology(int num_ranks) {
   return *Topology::Create(std::move(ranks), std::move(names));
 }
 
-absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
-    PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
-    const std::map<std::string, std::string>& md) {
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md) {
   auto ckpt = md.find("checkpoint");
   if (ckpt == md.end()) return absl::FailedPreconditionError("checkpoint metadata: no 'checkpoint' version");
-  const int p = topology.num_ranks();
   std::vector<SlotRecord> slots;
-  auto add = [&](int e, int replica, int rank) -> absl::Status {
+  std::map<int, int> replicas;  // copies placed so far, per expert
+  for (const auto& [e, rank] : expert_rank) {
+    if (rank < 0 || rank >= topology.num_ranks()) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", slots.size(), ": rank ", rank, " outside the topology"));
+    }
     auto digest = md.find(absl::StrCat("digest.", e));
     if (digest == md.end()) return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
     SlotRecord s;
     s.slot = PhysicalSlotId(static_cast<int32_t>(slots.size()));
     s.name = absl::StrCat("q", slots.size());
     s.expert = LogicalExpertId(e);
-    s.replica = ReplicaId(replica);
+    s.replica = ReplicaId(replicas[e]++);
     s.rank = Rank(rank);
     s.domain = topology.NodeOf(Rank(rank));
     s.checkpoint = CheckpointVersion(ckpt->second);
     s.parameter_digest = ParameterDigest(digest->second);
     slots.push_back(std::move(s));
-    return absl::OkStatus();
-  };
-  for (int e = 0; e < num_experts; ++e) {
-    absl::Status s = add(e, 0, e % p);
-    if (!s.ok()) return s;
-  }
-  for (int i = 0; i < extra_replicas; ++i) {
-    const int e = i % num_experts;
-    absl::Status s = add(e, 1 + i / num_experts, (e % p + p / 2 + i / num_experts) % p);
-    if (!s.ok()) return s;
   }
   ManifestOptions o;
   o.version = version;
@@ -55,6 +48,19 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
   o.checkpoint = CheckpointVersion(ckpt->second);
   o.num_experts = num_experts;
   return PlacementManifest::Create(o, std::move(slots), topology);
+}
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
+    PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
+    const std::map<std::string, std::string>& md) {
+  const int p = topology.num_ranks();
+  std::vector<std::pair<int, int>> expert_rank;
+  for (int e = 0; e < num_experts; ++e) expert_rank.emplace_back(e, e % p);
+  for (int i = 0; i < extra_replicas; ++i) {
+    const int e = i % num_experts;
+    expert_rank.emplace_back(e, (e % p + p / 2 + i / num_experts) % p);
+  }
+  return PlacementFromAssignment(version, num_experts, expert_rank, topology, group, md);
 }
 
 }  // namespace moe

@@ -7,6 +7,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "runtime/placement/manifest.h"
@@ -16,6 +18,13 @@ namespace moe {
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
     PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
     const std::map<std::string, std::string>& checkpoint_metadata);
+
+// A manifest from (logical expert, rank) per physical slot, in slot order; replica ids count the
+// copies of each expert in that order, checkpoint and digests come from the checkpoint metadata.
+// EPLB's phy2log becomes a placement this way (slot q on rank q / (Q / P)).
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md);
 
 // P ranks on two nodes of P / 2 (one node when P == 1); the first rank of a node is its relay.
 Topology TwoNodeTopology(int num_ranks);

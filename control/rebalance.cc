@@ -1,0 +1,87 @@
+#include "control/rebalance.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/placement/eplb.h"
+
+namespace moe {
+
+namespace {
+
+// Each expert's load split evenly over its copies, summed per rank.
+std::vector<double> RankLoad(const std::vector<int64_t>& load, const std::vector<std::vector<int>>& slot_experts,
+                             std::vector<int>* copies) {
+  copies->assign(load.size(), 0);
+  for (const auto& rank : slot_experts) {
+    for (int e : rank) ++(*copies)[e];
+  }
+  std::vector<double> out;
+  for (const auto& rank : slot_experts) {
+    double sum = 0;
+    for (int e : rank) sum += static_cast<double>(load[e]) / (*copies)[e];
+    out.push_back(sum);
+  }
+  return out;
+}
+
+}  // namespace
+
+double Balancedness(const std::vector<double>& rank_load) {
+  if (rank_load.empty()) return 1.0;
+  const double max = *std::max_element(rank_load.begin(), rank_load.end());
+  if (max <= 0) return 1.0;
+  return std::accumulate(rank_load.begin(), rank_load.end(), 0.0) / rank_load.size() / max;
+}
+
+absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
+  const int experts = static_cast<int>(in.expert_load.size());
+  const int ranks = static_cast<int>(in.current_slot_experts.size());
+  if (experts == 0) return absl::FailedPreconditionError("expert_routes: the ranks reported no load yet");
+  if (ranks == 0) return absl::FailedPreconditionError("ranks: none reported a placement");
+  int current_slots = 0;
+  for (const auto& rank : in.current_slot_experts) {
+    for (int e : rank) {
+      if (e < 0 || e >= experts) return absl::InvalidArgumentError(absl::StrCat("active_slot_experts: expert ", e));
+    }
+    current_slots += static_cast<int>(rank.size());
+  }
+  RebalancePlan plan;
+  plan.num_replicas = in.num_replicas > 0 ? in.num_replicas : (current_slots + ranks - 1) / ranks * ranks;
+  if (plan.num_replicas % ranks != 0 || plan.num_replicas < experts) {
+    return absl::InvalidArgumentError(absl::StrCat("--num_replicas: ", plan.num_replicas,
+                                                   " must be a multiple of the ", ranks, " ranks and at least the ",
+                                                   experts, " experts"));
+  }
+  std::vector<int> copies;
+  plan.rank_load_before = RankLoad(in.expert_load, in.current_slot_experts, &copies);
+  for (int e = 0; e < experts; ++e) {
+    if (copies[e] == 0) return absl::FailedPreconditionError(absl::StrCat("current placement: expert ", e, " has no slot"));
+  }
+  plan.copies_before = copies;
+  plan.balancedness_before = Balancedness(plan.rank_load_before);
+
+  EplbProblem p;
+  p.layers = 1;
+  p.experts = experts;
+  for (int64_t w : in.expert_load) p.weight.push_back(static_cast<float>(w));
+  p.num_replicas = plan.num_replicas;
+  p.num_groups = in.num_groups;
+  p.num_nodes = in.num_nodes;
+  p.num_gpus = ranks;
+  auto solution = RebalanceExperts(p);
+  if (!solution.ok()) return solution.status();
+  const int per_rank = plan.num_replicas / ranks;
+  std::vector<std::vector<int>> after(ranks);
+  for (int q = 0; q < plan.num_replicas; ++q) {
+    const int e = static_cast<int>(solution->phy2log[q]);
+    after[q / per_rank].push_back(e);
+    plan.expert_rank.emplace_back(e, q / per_rank);
+  }
+  plan.rank_load_after = RankLoad(in.expert_load, after, &plan.copies_after);
+  plan.balancedness_after = Balancedness(plan.rank_load_after);
+  return plan;
+}
+
+}  // namespace moe
