@@ -72,6 +72,8 @@ set +e
 wait "$driver"
 status=$?
 set -e
+echo "$(ts)  stopping the serving release by hand is refused: $(ctl release transition release-v1 DRAINING \
+  --reason manual 2>&1 | sed 's/.*moectl: //')"
 echo "$(ts)  cluster after the rollback:"
 ctl status | sed 's/^/      /'
 grep -A20 "== local cluster summary" "$work/driver.log"

@@ -109,6 +109,25 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "to: ACTIVE is reached through Promote (the 0x0DC gate)");
   }
   absl::MutexLock lock(&write_mu_);
+  const bool drives_ranks = agents_ != nullptr && !agents_->empty();
+  if (drives_ranks && (*to == ReleaseState::kDraining || *to == ReleaseState::kRetired)) {
+    auto recorded = store_->Recorded(req->request_id());
+    if (!recorded.ok()) return ToGrpcStatus(recorded.status());
+    auto rec = store_->Get(req->release_id());
+    if (!rec.ok()) return ToGrpcStatus(rec.status());
+    if (recorded->empty() && rec->placement_version > 0) {
+      if (*to == ReleaseState::kDraining && rec->state == ReleaseState::kActive) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("to: ", req->release_id(), " serves placement-v", rec->placement_version,
+                                         " on the ranks; leave ACTIVE through Promote of another release or Rollback"));
+      }
+      if (*to == ReleaseState::kRetired && LegalTransition(rec->state, *to)) {
+        // The ranks retire first, each refusing while a handle still holds the generation; only
+        // then is the release recorded RETIRED (a retry re-drives the ranks).
+        if (absl::Status s = agents_->Retire(rec->placement_version); !s.ok()) return ToGrpcStatus(s);
+      }
+    }
+  }
   auto t = store_->Transition(req->request_id(), req->release_id(), *to, req->reason());
   if (!t.ok()) return ToGrpcStatus(t.status());
   Fill(*t, resp);
