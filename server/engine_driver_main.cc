@@ -39,8 +39,9 @@ ABSL_FLAG(std::string, until_file, "",
           "live-traffic mode: after --rounds, keep running rounds until this file exists (an operator's rollout "
           "runs meanwhile)");
 ABSL_FLAG(std::string, ready_file, "", "live-traffic mode: touched after the first round");
-ABSL_FLAG(int, max_retries, 5,
-          "a step every rank answered ABORTED (e.g. ranks switching generation) is retried as a new step this often");
+ABSL_FLAG(int, max_retries, 8,
+          "a step every rank answered ABORTED (e.g. ranks switching generation) is retried as a new step this often, "
+          "backing off 10 ms, 20 ms, ... up to 1 s");
 ABSL_FLAG(int, k, 4, "experts per token");
 ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
@@ -281,6 +282,7 @@ int Main() {
           spdlog::info("step {} aborted on every rank ({}); retrying as step {}", step,
                        std::string(answers[0].status().message()), retry_id);
           for (StepCall& c : calls) c.step_id = retry_id;
+          std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000, 10 << attempt)));
         }
         if (answers[0].ok()) {
           const int64_t gen = answers[0]->record.placement_generation();

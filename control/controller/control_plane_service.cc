@@ -278,6 +278,17 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
   return grpc::Status::OK;
 }
 
+absl::Status ControlPlaneServiceImpl::Reconcile() {
+  if (agents_ == nullptr || agents_->empty()) return absl::OkStatus();
+  absl::MutexLock lock(&write_mu_);
+  auto releases = store_->List();
+  if (!releases.ok()) return releases.status();
+  for (const ReleaseRecord& r : *releases) {
+    if (r.state == ReleaseState::kActive && r.placement_version > 0) return agents_->Activate(r.placement_version);
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status ControlPlaneServiceImpl::ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
                                                     v1::ClusterStatusResponse* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;

@@ -26,6 +26,11 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
       : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
         drain_timeout_(drain_timeout) {}
 
+  // After a restart: the ranks' active generation is made the placement of the release the store
+  // records ACTIVE (a controller killed between committing a promotion or rollback and driving the
+  // ranks finishes it here). Idempotent.
+  absl::Status Reconcile();
+
   grpc::Status RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                v1::Release* resp) override;
   grpc::Status TransitionRelease(grpc::ServerContext* ctx, const v1::TransitionReleaseRequest* req,

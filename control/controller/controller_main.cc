@@ -124,6 +124,10 @@ int Main() {
   }
   ControlPlaneServiceImpl service(store->get(), *token, thresholds, agents.get(),
                                   absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
+  if (absl::Status s = service.Reconcile(); !s.ok()) {
+    spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
+                 std::string(s.message()));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -14,10 +14,14 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
     return absl::InvalidArgumentError(
         absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
-  // Wire record: 7 header words (the last is Q), P counts, Q slot counts; little-endian int64.
+  // Two all-gathers of little-endian int64 records, both of a size every member knows before it
+  // posts them: (1) 7 header words (the last is Q) and the P counts; (2) only when (1) agreed, so
+  // every member has the same Q, the Q per-slot route counts. Members under different placement
+  // generations (different Q) therefore disagree in (1) and abort together, never in a size
+  // mismatch inside (2).
   constexpr int kHeaderWords = 7;
   const int64_t q = static_cast<int64_t>(slot_counts.size());
-  const int64_t words = kHeaderWords + p + q;
+  const int64_t words = kHeaderWords + p;
   std::vector<int64_t> mine(words);
   mine[0] = static_cast<int64_t>(header.step_id);
   mine[1] = header.layer;
@@ -27,9 +31,8 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   mine[5] = header.tokens;
   mine[6] = q;
   std::memcpy(mine.data() + kHeaderWords, send_counts.data(), sizeof(int64_t) * p);
-  if (q > 0) std::memcpy(mine.data() + kHeaderWords + p, slot_counts.data(), sizeof(int64_t) * q);
   std::vector<int64_t> all(words * p);
-  absl::Status s = transport.AllGather(header.step_id, mine.data(), words * 8, all.data(), timeout);
+  absl::Status s = transport.AllGather(header.step_id * 2, mine.data(), words * 8, all.data(), timeout);
   if (!s.ok()) return s;
 
   for (int i = 0; i < p; ++i) {
@@ -63,11 +66,18 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   }
   out.recv_counts.resize(p);
   out.rank_tokens.resize(p);
-  out.slot_routes.assign(q, 0);
   for (int i = 0; i < p; ++i) {
     out.recv_counts[i] = out.count_matrix[i * p + transport.slot()];
     out.rank_tokens[i] = all[i * words + 5];
-    for (int64_t j = 0; j < q; ++j) out.slot_routes[j] += all[i * words + kHeaderWords + p + j];
+  }
+  out.slot_routes.assign(q, 0);
+  if (q > 0) {
+    std::vector<int64_t> slots(q * p);
+    s = transport.AllGather(header.step_id * 2 + 1, slot_counts.data(), q * 8, slots.data(), timeout);
+    if (!s.ok()) return s;
+    for (int i = 0; i < p; ++i) {
+      for (int64_t j = 0; j < q; ++j) out.slot_routes[j] += slots[i * q + j];
+    }
   }
   return out;
 }

@@ -69,6 +69,28 @@ inline absl::Status HeaderMismatchAbortsEveryone(Transport& t, int bad_slot) {
   return AgreeOnStep(t, next, send, absl::Seconds(20)).status();
 }
 
+// `odd_slot` is still on another placement generation with another slot count (a rollout in
+// progress): every member must get ABORTED naming the generation, none a transport error, and
+// the next step (all on the same generation) agrees, slot routes summed over the members.
+inline absl::Status GenerationSplitAbortsEveryone(Transport& t, int odd_slot) {
+  std::vector<int64_t> send(t.size(), 1);
+  const bool odd = t.slot() == odd_slot;
+  const std::vector<int64_t> slots(odd ? 20 : 18, 1);
+  auto agreement = AgreeOnStep(t, StepHeader{400, 7, odd ? 2 : 1, 12}, send, absl::Seconds(20), slots);
+  if (agreement.ok()) return absl::InternalError("members on different generations agreed");
+  if (agreement.status().code() != absl::StatusCode::kAborted) return agreement.status();
+  if (std::string(agreement.status().message()).find("placement_generation") == std::string::npos) {
+    return absl::InternalError(absl::StrCat("abort does not name the generation: ", agreement.status().message()));
+  }
+  const std::vector<int64_t> same(20, 2);
+  auto next = AgreeOnStep(t, StepHeader{401, 7, 2, 12}, send, absl::Seconds(20), same);
+  if (!next.ok()) return next.status();
+  for (int64_t r : next->slot_routes) {
+    if (r != 2 * t.size()) return absl::InternalError(absl::StrCat("slot routes summed to ", r));
+  }
+  return absl::OkStatus();
+}
+
 // The member at `dead_slot` never takes part: everyone else must fail within the timeout.
 inline absl::Status SilentPeerTimesOut(Transport& t, absl::Duration timeout) {
   std::vector<int64_t> send(t.size(), 1);

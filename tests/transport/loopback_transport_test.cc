@@ -34,6 +34,11 @@ TEST(LoopbackTransportTest, HeaderMismatchAbortsEveryMember) {
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
 }
 
+TEST(LoopbackTransportTest, GenerationSplitAbortsEveryMember) {
+  auto results = RunMembers(4, [](Transport& t) { return testing::GenerationSplitAbortsEveryone(t, 1); });
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
+}
+
 TEST(LoopbackTransportTest, SilentPeerTimesOut) {
   auto results = RunMembers(4, [](Transport& t) -> absl::Status {
     if (t.slot() == 3) return absl::OkStatus();  // never takes part

@@ -57,6 +57,11 @@ TEST(UcxTransportTest, HeaderMismatchAbortsAllRanksCleanly) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
 }
 
+TEST(UcxTransportTest, GenerationSplitAbortsAllRanksCleanly) {
+  const auto codes = RunProcesses(4, [](Transport& t) { return testing::GenerationSplitAbortsEveryone(t, 1); });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+}
+
 TEST(UcxTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
   const auto codes = RunProcesses(4, [](Transport& t) {
     return testing::KilledPeerFailsFast(t, 3, absl::Seconds(2), [] { raise(SIGKILL); });
