@@ -5,7 +5,9 @@
 //          promote, rollback   (controller subcommands, see docs/cli.md)
 // Bad input prints one message naming the field and exits 2.
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,9 @@
 #include "control/eplb_io.h"
 #include "control/moectl_remote.h"
 #include "control/placement_proto.h"
+#include "control/placement_report.h"
+#include "runtime/checkpoint/safetensors.h"
+#include "runtime/placement/migration.h"
 #include "control/trace.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
@@ -45,6 +50,10 @@ ABSL_FLAG(int, extra_replicas, 2, "placement synth: extra replicas of the first 
 ABSL_FLAG(int64_t, placement_version, 2, "placement synth, rebalance --out: generation number");
 ABSL_FLAG(int64_t, epoch, 1, "placement synth: process-group epoch (moe-rankd --epoch)");
 ABSL_FLAG(std::string, checkpoint, "", "placement synth, rebalance --out: the checkpoint whose digests the slots carry");
+ABSL_FLAG(std::string, from, "", "placement diff: the current placement (PlacementManifest JSON)");
+ABSL_FLAG(std::string, to, "", "placement diff: the next placement (PlacementManifest JSON)");
+ABSL_FLAG(int64_t, expert_bytes, 0, "placement diff: bytes of one expert copy (or give --checkpoint)");
+ABSL_FLAG(int64_t, budget_bytes, 0, "placement diff: fail (exit 2) when the overlap's peak exceeds this");
 ABSL_FLAG(bool, dry_run, false, "rebalance: plan only (required)");
 ABSL_FLAG(int, num_replicas, 0, "rebalance: physical slots of the new placement (0: current, rounded to the ranks)");
 ABSL_FLAG(int, num_groups, 1, "rebalance: expert groups (EPLB hierarchical policy)");
@@ -72,7 +81,10 @@ constexpr char kUsage[] =
     "  moectl rebalance --dry_run [--num_replicas Q] [--out F --checkpoint C --placement_version V]\n"
     "                                                          EPLB over the ranks' observed load, balancedness before/after\n"
     "  moectl placement synth --checkpoint F --world P --extra_replicas N --placement_version V\n"
-    "                                                          (offline) a PlacementManifest JSON for placement load\n";
+    "                                                          (offline) a PlacementManifest JSON for placement load\n"
+    "  moectl placement show --manifest F --world P            (offline) a placement's slots\n"
+    "  moectl placement diff --from A --to B --world P (--checkpoint C | --expert_bytes N) [--budget_bytes B]\n"
+    "                                                          (offline) the migration plan and its peak memory\n";
 
 int Fail(const absl::Status& s) {
   spdlog::error("{}", std::string(s.message()));
@@ -156,6 +168,60 @@ int PlacementSynth() {
   return 0;
 }
 
+absl::StatusOr<std::shared_ptr<const moe::PlacementManifest>> ReadManifest(const std::string& flag,
+                                                                             const std::string& path,
+                                                                             const moe::Topology& topology) {
+  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required"));
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": cannot read"));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  moe::v1::PlacementManifest proto;
+  if (auto s = google::protobuf::util::JsonStringToMessage(buf.str(), &proto); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": ", s.ToString()));
+  }
+  auto m = moe::ManifestFromProto(proto, topology);
+  if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat(flag, " ", path, ": ", m.status().message()));
+  return m;
+}
+
+// `placement show --manifest F` and `placement diff --from A --to B`, offline, on the two-node
+// topology of --world ranks (the local cluster's).
+int PlacementOffline(const std::string& verb) {
+  const int world = absl::GetFlag(FLAGS_world);
+  if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
+  const moe::Topology topology = moe::TwoNodeTopology(world);
+  if (verb == "show") {
+    auto m = ReadManifest("--manifest", absl::GetFlag(FLAGS_manifest), topology);
+    if (!m.ok()) return Fail(m.status());
+    std::cout << moe::RenderManifest(**m, topology);
+    return 0;
+  }
+  auto from = ReadManifest("--from", absl::GetFlag(FLAGS_from), topology);
+  if (!from.ok()) return Fail(from.status());
+  auto to = ReadManifest("--to", absl::GetFlag(FLAGS_to), topology);
+  if (!to.ok()) return Fail(to.status());
+  int64_t expert_bytes = absl::GetFlag(FLAGS_expert_bytes);
+  if (expert_bytes <= 0 && !absl::GetFlag(FLAGS_checkpoint).empty()) {
+    auto ckpt = moe::ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+    if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
+    int d = 0, f = 0;
+    absl::SimpleAtoi(ckpt->metadata["d"], &d);
+    absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
+    expert_bytes = int64_t{3} * d * f * 2;  // gate, up and down in BF16
+  }
+  if (expert_bytes <= 0) return Fail(absl::InvalidArgumentError("--expert_bytes or --checkpoint: required"));
+  auto plan = moe::PlanMigration(**from, **to, topology, expert_bytes);
+  if (!plan.ok()) return Fail(plan.status());
+  std::cout << moe::RenderMigration(**from, **to, *plan);
+  const int64_t budget = absl::GetFlag(FLAGS_budget_bytes);
+  if (budget > 0 && plan->peak_bytes > budget) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat("--budget_bytes: the overlap peaks at ", plan->peak_bytes,
+                                                           " bytes, over the budget of ", budget)));
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -167,6 +233,9 @@ int main(int argc, char** argv) {
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
   if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
   if (cmd.size() == 2 && cmd[0] == "placement" && cmd[1] == "synth") return PlacementSynth();
+  if (cmd.size() == 2 && cmd[0] == "placement" && (cmd[1] == "show" || cmd[1] == "diff")) {
+    return PlacementOffline(cmd[1]);
+  }
   if (moe::IsRemoteCommand(cmd)) {
     moe::RemoteOptions o;
     o.controller = absl::GetFlag(FLAGS_controller);

@@ -40,4 +40,18 @@ echo '{"weight": [[4,2,1,1]], "num_replicas": 6, "num_groups": 2, "num_nodes": 2
 check "eplb non-divisible" 2 "num_replicas" -- "$MOECTL" eplb solve --input "$TMP/eplb.json"
 check "missing file" 2 "cannot open" -- "$MOECTL" plan --trace "$TMP/none.json"
 check "unknown command" 2 "moectl plan" -- "$MOECTL" frobnicate
+
+# Placements offline: synth, show, the migration plan between two, the memory budget.
+"$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --out "$TMP/c8.safetensors" >/dev/null
+"$MOECTL" placement synth --checkpoint "$TMP/c8.safetensors" --world 4 --placement_version 1 --extra_replicas 0 >"$TMP/p1.json"
+"$MOECTL" placement synth --checkpoint "$TMP/c8.safetensors" --world 4 --placement_version 2 --extra_replicas 4 >"$TMP/p2.json"
+check "placement show" 0 "placement-v2: 12 slots, 8 logical experts" -- "$MOECTL" placement show --manifest "$TMP/p2.json" --world 4
+# 8 of 12 target slots keep their weights; the 4 new copies of experts 0-3 cross nodes (49152 B each).
+check "placement diff" 0 "retained 8 (393216 B), local duplicates 0 (0 B), same-node copies 0 (0 B), cross-node copies 4 (196608 B)" -- \
+  "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --checkpoint "$TMP/c8.safetensors"
+check "placement diff peak" 0 "peak during the overlap 589824 B" -- \
+  "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152
+check "placement diff over budget" 2 "over the budget of 500000" -- \
+  "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152 --budget_bytes 500000
+check "placement show bad file" 2 "--manifest" -- "$MOECTL" placement show --manifest "$TMP/c8.safetensors" --world 4
 exit $fail
