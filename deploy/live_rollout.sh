@@ -60,7 +60,7 @@ echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dr
 ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/checkpoint.safetensors" \
   --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
 walk_and_load release-v2 "$work/placement-v2.json"
-echo "$(ts)  promote: $(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json)"
+echo "$(ts)  promote: $(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json --request_id promote-v2)"
 sleep 2
 echo "$(ts)  cluster after the promotion:"
 ctl status | sed 's/^/      /'
@@ -72,6 +72,9 @@ set +e
 wait "$driver"
 status=$?
 set -e
+retry="$(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json --request_id promote-v2 2>&1)" &&
+  retry="answered with the recorded result"
+echo "$(ts)  a late retry of the v2 promotion was $retry; the ranks stay on: $(ctl status | awk 'NR > 1 {print $3}' | sort -u | xargs)"
 echo "$(ts)  stopping the serving release by hand is refused: $(ctl release transition release-v1 DRAINING \
   --reason manual 2>&1 | sed 's/.*moectl: //')"
 echo "$(ts)  cluster after the rollback:"

@@ -171,7 +171,9 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
   auto rec = store_->Get(req->release_id());
   if (!rec.ok()) return ToGrpcStatus(rec.status());
   Fill(*rec, resp->mutable_release());
-  if (agents_ != nullptr && !agents_->empty() && rec->placement_version > 0) {
+  // Drive the ranks only while the registry still says this release is ACTIVE: a late retry after
+  // another promotion or a rollback must not switch the ranks back.
+  if (agents_ != nullptr && !agents_->empty() && rec->placement_version > 0 && rec->state == ReleaseState::kActive) {
     if (absl::Status s = agents_->Activate(rec->placement_version); !s.ok()) {
       return ToGrpcStatus(absl::Status(s.code(), absl::StrCat(req->release_id(), " is committed ACTIVE but ", s.message(),
                                                               "; retry with the same request_id")));
@@ -219,6 +221,9 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
   if (candidate->placement_version <= 0 || prior->placement_version <= 0 ||
       candidate->placement_version == prior->placement_version) {
     return grpc::Status::OK;  // nothing placed on the ranks by these releases
+  }
+  if (prior->state != ReleaseState::kActive) {
+    return grpc::Status::OK;  // a late retry: the registry has moved on; the ranks follow it, not this request
   }
   auto drive = [&]() -> absl::Status {
     if (absl::Status s = agents_->Activate(prior->placement_version); !s.ok()) return s;

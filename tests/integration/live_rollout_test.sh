@@ -18,6 +18,8 @@ grep -Eq "placement-v1: steps [0-9]+-[0-9]+  placement-v2: steps [0-9]+-[0-9]+  
 check $? "timeline v1 -> v2 -> v1"
 [ "$(grep -c 'v1 ACTIVE/0  v2 RETIRED/0' "$out")" = 4 ]; check $? "v2 retired, v1 active on all four ranks"
 grep -q "release-v2 *DRAINING *-> RETIRED" "$out"; check $? "candidate committed RETIRED after the ranks drained it"
+grep -q "a late retry of the v2 promotion was answered with the recorded result; the ranks stay on: v1$" "$out"
+check $? "a late retry of an old promotion does not switch the ranks back"
 grep -q "stopping the serving release by hand is refused: to: release-v1 serves placement-v1" "$out"
 check $? "an ACTIVE release serving a placement leaves ACTIVE only through promote/rollback"
 grep -Eq "balancedness \(mean/max rank load\): before 0\.[0-9]+, after 0\.[0-9]+" "$out"
