@@ -30,8 +30,10 @@ $M checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoin
 start_ranks "$RANKD" "$work" "$RANKS" "$work/checkpoint.safetensors" \
   --agent_token_file "$work/agent_token"
 ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
+# Expert weights: 3 x d x d_ff BF16 = 786432 bytes a copy; a migration may peak at 40 copies.
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" \
-  --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" >"$work/controller.log" 2>&1 &
+  --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
+  --expert_bytes 786432 --migration_budget_bytes $((40 * 786432)) >"$work/controller.log" 2>&1 &
 ctl_pid=$!
 for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
@@ -75,6 +77,12 @@ set -e
 retry="$(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json --request_id promote-v2 2>&1)" &&
   retry="answered with the recorded result"
 echo "$(ts)  a late retry of the v2 promotion was $retry; the ranks stay on: $(ctl status | awk 'NR > 1 {print $3}' | sort -u | xargs)"
+$M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 4 \
+  --extra_replicas 40 >"$work/placement-v4.json"
+ctl release register release-v4 --digest sha256:v4 >/dev/null
+ctl release transition release-v4 VERIFIED --reason "bundle digests checked" >/dev/null
+echo "$(ts)  a 56-slot placement over the memory budget: $(ctl placement load release-v4 --manifest "$work/placement-v4.json" \
+  2>&1 | sed 's/.*moectl: //'); ranks now hold: $(ctl status | awk 'NR == 2 {print $4, $5, $6, $7}')"
 echo "$(ts)  stopping the serving release by hand is refused: $(ctl release transition release-v1 DRAINING \
   --reason manual 2>&1 | sed 's/.*moectl: //')"
 echo "$(ts)  cluster after the rollback:"

@@ -1,7 +1,12 @@
 #include "control/controller/control_plane_service.h"
 
+#include <google/protobuf/util/json_util.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "control/placement_proto.h"
+#include "runtime/placement/default_placement.h"
+#include "runtime/placement/migration.h"
 #include "server/bearer_auth.h"
 #include "server/grpc_status.h"
 
@@ -269,18 +274,51 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
                             absl::StrCat("manifest.version: placement-v", version, " belongs to ", r.release_id));
       }
     }
+    std::string reason = absl::StrCat("placement-v", version, " prepared on ", agents_->addresses().size(), " ranks");
+    // Admission: the migration from the ACTIVE release's placement must fit the memory budget.
+    if (migration_.budget_bytes > 0) {
+      auto peak = MigrationPeak(*releases, req->manifest());
+      if (!peak.ok()) return ToGrpcStatus(peak.status());
+      if (*peak > migration_.budget_bytes) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("manifest: the migration to placement-v", version, " peaks at ", *peak,
+                                         " bytes of expert weights, over the budget of ", migration_.budget_bytes));
+      }
+      absl::StrAppend(&reason, ", migration peak ", *peak, " bytes");
+    }
     // Every rank has the generation prepared before the release is recorded LOADED.
     if (absl::Status s = agents_->Prepare(req->manifest()); !s.ok()) return ToGrpcStatus(s);
-    applied = store_->Apply(req->request_id(),
-                            {{req->release_id(), ReleaseState::kLoaded,
-                              absl::StrCat("placement-v", version, " prepared on ", agents_->addresses().size(), " ranks"),
-                              version}});
+    std::string manifest_json;
+    (void)google::protobuf::util::MessageToJsonString(req->manifest(), &manifest_json);
+    applied = store_->Apply(req->request_id(), {{req->release_id(), ReleaseState::kLoaded, reason, version,
+                                                 manifest_json}});
     if (!applied.ok()) return ToGrpcStatus(applied.status());
   }
   auto rec = store_->Get(req->release_id());
   if (!rec.ok()) return ToGrpcStatus(rec.status());
   Fill(*rec, resp);
   return grpc::Status::OK;
+}
+
+absl::StatusOr<int64_t> ControlPlaneServiceImpl::MigrationPeak(const std::vector<ReleaseRecord>& releases,
+                                                                const v1::PlacementManifest& to) const {
+  const Topology topology = TwoNodeTopology(static_cast<int>(agents_->addresses().size()));
+  auto target = ManifestFromProto(to, topology);
+  if (!target.ok()) return target.status();
+  for (const ReleaseRecord& r : releases) {
+    if (r.state != ReleaseState::kActive || r.placement_manifest.empty()) continue;
+    v1::PlacementManifest proto;
+    if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
+      return absl::InternalError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
+    }
+    auto from = ManifestFromProto(proto, topology);
+    if (!from.ok()) return from.status();
+    auto plan = PlanMigration(**from, **target, topology, migration_.expert_bytes);
+    if (!plan.ok()) return plan.status();
+    return plan->peak_bytes;
+  }
+  // Nothing active with a placement: every copy is loaded while nothing else is resident.
+  return static_cast<int64_t>((*target)->num_slots()) * migration_.expert_bytes;
 }
 
 absl::Status ControlPlaneServiceImpl::Reconcile() {

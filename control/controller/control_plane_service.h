@@ -16,15 +16,23 @@
 
 namespace moe {
 
+// Admission of a placement load against the weight memory its migration needs (0x08F): the peak
+// of the overlap from the ACTIVE release's placement. Off when budget_bytes is 0.
+struct MigrationBudget {
+  int64_t budget_bytes = 0;
+  int64_t expert_bytes = 0;  // one expert copy's parameters
+};
+
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
   // `token` must be non-empty: calls carry `authorization: Bearer <token>`.
   // `agents` (may be null or empty: the registry alone) are the ranks the releases' placements
   // are driven onto.
   ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {},
-                          AgentPool* agents = nullptr, absl::Duration drain_timeout = absl::Seconds(60))
+                          AgentPool* agents = nullptr, absl::Duration drain_timeout = absl::Seconds(60),
+                          MigrationBudget migration = {})
       : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
-        drain_timeout_(drain_timeout) {}
+        drain_timeout_(drain_timeout), migration_(migration) {}
 
   // After a restart: the ranks' active generation is made the placement of the release the store
   // records ACTIVE (a controller killed between committing a promotion or rollback and driving the
@@ -48,6 +56,9 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
 
  private:
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
+  // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (the rank agents'
+  // two-node topology).
+  absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases, const v1::PlacementManifest& to) const;
   // A retried Promote / Rollback: the transitions recorded under `request_id` (empty when new);
   // ALREADY_EXISTS if the id was used for a different request.
   absl::StatusOr<std::vector<StoredTransition>> Replay(const std::string& request_id, const std::string& release_id,
@@ -58,6 +69,7 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   const PromotionThresholds thresholds_;
   AgentPool* agents_;
   const absl::Duration drain_timeout_;
+  const MigrationBudget migration_;
   absl::Mutex write_mu_;  // one mutating request at a time
 };
 

@@ -36,6 +36,10 @@ ABSL_FLAG(std::string, ranks, "", "comma-separated host:port of every moe-rankd'
           "(empty: the controller keeps the registry only)");
 ABSL_FLAG(std::string, agent_token_file, "", "bearer token for the rank agents (with --ranks)");
 ABSL_FLAG(int, drain_timeout_s, 60, "rollback: how long the ranks may take to drain a candidate's handles");
+ABSL_FLAG(int64_t, migration_budget_bytes, 0,
+          "placement load: refuse a placement whose migration from the active one peaks above this many bytes of "
+          "expert weights (0: no admission check)");
+ABSL_FLAG(int64_t, expert_bytes, 0, "bytes of one expert copy's parameters (with --migration_budget_bytes)");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -122,8 +126,13 @@ int Main() {
     agents = std::make_unique<AgentPool>(absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',', absl::SkipEmpty()),
                                          *agent_token);
   }
+  MigrationBudget migration{absl::GetFlag(FLAGS_migration_budget_bytes), absl::GetFlag(FLAGS_expert_bytes)};
+  if (migration.budget_bytes > 0 && migration.expert_bytes <= 0) {
+    spdlog::error("--expert_bytes: required with --migration_budget_bytes");
+    return 2;
+  }
   ControlPlaneServiceImpl service(store->get(), *token, thresholds, agents.get(),
-                                  absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
+                                  absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)), migration);
   if (absl::Status s = service.Reconcile(); !s.ok()) {
     spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
                  std::string(s.message()));

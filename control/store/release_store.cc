@@ -17,7 +17,8 @@ CREATE TABLE IF NOT EXISTS releases (
   bundle_digest TEXT NOT NULL,
   state         TEXT NOT NULL,
   revision      INTEGER NOT NULL,
-  placement_version INTEGER NOT NULL DEFAULT 0
+  placement_version INTEGER NOT NULL DEFAULT 0,
+  placement_manifest BLOB
 );
 CREATE TABLE IF NOT EXISTS transitions (
   seq        INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -107,7 +108,8 @@ class WriteTxn {
 };
 
 absl::StatusOr<ReleaseRecord> ReadRelease(sqlite3* db, const std::string& release_id) {
-  Stmt q(db, "SELECT release_id, bundle_digest, state, revision, placement_version FROM releases WHERE release_id = ?");
+  Stmt q(db, "SELECT release_id, bundle_digest, state, revision, placement_version, placement_manifest FROM releases "
+         "WHERE release_id = ?");
   q.Bind(1, release_id);
   auto row = q.Step();
   if (!row.ok()) return row.status();
@@ -120,6 +122,7 @@ absl::StatusOr<ReleaseRecord> ReadRelease(sqlite3* db, const std::string& releas
   r.state = *state;
   r.revision = q.Int(3);
   r.placement_version = q.Int(4);
+  r.placement_manifest = q.Text(5);
   return r;
 }
 
@@ -283,9 +286,15 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
     t.seq = sqlite3_last_insert_rowid(db_);
     Stmt upd(db_,
              "UPDATE releases SET state = ?, revision = revision + 1, "
-             "placement_version = CASE WHEN ? > 0 THEN ? ELSE placement_version END WHERE release_id = ?");
+             "placement_version = CASE WHEN ? > 0 THEN ? ELSE placement_version END, "
+             "placement_manifest = CASE WHEN ? > 0 THEN ? ELSE placement_manifest END WHERE release_id = ?");
     const int64_t placement = moves[t.part].placement_version;
-    upd.Bind(1, std::string(ReleaseStateName(t.to))).Bind(2, placement).Bind(3, placement).Bind(4, t.release_id);
+    upd.Bind(1, std::string(ReleaseStateName(t.to)))
+        .Bind(2, placement)
+        .Bind(3, placement)
+        .Bind(4, placement)
+        .Bind(5, moves[t.part].placement_manifest)
+        .Bind(6, t.release_id);
     if (auto s = upd.Step(); !s.ok()) return s.status();
   }
   if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;

@@ -25,6 +25,7 @@ struct ReleaseRecord {
   ReleaseState state = ReleaseState::kBuilt;
   int64_t revision = 0;  // number of transitions applied
   int64_t placement_version = 0;  // the placement generation the release serves (0: none yet)
+  std::string placement_manifest;  // its PlacementManifest as JSON, recorded with the version
 };
 
 struct StoredTransition {
@@ -60,7 +61,8 @@ class ReleaseStore {
     std::string release_id;
     ReleaseState to;
     std::string reason;
-    int64_t placement_version = 0;  // > 0: recorded on the release in the same commit
+    int64_t placement_version = 0;  // > 0: recorded on the release in the same commit,
+    std::string placement_manifest;  // together with this
   };
   // Commits several transitions atomically under one request id (promotion: candidate ACTIVE and
   // prior DRAINING; rollback: candidate DRAINING and prior ACTIVE). Each move is checked against

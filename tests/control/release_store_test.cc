@@ -51,6 +51,22 @@ TEST(ReleaseStoreTest, TransitionsPersistAcrossReopen) {
   EXPECT_TRUE(store->Verify().ok());
 }
 
+TEST(ReleaseStoreTest, PlacementIsRecordedWithItsTransition) {
+  const std::string path = TempPath("placement.db");
+  {
+    auto store = *ReleaseStore::Open(path);
+    ASSERT_TRUE(store->Register("r1", "release-v2", "sha256:bb").ok());
+    ASSERT_TRUE(store->Transition("r2", "release-v2", ReleaseState::kVerified, "ok").ok());
+    ASSERT_TRUE(store->Apply("r3", {{"release-v2", ReleaseState::kLoaded, "prepared", 2, "{\"version\": \"2\"}"}}).ok());
+    // A later transition without a placement keeps it.
+    ASSERT_TRUE(store->Transition("r4", "release-v2", ReleaseState::kShadow, "shadow").ok());
+  }
+  auto rec = *(*ReleaseStore::Open(path))->Get("release-v2");
+  EXPECT_EQ(rec.placement_version, 2);
+  EXPECT_EQ(rec.placement_manifest, "{\"version\": \"2\"}");
+  EXPECT_EQ(rec.state, ReleaseState::kShadow);
+}
+
 TEST(ReleaseStoreTest, RequestIdsAreIdempotent) {
   auto store = *ReleaseStore::Open(TempPath("idempotent.db"));
   ASSERT_TRUE(store->Register("r1", "release-v19", "sha256:aa").ok());
