@@ -56,7 +56,7 @@ int Main() {
   const int d = 2048, k = 8, experts = 8, f = 64;
   const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
   const Topology topology = TwoNodeTopology(1);
-  const ProcessGroup group = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
+  const ProcessGroup group = LocalClusterGroup(1, 1);
   auto manifest = *DefaultPlacement(PlacementVersion(1), experts, 0, topology, group, ckpt.metadata);
   GenerationRegistry registry;
   registry.Prepare(manifest).IgnoreError();

@@ -155,8 +155,7 @@ int PlacementSynth() {
   const int world = absl::GetFlag(FLAGS_world);
   if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
   const moe::Topology topology = moe::TwoNodeTopology(world);
-  const moe::ProcessGroup group = moe::ProcessGroup::Identity(
-      moe::ProcessGroupId("ep-group-0"), moe::ProcessGroupEpoch(absl::GetFlag(FLAGS_epoch)), world);
+  const moe::ProcessGroup group = moe::LocalClusterGroup(world, absl::GetFlag(FLAGS_epoch));
   auto m = moe::DefaultPlacement(moe::PlacementVersion(absl::GetFlag(FLAGS_placement_version)), experts,
                                  absl::GetFlag(FLAGS_extra_replicas), topology, group, ckpt->metadata);
   if (!m.ok()) return Fail(m.status());

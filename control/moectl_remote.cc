@@ -263,8 +263,7 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
       if (!ckpt.ok()) return absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message()));
       const int world = resp.ranks_size();
       const Topology topology = TwoNodeTopology(world);
-      const ProcessGroup group =
-          ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(o.epoch), world);
+      const ProcessGroup group = LocalClusterGroup(world, o.epoch);
       auto m = PlacementFromAssignment(PlacementVersion(o.placement_version), static_cast<int>(in.expert_load.size()),
                                        plan->expert_rank, topology, group, ckpt->metadata);
       if (!m.ok()) return m.status();

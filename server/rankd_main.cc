@@ -81,7 +81,7 @@ int Main() {
     return 2;
   }
   const Topology topology = TwoNodeTopology(world);
-  const ProcessGroup group = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(absl::GetFlag(FLAGS_epoch)), world);
+  const ProcessGroup group = LocalClusterGroup(world, absl::GetFlag(FLAGS_epoch));
   auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology, group,
                                    ckpt->metadata);
   if (!manifest.ok()) {

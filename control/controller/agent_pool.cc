@@ -48,24 +48,22 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest) {
                 });
 }
 
-absl::Status AgentPool::Activate(int64_t version) {
+absl::Status AgentPool::OnEachVersion(const char* verb, int64_t version, VersionRpc rpc) {
   v1::GenerationRequest req;
   req.set_version(version);
-  return OnEach(absl::StrCat("activate placement-v", version),
+  return OnEach(absl::StrCat(verb, " placement-v", version),
                 [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
                   v1::GenerationStatus out;
-                  return stub.ActivateGeneration(&ctx, req, &out);
+                  return (stub.*rpc)(&ctx, req, &out);
                 });
 }
 
+absl::Status AgentPool::Activate(int64_t version) {
+  return OnEachVersion("activate", version, &v1::RankAgentService::Stub::ActivateGeneration);
+}
+
 absl::Status AgentPool::Retire(int64_t version) {
-  v1::GenerationRequest req;
-  req.set_version(version);
-  return OnEach(absl::StrCat("retire placement-v", version),
-                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
-                  v1::GenerationStatus out;
-                  return stub.RetireGeneration(&ctx, req, &out);
-                });
+  return OnEachVersion("retire", version, &v1::RankAgentService::Stub::RetireGeneration);
 }
 
 absl::Status AgentPool::AwaitDrained(int64_t version, absl::Duration timeout) {

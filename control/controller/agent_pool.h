@@ -33,6 +33,9 @@ class AgentPool {
  private:
   absl::Status OnEach(const std::string& what,
                       const std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>& call);
+  using VersionRpc = grpc::Status (v1::RankAgentService::Stub::*)(grpc::ClientContext*, const v1::GenerationRequest&,
+                                                                  v1::GenerationStatus*);
+  absl::Status OnEachVersion(const char* verb, int64_t version, VersionRpc rpc);
   std::unique_ptr<grpc::ClientContext> Context() const;
 
   std::vector<std::string> addresses_;

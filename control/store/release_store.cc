@@ -107,23 +107,39 @@ class WriteTxn {
   bool committed_ = false;
 };
 
+constexpr const char* kReleaseColumns =
+    "SELECT release_id, bundle_digest, state, revision, placement_version, placement_manifest FROM releases";
+
+// Every row of `q` (selecting kReleaseColumns), in its order.
+absl::StatusOr<std::vector<ReleaseRecord>> ReadReleases(Stmt& q) {
+  std::vector<ReleaseRecord> out;
+  while (true) {
+    auto row = q.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    ReleaseRecord r;
+    r.release_id = q.Text(0);
+    r.bundle_digest = q.Text(1);
+    auto state = ParseReleaseState(q.Text(2));
+    if (!state.ok()) {
+      return absl::InternalError(absl::StrCat("stored state of ", r.release_id, ": ", state.status().message()));
+    }
+    r.state = *state;
+    r.revision = q.Int(3);
+    r.placement_version = q.Int(4);
+    r.placement_manifest = q.Text(5);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
 absl::StatusOr<ReleaseRecord> ReadRelease(sqlite3* db, const std::string& release_id) {
-  Stmt q(db, "SELECT release_id, bundle_digest, state, revision, placement_version, placement_manifest FROM releases "
-         "WHERE release_id = ?");
+  Stmt q(db, absl::StrCat(kReleaseColumns, " WHERE release_id = ?").c_str());
   q.Bind(1, release_id);
-  auto row = q.Step();
-  if (!row.ok()) return row.status();
-  if (!*row) return absl::NotFoundError(absl::StrCat("release_id: no release '", release_id, "'"));
-  ReleaseRecord r;
-  r.release_id = q.Text(0);
-  r.bundle_digest = q.Text(1);
-  auto state = ParseReleaseState(q.Text(2));
-  if (!state.ok()) return absl::InternalError(absl::StrCat("stored state of ", release_id, ": ", state.status().message()));
-  r.state = *state;
-  r.revision = q.Int(3);
-  r.placement_version = q.Int(4);
-  r.placement_manifest = q.Text(5);
-  return r;
+  auto rows = ReadReleases(q);
+  if (!rows.ok()) return rows.status();
+  if (rows->empty()) return absl::NotFoundError(absl::StrCat("release_id: no release '", release_id, "'"));
+  return std::move(rows->front());
 }
 
 // The fingerprint recorded for a request id; empty when the id is new.
@@ -315,21 +331,8 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Get(const std::string& release_id) c
 }
 
 absl::StatusOr<std::vector<ReleaseRecord>> ReleaseStore::List() const {
-  Stmt q(db_, "SELECT release_id FROM releases ORDER BY release_id");
-  std::vector<std::string> ids;
-  while (true) {
-    auto row = q.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
-    ids.push_back(q.Text(0));
-  }
-  std::vector<ReleaseRecord> out;
-  for (const std::string& id : ids) {
-    auto r = ReadRelease(db_, id);
-    if (!r.ok()) return r.status();
-    out.push_back(*r);
-  }
-  return out;
+  Stmt q(db_, absl::StrCat(kReleaseColumns, " ORDER BY release_id").c_str());
+  return ReadReleases(q);
 }
 
 absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id) const {

@@ -17,6 +17,10 @@ Topology TwoNodeTopology(int num_ranks) {
   return *Topology::Create(std::move(ranks), std::move(names));
 }
 
+ProcessGroup LocalClusterGroup(int num_ranks, int64_t epoch) {
+  return ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(epoch), num_ranks);
+}
+
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md) {

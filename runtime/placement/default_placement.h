@@ -26,6 +26,9 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md);
 
+// The process group moe-rankd forms: "ep-group-0" at `epoch`, peer slot i = rank i.
+ProcessGroup LocalClusterGroup(int num_ranks, int64_t epoch);
+
 // P ranks on two nodes of P / 2 (one node when P == 1); the first rank of a node is its relay.
 Topology TwoNodeTopology(int num_ranks);
 

@@ -37,7 +37,7 @@ class OneRankTest : public ::testing::Test {
 
   SafetensorsFile ckpt_;
   Topology topology_ = TwoNodeTopology(1);
-  ProcessGroup group_ = ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), 1);
+  ProcessGroup group_ = LocalClusterGroup(1, 1);
   std::shared_ptr<const PlacementManifest> v1_;
   GenerationRegistry registry_;
   LoopbackFabric fabric_{1};
