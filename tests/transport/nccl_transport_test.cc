@@ -62,6 +62,13 @@ TEST(NcclTransportTest, HeaderMismatchAbortsEveryMember) {
   for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
 }
 
+TEST(NcclTransportTest, GenerationSplitAbortsEveryMember) {
+  const int n = Devices();
+  ASSERT_GE(n, 2) << "needs two GPUs";
+  const auto codes = RunProcesses(n, [n](Transport& t) { return testing::GenerationSplitAbortsEveryone(t, n - 1); });
+  for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
+}
+
 TEST(NcclTransportTest, DeviceBuffersGoDirect) {
   const int n = Devices();
   ASSERT_GE(n, 1) << "no GPU";
