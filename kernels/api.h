@@ -177,6 +177,39 @@ class ExpertKernels {
   virtual absl::Status Combine(const CombineParams& p, Stream stream) = 0;
   virtual absl::Status Quantize(const QuantizeParams& p, Stream stream) = 0;
   virtual absl::Status Dequantize(const DequantizeParams& p, Stream stream) = 0;
+
+  // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
+  // the CUDA implementation allocates device memory and copies on `stream` (a copy from
+  // pageable host memory returns when the source may be reused; one to the host returns when
+  // the data has arrived).
+  virtual bool device_resident() const { return false; }
+  virtual absl::StatusOr<void*> Allocate(int64_t bytes);
+  virtual void Free(void* p);
+  virtual absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream);
+  virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream);
+  // Returns when all work enqueued on `stream` has finished (its errors surface here).
+  virtual absl::Status Synchronize(Stream stream) { return absl::OkStatus(); }
+};
+
+// Kernel memory that only grows, owned by one ExpertKernels object (which must outlive it).
+class KernelBuffer {
+ public:
+  KernelBuffer() = default;
+  KernelBuffer(const KernelBuffer&) = delete;
+  KernelBuffer& operator=(const KernelBuffer&) = delete;
+  ~KernelBuffer();
+  // Ensures at least `bytes` (contents are not kept when it grows).
+  absl::Status Reserve(ExpertKernels* kernels, int64_t bytes);
+  void* data() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  ExpertKernels* kernels_ = nullptr;
+  void* ptr_ = nullptr;
+  int64_t size_ = 0;
 };
 
 std::unique_ptr<ExpertKernels> CreateCpuKernels();

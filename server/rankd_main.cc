@@ -9,6 +9,11 @@
 #include <memory>
 #include <string>
 
+#ifdef MOE_RANKD_CUDA
+#include <cuda_runtime.h>
+
+#include "runtime/transport/nccl.h"
+#endif
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 
@@ -23,6 +28,8 @@
 #include "runtime/exec/layer_executor.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
+#include "runtime/status.h"
+#include "runtime/transport/transport.h"
 #include "server/expert_layer_service.h"
 #include "server/daemon_util.h"
 #include "server/metrics.h"
@@ -46,10 +53,47 @@ ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "decode graph bucket: routes p
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
+ABSL_FLAG(std::string, kernels, "cpu", "where experts run: cpu, or cuda (moe-rankd-gpu only)");
+ABSL_FLAG(std::string, transport, "ucx", "how rows move between ranks: ucx (host memory), or nccl (moe-rankd-gpu only)");
+ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (moe-rankd-gpu; -1: the rank's index)");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
 namespace {
+
+absl::Status Annotate(const absl::Status& s, const char* what) {
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+// Publishes this rank's UCX listener, learns the peers' addresses and connects.
+absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const ProcessGroup& group) {
+  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host));
+  if (!listener.ok()) return Annotate(listener.status(), "ucx");
+  auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
+                                       absl::Seconds(60));
+  if (!addresses.ok()) return Annotate(addresses.status(), "rendezvous");
+  UcxOptions ucx;
+  ucx.slot = group.SlotOf(Rank(rank)).value();
+  ucx.addresses = *addresses;
+  auto transport = CreateUcxTransportWithListener(*std::move(listener), ucx);
+  if (!transport.ok()) return Annotate(transport.status(), "ucx");
+  return transport;
+}
+
+#ifdef MOE_RANKD_CUDA
+// Makes `gpu` (or the rank's index when negative) this process's device before any CUDA object
+// is created; the kernels and the transport bind it again on every call from other threads.
+absl::Status UseGpu(int gpu) {
+  const int device = gpu >= 0 ? gpu : absl::GetFlag(FLAGS_rank);
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return absl::UnavailableError("no CUDA device");
+  if (device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("device ", device, " does not exist (", count, " visible)"));
+  }
+  if (cudaSetDevice(device) != cudaSuccess) return absl::UnavailableError(absl::StrCat("cudaSetDevice(", device, ")"));
+  return absl::OkStatus();
+}
+#endif
 
 int Main() {
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
@@ -101,38 +145,74 @@ int Main() {
   registry.Prepare(*manifest).IgnoreError();
   registry.Activate(PlacementVersion(1)).IgnoreError();
 
-  // Transport: publish the UCX listener, learn the peers', connect.
-  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host));
-  if (!listener.ok()) {
-    spdlog::error("ucx: {}", std::string(listener.status().message()));
-    return 1;
+  // Kernels and transport: CPU + UCX in every build; CUDA + NCCL in moe-rankd-gpu.
+  const std::string kernels_flag = absl::GetFlag(FLAGS_kernels), transport_flag = absl::GetFlag(FLAGS_transport);
+  std::unique_ptr<kernels::ExpertKernels> kernels;
+  std::unique_ptr<Transport> transport;
+  if (kernels_flag == "cpu") {
+    kernels = kernels::CreateCpuKernels();
+  } else if (kernels_flag == "cuda") {
+#ifdef MOE_RANKD_CUDA
+    if (absl::Status s = UseGpu(absl::GetFlag(FLAGS_gpu)); !s.ok()) {
+      spdlog::error("--gpu: {}", std::string(s.message()));
+      return 1;
+    }
+    auto k = kernels::CreateCudaKernels();
+    if (!k.ok()) {
+      spdlog::error("--kernels=cuda: {}", std::string(k.status().message()));
+      return 1;
+    }
+    kernels = *std::move(k);
+#else
+    spdlog::error("--kernels=cuda: this moe-rankd has no CUDA (run moe-rankd-gpu, built with --config=gpu)");
+    return 2;
+#endif
+  } else {
+    spdlog::error("--kernels={}: expected cpu or cuda", kernels_flag);
+    return 2;
   }
-  auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
-                                       absl::Seconds(60));
-  if (!addresses.ok()) {
-    spdlog::error("rendezvous: {}", std::string(addresses.status().message()));
-    return 1;
+  if (transport_flag == "nccl") {
+#ifdef MOE_RANKD_CUDA
+    NcclOptions nccl;
+    nccl.slot = group.SlotOf(Rank(rank)).value();
+    nccl.size = world;
+    nccl.device = absl::GetFlag(FLAGS_gpu) >= 0 ? absl::GetFlag(FLAGS_gpu) : rank;
+    nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
+    auto t = CreateNcclTransport(nccl);
+    if (!t.ok()) {
+      spdlog::error("nccl: {}", std::string(t.status().message()));
+      return 1;
+    }
+    transport = *std::move(t);
+#else
+    spdlog::error("--transport=nccl: this moe-rankd has no NCCL (run moe-rankd-gpu, built with --config=gpu)");
+    return 2;
+#endif
+  } else if (transport_flag != "ucx") {
+    spdlog::error("--transport={}: expected ucx or nccl", transport_flag);
+    return 2;
   }
-  UcxOptions ucx;
-  ucx.slot = group.SlotOf(Rank(rank)).value();
-  ucx.addresses = *addresses;
-  auto transport = CreateUcxTransportWithListener(*std::move(listener), ucx);
-  if (!transport.ok()) {
-    spdlog::error("ucx: {}", std::string(transport.status().message()));
-    return 1;
+  if (transport == nullptr) {
+    auto t = ConnectUcx(rank, world, group);
+    if (!t.ok()) {
+      spdlog::error("{}", std::string(t.status().message()));
+      return 1;
+    }
+    transport = *std::move(t);
   }
-  auto kernels = kernels::CreateCpuKernels();
   LayerExecutorOptions eo;
   eo.rank = Rank(rank);
   eo.topology = topology;
   eo.group = group;
   eo.registry = &registry;
-  eo.transport = transport->get();
+  eo.transport = transport.get();
   eo.kernels = kernels.get();
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
-  eo.graphs_available = false;  // this daemon serves experts on the CPU: no CUDA graphs
+  // Decode steps run eagerly on either backend (no CUDA graphs are captured in the daemon yet);
+  // admission still runs and each step reports why it was not replayed.
+  eo.graphs_available = false;
   auto executor = LayerExecutor::Create(std::move(eo));
   if (!executor.ok()) {
     spdlog::error("executor: {}", std::string(executor.status().message()));

@@ -90,7 +90,7 @@ struct Problem {
 
 class CudaKernels final : public ExpertKernels {
  public:
-  explicit CudaKernels(cublasHandle_t handle) : handle_(handle) {
+  CudaKernels(cublasHandle_t handle, int device) : handle_(handle), device_(device) {
     for (int i = 0; i < kSideStreams; ++i) {
       side_ok_ = side_ok_ && cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking) == cudaSuccess &&
                  cublasCreate(&side_handle_[i]) == CUBLAS_STATUS_SUCCESS &&
@@ -118,7 +118,43 @@ class CudaKernels final : public ExpertKernels {
     return loop_gemm_ ? "cuda(gemm: loop)" : (force_grouped_ ? "cuda(gemm: grouped)" : "cuda(gemm: auto)");
   }
 
+  bool device_resident() const override { return true; }
+  absl::StatusOr<void*> Allocate(int64_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bytes < 0) return absl::InvalidArgumentError(absl::StrCat("allocate: ", bytes, " bytes"));
+    void* p = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&p, bytes > 0 ? static_cast<size_t>(bytes) : 1));
+    return p;
+  }
+  void Free(void* p) override {
+    cudaSetDevice(device_);
+    cudaFree(p);
+  }
+  absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bytes > 0) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                                           static_cast<cudaStream_t>(stream)));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bytes > 0) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
+                                           static_cast<cudaStream_t>(stream)));
+      CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize(Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
   absl::Status Gather(const GatherParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckGather(p);
     if (!s.ok()) return s;
     auto st = static_cast<cudaStream_t>(stream);
@@ -132,6 +168,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status HistogramScan(const HistogramParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckHistogram(p);
     if (!s.ok()) return s;
     if (p.num_bins > 12 * 1024) return absl::InvalidArgumentError("histogram.num_bins: at most 12288 on CUDA");
@@ -141,6 +178,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status RouteRows(const RouteRowsParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckRouteRows(p);
     if (!s.ok()) return s;
     if (p.num_experts > 12 * 1024) return absl::InvalidArgumentError("route_rows.num_experts: at most 12288 on CUDA");
@@ -160,6 +198,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status Swiglu(const SwigluParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckSwiglu(p);
     if (!s.ok()) return s;
     auto st = static_cast<cudaStream_t>(stream);
@@ -272,6 +311,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status Combine(const CombineParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckCombine(p);
     if (!s.ok()) return s;
     CUDA_RETURN_IF_ERROR(cuda::LaunchCombine(p.rows, p.num_rows, p.d, p.row_of_route, p.gate, p.num_tokens, p.k,
@@ -280,6 +320,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status Quantize(const QuantizeParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckQuantize(p);
     if (!s.ok()) return s;
     const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
@@ -289,6 +330,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   absl::Status Dequantize(const DequantizeParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckDequantize(p);
     if (!s.ok()) return s;
     const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
@@ -399,6 +441,7 @@ class CudaKernels final : public ExpertKernels {
   }
 
   cublasHandle_t handle_;
+  int device_;  // the device current when the object was created; every call binds it
   bool loop_gemm_ = false;
   bool force_grouped_ = false;
   // Segments whose gate+up GEMM has at least this many multiply-adds run as per-expert chains;
@@ -425,9 +468,11 @@ absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels() {
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     return absl::UnavailableError("no CUDA device is available");
   }
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   cublasHandle_t handle;
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
-  return std::unique_ptr<ExpertKernels>(new CudaKernels(handle));
+  return std::unique_ptr<ExpertKernels>(new CudaKernels(handle, device));
 }
 
 }  // namespace moe::kernels

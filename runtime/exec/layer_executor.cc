@@ -23,15 +23,45 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
       options.transport->size() != options.group->size()) {
     return absl::FailedPreconditionError("executor: transport slot / size disagree with the process group");
   }
+  if (options.kernels->device_resident() && !options.transport->accepts_device_memory()) {
+    return absl::FailedPreconditionError(absl::StrCat("executor: kernels '", options.kernels->name(),
+                                                      "' keep rows in device memory, transport '",
+                                                      options.transport->name(), "' moves host memory only"));
+  }
   std::unique_ptr<LayerExecutor> e(new LayerExecutor(std::move(options)));
+  e->device_ = e->options_.kernels->device_resident();
   e->selector_ = ReplicaSelector::Create(e->options_.selector);
   return e;
 }
 
+// A generation's weights where the kernels read them: the host copy itself for host-memory
+// kernels, one upload for device-resident ones (freed when the last step using them ends).
+struct LayerExecutor::ResidentExperts {
+  std::shared_ptr<const LocalExperts> host;
+  kernels::KernelBuffer gate_up, down;
+  const uint16_t* w_gate_up = nullptr;
+  const uint16_t* w_down = nullptr;
+};
+
 absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts) {
   if (experts == nullptr) return absl::InvalidArgumentError("experts: null");
+  auto resident = std::make_shared<ResidentExperts>();
+  resident->host = experts;
+  resident->w_gate_up = experts->w_gate_up.data();
+  resident->w_down = experts->w_down.data();
+  if (device_) {
+    kernels::ExpertKernels* kern = options_.kernels;
+    const int64_t gu = static_cast<int64_t>(experts->w_gate_up.size()) * 2, dn = static_cast<int64_t>(experts->w_down.size()) * 2;
+    RETURN_IF_ERROR(resident->gate_up.Reserve(kern, gu));
+    RETURN_IF_ERROR(resident->down.Reserve(kern, dn));
+    RETURN_IF_ERROR(kern->CopyToKernel(resident->gate_up.data(), experts->w_gate_up.data(), gu, nullptr));
+    RETURN_IF_ERROR(kern->CopyToKernel(resident->down.data(), experts->w_down.data(), dn, nullptr));
+    RETURN_IF_ERROR(kern->Synchronize(nullptr));
+    resident->w_gate_up = resident->gate_up.as<uint16_t>();
+    resident->w_down = resident->down.as<uint16_t>();
+  }
   absl::MutexLock lock(&generations_mu_);
-  experts_[version.value()] = std::move(experts);
+  experts_[version.value()] = std::move(resident);
   return absl::OkStatus();
 }
 
@@ -136,7 +166,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
                                                              in.expected_generation, ", active is placement-v",
                                                              version.value())));
   }
-  std::shared_ptr<const LocalExperts> weights_ptr;
+  std::shared_ptr<const ResidentExperts> weights_ptr;
   std::shared_ptr<const PlanLayout> layout_ptr;
   {
     absl::MutexLock lock(&generations_mu_);
@@ -149,9 +179,9 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     return reject(absl::FailedPreconditionError(absl::StrCat("placement-v", version.value(),
                                                              ": no weights loaded on rank ", options_.rank.value())));
   }
-  const LocalExperts& weights = *weights_ptr;
-  if (weights.d != in.d) {
-    return reject(absl::InvalidArgumentError(absl::StrCat("hidden: d = ", in.d, ", the experts have d = ", weights.d)));
+  const ResidentExperts& weights = *weights_ptr;
+  if (weights.host->d != in.d) {
+    return reject(absl::InvalidArgumentError(absl::StrCat("hidden: d = ", in.d, ", the experts have d = ", weights.host->d)));
   }
   if (layout_ptr == nullptr) {
     auto layout = PlanLayout::Create(handle->manifest(), group);
@@ -216,6 +246,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
 
   // Phase: the handle binds the inverse coordinates (origin token and gate per send position).
   const int d = in.d;
+  const int64_t row_bytes = static_cast<int64_t>(d) * 2;
   InverseCoordinates inverse;
   inverse.token.resize(n_send);
   inverse.gate.resize(n_send);
@@ -230,33 +261,46 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   }
   RETURN_IF_ERROR(handle->BindPlan(std::move(inverse)));
   const std::vector<int32_t>& send_token = handle->inverse().token;
-  std::vector<uint16_t>& send_rows = buf_.send_rows;
-  send_rows.resize(static_cast<size_t>(n_send) * d);
-  kernels::GatherParams pack;
-  pack.d = d;
-  pack.in = in.hidden;
-  pack.in_rows = in.tokens;
-  pack.index = send_token.data();
-  pack.n = n_send;
-  pack.out = send_rows.data();
-  if (n_send > 0) RETURN_IF_ERROR(kern.Gather(pack, nullptr));
+
+  // Row payloads live where the kernels run (device memory for CUDA kernels, which the NCCL
+  // transport moves directly); plans and slot metadata stay on the host.
+  Buffers& b = buf_;
+  const kernels::Stream stream = nullptr;
+  auto stage = [&](kernels::KernelBuffer& to, const void* src, int64_t bytes) -> absl::StatusOr<const void*> {
+    if (!device_) return src;
+    RETURN_IF_ERROR(to.Reserve(&kern, bytes));
+    RETURN_IF_ERROR(kern.CopyToKernel(to.data(), src, bytes, stream));
+    return static_cast<const void*>(to.data());
+  };
+  RETURN_IF_ERROR(b.send_rows.Reserve(&kern, n_send * row_bytes));
+  if (n_send > 0) {
+    kernels::GatherParams pack;
+    pack.d = d;
+    ASSIGN_OR_RETURN(pack.in, stage(b.hidden, in.hidden, in.tokens * row_bytes));
+    pack.in_rows = in.tokens;
+    ASSIGN_OR_RETURN(const void* index, stage(b.send_index, send_token.data(), n_send * 4));
+    pack.index = static_cast<const int32_t*>(index);
+    pack.n = n_send;
+    pack.out = b.send_rows.data();
+    RETURN_IF_ERROR(kern.Gather(pack, stream));
+  }
   int64_t n_recv = 0;
   for (int64_t c : agreement.recv_counts) n_recv += c;
   std::vector<int64_t> send_bytes(p), recv_bytes(p), send_meta_bytes(p), recv_meta_bytes(p);
   for (int i = 0; i < p; ++i) {
-    send_bytes[i] = source.send_splits[i] * d * 2;
-    recv_bytes[i] = agreement.recv_counts[i] * d * 2;
+    send_bytes[i] = source.send_splits[i] * row_bytes;
+    recv_bytes[i] = agreement.recv_counts[i] * row_bytes;
     send_meta_bytes[i] = source.send_splits[i] * 4;
     recv_meta_bytes[i] = agreement.recv_counts[i] * 4;
   }
-  std::vector<uint16_t>& recv_rows = buf_.recv_rows;
-  recv_rows.resize(static_cast<size_t>(n_recv) * d);
+  RETURN_IF_ERROR(b.recv_rows.Reserve(&kern, n_recv * row_bytes));
   std::vector<int32_t>& recv_meta = buf_.recv_meta;
   recv_meta.resize(n_recv);
   RETURN_IF_ERROR(handle->MarkDispatchInFlight());
   RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, send_meta.data(), send_meta_bytes, recv_meta.data(),
                                                 recv_meta_bytes, options_.timeout));
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, send_rows.data(), send_bytes, recv_rows.data(),
+  RETURN_IF_ERROR(kern.Synchronize(stream));  // the transport reads the packed rows on its own stream
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, b.send_rows.data(), send_bytes, b.recv_rows.data(),
                                                 recv_bytes, options_.timeout));
   RETURN_IF_ERROR(handle->MarkExpertRowsReady());
 
@@ -266,46 +310,45 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   for (int64_t i = 0; i < n_recv; ++i) received[i] = PhysicalSlotId(recv_meta[i]);
   DestinationPlan& dest = buf_.dest;
   RETURN_IF_ERROR(PlanDestination(layout, options_.rank, agreement.recv_counts, received, &dest));
-  std::vector<uint16_t>& expert_in = buf_.expert_in;
-  std::vector<uint16_t>& expert_out = buf_.expert_out;
-  expert_in.resize(static_cast<size_t>(n_recv) * d);
-  expert_out.resize(expert_in.size());
-  kernels::GatherParams repack;
-  repack.d = d;
-  repack.in = recv_rows.data();
-  repack.in_rows = n_recv;
-  repack.index = dest.expert_order.data();
-  repack.n = n_recv;
-  repack.out = expert_in.data();
-  if (n_recv > 0) RETURN_IF_ERROR(kern.Gather(repack, nullptr));
+  RETURN_IF_ERROR(b.expert_in.Reserve(&kern, n_recv * row_bytes));
+  RETURN_IF_ERROR(b.expert_out.Reserve(&kern, n_recv * row_bytes));
+  RETURN_IF_ERROR(b.back_rows.Reserve(&kern, n_recv * row_bytes));
+  RETURN_IF_ERROR(b.returned.Reserve(&kern, n_send * row_bytes));
   const int local_slots = static_cast<int>(dest.expert_counts.size());
   if (n_recv > 0) {
-    if (static_cast<int64_t>(weights.w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.d_ff) {
+    if (static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
       return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                         " number of local slots than placement-v", version.value()));
     }
+    kernels::GatherParams repack;
+    repack.d = d;
+    repack.in = b.recv_rows.data();
+    repack.in_rows = n_recv;
+    ASSIGN_OR_RETURN(const void* order, stage(b.order, dest.expert_order.data(), n_recv * 4));
+    repack.index = static_cast<const int32_t*>(order);
+    repack.n = n_recv;
+    repack.out = b.expert_in.data();
+    RETURN_IF_ERROR(kern.Gather(repack, stream));
     kernels::SwigluParams sw;
-    sw.weights = {weights.w_gate_up.data(), weights.w_down.data(), local_slots, d, weights.d_ff};
-    sw.x = expert_in.data();
+    sw.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
+    sw.x = b.expert_in.as<uint16_t>();
     sw.rows = n_recv;
     sw.host_offsets = dest.expert_offsets.data();
-    sw.y = expert_out.data();
-    RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
+    sw.y = b.expert_out.as<uint16_t>();
+    RETURN_IF_ERROR(kern.Swiglu(sw, stream));
+    kernels::GatherParams unpack = repack;
+    unpack.in = b.expert_out.data();
+    ASSIGN_OR_RETURN(const void* position, stage(b.position, dest.expert_position.data(), n_recv * 4));
+    unpack.index = static_cast<const int32_t*>(position);
+    unpack.out = b.back_rows.data();
+    RETURN_IF_ERROR(kern.Gather(unpack, stream));
+    RETURN_IF_ERROR(kern.Synchronize(stream));
   }
   RETURN_IF_ERROR(handle->MarkExpertOutputReady());
-  std::vector<uint16_t>& back_rows = buf_.back_rows;
-  std::vector<uint16_t>& returned = buf_.returned;
-  back_rows.resize(expert_out.size());
-  returned.resize(send_rows.size());
-  kernels::GatherParams unpack = repack;
-  unpack.in = expert_out.data();
-  unpack.index = dest.expert_position.data();
-  unpack.out = back_rows.data();
-  if (n_recv > 0) RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
 
   // Phase: return exchange (splits reversed), then combine over the semantic key.
   RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, back_rows.data(), recv_bytes, returned.data(),
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, b.back_rows.data(), recv_bytes, b.returned.data(),
                                                 send_bytes, options_.timeout));
   // Token-major view of the handle's coordinates for the kernel: route (t, j) -> send position.
   std::vector<int32_t>& row_of_route = buf_.row_of_route;
@@ -320,9 +363,15 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   }
   result.output.assign(static_cast<size_t>(in.tokens) * d, 0);
   if (in.tokens > 0) {
-    kernels::CombineParams c{returned.data(), n_send, d, row_of_route.data(), gates.data(), in.tokens, in.k, nullptr,
-                             result.output.data()};
-    RETURN_IF_ERROR(kern.Combine(c, nullptr));
+    const int64_t routes_n = in.tokens * in.k;
+    ASSIGN_OR_RETURN(const void* rows_of, stage(b.row_of_route_k, row_of_route.data(), routes_n * 4));
+    ASSIGN_OR_RETURN(const void* gate_of, stage(b.gates_k, gates.data(), routes_n * 4));
+    if (device_) RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
+    uint16_t* out = device_ ? b.output.as<uint16_t>() : result.output.data();
+    kernels::CombineParams c{b.returned.as<uint16_t>(), n_send, d, static_cast<const int32_t*>(rows_of),
+                             static_cast<const float*>(gate_of), in.tokens, in.k, nullptr, out};
+    RETURN_IF_ERROR(kern.Combine(c, stream));
+    if (device_) RETURN_IF_ERROR(kern.CopyToHost(result.output.data(), out, in.tokens * row_bytes, stream));
   }
   RETURN_IF_ERROR(handle->MarkOriginRowsReady());
   RETURN_IF_ERROR(handle->Release());

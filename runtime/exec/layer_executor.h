@@ -6,8 +6,12 @@
 //   -> SwiGLU experts -> return all-to-all-v -> gate-weighted combine in FP32 -> release.
 //
 // Every member of the process group must call Execute for every step, in the same order, with
-// the same step id and layer (a rank with no tokens calls it with T = 0). Rows are BF16 host
-// memory; the kernels object decides where experts run (the CPU reference in CPU builds).
+// the same step id and layer (a rank with no tokens calls it with T = 0). The engine's rows are
+// BF16 host memory; the kernels object decides where experts run: the CPU reference in CPU
+// builds, the GPU with CUDA kernels, which keep every row payload (packed, exchanged,
+// repacked, expert outputs, returned) and the weights in device memory and need a transport
+// that moves device memory (NCCL). Only the input rows, the index tables and the combined
+// output cross PCIe.
 //
 // Thread-safety: Execute calls are serialized by the caller (one step at a time per rank).
 #ifndef MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
@@ -115,16 +119,22 @@ class LayerExecutor {
   explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
   absl::Status Validate(const LayerStepInput& in, int num_experts) const;
 
+  struct ResidentExperts;
+
   LayerExecutorOptions options_;
+  bool device_ = false;  // the kernels keep rows in device memory
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   std::vector<int64_t> expert_load_ ABSL_GUARDED_BY(generations_mu_);
-  std::map<int64_t, std::shared_ptr<const LocalExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);
+  std::map<int64_t, std::shared_ptr<const ResidentExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
 
   // Step buffers, reused across steps: steady-state steps allocate (and page-fault) nothing.
   struct Buffers {
-    std::vector<uint16_t> send_rows, recv_rows, expert_in, expert_out, back_rows, returned;
+    // Rows and the index tables the kernels read, in kernel memory (staged copies of host
+    // tables exist only when that memory is the device's).
+    kernels::KernelBuffer hidden, send_index, send_rows, recv_rows, order, expert_in, expert_out, position, back_rows,
+        returned, row_of_route_k, gates_k, output;
     std::vector<int32_t> send_meta, recv_meta, row_of_route;
     std::vector<float> gates;
     std::vector<PhysicalSlotId> slots, accepted_slots, received;

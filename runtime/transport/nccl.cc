@@ -54,9 +54,12 @@ class NcclTransport final : public Transport {
   const char* name() const override { return "nccl"; }
   int slot() const override { return options_.slot; }
   int size() const override { return options_.size; }
+  bool accepts_device_memory() const override { return true; }
 
   absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
+    // Callers may be any thread (gRPC handlers start on device 0): bind the communicator's device.
+    CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options_.device));
     return WithDevice(in, bytes, out, bytes * size(), [&](const void* din, void* dout) -> absl::Status {
       NCCL_RETURN_IF_ERROR(ncclAllGather(din, dout, bytes, ncclUint8, comm_, stream_));
       return Wait(seq, timeout);
@@ -66,6 +69,8 @@ class NcclTransport final : public Transport {
   absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
                          absl::Span<const int64_t> recv_bytes, absl::Duration timeout) override {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
+    // Callers may be any thread (gRPC handlers start on device 0): bind the communicator's device.
+    CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options_.device));
     if (static_cast<int>(send_bytes.size()) != size() || static_cast<int>(recv_bytes.size()) != size()) {
       return absl::InvalidArgumentError("split vectors must have one entry per peer slot");
     }

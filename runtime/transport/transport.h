@@ -33,6 +33,8 @@ class Transport {
   // This member's peer slot and the group size.
   virtual int slot() const = 0;
   virtual int size() const = 0;
+  // Whether `send` / `recv` may be device memory (NCCL); host memory is accepted everywhere.
+  virtual bool accepts_device_memory() const { return false; }
 
   // out[i * bytes, (i + 1) * bytes) = peer slot i's `in` (this member's included).
   virtual absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) = 0;

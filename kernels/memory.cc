@@ -1,0 +1,52 @@
+// Host-memory defaults of ExpertKernels' memory calls, and KernelBuffer.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/api.h"
+
+namespace moe::kernels {
+
+absl::StatusOr<void*> ExpertKernels::Allocate(int64_t bytes) {
+  if (bytes < 0) return absl::InvalidArgumentError(absl::StrCat("allocate: ", bytes, " bytes"));
+  void* p = std::malloc(bytes > 0 ? static_cast<size_t>(bytes) : 1);
+  if (p == nullptr) return absl::ResourceExhaustedError(absl::StrCat("allocate: ", bytes, " bytes of host memory"));
+  return p;
+}
+
+void ExpertKernels::Free(void* p) { std::free(p); }
+
+absl::Status ExpertKernels::CopyToKernel(void* dst, const void* src, int64_t bytes, Stream) {
+  if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status ExpertKernels::CopyToHost(void* dst, const void* src, int64_t bytes, Stream) {
+  if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
+
+KernelBuffer::~KernelBuffer() {
+  if (ptr_ != nullptr) kernels_->Free(ptr_);
+}
+
+absl::Status KernelBuffer::Reserve(ExpertKernels* kernels, int64_t bytes) {
+  if (ptr_ != nullptr && kernels != kernels_) {
+    return absl::InternalError("kernel buffer: reserved through a different kernels object");
+  }
+  kernels_ = kernels;
+  if (bytes <= size_ && ptr_ != nullptr) return absl::OkStatus();
+  // Grow by at least half again, so steps of slowly rising size reallocate rarely.
+  const int64_t want = std::max<int64_t>(bytes, size_ + size_ / 2);
+  if (ptr_ != nullptr) kernels_->Free(ptr_);
+  ptr_ = nullptr;
+  size_ = 0;
+  auto p = kernels_->Allocate(std::max<int64_t>(want, 256));
+  if (!p.ok()) return p.status();
+  ptr_ = *p;
+  size_ = std::max<int64_t>(want, 256);
+  return absl::OkStatus();
+}
+
+}  // namespace moe::kernels
