@@ -2,7 +2,30 @@
 # deploy/local_cluster.sh and tests/integration/local_cluster_test.sh).
 #   start_ranks RANKD WORK RANKS CHECKPOINT [extra rankd flags...]  -> fills RANK_PIDS
 #   stop_ranks                                                       -> SIGTERM, wait
+#   choose_backend RANKS   -> RANKD, RANKD_FLAGS, BACKEND_NAME (cpu+ucx, or cuda+nccl)
 RANK_PIDS=()
+RANKD_FLAGS=()
+
+# CUDA kernels + NCCL when this machine has at least RANKS GPUs and a moe-rankd-gpu binary
+# (RANKD_GPU, built here with --config=gpu when nvcc exists and it is not given); CPU kernels +
+# UCX otherwise, or when BACKEND=cpu. One GPU per rank (NCCL needs distinct devices).
+choose_backend() {
+  local ranks="$1" gpus=0
+  if command -v nvidia-smi >/dev/null 2>&1; then gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; fi
+  if [ "${BACKEND:-auto}" != cpu ] && [ "$gpus" -ge "$ranks" ] && [ -z "${RANKD_GPU:-}" ] && [ -z "${SKIP_BUILD:-}" ] &&
+    [ -x /usr/local/cuda/bin/nvcc ]; then
+    bazel build --config=gpu //server:moe-rankd-gpu >/dev/null 2>&1 && RANKD_GPU=bazel-bin/server/moe-rankd-gpu
+  fi
+  if [ "${BACKEND:-auto}" != cpu ] && [ "$gpus" -ge "$ranks" ] && [ -x "${RANKD_GPU:-}" ]; then
+    RANKD="$RANKD_GPU"
+    RANKD_FLAGS=(--kernels cuda --transport nccl)
+    BACKEND_NAME="CUDA kernels + NCCL, one of $gpus GPUs per rank"
+    export NCCL_NVLS_ENABLE=0
+  else
+    RANKD_FLAGS=()
+    BACKEND_NAME="CPU kernels + UCX"
+  fi
+}
 
 start_ranks() {
   local rankd="$1" work="$2" ranks="$3" checkpoint="$4"
@@ -10,7 +33,7 @@ start_ranks() {
   mkdir -p "$work/rendezvous" "$work/ports" "$work/metrics"
   for ((r = 0; r < ranks; r++)); do
     "$rankd" --rank "$r" --world "$ranks" --rendezvous_dir "$work/rendezvous" --checkpoint "$checkpoint" \
-      --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" "$@" >"$work/rank$r.log" 2>&1 &
+      --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} "$@" >"$work/rank$r.log" 2>&1 &
     RANK_PIDS+=($!)
   done
   for ((r = 0; r < ranks; r++)); do

@@ -22,11 +22,14 @@ source deploy/cluster_lib.sh
 work="$(mktemp -d "${TEST_TMPDIR:-/tmp}/rollout.XXXXXX")"
 ctl_pid=""
 trap '[ -n "$ctl_pid" ] && kill "$ctl_pid" 2>/dev/null; stop_ranks; rm -rf "$work"' EXIT
+ts() { date +%H:%M:%S.%N | cut -c1-12; }
 token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1"; }
 token "$work/token"
 token "$work/agent_token"
 $M checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
   --out "$work/checkpoint.safetensors" >/dev/null
+choose_backend "$RANKS"
+echo "$(ts)  $RANKS ranks: $BACKEND_NAME"
 start_ranks "$RANKD" "$work" "$RANKS" "$work/checkpoint.safetensors" \
   --agent_token_file "$work/agent_token"
 ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
@@ -38,7 +41,6 @@ ctl_pid=$!
 for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
 ctl() { $M "${C[@]}" "$@"; }
-ts() { date +%H:%M:%S.%N | cut -c1-12; }
 
 walk_and_load() {  # walk_and_load RELEASE MANIFEST_JSON
   ctl release register "$1" --digest "sha256:$(sha256sum "$2" | cut -c1-16)" >/dev/null

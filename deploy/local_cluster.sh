@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A local cluster on one machine: a synthetic checkpoint, RANKS moe-rankd processes (CPU kernels,
-# UCX over the loopback interface; two "nodes" of RANKS/2 ranks), and the engine driver, which
+# A local cluster on one machine: a synthetic checkpoint, RANKS moe-rankd processes (two "nodes"
+# of RANKS/2 ranks; CPU kernels and UCX over the loopback interface, or CUDA kernels and NCCL
+# with one GPU per rank where there are RANKS GPUs: see choose_backend), and the engine driver, which
 # runs prefill, decode, mixed and oversize steps under uniform and hot-expert routing, checks
 # every output against the direct semantic computation and prints a summary. The ranks are
 # stopped with SIGTERM (drain) at the end. Exit status: the driver's (0 = no failures, no
@@ -9,20 +10,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS="${RANKS:-4}"
 ROUNDS="${ROUNDS:-3}"
-bazel build //server:moe-rankd //server:engine_driver //control:moectl >/dev/null 2>&1 ||
-  bazel build //server:moe-rankd //server:engine_driver //control:moectl
+# Binaries: built here unless given (SKIP_BUILD=1 with RANKD / RANKD_GPU / DRIVER / MOECTL, e.g.
+# from tools/gpu_bundle.sh on a GPU machine without Bazel).
+RANKD="${RANKD:-bazel-bin/server/moe-rankd}" DRIVER="${DRIVER:-bazel-bin/server/engine_driver}"
+M="${MOECTL:-bazel-bin/control/moectl}"
+if [ -z "${SKIP_BUILD:-}" ]; then
+  bazel build //server:moe-rankd //server:engine_driver //control:moectl >/dev/null 2>&1 ||
+    bazel build //server:moe-rankd //server:engine_driver //control:moectl
+fi
 source deploy/cluster_lib.sh
+choose_backend "$RANKS"
 work="$(mktemp -d)"
 trap 'stop_ranks; rm -rf "$work"' EXIT
-bazel-bin/control/moectl checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
+"$M" checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
   --out "$work/checkpoint.safetensors"
-start_ranks bazel-bin/server/moe-rankd "$work" "$RANKS" "$work/checkpoint.safetensors"
-echo "started $RANKS ranks: gRPC ports $(for f in "$work"/ports/*.port; do printf '%s ' "$(cat "$f")"; done)"
+start_ranks "$RANKD" "$work" "$RANKS" "$work/checkpoint.safetensors"
+echo "started $RANKS ranks ($BACKEND_NAME): gRPC ports $(for f in "$work"/ports/*.port; do printf '%s ' "$(cat "$f")"; done)"
 set +e
-bazel-bin/server/engine_driver --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
   --rounds "$ROUNDS"
 status=$?
 set -e
+if [ "$status" -ne 0 ]; then
+  for f in "$work"/rank*.log; do echo "== $f"; tail -20 "$f"; done
+fi
 echo
 echo "== a scrape of rank 0's metrics (http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics)"
 scrape="$work/scrape.txt"

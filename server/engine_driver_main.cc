@@ -59,6 +59,8 @@ struct Stats {
   std::vector<std::tuple<int64_t, uint64_t, uint64_t>> timeline;  // (generation, first step, last step)
   std::map<std::string, int64_t> fallbacks;
   std::map<std::string, std::vector<double>> latency_us;  // by phase
+  // By timeline segment, then phase: the latency before, during and after a rollout.
+  std::vector<std::map<std::string, std::vector<double>>> segment_latency_us;
 };
 
 double Percentile(std::vector<double> v, double q) {
@@ -291,6 +293,7 @@ int Main() {
           }
           if (stats.timeline.empty() || std::get<0>(stats.timeline.back()) != gen) {
             stats.timeline.emplace_back(gen, step, step);
+            stats.segment_latency_us.emplace_back();
           } else {
             std::get<2>(stats.timeline.back()) = step;
           }
@@ -325,6 +328,9 @@ int Main() {
             else ++stats.fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
           }
           stats.latency_us[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
+          if (!stats.segment_latency_us.empty()) {
+            stats.segment_latency_us.back()[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
+          }
         }
         std::printf("%s", isatty(1) ? "\r" : "");
         std::printf("round %d/%s  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1,
@@ -359,6 +365,15 @@ int Main() {
                 static_cast<unsigned long long>(last));
   }
   std::printf("\n");
+  for (size_t i = 0; i < stats.timeline.size() && stats.timeline.size() > 1; ++i) {
+    std::printf("    placement-v%lld (steps %llu-%llu):", static_cast<long long>(std::get<0>(stats.timeline[i])),
+                static_cast<unsigned long long>(std::get<1>(stats.timeline[i])),
+                static_cast<unsigned long long>(std::get<2>(stats.timeline[i])));
+    for (const auto& [phase, v] : stats.segment_latency_us[i]) {
+      std::printf("  %s p50 %.0f us p99 %.0f us (%zu)", phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size());
+    }
+    std::printf("\n");
+  }
   if (stats.generation_splits > 0) {
     std::printf("  GENERATION SPLITS   %lld (ranks answered one step under different generations)\n",
                 static_cast<long long>(stats.generation_splits));
