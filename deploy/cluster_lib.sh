@@ -6,18 +6,19 @@
 RANK_PIDS=()
 RANKD_FLAGS=()
 
-# CUDA kernels + NCCL when this machine has at least RANKS GPUs and a moe-rankd-gpu binary
-# (RANKD_GPU, built here with --config=gpu when nvcc exists and it is not given); CPU kernels +
-# UCX otherwise, or when BACKEND=cpu. One GPU per rank (NCCL needs distinct devices).
+# CUDA kernels + NCCL when this machine has at least RANKS GPUs and moe-rankd's CUDA backend
+# (libmoe_cuda.so next to RANKD; built here with --config=gpu when nvcc exists and SKIP_BUILD is
+# unset); CPU kernels + UCX otherwise, or when BACKEND=cpu. One GPU per rank (NCCL needs
+# distinct devices).
 choose_backend() {
-  local ranks="$1" gpus=0
+  local ranks="$1" gpus=0 plugin
+  plugin="$(dirname "$RANKD")/libmoe_cuda.so"
   if command -v nvidia-smi >/dev/null 2>&1; then gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; fi
-  if [ "${BACKEND:-auto}" != cpu ] && [ "$gpus" -ge "$ranks" ] && [ -z "${RANKD_GPU:-}" ] && [ -z "${SKIP_BUILD:-}" ] &&
+  if [ "${BACKEND:-auto}" != cpu ] && [ "$gpus" -ge "$ranks" ] && [ ! -e "$plugin" ] && [ -z "${SKIP_BUILD:-}" ] &&
     [ -x /usr/local/cuda/bin/nvcc ]; then
-    bazel build --config=gpu //server:moe-rankd-gpu >/dev/null 2>&1 && RANKD_GPU=bazel-bin/server/moe-rankd-gpu
+    bazel build --config=gpu //server:libmoe_cuda.so >/dev/null 2>&1 || true
   fi
-  if [ "${BACKEND:-auto}" != cpu ] && [ "$gpus" -ge "$ranks" ] && [ -x "${RANKD_GPU:-}" ]; then
-    RANKD="$RANKD_GPU"
+  if [ "${BACKEND:-auto}" != cpu ] && [ "$gpus" -ge "$ranks" ] && [ -e "$plugin" ]; then
     RANKD_FLAGS=(--kernels cuda --transport nccl)
     BACKEND_NAME="CUDA kernels + NCCL, one of $gpus GPUs per rank"
     export NCCL_NVLS_ENABLE=0

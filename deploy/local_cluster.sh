@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RANKS="${RANKS:-4}"
 ROUNDS="${ROUNDS:-3}"
-# Binaries: built here unless given (SKIP_BUILD=1 with RANKD / RANKD_GPU / DRIVER / MOECTL, e.g.
+# Binaries: built here unless given (SKIP_BUILD=1 with RANKD / DRIVER / MOECTL, e.g.
 # from tools/gpu_bundle.sh on a GPU machine without Bazel).
 RANKD="${RANKD:-bazel-bin/server/moe-rankd}" DRIVER="${DRIVER:-bazel-bin/server/engine_driver}"
 M="${MOECTL:-bazel-bin/control/moectl}"

@@ -7,13 +7,9 @@
 
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 
-#ifdef MOE_RANKD_CUDA
-#include <cuda_runtime.h>
-
-#include "runtime/transport/nccl.h"
-#endif
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 
@@ -30,6 +26,7 @@
 #include "runtime/placement/default_placement.h"
 #include "runtime/status.h"
 #include "runtime/transport/transport.h"
+#include "server/cuda_backend.h"
 #include "server/expert_layer_service.h"
 #include "server/daemon_util.h"
 #include "server/metrics.h"
@@ -53,9 +50,12 @@ ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "decode graph bucket: routes p
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
-ABSL_FLAG(std::string, kernels, "cpu", "where experts run: cpu, or cuda (moe-rankd-gpu only)");
-ABSL_FLAG(std::string, transport, "ucx", "how rows move between ranks: ucx (host memory), or nccl (moe-rankd-gpu only)");
-ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (moe-rankd-gpu; -1: the rank's index)");
+ABSL_FLAG(std::string, kernels, "cpu", "where experts run: cpu, or cuda (loads the CUDA backend)");
+ABSL_FLAG(std::string, transport, "ucx",
+          "how rows move between ranks: ucx (host memory), or nccl (GPU memory; loads the CUDA backend; needs "
+          "--kernels=cuda for device-resident rows, otherwise rows are staged through the GPU)");
+ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (-1: the rank's index)");
+ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to this executable)");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -80,20 +80,6 @@ absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const
   return transport;
 }
 
-#ifdef MOE_RANKD_CUDA
-// Makes `gpu` (or the rank's index when negative) this process's device before any CUDA object
-// is created; the kernels and the transport bind it again on every call from other threads.
-absl::Status UseGpu(int gpu) {
-  const int device = gpu >= 0 ? gpu : absl::GetFlag(FLAGS_rank);
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return absl::UnavailableError("no CUDA device");
-  if (device >= count) {
-    return absl::InvalidArgumentError(absl::StrCat("device ", device, " does not exist (", count, " visible)"));
-  }
-  if (cudaSetDevice(device) != cudaSuccess) return absl::UnavailableError(absl::StrCat("cudaSetDevice(", device, ")"));
-  return absl::OkStatus();
-}
-#endif
 
 int Main() {
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
@@ -145,52 +131,50 @@ int Main() {
   registry.Prepare(*manifest).IgnoreError();
   registry.Activate(PlacementVersion(1)).IgnoreError();
 
-  // Kernels and transport: CPU + UCX in every build; CUDA + NCCL in moe-rankd-gpu.
+  // Kernels and transport: CPU + UCX built in; CUDA + NCCL from the plugin (server/cuda_backend.h).
   const std::string kernels_flag = absl::GetFlag(FLAGS_kernels), transport_flag = absl::GetFlag(FLAGS_transport);
-  std::unique_ptr<kernels::ExpertKernels> kernels;
-  std::unique_ptr<Transport> transport;
-  if (kernels_flag == "cpu") {
-    kernels = kernels::CreateCpuKernels();
-  } else if (kernels_flag == "cuda") {
-#ifdef MOE_RANKD_CUDA
-    if (absl::Status s = UseGpu(absl::GetFlag(FLAGS_gpu)); !s.ok()) {
-      spdlog::error("--gpu: {}", std::string(s.message()));
-      return 1;
-    }
-    auto k = kernels::CreateCudaKernels();
-    if (!k.ok()) {
-      spdlog::error("--kernels=cuda: {}", std::string(k.status().message()));
-      return 1;
-    }
-    kernels = *std::move(k);
-#else
-    spdlog::error("--kernels=cuda: this moe-rankd has no CUDA (run moe-rankd-gpu, built with --config=gpu)");
-    return 2;
-#endif
-  } else {
+  if (kernels_flag != "cpu" && kernels_flag != "cuda") {
     spdlog::error("--kernels={}: expected cpu or cuda", kernels_flag);
     return 2;
   }
+  if (transport_flag != "ucx" && transport_flag != "nccl") {
+    spdlog::error("--transport={}: expected ucx or nccl", transport_flag);
+    return 2;
+  }
+  const int gpu = absl::GetFlag(FLAGS_gpu) >= 0 ? absl::GetFlag(FLAGS_gpu) : rank;
+  std::optional<CudaBackend> cuda;
+  if (kernels_flag == "cuda" || transport_flag == "nccl") {
+    auto loaded = CudaBackend::Load(absl::GetFlag(FLAGS_cuda_backend));
+    if (!loaded.ok()) {
+      spdlog::error("--kernels={} --transport={}: {}", kernels_flag, transport_flag, std::string(loaded.status().message()));
+      return 2;
+    }
+    cuda = *loaded;
+  }
+  std::unique_ptr<kernels::ExpertKernels> kernels;
+  if (kernels_flag == "cuda") {
+    auto k = cuda->CreateKernels(gpu);
+    if (!k.ok()) {
+      spdlog::error("--kernels=cuda --gpu {}: {}", gpu, std::string(k.status().message()));
+      return 1;
+    }
+    kernels = *std::move(k);
+  } else {
+    kernels = kernels::CreateCpuKernels();
+  }
+  std::unique_ptr<Transport> transport;
   if (transport_flag == "nccl") {
-#ifdef MOE_RANKD_CUDA
-    NcclOptions nccl;
+    NcclBackendOptions nccl;
     nccl.slot = group.SlotOf(Rank(rank)).value();
     nccl.size = world;
-    nccl.device = absl::GetFlag(FLAGS_gpu) >= 0 ? absl::GetFlag(FLAGS_gpu) : rank;
+    nccl.device = gpu;
     nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
-    auto t = CreateNcclTransport(nccl);
+    auto t = cuda->CreateNccl(nccl);
     if (!t.ok()) {
-      spdlog::error("nccl: {}", std::string(t.status().message()));
+      spdlog::error("{}", std::string(t.status().message()));
       return 1;
     }
     transport = *std::move(t);
-#else
-    spdlog::error("--transport=nccl: this moe-rankd has no NCCL (run moe-rankd-gpu, built with --config=gpu)");
-    return 2;
-#endif
-  } else if (transport_flag != "ucx") {
-    spdlog::error("--transport={}: expected ucx or nccl", transport_flag);
-    return 2;
   }
   if (transport == nullptr) {
     auto t = ConnectUcx(rank, world, group);

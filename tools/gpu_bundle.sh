@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Builds the gpu-tagged tests and benchmarks, moe-rankd-gpu and the processes of a local cluster here (Debian 12, nvcc) and bundles them with the
-# non-system shared libraries they need into dist/gpu, for a GPU machine without Bazel or the
+# Builds the gpu-tagged tests and benchmarks, the processes of a local cluster and moe-rankd's
+# CUDA backend (libmoe_cuda.so) here (Debian 12, nvcc) and bundles them with the non-system
+# shared libraries they need into dist/gpu, for a GPU machine without Bazel or the
 # Debian libraries (Ubuntu 24.04, CUDA 13): run there with LD_LIBRARY_PATH=dist/gpu/lib.
 # CUDA's own libraries (cudart, cuBLAS, NCCL) come from the GPU machine's CUDA installation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGETS=(//tests/kernels:cuda_kernels_test //tests/transport:nccl_transport_test //tests/transport:nccl_executor_test
   //bench/gpu:expert_layer_bench //bench/gpu:a2a_bench //bench:eplb_bench
-  //server:moe-rankd-gpu //server:engine_driver //control:moectl //control/controller:moe-controller)
+  //server:moe-rankd //server:libmoe_cuda.so //server:engine_driver //control:moectl //control/controller:moe-controller)
 bazel build --config=gpu "${TARGETS[@]}"
 out=dist/gpu
 rm -rf "$out"

@@ -1,4 +1,4 @@
-// Layer steps across the GPUs of this host the way moe-rankd-gpu runs them: one forked process
+// Layer steps across the GPUs of this host the way moe-rankd runs them with its CUDA backend: one forked process
 // per GPU, CUDA kernels with every row payload in device memory, the NCCL transport moving
 // device buffers. Every member's output must equal the direct semantic computation (0x03C3)
 // on the CPU reference, for random and hot-expert routings, prefill- and decode-sized steps,

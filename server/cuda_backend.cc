@@ -1,0 +1,54 @@
+#include "server/cuda_backend.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+namespace {
+
+std::string NextToExecutable(const char* name) {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return name;
+  std::string exe(buf, n);
+  const size_t slash = exe.rfind('/');
+  return slash == std::string::npos ? name : exe.substr(0, slash + 1) + name;
+}
+
+}  // namespace
+
+absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path) {
+  const std::string file = path.empty() ? NextToExecutable("libmoe_cuda.so") : path;
+  void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("cuda backend ", file, ": ", dlerror(),
+                                                      " (build it with tools/gpu_bundle.sh or --config=gpu)"));
+  }
+  CudaBackend b;
+  b.kernels_ = reinterpret_cast<KernelsFactory>(dlsym(lib, "moe_cuda_create_kernels"));
+  b.nccl_ = reinterpret_cast<NcclFactory>(dlsym(lib, "moe_cuda_create_nccl"));
+  if (b.kernels_ == nullptr || b.nccl_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("cuda backend ", file, ": entry points missing"));
+  }
+  return b;
+}
+
+absl::StatusOr<std::unique_ptr<kernels::ExpertKernels>> CudaBackend::CreateKernels(int device) const {
+  std::string error;
+  std::unique_ptr<kernels::ExpertKernels> k(kernels_(device, &error));
+  if (k == nullptr) return absl::UnavailableError(absl::StrCat("cuda kernels on device ", device, ": ", error));
+  return k;
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CudaBackend::CreateNccl(const NcclBackendOptions& options) const {
+  std::string error;
+  std::unique_ptr<Transport> t(nccl_(&options, &error));
+  if (t == nullptr) return absl::UnavailableError(absl::StrCat("nccl: ", error));
+  return t;
+}
+
+}  // namespace moe

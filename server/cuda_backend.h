@@ -1,0 +1,57 @@
+// The CUDA backend of moe-rankd (CUDA kernels + the NCCL transport), loaded with dlopen from
+// libmoe_cuda.so when --kernels=cuda or --transport=nccl asks for it.
+//
+// Why a plugin: cuBLASLt, cuBLAS, NCCL and cudart carry ~125 KB of static thread-local storage.
+// Linked into the executable, that TLS is reserved in every thread's stack, and civetweb (the
+// Prometheus exposer's server) starts its threads with a fixed 100 KB stack, which then cannot
+// hold it: the exposer fails with "Cannot create threads". Libraries loaded with dlopen get their
+// TLS allocated on demand instead, so the daemon keeps its metrics and the CPU build links no
+// CUDA library at all.
+#ifndef MOE_SERVER_CUDA_BACKEND_H_
+#define MOE_SERVER_CUDA_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/api.h"
+#include "runtime/transport/transport.h"
+
+namespace moe {
+
+struct NcclBackendOptions {
+  int slot = 0;
+  int size = 1;
+  int device = 0;
+  std::string rendezvous_dir;  // member 0 publishes the NCCL unique id here
+  int connect_timeout_ms = 60000;
+};
+
+class CudaBackend {
+ public:
+  // Loads the plugin (`path`; empty: libmoe_cuda.so next to this executable). The library stays
+  // loaded for the life of the process.
+  static absl::StatusOr<CudaBackend> Load(const std::string& path);
+
+  // Makes `device` current and creates the CUDA kernels on it (every call binds it again).
+  absl::StatusOr<std::unique_ptr<kernels::ExpertKernels>> CreateKernels(int device) const;
+  absl::StatusOr<std::unique_ptr<Transport>> CreateNccl(const NcclBackendOptions& options) const;
+
+  using KernelsFactory = kernels::ExpertKernels* (*)(int device, std::string* error);
+  using NcclFactory = Transport* (*)(const NcclBackendOptions* options, std::string* error);
+
+ private:
+  KernelsFactory kernels_ = nullptr;
+  NcclFactory nccl_ = nullptr;
+};
+
+}  // namespace moe
+
+// The plugin's entry points (C linkage so dlsym finds them by name). On failure they return
+// null and describe the error in `*error`.
+extern "C" {
+moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* error);
+moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std::string* error);
+}
+
+#endif  // MOE_SERVER_CUDA_BACKEND_H_

@@ -1,0 +1,48 @@
+// libmoe_cuda.so: the CUDA kernels and the NCCL transport behind server/cuda_backend.h's entry
+// points.
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/transport/nccl.h"
+#include "server/cuda_backend.h"
+
+extern "C" {
+
+moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* error) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    *error = "no CUDA device";
+    return nullptr;
+  }
+  if (device < 0 || device >= count) {
+    *error = absl::StrCat("device ", device, " does not exist (", count, " visible)");
+    return nullptr;
+  }
+  if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+    *error = absl::StrCat("cudaSetDevice(", device, "): ", cudaGetErrorString(e));
+    return nullptr;
+  }
+  auto k = moe::kernels::CreateCudaKernels();
+  if (!k.ok()) {
+    *error = std::string(k.status().message());
+    return nullptr;
+  }
+  return k->release();
+}
+
+moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std::string* error) {
+  moe::NcclOptions o;
+  o.slot = options->slot;
+  o.size = options->size;
+  o.device = options->device;
+  o.rendezvous_dir = options->rendezvous_dir;
+  o.connect_timeout = absl::Milliseconds(options->connect_timeout_ms);
+  auto t = moe::CreateNcclTransport(o);
+  if (!t.ok()) {
+    *error = std::string(t.status().message());
+    return nullptr;
+  }
+  return t->release();
+}
+
+}  // extern "C"
