@@ -228,6 +228,57 @@ __global__ void DequantizeFp8Kernel(const __nv_fp8_storage_t* __restrict__ q, co
   }
 }
 
+// Per-128 groups of a row-major [rows, d] payload with d % 128 == 0 are contiguous: group g is
+// values [128 g, 128 g + 128) and owns scale g. One warp per group, four values a lane: the
+// amax by shuffles, one 8-byte load and one 4-byte store a lane (the block-per-group kernel
+// above left half its threads idle and reduced through shared memory).
+__device__ __forceinline__ uint32_t ToFp8(float v) {
+  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+__global__ void QuantizeFp8Group128Kernel(const __nv_bfloat16* __restrict__ x, int64_t groups,
+                                          __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t g = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5; g < groups; g += warps) {
+    const uint2 raw = reinterpret_cast<const uint2*>(x + g * 128)[lane];
+    const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    const float v0 = __low2float(a), v1 = __high2float(a), v2 = __low2float(b), v3 = __high2float(b);
+    float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0 ? amax / 448.0f : 1.0f;
+    if (lane == 0) scales[g] = scale;
+    reinterpret_cast<uint32_t*>(q + g * 128)[lane] =
+        ToFp8(v0 / scale) | ToFp8(v1 / scale) << 8 | ToFp8(v2 / scale) << 16 | ToFp8(v3 / scale) << 24;
+  }
+}
+
+// Eight values a thread (d and the group a multiple of 8, so they share one scale): one 8-byte
+// load, pairwise FP8 -> half conversion, one 16-byte store.
+__global__ void DequantizeFp8Vec8Kernel(const __nv_fp8_storage_t* __restrict__ q, const float* __restrict__ scales,
+                                        int64_t vecs, int d, int group, int groups_per_row,
+                                        __nv_bfloat16* __restrict__ x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vecs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = i * 8;
+    const int64_t r = e / d;
+    const int c = static_cast<int>(e - r * d);
+    const float scale = scales[r * groups_per_row + c / group];
+    const uint2 raw = reinterpret_cast<const uint2*>(q)[i];
+    const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+    for (int k = 0; k < 4; ++k) {
+      const __half2 h(__nv_cvt_fp8x2_to_halfraw2(pairs[k], __NV_E4M3));
+      const float2 f = __half22float2(h);
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+      o[k] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    reinterpret_cast<uint4*>(x)[i] = out;
+  }
+}
+
 // ---- local-layer row assignment -------------------------------------------------------------
 
 __global__ void AssignRowsKernel(const int32_t* __restrict__ topk, int64_t num_tokens, int k,
@@ -386,6 +437,12 @@ cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group,
                               cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
+  if (group == 128 && d % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0) {
+    const int64_t groups = rows * groups_per_row;
+    QuantizeFp8Group128Kernel<<<Blocks(groups * 32), kThreads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x), groups, reinterpret_cast<__nv_fp8_storage_t*>(q), scales);
+    return cudaGetLastError();
+  }
   QuantizeFp8Kernel<<<static_cast<unsigned>(rows * groups_per_row), kThreads, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), d, group, groups_per_row, reinterpret_cast<__nv_fp8_storage_t*>(q),
       scales);
@@ -396,6 +453,13 @@ cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t r
                                 cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
+  if (d % 8 == 0 && group % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    const int64_t vecs = rows * d / 8;
+    DequantizeFp8Vec8Kernel<<<Blocks(vecs), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q),
+                                                                  scales, vecs, d, group, groups_per_row,
+                                                                  reinterpret_cast<__nv_bfloat16*>(x));
+    return cudaGetLastError();
+  }
   DequantizeFp8Kernel<<<Blocks(rows * d), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q), scales,
                                                                  rows, d, group, groups_per_row,
                                                                  reinterpret_cast<__nv_bfloat16*>(x));

@@ -55,6 +55,7 @@ class NcclTransport final : public Transport {
   int slot() const override { return options_.slot; }
   int size() const override { return options_.size; }
   bool accepts_device_memory() const override { return true; }
+  NcclHandles handles() const { return {broken_ ? nullptr : comm_, stream_}; }
 
   absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
@@ -189,6 +190,11 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
   cudaStream_t stream;
   CUDA_TRANSPORT_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   return std::unique_ptr<Transport>(new NcclTransport(options, comm, stream));
+}
+
+NcclHandles NativeNcclHandles(Transport& transport) {
+  auto* nccl = dynamic_cast<NcclTransport*>(&transport);
+  return nccl == nullptr ? NcclHandles{} : nccl->handles();
 }
 
 }  // namespace moe

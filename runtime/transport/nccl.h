@@ -29,6 +29,16 @@ struct NcclOptions {
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& options);
 
+// The communicator (ncclComm_t) and stream (cudaStream_t) behind a transport made by
+// CreateNcclTransport, for NCCL calls captured into CUDA graphs next to kernels (fixed-size
+// decode buckets). Null for any other transport. Work issued on them is outside the
+// transport's deadline and abort handling: the caller synchronizes it.
+struct NcclHandles {
+  void* comm = nullptr;
+  void* stream = nullptr;
+};
+NcclHandles NativeNcclHandles(Transport& transport);
+
 }  // namespace moe
 
 #endif  // MOE_RUNTIME_TRANSPORT_NCCL_H_
