@@ -31,7 +31,8 @@ absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path) {
   CudaBackend b;
   b.kernels_ = reinterpret_cast<KernelsFactory>(dlsym(lib, "moe_cuda_create_kernels"));
   b.nccl_ = reinterpret_cast<NcclFactory>(dlsym(lib, "moe_cuda_create_nccl"));
-  if (b.kernels_ == nullptr || b.nccl_ == nullptr) {
+  b.graphs_ = reinterpret_cast<GraphsFactory>(dlsym(lib, "moe_cuda_decode_graphs"));
+  if (b.kernels_ == nullptr || b.nccl_ == nullptr || b.graphs_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("cuda backend ", file, ": entry points missing"));
   }
   return b;
@@ -49,6 +50,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CudaBackend::CreateNccl(const NcclBac
   std::unique_ptr<Transport> t(nccl_(&options, &error));
   if (t == nullptr) return absl::UnavailableError(absl::StrCat("nccl: ", error));
   return t;
+}
+
+DecodeGraphFactory CudaBackend::DecodeGraphs(Transport* nccl) const {
+  DecodeGraphFactory f;
+  graphs_(nccl, &f);
+  return f;
 }
 
 }  // namespace moe

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/api.h"
+#include "runtime/exec/decode_graph.h"
 #include "runtime/transport/transport.h"
 
 namespace moe {
@@ -36,13 +37,17 @@ class CudaBackend {
   // Makes `device` current and creates the CUDA kernels on it (every call binds it again).
   absl::StatusOr<std::unique_ptr<kernels::ExpertKernels>> CreateKernels(int device) const;
   absl::StatusOr<std::unique_ptr<Transport>> CreateNccl(const NcclBackendOptions& options) const;
+  // Decode graphs over a transport from CreateNccl (which must outlive them).
+  DecodeGraphFactory DecodeGraphs(Transport* nccl) const;
 
   using KernelsFactory = kernels::ExpertKernels* (*)(int device, std::string* error);
   using NcclFactory = Transport* (*)(const NcclBackendOptions* options, std::string* error);
+  using GraphsFactory = void (*)(Transport* nccl, DecodeGraphFactory* out);
 
  private:
   KernelsFactory kernels_ = nullptr;
   NcclFactory nccl_ = nullptr;
+  GraphsFactory graphs_ = nullptr;
 };
 
 }  // namespace moe
@@ -52,6 +57,7 @@ class CudaBackend {
 extern "C" {
 moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* error);
 moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std::string* error);
+void moe_cuda_decode_graphs(moe::Transport* nccl, moe::DecodeGraphFactory* out);
 }
 
 #endif  // MOE_SERVER_CUDA_BACKEND_H_

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/exec/cuda_decode_graph.h"
 #include "runtime/transport/nccl.h"
 #include "server/cuda_backend.h"
 
@@ -44,5 +45,7 @@ moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std
   }
   return t->release();
 }
+
+void moe_cuda_decode_graphs(moe::Transport* nccl, moe::DecodeGraphFactory* out) { *out = moe::CudaDecodeGraphs(nccl); }
 
 }  // extern "C"

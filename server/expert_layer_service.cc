@@ -28,6 +28,7 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     absl::MutexLock lock(&step_mu_);
     return executor_->Reject(req.step_id(), req.layer(), std::move(why));
   };
+  const char* path = "eager";  // the path label of the step latency histogram
   absl::Status status = [&]() -> absl::Status {
     if (req.k() <= 0) return reject(absl::InvalidArgumentError("k: must be positive"));
     const int64_t t = req.hidden().rows();
@@ -98,6 +99,7 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     }
     v1::StepRecord* rec = resp->mutable_record();
     const StepRecord& r = result->record;
+    path = r.graph_replay ? "graph_replay" : "eager";
     rec->set_placement_generation(r.placement_version);
     rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
     if (decode && !r.graph_replay) {
@@ -117,7 +119,7 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
   }();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (status.ok()) resp->mutable_record()->set_server_latency_us(seconds * 1e6);
-  metrics_->Step(phase, "eager", StatusLabel(status.code()), seconds);
+  metrics_->Step(phase, path, StatusLabel(status.code()), seconds);
   return status;
 }
 

@@ -194,9 +194,9 @@ int Main() {
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
-  // Decode steps run eagerly on either backend (no CUDA graphs are captured in the daemon yet);
-  // admission still runs and each step reports why it was not replayed.
-  eo.graphs_available = false;
+  // Decode graphs where experts and rows live on the GPU and NCCL moves them; on the CPU
+  // backend admission still runs and each decode step reports why it ran eagerly.
+  if (kernels_flag == "cuda" && transport_flag == "nccl") eo.decode_graphs = cuda->DecodeGraphs(transport.get());
   auto executor = LayerExecutor::Create(std::move(eo));
   if (!executor.ok()) {
     spdlog::error("executor: {}", std::string(executor.status().message()));

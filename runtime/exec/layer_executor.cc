@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
   }
   std::unique_ptr<LayerExecutor> e(new LayerExecutor(std::move(options)));
   e->device_ = e->options_.kernels->device_resident();
+  e->graphs_ = e->device_ && e->options_.decode_graphs != nullptr;
   e->selector_ = ReplicaSelector::Create(e->options_.selector);
   return e;
 }
@@ -74,6 +75,89 @@ void LayerExecutor::DropGeneration(PlacementVersion version) {
   absl::MutexLock lock(&generations_mu_);
   experts_.erase(version.value());
   layouts_.erase(version.value());
+  for (auto it = graphs_by_key_.begin(); it != graphs_by_key_.end();) {
+    it = std::get<0>(it->first) == version.value() ? graphs_by_key_.erase(it) : std::next(it);
+  }
+}
+
+absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVersion version,
+                                         const std::shared_ptr<const ResidentExperts>& weights,
+                                         const SourcePlan& source, const DestinationPlan& dest,
+                                         const std::vector<int32_t>& send_token,
+                                         const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,
+                                         std::vector<uint16_t>* out) {
+  const int p = options_.group->size();
+  const int local_slots = static_cast<int>(dest.expert_counts.size());
+  const int64_t tokens_cap = options_.decode_rank_tokens, slot_cap = options_.decode_slot_routes;
+  const int64_t seg = tokens_cap * in.k;  // bounds any rank's routes to one peer
+  const auto key = std::make_tuple(version.value(), in.d, in.k);
+  std::shared_ptr<DecodeStepGraph> graph;
+  {
+    absl::MutexLock lock(&generations_mu_);
+    auto it = graphs_by_key_.find(key);
+    if (it != graphs_by_key_.end()) graph = it->second.graph;
+  }
+  if (graph == nullptr) {
+    // Every member reaches this at the same step: admission is decided over agreed counts.
+    DecodeGraphShape shape;
+    shape.peers = p;
+    shape.segment_rows = seg;
+    shape.local_slots = local_slots;
+    shape.slot_routes = slot_cap;
+    shape.rank_tokens = tokens_cap;
+    shape.d = in.d;
+    shape.d_ff = weights->host->d_ff;
+    shape.k = in.k;
+    shape.w_gate_up = weights->w_gate_up;
+    shape.w_down = weights->w_down;
+    shape.warmup_timeout = options_.timeout;
+    ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepGraph> made, options_.decode_graphs(shape));
+    graph = std::move(made);
+    absl::MutexLock lock(&generations_mu_);
+    graphs_by_key_[key] = Graph{weights, graph};
+  }
+
+  // Tables in bucket shape: compact send / receive positions -> padded peer segments.
+  Buffers& b = buf_;
+  const int64_t n_send = source.send_offsets[p], n_recv = dest.recv_offsets[p];
+  b.pad_of_send.resize(n_send);
+  b.pad_of_recv.resize(n_recv);
+  b.g_send_index.assign(p * seg, -1);
+  for (int j = 0; j < p; ++j) {
+    if (source.send_splits[j] > seg || dest.recv_splits[j] > seg) {
+      return absl::InternalError("decode graph: a peer segment exceeds the bucket (admission let it through)");
+    }
+    for (int64_t i = 0; i < source.send_splits[j]; ++i) {
+      const int64_t pos = source.send_offsets[j] + i;
+      b.pad_of_send[pos] = static_cast<int32_t>(j * seg + i);
+      b.g_send_index[j * seg + i] = send_token[pos];
+    }
+    for (int64_t i = 0; i < dest.recv_splits[j]; ++i) b.pad_of_recv[dest.recv_offsets[j] + i] = static_cast<int32_t>(j * seg + i);
+  }
+  if (dest.expert_offsets[local_slots] > local_slots * slot_cap) {
+    return absl::InternalError("decode graph: received routes exceed the bucket (admission let them through)");
+  }
+  b.g_expert_rows.assign(local_slots * slot_cap, 0);
+  for (int64_t r = 0; r < dest.expert_offsets[local_slots]; ++r) b.g_expert_rows[r] = b.pad_of_recv[dest.expert_order[r]];
+  b.g_layout_row.assign(p * seg, -1);
+  for (int64_t c = 0; c < n_recv; ++c) b.g_layout_row[b.pad_of_recv[c]] = dest.expert_position[c];
+  b.g_row_of_route.assign(tokens_cap * in.k, -1);
+  b.g_gates.assign(tokens_cap * in.k, 0.0f);
+  for (int64_t r = 0; r < in.tokens * in.k; ++r) {
+    if (row_of_route[r] < 0) continue;
+    b.g_row_of_route[r] = b.pad_of_send[row_of_route[r]];
+    b.g_gates[r] = gates[r];
+  }
+  DecodeGraphTables t;
+  t.hidden = in.hidden;
+  t.tokens = in.tokens;
+  t.send_index = b.g_send_index.data();
+  t.expert_rows = b.g_expert_rows.data();
+  t.expert_offsets = dest.expert_offsets.data();
+  t.layout_row = b.g_layout_row.data();
+  t.row_of_route = b.g_row_of_route.data();
+  t.gates = b.g_gates.data();
+  return graph->Replay(in.step_id * 4 + 2, t, out->data(), options_.timeout);
 }
 
 absl::Status LayerExecutor::Validate(const LayerStepInput& in, int num_experts) const {
@@ -233,7 +317,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     bucket.key.k = in.k;
     bucket.key.rank_token_capacity.assign(p, options_.decode_rank_tokens);
     bucket.key.slot_route_capacity.assign(m.num_slots(), options_.decode_slot_routes);
-    bucket.stable_buffers_ready = options_.graphs_available;
+    bucket.stable_buffers_ready = graphs_;
     AdmissionStep step;
     step.decode = true;
     step.key = bucket.key;
@@ -262,28 +346,6 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   RETURN_IF_ERROR(handle->BindPlan(std::move(inverse)));
   const std::vector<int32_t>& send_token = handle->inverse().token;
 
-  // Row payloads live where the kernels run (device memory for CUDA kernels, which the NCCL
-  // transport moves directly); plans and slot metadata stay on the host.
-  Buffers& b = buf_;
-  const kernels::Stream stream = nullptr;
-  auto stage = [&](kernels::KernelBuffer& to, const void* src, int64_t bytes) -> absl::StatusOr<const void*> {
-    if (!device_) return src;
-    RETURN_IF_ERROR(to.Reserve(&kern, bytes));
-    RETURN_IF_ERROR(kern.CopyToKernel(to.data(), src, bytes, stream));
-    return static_cast<const void*>(to.data());
-  };
-  RETURN_IF_ERROR(b.send_rows.Reserve(&kern, n_send * row_bytes));
-  if (n_send > 0) {
-    kernels::GatherParams pack;
-    pack.d = d;
-    ASSIGN_OR_RETURN(pack.in, stage(b.hidden, in.hidden, in.tokens * row_bytes));
-    pack.in_rows = in.tokens;
-    ASSIGN_OR_RETURN(const void* index, stage(b.send_index, send_token.data(), n_send * 4));
-    pack.index = static_cast<const int32_t*>(index);
-    pack.n = n_send;
-    pack.out = b.send_rows.data();
-    RETURN_IF_ERROR(kern.Gather(pack, stream));
-  }
   int64_t n_recv = 0;
   for (int64_t c : agreement.recv_counts) n_recv += c;
   std::vector<int64_t> send_bytes(p), recv_bytes(p), send_meta_bytes(p), recv_meta_bytes(p);
@@ -293,63 +355,18 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     send_meta_bytes[i] = source.send_splits[i] * 4;
     recv_meta_bytes[i] = agreement.recv_counts[i] * 4;
   }
-  RETURN_IF_ERROR(b.recv_rows.Reserve(&kern, n_recv * row_bytes));
+
+  // Phase: slot metadata to the expert ranks (host memory), then the receive-side plan.
   std::vector<int32_t>& recv_meta = buf_.recv_meta;
   recv_meta.resize(n_recv);
   RETURN_IF_ERROR(handle->MarkDispatchInFlight());
   RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, send_meta.data(), send_meta_bytes, recv_meta.data(),
                                                 recv_meta_bytes, options_.timeout));
-  RETURN_IF_ERROR(kern.Synchronize(stream));  // the transport reads the packed rows on its own stream
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, b.send_rows.data(), send_bytes, b.recv_rows.data(),
-                                                recv_bytes, options_.timeout));
-  RETURN_IF_ERROR(handle->MarkExpertRowsReady());
-
-  // Phase: receive repack by (local slot, source, send position), experts, inverse repack.
   std::vector<PhysicalSlotId>& received = buf_.received;
   received.resize(n_recv);
   for (int64_t i = 0; i < n_recv; ++i) received[i] = PhysicalSlotId(recv_meta[i]);
   DestinationPlan& dest = buf_.dest;
   RETURN_IF_ERROR(PlanDestination(layout, options_.rank, agreement.recv_counts, received, &dest));
-  RETURN_IF_ERROR(b.expert_in.Reserve(&kern, n_recv * row_bytes));
-  RETURN_IF_ERROR(b.expert_out.Reserve(&kern, n_recv * row_bytes));
-  RETURN_IF_ERROR(b.back_rows.Reserve(&kern, n_recv * row_bytes));
-  RETURN_IF_ERROR(b.returned.Reserve(&kern, n_send * row_bytes));
-  const int local_slots = static_cast<int>(dest.expert_counts.size());
-  if (n_recv > 0) {
-    if (static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
-      return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
-                                                        " number of local slots than placement-v", version.value()));
-    }
-    kernels::GatherParams repack;
-    repack.d = d;
-    repack.in = b.recv_rows.data();
-    repack.in_rows = n_recv;
-    ASSIGN_OR_RETURN(const void* order, stage(b.order, dest.expert_order.data(), n_recv * 4));
-    repack.index = static_cast<const int32_t*>(order);
-    repack.n = n_recv;
-    repack.out = b.expert_in.data();
-    RETURN_IF_ERROR(kern.Gather(repack, stream));
-    kernels::SwigluParams sw;
-    sw.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
-    sw.x = b.expert_in.as<uint16_t>();
-    sw.rows = n_recv;
-    sw.host_offsets = dest.expert_offsets.data();
-    sw.y = b.expert_out.as<uint16_t>();
-    RETURN_IF_ERROR(kern.Swiglu(sw, stream));
-    kernels::GatherParams unpack = repack;
-    unpack.in = b.expert_out.data();
-    ASSIGN_OR_RETURN(const void* position, stage(b.position, dest.expert_position.data(), n_recv * 4));
-    unpack.index = static_cast<const int32_t*>(position);
-    unpack.out = b.back_rows.data();
-    RETURN_IF_ERROR(kern.Gather(unpack, stream));
-    RETURN_IF_ERROR(kern.Synchronize(stream));
-  }
-  RETURN_IF_ERROR(handle->MarkExpertOutputReady());
-
-  // Phase: return exchange (splits reversed), then combine over the semantic key.
-  RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, b.back_rows.data(), recv_bytes, b.returned.data(),
-                                                send_bytes, options_.timeout));
   // Token-major view of the handle's coordinates for the kernel: route (t, j) -> send position.
   std::vector<int32_t>& row_of_route = buf_.row_of_route;
   std::vector<float>& gates = buf_.gates;
@@ -362,17 +379,99 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     gates[r] = handle->inverse().gate[pos];
   }
   result.output.assign(static_cast<size_t>(in.tokens) * d, 0);
-  if (in.tokens > 0) {
-    const int64_t routes_n = in.tokens * in.k;
-    ASSIGN_OR_RETURN(const void* rows_of, stage(b.row_of_route_k, row_of_route.data(), routes_n * 4));
-    ASSIGN_OR_RETURN(const void* gate_of, stage(b.gates_k, gates.data(), routes_n * 4));
-    if (device_) RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
-    uint16_t* out = device_ ? b.output.as<uint16_t>() : result.output.data();
-    kernels::CombineParams c{b.returned.as<uint16_t>(), n_send, d, static_cast<const int32_t*>(rows_of),
-                             static_cast<const float*>(gate_of), in.tokens, in.k, nullptr, out};
-    RETURN_IF_ERROR(kern.Combine(c, stream));
-    if (device_) RETURN_IF_ERROR(kern.CopyToHost(result.output.data(), out, in.tokens * row_bytes, stream));
-  }
+
+  // Phase: payload. Eager: pack, exchange, experts, return, combine as separate calls sized by
+  // this step. Replay (admitted decode step): the bucket's captured graph does all of it.
+  auto eager = [&]() -> absl::Status {
+    // Row payloads live where the kernels run (device memory for CUDA kernels, which the NCCL
+    // transport moves directly); plans and slot metadata stay on the host.
+    Buffers& b = buf_;
+    const kernels::Stream stream = nullptr;
+    auto stage = [&](kernels::KernelBuffer& to, const void* src, int64_t bytes) -> absl::StatusOr<const void*> {
+      if (!device_) return src;
+      RETURN_IF_ERROR(to.Reserve(&kern, bytes));
+      RETURN_IF_ERROR(kern.CopyToKernel(to.data(), src, bytes, stream));
+      return static_cast<const void*>(to.data());
+    };
+    RETURN_IF_ERROR(b.send_rows.Reserve(&kern, n_send * row_bytes));
+    if (n_send > 0) {
+      kernels::GatherParams pack;
+      pack.d = d;
+      ASSIGN_OR_RETURN(pack.in, stage(b.hidden, in.hidden, in.tokens * row_bytes));
+      pack.in_rows = in.tokens;
+      ASSIGN_OR_RETURN(const void* index, stage(b.send_index, send_token.data(), n_send * 4));
+      pack.index = static_cast<const int32_t*>(index);
+      pack.n = n_send;
+      pack.out = b.send_rows.data();
+      RETURN_IF_ERROR(kern.Gather(pack, stream));
+    }
+    RETURN_IF_ERROR(b.recv_rows.Reserve(&kern, n_recv * row_bytes));
+    RETURN_IF_ERROR(kern.Synchronize(stream));  // the transport reads the packed rows on its own stream
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, b.send_rows.data(), send_bytes, b.recv_rows.data(),
+                                                  recv_bytes, options_.timeout));
+    RETURN_IF_ERROR(handle->MarkExpertRowsReady());
+
+    // Phase: receive repack by (local slot, source, send position), experts, inverse repack.
+    RETURN_IF_ERROR(b.expert_in.Reserve(&kern, n_recv * row_bytes));
+    RETURN_IF_ERROR(b.expert_out.Reserve(&kern, n_recv * row_bytes));
+    RETURN_IF_ERROR(b.back_rows.Reserve(&kern, n_recv * row_bytes));
+    RETURN_IF_ERROR(b.returned.Reserve(&kern, n_send * row_bytes));
+    const int local_slots = static_cast<int>(dest.expert_counts.size());
+    if (n_recv > 0) {
+      if (static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
+        return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
+                                                          " number of local slots than placement-v", version.value()));
+      }
+      kernels::GatherParams repack;
+      repack.d = d;
+      repack.in = b.recv_rows.data();
+      repack.in_rows = n_recv;
+      ASSIGN_OR_RETURN(const void* order, stage(b.order, dest.expert_order.data(), n_recv * 4));
+      repack.index = static_cast<const int32_t*>(order);
+      repack.n = n_recv;
+      repack.out = b.expert_in.data();
+      RETURN_IF_ERROR(kern.Gather(repack, stream));
+      kernels::SwigluParams sw;
+      sw.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
+      sw.x = b.expert_in.as<uint16_t>();
+      sw.rows = n_recv;
+      sw.host_offsets = dest.expert_offsets.data();
+      sw.y = b.expert_out.as<uint16_t>();
+      RETURN_IF_ERROR(kern.Swiglu(sw, stream));
+      kernels::GatherParams unpack = repack;
+      unpack.in = b.expert_out.data();
+      ASSIGN_OR_RETURN(const void* position, stage(b.position, dest.expert_position.data(), n_recv * 4));
+      unpack.index = static_cast<const int32_t*>(position);
+      unpack.out = b.back_rows.data();
+      RETURN_IF_ERROR(kern.Gather(unpack, stream));
+      RETURN_IF_ERROR(kern.Synchronize(stream));
+    }
+    RETURN_IF_ERROR(handle->MarkExpertOutputReady());
+
+    // Phase: return exchange (splits reversed), then combine over the semantic key.
+    RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, b.back_rows.data(), recv_bytes, b.returned.data(),
+                                                  send_bytes, options_.timeout));
+    if (in.tokens > 0) {
+      const int64_t routes_n = in.tokens * in.k;
+      ASSIGN_OR_RETURN(const void* rows_of, stage(b.row_of_route_k, row_of_route.data(), routes_n * 4));
+      ASSIGN_OR_RETURN(const void* gate_of, stage(b.gates_k, gates.data(), routes_n * 4));
+      if (device_) RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
+      uint16_t* out = device_ ? b.output.as<uint16_t>() : result.output.data();
+      kernels::CombineParams c{b.returned.as<uint16_t>(), n_send, d, static_cast<const int32_t*>(rows_of),
+                               static_cast<const float*>(gate_of), in.tokens, in.k, nullptr, out};
+      RETURN_IF_ERROR(kern.Combine(c, stream));
+      if (device_) RETURN_IF_ERROR(kern.CopyToHost(result.output.data(), out, in.tokens * row_bytes, stream));
+    }
+    return absl::OkStatus();
+  };
+  auto replay = [&]() -> absl::Status {
+    RETURN_IF_ERROR(handle->MarkExpertRowsReady());
+    RETURN_IF_ERROR(handle->MarkExpertOutputReady());
+    RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
+    return ReplayDecode(in, version, weights_ptr, source, dest, send_token, row_of_route, gates, &result.output);
+  };
+  RETURN_IF_ERROR(result.record.graph_replay ? replay() : eager());
   RETURN_IF_ERROR(handle->MarkOriginRowsReady());
   RETURN_IF_ERROR(handle->Release());
 

@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -28,6 +29,7 @@
 #include "absl/time/time.h"
 #include "kernels/api.h"
 #include "runtime/exec/decode_admission.h"
+#include "runtime/exec/decode_graph.h"
 #include "runtime/placement/registry.h"
 #include "runtime/placement/replica_selector.h"
 #include "runtime/placement/topology.h"
@@ -88,11 +90,12 @@ struct LayerExecutorOptions {
   absl::Duration timeout = absl::Seconds(30);
   SelectorPolicy selector = SelectorPolicy::kLocalityFirst;
   // The decode bucket (graph manifest): tokens per rank and routes per physical slot a captured
-  // graph admits. Graphs are captured only where CUDA serves the experts; elsewhere the manifest
-  // still decides admission and the step reports why it ran eagerly.
+  // graph admits. Admission runs on every decode step; graphs are captured and replayed only
+  // where the kernels are device-resident and `decode_graphs` is set (CUDA + NCCL), elsewhere
+  // the step runs eagerly and reports why (stable_buffer_unavailable).
   int64_t decode_rank_tokens = 8;
   int64_t decode_slot_routes = 16;
-  bool graphs_available = false;
+  DecodeGraphFactory decode_graphs;
 };
 
 class LayerExecutor {
@@ -118,11 +121,23 @@ class LayerExecutor {
  private:
   explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
   absl::Status Validate(const LayerStepInput& in, int num_experts) const;
-
   struct ResidentExperts;
+  // The admitted decode step's payload through the bucket's graph (captured on first use).
+  absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version,
+                            const std::shared_ptr<const ResidentExperts>& weights, const SourcePlan& source,
+                            const DestinationPlan& dest, const std::vector<int32_t>& send_token,
+                            const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,
+                            std::vector<uint16_t>* out);
 
   LayerExecutorOptions options_;
   bool device_ = false;  // the kernels keep rows in device memory
+  bool graphs_ = false;  // decode steps admitted to a bucket replay its graph
+  // Captured decode graphs by (placement version, d, k), with the weights they read.
+  struct Graph {
+    std::shared_ptr<const ResidentExperts> weights;
+    std::shared_ptr<DecodeStepGraph> graph;
+  };
+  std::map<std::tuple<int64_t, int, int>, Graph> graphs_by_key_ ABSL_GUARDED_BY(generations_mu_);
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   std::vector<int64_t> expert_load_ ABSL_GUARDED_BY(generations_mu_);
@@ -139,6 +154,9 @@ class LayerExecutor {
     std::vector<float> gates;
     std::vector<PhysicalSlotId> slots, accepted_slots, received;
     std::vector<int32_t> accepted_ids;
+    // Decode graph tables (bucket-shaped) and the padded position of each compact row.
+    std::vector<int32_t> g_send_index, g_expert_rows, g_layout_row, g_row_of_route, pad_of_send, pad_of_recv;
+    std::vector<float> g_gates;
     std::vector<int64_t> slot_counts;
     SourcePlan source;
     DestinationPlan dest;

@@ -55,7 +55,11 @@ class NcclTransport final : public Transport {
   int slot() const override { return options_.slot; }
   int size() const override { return options_.size; }
   bool accepts_device_memory() const override { return true; }
-  NcclHandles handles() const { return {broken_ ? nullptr : comm_, stream_}; }
+  NcclHandles handles() const { return {broken_ ? nullptr : comm_, stream_, options_.device}; }
+  absl::Status WaitStream(uint64_t seq, absl::Duration timeout) {
+    if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
+    return Wait(seq, timeout);
+  }
 
   absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
@@ -195,6 +199,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
 NcclHandles NativeNcclHandles(Transport& transport) {
   auto* nccl = dynamic_cast<NcclTransport*>(&transport);
   return nccl == nullptr ? NcclHandles{} : nccl->handles();
+}
+
+absl::Status WaitNcclStream(Transport& transport, uint64_t seq, absl::Duration timeout) {
+  auto* nccl = dynamic_cast<NcclTransport*>(&transport);
+  if (nccl == nullptr) return absl::FailedPreconditionError("not an NCCL transport");
+  return nccl->WaitStream(seq, timeout);
 }
 
 }  // namespace moe

@@ -36,8 +36,13 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
 struct NcclHandles {
   void* comm = nullptr;
   void* stream = nullptr;
+  int device = 0;
 };
 NcclHandles NativeNcclHandles(Transport& transport);
+
+// Waits for the work on the transport's stream with its deadline and abort handling (as its own
+// collectives do): DEADLINE_EXCEEDED and an aborted communicator when a peer does not take part.
+absl::Status WaitNcclStream(Transport& transport, uint64_t seq, absl::Duration timeout);
 
 }  // namespace moe
 

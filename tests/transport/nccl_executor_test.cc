@@ -19,6 +19,7 @@
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
+#include "runtime/exec/cuda_decode_graph.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/transport/nccl.h"
@@ -137,6 +138,9 @@ int Member(int slot, int size, const std::string& dir) {
   eo.transport = transport->get();
   eo.kernels = gpu->get();
   eo.timeout = absl::Seconds(20);
+  eo.decode_rank_tokens = 8;
+  eo.decode_slot_routes = 24;
+  eo.decode_graphs = CudaDecodeGraphs(transport->get());
   auto exec = LayerExecutor::Create(std::move(eo));
   if (!exec.ok()) return fail(exec.status());
   auto local = LoadLocalExperts(ckpt, **manifest, Rank(slot));
@@ -175,9 +179,40 @@ int Member(int slot, int size, const std::string& dir) {
       const std::string what = absl::StrCat(hot ? "hot" : "random", " T=", tokens);
       if (absl::Status s = CheckAgainstReference(in, r->output, *cpu, what.c_str()); !s.ok()) return fail(s);
       if (r->record.routes_accepted + r->record.routes_dropped != tokens * kK) return fail(absl::InternalError("ledger"));
-      if (phase == Phase::kDecode && r->record.graph_replay) return fail(absl::InternalError("replay claimed"));
+      // Steps above the bucket's 8 tokens per rank run eagerly, saying why.
+      if (phase == Phase::kDecode && base > 8 && (r->record.graph_replay || r->record.fallback_reason.empty())) {
+        return fail(absl::InternalError(absl::StrCat(what, ": oversize decode step replayed or gave no reason")));
+      }
     }
   }
+  // Decode steps inside the bucket replay the captured graph (uniform routing stays within 24
+  // routes per slot; hot routing may exceed it and fall back, saying so). Every output is
+  // checked either way.
+  int replays = 0, uniform_replays = 0, uniform_steps = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    for (bool hot : {false, true}) {
+      for (int64_t tokens : {1, 3, 8}) {
+        ++step;
+        std::mt19937 rng(5000 * step + slot);
+        const int64_t t = (slot == 0 && tokens == 3 && rep == 1) ? 0 : tokens;  // a member with no tokens
+        const Input in = MakeInput(rng, t, hot);
+        auto r = run(step, Phase::kDecode, in);
+        if (!r.ok()) return fail(absl::Status(r.status().code(), absl::StrCat("decode step ", step, ": ", r.status().message())));
+        const std::string what = absl::StrCat("decode ", hot ? "hot" : "random", " T=", t,
+                                              r->record.graph_replay ? " (graph)" : " (eager)");
+        if (absl::Status s = CheckAgainstReference(in, r->output, *cpu, what.c_str()); !s.ok()) return fail(s);
+        if (!r->record.graph_replay && r->record.fallback_reason.empty()) return fail(absl::InternalError("no reason"));
+        replays += r->record.graph_replay;
+        if (!hot) {
+          ++uniform_steps;
+          uniform_replays += r->record.graph_replay;
+        }
+      }
+    }
+  }
+  std::fprintf(stderr, "slot %d: %d decode graph replays (%d of %d uniform steps)\n", slot, replays, uniform_replays,
+               uniform_steps);
+  if (uniform_replays != uniform_steps) return fail(absl::InternalError("a uniform decode step inside the bucket ran eagerly"));
   // Bad input on the last member: everyone fails the step (ABORTED on the others), then serves.
   ++step;
   std::mt19937 rng(77 + slot);

@@ -1,0 +1,195 @@
+#include "runtime/exec/cuda_decode_graph.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/api.h"
+#include "runtime/status.h"
+#include "runtime/transport/nccl.h"
+
+namespace moe {
+namespace {
+
+#define GRAPH_CUDA(expr)                                                                            \
+  do {                                                                                              \
+    const cudaError_t e_ = (expr);                                                                  \
+    if (e_ != cudaSuccess) return absl::InternalError(absl::StrCat("decode graph: ", #expr, ": ", cudaGetErrorString(e_))); \
+  } while (0)
+#define GRAPH_NCCL(expr)                                                                            \
+  do {                                                                                              \
+    const ncclResult_t r_ = (expr);                                                                 \
+    if (r_ != ncclSuccess) return absl::UnavailableError(absl::StrCat("decode graph: ", #expr, ": ", ncclGetErrorString(r_))); \
+  } while (0)
+
+int64_t Align(int64_t b) { return (b + 255) / 256 * 256; }
+
+class CudaDecodeGraph final : public DecodeStepGraph {
+ public:
+  CudaDecodeGraph(Transport* transport, const DecodeGraphShape& shape) : transport_(transport), s_(shape) {}
+
+  ~CudaDecodeGraph() override {
+    cudaSetDevice(handles_.device);
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (staging_ != nullptr) cudaFreeHost(staging_);
+    if (out_host_ != nullptr) cudaFreeHost(out_host_);
+  }
+
+  absl::Status Init() {
+    handles_ = NativeNcclHandles(*transport_);
+    if (handles_.comm == nullptr) return absl::FailedPreconditionError("decode graph: the transport is not a live NCCL one");
+    GRAPH_CUDA(cudaSetDevice(handles_.device));
+    ASSIGN_OR_RETURN(kernels_, kernels::CreateCudaKernels());
+    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
+    // Staged block (one host->device copy a step): hidden, then the tables.
+    off_hidden_ = 0;
+    off_send_index_ = Align(s_.rank_tokens * s_.d * 2);
+    off_expert_rows_ = off_send_index_ + Align(ps * 4);
+    off_layout_row_ = off_expert_rows_ + Align(lay * 4);
+    off_row_of_route_ = off_layout_row_ + Align(ps * 4);
+    off_gates_ = off_row_of_route_ + Align(routes * 4);
+    off_offsets_ = off_gates_ + Align(routes * 4);
+    block_bytes_ = off_offsets_ + Align((s_.local_slots + 1) * 8);
+    GRAPH_CUDA(cudaMallocHost(&staging_, block_bytes_));
+    GRAPH_CUDA(cudaMallocHost(&out_host_, s_.rank_tokens * s_.d * 2));
+    const int64_t row = static_cast<int64_t>(s_.d) * 2;
+    RETURN_IF_ERROR(block_.Reserve(kernels_.get(), block_bytes_));
+    for (kernels::KernelBuffer* b : {&send_rows_, &recv_rows_, &back_rows_, &returned_}) {
+      RETURN_IF_ERROR(b->Reserve(kernels_.get(), ps * row));
+    }
+    RETURN_IF_ERROR(expert_out_.Reserve(kernels_.get(), lay * row));
+    RETURN_IF_ERROR(out_.Reserve(kernels_.get(), s_.rank_tokens * row));
+
+    // Warm-up: the pipeline once, eagerly, with empty tables (every member does it at this
+    // step): NCCL connects the peers, the kernels size their scratch; nothing moves under the
+    // graph afterwards.
+    std::memset(staging_, 0, block_bytes_);
+    Fill(off_send_index_, ps, -1);
+    Fill(off_layout_row_, ps, -1);
+    Fill(off_row_of_route_, routes, -1);
+    auto stream = static_cast<cudaStream_t>(handles_.stream);
+    GRAPH_CUDA(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
+    RETURN_IF_ERROR(Enqueue());
+    RETURN_IF_ERROR(WaitNcclStream(*transport_, ~uint64_t{0}, s_.warmup_timeout));
+
+    cudaGraph_t graph = nullptr;
+    GRAPH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    const absl::Status captured = Enqueue();
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    RETURN_IF_ERROR(captured);
+    GRAPH_CUDA(ended);
+    const cudaError_t inst = cudaGraphInstantiate(&exec_, graph, 0);
+    cudaGraphDestroy(graph);
+    GRAPH_CUDA(inst);
+    return absl::OkStatus();
+  }
+
+  absl::Status Replay(uint64_t seq, const DecodeGraphTables& t, uint16_t* out, absl::Duration timeout) override {
+    if (t.tokens < 0 || t.tokens > s_.rank_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("decode graph: ", t.tokens, " tokens, bucket holds ", s_.rank_tokens));
+    }
+    GRAPH_CUDA(cudaSetDevice(handles_.device));
+    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
+    char* h = static_cast<char*>(staging_);
+    std::memcpy(h + off_hidden_, t.hidden, t.tokens * s_.d * 2);
+    std::memcpy(h + off_send_index_, t.send_index, ps * 4);
+    std::memcpy(h + off_expert_rows_, t.expert_rows, lay * 4);
+    std::memcpy(h + off_layout_row_, t.layout_row, ps * 4);
+    std::memcpy(h + off_row_of_route_, t.row_of_route, routes * 4);
+    std::memcpy(h + off_gates_, t.gates, routes * 4);
+    std::memcpy(h + off_offsets_, t.expert_offsets, (s_.local_slots + 1) * 8);
+    auto stream = static_cast<cudaStream_t>(handles_.stream);
+    GRAPH_CUDA(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
+    GRAPH_CUDA(cudaGraphLaunch(exec_, stream));
+    GRAPH_CUDA(cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
+    RETURN_IF_ERROR(WaitNcclStream(*transport_, seq, timeout));
+    std::memcpy(out, out_host_, t.tokens * s_.d * 2);
+    return absl::OkStatus();
+  }
+
+ private:
+  void Fill(int64_t off, int64_t n, int32_t v) {
+    int32_t* p = reinterpret_cast<int32_t*>(static_cast<char*>(staging_) + off);
+    for (int64_t i = 0; i < n; ++i) p[i] = v;
+  }
+  template <typename T>
+  const T* At(int64_t off) const {
+    return reinterpret_cast<const T*>(static_cast<const char*>(block_.data()) + off);
+  }
+
+  absl::Status Exchange(const kernels::KernelBuffer& from, const kernels::KernelBuffer& to) {
+    auto comm = static_cast<ncclComm_t>(handles_.comm);
+    auto stream = static_cast<cudaStream_t>(handles_.stream);
+    const size_t seg = static_cast<size_t>(s_.segment_rows) * s_.d * 2;
+    GRAPH_NCCL(ncclGroupStart());
+    for (int j = 0; j < s_.peers; ++j) {
+      GRAPH_NCCL(ncclSend(static_cast<const char*>(from.data()) + j * seg, seg, ncclUint8, j, comm, stream));
+      GRAPH_NCCL(ncclRecv(static_cast<char*>(to.data()) + j * seg, seg, ncclUint8, j, comm, stream));
+    }
+    GRAPH_NCCL(ncclGroupEnd());
+    return absl::OkStatus();
+  }
+
+  // The whole step on the transport's stream (captured once, replayed every admitted step).
+  absl::Status Enqueue() {
+    const kernels::Stream st = handles_.stream;
+    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes;
+    kernels::GatherParams pack;
+    pack.d = s_.d;
+    pack.in = At<uint16_t>(off_hidden_);
+    pack.in_rows = s_.rank_tokens;
+    pack.index = At<int32_t>(off_send_index_);
+    pack.n = ps;
+    pack.out = send_rows_.data();
+    RETURN_IF_ERROR(kernels_->Gather(pack, st));
+    RETURN_IF_ERROR(Exchange(send_rows_, recv_rows_));
+    kernels::SwigluParams sw;
+    sw.weights = {s_.w_gate_up, s_.w_down, s_.local_slots, s_.d, s_.d_ff};
+    sw.x = recv_rows_.as<uint16_t>();
+    sw.x_rows = ps;
+    sw.x_row_index = At<int32_t>(off_expert_rows_);
+    sw.device_offsets = At<int64_t>(off_offsets_);
+    sw.rows = lay;
+    sw.max_segment_rows = s_.slot_routes;
+    sw.y = expert_out_.as<uint16_t>();
+    RETURN_IF_ERROR(kernels_->Swiglu(sw, st));
+    kernels::GatherParams unpack;
+    unpack.d = s_.d;
+    unpack.in = expert_out_.data();
+    unpack.in_rows = lay;
+    unpack.index = At<int32_t>(off_layout_row_);
+    unpack.n = ps;
+    unpack.out = back_rows_.data();
+    RETURN_IF_ERROR(kernels_->Gather(unpack, st));
+    RETURN_IF_ERROR(Exchange(back_rows_, returned_));
+    kernels::CombineParams c{returned_.as<uint16_t>(), ps, s_.d, At<int32_t>(off_row_of_route_), At<float>(off_gates_),
+                             s_.rank_tokens, s_.k, nullptr, out_.as<uint16_t>()};
+    return kernels_->Combine(c, st);
+  }
+
+  Transport* transport_;
+  DecodeGraphShape s_;
+  NcclHandles handles_;
+  std::unique_ptr<kernels::ExpertKernels> kernels_;
+  kernels::KernelBuffer block_, send_rows_, recv_rows_, expert_out_, back_rows_, returned_, out_;
+  void* staging_ = nullptr;
+  void* out_host_ = nullptr;
+  int64_t block_bytes_ = 0, off_hidden_ = 0, off_send_index_ = 0, off_expert_rows_ = 0, off_layout_row_ = 0,
+          off_row_of_route_ = 0, off_gates_ = 0, off_offsets_ = 0;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+}  // namespace
+
+DecodeGraphFactory CudaDecodeGraphs(Transport* transport) {
+  return [transport](const DecodeGraphShape& shape) -> absl::StatusOr<std::unique_ptr<DecodeStepGraph>> {
+    auto g = std::make_unique<CudaDecodeGraph>(transport, shape);
+    RETURN_IF_ERROR(g->Init());
+    return std::unique_ptr<DecodeStepGraph>(std::move(g));
+  };
+}
+
+}  // namespace moe

@@ -1,0 +1,70 @@
+// The decode latency path's CUDA graph (spec 0x05D-0x05F), behind an interface with no CUDA
+// types so the layer executor stays host code; the implementation (cuda_decode_graph.h) lives
+// with the CUDA kernels and the NCCL transport.
+//
+// One graph per bucket and generation, captured once over stable buffers sized by the bucket:
+//   pack (gather token rows into fixed peer segments, padding rows zero)
+//   -> grouped ncclSend/ncclRecv of every segment
+//   -> experts over this rank's local slots (device offsets, the gather from the received
+//      segments fused into the operand loads)
+//   -> unpack into return segments -> the return exchange
+//   -> gate-weighted combine (FP32 accumulation) into [rank_tokens, d].
+// Each replay copies this step's host tables into the stable buffers (one copy), launches the
+// graph and waits with the transport's deadline. The host decides everything that varies per
+// step (admission, plans, tables); the graph's shape never changes.
+#ifndef MOE_RUNTIME_EXEC_DECODE_GRAPH_H_
+#define MOE_RUNTIME_EXEC_DECODE_GRAPH_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace moe {
+
+struct DecodeGraphShape {
+  int peers = 0;
+  int64_t segment_rows = 0;  // rows per peer segment: rank_tokens * k bounds any rank's routes to one peer
+  int local_slots = 0;
+  int64_t slot_routes = 0;   // routes per local slot the bucket admits
+  int64_t rank_tokens = 0;
+  int d = 0;
+  int d_ff = 0;
+  int k = 0;
+  // This generation's weights in device memory ([L, 2 d_ff, d] and [L, d, d_ff]); they must
+  // outlive the graph.
+  const uint16_t* w_gate_up = nullptr;
+  const uint16_t* w_down = nullptr;
+  // Capture first runs the pipeline once eagerly with every peer (connections, scratch).
+  absl::Duration warmup_timeout = absl::Seconds(30);
+};
+
+// One step's tables, host memory. Row r of peer j's segment is at j * segment_rows + r.
+struct DecodeGraphTables {
+  const uint16_t* hidden = nullptr;       // [tokens, d]
+  int64_t tokens = 0;                     // <= rank_tokens
+  const int32_t* send_index = nullptr;    // [peers * segment_rows]: source token, -1 padding
+  const int32_t* expert_rows = nullptr;   // [local_slots * slot_routes]: received row per layout row
+  const int64_t* expert_offsets = nullptr;// [local_slots + 1]
+  const int32_t* layout_row = nullptr;    // [peers * segment_rows]: layout row per received row, -1 padding
+  const int32_t* row_of_route = nullptr;  // [rank_tokens * k]: returned row per route, -1 none
+  const float* gates = nullptr;           // [rank_tokens * k]
+};
+
+class DecodeStepGraph {
+ public:
+  virtual ~DecodeStepGraph() = default;
+  // Writes [tables.tokens, d] BF16 rows to `out` (host). Every member of the group replays its
+  // graph for the same step; a peer that does not turns into DEADLINE_EXCEEDED after `timeout`.
+  virtual absl::Status Replay(uint64_t seq, const DecodeGraphTables& tables, uint16_t* out, absl::Duration timeout) = 0;
+};
+
+// Captures a graph for a shape. Called by every member at the same step (the first admitted
+// replay of a bucket), because capture warms up the peer connections collectively.
+using DecodeGraphFactory = std::function<absl::StatusOr<std::unique_ptr<DecodeStepGraph>>(const DecodeGraphShape&)>;
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_EXEC_DECODE_GRAPH_H_
