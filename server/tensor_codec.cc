@@ -19,15 +19,15 @@ float HalfToFloat(uint16_t h) {
 }
 
 uint16_t FloatToHalf(float f) {
-  // Round to nearest even through the float's bits (normal range; saturates to inf, flushes
-  // values below half's subnormal range to zero).
+  // Round to nearest even (overflow to inf; values at or below half the smallest subnormal,
+  // 2^-25, round to zero; above it they round to a subnormal).
   uint32_t u;
   std::memcpy(&u, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000);
   const float a = std::fabs(f);
   if (std::isnan(f)) return sign | 0x7e00;
   if (a >= 65520.0f) return sign | 0x7c00;
-  if (a < std::ldexp(1.0f, -24)) return sign;
+  if (a <= std::ldexp(1.0f, -25)) return sign;
   int e;
   const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
   int exp = e - 1 + 15;

@@ -124,6 +124,45 @@ TEST_F(ServiceTest, SharedMemoryPayloadEqualsInline) {
   shm_unlink(name.c_str());
 }
 
+// FP16 in and out: the rows the experts see are the BF16 rounding of the FP16 input, and the
+// output is the FP16 rounding of the BF16 result (checked against the compiler's _Float16).
+TEST_F(ServiceTest, Fp16InAndOutMatchesTheBf16Step) {
+  v1::StepRequest req = Request(1);
+  // Inputs exactly representable in both formats: BF16 values with at most 8 significant bits
+  // and exponents inside FP16's normal range survive BF16 -> FP16 -> BF16 unchanged.
+  std::string fp16(kTokens * kD * 2, '\0');
+  std::string bf16 = req.hidden().data();
+  for (int i = 0; i < kTokens * kD; ++i) {
+    uint16_t b;
+    std::memcpy(&b, &bf16[2 * i], 2);
+    float v = kernels::Bf16ToFloat(b);
+    if (std::fabs(v) < 1e-4f) v = 0;  // below FP16's normal range
+    const _Float16 h = static_cast<_Float16>(v);
+    b = kernels::FloatToBf16(static_cast<float>(h));
+    std::memcpy(&bf16[2 * i], &b, 2);
+    std::memcpy(&fp16[2 * i], &h, 2);
+  }
+  req.mutable_hidden()->set_data(bf16);
+  v1::StepResponse want;
+  ASSERT_TRUE(Call(req, &want).ok());
+  req.mutable_hidden()->set_dtype(v1::DTYPE_FP16);
+  req.mutable_hidden()->set_data(fp16);
+  req.set_step_id(2);
+  v1::StepResponse got;
+  const grpc::Status s = Call(req, &got);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(got.output().dtype(), v1::DTYPE_FP16);
+  ASSERT_EQ(got.output().data().size(), static_cast<size_t>(kTokens * kD * 2));
+  for (int i = 0; i < kTokens * kD; ++i) {
+    uint16_t b;
+    _Float16 h;
+    std::memcpy(&b, &want.output().data()[2 * i], 2);
+    std::memcpy(&h, &got.output().data()[2 * i], 2);
+    const _Float16 expected = static_cast<_Float16>(kernels::Bf16ToFloat(b));
+    ASSERT_EQ(static_cast<float>(h), static_cast<float>(expected)) << i;
+  }
+}
+
 TEST_F(ServiceTest, Fp32RoundTripsAndBadInputNamesTheField) {
   v1::StepResponse bf16;
   ASSERT_TRUE(Call(Request(1), &bf16).ok());
