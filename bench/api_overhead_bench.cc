@@ -6,15 +6,21 @@
 // in StepRecord.compute_latency_us): request encoding, transport, decoding, validation, response
 // encoding and decoding. The echo sends the inline StepRequest's size and answers with the inline
 // StepResponse's size. Medians over repetitions; unary, streaming, and unary with the rows in a
-// registered shared-memory region (in and out); decode- and prefill-sized.
+// registered shared-memory region (in and out); decode- and prefill-sized. A second control,
+// the held echo, keeps its handler busy for as long as the step's executor ran before it
+// answers (held_echo_us = its latency minus the hold): the same wait on an idle client, without
+// the API's work. "ratio" is api / echo, "held" api / held echo. HOLD_TOUCH=1 makes the held
+// echo stream over 16 MiB while it holds (caches as cold as after the experts ran).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <random>
 #include <thread>
@@ -35,13 +41,37 @@ class EchoImpl final : public bench::Echo::Service {
  public:
   explicit EchoImpl(size_t reply_bytes) : reply_(reply_bytes, 'x') {}
   grpc::Status Call(grpc::ServerContext*, const bench::EchoMessage*, bench::EchoMessage* out) override {
+    Hold();
     out->set_payload(reply_);
     return grpc::Status::OK;
   }
+  // The held echo keeps its handler busy for hold_us before replying, as the executor does.
+  void Hold() {
+    const double us = hold_us.load();
+    if (us <= 0) return;
+    const absl::Time until = absl::Now() + absl::Microseconds(us);
+    if (std::getenv("HOLD_TOUCH") != nullptr) {
+      if (scratch_.empty()) scratch_.assign(16 << 20, 1);
+      uint64_t sum = 0;
+      while (absl::Now() < until) {
+        for (size_t i = 0; i < scratch_.size(); i += 64) sum += scratch_[i]++;
+      }
+      sink_ += sum;
+      return;
+    }
+    while (absl::Now() < until) {
+    }
+  }
+  std::atomic<double> hold_us{0};
+  std::vector<uint8_t> scratch_;
+  uint64_t sink_ = 0;
   grpc::Status Stream(grpc::ServerContext*, grpc::ServerReaderWriter<bench::EchoMessage, bench::EchoMessage>* s) override {
     bench::EchoMessage in, out;
     out.set_payload(reply_);
-    while (s->Read(&in)) s->Write(out);
+    while (s->Read(&in)) {
+      Hold();
+      s->Write(out);
+    }
     return grpc::Status::OK;
   }
   std::string reply_;
@@ -77,8 +107,8 @@ int Main() {
   RankMetrics metrics("bench");
   ExpertLayerServiceImpl service(executor.get(), &metrics);
 
-  std::printf("%-8s %-7s %8s %12s %12s %12s %12s %8s\n", "payload", "mode", "tokens", "api_us", "echo_us",
-              "server_us", "compute_us", "ratio");
+  std::printf("%-8s %-7s %8s %12s %12s %12s %12s %12s %8s %8s\n", "payload", "mode", "tokens", "api_us", "echo_us",
+              "held_echo_us", "server_us", "compute_us", "ratio", "held");
   for (int64_t tokens : {4, 256}) {
     v1::StepRequest req;
     req.set_layer(0);
@@ -141,7 +171,7 @@ int Main() {
     shm_req.mutable_output_region()->set_offset(data.size());
     shm_req.mutable_output_region()->set_bytes(data.size());
     for (const char* mode : {"unary", "stream", "shm"}) {
-      std::vector<double> api, compute, plain, server_side;
+      std::vector<double> api, compute, plain, server_side, held;
       const bool stream = std::string(mode) == "stream";
       const bool shm = std::string(mode) == "shm";
       grpc::ClientContext sctx, ectx;
@@ -171,7 +201,21 @@ int Main() {
           echo_stub->Call(&ctx, echo_req, &eresp);
         }
         const double e = absl::ToDoubleMicroseconds(absl::Now() - t0);
+        // The same echo holding its handler for as long as this step's executor ran: the wait
+        // (client threads idle, server thread busy) without the API's work.
+        echo.hold_us.store(resp.record().compute_latency_us());
+        t0 = absl::Now();
+        if (stream) {
+          es->Write(echo_req);
+          es->Read(&eresp);
+        } else {
+          grpc::ClientContext ctx;
+          echo_stub->Call(&ctx, echo_req, &eresp);
+        }
+        const double eh = absl::ToDoubleMicroseconds(absl::Now() - t0) - echo.hold_us.load();
+        echo.hold_us.store(0);
         if (r >= 20) {
+          held.push_back(eh);
           api.push_back(a - resp.record().compute_latency_us());
           server_side.push_back(resp.record().server_latency_us() - resp.record().compute_latency_us());
           compute.push_back(resp.record().compute_latency_us());
@@ -184,9 +228,10 @@ int Main() {
         es->WritesDone();
         es->Finish().IgnoreError();
       }
-      std::printf("%-8s %-7s %8lld %12.1f %12.1f %12.1f %12.1f %7.2fx\n", tokens <= 16 ? "decode" : "prefill", mode,
-                  static_cast<long long>(tokens), Median(api), Median(plain), Median(server_side), Median(compute),
-                  Median(api) / Median(plain));
+      std::printf("%-8s %-7s %8lld %12.1f %12.1f %12.1f %12.1f %12.1f %7.2fx %7.2fx\n",
+                  tokens <= 16 ? "decode" : "prefill", mode, static_cast<long long>(tokens), Median(api), Median(plain),
+                  Median(held), Median(server_side), Median(compute), Median(api) / Median(plain),
+                  Median(api) / Median(held));
     }
     munmap(region, region_bytes);
     shm_unlink(region_name.c_str());
