@@ -91,6 +91,9 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     if (t.tokens < 0 || t.tokens > s_.rank_tokens) {
       return absl::InvalidArgumentError(absl::StrCat("decode graph: ", t.tokens, " tokens, bucket holds ", s_.rank_tokens));
     }
+    if (NativeNcclHandles(*transport_).comm == nullptr) {
+      return absl::UnavailableError("decode graph: the NCCL communicator was aborted by an earlier failure");
+    }
     GRAPH_CUDA(cudaSetDevice(handles_.device));
     const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
     char* h = static_cast<char*>(staging_);

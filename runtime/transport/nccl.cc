@@ -130,6 +130,23 @@ class NcclTransport final : public Transport {
     return absl::OkStatus();
   }
 
+  // Marks the communicator broken and aborts it without making the caller wait: ncclCommAbort
+  // stops this member's NCCL kernels, but it can then block until every CUDA graph that captured
+  // operations on the communicator is destroyed (the decode graphs live until their generation
+  // is retired), so a detached thread finishes it. Seen on the H200s: an in-line abort held a
+  // step past its deadline until the engine's own 30 s deadline, after a peer was killed.
+  void Abandon() {
+    broken_ = true;
+    if (comm_ == nullptr) return;
+    ncclComm_t comm = comm_;
+    comm_ = nullptr;
+    const int device = options_.device;
+    std::thread([comm, device] {
+      cudaSetDevice(device);
+      ncclCommAbort(comm);
+    }).detach();
+  }
+
   absl::Status Wait(uint64_t seq, absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout;
     while (true) {
@@ -142,15 +159,13 @@ class NcclTransport final : public Transport {
       ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(comm_, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
-        broken_ = true;
+        Abandon();
         return absl::UnavailableError(absl::StrCat("nccl: communicator error ", ncclGetErrorString(async), " (seq ", seq, ")"));
       }
       if (absl::Now() > deadline) {
         // NOTE: aborting releases this member from the collective; peers see their own timeout
         // or a communicator error. The communicator is unusable afterwards.
-        broken_ = true;
-        ncclCommAbort(comm_);
-        comm_ = nullptr;
+        Abandon();
         return absl::DeadlineExceededError(absl::StrCat("nccl: collective (seq ", seq, ") did not finish within ",
                                                         absl::FormatDuration(timeout)));
       }

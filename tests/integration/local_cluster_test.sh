@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Four moe-rankd processes over UCX on this machine, driven through the gRPC API:
+# RANKS (default 4) moe-rankd processes on this machine, driven through the gRPC API (CPU kernels
+# over UCX; CUDA kernels over NCCL where choose_backend finds a GPU per rank and the CUDA backend):
 #  - prefill, decode, mixed and oversize steps under uniform and hot routing, zero-token ranks
 #    included: every output equals the semantic computation (0 mismatches);
 #  - a malformed request on one rank: INVALID_ARGUMENT naming the field there, ABORTED on the
@@ -10,22 +11,27 @@
 #  - SIGTERM drains the remaining ranks.
 set -uo pipefail
 RANKD="$1" DRIVER="$2" MOECTL="$3"
+RANKS="${RANKS:-4}"
+last=$((RANKS - 1))
 source deploy/cluster_lib.sh
+choose_backend "$RANKS"
+echo "backend: $BACKEND_NAME"
 work="$(mktemp -d "${TEST_TMPDIR:-/tmp}/cluster.XXXXXX")"
 trap 'stop_ranks' EXIT
 fail=0
 check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 
 "$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 3 --out "$work/ckpt.safetensors" >/dev/null
-start_ranks "$RANKD" "$work" 4 "$work/ckpt.safetensors" --timeout_ms 3000 || exit 1
+start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt.safetensors" --timeout_ms 3000 || exit 1
 
-"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --rounds 1 --prefill_tokens 24 \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt.safetensors" --rounds 1 --prefill_tokens 24 \
   >"$work/driver.log" 2>&1
 check $? "driver: all scenarios served"
 grep -q "mismatches          0" "$work/driver.log"; check $? "driver: zero mismatches"
-grep -q "rank-steps          40 (failed 0)" "$work/driver.log"; check $? "driver: 40 rank-steps, none failed"
+grep -q "rank-steps          $((10 * RANKS)) (failed 0)" "$work/driver.log"
+check $? "driver: $((10 * RANKS)) rank-steps, none failed"
 
-"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --fault bad_input >"$work/bad.log" 2>&1
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt.safetensors" --fault bad_input >"$work/bad.log" 2>&1
 check $? "malformed request: INVALID_ARGUMENT on its rank, ABORTED on the others, next step served"
 cat "$work/bad.log" | sed 's/^/     /'
 
@@ -35,18 +41,19 @@ grep -q '^moe_steps_total{.*status="invalid_argument"' "$work/scrape.txt"; check
 grep -q '^# TYPE moe_step_latency_seconds histogram' "$work/scrape.txt"; check $? "metrics: latency histogram"
 if command -v promtool >/dev/null; then promtool check metrics <"$work/scrape.txt"; check $? "promtool check metrics"; fi
 
-kill -KILL "${RANK_PIDS[3]}"
-wait "${RANK_PIDS[3]}" 2>/dev/null
+kill -KILL "${RANK_PIDS[$last]}"
+wait "${RANK_PIDS[$last]}" 2>/dev/null
 start=$(date +%s)
-"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --fault dead_rank --dead_rank 3 \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt.safetensors" --fault dead_rank --dead_rank "$last" \
   >"$work/dead.log" 2>&1
 check $? "killed rank: every live rank errors"
 took=$(( $(date +%s) - start ))
 [ "$took" -le 10 ]; check $? "killed rank: errors within the timeout (${took}s)"
 cat "$work/dead.log" | sed 's/^/     /'
 
-unset 'RANK_PIDS[3]'
+unset "RANK_PIDS[$last]"
 stop_ranks
-drained=$(grep -l "drained, exiting" "$work"/rank[012].log | wc -l)
-[ "$drained" = 3 ]; check $? "SIGTERM drained the 3 live ranks"
+drained=0
+for ((r = 0; r < last; r++)); do grep -q "drained, exiting" "$work/rank$r.log" && drained=$((drained + 1)); done
+[ "$drained" = "$last" ]; check $? "SIGTERM drained the $last live ranks"
 exit $fail

@@ -1,10 +1,12 @@
 // NCCL across the GPUs of this host: one forked process per GPU (NCCL_NVLS_ENABLE=0), the same
 // scenarios as the UCX test: random all-to-all-v after the header agreement (host buffers,
-// staged), header mismatch aborting every member, and device-buffer all-to-all-v.
+// staged), header mismatch and generation split aborting every member, a killed member turning
+// into errors on the others within the timeout, and device-buffer all-to-all-v.
 #include <cuda_runtime.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <functional>
 #include <vector>
@@ -67,6 +69,16 @@ TEST(NcclTransportTest, GenerationSplitAbortsEveryMember) {
   ASSERT_GE(n, 2) << "needs two GPUs";
   const auto codes = RunProcesses(n, [n](Transport& t) { return testing::GenerationSplitAbortsEveryone(t, n - 1); });
   for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
+}
+
+TEST(NcclTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
+  const int n = Devices();
+  ASSERT_GE(n, 2) << "needs two GPUs";
+  const auto codes = RunProcesses(n, [n](Transport& t) {
+    return testing::KilledPeerFailsFast(t, n - 1, absl::Seconds(5), [] { raise(SIGKILL); });
+  });
+  for (int i = 0; i < n - 1; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
+  EXPECT_EQ(codes[n - 1], -SIGKILL);
 }
 
 TEST(NcclTransportTest, DeviceBuffersGoDirect) {
