@@ -59,6 +59,9 @@ ABSL_FLAG(int, num_replicas, 0, "rebalance: physical slots of the new placement 
 ABSL_FLAG(int, num_groups, 1, "rebalance: expert groups (EPLB hierarchical policy)");
 ABSL_FLAG(int, num_nodes, 1, "rebalance: nodes (EPLB hierarchical policy)");
 ABSL_FLAG(std::string, prior, "", "rollback: the DRAINING release to re-activate");
+ABSL_FLAG(int64_t, after, 0, "watch: start after this transition seq (0: the whole history)");
+ABSL_FLAG(int, count, 0, "watch: stop after this many transitions (0: until interrupted)");
+ABSL_FLAG(int, timeout_s, 0, "watch: stop after this many seconds (0: never); drain: give up after (default 60)");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
 
@@ -76,6 +79,8 @@ constexpr char kUsage[] =
     "  moectl release transition ID STATE --reason R           one lifecycle transition\n"
     "  moectl promote ID --evidence FILE                       CANARY -> ACTIVE through the promotion gate\n"
     "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the ranks)\n"
+    "  moectl drain ID [--reason R] [--timeout_s S]            stop a non-serving release, wait for its handles, retire it\n"
+    "  moectl watch [ID] [--after SEQ] [--count N] [--timeout_s S] [--json]  transitions as they commit\n"
     "  moectl placement load ID --manifest FILE                prepare a placement on every rank (VERIFIED -> LOADED)\n"
     "  moectl status                                           every rank's generations and handles\n"
     "  moectl rebalance --dry_run [--num_replicas Q] [--out F --checkpoint C --placement_version V]\n"
@@ -245,6 +250,9 @@ int main(int argc, char** argv) {
     o.reason = absl::GetFlag(FLAGS_reason);
     o.evidence = absl::GetFlag(FLAGS_evidence);
     o.prior = absl::GetFlag(FLAGS_prior);
+    o.after_seq = absl::GetFlag(FLAGS_after);
+    o.count = absl::GetFlag(FLAGS_count);
+    o.timeout_s = absl::GetFlag(FLAGS_timeout_s);
     o.manifest = absl::GetFlag(FLAGS_manifest);
     o.dry_run = absl::GetFlag(FLAGS_dry_run);
     o.num_replicas = absl::GetFlag(FLAGS_num_replicas);

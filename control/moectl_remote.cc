@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "control/placement_proto.h"
 #include "control/rebalance.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
@@ -85,7 +86,7 @@ absl::StatusOr<v1::PromotionEvidence> ReadEvidence(const std::string& path) {
 bool IsRemoteCommand(const std::vector<std::string>& cmd) {
   if (cmd.empty()) return false;
   return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback" ||
-         cmd[0] == "status" || cmd[0] == "rebalance" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
+         cmd[0] == "status" || cmd[0] == "watch" || cmd[0] == "drain" || cmd[0] == "rebalance" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
 }
 
 absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
@@ -107,6 +108,96 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
   const std::string request_id = o.request_id.empty() ? NewRequestId() : o.request_id;
   auto usage = [](const char* what) { return absl::InvalidArgumentError(what); };
 
+  if (cmd[0] == "watch" && cmd.size() <= 2) {
+    if (o.after_seq < 0) return usage("--after: must be >= 0");
+    v1::WatchRequest req;
+    if (cmd.size() == 2) req.set_release_id(cmd[1]);
+    req.set_after_seq(o.after_seq);
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    if (o.timeout_s > 0) ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(o.timeout_s));
+    auto reader = stub->Watch(&ctx, req);
+    v1::TransitionRecord t;
+    int seen = 0;
+    if (!o.json) {
+      std::cout << absl::StrFormat("%6s  %-24s %-10s    %-10s %-28s %s\n", "SEQ", "RELEASE", "FROM", "TO", "REQUEST",
+                                   "REASON");
+    }
+    while ((o.count == 0 || seen < o.count) && reader->Read(&t)) {
+      if (o.json) {
+        std::string line;
+        (void)google::protobuf::util::MessageToJsonString(t, &line);
+        std::cout << line << "\n";
+      } else {
+        std::cout << absl::StrFormat("%6d  %-24s %-10s -> %-10s %-28s %s\n", t.seq(), t.release_id(),
+                                     StateName(t.from()), StateName(t.to()), t.request_id(), t.reason());
+      }
+      std::cout.flush();
+      ++seen;
+    }
+    if (o.count > 0 && seen == o.count) {
+      ctx.TryCancel();
+      reader->Finish().IgnoreError();
+      return absl::OkStatus();
+    }
+    const absl::Status s = FromGrpcStatus(reader->Finish());
+    // A --timeout_s that ends the watch is how scripts bound it, not an error.
+    if (s.code() == absl::StatusCode::kDeadlineExceeded && o.timeout_s > 0 && o.count == 0) return absl::OkStatus();
+    return s;
+  }
+  if (cmd[0] == "drain" && cmd.size() == 2) {
+    // Stop new dispatch of a release that is not serving (DRAINING), wait until every rank has
+    // no handle on its generation, then retire it. The ranks refuse the retirement while a
+    // handle lives; the retirement is retried under one request id until they accept.
+    const std::string& release = cmd[1];
+    const std::string reason = o.reason.empty() ? "operator drain" : o.reason;
+    v1::GetReleaseRequest get;
+    get.set_release_id(release);
+    v1::Release rel;
+    {
+      auto ctx = context();
+      if (auto s = FromGrpcStatus(stub->GetRelease(ctx.get(), get, &rel)); !s.ok()) return s;
+    }
+    if (rel.state() == v1::RELEASE_STATE_RETIRED) {
+      std::cout << release << " is already RETIRED\n";
+      return absl::OkStatus();
+    }
+    if (rel.state() == v1::RELEASE_STATE_ACTIVE) {
+      return absl::FailedPreconditionError(absl::StrCat("drain ", release, ": it is ACTIVE (serving); leave ACTIVE through ",
+                                                        "promote of another release or rollback"));
+    }
+    if (rel.state() != v1::RELEASE_STATE_DRAINING) {
+      v1::TransitionReleaseRequest req;
+      req.set_request_id(request_id);
+      req.set_release_id(release);
+      req.set_to(v1::RELEASE_STATE_DRAINING);
+      req.set_reason(reason);
+      v1::TransitionRecord rec;
+      auto ctx = context();
+      if (auto s = FromGrpcStatus(stub->TransitionRelease(ctx.get(), req, &rec)); !s.ok()) return s;
+      std::cout << absl::StrFormat("%6d  %s %s -> %s\n", rec.seq(), release, StateName(rec.from()), StateName(rec.to()));
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(o.timeout_s > 0 ? o.timeout_s : 60);
+    absl::Status last;
+    while (true) {
+      v1::TransitionReleaseRequest req;
+      req.set_request_id(request_id + "/retire");
+      req.set_release_id(release);
+      req.set_to(v1::RELEASE_STATE_RETIRED);
+      req.set_reason(absl::StrCat(reason, ": handles drained"));
+      v1::TransitionRecord rec;
+      auto ctx = context();
+      last = FromGrpcStatus(stub->TransitionRelease(ctx.get(), req, &rec));
+      if (last.ok()) {
+        std::cout << absl::StrFormat("%6d  %s %s -> %s\n", rec.seq(), release, StateName(rec.from()),
+                                     StateName(rec.to()));
+        return absl::OkStatus();
+      }
+      if (last.code() != absl::StatusCode::kFailedPrecondition || absl::Now() > deadline) break;
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    return absl::Status(last.code(), absl::StrCat("drain ", release, ": not retired: ", last.message()));
+  }
   if (cmd[0] == "releases" && cmd.size() == 2 && cmd[1] == "list") {
     v1::ListReleasesResponse resp;
     auto ctx = context();

@@ -25,6 +25,11 @@ struct RemoteOptions {
   int num_replicas = 0, num_groups = 1, num_nodes = 1;
   std::string out, checkpoint;  // with --out: write the plan as a PlacementManifest JSON
   int64_t placement_version = 0, epoch = 1;
+  // watch: start after this transition seq; stop after `count` transitions (0: run until
+  // interrupted) or `timeout_s` seconds (0: none). drain: give up after timeout_s (default 60).
+  int64_t after_seq = 0;
+  int count = 0;
+  int timeout_s = 0;
 };
 
 // Runs `cmd` (e.g. {"releases", "list"}); prints the result on stdout. NOT_FOUND-style

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "control/placement_proto.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/placement/migration.h"
@@ -372,6 +373,27 @@ grpc::Status ControlPlaneServiceImpl::History(grpc::ServerContext* ctx, const v1
   auto history = store_->History(req->release_id());
   if (!history.ok()) return ToGrpcStatus(history.status());
   for (const StoredTransition& t : *history) Fill(t, resp->add_transitions());
+  return grpc::Status::OK;
+}
+
+grpc::Status ControlPlaneServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
+                                            grpc::ServerWriter<v1::TransitionRecord>* writer) {
+  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (req->after_seq() < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "after_seq: must be >= 0");
+  int64_t last = req->after_seq();
+  // Transitions are committed to SQLite before they are answered, so polling the table sees
+  // each one exactly once, in seq order, whichever RPC (or restarted controller) wrote it.
+  while (!ctx->IsCancelled()) {
+    auto batch = store_->History(req->release_id(), last);
+    if (!batch.ok()) return ToGrpcStatus(batch.status());
+    for (const StoredTransition& t : *batch) {
+      v1::TransitionRecord r;
+      Fill(t, &r);
+      if (!writer->Write(r)) return grpc::Status::OK;  // the client went away
+      last = t.seq;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
   return grpc::Status::OK;
 }
 

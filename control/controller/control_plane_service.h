@@ -53,6 +53,8 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   grpc::Status ListReleases(grpc::ServerContext* ctx, const v1::ListReleasesRequest* req,
                             v1::ListReleasesResponse* resp) override;
   grpc::Status History(grpc::ServerContext* ctx, const v1::HistoryRequest* req, v1::HistoryResponse* resp) override;
+  grpc::Status Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
+                     grpc::ServerWriter<v1::TransitionRecord>* writer) override;
 
  private:
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;

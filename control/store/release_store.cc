@@ -335,15 +335,20 @@ absl::StatusOr<std::vector<ReleaseRecord>> ReleaseStore::List() const {
   return ReadReleases(q);
 }
 
-absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id) const {
+absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id,
+                                                                    int64_t after_seq) const {
   if (release_id.empty()) {
-    Stmt q(db_, "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions ORDER BY seq");
+    Stmt q(db_,
+           "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions WHERE seq > ? "
+           "ORDER BY seq");
+    q.Bind(1, after_seq);
     return ReadTransitions(q);
   }
   Stmt q(db_,
          "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions WHERE release_id = ? "
-         "ORDER BY seq");
+         "AND seq > ? ORDER BY seq");
   q.Bind(1, release_id);
+  q.Bind(2, after_seq);
   return ReadTransitions(q);
 }
 

@@ -76,7 +76,9 @@ class ReleaseStore {
   absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) const;
   absl::StatusOr<std::vector<ReleaseRecord>> List() const;
   // Transitions of one release (or of all, for an empty id) in commit order.
-  absl::StatusOr<std::vector<StoredTransition>> History(const std::string& release_id) const;
+  // Transitions in seq order (of one release, or all when `release_id` is empty), those with
+  // seq > after_seq only.
+  absl::StatusOr<std::vector<StoredTransition>> History(const std::string& release_id, int64_t after_seq = 0) const;
   // Checks the file (PRAGMA integrity_check) and that every release's history is a legal chain from
   // BUILT ending in its stored state. INTERNAL naming the first inconsistency.
   absl::Status Verify() const;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # moe-controller end to end on real sockets: bearer-token authentication, the release lifecycle
 # through moectl (register, walk, the promotion gate, idempotent retry, ordered rollback), a
-# SIGKILLed controller restarting from its SQLite file with nothing lost, and a Prometheus scrape.
+# SIGKILLed controller restarting from its SQLite file with nothing lost, the watch stream,
+# drain, and a Prometheus scrape.
 set -u
 CONTROLLER="$1"
 MOECTL="$2"
@@ -77,8 +78,25 @@ check "list after restart" 0 "release-v18 *ACTIVE" -- "$MOECTL" "${C[@]}" releas
 check "rollback retry after restart" 0 "release-v18" -- \
   "$MOECTL" "${C[@]}" rollback release-v19 --prior release-v18 --reason "candidate faulted" --request_id rb-1
 
+# Watch: the history of one release at once, then new transitions as they commit.
+check "watch replays a release's history" 0 "RETIRED" -- "$MOECTL" "${C[@]}" watch release-v19 --count 7
+last="$("$MOECTL" "${C[@]}" watch --json --timeout_s 1 | tail -1 | sed 's/.*"seq": *"\{0,1\}\([0-9]*\).*/\1/')"
+"$MOECTL" "${C[@]}" watch --json --after "$last" --count 3 --timeout_s 20 >"$TMP/watch.jsonl" 2>&1 &
+watcher=$!
+sleep 0.5
+check "register v20" 0 "release-v20 BUILT" -- "$MOECTL" "${C[@]}" release register release-v20 --digest sha256:v20
+for s in VERIFIED LOADED SHADOW; do
+  check "release-v20 -> $s" 0 "-> $s" -- "$MOECTL" "${C[@]}" release transition release-v20 "$s" --reason "step $s"
+done
+wait "$watcher"
+[ "$(grep -c '"releaseId": *"release-v20"' "$TMP/watch.jsonl")" = 3 ] && tail -1 "$TMP/watch.jsonl" | grep -q SHADOW &&
+  echo "ok   watch streamed the 3 new transitions in order" || { echo "FAIL watch"; cat "$TMP/watch.jsonl"; fail=1; }
+check "drain refuses the serving release" 2 "ACTIVE" -- "$MOECTL" "${C[@]}" drain release-v18
+check "drain a shadowed candidate" 0 "DRAINING -> RETIRED" -- "$MOECTL" "${C[@]}" drain release-v20 --reason abandoned
+check "watch rejects a negative seq" 2 "after" -- "$MOECTL" "${C[@]}" watch --after -1
+
 curl -sf "http://127.0.0.1:$(cat "$TMP/metrics.port")/metrics" >"$TMP/scrape.txt" || { echo "FAIL scrape"; fail=1; }
-grep -q 'moe_controller_releases{state="ACTIVE"} 1' "$TMP/scrape.txt" && grep -q 'moe_controller_releases{state="RETIRED"} 1' "$TMP/scrape.txt" \
+grep -q 'moe_controller_releases{state="ACTIVE"} 1' "$TMP/scrape.txt" && grep -q 'moe_controller_releases{state="RETIRED"} 2' "$TMP/scrape.txt" \
   && echo "ok   metrics show the registry" || { echo "FAIL metrics"; grep moe_controller "$TMP/scrape.txt"; fail=1; }
 if command -v promtool >/dev/null; then
   promtool check metrics <"$TMP/scrape.txt" && echo "ok   promtool check metrics" || { echo "FAIL promtool"; fail=1; }
