@@ -33,6 +33,21 @@ absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::Acquire(HandleId
                                                                          const ProcessGroup& group) {
   RETURN_IF_ERROR(VerifyFrozen(handoff));
   ASSIGN_OR_RETURN(GenerationLease lease, registry->AcquireActive(id));
+  return FromLease(id, handoff, group, std::move(lease), false);
+}
+
+absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::AcquireTrial(HandleId id, const FrozenHandoff& handoff,
+                                                                              GenerationRegistry* registry,
+                                                                              const ProcessGroup& group,
+                                                                              PlacementVersion candidate) {
+  RETURN_IF_ERROR(VerifyFrozen(handoff));
+  ASSIGN_OR_RETURN(GenerationLease lease, registry->AcquireTrial(candidate, id));
+  return FromLease(id, handoff, group, std::move(lease), true);
+}
+
+absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::FromLease(HandleId id, const FrozenHandoff& handoff,
+                                                                           const ProcessGroup& group,
+                                                                           GenerationLease lease, bool trial) {
   const PlacementManifest& m = *lease.manifest();
   if (m.process_group() != group.id() || m.epoch() != group.epoch()) {
     return absl::FailedPreconditionError(absl::StrCat("active ", m.VersionName(), " is bound to ",
@@ -48,6 +63,7 @@ absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::Acquire(HandleId
   h->epoch_ = m.epoch();
   h->digest_ = handoff.digest;
   h->lease_ = std::move(lease);
+  h->trial_ = trial;
   return h;
 }
 
@@ -95,7 +111,7 @@ absl::Status DispatchHandle::BeginCombine(const GenerationRegistry& registry, Pl
                                                       version_.value(), "; combine under placement-v",
                                                       executor_version.value(), " refused"));
   }
-  ASSIGN_OR_RETURN(auto live, registry.RequireLive(version_));
+  ASSIGN_OR_RETURN(auto live, trial_ ? registry.RequireTrial(version_) : registry.RequireLive(version_));
   if (live->checkpoint() != checkpoint_ || live->process_group() != group_ || live->epoch() != epoch_) {
     return absl::FailedPreconditionError(
         absl::StrCat("handle ", id_.value(), ": placement-v", version_.value(), " no longer matches the handle's "

@@ -52,6 +52,13 @@ class DispatchHandle {
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> Acquire(HandleId id, const FrozenHandoff& handoff,
                                                                   GenerationRegistry* registry,
                                                                   const ProcessGroup& group);
+  // The same on a PREPARED candidate generation, for its shadow and canary steps; the handle's
+  // combine then requires the candidate still PREPARED.
+  static absl::StatusOr<std::unique_ptr<DispatchHandle>> AcquireTrial(HandleId id, const FrozenHandoff& handoff,
+                                                                       GenerationRegistry* registry,
+                                                                       const ProcessGroup& group,
+                                                                       PlacementVersion candidate);
+  bool trial() const { return trial_; }
 
   HandleId id() const { return id_; }
   HandleState state() const { return state_; }
@@ -85,7 +92,12 @@ class DispatchHandle {
   absl::Status Advance(HandleState from, HandleState to, const char* what);
 
   HandleId id_;
+  static absl::StatusOr<std::unique_ptr<DispatchHandle>> FromLease(HandleId id, const FrozenHandoff& handoff,
+                                                                    const ProcessGroup& group, GenerationLease lease,
+                                                                    bool trial);
+
   HandleState state_ = HandleState::kRouterOutput;
+  bool trial_ = false;
   GenerationLease lease_;
   PlacementVersion version_;
   CheckpointVersion checkpoint_;

@@ -1,9 +1,11 @@
 #include "runtime/exec/layer_executor.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/numeric.h"
 #include "absl/time/clock.h"
 #include "runtime/exec/dispatch_handle.h"
 #include "runtime/exec/step_exchange.h"
@@ -195,7 +197,96 @@ absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status
   return why;
 }
 
+void LayerExecutor::SetTrial(int64_t version, int64_t shadow_every, int64_t canary_every) {
+  absl::MutexLock lock(&generations_mu_);
+  trial_ = {version, version >= 0 ? shadow_every : 0, version >= 0 ? canary_every : 0};
+}
+
+LayerExecutor::TrialConfig LayerExecutor::Trial() const {
+  absl::MutexLock lock(&generations_mu_);
+  return trial_;
+}
+
+std::map<int64_t, GenerationCounters> LayerExecutor::Counters() const {
+  absl::MutexLock lock(&generations_mu_);
+  return counters_;
+}
+
+void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary) {
+  if (!r.ok()) {
+    // A failed step counts against the generation it would have run on.
+    const int64_t v = canary ? Trial().version : options_.registry->ActiveVersion();
+    absl::MutexLock lock(&generations_mu_);
+    ++counters_[v].failed_steps;
+    return;
+  }
+  const StepRecord& rec = r->record;
+  absl::MutexLock lock(&generations_mu_);
+  GenerationCounters& c = counters_[rec.placement_version];
+  ++c.steps;
+  if (canary) ++c.canary_steps;
+  if (in.phase == Phase::kDecode) {
+    ++c.decode_steps;
+    if (!rec.graph_replay) ++c.fallback_steps;
+  }
+  c.routes_attempted += rec.routes_attempted;
+  c.routes_dropped += rec.routes_dropped;
+}
+
 absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in) {
+  const TrialConfig t = Trial();
+  // Canary: every canary_every-th step is served by the candidate (a PREPARED generation). All
+  // ranks decide alike from the step id; a rank still without the setting proposes the active
+  // generation, the header agreement aborts the step everywhere, and the engine retries it.
+  if (t.version >= 0 && t.canary_every > 0 && in.step_id % static_cast<uint64_t>(t.canary_every) == 0 &&
+      in.expected_generation < 0) {
+    PassOptions po;
+    po.trial_version = t.version;
+    auto r = RunPass(in, po, nullptr);
+    if (r.ok()) r->record.canary = true;
+    Count(r, in, true);
+    return r;
+  }
+  PassOptions po;
+  if (t.version >= 0 && t.shadow_every > 0) {
+    po.shadow_version = t.version;
+    po.shadow_every = t.shadow_every;
+  }
+  int64_t shadow = -1;
+  auto r = RunPass(in, po, &shadow);
+  Count(r, in, false);
+  if (shadow < 0) return r;
+  // Shadow: every member agreed to run this step on the candidate too (same proposal, sampled
+  // step), so every member runs the pass, whatever its own active result was. The engine gets
+  // the active result; the candidate's output is only compared with it (runner parity).
+  LayerStepInput sin = in;
+  sin.step_id = in.step_id + kShadowStepOffset;
+  sin.expected_generation = -1;
+  PassOptions spo;
+  spo.trial_version = shadow;
+  spo.shadow_pass = true;
+  auto s = RunPass(sin, spo, nullptr);
+  bool mismatch = false;
+  if (s.ok() && r.ok()) {
+    double num = 0, den = 0;
+    mismatch = s->output.size() != r->output.size();
+    for (size_t i = 0; !mismatch && i < r->output.size(); ++i) {
+      const double a = kernels::Bf16ToFloat(r->output[i]), b = kernels::Bf16ToFloat(s->output[i]);
+      num += (a - b) * (a - b);
+      den += a * a;
+    }
+    mismatch = mismatch || std::sqrt(num / std::max(den, 1e-30)) > kShadowTolerance;
+  }
+  absl::MutexLock lock(&generations_mu_);
+  GenerationCounters& c = counters_[shadow];
+  ++c.shadow_samples;
+  if (!s.ok()) ++c.shadow_failures;
+  if (mismatch) ++c.shadow_mismatches;
+  return r;
+}
+
+absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
+                                                       int64_t* agreed_shadow) {
   const absl::Time started = absl::Now();
   const Topology& topo = *options_.topology;
   const ProcessGroup& group = *options_.group;
@@ -209,9 +300,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   auto reject = [&](absl::Status why) { return Reject(in.step_id, in.layer, std::move(why)); };
 
   // Phase: the semantic handoff of this rank's routes, sealed before any physical decision.
-  const int64_t active = options_.registry->ActiveVersion();
+  const bool trial = po.trial_version >= 0;
+  const int64_t active = trial ? po.trial_version : options_.registry->ActiveVersion();
   if (active < 0) return reject(absl::UnavailableError("no ACTIVE placement generation"));
-  auto active_manifest = options_.registry->RequireLive(PlacementVersion(active));
+  auto active_manifest = trial ? options_.registry->RequireTrial(PlacementVersion(active))
+                               : options_.registry->RequireLive(PlacementVersion(active));
   if (!active_manifest.ok()) return reject(active_manifest.status());
   if (absl::Status v = Validate(in, (*active_manifest)->num_experts()); !v.ok()) return reject(v);
   SemanticHandoff h;
@@ -220,7 +313,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   h.top_k = in.k;
   h.num_partitions = topo.num_ranks();
   h.Reserve(in.tokens * in.k);
-  {
+  if (!po.shadow_pass) {
     // The load signal for rebalancing: routes this rank's tokens chose, per logical expert.
     absl::MutexLock lock(&generations_mu_);
     if (expert_load_.size() < static_cast<size_t>(h.num_experts)) expert_load_.resize(h.num_experts, 0);
@@ -241,11 +334,14 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   const FrozenHandoff& frozen = *frozen_or;
 
   // Phase: pin the generation for this step's whole lifetime.
-  auto handle_or = DispatchHandle::Acquire(HandleId(static_cast<int64_t>(in.step_id)), frozen, options_.registry, group);
+  auto handle_or = trial ? DispatchHandle::AcquireTrial(HandleId(static_cast<int64_t>(in.step_id)), frozen,
+                                                        options_.registry, group, PlacementVersion(active))
+                         : DispatchHandle::Acquire(HandleId(static_cast<int64_t>(in.step_id)), frozen, options_.registry,
+                                                   group);
   if (!handle_or.ok()) return reject(handle_or.status());
   std::unique_ptr<DispatchHandle> handle = *std::move(handle_or);
   const PlacementVersion version = handle->placement_version();
-  if (in.expected_generation >= 0 && in.expected_generation != version.value()) {
+  if (!trial && in.expected_generation >= 0 && in.expected_generation != version.value()) {
     return reject(absl::FailedPreconditionError(absl::StrCat("expected_generation: engine expects placement-v",
                                                              in.expected_generation, ", active is placement-v",
                                                              version.value())));
@@ -301,9 +397,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   std::vector<int64_t>& slot_counts = buf_.slot_counts;
   slot_counts.assign(m.num_slots(), 0);
   for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
-  StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens};
+  StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens, po.shadow_version,
+                    po.shadow_every};
   ASSIGN_OR_RETURN(StepAgreement agreement,
                    AgreeOnStep(*options_.transport, header, source.send_splits, options_.timeout, slot_counts));
+  if (agreed_shadow != nullptr) *agreed_shadow = agreement.shadow_version;
 
   // Phase: decode-graph admission, evaluated identically on every member over agreed counts.
   LayerStepResult result;

@@ -73,6 +73,22 @@ struct StepRecord {
   int64_t routes_inter_node = 0;
   int64_t bytes_sent = 0;  // payload bytes to other ranks (dispatch + return)
   double execute_us = 0;   // wall time inside Execute
+  bool canary = false;     // served by the candidate generation (a canary step)
+};
+
+// What one rank observed per placement generation since it started: the promotion gate's
+// inputs (spec 0x0DC) as the rank sees them.
+struct GenerationCounters {
+  int64_t steps = 0;            // answered under this generation (canary steps included)
+  int64_t failed_steps = 0;
+  int64_t canary_steps = 0;
+  int64_t decode_steps = 0;
+  int64_t fallback_steps = 0;   // decode steps that ran eagerly
+  int64_t routes_attempted = 0;
+  int64_t routes_dropped = 0;
+  int64_t shadow_samples = 0;   // steps also run on this generation as a shadow
+  int64_t shadow_mismatches = 0;// ... whose output differed from the active one's
+  int64_t shadow_failures = 0;  // ... whose shadow pass failed
 };
 
 struct LayerStepResult {
@@ -111,7 +127,26 @@ class LayerExecutor {
   // Admitted routes this rank's tokens sent to each logical expert since start (EPLB's input).
   std::vector<int64_t> ExpertLoad() const;
 
+  // Runs the step on the ACTIVE generation, or on the trial candidate for canary steps; on
+  // sampled shadow steps also runs it on the candidate and compares (the engine gets the active
+  // result). Trial passes are collective like the step itself: every member decides from the
+  // step id and the agreed header, never alone.
   absl::StatusOr<LayerStepResult> Execute(const LayerStepInput& input);
+
+  // The candidate for trial steps (a PREPARED generation; -1 stops trials): every
+  // shadow_every-th step also runs on it, every canary_every-th step is served by it (0: never).
+  void SetTrial(int64_t version, int64_t shadow_every, int64_t canary_every);
+  struct TrialConfig {
+    int64_t version = -1;
+    int64_t shadow_every = 0;
+    int64_t canary_every = 0;
+  };
+  TrialConfig Trial() const;
+  std::map<int64_t, GenerationCounters> Counters() const;
+  // Shadow passes run as step id + this offset (their own handle ids and transport sequence).
+  static constexpr uint64_t kShadowStepOffset = uint64_t{1} << 56;
+  // Relative L2 difference above which a shadow output counts as a mismatch.
+  static constexpr double kShadowTolerance = 1e-2;
 
   // For a step this member cannot run (its request was rejected before Execute, e.g. at the RPC
   // edge): joins the step's agreement with the abort flag so every peer aborts at once, and
@@ -121,6 +156,13 @@ class LayerExecutor {
  private:
   explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
   absl::Status Validate(const LayerStepInput& in, int num_experts) const;
+  struct PassOptions {
+    int64_t trial_version = -1;  // >= 0: run on this PREPARED candidate instead of the ACTIVE one
+    bool shadow_pass = false;    // a shadow pass (not counted in the expert load)
+    int64_t shadow_version = -1, shadow_every = 0;  // the shadow proposal in the step header
+  };
+  absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);
+  void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary);
   struct ResidentExperts;
   // The admitted decode step's payload through the bucket's graph (captured on first use).
   absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version,
@@ -141,6 +183,8 @@ class LayerExecutor {
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   std::vector<int64_t> expert_load_ ABSL_GUARDED_BY(generations_mu_);
+  TrialConfig trial_ ABSL_GUARDED_BY(generations_mu_);
+  std::map<int64_t, GenerationCounters> counters_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const ResidentExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
 

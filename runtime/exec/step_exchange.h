@@ -29,6 +29,11 @@ struct StepHeader {
   // that every member aborts the step at once instead of waiting for it.
   int64_t abort = 0;
   int64_t tokens = 0;  // this member's input rows (decode-graph admission needs every rank's)
+  // Shadow proposal: the candidate generation this member would also run this step on, and its
+  // sampling period (-1 / 0: none). Not a reason to abort: the shadow pass runs only when every
+  // member proposes the same pair and the step id is a multiple of the period.
+  int64_t shadow_version = -1;
+  int64_t shadow_every = 0;
 };
 
 struct StepAgreement {
@@ -36,6 +41,7 @@ struct StepAgreement {
   std::vector<int64_t> recv_counts;   // this member's column
   std::vector<int64_t> rank_tokens;   // [P], every member's input rows
   std::vector<int64_t> slot_routes;   // [Q], routes per physical slot summed over members
+  int64_t shadow_version = -1;        // agreed shadow pass for this step, -1: none
 };
 
 // `slot_counts` (optional, the same length Q on every member) are this member's routes per

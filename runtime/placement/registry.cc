@@ -123,6 +123,32 @@ absl::StatusOr<GenerationLease> GenerationRegistry::AcquireActive(HandleId handl
   return GenerationLease(this, e.manifest, handle);
 }
 
+absl::StatusOr<GenerationLease> GenerationRegistry::AcquireTrial(PlacementVersion v, HandleId handle) {
+  absl::MutexLock lock(&mu_);
+  auto it = generations_.find(v.value());
+  if (it == generations_.end()) return absl::FailedPreconditionError(absl::StrCat(Name(v), " is not registered"));
+  Entry& e = it->second;
+  if (e.state != GenerationState::kPrepared) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(Name(v), " is ", GenerationStateName(e.state), "; trial steps run on a PREPARED candidate"));
+  }
+  if (!e.holders.insert(handle.value()).second) {
+    return absl::AlreadyExistsError(absl::StrCat("handle ", handle.value(), " already holds ", Name(v)));
+  }
+  return GenerationLease(this, e.manifest, handle);
+}
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> GenerationRegistry::RequireTrial(PlacementVersion v) const {
+  absl::MutexLock lock(&mu_);
+  auto it = generations_.find(v.value());
+  if (it == generations_.end()) return absl::FailedPreconditionError(absl::StrCat(Name(v), " is not registered"));
+  if (it->second.state != GenerationState::kPrepared) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(Name(v), " is ", GenerationStateName(it->second.state), ", no longer a trial candidate"));
+  }
+  return it->second.manifest;
+}
+
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> GenerationRegistry::RequireLive(PlacementVersion v) const {
   absl::MutexLock lock(&mu_);
   auto it = generations_.find(v.value());

@@ -86,6 +86,12 @@ class GenerationRegistry {
   absl::StatusOr<GenerationLease> AcquireActive(HandleId handle);
   // The manifest of a live (ACTIVE or DRAINING) generation. FAILED_PRECONDITION otherwise.
   absl::StatusOr<std::shared_ptr<const PlacementManifest>> RequireLive(PlacementVersion v) const;
+  // Trial passes (shadow and canary steps of a candidate): a lease on a PREPARED generation,
+  // counted by the same refcount fence, so the candidate cannot retire under a trial step.
+  absl::StatusOr<GenerationLease> AcquireTrial(PlacementVersion v, HandleId handle);
+  // The manifest of a PREPARED generation (a trial handle's combine check). FAILED_PRECONDITION
+  // once it is anything else.
+  absl::StatusOr<std::shared_ptr<const PlacementManifest>> RequireTrial(PlacementVersion v) const;
 
   absl::StatusOr<GenerationState> State(PlacementVersion v) const;
   int64_t Refcount(PlacementVersion v) const;

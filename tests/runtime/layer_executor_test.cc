@@ -29,6 +29,32 @@ struct Rank4 {
   std::unique_ptr<Transport> transport[kRanks];
   std::unique_ptr<LayerExecutor> exec[kRanks];
 
+  // A candidate placement: experts 2 and 3 replicated instead of 0 and 1, on other ranks.
+  std::shared_ptr<const PlacementManifest> Candidate(int64_t version) {
+    std::vector<SlotRecord> slots;
+    const int expert_of[10] = {0, 1, 2, 3, 4, 5, 6, 7, 2, 3};
+    const int rank_of[10] = {1, 2, 3, 0, 1, 2, 3, 0, 0, 2};
+    for (int q = 0; q < 10; ++q) {
+      SlotRecord s = fixture::Slot(q, expert_of[q], q < 8 ? 0 : 1, rank_of[q], rank_of[q] / 2);
+      s.parameter_digest = ParameterDigest(checkpoint.metadata.at("digest." + std::to_string(expert_of[q])));
+      slots.push_back(s);
+    }
+    return *PlacementManifest::Create(fixture::Options(version, kExperts), slots, topology);
+  }
+  // Prepares `m` beside the active generation on every rank (weights from the checkpoint, or
+  // with every weight of rank `corrupt_rank` perturbed: a runner that computes something else).
+  void PrepareEverywhere(const std::shared_ptr<const PlacementManifest>& m, int corrupt_rank = -1) {
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_TRUE(registry[r].Prepare(m).ok());
+      auto local = LoadLocalExperts(checkpoint, *m, Rank(r));
+      ASSERT_TRUE(local.ok()) << local.status();
+      if (r == corrupt_rank) {
+        for (auto& w : local->w_down) w = kernels::FloatToBf16(kernels::Bf16ToFloat(w) * 1.5f);
+      }
+      EXPECT_TRUE(exec[r]->AddGeneration(m->version(), std::make_shared<LocalExperts>(*local)).ok());
+    }
+  }
+
   Rank4() {
     // Ten slots: experts 0 and 1 replicated across nodes; digests from the checkpoint.
     std::vector<SlotRecord> slots;
@@ -209,6 +235,97 @@ TEST(CheckpointTest, SafetensorsRoundTripAndDigestCheck) {
   }
   std::ofstream(path, std::ios::binary) << bytes.substr(0, bytes.size() - 10);
   EXPECT_EQ(ReadSafetensors(path).status().code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// Shadow: sampled steps also run on the PREPARED candidate and are compared (runner parity);
+// canary: sampled steps are served by the candidate. Counters per generation on every rank.
+TEST(LayerExecutorTrialTest, ShadowComparesAndCanaryServesTheCandidate) {
+  Rank4 w;
+  w.PrepareEverywhere(w.Candidate(18));
+  for (int r = 0; r < kRanks; ++r) w.exec[r]->SetTrial(18, 2, 0);
+  std::mt19937 rng(8);
+  auto check_outputs = [&](const std::vector<RankInput>& inputs, const auto& results, uint64_t step) {
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok()) << "rank " << r << " step " << step << ": " << results[r].status();
+      const auto ref = Reference(w.checkpoint, inputs[r]);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double x = kernels::Bf16ToFloat(results[r]->output[i]);
+        num += (x - ref[i]) * (x - ref[i]);
+        den += ref[i] * static_cast<double>(ref[i]);
+      }
+      EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << "rank " << r << " step " << step;
+    }
+  };
+  for (uint64_t step = 1; step <= 6; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 1 + rng() % 12));
+    const auto results = RunStep(w, inputs, step, 1);
+    check_outputs(inputs, results, step);
+    for (int r = 0; r < kRanks; ++r) EXPECT_EQ(results[r]->record.placement_version, 17);  // shadow never answers
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    const auto c = w.exec[r]->Counters();
+    EXPECT_EQ(c.at(17).steps, 6) << "rank " << r;
+    EXPECT_EQ(c.at(18).shadow_samples, 3) << "rank " << r;  // steps 2, 4, 6
+    EXPECT_EQ(c.at(18).shadow_mismatches, 0) << "rank " << r;
+    EXPECT_EQ(c.at(18).shadow_failures, 0) << "rank " << r;
+    EXPECT_EQ(w.registry[r].Refcount(PlacementVersion(18)), 0);
+  }
+
+  // Canary every third step: steps 9 and 12 are answered by placement-v18.
+  for (int r = 0; r < kRanks; ++r) w.exec[r]->SetTrial(18, 0, 3);
+  for (uint64_t step = 7; step <= 12; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 1 + rng() % 12));
+    const auto results = RunStep(w, inputs, step, 1);
+    check_outputs(inputs, results, step);
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(results[r]->record.placement_version, step % 3 == 0 ? 18 : 17) << "step " << step;
+      EXPECT_EQ(results[r]->record.canary, step % 3 == 0);
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    const auto c = w.exec[r]->Counters();
+    EXPECT_EQ(c.at(18).canary_steps, 2);
+    EXPECT_EQ(c.at(18).steps, 2);
+    EXPECT_EQ(c.at(17).steps, 10);
+  }
+
+  // One rank without the shadow setting: no shadow pass is agreed, every step still served.
+  for (int r = 0; r < kRanks; ++r) w.exec[r]->SetTrial(r == 3 ? -1 : 18, 1, 0);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 4));
+  const auto results = RunStep(w, inputs, 14, 1);
+  check_outputs(inputs, results, 14);
+  EXPECT_EQ(w.exec[0]->Counters().at(18).shadow_samples, 3);
+}
+
+TEST(LayerExecutorTrialTest, ShadowCatchesACandidateThatComputesSomethingElse) {
+  Rank4 w;
+  w.PrepareEverywhere(w.Candidate(19), /*corrupt_rank=*/1);
+  for (int r = 0; r < kRanks; ++r) w.exec[r]->SetTrial(19, 1, 0);
+  std::mt19937 rng(9);
+  for (uint64_t step = 1; step <= 3; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 8));
+    const auto results = RunStep(w, inputs, step, 1);
+    for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(results[r].ok()) << results[r].status();
+  }
+  int64_t mismatches = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    const auto c = w.exec[r]->Counters();
+    EXPECT_EQ(c.at(19).shadow_samples, 3);
+    mismatches += c.at(19).shadow_mismatches;
+  }
+  // Every rank whose tokens reached one of rank 1's candidate slots sees its rows differ.
+  EXPECT_GT(mismatches, 0);
 }
 
 }  // namespace
