@@ -43,7 +43,9 @@ ABSL_FLAG(std::string, token_file, "", "controller subcommands: file holding the
 ABSL_FLAG(std::string, request_id, "", "controller subcommands: idempotency key (random when empty; reuse it to retry)");
 ABSL_FLAG(std::string, digest, "", "release register: bundle digest");
 ABSL_FLAG(std::string, reason, "", "release transition / rollback: reason recorded with the transition");
-ABSL_FLAG(std::string, evidence, "", "promote: JSON file with the promotion gate's inputs (PromotionEvidence)");
+ABSL_FLAG(std::string, evidence, "",
+          "promote: JSON file with the promotion gate's inputs (PromotionEvidence); empty: the controller reads the "
+          "ranks' counters");
 ABSL_FLAG(std::string, manifest, "", "placement load: PlacementManifest JSON (moectl placement synth writes one)");
 ABSL_FLAG(int, world, 4, "placement synth: ranks in the expert-parallel group");
 ABSL_FLAG(int, extra_replicas, 2, "placement synth: extra replicas of the first experts");
@@ -77,7 +79,8 @@ constexpr char kUsage[] =
     "  moectl releases list | releases show ID                 releases, states, transition history\n"
     "  moectl release register ID --digest D                   register a release bundle (BUILT)\n"
     "  moectl release transition ID STATE --reason R           one lifecycle transition\n"
-    "  moectl promote ID --evidence FILE                       CANARY -> ACTIVE through the promotion gate\n"
+    "  moectl promote ID [--evidence FILE]                     CANARY -> ACTIVE through the promotion gate (inputs\n"
+    "                                                          from FILE, or from the ranks' counters without it)\n"
     "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the ranks)\n"
     "  moectl drain ID [--reason R] [--timeout_s S]            stop a non-serving release, wait for its handles, retire it\n"
     "  moectl watch [ID] [--after SEQ] [--count N] [--timeout_s S] [--json]  transitions as they commit\n"

@@ -70,7 +70,6 @@ void PrintTransitions(const google::protobuf::RepeatedPtrField<v1::TransitionRec
 }
 
 absl::StatusOr<v1::PromotionEvidence> ReadEvidence(const std::string& path) {
-  if (path.empty()) return absl::InvalidArgumentError("--evidence: required (JSON with the promotion gate's inputs)");
   std::ifstream in(path);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("--evidence ", path, ": cannot read"));
   std::stringstream buf;
@@ -262,12 +261,14 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
     return absl::OkStatus();
   }
   if (cmd[0] == "promote" && cmd.size() == 2) {
-    auto evidence = ReadEvidence(o.evidence);
-    if (!evidence.ok()) return evidence.status();
     v1::PromoteRequest req;
     req.set_request_id(request_id);
     req.set_release_id(cmd[1]);
-    *req.mutable_evidence() = *evidence;
+    if (!o.evidence.empty()) {  // otherwise the controller reads the ranks' counters
+      auto evidence = ReadEvidence(o.evidence);
+      if (!evidence.ok()) return evidence.status();
+      *req.mutable_evidence() = *evidence;
+    }
     v1::PromoteResponse resp;
     auto ctx = context();
     if (auto s = FromGrpcStatus(stub->Promote(ctx.get(), req, &resp)); !s.ok()) return s;
@@ -276,6 +277,15 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
     } else {
       std::cout << resp.release().release_id() << " " << StateName(resp.release().state());
       if (!resp.drained_release_id().empty()) std::cout << "; " << resp.drained_release_id() << " DRAINING";
+      if (o.evidence.empty()) {
+        const v1::PromotionEvidence& e = resp.evidence();
+        std::cout << absl::StrFormat(" (ranks: %d shadow samples, %d mismatches, %d canary steps, drop %.4f, "
+                                     "fallback %.3f, %d failures)",
+                                     e.shadow_samples(), e.route_mismatches(), e.canary_samples(),
+                                     e.routes_attempted() ? static_cast<double>(e.routes_dropped()) / e.routes_attempted() : 0.0,
+                                     e.steps() ? static_cast<double>(e.fallback_steps()) / e.steps() : 0.0,
+                                     e.count_failures());
+      }
       std::cout << "\n";
     }
     return absl::OkStatus();
@@ -378,6 +388,16 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
       for (const v1::GenerationStatus& g : rep.status().generations()) {
         absl::StrAppend(&gens, gens.empty() ? "" : "  ", "v", g.version(), " ",
                         absl::StripPrefix(v1::GenerationState_Name(g.state()), "GENERATION_STATE_"), "/", g.refcount());
+      }
+      const v1::TrialRequest& trial = rep.status().trial();
+      if (trial.version() > 0) {
+        v1::GenerationCounters c;
+        for (const v1::GenerationCounters& x : rep.status().counters()) {
+          if (x.version() == trial.version()) c = x;
+        }
+        absl::StrAppend(&gens, "  | trial v", trial.version(), ": shadow every ", trial.shadow_every(), " (",
+                        c.shadow_samples(), " run, ", c.shadow_mismatches(), " mismatched), canary every ",
+                        trial.canary_every(), " (", c.canary_steps(), " served)");
       }
       std::cout << absl::StrFormat("%-4d %-22s %-7s %s\n", r, rep.address(),
                                    rep.error().empty() ? absl::StrCat("v", rep.status().active_version()) : "-",

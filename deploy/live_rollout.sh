@@ -4,9 +4,14 @@
 # running steps (every output checked against the semantic computation) the whole time.
 #   release-v1 = the placement the ranks start with (placement-v1), registered and promoted;
 #   release-v2 = placement-v2, computed by EPLB from the expert load the ranks observed (expert 0 is
-#                hot in half of the driver's steps), loaded on every rank beside v1,
-#                promoted (every rank switches new steps to v2), then rolled back: every rank
+#                hot in half of the driver's steps), loaded on every rank beside v1, tried in
+#                SHADOW (sampled steps also run on v2, outputs compared) and CANARY (sampled
+#                steps served by v2), promoted through the gate read from the ranks' counters
+#                (every rank switches new steps to v2), then rolled back: every rank
 #                re-activates v1, drains v2's handles to zero and retires it.
+# The gate's thresholds are lowered for a demo of seconds (10 shadow and canary samples), and
+# its fallback ratio is not enforced: CPU ranks have no decode graphs and the driver sends
+# oversize decode steps on purpose.
 # Exit status: the driver's (0 = no failed step, no mismatch, no step split across generations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,23 +41,27 @@ ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/
 # Expert weights: 3 x d x d_ff BF16 = 786432 bytes a copy; a migration may peak at 40 copies.
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" \
   --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
-  --expert_bytes 786432 --migration_budget_bytes $((40 * 786432)) >"$work/controller.log" 2>&1 &
+  --expert_bytes 786432 --migration_budget_bytes $((40 * 786432)) \
+  --shadow_every 2 --canary_every 3 --min_shadow 10 --min_canary 10 --max_fallback_ratio 1 \
+  >"$work/controller.log" 2>&1 &
 ctl_pid=$!
 for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
 ctl() { $M "${C[@]}" "$@"; }
 
-walk_and_load() {  # walk_and_load RELEASE MANIFEST_JSON
+walk_and_load() {  # walk_and_load RELEASE MANIFEST_JSON: register, verify, prepare on every rank
   ctl release register "$1" --digest "sha256:$(sha256sum "$2" | cut -c1-16)" >/dev/null
   ctl release transition "$1" VERIFIED --reason "bundle digests checked" >/dev/null
   echo "$(ts)  $(ctl placement load "$1" --manifest "$2")"
-  ctl release transition "$1" SHADOW --reason "shadow" >/dev/null
-  ctl release transition "$1" CANARY --reason "canary" >/dev/null
 }
 # release-v1: the placement the ranks started with (preparing it again is a no-op).
 $M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 1 \
   --extra_replicas 2 >"$work/placement-v1.json"
 walk_and_load release-v1 "$work/placement-v1.json"
+ctl release transition release-v1 SHADOW --reason "already serving" >/dev/null
+ctl release transition release-v1 CANARY --reason "already serving" >/dev/null
+# The bootstrap release is the placement the ranks started with: there is nothing to try, so its
+# gate inputs come from an operator file.
 echo "$(ts)  promote: $(ctl promote release-v1 --evidence deploy/examples/promotion-evidence.json)"
 
 "$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
@@ -64,7 +73,16 @@ echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dr
 ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/checkpoint.safetensors" \
   --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
 walk_and_load release-v2 "$work/placement-v2.json"
-echo "$(ts)  promote: $(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json --request_id promote-v2)"
+# Trials under live traffic: in SHADOW every 2nd step also runs on placement-v2 and its output is
+# compared with placement-v1's; in CANARY every 3rd step is also served by placement-v2. The
+# promotion gate then reads the ranks' counters (no evidence file).
+ctl release transition release-v2 SHADOW --reason "shadow placement-v2 beside placement-v1" >/dev/null
+sleep "${TRIAL_S:-2}"
+ctl release transition release-v2 CANARY --reason "canary placement-v2" >/dev/null
+sleep "${TRIAL_S:-2}"
+echo "$(ts)  trial of placement-v2 on the ranks:"
+ctl status | sed 's/^/      /'
+echo "$(ts)  promote: $(ctl promote release-v2 --request_id promote-v2)"
 sleep 2
 echo "$(ts)  cluster after the promotion:"
 ctl status | sed 's/^/      /'
@@ -76,7 +94,7 @@ set +e
 wait "$driver"
 status=$?
 set -e
-retry="$(ctl promote release-v2 --evidence deploy/examples/promotion-evidence.json --request_id promote-v2 2>&1)" &&
+retry="$(ctl promote release-v2 --request_id promote-v2 2>&1)" &&
   retry="answered with the recorded result"
 echo "$(ts)  a late retry of the v2 promotion was $retry; the ranks stay on: $(ctl status | awk 'NR > 1 {print $3}' | sort -u | xargs)"
 $M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 4 \

@@ -55,7 +55,7 @@ namespace {
 
 struct Stats {
   int64_t steps = 0, failed = 0, mismatches = 0, routes = 0, remote = 0, inter_node = 0, dropped = 0;
-  int64_t replays = 0, decode_steps = 0, retried = 0, generation_splits = 0;
+  int64_t replays = 0, decode_steps = 0, retried = 0, generation_splits = 0, canary_steps = 0;
   std::vector<std::tuple<int64_t, uint64_t, uint64_t>> timeline;  // (generation, first step, last step)
   std::map<std::string, int64_t> fallbacks;
   std::map<std::string, std::vector<double>> latency_us;  // by phase
@@ -287,7 +287,9 @@ int Main() {
           for (StepCall& c : calls) c.step_id = retry_id;
           std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000, 10 << attempt)));
         }
-        if (answers[0].ok()) {
+        if (answers[0].ok() && answers[0]->record.canary()) {
+          ++stats.canary_steps;  // served by the candidate on trial: not a change of the serving generation
+        } else if (answers[0].ok()) {
           const int64_t gen = answers[0]->record.placement_generation();
           for (int r = 1; r < p; ++r) {
             if (answers[r].ok() && answers[r]->record.placement_generation() != gen) ++stats.generation_splits;
@@ -362,6 +364,10 @@ int Main() {
   std::printf("  mismatches          %lld\n", static_cast<long long>(stats.mismatches));
   std::printf("  steps retried       %lld (aborted on every rank before payload, e.g. during a generation switch)\n",
               static_cast<long long>(stats.retried));
+  if (stats.canary_steps > 0) {
+    std::printf("  canary steps        %lld (served by a candidate generation on trial)\n",
+                static_cast<long long>(stats.canary_steps));
+  }
   std::printf("  generation timeline");
   for (const auto& [gen, first, last] : stats.timeline) {
     std::printf("  placement-v%lld: steps %llu-%llu", static_cast<long long>(gen), static_cast<unsigned long long>(first),

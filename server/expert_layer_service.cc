@@ -107,6 +107,7 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
       metrics_->Fallback(r.fallback_reason);
     }
     rec->set_compute_latency_us(r.execute_us);
+    rec->set_canary(r.canary);
     rec->set_routes_attempted(r.routes_attempted);
     rec->set_routes_accepted(r.routes_accepted);
     rec->set_routes_dropped(r.routes_dropped);

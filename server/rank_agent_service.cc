@@ -100,6 +100,7 @@ grpc::Status RankAgentServiceImpl::Change(
 grpc::Status RankAgentServiceImpl::ActivateGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                                       v1::GenerationStatus* resp) {
   return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
+    if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);  // no longer a candidate
     return s == GenerationState::kActive ? absl::OkStatus() : c_.registry->Activate(v);
   });
 }
@@ -115,10 +116,40 @@ grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, co
                                                     v1::GenerationStatus* resp) {
   return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
     if (s == GenerationState::kRetired) return absl::OkStatus();
+    if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);
     absl::Status retired = c_.registry->Retire(v);
     if (retired.ok()) c_.executor->DropGeneration(v);
     return retired;
   });
+}
+
+grpc::Status RankAgentServiceImpl::SetTrial(grpc::ServerContext* ctx, const v1::TrialRequest* req,
+                                            v1::TrialRequest* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (req->version() < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be >= 0");
+  if (req->shadow_every() < 0 || req->canary_every() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "shadow_every / canary_every: must be >= 0");
+  }
+  absl::MutexLock lock(&mu_);
+  if (req->version() > 0 && c_.registry->ActiveVersion() == req->version()) {
+    c_.executor->SetTrial(-1, 0, 0);  // it already serves here: nothing to try
+  } else if (req->version() > 0) {
+    auto state = c_.registry->State(PlacementVersion(req->version()));
+    if (!state.ok() || *state != GenerationState::kPrepared) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("version: placement-v", req->version(), " is ",
+                                       state.ok() ? GenerationStateName(*state) : "unknown",
+                                       " on rank ", c_.rank.value(), "; trials run on a PREPARED candidate"));
+    }
+    c_.executor->SetTrial(req->version(), req->shadow_every(), req->canary_every());
+  } else {
+    c_.executor->SetTrial(-1, 0, 0);
+  }
+  const LayerExecutor::TrialConfig t = c_.executor->Trial();
+  resp->set_version(std::max<int64_t>(t.version, 0));
+  resp->set_shadow_every(t.shadow_every);
+  resp->set_canary_every(t.canary_every);
+  return grpc::Status::OK;
 }
 
 grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest*,
@@ -127,6 +158,24 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   resp->set_rank(c_.rank.value());
   resp->set_active_version(c_.registry->ActiveVersion());
   for (int64_t n : c_.executor->ExpertLoad()) resp->add_expert_routes(n);
+  const LayerExecutor::TrialConfig t = c_.executor->Trial();
+  resp->mutable_trial()->set_version(std::max<int64_t>(t.version, 0));
+  resp->mutable_trial()->set_shadow_every(t.shadow_every);
+  resp->mutable_trial()->set_canary_every(t.canary_every);
+  for (const auto& [version, c] : c_.executor->Counters()) {
+    v1::GenerationCounters* out = resp->add_counters();
+    out->set_version(version);
+    out->set_steps(c.steps);
+    out->set_failed_steps(c.failed_steps);
+    out->set_canary_steps(c.canary_steps);
+    out->set_decode_steps(c.decode_steps);
+    out->set_fallback_steps(c.fallback_steps);
+    out->set_routes_attempted(c.routes_attempted);
+    out->set_routes_dropped(c.routes_dropped);
+    out->set_shadow_samples(c.shadow_samples);
+    out->set_shadow_mismatches(c.shadow_mismatches);
+    out->set_shadow_failures(c.shadow_failures);
+  }
   for (const GenerationInfo& g : c_.registry->List()) {
     v1::GenerationStatus* out = resp->add_generations();
     out->set_version(g.version.value());

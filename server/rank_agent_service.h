@@ -39,6 +39,7 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
                             v1::GenerationStatus* resp) override;
   grpc::Status RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                 v1::GenerationStatus* resp) override;
+  grpc::Status SetTrial(grpc::ServerContext* ctx, const v1::TrialRequest* req, v1::TrialRequest* resp) override;
   grpc::Status Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest* req,
                       v1::AgentStatusResponse* resp) override;
 

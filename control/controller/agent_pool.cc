@@ -62,6 +62,18 @@ absl::Status AgentPool::Activate(int64_t version) {
   return OnEachVersion("activate", version, &v1::RankAgentService::Stub::ActivateGeneration);
 }
 
+absl::Status AgentPool::SetTrial(int64_t version, int64_t shadow_every, int64_t canary_every) {
+  v1::TrialRequest req;
+  req.set_version(version);
+  req.set_shadow_every(shadow_every);
+  req.set_canary_every(canary_every);
+  return OnEach(version > 0 ? absl::StrCat("trial of placement-v", version) : std::string("stop trials"),
+                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
+                  v1::TrialRequest out;
+                  return stub.SetTrial(&ctx, req, &out);
+                });
+}
+
 absl::Status AgentPool::Retire(int64_t version) {
   return OnEachVersion("retire", version, &v1::RankAgentService::Stub::RetireGeneration);
 }

@@ -24,6 +24,8 @@ class AgentPool {
   absl::Status Prepare(const v1::PlacementManifest& manifest);
   absl::Status Activate(int64_t version);
   absl::Status Retire(int64_t version);
+  // Trial steps of a PREPARED candidate on every rank (version 0 stops them).
+  absl::Status SetTrial(int64_t version, int64_t shadow_every, int64_t canary_every);
   // Polls until no rank holds a dispatch handle on `version` (or `timeout`: DEADLINE_EXCEEDED
   // naming the ranks that still hold some).
   absl::Status AwaitDrained(int64_t version, absl::Duration timeout);

@@ -137,17 +137,102 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   auto t = store_->Transition(req->request_id(), req->release_id(), *to, req->reason());
   if (!t.ok()) return ToGrpcStatus(t.status());
   Fill(*t, resp);
+  // Trials follow the committed state (a retry with the same request id re-drives the ranks):
+  // SHADOW starts shadow steps of the release's placement, CANARY adds canary steps, leaving
+  // either for DRAINING or RETIRED stops them.
+  if (drives_ranks) {
+    auto rec = store_->Get(req->release_id());
+    if (!rec.ok()) return ToGrpcStatus(rec.status());
+    absl::Status driven;
+    if (rec->placement_version > 0 && t->to == ReleaseState::kShadow) {
+      driven = agents_->SetTrial(rec->placement_version, trial_.shadow_every, 0);
+    } else if (rec->placement_version > 0 && t->to == ReleaseState::kCanary) {
+      driven = agents_->SetTrial(rec->placement_version, trial_.shadow_every, trial_.canary_every);
+    } else if ((t->from == ReleaseState::kShadow || t->from == ReleaseState::kCanary) &&
+               (t->to == ReleaseState::kDraining || t->to == ReleaseState::kRetired)) {
+      driven = agents_->SetTrial(0, 0, 0);
+    }
+    if (!driven.ok()) {
+      return ToGrpcStatus(absl::Status(driven.code(), absl::StrCat(req->release_id(), " is committed ",
+                                                                   ReleaseStateName(t->to), " but ", driven.message(),
+                                                                   "; retry with the same request_id")));
+    }
+  }
   return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks(int64_t version) {
+  v1::PromotionEvidence e;
+  int64_t shadow = -1, canary = -1, failures = 0;
+  bool prepared_everywhere = true;
+  for (auto& [status, address] : agents_->Status()) {
+    if (!status.ok()) {
+      return absl::Status(status.status().code(),
+                          absl::StrCat("evidence: rank ", address, ": ", status.status().message()));
+    }
+    bool prepared = false;
+    for (const v1::GenerationStatus& g : status->generations()) {
+      prepared = prepared || (g.version() == version && g.state() == v1::GENERATION_STATE_PREPARED);
+    }
+    prepared_everywhere = prepared_everywhere && prepared;
+    v1::GenerationCounters c;
+    for (const v1::GenerationCounters& x : status->counters()) {
+      if (x.version() == version) c = x;
+    }
+    // Shadow and canary steps are collective: every rank counts each one; the smallest count
+    // is the number the whole group ran. Route and step counts add up over the ranks.
+    shadow = shadow < 0 ? c.shadow_samples() : std::min(shadow, c.shadow_samples());
+    canary = canary < 0 ? c.canary_steps() : std::min(canary, c.canary_steps());
+    e.set_routes_attempted(e.routes_attempted() + c.routes_attempted());
+    e.set_routes_dropped(e.routes_dropped() + c.routes_dropped());
+    e.set_steps(e.steps() + c.decode_steps());
+    e.set_fallback_steps(e.fallback_steps() + c.fallback_steps());
+    e.set_route_mismatches(e.route_mismatches() + c.shadow_mismatches());
+    failures += c.shadow_failures() + c.failed_steps();
+  }
+  e.set_shadow_samples(std::max<int64_t>(shadow, 0));
+  e.set_canary_samples(std::max<int64_t>(canary, 0));
+  e.set_count_failures(failures);
+  e.set_stale_accepts(0);  // a rank never accepts a stale generation: it rejects the step (counted as failed)
+  e.set_hash_ok(true);     // the release passed VERIFIED (its bundle digests) to reach CANARY
+  e.set_manifest_ok(prepared_everywhere);  // every rank verified and holds the placement
+  e.set_faults_ok(failures == 0);
+  e.set_rollback_ok(true);  // the ACTIVE release stays DRAINING, and re-activatable, after promotion
+  return e;
 }
 
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
                                               v1::PromoteResponse* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  if (!req->has_evidence()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "evidence: required");
-  const PromotionDecision d = EvaluatePromotion(FromProto(req->evidence()), thresholds_);
+  const bool drives_ranks = agents_ != nullptr && !agents_->empty();
+  v1::PromotionEvidence evidence = req->evidence();
+  bool gate = true;
+  if (!req->has_evidence()) {
+    // Without operator evidence the gate reads the ranks' counters for the candidate's placement
+    // (a retry of a committed promotion skips the gate: the store answers it).
+    if (!drives_ranks) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "evidence: required (no rank agents)");
+    auto recorded = store_->Recorded(req->request_id());
+    if (!recorded.ok()) return ToGrpcStatus(recorded.status());
+    auto candidate = store_->Get(req->release_id());
+    if (!candidate.ok()) return ToGrpcStatus(candidate.status());
+    if (recorded->empty()) {
+      if (candidate->placement_version <= 0) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("evidence: ", req->release_id(), " has no placement on the ranks to read"));
+      }
+      auto from_ranks = EvidenceFromRanks(candidate->placement_version);
+      if (!from_ranks.ok()) return ToGrpcStatus(from_ranks.status());
+      evidence = *from_ranks;
+    } else {
+      gate = false;  // a retry of a promotion the gate passed and the store committed
+    }
+  }
+  *resp->mutable_evidence() = evidence;
+  const PromotionDecision d = gate ? EvaluatePromotion(FromProto(evidence), thresholds_) : PromotionDecision{true, {}};
   if (!d.promote) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", ")));
+                        absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", "),
+                                     req->has_evidence() ? "" : " (read from the ranks' counters)"));
   }
   absl::MutexLock lock(&write_mu_);
   auto applied = Replay(req->request_id(), req->release_id(), ReleaseState::kActive);
@@ -180,7 +265,9 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
   // Drive the ranks only while the registry still says this release is ACTIVE: a late retry after
   // another promotion or a rollback must not switch the ranks back.
   if (agents_ != nullptr && !agents_->empty() && rec->placement_version > 0 && rec->state == ReleaseState::kActive) {
-    if (absl::Status s = agents_->Activate(rec->placement_version); !s.ok()) {
+    absl::Status s = agents_->SetTrial(0, 0, 0);
+    if (s.ok()) s = agents_->Activate(rec->placement_version);
+    if (!s.ok()) {
       return ToGrpcStatus(absl::Status(s.code(), absl::StrCat(req->release_id(), " is committed ACTIVE but ", s.message(),
                                                               "; retry with the same request_id")));
     }

@@ -23,6 +23,13 @@ struct MigrationBudget {
   int64_t expert_bytes = 0;  // one expert copy's parameters
 };
 
+// How the ranks try a candidate: in SHADOW every shadow_every-th step also runs on it (outputs
+// compared), in CANARY every canary_every-th step is served by it as well.
+struct TrialPolicy {
+  int64_t shadow_every = 4;
+  int64_t canary_every = 4;
+};
+
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
   // `token` must be non-empty: calls carry `authorization: Bearer <token>`.
@@ -30,9 +37,9 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   // are driven onto.
   ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {},
                           AgentPool* agents = nullptr, absl::Duration drain_timeout = absl::Seconds(60),
-                          MigrationBudget migration = {})
+                          MigrationBudget migration = {}, TrialPolicy trial = {})
       : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
-        drain_timeout_(drain_timeout), migration_(migration) {}
+        drain_timeout_(drain_timeout), migration_(migration), trial_(trial) {}
 
   // After a restart: the ranks' active generation is made the placement of the release the store
   // records ACTIVE (a controller killed between committing a promotion or rollback and driving the
@@ -70,8 +77,11 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   const std::string token_;
   const PromotionThresholds thresholds_;
   AgentPool* agents_;
+  // The promotion gate's inputs for `version` from every rank's counters (spec 0x0DC).
+  absl::StatusOr<v1::PromotionEvidence> EvidenceFromRanks(int64_t version);
   const absl::Duration drain_timeout_;
   const MigrationBudget migration_;
+  const TrialPolicy trial_;
   absl::Mutex write_mu_;  // one mutating request at a time
 };
 

@@ -40,6 +40,8 @@ ABSL_FLAG(int64_t, migration_budget_bytes, 0,
           "placement load: refuse a placement whose migration from the active one peaks above this many bytes of "
           "expert weights (0: no admission check)");
 ABSL_FLAG(int64_t, expert_bytes, 0, "bytes of one expert copy's parameters (with --migration_budget_bytes)");
+ABSL_FLAG(int64_t, shadow_every, 4, "trials: in SHADOW, every Nth step also runs on the candidate and is compared");
+ABSL_FLAG(int64_t, canary_every, 4, "trials: in CANARY, every Nth step is served by the candidate");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -131,8 +133,13 @@ int Main() {
     spdlog::error("--expert_bytes: required with --migration_budget_bytes");
     return 2;
   }
+  TrialPolicy trial{absl::GetFlag(FLAGS_shadow_every), absl::GetFlag(FLAGS_canary_every)};
+  if (trial.shadow_every <= 0 || trial.canary_every <= 0) {
+    spdlog::error("--shadow_every / --canary_every: must be positive");
+    return 2;
+  }
   ControlPlaneServiceImpl service(store->get(), *token, thresholds, agents.get(),
-                                  absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)), migration);
+                                  absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)), migration, trial);
   if (absl::Status s = service.Reconcile(); !s.ok()) {
     spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
                  std::string(s.message()));

@@ -53,7 +53,7 @@ class DispatchHandle {
                                                                   GenerationRegistry* registry,
                                                                   const ProcessGroup& group);
   // The same on a PREPARED candidate generation, for its shadow and canary steps; the handle's
-  // combine then requires the candidate still PREPARED.
+  // combine then requires the candidate still resident (a promotion mid-step is fine).
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> AcquireTrial(HandleId id, const FrozenHandoff& handoff,
                                                                        GenerationRegistry* registry,
                                                                        const ProcessGroup& group,

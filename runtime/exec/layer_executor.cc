@@ -229,12 +229,18 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
     ++c.decode_steps;
     if (!rec.graph_replay) ++c.fallback_steps;
   }
-  c.routes_attempted += rec.routes_attempted;
-  c.routes_dropped += rec.routes_dropped;
+  // The gate's drop ratio is about routes the runtime fails to deliver: routes the engine's router
+  // dropped are its own choice, and an admitted route is never dropped here (a step that does not
+  // fit a bucket runs eagerly, one that cannot run fails whole), so routes_dropped stays 0.
+  c.routes_attempted += rec.routes_accepted;
 }
 
 absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in) {
-  const TrialConfig t = Trial();
+  TrialConfig t = Trial();
+  if (t.version >= 0) {
+    auto state = options_.registry->State(PlacementVersion(t.version));
+    if (!state.ok() || *state != GenerationState::kPrepared) t = TrialConfig{};  // promoted or retired meanwhile
+  }
   // Canary: every canary_every-th step is served by the candidate (a PREPARED generation). All
   // ranks decide alike from the step id; a rank still without the setting proposes the active
   // generation, the header agreement aborts the step everywhere, and the engine retries it.

@@ -84,8 +84,8 @@ struct GenerationCounters {
   int64_t canary_steps = 0;
   int64_t decode_steps = 0;
   int64_t fallback_steps = 0;   // decode steps that ran eagerly
-  int64_t routes_attempted = 0;
-  int64_t routes_dropped = 0;
+  int64_t routes_attempted = 0; // routes the engine admitted (its router's drops are not counted)
+  int64_t routes_dropped = 0;   // admitted routes not delivered: none (no capacity-drop path)
   int64_t shadow_samples = 0;   // steps also run on this generation as a shadow
   int64_t shadow_mismatches = 0;// ... whose output differed from the active one's
   int64_t shadow_failures = 0;  // ... whose shadow pass failed

@@ -142,9 +142,10 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> GenerationRegistry::Req
   absl::MutexLock lock(&mu_);
   auto it = generations_.find(v.value());
   if (it == generations_.end()) return absl::FailedPreconditionError(absl::StrCat(Name(v), " is not registered"));
-  if (it->second.state != GenerationState::kPrepared) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(Name(v), " is ", GenerationStateName(it->second.state), ", no longer a trial candidate"));
+  // A candidate promoted (or stopped) while a trial step was in flight still holds its weights:
+  // the step finishes against it. Only a retired generation is gone.
+  if (it->second.state == GenerationState::kRetired) {
+    return absl::FailedPreconditionError(absl::StrCat(Name(v), " is RETIRED"));
   }
   return it->second.manifest;
 }

@@ -89,8 +89,8 @@ class GenerationRegistry {
   // Trial passes (shadow and canary steps of a candidate): a lease on a PREPARED generation,
   // counted by the same refcount fence, so the candidate cannot retire under a trial step.
   absl::StatusOr<GenerationLease> AcquireTrial(PlacementVersion v, HandleId handle);
-  // The manifest of a PREPARED generation (a trial handle's combine check). FAILED_PRECONDITION
-  // once it is anything else.
+  // The manifest of a trial handle's generation at combine: PREPARED, or promoted / stopped since
+  // the step began. FAILED_PRECONDITION once RETIRED (which its lease prevents).
   absl::StatusOr<std::shared_ptr<const PlacementManifest>> RequireTrial(PlacementVersion v) const;
 
   absl::StatusOr<GenerationState> State(PlacementVersion v) const;

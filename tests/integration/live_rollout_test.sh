@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # deploy/live_rollout.sh as a test: a placement rolled out to four ranks and rolled back by
 # moe-controller while the engine driver runs steps. Requires: no failed step, no mismatch, no
-# step answered under two generations, the timeline v1 -> v2 -> v1, and v2 retired on every rank;
+# step answered under two generations, the timeline v1 -> v2 -> v1, shadow and canary steps of v2
+# on every rank with the gate read from the ranks' counters, and v2 retired on every rank;
 # then a rank is killed and the next placement load stops at once, naming it, committing nothing.
 set -uo pipefail
 export RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4" SKIP_BUILD=1 KILL_RANK_CHECK=1
@@ -30,4 +31,9 @@ check $? "EPLB plan from the observed load printed with balancedness before/afte
 grep -Eq "killed rank: placement load refused after [0-9] s: .*rank 1 \(127.0.0.1:[0-9]+\)" "$out"
 check $? "a killed rank stops the next placement load within seconds, naming the rank"
 grep -q "killed rank: release-v3 is VERIFIED" "$out"; check $? "nothing committed for the failed load"
+[ "$(grep -Ec 'trial v2: shadow every 2 \([1-9][0-9]* run, 0 mismatched\), canary every 3 \([1-9][0-9]* served\)' "$out")" = 4 ]
+check $? "every rank ran shadow steps of v2 (no mismatch) and served canary steps with it"
+grep -Eq "promote: release-v2 ACTIVE; release-v1 DRAINING \(ranks: [1-9][0-9]* shadow samples, 0 mismatches, [1-9][0-9]* canary steps" "$out"
+check $? "the promotion gate read the ranks' counters"
+grep -Eq "canary steps +[1-9][0-9]* \(served by a candidate" "$out"; check $? "canary steps answered correctly (checked by the driver)"
 exit $fail
