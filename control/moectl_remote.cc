@@ -388,6 +388,10 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
       for (const v1::GenerationStatus& g : rep.status().generations()) {
         absl::StrAppend(&gens, gens.empty() ? "" : "  ", "v", g.version(), " ",
                         absl::StripPrefix(v1::GenerationState_Name(g.state()), "GENERATION_STATE_"), "/", g.refcount());
+        if (g.state() != v1::GENERATION_STATE_RETIRED && g.retained() + g.duplicated() + g.copied() + g.loaded() > 0) {
+          // How the rank materialized the slots: retained / duplicated / copied from peers / loaded.
+          absl::StrAppend(&gens, " (r", g.retained(), " d", g.duplicated(), " c", g.copied(), " l", g.loaded(), ")");
+        }
       }
       const v1::TrialRequest& trial = rep.status().trial();
       if (trial.version() > 0) {

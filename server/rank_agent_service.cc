@@ -1,8 +1,15 @@
 #include "server/rank_agent_service.h"
 
+#include <cstring>
 #include <functional>
 
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "runtime/logging.h"
+#include "runtime/placement/migration.h"
+#include "runtime/status.h"
 #include "control/placement_proto.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "server/bearer_auth.h"
@@ -48,6 +55,16 @@ grpc::Status RankAgentServiceImpl::Describe(PlacementVersion v, v1::GenerationSt
     out->set_state(ToProto(g.state));
     out->set_refcount(g.refcount);
     out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+    {
+      absl::MutexLock summary_lock(&summary_mu_);
+      auto it = materialized_.find(g.version.value());
+      if (it != materialized_.end()) {
+        out->set_retained(it->second[0]);
+        out->set_duplicated(it->second[1]);
+        out->set_copied(it->second[2]);
+        out->set_loaded(it->second[3]);
+      }
+    }
     return grpc::Status::OK;
   }
   return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("version: placement-v", v.value(), " is unknown here"));
@@ -69,18 +86,174 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
                         absl::StrCat("manifest.version: placement-v", v.value(), " exists with other slots"));
   }
-  // Verify and load everything before the registry sees the generation: a failure leaves nothing.
+  // Verify and materialize everything before the registry sees the generation: a failure leaves
+  // nothing.
   if (absl::Status s = VerifyForPublish(**manifest, c_.group, c_.topology); !s.ok()) return ToGrpcStatus(s);
-  auto local = LoadLocalExperts(*c_.checkpoint, **manifest, c_.rank);
+  const std::vector<std::string> peers(req->peer_agents().begin(), req->peer_agents().end());
+  if (!peers.empty() && static_cast<int>(peers.size()) != c_.topology.num_ranks()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("peer_agents: ", peers.size(), " addresses for ", c_.topology.num_ranks(), " ranks"));
+  }
+  auto local = Materialize(**manifest, peers);
   if (!local.ok()) return ToGrpcStatus(local.status());
-  if (absl::Status s = c_.executor->AddGeneration(v, std::make_shared<LocalExperts>(*std::move(local))); !s.ok()) {
+  const std::array<int, 4> summary = {local->retained, local->duplicated, local->copied, local->loaded};
+  if (absl::Status s = c_.executor->AddGeneration(v, std::make_shared<LocalExperts>(std::move(local->experts)));
+      !s.ok()) {
     return ToGrpcStatus(s);
   }
   if (absl::Status s = c_.registry->Prepare(*manifest); !s.ok()) {
     c_.executor->DropGeneration(v);
     return ToGrpcStatus(s);
   }
+  {
+    absl::MutexLock summary_lock(&summary_mu_);
+    materialized_[v.value()] = summary;
+  }
+  spdlog::info("placement-v{}: {} local slots: {} retained, {} duplicated here, {} copied from peers, {} loaded from "
+               "the checkpoint", v.value(), summary[0] + summary[1] + summary[2] + summary[3], summary[0], summary[1],
+               summary[2], summary[3]);
   return Describe(v, resp);
+}
+
+absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materialize(
+    const PlacementManifest& to, const std::vector<std::string>& peers) {
+  int d = 0, d_ff = 0;
+  const auto& md = c_.checkpoint->metadata;
+  if (!md.count("d") || !md.count("d_ff") || !absl::SimpleAtoi(md.at("d"), &d) || !absl::SimpleAtoi(md.at("d_ff"), &d_ff) ||
+      d <= 0 || d_ff <= 0) {
+    return absl::DataLossError("checkpoint metadata 'd' / 'd_ff' missing or invalid");
+  }
+  const size_t gu_n = static_cast<size_t>(2) * d_ff * d, dn_n = static_cast<size_t>(d) * d_ff;
+  // The source of the 0x08F plan: the placement this rank serves now, with its weights in memory.
+  std::shared_ptr<const PlacementManifest> from;
+  std::shared_ptr<const LocalExperts> from_weights;
+  const int64_t active = c_.registry->ActiveVersion();
+  if (active >= 0) {
+    auto live = c_.registry->RequireLive(PlacementVersion(active));
+    if (live.ok()) from = *live;
+    from_weights = c_.executor->HostWeights(PlacementVersion(active));
+  }
+  std::map<int64_t, MigrationStep> mine;  // target slot -> step
+  if (from != nullptr && from_weights != nullptr) {
+    ASSIGN_OR_RETURN(MigrationPlan plan, PlanMigration(*from, to, c_.topology, static_cast<int64_t>(gu_n + dn_n) * 2));
+    for (const MigrationStep& st : plan.steps) {
+      if (st.target_rank == c_.rank) mine[st.target_slot.value()] = st;
+    }
+  }
+  auto index_in = [&](const PlacementManifest& m, PhysicalSlotId q) -> int64_t {
+    const auto local = m.LocalSlots(c_.rank);
+    for (size_t i = 0; i < local.size(); ++i) {
+      if (local[i] == q) return static_cast<int64_t>(i);
+    }
+    return -1;
+  };
+  Materialized out;
+  out.experts.d = d;
+  out.experts.d_ff = d_ff;
+  for (PhysicalSlotId q : to.LocalSlots(c_.rank)) {
+    const SlotRecord& slot = to.slot(q);
+    const int e = slot.expert.value();
+    std::vector<uint16_t> gu, dn;
+    auto it = mine.find(q.value());
+    MigrationAction action = it == mine.end() ? MigrationAction::kCheckpointLoad : it->second.action;
+    const bool network = action == MigrationAction::kSameNodeCopy || action == MigrationAction::kCrossNodeCopy;
+    if (network && peers.empty()) action = MigrationAction::kCheckpointLoad;
+    if (action == MigrationAction::kRetain || action == MigrationAction::kLocalDuplicate) {
+      const bool dup = action == MigrationAction::kLocalDuplicate;
+      const LocalExperts& src = dup ? out.experts : *from_weights;
+      const int64_t j = index_in(dup ? to : *from, it->second.source_slot);
+      if (j < 0 || (j + 1) * gu_n > src.w_gate_up.size()) {
+        return absl::InternalError(absl::StrCat("slot ", slot.name, ": ", MigrationActionName(action), " source missing"));
+      }
+      gu.assign(src.w_gate_up.begin() + j * gu_n, src.w_gate_up.begin() + (j + 1) * gu_n);
+      dn.assign(src.w_down.begin() + j * dn_n, src.w_down.begin() + (j + 1) * dn_n);
+      ++(dup ? out.duplicated : out.retained);
+    } else if (action != MigrationAction::kCheckpointLoad) {
+      const int src_rank = it->second.source_rank.value();
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(1 << 30);
+      auto stub = v1::RankAgentService::NewStub(
+          grpc::CreateCustomChannel(peers.at(src_rank), grpc::InsecureChannelCredentials(), args));
+      grpc::ClientContext ctx;
+      ctx.AddMetadata("authorization", "Bearer " + c_.token);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::FetchSlotRequest freq;
+      freq.set_version(from->version().value());
+      freq.set_slot(static_cast<int32_t>(it->second.source_slot.value()));
+      v1::SlotWeights w;
+      const grpc::Status fetched = stub->FetchSlotWeights(&ctx, freq, &w);
+      if (!fetched.ok()) {
+        return absl::UnavailableError(absl::StrCat("slot ", slot.name, ": copy of expert ", e, " from rank ", src_rank,
+                                                   " (", peers.at(src_rank), "): ", fetched.error_message()));
+      }
+      if (w.expert() != e || w.w_gate_up().size() != gu_n * 2 || w.w_down().size() != dn_n * 2) {
+        return absl::DataLossError(absl::StrCat("slot ", slot.name, ": rank ", src_rank, " sent expert ", w.expert(),
+                                                " with ", w.w_gate_up().size() + w.w_down().size(), " bytes"));
+      }
+      gu.resize(gu_n);
+      dn.resize(dn_n);
+      std::memcpy(gu.data(), w.w_gate_up().data(), gu_n * 2);
+      std::memcpy(dn.data(), w.w_down().data(), dn_n * 2);
+      ++out.copied;
+    } else {
+      auto tgu = c_.checkpoint->tensors.find(absl::StrCat("experts.", e, ".w_gate_up"));
+      auto tdn = c_.checkpoint->tensors.find(absl::StrCat("experts.", e, ".w_down"));
+      if (tgu == c_.checkpoint->tensors.end() || tdn == c_.checkpoint->tensors.end() ||
+          tgu->second.data.size() != gu_n * 2 || tdn->second.data.size() != dn_n * 2) {
+        return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": checkpoint has no ", d_ff, "x", d,
+                                                          " tensors for expert ", e));
+      }
+      gu.resize(gu_n);
+      dn.resize(dn_n);
+      std::memcpy(gu.data(), tgu->second.data.data(), gu_n * 2);
+      std::memcpy(dn.data(), tdn->second.data.data(), dn_n * 2);
+      ++out.loaded;
+    }
+    // Every slot is verified before publish, however it was materialized (0x08F).
+    const std::string digest = ExpertDigest(gu, dn);
+    if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
+      return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", digest.substr(0, 12),
+                                                        "... (", MigrationActionName(action),
+                                                        ") does not match the manifest's ",
+                                                        slot.parameter_digest.value().substr(0, 12)));
+    }
+    out.experts.w_gate_up.insert(out.experts.w_gate_up.end(), gu.begin(), gu.end());
+    out.experts.w_down.insert(out.experts.w_down.end(), dn.begin(), dn.end());
+  }
+  return out;
+}
+
+grpc::Status RankAgentServiceImpl::FetchSlotWeights(grpc::ServerContext* ctx, const v1::FetchSlotRequest* req,
+                                                    v1::SlotWeights* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  const PlacementVersion v(req->version());
+  std::shared_ptr<const PlacementManifest> m;
+  for (const GenerationInfo& g : c_.registry->List()) {
+    if (g.version == v && g.state != GenerationState::kRetired) m = g.manifest;
+  }
+  if (m == nullptr) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("version: placement-v", v.value(), " is not held on rank ", c_.rank.value()));
+  }
+  const auto local = m->LocalSlots(c_.rank);
+  int64_t j = -1;
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (local[i].value() == req->slot()) j = static_cast<int64_t>(i);
+  }
+  if (j < 0) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("slot: q", req->slot(), " of placement-v", v.value(),
+                                                                  " is not on rank ", c_.rank.value()));
+  }
+  std::shared_ptr<const LocalExperts> w = c_.executor->HostWeights(v);
+  if (w == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("placement-v", v.value(), ": no weights in memory on rank ", c_.rank.value()));
+  }
+  const size_t gu_n = static_cast<size_t>(2) * w->d_ff * w->d, dn_n = static_cast<size_t>(w->d) * w->d_ff;
+  resp->set_expert(m->slot(PhysicalSlotId(req->slot())).expert.value());
+  resp->set_w_gate_up(reinterpret_cast<const char*>(w->w_gate_up.data() + j * gu_n), gu_n * 2);
+  resp->set_w_down(reinterpret_cast<const char*>(w->w_down.data() + j * dn_n), dn_n * 2);
+  return grpc::Status::OK;
 }
 
 grpc::Status RankAgentServiceImpl::Change(
@@ -182,6 +355,16 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
     out->set_state(ToProto(g.state));
     out->set_refcount(g.refcount);
     out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+    {
+      absl::MutexLock summary_lock(&summary_mu_);
+      auto it = materialized_.find(g.version.value());
+      if (it != materialized_.end()) {
+        out->set_retained(it->second[0]);
+        out->set_duplicated(it->second[1]);
+        out->set_copied(it->second[2]);
+        out->set_loaded(it->second[3]);
+      }
+    }
     if (g.state == GenerationState::kActive) {
       for (PhysicalSlotId q : g.manifest->LocalSlots(c_.rank)) {
         resp->add_active_slot_experts(g.manifest->slot(q).expert.value());

@@ -6,8 +6,11 @@
 #ifndef MOE_SERVER_RANK_AGENT_SERVICE_H_
 #define MOE_SERVER_RANK_AGENT_SERVICE_H_
 
+#include <array>
 #include <functional>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
@@ -40,6 +43,8 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
   grpc::Status RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                 v1::GenerationStatus* resp) override;
   grpc::Status SetTrial(grpc::ServerContext* ctx, const v1::TrialRequest* req, v1::TrialRequest* resp) override;
+  grpc::Status FetchSlotWeights(grpc::ServerContext* ctx, const v1::FetchSlotRequest* req,
+                                v1::SlotWeights* resp) override;
   grpc::Status Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest* req,
                       v1::AgentStatusResponse* resp) override;
 
@@ -49,8 +54,17 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
   grpc::Status Change(const grpc::ServerContext* ctx, const v1::GenerationRequest& req, v1::GenerationStatus* resp,
                       const std::function<absl::Status(PlacementVersion, GenerationState)>& change);
 
+  // This rank's slots of `to`, materialized as the 0x08F plan from the active placement says.
+  struct Materialized {
+    LocalExperts experts;
+    int retained = 0, duplicated = 0, copied = 0, loaded = 0;
+  };
+  absl::StatusOr<Materialized> Materialize(const PlacementManifest& to, const std::vector<std::string>& peers);
+
   RankAgentContext c_;
   absl::Mutex mu_;  // one lifecycle change at a time
+  mutable absl::Mutex summary_mu_;
+  std::map<int64_t, std::array<int, 4>> materialized_ ABSL_GUARDED_BY(summary_mu_);  // retained, dup, copied, loaded
 };
 
 }  // namespace moe

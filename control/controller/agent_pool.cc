@@ -41,6 +41,8 @@ absl::Status AgentPool::OnEach(
 absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest) {
   v1::PrepareGenerationRequest req;
   *req.mutable_manifest() = manifest;
+  // Every rank may copy slots from the others (0x08F network copies).
+  for (const std::string& a : addresses_) req.add_peer_agents(a);
   return OnEach(absl::StrCat("prepare placement-v", manifest.version()),
                 [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
                   v1::GenerationStatus out;

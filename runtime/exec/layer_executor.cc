@@ -68,6 +68,12 @@ absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_
   return absl::OkStatus();
 }
 
+std::shared_ptr<const LocalExperts> LayerExecutor::HostWeights(PlacementVersion version) const {
+  absl::MutexLock lock(&generations_mu_);
+  auto it = experts_.find(version.value());
+  return it == experts_.end() ? nullptr : it->second->host;
+}
+
 std::vector<int64_t> LayerExecutor::ExpertLoad() const {
   absl::MutexLock lock(&generations_mu_);
   return expert_load_;

@@ -121,6 +121,8 @@ class LayerExecutor {
   // Registers the weights this rank holds under a generation (before it is activated).
   // Safe while steps run; a step keeps the weights it started with until it ends.
   absl::Status AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts);
+  // The host copy of a generation's weights (null when the executor holds none for it).
+  std::shared_ptr<const LocalExperts> HostWeights(PlacementVersion version) const;
   // Frees a retired generation's weights and plan layout (steps still using them hold a reference).
   void DropGeneration(PlacementVersion version);
 

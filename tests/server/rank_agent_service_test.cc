@@ -163,3 +163,59 @@ TEST_F(RankAgentTest, EveryRpcNeedsTheToken) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+// Materialization (0x08F) on one rank: a placement with the same slots retains every weight in
+// memory; FetchSlotWeights serves a slot's bytes to peers; trials need a PREPARED candidate.
+TEST_F(RankAgentTest, MaterializeFetchAndTrials) {
+  v1::GenerationStatus st;
+  ASSERT_TRUE(Prepare(Manifest(2), &st).ok());
+  v1::AgentStatusResponse status;
+  ASSERT_TRUE(stub_->Status(Ctx().get(), {}, &status).ok());
+  ASSERT_EQ(status.generations_size(), 2);
+  EXPECT_EQ(status.generations(1).retained(), kExperts);  // every slot already in memory here
+  EXPECT_EQ(status.generations(1).loaded(), 0);
+
+  v1::FetchSlotRequest f;
+  f.set_version(1);
+  f.set_slot(2);
+  v1::SlotWeights w;
+  ASSERT_TRUE(stub_->FetchSlotWeights(Ctx().get(), f, &w).ok());
+  const TensorBlob& gu = ckpt_.tensors.at("experts." + std::to_string(w.expert()) + ".w_gate_up");
+  EXPECT_EQ(w.w_gate_up(), std::string(gu.data.begin(), gu.data.end()));
+  f.set_slot(99);
+  grpc::Status missing = stub_->FetchSlotWeights(Ctx().get(), f, &w);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(missing.error_message(), ::testing::HasSubstr("slot: q99"));
+  f.set_version(7);
+  EXPECT_EQ(stub_->FetchSlotWeights(Ctx().get(), f, &w).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  v1::PrepareGenerationRequest bad;
+  *bad.mutable_manifest() = Manifest(3);
+  bad.add_peer_agents("127.0.0.1:1");
+  bad.add_peer_agents("127.0.0.1:2");
+  grpc::Status peers = stub_->PrepareGeneration(Ctx().get(), bad, &st);
+  EXPECT_EQ(peers.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(peers.error_message(), ::testing::HasSubstr("peer_agents"));
+  EXPECT_FALSE(registry_.State(PlacementVersion(3)).ok());  // nothing left behind
+
+  v1::TrialRequest t, got;
+  t.set_version(2);
+  t.set_shadow_every(2);
+  ASSERT_TRUE(stub_->SetTrial(Ctx().get(), t, &got).ok());
+  EXPECT_EQ(got.version(), 2);
+  EXPECT_EQ(StepGeneration(2), 1);  // shadow steps answer with the active generation
+  EXPECT_EQ(executor_->Counters().at(2).shadow_samples, 1);
+  t.set_version(9);
+  EXPECT_EQ(stub_->SetTrial(Ctx().get(), t, &got).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  t.set_version(2);
+  t.set_canary_every(-1);
+  EXPECT_EQ(stub_->SetTrial(Ctx().get(), t, &got).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(Lifecycle("activate", 2, &st).ok());  // promotion ends the trial
+  EXPECT_EQ(executor_->Trial().version, -1);
+}
+
+}  // namespace
+}  // namespace moe
