@@ -76,10 +76,17 @@ walk_and_load release-v2 "$work/placement-v2.json"
 # Trials under live traffic: in SHADOW every 2nd step also runs on placement-v2 and its output is
 # compared with placement-v1's; in CANARY every 3rd step is also served by placement-v2. The
 # promotion gate then reads the ranks' counters (no evidence file).
+trial_min() {  # trial_min run|served: the smallest shadow-run / canary-served count over the ranks
+  ctl status | sed -n "s/.* (\([0-9]*\) $1[,)].*/\1/p" | sort -n | head -1
+}
+await_trial() {  # await_trial run|served N: poll until every rank counts N (the gate's threshold)
+  for _ in $(seq 600); do [ "$(trial_min "$1")" -ge "$2" ] 2>/dev/null && return 0; sleep 0.1; done
+  echo "$(ts)  trial counters did not reach $2 within 60 s"
+}
 ctl release transition release-v2 SHADOW --reason "shadow placement-v2 beside placement-v1" >/dev/null
-sleep "${TRIAL_S:-2}"
+await_trial run 20
 ctl release transition release-v2 CANARY --reason "canary placement-v2" >/dev/null
-sleep "${TRIAL_S:-2}"
+await_trial served 12
 echo "$(ts)  trial of placement-v2 on the ranks:"
 ctl status | sed 's/^/      /'
 echo "$(ts)  promote: $(ctl promote release-v2 --request_id promote-v2)"

@@ -8,8 +8,10 @@
 #include "control/placement_proto.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/placement/migration.h"
+#include "runtime/status.h"
 #include "server/bearer_auth.h"
 #include "server/grpc_status.h"
+#include "spdlog/spdlog.h"
 
 namespace moe {
 
@@ -415,7 +417,25 @@ absl::Status ControlPlaneServiceImpl::Reconcile() {
   auto releases = store_->List();
   if (!releases.ok()) return releases.status();
   for (const ReleaseRecord& r : *releases) {
-    if (r.state == ReleaseState::kActive && r.placement_version > 0) return agents_->Activate(r.placement_version);
+    if (r.state != ReleaseState::kActive || r.placement_version <= 0) continue;
+    // Drive only ranks that disagree (this runs periodically): a restarted moe-rankd comes back
+    // serving its boot placement without the release's; it gets the placement prepared (from
+    // the manifest the store recorded, slots copied from its peers) and activated again.
+    bool agree = true;
+    for (auto& [status, address] : agents_->Status()) {
+      agree = agree && status.ok() && status->active_version() == r.placement_version;
+    }
+    if (agree) return absl::OkStatus();
+    if (!r.placement_manifest.empty()) {
+      v1::PlacementManifest proto;
+      if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
+        return absl::DataLossError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
+      }
+      RETURN_IF_ERROR(agents_->Prepare(proto));  // a no-op where the rank already holds it
+    }
+    RETURN_IF_ERROR(agents_->Activate(r.placement_version));
+    spdlog::info("reconcile: every rank serves placement-v{} of {} again", r.placement_version, r.release_id);
+    return absl::OkStatus();
   }
   return absl::OkStatus();
 }

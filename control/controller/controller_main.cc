@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
@@ -14,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "control/controller/control_plane_service.h"
 #include "control/store/release_store.h"
 #include "prometheus/collectable.h"
@@ -42,6 +44,9 @@ ABSL_FLAG(int64_t, migration_budget_bytes, 0,
 ABSL_FLAG(int64_t, expert_bytes, 0, "bytes of one expert copy's parameters (with --migration_budget_bytes)");
 ABSL_FLAG(int64_t, shadow_every, 4, "trials: in SHADOW, every Nth step also runs on the candidate and is compared");
 ABSL_FLAG(int64_t, canary_every, 4, "trials: in CANARY, every Nth step is served by the candidate");
+ABSL_FLAG(int, reconcile_interval_s, 5,
+          "with --ranks: every N seconds, bring ranks that serve another placement than the ACTIVE release's (a "
+          "restarted moe-rankd) back to it; 0: only at start");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
@@ -160,9 +165,26 @@ int Main() {
   spdlog::info("serving on port {} (metrics on {}), {} releases in {}, {} rank agents", port,
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store),
                agents == nullptr ? 0 : agents->addresses().size());
+  // Periodic reconcile: a rank agent that restarted re-registers its generations here.
+  absl::Notification stopping;
+  std::thread reconciler;
+  const int interval = absl::GetFlag(FLAGS_reconcile_interval_s);
+  if (agents != nullptr && !agents->empty() && interval > 0) {
+    reconciler = std::thread([&] {
+      std::string last;
+      while (!stopping.WaitForNotificationWithTimeout(absl::Seconds(interval))) {
+        const absl::Status s = service.Reconcile();
+        const std::string now = s.ok() ? "" : std::string(s.message());
+        if (now != last && !s.ok()) spdlog::warn("reconcile: {}", now);  // each new failure once
+        last = now;
+      }
+    });
+  }
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);
+  stopping.Notify();
+  if (reconciler.joinable()) reconciler.join();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return 0;
 }

@@ -36,6 +36,6 @@ check $? "every rank ran shadow steps of v2 (no mismatch) and served canary step
 grep -Eq "promote: release-v2 ACTIVE; release-v1 DRAINING \(ranks: [1-9][0-9]* shadow samples, 0 mismatches, [1-9][0-9]* canary steps" "$out"
 check $? "the promotion gate read the ranks' counters"
 grep -Eq "canary steps +[1-9][0-9]* \(served by a candidate" "$out"; check $? "canary steps answered correctly (checked by the driver)"
-grep -Eq "v2 ACTIVE/0 \(r[0-9]+ d[0-9]+ c[1-9][0-9]* l[0-9]+\)" "$out"
+grep -Eq "v2 ACTIVE/[0-9]+ \(r[0-9]+ d[0-9]+ c[1-9][0-9]* l[0-9]+\)" "$out"
 check $? "placement-v2 slots copied from the ranks holding them (0x08F), digests checked"
 exit $fail
