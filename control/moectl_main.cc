@@ -61,6 +61,8 @@ ABSL_FLAG(int, num_replicas, 0, "rebalance: physical slots of the new placement 
 ABSL_FLAG(int, num_groups, 1, "rebalance: expert groups (EPLB hierarchical policy)");
 ABSL_FLAG(int, num_nodes, 1, "rebalance: nodes (EPLB hierarchical policy)");
 ABSL_FLAG(std::string, prior, "", "rollback: the DRAINING release to re-activate");
+ABSL_FLAG(int64_t, min_shadow, 100, "rollout: shadow samples every rank must count before CANARY");
+ABSL_FLAG(int64_t, min_canary, 200, "rollout: canary steps every rank must count before the promotion");
 ABSL_FLAG(int64_t, after, 0, "watch: start after this transition seq (0: the whole history)");
 ABSL_FLAG(int, count, 0, "watch: stop after this many transitions (0: until interrupted)");
 ABSL_FLAG(int, timeout_s, 0, "watch: stop after this many seconds (0: never); drain: give up after (default 60)");
@@ -83,6 +85,8 @@ constexpr char kUsage[] =
     "                                                          from FILE, or from the ranks' counters without it)\n"
     "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the ranks)\n"
     "  moectl drain ID [--reason R] [--timeout_s S]            stop a non-serving release, wait for its handles, retire it\n"
+    "  moectl rollout ID --manifest F [--digest D] [--min_shadow N --min_canary N] [--evidence F] [--timeout_s S]\n"
+    "                                                          register .. load .. shadow .. canary .. promote (resumable)\n"
     "  moectl watch [ID] [--after SEQ] [--count N] [--timeout_s S] [--json]  transitions as they commit\n"
     "  moectl placement load ID --manifest FILE                prepare a placement on every rank (VERIFIED -> LOADED)\n"
     "  moectl status                                           every rank's generations and handles\n"
@@ -254,6 +258,8 @@ int main(int argc, char** argv) {
     o.evidence = absl::GetFlag(FLAGS_evidence);
     o.prior = absl::GetFlag(FLAGS_prior);
     o.after_seq = absl::GetFlag(FLAGS_after);
+    o.min_shadow = absl::GetFlag(FLAGS_min_shadow);
+    o.min_canary = absl::GetFlag(FLAGS_min_canary);
     o.count = absl::GetFlag(FLAGS_count);
     o.timeout_s = absl::GetFlag(FLAGS_timeout_s);
     o.manifest = absl::GetFlag(FLAGS_manifest);

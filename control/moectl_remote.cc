@@ -19,6 +19,7 @@
 #include "proto/moe/v1/control_plane.grpc.pb.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/placement/default_placement.h"
+#include "runtime/status.h"
 #include "server/grpc_status.h"
 
 namespace moe {
@@ -85,7 +86,7 @@ absl::StatusOr<v1::PromotionEvidence> ReadEvidence(const std::string& path) {
 bool IsRemoteCommand(const std::vector<std::string>& cmd) {
   if (cmd.empty()) return false;
   return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback" ||
-         cmd[0] == "status" || cmd[0] == "watch" || cmd[0] == "drain" || cmd[0] == "rebalance" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
+         cmd[0] == "status" || cmd[0] == "watch" || cmd[0] == "drain" || cmd[0] == "rollout" || cmd[0] == "rebalance" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
 }
 
 absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
@@ -196,6 +197,99 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
       absl::SleepFor(absl::Milliseconds(200));
     }
     return absl::Status(last.code(), absl::StrCat("drain ", release, ": not retired: ", last.message()));
+  }
+  if (cmd[0] == "rollout" && cmd.size() == 2) {
+    // The whole walk of one release, resumable: each step has a request id derived from one base
+    // (the release id unless --request_id), so running it again after any failure continues where
+    // the registry says the release is. Trials wait for the ranks' counters.
+    const std::string& id = cmd[1];
+    if (o.manifest.empty()) return usage("--manifest: required (the release's PlacementManifest JSON)");
+    const std::string base = o.request_id.empty() ? absl::StrCat("rollout-", id) : o.request_id;
+    RemoteOptions step = o;
+    step.json = false;
+    auto run = [&](std::vector<std::string> c, const char* suffix) {
+      step.request_id = absl::StrCat(base, ":", suffix);
+      return RunRemote(c, step);
+    };
+    auto state_of = [&]() -> absl::StatusOr<v1::Release> {
+      v1::GetReleaseRequest get;
+      get.set_release_id(id);
+      v1::Release rel;
+      auto ctx = context();
+      if (auto s = FromGrpcStatus(stub->GetRelease(ctx.get(), get, &rel)); !s.ok()) return s;
+      return rel;
+    };
+    // The smallest count over the ranks of shadow samples / canary steps of `version`.
+    auto trial_count = [&](int64_t version, bool canary) -> absl::StatusOr<int64_t> {
+      v1::ClusterStatusResponse resp;
+      auto ctx = context();
+      if (auto s = FromGrpcStatus(stub->ClusterStatus(ctx.get(), {}, &resp)); !s.ok()) return s;
+      int64_t least = -1;
+      for (const v1::RankAgentReport& rep : resp.ranks()) {
+        if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
+        int64_t n = 0;
+        for (const v1::GenerationCounters& c : rep.status().counters()) {
+          if (c.version() == version) n = canary ? c.canary_steps() : c.shadow_samples();
+        }
+        least = least < 0 ? n : std::min(least, n);
+      }
+      return std::max<int64_t>(least, 0);
+    };
+    const absl::Time deadline = absl::Now() + absl::Seconds(o.timeout_s > 0 ? o.timeout_s : 600);
+    auto await = [&](int64_t version, bool canary, int64_t want) -> absl::Status {
+      int64_t last = -1;
+      while (true) {
+        ASSIGN_OR_RETURN(int64_t n, trial_count(version, canary));
+        if (n != last) {
+          std::cout << absl::StrFormat("  %s of placement-v%d: %d / %d\n", canary ? "canary steps" : "shadow samples",
+                                       version, n, want);
+          std::cout.flush();
+          last = n;
+        }
+        if (n >= want) return absl::OkStatus();
+        if (absl::Now() > deadline) {
+          return absl::DeadlineExceededError(absl::StrCat("rollout ", id, ": ", n, " of ", want,
+                                                          canary ? " canary steps" : " shadow samples",
+                                                          " before --timeout_s (is the engine sending steps?)"));
+        }
+        absl::SleepFor(absl::Milliseconds(250));
+      }
+    };
+    auto rel = state_of();
+    if (rel.status().code() == absl::StatusCode::kNotFound) {
+      if (o.digest.empty()) return usage("--digest: required to register a new release");
+      RETURN_IF_ERROR(run({"release", "register", id}, "register"));
+      rel = state_of();
+    }
+    for (int guard = 0; rel.ok() && rel->state() != v1::RELEASE_STATE_ACTIVE && guard < 8; ++guard) {
+      switch (rel->state()) {
+        case v1::RELEASE_STATE_BUILT:
+          step.reason = "rollout: bundle digests checked";
+          RETURN_IF_ERROR(run({"release", "transition", id, "VERIFIED"}, "verify"));
+          break;
+        case v1::RELEASE_STATE_VERIFIED:
+          RETURN_IF_ERROR(run({"placement", "load", id}, "load"));
+          break;
+        case v1::RELEASE_STATE_LOADED:
+          step.reason = "rollout: shadow beside the active placement";
+          RETURN_IF_ERROR(run({"release", "transition", id, "SHADOW"}, "shadow"));
+          break;
+        case v1::RELEASE_STATE_SHADOW:
+          RETURN_IF_ERROR(await(rel->placement_version(), false, o.min_shadow));
+          step.reason = "rollout: canary";
+          RETURN_IF_ERROR(run({"release", "transition", id, "CANARY"}, "canary"));
+          break;
+        case v1::RELEASE_STATE_CANARY:
+          RETURN_IF_ERROR(await(rel->placement_version(), true, o.min_canary));
+          RETURN_IF_ERROR(run({"promote", id}, "promote"));
+          break;
+        default:
+          return absl::FailedPreconditionError(absl::StrCat("rollout ", id, ": the release is ", StateName(rel->state()),
+                                                            "; only BUILT .. CANARY releases roll out"));
+      }
+      rel = state_of();
+    }
+    return rel.status();
   }
   if (cmd[0] == "releases" && cmd.size() == 2 && cmd[1] == "list") {
     v1::ListReleasesResponse resp;

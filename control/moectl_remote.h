@@ -30,6 +30,9 @@ struct RemoteOptions {
   int64_t after_seq = 0;
   int count = 0;
   int timeout_s = 0;
+  // rollout: wait for this many shadow samples / canary steps on every rank before moving on
+  // (the controller's gate thresholds).
+  int64_t min_shadow = 100, min_canary = 200;
 };
 
 // Runs `cmd` (e.g. {"releases", "list"}); prints the result on stdout. NOT_FOUND-style

@@ -72,24 +72,14 @@ echo "$(ts)  engine driver running steps"
 echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dry_run):"
 ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/checkpoint.safetensors" \
   --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
-walk_and_load release-v2 "$work/placement-v2.json"
-# Trials under live traffic: in SHADOW every 2nd step also runs on placement-v2 and its output is
-# compared with placement-v1's; in CANARY every 3rd step is also served by placement-v2. The
-# promotion gate then reads the ranks' counters (no evidence file).
-trial_min() {  # trial_min run|served: the smallest shadow-run / canary-served count over the ranks
-  ctl status | sed -n "s/.* (\([0-9]*\) $1[,)].*/\1/p" | sort -n | head -1
-}
-await_trial() {  # await_trial run|served N: poll until every rank counts N (the gate's threshold)
-  for _ in $(seq 600); do [ "$(trial_min "$1")" -ge "$2" ] 2>/dev/null && return 0; sleep 0.1; done
-  echo "$(ts)  trial counters did not reach $2 within 60 s"
-}
-ctl release transition release-v2 SHADOW --reason "shadow placement-v2 beside placement-v1" >/dev/null
-await_trial run 20
-ctl release transition release-v2 CANARY --reason "canary placement-v2" >/dev/null
-await_trial served 12
-echo "$(ts)  trial of placement-v2 on the ranks:"
-ctl status | sed 's/^/      /'
-echo "$(ts)  promote: $(ctl promote release-v2 --request_id promote-v2)"
+# moectl rollout walks release-v2 under live traffic: register, verify, load on every rank, SHADOW
+# (every 2nd step also runs on placement-v2, its output compared with placement-v1's), CANARY
+# (every 3rd step also served by placement-v2), each trial until every rank counted enough, then
+# the promotion through the gate read from the ranks' counters (no evidence file).
+echo "$(ts)  moectl rollout release-v2:"
+ctl rollout release-v2 --manifest "$work/placement-v2.json" --min_shadow 20 --min_canary 12 \
+  --digest "sha256:$(sha256sum "$work/placement-v2.json" | cut -c1-16)" | sed 's/^/      /'
+echo "$(ts)  rollout done"
 sleep 2
 echo "$(ts)  cluster after the promotion:"
 ctl status | sed 's/^/      /'
@@ -101,7 +91,7 @@ set +e
 wait "$driver"
 status=$?
 set -e
-retry="$(ctl promote release-v2 --request_id promote-v2 2>&1)" &&
+retry="$(ctl promote release-v2 --request_id rollout-release-v2:promote 2>&1)" &&
   retry="answered with the recorded result"
 echo "$(ts)  a late retry of the v2 promotion was $retry; the ranks stay on: $(ctl status | awk 'NR > 1 {print $3}' | sort -u | xargs)"
 $M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 4 \
