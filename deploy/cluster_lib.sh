@@ -1,6 +1,7 @@
 # Shell functions to start and stop a local cluster of moe-rankd processes (sourced by
 # deploy/local_cluster.sh and tests/integration/local_cluster_test.sh).
 #   start_ranks RANKD WORK RANKS CHECKPOINT [extra rankd flags...]  -> fills RANK_PIDS
+#                (RANK<r>_FLAGS, when set, adds flags for rank r only)
 #   stop_ranks                                                       -> SIGTERM, wait
 #   choose_backend RANKS   -> RANKD, RANKD_FLAGS, BACKEND_NAME (cpu+ucx, or cuda+nccl)
 RANK_PIDS=()
@@ -34,7 +35,8 @@ start_ranks() {
   mkdir -p "$work/rendezvous" "$work/ports" "$work/metrics"
   for ((r = 0; r < ranks; r++)); do
     "$rankd" --rank "$r" --world "$ranks" --rendezvous_dir "$work/rendezvous" --checkpoint "$checkpoint" \
-      --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} "$@" >"$work/rank$r.log" 2>&1 &
+      --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} \
+      $(eval echo "\${RANK${r}_FLAGS:-}") "$@" >"$work/rank$r.log" 2>&1 &
     RANK_PIDS+=($!)
   done
   for ((r = 0; r < ranks; r++)); do

@@ -34,6 +34,7 @@ absl::StatusOr<StepAnswer> ExpertLayerClient::Execute(const StepCall& call, absl
   *req.mutable_topk_ids() = {call.topk_ids.begin(), call.topk_ids.end()};
   *req.mutable_topk_weights() = {call.topk_weights.begin(), call.topk_weights.end()};
   req.set_k(call.k);
+  if (call.expected_generation > 0) req.set_expected_generation(call.expected_generation);
   if (!call.admitted.empty()) req.set_admitted(std::string(call.admitted.begin(), call.admitted.end()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline)));

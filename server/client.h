@@ -26,6 +26,7 @@ struct StepCall {
   std::vector<float> topk_weights;   // [tokens, k]
   int k = 0;
   std::vector<uint8_t> admitted;     // optional [tokens, k]
+  int64_t expected_generation = 0;   // 0: any
 };
 
 struct StepAnswer {

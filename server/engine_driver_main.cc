@@ -195,7 +195,52 @@ int Fault(std::vector<std::unique_ptr<ExpertLayerClient>>& clients, Reference& r
     std::printf("every live rank answered with an error in %.2f s\n", seconds);
     return ok ? 0 : 1;
   }
-  spdlog::error("--fault {}: unknown (bad_input, dead_rank)", absl::GetFlag(FLAGS_fault));
+  if (absl::GetFlag(FLAGS_fault) == "stale_generation") {
+    // 0x0E "stale handle reaches new active generation -> reject handle and replan": the engine
+    // expects a generation the ranks do not serve; every rank refuses the step naming both, and
+    // the engine re-plans against the generation the error names.
+    run(1000, calls, &answers, std::vector<bool>(p, false));  // learn the serving generation
+    if (!answers[0].ok()) {
+      std::printf("first step failed: %s\n", answers[0].status().ToString().c_str());
+      return 1;
+    }
+    const int64_t serving = answers[0]->record.placement_generation();
+    calls.clear();
+    for (int r = 0; r < p; ++r) {
+      calls.push_back(MakeCall(rng, 1001, false, 8, d, k, reference.num_experts(), false));
+      calls.back().expected_generation = serving + 1;
+    }
+    run(1001, calls, &answers, std::vector<bool>(p, false));
+    bool ok = true;
+    for (int r = 0; r < p; ++r) {
+      std::printf("rank %d (expects placement-v%lld): %s\n", r, static_cast<long long>(serving + 1),
+                  answers[r].status().ToString().c_str());
+      ok = ok && answers[r].status().code() == absl::StatusCode::kFailedPrecondition &&
+           std::string(answers[r].status().message()).find("expected_generation") != std::string::npos;
+    }
+    for (StepCall& c : calls) {
+      c.step_id = 1002;
+      c.expected_generation = serving;
+    }
+    run(1002, calls, &answers, std::vector<bool>(p, false));
+    for (int r = 0; r < p; ++r) {
+      ok = ok && answers[r].ok() && answers[r]->record.placement_generation() == serving;
+      if (answers[r].ok()) {
+        const std::vector<float> ref = reference.Compute(calls[r]);
+        double num = 0, den = 0;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          const double x = kernels::Bf16ToFloat(answers[r]->output[i]);
+          num += (x - ref[i]) * (x - ref[i]);
+          den += static_cast<double>(ref[i]) * ref[i];
+        }
+        ok = ok && std::sqrt(num / std::max(den, 1e-30)) <= 1e-2;
+      }
+    }
+    std::printf("re-planned against placement-v%lld: %s\n", static_cast<long long>(serving),
+                ok ? "served by every rank, outputs checked" : "FAILED");
+    return ok ? 0 : 1;
+  }
+  spdlog::error("--fault {}: unknown (bad_input, dead_rank, stale_generation)", absl::GetFlag(FLAGS_fault));
   return 2;
 }
 

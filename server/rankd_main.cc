@@ -54,6 +54,9 @@ ABSL_FLAG(std::string, kernels, "cpu", "where experts run: cpu, or cuda (loads t
 ABSL_FLAG(std::string, transport, "ucx",
           "how rows move between ranks: ucx (host memory), or nccl (GPU memory; loads the CUDA backend; needs "
           "--kernels=cuda for device-resident rows, otherwise rows are staged through the GPU)");
+ABSL_FLAG(std::string, inject_fault, "",
+          "fault injection for tests: trial_drift = this rank's shadow and canary passes return outputs scaled by "
+          "1.05 (a candidate runner that computes something else)");
 ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (-1: the rank's index)");
 ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to this executable)");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
@@ -194,6 +197,13 @@ int Main() {
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
+  if (absl::GetFlag(FLAGS_inject_fault) == "trial_drift") {
+    eo.fault_trial_output_scale = 1.05f;
+    spdlog::warn("fault injection: trial passes on this rank return outputs scaled by 1.05");
+  } else if (!absl::GetFlag(FLAGS_inject_fault).empty()) {
+    spdlog::error("--inject_fault={}: expected trial_drift", absl::GetFlag(FLAGS_inject_fault));
+    return 2;
+  }
   // Decode graphs where experts and rows live on the GPU and NCCL moves them; on the CPU
   // backend admission still runs and each decode step reports why it ran eagerly.
   if (kernels_flag == "cuda" && transport_flag == "nccl") eo.decode_graphs = cuda->DecodeGraphs(transport.get());

@@ -582,6 +582,9 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     return ReplayDecode(in, version, weights_ptr, source, dest, send_token, row_of_route, gates, &result.output);
   };
   RETURN_IF_ERROR(result.record.graph_replay ? replay() : eager());
+  if (trial && options_.fault_trial_output_scale != 1.0f) {
+    for (uint16_t& v : result.output) v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * options_.fault_trial_output_scale);
+  }
   RETURN_IF_ERROR(handle->MarkOriginRowsReady());
   RETURN_IF_ERROR(handle->Release());
 

@@ -112,6 +112,10 @@ struct LayerExecutorOptions {
   int64_t decode_rank_tokens = 8;
   int64_t decode_slot_routes = 16;
   DecodeGraphFactory decode_graphs;
+  // Fault injection (tests of the 0x0E "runner parity differs -> block canary" row): outputs of
+  // trial passes (shadow and canary steps of a candidate) are scaled by this factor on this rank,
+  // as a candidate runner that computes something else would. 1 = off.
+  float fault_trial_output_scale = 1.0f;
 };
 
 class LayerExecutor {

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Rows of the spec's fault table (0x0E) on real processes: four moe-rankd (UCX, rank agents on),
+# moe-controller driving them, the engine driver sending steps.
+#  - process-group generation differs   -> the placement load is rejected (nothing committed)
+#  - runner parity differs (rank 2's trial passes compute something else, --inject_fault
+#    trial_drift)                        -> shadow mismatches counted, the promotion blocked, the
+#                                           candidate stays CANARY and is drained and retired
+#  - stale handle under a new generation -> every rank rejects the step naming the generation,
+#                                           the engine re-plans and is served
+# (peer counts disagreeing and a killed peer: local_cluster_test; a faulting active candidate
+# rolled back: live_rollout_test; a controller killed mid-rollout: controller_kill_test.)
+set -uo pipefail
+RANKD="$1" DRIVER="$2" M="$3" CONTROLLER="$4"
+source deploy/cluster_lib.sh
+source tests/control/check_lib.sh
+work="$(mktemp -d "${TEST_TMPDIR:-/tmp}/faults.XXXXXX")"
+ctl_pid="" driver=""
+trap '[ -n "$driver" ] && kill "$driver" 2>/dev/null; [ -n "$ctl_pid" ] && kill "$ctl_pid" 2>/dev/null; stop_ranks' EXIT
+token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1"; }
+token "$work/token"
+token "$work/agent_token"
+"$M" checkpoint synth --experts 16 --d 64 --d_ff 128 --seed 5 --out "$work/ckpt.safetensors" >/dev/null
+RANK2_FLAGS="--inject_fault trial_drift" start_ranks "$RANKD" "$work" 4 "$work/ckpt.safetensors" \
+  --agent_token_file "$work/agent_token" --timeout_ms 5000 || exit 1
+ranks="$(for r in 0 1 2 3; do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
+"$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" --ranks "${ranks%,}" \
+  --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" --shadow_every 2 --canary_every 3 \
+  --min_shadow 10 --min_canary 10 --max_fallback_ratio 1 >"$work/controller.log" 2>&1 &
+ctl_pid=$!
+for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
+C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
+
+# The placement the ranks booted on, registered and promoted with operator evidence.
+"$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 1 --extra_replicas 2 >"$work/v1.json"
+check "bootstrap release-v1" 0 "release-v1 ACTIVE" -- "$M" "${C[@]}" rollout release-v1 --manifest "$work/v1.json" \
+  --digest sha256:v1 --min_shadow 0 --min_canary 0 --evidence deploy/examples/promotion-evidence.json
+
+# Process-group generation differs -> reject load.
+"$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 9 --extra_replicas 2 \
+  --epoch 2 >"$work/v9.json"
+"$M" "${C[@]}" release register release-v9 --digest sha256:v9 >/dev/null
+"$M" "${C[@]}" release transition release-v9 VERIFIED --reason ok >/dev/null
+check "process-group epoch differs: load rejected" 2 "epoch" -- "$M" "${C[@]}" placement load release-v9 --manifest "$work/v9.json"
+check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" releases list
+
+# Runner parity differs -> block canary.
+"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --rounds 1 --until_file "$work/stop" \
+  --ready_file "$work/ready" >"$work/driver.log" 2>&1 &
+driver=$!
+for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
+"$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 2 --extra_replicas 6 >"$work/v2.json"
+check "runner parity differs: promotion blocked" 2 "N_route_mismatch = 0" -- "$M" "${C[@]}" rollout release-v2 \
+  --manifest "$work/v2.json" --digest sha256:v2 --min_shadow 10 --min_canary 10
+check "the candidate stays CANARY" 0 "release-v2 *CANARY" -- "$M" "${C[@]}" releases list
+"$M" "${C[@]}" status >"$work/status.txt"
+grep -Eq "trial v2: shadow every 2 \([0-9]+ run, [1-9][0-9]* mismatched\)" "$work/status.txt"
+verdict() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
+verdict $? "shadow mismatches counted on the ranks"
+sed 's/^/     /' "$work/status.txt"
+check "the blocked candidate is drained and retired" 0 "DRAINING -> RETIRED" -- "$M" "${C[@]}" drain release-v2 \
+  --reason "runner parity differs"
+check "every rank serves v1 again, trials stopped" 0 "v2 RETIRED/0" -- "$M" "${C[@]}" status
+touch "$work/stop"
+wait "$driver"
+driver=""
+
+# Stale handle under a new generation -> reject handle and re-plan.
+"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --fault stale_generation \
+  >"$work/stale.log" 2>&1
+verdict $? "stale generation: every rank refuses naming expected_generation; the re-planned step is served"
+sed 's/^/     /' "$work/stale.log"
+exit $fail
