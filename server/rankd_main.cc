@@ -28,6 +28,7 @@
 #include "runtime/transport/transport.h"
 #include "server/cuda_backend.h"
 #include "server/expert_layer_service.h"
+#include "server/generation_metrics.h"
 #include "server/daemon_util.h"
 #include "server/metrics.h"
 #include "server/rank_agent_service.h"
@@ -214,6 +215,8 @@ int Main() {
   }
   (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*std::move(local))).IgnoreError();
 
+  auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
+  (*exposer)->RegisterCollectable(generation_metrics);
   ExpertLayerServiceImpl service(executor->get(), &metrics);
   std::unique_ptr<RankAgentServiceImpl> agent;
   if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {

@@ -57,6 +57,12 @@ grep -Eq "trial v2: shadow every 2 \([0-9]+ run, [1-9][0-9]* mismatched\)" "$wor
 verdict() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 verdict $? "shadow mismatches counted on the ranks"
 sed 's/^/     /' "$work/status.txt"
+curl -s "http://127.0.0.1:$(cat "$work/metrics/2.port")/metrics" >"$work/scrape2.txt"
+grep -Eq '^moe_shadow_steps_total\{.*placement_generation="2".*result="mismatch".*\} [1-9]' "$work/scrape2.txt"
+verdict $? "rank 2 exports its shadow mismatches (moe_shadow_steps_total)"
+grep -Eq '^moe_generation_steps_total\{.*placement_generation="2".*kind="canary".*\} [1-9]' "$work/scrape2.txt"
+verdict $? "... and the canary steps it served (moe_generation_steps_total)"
+if command -v promtool >/dev/null; then promtool check metrics <"$work/scrape2.txt"; verdict $? "promtool check metrics"; fi
 check "the blocked candidate is drained and retired" 0 "DRAINING -> RETIRED" -- "$M" "${C[@]}" drain release-v2 \
   --reason "runner parity differs"
 check "every rank serves v1 again, trials stopped" 0 "v2 RETIRED/0" -- "$M" "${C[@]}" status

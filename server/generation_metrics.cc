@@ -1,0 +1,35 @@
+#include "server/generation_metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
+  prometheus::MetricFamily steps{"moe_generation_steps_total",
+                                 "layer steps by placement generation: served as the active one, served as a canary "
+                                 "of a candidate, or failed",
+                                 prometheus::MetricType::Counter, {}};
+  prometheus::MetricFamily shadow{"moe_shadow_steps_total",
+                                  "shadow passes of a candidate generation by result (its output against the active "
+                                  "generation's: match, mismatch; or failed)",
+                                  prometheus::MetricType::Counter, {}};
+  auto add = [&](prometheus::MetricFamily& f, int64_t version, const char* key, const char* value, int64_t n) {
+    prometheus::ClientMetric m;
+    m.label = {{"release", release_}, {"placement_generation", absl::StrCat(version)}, {key, value}};
+    m.counter.value = static_cast<double>(n);
+    f.metric.push_back(m);
+  };
+  for (const auto& [version, c] : executor_->Counters()) {
+    add(steps, version, "kind", "active", c.steps - c.canary_steps);
+    add(steps, version, "kind", "canary", c.canary_steps);
+    add(steps, version, "kind", "failed", c.failed_steps);
+    if (c.shadow_samples > 0) {
+      add(shadow, version, "result", "match", c.shadow_samples - c.shadow_mismatches - c.shadow_failures);
+      add(shadow, version, "result", "mismatch", c.shadow_mismatches);
+      add(shadow, version, "result", "failed", c.shadow_failures);
+    }
+  }
+  return {steps, shadow};
+}
+
+}  // namespace moe
