@@ -191,28 +191,23 @@ int Main() {
           stub->Execute(&ctx, r_req, &resp);
         }
         const double a = absl::ToDoubleMicroseconds(absl::Now() - t0);
-        bench::EchoMessage eresp;
-        t0 = absl::Now();
-        if (stream) {
-          es->Write(echo_req);
-          es->Read(&eresp);
-        } else {
-          grpc::ClientContext ctx;
-          echo_stub->Call(&ctx, echo_req, &eresp);
-        }
-        const double e = absl::ToDoubleMicroseconds(absl::Now() - t0);
+        auto echo_us = [&] {  // one echo call, client-observed
+          bench::EchoMessage eresp;
+          const absl::Time start = absl::Now();
+          if (stream) {
+            es->Write(echo_req);
+            es->Read(&eresp);
+          } else {
+            grpc::ClientContext ctx;
+            echo_stub->Call(&ctx, echo_req, &eresp);
+          }
+          return absl::ToDoubleMicroseconds(absl::Now() - start);
+        };
+        const double e = echo_us();
         // The same echo holding its handler for as long as this step's executor ran: the wait
         // (client threads idle, server thread busy) without the API's work.
         echo.hold_us.store(resp.record().compute_latency_us());
-        t0 = absl::Now();
-        if (stream) {
-          es->Write(echo_req);
-          es->Read(&eresp);
-        } else {
-          grpc::ClientContext ctx;
-          echo_stub->Call(&ctx, echo_req, &eresp);
-        }
-        const double eh = absl::ToDoubleMicroseconds(absl::Now() - t0) - echo.hold_us.load();
+        const double eh = echo_us() - echo.hold_us.load();
         echo.hold_us.store(0);
         if (r >= 20) {
           held.push_back(eh);

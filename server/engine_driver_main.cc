@@ -64,6 +64,17 @@ struct Stats {
   std::vector<std::map<std::string, std::vector<double>>> segment_latency_us;
 };
 
+// Relative L2 distance of BF16 output rows from the FP32 reference.
+double RelativeError(const std::vector<uint16_t>& out, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double x = kernels::Bf16ToFloat(out[i]);
+    num += (x - ref[i]) * (x - ref[i]);
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -225,16 +236,7 @@ int Fault(std::vector<std::unique_ptr<ExpertLayerClient>>& clients, Reference& r
     run(1002, calls, &answers, std::vector<bool>(p, false));
     for (int r = 0; r < p; ++r) {
       ok = ok && answers[r].ok() && answers[r]->record.placement_generation() == serving;
-      if (answers[r].ok()) {
-        const std::vector<float> ref = reference.Compute(calls[r]);
-        double num = 0, den = 0;
-        for (size_t i = 0; i < ref.size(); ++i) {
-          const double x = kernels::Bf16ToFloat(answers[r]->output[i]);
-          num += (x - ref[i]) * (x - ref[i]);
-          den += static_cast<double>(ref[i]) * ref[i];
-        }
-        ok = ok && std::sqrt(num / std::max(den, 1e-30)) <= 1e-2;
-      }
+      if (answers[r].ok()) ok = ok && RelativeError(answers[r]->output, reference.Compute(calls[r])) <= 1e-2;
     }
     std::printf("re-planned against placement-v%lld: %s\n", static_cast<long long>(serving),
                 ok ? "served by every rank, outputs checked" : "FAILED");
@@ -354,16 +356,10 @@ int Main() {
             continue;
           }
           const std::vector<float> ref = reference.Compute(calls[r]);
-          double num = 0, den = 0;
-          for (size_t i = 0; i < ref.size(); ++i) {
-            const double x = kernels::Bf16ToFloat(answers[r]->output[i]);
-            num += (x - ref[i]) * (x - ref[i]);
-            den += static_cast<double>(ref[i]) * ref[i];
-          }
-          if (!ref.empty() && std::sqrt(num / std::max(den, 1e-30)) > 1e-2) {
+          const double rel = RelativeError(answers[r]->output, ref);
+          if (!ref.empty() && rel > 1e-2) {
             ++stats.mismatches;
-            spdlog::error("step {} rank {}: output differs from the semantic computation (rel {:.3g})", step, r,
-                          std::sqrt(num / std::max(den, 1e-30)));
+            spdlog::error("step {} rank {}: output differs from the semantic computation (rel {:.3g})", step, r, rel);
           }
           const v1::StepRecord& rec = answers[r]->record;
           stats.routes += rec.routes_accepted();

@@ -48,23 +48,25 @@ bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
 
 }  // namespace
 
+void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* out) const {
+  out->set_version(g.version.value());
+  out->set_state(ToProto(g.state));
+  out->set_refcount(g.refcount);
+  out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+  absl::MutexLock summary_lock(&summary_mu_);
+  auto it = materialized_.find(g.version.value());
+  if (it != materialized_.end()) {
+    out->set_retained(it->second[0]);
+    out->set_duplicated(it->second[1]);
+    out->set_copied(it->second[2]);
+    out->set_loaded(it->second[3]);
+  }
+}
+
 grpc::Status RankAgentServiceImpl::Describe(PlacementVersion v, v1::GenerationStatus* out) const {
   for (const GenerationInfo& g : c_.registry->List()) {
     if (g.version != v) continue;
-    out->set_version(v.value());
-    out->set_state(ToProto(g.state));
-    out->set_refcount(g.refcount);
-    out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
-    {
-      absl::MutexLock summary_lock(&summary_mu_);
-      auto it = materialized_.find(g.version.value());
-      if (it != materialized_.end()) {
-        out->set_retained(it->second[0]);
-        out->set_duplicated(it->second[1]);
-        out->set_copied(it->second[2]);
-        out->set_loaded(it->second[3]);
-      }
-    }
+    Fill(g, out);
     return grpc::Status::OK;
   }
   return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("version: placement-v", v.value(), " is unknown here"));
@@ -350,21 +352,7 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
     out->set_shadow_failures(c.shadow_failures);
   }
   for (const GenerationInfo& g : c_.registry->List()) {
-    v1::GenerationStatus* out = resp->add_generations();
-    out->set_version(g.version.value());
-    out->set_state(ToProto(g.state));
-    out->set_refcount(g.refcount);
-    out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
-    {
-      absl::MutexLock summary_lock(&summary_mu_);
-      auto it = materialized_.find(g.version.value());
-      if (it != materialized_.end()) {
-        out->set_retained(it->second[0]);
-        out->set_duplicated(it->second[1]);
-        out->set_copied(it->second[2]);
-        out->set_loaded(it->second[3]);
-      }
-    }
+    Fill(g, resp->add_generations());
     if (g.state == GenerationState::kActive) {
       for (PhysicalSlotId q : g.manifest->LocalSlots(c_.rank)) {
         resp->add_active_slot_experts(g.manifest->slot(q).expert.value());

@@ -50,6 +50,7 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
 
  private:
   grpc::Status Describe(PlacementVersion v, v1::GenerationStatus* out) const;
+  void Fill(const GenerationInfo& g, v1::GenerationStatus* out) const;
   // Authenticates, validates the version, and applies `change` to a known generation under mu_.
   grpc::Status Change(const grpc::ServerContext* ctx, const v1::GenerationRequest& req, v1::GenerationStatus* resp,
                       const std::function<absl::Status(PlacementVersion, GenerationState)>& change);

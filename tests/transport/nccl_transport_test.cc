@@ -21,14 +21,10 @@ namespace {
 
 // Counted in a child: CUDA must not be initialized in the parent before it forks the members.
 int Devices() {
-  const pid_t pid = fork();
-  if (pid == 0) {
+  return testing::ExitCodeOfChild([] {
     int n = 0;
-    _exit(cudaGetDeviceCount(&n) == cudaSuccess ? n : 0);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  });
 }
 
 std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario) {

@@ -21,6 +21,17 @@ inline std::string FreshDir(const char* prefix) {
   return std::string(mkdtemp(buf.data()));
 }
 
+// Runs `fn` in a forked child and returns its exit code (0-255; -1 if it died): for questions
+// that must not initialize state in this process before it forks members (e.g. counting GPUs,
+// which would create a CUDA context the children cannot use).
+inline int ExitCodeOfChild(const std::function<int()>& fn) {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(fn());
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 // `member(slot, dir)` runs in the child and returns its exit code. Returns every member's exit
 // code (-signal for a member killed by a signal).
 inline std::vector<int> ForkMembers(int size, const char* prefix, const std::function<int(int, const std::string&)>& member) {
