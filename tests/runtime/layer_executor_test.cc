@@ -29,17 +29,19 @@ struct Rank4 {
   std::unique_ptr<Transport> transport[kRanks];
   std::unique_ptr<LayerExecutor> exec[kRanks];
 
-  // A candidate placement: experts 2 and 3 replicated instead of 0 and 1, on other ranks.
-  std::shared_ptr<const PlacementManifest> Candidate(int64_t version) {
+  // Ten slots (the last two replicas) with digests from the checkpoint.
+  std::shared_ptr<const PlacementManifest> TenSlots(int64_t version, const int (&expert_of)[10], const int (&rank_of)[10]) {
     std::vector<SlotRecord> slots;
-    const int expert_of[10] = {0, 1, 2, 3, 4, 5, 6, 7, 2, 3};
-    const int rank_of[10] = {1, 2, 3, 0, 1, 2, 3, 0, 0, 2};
     for (int q = 0; q < 10; ++q) {
       SlotRecord s = fixture::Slot(q, expert_of[q], q < 8 ? 0 : 1, rank_of[q], rank_of[q] / 2);
       s.parameter_digest = ParameterDigest(checkpoint.metadata.at("digest." + std::to_string(expert_of[q])));
       slots.push_back(s);
     }
     return *PlacementManifest::Create(fixture::Options(version, kExperts), slots, topology);
+  }
+  // A candidate placement: experts 2 and 3 replicated instead of 0 and 1, on other ranks.
+  std::shared_ptr<const PlacementManifest> Candidate(int64_t version) {
+    return TenSlots(version, {0, 1, 2, 3, 4, 5, 6, 7, 2, 3}, {1, 2, 3, 0, 1, 2, 3, 0, 0, 2});
   }
   // Prepares `m` beside the active generation on every rank (weights from the checkpoint, or
   // with every weight of rank `corrupt_rank` perturbed: a runner that computes something else).
@@ -56,16 +58,8 @@ struct Rank4 {
   }
 
   Rank4() {
-    // Ten slots: experts 0 and 1 replicated across nodes; digests from the checkpoint.
-    std::vector<SlotRecord> slots;
-    const int expert_of[10] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1};
-    const int rank_of[10] = {0, 0, 1, 1, 2, 2, 3, 3, 3, 1};
-    for (int q = 0; q < 10; ++q) {
-      SlotRecord s = fixture::Slot(q, expert_of[q], q < 8 ? 0 : 1, rank_of[q], rank_of[q] / 2);
-      s.parameter_digest = ParameterDigest(checkpoint.metadata.at("digest." + std::to_string(expert_of[q])));
-      slots.push_back(s);
-    }
-    manifest = *PlacementManifest::Create(fixture::Options(17, kExperts), slots, topology);
+    // Experts 0 and 1 replicated across nodes.
+    manifest = TenSlots(17, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {0, 0, 1, 1, 2, 2, 3, 3, 3, 1});
     for (int r = 0; r < kRanks; ++r) {
       kernels[r] = kernels::CreateCpuKernels();
       EXPECT_TRUE(registry[r].Prepare(manifest).ok());
