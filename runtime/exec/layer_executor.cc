@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "runtime/exec/dispatch_handle.h"
 #include "runtime/exec/step_exchange.h"
+#include "runtime/hash.h"
 #include "runtime/status.h"
 
 namespace moe {
@@ -410,7 +411,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   slot_counts.assign(m.num_slots(), 0);
   for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
   StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens, po.shadow_version,
-                    po.shadow_every};
+                    po.shadow_every,
+                    static_cast<int64_t>(SplitMix64(SplitMix64(SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens)) ^
+                                                               static_cast<uint64_t>(options_.decode_slot_routes)) ^
+                                                    (graphs_ ? 1u : 0u)))};
   ASSIGN_OR_RETURN(StepAgreement agreement,
                    AgreeOnStep(*options_.transport, header, source.send_splits, options_.timeout, slot_counts));
   if (agreed_shadow != nullptr) *agreed_shadow = agreement.shadow_version;
@@ -433,7 +437,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     step.key = bucket.key;
     step.rank_tokens = agreement.rank_tokens;
     step.slot_routes = agreement.slot_routes;
-    const Admission admission = AdmitDecodeGraph(step, &bucket);
+    // Members with different graph manifests all serve eagerly: no member replays alone.
+    const Admission admission = agreement.graph_keys_agree
+                                    ? AdmitDecodeGraph(step, &bucket)
+                                    : Admission{false, FallbackReason::kGraphKeyMismatch, ""};
     result.record.graph_replay = admission.replay;
     if (!admission.replay) result.record.fallback_reason = FallbackReasonName(admission.reason);
   }

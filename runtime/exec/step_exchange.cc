@@ -15,11 +15,11 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
         absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
   // Two all-gathers of little-endian int64 records, both of a size every member knows before it
-  // posts them: (1) 9 header words (Q, then the shadow proposal) and the P counts; (2) only when (1) agreed, so
+  // posts them: (1) 10 header words (Q, the shadow proposal, the graph key) and the P counts; (2) only when (1) agreed, so
   // every member has the same Q, the Q per-slot route counts. Members under different placement
   // generations (different Q) therefore disagree in (1) and abort together, never in a size
   // mismatch inside (2).
-  constexpr int kHeaderWords = 9;
+  constexpr int kHeaderWords = 10;
   const int64_t q = static_cast<int64_t>(slot_counts.size());
   const int64_t words = kHeaderWords + p;
   std::vector<int64_t> mine(words);
@@ -32,6 +32,7 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   mine[6] = q;
   mine[7] = header.shadow_version;
   mine[8] = header.shadow_every;
+  mine[9] = header.graph_key;
   std::memcpy(mine.data() + kHeaderWords, send_counts.data(), sizeof(int64_t) * p);
   std::vector<int64_t> all(words * p);
   absl::Status s = transport.AllGather(header.step_id * 2, mine.data(), words * 8, all.data(), timeout);
@@ -43,8 +44,8 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
                                              " rejected its input for this step"));
     }
   }
-  static constexpr const char* kField[9] = {"step_id", "layer", "placement_generation", "process_group_epoch",
-                                            "", "", "slot_count_length", "", ""};
+  static constexpr const char* kField[10] = {"step_id", "layer", "placement_generation", "process_group_epoch",
+                                            "", "", "slot_count_length", "", "", ""};
   // Compare every member against slot 0: all members run this same loop over the same data.
   for (int i = 1; i < p; ++i) {
     for (int f : {0, 1, 2, 3, 6}) {
@@ -59,6 +60,7 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   bool shadow = all[7] >= 0 && all[8] > 0 && header.step_id % static_cast<uint64_t>(all[8]) == 0;
   for (int i = 1; i < p && shadow; ++i) shadow = all[i * words + 7] == all[7] && all[i * words + 8] == all[8];
   out.shadow_version = shadow ? all[7] : -1;
+  for (int i = 1; i < p; ++i) out.graph_keys_agree = out.graph_keys_agree && all[i * words + 9] == all[9];
   out.count_matrix.resize(static_cast<size_t>(p) * p);
   for (int i = 0; i < p; ++i) {
     for (int j = 0; j < p; ++j) {

@@ -34,6 +34,10 @@ struct StepHeader {
   // member proposes the same pair and the step id is a multiple of the period.
   int64_t shadow_version = -1;
   int64_t shadow_every = 0;
+  // A digest of this member's decode-graph manifest (bucket capacities, graph capability). Not a
+  // reason to abort: when members differ, every member serves the step eagerly (0x0E "graph key
+  // differs -> explicit eager fallback"), so no member replays a graph its peers do not.
+  int64_t graph_key = 0;
 };
 
 struct StepAgreement {
@@ -42,6 +46,7 @@ struct StepAgreement {
   std::vector<int64_t> rank_tokens;   // [P], every member's input rows
   std::vector<int64_t> slot_routes;   // [Q], routes per physical slot summed over members
   int64_t shadow_version = -1;        // agreed shadow pass for this step, -1: none
+  bool graph_keys_agree = true;       // every member proposed the same graph_key
 };
 
 // `slot_counts` (optional, the same length Q on every member) are this member's routes per

@@ -7,6 +7,8 @@
 #                                           candidate stays CANARY and is drained and retired
 #  - stale handle under a new generation -> every rank rejects the step naming the generation,
 #                                           the engine re-plans and is served
+#  - graph key differs (rank 1 has another decode bucket) -> every rank serves decode steps
+#                                           eagerly with reason graph_key_mismatch
 # (peer counts disagreeing and a killed peer: local_cluster_test; a faulting active candidate
 # rolled back: live_rollout_test; a controller killed mid-rollout: controller_kill_test.)
 set -uo pipefail
@@ -20,7 +22,7 @@ token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1"; }
 token "$work/token"
 token "$work/agent_token"
 "$M" checkpoint synth --experts 16 --d 64 --d_ff 128 --seed 5 --out "$work/ckpt.safetensors" >/dev/null
-RANK2_FLAGS="--inject_fault trial_drift" start_ranks "$RANKD" "$work" 4 "$work/ckpt.safetensors" \
+RANK1_FLAGS="--decode_bucket_tokens 4" RANK2_FLAGS="--inject_fault trial_drift" start_ranks "$RANKD" "$work" 4 "$work/ckpt.safetensors" \
   --agent_token_file "$work/agent_token" --timeout_ms 5000 || exit 1
 ranks="$(for r in 0 1 2 3; do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" --ranks "${ranks%,}" \
@@ -69,6 +71,13 @@ check "every rank serves v1 again, trials stopped" 0 "v2 RETIRED/0" -- "$M" "${C
 touch "$work/stop"
 wait "$driver"
 driver=""
+
+# Graph key differs -> explicit eager fallback, on every rank alike (rank 0's scrape).
+curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/scrape0.txt"
+grep -Eq '^moe_decode_fallbacks_total\{.*reason="graph_key_mismatch".*\} [1-9]' "$work/scrape0.txt"
+verdict $? "graph key differs on rank 1: decode steps fall back with graph_key_mismatch on rank 0 too"
+! grep -Eq '^moe_decode_fallbacks_total\{.*reason="stable_buffer_unavailable".*\} [1-9]' "$work/scrape0.txt"
+verdict $? "... before any other clause is looked at"
 
 # Stale handle under a new generation -> reject handle and re-plan.
 "$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --fault stale_generation \

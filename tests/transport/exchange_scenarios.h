@@ -91,6 +91,30 @@ inline absl::Status GenerationSplitAbortsEveryone(Transport& t, int odd_slot) {
   return absl::OkStatus();
 }
 
+// Proposals that do not abort: a graph key differing on `odd_slot` makes every member see
+// graph_keys_agree = false; a shadow proposal runs only when every member makes the same one
+// and the step id is a multiple of its period.
+inline absl::Status ProposalsAgreeOrNot(Transport& t, int odd_slot) {
+  std::vector<int64_t> send(t.size(), 1);
+  StepHeader h{500, 7, 17, 12};
+  h.graph_key = t.slot() == odd_slot ? 99 : 42;
+  h.shadow_version = 18;
+  h.shadow_every = 5;
+  auto a = AgreeOnStep(t, h, send, absl::Seconds(20));
+  if (!a.ok()) return a.status();
+  if (a->graph_keys_agree) return absl::InternalError("differing graph keys reported as agreeing");
+  if (a->shadow_version != 18) return absl::InternalError("a sampled, unanimous shadow proposal was not agreed");
+  h = StepHeader{501, 7, 17, 12};
+  h.graph_key = 42;
+  h.shadow_version = t.slot() == odd_slot ? -1 : 18;
+  h.shadow_every = 1;
+  a = AgreeOnStep(t, h, send, absl::Seconds(20));
+  if (!a.ok()) return a.status();
+  if (!a->graph_keys_agree) return absl::InternalError("equal graph keys reported as differing");
+  if (t.size() > 1 && a->shadow_version != -1) return absl::InternalError("a shadow pass agreed without every member");
+  return absl::OkStatus();
+}
+
 // The member at `dead_slot` never takes part: everyone else must fail within the timeout.
 inline absl::Status SilentPeerTimesOut(Transport& t, absl::Duration timeout) {
   std::vector<int64_t> send(t.size(), 1);

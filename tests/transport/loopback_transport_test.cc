@@ -39,6 +39,11 @@ TEST(LoopbackTransportTest, GenerationSplitAbortsEveryMember) {
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
 }
 
+TEST(LoopbackTransportTest, GraphKeyAndShadowProposalsNeverAbort) {
+  auto results = RunMembers(4, [](Transport& t) { return testing::ProposalsAgreeOrNot(t, 3); });
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
+}
+
 TEST(LoopbackTransportTest, SilentPeerTimesOut) {
   auto results = RunMembers(4, [](Transport& t) -> absl::Status {
     if (t.slot() == 3) return absl::OkStatus();  // never takes part
