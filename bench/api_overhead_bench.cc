@@ -83,7 +83,9 @@ double Median(std::vector<double> v) {
 }
 
 int Main() {
-  const int d = 2048, k = 8, experts = 8, f = 64;
+  // MOE_BENCH_DFF shrinks the experts (less compute per step) to see how the overhead depends on
+  // the work between request and response.
+  const int d = 2048, k = 8, experts = 8, f = std::getenv("MOE_BENCH_DFF") ? std::atoi(std::getenv("MOE_BENCH_DFF")) : 64;
   const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
   const Topology topology = TwoNodeTopology(1);
   const ProcessGroup group = LocalClusterGroup(1, 1);
