@@ -46,6 +46,15 @@ bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
   return true;
 }
 
+// Index of slot `q` among `rank`'s local slots of `m` (the order of its weights), -1 if not there.
+int64_t LocalIndex(const PlacementManifest& m, Rank rank, PhysicalSlotId q) {
+  const auto local = m.LocalSlots(rank);
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (local[i] == q) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 }  // namespace
 
 void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* out) const {
@@ -142,12 +151,16 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
       if (st.target_rank == c_.rank) mine[st.target_slot.value()] = st;
     }
   }
-  auto index_in = [&](const PlacementManifest& m, PhysicalSlotId q) -> int64_t {
-    const auto local = m.LocalSlots(c_.rank);
-    for (size_t i = 0; i < local.size(); ++i) {
-      if (local[i] == q) return static_cast<int64_t>(i);
+  // One channel per peer for all the slots copied from it.
+  std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> peer_stubs;
+  auto peer = [&](int r) -> v1::RankAgentService::Stub& {
+    std::unique_ptr<v1::RankAgentService::Stub>& stub = peer_stubs[r];
+    if (stub == nullptr) {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(1 << 30);
+      stub = v1::RankAgentService::NewStub(grpc::CreateCustomChannel(peers.at(r), grpc::InsecureChannelCredentials(), args));
     }
-    return -1;
+    return *stub;
   };
   Materialized out;
   out.experts.d = d;
@@ -163,7 +176,7 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
     if (action == MigrationAction::kRetain || action == MigrationAction::kLocalDuplicate) {
       const bool dup = action == MigrationAction::kLocalDuplicate;
       const LocalExperts& src = dup ? out.experts : *from_weights;
-      const int64_t j = index_in(dup ? to : *from, it->second.source_slot);
+      const int64_t j = LocalIndex(dup ? to : *from, c_.rank, it->second.source_slot);
       if (j < 0 || (j + 1) * gu_n > src.w_gate_up.size()) {
         return absl::InternalError(absl::StrCat("slot ", slot.name, ": ", MigrationActionName(action), " source missing"));
       }
@@ -172,10 +185,6 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
       ++(dup ? out.duplicated : out.retained);
     } else if (action != MigrationAction::kCheckpointLoad) {
       const int src_rank = it->second.source_rank.value();
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(1 << 30);
-      auto stub = v1::RankAgentService::NewStub(
-          grpc::CreateCustomChannel(peers.at(src_rank), grpc::InsecureChannelCredentials(), args));
       grpc::ClientContext ctx;
       ctx.AddMetadata("authorization", "Bearer " + c_.token);
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
@@ -183,7 +192,7 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
       freq.set_version(from->version().value());
       freq.set_slot(static_cast<int32_t>(it->second.source_slot.value()));
       v1::SlotWeights w;
-      const grpc::Status fetched = stub->FetchSlotWeights(&ctx, freq, &w);
+      const grpc::Status fetched = peer(src_rank).FetchSlotWeights(&ctx, freq, &w);
       if (!fetched.ok()) {
         return absl::UnavailableError(absl::StrCat("slot ", slot.name, ": copy of expert ", e, " from rank ", src_rank,
                                                    " (", peers.at(src_rank), "): ", fetched.error_message()));
@@ -237,11 +246,7 @@ grpc::Status RankAgentServiceImpl::FetchSlotWeights(grpc::ServerContext* ctx, co
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
                         absl::StrCat("version: placement-v", v.value(), " is not held on rank ", c_.rank.value()));
   }
-  const auto local = m->LocalSlots(c_.rank);
-  int64_t j = -1;
-  for (size_t i = 0; i < local.size(); ++i) {
-    if (local[i].value() == req->slot()) j = static_cast<int64_t>(i);
-  }
+  const int64_t j = LocalIndex(*m, c_.rank, PhysicalSlotId(req->slot()));
   if (j < 0) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("slot: q", req->slot(), " of placement-v", v.value(),
                                                                   " is not on rank ", c_.rank.value()));
