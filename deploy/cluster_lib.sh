@@ -33,10 +33,12 @@ start_ranks() {
   local rankd="$1" work="$2" ranks="$3" checkpoint="$4"
   shift 4
   mkdir -p "$work/rendezvous" "$work/ports" "$work/metrics"
+  local r own
   for ((r = 0; r < ranks; r++)); do
+    own="RANK${r}_FLAGS"
     "$rankd" --rank "$r" --world "$ranks" --rendezvous_dir "$work/rendezvous" --checkpoint "$checkpoint" \
       --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} \
-      $(eval echo "\${RANK${r}_FLAGS:-}") "$@" >"$work/rank$r.log" 2>&1 &
+      ${!own:-} "$@" >"$work/rank$r.log" 2>&1 &
     RANK_PIDS+=($!)
   done
   for ((r = 0; r < ranks; r++)); do
