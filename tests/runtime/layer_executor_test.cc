@@ -156,6 +156,18 @@ std::vector<float> Reference(const SafetensorsFile& ckpt, const RankInput& in) {
   return y;
 }
 
+// Relative L2 distance of a rank's output from the semantic computation of its input.
+double ErrorAgainstReference(const SafetensorsFile& ckpt, const RankInput& in, const std::vector<uint16_t>& out) {
+  const auto ref = Reference(ckpt, in);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double x = kernels::Bf16ToFloat(out[i]);
+    num += (x - ref[i]) * (x - ref[i]);
+    den += ref[i] * static_cast<double>(ref[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
 TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
   Rank4 w;
   std::mt19937 rng(21);
@@ -165,15 +177,8 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
     const auto results = RunStep(w, inputs, step, 3);
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
-      const auto ref = Reference(w.checkpoint, inputs[r]);
-      ASSERT_EQ(results[r]->output.size(), ref.size());
-      double num = 0, den = 0;
-      for (size_t i = 0; i < ref.size(); ++i) {
-        const double x = kernels::Bf16ToFloat(results[r]->output[i]);
-        num += (x - ref[i]) * (x - ref[i]);
-        den += ref[i] * static_cast<double>(ref[i]);
-      }
-      EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << "rank " << r << " step " << step;
+      ASSERT_EQ(results[r]->output.size(), static_cast<size_t>(inputs[r].tokens) * kD);
+      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r << " step " << step;
       const StepRecord& rec = results[r]->record;
       EXPECT_EQ(rec.placement_version, 17);
       EXPECT_EQ(rec.routes_attempted, inputs[r].tokens * kK);
@@ -247,14 +252,7 @@ TEST(LayerExecutorTrialTest, ShadowComparesAndCanaryServesTheCandidate) {
   auto check_outputs = [&](const std::vector<RankInput>& inputs, const auto& results, uint64_t step) {
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << " step " << step << ": " << results[r].status();
-      const auto ref = Reference(w.checkpoint, inputs[r]);
-      double num = 0, den = 0;
-      for (size_t i = 0; i < ref.size(); ++i) {
-        const double x = kernels::Bf16ToFloat(results[r]->output[i]);
-        num += (x - ref[i]) * (x - ref[i]);
-        den += ref[i] * static_cast<double>(ref[i]);
-      }
-      EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << "rank " << r << " step " << step;
+      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r << " step " << step;
     }
   };
   for (uint64_t step = 1; step <= 6; ++step) {
