@@ -8,6 +8,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace moe::kernels::cuda {
 namespace {
@@ -131,6 +132,8 @@ template <int K_MAX>
 __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
                                   const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
                                   int64_t num_tokens, int k, float* __restrict__ out_fp32, uint4* __restrict__ out_bf16) {
+  WaitForPredecessor();  // the expert rows, routes and gates come from earlier kernels
+  ReleaseDependents();
   const int64_t total = num_tokens * d8;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -169,6 +172,8 @@ __global__ void CombineKernel(const __nv_bfloat16* __restrict__ rows, int64_t nu
                               const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
                               int64_t num_tokens, int k, float* __restrict__ out_fp32,
                               __nv_bfloat16* __restrict__ out_bf16) {
+  WaitForPredecessor();  // the expert rows, routes and gates come from earlier kernels
+  ReleaseDependents();
   const int64_t total = num_tokens * d;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -301,27 +306,38 @@ __global__ void AssignRowsKernel(const int32_t* __restrict__ topk, int64_t num_t
 }
 
 // One block does the whole step for small inputs: histogram in shared memory, scan, row
-// assignment (one launch instead of four).
-constexpr int kRouteThreads = 1024;
-__global__ void __launch_bounds__(kRouteThreads) RouteRowsSmallKernel(
+// assignment (one launch instead of four). Each thread keeps its (at most two) routes in
+// registers between the histogram and the assignment.
+constexpr int kRoutesPerThread = 2;
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) RouteRowsSmallKernel(
     const int32_t* __restrict__ topk, int64_t num_tokens, int k, int num_experts, int64_t* __restrict__ counts,
     int64_t* __restrict__ offsets, int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
-  using Scan = cub::BlockScan<int, kRouteThreads>;
+  using Scan = cub::BlockScan<int, THREADS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int carry;
   extern __shared__ int shared[];
   int* count = shared;               // [E], then the cursor
   int* base = shared + num_experts;  // [E] exclusive offsets
-  const int64_t n = num_tokens * k;
-  for (int b = threadIdx.x; b < num_experts; b += blockDim.x) count[b] = 0;
+  const int n = static_cast<int>(num_tokens * k);
+  WaitForPredecessor();
+  ReleaseDependents();
+  int32_t mine[kRoutesPerThread];
+#pragma unroll
+  for (int q = 0; q < kRoutesPerThread; ++q) {
+    const int i = threadIdx.x + q * THREADS;
+    const int32_t e = i < n ? topk[i] : -1;
+    mine[q] = e >= 0 && e < num_experts ? e : -1;
+  }
+  for (int b = threadIdx.x; b < num_experts; b += THREADS) count[b] = 0;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int32_t e = topk[i];
-    if (e >= 0 && e < num_experts) atomicAdd(&count[e], 1);
+#pragma unroll
+  for (int q = 0; q < kRoutesPerThread; ++q) {
+    if (mine[q] >= 0) atomicAdd(&count[mine[q]], 1);
   }
   __syncthreads();
-  for (int b0 = 0; b0 < num_experts; b0 += kRouteThreads) {
+  for (int b0 = 0; b0 < num_experts; b0 += THREADS) {
     const int b = b0 + threadIdx.x;
     const int v = b < num_experts ? count[b] : 0;
     int excl, total;
@@ -336,17 +352,19 @@ __global__ void __launch_bounds__(kRouteThreads) RouteRowsSmallKernel(
     __syncthreads();
   }
   if (threadIdx.x == 0) offsets[num_experts] = carry;
-  for (int b = threadIdx.x; b < num_experts; b += blockDim.x) count[b] = 0;  // reuse as cursor
+  for (int b = threadIdx.x; b < num_experts; b += THREADS) count[b] = 0;  // reuse as cursor
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int32_t e = topk[i];
-    if (e < 0 || e >= num_experts) {
+#pragma unroll
+  for (int q = 0; q < kRoutesPerThread; ++q) {
+    const int i = threadIdx.x + q * THREADS;
+    if (i >= n) continue;
+    if (mine[q] < 0) {
       row_of_route[i] = -1;
       continue;
     }
-    const int32_t row = base[e] + atomicAdd(&count[e], 1);
+    const int32_t row = base[mine[q]] + atomicAdd(&count[mine[q]], 1);
     row_of_route[i] = row;
-    token_of_row[row] = static_cast<int32_t>(i / k);
+    token_of_row[row] = i / k;
   }
 }
 
@@ -354,13 +372,21 @@ __global__ void __launch_bounds__(kRouteThreads) RouteRowsSmallKernel(
 
 bool RouteRowsSmall(int64_t routes, int num_experts) {
   // One block: fine for decode-sized steps; beyond that the multi-block path parallelizes.
-  return routes <= 2048 && static_cast<size_t>(num_experts) * 2 * sizeof(int) <= 40 * 1024;
+  return routes <= 1024 * kRoutesPerThread && static_cast<size_t>(num_experts) * 2 * sizeof(int) <= 40 * 1024;
 }
 
 cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
                                  int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream) {
-  RouteRowsSmallKernel<<<1, kRouteThreads, static_cast<size_t>(num_experts) * 2 * sizeof(int), stream>>>(
-      topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
+  // A small block for decode steps (fewer warps in the scan and the barriers), 1024 threads up
+  // to the single-block limit.
+  const size_t smem = static_cast<size_t>(num_experts) * 2 * sizeof(int);
+  if (num_tokens * k <= 256 * kRoutesPerThread) {
+    RouteRowsSmallKernel<256><<<1, 256, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route,
+                                                         token_of_row);
+  } else {
+    RouteRowsSmallKernel<1024><<<1, 1024, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets,
+                                                           row_of_route, token_of_row);
+  }
   return cudaGetLastError();
 }
 
@@ -422,15 +448,13 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
   if (num_tokens == 0) return cudaSuccess;
   if (d % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(out_fp32) % 16 == 0) {
-    CombineVec8Kernel<8><<<Blocks(num_tokens * d / 8), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(rows), num_rows, d / 8, row_of_route, gate, num_tokens, k, out_fp32,
-        reinterpret_cast<uint4*>(out_bf16));
-  } else {
-    CombineKernel<<<Blocks(num_tokens * d), kThreads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(rows), num_rows, d, row_of_route, gate, num_tokens, k, out_fp32,
-        reinterpret_cast<__nv_bfloat16*>(out_bf16));
+    return LaunchDependent(CombineVec8Kernel<8>, dim3(Blocks(num_tokens * d / 8)), dim3(kThreads), 0, stream,
+                           reinterpret_cast<const uint4*>(rows), num_rows, d / 8, row_of_route, gate, num_tokens, k,
+                           out_fp32, reinterpret_cast<uint4*>(out_bf16));
   }
-  return cudaGetLastError();
+  return LaunchDependent(CombineKernel, dim3(Blocks(num_tokens * d)), dim3(kThreads), 0, stream,
+                         reinterpret_cast<const __nv_bfloat16*>(rows), num_rows, d, row_of_route, gate, num_tokens, k,
+                         out_fp32, reinterpret_cast<__nv_bfloat16*>(out_bf16));
 }
 
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,

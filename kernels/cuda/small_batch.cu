@@ -1,33 +1,48 @@
 // Decode-sized SwiGLU experts with device-side segment offsets (no host round trip).
 //
 // Memory-bound by design: with a handful of rows per expert, the cost is reading each hit
-// expert's weights once. Every warp streams whole weight rows with 16-byte loads and dots them
-// against the expert's rows staged in shared memory (a chunk of up to kMaxRows rows; longer
-// segments loop over chunks, so any segment size is correct, just slower). The chunk capacity
-// is a template parameter picked from the caller's bound on segment length.
-//   GateUpKernel: a[r, c] = bf16(silu(bf16(x_r . Wg_c)) * bf16(x_r . Wu_c))  (gate and up rows
-//                 of one column together, activation in the epilogue)
-//   DownKernel:   y[r, o] = bf16(a_r . Wd_o)
-// Work items are (expert, tile of output rows); blocks stride over them and skip empty experts.
+// expert's weights once, so the kernels are built to keep every SM streaming the same number of
+// weight bytes from the first cycle to the last:
+//   - the work of a kernel is a flat list of units, (active expert, output unit) pairs; the grid
+//     is one resident wave and every warp takes a contiguous, equal share of the list, so the
+//     load is balanced to one unit per warp whatever the routing (a skewed step costs what a
+//     uniform one with the same experts hit costs);
+//   - a warp streams whole weight rows with 16-byte loads that bypass L1 and dots them against
+//     the expert's rows read through L1 (the few activation rows stay cached there; with
+//     x_row_index the gather into expert-major order is fused into these loads);
+//   - GateUpKernel: a[r, c] = bf16(silu(bf16(x_r . Wg_c)) * bf16(x_r . Wu_c)), one unit = the
+//     gate and up rows of column c (activation in the epilogue);
+//     DownKernel: y[r, o] = bf16(a_r . Wd_o), one unit = two output rows;
+//   - both are launched as programmatic dependents (pdl.cuh): the gate/up grid is resident
+//     before the routing kernel ends, and the down grid takes SM slots as the gate/up blocks
+//     finish, prefetching its first weight rows into L2 before it waits for `a`.
+// Segments longer than the compile-time row capacity loop over chunks: any size is correct.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace moe::kernels::cuda {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kUpRowsPerWarp = 1;    // gate/up: each column is two weight rows
-constexpr int kDownRowsPerWarp = 2;  // down: two output rows per warp, loaded together
-constexpr int kUpTile = kWarps * kUpRowsPerWarp;
-constexpr int kDownTile = kWarps * kDownRowsPerWarp;
+constexpr int kThreads = kWarps * 32;
+constexpr int kDownRows = 2;  // output rows of one down unit, their weight rows loaded together
 // Up to this many experts, each block caches the offsets in shared memory and compacts the list
-// of experts that have rows, so work items are (active expert, tile) only: experts without
-// rows cost nothing and the busy items spread evenly over the blocks.
+// of experts that have rows, so units exist only for experts with rows.
 constexpr int kCachedExperts = 2048;
+// Bytes of its first unit's weights a down warp prefetches into L2 before waiting for `a`.
+constexpr int kPrefetchBytes = 8 * 1024;
+
+// Register budget: one row a chunk, four blocks of 256 threads per SM (64 registers); more rows
+// hold more accumulators, so two blocks (128 registers) and more bytes in flight per warp.
+template <int ROWS>
+constexpr int BlocksPerSm() {
+  return ROWS == 1 ? 4 : 2;
+}
 
 struct ActiveExperts {
   const int64_t* offsets;  // [E + 1]
@@ -35,10 +50,16 @@ struct ActiveExperts {
   int count;
 };
 
-__device__ ActiveExperts CompactActive(const int64_t* __restrict__ offsets, int num_experts, int64_t* cache,
-                                       int* ids) {
+__host__ __device__ size_t ActiveBytes(int num_experts) {
+  return num_experts > kCachedExperts ? 0
+                                      : static_cast<size_t>(num_experts + 1) * 8 + static_cast<size_t>(num_experts) * 4;
+}
+
+__device__ ActiveExperts CompactActive(const int64_t* __restrict__ offsets, int num_experts) {
   if (num_experts > kCachedExperts) return {offsets, nullptr, num_experts};
-  using Scan = cub::BlockScan<int, kWarps * 32>;
+  extern __shared__ int64_t cache[];  // [E + 1] offsets, then [E] ids
+  int* ids = reinterpret_cast<int*>(cache + num_experts + 1);
+  using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int carry;
   for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) cache[i] = offsets[i];
@@ -57,8 +78,12 @@ __device__ ActiveExperts CompactActive(const int64_t* __restrict__ offsets, int 
   return {cache, ids, carry};
 }
 
-__host__ __device__ size_t ActiveBytes(int num_experts) {
-  return num_experts > kCachedExperts ? 0 : static_cast<size_t>(num_experts + 1) * 8 + static_cast<size_t>(num_experts) * 4;
+// This warp's share [begin, end) of `units`, contiguous and balanced over every warp of the grid.
+__device__ __forceinline__ void WarpShare(int64_t units, int64_t* begin, int64_t* end) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  *begin = units * w / warps;
+  *end = units * (w + 1) / warps;
 }
 
 __device__ __forceinline__ float WarpSum(float v) {
@@ -67,17 +92,23 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
-// Accumulates per staged row into acc[r].
-// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. Four vectors of
-// every weight row are loaded before any use, so a lane keeps 64 * NW bytes in flight; the
-// kernels are capped at 64 registers per thread (4 blocks of 256 per SM) to keep warps resident. ROWS is
-// the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
-// unrolled code small); `rows` <= ROWS are valid.
+// A weight vector: read once, so it bypasses L1 (which keeps the activation rows).
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` activation rows (row xr[r] of
+// src, rows <= ROWS valid; ROWS is a compile-time constant so accumulators stay in registers).
+// Four vectors of every weight row are loaded before any use: a lane keeps 64 * NW bytes in
+// flight.
 template <int ROWS, int NW>
-__device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __restrict__ xs, int len8, int rows,
-                                        float (&acc)[NW][ROWS]) {
-  constexpr int kBatch = 4;  // vectors per weight row in flight (more costs occupancy: registers)
+__device__ __forceinline__ void DotRows(const uint4* const (&w)[NW], const uint4* __restrict__ src, const int (&xr)[ROWS],
+                                        int len8, int rows, float (&acc)[NW][ROWS]) {
+  constexpr int kBatch = 4;
   const int lane = threadIdx.x & 31;
   for (int base = lane; base < len8; base += 32 * kBatch) {
     uint4 wv[NW][kBatch];
@@ -86,7 +117,7 @@ __device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __re
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int i = base + u * 32;
-        wv[n][u] = i < len8 ? __ldg(w[n] + i) : make_uint4(0, 0, 0, 0);
+        wv[n][u] = i < len8 ? LoadStreaming(w[n] + i) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
@@ -96,7 +127,7 @@ __device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __re
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         if (r < rows) {
-          const uint4 xv = xs[r * len8 + i];
+          const uint4 xv = __ldg(src + static_cast<int64_t>(xr[r]) * len8 + i);
           const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
           float2 xf[4];
 #pragma unroll
@@ -118,60 +149,40 @@ __device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __re
   }
 }
 
-// Stages `rows` rows starting at layout row r0; with `row_index` the rows are gathered from
-// their source (e.g. token rows of the hidden state): the permutation is fused into the load.
-__device__ __forceinline__ void StageRows(const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
-                                          int64_t r0, int len8, int rows, uint4* __restrict__ dst) {
-  for (int i = threadIdx.x; i < rows * len8; i += blockDim.x) {
-    const int r = i / len8;
-    const int64_t row = row_index != nullptr ? row_index[r0 + r] : r0 + r;
-    dst[i] = src[row * len8 + (i - r * len8)];
-  }
-}
-
-// The work loop both kernels share: compact the active experts, then stride over (active
-// expert, tile) items; for each, stage the expert's rows chunk by chunk and call
-// body(e, tile, r0, rows, staged) with every thread of the block.
-template <typename Body>
-__device__ __forceinline__ void ForEachStagedChunk(const int64_t* __restrict__ offsets, int num_experts, int tiles,
-                                                   const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
-                                                   int len8, int chunk_rows, Body&& body) {
-  extern __shared__ uint4 smem[];
-  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
-  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem),
-                                          reinterpret_cast<int*>(reinterpret_cast<int64_t*>(smem) + num_experts + 1));
-  uint4* staged = smem + active_vecs;
-  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
-    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
-    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
-    if (begin == end) continue;
-    for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
-      const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
-      __syncthreads();  // the previous chunk's readers are done with the staged rows
-      StageRows(src, row_index, r0, len8, rows, staged);
-      __syncthreads();
-      body(e, item % tiles, r0, rows, staged);
-    }
+// Source rows of the chunk [r0, r0 + rows) of a layout; with `row_index` the layout row is read
+// from its source row (the permutation fused into the load). Slots past `rows` repeat the last.
+template <int ROWS>
+__device__ __forceinline__ void ChunkRows(const int32_t* __restrict__ row_index, int64_t r0, int rows, int (&xr)[ROWS]) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int64_t layout_row = r0 + (r < rows ? r : rows - 1);
+    xr[r] = row_index != nullptr ? __ldg(row_index + layout_row) : static_cast<int>(layout_row);
   }
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
-                                                           const int64_t* __restrict__ offsets,
-                                                           int num_experts, int d8, int f,
-                                                           const uint4* __restrict__ w_gate_up, int chunk_rows,
-                                                           __nv_bfloat16* __restrict__ a) {
-  const int warp = threadIdx.x >> 5;
-  ForEachStagedChunk(offsets, num_experts, (f + kUpTile - 1) / kUpTile, x, x_row_index, d8, chunk_rows,
-                     [&](int e, int tile, int64_t r0, int rows, const uint4* xs) {
-#pragma unroll
-    for (int j = 0; j < kUpRowsPerWarp; ++j) {
-      const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
-      if (c >= f) break;
+__global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
+    GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
+                 const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
+                 const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a) {
+  WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
+  ReleaseDependents();
+  const ActiveExperts act = CompactActive(offsets, num_experts);
+  int64_t begin, end;
+  WarpShare(static_cast<int64_t>(act.count) * f, &begin, &end);
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int slot = static_cast<int>(unit / f);
+    const int c = static_cast<int>(unit - static_cast<int64_t>(slot) * f);
+    const int e = act.ids != nullptr ? act.ids[slot] : slot;
+    const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
+    const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
+                               w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
+    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += ROWS) {
+      const int rows = static_cast<int>(seg_end - r0 < ROWS ? seg_end - r0 : ROWS);
+      int xr[ROWS];
+      ChunkRows<ROWS>(x_row_index, r0, rows, xr);
       float gu[2][ROWS] = {};
-      const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
-                                 w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
-      DotRows<ROWS, 2>(w, xs, d8, rows, gu);
+      DotRows<ROWS, 2>(w, x, xr, d8, rows, gu);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         if (r < rows) {
@@ -182,97 +193,103 @@ __global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __re
         }
       }
     }
-  });
+  }
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32, 4) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
-                                                         int num_experts, int f8, int d,
-                                                         const uint4* __restrict__ w_down, int chunk_rows,
-                                                         __nv_bfloat16* __restrict__ y) {
-  const int warp = threadIdx.x >> 5;
-  ForEachStagedChunk(offsets, num_experts, (d + kDownTile - 1) / kDownTile, a, nullptr, f8, chunk_rows,
-                     [&](int e, int tile, int64_t r0, int rows, const uint4* as) {
-    // Two output rows per warp, their weight rows streamed together (clamped at d; the
-    // duplicate rows of a ragged last tile are computed but not written).
-    const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
-    if (o0 >= d) return;
-    const uint4* w[kDownRowsPerWarp];
+__global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
+    DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets, int num_experts, int f8, int d,
+               const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y) {
+  // Offsets and weights are inputs of the whole SwiGLU launch, complete before the gate/up
+  // kernel released this one: read them (and warm L2 with the first weight rows) before `a`.
+  const ActiveExperts act = CompactActive(offsets, num_experts);
+  const int units_per_expert = (d + kDownRows - 1) / kDownRows;
+  int64_t begin, end;
+  WarpShare(static_cast<int64_t>(act.count) * units_per_expert, &begin, &end);
+  const int lane = threadIdx.x & 31;
+  if (begin < end) {
+    const int slot = static_cast<int>(begin / units_per_expert);
+    const int o0 = static_cast<int>(begin - static_cast<int64_t>(slot) * units_per_expert) * kDownRows;
+    const int e = act.ids != nullptr ? act.ids[slot] : slot;
+    if (act.offsets[e + 1] > act.offsets[e]) {
+      const char* p = reinterpret_cast<const char*>(w_down + (static_cast<int64_t>(e) * d + o0) * f8);
+      const int64_t rows_left = d - o0;
+      int64_t bytes = (end - begin) * kDownRows * static_cast<int64_t>(f8) * 16;
+      if (bytes > rows_left * f8 * 16) bytes = rows_left * f8 * 16;  // stay inside this expert
+      if (bytes > kPrefetchBytes) bytes = kPrefetchBytes;
+      for (int64_t off = lane * 128; off < bytes; off += 32 * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+      }
+    }
+  }
+  WaitForPredecessor();  // `a` comes from the gate/up kernel
+  ReleaseDependents();
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int slot = static_cast<int>(unit / units_per_expert);
+    const int o0 = static_cast<int>(unit - static_cast<int64_t>(slot) * units_per_expert) * kDownRows;
+    const int e = act.ids != nullptr ? act.ids[slot] : slot;
+    const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
+    // The rows of a ragged last unit are clamped at d: computed twice, written once.
+    const uint4* w[kDownRows];
 #pragma unroll
-    for (int j = 0; j < kDownRowsPerWarp; ++j) {
+    for (int j = 0; j < kDownRows; ++j) {
       const int o = o0 + j < d ? o0 + j : d - 1;
       w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
     }
-    float acc[kDownRowsPerWarp][ROWS] = {};
-    DotRows<ROWS, kDownRowsPerWarp>(w, as, f8, rows, acc);
+    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += ROWS) {
+      const int rows = static_cast<int>(seg_end - r0 < ROWS ? seg_end - r0 : ROWS);
+      int ar[ROWS];
+      ChunkRows<ROWS>(nullptr, r0, rows, ar);
+      float acc[kDownRows][ROWS] = {};
+      DotRows<ROWS, kDownRows>(w, a, ar, f8, rows, acc);
 #pragma unroll
-    for (int j = 0; j < kDownRowsPerWarp; ++j) {
+      for (int j = 0; j < kDownRows; ++j) {
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          const float v = WarpSum(acc[j][r]);
-          if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
+        for (int r = 0; r < ROWS; ++r) {
+          if (r < rows) {
+            const float v = WarpSum(acc[j][r]);
+            if (lane == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
+          }
         }
       }
     }
-  });
+  }
 }
-
-constexpr size_t kSmemBudget = 96 * 1024;  // staged rows; the active-expert cache comes on top
-
-int ChunkRows(int rows_cap, int len) {
-  const int fit = static_cast<int>(kSmemBudget / (static_cast<size_t>(len) * 2));
-  return fit < rows_cap ? (fit < 1 ? 1 : fit) : rows_cap;
-}
-
-int Grid(int items, int resident) { return items < resident ? items : resident; }
 
 template <int ROWS>
-cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
-                   const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
-  // Device attributes and the shared-memory opt-in are set once per process and ROWS.
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
+                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
+  // The SM count, once per process (the shared memory, at most 24 KiB, needs no opt-in).
   static int sms = 0;
   static cudaError_t setup = [] {
     int device = 0;
     cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(GateUpKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
-    }
-    if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(DownKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
-    }
     return e;
   }();
   if (setup != cudaSuccess) return setup;
-  const int chunk_x = ChunkRows(ROWS, d), chunk_a = ChunkRows(ROWS, f);
-  const size_t active = (ActiveBytes(num_experts) + 15) / 16 * 16;
-  const size_t smem_x = active + static_cast<size_t>(chunk_x) * d * 2, smem_a = active + static_cast<size_t>(chunk_a) * f * 2;
-  // One resident wave: blocks stride over the work items.
-  int per_sm_up = 1, per_sm_down = 1;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_up, GateUpKernel<ROWS>, kWarps * 32, smem_x);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_down, DownKernel<ROWS>, kWarps * 32, smem_a);
-  const int items_up = num_experts * ((f + kUpTile - 1) / kUpTile);
-  GateUpKernel<ROWS><<<Grid(items_up, sms * (per_sm_up > 0 ? per_sm_up : 1)), kWarps * 32, smem_x, stream>>>(
-      reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
-      reinterpret_cast<const uint4*>(w_gate_up),
-      chunk_x, reinterpret_cast<__nv_bfloat16*>(a));
-  cudaError_t e = cudaGetLastError();
+  const size_t smem = ActiveBytes(num_experts);
+  // One resident wave, or fewer blocks when even every expert busy would not fill it.
+  auto grid = [&](int64_t max_units) {
+    const int64_t wave = static_cast<int64_t>(sms) * BlocksPerSm<ROWS>();
+    const int64_t need = (max_units + kWarps - 1) / kWarps;
+    return static_cast<unsigned>(need < wave ? (need < 1 ? 1 : need) : wave);
+  };
+  cudaError_t e = LaunchDependent(GateUpKernel<ROWS>, dim3(grid(static_cast<int64_t>(num_experts) * f)), dim3(kThreads),
+                                  smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts,
+                                  d / 8, f, reinterpret_cast<const uint4*>(w_gate_up), reinterpret_cast<__nv_bfloat16*>(a));
   if (e != cudaSuccess) return e;
-  const int items_down = num_experts * ((d + kDownTile - 1) / kDownTile);
-  DownKernel<ROWS><<<Grid(items_down, sms * (per_sm_down > 0 ? per_sm_down : 1)), kWarps * 32, smem_a, stream>>>(
-      reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d, reinterpret_cast<const uint4*>(w_down), chunk_a,
-      reinterpret_cast<__nv_bfloat16*>(y));
-  return cudaGetLastError();
+  return LaunchDependent(DownKernel<ROWS>,
+                         dim3(grid(static_cast<int64_t>(num_experts) * ((d + kDownRows - 1) / kDownRows))),
+                         dim3(kThreads), smem, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
+                         reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y));
 }
 
 }  // namespace
 
 bool SmallBatchSupported(int d, int f) {
-  // 16-byte rows and at least one staged row inside the shared-memory budget.
-  return d % 8 == 0 && f % 8 == 0 && static_cast<size_t>(d) * 2 <= kSmemBudget && static_cast<size_t>(f) * 2 <= kSmemBudget;
+  // 16-byte rows.
+  return d > 0 && f > 0 && d % 8 == 0 && f % 8 == 0;
 }
 
 cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,

@@ -2,6 +2,7 @@
 // Tagged gpu: runs on the GPU machine, also under compute-sanitizer (memcheck, racecheck).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -111,13 +112,19 @@ TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
   }
 }
 
-// Decode path: offsets read on the device, segments longer than one staged chunk included.
+// Decode path: offsets read on the device, segments longer than one chunk included; trial 6
+// has more experts than the kernels cache per block (the uncompacted path), trial 7 a decode
+// step's shape (128 experts, a few of them hit by one row each).
 TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
-  for (int trial = 0; trial < 6; ++trial) {
-    const int e = 1 + static_cast<int>(rng_() % 20);
-    const int d = trial == 0 ? 7168 : 64 * (1 + static_cast<int>(rng_() % 8));
-    const int f = 64 * (1 + static_cast<int>(rng_() % 8));
-    const auto counts = RandomCounts(rng_, e, trial < 3 ? 5 : 40);
+  for (int trial = 0; trial < 8; ++trial) {
+    const int e = trial == 6 ? 2100 : (trial == 7 ? 128 : 1 + static_cast<int>(rng_() % 20));
+    const int d = trial == 0 ? 7168 : (trial == 7 ? 2048 : (trial == 6 ? 64 : 64 * (1 + static_cast<int>(rng_() % 8))));
+    const int f = trial == 7 ? 96 : (trial == 6 ? 40 : 64 * (1 + static_cast<int>(rng_() % 8)));
+    auto counts = RandomCounts(rng_, e, trial < 3 ? 5 : 40);
+    if (trial >= 6) {
+      std::fill(counts.begin(), counts.end(), 0);
+      for (int hit = 0; hit < 8; ++hit) counts[rng_() % e] += trial == 6 ? 1 + rng_() % 3 : 1;
+    }
     const auto offsets = Offsets(counts);
     const int64_t rows = offsets.back() + 3;  // capacity above the used rows
     auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
