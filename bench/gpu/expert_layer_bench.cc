@@ -257,16 +257,23 @@ int main(int argc, char** argv) {
       const double weight_bytes = static_cast<double>(experts_hit) * 3.0 * s.d * s.f * 2.0;
       const double act_bytes = (t * s.d * 2.0) * 2 + routes * s.d * 2.0 * 2;  // hidden in, out; packed, expert out
       const double weight_read_us = weight_bytes / (copy * 1e12) * 1e6;
-      auto report = [&](const char* path, double us) {
+      // dense_here > 0: the dense ceiling measured again right after this cell (GEMM-bound cells
+      // run late in a long sweep, when clocks may sit below those of the first ceiling).
+      auto report = [&](const char* path, double us, double dense_here = 0) {
         std::printf(
             "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"path\": \"%s\", \"layout\": \"%s\", \"shape\": \"%s\", "
             "\"T\": %lld, \"us\": %.1f, \"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, "
-            "\"weight_read_us\": %.1f, \"dense_fraction\": %.3f}\n",
+            "\"weight_read_us\": %.1f, \"dense_fraction\": %.3f, \"dense_adjacent_tflops\": %.1f, "
+            "\"dense_adjacent_fraction\": %.3f}\n",
             path, moe::kernels::LayoutName(layout), s.name, static_cast<long long>(t), us, flops / (us * 1e-6) / 1e12,
             (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
-            flops / (us * 1e-6) / 1e12 / dense);
+            flops / (us * 1e-6) / 1e12 / dense, dense_here,
+            dense_here > 0 ? flops / (us * 1e-6) / 1e12 / dense_here : 0.0);
       };
-      if (!decode_only) report("prefill", TimeMedianUs(reps, st, layer));
+      if (!decode_only) {
+        const double us = TimeMedianUs(reps, st, layer);
+        report("prefill", us, t >= 4096 ? DenseTflops(h, st, reps) : 0);
+      }
       if (t <= 128) {
         report("decode", TimeMedianUs(reps, st, decode_layer));
         // The decode path has no host round trip, so the whole step captures into one CUDA

@@ -30,9 +30,11 @@ def main():
             continue
         p = refcells.get((r["shape"], r["T"]))
         speed = p["us"] / r["us"] if p else float("nan")
+        adj = (f" (adjacent {100 * r['dense_adjacent_fraction']:.1f}% of {r['dense_adjacent_tflops']})"
+               if r.get("dense_adjacent_tflops", 0) > 0 else "")
         lines.append(f"| {r['shape']} | {r['T']} | {r.get('path', '-')} | {r['us']} | {r['tflops']} | {r['bytes_per_s_tb']} | "
                      f"{p['us'] if p else '-'} | {p['tflops'] if p else '-'} | {speed:.2f}× | "
-                     f"{100 * r['dense_fraction']:.1f}% | {r['experts_hit']} | {r['weight_read_us']} | "
+                     f"{100 * r['dense_fraction']:.1f}%{adj} | {r['experts_hit']} | {r['weight_read_us']} | "
                      f"{r['us'] / r['weight_read_us']:.2f}× |")
         if r.get("path", "prefill") == "prefill" or r["T"] <= 16:
             plot.append((f"{r['shape'].split('-')[0]} T={r['T']} {r.get('path', '')}", r["tflops"], p["tflops"] if p else 0))

@@ -213,9 +213,9 @@ class CudaKernels final : public ExpertKernels {
       if (p.rows == 0) return absl::OkStatus();
       auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
       if (!a.ok()) return a.status();
-      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up, w.w_down,
-                                                        static_cast<uint16_t*>(*a), p.y,
-                                                        p.max_segment_rows > 0 ? p.max_segment_rows : p.rows, st));
+      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up,
+                                                        w.w_down, static_cast<uint16_t*>(*a), p.y, p.rows,
+                                                        p.max_segment_rows, st));
       return absl::OkStatus();
     }
     std::vector<int64_t> counts(e_count), executed;

@@ -49,11 +49,12 @@ cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k,
                                  int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
 
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
-// correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16.
+// correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`
+// (the layout's capacity) and the optional bound on any segment (0 = none) pick the chunk size.
 bool SmallBatchSupported(int d, int f);
 // With x_row_index, layout row r reads x[x_row_index[r]] (the gather fused into the load).
 cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
-                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, int64_t rows,
                                    int64_t max_segment_rows, cudaStream_t stream);
 
 }  // namespace moe::kernels::cuda

@@ -16,66 +16,41 @@
 //   - both are launched as programmatic dependents (pdl.cuh): the gate/up grid is resident
 //     before the routing kernel ends, and the down grid takes SM slots as the gate/up blocks
 //     finish, prefetching its first weight rows into L2 before it waits for `a`.
-// Segments longer than the compile-time row capacity loop over chunks: any size is correct.
+// Segments longer than the compile-time row capacity (one or two rows) loop over chunks: any size
+// is correct. Steps whose experts get four or more rows each take the staged family instead
+// (small_batch_staged.cu), which reads the rows from shared memory.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cub/block/block_scan.cuh>
-
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/small_batch_common.cuh"
 
 namespace moe::kernels::cuda {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kDownRows = 2;  // output rows of one down unit, their weight rows loaded together
-// Up to this many experts, each block caches the offsets in shared memory and compacts the list
-// of experts that have rows, so units exist only for experts with rows.
-constexpr int kCachedExperts = 2048;
+using small_batch::ActiveBytes;
+using small_batch::ActiveExperts;
+using small_batch::kThreads;
+using small_batch::kWarps;
+using small_batch::WarpSum;
+
+
 // Bytes of its first unit's weights a down warp prefetches into L2 before waiting for `a`.
 constexpr int kPrefetchBytes = 8 * 1024;
 
-// Register budget: one row a chunk, four blocks of 256 threads per SM (64 registers); more rows
-// hold more accumulators, so two blocks (128 registers) and more bytes in flight per warp.
+constexpr int kDownRows = 2;  // output rows of one down unit, their weight rows loaded together
+// Register budget (measured on an H200 at E=128, d=2048, d_ff=768): three blocks of 256 threads
+// per SM (85 registers, no spills; four blocks spill).
 template <int ROWS>
 constexpr int BlocksPerSm() {
-  return ROWS == 1 ? 4 : 2;
+  static_assert(ROWS <= 2, "four or more rows a chunk take the staged family");
+  return 3;
 }
 
-struct ActiveExperts {
-  const int64_t* offsets;  // [E + 1]
-  const int* ids;          // active expert ids (nullptr: every expert, in order)
-  int count;
-};
-
-__host__ __device__ size_t ActiveBytes(int num_experts) {
-  return num_experts > kCachedExperts ? 0
-                                      : static_cast<size_t>(num_experts + 1) * 8 + static_cast<size_t>(num_experts) * 4;
-}
-
-__device__ ActiveExperts CompactActive(const int64_t* __restrict__ offsets, int num_experts) {
-  if (num_experts > kCachedExperts) return {offsets, nullptr, num_experts};
-  extern __shared__ int64_t cache[];  // [E + 1] offsets, then [E] ids
-  int* ids = reinterpret_cast<int*>(cache + num_experts + 1);
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage storage;
-  __shared__ int carry;
-  for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) cache[i] = offsets[i];
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int e0 = 0; e0 < num_experts; e0 += blockDim.x) {
-    const int e = e0 + threadIdx.x;
-    const int busy = e < num_experts && cache[e + 1] > cache[e] ? 1 : 0;
-    int slot, total;
-    Scan(storage).ExclusiveSum(busy, slot, total);
-    if (busy) ids[carry + slot] = e;
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
-  return {cache, ids, carry};
+__device__ __forceinline__ int64_t* ActiveCache() {
+  extern __shared__ int64_t cache[];
+  return cache;
 }
 
 // This warp's share [begin, end) of `units`, contiguous and balanced over every warp of the grid.
@@ -84,12 +59,6 @@ __device__ __forceinline__ void WarpShare(int64_t units, int64_t* begin, int64_t
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   *begin = units * w / warps;
   *end = units * (w + 1) / warps;
-}
-
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 // A weight vector: read once, so it bypasses L1 (which keeps the activation rows).
@@ -167,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
                  const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a) {
   WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
   ReleaseDependents();
-  const ActiveExperts act = CompactActive(offsets, num_experts);
+  const ActiveExperts act = small_batch::CompactActive(offsets, num_experts, ActiveCache());
   int64_t begin, end;
   WarpShare(static_cast<int64_t>(act.count) * f, &begin, &end);
   for (int64_t unit = begin; unit < end; ++unit) {
@@ -202,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
                const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y) {
   // Offsets and weights are inputs of the whole SwiGLU launch, complete before the gate/up
   // kernel released this one: read them (and warm L2 with the first weight rows) before `a`.
-  const ActiveExperts act = CompactActive(offsets, num_experts);
+  const ActiveExperts act = small_batch::CompactActive(offsets, num_experts, ActiveCache());
   const int units_per_expert = (d + kDownRows - 1) / kDownRows;
   int64_t begin, end;
   WarpShare(static_cast<int64_t>(act.count) * units_per_expert, &begin, &end);
@@ -288,18 +257,28 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
 }  // namespace
 
 bool SmallBatchSupported(int d, int f) {
-  // 16-byte rows.
-  return d > 0 && f > 0 && d % 8 == 0 && f % 8 == 0;
+  // 16-byte rows, and one row of either projection inside the staged family's budget.
+  return d > 0 && f > 0 && d % 8 == 0 && f % 8 == 0 && static_cast<size_t>(d) * 2 <= small_batch::kStagedRowBudget &&
+         static_cast<size_t>(f) * 2 <= small_batch::kStagedRowBudget;
 }
 
 cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
-                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, int64_t rows,
                                    int64_t max_segment_rows, cudaStream_t stream) {
-  // The chunk capacity follows the caller's bound on segment length (rows beyond a chunk loop).
-  if (max_segment_rows <= 1) return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  if (max_segment_rows <= 2) return Launch<2>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  if (max_segment_rows <= 4) return Launch<4>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  return Launch<8>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  // Rows per chunk: twice the mean segment when the rows spread over every expert, within the
+  // caller's bound on any segment. Longer segments loop over chunks (their weight rows are then
+  // read again, mostly from L2); a larger chunk than the segments need costs registers and
+  // occupancy (H200, E=128, d=2048, d_ff=768, 16 tokens: 336 us with two rows a chunk through
+  // L1, 435 with eight).
+  const int64_t spread = rows < num_experts ? rows : num_experts;
+  const int64_t mean = spread > 0 ? (rows + spread - 1) / spread : 1;
+  int64_t want = 2 * mean;
+  if (max_segment_rows > 0 && want > max_segment_rows) want = max_segment_rows;
+  if (want <= 1) return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  if (want <= 2) return Launch<2>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  // Four or more rows a chunk: the staged family (rows in shared memory once per work item).
+  return small_batch::LaunchStagedSwiglu(want <= 4 ? 4 : 8, x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down,
+                                         a, y, stream);
 }
 
 }  // namespace moe::kernels::cuda

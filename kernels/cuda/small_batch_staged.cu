@@ -1,0 +1,237 @@
+// Decode-sized SwiGLU experts, staged family: for chunks of four or eight rows per expert.
+//
+// The expert's rows of a chunk are staged in shared memory once per work item and every warp
+// streams whole weight rows with 16-byte loads against them (four vectors of a weight row in
+// flight per lane); work items are (active expert, tile of output rows) and the blocks of one
+// resident wave stride over them. With several rows per expert this beats reading the rows
+// through L1 per weight vector (small_batch.cu): on an H200, E=32, d=7168, d_ff=2048, 16
+// tokens, 1.81 ms staged against 2.45 ms.
+//   GateUpKernel: a[r, c] = bf16(silu(bf16(x_r . Wg_c)) * bf16(x_r . Wu_c))
+//   DownKernel:   y[r, o] = bf16(a_r . Wd_o)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/small_batch_common.cuh"
+
+namespace moe::kernels::cuda::small_batch {
+namespace {
+
+constexpr int kUpRowsPerWarp = 1;    // gate/up: each column is two weight rows
+constexpr int kDownRowsPerWarp = 2;  // down: two output rows per warp, loaded together
+constexpr int kUpTile = kWarps * kUpRowsPerWarp;
+constexpr int kDownTile = kWarps * kDownRowsPerWarp;
+
+// Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
+// Accumulates per staged row into acc[r].
+// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. Four vectors of
+// every weight row are loaded before any use, so a lane keeps 64 * NW bytes in flight; the
+// kernels are capped at 64 registers per thread (4 blocks of 256 per SM) to keep warps resident. ROWS is
+// the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
+// unrolled code small); `rows` <= ROWS are valid.
+template <int ROWS, int NW>
+__device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __restrict__ xs, int len8, int rows,
+                                        float (&acc)[NW][ROWS]) {
+  constexpr int kBatch = 4;  // vectors per weight row in flight (more costs occupancy: registers)
+  const int lane = threadIdx.x & 31;
+  for (int base = lane; base < len8; base += 32 * kBatch) {
+    uint4 wv[NW][kBatch];
+#pragma unroll
+    for (int n = 0; n < NW; ++n) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * 32;
+        wv[n][u] = i < len8 ? __ldg(w[n] + i) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + u * 32;
+      if (i >= len8) break;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+          const uint4 xv = xs[r * len8 + i];
+          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+          float2 xf[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) xf[q] = __bfloat1622float2(x2[q]);
+#pragma unroll
+          for (int n = 0; n < NW; ++n) {
+            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[n][u]);
+            float s = 0;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const float2 wf = __bfloat1622float2(w2[q]);
+              s += wf.x * xf[q].x + wf.y * xf[q].y;
+            }
+            acc[n][r] += s;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Stages `rows` rows starting at layout row r0; with `row_index` the rows are gathered from
+// their source (e.g. token rows of the hidden state): the permutation is fused into the load.
+__device__ __forceinline__ void StageRows(const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
+                                          int64_t r0, int len8, int rows, uint4* __restrict__ dst) {
+  for (int i = threadIdx.x; i < rows * len8; i += blockDim.x) {
+    const int r = i / len8;
+    const int64_t row = row_index != nullptr ? row_index[r0 + r] : r0 + r;
+    dst[i] = src[row * len8 + (i - r * len8)];
+  }
+}
+
+// The work loop both kernels share: compact the active experts, then stride over (active
+// expert, tile) items; for each, stage the expert's rows chunk by chunk and call
+// body(e, tile, r0, rows, staged) with every thread of the block.
+template <typename Body>
+__device__ __forceinline__ void ForEachStagedChunk(const int64_t* __restrict__ offsets, int num_experts, int tiles,
+                                                   const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
+                                                   int len8, int chunk_rows, Body&& body) {
+  extern __shared__ uint4 smem[];
+  const size_t active_vecs = (ActiveBytes(num_experts) + 15) / 16;
+  const ActiveExperts act = CompactActive(offsets, num_experts, reinterpret_cast<int64_t*>(smem));
+  uint4* staged = smem + active_vecs;
+  for (int item = blockIdx.x; item < act.count * tiles; item += gridDim.x) {
+    const int e = act.ids != nullptr ? act.ids[item / tiles] : item / tiles;
+    const int64_t begin = act.offsets[e], end = act.offsets[e + 1];
+    if (begin == end) continue;
+    for (int64_t r0 = begin; r0 < end; r0 += chunk_rows) {
+      const int rows = static_cast<int>(end - r0 < chunk_rows ? end - r0 : chunk_rows);
+      __syncthreads();  // the previous chunk's readers are done with the staged rows
+      StageRows(src, row_index, r0, len8, rows, staged);
+      __syncthreads();
+      body(e, item % tiles, r0, rows, staged);
+    }
+  }
+}
+
+template <int ROWS>
+__global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
+                                                           const int64_t* __restrict__ offsets,
+                                                           int num_experts, int d8, int f,
+                                                           const uint4* __restrict__ w_gate_up, int chunk_rows,
+                                                           __nv_bfloat16* __restrict__ a) {
+  WaitForPredecessor();
+  ReleaseDependents();
+  const int warp = threadIdx.x >> 5;
+  ForEachStagedChunk(offsets, num_experts, (f + kUpTile - 1) / kUpTile, x, x_row_index, d8, chunk_rows,
+                     [&](int e, int tile, int64_t r0, int rows, const uint4* xs) {
+#pragma unroll
+    for (int j = 0; j < kUpRowsPerWarp; ++j) {
+      const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
+      if (c >= f) break;
+      float gu[2][ROWS] = {};
+      const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
+                                 w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
+      DotRows<ROWS, 2>(w, xs, d8, rows, gu);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+          // Activation in the epilogue: gate and up rounded to BF16 as the GEMM path does.
+          const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
+          const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
+          if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+        }
+      }
+    }
+  });
+}
+
+template <int ROWS>
+__global__ void __launch_bounds__(kWarps * 32, 4) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
+                                                         int num_experts, int f8, int d,
+                                                         const uint4* __restrict__ w_down, int chunk_rows,
+                                                         __nv_bfloat16* __restrict__ y) {
+  WaitForPredecessor();
+  ReleaseDependents();
+  const int warp = threadIdx.x >> 5;
+  ForEachStagedChunk(offsets, num_experts, (d + kDownTile - 1) / kDownTile, a, nullptr, f8, chunk_rows,
+                     [&](int e, int tile, int64_t r0, int rows, const uint4* as) {
+    // Two output rows per warp, their weight rows streamed together (clamped at d; the
+    // duplicate rows of a ragged last tile are computed but not written).
+    const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
+    if (o0 >= d) return;
+    const uint4* w[kDownRowsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kDownRowsPerWarp; ++j) {
+      const int o = o0 + j < d ? o0 + j : d - 1;
+      w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
+    }
+    float acc[kDownRowsPerWarp][ROWS] = {};
+    DotRows<ROWS, kDownRowsPerWarp>(w, as, f8, rows, acc);
+#pragma unroll
+    for (int j = 0; j < kDownRowsPerWarp; ++j) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < rows) {
+          const float v = WarpSum(acc[j][r]);
+          if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
+        }
+      }
+    }
+  });
+}
+
+constexpr size_t kSmemBudget = kStagedRowBudget;  // staged rows; the active-expert cache comes on top
+
+int ChunkRows(int rows_cap, int len) {
+  const int fit = static_cast<int>(kSmemBudget / (static_cast<size_t>(len) * 2));
+  return fit < rows_cap ? (fit < 1 ? 1 : fit) : rows_cap;
+}
+
+int Grid(int items, int resident) { return items < resident ? items : resident; }
+
+template <int ROWS>
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
+                   const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
+  // Device attributes and the shared-memory opt-in are set once per process and ROWS.
+  static int sms = 0;
+  static cudaError_t setup = [] {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(GateUpKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
+    }
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(DownKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
+    }
+    return e;
+  }();
+  if (setup != cudaSuccess) return setup;
+  const int chunk_x = ChunkRows(ROWS, d), chunk_a = ChunkRows(ROWS, f);
+  const size_t active = (ActiveBytes(num_experts) + 15) / 16 * 16;
+  const size_t smem_x = active + static_cast<size_t>(chunk_x) * d * 2, smem_a = active + static_cast<size_t>(chunk_a) * f * 2;
+  // One resident wave: blocks stride over the work items.
+  int per_sm_up = 1, per_sm_down = 1;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_up, GateUpKernel<ROWS>, kWarps * 32, smem_x);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_down, DownKernel<ROWS>, kWarps * 32, smem_a);
+  const int items_up = num_experts * ((f + kUpTile - 1) / kUpTile);
+  cudaError_t e = LaunchDependent(GateUpKernel<ROWS>, dim3(Grid(items_up, sms * (per_sm_up > 0 ? per_sm_up : 1))),
+                                  dim3(kThreads), smem_x, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets,
+                                  num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up), chunk_x,
+                                  reinterpret_cast<__nv_bfloat16*>(a));
+  if (e != cudaSuccess) return e;
+  const int items_down = num_experts * ((d + kDownTile - 1) / kDownTile);
+  return LaunchDependent(DownKernel<ROWS>, dim3(Grid(items_down, sms * (per_sm_down > 0 ? per_sm_down : 1))),
+                         dim3(kThreads), smem_a, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
+                         reinterpret_cast<const uint4*>(w_down), chunk_a, reinterpret_cast<__nv_bfloat16*>(y));
+}
+
+}  // namespace
+
+cudaError_t LaunchStagedSwiglu(int rows_cap, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
+                               int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                               uint16_t* a, uint16_t* y, cudaStream_t stream) {
+  if (rows_cap <= 4) return Launch<4>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  return Launch<8>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+}
+
+}  // namespace moe::kernels::cuda::small_batch
