@@ -31,9 +31,9 @@ namespace {
 
 using small_batch::ActiveBytes;
 using small_batch::ActiveExperts;
+using small_batch::DotRows;
 using small_batch::kThreads;
 using small_batch::kWarps;
-using small_batch::WarpSum;
 
 
 // Bytes of its first unit's weights a down warp prefetches into L2 before waiting for `a`.
@@ -59,63 +59,6 @@ __device__ __forceinline__ void WarpShare(int64_t units, int64_t* begin, int64_t
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   *begin = units * w / warps;
   *end = units * (w + 1) / warps;
-}
-
-// A weight vector: read once, so it bypasses L1 (which keeps the activation rows).
-__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` activation rows (row xr[r] of
-// src, rows <= ROWS valid; ROWS is a compile-time constant so accumulators stay in registers).
-// Four vectors of every weight row are loaded before any use: a lane keeps 64 * NW bytes in
-// flight.
-template <int ROWS, int NW>
-__device__ __forceinline__ void DotRows(const uint4* const (&w)[NW], const uint4* __restrict__ src, const int (&xr)[ROWS],
-                                        int len8, int rows, float (&acc)[NW][ROWS]) {
-  constexpr int kBatch = 4;
-  const int lane = threadIdx.x & 31;
-  for (int base = lane; base < len8; base += 32 * kBatch) {
-    uint4 wv[NW][kBatch];
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = base + u * 32;
-        wv[n][u] = i < len8 ? LoadStreaming(w[n] + i) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + u * 32;
-      if (i >= len8) break;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          const uint4 xv = __ldg(src + static_cast<int64_t>(xr[r]) * len8 + i);
-          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-          float2 xf[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) xf[q] = __bfloat1622float2(x2[q]);
-#pragma unroll
-          for (int n = 0; n < NW; ++n) {
-            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[n][u]);
-            float s = 0;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float2 wf = __bfloat1622float2(w2[q]);
-              s += wf.x * xf[q].x + wf.y * xf[q].y;
-            }
-            acc[n][r] += s;
-          }
-        }
-      }
-    }
-  }
 }
 
 // Source rows of the chunk [r0, r0 + rows) of a layout; with `row_index` the layout row is read
@@ -151,16 +94,8 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
       int xr[ROWS];
       ChunkRows<ROWS>(x_row_index, r0, rows, xr);
       float gu[2][ROWS] = {};
-      DotRows<ROWS, 2>(w, x, xr, d8, rows, gu);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          // Activation in the epilogue: gate and up rounded to BF16 as the GEMM path does.
-          const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
-          const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
-          if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
-        }
-      }
+      DotRows<ROWS, 2>(w, [&](int r, int i) { return __ldg(x + static_cast<int64_t>(xr[r]) * d8 + i); }, d8, rows, gu);
+      small_batch::StoreActivation<ROWS>(gu, rows, r0, f, c, a);
     }
   }
 }
@@ -210,17 +145,8 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
       int ar[ROWS];
       ChunkRows<ROWS>(nullptr, r0, rows, ar);
       float acc[kDownRows][ROWS] = {};
-      DotRows<ROWS, kDownRows>(w, a, ar, f8, rows, acc);
-#pragma unroll
-      for (int j = 0; j < kDownRows; ++j) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          if (r < rows) {
-            const float v = WarpSum(acc[j][r]);
-            if (lane == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
-          }
-        }
-      }
+      DotRows<ROWS, kDownRows>(w, [&](int r, int i) { return __ldg(a + static_cast<int64_t>(ar[r]) * f8 + i); }, f8, rows, acc);
+      small_batch::StoreRows<ROWS, kDownRows>(acc, rows, r0, d, o0, y);
     }
   }
 }

@@ -23,57 +23,6 @@ constexpr int kDownRowsPerWarp = 2;  // down: two output rows per warp, loaded t
 constexpr int kUpTile = kWarps * kUpRowsPerWarp;
 constexpr int kDownTile = kWarps * kDownRowsPerWarp;
 
-// Dot of weight row w (len elements, 16B-aligned) with `rows` staged rows in smem (stride len).
-// Accumulates per staged row into acc[r].
-// Dots NW weight rows (each `len8` 16-byte vectors) with `rows` staged rows. Four vectors of
-// every weight row are loaded before any use, so a lane keeps 64 * NW bytes in flight; the
-// kernels are capped at 64 registers per thread (4 blocks of 256 per SM) to keep warps resident. ROWS is
-// the staged-chunk capacity (a compile-time constant keeps accumulators in registers and the
-// unrolled code small); `rows` <= ROWS are valid.
-template <int ROWS, int NW>
-__device__ __forceinline__ void DotRows(const uint4* const* w, const uint4* __restrict__ xs, int len8, int rows,
-                                        float (&acc)[NW][ROWS]) {
-  constexpr int kBatch = 4;  // vectors per weight row in flight (more costs occupancy: registers)
-  const int lane = threadIdx.x & 31;
-  for (int base = lane; base < len8; base += 32 * kBatch) {
-    uint4 wv[NW][kBatch];
-#pragma unroll
-    for (int n = 0; n < NW; ++n) {
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = base + u * 32;
-        wv[n][u] = i < len8 ? __ldg(w[n] + i) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + u * 32;
-      if (i >= len8) break;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          const uint4 xv = xs[r * len8 + i];
-          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-          float2 xf[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) xf[q] = __bfloat1622float2(x2[q]);
-#pragma unroll
-          for (int n = 0; n < NW; ++n) {
-            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[n][u]);
-            float s = 0;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float2 wf = __bfloat1622float2(w2[q]);
-              s += wf.x * xf[q].x + wf.y * xf[q].y;
-            }
-            acc[n][r] += s;
-          }
-        }
-      }
-    }
-  }
-}
-
 // Stages `rows` rows starting at layout row r0; with `row_index` the rows are gathered from
 // their source (e.g. token rows of the hidden state): the permutation is fused into the load.
 __device__ __forceinline__ void StageRows(const uint4* __restrict__ src, const int32_t* __restrict__ row_index,
@@ -128,16 +77,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __re
       float gu[2][ROWS] = {};
       const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
                                  w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
-      DotRows<ROWS, 2>(w, xs, d8, rows, gu);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          // Activation in the epilogue: gate and up rounded to BF16 as the GEMM path does.
-          const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
-          const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
-          if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
-        }
-      }
+      DotRows<ROWS, 2>(w, [&](int r, int i) { return xs[r * d8 + i]; }, d8, rows, gu);
+      StoreActivation<ROWS>(gu, rows, r0, f, c, a);
     }
   });
 }
@@ -163,17 +104,8 @@ __global__ void __launch_bounds__(kWarps * 32, 4) DownKernel(const uint4* __rest
       w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
     }
     float acc[kDownRowsPerWarp][ROWS] = {};
-    DotRows<ROWS, kDownRowsPerWarp>(w, as, f8, rows, acc);
-#pragma unroll
-    for (int j = 0; j < kDownRowsPerWarp; ++j) {
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          const float v = WarpSum(acc[j][r]);
-          if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
-        }
-      }
-    }
+    DotRows<ROWS, kDownRowsPerWarp>(w, [&](int r, int i) { return as[r * f8 + i]; }, f8, rows, acc);
+    StoreRows<ROWS, kDownRowsPerWarp>(acc, rows, r0, d, o0, y);
   });
 }
 
