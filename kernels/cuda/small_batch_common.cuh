@@ -70,47 +70,79 @@ __device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
   return v;
 }
 
+// Eight BF16 values to FP32 (exact: a BF16 is the high half of its FP32).
+__device__ __forceinline__ void Widen(const uint4& v, float (&f)[8]) {
+  const uint32_t word[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    f[2 * q] = __uint_as_float(word[q] << 16);
+    f[2 * q + 1] = __uint_as_float(word[q] & 0xffff0000u);
+  }
+}
+
 // Dots NW weight rows (each `len8` 16-byte vectors) with `rows` activation rows; x_at(r, i) is
 // vector i of activation row r (from L1 or shared memory, per family). ROWS is a compile-time
-// constant so accumulators stay in registers; `rows` <= ROWS are valid. Four vectors of every
-// weight row are loaded before any use: a lane keeps 64 * NW bytes in flight.
-template <int ROWS, int NW, typename XAt>
+// constant so accumulators stay in registers; `rows` <= ROWS are valid. BATCH vectors of every
+// weight row are loaded before any use: a lane keeps 16 * BATCH * NW bytes in flight.
+// Each weight vector is widened once and each activation vector once per row, and the products
+// go straight into FMA chains: with a few rows per expert the loop is issue-bound (ncu, 16
+// tokens at E=128: ~80 instructions per weight vector when every weight vector was widened again
+// for each row and summed through a partial, ~60 after). The widened values of whichever side
+// has fewer rows in the batch are held, the other side's one at a time.
+template <int ROWS, int NW, int BATCH, typename XAt>
 __device__ __forceinline__ void DotRows(const uint4* const (&w)[NW], XAt&& x_at, int len8, int rows,
                                         float (&acc)[NW][ROWS]) {
-  constexpr int kBatch = 4;  // vectors per weight row in flight (more costs registers)
   const int lane = threadIdx.x & 31;
-  for (int base = lane; base < len8; base += 32 * kBatch) {
-    uint4 wv[NW][kBatch];
+  for (int base = lane; base < len8; base += 32 * BATCH) {
+    uint4 wv[NW][BATCH];
 #pragma unroll
     for (int n = 0; n < NW; ++n) {
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
+      for (int u = 0; u < BATCH; ++u) {
         const int i = base + u * 32;
         wv[n][u] = i < len8 ? LoadStreaming(w[n] + i) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
+    for (int u = 0; u < BATCH; ++u) {
       const int i = base + u * 32;
       if (i >= len8) break;
+      if constexpr (NW <= ROWS) {
+        float wf[NW][8];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        if (r < rows) {
-          const uint4 xv = x_at(r, i);
-          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-          float2 xf[4];
+        for (int n = 0; n < NW; ++n) Widen(wv[n][u], wf[n]);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) xf[q] = __bfloat1622float2(x2[q]);
+        for (int r = 0; r < ROWS; ++r) {
+          if (r < rows) {
+            float xf[8];
+            Widen(x_at(r, i), xf);
 #pragma unroll
-          for (int n = 0; n < NW; ++n) {
-            const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[n][u]);
-            float s = 0;
+            for (int n = 0; n < NW; ++n) {
+              float s = acc[n][r];
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float2 wf = __bfloat1622float2(w2[q]);
-              s += wf.x * xf[q].x + wf.y * xf[q].y;
+              for (int q = 0; q < 8; ++q) s = fmaf(wf[n][q], xf[q], s);
+              acc[n][r] = s;
             }
-            acc[n][r] += s;
+          }
+        }
+      } else {
+        float xf[ROWS][8];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          if (r < rows) Widen(x_at(r, i), xf[r]);
+        }
+#pragma unroll
+        for (int n = 0; n < NW; ++n) {
+          float wf[8];
+          Widen(wv[n][u], wf);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            if (r < rows) {
+              float s = acc[n][r];
+#pragma unroll
+              for (int q = 0; q < 8; ++q) s = fmaf(wf[q], xf[r][q], s);
+              acc[n][r] = s;
+            }
           }
         }
       }
@@ -118,34 +150,83 @@ __device__ __forceinline__ void DotRows(const uint4* const (&w)[NW], XAt&& x_at,
   }
 }
 
-// Epilogues (lane 0 of the warp writes): a[r0 + r, c] = bf16(silu(gate) * up) with gate and up
-// rounded to BF16 first, as the GEMM path does; y[r0 + r, o0 + j] = bf16(acc[j][r]) for o0 + j < d.
+// Sums each of V values (V a power of two <= 32) over the warp with V - 1 + log2(32 / V)
+// shuffles instead of 5 V: every step trades half of the values with the partner lane. Returns
+// this lane's sum of value SumIndex(lane); the lanes whose remaining bits are zero (SumLane(j))
+// hold value j first.
+template <int V>
+__device__ __forceinline__ float WarpSumMany(float (&v)[V]) {
+  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V must be a power of two up to 32");
+  const int lane = threadIdx.x & 31;
+  int o = 16;
+#pragma unroll
+  for (int n = V / 2; n >= 1; n /= 2, o /= 2) {
+    const bool upper = (lane & o) != 0;
+#pragma unroll
+    for (int j = 0; j < n; ++j) {
+      const float send = upper ? v[j] : v[j + n];
+      const float keep = upper ? v[j + n] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  float s = v[0];
+  for (; o >= 1; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+// Which value a lane holds after WarpSumMany<V>, and the first lane holding value j.
+template <int V>
+__device__ __forceinline__ int SumIndex(int lane) {
+  int idx = 0;
+#pragma unroll
+  for (int n = V / 2, o = 16; n >= 1; n /= 2, o /= 2) idx = idx * 2 + ((lane & o) ? 1 : 0);
+  return idx;
+}
+template <int V>
+__device__ __forceinline__ int SumLane(int j) {
+  int lane = 0;
+#pragma unroll
+  for (int n = 1, o = 32 / V; n < V; n *= 2, o *= 2) lane |= (j & n) ? o : 0;
+  return lane;
+}
+
+// Epilogues: a[r0 + r, c] = bf16(silu(gate) * up) with gate and up rounded to BF16 first, as
+// the GEMM path does; y[r0 + r, o0 + j] = bf16(acc[j][r]) for o0 + j < d. The warp's NW * ROWS
+// sums are reduced together (WarpSumMany) and written by the lanes that hold them.
 template <int ROWS>
 __device__ __forceinline__ void StoreActivation(const float (&gu)[2][ROWS], int rows, int64_t r0, int f, int c,
                                                 __nv_bfloat16* __restrict__ a) {
+  constexpr int V = 2 * ROWS;  // value n * ROWS + r
+  float v[V];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    if (r < rows) {
-      const float gs = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[0][r])));
-      const float us = __bfloat162float(__float2bfloat16_rn(WarpSum(gu[1][r])));
-      if ((threadIdx.x & 31) == 0) a[(r0 + r) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
-    }
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) v[n * ROWS + r] = gu[n][r];
+  const int lane = threadIdx.x & 31;
+  const float sum = WarpSumMany<V>(v);
+  const int idx = SumIndex<V>(lane);
+  // The gate lanes fetch their row's up sum from the lane that holds it.
+  const float up = __shfl_sync(0xffffffffu, sum, SumLane<V>(idx < ROWS ? idx + ROWS : idx));
+  if (idx < ROWS && idx < rows && lane == SumLane<V>(idx)) {
+    const float gs = __bfloat162float(__float2bfloat16_rn(sum));
+    const float us = __bfloat162float(__float2bfloat16_rn(up));
+    a[(r0 + idx) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
   }
 }
 
 template <int ROWS, int NW>
 __device__ __forceinline__ void StoreRows(const float (&acc)[NW][ROWS], int rows, int64_t r0, int d, int o0,
                                           __nv_bfloat16* __restrict__ y) {
+  constexpr int V = NW * ROWS;  // value j * ROWS + r
+  float v[V];
 #pragma unroll
-  for (int j = 0; j < NW; ++j) {
+  for (int j = 0; j < NW; ++j)
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (r < rows) {
-        const float v = WarpSum(acc[j][r]);
-        if ((threadIdx.x & 31) == 0 && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(v);
-      }
-    }
-  }
+    for (int r = 0; r < ROWS; ++r) v[j * ROWS + r] = acc[j][r];
+  const int lane = threadIdx.x & 31;
+  const float sum = WarpSumMany<V>(v);
+  const int idx = SumIndex<V>(lane);
+  const int j = idx / ROWS, r = idx - j * ROWS;
+  if (lane == SumLane<V>(idx) && r < rows && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(sum);
 }
 
 // The staged family (small_batch_staged.cu), for chunks of four or eight rows.

@@ -18,6 +18,14 @@
 namespace moe::kernels::cuda::small_batch {
 namespace {
 
+// Register cap: three blocks of 256 threads per SM (85 registers) for four rows a chunk, two
+// (128) for eight, where more accumulators are live; both without spills. Large d leaves room
+// for fewer blocks anyway (the staged rows: up to 96 KiB of shared memory a block).
+template <int ROWS>
+constexpr int StagedBlocksPerSm() {
+  return ROWS <= 4 ? 3 : 2;
+}
+
 constexpr int kUpRowsPerWarp = 1;    // gate/up: each column is two weight rows
 constexpr int kDownRowsPerWarp = 2;  // down: two output rows per warp, loaded together
 constexpr int kUpTile = kWarps * kUpRowsPerWarp;
@@ -60,7 +68,7 @@ __device__ __forceinline__ void ForEachStagedChunk(const int64_t* __restrict__ o
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
+__global__ void __launch_bounds__(kWarps * 32, StagedBlocksPerSm<ROWS>()) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                                                            const int64_t* __restrict__ offsets,
                                                            int num_experts, int d8, int f,
                                                            const uint4* __restrict__ w_gate_up, int chunk_rows,
@@ -77,14 +85,14 @@ __global__ void __launch_bounds__(kWarps * 32, 4) GateUpKernel(const uint4* __re
       float gu[2][ROWS] = {};
       const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
                                  w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
-      DotRows<ROWS, 2>(w, [&](int r, int i) { return xs[r * d8 + i]; }, d8, rows, gu);
+      DotRows<ROWS, 2, 4>(w, [&](int r, int i) { return xs[r * d8 + i]; }, d8, rows, gu);
       StoreActivation<ROWS>(gu, rows, r0, f, c, a);
     }
   });
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32, 4) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
+__global__ void __launch_bounds__(kWarps * 32, StagedBlocksPerSm<ROWS>()) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
                                                          int num_experts, int f8, int d,
                                                          const uint4* __restrict__ w_down, int chunk_rows,
                                                          __nv_bfloat16* __restrict__ y) {
@@ -104,7 +112,7 @@ __global__ void __launch_bounds__(kWarps * 32, 4) DownKernel(const uint4* __rest
       w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
     }
     float acc[kDownRowsPerWarp][ROWS] = {};
-    DotRows<ROWS, kDownRowsPerWarp>(w, [&](int r, int i) { return as[r * f8 + i]; }, f8, rows, acc);
+    DotRows<ROWS, kDownRowsPerWarp, 4>(w, [&](int r, int i) { return as[r * f8 + i]; }, f8, rows, acc);
     StoreRows<ROWS, kDownRowsPerWarp>(acc, rows, r0, d, o0, y);
   });
 }
