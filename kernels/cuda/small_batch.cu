@@ -1,8 +1,10 @@
-// Decode-sized SwiGLU experts with device-side segment offsets (no host round trip).
+// Decode-sized SwiGLU experts with device-side segment offsets (no host round trip): the entry
+// point (LaunchSmallBatchSwiglu, which picks one of three kernel families by the rows per expert
+// and the dimensions) and the streaming family for one row per expert.
 //
-// Memory-bound by design: with a handful of rows per expert, the cost is reading each hit
-// expert's weights once, so the kernels are built to keep every SM streaming the same number of
-// weight bytes from the first cycle to the last:
+// Memory-bound by design: with one row per expert, the cost is reading each hit expert's
+// weights once, so the kernels are built to keep every SM streaming the same number of weight
+// bytes from the first cycle to the last:
 //   - the work of a kernel is a flat list of units, (active expert, output unit) pairs; the grid
 //     is one resident wave and every warp takes a contiguous, equal share of the list, so the
 //     load is balanced to one unit per warp whatever the routing (a skewed step costs what a
@@ -12,13 +14,13 @@
 //     x_row_index the gather into expert-major order is fused into these loads);
 //   - GateUpKernel: a[r, c] = bf16(silu(bf16(x_r . Wg_c)) * bf16(x_r . Wu_c)), one unit = the
 //     gate and up rows of column c (activation in the epilogue);
-//     DownKernel: y[r, o] = bf16(a_r . Wd_o), one unit = two output rows;
+//     DownKernel: y[r, o] = bf16(a_r . Wd_o), one unit = four output rows;
 //   - both are launched as programmatic dependents (pdl.cuh): the gate/up grid is resident
 //     before the routing kernel ends, and the down grid takes SM slots as the gate/up blocks
 //     finish, prefetching its first weight rows into L2 before it waits for `a`.
-// Segments longer than the compile-time row capacity (one or two rows) loop over chunks: any size
-// is correct. Steps whose experts get four or more rows each take the staged family instead
-// (small_batch_staged.cu), which reads the rows from shared memory.
+// Longer segments loop over rows: any size is correct. Steps whose experts get more rows take
+// the tensor-core family (small_batch_mma.cu) or, for dimensions that are not multiples of 32,
+// the staged family (small_batch_staged.cu).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -39,24 +41,22 @@ using small_batch::kWarps;
 // Bytes of its first unit's weights a down warp prefetches into L2 before waiting for `a`.
 constexpr int kPrefetchBytes = 8 * 1024;
 
-// Down units: with one row a chunk, four output rows with two vectors of each in flight (the
-// same 128 bytes a lane as two rows of four), so the per-unit work (reduction, bookkeeping)
-// spreads over twice the weight bytes (d_ff = 768 gives a lane only three vectors of a row);
-// with two rows a chunk that does not fit the registers, so two output rows of four vectors.
+// Down units: four output rows with two vectors of each in flight (the same 128 bytes a lane as
+// two rows of four), so the per-unit work (reduction, bookkeeping) spreads over twice the
+// weight bytes (d_ff = 768 gives a lane only three vectors of a row).
 template <int ROWS>
 constexpr int DownRows() {
-  return ROWS == 1 ? 4 : 2;
+  return 4;
 }
 template <int ROWS>
 constexpr int DownBatch() {
-  return ROWS == 1 ? 2 : 4;
+  return 2;
 }
 // Register budget (measured on an H200 at E=128, d=2048, d_ff=768): three blocks of 256 threads
-// per SM (85 registers; four blocks spill; the down kernel with two rows a chunk keeps a few
-// bytes on the stack, still faster at 16 tokens than two blocks: 288 against 302-305 us).
+// per SM (85 registers; four blocks spill).
 template <int ROWS>
 constexpr int BlocksPerSm() {
-  static_assert(ROWS <= 2, "four or more rows a chunk take the staged family");
+  static_assert(ROWS == 1, "more rows a chunk take the tensor-core or the staged family");
   return 3;
 }
 
@@ -215,18 +215,20 @@ bool SmallBatchSupported(int d, int f) {
 cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
                                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, int64_t rows,
                                    int64_t max_segment_rows, cudaStream_t stream) {
-  // Rows per chunk: twice the mean segment when the rows spread over every expert, within the
-  // caller's bound on any segment. Longer segments loop over chunks (their weight rows are then
-  // read again, mostly from L2); a larger chunk than the segments need costs registers and
-  // occupancy (H200, E=128, d=2048, d_ff=768, 16 tokens: 336 us with two rows a chunk through
-  // L1, 435 with eight).
+  // Rows per expert expected: twice the mean segment when the rows spread over every expert,
+  // within the caller's bound on any segment. One row (a single token, or one token's k routes
+  // to distinct experts): this family, latency-bound, where the tensor-core family's per-tile
+  // barriers cost more than its instructions save (H200, E=128 d=2048 d_ff=768 one token: graph
+  // replay 32-33 us here, 37 us there). More rows: the tensor-core family when d and d_ff allow
+  // (16 tokens: 204 us against 288 us here), else the staged family.
   const int64_t spread = rows < num_experts ? rows : num_experts;
   const int64_t mean = spread > 0 ? (rows + spread - 1) / spread : 1;
   int64_t want = 2 * mean;
   if (max_segment_rows > 0 && want > max_segment_rows) want = max_segment_rows;
   if (want <= 1) return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  if (want <= 2) return Launch<2>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
-  // Four or more rows a chunk: the staged family (rows in shared memory once per work item).
+  if (small_batch::MmaSupported(d, f)) {
+    return small_batch::LaunchMmaSwiglu(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  }
   return small_batch::LaunchStagedSwiglu(want <= 4 ? 4 : 8, x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down,
                                          a, y, stream);
 }

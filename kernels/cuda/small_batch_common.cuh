@@ -1,6 +1,7 @@
-// Pieces both decode-sized expert kernel families share (small_batch.cu streams the activation
-// rows through L1, small_batch_staged.cu stages them in shared memory): the per-block list of
-// experts that have rows, the dot of weight rows with activation rows, and a warp reduction.
+// Pieces the decode-sized expert kernel families share (small_batch.cu streams the activation
+// rows through L1, small_batch_staged.cu stages them in shared memory, small_batch_mma.cu runs
+// on the tensor cores): the per-block list of experts that have rows, the FFMA dot of weight rows
+// with activation rows, and warp reductions.
 #ifndef MOE_KERNELS_CUDA_SMALL_BATCH_COMMON_CUH_
 #define MOE_KERNELS_CUDA_SMALL_BATCH_COMMON_CUH_
 
@@ -233,7 +234,12 @@ __device__ __forceinline__ void StoreRows(const float (&acc)[NW][ROWS], int rows
 cudaError_t LaunchStagedSwiglu(int rows_cap, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
                                int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
                                uint16_t* a, uint16_t* y, cudaStream_t stream);
-// Its shared-memory bound on a row (bytes).
+// The tensor-core family (small_batch_mma.cu), for d and d_ff multiples of 32.
+bool MmaSupported(int d, int f);
+cudaError_t LaunchMmaSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d,
+                            int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                            cudaStream_t stream);
+// The staged family's shared-memory bound on a row (bytes).
 constexpr size_t kStagedRowBudget = 96 * 1024;
 
 }  // namespace moe::kernels::cuda::small_batch

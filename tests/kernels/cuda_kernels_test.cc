@@ -112,14 +112,17 @@ TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
   }
 }
 
-// Decode path: offsets read on the device, segments longer than one chunk included; trial 6
-// has more experts than the kernels cache per block (the uncompacted path), trial 7 a decode
-// step's shape (128 experts, a few of them hit by one row each).
+// Decode path: offsets read on the device, segments longer than one chunk included. The kernel
+// family follows the rows per expert and the dimensions: trials with a bound of one row
+// (trial % 3 == 1) take the streaming family, other trials with d and d_ff multiples of 32 the
+// tensor-core one, trial 8 (d_ff = 72, many rows) the staged one. Trial 6 has more experts than
+// the kernels cache per block (the uncompacted path), trial 7 a decode step's shape (128
+// experts, a few of them hit by one row each).
 TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
-  for (int trial = 0; trial < 8; ++trial) {
+  for (int trial = 0; trial < 9; ++trial) {
     const int e = trial == 6 ? 2100 : (trial == 7 ? 128 : 1 + static_cast<int>(rng_() % 20));
     const int d = trial == 0 ? 7168 : (trial == 7 ? 2048 : (trial == 6 ? 64 : 64 * (1 + static_cast<int>(rng_() % 8))));
-    const int f = trial == 7 ? 96 : (trial == 6 ? 40 : 64 * (1 + static_cast<int>(rng_() % 8)));
+    const int f = trial == 7 ? 96 : (trial == 6 ? 40 : (trial == 8 ? 72 : 64 * (1 + static_cast<int>(rng_() % 8))));
     auto counts = RandomCounts(rng_, e, trial < 3 ? 5 : 40);
     if (trial >= 6) {
       std::fill(counts.begin(), counts.end(), 0);
