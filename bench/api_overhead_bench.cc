@@ -1,6 +1,6 @@
 // Per-layer-step overhead of the engine API on loopback, against a bare gRPC echo of the same
 // bytes, in one process and one run: an in-process moe-rankd service (one rank, loopback
-// transport, CPU kernels) and an Echo service on the same kind of socket (127.0.0.1, port 0).
+// transport, CPU kernels, or CUDA ones with MOE_BENCH_KERNELS=cuda) and an Echo service on the same kind of socket (127.0.0.1, port 0).
 //
 // API overhead of a step = client-observed latency - time inside the layer executor (reported
 // in StepRecord.compute_latency_us): request encoding, transport, decoding, validation, response
@@ -18,6 +18,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <string>
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +32,9 @@
 #include "bench/echo.grpc.pb.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
+#ifdef MOE_BENCH_CUDA
+#include "runtime/transport/nccl.h"
+#endif
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/placement/default_placement.h"
 #include "server/expert_layer_service.h"
@@ -93,9 +98,40 @@ int Main() {
   GenerationRegistry registry;
   registry.Prepare(manifest).IgnoreError();
   registry.Activate(PlacementVersion(1)).IgnoreError();
+  // MOE_BENCH_KERNELS=cuda runs the experts on the GPU (a --config=gpu build on a GPU machine):
+  // the executor then takes microseconds and the host waits instead of computing.
+  const bool cuda = std::getenv("MOE_BENCH_KERNELS") != nullptr && std::string(std::getenv("MOE_BENCH_KERNELS")) == "cuda";
+  std::unique_ptr<kernels::ExpertKernels> kernels;
+  if (cuda) {
+    auto made = kernels::CreateCudaKernels();
+    if (!made.ok()) {
+      std::fprintf(stderr, "MOE_BENCH_KERNELS=cuda: %s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    kernels = std::move(*made);
+  } else {
+    kernels = kernels::CreateCpuKernels();
+  }
+  std::printf("kernels: %s\n", kernels->name());
+  // Rows in device memory need a transport that moves them: NCCL with one member on the GPU,
+  // loopback otherwise.
   LoopbackFabric fabric(1);
-  auto transport = fabric.Endpoint(0);
-  auto kernels = kernels::CreateCpuKernels();
+  std::unique_ptr<Transport> transport;
+#ifdef MOE_BENCH_CUDA
+  if (cuda) {
+    char dir[] = "/tmp/api_overhead_ncclXXXXXX";
+    if (mkdtemp(dir) == nullptr) return 1;
+    NcclOptions no;
+    no.rendezvous_dir = dir;
+    auto made = CreateNcclTransport(no);
+    if (!made.ok()) {
+      std::fprintf(stderr, "nccl: %s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    transport = std::move(*made);
+  }
+#endif
+  if (transport == nullptr) transport = fabric.Endpoint(0);
   LayerExecutorOptions eo;
   eo.rank = Rank(0);
   eo.topology = topology;
