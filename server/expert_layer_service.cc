@@ -33,7 +33,7 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     if (req.k() <= 0) return reject(absl::InvalidArgumentError("k: must be positive"));
     const int64_t t = req.hidden().rows();
     // Rows inline or from a registered shared-memory region.
-    absl::StatusOr<std::vector<uint16_t>> hidden;
+    absl::StatusOr<Bf16Rows> hidden;
     if (req.has_hidden_region()) {
       if (!req.hidden().data().empty()) {
         return reject(absl::InvalidArgumentError("hidden.data: must be empty when hidden_region is set"));
@@ -41,9 +41,9 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
       const v1::SharedRegionRef& ref = req.hidden_region();
       auto at = regions_.Resolve(ref.region(), ref.offset(), ref.bytes(), "hidden_region");
       if (!at.ok()) return reject(at.status());
-      hidden = DecodeToBf16(req.hidden(), *at, ref.bytes(), "hidden_region");
+      hidden = ReadBf16(req.hidden(), *at, ref.bytes(), "hidden_region");
     } else {
-      hidden = DecodeToBf16(req.hidden(), "hidden");
+      hidden = ReadBf16(req.hidden(), req.hidden().data().data(), req.hidden().data().size(), "hidden");
     }
     if (!hidden.ok()) return reject(hidden.status());
     char* output_at = nullptr;

@@ -1,6 +1,7 @@
 #include "server/tensor_codec.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -58,8 +59,9 @@ int WireWidth(v1::DType dtype) {
   }
 }
 
-absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
-                                                   const char* field) {
+namespace {
+
+absl::Status CheckShape(const v1::Tensor& t, size_t size, const char* field) {
   if (t.rows() < 0 || t.cols() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": shape [", t.rows(), ", ", t.cols(), "] is not valid"));
   }
@@ -69,11 +71,16 @@ absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const ch
   if (static_cast<int64_t>(size) != n * width) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", size, " bytes, dtype x shape needs ", n * width));
   }
-  std::vector<uint16_t> out(n);
-  const char* p = data;
+  return absl::OkStatus();
+}
+
+// Converts checked wire bytes into `out` (t.rows() * t.cols() values).
+absl::Status Convert(const v1::Tensor& t, const char* p, const char* field, std::vector<uint16_t>* out) {
+  const int64_t n = t.rows() * t.cols();
+  out->resize(n);
   if (t.dtype() == v1::DTYPE_BF16) {
-    std::memcpy(out.data(), p, n * 2);  // the wire format is the internal format
-    return out;
+    std::memcpy(out->data(), p, n * 2);  // the wire format is the internal format
+    return absl::OkStatus();
   }
   for (int64_t i = 0; i < n; ++i) {
     float v;
@@ -85,9 +92,34 @@ absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const ch
       std::memcpy(&v, p + 4 * i, 4);
     }
     if (!std::isfinite(v)) return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
-    out[i] = kernels::FloatToBf16(v);
+    (*out)[i] = kernels::FloatToBf16(v);
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
+                                                   const char* field) {
+  absl::Status s = CheckShape(t, size, field);
+  if (!s.ok()) return s;
+  std::vector<uint16_t> out;
+  s = Convert(t, data, field, &out);
+  if (!s.ok()) return s;
   return out;
+}
+
+absl::StatusOr<Bf16Rows> ReadBf16(const v1::Tensor& t, const char* data, size_t size, const char* field) {
+  absl::Status s = CheckShape(t, size, field);
+  if (!s.ok()) return s;
+  Bf16Rows rows;
+  if (t.dtype() == v1::DTYPE_BF16 && reinterpret_cast<uintptr_t>(data) % alignof(uint16_t) == 0) {
+    rows.view_ = reinterpret_cast<const uint16_t*>(data);
+    return rows;
+  }
+  s = Convert(t, data, field, &rows.owned_);
+  if (!s.ok()) return s;
+  return rows;
 }
 
 void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out) {

@@ -3,6 +3,7 @@
 #ifndef MOE_SERVER_TENSOR_CODEC_H_
 #define MOE_SERVER_TENSOR_CODEC_H_
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -18,6 +19,21 @@ absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const ch
 inline absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* field) {
   return DecodeToBf16(t, t.data().data(), t.data().size(), field);
 }
+
+// The same rows for a reader that only needs them while `data` lives: a view of the wire bytes
+// when they already are BF16 (2-byte aligned), else a converted copy it owns. A prefill step's
+// megabyte of rows is then not copied (nor its pages faulted in) before the executor reads it.
+class Bf16Rows {
+ public:
+  const uint16_t* data() const { return view_ != nullptr ? view_ : owned_.data(); }
+  bool is_view() const { return view_ != nullptr; }
+
+ private:
+  friend absl::StatusOr<Bf16Rows> ReadBf16(const v1::Tensor& t, const char* data, size_t size, const char* field);
+  const uint16_t* view_ = nullptr;
+  std::vector<uint16_t> owned_;
+};
+absl::StatusOr<Bf16Rows> ReadBf16(const v1::Tensor& t, const char* data, size_t size, const char* field);
 // Writes rows as `dtype` into `out` (rows * d * width bytes).
 void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out);
 void EncodeFromBf16(const std::vector<uint16_t>& rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out);

@@ -81,5 +81,51 @@ TEST(TensorCodecTest, LengthAndFinitenessErrorsNameTheField) {
   EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("hidden.data[4]: not finite"));
 }
 
+// BF16 rows on the wire are read in place; other dtypes, or BF16 bytes at an odd address, are
+// converted into an owned copy; either way the values equal DecodeToBf16's and errors match.
+TEST(TensorCodecTest, ReadBf16ViewsBf16AndConvertsTheRest) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_BF16);
+  t.set_rows(2);
+  t.set_cols(4);
+  std::string bytes(1 + 16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    const uint16_t v = kernels::FloatToBf16(0.5f * static_cast<float>(i) - 1.0f);
+    std::memcpy(&bytes[1 + 2 * i], &v, 2);
+  }
+  // Aligned BF16 bytes: a view, no copy.
+  std::string aligned = bytes.substr(1);
+  t.set_data(aligned);
+  auto rows = ReadBf16(t, t.data().data(), t.data().size(), "hidden");
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_TRUE(rows->is_view());
+  EXPECT_EQ(rows->data(), reinterpret_cast<const uint16_t*>(t.data().data()));
+  const auto decoded = *DecodeToBf16(t, "hidden");
+  EXPECT_EQ(std::vector<uint16_t>(rows->data(), rows->data() + 8), decoded);
+  // The same bytes at an odd address (e.g. an odd offset in a shared region): an owned copy.
+  auto odd = ReadBf16(t, bytes.data() + 1, 16, "hidden_region");
+  ASSERT_TRUE(odd.ok()) << odd.status();
+  EXPECT_FALSE(odd->is_view());
+  EXPECT_EQ(std::vector<uint16_t>(odd->data(), odd->data() + 8), decoded);
+  // FP32 on the wire: converted.
+  v1::Tensor f = t;
+  f.set_dtype(v1::DTYPE_FP32);
+  std::string fbytes(32, '\0');
+  for (int i = 0; i < 8; ++i) {
+    const float v = 0.5f * static_cast<float>(i) - 1.0f;
+    std::memcpy(&fbytes[4 * i], &v, 4);
+  }
+  f.set_data(fbytes);
+  auto conv = ReadBf16(f, f.data().data(), f.data().size(), "hidden");
+  ASSERT_TRUE(conv.ok()) << conv.status();
+  EXPECT_FALSE(conv->is_view());
+  EXPECT_EQ(std::vector<uint16_t>(conv->data(), conv->data() + 8), decoded);
+  // A length that does not match dtype x shape: the same error as DecodeToBf16.
+  auto bad = ReadBf16(t, t.data().data(), 15, "hidden");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("hidden.data: 15 bytes"));
+}
+
 }  // namespace
 }  // namespace moe
