@@ -8,10 +8,20 @@
 #include <cstdio>
 #include <fstream>
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
 #include "CivetServer.h"
+#include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
+ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus exposer address");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here");
+ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
 
@@ -69,6 +79,25 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
   std::string token(absl::StripAsciiWhitespace(line));
   if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": token shorter than 16"));
   return token;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
+                                                        int max_message_bytes, int* port) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  *port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), port);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  if (max_message_bytes > 0) {
+    builder.SetMaxReceiveMessageSize(max_message_bytes);
+    builder.SetMaxSendMessageSize(max_message_bytes);
+  }
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *port == 0) return absl::UnavailableError(absl::StrCat("--listen ", listen, ": cannot bind"));
+  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(*port));
+  return server;
 }
 
 sigset_t BlockTerminationSignals() {

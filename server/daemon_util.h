@@ -1,15 +1,27 @@
-// Process plumbing shared by moe-rankd and moe-controller: port files, the Prometheus exposer on
-// a (possibly zero) port, and blocking termination signals for a sigwait() in main.
+// Process plumbing shared by moe-rankd and moe-controller: the flags both declare (where they
+// listen, where they write their ports, the log level), port files, the gRPC server with health
+// checking and reflection, the Prometheus exposer on a (possibly zero) port, and blocking
+// termination signals for a sigwait() in main.
 #ifndef MOE_SERVER_DAEMON_UTIL_H_
 #define MOE_SERVER_DAEMON_UTIL_H_
 
 #include <signal.h>
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "prometheus/exposer.h"
+
+ABSL_DECLARE_FLAG(std::string, listen);
+ABSL_DECLARE_FLAG(std::string, port_file);
+ABSL_DECLARE_FLAG(std::string, metrics_listen);
+ABSL_DECLARE_FLAG(std::string, metrics_port_file);
+ABSL_DECLARE_FLAG(std::string, log_level);
 
 namespace moe {
 
@@ -24,6 +36,12 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::str
 // The bearer token in the first line of `path` (whitespace stripped). INVALID_ARGUMENT naming
 // `flag` when the file is unreadable or the token shorter than 16 characters.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
+
+// Serves `services` on --listen with gRPC health checking and server reflection, and writes the
+// bound port to --port_file. max_message_bytes > 0 raises gRPC's send and receive limits.
+// UNAVAILABLE naming the flag when the address cannot be bound.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
+                                                        int max_message_bytes, int* port);
 
 // Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later).
 sigset_t BlockTerminationSignals();

@@ -10,10 +10,8 @@
 #include <optional>
 #include <string>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 
-#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -35,10 +33,6 @@
 
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
 ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
-ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
-ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
-ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus exposer address");
-ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here");
 ABSL_FLAG(std::string, ucx_host, "127.0.0.1", "host the UCX listener binds");
 ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
 ABSL_FLAG(std::string, checkpoint, "", "safetensors checkpoint (moectl checkpoint synth writes one)");
@@ -60,7 +54,6 @@ ABSL_FLAG(std::string, inject_fault, "",
           "1.05 (a candidate runner that computes something else)");
 ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (-1: the rank's index)");
 ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to this executable)");
-ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
 namespace {
@@ -228,21 +221,14 @@ int Main() {
     agent = std::make_unique<RankAgentServiceImpl>(
         RankAgentContext{Rank(rank), topology, group, &registry, executor->get(), &*ckpt, *token});
   }
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
+  std::vector<grpc::Service*> services = {&service};
+  if (agent != nullptr) services.push_back(agent.get());
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  if (agent != nullptr) builder.RegisterService(agent.get());
-  builder.SetMaxReceiveMessageSize(1 << 30);
-  builder.SetMaxSendMessageSize(1 << 30);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    spdlog::error("--listen {}: cannot bind", absl::GetFlag(FLAGS_listen));
+  auto server = ServeGrpc(services, 1 << 30, &port);
+  if (!server.ok()) {
+    spdlog::error("{}", std::string(server.status().message()));
     return 1;
   }
-  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   spdlog::info("rank {} of {} serving on port {} (metrics on {}), placement-v1 with {} local slots", rank, world, port,
                (*exposer)->GetListeningPorts().at(0), (*manifest)->LocalSlots(Rank(rank)).size());
 
@@ -250,7 +236,7 @@ int Main() {
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining", sig);
   service.Drain();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   spdlog::info("drained, exiting");
   return 0;
 }

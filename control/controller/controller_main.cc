@@ -7,9 +7,7 @@
 #include <string>
 #include <thread>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -24,10 +22,6 @@
 #include "server/daemon_util.h"
 #include "spdlog/spdlog.h"
 
-ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
-ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
-ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus exposer address");
-ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here");
 ABSL_FLAG(std::string, store, "", "SQLite file holding the release registry (created if missing)");
 ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every RPC must carry");
 ABSL_FLAG(int64_t, min_shadow, 100, "promotion gate: shadow samples required");
@@ -47,7 +41,6 @@ ABSL_FLAG(int64_t, canary_every, 4, "trials: in CANARY, every Nth step is served
 ABSL_FLAG(int, reconcile_interval_s, 5,
           "with --ranks: every N seconds, bring ranks that serve another placement than the ACTIVE release's (a "
           "restarted moe-rankd) back to it; 0: only at start");
-ABSL_FLAG(std::string, log_level, "info", "spdlog level");
 
 namespace moe {
 namespace {
@@ -149,18 +142,12 @@ int Main() {
     spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
                  std::string(s.message()));
   }
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    spdlog::error("--listen {}: cannot bind", absl::GetFlag(FLAGS_listen));
+  auto server = ServeGrpc({&service}, 0, &port);
+  if (!server.ok()) {
+    spdlog::error("{}", std::string(server.status().message()));
     return 1;
   }
-  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   auto releases = (*store)->List();
   spdlog::info("serving on port {} (metrics on {}), {} releases in {}, {} rank agents", port,
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store),
@@ -185,7 +172,7 @@ int Main() {
   spdlog::info("signal {}: shutting down", sig);
   stopping.Notify();
   if (reconciler.joinable()) reconciler.join();
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return 0;
 }
 
