@@ -115,21 +115,24 @@ inline absl::Status ProposalsAgreeOrNot(Transport& t, int odd_slot) {
   return absl::OkStatus();
 }
 
+// What a step with a dead peer must end in, on a live member: DEADLINE_EXCEEDED or UNAVAILABLE
+// (the agreement's status `s`), within the timeout (2 s of slack). OK when it did.
+inline absl::Status DeadPeerFailure(const absl::Status& s, absl::Duration took, absl::Duration timeout) {
+  if (s.ok()) return absl::InternalError("a step with a dead peer succeeded");
+  if (s.code() != absl::StatusCode::kDeadlineExceeded && s.code() != absl::StatusCode::kUnavailable) return s;
+  if (took > timeout + absl::Seconds(2)) {
+    return absl::InternalError(absl::StrCat("failure took ", absl::FormatDuration(took), ", beyond the timeout"));
+  }
+  return absl::OkStatus();
+}
+
 // The member at `dead_slot` never takes part: everyone else must fail within the timeout.
 inline absl::Status SilentPeerTimesOut(Transport& t, absl::Duration timeout) {
   std::vector<int64_t> send(t.size(), 1);
   const absl::Time start = absl::Now();
   auto agreement = AgreeOnStep(t, StepHeader{300, 7, 17, 12}, send, timeout);
   const absl::Duration took = absl::Now() - start;
-  if (agreement.ok()) return absl::InternalError("a step with a dead peer succeeded");
-  if (agreement.status().code() != absl::StatusCode::kDeadlineExceeded &&
-      agreement.status().code() != absl::StatusCode::kUnavailable) {
-    return agreement.status();
-  }
-  if (took > timeout + absl::Seconds(2)) {
-    return absl::InternalError(absl::StrCat("failure took ", absl::FormatDuration(took), ", beyond the timeout"));
-  }
-  return absl::OkStatus();
+  return DeadPeerFailure(agreement.status(), took, timeout);
 }
 
 // The member at `dead_slot` takes part in one step, then dies. Every other member must see an
@@ -142,18 +145,8 @@ inline absl::Status KilledPeerFailsFast(Transport& t, int dead_slot, absl::Durat
     const absl::Time start = absl::Now();
     auto agreement = AgreeOnStep(t, StepHeader{seq, 7, 17, 12}, send, timeout);
     const absl::Duration took = absl::Now() - start;
-    if (agreement.ok()) {
-      if (seq == 299u) continue;  // the peer was still alive for this step
-      return absl::InternalError("a step with a dead peer succeeded");
-    }
-    if (agreement.status().code() != absl::StatusCode::kDeadlineExceeded &&
-        agreement.status().code() != absl::StatusCode::kUnavailable) {
-      return agreement.status();
-    }
-    if (took > timeout + absl::Seconds(2)) {
-      return absl::InternalError(absl::StrCat("failure took ", absl::FormatDuration(took), ", beyond the timeout"));
-    }
-    return absl::OkStatus();
+    if (agreement.ok() && seq == 299u) continue;  // the peer was still alive for this step
+    return DeadPeerFailure(agreement.status(), took, timeout);
   }
   return absl::InternalError("unreachable");
 }
