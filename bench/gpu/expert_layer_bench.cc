@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +52,12 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// --cold-l2: every timed repetition starts from an L2 that holds nothing of the previous one
+// (a decode step's weights are those of another layer the step before), scrubbed and
+// synchronized outside the timed interval. Without it, repetitions run back to back on the same
+// weights and may find part of them in L2.
+bool g_cold_l2 = false;
+
 template <typename F>
 double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
   cudaEvent_t a, b;
@@ -60,6 +67,10 @@ double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
   CHECK_CUDA(cudaStreamSynchronize(st));
   std::vector<double> us;
   for (int i = 0; i < reps; ++i) {
+    if (g_cold_l2) {
+      CHECK_CUDA(moe::bench::ScrubL2(st));
+      CHECK_CUDA(cudaStreamSynchronize(st));
+    }
     CHECK_CUDA(cudaEventRecord(a, st));
     body();
     CHECK_CUDA(cudaEventRecord(b, st));
@@ -118,6 +129,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
+    if (!std::strcmp(argv[i], "--cold-l2")) g_cold_l2 = true;
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
     if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_tokens = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--layout") && i + 1 < argc) {
@@ -245,9 +257,28 @@ int main(int argc, char** argv) {
         const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Gather(gather, st)); });
         const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(experts, st)); });
         const double combine_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Combine(combine, st)); });
+        // Host time to enqueue each stage (the API call, its checks and launches), the stream
+        // idle before each call: what an eager step spends on the CPU per stage.
+        std::vector<double> host[3];
+        for (int i = 0; i < reps; ++i) {
+          CHECK_CUDA(cudaStreamSynchronize(st));
+          const auto t0 = std::chrono::steady_clock::now();
+          route();
+          const auto t1 = std::chrono::steady_clock::now();
+          CHECK_OK(kernels->Swiglu(experts, st));
+          const auto t2 = std::chrono::steady_clock::now();
+          CHECK_OK(kernels->Combine(combine, st));
+          const auto t3 = std::chrono::steady_clock::now();
+          host[0].push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+          host[1].push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+          host[2].push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
+        }
+        CHECK_CUDA(cudaStreamSynchronize(st));
         std::printf("{\"kind\": \"breakdown\", \"path\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
-                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f}\n",
-                    path, s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us, floor_us);
+                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f, "
+                    "\"host_route_us\": %.1f, \"host_experts_us\": %.1f, \"host_combine_us\": %.1f}\n",
+                    path, s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us, floor_us,
+                    Median(host[0]), Median(host[1]), Median(host[2]));
       };
       // Capacity for the padded layout: the largest segment of this routing.
       if (!decode_only) layer();
@@ -264,11 +295,11 @@ int main(int argc, char** argv) {
             "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"path\": \"%s\", \"layout\": \"%s\", \"shape\": \"%s\", "
             "\"T\": %lld, \"us\": %.1f, \"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, "
             "\"weight_read_us\": %.1f, \"dense_fraction\": %.3f, \"dense_adjacent_tflops\": %.1f, "
-            "\"dense_adjacent_fraction\": %.3f}\n",
+            "\"dense_adjacent_fraction\": %.3f, \"cold_l2\": %d}\n",
             path, moe::kernels::LayoutName(layout), s.name, static_cast<long long>(t), us, flops / (us * 1e-6) / 1e12,
             (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
             flops / (us * 1e-6) / 1e12 / dense, dense_here,
-            dense_here > 0 ? flops / (us * 1e-6) / 1e12 / dense_here : 0.0);
+            dense_here > 0 ? flops / (us * 1e-6) / 1e12 / dense_here : 0.0, g_cold_l2 ? 1 : 0);
       };
       if (!decode_only) {
         const double us = TimeMedianUs(reps, st, layer);

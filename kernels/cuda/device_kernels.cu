@@ -128,6 +128,9 @@ __global__ void SwigluActivationVec8Kernel(const uint4* __restrict__ h, int64_t 
 
 // ---- combine ---------------------------------------------------------------------------------
 
+// A token's k routes are read together: first every row index and gate, then every expert row
+// (up to K_MAX loads in flight instead of a chain of dependent ones; one token's combine is a
+// few L2 round trips whatever k is), then summed in route order j = 0 .. k-1 as before.
 template <int K_MAX>
 __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
                                   const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
@@ -140,17 +143,32 @@ __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_ro
     const int64_t t = i / d8;
     const int64_t c = i - t * d8;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < k; ++j) {
-      const int32_t row = row_of_route[t * k + j];
-      if (row < 0 || row >= num_rows) continue;
-      const float g = gate[t * k + j];
-      const uint4 v = rows[row * d8 + c];
+    auto add = [&](float g, const uint4& v) {
       const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 x = __bfloat1622float2(v2[q]);
         acc[2 * q] += g * x.x;
         acc[2 * q + 1] += g * x.y;
+      }
+    };
+    for (int j0 = 0; j0 < k; j0 += K_MAX) {
+      int32_t row[K_MAX];
+      float g[K_MAX];
+#pragma unroll
+      for (int j = 0; j < K_MAX; ++j) {
+        const bool in = j0 + j < k;
+        row[j] = in ? row_of_route[t * k + j0 + j] : -1;
+        g[j] = in ? gate[t * k + j0 + j] : 0.0f;
+      }
+      uint4 v[K_MAX];
+#pragma unroll
+      for (int j = 0; j < K_MAX; ++j) {
+        v[j] = row[j] >= 0 && row[j] < num_rows ? rows[static_cast<int64_t>(row[j]) * d8 + c] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < K_MAX; ++j) {
+        if (row[j] >= 0 && row[j] < num_rows) add(g[j], v[j]);  // dropped routes add nothing
       }
     }
     if (out_fp32 != nullptr) {

@@ -14,7 +14,7 @@
 //     x_row_index the gather into expert-major order is fused into these loads);
 //   - GateUpKernel: a[r, c] = bf16(silu(bf16(x_r . Wg_c)) * bf16(x_r . Wu_c)), one unit = the
 //     gate and up rows of column c (activation in the epilogue);
-//     DownKernel: y[r, o] = bf16(a_r . Wd_o), one unit = four output rows;
+//     DownKernel: y[r, o] = bf16(a_r . Wd_o), one unit = two output rows;
 //   - both are launched as programmatic dependents (pdl.cuh): the gate/up grid is resident
 //     before the routing kernel ends, and the down grid takes SM slots as the gate/up blocks
 //     finish, prefetching its first weight rows into L2 before it waits for `a`.
@@ -41,17 +41,13 @@ using small_batch::kWarps;
 // Bytes of its first unit's weights a down warp prefetches into L2 before waiting for `a`.
 constexpr int kPrefetchBytes = 8 * 1024;
 
-// Down units: four output rows with two vectors of each in flight (the same 128 bytes a lane as
-// two rows of four), so the per-unit work (reduction, bookkeeping) spreads over twice the
-// weight bytes (d_ff = 768 gives a lane only three vectors of a row).
-template <int ROWS>
-constexpr int DownRows() {
-  return 4;
-}
-template <int ROWS>
-constexpr int DownBatch() {
-  return 2;
-}
+// Down units: two output rows, the whole of each in flight at once for d_ff <= 768 (three
+// vectors a lane: one round trip a unit). Four-row units with two rounds each left the units of
+// a one-token step (E=128, d=2048: 4096 units over 3168 warps) to a third of the warps twice,
+// the kernel then running at 1.9 TB/s against the gate/up kernel's 2.7 (ncu, H200); two-row
+// units split 8192 over the same warps (at most 3 a warp against a mean of 2.6).
+constexpr int kDownRows = 2;
+constexpr int kDownBatch = 3;
 // Register budget (measured on an H200 at E=128, d=2048, d_ff=768): three blocks of 256 threads
 // per SM (85 registers; four blocks spill).
 template <int ROWS>
@@ -126,7 +122,6 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
   // Offsets and weights are inputs of the whole SwiGLU launch, complete before the gate/up
   // kernel released this one: read them (and warm L2 with the first weight rows) before `a`.
   const ActiveExperts act = small_batch::CompactActive(offsets, num_experts, ActiveCache());
-  constexpr int kDownRows = DownRows<ROWS>();
   const int units_per_expert = (d + kDownRows - 1) / kDownRows;
   int64_t begin, end;
   WarpShare(static_cast<int64_t>(act.count) * units_per_expert, &begin, &end);
@@ -168,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
       const int rows = static_cast<int>(seg_end - r0 < ROWS ? seg_end - r0 : ROWS);
       const uint4* ap = a + r0 * f8;  // the chunk's rows are consecutive
       float acc[kDownRows][ROWS] = {};
-      DotRows<ROWS, kDownRows, DownBatch<ROWS>()>(w, [&](int r, int i) { return __ldg(ap + r * f8 + i); }, f8, rows, acc);
+      DotRows<ROWS, kDownRows, kDownBatch>(w, [&](int r, int i) { return __ldg(ap + r * f8 + i); }, f8, rows, acc);
       small_batch::StoreRows<ROWS, kDownRows>(acc, rows, r0, d, o0, y);
     }
   }
@@ -198,7 +193,7 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
                                   num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
                                   reinterpret_cast<__nv_bfloat16*>(a));
   if (e != cudaSuccess) return e;
-  const int64_t down_units = static_cast<int64_t>(num_experts) * ((d + DownRows<ROWS>() - 1) / DownRows<ROWS>());
+  const int64_t down_units = static_cast<int64_t>(num_experts) * ((d + kDownRows - 1) / kDownRows);
   return LaunchDependent(DownKernel<ROWS>, dim3(grid(down_units, BlocksPerSm<ROWS>())), dim3(kThreads), smem, stream,
                          reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
                          reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y));
