@@ -58,50 +58,80 @@ double Median(std::vector<double> v) {
 // weights and may find part of them in L2.
 bool g_cold_l2 = false;
 
+// One timed repetition between two events (the stream idle before it, cold L2 if asked).
 template <typename F>
-double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
+double TimeOnceUs(cudaStream_t st, cudaEvent_t a, cudaEvent_t b, F&& body) {
+  if (g_cold_l2) {
+    CHECK_CUDA(moe::bench::ScrubL2(st));
+    CHECK_CUDA(cudaStreamSynchronize(st));
+  }
+  CHECK_CUDA(cudaEventRecord(a, st));
+  body();
+  CHECK_CUDA(cudaEventRecord(b, st));
+  CHECK_CUDA(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+  return ms * 1000.0;
+}
+
+// Medians of `reps` repetitions of each body, the bodies taking turns (one repetition of each,
+// then again), after three warm-up rounds: side by side under the same clocks and power state.
+template <typename... F>
+std::vector<double> TimeMediansUs(int reps, cudaStream_t st, F&&... bodies) {
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) body();
+  for (int i = 0; i < 3; ++i) (bodies(), ...);
   CHECK_CUDA(cudaStreamSynchronize(st));
-  std::vector<double> us;
+  std::vector<std::vector<double>> us(sizeof...(bodies));
   for (int i = 0; i < reps; ++i) {
-    if (g_cold_l2) {
-      CHECK_CUDA(moe::bench::ScrubL2(st));
-      CHECK_CUDA(cudaStreamSynchronize(st));
-    }
-    CHECK_CUDA(cudaEventRecord(a, st));
-    body();
-    CHECK_CUDA(cudaEventRecord(b, st));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-    us.push_back(ms * 1000.0);
+    size_t j = 0;
+    ((us[j++].push_back(TimeOnceUs(st, a, b, bodies))), ...);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  return Median(us);
+  std::vector<double> medians;
+  for (auto& v : us) medians.push_back(Median(v));
+  return medians;
 }
 
+template <typename F>
+double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
+  return TimeMediansUs(reps, st, body)[0];
+}
+
+// cuBLAS BF16 8192^3, the dense ceiling.
+class DenseGemm {
+ public:
+  DenseGemm(cublasHandle_t h, cudaStream_t st) : h_(h) {
+    CHECK_CUDA(cudaMalloc(&a_, 2LL * kN * kN));
+    CHECK_CUDA(cudaMalloc(&b_, 2LL * kN * kN));
+    CHECK_CUDA(cudaMalloc(&c_, 2LL * kN * kN));
+    CHECK_CUDA(moe::bench::FillRandomBf16(a_, 1LL * kN * kN, 1, 1.0f, st));
+    CHECK_CUDA(moe::bench::FillRandomBf16(b_, 1LL * kN * kN, 2, 1.0f, st));
+    cublasSetStream(h, st);
+  }
+  ~DenseGemm() {
+    cudaFree(a_);
+    cudaFree(b_);
+    cudaFree(c_);
+  }
+  void Run() const {
+    const float alpha = 1, beta = 0;
+    cublasGemmEx(h_, CUBLAS_OP_N, CUBLAS_OP_N, kN, kN, kN, &alpha, a_, CUDA_R_16BF, kN, b_, CUDA_R_16BF, kN, &beta, c_,
+                 CUDA_R_16BF, kN, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  }
+  static double Tflops(double us) { return 2.0 * kN * kN * static_cast<double>(kN) / (us * 1e-6) / 1e12; }
+
+ private:
+  static constexpr int kN = 8192;
+  cublasHandle_t h_;
+  void *a_ = nullptr, *b_ = nullptr, *c_ = nullptr;
+};
+
 double DenseTflops(cublasHandle_t h, cudaStream_t st, int reps) {
-  const int n = 8192;
-  void *a, *b, *c;
-  CHECK_CUDA(cudaMalloc(&a, 2LL * n * n));
-  CHECK_CUDA(cudaMalloc(&b, 2LL * n * n));
-  CHECK_CUDA(cudaMalloc(&c, 2LL * n * n));
-  CHECK_CUDA(moe::bench::FillRandomBf16(a, 1LL * n * n, 1, 1.0f, st));
-  CHECK_CUDA(moe::bench::FillRandomBf16(b, 1LL * n * n, 2, 1.0f, st));
-  cublasSetStream(h, st);
-  const float alpha = 1, beta = 0;
-  const double us = TimeMedianUs(reps, st, [&] {
-    cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c, CUDA_R_16BF,
-                 n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  });
-  cudaFree(a);
-  cudaFree(b);
-  cudaFree(c);
-  return 2.0 * n * n * static_cast<double>(n) / (us * 1e-6) / 1e12;
+  DenseGemm g(h, st);
+  return DenseGemm::Tflops(TimeMedianUs(reps, st, [&] { g.Run(); }));
 }
 
 // Device-to-device copy rate counting bytes read plus bytes written (the way the notes quote it).
@@ -288,22 +318,29 @@ int main(int argc, char** argv) {
       const double weight_bytes = static_cast<double>(experts_hit) * 3.0 * s.d * s.f * 2.0;
       const double act_bytes = (t * s.d * 2.0) * 2 + routes * s.d * 2.0 * 2;  // hidden in, out; packed, expert out
       const double weight_read_us = weight_bytes / (copy * 1e12) * 1e6;
-      // dense_here > 0: the dense ceiling measured again right after this cell (GEMM-bound cells
-      // run late in a long sweep, when clocks may sit below those of the first ceiling).
-      auto report = [&](const char* path, double us, double dense_here = 0) {
+      // GEMM-bound cells (T >= 4096) also run side by side with the dense GEMM, repetitions taking
+      // turns (interleaved_us, dense_interleaved_tflops): the dense rate under the same clocks
+      // and power state as the cell, which a long sweep moves away from the first ceiling's.
+      auto report = [&](const char* path, double us, double interleaved_us = 0, double dense_here = 0) {
+        const double here = interleaved_us > 0 && dense_here > 0 ? flops / (interleaved_us * 1e-6) / 1e12 / dense_here : 0;
         std::printf(
             "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"path\": \"%s\", \"layout\": \"%s\", \"shape\": \"%s\", "
             "\"T\": %lld, \"us\": %.1f, \"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, "
-            "\"weight_read_us\": %.1f, \"dense_fraction\": %.3f, \"dense_adjacent_tflops\": %.1f, "
-            "\"dense_adjacent_fraction\": %.3f, \"cold_l2\": %d}\n",
+            "\"weight_read_us\": %.1f, \"dense_fraction\": %.3f, \"interleaved_us\": %.1f, "
+            "\"dense_interleaved_tflops\": %.1f, \"dense_interleaved_fraction\": %.3f, \"cold_l2\": %d}\n",
             path, moe::kernels::LayoutName(layout), s.name, static_cast<long long>(t), us, flops / (us * 1e-6) / 1e12,
             (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
-            flops / (us * 1e-6) / 1e12 / dense, dense_here,
-            dense_here > 0 ? flops / (us * 1e-6) / 1e12 / dense_here : 0.0, g_cold_l2 ? 1 : 0);
+            flops / (us * 1e-6) / 1e12 / dense, interleaved_us, dense_here, here, g_cold_l2 ? 1 : 0);
       };
       if (!decode_only) {
         const double us = TimeMedianUs(reps, st, layer);
-        report("prefill", us, t >= 4096 ? DenseTflops(h, st, reps) : 0);
+        if (t >= 4096) {
+          DenseGemm gemm(h, st);
+          const std::vector<double> side = TimeMediansUs(reps, st, layer, [&] { gemm.Run(); });
+          report("prefill", us, side[0], DenseGemm::Tflops(side[1]));
+        } else {
+          report("prefill", us);
+        }
       }
       if (t <= 128) {
         report("decode", TimeMedianUs(reps, st, decode_layer));

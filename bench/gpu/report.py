@@ -30,8 +30,8 @@ def main():
             continue
         p = refcells.get((r["shape"], r["T"]))
         speed = p["us"] / r["us"] if p else float("nan")
-        adj = (f" (adjacent {100 * r['dense_adjacent_fraction']:.1f}% of {r['dense_adjacent_tflops']})"
-               if r.get("dense_adjacent_tflops", 0) > 0 else "")
+        adj = (f" (interleaved {100 * r['dense_interleaved_fraction']:.1f}% of {r['dense_interleaved_tflops']})"
+               if r.get("dense_interleaved_tflops", 0) > 0 else "")
         lines.append(f"| {r['shape']} | {r['T']} | {r.get('path', '-')} | {r['us']} | {r['tflops']} | {r['bytes_per_s_tb']} | "
                      f"{p['us'] if p else '-'} | {p['tflops'] if p else '-'} | {speed:.2f}× | "
                      f"{100 * r['dense_fraction']:.1f}%{adj} | {r['experts_hit']} | {r['weight_read_us']} | "
