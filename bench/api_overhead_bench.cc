@@ -37,6 +37,7 @@
 #endif
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/placement/default_placement.h"
+#include "server/daemon_util.h"
 #include "server/expert_layer_service.h"
 
 namespace moe {
@@ -276,4 +277,7 @@ int Main() {
 }  // namespace
 }  // namespace moe
 
-int main() { return moe::Main(); }
+int main() {
+  moe::DisableMutexDeadlockDetection();  // as moe-rankd does (both the API and the echo gain)
+  return moe::Main();
+}

@@ -15,6 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
@@ -108,5 +109,7 @@ sigset_t BlockTerminationSignals() {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   return signals;
 }
+
+void DisableMutexDeadlockDetection() { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); }
 
 }  // namespace moe

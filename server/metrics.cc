@@ -37,24 +37,68 @@ RankMetrics::RankMetrics(const std::string& release) : registry_(std::make_share
 }
 
 void RankMetrics::Step(const std::string& phase, const std::string& path, const std::string& status, double seconds) {
-  steps_->Add({{"release", release_}, {"phase", phase}, {"path", path}, {"status", status}}).Increment();
-  if (status == "ok") {
-    static const prometheus::Histogram::BucketBoundaries kBuckets = {
-        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5};
-    latency_->Add({{"release", release_}, {"phase", phase}, {"path", path}}, kBuckets).Observe(seconds);
+  const bool ok = status == "ok";
+  prometheus::Counter* steps = nullptr;
+  prometheus::Histogram* latency = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(series_mu_);
+    StepSeries* found = nullptr;
+    for (StepSeries& s : step_series_) {
+      if (s.phase == phase && s.path == path && s.status == status) {
+        found = &s;
+        break;
+      }
+    }
+    if (found == nullptr) {
+      step_series_.push_back(StepSeries{
+          phase, path, status,
+          &steps_->Add({{"release", release_}, {"phase", phase}, {"path", path}, {"status", status}}), nullptr});
+      found = &step_series_.back();
+    }
+    if (ok && found->latency == nullptr) {
+      static const prometheus::Histogram::BucketBoundaries kBuckets = {
+          0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5};
+      found->latency = &latency_->Add({{"release", release_}, {"phase", phase}, {"path", path}}, kBuckets);
+    }
+    steps = found->steps;
+    latency = found->latency;
   }
+  steps->Increment();
+  if (ok) latency->Observe(seconds);
 }
 
 void RankMetrics::Routes(int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote, int64_t inter_node) {
-  routes_->Add({{"release", release_}, {"kind", "attempted"}}).Increment(static_cast<double>(attempted));
-  routes_->Add({{"release", release_}, {"kind", "accepted"}}).Increment(static_cast<double>(accepted));
-  routes_->Add({{"release", release_}, {"kind", "dropped"}}).Increment(static_cast<double>(dropped));
-  routes_->Add({{"release", release_}, {"kind", "remote"}}).Increment(static_cast<double>(remote));
-  routes_->Add({{"release", release_}, {"kind", "inter_node"}}).Increment(static_cast<double>(inter_node));
+  RouteSeries* r;
+  {
+    std::lock_guard<std::mutex> lock(series_mu_);
+    if (route_series_ == nullptr) {
+      route_series_ = std::make_unique<RouteSeries>(RouteSeries{
+          &routes_->Add({{"release", release_}, {"kind", "attempted"}}), &routes_->Add({{"release", release_}, {"kind", "accepted"}}),
+          &routes_->Add({{"release", release_}, {"kind", "dropped"}}), &routes_->Add({{"release", release_}, {"kind", "remote"}}),
+          &routes_->Add({{"release", release_}, {"kind", "inter_node"}})});
+    }
+    r = route_series_.get();
+  }
+  r->attempted->Increment(static_cast<double>(attempted));
+  r->accepted->Increment(static_cast<double>(accepted));
+  r->dropped->Increment(static_cast<double>(dropped));
+  r->remote->Increment(static_cast<double>(remote));
+  r->inter_node->Increment(static_cast<double>(inter_node));
 }
 
 void RankMetrics::Fallback(const std::string& reason) {
-  fallbacks_->Add({{"release", release_}, {"reason", reason}}).Increment();
+  prometheus::Counter* c = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(series_mu_);
+    for (const auto& [r, counter] : fallback_series_) {
+      if (r == reason) c = counter;
+    }
+    if (c == nullptr) {
+      c = &fallbacks_->Add({{"release", release_}, {"reason", reason}});
+      fallback_series_.emplace_back(reason, c);
+    }
+  }
+  c->Increment();
 }
 
 void RankMetrics::BytesSent(int64_t bytes) { bytes_sent_->Increment(static_cast<double>(bytes)); }

@@ -245,6 +245,7 @@ int Main() {
 }  // namespace moe
 
 int main(int argc, char** argv) {
+  moe::DisableMutexDeadlockDetection();
   absl::ParseCommandLine(argc, argv);
   moe::InitLogging(absl::StrCat("moe-rankd[", absl::GetFlag(FLAGS_rank), "]"), absl::GetFlag(FLAGS_log_level));
   return moe::Main();

@@ -180,6 +180,7 @@ int Main() {
 }  // namespace moe
 
 int main(int argc, char** argv) {
+  moe::DisableMutexDeadlockDetection();
   absl::ParseCommandLine(argc, argv);
   moe::InitLogging("moe-controller", absl::GetFlag(FLAGS_log_level));
   return moe::Main();
