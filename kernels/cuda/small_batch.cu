@@ -172,14 +172,8 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
 template <int ROWS>
 cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
-  // The SM count, once per process (the shared memory, at most 24 KiB, needs no opt-in).
-  static int sms = 0;
-  static cudaError_t setup = [] {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return e;
-  }();
+  int sms = 0;  // (the shared memory, at most 24 KiB, needs no opt-in)
+  const cudaError_t setup = small_batch::SmCount(&sms);
   if (setup != cudaSuccess) return setup;
   const size_t smem = ActiveBytes(num_experts);
   // One resident wave, or fewer blocks when even every expert busy would not fill it.

@@ -27,6 +27,19 @@ struct ActiveExperts {
   int count;
 };
 
+// The current device's SM count, looked up once per process (a process drives one device).
+inline cudaError_t SmCount(int* sms) {
+  static int count = 0;
+  static const cudaError_t setup = [] {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return e;
+  }();
+  *sms = count;
+  return setup;
+}
+
 // Shared memory CompactActive needs: [E + 1] offsets, then [E] ids (none beyond the cache limit).
 __host__ __device__ inline size_t ActiveBytes(int num_experts) {
   return num_experts > kCachedExperts ? 0

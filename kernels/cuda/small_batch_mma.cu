@@ -196,13 +196,8 @@ bool MmaSupported(int d, int f) { return d > 0 && f > 0 && d % 32 == 0 && f % 32
 cudaError_t LaunchMmaSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d,
                             int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                             cudaStream_t stream) {
-  static int sms = 0;
-  static cudaError_t setup = [] {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return e;
-  }();
+  int sms = 0;
+  const cudaError_t setup = SmCount(&sms);
   if (setup != cudaSuccess) return setup;
   const size_t smem = ActiveBytes(num_experts);
   // One resident wave, or fewer blocks when every expert busy would not fill it.

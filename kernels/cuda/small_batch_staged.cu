@@ -129,16 +129,13 @@ int Grid(int items, int resident) { return items < resident ? items : resident; 
 template <int ROWS>
 cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
                    const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
-  // Device attributes and the shared-memory opt-in are set once per process and ROWS.
-  static int sms = 0;
+  // The shared-memory opt-in is set once per process and ROWS.
+  int sms = 0;
+  const cudaError_t count = SmCount(&sms);
+  if (count != cudaSuccess) return count;
   static cudaError_t setup = [] {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(GateUpKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
-    }
+    cudaError_t e = cudaFuncSetAttribute(GateUpKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
     if (e == cudaSuccess) {
       e = cudaFuncSetAttribute(DownKernel<ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(kSmemBudget + ActiveBytes(kCachedExperts) + 16));
