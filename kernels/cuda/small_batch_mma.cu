@@ -93,10 +93,28 @@ __device__ __forceinline__ void WarpChunks(int chunks, int* c0, int* c1) {
   *c1 = *c0 + per < chunks ? *c0 + per : chunks;
 }
 
-__device__ __forceinline__ void BlockShare(int64_t units, int64_t* begin, int64_t* end) {
-  *begin = units * blockIdx.x / gridDim.x;
-  *end = units * (blockIdx.x + 1) / gridDim.x;
-}
+// A block's walk over its balanced, contiguous share of the (active slot, group) units, `groups`
+// tiles an expert, and this warp's k-chunks of `chunks` (split evenly over the block's warps).
+struct TileWalk {
+  __device__ TileWalk(const ActiveExperts& act, int groups, int chunks) : groups(groups) {
+    const int64_t units = static_cast<int64_t>(act.count) * groups;
+    unit = units * blockIdx.x / gridDim.x;
+    end = units * (blockIdx.x + 1) / gridDim.x;
+    slot = static_cast<int>(unit / groups);
+    grp = static_cast<int>(unit - static_cast<int64_t>(slot) * groups);
+    WarpChunks(chunks, &chunk0, &chunk1);
+  }
+  __device__ bool More() const { return unit < end; }
+  __device__ void Next() {
+    ++unit;
+    if (++grp == groups) {
+      grp = 0;
+      ++slot;
+    }
+  }
+  int64_t unit, end;
+  int groups, slot, grp, chunk0, chunk1;
+};
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     GateUpMmaKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
@@ -106,21 +124,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
   ReleaseDependents();
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
-  const int groups = f / 8;
-  int64_t begin, end;
-  BlockShare(static_cast<int64_t>(act.count) * groups, &begin, &end);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int chunk0, chunk1;
-  WarpChunks(d8 / 4, &chunk0, &chunk1);
-  int slot = static_cast<int>(begin / groups), grp = static_cast<int>(begin - static_cast<int64_t>(slot) * groups);
-  for (int64_t unit = begin; unit < end; ++unit, ++grp) {
-    if (grp == groups) {
-      grp = 0;
-      ++slot;
-    }
-    const int e = act.ids != nullptr ? act.ids[slot] : slot;
+  for (TileWalk w(act, f / 8, d8 / 4); w.More(); w.Next()) {
+    const int e = act.ids != nullptr ? act.ids[w.slot] : w.slot;
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
-    const int col = grp * 8 + g;
+    const int col = w.grp * 8 + g;
     const uint4* lo = w_gate_up + (static_cast<int64_t>(e) * 2 * f + col) * d8;  // gate row of column col
     const uint4* hi = lo + static_cast<int64_t>(f) * d8;                          // its up row
     for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kRowsPerMma) {
@@ -128,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       const int64_t layout_row = r0 + (g < rows ? g : rows - 1);
       const int64_t src = x_row_index != nullptr ? __ldg(x_row_index + layout_row) : layout_row;
       float c[4];
-      TileProduct(lo, hi, x + src * d8, g < rows, chunk0, chunk1, partial, c);
+      TileProduct(lo, hi, x + src * d8, g < rows, w.chunk0, w.chunk1, partial, c);
       if (threadIdx.x < 32) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -154,27 +162,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
   WaitForPredecessor();  // `a` comes from the gate/up kernel
   ReleaseDependents();
-  const int groups = d / 16;
-  int64_t begin, end;
-  BlockShare(static_cast<int64_t>(act.count) * groups, &begin, &end);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int chunk0, chunk1;
-  WarpChunks(f8 / 4, &chunk0, &chunk1);
-  int slot = static_cast<int>(begin / groups), grp = static_cast<int>(begin - static_cast<int64_t>(slot) * groups);
-  for (int64_t unit = begin; unit < end; ++unit, ++grp) {
-    if (grp == groups) {
-      grp = 0;
-      ++slot;
-    }
-    const int e = act.ids != nullptr ? act.ids[slot] : slot;
+  for (TileWalk w(act, d / 16, f8 / 4); w.More(); w.Next()) {
+    const int e = act.ids != nullptr ? act.ids[w.slot] : w.slot;
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
-    const int o = grp * 16 + g;
+    const int o = w.grp * 16 + g;
     const uint4* lo = w_down + (static_cast<int64_t>(e) * d + o) * f8;
     const uint4* hi = lo + 8 * static_cast<int64_t>(f8);
     for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kRowsPerMma) {
       const int rows = static_cast<int>(seg_end - r0 < kRowsPerMma ? seg_end - r0 : kRowsPerMma);
       float c[4];
-      TileProduct(lo, hi, a + (r0 + (g < rows ? g : rows - 1)) * f8, g < rows, chunk0, chunk1, partial, c);
+      TileProduct(lo, hi, a + (r0 + (g < rows ? g : rows - 1)) * f8, g < rows, w.chunk0, w.chunk1, partial, c);
       if (threadIdx.x < 32) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
