@@ -144,6 +144,26 @@ struct CombineParams {
   uint16_t* out_bf16 = nullptr;         // optional [num_tokens, d]
 };
 
+// The whole MoE layer of a step whose experts all live where the kernels run (one device, no
+// exchange): out[t] = sum_j gate[t, j] * SwiGLU_{topk[t, j]}(x[t]) in FP32, j in order; ids
+// outside [0, E) are dropped routes and contribute nothing. Equals RouteRows, then Swiglu on
+// the decode path (grouped layout, device offsets, x_row_index = token_of_row), then Combine,
+// bit for bit. The CUDA implementation runs decode-sized steps eagerly (one token, at most 32
+// routes, d <= 2048) as two kernels that each derive the routing from topk in every block, the
+// last block of the second one doing the combine; other steps, and every call made while the
+// stream is being captured into a CUDA graph, run those three stages. Scratch is owned by the
+// kernels object and grows on first use at a size: warm a size up before capturing the call.
+struct LocalLayerParams {
+  ExpertWeights weights;
+  const uint16_t* x = nullptr;      // [num_tokens, d] BF16
+  const int32_t* topk = nullptr;    // [num_tokens, k]
+  const float* gate = nullptr;      // [num_tokens, k] FP32
+  int64_t num_tokens = 0;
+  int k = 0;
+  float* out_fp32 = nullptr;        // optional [num_tokens, d]
+  uint16_t* out_bf16 = nullptr;     // optional [num_tokens, d]
+};
+
 // FP8 E4M3 with FP32 scales: scale = amax / 448 over the row or the 128-value block (1 when the
 // amax is 0), q = satfinite_rne(x / scale).
 struct QuantizeParams {
@@ -177,6 +197,7 @@ class ExpertKernels {
   virtual absl::Status Combine(const CombineParams& p, Stream stream) = 0;
   virtual absl::Status Quantize(const QuantizeParams& p, Stream stream) = 0;
   virtual absl::Status Dequantize(const DequantizeParams& p, Stream stream) = 0;
+  virtual absl::Status LocalLayer(const LocalLayerParams& p, Stream stream) = 0;
 
   // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
   // the CUDA implementation allocates device memory and copies on `stream` (a copy from
@@ -224,6 +245,17 @@ absl::Status CheckSwiglu(const SwigluParams& p);
 absl::Status CheckCombine(const CombineParams& p);
 absl::Status CheckQuantize(const QuantizeParams& p);
 absl::Status CheckDequantize(const DequantizeParams& p);
+absl::Status CheckLocalLayer(const LocalLayerParams& p);
+
+// LocalLayer as its three stages (RouteRows, Swiglu on the decode path, Combine) on `kernels`,
+// with the routing tables and expert rows in `scratch` (kernel memory of that object).
+struct LocalLayerScratch {
+  KernelBuffer counts, offsets, row_of_route, token_of_row, rows;
+};
+absl::Status RunLocalLayerInStages(ExpertKernels* kernels, const LocalLayerParams& p, LocalLayerScratch* scratch,
+                                   Stream stream);
+// Grows `scratch` to what RunLocalLayerInStages needs for `p` (its only allocations).
+absl::Status ReserveLocalLayerScratch(ExpertKernels* kernels, const LocalLayerParams& p, LocalLayerScratch* scratch);
 
 }  // namespace moe::kernels
 

@@ -159,6 +159,24 @@ absl::Status CheckCombine(const CombineParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CheckLocalLayer(const LocalLayerParams& p) {
+  const ExpertWeights& w = p.weights;
+  if (w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0) {
+    return absl::InvalidArgumentError("local_layer.weights: num_experts, d and d_ff must be positive");
+  }
+  if (w.w_gate_up == nullptr || w.w_down == nullptr) return absl::InvalidArgumentError("local_layer.weights: null");
+  if (p.k <= 0) return absl::InvalidArgumentError("local_layer.k: must be positive");
+  if (p.num_tokens < 0) return absl::InvalidArgumentError("local_layer.num_tokens: negative");
+  if (p.out_fp32 == nullptr && p.out_bf16 == nullptr) return absl::InvalidArgumentError("local_layer: no output");
+  if (p.num_tokens > 0 && (p.x == nullptr || p.topk == nullptr || p.gate == nullptr)) {
+    return absl::InvalidArgumentError("local_layer: null x, topk or gate");
+  }
+  if (p.num_tokens * p.k > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("local_layer.num_tokens: num_tokens * k must fit 32-bit row indices");
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 absl::Status CheckScales(ScaleGranularity g, int64_t count, int64_t rows, int d, const char* what) {
   if (g == ScaleGranularity::kNone) return absl::InvalidArgumentError(absl::StrCat(what, ".granularity: FP8 needs scales"));

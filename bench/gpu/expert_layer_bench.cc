@@ -275,12 +275,18 @@ int main(int argc, char** argv) {
         CHECK_OK(kernels->Swiglu(prefill, st));
         CHECK_OK(kernels->Combine(combine, st));
       };
-      // Decode path: no host round trip; offsets stay on the device.
-      auto decode_layer = [&] {
-        route();
-        CHECK_OK(kernels->Swiglu(decode, st));
-        CHECK_OK(kernels->Combine(combine, st));
-      };
+      // Decode path: no host round trip; offsets stay on the device. One LocalLayer call (route,
+      // experts with the gather fused into their loads, combine): at one token, eager, the fused
+      // kernels; captured, the stages (MOE_CUDA_FUSED_LAYER=0: stages always, side by side).
+      moe::kernels::LocalLayerParams local;
+      local.weights = prefill.weights;
+      local.x = static_cast<const uint16_t*>(hidden);
+      local.topk = d_topk;
+      local.gate = d_gates;
+      local.num_tokens = t;
+      local.k = s.k;
+      local.out_bf16 = static_cast<uint16_t*>(out);
+      auto decode_layer = [&] { CHECK_OK(kernels->LocalLayer(local, st)); };
       // Stage-alone medians (same inputs); `experts` is the given Swiglu variant.
       auto breakdown = [&](const char* path, const moe::kernels::SwigluParams& experts, double floor_us) {
         const double route_us = TimeMedianUs(reps, st, route);
@@ -303,12 +309,22 @@ int main(int argc, char** argv) {
           host[1].push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
           host[2].push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
         }
+        // The same for the decode path's one LocalLayer call.
+        std::vector<double> host_layer;
+        for (int i = 0; i < reps; ++i) {
+          CHECK_CUDA(cudaStreamSynchronize(st));
+          const auto t0 = std::chrono::steady_clock::now();
+          decode_layer();
+          host_layer.push_back(
+              std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+        }
         CHECK_CUDA(cudaStreamSynchronize(st));
         std::printf("{\"kind\": \"breakdown\", \"path\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
                     "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f, "
-                    "\"host_route_us\": %.1f, \"host_experts_us\": %.1f, \"host_combine_us\": %.1f}\n",
+                    "\"host_route_us\": %.1f, \"host_experts_us\": %.1f, \"host_combine_us\": %.1f, "
+                    "\"host_local_layer_us\": %.1f}\n",
                     path, s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us, floor_us,
-                    Median(host[0]), Median(host[1]), Median(host[2]));
+                    Median(host[0]), Median(host[1]), Median(host[2]), Median(host_layer));
       };
       // Capacity for the padded layout: the largest segment of this routing.
       if (!decode_only) layer();

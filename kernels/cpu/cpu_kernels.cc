@@ -185,6 +185,10 @@ class CpuKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status LocalLayer(const LocalLayerParams& p, Stream stream) override {
+    return RunLocalLayerInStages(this, p, &layer_stages_, stream);
+  }
+
   absl::Status Quantize(const QuantizeParams& p, Stream) override {
     absl::Status s = CheckQuantize(p);
     if (!s.ok()) return s;
@@ -216,6 +220,9 @@ class CpuKernels final : public ExpertKernels {
     }
     return absl::OkStatus();
   }
+
+ private:
+  LocalLayerScratch layer_stages_;
 };
 
 }  // namespace

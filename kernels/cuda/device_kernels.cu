@@ -7,6 +7,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/cuda/combine.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -128,9 +129,7 @@ __global__ void SwigluActivationVec8Kernel(const uint4* __restrict__ h, int64_t 
 
 // ---- combine ---------------------------------------------------------------------------------
 
-// A token's k routes are read together: first every row index and gate, then every expert row
-// (up to K_MAX loads in flight instead of a chain of dependent ones; one token's combine is a
-// few L2 round trips whatever k is), then summed in route order j = 0 .. k-1 as before.
+// One thread per (token, 16-byte column vector): CombineVector (combine.cuh).
 template <int K_MAX>
 __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
                                   const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
@@ -141,48 +140,8 @@ __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_ro
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / d8;
-    const int64_t c = i - t * d8;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    auto add = [&](float g, const uint4& v) {
-      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 x = __bfloat1622float2(v2[q]);
-        acc[2 * q] += g * x.x;
-        acc[2 * q + 1] += g * x.y;
-      }
-    };
-    for (int j0 = 0; j0 < k; j0 += K_MAX) {
-      int32_t row[K_MAX];
-      float g[K_MAX];
-#pragma unroll
-      for (int j = 0; j < K_MAX; ++j) {
-        const bool in = j0 + j < k;
-        row[j] = in ? row_of_route[t * k + j0 + j] : -1;
-        g[j] = in ? gate[t * k + j0 + j] : 0.0f;
-      }
-      uint4 v[K_MAX];
-#pragma unroll
-      for (int j = 0; j < K_MAX; ++j) {
-        v[j] = row[j] >= 0 && row[j] < num_rows ? rows[static_cast<int64_t>(row[j]) * d8 + c] : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int j = 0; j < K_MAX; ++j) {
-        if (row[j] >= 0 && row[j] < num_rows) add(g[j], v[j]);  // dropped routes add nothing
-      }
-    }
-    if (out_fp32 != nullptr) {
-      float4* o = reinterpret_cast<float4*>(out_fp32 + t * d8 * 8 + c * 8);
-      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-    }
-    if (out_bf16 != nullptr) {
-      uint4 ob;
-      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&ob);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-      out_bf16[t * d8 + c] = ob;
-    }
+    CombineVector<K_MAX>([&](int32_t row, int64_t c) { return rows[static_cast<int64_t>(row) * d8 + c]; }, num_rows, d8,
+                         row_of_route, gate, t, i - t * d8, k, out_fp32, out_bf16);
   }
 }
 

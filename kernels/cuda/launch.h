@@ -57,6 +57,16 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
                                    const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, int64_t rows,
                                    int64_t max_segment_rows, cudaStream_t stream);
 
+// The fused local layer (LocalLayerParams in kernels/api.h) for decode-sized steps: two kernels,
+// each block routing from topk itself, the down kernel's last block combining. `a` [routes, f]
+// and `y` [routes, d] BF16 and `done` (one counter) are scratch; no alignment beyond 16 bytes
+// for x and the outputs. FusedLocalLayerSupported says which steps it takes.
+bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int f);
+cudaError_t LaunchFusedLocalLayer(const uint16_t* x, const int32_t* topk, const float* gate, int64_t tokens, int k,
+                                  int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                                  uint16_t* a, uint16_t* y, unsigned int* done, float* out_fp32, uint16_t* out_bf16,
+                                  cudaStream_t stream);
+
 }  // namespace moe::kernels::cuda
 
 #endif  // MOE_KERNELS_CUDA_LAUNCH_H_

@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/combine.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/small_batch_common.cuh"
@@ -71,23 +72,59 @@ __device__ __forceinline__ void WarpShare(int64_t units, int64_t* begin, int64_t
 
 // Source rows of the chunk [r0, r0 + rows) of a layout; with `row_index` the layout row is read
 // from its source row (the permutation fused into the load). Slots past `rows` repeat the last.
-template <int ROWS>
+// SHARED: `row_index` is in shared memory (the fused local layer's own routing).
+template <int ROWS, bool SHARED>
 __device__ __forceinline__ void ChunkRows(const int32_t* __restrict__ row_index, int64_t r0, int rows, int (&xr)[ROWS]) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int64_t layout_row = r0 + (r < rows ? r : rows - 1);
-    xr[r] = row_index != nullptr ? __ldg(row_index + layout_row) : static_cast<int>(layout_row);
+    if constexpr (SHARED) {
+      xr[r] = row_index[layout_row];
+    } else {
+      xr[r] = row_index != nullptr ? __ldg(row_index + layout_row) : static_cast<int>(layout_row);
+    }
   }
 }
 
-template <int ROWS>
+// The fused local layer (FUSED kernels): both kernels derive the routing from topk in every
+// block (RouteInBlock); the down blocks count themselves finished in `done` (reset by gate/up
+// block 0, which runs after the previous call's down kernel has completed) and the last one to
+// finish combines the expert rows into the tokens' outputs.
+struct LayerRoute {
+  const int32_t* topk = nullptr;  // [tokens, k]
+  int routes = 0;
+  int k = 0;
+  int tokens = 0;
+  const float* gate = nullptr;    // [tokens, k]
+  unsigned int* done = nullptr;
+  float* out_fp32 = nullptr;
+  uint4* out_bf16 = nullptr;
+};
+
+// The routing of either kernel: the fused layer's own, or the offsets of a Swiglu call.
+template <bool FUSED>
+__device__ __forceinline__ small_batch::BlockRouting KernelRouting(const LayerRoute& route, const int64_t* offsets,
+                                                                  int num_experts) {
+  if constexpr (FUSED) {
+    return small_batch::RouteInBlock(route.topk, route.routes, route.k, num_experts, ActiveCache());
+  } else {
+    return {small_batch::CompactActive(offsets, num_experts, ActiveCache()), nullptr, nullptr};
+  }
+}
+
+template <int ROWS, bool FUSED>
 __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
     GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                  const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
-                 const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a) {
-  WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
+                 const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a, LayerRoute route) {
+  WaitForPredecessor();  // the offsets (or topk) and rows come from the routing / receive kernels
   ReleaseDependents();
-  const ActiveExperts act = small_batch::CompactActive(offsets, num_experts, ActiveCache());
+  const small_batch::BlockRouting routing = KernelRouting<FUSED>(route, offsets, num_experts);
+  const ActiveExperts& act = routing.act;
+  if constexpr (FUSED) {
+    x_row_index = routing.token_of_row;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *route.done = 0;
+  }
   int64_t begin, end;
   WarpShare(static_cast<int64_t>(act.count) * f, &begin, &end);
   // Walk the share with a (slot, column) cursor: no division per unit.
@@ -104,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
     for (int64_t r0 = seg_begin; r0 < seg_end; r0 += ROWS) {
       const int rows = static_cast<int>(seg_end - r0 < ROWS ? seg_end - r0 : ROWS);
       int xr[ROWS];
-      ChunkRows<ROWS>(x_row_index, r0, rows, xr);
+      ChunkRows<ROWS, FUSED>(x_row_index, r0, rows, xr);
       const uint4* xp[ROWS];
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) xp[r] = x + static_cast<int64_t>(xr[r]) * d8;
@@ -115,13 +152,21 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
   }
 }
 
-template <int ROWS>
+template <int ROWS, bool FUSED>
 __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
     DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets, int num_experts, int f8, int d,
-               const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y) {
-  // Offsets and weights are inputs of the whole SwiGLU launch, complete before the gate/up
-  // kernel released this one: read them (and warm L2 with the first weight rows) before `a`.
-  const ActiveExperts act = small_batch::CompactActive(offsets, num_experts, ActiveCache());
+               const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y, LayerRoute route) {
+  // Offsets (or topk) and weights are inputs of the whole launch sequence, complete before the
+  // gate/up kernel released this one: read them (and warm L2 with the first weight rows) before
+  // `a`.
+  const small_batch::BlockRouting routing = KernelRouting<FUSED>(route, offsets, num_experts);
+  const ActiveExperts& act = routing.act;
+  // The gates, for the last block's combine: off its critical path (published by the barriers
+  // below).
+  __shared__ float gates[FUSED ? small_batch::kBlockRoutes : 1];
+  if constexpr (FUSED) {
+    for (int i = threadIdx.x; i < route.routes; i += kThreads) gates[i] = route.gate[i];
+  }
   const int units_per_expert = (d + kDownRows - 1) / kDownRows;
   int64_t begin, end;
   WarpShare(static_cast<int64_t>(act.count) * units_per_expert, &begin, &end);
@@ -167,31 +212,70 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
       small_batch::StoreRows<ROWS, kDownRows>(acc, rows, r0, d, o0, y);
     }
   }
+  if constexpr (FUSED) {
+    // Publish this block's rows, count it finished; the last block combines (route order, as
+    // the combine kernel: the same bits).
+    __threadfence();
+    __syncthreads();
+    __shared__ unsigned int finished_before;
+    if (threadIdx.x == 0) finished_before = atomicAdd(route.done, 1u);
+    __syncthreads();
+    if (finished_before != gridDim.x - 1) return;
+    __threadfence();
+    const int d8 = d / 8;
+    const uint4* rows = reinterpret_cast<const uint4*>(y);
+    const int64_t vectors = static_cast<int64_t>(route.tokens) * d8;
+    for (int64_t i = threadIdx.x; i < vectors; i += kThreads) {
+      const int64_t t = i / d8;
+      CombineVector<8>([&](int32_t row, int64_t c) { return __ldcg(rows + static_cast<int64_t>(row) * d8 + c); },
+                       route.routes, d8, routing.row_of_route, gates, t, i - t * d8, route.k, route.out_fp32,
+                       route.out_bf16);
+    }
+  }
 }
 
-template <int ROWS>
-cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
-                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
+// Both kernels of one row a chunk; `max_active` bounds the experts with rows (the grid).
+template <bool FUSED>
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int max_active,
+                   int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                   const LayerRoute& route, cudaStream_t stream) {
+  constexpr int ROWS = 1;
   int sms = 0;  // (the shared memory, at most 24 KiB, needs no opt-in)
   const cudaError_t setup = small_batch::SmCount(&sms);
   if (setup != cudaSuccess) return setup;
-  const size_t smem = ActiveBytes(num_experts);
+  const size_t smem = FUSED ? small_batch::RouteInBlockBytes(num_experts, route.routes) : ActiveBytes(num_experts);
   // One resident wave, or fewer blocks when even every expert busy would not fill it.
   auto grid = [&](int64_t max_units, int per_sm) {
     const int64_t wave = static_cast<int64_t>(sms) * per_sm;
     const int64_t need = (max_units + kWarps - 1) / kWarps;
     return static_cast<unsigned>(need < wave ? (need < 1 ? 1 : need) : wave);
   };
-  cudaError_t e = LaunchDependent(GateUpKernel<ROWS>, dim3(grid(static_cast<int64_t>(num_experts) * f, BlocksPerSm<ROWS>())),
-                                  dim3(kThreads), smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets,
-                                  num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
-                                  reinterpret_cast<__nv_bfloat16*>(a));
+  cudaError_t e = LaunchDependent(GateUpKernel<ROWS, FUSED>,
+                                  dim3(grid(static_cast<int64_t>(max_active) * f, BlocksPerSm<ROWS>())), dim3(kThreads),
+                                  smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts,
+                                  d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
+                                  reinterpret_cast<__nv_bfloat16*>(a), route);
   if (e != cudaSuccess) return e;
-  const int64_t down_units = static_cast<int64_t>(num_experts) * ((d + kDownRows - 1) / kDownRows);
-  return LaunchDependent(DownKernel<ROWS>, dim3(grid(down_units, BlocksPerSm<ROWS>())), dim3(kThreads), smem, stream,
-                         reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
-                         reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y));
+  const int64_t down_units = static_cast<int64_t>(max_active) * ((d + kDownRows - 1) / kDownRows);
+  return LaunchDependent(DownKernel<ROWS, FUSED>, dim3(grid(down_units, BlocksPerSm<ROWS>())), dim3(kThreads), smem,
+                         stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
+                         reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y), route);
 }
+
+// Rows per expert a step is expected to give each busy expert: twice the mean segment when the
+// rows spread over every expert, within the caller's bound on any segment (0 = none).
+int64_t ExpectedSegmentRows(int64_t rows, int num_experts, int64_t max_segment_rows) {
+  const int64_t spread = rows < num_experts ? rows : num_experts;
+  const int64_t mean = spread > 0 ? (rows + spread - 1) / spread : 1;
+  const int64_t want = 2 * mean;
+  return max_segment_rows > 0 && want > max_segment_rows ? max_segment_rows : want;
+}
+
+// The fused layer's last block combines at most this many 16-byte output vectors: one round of
+// its threads (one token of d <= 2048). Beyond it the combine's serial tail costs more than the
+// kernel boundaries fusing saves: one token of the Mixtral-like shape (d = 4096, two rounds) took
+// 182-184 us fused against 179-180 us in stages (CUDA graph, H200).
+constexpr int64_t kFusedCombineVectors = kThreads;
 
 }  // namespace
 
@@ -210,16 +294,40 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
   // barriers cost more than its instructions save (H200, E=128 d=2048 d_ff=768 one token: graph
   // replay 32-33 us here, 37 us there). More rows: the tensor-core family when d and d_ff allow
   // (16 tokens: 204 us against 288 us here), else the staged family.
-  const int64_t spread = rows < num_experts ? rows : num_experts;
-  const int64_t mean = spread > 0 ? (rows + spread - 1) / spread : 1;
-  int64_t want = 2 * mean;
-  if (max_segment_rows > 0 && want > max_segment_rows) want = max_segment_rows;
-  if (want <= 1) return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  const int64_t want = ExpectedSegmentRows(rows, num_experts, max_segment_rows);
+  if (want <= 1) {
+    return Launch<false>(x, x_row_index, offsets, num_experts, num_experts, d, f, w_gate_up, w_down, a, y, LayerRoute{},
+                         stream);
+  }
   if (small_batch::MmaSupported(d, f)) {
     return small_batch::LaunchMmaSwiglu(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
   }
   return small_batch::LaunchStagedSwiglu(want <= 4 ? 4 : 8, x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down,
                                          a, y, stream);
+}
+
+bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int f) {
+  const int64_t routes = tokens * k;
+  return tokens > 0 && SmallBatchSupported(d, f) && routes <= small_batch::kBlockRoutes &&
+         num_experts <= small_batch::kCachedExperts && ExpectedSegmentRows(routes, num_experts, tokens) <= 1 &&
+         tokens * (d / 8) <= kFusedCombineVectors;
+}
+
+cudaError_t LaunchFusedLocalLayer(const uint16_t* x, const int32_t* topk, const float* gate, int64_t tokens, int k,
+                                  int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                                  uint16_t* a, uint16_t* y, unsigned int* done, float* out_fp32, uint16_t* out_bf16,
+                                  cudaStream_t stream) {
+  LayerRoute route;
+  route.topk = topk;
+  route.routes = static_cast<int>(tokens * k);
+  route.k = k;
+  route.tokens = static_cast<int>(tokens);
+  route.gate = gate;
+  route.done = done;
+  route.out_fp32 = out_fp32;
+  route.out_bf16 = reinterpret_cast<uint4*>(out_bf16);
+  const int max_active = route.routes < num_experts ? route.routes : num_experts;
+  return Launch<true>(x, nullptr, nullptr, num_experts, max_active, d, f, w_gate_up, w_down, a, y, route, stream);
 }
 
 }  // namespace moe::kernels::cuda

@@ -69,6 +69,68 @@ __device__ inline ActiveExperts CompactActive(const int64_t* __restrict__ offset
   return {cache, ids, carry};
 }
 
+// A local layer's routing derived inside one block (the fused local layer: every block of both
+// kernels derives the same tables from topk instead of reading a routing kernel's output). The
+// assignment is deterministic, rows of one expert in route order: route i = t * k + j of expert
+// e gets row offsets[e] + #{i' < i : topk[i'] == e}; ids outside [0, E) are dropped (row -1).
+// The first warp does it with shuffles (at most 32 routes), one barrier publishes it: only the
+// entries of experts with rows are written (all the kernels read).
+struct BlockRouting {
+  ActiveExperts act;
+  const int* row_of_route;  // [routes], shared memory
+  const int* token_of_row;  // [routes] (offsets[E] used), shared memory
+};
+constexpr int kBlockRoutes = 32;  // routes a block routes (one a lane of its first warp)
+// Shared memory of RouteInBlock: the active-expert cache, then two [routes] int tables.
+__host__ __device__ inline size_t RouteInBlockBytes(int num_experts, int routes) {
+  return ActiveBytes(num_experts) + static_cast<size_t>(routes) * 2 * 4;
+}
+// Every thread of the block; num_experts <= kCachedExperts, routes <= kBlockRoutes.
+__device__ inline BlockRouting RouteInBlock(const int32_t* __restrict__ topk, int routes, int k, int num_experts,
+                                            int64_t* cache) {
+  int* ids = reinterpret_cast<int*>(cache + num_experts + 1);
+  int* row_of_route = ids + num_experts;
+  int* token_of_row = row_of_route + routes;
+  __shared__ int active;
+  if (threadIdx.x < 32) {
+    const int i = threadIdx.x;
+    int e = i < routes ? topk[i] : -1;
+    if (e >= num_experts) e = -1;
+    const unsigned valid = __ballot_sync(0xffffffffu, e >= 0);
+    // Valid routes of a smaller expert; of the same expert before this one; leaders (first
+    // routes of their expert) of a smaller expert.
+    int below = 0, before = 0;
+    for (unsigned m = valid; m != 0; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      const int ej = __shfl_sync(0xffffffffu, e, j);
+      below += ej < e ? 1 : 0;
+      before += ej == e && j < i ? 1 : 0;
+    }
+    const bool leader = e >= 0 && before == 0;
+    const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+    int slot = 0, count = 0;
+    bool next_active = false;  // then expert e + 1's leader writes offsets[e + 1]
+    for (unsigned m = leaders; m != 0; m &= m - 1) {
+      const int ej = __shfl_sync(0xffffffffu, e, __ffs(m) - 1);
+      slot += ej < e ? 1 : 0;
+      next_active = next_active || ej == e + 1;
+    }
+    for (unsigned m = valid; m != 0; m &= m - 1) count += __shfl_sync(0xffffffffu, e, __ffs(m) - 1) == e ? 1 : 0;
+    if (i < routes) {
+      row_of_route[i] = e >= 0 ? below + before : -1;
+      if (e >= 0) token_of_row[below + before] = i / k;
+    }
+    if (leader) {
+      ids[slot] = e;
+      cache[e] = below;
+      if (!next_active) cache[e + 1] = below + count;
+    }
+    if (i == 0) active = __popc(leaders);
+  }
+  __syncthreads();
+  return {{cache, ids, active}, row_of_route, token_of_row};
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -209,6 +209,61 @@ TEST(CpuKernelsTest, CombineAppliesGatesOnceInFp32) {
   EXPECT_THAT(std::string(k->Combine(p, nullptr).message()), HasSubstr("row_of_route[1]"));
 }
 
+// The local layer (route, experts, combine in one call) against the float64 semantics:
+// out[t] = sum_j gate[t, j] * SwiGLU_{topk[t, j]}(x[t]); dropped routes (-1, ids >= E) add
+// nothing; a second call with another routing reuses the scratch.
+TEST(CpuKernelsTest, LocalLayerMatchesTheLayerSemantics) {
+  std::mt19937 rng(21);
+  auto kern = CreateCpuKernels();
+  const int e = 6, d = 48, f = 40, k = 3;
+  const int64_t t = 5;
+  auto wgu = RandomBf16(rng, static_cast<size_t>(e) * 2 * f * d, 0.2f);
+  auto wd = RandomBf16(rng, static_cast<size_t>(e) * d * f, 0.2f);
+  auto x = RandomBf16(rng, static_cast<size_t>(t) * d, 1.0f);
+  std::vector<float> gate(t * k);
+  for (auto& g : gate) g = std::uniform_real_distribution<float>(0, 1)(rng);
+  for (const std::vector<int32_t>& topk : {std::vector<int32_t>{0, 1, 2, 5, 4, 3, 1, -1, 0, 2, 2, 6, 3, 4, 5},
+                                           std::vector<int32_t>{5, 5, 5, 0, -1, -1, 1, 2, 3, 4, 0, 1, 2, 3, 4}}) {
+    std::vector<float> out(t * d);
+    std::vector<uint16_t> out_bf16(t * d);
+    LocalLayerParams p;
+    p.weights = {wgu.data(), wd.data(), e, d, f};
+    p.x = x.data();
+    p.topk = topk.data();
+    p.gate = gate.data();
+    p.num_tokens = t;
+    p.k = k;
+    p.out_fp32 = out.data();
+    p.out_bf16 = out_bf16.data();
+    ASSERT_TRUE(kern->LocalLayer(p, nullptr).ok());
+    for (int64_t i = 0; i < t; ++i) {
+      std::vector<double> want(d, 0.0);
+      for (int j = 0; j < k; ++j) {
+        const int32_t id = topk[i * k + j];
+        if (id < 0 || id >= e) continue;
+        const auto y = ReferenceSwiglu(x.data() + i * d, wgu.data() + static_cast<size_t>(id) * 2 * f * d,
+                                       wd.data() + static_cast<size_t>(id) * d * f, d, f);
+        for (int c = 0; c < d; ++c) want[c] += gate[i * k + j] * y[c];
+      }
+      double num = 0, den = 0;
+      for (int c = 0; c < d; ++c) {
+        num += (out[i * d + c] - want[c]) * (out[i * d + c] - want[c]);
+        den += want[c] * want[c];
+        EXPECT_EQ(out_bf16[i * d + c], FloatToBf16(out[i * d + c]));
+      }
+      EXPECT_LT(std::sqrt(num / den), 2e-2) << "token " << i;
+    }
+  }
+  LocalLayerParams bad;
+  bad.weights = {wgu.data(), wd.data(), e, d, f};
+  bad.k = k;
+  bad.num_tokens = 1;
+  bad.out_fp32 = nullptr;
+  EXPECT_THAT(std::string(kern->LocalLayer(bad, nullptr).message()), HasSubstr("local_layer"));
+  bad.k = 0;
+  EXPECT_THAT(std::string(kern->LocalLayer(bad, nullptr).message()), HasSubstr("local_layer.k"));
+}
+
 // FP8 round trip within the format's bound: |x - x'| <= 2^-4 |x| + 2^-10 scale.
 TEST(CpuKernelsTest, Fp8RoundTripWithinFormatBound) {
   std::mt19937 rng(9);

@@ -243,6 +243,125 @@ TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
   }
 }
 
+// The local layer: the fused kernels (one token, eager) against the same layer run in stages on
+// the GPU (bit for bit: same dot products, combine in route order) and against the CPU; repeated
+// calls with new routings in between (the fused kernels keep a counter); a captured call (the
+// stages) replayed with new routings.
+TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
+  struct Case {
+    int e, k, d, f;
+    int64_t t;
+    std::vector<int32_t> topk;  // empty: distinct random experts
+  };
+  const std::vector<Case> cases = {
+      {64, 8, 512, 192, 1, {}},
+      {8, 2, 1024, 256, 1, {}},
+      // Repeated experts (a two-row segment), a dropped route and an id past E (dropped too).
+      {16, 6, 256, 64, 1, {3, 3, -1, 7, 16, 3}},
+      {300, 4, 2048, 8, 1, {}},   // E > 256; the widest fused combine (one round of the last block)
+      {64, 32, 256, 32, 1, {}},   // 32 routes: the most one warp routes
+      {8, 2, 4096, 64, 1, {}},    // d above the fused combine's one round: the stages
+      {32, 4, 256, 96, 5, {}},    // more tokens: the stages
+  };
+  for (const Case& tc : cases) {
+    const int e = tc.e, k = tc.k, d = tc.d, f = tc.f;
+    const int64_t t = tc.t;
+    SCOPED_TRACE(::testing::Message() << "E=" << e << " k=" << k << " d=" << d << " f=" << f << " T=" << t);
+    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+    DeviceVector<uint16_t> dwgu(wgu), dwd(wd);
+    auto routing = [&] {
+      if (!tc.topk.empty()) return tc.topk;
+      std::vector<int32_t> ids(static_cast<size_t>(t) * k);
+      for (int64_t i = 0; i < t; ++i) {
+        std::vector<int32_t> all(e);
+        for (int q = 0; q < e; ++q) all[q] = q;
+        std::shuffle(all.begin(), all.end(), rng_);
+        std::copy(all.begin(), all.begin() + k, ids.begin() + i * k);
+      }
+      return ids;
+    };
+    std::vector<int32_t> topk = routing();
+    auto x = RandomBf16(rng_, static_cast<size_t>(t) * d, 1.0f);
+    std::vector<float> gate(t * k);
+    for (auto& g : gate) g = std::uniform_real_distribution<float>(0, 1)(rng_);
+    DeviceVector<uint16_t> dx(x), dout16(t * d), dstage16(t * d);
+    DeviceVector<int32_t> dtopk(topk);
+    DeviceVector<float> dgate(gate), dout(t * d, -1.0f), dstage(t * d, -2.0f);
+    LocalLayerParams p;
+    p.weights = {dwgu.get(), dwd.get(), e, d, f};
+    p.x = dx.get();
+    p.topk = dtopk.get();
+    p.gate = dgate.get();
+    p.num_tokens = t;
+    p.k = k;
+    p.out_fp32 = dout.get();
+    p.out_bf16 = dout16.get();
+    LocalLayerParams staged = p;
+    staged.out_fp32 = dstage.get();
+    staged.out_bf16 = dstage16.get();
+    LocalLayerScratch scratch;
+    auto check = [&](const std::vector<int32_t>& ids, const char* what) {
+      SCOPED_TRACE(what);
+      ASSERT_TRUE(RunLocalLayerInStages(gpu_.get(), staged, &scratch, nullptr).ok());
+      EXPECT_EQ(dout.Host(), dstage.Host());
+      EXPECT_EQ(dout16.Host(), dstage16.Host());
+      std::vector<float> out(t * d);
+      LocalLayerParams c = p;
+      c.weights = {wgu.data(), wd.data(), e, d, f};
+      c.x = x.data();
+      c.topk = ids.data();
+      c.gate = gate.data();
+      c.out_fp32 = out.data();
+      c.out_bf16 = nullptr;
+      ASSERT_TRUE(cpu_->LocalLayer(c, nullptr).ok());
+      const auto got = dout.Host();
+      double num = 0, den = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(got[i])) << i;
+        num += (got[i] - out[i]) * static_cast<double>(got[i] - out[i]);
+        den += static_cast<double>(out[i]) * out[i];
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-2);
+    };
+    ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
+    check(topk, "first call");
+    // A second call with another routing (and gates): nothing left over from the first.
+    if (tc.topk.empty()) topk = routing();
+    std::reverse(gate.begin(), gate.end());
+    ASSERT_EQ(cudaMemcpy(dtopk.get(), topk.data(), topk.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dgate.get(), gate.data(), gate.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
+    check(topk, "second call");
+    // Captured once, replayed with new routings written into the same buffers.
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ASSERT_TRUE(gpu_->LocalLayer(p, st).ok());
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 3; ++replay) {
+      if (tc.topk.empty()) topk = routing();
+      ASSERT_EQ(cudaMemcpy(dtopk.get(), topk.data(), topk.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemset(dout.get(), 0xff, t * d * 4), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+      check(topk, "graph replay");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(st);
+  }
+}
+
+TEST_F(CudaKernelsTest, LocalLayerRejectsBadParamsBeforeLaunch) {
+  LocalLayerParams p;
+  p.weights = {nullptr, nullptr, 8, 64, 32};
+  EXPECT_EQ(gpu_->LocalLayer(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CudaKernelsTest, Fp8MatchesCpuBitForBit) {
   for (ScaleGranularity gr : {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128}) {
     const int64_t rows = 37;
