@@ -415,8 +415,13 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
                     static_cast<int64_t>(SplitMix64(SplitMix64(SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens)) ^
                                                                static_cast<uint64_t>(options_.decode_slot_routes)) ^
                                                     (graphs_ ? 1u : 0u)))};
-  ASSIGN_OR_RETURN(StepAgreement agreement,
-                   AgreeOnStep(*options_.transport, header, source.send_splits, options_.timeout, slot_counts));
+  // The slot of every send position (for the expert ranks' receive plans) goes with the
+  // agreement when it fits the agreement's record (decode-sized steps): one collective.
+  std::vector<int32_t>& send_meta = buf_.send_meta;
+  send_meta.resize(n_send);
+  for (int64_t pos = 0; pos < n_send; ++pos) send_meta[pos] = source.send_slots[pos].value();
+  ASSIGN_OR_RETURN(StepAgreement agreement, AgreeOnStep(*options_.transport, header, source.send_splits,
+                                                        options_.timeout, slot_counts, &send_meta));
   if (agreed_shadow != nullptr) *agreed_shadow = agreement.shadow_version;
 
   // Phase: decode-graph admission, evaluated identically on every member over agreed counts.
@@ -452,13 +457,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   inverse.token.resize(n_send);
   inverse.gate.resize(n_send);
   inverse.num_tokens = in.tokens;
-  std::vector<int32_t>& send_meta = buf_.send_meta;
-  send_meta.resize(n_send);
   for (int64_t pos = 0; pos < n_send; ++pos) {
     const int32_t r = accepted_ids[source.send_order[pos]];
     inverse.token[pos] = routes.token[r];
     inverse.gate[pos] = routes.gate[r];
-    send_meta[pos] = source.send_slots[pos].value();
   }
   RETURN_IF_ERROR(handle->BindPlan(std::move(inverse)));
   const std::vector<int32_t>& send_token = handle->inverse().token;
@@ -473,12 +475,18 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     recv_meta_bytes[i] = agreement.recv_counts[i] * 4;
   }
 
-  // Phase: slot metadata to the expert ranks (host memory), then the receive-side plan.
+  // Phase: slot metadata to the expert ranks (host memory; with the agreement when it fitted),
+  // then the receive-side plan.
   std::vector<int32_t>& recv_meta = buf_.recv_meta;
-  recv_meta.resize(n_recv);
   RETURN_IF_ERROR(handle->MarkDispatchInFlight());
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, send_meta.data(), send_meta_bytes, recv_meta.data(),
-                                                recv_meta_bytes, options_.timeout));
+  if (agreement.meta_received) {
+    recv_meta.assign(agreement.recv_meta.begin(), agreement.recv_meta.end());
+  } else {
+    recv_meta.resize(n_recv);
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, send_meta.data(), send_meta_bytes,
+                                                  recv_meta.data(), recv_meta_bytes, options_.timeout));
+  }
+  if (static_cast<int64_t>(recv_meta.size()) != n_recv) return absl::InternalError("slot metadata: wrong entry count");
   std::vector<PhysicalSlotId>& received = buf_.received;
   received.resize(n_recv);
   for (int64_t i = 0; i < n_recv; ++i) received[i] = PhysicalSlotId(recv_meta[i]);

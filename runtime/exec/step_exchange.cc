@@ -8,21 +8,27 @@ namespace moe {
 
 absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
                                           absl::Span<const int64_t> send_counts, absl::Duration timeout,
-                                          absl::Span<const int64_t> slot_counts) {
+                                          absl::Span<const int64_t> slot_counts, const std::vector<int32_t>* send_meta) {
   const int p = transport.size();
   if (static_cast<int>(send_counts.size()) != p) {
     return absl::InvalidArgumentError(
         absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
-  // Two all-gathers of little-endian int64 records, both of a size every member knows before it
-  // posts them: (1) 10 header words (Q, the shadow proposal, the graph key) and the P counts; (2) only when (1) agreed, so
-  // every member has the same Q, the Q per-slot route counts. Members under different placement
-  // generations (different Q) therefore disagree in (1) and abort together, never in a size
-  // mismatch inside (2).
-  constexpr int kHeaderWords = 10;
+  // One all-gather of little-endian int64 records of a size every member knows before it posts
+  // them: 11 header words (Q, the shadow proposal, the graph key, the metadata entries inline or
+  // -1), the P counts, then kAgreementInlineWords words: the Q slot counts when Q fits, then the
+  // metadata (int32 pairs) when it fits too. Members under different placement generations
+  // (different Q) disagree on the header and abort together, never in a size mismatch. Only
+  // when Q exceeds the record do the slot counts take a second all-gather (every member then
+  // has the same Q).
+  constexpr int kHeaderWords = 11;
   const int64_t q = static_cast<int64_t>(slot_counts.size());
-  const int64_t words = kHeaderWords + p;
-  std::vector<int64_t> mine(words);
+  const int64_t words = kHeaderWords + p + kAgreementInlineWords;
+  const bool counts_inline = q <= kAgreementInlineWords;
+  const int64_t n_meta = send_meta != nullptr ? static_cast<int64_t>(send_meta->size()) : 0;
+  const bool meta_inline =
+      send_meta != nullptr && counts_inline && q + (n_meta + 1) / 2 <= kAgreementInlineWords;
+  std::vector<int64_t> mine(words, 0);
   mine[0] = static_cast<int64_t>(header.step_id);
   mine[1] = header.layer;
   mine[2] = header.placement_version;
@@ -33,7 +39,11 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   mine[7] = header.shadow_version;
   mine[8] = header.shadow_every;
   mine[9] = header.graph_key;
+  mine[10] = meta_inline ? n_meta : -1;
   std::memcpy(mine.data() + kHeaderWords, send_counts.data(), sizeof(int64_t) * p);
+  int64_t* inline_words = mine.data() + kHeaderWords + p;
+  if (counts_inline && q > 0) std::memcpy(inline_words, slot_counts.data(), sizeof(int64_t) * q);
+  if (meta_inline && n_meta > 0) std::memcpy(inline_words + q, send_meta->data(), sizeof(int32_t) * n_meta);
   std::vector<int64_t> all(words * p);
   absl::Status s = transport.AllGather(header.step_id * 2, mine.data(), words * 8, all.data(), timeout);
   if (!s.ok()) return s;
@@ -44,8 +54,9 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
                                              " rejected its input for this step"));
     }
   }
-  static constexpr const char* kField[10] = {"step_id", "layer", "placement_generation", "process_group_epoch",
-                                            "", "", "slot_count_length", "", "", ""};
+  static constexpr const char* kField[kHeaderWords] = {"step_id", "layer", "placement_generation",
+                                                      "process_group_epoch", "", "", "slot_count_length", "", "",
+                                                      "", ""};
   // Compare every member against slot 0: all members run this same loop over the same data.
   for (int i = 1; i < p; ++i) {
     for (int f : {0, 1, 2, 3, 6}) {
@@ -79,13 +90,44 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
     out.rank_tokens[i] = all[i * words + 5];
   }
   out.slot_routes.assign(q, 0);
-  if (q > 0) {
+  if (counts_inline) {
+    for (int i = 0; i < p; ++i) {
+      const int64_t* theirs = all.data() + i * words + kHeaderWords + p;
+      for (int64_t j = 0; j < q; ++j) out.slot_routes[j] += theirs[j];
+    }
+  } else {
     std::vector<int64_t> slots(q * p);
     s = transport.AllGather(header.step_id * 2 + 1, slot_counts.data(), q * 8, slots.data(), timeout);
     if (!s.ok()) return s;
     for (int i = 0; i < p; ++i) {
       for (int64_t j = 0; j < q; ++j) out.slot_routes[j] += slots[i * q + j];
     }
+  }
+  // The metadata, when every member's came inline: this member's segment of each record.
+  bool every_meta = send_meta != nullptr;
+  for (int i = 0; i < p && every_meta; ++i) every_meta = all[i * words + 10] >= 0;
+  if (every_meta) {
+    const int me = transport.slot();
+    int64_t total = 0;
+    for (int i = 0; i < p; ++i) total += out.count_matrix[i * p + me];
+    out.recv_meta.resize(total);
+    int64_t at = 0;
+    for (int i = 0; i < p; ++i) {
+      int64_t entries = 0, before = 0;
+      for (int j = 0; j < p; ++j) {
+        entries += out.count_matrix[i * p + j];
+        if (j < me) before += out.count_matrix[i * p + j];
+      }
+      if (all[i * words + 10] != entries) {
+        return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " sent ",
+                                               all[i * words + 10], " metadata entries for ", entries, " routes"));
+      }
+      const char* theirs = reinterpret_cast<const char*>(all.data() + i * words + kHeaderWords + p + q);
+      const int64_t n = out.count_matrix[i * p + me];
+      if (n > 0) std::memcpy(out.recv_meta.data() + at, theirs + before * sizeof(int32_t), n * sizeof(int32_t));
+      at += n;
+    }
+    out.meta_received = true;
   }
   return out;
 }

@@ -47,13 +47,27 @@ struct StepAgreement {
   std::vector<int64_t> slot_routes;   // [Q], routes per physical slot summed over members
   int64_t shadow_version = -1;        // agreed shadow pass for this step, -1: none
   bool graph_keys_agree = true;       // every member proposed the same graph_key
+  // With send_meta: true when every member's metadata fitted its record, and then recv_meta is
+  // what an all-to-all-v of send_meta by the send counts would have delivered to this member
+  // (grouped by source peer slot); false: exchange it separately.
+  bool meta_received = false;
+  std::vector<int32_t> recv_meta;
 };
 
+// Words of a member's agreement record after its header and counts, for slot counts and
+// metadata: a constant, so every member posts the same size whatever its step holds.
+inline constexpr int64_t kAgreementInlineWords = 1024;
+
 // `slot_counts` (optional, the same length Q on every member) are this member's routes per
-// physical slot; the agreement sums them.
+// physical slot; the agreement sums them. `send_meta` (optional, null: none; every member of a
+// step passes one or none): one int32 per send position,
+// grouped by destination peer slot as send_counts; when every member's fits the record beside
+// its slot counts (a decode-sized step), it is delivered with the agreement, one collective for
+// both. Slot counts beyond the record take a second all-gather.
 absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
                                           absl::Span<const int64_t> send_counts, absl::Duration timeout,
-                                          absl::Span<const int64_t> slot_counts = {});
+                                          absl::Span<const int64_t> slot_counts = {},
+                                          const std::vector<int32_t>* send_meta = nullptr);
 
 }  // namespace moe
 

@@ -280,12 +280,26 @@ class UcxTransport final : public Transport {
     *req = nullptr;
     return true;
   }
+  // Ends every request still posted (reqs[i] is the one with peer slot i), in bounded time. A
+  // receive cancels at once; a send the library cannot cancel (a rendezvous whose peer never
+  // fetches it: dead, or not taking part in the step) is ended by force-closing that peer's
+  // endpoint, which marks the peer failed: later steps with it answer UNAVAILABLE at once, as
+  // with a peer UCX itself saw fail, instead of waiting on the library's keepalive.
   void CancelAll(std::vector<void*>* reqs) {
-    for (void*& r : *reqs) {
+    for (size_t i = 0; i < reqs->size(); ++i) {
+      void*& r = (*reqs)[i];
       if (r != nullptr && UCS_PTR_IS_PTR(r)) {
         ucp_request_cancel(base_->worker, r);
-        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(base_->worker);
-        ucp_request_free(r);
+        const absl::Time give_up = absl::Now() + absl::Milliseconds(100);
+        while (ucp_request_check_status(r) == UCS_INPROGRESS && absl::Now() < give_up) {
+          ucp_worker_progress(base_->worker);
+        }
+        if (ucp_request_check_status(r) == UCS_INPROGRESS && peers_[i].ep != nullptr) {
+          if (peers_[i].failure == UCS_OK) peers_[i].failure = UCS_ERR_TIMED_OUT;
+          base_->CloseEp(peers_[i].ep, /*force=*/true);  // completes its requests with an error
+          peers_[i].ep = nullptr;
+        }
+        ucp_request_free(r);  // (the library keeps any it could not end; no callback is set)
       }
       r = nullptr;
     }

@@ -115,6 +115,56 @@ inline absl::Status ProposalsAgreeOrNot(Transport& t, int odd_slot) {
   return absl::OkStatus();
 }
 
+// Slot metadata with the agreement: decode-sized steps (zero-route members included) deliver
+// to every member what an all-to-all-v of the metadata would, checked against that exchange;
+// a step where one member's metadata exceeds the record, or slot counts that exceed it (they
+// take a second all-gather and still sum), delivers none to anyone (each then exchanges it
+// separately).
+inline absl::Status MetadataRidesWithTheAgreement(Transport& t) {
+  const int p = t.size(), me = t.slot();
+  for (int r = 0; r < 4; ++r) {
+    std::mt19937 rng(77 + r);
+    std::vector<int64_t> matrix(p * p);
+    const bool big = r == 3;  // slot 0 sends more entries than the record holds
+    for (int i = 0; i < p; ++i) {
+      for (int j = 0; j < p; ++j) {
+        matrix[i * p + j] = big && i == 0 ? 3000 + j : (rng() % 3 == 0 || i == p - 1 ? 0 : rng() % 40);
+      }
+    }
+    std::vector<int64_t> send(matrix.begin() + me * p, matrix.begin() + (me + 1) * p);
+    std::vector<int32_t> meta;
+    for (int j = 0; j < p; ++j) {
+      for (int64_t i = 0; i < send[j]; ++i) meta.push_back(me * 100000 + j * 1000 + static_cast<int32_t>(i));
+    }
+    const std::vector<int64_t> slots(r == 2 ? kAgreementInlineWords + 5 : 24, 1 + me);
+    const StepHeader h{static_cast<uint64_t>(600 + r), 7, 17, 12};
+    auto a = AgreeOnStep(t, h, send, absl::Seconds(20), slots, &meta);
+    if (!a.ok()) return a.status();
+    const bool fits = r < 2;
+    if (a->meta_received != fits) {
+      return absl::InternalError(absl::StrCat("round ", r, ": meta_received ", a->meta_received));
+    }
+    for (int64_t v : a->slot_routes) {
+      if (v != p * (p + 1) / 2) return absl::InternalError(absl::StrCat("round ", r, ": slot routes ", v));
+    }
+    std::vector<int64_t> send_bytes(p), recv_bytes(p);
+    int64_t total = 0;
+    for (int j = 0; j < p; ++j) {
+      send_bytes[j] = send[j] * 4;
+      recv_bytes[j] = a->recv_counts[j] * 4;
+      total += a->recv_counts[j];
+    }
+    std::vector<int32_t> exchanged(total);
+    absl::Status s = t.AllToAllV(h.step_id, meta.data(), send_bytes, exchanged.data(), recv_bytes, absl::Seconds(20));
+    if (!s.ok()) return s;
+    if (fits && a->recv_meta != exchanged) {
+      return absl::InternalError(absl::StrCat("round ", r, ": metadata differs from the all-to-all-v's"));
+    }
+    if (!fits && !a->recv_meta.empty()) return absl::InternalError("metadata delivered without every member's");
+  }
+  return absl::OkStatus();
+}
+
 // What a step with a dead peer must end in, on a live member: DEADLINE_EXCEEDED or UNAVAILABLE
 // (the agreement's status `s`), within the timeout (2 s of slack). OK when it did.
 inline absl::Status DeadPeerFailure(const absl::Status& s, absl::Duration took, absl::Duration timeout) {

@@ -44,6 +44,13 @@ TEST(LoopbackTransportTest, GraphKeyAndShadowProposalsNeverAbort) {
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
 }
 
+TEST(LoopbackTransportTest, MetadataRidesWithTheAgreement) {
+  for (int p : {1, 2, 4}) {
+    auto results = RunMembers(p, [](Transport& t) { return testing::MetadataRidesWithTheAgreement(t); });
+    for (int i = 0; i < p; ++i) EXPECT_TRUE(results[i].ok()) << "p=" << p << " slot " << i << ": " << results[i];
+  }
+}
+
 TEST(LoopbackTransportTest, SilentPeerTimesOut) {
   auto results = RunMembers(4, [](Transport& t) -> absl::Status {
     if (t.slot() == 3) return absl::OkStatus();  // never takes part

@@ -67,6 +67,13 @@ TEST(NcclTransportTest, GenerationSplitAbortsEveryMember) {
   for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
 }
 
+TEST(NcclTransportTest, MetadataRidesWithTheAgreement) {
+  const int n = Devices();
+  ASSERT_GE(n, 1) << "no GPU";
+  const auto codes = RunProcesses(n, [](Transport& t) { return testing::MetadataRidesWithTheAgreement(t); });
+  for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
+}
+
 TEST(NcclTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
   const int n = Devices();
   ASSERT_GE(n, 2) << "needs two GPUs";

@@ -62,6 +62,30 @@ TEST(UcxTransportTest, GenerationSplitAbortsAllRanksCleanly) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
 }
 
+TEST(UcxTransportTest, MetadataRidesWithTheAgreement) {
+  const auto codes = RunProcesses(4, [](Transport& t) { return testing::MetadataRidesWithTheAgreement(t); });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+}
+
+// A member that is alive but never takes part: the others' agreement (rendezvous-sized records)
+// must end within the timeout, not in the library's cancel of a send nobody fetches, and their
+// next step with it fails at once (the peer is marked failed).
+TEST(UcxTransportTest, SilentLivePeerTimesOutAndIsMarkedFailed) {
+  const auto codes = RunProcesses(4, [](Transport& t) -> absl::Status {
+    if (t.slot() == 3) {
+      absl::SleepFor(absl::Seconds(3));  // alive, silent
+      return absl::OkStatus();
+    }
+    absl::Status s = testing::SilentPeerTimesOut(t, absl::Milliseconds(500));
+    if (!s.ok()) return s;
+    const absl::Time start = absl::Now();
+    std::vector<int64_t> send(t.size(), 1);
+    auto next = AgreeOnStep(t, StepHeader{301, 7, 17, 12}, send, absl::Milliseconds(500));
+    return testing::DeadPeerFailure(next.status(), absl::Now() - start, absl::Milliseconds(500));
+  });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+}
+
 TEST(UcxTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
   const auto codes = RunProcesses(4, [](Transport& t) {
     return testing::KilledPeerFailsFast(t, 3, absl::Seconds(2), [] { raise(SIGKILL); });
