@@ -109,6 +109,13 @@ class NcclTransport final : public Transport {
     const bool in_dev = in_bytes == 0 || IsDevice(in);
     const bool out_dev = out_bytes == 0 || IsDevice(out);
     if (in_dev && out_dev) return op(in, out);
+    if (size() == 1 && !in_dev && !out_dev) {
+      // A lone member's collective of host memory is a copy (its step agreement, metadata): no
+      // staging round trip through the device and no stream synchronization.
+      if (in_bytes != out_bytes) return absl::InvalidArgumentError("one member: send and receive sizes differ");
+      if (in_bytes > 0) std::memcpy(out, in, static_cast<size_t>(in_bytes));
+      return absl::OkStatus();
+    }
     const size_t need = static_cast<size_t>(in_bytes + out_bytes) + 256;
     if (need > staging_bytes_) {
       if (staging_ != nullptr) CUDA_TRANSPORT_RETURN_IF_ERROR(cudaFree(staging_));
