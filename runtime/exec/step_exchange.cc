@@ -1,5 +1,6 @@
 #include "runtime/exec/step_exchange.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -15,19 +16,19 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
         absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
   // One all-gather of little-endian int64 records of a size every member knows before it posts
-  // them: 11 header words (Q, the shadow proposal, the graph key, the metadata entries inline or
-  // -1), the P counts, then kAgreementInlineWords words: the Q slot counts when Q fits, then the
+  // them (kAgreementRecordWords): 11 header words (Q, the shadow proposal, the graph key, the
+  // metadata entries inline or -1), the P counts, then the Q slot counts when they fit, then the
   // metadata (int32 pairs) when it fits too. Members under different placement generations
   // (different Q) disagree on the header and abort together, never in a size mismatch. Only
   // when Q exceeds the record do the slot counts take a second all-gather (every member then
   // has the same Q).
   constexpr int kHeaderWords = 11;
   const int64_t q = static_cast<int64_t>(slot_counts.size());
-  const int64_t words = kHeaderWords + p + kAgreementInlineWords;
-  const bool counts_inline = q <= kAgreementInlineWords;
+  const int64_t inline_room = std::max<int64_t>(0, kAgreementRecordWords - kHeaderWords - p);
+  const int64_t words = kHeaderWords + p + inline_room;
+  const bool counts_inline = q <= inline_room;
   const int64_t n_meta = send_meta != nullptr ? static_cast<int64_t>(send_meta->size()) : 0;
-  const bool meta_inline =
-      send_meta != nullptr && counts_inline && q + (n_meta + 1) / 2 <= kAgreementInlineWords;
+  const bool meta_inline = send_meta != nullptr && counts_inline && q + (n_meta + 1) / 2 <= inline_room;
   std::vector<int64_t> mine(words, 0);
   mine[0] = static_cast<int64_t>(header.step_id);
   mine[1] = header.layer;

@@ -54,9 +54,12 @@ struct StepAgreement {
   std::vector<int32_t> recv_meta;
 };
 
-// Words of a member's agreement record after its header and counts, for slot counts and
-// metadata: a constant, so every member posts the same size whatever its step holds.
-inline constexpr int64_t kAgreementInlineWords = 1024;
+// Words of a member's agreement record (header, counts, then slot counts and metadata while
+// they fit): a constant, so every member posts the same size whatever its step holds. 7 KiB:
+// from 8 KiB on (its own headers included) UCX switches to its rendezvous protocol, and one
+// all-gather of four members on the build machine then took 450-570 us instead of 55-75
+// (shm/tcp over loopback, 2 cores; 7000 and 8150 bytes were still eager).
+inline constexpr int64_t kAgreementRecordWords = 896;
 
 // `slot_counts` (optional, the same length Q on every member) are this member's routes per
 // physical slot; the agreement sums them. `send_meta` (optional, null: none; every member of a

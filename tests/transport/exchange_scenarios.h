@@ -136,7 +136,7 @@ inline absl::Status MetadataRidesWithTheAgreement(Transport& t) {
     for (int j = 0; j < p; ++j) {
       for (int64_t i = 0; i < send[j]; ++i) meta.push_back(me * 100000 + j * 1000 + static_cast<int32_t>(i));
     }
-    const std::vector<int64_t> slots(r == 2 ? kAgreementInlineWords + 5 : 24, 1 + me);
+    const std::vector<int64_t> slots(r == 2 ? kAgreementRecordWords : 24, 1 + me);
     const StepHeader h{static_cast<uint64_t>(600 + r), 7, 17, 12};
     auto a = AgreeOnStep(t, h, send, absl::Seconds(20), slots, &meta);
     if (!a.ok()) return a.status();

@@ -67,21 +67,27 @@ TEST(UcxTransportTest, MetadataRidesWithTheAgreement) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
 }
 
-// A member that is alive but never takes part: the others' agreement (rendezvous-sized records)
-// must end within the timeout, not in the library's cancel of a send nobody fetches, and their
-// next step with it fails at once (the peer is marked failed).
+// A member that is alive but never takes part in a payload exchange of rendezvous-sized
+// messages (64 KiB a peer): the others must fail within the timeout, not in the library's cancel
+// of a send nobody fetches, and their next step with it fails at once (the peer is marked
+// failed).
 TEST(UcxTransportTest, SilentLivePeerTimesOutAndIsMarkedFailed) {
   const auto codes = RunProcesses(4, [](Transport& t) -> absl::Status {
     if (t.slot() == 3) {
       absl::SleepFor(absl::Seconds(3));  // alive, silent
       return absl::OkStatus();
     }
-    absl::Status s = testing::SilentPeerTimesOut(t, absl::Milliseconds(500));
+    const absl::Duration timeout = absl::Milliseconds(500);
+    const std::vector<int64_t> split(t.size(), 64 << 10);
+    std::vector<char> out(split[0] * t.size(), 1), in(out.size());
+    absl::Time start = absl::Now();
+    absl::Status s = t.AllToAllV(900, out.data(), split, in.data(), split, timeout);
+    s = testing::DeadPeerFailure(s, absl::Now() - start, timeout);
     if (!s.ok()) return s;
-    const absl::Time start = absl::Now();
+    start = absl::Now();
     std::vector<int64_t> send(t.size(), 1);
-    auto next = AgreeOnStep(t, StepHeader{301, 7, 17, 12}, send, absl::Milliseconds(500));
-    return testing::DeadPeerFailure(next.status(), absl::Now() - start, absl::Milliseconds(500));
+    auto next = AgreeOnStep(t, StepHeader{901, 7, 17, 12}, send, timeout);
+    return testing::DeadPeerFailure(next.status(), absl::Now() - start, timeout);
   });
   for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
 }
