@@ -23,6 +23,10 @@ void ToFloat(const uint16_t* in, int64_t n, float* out) {
 class CpuKernels final : public ExpertKernels {
  private:
   std::vector<uint16_t> gathered_;
+  // One expert's weights widened to FP32, kept between calls: a fresh allocation of this size
+  // every call came back from the OS page by page (page faults cost as much as the GEMMs of a
+  // decode-sized step).
+  std::vector<float> wgu_f32_, wd_f32_;
 
  public:
   const char* name() const override { return "cpu"; }
@@ -126,7 +130,9 @@ class CpuKernels final : public ExpertKernels {
     for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
     s = ExecutedOffsets(p.layout, counts, &executed);
     if (!s.ok()) return s;
-    MatrixRM wgu(2 * f, d), wd(d, f);
+    wgu_f32_.resize(static_cast<size_t>(2) * f * d);
+    wd_f32_.resize(static_cast<size_t>(d) * f);
+    Eigen::Map<MatrixRM> wgu(wgu_f32_.data(), 2 * f, d), wd(wd_f32_.data(), d, f);
     for (int e = 0; e < e_count; ++e) {
       const int64_t m = executed[e + 1] - executed[e];
       // Grouped: an empty segment is no problem, but keeps its index (its weights stay bound
