@@ -2,7 +2,8 @@
 # On the GPU machine, from the repository root after tools/gpu_bundle.sh (dist/gpu carried):
 # the decode path (eager and CUDA-graph replay) of the expert-layer benchmark with one of the
 # kernels' switches on and off side by side, interleaved per shape: KNOB=MOE_CUDA_PDL (default:
-# programmatic dependent launch) or KNOB=MOE_CUDA_L2_PREFETCH (the down weights' L2 prefetch).
+# programmatic dependent launch) or KNOB=MOE_CUDA_FUSED_LAYER (LocalLayer's fused one-token
+# kernels against its stages); any environment switch works.
 # TOKENS=<T> keeps one token count. COLD="0 1" also runs every cell with the L2 scrubbed before
 # each repetition (--cold-l2).
 # Output: JSON lines on stdout, each tagged with the knob, its value, the round and cold_l2.
