@@ -45,13 +45,17 @@ class Scratch {
       size_ = 0;
       CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
       size_ = bytes;
+      ++allocations_;
     }
     return ptr_;
   }
+  // How many allocations Get has made (a new one has fresh contents).
+  uint64_t allocations() const { return allocations_; }
 
  private:
   void* ptr_ = nullptr;
   size_t size_ = 0;
+  uint64_t allocations_ = 0;
 };
 
 // Pinned host staging for small host->device tables (row maps, GEMM pointer tables). A copy
@@ -235,6 +239,10 @@ class CudaKernels final : public ExpertKernels {
       auto base = layer_scratch_.Get(256 + a_bytes + static_cast<size_t>(routes) * w.d * 2);
       if (!base.ok()) return base.status();
       char* ptr = static_cast<char*>(*base);
+      if (layer_scratch_.allocations() != layer_zeroed_) {  // new scratch: the kernels keep it zero
+        CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ptr, 0, sizeof(unsigned int), static_cast<cudaStream_t>(stream)));
+        layer_zeroed_ = layer_scratch_.allocations();
+      }
       CUDA_RETURN_IF_ERROR(cuda::LaunchFusedLocalLayer(
           p.x, p.topk, p.gate, p.num_tokens, p.k, w.num_experts, w.d, w.d_ff, w.w_gate_up, w.w_down,
           reinterpret_cast<uint16_t*>(ptr + 256), reinterpret_cast<uint16_t*>(ptr + 256 + a_bytes),
@@ -540,6 +548,7 @@ class CudaKernels final : public ExpertKernels {
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
   Scratch layer_scratch_;
+  uint64_t layer_zeroed_ = 0;  // the allocation of layer_scratch_ whose counter was zeroed
   LocalLayerScratch layer_stages_;
 };
 

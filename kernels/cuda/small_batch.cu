@@ -87,9 +87,10 @@ __device__ __forceinline__ void ChunkRows(const int32_t* __restrict__ row_index,
 }
 
 // The fused local layer (FUSED kernels): both kernels derive the routing from topk in every
-// block (RouteInBlock); the down blocks count themselves finished in `done` (reset by gate/up
-// block 0, which runs after the previous call's down kernel has completed) and the last one to
-// finish combines the expert rows into the tokens' outputs.
+// block (RouteInBlock); the down blocks count themselves finished in `done`, and the last one
+// to finish returns it to zero (every other block has counted by then: nothing else touches it
+// until the next call) and combines the expert rows into the tokens' outputs. The counter is
+// zeroed once, when its scratch is allocated.
 struct LayerRoute {
   const int32_t* topk = nullptr;  // [tokens, k]
   int routes = 0;
@@ -121,10 +122,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
   ReleaseDependents();
   const small_batch::BlockRouting routing = KernelRouting<FUSED>(route, offsets, num_experts);
   const ActiveExperts& act = routing.act;
-  if constexpr (FUSED) {
-    x_row_index = routing.token_of_row;
-    if (blockIdx.x == 0 && threadIdx.x == 0) *route.done = 0;
-  }
+  if constexpr (FUSED) x_row_index = routing.token_of_row;
   int64_t begin, end;
   WarpShare(static_cast<int64_t>(act.count) * f, &begin, &end);
   // Walk the share with a (slot, column) cursor: no division per unit.
@@ -221,6 +219,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
     if (threadIdx.x == 0) finished_before = atomicAdd(route.done, 1u);
     __syncthreads();
     if (finished_before != gridDim.x - 1) return;
+    if (threadIdx.x == 0) *route.done = 0;
     __threadfence();
     const int d8 = d / 8;
     const uint4* rows = reinterpret_cast<const uint4*>(y);

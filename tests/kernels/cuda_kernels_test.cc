@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <random>
 
 #include "gmock/gmock.h"
@@ -333,6 +334,20 @@ TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
     ASSERT_EQ(cudaMemcpy(dgate.get(), gate.data(), gate.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
     check(topk, "second call");
+    // Back-to-back calls (no host sync: the fused kernels chain) into three poisoned outputs:
+    // every call must find its own last block (the counter returns to zero each time).
+    {
+      std::vector<std::unique_ptr<DeviceVector<uint16_t>>> outs;
+      LocalLayerParams chained = p;
+      chained.out_fp32 = nullptr;
+      for (int i = 0; i < 3; ++i) {
+        outs.push_back(std::make_unique<DeviceVector<uint16_t>>(t * d, uint16_t{0x7fc0}));
+        chained.out_bf16 = outs.back()->get();
+        ASSERT_TRUE(gpu_->LocalLayer(chained, nullptr).ok());
+      }
+      const auto want = dstage16.Host();
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(outs[i]->Host(), want) << "chained call " << i;
+    }
     // Captured once, replayed with new routings written into the same buffers.
     cudaStream_t st;
     ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
