@@ -4,6 +4,8 @@
 // repetition. No arithmetic beyond a checksum: the figures are the ceiling of each pattern.
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o read_pattern bench/gpu/read_pattern.cu
 //   ./read_pattern            (one JSON line per pattern; medians of 30)
+// Pattern 4 also times the gate/up reads beside a bulk copy of the down weights into shared
+// memory (two streams): whether overlapping the two projections' reads could pay.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -122,6 +124,47 @@ __global__ void __launch_bounds__(256) AllWeights(const uint4* wgu, const uint4*
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
+// 4: the down weights of the hit experts into shared memory through the bulk copy engine, one
+// block a SM, each a contiguous share (at most ~191 KB at E=128: 25 MB over 132 SMs), then a
+// checksum of what arrived: run alone and beside pattern 1 (the gate/up reads, two blocks a SM),
+// to see whether the two streams together read faster than one after the other.
+__global__ void __launch_bounds__(256, 1) DownToShared(const char* wd, Hit hit, int64_t share, unsigned* sink) {
+  extern __shared__ __align__(128) char stage[];
+  __shared__ __align__(8) unsigned long long bar;
+  const int64_t per = static_cast<int64_t>(kD) * kF * 2;  // one expert's down bytes
+  const int64_t total = per * kHit;
+  const int64_t begin = blockIdx.x * share, end = begin + share < total ? begin + share : total;
+  const unsigned bar_addr = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+  if (threadIdx.x == 0 && begin < end) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr));
+    asm volatile("fence.proxy.async.shared::cta;");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(static_cast<unsigned>(end - begin)));
+    for (int64_t at = begin; at < end;) {
+      const int64_t e = at / per, off = at % per;
+      const int64_t n = (per - off) < (end - at) ? (per - off) : (end - at);
+      const char* src = wd + static_cast<int64_t>(hit.ids[e]) * per + off;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(stage + (at - begin)));
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                   "l"(src), "r"(static_cast<unsigned>(n)), "r"(bar_addr)
+                   : "memory");
+      at += n;
+    }
+  }
+  __syncthreads();
+  if (begin >= end) return;
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar_addr)
+        : "memory");
+  }
+  unsigned acc = 0;
+  for (int64_t i = threadIdx.x * 16; i < end - begin; i += 256 * 16) acc ^= Mix(*reinterpret_cast<const uint4*>(stage + i));
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+
 __global__ void Flush(const uint4* p, int64_t n, unsigned* sink) {
   unsigned acc = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -190,6 +233,38 @@ int main() {
       std::snprintf(name, sizeof(name), "all-weights-%d-experts-u8", n);
       time(name, bps, [&](int g) { AllWeights<8><<<g, 256>>>(w, wd, ids, n, sink); }, b);
     }
+  }
+  // Pattern 4 alone and beside pattern 1 (gate/up at two blocks a SM), on two streams.
+  {
+    const int64_t down_total = static_cast<int64_t>(kHit) * kD * kF * 2;
+    const int64_t share = ((down_total + sms - 1) / sms + 15) / 16 * 16;
+    CHECK(cudaFuncSetAttribute(DownToShared, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(share)));
+    const char* wd_bytes = reinterpret_cast<const char*>(wd);
+    cudaStream_t s1, s2;
+    cudaEvent_t fork, j1, j2;
+    CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CHECK(cudaEventCreateWithFlags(&j1, cudaEventDisableTiming));
+    CHECK(cudaEventCreateWithFlags(&j2, cudaEventDisableTiming));
+    const double gu = static_cast<double>(kHit) * 2 * kF * kD * 2, dn = static_cast<double>(down_total);
+    time("down-to-shared-alone", 1, [&](int) { DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink); }, dn);
+    time("units-2rows-b4-alone", 2, [&](int g) { Units<4, false><<<g, 256>>>(w, hit, sink); }, gu);
+    time("units-2rows-b4-then-down-to-shared", 2, [&](int g) {
+      Units<4, false><<<g, 256>>>(w, hit, sink);
+      DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink);
+    }, gu + dn);
+    time("units-2rows-b4-beside-down-to-shared", 2, [&](int g) {
+      CHECK(cudaEventRecord(fork, 0));
+      CHECK(cudaStreamWaitEvent(s1, fork));
+      CHECK(cudaStreamWaitEvent(s2, fork));
+      DownToShared<<<sms, 256, share, s1>>>(wd_bytes, hit, share, sink);
+      Units<4, false><<<g, 256, 0, s2>>>(w, hit, sink);
+      CHECK(cudaEventRecord(j1, s1));
+      CHECK(cudaEventRecord(j2, s2));
+      CHECK(cudaStreamWaitEvent(0, j1));
+      CHECK(cudaStreamWaitEvent(0, j2));
+    }, gu + dn);
   }
   CHECK(cudaGetLastError());
   return 0;
