@@ -518,6 +518,40 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       RETURN_IF_ERROR(kern.CopyToKernel(to.data(), src, bytes, stream));
       return static_cast<const void*>(to.data());
     };
+    const int local_slots = static_cast<int>(dest.expert_counts.size());
+    if (n_recv > 0 &&
+        static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
+                                                        " number of local slots than placement-v", version.value()));
+    }
+    if (p == 1 && in.phase == Phase::kDecode) {
+      // A lone member holds every slot: a decode step's route, experts and combine are one
+      // kernels call on the tokens as they are (LocalLayer: the decode kernels, at one token
+      // fused), with no exchange, packs or repacks. Prefill steps keep the grouped GEMMs below.
+      RETURN_IF_ERROR(handle->MarkExpertRowsReady());
+      RETURN_IF_ERROR(handle->MarkExpertOutputReady());
+      RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
+      if (in.tokens == 0) return absl::OkStatus();
+      const int64_t routes_n = in.tokens * in.k;
+      std::vector<int32_t>& local_ids = b.local_ids;
+      local_ids.assign(routes_n, -1);  // dropped routes add nothing
+      for (int64_t i = 0; i < n_send; ++i) local_ids[accepted_ids[i]] = m.LocalIndex(accepted_slots[i]);
+      kernels::LocalLayerParams layer;
+      layer.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
+      ASSIGN_OR_RETURN(const void* x, stage(b.hidden, in.hidden, in.tokens * row_bytes));
+      layer.x = static_cast<const uint16_t*>(x);
+      ASSIGN_OR_RETURN(const void* ids, stage(b.send_index, local_ids.data(), routes_n * 4));
+      layer.topk = static_cast<const int32_t*>(ids);
+      ASSIGN_OR_RETURN(const void* gate_of, stage(b.gates_k, gates.data(), routes_n * 4));
+      layer.gate = static_cast<const float*>(gate_of);
+      layer.num_tokens = in.tokens;
+      layer.k = in.k;
+      if (device_) RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
+      layer.out_bf16 = device_ ? b.output.as<uint16_t>() : result.output.data();
+      RETURN_IF_ERROR(kern.LocalLayer(layer, stream));
+      if (device_) RETURN_IF_ERROR(kern.CopyToHost(result.output.data(), layer.out_bf16, in.tokens * row_bytes, stream));
+      return absl::OkStatus();
+    }
     RETURN_IF_ERROR(b.send_rows.Reserve(&kern, n_send * row_bytes));
     if (n_send > 0) {
       kernels::GatherParams pack;
@@ -541,12 +575,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     RETURN_IF_ERROR(b.expert_out.Reserve(&kern, n_recv * row_bytes));
     RETURN_IF_ERROR(b.back_rows.Reserve(&kern, n_recv * row_bytes));
     RETURN_IF_ERROR(b.returned.Reserve(&kern, n_send * row_bytes));
-    const int local_slots = static_cast<int>(dest.expert_counts.size());
     if (n_recv > 0) {
-      if (static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
-        return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
-                                                          " number of local slots than placement-v", version.value()));
-      }
       kernels::GatherParams repack;
       repack.d = d;
       repack.in = b.recv_rows.data();

@@ -200,7 +200,7 @@ class LayerExecutor {
     // tables exist only when that memory is the device's).
     kernels::KernelBuffer hidden, send_index, send_rows, recv_rows, order, expert_in, expert_out, position, back_rows,
         returned, row_of_route_k, gates_k, output;
-    std::vector<int32_t> send_meta, recv_meta, row_of_route;
+    std::vector<int32_t> send_meta, recv_meta, row_of_route, local_ids;
     std::vector<float> gates;
     std::vector<PhysicalSlotId> slots, accepted_slots, received;
     std::vector<int32_t> accepted_ids;
