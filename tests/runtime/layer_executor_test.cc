@@ -11,8 +11,8 @@
 #include "gtest/gtest.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
-#include "runtime/placement/default_placement.h"
 #include "tests/runtime/fixtures.h"
+#include "tests/server/one_rank_fixture.h"
 
 namespace moe {
 namespace {
@@ -193,30 +193,10 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
 // A process group of one: decode steps take one LocalLayer call (no exchange), prefill steps the
 // staged path; both must equal the semantic computation, tokenless steps and dropped routes
 // included, and every handle must be released.
-TEST(LayerExecutorTest, OneMemberServesDecodeAndPrefillSteps) {
-  const SafetensorsFile ckpt = SyntheticCheckpoint({kExperts, kD, kFf}, 3, "checkpoint-0042");
-  const Topology topology = TwoNodeTopology(1);
-  const ProcessGroup group = LocalClusterGroup(1, 1);
-  auto manifest = DefaultPlacement(PlacementVersion(5), kExperts, 2, topology, group, ckpt.metadata);
-  ASSERT_TRUE(manifest.ok()) << manifest.status();
-  GenerationRegistry registry;
-  ASSERT_TRUE(registry.Prepare(*manifest).ok());
-  ASSERT_TRUE(registry.Activate(PlacementVersion(5)).ok());
-  LoopbackFabric fabric(1);
-  auto transport = fabric.Endpoint(0);
-  auto kern = kernels::CreateCpuKernels();
-  LayerExecutorOptions o;
-  o.rank = Rank(0);
-  o.topology = topology;
-  o.group = group;
-  o.registry = &registry;
-  o.transport = transport.get();
-  o.kernels = kern.get();
-  o.timeout = absl::Seconds(5);
-  auto exec = *LayerExecutor::Create(std::move(o));
-  auto local = LoadLocalExperts(ckpt, **manifest, Rank(0));
-  ASSERT_TRUE(local.ok()) << local.status();
-  ASSERT_TRUE(exec->AddGeneration(PlacementVersion(5), std::make_shared<LocalExperts>(*local)).ok());
+class OneMemberTest : public testing::OneRankTest {};
+
+TEST_F(OneMemberTest, ServesDecodeAndPrefillSteps) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);  // the weights Reference() computes with
   std::mt19937 rng(5);
   uint64_t step = 1;
   for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
@@ -233,14 +213,14 @@ TEST(LayerExecutorTest, OneMemberServesDecodeAndPrefillSteps) {
       in.topk_weights = input.gates.data();
       in.k = kK;
       in.admitted = input.admitted.data();
-      auto result = exec->Execute(in);
+      auto result = executor_->Execute(in);
       ASSERT_TRUE(result.ok()) << result.status();
       ASSERT_EQ(result->output.size(), static_cast<size_t>(tokens) * kD);
       if (tokens > 0) {
-        EXPECT_LT(ErrorAgainstReference(ckpt, input, result->output), 1e-2) << "T=" << tokens;
+        EXPECT_LT(ErrorAgainstReference(ckpt_, input, result->output), 1e-2) << "T=" << tokens;
       }
       EXPECT_EQ(result->record.routes_remote, 0);
-      EXPECT_EQ(registry.Refcount(PlacementVersion(5)), 0);
+      EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
     }
   }
 }

@@ -1,5 +1,6 @@
 // One rank with a synthetic checkpoint, placement-v1 active, a loopback transport and the CPU
-// kernels: the executor the service tests put behind a real gRPC socket.
+// kernels: the executor the service tests put behind a real gRPC socket (and the executor
+// tests run as a process group of one).
 #ifndef MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
 #define MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
 
@@ -15,9 +16,10 @@ namespace moe::testing {
 
 class OneRankTest : public ::testing::Test {
  protected:
-  void SetUpRank(int experts, int d, int d_ff, uint64_t seed) {
+  // `redundant` extra slots replicate experts (all on this rank).
+  void SetUpRank(int experts, int d, int d_ff, uint64_t seed, int redundant = 0) {
     ckpt_ = SyntheticCheckpoint({experts, d, d_ff}, seed, "checkpoint-0001");
-    v1_ = *DefaultPlacement(PlacementVersion(1), experts, 0, topology_, group_, ckpt_.metadata);
+    v1_ = *DefaultPlacement(PlacementVersion(1), experts, redundant, topology_, group_, ckpt_.metadata);
     ASSERT_TRUE(registry_.Prepare(v1_).ok());
     ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
     transport_ = fabric_.Endpoint(0);
