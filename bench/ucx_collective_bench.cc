@@ -16,13 +16,7 @@ int main() {
   using namespace moe;
   const int n = 4;
   auto codes = testing::ForkMembers(n, "ucxt", [&](int slot, const std::string& dir) {
-    auto listener = CreateUcxListener("127.0.0.1");
-    auto addresses = RendezvousAddresses(dir, slot, n, UcxListenerAddress(**listener), absl::Seconds(30));
-    UcxOptions o;
-    o.slot = slot;
-    o.addresses = *addresses;
-    o.connect_timeout = absl::Seconds(30);
-    auto t = CreateUcxTransportWithListener(*std::move(listener), o);
+    auto t = testing::UcxMemberTransport(dir, slot, n);
     if (!t.ok()) return 2;
     uint64_t seq = 1;
     for (int64_t bytes : {120, 1100, 7168, 8192}) {

@@ -46,13 +46,11 @@ bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
   return true;
 }
 
-// Index of slot `q` among `rank`'s local slots of `m` (the order of its weights), -1 if not there.
+// Index of slot `q` among `rank`'s local slots of `m` (the order of its weights), -1 if `q` is
+// not a slot of `m` on that rank.
 int64_t LocalIndex(const PlacementManifest& m, Rank rank, PhysicalSlotId q) {
-  const auto local = m.LocalSlots(rank);
-  for (size_t i = 0; i < local.size(); ++i) {
-    if (local[i] == q) return static_cast<int64_t>(i);
-  }
-  return -1;
+  if (q.value() < 0 || q.value() >= m.num_slots() || m.slot(q).rank != rank) return -1;
+  return m.LocalIndex(q);
 }
 
 }  // namespace

@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "runtime/transport/transport.h"
+
 namespace moe::testing {
 
 inline std::string FreshDir(const char* prefix) {
@@ -30,6 +34,20 @@ inline int ExitCodeOfChild(const std::function<int()>& fn) {
   int status = 0;
   waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// One member's UCX transport on the loopback interface, its address published to and the
+// group's read from the rendezvous directory `dir` (call in the member's own process).
+inline absl::StatusOr<std::unique_ptr<Transport>> UcxMemberTransport(const std::string& dir, int slot, int size) {
+  auto listener = CreateUcxListener("127.0.0.1");
+  if (!listener.ok()) return listener.status();
+  auto addresses = RendezvousAddresses(dir, slot, size, UcxListenerAddress(**listener), absl::Seconds(30));
+  if (!addresses.ok()) return addresses.status();
+  UcxOptions options;
+  options.slot = slot;
+  options.addresses = *addresses;
+  options.connect_timeout = absl::Seconds(30);
+  return CreateUcxTransportWithListener(*std::move(listener), options);
 }
 
 // `member(slot, dir)` runs in the child and returns its exit code. Returns every member's exit

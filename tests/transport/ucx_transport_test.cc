@@ -22,18 +22,7 @@ namespace {
 constexpr int kOk = 0, kScenarioFailed = 1, kSetupFailed = 2;
 
 int RunMember(const std::string& dir, int slot, int size, const std::function<absl::Status(Transport&)>& scenario) {
-  auto listener = CreateUcxListener("127.0.0.1");
-  if (!listener.ok()) {
-    std::fprintf(stderr, "slot %d: %s\n", slot, std::string(listener.status().message()).c_str());
-    return kSetupFailed;
-  }
-  auto addresses = RendezvousAddresses(dir, slot, size, UcxListenerAddress(**listener), absl::Seconds(30));
-  if (!addresses.ok()) return kSetupFailed;
-  UcxOptions options;
-  options.slot = slot;
-  options.addresses = *addresses;
-  options.connect_timeout = absl::Seconds(30);
-  auto transport = CreateUcxTransportWithListener(*std::move(listener), options);
+  auto transport = testing::UcxMemberTransport(dir, slot, size);
   if (!transport.ok()) {
     std::fprintf(stderr, "slot %d: %s\n", slot, std::string(transport.status().message()).c_str());
     return kSetupFailed;
