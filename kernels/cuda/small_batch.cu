@@ -51,16 +51,7 @@ constexpr int kDownRows = 2;
 constexpr int kDownBatch = 3;
 // Register budget (measured on an H200 at E=128, d=2048, d_ff=768): three blocks of 256 threads
 // per SM (85 registers; four blocks spill).
-template <int ROWS>
-constexpr int BlocksPerSm() {
-  static_assert(ROWS == 1, "more rows a chunk take the tensor-core or the staged family");
-  return 3;
-}
-
-__device__ __forceinline__ int64_t* ActiveCache() {
-  extern __shared__ int64_t cache[];
-  return cache;
-}
+constexpr int kBlocksPerSm = 3;
 
 // This warp's share [begin, end) of `units`, contiguous and balanced over every warp of the grid.
 __device__ __forceinline__ void WarpShare(int64_t units, int64_t* begin, int64_t* end) {
@@ -70,20 +61,13 @@ __device__ __forceinline__ void WarpShare(int64_t units, int64_t* begin, int64_t
   *end = units * (w + 1) / warps;
 }
 
-// Source rows of the chunk [r0, r0 + rows) of a layout; with `row_index` the layout row is read
-// from its source row (the permutation fused into the load). Slots past `rows` repeat the last.
-// SHARED: `row_index` is in shared memory (the fused local layer's own routing).
-template <int ROWS, bool SHARED>
-__device__ __forceinline__ void ChunkRows(const int32_t* __restrict__ row_index, int64_t r0, int rows, int (&xr)[ROWS]) {
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int64_t layout_row = r0 + (r < rows ? r : rows - 1);
-    if constexpr (SHARED) {
-      xr[r] = row_index[layout_row];
-    } else {
-      xr[r] = row_index != nullptr ? __ldg(row_index + layout_row) : static_cast<int>(layout_row);
-    }
-  }
+// The source row of a layout row; with `row_index` the layout row is read from its source row
+// (the permutation fused into the load). SHARED: `row_index` is in shared memory (the fused
+// local layer's own routing).
+template <bool SHARED>
+__device__ __forceinline__ int64_t SourceRow(const int32_t* __restrict__ row_index, int64_t layout_row) {
+  if constexpr (SHARED) return row_index[layout_row];
+  return row_index != nullptr ? __ldg(row_index + layout_row) : layout_row;
 }
 
 // The fused local layer (FUSED kernels): both kernels derive the routing from topk in every
@@ -107,14 +91,14 @@ template <bool FUSED>
 __device__ __forceinline__ small_batch::BlockRouting KernelRouting(const LayerRoute& route, const int64_t* offsets,
                                                                   int num_experts) {
   if constexpr (FUSED) {
-    return small_batch::RouteInBlock(route.topk, route.routes, route.k, num_experts, ActiveCache());
+    return small_batch::RouteInBlock(route.topk, route.routes, route.k, num_experts, small_batch::ActiveCache());
   } else {
-    return {small_batch::CompactActive(offsets, num_experts, ActiveCache()), nullptr, nullptr};
+    return {small_batch::CompactActive(offsets, num_experts, small_batch::ActiveCache()), nullptr, nullptr};
   }
 }
 
-template <int ROWS, bool FUSED>
-__global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
+template <bool FUSED>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                  const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
                  const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a, LayerRoute route) {
@@ -136,22 +120,17 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
     const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
                                w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
-    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += ROWS) {
-      const int rows = static_cast<int>(seg_end - r0 < ROWS ? seg_end - r0 : ROWS);
-      int xr[ROWS];
-      ChunkRows<ROWS, FUSED>(x_row_index, r0, rows, xr);
-      const uint4* xp[ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) xp[r] = x + static_cast<int64_t>(xr[r]) * d8;
-      float gu[2][ROWS] = {};
-      DotRows<ROWS, 2, 4>(w, [&](int r, int i) { return __ldg(xp[r] + i); }, d8, rows, gu);
-      small_batch::StoreActivation<ROWS>(gu, rows, r0, f, c, a);
+    for (int64_t row = seg_begin; row < seg_end; ++row) {
+      const uint4* xp = x + SourceRow<FUSED>(x_row_index, row) * d8;
+      float gu[2][1] = {};
+      DotRows<1, 2, 4>(w, [&](int, int i) { return __ldg(xp + i); }, d8, 1, gu);
+      small_batch::StoreActivation<1>(gu, 1, row, f, c, a);
     }
   }
 }
 
-template <int ROWS, bool FUSED>
-__global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
+template <bool FUSED>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets, int num_experts, int f8, int d,
                const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y, LayerRoute route) {
   // Offsets (or topk) and weights are inputs of the whole launch sequence, complete before the
@@ -202,12 +181,11 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
       const int o = o0 + j < d ? o0 + j : d - 1;
       w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
     }
-    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += ROWS) {
-      const int rows = static_cast<int>(seg_end - r0 < ROWS ? seg_end - r0 : ROWS);
-      const uint4* ap = a + r0 * f8;  // the chunk's rows are consecutive
-      float acc[kDownRows][ROWS] = {};
-      DotRows<ROWS, kDownRows, kDownBatch>(w, [&](int r, int i) { return __ldg(ap + r * f8 + i); }, f8, rows, acc);
-      small_batch::StoreRows<ROWS, kDownRows>(acc, rows, r0, d, o0, y);
+    for (int64_t row = seg_begin; row < seg_end; ++row) {
+      const uint4* ap = a + row * f8;
+      float acc[kDownRows][1] = {};
+      DotRows<1, kDownRows, kDownBatch>(w, [&](int, int i) { return __ldg(ap + i); }, f8, 1, acc);
+      small_batch::StoreRows<1, kDownRows>(acc, 1, row, d, o0, y);
     }
   }
   if constexpr (FUSED) {
@@ -233,30 +211,26 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<ROWS>())
   }
 }
 
-// Both kernels of one row a chunk; `max_active` bounds the experts with rows (the grid).
+// Both kernels; `max_active` bounds the experts with rows (the grid).
 template <bool FUSED>
 cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int max_active,
                    int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                    const LayerRoute& route, cudaStream_t stream) {
-  constexpr int ROWS = 1;
   int sms = 0;  // (the shared memory, at most 24 KiB, needs no opt-in)
   const cudaError_t setup = small_batch::SmCount(&sms);
   if (setup != cudaSuccess) return setup;
   const size_t smem = FUSED ? small_batch::RouteInBlockBytes(num_experts, route.routes) : ActiveBytes(num_experts);
-  // One resident wave, or fewer blocks when even every expert busy would not fill it.
-  auto grid = [&](int64_t max_units, int per_sm) {
-    const int64_t wave = static_cast<int64_t>(sms) * per_sm;
-    const int64_t need = (max_units + kWarps - 1) / kWarps;
-    return static_cast<unsigned>(need < wave ? (need < 1 ? 1 : need) : wave);
+  // A unit a warp: blocks for every unit of `max_active` busy experts, at most one resident wave.
+  auto grid = [&](int64_t max_units) {
+    return small_batch::OneWave((max_units + kWarps - 1) / kWarps, static_cast<int64_t>(sms) * kBlocksPerSm);
   };
-  cudaError_t e = LaunchDependent(GateUpKernel<ROWS, FUSED>,
-                                  dim3(grid(static_cast<int64_t>(max_active) * f, BlocksPerSm<ROWS>())), dim3(kThreads),
+  cudaError_t e = LaunchDependent(GateUpKernel<FUSED>, dim3(grid(static_cast<int64_t>(max_active) * f)), dim3(kThreads),
                                   smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts,
                                   d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
                                   reinterpret_cast<__nv_bfloat16*>(a), route);
   if (e != cudaSuccess) return e;
   const int64_t down_units = static_cast<int64_t>(max_active) * ((d + kDownRows - 1) / kDownRows);
-  return LaunchDependent(DownKernel<ROWS, FUSED>, dim3(grid(down_units, BlocksPerSm<ROWS>())), dim3(kThreads), smem,
+  return LaunchDependent(DownKernel<FUSED>, dim3(grid(down_units)), dim3(kThreads), smem,
                          stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
                          reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y), route);
 }
@@ -299,7 +273,8 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
                          stream);
   }
   if (small_batch::MmaSupported(d, f)) {
-    return small_batch::LaunchMmaSwiglu(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+    return small_batch::LaunchMmaSwiglu(small_batch::WidePass(want), x, x_row_index, offsets, num_experts, d, f,
+                                        w_gate_up, w_down, a, y, stream);
   }
   return small_batch::LaunchStagedSwiglu(want <= 4 ? 4 : 8, x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down,
                                          a, y, stream);

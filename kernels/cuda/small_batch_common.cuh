@@ -40,6 +40,18 @@ inline cudaError_t SmCount(int* sms) {
   return setup;
 }
 
+// Blocks of a launch: `blocks` (at least one), at most `resident` (one resident wave: every
+// family's blocks take equal shares of the work instead of queueing behind each other).
+inline unsigned OneWave(int64_t blocks, int64_t resident) {
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < resident ? blocks : resident));
+}
+
+// The dynamic shared memory of a family's kernel, where its active-expert cache starts.
+__device__ __forceinline__ int64_t* ActiveCache() {
+  extern __shared__ int64_t cache[];
+  return cache;
+}
+
 // Shared memory CompactActive needs: [E + 1] offsets, then [E] ids (none beyond the cache limit).
 __host__ __device__ inline size_t ActiveBytes(int num_experts) {
   return num_experts > kCachedExperts ? 0
@@ -309,11 +321,14 @@ __device__ __forceinline__ void StoreRows(const float (&acc)[NW][ROWS], int rows
 cudaError_t LaunchStagedSwiglu(int rows_cap, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
                                int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
                                uint16_t* a, uint16_t* y, cudaStream_t stream);
-// The tensor-core family (small_batch_mma.cu), for d and d_ff multiples of 32.
+// The tensor-core family (small_batch_mma.cu), for d and d_ff multiples of 32. `wide`: 16
+// activation rows a pass over each weight tile instead of 8; WidePass says whether for a step
+// expected to give its busy experts `want` rows.
 bool MmaSupported(int d, int f);
-cudaError_t LaunchMmaSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d,
-                            int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                            cudaStream_t stream);
+bool WidePass(int64_t want);
+cudaError_t LaunchMmaSwiglu(bool wide, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
+                            int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a,
+                            uint16_t* y, cudaStream_t stream);
 // The staged family's shared-memory bound on a row (bytes).
 constexpr size_t kStagedRowBudget = 96 * 1024;
 

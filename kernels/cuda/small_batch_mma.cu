@@ -16,9 +16,13 @@
 // columns (so a lane ends up holding gate and up of the same column and row, and applies the
 // activation itself); for down, 16 output rows. Every block of one resident wave takes an equal
 // contiguous share of the units; its 8 warps split k and add their partial tiles through shared
-// memory. Segments of more than 8 rows loop over chunks of 8.
+// memory. Segments of more than 8 rows loop over chunks of 8, or of 16 in the wide variant: two
+// mmas (two groups of 8 activation rows) share each weight load. It is chosen per step, when
+// the step is expected to give busy experts 8 rows or more (WidePass).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cstdlib>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -28,8 +32,14 @@ namespace moe::kernels::cuda::small_batch {
 namespace {
 
 constexpr int kBlocksPerSm = 3;
-constexpr int kBatchChunks = 4;  // 32-k chunks whose loads are in flight together: 128 weight bytes a lane
-constexpr int kRowsPerMma = 8;   // activation rows (the mma's n)
+constexpr int kRowsPerMma = 8;  // activation rows (the mma's n)
+// 32-k chunks whose loads are in flight together: 128 weight bytes a lane. With two groups of
+// activation rows a pass (wide) the batch is halved to stay within the register budget of
+// three blocks an SM.
+template <int NT>
+constexpr int KBatchChunks() {
+  return NT == 1 ? 4 : 2;
+}
 
 __device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
@@ -48,41 +58,61 @@ __device__ __forceinline__ void MmaChunk(float (&c)[4], const uint4& lo, const u
   Mma(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
 }
 
-__device__ __forceinline__ int64_t* ActiveCache() {
-  extern __shared__ int64_t cache[];
-  return cache;
-}
-
-// The tile of 16 weight rows (lo: rows g, hi: rows g + 8 of this lane) times activation rows
-// [r0, r0 + rows) over this warp's k-chunks, summed over the block's warps. Returns the full
-// tile in warp 0 (c[0], c[1]: row g, activation rows 2t, 2t + 1; c[2], c[3]: row g + 8).
-__device__ __forceinline__ void TileProduct(const uint4* lo, const uint4* hi, const uint4* xrow, bool x_valid, int chunk0,
-                                            int chunk1, float (*partial)[32][4], float (&c)[4]) {
+// The tile of 16 weight rows (lo: rows g, hi: rows g + 8 of this lane) times NT groups of 8
+// activation rows over this warp's k-chunks, summed over the block's warps: every weight load
+// feeds NT mmas. xrow[n] is this lane's row of group n (row g of it), x_valid[n] whether that
+// row exists. Returns the full tiles in warp 0 (c[n][0], c[n][1]: weight row g, rows 2t, 2t + 1
+// of group n; c[n][2], c[n][3]: weight row g + 8).
+template <int NT>
+__device__ __forceinline__ void TileProduct(const uint4* lo, const uint4* hi, const uint4* const (&xrow)[NT],
+                                            const bool (&x_valid)[NT], int chunk0, int chunk1,
+                                            float (*partial)[32][4 * NT], float (&c)[NT][4]) {
+  constexpr int kBatch = KBatchChunks<NT>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
-  c[0] = c[1] = c[2] = c[3] = 0.0f;
-  for (int k = chunk0; k < chunk1; k += kBatchChunks) {
-    uint4 wl[kBatchChunks], wh[kBatchChunks], xv[kBatchChunks];
 #pragma unroll
-    for (int b = 0; b < kBatchChunks; ++b) {
+  for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+  for (int k = chunk0; k < chunk1; k += kBatch) {
+    uint4 wl[kBatch], wh[kBatch], xv[NT][kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
       const int i = (k + b) * 4 + t;
       const bool in = k + b < chunk1;
       wl[b] = in ? LoadStreaming(lo + i) : make_uint4(0, 0, 0, 0);
       wh[b] = in ? LoadStreaming(hi + i) : make_uint4(0, 0, 0, 0);
-      xv[b] = in && x_valid ? __ldg(xrow + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) xv[n][b] = in && x_valid[n] ? __ldg(xrow[n] + i) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int b = 0; b < kBatchChunks; ++b) MmaChunk(c, wl[b], wh[b], xv[b]);
+    for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) MmaChunk(c[n], wl[b], wh[b], xv[n][b]);
   }
 #pragma unroll
-  for (int q = 0; q < 4; ++q) partial[warp][lane][q] = c[q];
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) partial[warp][lane][4 * n + q] = c[n][q];
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
     for (int w = 1; w < kWarps; ++w)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) c[q] += partial[w][lane][q];
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) c[n][q] += partial[w][lane][4 * n + q];
   }
   __syncthreads();  // partials free for the next tile
+}
+
+// The activation rows of a chunk [r0, r0 + rows) this lane feeds its NT mmas: row g of each
+// group of 8 (clamped to the chunk; `valid` false past it), as layout rows.
+template <int NT>
+__device__ __forceinline__ void ChunkLanes(int64_t r0, int rows, int g, int64_t (&layout_row)[NT], bool (&valid)[NT]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int r = n * kRowsPerMma + g;
+    valid[n] = r < rows;
+    layout_row[n] = r0 + (r < rows ? r : rows - 1);
+  }
 }
 
 // This warp's k-chunks of `chunks`, split evenly over the block's warps.
@@ -116,11 +146,12 @@ struct TileWalk {
   int groups, slot, grp, chunk0, chunk1;
 };
 
+template <int NT>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     GateUpMmaKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                     const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
                     const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a) {
-  __shared__ float partial[kWarps][32][4];
+  __shared__ float partial[kWarps][32][4 * NT];
   WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
   ReleaseDependents();
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
@@ -131,21 +162,31 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int col = w.grp * 8 + g;
     const uint4* lo = w_gate_up + (static_cast<int64_t>(e) * 2 * f + col) * d8;  // gate row of column col
     const uint4* hi = lo + static_cast<int64_t>(f) * d8;                          // its up row
-    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kRowsPerMma) {
-      const int rows = static_cast<int>(seg_end - r0 < kRowsPerMma ? seg_end - r0 : kRowsPerMma);
-      const int64_t layout_row = r0 + (g < rows ? g : rows - 1);
-      const int64_t src = x_row_index != nullptr ? __ldg(x_row_index + layout_row) : layout_row;
-      float c[4];
-      TileProduct(lo, hi, x + src * d8, g < rows, w.chunk0, w.chunk1, partial, c);
+    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += NT * kRowsPerMma) {
+      const int rows = static_cast<int>(seg_end - r0 < NT * kRowsPerMma ? seg_end - r0 : NT * kRowsPerMma);
+      int64_t layout_row[NT];
+      bool valid[NT];
+      ChunkLanes<NT>(r0, rows, g, layout_row, valid);
+      const uint4* xrow[NT];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int64_t src = x_row_index != nullptr ? __ldg(x_row_index + layout_row[n]) : layout_row[n];
+        xrow[n] = x + src * d8;
+      }
+      float c[NT][4];
+      TileProduct<NT>(lo, hi, xrow, valid, w.chunk0, w.chunk1, partial, c);
       if (threadIdx.x < 32) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = 2 * t + j;
-          if (n < rows) {
-            // Gate and up rounded to BF16 as the GEMM path does, then the activation.
-            const float gs = __bfloat162float(__float2bfloat16_rn(c[j]));
-            const float us = __bfloat162float(__float2bfloat16_rn(c[2 + j]));
-            a[(r0 + n) * f + col] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int r = n * kRowsPerMma + 2 * t + j;
+            if (r < rows) {
+              // Gate and up rounded to BF16 as the GEMM path does, then the activation.
+              const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
+              const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
+              a[(r0 + r) * f + col] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+            }
           }
         }
       }
@@ -153,10 +194,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
+template <int NT>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     DownMmaKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets, int num_experts, int f8, int d,
                   const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y) {
-  __shared__ float partial[kWarps][32][4];
+  __shared__ float partial[kWarps][32][4 * NT];
   // Offsets are inputs of the whole SwiGLU launch, complete before the gate/up kernel released
   // this one; `a` is read only after the wait.
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
@@ -169,17 +211,26 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int o = w.grp * 16 + g;
     const uint4* lo = w_down + (static_cast<int64_t>(e) * d + o) * f8;
     const uint4* hi = lo + 8 * static_cast<int64_t>(f8);
-    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kRowsPerMma) {
-      const int rows = static_cast<int>(seg_end - r0 < kRowsPerMma ? seg_end - r0 : kRowsPerMma);
-      float c[4];
-      TileProduct(lo, hi, a + (r0 + (g < rows ? g : rows - 1)) * f8, g < rows, w.chunk0, w.chunk1, partial, c);
+    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += NT * kRowsPerMma) {
+      const int rows = static_cast<int>(seg_end - r0 < NT * kRowsPerMma ? seg_end - r0 : NT * kRowsPerMma);
+      int64_t layout_row[NT];
+      bool valid[NT];
+      ChunkLanes<NT>(r0, rows, g, layout_row, valid);
+      const uint4* arow[NT];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) arow[n] = a + layout_row[n] * f8;
+      float c[NT][4];
+      TileProduct<NT>(lo, hi, arow, valid, w.chunk0, w.chunk1, partial, c);
       if (threadIdx.x < 32) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = 2 * t + j;
-          if (n < rows) {
-            y[(r0 + n) * d + o] = __float2bfloat16_rn(c[j]);
-            y[(r0 + n) * d + o + 8] = __float2bfloat16_rn(c[2 + j]);
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int r = n * kRowsPerMma + 2 * t + j;
+            if (r < rows) {
+              y[(r0 + r) * d + o] = __float2bfloat16_rn(c[n][j]);
+              y[(r0 + r) * d + o + 8] = __float2bfloat16_rn(c[n][2 + j]);
+            }
           }
         }
       }
@@ -187,29 +238,48 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
-}  // namespace
-
-bool MmaSupported(int d, int f) { return d > 0 && f > 0 && d % 32 == 0 && f % 32 == 0; }
-
-cudaError_t LaunchMmaSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d,
-                            int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                            cudaStream_t stream) {
+template <int NT>
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
+                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t setup = SmCount(&sms);
   if (setup != cudaSuccess) return setup;
   const size_t smem = ActiveBytes(num_experts);
-  // One resident wave, or fewer blocks when every expert busy would not fill it.
-  auto grid = [&](int64_t max_units) {
-    const int64_t wave = static_cast<int64_t>(sms) * kBlocksPerSm;
-    return dim3(static_cast<unsigned>(max_units < wave ? (max_units < 1 ? 1 : max_units) : wave));
-  };
-  cudaError_t e = LaunchDependent(GateUpMmaKernel, grid(static_cast<int64_t>(num_experts) * (f / 8)), dim3(kThreads), smem,
-                                  stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
-                                  reinterpret_cast<const uint4*>(w_gate_up), reinterpret_cast<__nv_bfloat16*>(a));
+  // A unit a block: one for each unit of every expert busy, at most one resident wave.
+  const int64_t wave = static_cast<int64_t>(sms) * kBlocksPerSm;
+  cudaError_t e = LaunchDependent(GateUpMmaKernel<NT>, dim3(OneWave(static_cast<int64_t>(num_experts) * (f / 8), wave)),
+                                  dim3(kThreads), smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets,
+                                  num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
+                                  reinterpret_cast<__nv_bfloat16*>(a));
   if (e != cudaSuccess) return e;
-  return LaunchDependent(DownMmaKernel, grid(static_cast<int64_t>(num_experts) * (d / 16)), dim3(kThreads), smem, stream,
-                         reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
+  return LaunchDependent(DownMmaKernel<NT>, dim3(OneWave(static_cast<int64_t>(num_experts) * (d / 16), wave)),
+                         dim3(kThreads), smem, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
                          reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y));
+}
+
+}  // namespace
+
+bool MmaSupported(int d, int f) { return d > 0 && f > 0 && d % 32 == 0 && f % 32 == 0; }
+
+// Wide passes pay where segments run past 8 rows: on an H200, E=32 (d=7168, d_ff=2048) 16
+// tokens 826 us against 936 (a 9-row segment read once instead of twice), 128 tokens 2.2 ms
+// against 3.3; E=128 (d=2048, d_ff=768) 128 tokens 447 us against 466 (graph replay). They cost
+// where experts get a row or two (E=128, 16 tokens: 258-289 us against 195): half the weight
+// loads in flight a lane. Hence wide from 8 expected rows (twice the mean segment);
+// MOE_CUDA_MMA_WIDE=0 or 1 in the environment forces either (side-by-side measurements).
+bool WidePass(int64_t want) {
+  static const int forced = [] {
+    const char* v = std::getenv("MOE_CUDA_MMA_WIDE");
+    return v == nullptr || *v == '\0' ? -1 : (std::atoi(v) != 0 ? 1 : 0);
+  }();
+  return forced >= 0 ? forced == 1 : want >= kRowsPerMma;
+}
+
+cudaError_t LaunchMmaSwiglu(bool wide, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
+                            int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a,
+                            uint16_t* y, cudaStream_t stream) {
+  if (wide) return Launch<2>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
+  return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
 }
 
 }  // namespace moe::kernels::cuda::small_batch

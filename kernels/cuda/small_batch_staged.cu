@@ -124,8 +124,6 @@ int ChunkRows(int rows_cap, int len) {
   return fit < rows_cap ? (fit < 1 ? 1 : fit) : rows_cap;
 }
 
-int Grid(int items, int resident) { return items < resident ? items : resident; }
-
 template <int ROWS>
 cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
                    const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
@@ -151,13 +149,13 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_up, GateUpKernel<ROWS>, kWarps * 32, smem_x);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_down, DownKernel<ROWS>, kWarps * 32, smem_a);
   const int items_up = num_experts * ((f + kUpTile - 1) / kUpTile);
-  cudaError_t e = LaunchDependent(GateUpKernel<ROWS>, dim3(Grid(items_up, sms * (per_sm_up > 0 ? per_sm_up : 1))),
+  cudaError_t e = LaunchDependent(GateUpKernel<ROWS>, dim3(OneWave(items_up, sms * (per_sm_up > 0 ? per_sm_up : 1))),
                                   dim3(kThreads), smem_x, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets,
                                   num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up), chunk_x,
                                   reinterpret_cast<__nv_bfloat16*>(a));
   if (e != cudaSuccess) return e;
   const int items_down = num_experts * ((d + kDownTile - 1) / kDownTile);
-  return LaunchDependent(DownKernel<ROWS>, dim3(Grid(items_down, sms * (per_sm_down > 0 ? per_sm_down : 1))),
+  return LaunchDependent(DownKernel<ROWS>, dim3(OneWave(items_down, sms * (per_sm_down > 0 ? per_sm_down : 1))),
                          dim3(kThreads), smem_a, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
                          reinterpret_cast<const uint4*>(w_down), chunk_a, reinterpret_cast<__nv_bfloat16*>(y));
 }

@@ -13,6 +13,52 @@
 #include "runtime/status.h"
 
 namespace moe {
+namespace {
+
+// The host tables a step's kernels read (index tables, gates), each at a 16-byte aligned offset
+// of one block that goes to kernel memory in one copy: with device kernels one host-to-device
+// transfer a step instead of one a table. Host kernels read the tables in place.
+class StepTables {
+ public:
+  // Adds `bytes` at `src` (read at Upload); returns the table's handle for Get.
+  int Add(const void* src, int64_t bytes) {
+    tables_.push_back({src, bytes, total_});
+    total_ += (bytes + 15) / 16 * 16;
+    return static_cast<int>(tables_.size()) - 1;
+  }
+  absl::Status Upload(bool device, kernels::ExpertKernels& kern, kernels::KernelBuffer& to, std::vector<uint8_t>& host,
+                      kernels::Stream stream) {
+    device_ = device;
+    if (!device || total_ == 0) return absl::OkStatus();
+    host.resize(total_);
+    for (const Table& t : tables_) {
+      if (t.bytes > 0) std::memcpy(host.data() + t.offset, t.src, t.bytes);
+    }
+    RETURN_IF_ERROR(to.Reserve(&kern, total_));
+    RETURN_IF_ERROR(kern.CopyToKernel(to.data(), host.data(), total_, stream));
+    base_ = static_cast<const uint8_t*>(to.data());
+    return absl::OkStatus();
+  }
+  // The table where the kernels read it (nullptr: on the device, and nothing was uploaded).
+  template <typename T>
+  const T* Get(int table) const {
+    const Table& t = tables_[table];
+    if (!device_) return static_cast<const T*>(t.src);
+    return base_ != nullptr ? reinterpret_cast<const T*>(base_ + t.offset) : nullptr;
+  }
+
+ private:
+  struct Table {
+    const void* src;
+    int64_t bytes, offset;
+  };
+  std::vector<Table> tables_;
+  int64_t total_ = 0;
+  bool device_ = false;
+  const uint8_t* base_ = nullptr;
+};
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecutorOptions options) {
   if (!options.topology || !options.group) return absl::InvalidArgumentError("executor: topology and group required");
@@ -512,18 +558,29 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     // transport moves directly); plans and slot metadata stay on the host.
     Buffers& b = buf_;
     const kernels::Stream stream = nullptr;
-    auto stage = [&](kernels::KernelBuffer& to, const void* src, int64_t bytes) -> absl::StatusOr<const void*> {
-      if (!device_) return src;
-      RETURN_IF_ERROR(to.Reserve(&kern, bytes));
-      RETURN_IF_ERROR(kern.CopyToKernel(to.data(), src, bytes, stream));
-      return static_cast<const void*>(to.data());
-    };
     const int local_slots = static_cast<int>(dest.expert_counts.size());
     if (n_recv > 0 &&
         static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
       return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                         " number of local slots than placement-v", version.value()));
     }
+    const int64_t routes_n = in.tokens * in.k;
+    const void* hidden = in.hidden;
+    if (device_ && in.tokens > 0) {
+      RETURN_IF_ERROR(b.hidden.Reserve(&kern, in.tokens * row_bytes));
+      RETURN_IF_ERROR(kern.CopyToKernel(b.hidden.data(), in.hidden, in.tokens * row_bytes, stream));
+      hidden = b.hidden.data();
+    }
+    // The combined rows: written in kernel memory, then copied out.
+    auto output = [&]() -> absl::StatusOr<uint16_t*> {
+      if (!device_) return result.output.data();
+      RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
+      return b.output.as<uint16_t>();
+    };
+    auto copy_out = [&](const uint16_t* out) -> absl::Status {
+      return device_ ? kern.CopyToHost(result.output.data(), out, in.tokens * row_bytes, stream) : absl::OkStatus();
+    };
+    StepTables tables;
     if (p == 1 && in.phase == Phase::kDecode) {
       // A lone member holds every slot: a decode step's route, experts and combine are one
       // kernels call on the tokens as they are (LocalLayer: the decode kernels, at one token
@@ -532,34 +589,36 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       RETURN_IF_ERROR(handle->MarkExpertOutputReady());
       RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
       if (in.tokens == 0) return absl::OkStatus();
-      const int64_t routes_n = in.tokens * in.k;
       std::vector<int32_t>& local_ids = b.local_ids;
       local_ids.assign(routes_n, -1);  // dropped routes add nothing
       for (int64_t i = 0; i < n_send; ++i) local_ids[accepted_ids[i]] = m.LocalIndex(accepted_slots[i]);
+      const int t_ids = tables.Add(local_ids.data(), routes_n * 4);
+      const int t_gates = tables.Add(gates.data(), routes_n * 4);
+      RETURN_IF_ERROR(tables.Upload(device_, kern, b.tables, b.tables_host, stream));
       kernels::LocalLayerParams layer;
       layer.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
-      ASSIGN_OR_RETURN(const void* x, stage(b.hidden, in.hidden, in.tokens * row_bytes));
-      layer.x = static_cast<const uint16_t*>(x);
-      ASSIGN_OR_RETURN(const void* ids, stage(b.send_index, local_ids.data(), routes_n * 4));
-      layer.topk = static_cast<const int32_t*>(ids);
-      ASSIGN_OR_RETURN(const void* gate_of, stage(b.gates_k, gates.data(), routes_n * 4));
-      layer.gate = static_cast<const float*>(gate_of);
+      layer.x = static_cast<const uint16_t*>(hidden);
+      layer.topk = tables.Get<int32_t>(t_ids);
+      layer.gate = tables.Get<float>(t_gates);
       layer.num_tokens = in.tokens;
       layer.k = in.k;
-      if (device_) RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
-      layer.out_bf16 = device_ ? b.output.as<uint16_t>() : result.output.data();
+      ASSIGN_OR_RETURN(layer.out_bf16, output());
       RETURN_IF_ERROR(kern.LocalLayer(layer, stream));
-      if (device_) RETURN_IF_ERROR(kern.CopyToHost(result.output.data(), layer.out_bf16, in.tokens * row_bytes, stream));
-      return absl::OkStatus();
+      return copy_out(layer.out_bf16);
     }
+    const int t_send = tables.Add(send_token.data(), n_send * 4);
+    const int t_order = tables.Add(dest.expert_order.data(), n_recv * 4);
+    const int t_position = tables.Add(dest.expert_position.data(), n_recv * 4);
+    const int t_rows_of = tables.Add(row_of_route.data(), routes_n * 4);
+    const int t_gates = tables.Add(gates.data(), routes_n * 4);
+    RETURN_IF_ERROR(tables.Upload(device_, kern, b.tables, b.tables_host, stream));
     RETURN_IF_ERROR(b.send_rows.Reserve(&kern, n_send * row_bytes));
     if (n_send > 0) {
       kernels::GatherParams pack;
       pack.d = d;
-      ASSIGN_OR_RETURN(pack.in, stage(b.hidden, in.hidden, in.tokens * row_bytes));
+      pack.in = hidden;
       pack.in_rows = in.tokens;
-      ASSIGN_OR_RETURN(const void* index, stage(b.send_index, send_token.data(), n_send * 4));
-      pack.index = static_cast<const int32_t*>(index);
+      pack.index = tables.Get<int32_t>(t_send);
       pack.n = n_send;
       pack.out = b.send_rows.data();
       RETURN_IF_ERROR(kern.Gather(pack, stream));
@@ -580,8 +639,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       repack.d = d;
       repack.in = b.recv_rows.data();
       repack.in_rows = n_recv;
-      ASSIGN_OR_RETURN(const void* order, stage(b.order, dest.expert_order.data(), n_recv * 4));
-      repack.index = static_cast<const int32_t*>(order);
+      repack.index = tables.Get<int32_t>(t_order);
       repack.n = n_recv;
       repack.out = b.expert_in.data();
       RETURN_IF_ERROR(kern.Gather(repack, stream));
@@ -594,8 +652,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       RETURN_IF_ERROR(kern.Swiglu(sw, stream));
       kernels::GatherParams unpack = repack;
       unpack.in = b.expert_out.data();
-      ASSIGN_OR_RETURN(const void* position, stage(b.position, dest.expert_position.data(), n_recv * 4));
-      unpack.index = static_cast<const int32_t*>(position);
+      unpack.index = tables.Get<int32_t>(t_position);
       unpack.out = b.back_rows.data();
       RETURN_IF_ERROR(kern.Gather(unpack, stream));
       RETURN_IF_ERROR(kern.Synchronize(stream));
@@ -607,15 +664,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, b.back_rows.data(), recv_bytes, b.returned.data(),
                                                   send_bytes, options_.timeout));
     if (in.tokens > 0) {
-      const int64_t routes_n = in.tokens * in.k;
-      ASSIGN_OR_RETURN(const void* rows_of, stage(b.row_of_route_k, row_of_route.data(), routes_n * 4));
-      ASSIGN_OR_RETURN(const void* gate_of, stage(b.gates_k, gates.data(), routes_n * 4));
-      if (device_) RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
-      uint16_t* out = device_ ? b.output.as<uint16_t>() : result.output.data();
-      kernels::CombineParams c{b.returned.as<uint16_t>(), n_send, d, static_cast<const int32_t*>(rows_of),
-                               static_cast<const float*>(gate_of), in.tokens, in.k, nullptr, out};
+      ASSIGN_OR_RETURN(uint16_t* out, output());
+      kernels::CombineParams c{b.returned.as<uint16_t>(), n_send, d, tables.Get<int32_t>(t_rows_of),
+                               tables.Get<float>(t_gates), in.tokens, in.k, nullptr, out};
       RETURN_IF_ERROR(kern.Combine(c, stream));
-      if (device_) RETURN_IF_ERROR(kern.CopyToHost(result.output.data(), out, in.tokens * row_bytes, stream));
+      RETURN_IF_ERROR(copy_out(out));
     }
     return absl::OkStatus();
   };

@@ -198,8 +198,8 @@ class LayerExecutor {
   struct Buffers {
     // Rows and the index tables the kernels read, in kernel memory (staged copies of host
     // tables exist only when that memory is the device's).
-    kernels::KernelBuffer hidden, send_index, send_rows, recv_rows, order, expert_in, expert_out, position, back_rows,
-        returned, row_of_route_k, gates_k, output;
+    kernels::KernelBuffer hidden, tables, send_rows, recv_rows, expert_in, expert_out, back_rows, returned, output;
+    std::vector<uint8_t> tables_host;  // the step's tables in one block before their upload
     std::vector<int32_t> send_meta, recv_meta, row_of_route, local_ids;
     std::vector<float> gates;
     std::vector<PhysicalSlotId> slots, accepted_slots, received;

@@ -178,6 +178,67 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
   }
 }
 
+// The tensor-core family's passes of 8 and 16 activation rows over a weight tile (a step takes
+// 16 a pass when its experts are expected to get 8 rows or more; the bound on segments steers it
+// here: 4 -> 8-row passes; 16, or none (mean 17 rows) -> 16). Each row's mmas run in the same k
+// order either way, so both give the same bits. Five experts with the same weights: expert 0
+// has rows x0..x7, the others repeat them, 13 rows (one ragged 16-row pass), 16, none and 45
+// (ragged last passes of both widths): each row must also equal expert 0's row of the same
+// source, and the CPU within rounding. (MOE_CUDA_MMA_WIDE in the environment forces one width
+// for all three calls.)
+TEST_F(CudaKernelsTest, DeviceOffsetSwigluPassesOfEveryWidthAgree) {
+  const int e = 5, d = 256, f = 160;
+  const std::vector<int64_t> counts = {8, 13, 16, 0, 45};
+  const auto offsets = Offsets(counts);
+  const int64_t rows = offsets.back();
+  auto wgu0 = RandomBf16(rng_, static_cast<size_t>(2) * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  auto wd0 = RandomBf16(rng_, static_cast<size_t>(d) * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  std::vector<uint16_t> wgu, wd;
+  for (int i = 0; i < e; ++i) {
+    wgu.insert(wgu.end(), wgu0.begin(), wgu0.end());
+    wd.insert(wd.end(), wd0.begin(), wd0.end());
+  }
+  const auto x8 = RandomBf16(rng_, static_cast<size_t>(8) * d, 1.0f);
+  std::vector<uint16_t> x(static_cast<size_t>(rows) * d);
+  for (int ex = 0; ex < e; ++ex) {
+    for (int64_t r = 0; r < counts[ex]; ++r) std::copy_n(x8.begin() + (r % 8) * d, d, x.begin() + (offsets[ex] + r) * d);
+  }
+  std::vector<uint16_t> ref(x.size(), 0);
+  SwigluParams p;
+  p.weights = {wgu.data(), wd.data(), e, d, f};
+  p.x = x.data();
+  p.rows = rows;
+  p.device_offsets = offsets.data();
+  p.y = ref.data();
+  ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+  DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
+  DeviceVector<int64_t> doff(offsets);
+  p.weights = {dwgu.get(), dwd.get(), e, d, f};
+  p.x = dx.get();
+  p.device_offsets = doff.get();
+  std::vector<std::vector<uint16_t>> outputs;
+  for (const int64_t bound : {4, 16, 0}) {
+    DeviceVector<uint16_t> dy(x.size(), 0xFFFF);
+    p.max_segment_rows = bound;
+    p.y = dy.get();
+    ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    outputs.push_back(dy.Host());
+    const auto& got = outputs.back();
+    for (int ex = 1; ex < e; ++ex) {
+      for (int64_t r = 0; r < counts[ex]; ++r) {
+        const auto row = got.begin() + (offsets[ex] + r) * d;
+        EXPECT_TRUE(std::equal(row, row + d, got.begin() + (r % 8) * d)) << "bound " << bound << " expert " << ex << " row " << r;
+      }
+    }
+    double rel = 0;
+    EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, ref, &rel))) << "bound " << bound;  // 0xFFFF (NaN): a row missed
+    EXPECT_LT(rel, 1e-2) << "bound " << bound;
+  }
+  EXPECT_EQ(outputs[0], outputs[1]);
+  EXPECT_EQ(outputs[0], outputs[2]);
+}
+
 TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
   for (int trial = 0; trial < 6; ++trial) {
     const int e = 1 + static_cast<int>(rng_() % 40);
