@@ -113,9 +113,13 @@ struct SwigluParams {
   const uint16_t* x = nullptr;          // [rows, d] BF16
   int64_t rows = 0;
   const int64_t* host_offsets = nullptr;// [E + 1], host memory
-  // Decode path (grouped layout only): when host_offsets is null the offsets are read where
-  // the kernels run (device memory on CUDA) and nothing returns to the host; offsets[E] may
-  // then be below `rows`, which is the capacity of x and y.
+  // Decode path: when host_offsets is null the offsets are read where the kernels run (device
+  // memory on CUDA) and nothing returns to the host; offsets[E] may then be below `rows`, which
+  // is the capacity of x and y. x and y stay expert-major useful rows in either layout it
+  // takes: grouped (the decode kernels, one pass over an expert's weights per 8 or 16 rows) or
+  // padded (every expert computed at layout.capacity rows by tensor-core GEMMs of fixed shape,
+  // for long segments; the capacity must hold every segment: a row past it comes out NaN on
+  // CUDA, FAILED_PRECONDITION on the CPU).
   const int64_t* device_offsets = nullptr;
   // Optional bound on any segment's length on the decode path (e.g. the token count when a
   // token's k routes go to distinct experts); 0 = unknown. Only speed depends on it.

@@ -137,8 +137,13 @@ absl::Status CheckSwiglu(const SwigluParams& p) {
   }
   if (p.host_offsets == nullptr) {
     if (p.device_offsets == nullptr) return absl::InvalidArgumentError("swiglu: host_offsets or device_offsets required");
-    if (p.layout.layout != Layout::kGrouped) {
-      return absl::InvalidArgumentError("swiglu.device_offsets: only the grouped layout reads offsets on the device");
+    if (p.layout.layout == Layout::kBlockSparse) {
+      return absl::InvalidArgumentError(
+          "swiglu.device_offsets: the decode path runs the grouped or the padded layout, not block-sparse");
+    }
+    if (p.layout.layout == Layout::kPaddedDense && (p.layout.capacity <= 0 || p.layout.alignment <= 0)) {
+      return absl::InvalidArgumentError(
+          "swiglu.layout: the padded layout on the decode path needs a positive capacity and alignment");
     }
     return absl::OkStatus();
   }

@@ -42,6 +42,10 @@ ABSL_FLAG(int, timeout_ms, 10000, "collective timeout per step");
 ABSL_FLAG(std::string, release, "dev", "release label on every metric");
 ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "decode graph bucket: tokens per rank");
 ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "decode graph bucket: routes per physical slot");
+ABSL_FLAG(std::string, decode_runner, "kernels",
+          "decode graph bucket's expert runner: kernels (decode kernels over compact segments), padded (GEMMs over "
+          "slots padded to the bucket's routes per slot) or auto (padded when a full bucket gives each slot two "
+          "rows or more); every rank must use the same (else decode steps serve eagerly)");
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
@@ -191,6 +195,12 @@ int Main() {
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
+  auto runner = ParseDecodeRunner(absl::GetFlag(FLAGS_decode_runner));
+  if (!runner.ok()) {
+    spdlog::error("--{}", std::string(runner.status().message()));
+    return 2;
+  }
+  eo.decode_runner = *runner;
   if (absl::GetFlag(FLAGS_inject_fault) == "trial_drift") {
     eo.fault_trial_output_scale = 1.05f;
     spdlog::warn("fault injection: trial passes on this rank return outputs scaled by 1.05");

@@ -4,12 +4,14 @@
 // 8192^3 and a device-to-device copy. Prints one JSON object per line (bench/gpu/report.py
 // joins them with the PyTorch reference).
 //
-// Usage: expert_layer_bench [--reps N] [--layout grouped|padded|block] [--quick]
+// Usage: expert_layer_bench [--reps N] [--layout grouped|padded|block] [--quick] [--shape S] [--tokens T]
+//   [--decode-only] [--cold-l2] [--padded-decode (also the decode path's padded runner, T <= 128)]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +22,7 @@
 
 #include "bench/gpu/fill.h"
 #include "kernels/api.h"
+#include "kernels/numeric.h"
 
 namespace {
 
@@ -151,13 +154,14 @@ double CopyTBps(cudaStream_t st, int reps) {
 
 int main(int argc, char** argv) {
   int reps = 20;
-  bool quick = false, decode_only = false;
+  bool quick = false, decode_only = false, padded_decode = false;
   std::string only_shape;
   int64_t only_tokens = -1;
   moe::kernels::Layout layout = moe::kernels::Layout::kGrouped;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--padded-decode")) padded_decode = true;
     if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     if (!std::strcmp(argv[i], "--cold-l2")) g_cold_l2 = true;
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
@@ -185,6 +189,7 @@ int main(int argc, char** argv) {
       {"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 16, 64, 128, 1024, 8192}},
       {"E32-k8-d7168-f2048", 32, 8, 7168, 2048, {16, 128, 1024, 4096}},
       {"E8-k2-d4096-f14336", 8, 2, 4096, 14336, {1, 128, 8192}},
+      {"E16-k4-d256-f512", 16, 4, 256, 512, {48}},  // the local cluster's experts (deploy/local_cluster.sh)
   };
   if (quick) shapes = {{"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 1024}}};
 
@@ -385,6 +390,54 @@ int main(int argc, char** argv) {
         }
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
+      }
+      if (t <= 128 && padded_decode) {
+        // The decode path's padded runner: route, experts at a fixed capacity per expert (this
+        // routing's largest segment, aligned to 16: the best case of a bucket's capacity) by
+        // strided-batched GEMMs, combine. Graph-capturable like the decode kernels.
+        std::vector<int64_t> seg(s.e, 0);
+        for (int32_t id : topk) ++seg[id];
+        moe::kernels::SwigluParams padded = decode;
+        padded.layout = {moe::kernels::Layout::kPaddedDense, *std::max_element(seg.begin(), seg.end()), 16, 128};
+        auto padded_layer = [&] {
+          route();
+          CHECK_OK(kernels->Swiglu(padded, st));
+          CHECK_OK(kernels->Combine(combine, st));
+        };
+        padded_layer();
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        report("decode-padded", TimeMedianUs(reps, st, padded_layer));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        padded_layer();
+        CHECK_CUDA(cudaStreamEndCapture(st, &graph));
+        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        report("decode-padded-graph", TimeMedianUs(reps, st, [&] { CHECK_CUDA(cudaGraphLaunch(exec, st)); }));
+        // Against the decode kernels' output (LocalLayer): the same rows within rounding.
+        std::vector<uint16_t> kernels_out(t * s.d), padded_out(t * s.d);
+        decode_layer();
+        CHECK_CUDA(cudaMemcpyAsync(kernels_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
+        CHECK_CUDA(cudaMemsetAsync(out, 0xff, t * s.d * 2, st));
+        CHECK_CUDA(cudaGraphLaunch(exec, st));
+        CHECK_CUDA(cudaMemcpyAsync(padded_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < kernels_out.size(); ++i) {
+          const double a = moe::kernels::Bf16ToFloat(padded_out[i]), b = moe::kernels::Bf16ToFloat(kernels_out[i]);
+          num += (a - b) * (a - b);
+          den += b * b;
+        }
+        if (!(num <= 1e-4 * den)) {
+          std::fprintf(stderr, "padded runner differs from the decode kernels at %s T=%lld (rel %.3g)\n", s.name,
+                       static_cast<long long>(t), std::sqrt(num / den));
+          return 1;
+        }
+        // Does a live graph holding cuBLAS GEMMs slow the eager (prefill) path's cuBLAS calls?
+        if (!decode_only) report("prefill-beside-padded-graph", TimeMedianUs(reps, st, layer));
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        if (!decode_only) report("prefill-after-padded-graph", TimeMedianUs(reps, st, layer));
       }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
       if (t <= 16) {

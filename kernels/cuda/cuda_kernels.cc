@@ -128,6 +128,7 @@ class CudaKernels final : public ExpertKernels {
     }
     if (fork_ != nullptr) cudaEventDestroy(fork_);
     cublasDestroy(handle_);
+    if (workspace_ != nullptr) cudaFree(workspace_);
   }
   const char* name() const override {
     return loop_gemm_ ? "cuda(gemm: loop)" : (force_grouped_ ? "cuda(gemm: grouped)" : "cuda(gemm: auto)");
@@ -266,6 +267,7 @@ class CudaKernels final : public ExpertKernels {
                                                      " not supported on the decode path (multiples of 8 required)"));
       }
       if (p.rows == 0) return absl::OkStatus();
+      if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
       auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
       if (!a.ok()) return a.status();
       CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up,
@@ -389,6 +391,56 @@ class CudaKernels final : public ExpertKernels {
       if (!s.ok()) return s;
       CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, out_map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
     }
+    return absl::OkStatus();
+  }
+
+  // The decode path's padded runner: every expert's segment in a fixed slot of C_exec rows
+  // (the capacity rounded up to the layout's alignment), both projections as strided-batched
+  // GEMMs over all slots, the activation zeroing padding rows. Nothing depends on the host-side
+  // counts, so a CUDA graph can hold it; long segments run on cuBLAS's tensor-core GEMMs
+  // instead of the decode kernels' GEMV passes. The first call must be eager (it sizes the
+  // scratch and gives cuBLAS its workspace).
+  absl::Status PaddedDecode(const SwigluParams& p, cudaStream_t st) {
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    const int64_t align = p.layout.alignment > 0 ? p.layout.alignment : 1;
+    const int64_t cap = (p.layout.capacity + align - 1) / align * align;
+    const int64_t rows = cap * e_count;
+    auto region = [](size_t b) { return (b + 255) & ~size_t{255}; };
+    const size_t x_bytes = region(rows * d * 2), h_bytes = region(rows * 2 * f * 2), a_bytes = region(rows * f * 2);
+    auto base = scratch_.Get(2 * x_bytes + h_bytes + a_bytes);
+    if (!base.ok()) return base.status();
+    absl::Status s = EnsureWorkspace();
+    if (!s.ok()) return s;
+    char* ptr = static_cast<char*>(*base);
+    uint16_t* xp = reinterpret_cast<uint16_t*>(ptr);
+    uint16_t* yp = reinterpret_cast<uint16_t*>(ptr + x_bytes);
+    uint16_t* h = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes);
+    uint16_t* a = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes + h_bytes);
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherPadded(p.x, p.x_row_index, p.device_offsets, e_count, cap, d, xp, st));
+    CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle_, st));
+    std::vector<Problem> up(e_count), down(e_count);
+    for (int e = 0; e < e_count; ++e) {
+      up[e] = {static_cast<int>(cap), 2 * f, d, xp + e * cap * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
+               h + e * cap * 2 * f};
+      down[e] = {static_cast<int>(cap), d, f, a + e * cap * f, w.w_down + static_cast<int64_t>(e) * d * f, yp + e * cap * d};
+    }
+    s = StridedBatched(up, st);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivationPadded(h, p.device_offsets, e_count, cap, f, a, st));
+    s = StridedBatched(down, st);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchScatterPadded(yp, p.device_offsets, e_count, cap, d, p.rows, p.y, st));
+    return absl::OkStatus();
+  }
+
+  // A workspace of cuBLAS's own for handle_, so that GEMMs captured into a CUDA graph allocate
+  // nothing (32 MiB, the size cuBLAS recommends for Hopper).
+  absl::Status EnsureWorkspace() {
+    if (workspace_ != nullptr) return absl::OkStatus();
+    constexpr size_t kBytes = size_t{32} << 20;
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&workspace_, kBytes));
+    CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(handle_, workspace_, kBytes));
     return absl::OkStatus();
   }
 
@@ -536,6 +588,7 @@ class CudaKernels final : public ExpertKernels {
   cublasHandle_t side_handle_[kSideStreams] = {};
   cudaEvent_t side_done_[kSideStreams] = {};
   cudaEvent_t fork_ = nullptr;
+  void* workspace_ = nullptr;  // handle_'s cuBLAS workspace (the padded decode runner sets it)
   Scratch scratch_, ptr_scratch_, cursor_scratch_, offsets_scratch_;
   PinnedStaging map_in_, map_out_, ptr_staging_, offsets_in_;
   std::vector<cublasOperation_t> trans_a_, trans_b_;

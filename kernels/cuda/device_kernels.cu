@@ -127,6 +127,79 @@ __global__ void SwigluActivationVec8Kernel(const uint4* __restrict__ h, int64_t 
   }
 }
 
+// ---- the padded runner of the decode path ------------------------------------------------------
+// Expert e's rows sit at [e * C, e * C + count_e) of the padded operands, count_e from the
+// device offsets; every padded row is computed by strided-batched GEMMs of fixed shape (so a
+// CUDA graph can hold them), and only useful rows reach the output.
+
+__device__ __forceinline__ int64_t SegmentCount(const int64_t* __restrict__ offsets, int e) {
+  return offsets[e + 1] - offsets[e];
+}
+
+// x_pad[e * C + i] = x[row_index[offsets[e] + i]] (or row offsets[e] + i) for i < count_e; zeros
+// past it (padding).
+__global__ void GatherPaddedKernel(const uint4* __restrict__ x, const int32_t* __restrict__ row_index,
+                                   const int64_t* __restrict__ offsets, int64_t capacity, int64_t total_rows, int d8,
+                                   uint4* __restrict__ x_pad) {
+  const int64_t total = total_rows * d8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / d8, v = i - row * d8;
+    const int e = static_cast<int>(row / capacity);
+    const int64_t slot = row - e * capacity;
+    uint4 out = make_uint4(0, 0, 0, 0);
+    if (slot < SegmentCount(offsets, e)) {
+      const int64_t layout_row = offsets[e] + slot;
+      const int64_t src = row_index != nullptr ? row_index[layout_row] : layout_row;
+      out = x[src * d8 + v];
+    }
+    x_pad[i] = out;
+  }
+}
+
+// a = bf16(silu(gate) * up) of h [C * E, 2f] as SwigluActivationKernel, zero on padding rows (so
+// padding never carries what its input rows held, NaN included).
+__global__ void SwigluActivationPaddedKernel(const __nv_bfloat16* __restrict__ h, const int64_t* __restrict__ offsets,
+                                             int64_t capacity, int64_t total_rows, int f,
+                                             __nv_bfloat16* __restrict__ a) {
+  const int64_t total = total_rows * f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / f, c = i - r * f;
+    const int e = static_cast<int>(r / capacity);
+    if (r - e * capacity >= SegmentCount(offsets, e)) {
+      a[i] = __float2bfloat16_rn(0.0f);
+      continue;
+    }
+    const float g = __bfloat162float(h[r * 2 * f + c]);
+    const float u = __bfloat162float(h[r * 2 * f + f + c]);
+    a[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+// y[r] = y_pad[e * C + (r - offsets[e])] for the useful rows r < offsets[E]; a row past its
+// expert's capacity (count_e > C: the caller broke the contract) gets NaN, never a silent zero.
+__global__ void ScatterPaddedKernel(const uint4* __restrict__ y_pad, const int64_t* __restrict__ offsets,
+                                    int num_experts, int64_t capacity, int64_t rows, int d8, uint4* __restrict__ y) {
+  const int64_t used = offsets[num_experts] < rows ? offsets[num_experts] : rows;
+  const int64_t total = used * d8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / d8, v = i - r * d8;
+    int lo = 0, hi = num_experts - 1;  // the expert whose segment holds r: offsets[e] <= r < offsets[e + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int64_t slot = r - offsets[lo];
+    y[i] = slot < capacity ? y_pad[(lo * capacity + slot) * d8 + v] : make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+}
+
 // ---- combine ---------------------------------------------------------------------------------
 
 // One thread per (token, 16-byte column vector): CombineVector (combine.cuh).
@@ -404,6 +477,34 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
         keys, n, num_bins, reinterpret_cast<unsigned long long*>(counts));
   }
   ExclusiveScanKernel<<<1, kThreads, 0, stream>>>(counts, num_bins, offsets);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchGatherPadded(const uint16_t* x, const int32_t* row_index, const int64_t* offsets, int num_experts,
+                               int64_t capacity, int d, uint16_t* x_pad, cudaStream_t stream) {
+  const int64_t rows = num_experts * capacity;
+  if (rows == 0) return cudaSuccess;
+  GatherPaddedKernel<<<Blocks(rows * (d / 8)), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(x), row_index,
+                                                                       offsets, capacity, rows, d / 8,
+                                                                       reinterpret_cast<uint4*>(x_pad));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSwigluActivationPadded(const uint16_t* h, const int64_t* offsets, int num_experts, int64_t capacity,
+                                         int f, uint16_t* a, cudaStream_t stream) {
+  const int64_t rows = num_experts * capacity;
+  if (rows == 0) return cudaSuccess;
+  SwigluActivationPaddedKernel<<<Blocks(rows * f), kThreads, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(h), offsets, capacity, rows, f, reinterpret_cast<__nv_bfloat16*>(a));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, int num_experts, int64_t capacity, int d,
+                                int64_t rows, uint16_t* y, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  ScatterPaddedKernel<<<Blocks(rows * (d / 8)), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(y_pad), offsets,
+                                                                        num_experts, capacity, rows, d / 8,
+                                                                        reinterpret_cast<uint4*>(y));
   return cudaGetLastError();
 }
 

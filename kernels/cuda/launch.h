@@ -48,6 +48,21 @@ bool RouteRowsSmall(int64_t routes, int num_experts);
 cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
                                  int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
 
+// The padded runner of the decode path (Swiglu with device offsets and the padded layout):
+// expert e's rows at [e * C, e * C + count_e) of the padded operands (count_e from the device
+// offsets; C >= every count_e, d and f multiples of 8, 16-byte aligned rows).
+// x_pad[e * C + i] = x[row_index[offsets[e] + i]] (row_index null: row offsets[e] + i), zeros on
+// padding rows.
+cudaError_t LaunchGatherPadded(const uint16_t* x, const int32_t* row_index, const int64_t* offsets, int num_experts,
+                               int64_t capacity, int d, uint16_t* x_pad, cudaStream_t stream);
+// a = bf16(silu(h_gate) * h_up) for h [E * C, 2f], zeros on padding rows.
+cudaError_t LaunchSwigluActivationPadded(const uint16_t* h, const int64_t* offsets, int num_experts, int64_t capacity,
+                                         int f, uint16_t* a, cudaStream_t stream);
+// y[offsets[e] + i] = y_pad[e * C + i] for the useful rows (at most `rows`); a row past its
+// expert's capacity is written as NaN (the contract broken, never a silent drop).
+cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, int num_experts, int64_t capacity, int d,
+                                int64_t rows, uint16_t* y, cudaStream_t stream);
+
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`
 // (the layout's capacity) and the optional bound on any segment (0 = none) pick the chunk size.

@@ -157,6 +157,8 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     sw.device_offsets = At<int64_t>(off_offsets_);
     sw.rows = lay;
     sw.max_segment_rows = s_.slot_routes;
+    // Admission holds every slot's routes to slot_routes: the padded runner's capacity.
+    if (s_.padded_runner) sw.layout = {kernels::Layout::kPaddedDense, s_.slot_routes, 16, 128};
     sw.y = expert_out_.as<uint16_t>();
     RETURN_IF_ERROR(kernels_->Swiglu(sw, st));
     kernels::GatherParams unpack;

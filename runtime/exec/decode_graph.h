@@ -6,7 +6,7 @@
 //   pack (gather token rows into fixed peer segments, padding rows zero)
 //   -> grouped ncclSend/ncclRecv of every segment
 //   -> experts over this rank's local slots (device offsets, the gather from the received
-//      segments fused into the operand loads)
+//      segments fused into the operand loads; the decode kernels, or GEMMs over padded slots)
 //   -> unpack into return segments -> the return exchange
 //   -> gate-weighted combine (FP32 accumulation) into [rank_tokens, d].
 // Each replay copies this step's host tables into the stable buffers (one copy), launches the
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -33,6 +34,12 @@ struct DecodeGraphShape {
   int d = 0;
   int d_ff = 0;
   int k = 0;
+  // The runner (D_runner of the graph key, spec 0x05D): false, the decode kernels over the
+  // compact segments (one pass over a hit expert's weights per 8 or 16 of its rows); true, every
+  // local slot computed at slot_routes rows by tensor-core GEMMs of fixed shape (padding zeroed,
+  // never returned), which wins once most slots receive a few rows or more
+  // (ChoosePaddedRunner).
+  bool padded_runner = false;
   // This generation's weights in device memory ([L, 2 d_ff, d] and [L, d, d_ff]); they must
   // outlive the graph.
   const uint16_t* w_gate_up = nullptr;
@@ -40,6 +47,17 @@ struct DecodeGraphShape {
   // Capture first runs the pipeline once eagerly with every peer (connections, scratch).
   absl::Duration warmup_timeout = absl::Seconds(30);
 };
+
+// How a bucket's expert step runs (the layer executor's option; part of the graph key).
+enum class DecodeRunner { kAuto, kKernels, kPadded };
+// The runner a bucket gets: kAuto takes the padded GEMMs when a full bucket is expected to give
+// each physical slot at least two rows (peers * rank_tokens * k / total_slots >= 2). The
+// padded runner reads every local slot's weights, hit or not, and the decode kernels only the hit
+// ones; with most slots hit the GEMMs' single pass wins (H200, bench/RESULTS.md: E=128 64
+// tokens 324 us against 420, E=32 16 tokens 692 against 816; with 1 row per expert expected,
+// E=128 16 tokens, 323 against 195).
+bool ChoosePaddedRunner(DecodeRunner runner, int peers, int64_t rank_tokens, int k, int64_t total_slots);
+absl::StatusOr<DecodeRunner> ParseDecodeRunner(const std::string& name);
 
 // One step's tables, host memory. Row r of peer j's segment is at j * segment_rows + r.
 struct DecodeGraphTables {

@@ -135,7 +135,7 @@ void LayerExecutor::DropGeneration(PlacementVersion version) {
   }
 }
 
-absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVersion version,
+absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
                                          const std::shared_ptr<const ResidentExperts>& weights,
                                          const SourcePlan& source, const DestinationPlan& dest,
                                          const std::vector<int32_t>& send_token,
@@ -163,6 +163,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
     shape.d = in.d;
     shape.d_ff = weights->host->d_ff;
     shape.k = in.k;
+    shape.padded_runner = ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots);
     shape.w_gate_up = weights->w_gate_up;
     shape.w_down = weights->w_down;
     shape.warmup_timeout = options_.timeout;
@@ -458,9 +459,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
   StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens, po.shadow_version,
                     po.shadow_every,
-                    static_cast<int64_t>(SplitMix64(SplitMix64(SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens)) ^
-                                                               static_cast<uint64_t>(options_.decode_slot_routes)) ^
-                                                    (graphs_ ? 1u : 0u)))};
+                    static_cast<int64_t>(SplitMix64(SplitMix64(SplitMix64(SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens)) ^
+                                                                         static_cast<uint64_t>(options_.decode_slot_routes)) ^
+                                                              (graphs_ ? 1u : 0u)) ^
+                                                   static_cast<uint64_t>(options_.decode_runner)))};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
   std::vector<int32_t>& send_meta = buf_.send_meta;
@@ -676,7 +678,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     RETURN_IF_ERROR(handle->MarkExpertRowsReady());
     RETURN_IF_ERROR(handle->MarkExpertOutputReady());
     RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
-    return ReplayDecode(in, version, weights_ptr, source, dest, send_token, row_of_route, gates, &result.output);
+    return ReplayDecode(in, version, m.num_slots(), weights_ptr, source, dest, send_token, row_of_route, gates, &result.output);
   };
   RETURN_IF_ERROR(result.record.graph_replay ? replay() : eager());
   if (trial && options_.fault_trial_output_scale != 1.0f) {

@@ -111,6 +111,11 @@ struct LayerExecutorOptions {
   // the step runs eagerly and reports why (stable_buffer_unavailable).
   int64_t decode_rank_tokens = 8;
   int64_t decode_slot_routes = 16;
+  // The bucket's expert runner (decode kernels or padded GEMMs; ChoosePaddedRunner). Members
+  // with different settings serve eagerly (graph_key_mismatch). Kernels by default: with the
+  // padded runner the two-H200 local cluster's eager prefill steps took 764-955 us of executor
+  // time against 606-616 (unexplained, bench/RESULTS.md).
+  DecodeRunner decode_runner = DecodeRunner::kKernels;
   DecodeGraphFactory decode_graphs;
   // Fault injection (tests of the 0x0E "runner parity differs -> block canary" row): outputs of
   // trial passes (shadow and canary steps of a candidate) are scaled by this factor on this rank,
@@ -171,7 +176,7 @@ class LayerExecutor {
   void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary);
   struct ResidentExperts;
   // The admitted decode step's payload through the bucket's graph (captured on first use).
-  absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version,
+  absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
                             const std::shared_ptr<const ResidentExperts>& weights, const SourcePlan& source,
                             const DestinationPlan& dest, const std::vector<int32_t>& send_token,
                             const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,

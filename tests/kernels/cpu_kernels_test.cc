@@ -163,7 +163,18 @@ TEST(CpuKernelsTest, DeviceOffsetPathEqualsHostOffsetPath) {
   EXPECT_THAT(std::string(k->Swiglu(p, nullptr).message()), HasSubstr("x_row_index[3]"));
   p.x = x.data();
   p.x_row_index = nullptr;
-  p.layout = {Layout::kPaddedDense, 8, 1, 128};
+  // The padded runner on the decode path: the same rows while the capacity holds every segment
+  // (5 here), FAILED_PRECONDITION when it does not; block-sparse and a zero capacity are refused.
+  std::vector<uint16_t> y4(12 * 16, 0);
+  p.y = y4.data();
+  p.layout = {Layout::kPaddedDense, 5, 4, 128};
+  ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
+  EXPECT_EQ(std::vector<uint16_t>(y4.begin(), y4.begin() + 9 * 16), std::vector<uint16_t>(y1.begin(), y1.begin() + 9 * 16));
+  p.layout = {Layout::kPaddedDense, 4, 1, 128};
+  EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+  p.layout = {Layout::kPaddedDense, 0, 1, 128};
+  EXPECT_THAT(std::string(k->Swiglu(p, nullptr).message()), HasSubstr("swiglu.layout"));
+  p.layout = {Layout::kBlockSparse, 0, 1, 128};
   EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -239,6 +239,95 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluPassesOfEveryWidthAgree) {
   EXPECT_EQ(outputs[0], outputs[2]);
 }
 
+// The decode path's padded runner (device offsets, padded layout): every expert computed at the
+// layout's capacity by strided-batched GEMMs, the gather from the source rows fused, padding
+// zeroed, only useful rows written. Against the CPU (which runs the grouped semantics) and the
+// decode kernels on the same input; rows of y past offsets[E] keep their poison, source rows no
+// route reads are NaN. Segments: empty, one row, exactly the capacity (before alignment), and
+// long ones (the GEMMs' tiles). Then a segment above the capacity: its extra rows come out NaN,
+// never silently zero or dropped.
+TEST_F(CudaKernelsTest, DeviceOffsetSwigluPaddedRunnerMatchesCpu) {
+  const int e = 6, d = 512, f = 256;
+  const std::vector<int64_t> counts = {0, 1, 37, 40, 19, 8};
+  const int64_t capacity = 40;
+  const auto offsets = Offsets(counts);
+  const int64_t used = offsets.back(), rows = used + 5, x_rows = used + 7;
+  auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  auto source = RandomBf16(rng_, static_cast<size_t>(x_rows) * d, 1.0f);
+  std::vector<int32_t> index(rows);
+  for (int64_t r = 0; r < rows; ++r) index[r] = static_cast<int32_t>((r * 7 + 3) % used);  // source rows below `used`
+  for (int64_t r = used; r < x_rows; ++r) std::fill_n(source.begin() + r * d, d, uint16_t{0x7FC0});  // NaN, never read
+  SwigluParams p;
+  p.weights = {wgu.data(), wd.data(), e, d, f};
+  p.x = source.data();
+  p.x_rows = x_rows;
+  p.x_row_index = index.data();
+  p.rows = rows;
+  p.device_offsets = offsets.data();
+  std::vector<uint16_t> ref(static_cast<size_t>(rows) * d, 0);
+  p.y = ref.data();
+  ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+  DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dsource(source), padded(ref.size(), 0x1234), kernels(ref.size(), 0x1234);
+  DeviceVector<int64_t> doff(offsets);
+  DeviceVector<int32_t> dindex(index);
+  p.weights = {dwgu.get(), dwd.get(), e, d, f};
+  p.x = dsource.get();
+  p.x_row_index = dindex.get();
+  p.device_offsets = doff.get();
+  p.y = kernels.get();
+  ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+  p.layout.layout = Layout::kPaddedDense;
+  p.layout.capacity = capacity;
+  p.layout.alignment = 16;
+  p.y = padded.get();
+  ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto got = padded.Host(), other = kernels.Host();
+  for (size_t i = static_cast<size_t>(used) * d; i < got.size(); ++i) ASSERT_EQ(got[i], 0x1234) << "row " << i / d;
+  got.resize(used * d);
+  other.resize(used * d);
+  ref.resize(used * d);
+  double rel = 0;
+  EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, ref, &rel)));
+  EXPECT_LT(rel, 1e-2);
+  EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, other, &rel)));
+  EXPECT_LT(rel, 1e-2);
+
+  // Capacity 32 < 37 and 40: the contract broken. Rows past it are NaN; the rest still right.
+  p.layout.capacity = 32;
+  p.layout.alignment = 1;
+  DeviceVector<uint16_t> over(static_cast<size_t>(rows) * d, 0);
+  p.y = over.get();
+  ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto broken = over.Host();
+  std::vector<uint16_t> kept, kept_ref;
+  for (int ex = 0; ex < e; ++ex) {
+    for (int64_t i = 0; i < counts[ex]; ++i) {
+      const int64_t r = offsets[ex] + i;
+      if (i < 32) {
+        kept.insert(kept.end(), broken.begin() + r * d, broken.begin() + (r + 1) * d);
+        kept_ref.insert(kept_ref.end(), ref.begin() + r * d, ref.begin() + (r + 1) * d);
+      } else {
+        EXPECT_TRUE(std::all_of(broken.begin() + r * d, broken.begin() + (r + 1) * d,
+                                [](uint16_t v) { return std::isnan(Bf16ToFloat(v)); }))
+            << "expert " << ex << " row " << i << " past the capacity";
+      }
+    }
+  }
+  EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(kept, kept_ref, &rel)));
+  EXPECT_LT(rel, 1e-2);
+  // The CPU refuses the same call up front.
+  p.weights = {wgu.data(), wd.data(), e, d, f};
+  p.x = source.data();
+  p.x_row_index = index.data();
+  p.device_offsets = offsets.data();
+  std::vector<uint16_t> cpu_out(static_cast<size_t>(rows) * d);
+  p.y = cpu_out.data();
+  EXPECT_EQ(cpu_->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
   for (int trial = 0; trial < 6; ++trial) {
     const int e = 1 + static_cast<int>(rng_() % 40);

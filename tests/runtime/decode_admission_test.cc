@@ -1,6 +1,9 @@
 #include "runtime/exec/decode_admission.h"
 
+#include <string>
+
 #include "gtest/gtest.h"
+#include "runtime/exec/decode_graph.h"
 
 namespace moe {
 namespace {
@@ -97,6 +100,25 @@ TEST(DecodeAdmissionTest, PrefillAndMixedLedgers) {
   EXPECT_EQ(p.executed_runner_rows + d.executed_runner_rows, 36);
   EXPECT_EQ(p.executed_runner_rows + d.executed_runner_rows - 30, 6);
   EXPECT_EQ(p.host_submissions + d.host_submissions, 8);
+}
+
+// The bucket's runner: padded GEMMs from two expected rows a physical slot at a full bucket
+// (peers * rank_tokens * k routes over the manifest's slots), the decode kernels below; a
+// forced setting wins; names parse, others are refused naming the flag.
+TEST(DecodeRunnerTest, AutoTakesPaddedFromTwoRowsASlot) {
+  EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kAuto, 1, 16, 8, 128));  // 1 row a slot
+  EXPECT_TRUE(ChoosePaddedRunner(DecodeRunner::kAuto, 1, 32, 8, 128));   // 2
+  EXPECT_TRUE(ChoosePaddedRunner(DecodeRunner::kAuto, 4, 8, 8, 64));     // 4
+  EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kAuto, 4, 3, 8, 97));    // 96 routes, 97 slots
+  EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kAuto, 1, 8, 8, 0));
+  EXPECT_TRUE(ChoosePaddedRunner(DecodeRunner::kPadded, 1, 1, 1, 128));
+  EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kKernels, 4, 64, 8, 8));
+  EXPECT_EQ(*ParseDecodeRunner("padded"), DecodeRunner::kPadded);
+  EXPECT_EQ(*ParseDecodeRunner("kernels"), DecodeRunner::kKernels);
+  EXPECT_EQ(*ParseDecodeRunner("auto"), DecodeRunner::kAuto);
+  const auto bad = ParseDecodeRunner("gemm");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(std::string(bad.status().message()).find("decode_runner"), std::string::npos);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -100,7 +101,7 @@ absl::Status CheckAgainstReference(const Input& in, const std::vector<uint16_t>&
   return absl::OkStatus();
 }
 
-int Member(int slot, int size, const std::string& dir) {
+int Member(int slot, int size, const std::string& dir, DecodeRunner runner) {
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   auto fail = [slot](const absl::Status& s) {
     std::fprintf(stderr, "slot %d: %s\n", slot, std::string(s.message()).c_str());
@@ -136,6 +137,7 @@ int Member(int slot, int size, const std::string& dir) {
   eo.timeout = absl::Seconds(20);
   eo.decode_rank_tokens = 8;
   eo.decode_slot_routes = 24;
+  eo.decode_runner = runner;
   eo.decode_graphs = CudaDecodeGraphs(transport->get());
   auto exec = LayerExecutor::Create(std::move(eo));
   if (!exec.ok()) return fail(exec.status());
@@ -232,14 +234,24 @@ int Member(int slot, int size, const std::string& dir) {
   return 0;
 }
 
-TEST(NcclExecutorTest, DeviceResidentStepsMatchTheSemanticComputation) {
+// Every step through both runners of the decode bucket's graph: the decode kernels over compact
+// segments, and GEMMs over slots padded to the bucket's 24 routes.
+class NcclExecutorTest : public ::testing::TestWithParam<DecodeRunner> {};
+
+TEST_P(NcclExecutorTest, DeviceResidentStepsMatchTheSemanticComputation) {
   const int n = Devices();
   ASSERT_GE(n, 1) << "no GPU";
-  const auto codes = testing::ForkMembers(n, "nccl-exec", [n](int slot, const std::string& dir) {
-    return Member(slot, n, dir);
+  const DecodeRunner runner = GetParam();
+  const auto codes = testing::ForkMembers(n, "nccl-exec", [n, runner](int slot, const std::string& dir) {
+    return Member(slot, n, dir, runner);
   });
   for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
 }
+
+INSTANTIATE_TEST_SUITE_P(Runners, NcclExecutorTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
+                         [](const ::testing::TestParamInfo<DecodeRunner>& info) {
+                           return std::string(info.param == DecodeRunner::kPadded ? "Padded" : "Kernels");
+                         });
 
 }  // namespace
 }  // namespace moe
