@@ -103,6 +103,37 @@ double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
   return TimeMediansUs(reps, st, body)[0];
 }
 
+// `body` captured into a CUDA graph after one eager run (which sizes every scratch buffer, so
+// nothing is allocated under capture).
+template <typename Body>
+cudaGraphExec_t CaptureGraph(cudaStream_t st, Body&& body) {
+  body();
+  CHECK_CUDA(cudaStreamSynchronize(st));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  body();
+  CHECK_CUDA(cudaStreamEndCapture(st, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return exec;
+}
+
+// The `n` BF16 values at `out` after `eager` runs, then after a replay of `exec` (out poisoned
+// in between).
+template <typename Body>
+void EagerAndReplayOutputs(cudaStream_t st, Body&& eager, cudaGraphExec_t exec, void* out, int64_t n,
+                           std::vector<uint16_t>* eager_out, std::vector<uint16_t>* replay_out) {
+  eager_out->resize(n);
+  replay_out->resize(n);
+  eager();
+  CHECK_CUDA(cudaMemcpyAsync(eager_out->data(), out, n * 2, cudaMemcpyDeviceToHost, st));
+  CHECK_CUDA(cudaMemsetAsync(out, 0xff, n * 2, st));
+  CHECK_CUDA(cudaGraphLaunch(exec, st));
+  CHECK_CUDA(cudaMemcpyAsync(replay_out->data(), out, n * 2, cudaMemcpyDeviceToHost, st));
+  CHECK_CUDA(cudaStreamSynchronize(st));
+}
+
 // cuBLAS BF16 8192^3, the dense ceiling.
 class DenseGemm {
  public:
@@ -367,29 +398,16 @@ int main(int argc, char** argv) {
         report("decode", TimeMedianUs(reps, st, decode_layer));
         // The decode path has no host round trip, so the whole step captures into one CUDA
         // graph (stable buffers: the same device pointers every replay).
-        decode_layer();
-        CHECK_CUDA(cudaStreamSynchronize(st));
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        decode_layer();
-        CHECK_CUDA(cudaStreamEndCapture(st, &graph));
-        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        cudaGraphExec_t exec = CaptureGraph(st, decode_layer);
         report("decode-graph", TimeMedianUs(reps, st, [&] { CHECK_CUDA(cudaGraphLaunch(exec, st)); }));
         // Replay must reproduce the eager output bit for bit.
-        std::vector<uint16_t> eager_out(t * s.d), graph_out(t * s.d);
-        decode_layer();
-        CHECK_CUDA(cudaMemcpyAsync(eager_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
-        CHECK_CUDA(cudaMemsetAsync(out, 0xff, t * s.d * 2, st));
-        CHECK_CUDA(cudaGraphLaunch(exec, st));
-        CHECK_CUDA(cudaMemcpyAsync(graph_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
-        CHECK_CUDA(cudaStreamSynchronize(st));
+        std::vector<uint16_t> eager_out, graph_out;
+        EagerAndReplayOutputs(st, decode_layer, exec, out, t * s.d, &eager_out, &graph_out);
         if (eager_out != graph_out) {
           std::fprintf(stderr, "graph replay differs from eager at %s T=%lld\n", s.name, static_cast<long long>(t));
           return 1;
         }
         cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
       }
       if (t <= 128 && padded_decode) {
         // The decode path's padded runner: route, experts at a fixed capacity per expert (this
@@ -404,24 +422,12 @@ int main(int argc, char** argv) {
           CHECK_OK(kernels->Swiglu(padded, st));
           CHECK_OK(kernels->Combine(combine, st));
         };
-        padded_layer();
-        CHECK_CUDA(cudaStreamSynchronize(st));
         report("decode-padded", TimeMedianUs(reps, st, padded_layer));
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        padded_layer();
-        CHECK_CUDA(cudaStreamEndCapture(st, &graph));
-        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        cudaGraphExec_t exec = CaptureGraph(st, padded_layer);
         report("decode-padded-graph", TimeMedianUs(reps, st, [&] { CHECK_CUDA(cudaGraphLaunch(exec, st)); }));
-        // Against the decode kernels' output (LocalLayer): the same rows within rounding.
-        std::vector<uint16_t> kernels_out(t * s.d), padded_out(t * s.d);
-        decode_layer();
-        CHECK_CUDA(cudaMemcpyAsync(kernels_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
-        CHECK_CUDA(cudaMemsetAsync(out, 0xff, t * s.d * 2, st));
-        CHECK_CUDA(cudaGraphLaunch(exec, st));
-        CHECK_CUDA(cudaMemcpyAsync(padded_out.data(), out, t * s.d * 2, cudaMemcpyDeviceToHost, st));
-        CHECK_CUDA(cudaStreamSynchronize(st));
+        // Against the decode kernels' output (LocalLayer, eager): the same rows within rounding.
+        std::vector<uint16_t> kernels_out, padded_out;
+        EagerAndReplayOutputs(st, decode_layer, exec, out, t * s.d, &kernels_out, &padded_out);
         double num = 0, den = 0;
         for (size_t i = 0; i < kernels_out.size(); ++i) {
           const double a = moe::kernels::Bf16ToFloat(padded_out[i]), b = moe::kernels::Bf16ToFloat(kernels_out[i]);
@@ -436,7 +442,6 @@ int main(int argc, char** argv) {
         // Does a live graph holding cuBLAS GEMMs slow the eager (prefill) path's cuBLAS calls?
         if (!decode_only) report("prefill-beside-padded-graph", TimeMedianUs(reps, st, layer));
         cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
         if (!decode_only) report("prefill-after-padded-graph", TimeMedianUs(reps, st, layer));
       }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);

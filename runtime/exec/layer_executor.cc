@@ -457,12 +457,14 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   std::vector<int64_t>& slot_counts = buf_.slot_counts;
   slot_counts.assign(m.num_slots(), 0);
   for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
-  StepHeader header{in.step_id, in.layer, version.value(), group.epoch().value(), 0, in.tokens, po.shadow_version,
-                    po.shadow_every,
-                    static_cast<int64_t>(SplitMix64(SplitMix64(SplitMix64(SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens)) ^
-                                                                         static_cast<uint64_t>(options_.decode_slot_routes)) ^
-                                                              (graphs_ ? 1u : 0u)) ^
-                                                   static_cast<uint64_t>(options_.decode_runner)))};
+  // This member's graph manifest (bucket, whether it captures graphs, runner): members that
+  // differ serve decode steps eagerly.
+  uint64_t manifest = SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens));
+  manifest = SplitMix64(manifest ^ static_cast<uint64_t>(options_.decode_slot_routes));
+  manifest = SplitMix64(manifest ^ (graphs_ ? 1u : 0u));
+  manifest = SplitMix64(manifest ^ static_cast<uint64_t>(options_.decode_runner));
+  StepHeader header{in.step_id,        in.layer,        version.value(), group.epoch().value(), 0, in.tokens,
+                    po.shadow_version, po.shadow_every, static_cast<int64_t>(manifest)};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
   std::vector<int32_t>& send_meta = buf_.send_meta;
