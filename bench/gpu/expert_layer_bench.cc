@@ -439,10 +439,19 @@ int main(int argc, char** argv) {
                        static_cast<long long>(t), std::sqrt(num / den));
           return 1;
         }
-        // Does a live graph holding cuBLAS GEMMs slow the eager (prefill) path's cuBLAS calls?
-        if (!decode_only) report("prefill-beside-padded-graph", TimeMedianUs(reps, st, layer));
+        // Does replaying a graph of cuBLAS GEMMs slow the eager (prefill) path's steps run
+        // between replays? The prefill layer timed taking turns with each runner's graph.
+        if (!decode_only) {
+          cudaGraphExec_t kernels_exec = CaptureGraph(st, decode_layer);
+          const std::vector<double> with_padded =
+              TimeMediansUs(reps, st, layer, [&] { CHECK_CUDA(cudaGraphLaunch(exec, st)); });
+          const std::vector<double> with_kernels =
+              TimeMediansUs(reps, st, layer, [&] { CHECK_CUDA(cudaGraphLaunch(kernels_exec, st)); });
+          report("prefill-between-padded-replays", with_padded[0]);
+          report("prefill-between-kernels-replays", with_kernels[0]);
+          cudaGraphExecDestroy(kernels_exec);
+        }
         cudaGraphExecDestroy(exec);
-        if (!decode_only) report("prefill-after-padded-graph", TimeMedianUs(reps, st, layer));
       }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
       if (t <= 16) {
