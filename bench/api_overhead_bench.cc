@@ -140,6 +140,15 @@ int Main() {
   eo.registry = &registry;
   eo.transport = transport.get();
   eo.kernels = kernels.get();
+  // MOE_BENCH_DECODE_RUNNER=kernels|padded|auto: the decode steps' expert runner.
+  if (const char* runner = std::getenv("MOE_BENCH_DECODE_RUNNER"); runner != nullptr) {
+    auto parsed = ParseDecodeRunner(runner);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "MOE_BENCH_DECODE_RUNNER: %s\n", parsed.status().ToString().c_str());
+      return 2;
+    }
+    eo.decode_runner = *parsed;
+  }
   auto executor = *LayerExecutor::Create(std::move(eo));
   executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
       .IgnoreError();

@@ -45,6 +45,7 @@ absl::Status RunLocalLayerInStages(ExpertKernels* kernels, const LocalLayerParam
   experts.rows = routes;
   experts.max_segment_rows = p.num_tokens;  // a token's k routes go to distinct experts (else only slower)
   experts.y = scratch->rows.as<uint16_t>();
+  if (p.padded_capacity > 0) experts.layout = {Layout::kPaddedDense, p.padded_capacity, 16, 128};
   s = kernels->Swiglu(experts, stream);
   if (!s.ok()) return s;
   const CombineParams combine{scratch->rows.as<uint16_t>(), routes, w.d, scratch->row_of_route.as<int32_t>(),

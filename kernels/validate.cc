@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/api.h"
 
@@ -179,7 +182,22 @@ absl::Status CheckLocalLayer(const LocalLayerParams& p) {
   if (p.num_tokens * p.k > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("local_layer.num_tokens: num_tokens * k must fit 32-bit row indices");
   }
+  if (p.padded_capacity < 0) return absl::InvalidArgumentError("local_layer.padded_capacity: negative");
   return absl::OkStatus();
+}
+
+int64_t PaddedDecodeCapacity(absl::Span<const int64_t> counts, int d, int d_ff) {
+  const int64_t experts = static_cast<int64_t>(counts.size());
+  if (experts == 0 || experts * 6 * d * static_cast<int64_t>(d_ff) < (int64_t{256} << 20)) return 0;
+  int64_t routes = 0, hit = 0, most = 0;
+  for (int64_t c : counts) {
+    routes += c;
+    hit += c > 0 ? 1 : 0;
+    most = std::max(most, c);
+  }
+  const int64_t capacity = (most + 15) / 16 * 16;  // the runner's alignment
+  if (10 * hit < 9 * experts || routes < 2 * experts || experts * capacity > 8 * routes) return 0;
+  return most;
 }
 
 namespace {

@@ -226,7 +226,7 @@ class CudaKernels final : public ExpertKernels {
     // step against 36.5-37.4.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
-    if (fused_layer_ && capture == cudaStreamCaptureStatusNone &&
+    if (fused_layer_ && capture == cudaStreamCaptureStatusNone && p.padded_capacity == 0 &&
         cuda::FusedLocalLayerSupported(p.num_tokens, p.k, w.num_experts, w.d, w.d_ff) && aligned(p.x) &&
         aligned(p.out_fp32) && aligned(p.out_bf16)) {
       // Decode-sized: two kernels route for themselves and the last block combines. The stages'

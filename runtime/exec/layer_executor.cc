@@ -595,7 +595,13 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       if (in.tokens == 0) return absl::OkStatus();
       std::vector<int32_t>& local_ids = b.local_ids;
       local_ids.assign(routes_n, -1);  // dropped routes add nothing
-      for (int64_t i = 0; i < n_send; ++i) local_ids[accepted_ids[i]] = m.LocalIndex(accepted_slots[i]);
+      std::vector<int64_t>& slot_routes = b.local_slot_routes;
+      slot_routes.assign(local_slots, 0);
+      for (int64_t i = 0; i < n_send; ++i) {
+        const int32_t local = m.LocalIndex(accepted_slots[i]);
+        local_ids[accepted_ids[i]] = local;
+        ++slot_routes[local];
+      }
       const int t_ids = tables.Add(local_ids.data(), routes_n * 4);
       const int t_gates = tables.Add(gates.data(), routes_n * 4);
       RETURN_IF_ERROR(tables.Upload(device_, kern, b.tables, b.tables_host, stream));
@@ -606,6 +612,19 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       layer.gate = tables.Get<float>(t_gates);
       layer.num_tokens = in.tokens;
       layer.k = in.k;
+      // The runner, with every slot's routes known here: the padded GEMMs at the largest count
+      // (forced, or where they pay), else the decode kernels.
+      const int64_t most = slot_routes.empty() ? 0 : *std::max_element(slot_routes.begin(), slot_routes.end());
+      switch (options_.decode_runner) {
+        case DecodeRunner::kKernels:
+          break;
+        case DecodeRunner::kPadded:
+          layer.padded_capacity = most;
+          break;
+        case DecodeRunner::kAuto:
+          layer.padded_capacity = kernels::PaddedDecodeCapacity(slot_routes, d, weights.host->d_ff);
+          break;
+      }
       ASSIGN_OR_RETURN(layer.out_bf16, output());
       RETURN_IF_ERROR(kern.LocalLayer(layer, stream));
       return copy_out(layer.out_bf16);

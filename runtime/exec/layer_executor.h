@@ -111,10 +111,12 @@ struct LayerExecutorOptions {
   // the step runs eagerly and reports why (stable_buffer_unavailable).
   int64_t decode_rank_tokens = 8;
   int64_t decode_slot_routes = 16;
-  // The bucket's expert runner (decode kernels or padded GEMMs; ChoosePaddedRunner). Members
-  // with different settings serve eagerly (graph_key_mismatch). Kernels by default: with the
-  // padded runner the two-H200 local cluster's eager prefill steps took 764-955 us of executor
-  // time against 606-616 (unexplained, bench/RESULTS.md).
+  // The decode steps' expert runner (decode kernels or padded GEMMs): of the bucket's graph
+  // (ChoosePaddedRunner), and of a lone member's eager decode steps (with every slot's routes
+  // known: padded at the largest count when forced, or where kernels::PaddedDecodeCapacity says
+  // it pays). Members with different settings serve eagerly (graph_key_mismatch). Kernels by
+  // default: with the padded runner the two-H200 local cluster's eager prefill steps took
+  // 764-955 us of executor time against 606-616 (unexplained, bench/RESULTS.md).
   DecodeRunner decode_runner = DecodeRunner::kKernels;
   DecodeGraphFactory decode_graphs;
   // Fault injection (tests of the 0x0E "runner parity differs -> block canary" row): outputs of
@@ -206,6 +208,7 @@ class LayerExecutor {
     kernels::KernelBuffer hidden, tables, send_rows, recv_rows, expert_in, expert_out, back_rows, returned, output;
     std::vector<uint8_t> tables_host;  // the step's tables in one block before their upload
     std::vector<int32_t> send_meta, recv_meta, row_of_route, local_ids;
+    std::vector<int64_t> local_slot_routes;  // a lone member's decode step: routes per local slot
     std::vector<float> gates;
     std::vector<PhysicalSlotId> slots, accepted_slots, received;
     std::vector<int32_t> accepted_ids;

@@ -247,6 +247,20 @@ TEST(CpuKernelsTest, LocalLayerMatchesTheLayerSemantics) {
     p.out_fp32 = out.data();
     p.out_bf16 = out_bf16.data();
     ASSERT_TRUE(kern->LocalLayer(p, nullptr).ok());
+    // The padded runner at the largest segment gives the same bits; below it the call is refused.
+    std::vector<int64_t> counts(e, 0);
+    for (int32_t id : topk) {
+      if (id >= 0 && id < e) ++counts[id];
+    }
+    std::vector<float> padded(t * d);
+    LocalLayerParams pp = p;
+    pp.padded_capacity = *std::max_element(counts.begin(), counts.end());
+    pp.out_fp32 = padded.data();
+    pp.out_bf16 = nullptr;
+    ASSERT_TRUE(kern->LocalLayer(pp, nullptr).ok());
+    EXPECT_EQ(padded, out);
+    --pp.padded_capacity;
+    EXPECT_EQ(kern->LocalLayer(pp, nullptr).code(), absl::StatusCode::kFailedPrecondition);
     for (int64_t i = 0; i < t; ++i) {
       std::vector<double> want(d, 0.0);
       for (int j = 0; j < k; ++j) {
@@ -273,6 +287,34 @@ TEST(CpuKernelsTest, LocalLayerMatchesTheLayerSemantics) {
   EXPECT_THAT(std::string(kern->LocalLayer(bad, nullptr).message()), HasSubstr("local_layer"));
   bad.k = 0;
   EXPECT_THAT(std::string(kern->LocalLayer(bad, nullptr).message()), HasSubstr("local_layer.k"));
+  std::vector<float> sink(d);
+  bad.k = k;
+  bad.num_tokens = 0;
+  bad.out_fp32 = sink.data();
+  bad.padded_capacity = -1;
+  EXPECT_THAT(std::string(kern->LocalLayer(bad, nullptr).message()), HasSubstr("local_layer.padded_capacity"));
+}
+
+// When the padded runner pays (kernels::PaddedDecodeCapacity): most experts hit, two rows or
+// more on average, padding within 8x the routes, 256 MB of expert weights or more.
+TEST(CpuKernelsTest, PaddedDecodeCapacityPicksTheRunner) {
+  const int d = 2048, f = 768;
+  std::vector<int64_t> four(128, 4);
+  four[5] = 11;
+  EXPECT_EQ(PaddedDecodeCapacity(four, d, f), 11);          // E128 T=64-like: padded at the largest
+  EXPECT_EQ(PaddedDecodeCapacity(four, 256, 512), 0);       // small experts: the kernels
+  EXPECT_EQ(PaddedDecodeCapacity(std::vector<int64_t>(8, 4), d, f), 0);  // 75 MB of weights
+  std::vector<int64_t> one(128, 1);
+  EXPECT_EQ(PaddedDecodeCapacity(one, d, f), 0);            // a row an expert
+  std::vector<int64_t> sparse(128, 0);
+  for (int i = 0; i < 100; ++i) sparse[i] = 6;             // 78% hit
+  EXPECT_EQ(PaddedDecodeCapacity(sparse, d, f), 0);
+  four[5] = 300;                                            // a hot expert: 128 x 304 padded rows > 8 x 808
+  EXPECT_EQ(PaddedDecodeCapacity(four, d, f), 0);
+  std::vector<int64_t> mixtral(8, 30);
+  mixtral[3] = 41;
+  EXPECT_EQ(PaddedDecodeCapacity(mixtral, 4096, 14336), 41);
+  EXPECT_EQ(PaddedDecodeCapacity({}, d, f), 0);
 }
 
 // FP8 round trip within the format's bound: |x - x'| <= 2^-4 |x| + 2^-10 scale.

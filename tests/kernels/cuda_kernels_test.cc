@@ -521,6 +521,62 @@ TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
   }
 }
 
+// LocalLayer with the padded runner (the caller's capacity: the largest expert's routes, as a
+// lone executor member counts them) against the decode kernels and the CPU's padded layer:
+// every token within rounding, nothing NaN (a missed row would be).
+TEST_F(CudaKernelsTest, LocalLayerPaddedRunnerMatchesDecodeKernels) {
+  const int e = 16, d = 512, f = 256, k = 4;
+  const int64_t t = 24;
+  auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  auto x = RandomBf16(rng_, static_cast<size_t>(t) * d, 1.0f);
+  std::vector<int32_t> topk(t * k);
+  std::vector<float> gate(t * k);
+  std::vector<int64_t> counts(e, 0);
+  for (int64_t i = 0; i < t; ++i) {
+    for (int j = 0; j < k; ++j) {
+      topk[i * k + j] = static_cast<int32_t>((i * 5 + j * 3 + (i % 3)) % e);  // distinct within a token
+      gate[i * k + j] = 0.25f + 0.05f * j;
+      ++counts[topk[i * k + j]];
+    }
+  }
+  const int64_t most = *std::max_element(counts.begin(), counts.end());
+  LocalLayerParams p;
+  p.weights = {wgu.data(), wd.data(), e, d, f};
+  p.x = x.data();
+  p.topk = topk.data();
+  p.gate = gate.data();
+  p.num_tokens = t;
+  p.k = k;
+  p.padded_capacity = most;
+  std::vector<float> cpu_out(t * d);
+  p.out_fp32 = cpu_out.data();
+  ASSERT_TRUE(cpu_->LocalLayer(p, nullptr).ok());
+  DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
+  DeviceVector<int32_t> dtopk(topk);
+  DeviceVector<float> dgate(gate), padded(t * d, 0.0f), kernels(t * d, 0.0f);
+  p.weights = {dwgu.get(), dwd.get(), e, d, f};
+  p.x = dx.get();
+  p.topk = dtopk.get();
+  p.gate = dgate.get();
+  p.out_fp32 = padded.get();
+  ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
+  p.padded_capacity = 0;
+  p.out_fp32 = kernels.get();
+  ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = padded.Host(), other = kernels.Host();
+  double num = 0, den = 0, num_cpu = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i;
+    num += (got[i] - other[i]) * static_cast<double>(got[i] - other[i]);
+    num_cpu += (got[i] - cpu_out[i]) * static_cast<double>(got[i] - cpu_out[i]);
+    den += other[i] * static_cast<double>(other[i]);
+  }
+  EXPECT_LT(std::sqrt(num / den), 1e-2);
+  EXPECT_LT(std::sqrt(num_cpu / den), 1e-2);
+}
+
 TEST_F(CudaKernelsTest, LocalLayerRejectsBadParamsBeforeLaunch) {
   LocalLayerParams p;
   p.weights = {nullptr, nullptr, 8, 64, 32};

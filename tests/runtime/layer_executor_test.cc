@@ -192,11 +192,12 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
 
 // A process group of one: decode steps take one LocalLayer call (no exchange), prefill steps the
 // staged path; both must equal the semantic computation, tokenless steps and dropped routes
-// included, and every handle must be released.
-class OneMemberTest : public testing::OneRankTest {};
+// included, and every handle must be released. Decode steps run the decode kernels, or the
+// padded runner at the largest slot's routes (forced: the executor counts them on the host).
+class OneMemberTest : public testing::OneRankTest, public ::testing::WithParamInterface<DecodeRunner> {};
 
-TEST_F(OneMemberTest, ServesDecodeAndPrefillSteps) {
-  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);  // the weights Reference() computes with
+TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, GetParam());  // the weights Reference() computes with
   std::mt19937 rng(5);
   uint64_t step = 1;
   for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
@@ -224,6 +225,11 @@ TEST_F(OneMemberTest, ServesDecodeAndPrefillSteps) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
+                         [](const ::testing::TestParamInfo<DecodeRunner>& info) {
+                           return std::string(info.param == DecodeRunner::kPadded ? "Padded" : "Kernels");
+                         });
 
 TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContinues) {
   Rank4 w;

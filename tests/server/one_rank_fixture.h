@@ -17,7 +17,9 @@ namespace moe::testing {
 class OneRankTest : public ::testing::Test {
  protected:
   // `redundant` extra slots replicate experts (all on this rank).
-  void SetUpRank(int experts, int d, int d_ff, uint64_t seed, int redundant = 0) {
+  // `runner`: the decode steps' expert runner (LayerExecutorOptions::decode_runner).
+  void SetUpRank(int experts, int d, int d_ff, uint64_t seed, int redundant = 0,
+                 DecodeRunner runner = DecodeRunner::kKernels) {
     ckpt_ = SyntheticCheckpoint({experts, d, d_ff}, seed, "checkpoint-0001");
     v1_ = *DefaultPlacement(PlacementVersion(1), experts, redundant, topology_, group_, ckpt_.metadata);
     ASSERT_TRUE(registry_.Prepare(v1_).ok());
@@ -31,6 +33,7 @@ class OneRankTest : public ::testing::Test {
     eo.registry = &registry_;
     eo.transport = transport_.get();
     eo.kernels = kernels_.get();
+    eo.decode_runner = runner;
     executor_ = *LayerExecutor::Create(std::move(eo));
     ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
                                          std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v1_, Rank(0))))
