@@ -404,7 +404,9 @@ class CudaKernels final : public ExpertKernels {
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
     const int64_t align = p.layout.alignment > 0 ? p.layout.alignment : 1;
-    const int64_t cap = (p.layout.capacity + align - 1) / align * align;
+    // No segment holds more than `rows`: a larger capacity would only compute padding.
+    const int64_t capacity = std::min(p.layout.capacity, p.rows);
+    const int64_t cap = (capacity + align - 1) / align * align;
     const int64_t rows = cap * e_count;
     auto region = [](size_t b) { return (b + 255) & ~size_t{255}; };
     const size_t x_bytes = region(rows * d * 2), h_bytes = region(rows * 2 * f * 2), a_bytes = region(rows * f * 2);
