@@ -2,8 +2,8 @@
 
 The rule runs `pkg-config` once per library when the repository is fetched and writes a
 BUILD file whose targets carry the defines, include directories and link options pkg-config
-reports. Include directories outside the standard search path (Eigen's) are symlinked into
-the repository so Bazel accepts them as `includes`.
+reports. Include directories outside the standard search path are symlinked into the
+repository so Bazel accepts them as `includes`.
 """
 
 # target name -> (pkg-config modules, extra linkopts)
@@ -29,7 +29,6 @@ _LIBRARIES = {
     "crypto": (["libcrypto"], []),
     "sqlite3": (["sqlite3"], []),
     "nlohmann_json": (["nlohmann_json"], []),
-    "eigen": (["eigen3"], []),
     # Debian ships GoogleTest as static archives.
     "gtest": (["gmock", "gtest"], []),
     "gtest_main": (["gmock", "gtest"], ["-lgtest_main"]),

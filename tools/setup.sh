@@ -11,7 +11,7 @@ PKGS=(
   libabsl-dev libspdlog-dev libfmt-dev
   prometheus-cpp-dev libucx-dev libsqlite3-dev libssl-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libeigen3-dev nlohmann-json3-dev
+  nlohmann-json3-dev
   prometheus curl
 )
 

@@ -1,20 +1,19 @@
 // CPU reference implementation of kernels/api.h: the oracle for the CUDA kernels and the
-// implementation CI runs. GEMMs go through Eigen; rounding points match the CUDA path: the
-// gate/up product is rounded to BF16, the SwiGLU activation is computed in FP32 from those BF16
-// values and rounded to BF16, the down product is rounded to BF16.
+// implementation CI runs. The projections read the BF16 weights as stored (DotRowsBf16: FP32
+// sums in one fixed order per output, AVX2/FMA in the default build); rounding points match the
+// CUDA path: the gate/up product is rounded to BF16, the SwiGLU activation is computed in FP32
+// from those BF16 values and rounded to BF16, the down product is rounded to BF16.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "Eigen/Core"
 #include "absl/strings/str_cat.h"
 #include "kernels/api.h"
+#include "kernels/cpu/dot_bf16.h"
 #include "kernels/numeric.h"
 
 namespace moe::kernels {
 namespace {
-
-using MatrixRM = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 void ToFloat(const uint16_t* in, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
@@ -23,10 +22,9 @@ void ToFloat(const uint16_t* in, int64_t n, float* out) {
 class CpuKernels final : public ExpertKernels {
  private:
   std::vector<uint16_t> gathered_;
-  // One expert's weights widened to FP32, kept between calls: a fresh allocation of this size
-  // every call came back from the OS page by page (page faults cost as much as the GEMMs of a
-  // decode-sized step).
-  std::vector<float> wgu_f32_, wd_f32_;
+  // One expert's rows widened to FP32 and its intermediate products, kept between calls (fresh
+  // allocations every call came back from the OS page by page).
+  std::vector<float> x_f32_, h_, a_, y_f32_;
 
  public:
   const char* name() const override { return "cpu"; }
@@ -130,36 +128,30 @@ class CpuKernels final : public ExpertKernels {
     for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
     s = ExecutedOffsets(p.layout, counts, &executed);
     if (!s.ok()) return s;
-    wgu_f32_.resize(static_cast<size_t>(2) * f * d);
-    wd_f32_.resize(static_cast<size_t>(d) * f);
-    Eigen::Map<MatrixRM> wgu(wgu_f32_.data(), 2 * f, d), wd(wd_f32_.data(), d, f);
     for (int e = 0; e < e_count; ++e) {
-      const int64_t m = executed[e + 1] - executed[e];
-      // Grouped: an empty segment is no problem, but keeps its index (its weights stay bound
-      // to this expert). Padded: the dense runner executes every slot, padding included.
+      // The layouts differ only in the padding rows they execute (checked above: a padded
+      // capacity holds every segment), and a row's result does not depend on the rows beside it
+      // (DotRowsBf16): the useful rows alone are computed, with the same bits in every layout.
+      const int64_t m = counts[e];
       if (m == 0) continue;
-      // Phase: scatter useful rows into the executed segment; padding rows get the marker.
-      MatrixRM x(m, d);
-      x.setConstant(p.padding_value);
-      ToFloat(p.x + p.host_offsets[e] * d, counts[e] * d, x.data());
-      ToFloat(w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d, 2LL * f * d, wgu.data());
-      ToFloat(w.w_down + static_cast<int64_t>(e) * d * f, static_cast<int64_t>(d) * f, wd.data());
-      // Phase: gate and up in one GEMM, rounded to BF16.
-      MatrixRM h = x * wgu.transpose();
-      MatrixRM a(m, f);
+      x_f32_.resize(static_cast<size_t>(m) * d);
+      h_.resize(static_cast<size_t>(m) * 2 * f);
+      a_.resize(static_cast<size_t>(m) * f);
+      y_f32_.resize(static_cast<size_t>(m) * d);
+      ToFloat(p.x + p.host_offsets[e] * d, m * d, x_f32_.data());
+      // Phase: gate and up in one product, rounded to BF16; the activation.
+      cpu::DotRowsBf16(x_f32_.data(), m, d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d, 2 * f, h_.data());
       for (int64_t r = 0; r < m; ++r) {
         for (int c = 0; c < f; ++c) {
-          const float g = RoundBf16(h(r, c));
-          const float u = RoundBf16(h(r, f + c));
-          a(r, c) = RoundBf16(g / (1.0f + std::exp(-g)) * u);
+          const float g = RoundBf16(h_[r * 2 * f + c]);
+          const float u = RoundBf16(h_[r * 2 * f + f + c]);
+          a_[r * f + c] = RoundBf16(g / (1.0f + std::exp(-g)) * u);
         }
       }
-      // Phase: down projection; only useful rows leave the runner.
-      MatrixRM y = a * wd.transpose();
+      // Phase: down projection, rounded to BF16.
+      cpu::DotRowsBf16(a_.data(), m, f, w.w_down + static_cast<int64_t>(e) * d * f, d, y_f32_.data());
       uint16_t* out = p.y + p.host_offsets[e] * d;
-      for (int64_t r = 0; r < counts[e]; ++r) {
-        for (int c = 0; c < d; ++c) out[r * d + c] = FloatToBf16(y(r, c));
-      }
+      for (int64_t i = 0; i < m * d; ++i) out[i] = FloatToBf16(y_f32_[i]);
     }
     return absl::OkStatus();
   }

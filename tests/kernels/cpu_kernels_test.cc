@@ -5,6 +5,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/api.h"
+#include "kernels/cpu/dot_bf16.h"
 #include "kernels/numeric.h"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -293,6 +294,36 @@ TEST(CpuKernelsTest, LocalLayerMatchesTheLayerSemantics) {
   bad.out_fp32 = sink.data();
   bad.padded_capacity = -1;
   EXPECT_THAT(std::string(kern->LocalLayer(bad, nullptr).message()), HasSubstr("local_layer.padded_capacity"));
+}
+
+// The CPU projection (cpu::DotRowsBf16): every output within FP32 rounding of a float64 dot,
+// and the same bits for a row whatever batch it comes in (blocks of 6, 4, 2 and 1 rows, pairs of
+// weight rows and a lone last one, a k tail past the multiples of 8).
+TEST(CpuKernelsTest, DotRowsBf16IsExactPerRowWhateverTheBatch) {
+  std::mt19937 rng(17);
+  const int n_k = 203, n_out = 7;
+  const auto w = RandomBf16(rng, static_cast<size_t>(n_out) * n_k, 0.5f);
+  std::vector<float> x(static_cast<size_t>(13) * n_k);
+  for (auto& v : x) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+  std::vector<float> all(static_cast<size_t>(13) * n_out);
+  cpu::DotRowsBf16(x.data(), 13, n_k, w.data(), n_out, all.data());
+  for (int64_t r = 0; r < 13; ++r) {
+    for (int c = 0; c < n_out; ++c) {
+      double want = 0, scale = 0;
+      for (int k = 0; k < n_k; ++k) {
+        want += static_cast<double>(x[r * n_k + k]) * Bf16ToFloat(w[c * n_k + k]);
+        scale += std::fabs(static_cast<double>(x[r * n_k + k]) * Bf16ToFloat(w[c * n_k + k]));
+      }
+      EXPECT_NEAR(all[r * n_out + c], want, 1e-5 * scale + 1e-7) << "row " << r << " col " << c;
+    }
+  }
+  for (int64_t m : {1, 2, 3, 5, 7}) {
+    for (int64_t r0 = 0; r0 + m <= 13; r0 += m) {
+      std::vector<float> part(static_cast<size_t>(m) * n_out);
+      cpu::DotRowsBf16(x.data() + r0 * n_k, m, n_k, w.data(), n_out, part.data());
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), all.begin() + r0 * n_out)) << "rows " << r0 << "+" << m;
+    }
+  }
 }
 
 // When the padded runner pays (kernels::PaddedDecodeCapacity): most experts hit, two rows or
