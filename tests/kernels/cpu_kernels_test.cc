@@ -14,6 +14,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using testing::LayerInputs;
 using testing::Offsets;
 using testing::RandomBf16;
 using testing::RandomCounts;
@@ -238,13 +239,7 @@ TEST(CpuKernelsTest, LocalLayerMatchesTheLayerSemantics) {
                                            std::vector<int32_t>{5, 5, 5, 0, -1, -1, 1, 2, 3, 4, 0, 1, 2, 3, 4}}) {
     std::vector<float> out(t * d);
     std::vector<uint16_t> out_bf16(t * d);
-    LocalLayerParams p;
-    p.weights = {wgu.data(), wd.data(), e, d, f};
-    p.x = x.data();
-    p.topk = topk.data();
-    p.gate = gate.data();
-    p.num_tokens = t;
-    p.k = k;
+    LocalLayerParams p = LayerInputs({wgu.data(), wd.data(), e, d, f}, x.data(), topk.data(), gate.data(), t, k);
     p.out_fp32 = out.data();
     p.out_bf16 = out_bf16.data();
     ASSERT_TRUE(kern->LocalLayer(p, nullptr).ok());

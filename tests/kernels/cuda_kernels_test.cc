@@ -17,6 +17,7 @@
 namespace moe::kernels {
 namespace {
 
+using testing::LayerInputs;
 using testing::Offsets;
 using testing::RandomBf16;
 using testing::RandomCounts;
@@ -439,13 +440,7 @@ TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
     DeviceVector<uint16_t> dx(x), dout16(t * d), dstage16(t * d);
     DeviceVector<int32_t> dtopk(topk);
     DeviceVector<float> dgate(gate), dout(t * d, -1.0f), dstage(t * d, -2.0f);
-    LocalLayerParams p;
-    p.weights = {dwgu.get(), dwd.get(), e, d, f};
-    p.x = dx.get();
-    p.topk = dtopk.get();
-    p.gate = dgate.get();
-    p.num_tokens = t;
-    p.k = k;
+    LocalLayerParams p = LayerInputs({dwgu.get(), dwd.get(), e, d, f}, dx.get(), dtopk.get(), dgate.get(), t, k);
     p.out_fp32 = dout.get();
     p.out_bf16 = dout16.get();
     LocalLayerParams staged = p;
@@ -541,13 +536,7 @@ TEST_F(CudaKernelsTest, LocalLayerPaddedRunnerMatchesDecodeKernels) {
     }
   }
   const int64_t most = *std::max_element(counts.begin(), counts.end());
-  LocalLayerParams p;
-  p.weights = {wgu.data(), wd.data(), e, d, f};
-  p.x = x.data();
-  p.topk = topk.data();
-  p.gate = gate.data();
-  p.num_tokens = t;
-  p.k = k;
+  LocalLayerParams p = LayerInputs({wgu.data(), wd.data(), e, d, f}, x.data(), topk.data(), gate.data(), t, k);
   p.padded_capacity = most;
   std::vector<float> cpu_out(t * d);
   p.out_fp32 = cpu_out.data();

@@ -63,6 +63,19 @@ inline double RelativeError(const std::vector<uint16_t>& a, const std::vector<do
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
+// A LocalLayer call's inputs; the outputs (and the runner) are the caller's to set.
+inline LocalLayerParams LayerInputs(const ExpertWeights& w, const uint16_t* x, const int32_t* topk, const float* gate,
+                                    int64_t tokens, int k) {
+  LocalLayerParams p;
+  p.weights = w;
+  p.x = x;
+  p.topk = topk;
+  p.gate = gate;
+  p.num_tokens = tokens;
+  p.k = k;
+  return p;
+}
+
 }  // namespace moe::kernels::testing
 
 #endif  // MOE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
