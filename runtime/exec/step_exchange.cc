@@ -46,7 +46,8 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   if (counts_inline && q > 0) std::memcpy(inline_words, slot_counts.data(), sizeof(int64_t) * q);
   if (meta_inline && n_meta > 0) std::memcpy(inline_words + q, send_meta->data(), sizeof(int32_t) * n_meta);
   std::vector<int64_t> all(words * p);
-  absl::Status s = transport.AllGather(header.step_id * 2, mine.data(), words * 8, all.data(), timeout);
+  // Matched by step (Transport::StepGather): members in different steps abort at once.
+  absl::Status s = transport.StepGather(header.step_id, mine.data(), words * 8, all.data(), timeout);
   if (!s.ok()) return s;
 
   for (int i = 0; i < p; ++i) {
@@ -62,8 +63,11 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
   for (int i = 1; i < p; ++i) {
     for (int f : {0, 1, 2, 3, 6}) {
       if (all[i * words + f] != all[f]) {
+        // The step id is unsigned on the wire (shadow passes add 2^56).
+        auto shown = [&](int64_t v) { return f == 0 ? absl::StrCat(static_cast<uint64_t>(v)) : absl::StrCat(v); };
         return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " has ",
-                                               kField[f], " ", all[i * words + f], ", peer slot 0 has ", all[f]));
+                                               kField[f], " ", shown(all[i * words + f]), ", peer slot 0 has ",
+                                               shown(all[f])));
       }
     }
   }
@@ -98,7 +102,7 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
     }
   } else {
     std::vector<int64_t> slots(q * p);
-    s = transport.AllGather(header.step_id * 2 + 1, slot_counts.data(), q * 8, slots.data(), timeout);
+    s = transport.AllGather(header.step_id, slot_counts.data(), q * 8, slots.data(), timeout);
     if (!s.ok()) return s;
     for (int i = 0; i < p; ++i) {
       for (int64_t j = 0; j < q; ++j) out.slot_routes[j] += slots[i * q + j];

@@ -4,11 +4,16 @@
 //
 // Coordinates are communicator peer slots, never global ranks (0x07B). Every call is collective:
 // each member calls it with the same `seq` (e.g. the step id), and calls of one member are made
-// in the same order on every member. A call returns only when this member's part is complete.
+// in the same order on every member: AllGather and AllToAllV pair by position (a member's n-th
+// call with every other member's n-th), `seq` only names the call in errors; StepGather pairs by
+// step. A call returns only when this member's part is complete.
 //
 // Failure outcomes (0x0E): a peer that does not answer by the deadline is DEADLINE_EXCEEDED, a
 // peer whose connection failed is UNAVAILABLE; either names the peer slot. Buffers are intact
-// for the caller to reuse after any return.
+// for the caller to reuse after any return. After a positional call timed out the members'
+// positions differ: the peers it did not complete with are failed (UCX closes their endpoints,
+// NCCL aborts the communicator) and later calls with them answer UNAVAILABLE at once. A
+// StepGather that times out fails nothing.
 //
 // Thread-safety: one thread drives a Transport at a time.
 #ifndef MOE_RUNTIME_TRANSPORT_TRANSPORT_H_
@@ -39,6 +44,16 @@ class Transport {
   // out[i * bytes, (i + 1) * bytes) = peer slot i's `in` (this member's included).
   virtual absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) = 0;
 
+  // The step agreement's all-gather (runtime/exec/step_exchange.h): as AllGather, but members
+  // in different steps answer ABORTED at once, naming both step ids, instead of each waiting out
+  // the timeout, and an attempt that fails leaves nothing that a later step could pair with
+  // (runtime/transport/step_gather.h). `step` is the step's whole 64-bit identity. The default
+  // (NCCL: collectives pair by position, and a timeout aborts the communicator) is AllGather;
+  // the caller compares the step ids it gathered.
+  virtual absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) {
+    return AllGather(step, in, bytes, out, timeout);
+  }
+
   // Variable all-to-all: send segment i (send_bytes[i] bytes, packed in peer order from `send`)
   // to peer slot i; receive recv_bytes[i] bytes from peer slot i into `recv` (packed in peer
   // order). Sizes must agree pairwise (the header exchange establishes them).
@@ -63,6 +78,9 @@ class LoopbackFabric {
 
 struct UcxOptions {
   int slot = 0;
+  // Network devices UCX may use (its NET_DEVICES, e.g. "lo" or "eth0"); empty: the device that
+  // holds this member's listener address.
+  std::string net_devices;
   // "host:port" of every member's listener, in peer-slot order (this member's included).
   std::vector<std::string> addresses;
   // How long Create() waits for every peer to be reachable.
@@ -79,7 +97,11 @@ struct UcxListenerDeleter {
   void operator()(UcxListenerHandle* h) const;
 };
 using UcxListener = std::unique_ptr<UcxListenerHandle, UcxListenerDeleter>;
-absl::StatusOr<UcxListener> CreateUcxListener(const std::string& host);
+// `net_devices`: as UcxOptions::net_devices (empty: the interface that holds `host`'s address),
+// so that UCX's own TCP listeners bind only there.
+absl::StatusOr<UcxListener> CreateUcxListener(const std::string& host, const std::string& net_devices = "");
+// The network interface that holds `address` (an IPv4 address or host name), e.g. "lo".
+absl::StatusOr<std::string> InterfaceOf(const std::string& address);
 std::string UcxListenerAddress(const UcxListenerHandle& listener);
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportWithListener(UcxListener listener,
                                                                           const UcxOptions& options);

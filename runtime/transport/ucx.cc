@@ -2,9 +2,15 @@
 //
 // Every member listens on its own address; every member opens a client endpoint to every
 // other member and sends through it; receives match on the worker by tag, whatever endpoint
-// the message came through. Tags carry (kind, seq, source slot), so collectives of different
-// steps never match each other. Progress is driven by the calling thread (UCS_THREAD_MODE_SINGLE).
+// the message came through. Positional collectives (AllGather, AllToAllV) carry (kind, this
+// transport's call count, source slot) in the tag: 44 bits of count, so tags repeat only after
+// 2^44 collectives, long after any message of the earlier one has been matched. The step
+// agreement (StepGather) runs the step_gather.h protocol over one stream a peer (kind kAgree,
+// source slot), carrying the whole 64-bit step id in each message. Progress is driven by the
+// calling thread (UCS_THREAD_MODE_SINGLE).
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -20,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "runtime/transport/step_gather.h"
 #include "runtime/transport/transport.h"
 
 #define UCX_RETURN_IF_ERROR(expr)                                                                       \
@@ -34,11 +41,14 @@
 namespace moe {
 namespace {
 
-constexpr uint64_t kHello = 1, kGather = 2, kAllToAll = 3;
+constexpr uint64_t kHello = 1, kGather = 2, kAllToAll = 3, kAgree = 4;
 
 uint64_t Tag(uint64_t kind, uint64_t seq, int src) {
   return (kind << 60) | ((seq & ((uint64_t{1} << 44) - 1)) << 16) | static_cast<uint64_t>(src & 0xffff);
 }
+
+// The largest agreement record StepGather carries (the executor's is 7 KiB).
+constexpr int64_t kMaxStepRecordBytes = 64 << 10;
 
 absl::StatusOr<sockaddr_storage> Resolve(const std::string& address, socklen_t* len) {
   std::vector<std::string> parts = absl::StrSplit(address, ':');
@@ -111,12 +121,51 @@ class UcxListenerHandle {
 
 void UcxListenerDeleter::operator()(UcxListenerHandle* h) const { delete h; }
 
-absl::StatusOr<UcxListener> CreateUcxListener(const std::string& host_port) {
+absl::StatusOr<std::string> InterfaceOf(const std::string& address) {
+  const std::string host = address.substr(0, address.find(':'));
+  socklen_t len = 0;
+  auto resolved = Resolve(host + ":0", &len);
+  if (!resolved.ok()) return resolved.status();
+  const in_addr want = reinterpret_cast<const sockaddr_in*>(&*resolved)->sin_addr;
+  if (want.s_addr == htonl(INADDR_ANY)) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is every interface: name the UCX device"));
+  }
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return absl::UnavailableError("getifaddrs failed");
+  std::string name;
+  for (ifaddrs* a = list; a != nullptr && name.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    if (reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == want.s_addr) name = a->ifa_name;
+  }
+  freeifaddrs(list);
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is on no interface of this host"));
+  return name;
+}
+
+absl::StatusOr<UcxListener> CreateUcxListener(const std::string& host_port, const std::string& net_devices) {
   UcxListener h(new UcxListenerHandle());
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG;
-  UCX_RETURN_IF_ERROR(ucp_init(&params, nullptr, &h->context));
+  // UCX's TCP transport opens a listening socket on every device it may use: restrict the
+  // devices to the one that holds this member's address (or the configured ones), so nothing
+  // listens on another interface.
+  std::string devices = net_devices;
+  if (devices.empty()) {
+    auto dev = InterfaceOf(host_port);
+    if (!dev.ok()) return absl::Status(dev.status().code(), absl::StrCat("ucx net devices: ", dev.status().message()));
+    devices = *dev;
+  }
+  ucp_config_t* config = nullptr;
+  UCX_RETURN_IF_ERROR(ucp_config_read(nullptr, nullptr, &config));
+  const ucs_status_t modified = ucp_config_modify(config, "NET_DEVICES", devices.c_str());
+  if (modified != UCS_OK) {
+    ucp_config_release(config);
+    return absl::InvalidArgumentError(absl::StrCat("ucx net devices '", devices, "': ", ucs_status_string(modified)));
+  }
+  const ucs_status_t initialized = ucp_init(&params, config, &h->context);
+  ucp_config_release(config);
+  UCX_RETURN_IF_ERROR(initialized);
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -152,8 +201,12 @@ struct Peer {
 class UcxTransport final : public Transport {
  public:
   UcxTransport(UcxListener base, UcxOptions options)
-      : base_(std::move(base)), options_(std::move(options)), peers_(options_.addresses.size()) {}
+      : base_(std::move(base)),
+        options_(std::move(options)),
+        peers_(options_.addresses.size()),
+        agree_recv_(options_.addresses.size()) {}
   ~UcxTransport() override {
+    CancelAgreement();
     for (Peer& p : peers_) {
       if (p.ep != nullptr) base_->CloseEp(p.ep, /*force=*/p.failure != UCS_OK);
     }
@@ -235,7 +288,121 @@ class UcxTransport final : public Transport {
     return Exchange(kAllToAll, seq, send, send_bytes, recv, recv_bytes, timeout);
   }
 
+  absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    if (bytes < 0 || bytes > kMaxStepRecordBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("ucx: step record of ", bytes, " bytes (at most ",
+                                                     kMaxStepRecordBytes, ")"));
+    }
+    for (int i = 0; i < size(); ++i) {
+      if (i != slot() && peers_[i].failure != UCS_OK) {
+        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
+                                                   ") failed: ", ucs_status_string(peers_[i].failure)));
+      }
+    }
+    AgreeChannel channel(this);
+    return RunStepGather(channel, backlog_, slot(), size(), step, in, bytes, out, timeout);
+  }
+
  private:
+  // The agreement streams: one receive posted per peer at a time (tag kAgree, the peer's slot),
+  // kept posted between steps; sends are small eager messages, freed as they complete.
+  class AgreeChannel final : public StepGatherChannel {
+   public:
+    explicit AgreeChannel(UcxTransport* t) : t_(t) {}
+    absl::Status Send(int peer, const StepGatherHeader& header, const void* payload, int64_t bytes) override {
+      if (t_->peers_[peer].ep == nullptr || t_->peers_[peer].failure != UCS_OK) {
+        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", peer, " failed"));
+      }
+      auto msg = std::make_unique<std::string>(sizeof(header) + bytes, '\0');
+      std::memcpy(msg->data(), &header, sizeof(header));
+      if (bytes > 0) std::memcpy(msg->data() + sizeof(header), payload, bytes);
+      void* req = t_->PostSend(peer, Tag(kAgree, 0, t_->slot()), msg->data(), msg->size());
+      if (UCS_PTR_IS_ERR(req)) {
+        return absl::UnavailableError(absl::StrCat("ucx: send to peer slot ", peer, ": ",
+                                                   ucs_status_string(UCS_PTR_STATUS(req))));
+      }
+      if (req != nullptr) t_->agree_sends_.push_back({req, std::move(msg)});
+      t_->ReapAgreeSends();
+      return absl::OkStatus();
+    }
+    absl::StatusOr<bool> Poll(int peer, StepGatherHeader* header, void* payload, int64_t capacity,
+                              int64_t* bytes) override {
+      if (t_->peers_[peer].failure != UCS_OK) {
+        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", peer, " (", t_->options_.addresses[peer],
+                                                   ") failed: ", ucs_status_string(t_->peers_[peer].failure)));
+      }
+      auto& r = t_->agree_recv_[peer];
+      if (r.buf.empty()) r.buf.resize(sizeof(StepGatherHeader) + kMaxStepRecordBytes);
+      ucp_tag_recv_info_t info{};
+      ucs_status_t st = UCS_OK;
+      if (r.req == nullptr) {
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;  // always a request, tested below
+        void* req = ucp_tag_recv_nbx(t_->base_->worker, r.buf.data(), r.buf.size(), Tag(kAgree, 0, peer), ~uint64_t{0}, &p);
+        if (UCS_PTR_IS_ERR(req)) {
+          return absl::UnavailableError(absl::StrCat("ucx: agreement receive from peer slot ", peer, ": ",
+                                                     ucs_status_string(UCS_PTR_STATUS(req))));
+        }
+        r.req = req;
+      }
+      st = ucp_tag_recv_request_test(r.req, &info);
+      if (st == UCS_INPROGRESS) return false;
+      ucp_request_free(r.req);
+      r.req = nullptr;
+      if (st != UCS_OK) {
+        return absl::UnavailableError(absl::StrCat("ucx: agreement receive from peer slot ", peer, ": ",
+                                                   ucs_status_string(st)));
+      }
+      if (info.length < sizeof(StepGatherHeader)) {
+        return absl::DataLossError(absl::StrCat("ucx: agreement message of ", info.length, " bytes from peer slot ", peer));
+      }
+      std::memcpy(header, r.buf.data(), sizeof(StepGatherHeader));
+      *bytes = static_cast<int64_t>(info.length - sizeof(StepGatherHeader));
+      if (*bytes > capacity) *bytes = capacity;
+      if (*bytes > 0) std::memcpy(payload, r.buf.data() + sizeof(StepGatherHeader), *bytes);
+      return true;
+    }
+    void Idle() override {
+      if (ucp_worker_progress(t_->base_->worker) == 0) std::this_thread::yield();
+    }
+
+   private:
+    UcxTransport* t_;
+  };
+  struct AgreeRecv {
+    void* req = nullptr;
+    std::string buf;
+  };
+  struct AgreeSend {
+    void* req;
+    std::unique_ptr<std::string> msg;
+  };
+  void ReapAgreeSends() {
+    for (size_t i = 0; i < agree_sends_.size();) {
+      if (ucp_request_check_status(agree_sends_[i].req) != UCS_INPROGRESS) {
+        ucp_request_free(agree_sends_[i].req);
+        agree_sends_[i] = std::move(agree_sends_.back());
+        agree_sends_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  void CancelAgreement() {
+    for (AgreeRecv& r : agree_recv_) {
+      if (r.req != nullptr) {
+        ucp_request_cancel(base_->worker, r.req);
+        ucp_request_free(r.req);
+        r.req = nullptr;
+      }
+    }
+    for (AgreeSend& s : agree_sends_) {
+      ucp_request_cancel(base_->worker, s.req);
+      ucp_request_free(s.req);
+    }
+    agree_sends_.clear();
+  }
+
   static void OnError(void* arg, ucp_ep_h, ucs_status_t status) { static_cast<Peer*>(arg)->failure = status; }
 
   absl::Status OpenEp(int i) {
@@ -308,6 +475,8 @@ class UcxTransport final : public Transport {
   absl::Status Exchange(uint64_t kind, uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes,
                         void* recv, absl::Span<const int64_t> recv_bytes, absl::Duration timeout) {
     const int n = size(), me = slot();
+    // Matched by position: this member's n-th collective pairs with every peer's n-th.
+    const uint64_t position = ++collectives_;
     std::vector<int64_t> send_off(n + 1, 0), recv_off(n + 1, 0);
     for (int i = 0; i < n; ++i) {
       send_off[i + 1] = send_off[i] + send_bytes[i];
@@ -323,11 +492,11 @@ class UcxTransport final : public Transport {
     std::vector<bool> recv_done(n, false), send_done(n, false);
     for (int i = 0; i < n; ++i) {
       if (i == me) continue;
-      recvs[i] = PostRecv(Tag(kind, seq, i), static_cast<char*>(recv) + recv_off[i], recv_bytes[i]);
+      recvs[i] = PostRecv(Tag(kind, position, i), static_cast<char*>(recv) + recv_off[i], recv_bytes[i]);
     }
     for (int i = 0; i < n; ++i) {
       if (i == me) continue;
-      sends[i] = PostSend(i, Tag(kind, seq, me), static_cast<const char*>(send) + send_off[i], send_bytes[i]);
+      sends[i] = PostSend(i, Tag(kind, position, me), static_cast<const char*>(send) + send_off[i], send_bytes[i]);
     }
     std::memcpy(static_cast<char*>(recv) + recv_off[me], static_cast<const char*>(send) + send_off[me], send_bytes[me]);
     recv_done[me] = send_done[me] = true;
@@ -371,6 +540,15 @@ class UcxTransport final : public Transport {
         }
         CancelAll(&recvs);
         CancelAll(&sends);
+        // Positions now differ between this member and the peers it did not complete with: a
+        // later call would pair with the wrong one of theirs. Fail them (as NCCL aborts its
+        // communicator); later calls with them answer UNAVAILABLE at once.
+        for (int i = 0; i < n; ++i) {
+          if (i == me || (recv_done[i] && send_done[i]) || peers_[i].ep == nullptr) continue;
+          if (peers_[i].failure == UCS_OK) peers_[i].failure = UCS_ERR_TIMED_OUT;
+          base_->CloseEp(peers_[i].ep, /*force=*/true);
+          peers_[i].ep = nullptr;
+        }
         return absl::DeadlineExceededError(absl::StrCat("ucx: peer slot ", missing, " did not answer within ",
                                                         absl::FormatDuration(timeout), " (seq ", seq, ")"));
       }
@@ -380,6 +558,10 @@ class UcxTransport final : public Transport {
   UcxListener base_;
   UcxOptions options_;
   std::vector<Peer> peers_;
+  uint64_t collectives_ = 0;   // positional calls made (their tags' sequence)
+  StepGatherBacklog backlog_;  // agreement messages read ahead
+  std::vector<AgreeRecv> agree_recv_;
+  std::vector<AgreeSend> agree_sends_;
 };
 
 }  // namespace
@@ -400,7 +582,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& 
   if (options.slot < 0 || options.slot >= static_cast<int>(options.addresses.size())) {
     return absl::InvalidArgumentError(absl::StrCat("ucx.slot: ", options.slot, " outside the group"));
   }
-  auto listener = CreateUcxListener(options.addresses[options.slot]);
+  auto listener = CreateUcxListener(options.addresses[options.slot], options.net_devices);
   if (!listener.ok()) return listener.status();
   return CreateUcxTransportWithListener(*std::move(listener), options);
 }
