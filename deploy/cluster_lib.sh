@@ -29,14 +29,21 @@ choose_backend() {
   fi
 }
 
+# Engines reach a rank on its Unix socket (--engine_socket); the sockets live in a short
+# directory of their own (a socket path has at most 107 characters) and each rank's target is
+# written to $work/ports/<r>.engine for the engine driver (--port_dir).
+RANK_SOCKET_DIR=""
 start_ranks() {
   local rankd="$1" work="$2" ranks="$3" checkpoint="$4"
   shift 4
   mkdir -p "$work/rendezvous" "$work/ports" "$work/metrics"
+  [ -n "$RANK_SOCKET_DIR" ] || RANK_SOCKET_DIR="$(mktemp -d /tmp/moe-sock.XXXXXX)"
   local r own
   for ((r = 0; r < ranks; r++)); do
     own="RANK${r}_FLAGS"
+    echo "unix:$RANK_SOCKET_DIR/$r.sock" >"$work/ports/$r.engine"
     "$rankd" --rank "$r" --world "$ranks" --rendezvous_dir "$work/rendezvous" --checkpoint "$checkpoint" \
+      --engine_socket "$RANK_SOCKET_DIR/$r.sock" \
       --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} \
       ${!own:-} "$@" >"$work/rank$r.log" 2>&1 &
     RANK_PIDS+=($!)
@@ -55,4 +62,5 @@ stop_ranks() {
   for pid in "${RANK_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${RANK_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   RANK_PIDS=()
+  if [ -n "$RANK_SOCKET_DIR" ]; then rm -rf "$RANK_SOCKET_DIR"; RANK_SOCKET_DIR=""; fi
 }

@@ -9,7 +9,8 @@
 namespace moe {
 
 absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(const std::string& address,
-                                                                              absl::Duration timeout) {
+                                                                              absl::Duration timeout,
+                                                                              const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
@@ -18,7 +19,7 @@ absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(co
                                  std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)))) {
     return absl::UnavailableError(absl::StrCat(address, ": not reachable within ", absl::FormatDuration(timeout)));
   }
-  return std::unique_ptr<ExpertLayerClient>(new ExpertLayerClient(v1::ExpertLayerService::NewStub(channel)));
+  return std::unique_ptr<ExpertLayerClient>(new ExpertLayerClient(v1::ExpertLayerService::NewStub(channel), token));
 }
 
 absl::StatusOr<StepAnswer> ExpertLayerClient::Execute(const StepCall& call, absl::Duration deadline) {
@@ -37,6 +38,7 @@ absl::StatusOr<StepAnswer> ExpertLayerClient::Execute(const StepCall& call, absl
   if (call.expected_generation > 0) req.set_expected_generation(call.expected_generation);
   if (!call.admitted.empty()) req.set_admitted(std::string(call.admitted.begin(), call.admitted.end()));
   grpc::ClientContext ctx;
+  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline)));
   v1::StepResponse resp;
   const absl::Time start = absl::Now();

@@ -37,12 +37,17 @@ struct StepAnswer {
 
 class ExpertLayerClient {
  public:
-  static absl::StatusOr<std::unique_ptr<ExpertLayerClient>> Connect(const std::string& address, absl::Duration timeout);
+  // `address`: a gRPC target, "unix:/path/to/engine.sock" (the rank's --engine_socket) or
+  // "host:port" (then `token` is the rank's --engine_token_file token).
+  static absl::StatusOr<std::unique_ptr<ExpertLayerClient>> Connect(const std::string& address, absl::Duration timeout,
+                                                                   const std::string& token = "");
   absl::StatusOr<StepAnswer> Execute(const StepCall& call, absl::Duration deadline = absl::Seconds(60));
 
  private:
-  explicit ExpertLayerClient(std::unique_ptr<v1::ExpertLayerService::Stub> stub) : stub_(std::move(stub)) {}
+  ExpertLayerClient(std::unique_ptr<v1::ExpertLayerService::Stub> stub, std::string token)
+      : stub_(std::move(stub)), token_(std::move(token)) {}
   std::unique_ptr<v1::ExpertLayerService::Stub> stub_;
+  std::string token_;
 };
 
 }  // namespace moe

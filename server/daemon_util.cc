@@ -83,21 +83,42 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
-                                                        int max_message_bytes, int* port) {
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+                                                        const GrpcServeOptions& o, int* port) {
+  static bool reflection_on = false;  // main thread only
+  if (reflection_on && !o.reflection) {
+    return absl::FailedPreconditionError("ServeGrpc: a server without reflection must be built before one with it");
+  }
+  if (o.reflection && !reflection_on) {
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    reflection_on = true;
+  }
+  grpc::EnableDefaultHealthCheckService(o.health);
   grpc::ServerBuilder builder;
   *port = 0;
-  const std::string listen = absl::GetFlag(FLAGS_listen);
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), port);
+  if (!o.listen.empty()) builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), port);
+  // NOTE: with SO_REUSEPORT gRPC clones a port-0 listener once per poller, each clone on a port
+  // of its own that nobody publishes: one socket per address only.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   for (grpc::Service* s : services) builder.RegisterService(s);
-  if (max_message_bytes > 0) {
-    builder.SetMaxReceiveMessageSize(max_message_bytes);
-    builder.SetMaxSendMessageSize(max_message_bytes);
+  if (o.max_message_bytes > 0) {
+    builder.SetMaxReceiveMessageSize(o.max_message_bytes);
+    builder.SetMaxSendMessageSize(o.max_message_bytes);
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || *port == 0) return absl::UnavailableError(absl::StrCat("--listen ", listen, ": cannot bind"));
-  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(*port));
+  grpc::EnableDefaultHealthCheckService(false);
+  if (server == nullptr || (!o.listen.empty() && *port == 0)) {
+    return absl::UnavailableError(absl::StrCat(o.flag, " ", o.listen, ": cannot bind"));
+  }
+  return server;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
+                                                        int max_message_bytes, int* port) {
+  GrpcServeOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.max_message_bytes = max_message_bytes;
+  auto server = ServeGrpc(services, o, port);
+  if (server.ok()) WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(*port));
   return server;
 }
 

@@ -37,9 +37,23 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::str
 // `flag` when the file is unreadable or the token shorter than 16 characters.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
 
-// Serves `services` on --listen with gRPC health checking and server reflection, and writes the
-// bound port to --port_file. max_message_bytes > 0 raises gRPC's send and receive limits.
+struct GrpcServeOptions {
+  std::string listen;      // "host:port" (port 0: the kernel picks); empty: no TCP port
+  std::string flag = "--listen";  // names `listen` in errors
+  int max_message_bytes = 0;      // > 0: gRPC's send and receive limits
+  bool health = true;             // grpc.health.v1.Health on this server
+  // grpc.reflection on this server. gRPC registers reflection for every server built after the
+  // first that asks for it: build the servers without it first (FAILED_PRECONDITION otherwise).
+  bool reflection = false;
+};
+
+// Serves `services` (and health / reflection as asked) and sets *port to the bound TCP port (0
+// without one); connections can also be added from descriptors (server/unix_socket.h). Exactly
+// one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are off).
 // UNAVAILABLE naming the flag when the address cannot be bound.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
+                                                        const GrpcServeOptions& options, int* port);
+// The same on --listen with health checking, writing the port to --port_file (moe-controller).
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
                                                         int max_message_bytes, int* port);
 

@@ -30,8 +30,12 @@
 #include "runtime/logging.h"
 #include "server/client.h"
 
-ABSL_FLAG(std::string, addresses, "", "comma-separated host:port of rank 0..P-1 (or use --port_dir)");
-ABSL_FLAG(std::string, port_dir, "", "directory with <rank>.port files written by moe-rankd --port_file");
+ABSL_FLAG(std::string, addresses, "",
+          "comma-separated gRPC targets of rank 0..P-1 (unix:/path or host:port), or use --port_dir");
+ABSL_FLAG(std::string, port_dir, "",
+          "directory with <rank>.engine files (a rank's engine target, e.g. unix:/run/moe/0.sock) or else "
+          "<rank>.port files (moe-rankd --port_file; TCP on 127.0.0.1, needs --engine_token_file)");
+ABSL_FLAG(std::string, engine_token_file, "", "bearer token for ranks reached over TCP (moe-rankd --engine_token_file)");
 ABSL_FLAG(int, world, 4, "ranks (with --port_dir)");
 ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the ranks serve (for the reference computation)");
 ABSL_FLAG(int, rounds, 3, "rounds of the scenario list");
@@ -251,6 +255,12 @@ std::vector<std::string> Addresses() {
   if (!absl::GetFlag(FLAGS_addresses).empty()) return absl::StrSplit(absl::GetFlag(FLAGS_addresses), ',');
   std::vector<std::string> out;
   for (int r = 0; r < absl::GetFlag(FLAGS_world); ++r) {
+    std::ifstream engine(absl::StrCat(absl::GetFlag(FLAGS_port_dir), "/", r, ".engine"));
+    std::string target;
+    if (engine && std::getline(engine, target) && !target.empty()) {
+      out.push_back(target);
+      continue;
+    }
     std::ifstream in(absl::StrCat(absl::GetFlag(FLAGS_port_dir), "/", r, ".port"));
     std::string port;
     std::getline(in, port);
@@ -270,6 +280,11 @@ int Main() {
   absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
   Reference reference(*ckpt, d, f);
   const std::vector<std::string> addresses = Addresses();
+  std::string token;
+  if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_engine_token_file));
+    std::getline(in, token);
+  }
   const int p = static_cast<int>(addresses.size());
   std::vector<std::unique_ptr<ExpertLayerClient>> clients;
   for (int r = 0; r < p; ++r) {
@@ -278,7 +293,7 @@ int Main() {
       clients.push_back(nullptr);
       continue;
     }
-    auto c = ExpertLayerClient::Connect(a, absl::Seconds(30));
+    auto c = ExpertLayerClient::Connect(a, absl::Seconds(30), token);
     if (!c.ok()) {
       spdlog::error("{}", std::string(c.status().message()));
       return 1;

@@ -1,10 +1,14 @@
 #include "server/expert_layer_service.h"
 
 #include <cctype>
+#include <memory>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/bearer_auth.h"
 #include "server/grpc_status.h"
+#include "runtime/status.h"
 #include "server/tensor_codec.h"
 
 namespace moe {
@@ -16,7 +20,92 @@ std::string StatusLabel(absl::StatusCode code) {
   return s;
 }
 
+// The columns of a row are an int downstream (kernels); far above any model's hidden size.
+constexpr int64_t kMaxCols = int64_t{1} << 20;
+
+// What a validated request holds, every size derived from it with checked arithmetic.
+struct CheckedStep {
+  bool decode = false;
+  int64_t tokens = 0;
+  int d = 0;
+  int64_t routes = 0;      // tokens x k
+  int64_t wire_bytes = 0;  // tokens x d x width, in and out
+};
+
+// Phase: validate. Shape, enums and sizes against the limits, before any byte is read.
+absl::StatusOr<CheckedStep> CheckRequest(const v1::StepRequest& req, const EngineApiOptions& o) {
+  CheckedStep c;
+  if (req.phase() != v1::PHASE_PREFILL && req.phase() != v1::PHASE_DECODE) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("phase: ", static_cast<int>(req.phase()), " is not PHASE_PREFILL (1) or PHASE_DECODE (2)"));
+  }
+  c.decode = req.phase() == v1::PHASE_DECODE;
+  if (req.k() <= 0 || req.k() > o.max_top_k) {
+    return absl::InvalidArgumentError(absl::StrCat("k: ", req.k(), " outside [1, ", o.max_top_k, "]"));
+  }
+  const v1::Tensor& h = req.hidden();
+  if (h.rows() < 0 || h.rows() > o.max_step_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden.rows: ", h.rows(), " outside [0, ", o.max_step_tokens, "] (--max_step_tokens)"));
+  }
+  if (h.cols() <= 0 || h.cols() > kMaxCols) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden.cols: ", h.cols(), " outside [1, ", kMaxCols, "]"));
+  }
+  auto bytes = WireBytes(h, "hidden");
+  if (!bytes.ok()) return bytes.status();
+  if (*bytes > o.max_request_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden: ", *bytes, " bytes of rows exceed ", o.max_request_bytes,
+                                                   " (--max_request_bytes)"));
+  }
+  c.tokens = h.rows();
+  c.d = static_cast<int>(h.cols());
+  c.wire_bytes = *bytes;
+  if (__builtin_mul_overflow(c.tokens, static_cast<int64_t>(req.k()), &c.routes)) {
+    return absl::InvalidArgumentError("k: hidden.rows x k overflows");
+  }
+  if (req.topk_ids_size() != c.routes) {
+    return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(), " entries, hidden has ",
+                                                   c.tokens, " rows and k = ", req.k()));
+  }
+  if (req.topk_weights_size() != c.routes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_weights: ", req.topk_weights_size(), " entries, expected ", c.routes));
+  }
+  if (!req.admitted().empty() && static_cast<int64_t>(req.admitted().size()) != c.routes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("admitted: ", req.admitted().size(), " entries, expected ", c.routes));
+  }
+  if (req.has_hidden_region()) {
+    if (!req.hidden().data().empty()) {
+      return absl::InvalidArgumentError("hidden.data: must be empty when hidden_region is set");
+    }
+    if (req.hidden_region().bytes() != static_cast<uint64_t>(c.wire_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat("hidden_region.bytes: ", req.hidden_region().bytes(),
+                                                     ", dtype x shape needs ", c.wire_bytes));
+    }
+  }
+  if (req.has_output_region() && req.output_region().bytes() != static_cast<uint64_t>(c.wire_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("output_region.bytes: ", req.output_region().bytes(),
+                                                   ", the output needs ", c.wire_bytes));
+  }
+  return c;
+}
+
 }  // namespace
+
+absl::StatusOr<ExpertLayerServiceImpl::Caller> ExpertLayerServiceImpl::Authenticate(
+    const grpc::ServerContext* context) const {
+  Caller caller;
+  if (options_.peer_uid) caller.uid = options_.peer_uid(context->peer());
+  if (caller.uid.has_value()) return caller;  // admitted on the Unix socket by its credentials
+  if (options_.token.empty()) {
+    return absl::UnauthenticatedError(
+        "the engine API takes callers on its Unix socket (--engine_socket); TCP callers need the rank's "
+        "--engine_token_file");
+  }
+  if (absl::Status s = FromGrpcStatus(CheckBearer(context, options_.token)); !s.ok()) return s;
+  return caller;
+}
 
 absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepResponse* resp) {
   const absl::Time start = absl::Now();
@@ -30,53 +119,37 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
   };
   const char* path = "eager";  // the path label of the step latency histogram
   absl::Status status = [&]() -> absl::Status {
-    if (req.k() <= 0) return reject(absl::InvalidArgumentError("k: must be positive"));
-    const int64_t t = req.hidden().rows();
-    // Rows inline or from a registered shared-memory region.
+    auto checked = CheckRequest(req, options_);
+    if (!checked.ok()) return reject(checked.status());
+    const CheckedStep& c = *checked;
+    // Phase: read the rows, inline or copied out of a registered region (read once: the engine
+    // changing or shrinking the region later cannot reach this step).
+    std::unique_ptr<char[]> region_rows;
     absl::StatusOr<Bf16Rows> hidden;
     if (req.has_hidden_region()) {
-      if (!req.hidden().data().empty()) {
-        return reject(absl::InvalidArgumentError("hidden.data: must be empty when hidden_region is set"));
-      }
       const v1::SharedRegionRef& ref = req.hidden_region();
-      auto at = regions_.Resolve(ref.region(), ref.offset(), ref.bytes(), "hidden_region");
-      if (!at.ok()) return reject(at.status());
-      hidden = ReadBf16(req.hidden(), *at, ref.bytes(), "hidden_region");
+      region_rows.reset(new char[std::max<int64_t>(c.wire_bytes, 1)]);
+      absl::Status read = regions_.Read(ref.region(), ref.offset(), ref.bytes(), region_rows.get(), "hidden_region");
+      if (!read.ok()) return reject(read);
+      hidden = ReadBf16(req.hidden(), region_rows.get(), c.wire_bytes, "hidden_region");
     } else {
       hidden = ReadBf16(req.hidden(), req.hidden().data().data(), req.hidden().data().size(), "hidden");
     }
     if (!hidden.ok()) return reject(hidden.status());
-    char* output_at = nullptr;
     if (req.has_output_region()) {
       const v1::SharedRegionRef& ref = req.output_region();
-      const int width = WireWidth(req.hidden().dtype());
-      if (ref.bytes() != static_cast<uint64_t>(t * req.hidden().cols() * width)) {
-        return reject(absl::InvalidArgumentError(absl::StrCat("output_region.bytes: ", ref.bytes(), ", the output needs ",
-                                                              t * req.hidden().cols() * width)));
+      if (absl::Status s = regions_.CheckRange(ref.region(), ref.offset(), ref.bytes(), "output_region"); !s.ok()) {
+        return reject(s);
       }
-      auto at = regions_.Resolve(ref.region(), ref.offset(), ref.bytes(), "output_region");
-      if (!at.ok()) return reject(at.status());
-      output_at = *at;
     }
-    if (req.topk_ids_size() != t * req.k()) {
-      return reject(absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(),
-                                                            " entries, hidden has ", t, " rows and k = ", req.k())));
-    }
-    if (req.topk_weights_size() != t * req.k()) {
-      return reject(absl::InvalidArgumentError(
-          absl::StrCat("topk_weights: ", req.topk_weights_size(), " entries, expected ", t * req.k())));
-    }
-    if (!req.admitted().empty() && static_cast<int64_t>(req.admitted().size()) != t * req.k()) {
-      return reject(absl::InvalidArgumentError(
-          absl::StrCat("admitted: ", req.admitted().size(), " entries, expected ", t * req.k())));
-    }
+    // Phase: run the step across the ranks.
     LayerStepInput in;
     in.step_id = req.step_id();
     in.layer = req.layer();
-    in.phase = decode ? Phase::kDecode : Phase::kPrefill;
+    in.phase = c.decode ? Phase::kDecode : Phase::kPrefill;
     in.hidden = hidden->data();
-    in.tokens = t;
-    in.d = static_cast<int>(req.hidden().cols());
+    in.tokens = c.tokens;
+    in.d = c.d;
     in.topk_ids = req.topk_ids().data();
     in.topk_weights = req.topk_weights().data();
     in.k = req.k();
@@ -88,21 +161,25 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
       result = executor_->Execute(in);
     }
     if (!result.ok()) return result.status();
+    // Phase: encode the output and the record.
     resp->set_step_id(req.step_id());
-    if (output_at != nullptr) {
-      EncodeBytes(result->output, req.hidden().dtype(), output_at);
+    if (req.has_output_region()) {
+      const v1::SharedRegionRef& ref = req.output_region();
+      std::unique_ptr<char[]> out(new char[std::max<int64_t>(c.wire_bytes, 1)]);
+      EncodeBytes(result->output, req.hidden().dtype(), out.get());
+      RETURN_IF_ERROR(regions_.Write(ref.region(), ref.offset(), ref.bytes(), out.get(), "output_region"));
       resp->mutable_output()->set_dtype(req.hidden().dtype());
-      resp->mutable_output()->set_rows(t);
-      resp->mutable_output()->set_cols(in.d);
+      resp->mutable_output()->set_rows(c.tokens);
+      resp->mutable_output()->set_cols(c.d);
     } else {
-      EncodeFromBf16(result->output, t, in.d, req.hidden().dtype(), resp->mutable_output());
+      EncodeFromBf16(result->output, c.tokens, c.d, req.hidden().dtype(), resp->mutable_output());
     }
     v1::StepRecord* rec = resp->mutable_record();
     const StepRecord& r = result->record;
     path = r.graph_replay ? "graph_replay" : "eager";
     rec->set_placement_generation(r.placement_version);
     rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
-    if (decode && !r.graph_replay) {
+    if (c.decode && !r.graph_replay) {
       rec->set_fallback_reason(r.fallback_reason);
       metrics_->Fallback(r.fallback_reason);
     }
@@ -124,8 +201,7 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
   return status;
 }
 
-grpc::Status ExpertLayerServiceImpl::Execute(grpc::ServerContext*, const v1::StepRequest* request,
-                                             v1::StepResponse* response) {
+grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response) {
   {
     absl::MutexLock lock(&mu_);
     if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "moe-rankd is draining");
@@ -139,12 +215,21 @@ grpc::Status ExpertLayerServiceImpl::Execute(grpc::ServerContext*, const v1::Ste
   return ToGrpcStatus(s);
 }
 
+grpc::Status ExpertLayerServiceImpl::Execute(grpc::ServerContext* context, const v1::StepRequest* request,
+                                             v1::StepResponse* response) {
+  // NOTE: an unauthenticated caller is refused before its request reaches the step agreement: it
+  // cannot make the peers abort a step either.
+  if (auto caller = Authenticate(context); !caller.ok()) return ToGrpcStatus(caller.status());
+  return ExecuteAuthenticated(request, response);
+}
+
 grpc::Status ExpertLayerServiceImpl::Step(grpc::ServerContext* context,
                                           grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
+  if (auto caller = Authenticate(context); !caller.ok()) return ToGrpcStatus(caller.status());
   v1::StepRequest request;
   while (stream->Read(&request)) {
     v1::StepResponse response;
-    const grpc::Status s = Execute(context, &request, &response);
+    const grpc::Status s = ExecuteAuthenticated(&request, &response);
     // A failed step ends the stream with its status; the engine reopens the stream to go on.
     if (!s.ok()) return s;
     if (!stream->Write(response)) break;
@@ -152,13 +237,18 @@ grpc::Status ExpertLayerServiceImpl::Step(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status ExpertLayerServiceImpl::RegisterRegion(grpc::ServerContext*, const v1::RegisterRegionRequest* request,
+grpc::Status ExpertLayerServiceImpl::RegisterRegion(grpc::ServerContext* context,
+                                                    const v1::RegisterRegionRequest* request,
                                                     v1::RegisterRegionResponse*) {
-  return ToGrpcStatus(regions_.Register(request->name(), request->bytes()));
+  auto caller = Authenticate(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(regions_.Register(request->name(), request->bytes(), caller->uid));
 }
 
-grpc::Status ExpertLayerServiceImpl::UnregisterRegion(grpc::ServerContext*, const v1::UnregisterRegionRequest* request,
+grpc::Status ExpertLayerServiceImpl::UnregisterRegion(grpc::ServerContext* context,
+                                                      const v1::UnregisterRegionRequest* request,
                                                       v1::UnregisterRegionResponse*) {
+  if (auto caller = Authenticate(context); !caller.ok()) return ToGrpcStatus(caller.status());
   return ToGrpcStatus(regions_.Unregister(request->name()));
 }
 

@@ -1,11 +1,22 @@
-// ExpertLayerService on moe-rankd: decodes requests at the edge, runs the layer step through the
-// rank's LayerExecutor (one step at a time, in arrival order), encodes the response and the
-// step record, and counts everything in RankMetrics. Drain() refuses new steps with UNAVAILABLE
-// and waits for the ones in flight.
+// ExpertLayerService on moe-rankd: authenticates the caller, validates and decodes requests at
+// the edge (every size derived from a request is checked arithmetic against the configured
+// limits), runs the layer step through the rank's LayerExecutor (one step at a time, in arrival
+// order), encodes the response and the step record, and counts everything in RankMetrics.
+// Drain() refuses new steps with UNAVAILABLE and waits for the ones in flight.
+//
+// Callers: a connection accepted on the engine Unix socket was admitted by its peer
+// credentials (server/unix_socket.h; `peer_uid` resolves it); any other caller (TCP) must carry
+// `authorization: Bearer <engine token>`, and without a configured token it is refused
+// (UNAUTHENTICATED). RegisterRegion follows the same rule.
 #ifndef MOE_SERVER_EXPERT_LAYER_SERVICE_H_
 #define MOE_SERVER_EXPERT_LAYER_SERVICE_H_
 
+#include <sys/types.h>
+
+#include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "absl/synchronization/mutex.h"
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
@@ -15,9 +26,24 @@
 
 namespace moe {
 
+struct EngineApiOptions {
+  // Rows (tokens) of one request, and the bytes of one request (its gRPC message, or the rows it
+  // reads from / writes to shared regions).
+  int64_t max_step_tokens = 65536;
+  int64_t max_request_bytes = int64_t{1} << 30;
+  int max_top_k = 64;
+  // Bearer token for callers that are not on the engine Unix socket; empty: they are refused.
+  std::string token;
+  // The uid of a caller admitted on the Unix socket, from its gRPC peer string; nullopt for any
+  // other caller. Unset: no Unix socket (every caller needs the token).
+  std::function<std::optional<uid_t>(const std::string& peer)> peer_uid;
+  SharedRegionOptions regions;
+};
+
 class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
  public:
-  ExpertLayerServiceImpl(LayerExecutor* executor, RankMetrics* metrics) : executor_(executor), metrics_(metrics) {}
+  ExpertLayerServiceImpl(LayerExecutor* executor, RankMetrics* metrics, EngineApiOptions options = {})
+      : executor_(executor), metrics_(metrics), options_(std::move(options)), regions_(options_.regions) {}
 
   grpc::Status Execute(grpc::ServerContext* context, const v1::StepRequest* request,
                        v1::StepResponse* response) override;
@@ -32,10 +58,16 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   void Drain();
 
  private:
+  struct Caller {
+    std::optional<uid_t> uid;  // set for Unix-socket callers
+  };
+  absl::StatusOr<Caller> Authenticate(const grpc::ServerContext* context) const;
+  grpc::Status ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response);
   absl::Status Run(const v1::StepRequest& request, v1::StepResponse* response);
 
   LayerExecutor* executor_;
   RankMetrics* metrics_;
+  const EngineApiOptions options_;
   SharedRegions regions_;
   absl::Mutex step_mu_;  // one layer step at a time: collectives run in arrival order
   absl::Mutex mu_;

@@ -1,7 +1,14 @@
 // moe-rankd: the per-rank serving daemon. Holds the expert weights of its physical slots, joins
-// the process group's transport, and answers its engine's ExpertLayerService calls; gRPC health
-// checking and server reflection on the same port; Prometheus metrics on their own port.
+// the process group's transport, and answers its engine's ExpertLayerService calls.
+// What listens where (docs/security.md):
+//  - the engine API on a Unix socket (--engine_socket; callers admitted by their uid,
+//    --engine_uids), with gRPC health checking and server reflection;
+//  - a TCP port (--listen) only when there is something to serve on it: RankAgentService with
+//    --agent_token_file, the engine API with --engine_token_file (bearer token), health with
+//    --tcp_health; never reflection;
+//  - Prometheus metrics on their own port (--metrics_listen), UCX on --ucx_host's interface.
 // SIGTERM drains: steps in flight finish, new ones get UNAVAILABLE, then the process exits.
+#include <pwd.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -17,6 +24,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "kernels/api.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/exec/layer_executor.h"
@@ -30,10 +38,25 @@
 #include "server/daemon_util.h"
 #include "server/metrics.h"
 #include "server/rank_agent_service.h"
+#include "server/unix_socket.h"
 
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
 ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
 ABSL_FLAG(std::string, ucx_host, "127.0.0.1", "host the UCX listener binds");
+ABSL_FLAG(std::string, ucx_net_devices, "",
+          "network devices UCX may use (UCX NET_DEVICES, e.g. lo or eth0); empty: the interface of --ucx_host");
+ABSL_FLAG(std::string, engine_socket, "",
+          "Unix socket of the engine API (empty: /tmp/moe-rankd-<uid>-<rank>.sock); callers admitted by uid");
+ABSL_FLAG(std::string, engine_uids, "",
+          "comma-separated uids (or user names) allowed on --engine_socket; empty: this daemon's own uid");
+ABSL_FLAG(std::string, engine_token_file, "",
+          "serve the engine API on the TCP port too (--listen), to callers holding this bearer token");
+ABSL_FLAG(bool, tcp_health, false,
+          "serve grpc.health.v1 on the TCP port without credentials (for probes); the Unix socket always has it");
+ABSL_FLAG(int64_t, max_step_tokens, 65536, "most rows (tokens) one step request may carry");
+ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
+          "most bytes of one request (gRPC message, or rows read from a shared region); at most 2 GiB - 1");
+ABSL_FLAG(std::string, shm_prefix, "/moe-", "shared-memory regions must have names starting with this");
 ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
 ABSL_FLAG(std::string, checkpoint, "", "safetensors checkpoint (moectl checkpoint synth writes one)");
 ABSL_FLAG(int, extra_replicas, 2, "extra replicas of the first experts in the default placement");
@@ -68,7 +91,7 @@ absl::Status Annotate(const absl::Status& s, const char* what) {
 
 // Publishes this rank's UCX listener, learns the peers' addresses and connects.
 absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const ProcessGroup& group) {
-  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host));
+  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host), absl::GetFlag(FLAGS_ucx_net_devices));
   if (!listener.ok()) return Annotate(listener.status(), "ucx");
   auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
                                        absl::Seconds(60));
@@ -81,12 +104,57 @@ absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const
   return transport;
 }
 
+absl::StatusOr<std::vector<uid_t>> ParseUids(const std::string& list) {
+  std::vector<uid_t> out;
+  for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    uint32_t uid = 0;
+    if (absl::SimpleAtoi(part, &uid)) {
+      out.push_back(uid);
+      continue;
+    }
+    const passwd* pw = getpwnam(std::string(part).c_str());
+    if (pw == nullptr) return absl::InvalidArgumentError(absl::StrCat("--engine_uids: '", part, "' is no uid or user"));
+    out.push_back(pw->pw_uid);
+  }
+  return out;
+}
 
 int Main() {
   const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
   if (world <= 0 || rank < 0 || rank >= world) {
     spdlog::error("--rank {} / --world {}: rank must be in [0, world)", rank, world);
     return 2;
+  }
+  EngineApiOptions api;
+  api.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
+  api.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  api.regions.name_prefix = absl::GetFlag(FLAGS_shm_prefix);
+  if (api.max_step_tokens <= 0 || api.max_step_tokens > (int64_t{1} << 24)) {
+    spdlog::error("--max_step_tokens {}: expected 1 .. 2^24", api.max_step_tokens);
+    return 2;
+  }
+  // gRPC's limits are ints; a request's message carries its rows plus top-k ids and gates.
+  if (api.max_request_bytes < (1 << 20) || api.max_request_bytes > (int64_t{1} << 31) - 1) {
+    spdlog::error("--max_request_bytes {}: expected 1 MiB .. 2 GiB - 1", api.max_request_bytes);
+    return 2;
+  }
+  if (api.regions.name_prefix.size() < 2 || api.regions.name_prefix[0] != '/' ||
+      api.regions.name_prefix.find('/', 1) != std::string::npos) {
+    spdlog::error("--shm_prefix '{}': expected \"/name-prefix\"", api.regions.name_prefix);
+    return 2;
+  }
+  auto uids = ParseUids(absl::GetFlag(FLAGS_engine_uids));
+  if (!uids.ok()) {
+    spdlog::error("{}", std::string(uids.status().message()));
+    return 2;
+  }
+  if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {
+    auto token = ReadTokenFile(absl::GetFlag(FLAGS_engine_token_file), "--engine_token_file");
+    if (!token.ok()) {
+      spdlog::error("{}", std::string(token.status().message()));
+      return 2;
+    }
+    api.token = *token;
   }
   // The exposer starts first: civetweb fails to bind once UCX has initialized in this process.
   RankMetrics metrics(absl::GetFlag(FLAGS_release));
@@ -220,7 +288,19 @@ int Main() {
 
   auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
   (*exposer)->RegisterCollectable(generation_metrics);
-  ExpertLayerServiceImpl service(executor->get(), &metrics);
+
+  // The engine API's Unix socket: connections are admitted by their uid before gRPC sees them.
+  std::string socket_path = absl::GetFlag(FLAGS_engine_socket);
+  if (socket_path.empty()) socket_path = absl::StrCat("/tmp/moe-rankd-", geteuid(), "-", rank, ".sock");
+  auto unix_listener = UnixSocketListener::Create(socket_path, *uids);
+  if (!unix_listener.ok()) {
+    spdlog::error("{}", std::string(unix_listener.status().message()));
+    return 2;
+  }
+  UnixSocketListener* listener = unix_listener->get();
+  api.peer_uid = [listener](const std::string& peer) { return listener->PeerUid(peer); };
+  const bool engine_on_tcp = !api.token.empty();
+  ExpertLayerServiceImpl service(executor->get(), &metrics, api);
   std::unique_ptr<RankAgentServiceImpl> agent;
   if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {
     auto token = ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file");
@@ -231,22 +311,54 @@ int Main() {
     agent = std::make_unique<RankAgentServiceImpl>(
         RankAgentContext{Rank(rank), topology, group, &registry, executor->get(), &*ckpt, *token});
   }
-  std::vector<grpc::Service*> services = {&service};
-  if (agent != nullptr) services.push_back(agent.get());
+  // gRPC's message limit: the request bytes plus room for the top-k ids and gates (8 bytes a
+  // route at most 64 routes a token) and framing.
+  const int64_t message_limit =
+      std::min<int64_t>(api.max_request_bytes + api.max_step_tokens * 64 * 8 + (1 << 16), (int64_t{1} << 31) - 1);
+  // The TCP server first (no reflection; see ServeGrpc), and only with something to serve.
+  std::unique_ptr<grpc::Server> tcp_server;
   int port = 0;
-  auto server = ServeGrpc(services, 1 << 30, &port);
-  if (!server.ok()) {
-    spdlog::error("{}", std::string(server.status().message()));
+  std::vector<grpc::Service*> tcp_services;
+  if (agent != nullptr) tcp_services.push_back(agent.get());
+  if (engine_on_tcp) tcp_services.push_back(&service);
+  if (!tcp_services.empty() || absl::GetFlag(FLAGS_tcp_health)) {
+    GrpcServeOptions o;
+    o.listen = absl::GetFlag(FLAGS_listen);
+    o.max_message_bytes = static_cast<int>(message_limit);
+    o.health = absl::GetFlag(FLAGS_tcp_health);
+    auto server = ServeGrpc(tcp_services, o, &port);
+    if (!server.ok()) {
+      spdlog::error("{}", std::string(server.status().message()));
+      return 1;
+    }
+    tcp_server = *std::move(server);
+  }
+  GrpcServeOptions uo;
+  uo.max_message_bytes = static_cast<int>(message_limit);
+  uo.health = true;
+  uo.reflection = true;
+  int no_port = 0;
+  auto unix_server = ServeGrpc({&service}, uo, &no_port);
+  if (!unix_server.ok()) {
+    spdlog::error("{}", std::string(unix_server.status().message()));
     return 1;
   }
-  spdlog::info("rank {} of {} serving on port {} (metrics on {}), placement-v1 with {} local slots", rank, world, port,
+  listener->Start(unix_server->get());
+  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
+  spdlog::info("rank {} of {} serving engines on unix:{} (TCP port {}: {}), metrics on {}, placement-v1 with {} local "
+               "slots",
+               rank, world, socket_path, port,
+               tcp_services.empty() ? "off" : (engine_on_tcp ? (agent ? "agent + engine" : "engine") : "agent"),
                (*exposer)->GetListeningPorts().at(0), (*manifest)->LocalSlots(Rank(rank)).size());
 
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining", sig);
   service.Drain();
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  unix_listener->reset();  // no new engine connections
+  const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(5);
+  if (tcp_server != nullptr) tcp_server->Shutdown(grace);
+  (*unix_server)->Shutdown(grace);
   spdlog::info("drained, exiting");
   return 0;
 }

@@ -11,33 +11,84 @@
 #include "absl/strings/str_cat.h"
 
 namespace moe {
+namespace {
 
-SharedRegions::~SharedRegions() {
-  absl::MutexLock lock(&mu_);
-  for (auto& [name, m] : regions_) munmap(m.base, m.bytes);
+bool NameCharOk(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
+         c == '.';
 }
 
-absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes) {
-  if (name.empty() || name[0] != '/' || name.find('/', 1) != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("name: '", name, "' is not a POSIX shared-memory name (\"/name\")"));
+// The region's current size, FAILED_PRECONDITION when the object no longer covers `end`.
+absl::Status CheckCovers(int fd, uint64_t end, const std::string& name, const char* field) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ".region: fstat('", name, "'): ", std::strerror(errno)));
+  }
+  if (static_cast<uint64_t>(st.st_size) < end) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ".region: '", name, "' shrank to ", st.st_size,
+                                                      " bytes, the step needs ", end,
+                                                      " (register it again after resizing it)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+SharedRegions::Region::~Region() {
+  if (fd >= 0) close(fd);
+}
+
+SharedRegions::~SharedRegions() = default;
+
+int SharedRegions::size() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(regions_.size());
+}
+
+absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, std::optional<uid_t> caller_uid) {
+  const std::string& prefix = options_.name_prefix;
+  if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0 || name.size() > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: '", name, "' must start with '", prefix, "' (the daemon's --shm_prefix) and be at most 255 characters"));
+  }
+  for (size_t i = 1; i < name.size(); ++i) {
+    if (!NameCharOk(name[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("name: '", name, "': only letters, digits, '-', '_' and '.' may follow the leading '/'"));
+    }
   }
   if (bytes == 0) return absl::InvalidArgumentError("bytes: must be positive");
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (bytes > static_cast<uint64_t>(INT64_MAX)) return absl::InvalidArgumentError("bytes: too large");
+  const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat("name: shm_open('", name, "') failed: ", std::strerror(errno)));
   }
+  auto region = std::make_shared<Region>();
+  region->fd = fd;
+  region->bytes = bytes;
   struct stat st {};
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
-    close(fd);
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat("name: '", name, "' is not a regular shared-memory object"));
+  }
+  const uid_t me = geteuid();
+  if (st.st_uid != me && !(caller_uid.has_value() && st.st_uid == *caller_uid)) {
+    return absl::PermissionDeniedError(absl::StrCat("name: '", name, "' is owned by uid ", st.st_uid,
+                                                    ", neither this daemon's (", me, ") nor the caller's"));
+  }
+  if ((st.st_mode & S_IWOTH) != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("name: '", name, "' is writable by every user (mode ", st.st_mode & 0777, "); create it 0600"));
+  }
+  if (static_cast<uint64_t>(st.st_size) < bytes) {
     return absl::InvalidArgumentError(absl::StrCat("bytes: region '", name, "' is smaller than ", bytes, " bytes"));
   }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) return absl::ResourceExhaustedError(absl::StrCat("mmap of '", name, "': ", std::strerror(errno)));
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
-  if (it != regions_.end()) munmap(it->second.base, it->second.bytes);
-  regions_[name] = Mapping{base, bytes};
+  if (it == regions_.end() && static_cast<int>(regions_.size()) >= options_.max_regions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("name: ", options_.max_regions, " regions are registered already; unregister one first"));
+  }
+  regions_[name] = std::move(region);  // a step still reading the old one keeps it open
   return absl::OkStatus();
 }
 
@@ -45,23 +96,74 @@ absl::Status SharedRegions::Unregister(const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
   if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: region '", name, "' is not registered"));
-  munmap(it->second.base, it->second.bytes);
   regions_.erase(it);
   return absl::OkStatus();
 }
 
-absl::StatusOr<char*> SharedRegions::Resolve(const std::string& name, uint64_t offset, uint64_t bytes,
-                                             const char* field) {
-  absl::MutexLock lock(&mu_);
-  auto it = regions_.find(name);
-  if (it == regions_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ".region: '", name, "' is not registered"));
+absl::StatusOr<std::shared_ptr<SharedRegions::Region>> SharedRegions::Find(const std::string& name, uint64_t offset,
+                                                                           uint64_t bytes, const char* field) {
+  std::shared_ptr<Region> r;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(name);
+    if (it == regions_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ".region: '", name, "' is not registered"));
+    }
+    r = it->second;
   }
-  if (offset > it->second.bytes || bytes > it->second.bytes - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": [", offset, ", ", offset + bytes, ") is outside region '",
-                                                   name, "' of ", it->second.bytes, " bytes"));
+  if (offset > r->bytes || bytes > r->bytes - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": offset ", offset, " + bytes ", bytes,
+                                                   " is outside region '", name, "' of ", r->bytes, " bytes"));
   }
-  return static_cast<char*>(it->second.base) + offset;
+  return r;
+}
+
+absl::Status SharedRegions::CheckRange(const std::string& name, uint64_t offset, uint64_t bytes, const char* field) {
+  auto r = Find(name, offset, bytes, field);
+  if (!r.ok()) return r.status();
+  return CheckCovers((*r)->fd, offset + bytes, name, field);
+}
+
+absl::Status SharedRegions::Read(const std::string& name, uint64_t offset, uint64_t bytes, void* out,
+                                 const char* field) {
+  auto r = Find(name, offset, bytes, field);
+  if (!r.ok()) return r.status();
+  const int fd = (*r)->fd;
+  if (absl::Status s = CheckCovers(fd, offset + bytes, name, field); !s.ok()) return s;
+  char* to = static_cast<char*>(out);
+  uint64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = pread(fd, to + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      // Shrunk between the fstat and the read: the same answer as a shrink seen before it.
+      return absl::FailedPreconditionError(absl::StrCat(field, ".region: '", name, "' ended at byte ", offset + done,
+                                                        " while reading ", bytes, " bytes from offset ", offset,
+                                                        n < 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SharedRegions::Write(const std::string& name, uint64_t offset, uint64_t bytes, const void* in,
+                                  const char* field) {
+  auto r = Find(name, offset, bytes, field);
+  if (!r.ok()) return r.status();
+  const int fd = (*r)->fd;
+  if (absl::Status s = CheckCovers(fd, offset + bytes, name, field); !s.ok()) return s;
+  const char* from = static_cast<const char*>(in);
+  uint64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = pwrite(fd, from + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ".region: writing '", name, "' at byte ", offset + done,
+                                                        " failed", n < 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace moe

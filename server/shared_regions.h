@@ -1,11 +1,28 @@
-// Shared-memory regions an engine registers with its co-located moe-rankd (POSIX shm, mapped
-// read-write). Steps reference byte ranges in them instead of carrying rows inline.
-// Thread-safety: all methods are safe to call concurrently.
+// Shared-memory regions an engine registers with its co-located moe-rankd (POSIX shm). Steps
+// reference byte ranges in them instead of carrying rows inline.
+//
+// The daemon never maps a region: it keeps the object's descriptor and copies rows in with
+// pread() and out with pwrite(), after an fstat() at every access. A region the engine shrinks
+// (ftruncate) or removes while the rank holds it therefore ends in FAILED_PRECONDITION naming
+// the field, never in a SIGBUS; rows are read once, at the step's start, so the engine changing
+// them afterwards cannot make ranks see different inputs for one step.
+//
+// Only objects whose name starts with the configured prefix (default "/moe-") are opened, with
+// O_NOFOLLOW; the object must be a regular file owned by the daemon's user or by the calling
+// engine's user (when the caller's uid is known from its Unix-socket credentials), and not
+// writable by other users.
+//
+// Thread-safety: all methods are safe to call concurrently; a region unregistered while a step
+// reads it stays open until that read ends.
 #ifndef MOE_SERVER_SHARED_REGIONS_H_
 #define MOE_SERVER_SHARED_REGIONS_H_
 
+#include <sys/types.h>
+
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -13,23 +30,41 @@
 
 namespace moe {
 
+struct SharedRegionOptions {
+  std::string name_prefix = "/moe-";  // names must start with it ("/" + at least one character)
+  int max_regions = 64;               // registered at once (each holds a descriptor)
+};
+
 class SharedRegions {
  public:
+  explicit SharedRegions(SharedRegionOptions options = {}) : options_(std::move(options)) {}
   ~SharedRegions();
-  // Maps an existing POSIX shared-memory object of at least `bytes` bytes.
-  absl::Status Register(const std::string& name, uint64_t bytes);
+  // Opens an existing POSIX shared-memory object of at least `bytes` bytes. `caller_uid` is the
+  // registering engine's uid when known (Unix-socket peer credentials).
+  absl::Status Register(const std::string& name, uint64_t bytes, std::optional<uid_t> caller_uid = std::nullopt);
   absl::Status Unregister(const std::string& name);
-  // A pointer to [offset, offset + bytes) of a registered region. `field` names the request
-  // field in errors: FAILED_PRECONDITION for an unknown region, INVALID_ARGUMENT out of bounds.
-  absl::StatusOr<char*> Resolve(const std::string& name, uint64_t offset, uint64_t bytes, const char* field);
+  // Copies [offset, offset + bytes) of a registered region into `out`. `field` names the request
+  // field in errors: FAILED_PRECONDITION for an unknown region or one that shrank, INVALID_ARGUMENT
+  // for a range outside the registered size.
+  absl::Status Read(const std::string& name, uint64_t offset, uint64_t bytes, void* out, const char* field);
+  // Checks that [offset, offset + bytes) lies in a registered region (before a step runs).
+  absl::Status CheckRange(const std::string& name, uint64_t offset, uint64_t bytes, const char* field);
+  // Copies `bytes` bytes from `in` to [offset, offset + bytes) of a registered region.
+  absl::Status Write(const std::string& name, uint64_t offset, uint64_t bytes, const void* in, const char* field);
+  int size();
 
  private:
-  struct Mapping {
-    void* base = nullptr;
-    uint64_t bytes = 0;
+  struct Region {
+    ~Region();
+    int fd = -1;
+    uint64_t bytes = 0;  // the registered size
   };
+  absl::StatusOr<std::shared_ptr<Region>> Find(const std::string& name, uint64_t offset, uint64_t bytes,
+                                               const char* field);
+
+  const SharedRegionOptions options_;
   absl::Mutex mu_;
-  std::map<std::string, Mapping> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Region>> regions_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace moe

@@ -62,14 +62,10 @@ int WireWidth(v1::DType dtype) {
 namespace {
 
 absl::Status CheckShape(const v1::Tensor& t, size_t size, const char* field) {
-  if (t.rows() < 0 || t.cols() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": shape [", t.rows(), ", ", t.cols(), "] is not valid"));
-  }
-  const int width = WireWidth(t.dtype());
-  if (width == 0) return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: must be BF16, FP16 or FP32"));
-  const int64_t n = t.rows() * t.cols();
-  if (static_cast<int64_t>(size) != n * width) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", size, " bytes, dtype x shape needs ", n * width));
+  auto need = WireBytes(t, field);
+  if (!need.ok()) return need.status();
+  if (static_cast<uint64_t>(size) != static_cast<uint64_t>(*need)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", size, " bytes, dtype x shape needs ", *need));
   }
   return absl::OkStatus();
 }
@@ -80,7 +76,7 @@ absl::Status Convert(const v1::Tensor& t, const char* p, const char* field, std:
   out->resize(n);
   if (t.dtype() == v1::DTYPE_BF16) {
     std::memcpy(out->data(), p, n * 2);  // the wire format is the internal format
-    return absl::OkStatus();
+    return CheckFiniteBf16(out->data(), n, field);
   }
   for (int64_t i = 0; i < n; ++i) {
     float v;
@@ -99,6 +95,32 @@ absl::Status Convert(const v1::Tensor& t, const char* p, const char* field, std:
 
 }  // namespace
 
+absl::StatusOr<int64_t> WireBytes(const v1::Tensor& t, const char* field) {
+  if (t.rows() < 0 || t.cols() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape [", t.rows(), ", ", t.cols(), "] is not valid"));
+  }
+  const int width = WireWidth(t.dtype());
+  if (width == 0) return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: must be BF16, FP16 or FP32"));
+  int64_t n = 0, bytes = 0;
+  if (__builtin_mul_overflow(t.rows(), t.cols(), &n) || __builtin_mul_overflow(n, int64_t{width}, &bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shape [", t.rows(), ", ", t.cols(), "] x ", width, " bytes overflows 64 bits"));
+  }
+  return bytes;
+}
+
+absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field) {
+  // NaN and infinity have every exponent bit set. One pass that the compiler vectorizes; the
+  // index is looked for only when a value is bad.
+  uint16_t any = 0;
+  for (int64_t i = 0; i < n; ++i) any |= static_cast<uint16_t>((rows[i] & 0x7f80) == 0x7f80);
+  if (any == 0) return absl::OkStatus();
+  for (int64_t i = 0; i < n; ++i) {
+    if ((rows[i] & 0x7f80) == 0x7f80) return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
                                                    const char* field) {
   absl::Status s = CheckShape(t, size, field);
@@ -115,6 +137,8 @@ absl::StatusOr<Bf16Rows> ReadBf16(const v1::Tensor& t, const char* data, size_t 
   Bf16Rows rows;
   if (t.dtype() == v1::DTYPE_BF16 && reinterpret_cast<uintptr_t>(data) % alignof(uint16_t) == 0) {
     rows.view_ = reinterpret_cast<const uint16_t*>(data);
+    s = CheckFiniteBf16(rows.view_, t.rows() * t.cols(), field);
+    if (!s.ok()) return s;
     return rows;
   }
   s = Convert(t, data, field, &rows.owned_);

@@ -1,5 +1,6 @@
-// Proto tensors <-> BF16 rows, with the length checks the API promises (INVALID_ARGUMENT naming
-// the field when bytes do not match dtype x shape).
+// Proto tensors <-> BF16 rows, with the checks the API promises: INVALID_ARGUMENT naming the
+// field when the shape is negative, its byte count overflows, the bytes do not match dtype x
+// shape, or a value is NaN or infinite (in every dtype alike).
 #ifndef MOE_SERVER_TENSOR_CODEC_H_
 #define MOE_SERVER_TENSOR_CODEC_H_
 
@@ -13,6 +14,11 @@ namespace moe {
 
 // Bytes per element of a wire dtype (0 for an unsupported one).
 int WireWidth(v1::DType dtype);
+// rows x cols x width of `t`, computed with overflow checks; INVALID_ARGUMENT naming `field` for
+// a negative or empty shape, an unsupported dtype or a product beyond 64 bits.
+absl::StatusOr<int64_t> WireBytes(const v1::Tensor& t, const char* field);
+// INVALID_ARGUMENT naming `field`.data[i] for the first NaN or infinite value of `n` BF16 values.
+absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field);
 // Rows described by `t` (dtype, rows, cols) whose bytes are `data` (t.data() or a shared region).
 absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
                                                    const char* field);

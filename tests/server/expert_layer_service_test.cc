@@ -1,5 +1,6 @@
-// ExpertLayerService over a real gRPC socket (one rank, loopback transport, CPU kernels):
-// inline and shared-memory payloads give the same rows, dtypes round-trip, and bad requests are
+// ExpertLayerService over real gRPC sockets (one rank, loopback transport, CPU kernels): the
+// engine Unix socket (callers admitted by uid) and a TCP port (bearer token). Inline and
+// shared-memory payloads give the same rows, dtypes round-trip, and bad or hostile requests are
 // answered with the documented codes naming the field while the service keeps serving.
 #include "server/expert_layer_service.h"
 
@@ -18,6 +19,7 @@
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
+#include "server/unix_socket.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {
@@ -27,24 +29,43 @@ using ::testing::HasSubstr;
 
 constexpr int kD = 64, kK = 2, kExperts = 4, kTokens = 5;
 
+constexpr char kToken[] = "engine-token-0123456789";
+
 class ServiceTest : public testing::OneRankTest {
  protected:
-  void SetUp() override {
+  void SetUp() override { Start({}); }
+  void Start(std::vector<uid_t> allowed) {
     SetUpRank(kExperts, kD, 32, 2);
-    service_ = std::make_unique<ExpertLayerServiceImpl>(executor_.get(), &metrics_);
+    socket_path_ = "/tmp/moe-svc-test-" + std::to_string(getpid()) + ".sock";
+    auto listener = UnixSocketListener::Create(socket_path_, allowed);
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    listener_ = *std::move(listener);
+    EngineApiOptions o;
+    o.token = kToken;
+    o.max_step_tokens = 1024;
+    UnixSocketListener* l = listener_.get();
+    o.peer_uid = [l](const std::string& peer) { return l->PeerUid(peer); };
+    service_ = std::make_unique<ExpertLayerServiceImpl>(executor_.get(), &metrics_, o);
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
+    listener_->Start(server_.get());
     stub_ = v1::ExpertLayerService::NewStub(
+        grpc::CreateChannel("unix:" + socket_path_, grpc::InsecureChannelCredentials()));
+    tcp_stub_ = v1::ExpertLayerService::NewStub(
         grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
   }
-  void TearDown() override { server_->Shutdown(); }
+  void TearDown() override {
+    listener_.reset();
+    server_->Shutdown();
+  }
 
   v1::StepRequest Request(uint64_t step) {
     v1::StepRequest req;
     req.set_step_id(step);
+    req.set_phase(v1::PHASE_PREFILL);
     req.set_k(kK);
     req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
     req.mutable_hidden()->set_rows(kTokens);
@@ -70,10 +91,41 @@ class ServiceTest : public testing::OneRankTest {
     return stub_->Execute(&ctx, req, resp);
   }
 
+  grpc::Status Register(const std::string& name, uint64_t bytes) {
+    grpc::ClientContext ctx;
+    v1::RegisterRegionRequest reg;
+    reg.set_name(name);
+    reg.set_bytes(bytes);
+    v1::RegisterRegionResponse ignored;
+    return stub_->RegisterRegion(&ctx, reg, &ignored);
+  }
+
   RankMetrics metrics_{"test"};
+  std::string socket_path_;
+  std::unique_ptr<UnixSocketListener> listener_;
   std::unique_ptr<ExpertLayerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<v1::ExpertLayerService::Stub> stub_;
+  std::unique_ptr<v1::ExpertLayerService::Stub> stub_;      // the engine Unix socket
+  std::unique_ptr<v1::ExpertLayerService::Stub> tcp_stub_;  // TCP: needs the token
+};
+
+// A shared-memory object the test owns, mapped here.
+struct ShmObject {
+  ShmObject(const std::string& n, size_t b, mode_t mode = 0600) : name(n), bytes(b) {
+    shm_unlink(name.c_str());
+    const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, mode);
+    fchmod(fd, mode);
+    EXPECT_EQ(ftruncate(fd, bytes), 0);
+    base = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+  }
+  ~ShmObject() {
+    munmap(base, bytes);
+    shm_unlink(name.c_str());
+  }
+  std::string name;
+  size_t bytes;
+  char* base;
 };
 
 TEST_F(ServiceTest, SharedMemoryPayloadEqualsInline) {
@@ -219,6 +271,146 @@ TEST_F(ServiceTest, Fp32RoundTripsAndBadInputNamesTheField) {
   v1::StepRequest good = Request(6);
   good.set_step_id(200);
   EXPECT_TRUE(Call(good, &ok).ok());
+}
+
+TEST_F(ServiceTest, TcpCallersNeedTheEngineToken) {
+  v1::StepResponse resp;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status s = tcp_stub_->Execute(&ctx, Request(1), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer not-the-token-at-all");
+    EXPECT_EQ(tcp_stub_->Execute(&ctx, Request(1), &resp).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    // RegisterRegion is a write path: never without credentials.
+    grpc::ClientContext ctx;
+    v1::RegisterRegionRequest reg;
+    reg.set_name("/moe-anything");
+    reg.set_bytes(64);
+    v1::RegisterRegionResponse ignored;
+    EXPECT_EQ(tcp_stub_->RegisterRegion(&ctx, reg, &ignored).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+  const grpc::Status s = tcp_stub_->Execute(&ctx, Request(1), &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+class RefusedUidTest : public ServiceTest {
+ protected:
+  void SetUp() override { Start({geteuid() + 1}); }
+};
+
+TEST_F(RefusedUidTest, AConnectionFromAnotherUidIsClosedBeforeGrpc) {
+  v1::StepResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const grpc::Status s = stub_->Execute(&ctx, Request(1), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+  EXPECT_GE(listener_->refused(), 1);
+}
+
+TEST_F(ServiceTest, HostileShapesAndEnumsAreRejectedNamingTheField) {
+  auto expect = [&](v1::StepRequest bad, const char* field) {
+    static uint64_t step = 300;
+    bad.set_step_id(step++);
+    v1::StepResponse r;
+    const grpc::Status s = Call(bad, &r);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(field));
+  };
+  // Sizes whose products wrap in 64 bits: rows x k and rows x cols x 2 are 0 mod 2^64, with no
+  // rows, ids or gates in the message (this crashed the rank).
+  struct Wrap {
+    int64_t rows, cols;
+    int k;
+    const char* field;
+  };
+  for (const Wrap& w : {Wrap{int64_t{1} << 62, 2, 4, "hidden.rows"}, Wrap{int64_t{1} << 55, 256, 512, "k: 512"},
+                        Wrap{int64_t{1} << 55, 256, 8, "hidden.rows"}}) {
+    v1::StepRequest bad = Request(1);
+    bad.mutable_hidden()->set_rows(w.rows);
+    bad.mutable_hidden()->set_cols(w.cols);
+    bad.mutable_hidden()->clear_data();
+    bad.clear_topk_ids();
+    bad.clear_topk_weights();
+    bad.set_k(w.k);
+    expect(bad, w.field);
+  }
+  v1::StepRequest bad = Request(1);
+  bad.mutable_hidden()->set_cols(int64_t{1} << 40);
+  expect(bad, "hidden.cols");
+  bad = Request(1);
+  bad.set_k(1000);
+  expect(bad, "k: 1000");
+  bad = Request(1);
+  bad.set_phase(v1::PHASE_UNSPECIFIED);
+  expect(bad, "phase");
+  bad = Request(1);
+  bad.set_phase(static_cast<v1::Phase>(7));
+  expect(bad, "phase: 7");
+  // Non-finite rows are rejected in BF16 as in FP16 and FP32.
+  for (uint16_t nonfinite : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}}) {
+    bad = Request(1);
+    std::memcpy(&(*bad.mutable_hidden()->mutable_data())[2 * 3], &nonfinite, 2);
+    expect(bad, "hidden.data[3]");
+  }
+  bad = Request(1);
+  bad.mutable_hidden()->set_dtype(v1::DTYPE_FP16);
+  const uint16_t half_nan = 0x7e00;
+  std::memcpy(&(*bad.mutable_hidden()->mutable_data())[2 * 3], &half_nan, 2);
+  expect(bad, "hidden.data[3]");
+  v1::StepResponse ok;
+  EXPECT_TRUE(Call(Request(2), &ok).ok());
+}
+
+TEST_F(ServiceTest, RegionsAreConfinedAndAShrunkRegionIsAnErrorNotASignal) {
+  const std::string tag = std::to_string(getpid());
+  const size_t bytes = 2 * kTokens * kD * 2;
+  // Outside the prefix, through a symlink, writable by everyone: refused.
+  EXPECT_EQ(Register("/other-" + tag, bytes).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Register("/moe-a/b", bytes).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  {
+    ShmObject target("/moe-target-" + tag, bytes);
+    const std::string link = "/dev/shm/moe-link-" + tag;
+    unlink(link.c_str());
+    ASSERT_EQ(symlink(("/dev/shm/moe-target-" + tag).c_str(), link.c_str()), 0);
+    EXPECT_EQ(Register("/moe-link-" + tag, bytes).error_code(), grpc::StatusCode::NOT_FOUND);
+    unlink(link.c_str());
+  }
+  {
+    ShmObject open_to_all("/moe-open-" + tag, bytes, 0666);
+    const grpc::Status s = Register(open_to_all.name, bytes);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  }
+  ShmObject region("/moe-shrink-" + tag, bytes);
+  v1::StepRequest req = Request(1);
+  std::memcpy(region.base, req.hidden().data().data(), req.hidden().data().size());
+  req.mutable_hidden()->clear_data();
+  req.mutable_hidden_region()->set_region(region.name);
+  req.mutable_hidden_region()->set_bytes(kTokens * kD * 2);
+  ASSERT_TRUE(Register(region.name, bytes).ok());
+  v1::StepResponse resp;
+  ASSERT_TRUE(Call(req, &resp).ok());
+  // The engine shrinks the object under the rank: the next step that reads it is refused.
+  ASSERT_EQ(truncate(("/dev/shm" + region.name).c_str(), 16), 0);
+  req.set_step_id(2);
+  grpc::Status s = Call(req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("hidden_region.region"));
+  EXPECT_THAT(s.error_message(), HasSubstr("shrank"));
+  v1::StepRequest out = Request(3);
+  out.mutable_output_region()->set_region(region.name);
+  out.mutable_output_region()->set_bytes(kTokens * kD * 2);
+  s = Call(out, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("output_region.region"));
+  // Still serving.
+  EXPECT_TRUE(Call(Request(4), &resp).ok());
 }
 
 }  // namespace

@@ -129,3 +129,27 @@ TEST(TensorCodecTest, ReadBf16ViewsBf16AndConvertsTheRest) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+// Shapes whose byte count wraps in 64 bits are refused, not reduced modulo 2^64 (rows 2^62 x
+// cols 2 x 2 bytes is 0 mod 2^64, which an empty data field used to match).
+TEST(TensorCodecTest, WireBytesRefusesShapesThatOverflow) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_BF16);
+  t.set_rows(int64_t{1} << 62);
+  t.set_cols(2);
+  auto bytes = WireBytes(t, "hidden");
+  ASSERT_FALSE(bytes.ok());
+  EXPECT_NE(bytes.status().message().find("overflows"), std::string::npos) << bytes.status();
+  EXPECT_FALSE(ReadBf16(t, "", 0, "hidden").ok());
+  t.set_rows(3);
+  t.set_cols(5);
+  t.set_dtype(v1::DTYPE_FP32);
+  ASSERT_TRUE(WireBytes(t, "hidden").ok());
+  EXPECT_EQ(*WireBytes(t, "hidden"), 60);
+}
+
+}  // namespace
+}  // namespace moe
