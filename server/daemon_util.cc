@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <fstream>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
 #include "CivetServer.h"
@@ -84,14 +83,6 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
                                                         const GrpcServeOptions& o, int* port) {
-  static bool reflection_on = false;  // main thread only
-  if (reflection_on && !o.reflection) {
-    return absl::FailedPreconditionError("ServeGrpc: a server without reflection must be built before one with it");
-  }
-  if (o.reflection && !reflection_on) {
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    reflection_on = true;
-  }
   grpc::EnableDefaultHealthCheckService(o.health);
   grpc::ServerBuilder builder;
   *port = 0;

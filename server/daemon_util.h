@@ -1,6 +1,6 @@
 // Process plumbing shared by moe-rankd and moe-controller: the flags both declare (where they
 // listen, where they write their ports, the log level), port files, the gRPC server with health
-// checking and reflection, the Prometheus exposer on a (possibly zero) port, and blocking
+// checking, the Prometheus exposer on a (possibly zero) port, and blocking
 // termination signals for a sigwait() in main.
 #ifndef MOE_SERVER_DAEMON_UTIL_H_
 #define MOE_SERVER_DAEMON_UTIL_H_
@@ -42,14 +42,12 @@ struct GrpcServeOptions {
   std::string flag = "--listen";  // names `listen` in errors
   int max_message_bytes = 0;      // > 0: gRPC's send and receive limits
   bool health = true;             // grpc.health.v1.Health on this server
-  // grpc.reflection on this server. gRPC registers reflection for every server built after the
-  // first that asks for it: build the servers without it first (FAILED_PRECONDITION otherwise).
-  bool reflection = false;
 };
 
-// Serves `services` (and health / reflection as asked) and sets *port to the bound TCP port (0
-// without one); connections can also be added from descriptors (server/unix_socket.h). Exactly
-// one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are off).
+// Serves `services` (and health as asked) and sets *port to the bound TCP port (0 without one).
+// No daemon serves gRPC reflection: linking gRPC's reflection library turns it on for every
+// server of the process, the TCP ones included. Connections can also be added from descriptors
+// (server/unix_socket.h). Exactly one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are off).
 // UNAVAILABLE naming the flag when the address cannot be bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
                                                         const GrpcServeOptions& options, int* port);

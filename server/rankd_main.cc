@@ -2,10 +2,10 @@
 // the process group's transport, and answers its engine's ExpertLayerService calls.
 // What listens where (docs/security.md):
 //  - the engine API on a Unix socket (--engine_socket; callers admitted by their uid,
-//    --engine_uids), with gRPC health checking and server reflection;
+//    --engine_uids), with gRPC health checking;
 //  - a TCP port (--listen) only when there is something to serve on it: RankAgentService with
 //    --agent_token_file, the engine API with --engine_token_file (bearer token), health with
-//    --tcp_health; never reflection;
+//    --tcp_health; no daemon serves gRPC reflection (the .proto files are the schema);
 //  - Prometheus metrics on their own port (--metrics_listen), UCX on --ucx_host's interface.
 // SIGTERM drains: steps in flight finish, new ones get UNAVAILABLE, then the process exits.
 #include <pwd.h>
@@ -315,7 +315,7 @@ int Main() {
   // route at most 64 routes a token) and framing.
   const int64_t message_limit =
       std::min<int64_t>(api.max_request_bytes + api.max_step_tokens * 64 * 8 + (1 << 16), (int64_t{1} << 31) - 1);
-  // The TCP server first (no reflection; see ServeGrpc), and only with something to serve.
+  // A TCP server only with something to serve on it.
   std::unique_ptr<grpc::Server> tcp_server;
   int port = 0;
   std::vector<grpc::Service*> tcp_services;
@@ -336,7 +336,6 @@ int Main() {
   GrpcServeOptions uo;
   uo.max_message_bytes = static_cast<int>(message_limit);
   uo.health = true;
-  uo.reflection = true;
   int no_port = 0;
   auto unix_server = ServeGrpc({&service}, uo, &no_port);
   if (!unix_server.ok()) {

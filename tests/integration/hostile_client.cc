@@ -1,0 +1,187 @@
+// A hostile engine for the hardening test (tests/integration/hardening_test.sh): each mode sends
+// what an attacker or a broken engine could, to real moe-rankd processes, and exits 0 only when
+// the ranks answered as docs/api.md and docs/security.md promise.
+//   overflow UNIX_TARGET                 rows x cols x width and rows x k that wrap in 64 bits
+//   step_mismatch T0 T1                  step 10 to rank 0, step 11 to rank 1, concurrently
+//   shrink T0 T1                         a registered region truncated before the step reads it
+//   unauthenticated HOST:PORT            the TCP port without credentials: no step, no region,
+//                                        no health, no reflection
+//   grpc_ports PORT...                   prints how many of the ports answer gRPC at all
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <string>
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "kernels/numeric.h"
+#include "proto/moe/v1/expert_layer.grpc.pb.h"
+
+namespace moe {
+namespace {
+
+constexpr int kD = 64, kK = 2, kTokens = 4;
+
+v1::StepRequest Valid(uint64_t step) {
+  v1::StepRequest req;
+  req.set_step_id(step);
+  req.set_phase(v1::PHASE_PREFILL);
+  req.set_k(kK);
+  req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
+  req.mutable_hidden()->set_rows(kTokens);
+  req.mutable_hidden()->set_cols(kD);
+  std::string data(kTokens * kD * 2, '\0');
+  for (int i = 0; i < kTokens * kD; ++i) {
+    const uint16_t b = kernels::FloatToBf16(0.01f * (i % 17));
+    std::memcpy(&data[2 * i], &b, 2);
+  }
+  req.mutable_hidden()->set_data(data);
+  for (int t = 0; t < kTokens * kK; ++t) {
+    req.add_topk_ids(t % 8);
+    req.add_topk_weights(0.5f);
+  }
+  return req;
+}
+
+std::unique_ptr<v1::ExpertLayerService::Stub> Stub(const std::string& target) {
+  return v1::ExpertLayerService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+}
+
+grpc::Status Execute(v1::ExpertLayerService::Stub& stub, const v1::StepRequest& req, int seconds = 30) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  v1::StepResponse resp;
+  return stub.Execute(&ctx, req, &resp);
+}
+
+bool Expect(const char* what, const grpc::Status& s, grpc::StatusCode code, const std::string& text = "") {
+  const bool ok = s.error_code() == code && absl::StrContains(s.error_message(), text);
+  std::printf("%s %s: code %d, \"%s\"\n", ok ? "ok  " : "FAIL", what, static_cast<int>(s.error_code()),
+              s.error_message().c_str());
+  return ok;
+}
+
+int Overflow(const std::string& target) {
+  auto stub = Stub(target);
+  v1::StepRequest req = Valid(500);
+  req.mutable_hidden()->set_rows(int64_t{1} << 62);
+  req.mutable_hidden()->set_cols(2);
+  req.mutable_hidden()->clear_data();
+  req.clear_topk_ids();
+  req.clear_topk_weights();
+  req.set_k(4);
+  bool ok = Expect("rows 2^62 x cols 2 x k 4 (wraps to 0 bytes, 0 routes)", Execute(*stub, req),
+                   grpc::StatusCode::INVALID_ARGUMENT, "hidden.rows");
+  req.mutable_hidden()->set_rows(int64_t{1} << 55);
+  req.mutable_hidden()->set_cols(256);
+  req.set_k(8);
+  ok = Expect("rows 2^55 x cols 256 x 2 bytes", Execute(*stub, req), grpc::StatusCode::INVALID_ARGUMENT, "hidden.rows") && ok;
+  return ok ? 0 : 1;
+}
+
+int StepMismatch(const std::string& t0, const std::string& t1) {
+  auto s0 = Stub(t0), s1 = Stub(t1);
+  const absl::Time start = absl::Now();
+  auto f0 = std::async(std::launch::async, [&] { return Execute(*s0, Valid(10)); });
+  auto f1 = std::async(std::launch::async, [&] { return Execute(*s1, Valid(11)); });
+  const grpc::Status a = f0.get(), b = f1.get();
+  const double took = absl::ToDoubleSeconds(absl::Now() - start);
+  bool ok = Expect("rank 0 (step 10)", a, grpc::StatusCode::ABORTED, "11");
+  ok = Expect("rank 1 (step 11)", b, grpc::StatusCode::ABORTED, "10") && ok;
+  ok = ok && absl::StrContains(a.error_message(), "10") && absl::StrContains(b.error_message(), "11");
+  std::printf("%s both answered in %.2f s (collective timeout 10 s)\n", took < 3 ? "ok  " : "FAIL", took);
+  return ok && took < 3 ? 0 : 1;
+}
+
+int Shrink(const std::string& t0, const std::string& t1) {
+  const std::string name = "/moe-hostile-" + std::to_string(getpid());
+  const size_t bytes = 2 * kTokens * kD * 2;
+  const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+  if (fd < 0 || ftruncate(fd, bytes) != 0) return 2;
+  auto s0 = Stub(t0), s1 = Stub(t1);
+  grpc::ClientContext rctx;
+  v1::RegisterRegionRequest reg;
+  reg.set_name(name);
+  reg.set_bytes(bytes);
+  v1::RegisterRegionResponse ignored;
+  bool ok = Expect("register region", s0->RegisterRegion(&rctx, reg, &ignored), grpc::StatusCode::OK);
+  v1::StepRequest in_region = Valid(20);
+  const std::string rows = in_region.hidden().data();
+  (void)!pwrite(fd, rows.data(), rows.size(), 0);
+  in_region.mutable_hidden()->clear_data();
+  in_region.mutable_hidden_region()->set_region(name);
+  in_region.mutable_hidden_region()->set_bytes(rows.size());
+  if (ftruncate(fd, 8) != 0) return 2;  // shrink it under the rank
+  auto f0 = std::async(std::launch::async, [&] { return Execute(*s0, in_region); });
+  auto f1 = std::async(std::launch::async, [&] { return Execute(*s1, Valid(20)); });
+  ok = Expect("rank 0 reads the shrunk region", f0.get(), grpc::StatusCode::FAILED_PRECONDITION, "shrank") && ok;
+  ok = Expect("rank 1 aborts with it", f1.get(), grpc::StatusCode::ABORTED) && ok;
+  close(fd);
+  shm_unlink(name.c_str());
+  return ok ? 0 : 1;
+}
+
+grpc::Status Generic(const std::string& target, const std::string& method, const std::string& body) {
+  grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::Slice slice(body);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&ctx, method, grpc::StubOptions(), &req, &resp, [&](grpc::Status s) { done.set_value(s); });
+  return done.get_future().get();
+}
+
+int Unauthenticated(const std::string& target) {
+  auto stub = Stub(target);
+  const grpc::Status step = Execute(*stub, Valid(30), 5);
+  bool ok = step.error_code() == grpc::StatusCode::UNAUTHENTICATED || step.error_code() == grpc::StatusCode::UNIMPLEMENTED;
+  std::printf("%s step over TCP without a token: code %d\n", ok ? "ok  " : "FAIL", static_cast<int>(step.error_code()));
+  grpc::ClientContext ctx;
+  v1::RegisterRegionRequest reg;
+  reg.set_name("/moe-anything");
+  reg.set_bytes(64);
+  v1::RegisterRegionResponse ignored;
+  const grpc::Status r = stub->RegisterRegion(&ctx, reg, &ignored);
+  const bool rok = r.error_code() == grpc::StatusCode::UNAUTHENTICATED || r.error_code() == grpc::StatusCode::UNIMPLEMENTED;
+  std::printf("%s RegisterRegion over TCP without a token: code %d\n", rok ? "ok  " : "FAIL", static_cast<int>(r.error_code()));
+  ok = Expect("health over TCP", Generic(target, "/grpc.health.v1.Health/Check", ""), grpc::StatusCode::UNIMPLEMENTED) && ok && rok;
+  ok = Expect("reflection over TCP",
+              Generic(target, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", ""),
+              grpc::StatusCode::UNIMPLEMENTED) && ok;
+  return ok ? 0 : 1;
+}
+
+int GrpcPorts(int argc, char** argv) {
+  int answering = 0;
+  for (int i = 2; i < argc; ++i) {
+    // Any gRPC status means a gRPC server read the call; a non-gRPC listener fails the
+    // connection (UNAVAILABLE) or never answers (DEADLINE_EXCEEDED).
+    const grpc::Status s = Generic(std::string("127.0.0.1:") + argv[i], "/moe.v1.Probe/Nothing", "");
+    const bool grpc = s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
+    answering += grpc ? 1 : 0;
+  }
+  std::printf("%d\n", answering);
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  if (argc < 3) return 2;
+  const std::string mode = argv[1];
+  if (mode == "overflow") return moe::Overflow(argv[2]);
+  if (mode == "step_mismatch" && argc == 4) return moe::StepMismatch(argv[2], argv[3]);
+  if (mode == "shrink" && argc == 4) return moe::Shrink(argv[2], argv[3]);
+  if (mode == "unauthenticated") return moe::Unauthenticated(argv[2]);
+  if (mode == "grpc_ports") return moe::GrpcPorts(argc, argv);
+  return 2;
+}
