@@ -50,7 +50,7 @@ for _ in $(seq 50); do
 done
 cat "$work/status.txt" | sed 's/^/     /'
 verdict() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
-[ "$(grep -c "serving on port $port" "$work/rank.log")" = 2 ]; verdict $? "the rank process restarted on its address"
+[ "$(grep -c "(TCP port $port:" "$work/rank.log")" = 2 ]; verdict $? "the rank process restarted on its address"
 verdict "$ok" "the restarted rank is back on placement-v2 within seconds"
 grep -q "reconcile: every rank serves placement-v2 of release-v2 again" "$work/controller.log"
 verdict $? "the controller logged the re-registration"
