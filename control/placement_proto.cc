@@ -1,5 +1,8 @@
 #include "control/placement_proto.h"
 
+#include <openssl/evp.h>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace moe {
@@ -58,6 +61,61 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> ManifestFromProto(const
     slots.push_back(std::move(r));
   }
   return PlacementManifest::Create(o, std::move(slots), topology);
+}
+
+namespace {
+
+// SHA-256 over a sequence of tagged fields (the canonical form of PlacementDigest).
+class CanonicalHasher {
+ public:
+  CanonicalHasher() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
+  ~CanonicalHasher() { EVP_MD_CTX_free(ctx_); }
+  CanonicalHasher(const CanonicalHasher&) = delete;
+  CanonicalHasher& operator=(const CanonicalHasher&) = delete;
+  void Int(int64_t v) {
+    unsigned char b[8];
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(static_cast<uint64_t>(v) >> (8 * i));
+    EVP_DigestUpdate(ctx_, b, sizeof(b));
+  }
+  void Str(const std::string& s) {
+    Int(static_cast<int64_t>(s.size()));
+    EVP_DigestUpdate(ctx_, s.data(), s.size());
+  }
+  std::string Finish() {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_DigestFinal_ex(ctx_, md, &len);
+    return absl::StrCat("sha256:", absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(md), len)));
+  }
+
+ private:
+  EVP_MD_CTX* ctx_;
+};
+
+}  // namespace
+
+std::string PlacementDigest(const PlacementManifest& m, const Topology& topology) {
+  CanonicalHasher h;
+  h.Str("moe.v1.PlacementManifest/1");  // the serialization's own version
+  h.Int(m.version().value());
+  h.Str(m.process_group().value());
+  h.Int(m.epoch().value());
+  h.Str(m.checkpoint().value());
+  h.Int(m.num_experts());
+  h.Int(m.num_slots());
+  for (const SlotRecord& s : m.slots()) {
+    h.Int(s.slot.value());
+    h.Str(s.name);
+    h.Int(s.expert.value());
+    h.Int(s.replica.value());
+    h.Str(s.replica_name);
+    h.Int(s.rank.value());
+    const int d = s.domain.value();
+    h.Str(d >= 0 && d < topology.num_nodes() ? topology.NodeName(s.domain) : absl::StrCat("domain-", d));
+    h.Str(s.checkpoint.value());
+    h.Str(s.parameter_digest.value());
+  }
+  return h.Finish();
 }
 
 }  // namespace moe

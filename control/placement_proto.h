@@ -4,6 +4,7 @@
 #define MOE_CONTROL_PLACEMENT_PROTO_H_
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "proto/moe/v1/placement.pb.h"
@@ -14,6 +15,14 @@ namespace moe {
 v1::PlacementManifest ManifestToProto(const PlacementManifest& manifest, const Topology& topology);
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> ManifestFromProto(const v1::PlacementManifest& proto,
                                                                            const Topology& topology);
+
+// "sha256:<hex>" over a canonical serialization of the manifest: every field of the manifest and
+// of each slot in slot order (the fields ManifestToProto writes, topology domains by node name),
+// integers as 8-byte little-endian, strings prefixed by their length. The rank agents report it
+// for each generation they hold and the controller computes it over the manifest it recorded for
+// the release: equal digests mean the ranks verified their weights against the same slots and
+// parameter digests (the promotion gate's HashOK).
+std::string PlacementDigest(const PlacementManifest& manifest, const Topology& topology);
 
 }  // namespace moe
 

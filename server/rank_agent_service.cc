@@ -60,6 +60,9 @@ void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* o
   out->set_state(ToProto(g.state));
   out->set_refcount(g.refcount);
   out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
+  // The digest of the manifest held here, which the controller checks against the one it
+  // recorded (its slots' parameter digests are what PrepareGeneration verified the weights by).
+  if (g.state != GenerationState::kRetired) out->set_manifest_digest(PlacementDigest(*g.manifest, c_.topology));
   absl::MutexLock summary_lock(&summary_mu_);
   auto it = materialized_.find(g.version.value());
   if (it != materialized_.end()) {
@@ -353,6 +356,7 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
     out->set_shadow_samples(c.shadow_samples);
     out->set_shadow_mismatches(c.shadow_mismatches);
     out->set_shadow_failures(c.shadow_failures);
+    out->set_stale_accepts(c.stale_accepts);
   }
   for (const GenerationInfo& g : c_.registry->List()) {
     Fill(g, resp->add_generations());

@@ -275,10 +275,18 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
     return;
   }
   const StepRecord& rec = r->record;
+  // Stale accept (0x0DB): the step was answered by a generation it should not have used. The
+  // engine named one (non-canary steps), or a canary step's candidate was no longer on trial.
+  bool stale = !canary && in.expected_generation >= 0 && rec.placement_version != in.expected_generation;
+  if (canary) {
+    auto state = options_.registry->State(PlacementVersion(rec.placement_version));
+    stale = !state.ok() || (*state != GenerationState::kPrepared && *state != GenerationState::kActive);
+  }
   absl::MutexLock lock(&generations_mu_);
   GenerationCounters& c = counters_[rec.placement_version];
   ++c.steps;
   if (canary) ++c.canary_steps;
+  if (stale) ++c.stale_accepts;
   if (in.phase == Phase::kDecode) {
     ++c.decode_steps;
     if (!rec.graph_replay) ++c.fallback_steps;

@@ -89,6 +89,10 @@ struct GenerationCounters {
   int64_t shadow_samples = 0;   // steps also run on this generation as a shadow
   int64_t shadow_mismatches = 0;// ... whose output differed from the active one's
   int64_t shadow_failures = 0;  // ... whose shadow pass failed
+  // Steps served by a generation that is not the one they had to use (0x0DB stale-handle
+  // acceptance): expected_generation differs from the serving one, or a canary step's generation
+  // is no longer PREPARED / ACTIVE. The fences reject such steps first, so this counts breaches.
+  int64_t stale_accepts = 0;
 };
 
 struct LayerStepResult {
