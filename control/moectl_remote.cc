@@ -274,11 +274,23 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
           step.reason = "rollout: shadow beside the active placement";
           RETURN_IF_ERROR(run({"release", "transition", id, "SHADOW"}, "shadow"));
           break;
-        case v1::RELEASE_STATE_SHADOW:
+        case v1::RELEASE_STATE_SHADOW: {
           RETURN_IF_ERROR(await(rel->placement_version(), false, o.min_shadow));
           step.reason = "rollout: canary";
-          RETURN_IF_ERROR(run({"release", "transition", id, "CANARY"}, "canary"));
+          const absl::Status canary = run({"release", "transition", id, "CANARY"}, "canary");
+          if (canary.code() == absl::StatusCode::kFailedPrecondition) {
+            // The controller blocks a candidate whose shadow outputs differ (runner parity) and
+            // drains it: say so plainly, the rollout is over for this release.
+            auto now = state_of();
+            if (now.ok() && now->state() == v1::RELEASE_STATE_DRAINING) {
+              std::cout << "  BLOCKED at SHADOW -> CANARY: " << id << " is DRAINING; it served no canary step\n";
+              return absl::FailedPreconditionError(
+                  absl::StrCat("rollout ", id, ": blocked at SHADOW -> CANARY and drained: ", canary.message()));
+            }
+          }
+          RETURN_IF_ERROR(canary);
           break;
+        }
         case v1::RELEASE_STATE_CANARY:
           RETURN_IF_ERROR(await(rel->placement_version(), true, o.min_canary));
           RETURN_IF_ERROR(run({"promote", id}, "promote"));

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "control/placement_proto.h"
+#include "runtime/release/evidence.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/placement/migration.h"
 #include "runtime/status.h"
@@ -118,6 +119,11 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   }
   absl::MutexLock lock(&write_mu_);
   const bool drives_ranks = agents_ != nullptr && !agents_->empty();
+  if (drives_ranks && *to == ReleaseState::kCanary) {
+    // 0x0E: runner parity differs -> block canary. A candidate whose shadow outputs differ never
+    // serves live steps: the transition is refused and the candidate drained.
+    if (grpc::Status admitted = AdmitCanary(*req); !admitted.ok()) return admitted;
+  }
   if (drives_ranks && (*to == ReleaseState::kDraining || *to == ReleaseState::kRetired)) {
     auto recorded = store_->Recorded(req->request_id());
     if (!recorded.ok()) return ToGrpcStatus(recorded.status());
@@ -163,44 +169,154 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   return grpc::Status::OK;
 }
 
-absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks(int64_t version) {
-  v1::PromotionEvidence e;
-  int64_t shadow = -1, canary = -1, failures = 0;
-  bool prepared_everywhere = true;
+absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks(const ReleaseRecord& candidate) {
+  const int64_t version = candidate.placement_version;
+  const Topology topology = TwoNodeTopology(static_cast<int>(agents_->addresses().size()));
+  EvidenceExpectation expect;
+  expect.candidate_version = version;
+  // HashOK's reference: the digest of the manifest the store recorded for the release when its
+  // placement was loaded, computed here, never taken from a rank.
+  if (candidate.placement_manifest.empty()) {
+    expect.manifest_problem = absl::StrCat(candidate.release_id, " has no recorded placement manifest");
+  } else {
+    v1::PlacementManifest proto;
+    std::shared_ptr<const PlacementManifest> manifest;
+    if (!google::protobuf::util::JsonStringToMessage(candidate.placement_manifest, &proto).ok()) {
+      expect.manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest does not parse");
+    } else if (auto m = ManifestFromProto(proto, topology); !m.ok()) {
+      expect.manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest: ", m.status().message());
+    } else {
+      manifest = *m;
+    }
+    for (size_t q = 0; manifest != nullptr && q < manifest->slots().size(); ++q) {
+      if (manifest->slots()[q].parameter_digest.empty()) {  // the ranks had nothing to check it by
+        expect.manifest_problem = absl::StrCat("slot ", manifest->slots()[q].name,
+                                               " of the recorded manifest has no parameter digest");
+        manifest = nullptr;
+      }
+    }
+    if (manifest != nullptr) expect.manifest_digest = PlacementDigest(*manifest, topology);
+  }
+  // RollbackOK's subject: the release ACTIVE now, which this promotion would drain.
+  auto releases = store_->List();
+  if (!releases.ok()) return releases.status();
+  std::string prior_id;
+  for (const ReleaseRecord& r : *releases) {
+    if (r.state != ReleaseState::kActive || r.release_id == candidate.release_id) continue;
+    prior_id = r.release_id;
+    if (r.placement_version <= 0 || r.placement_version == version) {
+      expect.prior_problem = absl::StrCat(r.release_id, " (ACTIVE) has no placement of its own on the ranks");
+    } else {
+      expect.prior_version = r.placement_version;
+    }
+  }
+  if (prior_id.empty()) expect.prior_problem = "no release is ACTIVE (a first release is promoted with operator evidence)";
+
+  std::vector<RankReport> reports;
+  int rank = 0;
   for (auto& [status, address] : agents_->Status()) {
     if (!status.ok()) {
       return absl::Status(status.status().code(),
                           absl::StrCat("evidence: rank ", address, ": ", status.status().message()));
     }
-    bool prepared = false;
+    RankReport r;
+    r.name = absl::StrCat("rank ", rank++, " (", address, ")");
     for (const v1::GenerationStatus& g : status->generations()) {
-      prepared = prepared || (g.version() == version && g.state() == v1::GENERATION_STATE_PREPARED);
+      std::optional<GenerationState> state;
+      switch (g.state()) {
+        case v1::GENERATION_STATE_PREPARED: state = GenerationState::kPrepared; break;
+        case v1::GENERATION_STATE_ACTIVE: state = GenerationState::kActive; break;
+        case v1::GENERATION_STATE_DRAINING: state = GenerationState::kDraining; break;
+        case v1::GENERATION_STATE_RETIRED: state = GenerationState::kRetired; break;
+        default: break;
+      }
+      if (g.version() == version) {
+        r.candidate_state = state;
+        r.candidate_digest = g.manifest_digest();
+      }
+      if (expect.prior_version > 0 && g.version() == expect.prior_version) r.prior_state = state;
     }
-    prepared_everywhere = prepared_everywhere && prepared;
-    v1::GenerationCounters c;
-    for (const v1::GenerationCounters& x : status->counters()) {
-      if (x.version() == version) c = x;
+    for (const v1::GenerationCounters& c : status->counters()) {
+      if (c.version() != version) continue;
+      r.counters = RankCounters{c.steps(), c.failed_steps(), c.canary_steps(), c.decode_steps(), c.fallback_steps(),
+                                c.routes_attempted(), c.routes_dropped(), c.shadow_samples(), c.shadow_mismatches(),
+                                c.shadow_failures(), c.stale_accepts()};
     }
-    // Shadow and canary steps are collective: every rank counts each one; the smallest count
-    // is the number the whole group ran. Route and step counts add up over the ranks.
-    shadow = shadow < 0 ? c.shadow_samples() : std::min(shadow, c.shadow_samples());
-    canary = canary < 0 ? c.canary_steps() : std::min(canary, c.canary_steps());
-    e.set_routes_attempted(e.routes_attempted() + c.routes_attempted());
-    e.set_routes_dropped(e.routes_dropped() + c.routes_dropped());
-    e.set_steps(e.steps() + c.decode_steps());
-    e.set_fallback_steps(e.fallback_steps() + c.fallback_steps());
-    e.set_route_mismatches(e.route_mismatches() + c.shadow_mismatches());
-    failures += c.shadow_failures() + c.failed_steps();
+    reports.push_back(std::move(r));
   }
-  e.set_shadow_samples(std::max<int64_t>(shadow, 0));
-  e.set_canary_samples(std::max<int64_t>(canary, 0));
-  e.set_count_failures(failures);
-  e.set_stale_accepts(0);  // a rank never accepts a stale generation: it rejects the step (counted as failed)
-  e.set_hash_ok(true);     // the release passed VERIFIED (its bundle digests) to reach CANARY
-  e.set_manifest_ok(prepared_everywhere);  // every rank verified and holds the placement
-  e.set_faults_ok(failures == 0);
-  e.set_rollback_ok(true);  // the ACTIVE release stays DRAINING, and re-activatable, after promotion
+  const GateEvidence g = AggregateRankEvidence(reports, expect);
+  const PromotionInputs& in = g.inputs;
+  v1::PromotionEvidence e;
+  e.set_hash_ok(in.hash_ok);
+  e.set_manifest_ok(in.manifest_ok);
+  e.set_faults_ok(in.faults_ok);
+  e.set_rollback_ok(in.rollback_ok);
+  e.set_shadow_samples(in.shadow_samples);
+  e.set_canary_samples(in.canary_samples);
+  e.set_routes_attempted(in.routes_attempted);
+  e.set_routes_dropped(in.routes_dropped);
+  e.set_steps(in.steps);
+  e.set_fallback_steps(in.fallback_steps);
+  e.set_route_mismatches(in.route_mismatches);
+  e.set_stale_accepts(in.stale_accepts);
+  e.set_count_failures(in.count_failures);
+  for (const std::string& f : g.findings) e.add_findings(f);
   return e;
+}
+
+grpc::Status ControlPlaneServiceImpl::AdmitCanary(const v1::TransitionReleaseRequest& req) {
+  const std::string& id = req.release_id();
+  const std::string blocked_id = absl::StrCat(req.request_id(), "/blocked");
+  auto refusal = [&](const std::string& reason, const std::string& trials) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("to: CANARY refused for ", id, ": ", reason, "; the candidate was drained (SHADOW -> "
+                                     "DRAINING) and never served a canary step, ", trials,
+                                     "; retire it with `moectl drain ", id, "`"));
+  };
+  auto recorded = store_->Recorded(req.request_id());
+  if (!recorded.ok()) return ToGrpcStatus(recorded.status());
+  if (!recorded->empty()) return grpc::Status::OK;  // a retry of a committed transition: the store answers it
+  auto blocked = store_->Recorded(blocked_id);
+  if (!blocked.ok()) return ToGrpcStatus(blocked.status());
+  if (!blocked->empty()) {  // a retry of a refused one: the same answer, the ranks re-driven
+    const absl::Status stopped = agents_->SetTrial(0, 0, 0);
+    return refusal(blocked->front().reason,
+                   stopped.ok() ? "trials stopped on every rank"
+                                : absl::StrCat("stopping trials failed: ", stopped.message(), " (retry)"));
+  }
+  auto rec = store_->Get(id);
+  if (!rec.ok()) return ToGrpcStatus(rec.status());
+  if (rec->state != ReleaseState::kShadow || rec->placement_version <= 0) return grpc::Status::OK;
+  // Runner parity of the candidate, summed over the ranks (a shadow pass runs on every rank).
+  int64_t samples = -1, mismatches = 0, failures = 0;
+  for (auto& [status, address] : agents_->Status()) {
+    if (!status.ok()) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          absl::StrCat("to: CANARY needs every rank's shadow counters of placement-v",
+                                       rec->placement_version, ": rank ", address, ": ", status.status().message()));
+    }
+    int64_t n = 0;
+    for (const v1::GenerationCounters& c : status->counters()) {
+      if (c.version() != rec->placement_version) continue;
+      n = c.shadow_samples();
+      mismatches += c.shadow_mismatches();
+      failures += c.shadow_failures();
+    }
+    samples = samples < 0 ? n : std::min(samples, n);
+  }
+  if (mismatches + failures <= trial_.max_shadow_mismatches) return grpc::Status::OK;
+  const std::string reason =
+      absl::StrCat("runner parity differs: the ranks counted ", mismatches, " shadow mismatches and ", failures,
+                   " failed shadow passes of placement-v", rec->placement_version, " (", std::max<int64_t>(samples, 0),
+                   " shadow samples), over --max_shadow_mismatches ", trial_.max_shadow_mismatches);
+  auto drained = store_->Apply(blocked_id, {{id, ReleaseState::kDraining, absl::StrCat("canary blocked: ", reason)}});
+  if (!drained.ok()) return ToGrpcStatus(drained.status());
+  spdlog::warn("{}: SHADOW -> CANARY refused, drained: {}", id, reason);
+  const absl::Status stopped = agents_->SetTrial(0, 0, 0);
+  return refusal(absl::StrCat("canary blocked: ", reason),
+                 stopped.ok() ? "trials stopped on every rank"
+                              : absl::StrCat("stopping trials failed: ", stopped.message(),
+                                             " (retry with the same request_id)"));
 }
 
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
@@ -222,7 +338,7 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                             absl::StrCat("evidence: ", req->release_id(), " has no placement on the ranks to read"));
       }
-      auto from_ranks = EvidenceFromRanks(candidate->placement_version);
+      auto from_ranks = EvidenceFromRanks(*candidate);
       if (!from_ranks.ok()) return ToGrpcStatus(from_ranks.status());
       evidence = *from_ranks;
     } else {
@@ -234,7 +350,8 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
   if (!d.promote) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", "),
-                                     req->has_evidence() ? "" : " (read from the ranks' counters)"));
+                                     req->has_evidence() ? "" : " (read from the ranks)",
+                                     evidence.findings().empty() ? "" : ": ", absl::StrJoin(evidence.findings(), "; ")));
   }
   absl::MutexLock lock(&write_mu_);
   auto applied = Replay(req->request_id(), req->release_id(), ReleaseState::kActive);

@@ -24,10 +24,13 @@ struct MigrationBudget {
 };
 
 // How the ranks try a candidate: in SHADOW every shadow_every-th step also runs on it (outputs
-// compared), in CANARY every canary_every-th step is served by it as well.
+// compared), in CANARY every canary_every-th step is served by it as well. SHADOW -> CANARY is
+// refused, and the candidate drained, when the ranks counted more than max_shadow_mismatches
+// shadow mismatches plus failed shadow passes of it (0x0E: runner parity differs -> block canary).
 struct TrialPolicy {
   int64_t shadow_every = 4;
   int64_t canary_every = 4;
+  int64_t max_shadow_mismatches = 0;
 };
 
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
@@ -77,8 +80,13 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   const std::string token_;
   const PromotionThresholds thresholds_;
   AgentPool* agents_;
-  // The promotion gate's inputs for `version` from every rank's counters (spec 0x0DC).
-  absl::StatusOr<v1::PromotionEvidence> EvidenceFromRanks(int64_t version);
+  // The promotion gate's inputs for `candidate`'s placement from every rank's status (spec
+  // 0x0DC): counters, the manifest digest each rank holds against the one computed here over the
+  // manifest the store recorded, and whether the ACTIVE release's placement is re-activatable.
+  absl::StatusOr<v1::PromotionEvidence> EvidenceFromRanks(const ReleaseRecord& candidate);
+  // SHADOW -> CANARY admission (under write_mu_): OK to go on; otherwise the refusal, with the
+  // candidate committed DRAINING (request `<request_id>/blocked`) and trials stopped.
+  grpc::Status AdmitCanary(const v1::TransitionReleaseRequest& req);
   const absl::Duration drain_timeout_;
   const MigrationBudget migration_;
   const TrialPolicy trial_;

@@ -38,6 +38,9 @@ ABSL_FLAG(int64_t, migration_budget_bytes, 0,
 ABSL_FLAG(int64_t, expert_bytes, 0, "bytes of one expert copy's parameters (with --migration_budget_bytes)");
 ABSL_FLAG(int64_t, shadow_every, 4, "trials: in SHADOW, every Nth step also runs on the candidate and is compared");
 ABSL_FLAG(int64_t, canary_every, 4, "trials: in CANARY, every Nth step is served by the candidate");
+ABSL_FLAG(int64_t, max_shadow_mismatches, 0,
+          "SHADOW -> CANARY is refused, and the candidate drained, when the ranks counted more shadow mismatches "
+          "plus failed shadow passes of its placement than this (runner parity differs -> block canary)");
 ABSL_FLAG(int, reconcile_interval_s, 5,
           "with --ranks: every N seconds, bring ranks that serve another placement than the ACTIVE release's (a "
           "restarted moe-rankd) back to it; 0: only at start");
@@ -131,9 +134,14 @@ int Main() {
     spdlog::error("--expert_bytes: required with --migration_budget_bytes");
     return 2;
   }
-  TrialPolicy trial{absl::GetFlag(FLAGS_shadow_every), absl::GetFlag(FLAGS_canary_every)};
+  TrialPolicy trial{absl::GetFlag(FLAGS_shadow_every), absl::GetFlag(FLAGS_canary_every),
+                    absl::GetFlag(FLAGS_max_shadow_mismatches)};
   if (trial.shadow_every <= 0 || trial.canary_every <= 0) {
     spdlog::error("--shadow_every / --canary_every: must be positive");
+    return 2;
+  }
+  if (trial.max_shadow_mismatches < 0) {
+    spdlog::error("--max_shadow_mismatches: must be >= 0");
     return 2;
   }
   ControlPlaneServiceImpl service(store->get(), *token, thresholds, agents.get(),

@@ -47,7 +47,8 @@ class ReleaseLifecycle {
   std::vector<Transition> history_;
 };
 
-// 0x0DC promotion inputs, read from the ranks' counters.
+// 0x0DC promotion inputs, read from the ranks' counters (runtime/release/evidence.h) or given by
+// an operator. Every field is evidence: no clause is true by construction.
 struct PromotionInputs {
   bool hash_ok = false;
   bool manifest_ok = false;
@@ -55,9 +56,9 @@ struct PromotionInputs {
   bool rollback_ok = false;
   int64_t shadow_samples = 0;
   int64_t canary_samples = 0;
-  int64_t routes_attempted = 0;
+  int64_t routes_attempted = 0;  // r_drop = routes_dropped / routes_attempted
   int64_t routes_dropped = 0;
-  int64_t steps = 0;
+  int64_t steps = 0;             // ALL steps: r_fallback = fallback_steps / steps (0x0D)
   int64_t fallback_steps = 0;
   int64_t route_mismatches = 0;
   int64_t stale_accepts = 0;

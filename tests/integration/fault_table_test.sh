@@ -3,8 +3,10 @@
 # moe-controller driving them, the engine driver sending steps.
 #  - process-group generation differs   -> the placement load is rejected (nothing committed)
 #  - runner parity differs (rank 2's trial passes compute something else, --inject_fault
-#    trial_drift)                        -> shadow mismatches counted, the promotion blocked, the
-#                                           candidate stays CANARY and is drained and retired
+#    trial_drift)                        -> shadow mismatches counted, the candidate blocked at
+#                                           SHADOW -> CANARY and drained by the controller (never
+#                                           CANARY, no canary step served by it), then retired;
+#                                           the engine never sees a wrong output (driver exit 0)
 #  - stale handle under a new generation -> every rank rejects the step naming the generation,
 #                                           the engine re-plans and is served
 #  - graph key differs (rank 1 has another decode bucket) -> every rank serves decode steps
@@ -51,26 +53,47 @@ check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" rele
 driver=$!
 for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
 "$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 2 --extra_replicas 6 >"$work/v2.json"
-check "runner parity differs: promotion blocked" 2 "N_route_mismatch = 0" -- "$M" "${C[@]}" rollout release-v2 \
-  --manifest "$work/v2.json" --digest sha256:v2 --min_shadow 10 --min_canary 10
-check "the candidate stays CANARY" 0 "release-v2 *CANARY" -- "$M" "${C[@]}" releases list
-"$M" "${C[@]}" status >"$work/status.txt"
-grep -Eq "trial v2: shadow every 2 \([0-9]+ run, [1-9][0-9]* mismatched\)" "$work/status.txt"
+check "runner parity differs: canary blocked" 2 "blocked at SHADOW -> CANARY and drained: .*shadow mismatches" -- \
+  "$M" "${C[@]}" rollout release-v2 --manifest "$work/v2.json" --digest sha256:v2 --min_shadow 10 --min_canary 10
+check "the candidate is drained by the controller" 0 "release-v2 *DRAINING" -- "$M" "${C[@]}" releases list
 verdict() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
+"$M" "${C[@]}" releases show release-v2 >"$work/v2-history.txt"
+grep -Eq "SHADOW +-> DRAINING .*canary blocked: runner parity differs" "$work/v2-history.txt" &&
+  ! grep -Eq -- "-> CANARY" "$work/v2-history.txt"
+verdict $? "release-v2 went SHADOW -> DRAINING, never CANARY"
+sed 's/^/     /' "$work/v2-history.txt"
+"$M" "${C[@]}" status --json >"$work/status.json"
+grep -Eq '"shadowMismatches": "[1-9][0-9]*"' "$work/status.json"
 verdict $? "shadow mismatches counted on the ranks"
-sed 's/^/     /' "$work/status.txt"
-curl -s "http://127.0.0.1:$(cat "$work/metrics/2.port")/metrics" >"$work/scrape2.txt"
+! grep -q '"trial": {[^}]*"version": "2"' <(tr -d '\n' <"$work/status.json")
+verdict $? "trials of v2 stopped on every rank"
+# No canary step was served by the candidate, on any rank (metric absent or 0).
+served=0
+for r in 0 1 2 3; do
+  curl -s "http://127.0.0.1:$(cat "$work/metrics/$r.port")/metrics" >"$work/scrape$r.txt"
+  grep -Eq '^moe_generation_steps_total\{.*placement_generation="2".*kind="canary".*\} [1-9]' "$work/scrape$r.txt" &&
+    served=1
+done
+[ "$served" = 0 ]; verdict $? "no canary step served by placement-v2 (moe_generation_steps_total kind=canary)"
 grep -Eq '^moe_shadow_steps_total\{.*placement_generation="2".*result="mismatch".*\} [1-9]' "$work/scrape2.txt"
 verdict $? "rank 2 exports its shadow mismatches (moe_shadow_steps_total)"
-grep -Eq '^moe_generation_steps_total\{.*placement_generation="2".*kind="canary".*\} [1-9]' "$work/scrape2.txt"
-verdict $? "... and the canary steps it served (moe_generation_steps_total)"
 if command -v promtool >/dev/null; then promtool check metrics <"$work/scrape2.txt"; verdict $? "promtool check metrics"; fi
-check "the blocked candidate is drained and retired" 0 "DRAINING -> RETIRED" -- "$M" "${C[@]}" drain release-v2 \
+check "a re-run of the rollout does not resurrect it" 2 "DRAINING" -- "$M" "${C[@]}" rollout release-v2 \
+  --manifest "$work/v2.json" --min_shadow 10 --min_canary 10
+check "the blocked candidate is retired" 0 "DRAINING -> RETIRED" -- "$M" "${C[@]}" drain release-v2 \
   --reason "runner parity differs"
 check "every rank serves v1 again, trials stopped" 0 "v2 RETIRED/0" -- "$M" "${C[@]}" status
 touch "$work/stop"
 wait "$driver"
+driver_rc=$?
 driver=""
+# The engine got only correct outputs: no failed step, no mismatch with the semantic reference,
+# no generation split (steps aborted on every rank while trials changed are retried by the driver).
+verdict $driver_rc "engine driver exit 0 (no failed step, no wrong output served)"
+[ "$driver_rc" = 0 ] || tail -30 "$work/driver.log"
+grep -E "^  (rank-steps|mismatches|steps retried|canary steps)" "$work/driver.log" | sed 's/^/     /'
+! grep -q "^  canary steps" "$work/driver.log"
+verdict $? "the engine was served no canary step"
 
 # Graph key differs -> explicit eager fallback, on every rank alike (rank 0's scrape).
 curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/scrape0.txt"

@@ -5,6 +5,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "runtime/placement/registry.h"
+#include "runtime/release/evidence.h"
 #include "runtime/release/lifecycle.h"
 #include "runtime/release/rollback.h"
 #include "tests/runtime/fixtures.h"
@@ -14,6 +15,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
 
 TEST(ReleaseLifecycleTest, CandidateTraceOf0x0EA) {
   ReleaseLifecycle r("release-v19");
@@ -134,6 +136,145 @@ TEST(EvaluationTest, NearestRankQuantiles) {
   EXPECT_EQ(NearestRank(v, 0.95), 23);  // x_(19)
   EXPECT_EQ(NearestRank(v, 1.0), 24);
   EXPECT_EQ(NearestRank({5}, 0.0), 5);  // rank clamps to 1
+}
+
+// The gate's inputs aggregated from four ranks' reports (runtime/release/evidence.h): every
+// rank holds candidate placement-v20 PREPARED under the recorded manifest's digest and prior
+// placement-v19 ACTIVE; together they ran the 0x0D fixture's totals (240 steps of which 100
+// decode, 24 fallback steps, 800 / 2 routes).
+constexpr char kDigest[] = "sha256:0f1e2d";
+EvidenceExpectation Expect() {
+  EvidenceExpectation e;
+  e.candidate_version = 20;
+  e.manifest_digest = kDigest;
+  e.prior_version = 19;
+  return e;
+}
+std::vector<RankReport> HealthyRanks() {
+  std::vector<RankReport> ranks(4);
+  for (int r = 0; r < 4; ++r) {
+    RankReport& x = ranks[r];
+    x.name = "rank " + std::to_string(r);
+    x.candidate_state = GenerationState::kPrepared;
+    x.candidate_digest = kDigest;
+    x.prior_state = GenerationState::kActive;
+    x.counters.steps = 60;  // prefill, decode and canary steps
+    x.counters.decode_steps = 25;
+    x.counters.fallback_steps = 6;
+    x.counters.canary_steps = 200 + r;
+    x.counters.shadow_samples = 100 + r;
+    x.counters.routes_attempted = 200;
+    x.counters.routes_dropped = r == 0 ? 2 : 0;
+  }
+  return ranks;
+}
+
+TEST(RankEvidenceTest, HealthyRanksPassTheGate) {
+  const GateEvidence e = AggregateRankEvidence(HealthyRanks(), Expect());
+  EXPECT_THAT(e.findings, IsEmpty());
+  EXPECT_TRUE(e.inputs.hash_ok && e.inputs.manifest_ok && e.inputs.faults_ok && e.inputs.rollback_ok);
+  EXPECT_EQ(e.inputs.shadow_samples, 100);  // collective: the smallest per-rank count
+  EXPECT_EQ(e.inputs.canary_samples, 200);
+  EXPECT_EQ(e.inputs.routes_attempted, 800);
+  EXPECT_EQ(e.inputs.routes_dropped, 2);
+  const PromotionDecision d = EvaluatePromotion(e.inputs);
+  EXPECT_TRUE(d.promote) << testing::PrintToString(d.failed);
+}
+
+TEST(RankEvidenceTest, FallbackRatioDividesByAllSteps) {
+  // 0x0D: r_fallback = fallback steps / all steps = 24 / 240 = 0.10. Dividing by the decode
+  // steps (24 / 100 = 0.24) would block this release at max 0.15.
+  const GateEvidence e = AggregateRankEvidence(HealthyRanks(), Expect());
+  EXPECT_EQ(e.inputs.steps, 240);
+  EXPECT_EQ(e.inputs.fallback_steps, 24);
+  EXPECT_TRUE(EvaluatePromotion(e.inputs).promote);
+  // ... and a fallback share above the threshold of ALL steps still blocks: 40 / 240 = 0.167.
+  std::vector<RankReport> ranks = HealthyRanks();
+  for (RankReport& r : ranks) r.counters.fallback_steps = 10;
+  EXPECT_THAT(EvaluatePromotion(AggregateRankEvidence(ranks, Expect()).inputs).failed,
+              ElementsAre("r_fallback <= 0.15"));
+}
+
+TEST(RankEvidenceTest, HashOkNeedsTheRecordedDigestOnEveryRank) {
+  std::vector<RankReport> other = HealthyRanks();
+  other[2].candidate_digest = "sha256:999999";  // rank 2 holds other slots under the same version
+  GateEvidence e = AggregateRankEvidence(other, Expect());
+  EXPECT_FALSE(e.inputs.hash_ok);
+  EXPECT_TRUE(e.inputs.manifest_ok);
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("HashOK"));
+  ASSERT_THAT(e.findings, ElementsAre(HasSubstr("rank 2 holds placement-v20 under manifest digest sha256:999999")));
+
+  std::vector<RankReport> silent = HealthyRanks();
+  silent[1].candidate_digest.clear();  // a rank that reports no digest proves nothing
+  e = AggregateRankEvidence(silent, Expect());
+  EXPECT_FALSE(e.inputs.hash_ok);
+  EXPECT_THAT(e.findings, ElementsAre(HasSubstr("rank 1 reports no manifest digest")));
+
+  EvidenceExpectation unrecorded = Expect();
+  unrecorded.manifest_digest.clear();  // nothing recorded to compare against
+  unrecorded.manifest_problem = "release-v20 has no recorded placement manifest";
+  e = AggregateRankEvidence(HealthyRanks(), unrecorded);
+  EXPECT_FALSE(e.inputs.hash_ok);
+  EXPECT_THAT(e.findings, ElementsAre(HasSubstr("no recorded placement manifest")));
+
+  std::vector<RankReport> retired = HealthyRanks();
+  retired[3].candidate_state = GenerationState::kRetired;  // the digest matches, the weights are gone
+  e = AggregateRankEvidence(retired, Expect());
+  EXPECT_FALSE(e.inputs.hash_ok);
+  EXPECT_FALSE(e.inputs.manifest_ok);
+}
+
+TEST(RankEvidenceTest, RollbackOkNeedsThePriorReactivatableOnEveryRank) {
+  for (GenerationState loaded : {GenerationState::kActive, GenerationState::kPrepared, GenerationState::kDraining}) {
+    std::vector<RankReport> ranks = HealthyRanks();
+    ranks[1].prior_state = loaded;
+    EXPECT_TRUE(AggregateRankEvidence(ranks, Expect()).inputs.rollback_ok) << GenerationStateName(loaded);
+  }
+  std::vector<RankReport> retired = HealthyRanks();
+  retired[1].prior_state = GenerationState::kRetired;  // its weights are freed: nothing to go back to
+  GateEvidence e = AggregateRankEvidence(retired, Expect());
+  EXPECT_FALSE(e.inputs.rollback_ok);
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("RollbackOK"));
+  EXPECT_THAT(e.findings, ElementsAre(HasSubstr("rank 1: prior placement-v19 is RETIRED")));
+
+  std::vector<RankReport> missing = HealthyRanks();
+  missing[0].prior_state.reset();  // e.g. a restarted rank that never prepared it again
+  EXPECT_FALSE(AggregateRankEvidence(missing, Expect()).inputs.rollback_ok);
+
+  EvidenceExpectation no_prior = Expect();
+  no_prior.prior_version = 0;
+  no_prior.prior_problem = "no release is ACTIVE";
+  e = AggregateRankEvidence(HealthyRanks(), no_prior);
+  EXPECT_FALSE(e.inputs.rollback_ok);
+  EXPECT_THAT(e.findings, ElementsAre(HasSubstr("no release is ACTIVE")));
+}
+
+TEST(RankEvidenceTest, StaleAcceptsMismatchesAndFailuresAreCountedNotAssumed) {
+  std::vector<RankReport> stale = HealthyRanks();
+  stale[3].counters.stale_accepts = 1;
+  GateEvidence e = AggregateRankEvidence(stale, Expect());
+  EXPECT_EQ(e.inputs.stale_accepts, 1);
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("N_stale_accept = 0"));
+
+  std::vector<RankReport> drift = HealthyRanks();
+  drift[2].counters.shadow_mismatches = 3;
+  drift[0].counters.shadow_mismatches = 1;
+  e = AggregateRankEvidence(drift, Expect());
+  EXPECT_EQ(e.inputs.route_mismatches, 4);
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("N_route_mismatch = 0"));
+
+  std::vector<RankReport> failing = HealthyRanks();
+  failing[1].counters.failed_steps = 2;
+  failing[2].counters.shadow_failures = 1;
+  e = AggregateRankEvidence(failing, Expect());
+  EXPECT_EQ(e.inputs.count_failures, 3);
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("FaultsOK", "N_count_failure = 0"));
+}
+
+TEST(RankEvidenceTest, NoRanksIsNoEvidence) {
+  const GateEvidence e = AggregateRankEvidence({}, Expect());
+  EXPECT_FALSE(e.inputs.hash_ok || e.inputs.manifest_ok || e.inputs.faults_ok || e.inputs.rollback_ok);
+  EXPECT_FALSE(EvaluatePromotion(e.inputs).promote);
 }
 
 std::shared_ptr<const PlacementManifest> Version(int64_t v) {

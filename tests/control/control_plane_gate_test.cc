@@ -1,0 +1,376 @@
+// The controller's gates against rank agents whose reports the test controls (in-process
+// RankAgentService fakes on loopback sockets, the real ControlPlaneServiceImpl and AgentPool):
+//  - SHADOW -> CANARY is refused when the ranks counted shadow mismatches (0x0E: runner parity
+//    differs -> block canary), and the candidate is drained: DRAINING, trials stopped;
+//  - the promotion gate's clauses come from the ranks: HashOK from the manifest digest every rank
+//    reports against the one the controller computes over the manifest it recorded, RollbackOK
+//    from the prior placement's state on every rank, stale accepts summed, and r_fallback over
+//    all steps.
+#include <grpcpp/grpcpp.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "control/controller/control_plane_service.h"
+#include "control/placement_proto.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "runtime/placement/default_placement.h"
+
+namespace moe {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr int kRanks = 2;
+constexpr char kToken[] = "0123456789abcdef-token";
+
+// A rank agent that holds generations as a real one would (prepare / activate / retire) and
+// answers Status with counters the test sets.
+class FakeRank final : public v1::RankAgentService::Service {
+ public:
+  grpc::Status PrepareGeneration(grpc::ServerContext*, const v1::PrepareGenerationRequest* req,
+                                 v1::GenerationStatus* resp) override {
+    const Topology topology = TwoNodeTopology(kRanks);
+    auto m = ManifestFromProto(req->manifest(), topology);
+    if (!m.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(m.status().message()));
+    absl::MutexLock lock(&mu_);
+    v1::GenerationStatus* g = Find(req->manifest().version());
+    if (g == nullptr) {
+      g = status_.add_generations();
+      g->set_version(req->manifest().version());
+      g->set_state(v1::GENERATION_STATE_PREPARED);
+      g->set_manifest_digest(PlacementDigest(**m, topology));
+    }
+    *resp = *g;
+    return grpc::Status::OK;
+  }
+  grpc::Status ActivateGeneration(grpc::ServerContext*, const v1::GenerationRequest* req,
+                                  v1::GenerationStatus* resp) override {
+    absl::MutexLock lock(&mu_);
+    for (v1::GenerationStatus& g : *status_.mutable_generations()) {
+      if (g.state() == v1::GENERATION_STATE_ACTIVE && g.version() != req->version()) {
+        g.set_state(v1::GENERATION_STATE_DRAINING);
+      }
+    }
+    v1::GenerationStatus* g = Find(req->version());
+    if (g == nullptr) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown version");
+    g->set_state(v1::GENERATION_STATE_ACTIVE);
+    status_.set_active_version(req->version());
+    *resp = *g;
+    return grpc::Status::OK;
+  }
+  grpc::Status RetireGeneration(grpc::ServerContext*, const v1::GenerationRequest* req,
+                                v1::GenerationStatus* resp) override {
+    absl::MutexLock lock(&mu_);
+    v1::GenerationStatus* g = Find(req->version());
+    if (g == nullptr) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown version");
+    g->set_state(v1::GENERATION_STATE_RETIRED);
+    *resp = *g;
+    return grpc::Status::OK;
+  }
+  grpc::Status SetTrial(grpc::ServerContext*, const v1::TrialRequest* req, v1::TrialRequest* resp) override {
+    absl::MutexLock lock(&mu_);
+    *status_.mutable_trial() = *req;
+    *resp = *req;
+    return grpc::Status::OK;
+  }
+  grpc::Status Status(grpc::ServerContext*, const v1::AgentStatusRequest*, v1::AgentStatusResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    *resp = status_;
+    return grpc::Status::OK;
+  }
+
+  // The counters this rank reports for `version` (replacing earlier ones).
+  void SetCounters(v1::GenerationCounters c) {
+    absl::MutexLock lock(&mu_);
+    for (v1::GenerationCounters& x : *status_.mutable_counters()) {
+      if (x.version() == c.version()) {
+        x = c;
+        return;
+      }
+    }
+    *status_.add_counters() = c;
+  }
+  void SetDigest(int64_t version, const std::string& digest) {
+    absl::MutexLock lock(&mu_);
+    Find(version)->set_manifest_digest(digest);
+  }
+  std::string Digest(int64_t version) {
+    absl::MutexLock lock(&mu_);
+    return Find(version)->manifest_digest();
+  }
+  void SetState(int64_t version, v1::GenerationState s) {
+    absl::MutexLock lock(&mu_);
+    Find(version)->set_state(s);
+  }
+  v1::TrialRequest Trial() {
+    absl::MutexLock lock(&mu_);
+    return status_.trial();
+  }
+
+ private:
+  v1::GenerationStatus* Find(int64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (v1::GenerationStatus& g : *status_.mutable_generations()) {
+      if (g.version() == version) return &g;
+    }
+    return nullptr;
+  }
+  absl::Mutex mu_;
+  v1::AgentStatusResponse status_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::PlacementManifest Manifest(int64_t version) {
+  std::map<std::string, std::string> md = {{"checkpoint", "checkpoint-0042"}};
+  for (int e = 0; e < 4; ++e) md[absl::StrCat("digest.", e)] = absl::StrCat("expert-", e, "-digest");
+  auto m = DefaultPlacement(PlacementVersion(version), 4, version % 2, TwoNodeTopology(kRanks),
+                            LocalClusterGroup(kRanks, 1), md);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return ManifestToProto(**m, TwoNodeTopology(kRanks));
+}
+
+class GateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::vector<std::string> addresses;
+    for (int r = 0; r < kRanks; ++r) {
+      ranks_.push_back(std::make_unique<FakeRank>());
+      grpc::ServerBuilder b;
+      int port = 0;
+      b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      b.RegisterService(ranks_.back().get());
+      rank_servers_.push_back(b.BuildAndStart());
+      ASSERT_NE(port, 0);
+      addresses.push_back(absl::StrCat("127.0.0.1:", port));
+    }
+    const char* dir = std::getenv("TEST_TMPDIR");
+    const std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/gate-", getpid(), ".db");
+    for (const char* suffix : {"", "-wal", "-shm"}) unlink((path + suffix).c_str());
+    store_ = *ReleaseStore::Open(path);
+    pool_ = std::make_unique<AgentPool>(addresses, "agent-token", absl::Seconds(10));
+    PromotionThresholds thresholds;
+    thresholds.min_shadow = 10;
+    thresholds.min_canary = 10;
+    service_ = std::make_unique<ControlPlaneServiceImpl>(store_.get(), kToken, thresholds, pool_.get(),
+                                                         absl::Seconds(5), MigrationBudget{}, TrialPolicy{2, 3, 0});
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(service_.get());
+    server_ = b.BuildAndStart();
+    ASSERT_NE(port, 0);
+    stub_ = v1::ControlPlaneService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    server_->Shutdown();
+    for (auto& s : rank_servers_) s->Shutdown();
+  }
+
+  std::unique_ptr<grpc::ClientContext> Ctx() {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    return c;
+  }
+  grpc::Status Transition(const std::string& request_id, const std::string& id, v1::ReleaseState to) {
+    v1::TransitionReleaseRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(id);
+    req.set_to(to);
+    req.set_reason("test");
+    v1::TransitionRecord rec;
+    return stub_->TransitionRelease(Ctx().get(), req, &rec);
+  }
+  // Register, verify, load `version` on the ranks, SHADOW.
+  void ToShadow(const std::string& id, int64_t version) {
+    v1::RegisterReleaseRequest reg;
+    reg.set_request_id(id + ":register");
+    reg.set_release_id(id);
+    reg.set_bundle_digest("sha256:" + id);
+    v1::Release rel;
+    ASSERT_TRUE(stub_->RegisterRelease(Ctx().get(), reg, &rel).ok());
+    ASSERT_TRUE(Transition(id + ":verify", id, v1::RELEASE_STATE_VERIFIED).ok());
+    v1::LoadPlacementRequest load;
+    load.set_request_id(id + ":load");
+    load.set_release_id(id);
+    *load.mutable_manifest() = Manifest(version);
+    grpc::Status loaded = stub_->LoadPlacement(Ctx().get(), load, &rel);
+    ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+    ASSERT_TRUE(Transition(id + ":shadow", id, v1::RELEASE_STATE_SHADOW).ok());
+  }
+  v1::Release Get(const std::string& id) {
+    v1::GetReleaseRequest req;
+    req.set_release_id(id);
+    v1::Release rel;
+    EXPECT_TRUE(stub_->GetRelease(Ctx().get(), req, &rel).ok());
+    return rel;
+  }
+  std::vector<v1::TransitionRecord> History(const std::string& id) {
+    v1::HistoryRequest req;
+    req.set_release_id(id);
+    v1::HistoryResponse resp;
+    EXPECT_TRUE(stub_->History(Ctx().get(), req, &resp).ok());
+    return {resp.transitions().begin(), resp.transitions().end()};
+  }
+  grpc::Status Promote(const std::string& request_id, const std::string& id, v1::PromoteResponse* resp,
+                       const v1::PromotionEvidence* evidence = nullptr) {
+    v1::PromoteRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(id);
+    if (evidence != nullptr) *req.mutable_evidence() = *evidence;
+    return stub_->Promote(Ctx().get(), req, resp);
+  }
+  // release-v1 on placement-v1, promoted with operator evidence (nothing to roll back to yet).
+  void Bootstrap() {
+    ToShadow("release-v1", 1);
+    ASSERT_TRUE(Transition("release-v1:canary", "release-v1", v1::RELEASE_STATE_CANARY).ok());
+    v1::PromotionEvidence e;
+    e.set_hash_ok(true);
+    e.set_manifest_ok(true);
+    e.set_faults_ok(true);
+    e.set_rollback_ok(true);
+    e.set_shadow_samples(100);
+    e.set_canary_samples(200);
+    e.set_routes_attempted(800);
+    e.set_steps(240);
+    v1::PromoteResponse resp;
+    grpc::Status s = Promote("release-v1:promote", "release-v1", &resp, &e);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  // Counters of a healthy candidate on one rank: 120 steps of which 50 decode, 12 fallback.
+  static v1::GenerationCounters Healthy(int64_t version) {
+    v1::GenerationCounters c;
+    c.set_version(version);
+    c.set_steps(120);
+    c.set_decode_steps(50);
+    c.set_fallback_steps(12);
+    c.set_canary_steps(10);
+    c.set_shadow_samples(10);
+    c.set_routes_attempted(400);
+    return c;
+  }
+
+  std::vector<std::unique_ptr<FakeRank>> ranks_;
+  std::vector<std::unique_ptr<grpc::Server>> rank_servers_;
+  std::unique_ptr<ReleaseStore> store_;
+  std::unique_ptr<AgentPool> pool_;
+  std::unique_ptr<ControlPlaneServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::ControlPlaneService::Stub> stub_;
+};
+
+TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
+  Bootstrap();
+  ToShadow("release-v2", 2);
+  ASSERT_EQ(ranks_[0]->Trial().version(), 2);  // shadow trials running
+  v1::GenerationCounters drift = Healthy(2);
+  drift.set_canary_steps(0);
+  ranks_[0]->SetCounters(drift);
+  drift.set_shadow_mismatches(4);  // rank 1's shadow outputs differ
+  ranks_[1]->SetCounters(drift);
+  const size_t before = History("").size();
+
+  grpc::Status s = Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("4 shadow mismatches and 0 failed shadow passes of placement-v2"));
+  EXPECT_THAT(s.error_message(), HasSubstr("--max_shadow_mismatches 0"));
+  EXPECT_THAT(s.error_message(), HasSubstr("drained"));
+  // Drained, never CANARY; the ranks' trials stopped.
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_DRAINING);
+  const std::vector<v1::TransitionRecord> h = History("release-v2");
+  ASSERT_FALSE(h.empty());
+  EXPECT_EQ(h.back().from(), v1::RELEASE_STATE_SHADOW);
+  EXPECT_EQ(h.back().to(), v1::RELEASE_STATE_DRAINING);
+  EXPECT_THAT(h.back().reason(), HasSubstr("canary blocked: runner parity differs"));
+  for (const v1::TransitionRecord& t : h) EXPECT_NE(t.to(), v1::RELEASE_STATE_CANARY);
+  for (auto& r : ranks_) EXPECT_EQ(r->Trial().version(), 0);
+  EXPECT_EQ(History("").size(), before + 1);
+  // A retry gets the same answer and writes nothing.
+  s = Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("4 shadow mismatches"));
+  EXPECT_EQ(History("").size(), before + 1);
+  // The release ACTIVE before is untouched.
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+
+  // A candidate whose shadow outputs match goes on to CANARY (shadow and canary trials).
+  ToShadow("release-v3", 3);
+  ranks_[0]->SetCounters(Healthy(3));
+  ranks_[1]->SetCounters(Healthy(3));
+  s = Transition("release-v3:canary", "release-v3", v1::RELEASE_STATE_CANARY);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(ranks_[1]->Trial().version(), 3);
+  EXPECT_EQ(ranks_[1]->Trial().canary_every(), 3);
+}
+
+TEST_F(GateTest, PromotionClausesComeFromTheRanks) {
+  Bootstrap();
+  ToShadow("release-v3", 3);
+  for (auto& r : ranks_) r->SetCounters(Healthy(3));
+  ASSERT_TRUE(Transition("release-v3:canary", "release-v3", v1::RELEASE_STATE_CANARY).ok());
+  v1::PromoteResponse resp;
+
+  // HashOK: rank 1 holds placement-v3 under another manifest digest than the recorded one.
+  const std::string digest = ranks_[1]->Digest(3);
+  ranks_[1]->SetDigest(3, "sha256:other-slots");
+  grpc::Status s = Promote("p1", "release-v3", &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("promotion gate failed: HashOK (read from the ranks)"));
+  EXPECT_THAT(s.error_message(), HasSubstr("rank 1 (127.0.0.1:"));
+  EXPECT_THAT(s.error_message(), HasSubstr("under manifest digest sha256:other-slots, the recorded manifest's is " +
+                                           digest));
+  ranks_[1]->SetDigest(3, "");  // a rank that reports none proves nothing either
+  s = Promote("p1b", "release-v3", &resp);
+  EXPECT_THAT(s.error_message(), HasSubstr("HashOK"));
+  ranks_[1]->SetDigest(3, digest);
+
+  // RollbackOK: the prior placement is retired on rank 0.
+  ranks_[0]->SetState(1, v1::GENERATION_STATE_RETIRED);
+  s = Promote("p2", "release-v3", &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("gate failed: RollbackOK"));
+  EXPECT_THAT(s.error_message(), HasSubstr("prior placement-v1 is RETIRED"));
+  ranks_[0]->SetState(1, v1::GENERATION_STATE_ACTIVE);
+
+  // Stale accepts are counted on the ranks and summed.
+  v1::GenerationCounters stale = Healthy(3);
+  stale.set_stale_accepts(1);
+  ranks_[1]->SetCounters(stale);
+  s = Promote("p3", "release-v3", &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("gate failed: N_stale_accept = 0"));
+  ranks_[1]->SetCounters(Healthy(3));
+  EXPECT_EQ(Get("release-v3").state(), v1::RELEASE_STATE_CANARY);
+
+  // All clauses hold. r_fallback = 24 / 240 steps = 0.10 passes the 0.15 threshold (over the
+  // 100 decode steps it would be 0.24).
+  s = Promote("p4", "release-v3", &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.evidence().steps(), 240);
+  EXPECT_EQ(resp.evidence().fallback_steps(), 24);
+  EXPECT_TRUE(resp.evidence().hash_ok());
+  EXPECT_TRUE(resp.evidence().rollback_ok());
+  EXPECT_EQ(resp.evidence().findings_size(), 0);
+  EXPECT_EQ(resp.release().state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(resp.drained_release_id(), "release-v1");
+}
+
+TEST_F(GateTest, FirstReleaseFromRankCountersHasNothingToRollBackTo) {
+  ToShadow("release-v1", 1);
+  for (auto& r : ranks_) r->SetCounters(Healthy(1));
+  ASSERT_TRUE(Transition("release-v1:canary", "release-v1", v1::RELEASE_STATE_CANARY).ok());
+  v1::PromoteResponse resp;
+  grpc::Status s = Promote("p1", "release-v1", &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("gate failed: RollbackOK"));
+  EXPECT_THAT(s.error_message(), HasSubstr("no release is ACTIVE"));
+  EXPECT_THAT(s.error_message(), Not(HasSubstr("HashOK")));
+}
+
+}  // namespace
+}  // namespace moe
