@@ -95,6 +95,13 @@ int Main() {
     spdlog::error("--store: required");
     return 2;
   }
+  // One writer per registry, for the process lifetime: a second controller on the same file
+  // would accept writes this one does not serialize with.
+  auto lock = RegistryLock::Acquire(absl::GetFlag(FLAGS_store));
+  if (!lock.ok()) {
+    spdlog::error("--store: {}; refusing to start", std::string(lock.status().message()));
+    return 1;
+  }
   auto store = ReleaseStore::Open(absl::GetFlag(FLAGS_store));
   if (!store.ok()) {
     spdlog::error("--store: {}", std::string(store.status().message()));
@@ -157,9 +164,9 @@ int Main() {
     return 1;
   }
   auto releases = (*store)->List();
-  spdlog::info("serving on port {} (metrics on {}), {} releases in {}, {} rank agents", port,
+  spdlog::info("serving on port {} (metrics on {}), {} releases in {} (single writer: {}), {} rank agents", port,
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store),
-               agents == nullptr ? 0 : agents->addresses().size());
+               (*lock)->path(), agents == nullptr ? 0 : agents->addresses().size());
   // Periodic reconcile: a rank agent that restarted re-registers its generations here.
   absl::Notification stopping;
   std::thread reconciler;

@@ -1,11 +1,17 @@
 #include "control/store/release_store.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <sqlite3.h>
+#include <sys/file.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
 
 namespace moe {
 
@@ -185,6 +191,41 @@ absl::Status RequireRequestId(const std::string& request_id) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<RegistryLock>> RegistryLock::Acquire(const std::string& store_path) {
+  if (store_path.empty()) return absl::InvalidArgumentError("path: the registry lock needs the store's path");
+  const std::string path = absl::StrCat(store_path, ".lock");
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    std::string holder;
+    if (err == EWOULDBLOCK) {
+      char buf[512];
+      const ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+      if (n > 0) holder.assign(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+    if (err != EWOULDBLOCK) return absl::UnavailableError(absl::StrCat("cannot lock ", path, ": ", std::strerror(err)));
+    holder = std::string(absl::StripAsciiWhitespace(holder));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "registry ", store_path, " is held by another moe-controller (", holder.empty() ? "holder unknown" : holder,
+        "; lock file ", path, "): one controller writes a registry"));
+  }
+  // Ours: say who holds it (the previous holder's line, if any, is stale: its lock is gone).
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "unknown");
+  const std::string who = absl::StrCat("pid ", getpid(), " on host ", host, "\n");
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, who.data(), who.size(), 0) != static_cast<ssize_t>(who.size())) {
+    const int err = errno;
+    close(fd);  // releases the lock
+    return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", std::strerror(err)));
+  }
+  fsync(fd);
+  return std::unique_ptr<RegistryLock>(new RegistryLock(path, fd));
+}
+
+RegistryLock::~RegistryLock() { close(fd_); }
 
 absl::StatusOr<std::unique_ptr<ReleaseStore>> ReleaseStore::Open(const std::string& path) {
   if (path.empty() || path == ":memory:") {

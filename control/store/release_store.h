@@ -38,6 +38,29 @@ struct StoredTransition {
   std::string reason;
 };
 
+// The single-writer lock of a registry file: an exclusive flock on "<store>.lock", held from
+// Acquire until destruction (the kernel drops it when the process dies, SIGKILL included, so a
+// restarted controller is never locked out by a dead one). The holder's pid and hostname are
+// written into the lock file so that a refused process can name it. Two moe-controllers on one
+// registry would each accept writes the other does not serialize with (its write mutex, its
+// idempotency checks, the rank agents it drives); the second one refuses to start instead.
+class RegistryLock {
+ public:
+  // FAILED_PRECONDITION naming the holder ("held by pid P on host H") when another open file
+  // description holds the lock (another process, or another RegistryLock in this one);
+  // UNAVAILABLE when the lock file cannot be created.
+  static absl::StatusOr<std::unique_ptr<RegistryLock>> Acquire(const std::string& store_path);
+  ~RegistryLock();
+  RegistryLock(const RegistryLock&) = delete;
+  RegistryLock& operator=(const RegistryLock&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  RegistryLock(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  std::string path_;
+  int fd_;
+};
+
 class ReleaseStore {
  public:
   // Opens or creates the database at `path` (":memory:" is refused: it is not durable).

@@ -138,6 +138,50 @@ TEST(ReleaseStoreTest, BatchesAreAllOrNothing) {
   EXPECT_TRUE(store->Verify().ok());
 }
 
+TEST(RegistryLockTest, OneWriterPerRegistryNamingTheHolder) {
+  const std::string path = TempPath("locked.db");
+  unlink((path + ".lock").c_str());
+  char host[256] = {0};
+  ASSERT_EQ(gethostname(host, sizeof(host) - 1), 0);
+  // Another process holds the registry: refused, naming its pid and host.
+  int ready[2], done[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(done), 0);
+  const pid_t holder = fork();
+  ASSERT_GE(holder, 0);
+  if (holder == 0) {
+    auto lock = RegistryLock::Acquire(path);
+    const char ok = lock.ok() ? '1' : '0';
+    if (write(ready[1], &ok, 1) != 1) _exit(3);
+    char c;
+    (void)read(done[0], &c, 1);  // hold it until the parent is done
+    _exit(0);
+  }
+  char ok = 0;
+  ASSERT_EQ(read(ready[0], &ok, 1), 1);
+  ASSERT_EQ(ok, '1');
+  auto refused = RegistryLock::Acquire(path);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr(absl::StrCat("held by another moe-controller (pid ", holder, " on host ", host, ";")));
+  // The holder dies (its lock file keeps the stale line): the registry is free again.
+  ASSERT_EQ(write(done[1], "x", 1), 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(holder, &status, 0), holder);
+  auto mine = RegistryLock::Acquire(path);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ((*mine)->path(), path + ".lock");
+  // Within one process too: a second holder is refused while the first lives, and naming us.
+  auto second = RegistryLock::Acquire(path);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr(absl::StrCat("pid ", getpid(), " on host ")));
+  mine->reset();
+  EXPECT_TRUE(RegistryLock::Acquire(path).ok());
+  // Another registry file is another lock.
+  EXPECT_TRUE(RegistryLock::Acquire(TempPath("other.db")).ok());
+  for (int fd : {ready[0], ready[1], done[0], done[1]}) close(fd);
+}
+
 // Rollout k: register release-k and walk it to ACTIVE, then drain and retire release-(k-1). Every
 // call carries a deterministic request id, so re-running a rollout after a crash is idempotent.
 // `ack` is called after each committed call.
