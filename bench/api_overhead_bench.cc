@@ -1,6 +1,7 @@
-// Per-layer-step overhead of the engine API on loopback, against a bare gRPC echo of the same
+// Per-layer-step overhead of the engine API, against a bare gRPC echo of the same
 // bytes, in one process and one run: an in-process moe-rankd service (one rank, loopback
-// transport, CPU kernels, or CUDA ones with MOE_BENCH_KERNELS=cuda) and an Echo service on the same kind of socket (127.0.0.1, port 0).
+// transport, CPU kernels, or CUDA ones with MOE_BENCH_KERNELS=cuda) and an Echo service on the
+// same socket: the engine Unix socket, admitted by uid, as moe-rankd serves engines by default.
 //
 // API overhead of a step = client-observed latency - time inside the layer executor (reported
 // in StepRecord.compute_latency_us): request encoding, transport, decoding, validation, response
@@ -39,6 +40,7 @@
 #include "runtime/placement/default_placement.h"
 #include "server/daemon_util.h"
 #include "server/expert_layer_service.h"
+#include "server/unix_socket.h"
 
 namespace moe {
 namespace {
@@ -153,13 +155,23 @@ int Main() {
   executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
       .IgnoreError();
   RankMetrics metrics("bench");
-  ExpertLayerServiceImpl service(executor.get(), &metrics);
+  // The engine API as moe-rankd serves it by default: a Unix socket whose callers are admitted by
+  // uid (the echo control rides the same socket).
+  // One listener per server below (set between runs, when no call is in flight).
+  const std::string socket_path = "/tmp/moe-api-bench-" + std::to_string(getpid()) + ".sock";
+  std::unique_ptr<UnixSocketListener> listener;
+  EngineApiOptions api;
+  api.peer_uid = [&listener](const std::string& peer) {
+    return listener != nullptr ? listener->PeerUid(peer) : std::nullopt;
+  };
+  ExpertLayerServiceImpl service(executor.get(), &metrics, api);
 
   std::printf("%-8s %-7s %8s %12s %12s %12s %12s %12s %8s %8s\n", "payload", "mode", "tokens", "api_us", "echo_us",
               "held_echo_us", "server_us", "compute_us", "ratio", "held");
   for (int64_t tokens : {4, 256}) {
     v1::StepRequest req;
     req.set_layer(0);
+    req.set_phase(tokens <= 8 ? v1::PHASE_DECODE : v1::PHASE_PREFILL);
     req.set_k(k);
     req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
     req.mutable_hidden()->set_rows(tokens);
@@ -179,16 +191,21 @@ int Main() {
     }
     const size_t reply_bytes = tokens * d * 2 + 64;
     EchoImpl echo(reply_bytes);
+    auto created = UnixSocketListener::Create(socket_path, {});
+    if (!created.ok()) {
+      std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    listener = *std::move(created);
     grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(&service);
     builder.RegisterService(&echo);
     builder.SetMaxReceiveMessageSize(1 << 30);
     auto server = builder.BuildAndStart();
+    listener->Start(server.get());
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(1 << 30);
-    auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args);
+    auto channel = grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
     auto stub = v1::ExpertLayerService::NewStub(channel);
     auto echo_stub = bench::Echo::NewStub(channel);
     bench::EchoMessage echo_req;
@@ -236,7 +253,11 @@ int Main() {
           s->Read(&resp);
         } else {
           grpc::ClientContext ctx;
-          stub->Execute(&ctx, r_req, &resp);
+          const grpc::Status st = stub->Execute(&ctx, r_req, &resp);
+          if (!st.ok()) {
+            std::fprintf(stderr, "step failed: %s\n", st.error_message().c_str());
+            return 1;
+          }
         }
         const double a = absl::ToDoubleMicroseconds(absl::Now() - t0);
         auto echo_us = [&] {  // one echo call, client-observed
@@ -278,6 +299,7 @@ int Main() {
     }
     munmap(region, region_bytes);
     shm_unlink(region_name.c_str());
+    listener.reset();
     server->Shutdown();
   }
   return 0;

@@ -2,7 +2,7 @@
 // name that is not registered: answered at once with NOT_FOUND), back to back and after 2 ms of
 // idle, from one thread and from a fresh thread per call: what the transport and the hosts'
 // wakeups cost around a layer step, apart from its work. 300 calls a mode.
-//   bazel run //bench:rpc_ping -- 127.0.0.1:<rank port>
+//   bazel run //bench:rpc_ping -- unix:<the rank's --engine_socket>   (the engine API's default)
 #include <grpcpp/grpcpp.h>
 #include <algorithm>
 #include <chrono>

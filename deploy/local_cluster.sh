@@ -25,7 +25,7 @@ trap 'stop_ranks; rm -rf "$work"' EXIT
 "$M" checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
   --out "$work/checkpoint.safetensors"
 start_ranks "$RANKD" "$work" "$RANKS" "$work/checkpoint.safetensors"
-echo "started $RANKS ranks ($BACKEND_NAME): gRPC ports $(for f in "$work"/ports/*.port; do printf '%s ' "$(cat "$f")"; done)"
+echo "started $RANKS ranks ($BACKEND_NAME): engine sockets $(for f in "$work"/ports/*.engine; do printf '%s ' "$(cat "$f")"; done)"
 set +e
 "$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
   --rounds "$ROUNDS"

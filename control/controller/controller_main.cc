@@ -1,5 +1,5 @@
 // moe-controller: the cluster's release registry. Serves ControlPlaneService (bearer-token
-// authenticated), gRPC health and reflection on a loopback port by default, keeps every transition
+// authenticated), gRPC health (no reflection) on a loopback port by default, keeps every transition
 // in a SQLite file (WAL) before answering, and exports Prometheus metrics read from that file.
 #include <signal.h>
 

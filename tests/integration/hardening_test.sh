@@ -2,6 +2,7 @@
 # The hardening findings, on real processes: two moe-rankd (UCX, agent API on TCP) and a hostile
 # engine (hostile_client). Each check failed on the code before the fix:
 #  - a request whose sizes wrap in 64 bits killed the rank; now INVALID_ARGUMENT
+#  - NaN / Inf BF16 rows and an unknown phase were served; now INVALID_ARGUMENT (peer ABORTED)
 #  - step ids differing between ranks waited out the 10 s timeout; now ABORTED at once, both ids
 #  - a registered region truncated before a step read it: SIGBUS; now FAILED_PRECONDITION
 #  - the TCP port served steps, RegisterRegion, health and reflection to anyone; now refused
@@ -22,6 +23,7 @@ t0="$(cat "$work/ports/0.engine")" t1="$(cat "$work/ports/1.engine")"
 
 "$HOSTILE" overflow "$t0"; verdict $? "sizes that wrap in 64 bits are INVALID_ARGUMENT"
 kill -0 "${RANK_PIDS[0]}"; verdict $? "rank 0 is alive after them"
+"$HOSTILE" bad_values "$t0" "$t1"; verdict $? "non-finite BF16 rows and unknown phases are INVALID_ARGUMENT"
 "$HOSTILE" step_mismatch "$t0" "$t1"; verdict $? "differing step ids: ABORTED on both ranks at once"
 "$HOSTILE" shrink "$t0" "$t1"; verdict $? "a shrunk region: FAILED_PRECONDITION, its peer ABORTED"
 kill -0 "${RANK_PIDS[0]}"; verdict $? "rank 0 is alive after it (no SIGBUS)"

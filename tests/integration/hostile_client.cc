@@ -2,6 +2,8 @@
 // what an attacker or a broken engine could, to real moe-rankd processes, and exits 0 only when
 // the ranks answered as docs/api.md and docs/security.md promise.
 //   overflow UNIX_TARGET                 rows x cols x width and rows x k that wrap in 64 bits
+//   bad_values T0 T1                     NaN / Inf BF16 rows and an unknown phase, sent to rank 0
+//                                        while rank 1 gets the valid step
 //   step_mismatch T0 T1                  step 10 to rank 0, step 11 to rank 1, concurrently
 //   shrink T0 T1                         a registered region truncated before the step reads it
 //   unauthenticated HOST:PORT            the TCP port without credentials: no step, no region,
@@ -83,6 +85,33 @@ int Overflow(const std::string& target) {
   req.mutable_hidden()->set_cols(256);
   req.set_k(8);
   ok = Expect("rows 2^55 x cols 256 x 2 bytes", Execute(*stub, req), grpc::StatusCode::INVALID_ARGUMENT, "hidden.rows") && ok;
+  return ok ? 0 : 1;
+}
+
+// Rank 0 gets `bad`, rank 1 the valid step of the same id: rank 0 INVALID_ARGUMENT naming
+// `field`, rank 1 ABORTED (rank 0 rejected its input).
+bool RejectedWithPeer(const std::string& t0, const std::string& t1, const v1::StepRequest& bad, const char* what,
+                      const char* field) {
+  auto s0 = Stub(t0), s1 = Stub(t1);
+  auto f0 = std::async(std::launch::async, [&] { return Execute(*s0, bad); });
+  auto f1 = std::async(std::launch::async, [&] { return Execute(*s1, Valid(bad.step_id())); });
+  bool ok = Expect(what, f0.get(), grpc::StatusCode::INVALID_ARGUMENT, field);
+  return Expect("... its peer", f1.get(), grpc::StatusCode::ABORTED, "rejected its input") && ok;
+}
+
+int BadValues(const std::string& t0, const std::string& t1) {
+  bool ok = true;
+  uint64_t step = 40;
+  for (uint16_t v : {uint16_t{0x7fc0}, uint16_t{0x7f80}, uint16_t{0xff80}}) {
+    v1::StepRequest bad = Valid(step++);
+    std::memcpy(&(*bad.mutable_hidden()->mutable_data())[2 * 5], &v, 2);
+    ok = RejectedWithPeer(t0, t1, bad, "non-finite BF16 row value", "hidden.data[5]") && ok;
+  }
+  for (int phase : {0, 7}) {
+    v1::StepRequest bad = Valid(step++);
+    bad.set_phase(static_cast<v1::Phase>(phase));
+    ok = RejectedWithPeer(t0, t1, bad, phase == 0 ? "phase unspecified" : "phase 7", "phase") && ok;
+  }
   return ok ? 0 : 1;
 }
 
@@ -179,6 +208,7 @@ int main(int argc, char** argv) {
   if (argc < 3) return 2;
   const std::string mode = argv[1];
   if (mode == "overflow") return moe::Overflow(argv[2]);
+  if (mode == "bad_values" && argc == 4) return moe::BadValues(argv[2], argv[3]);
   if (mode == "step_mismatch" && argc == 4) return moe::StepMismatch(argv[2], argv[3]);
   if (mode == "shrink" && argc == 4) return moe::Shrink(argv[2], argv[3]);
   if (mode == "unauthenticated") return moe::Unauthenticated(argv[2]);
