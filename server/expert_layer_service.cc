@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <memory>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,18 @@ std::string StatusLabel(absl::StatusCode code) {
   std::string s = absl::StatusCodeToString(code);
   for (char& c : s) c = c == ' ' ? '_' : static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
+}
+
+// Bytes a request thread keeps between steps for rows copied in from or out to shared regions
+// (gRPC's threads are pooled): a fresh buffer a step costs a page fault a 4 KiB page, about as
+// much as the copy itself. Larger buffers are freed after their step.
+constexpr size_t kKeptScratchBytes = size_t{64} << 20;
+
+// A buffer of `bytes` for this thread's step, reused while it stays under kKeptScratchBytes.
+char* Scratch(std::vector<char>& keep, std::vector<char>& once, int64_t bytes) {
+  std::vector<char>& v = static_cast<size_t>(bytes) <= kKeptScratchBytes ? keep : once;
+  if (v.size() < static_cast<size_t>(bytes)) v.resize(bytes);
+  return v.data();
 }
 
 // The columns of a row are an int downstream (kernels); far above any model's hidden size.
@@ -124,14 +137,15 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     const CheckedStep& c = *checked;
     // Phase: read the rows, inline or copied out of a registered region (read once: the engine
     // changing or shrinking the region later cannot reach this step).
-    std::unique_ptr<char[]> region_rows;
+    thread_local std::vector<char> kept_in, kept_out;
+    std::vector<char> once_in, once_out;
     absl::StatusOr<Bf16Rows> hidden;
     if (req.has_hidden_region()) {
       const v1::SharedRegionRef& ref = req.hidden_region();
-      region_rows.reset(new char[std::max<int64_t>(c.wire_bytes, 1)]);
-      absl::Status read = regions_.Read(ref.region(), ref.offset(), ref.bytes(), region_rows.get(), "hidden_region");
+      char* rows = Scratch(kept_in, once_in, c.wire_bytes);
+      absl::Status read = regions_.Read(ref.region(), ref.offset(), ref.bytes(), rows, "hidden_region");
       if (!read.ok()) return reject(read);
-      hidden = ReadBf16(req.hidden(), region_rows.get(), c.wire_bytes, "hidden_region");
+      hidden = ReadBf16(req.hidden(), rows, c.wire_bytes, "hidden_region");
     } else {
       hidden = ReadBf16(req.hidden(), req.hidden().data().data(), req.hidden().data().size(), "hidden");
     }
@@ -165,9 +179,9 @@ absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepRes
     resp->set_step_id(req.step_id());
     if (req.has_output_region()) {
       const v1::SharedRegionRef& ref = req.output_region();
-      std::unique_ptr<char[]> out(new char[std::max<int64_t>(c.wire_bytes, 1)]);
-      EncodeBytes(result->output, req.hidden().dtype(), out.get());
-      RETURN_IF_ERROR(regions_.Write(ref.region(), ref.offset(), ref.bytes(), out.get(), "output_region"));
+      char* out = Scratch(kept_out, once_out, c.wire_bytes);
+      EncodeBytes(result->output, req.hidden().dtype(), out);
+      RETURN_IF_ERROR(regions_.Write(ref.region(), ref.offset(), ref.bytes(), out, "output_region"));
       resp->mutable_output()->set_dtype(req.hidden().dtype());
       resp->mutable_output()->set_rows(c.tokens);
       resp->mutable_output()->set_cols(c.d);

@@ -153,3 +153,25 @@ TEST(TensorCodecTest, WireBytesRefusesShapesThatOverflow) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+// Every BF16 value at every position of a word (and in the tail): rejected exactly when it is
+// NaN or infinite, and the error names its index.
+TEST(TensorCodecTest, CheckFiniteBf16FindsExactlyTheNonFiniteValues) {
+  std::vector<uint16_t> rows(11, 0x3f80);  // 1.0
+  for (uint32_t v = 0; v <= 0xffff; ++v) {
+    const bool finite = std::isfinite(kernels::Bf16ToFloat(static_cast<uint16_t>(v)));
+    for (int at : {0, 3, 6, 10}) {
+      rows[at] = static_cast<uint16_t>(v);
+      const absl::Status s = CheckFiniteBf16(rows.data(), static_cast<int64_t>(rows.size()), "hidden");
+      ASSERT_EQ(s.ok(), finite) << std::hex << v << " at " << at;
+      if (!finite) ASSERT_NE(s.message().find("hidden.data[" + std::to_string(at) + "]"), std::string::npos);
+      rows[at] = 0x3f80;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe
