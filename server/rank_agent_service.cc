@@ -348,6 +348,7 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
     out->set_version(version);
     out->set_steps(c.steps);
     out->set_failed_steps(c.failed_steps);
+    out->set_aborted_steps(c.aborted_steps);
     out->set_canary_steps(c.canary_steps);
     out->set_decode_steps(c.decode_steps);
     out->set_fallback_steps(c.fallback_steps);

@@ -268,10 +268,17 @@ std::map<int64_t, GenerationCounters> LayerExecutor::Counters() const {
 
 void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary) {
   if (!r.ok()) {
-    // A failed step counts against the generation it would have run on.
+    // A failed step counts against the generation it would have run on. ABORTED is the ranks'
+    // agreement refusing the step before any payload moved (another rank rejected its input,
+    // proposed another generation while a trial or a switch reaches the ranks one by one, or was
+    // in another step): not a fault of that generation, and the engine retries it.
     const int64_t v = canary ? Trial().version : options_.registry->ActiveVersion();
     absl::MutexLock lock(&generations_mu_);
-    ++counters_[v].failed_steps;
+    if (r.status().code() == absl::StatusCode::kAborted) {
+      ++counters_[v].aborted_steps;
+    } else {
+      ++counters_[v].failed_steps;
+    }
     return;
   }
   const StepRecord& rec = r->record;

@@ -341,6 +341,27 @@ TEST(LayerExecutorTrialTest, ShadowComparesAndCanaryServesTheCandidate) {
   EXPECT_EQ(w.exec[0]->Counters().at(18).shadow_samples, 3);
 }
 
+// A canary step while the controller is still telling the ranks (rank 3 has no canary setting
+// yet): the ranks propose different generations and abort before payload, which is the rollout's
+// switch, not a fault of the candidate: counted as aborted, never as a failed step (FaultsOK).
+TEST(LayerExecutorTrialTest, ACanaryStepAbortedDuringTheSwitchIsNoCandidateFailure) {
+  Rank4 w;
+  w.PrepareEverywhere(w.Candidate(18));
+  for (int r = 0; r < kRanks; ++r) w.exec[r]->SetTrial(r == 3 ? -1 : 18, 0, 3);
+  std::mt19937 rng(11);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 3));
+  const auto results = RunStep(w, inputs, 9, 1);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_FALSE(results[r].ok()) << "rank " << r;
+    EXPECT_EQ(results[r].status().code(), absl::StatusCode::kAborted) << results[r].status();
+    const auto c = w.exec[r]->Counters();
+    const int64_t v = r == 3 ? 17 : 18;
+    EXPECT_EQ(c.at(v).aborted_steps, 1) << "rank " << r;
+    EXPECT_EQ(c.at(v).failed_steps, 0) << "rank " << r;
+  }
+}
+
 TEST(LayerExecutorTrialTest, ShadowCatchesACandidateThatComputesSomethingElse) {
   Rank4 w;
   w.PrepareEverywhere(w.Candidate(19), /*corrupt_rank=*/1);
