@@ -38,9 +38,9 @@
 #endif
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/placement/default_placement.h"
-#include "server/daemon_util.h"
+#include "rpc/daemon_util.h"
 #include "server/expert_layer_service.h"
-#include "server/unix_socket.h"
+#include "rpc/unix_socket.h"
 
 namespace moe {
 namespace {

@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "control/eplb_io.h"
 #include "control/moectl_remote.h"
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 #include "control/placement_report.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/placement/migration.h"

@@ -14,13 +14,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 #include "control/rebalance.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/status.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 
 namespace moe {
 

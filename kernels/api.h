@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace moe::kernels {
@@ -253,6 +254,25 @@ class KernelBuffer {
 };
 
 std::unique_ptr<ExpertKernels> CreateCpuKernels();
+
+// Switches of the CUDA kernels for side-by-side measurements; the defaults are the tuned
+// choices (docs/kernels.md, bench/RESULTS.md). Process-wide: a binary's main sets them once,
+// before it creates kernels (kernels created earlier keep what they were made with; the launch
+// switches `pdl` and `mma_wide` apply from the next CreateCudaKernels on). The text form, what
+// mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
+// "gemm=auto|loop|grouped,chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1".
+struct CudaTuning {
+  enum class Gemm { kAuto, kLoop, kGrouped };
+  Gemm gemm = Gemm::kAuto;   // loop: one cuBLAS GEMM per expert; grouped: always grouped
+  int chain_streams = 0;     // side streams for chained GEMMs; 0: the kernels' choice
+  bool fused_layer = true;   // LocalLayer's fused one-token kernels (false: always in stages)
+  bool pdl = true;           // programmatic dependent launch between consecutive kernels
+  int mma_wide = -1;         // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
+};
+// INVALID_ARGUMENT naming the key for an unknown key or a value out of range; "" is the defaults.
+absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec);
+void SetCudaTuning(const CudaTuning& tuning);
+CudaTuning GetCudaTuning();
 // UNIMPLEMENTED in a build without --config=cuda; UNAVAILABLE without a usable GPU.
 absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels();
 

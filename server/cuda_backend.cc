@@ -21,7 +21,7 @@ std::string NextToExecutable(const char* name) {
 
 }  // namespace
 
-absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path) {
+absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path, const kernels::CudaTuning& tuning) {
   const std::string file = path.empty() ? NextToExecutable("libmoe_cuda.so") : path;
   void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
@@ -32,9 +32,11 @@ absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path) {
   b.kernels_ = reinterpret_cast<KernelsFactory>(dlsym(lib, "moe_cuda_create_kernels"));
   b.nccl_ = reinterpret_cast<NcclFactory>(dlsym(lib, "moe_cuda_create_nccl"));
   b.graphs_ = reinterpret_cast<GraphsFactory>(dlsym(lib, "moe_cuda_decode_graphs"));
-  if (b.kernels_ == nullptr || b.nccl_ == nullptr || b.graphs_ == nullptr) {
+  const auto set_tuning = reinterpret_cast<TuningSetter>(dlsym(lib, "moe_cuda_set_tuning"));
+  if (b.kernels_ == nullptr || b.nccl_ == nullptr || b.graphs_ == nullptr || set_tuning == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("cuda backend ", file, ": entry points missing"));
   }
+  set_tuning(&tuning);
   return b;
 }
 

@@ -30,9 +30,10 @@ struct NcclBackendOptions {
 
 class CudaBackend {
  public:
-  // Loads the plugin (`path`; empty: libmoe_cuda.so next to this executable). The library stays
+  // Loads the plugin (`path`; empty: libmoe_cuda.so next to this executable) and hands it the
+  // kernels' switches (the plugin holds its own copy of the kernels library). The library stays
   // loaded for the life of the process.
-  static absl::StatusOr<CudaBackend> Load(const std::string& path);
+  static absl::StatusOr<CudaBackend> Load(const std::string& path, const kernels::CudaTuning& tuning = {});
 
   // Makes `device` current and creates the CUDA kernels on it (every call binds it again).
   absl::StatusOr<std::unique_ptr<kernels::ExpertKernels>> CreateKernels(int device) const;
@@ -43,6 +44,7 @@ class CudaBackend {
   using KernelsFactory = kernels::ExpertKernels* (*)(int device, std::string* error);
   using NcclFactory = Transport* (*)(const NcclBackendOptions* options, std::string* error);
   using GraphsFactory = void (*)(Transport* nccl, DecodeGraphFactory* out);
+  using TuningSetter = void (*)(const kernels::CudaTuning* tuning);
 
  private:
   KernelsFactory kernels_ = nullptr;
@@ -58,6 +60,7 @@ extern "C" {
 moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* error);
 moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std::string* error);
 void moe_cuda_decode_graphs(moe::Transport* nccl, moe::DecodeGraphFactory* out);
+void moe_cuda_set_tuning(const moe::kernels::CudaTuning* tuning);
 }
 
 #endif  // MOE_SERVER_CUDA_BACKEND_H_

@@ -9,6 +9,8 @@
 
 extern "C" {
 
+void moe_cuda_set_tuning(const moe::kernels::CudaTuning* tuning) { moe::kernels::SetCudaTuning(*tuning); }
+
 moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* error) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

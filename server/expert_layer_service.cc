@@ -7,8 +7,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/bearer_auth.h"
-#include "server/grpc_status.h"
+#include "rpc/bearer_auth.h"
+#include "rpc/grpc_status.h"
 #include "runtime/status.h"
 #include "server/tensor_codec.h"
 

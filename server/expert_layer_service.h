@@ -5,7 +5,7 @@
 // Drain() refuses new steps with UNAVAILABLE and waits for the ones in flight.
 //
 // Callers: a connection accepted on the engine Unix socket was admitted by its peer
-// credentials (server/unix_socket.h; `peer_uid` resolves it); any other caller (TCP) must carry
+// credentials (rpc/unix_socket.h; `peer_uid` resolves it); any other caller (TCP) must carry
 // `authorization: Bearer <engine token>`, and without a configured token it is refused
 // (UNAUTHENTICATED). RegisterRegion follows the same rule.
 #ifndef MOE_SERVER_EXPERT_LAYER_SERVICE_H_

@@ -10,10 +10,10 @@
 #include "runtime/logging.h"
 #include "runtime/placement/migration.h"
 #include "runtime/status.h"
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 #include "runtime/checkpoint/synthetic.h"
-#include "server/bearer_auth.h"
-#include "server/grpc_status.h"
+#include "rpc/bearer_auth.h"
+#include "rpc/grpc_status.h"
 
 namespace moe {
 

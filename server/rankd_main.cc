@@ -35,10 +35,10 @@
 #include "server/cuda_backend.h"
 #include "server/expert_layer_service.h"
 #include "server/generation_metrics.h"
-#include "server/daemon_util.h"
+#include "rpc/daemon_util.h"
 #include "server/metrics.h"
 #include "server/rank_agent_service.h"
-#include "server/unix_socket.h"
+#include "rpc/unix_socket.h"
 
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
 ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
@@ -81,6 +81,9 @@ ABSL_FLAG(std::string, inject_fault, "",
           "1.05 (a candidate runner that computes something else)");
 ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (-1: the rank's index)");
 ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to this executable)");
+ABSL_FLAG(std::string, cuda_tuning, "",
+          "switches of the CUDA kernels for side-by-side measurements, e.g. pdl=0,fused_layer=0 (kernels/api.h "
+          "CudaTuning; empty: the tuned defaults)");
 
 namespace moe {
 namespace {
@@ -213,7 +216,12 @@ int Main() {
   const int gpu = absl::GetFlag(FLAGS_gpu) >= 0 ? absl::GetFlag(FLAGS_gpu) : rank;
   std::optional<CudaBackend> cuda;
   if (kernels_flag == "cuda" || transport_flag == "nccl") {
-    auto loaded = CudaBackend::Load(absl::GetFlag(FLAGS_cuda_backend));
+    auto tuning = kernels::ParseCudaTuning(absl::GetFlag(FLAGS_cuda_tuning));
+    if (!tuning.ok()) {
+      spdlog::error("--cuda_tuning: {}", std::string(tuning.status().message()));
+      return 2;
+    }
+    auto loaded = CudaBackend::Load(absl::GetFlag(FLAGS_cuda_backend), *tuning);
     if (!loaded.ok()) {
       spdlog::error("--kernels={} --transport={}: {}", kernels_flag, transport_flag, std::string(loaded.status().message()));
       return 2;

@@ -203,6 +203,12 @@ int main(int argc, char** argv) {
                              : (l == "block" ? moe::kernels::Layout::kBlockSparse : moe::kernels::Layout::kGrouped);
     }
   }
+  // The kernels' switches for side-by-side runs (bench/gpu/decode.sh): MOE_CUDA_TUNING="pdl=0".
+  if (const char* spec = std::getenv("MOE_CUDA_TUNING"); spec != nullptr) {
+    auto tuning = moe::kernels::ParseCudaTuning(spec);
+    CHECK_OK(tuning.status());
+    moe::kernels::SetCudaTuning(*tuning);
+  }
   auto kernels_or = moe::kernels::CreateCudaKernels();
   CHECK_OK(kernels_or.status());
   auto& kernels = *kernels_or;

@@ -25,7 +25,7 @@ grep breakdown "$OUT/ours.jsonl" || true
 tar -C "$OUT" -czf "$OUT/logs.tgz" --remove-files $(cd "$OUT" && ls sanitizer_*.txt *.err gpu.txt cuda_kernels_test.txt 2>/dev/null) 2>/dev/null || true
 if [ "${AB:-0}" = 1 ]; then
   echo "== A/B: every multi-expert GEMM through cublasGemmGroupedBatchedEx"
-  MOE_GROUPED_GEMM=grouped dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours_grouped.jsonl" 2>&1
+  MOE_CUDA_TUNING=gemm=grouped dist/gpu/bin/expert_layer_bench ${BENCH_ARGS:-} > "$OUT/ours_grouped.jsonl" 2>&1
   python3 bench/gpu/report.py "$OUT/ours_grouped.jsonl" "$OUT/torch.jsonl" "$OUT/report_grouped.md" > /dev/null
   cut -d'|' -f2-7 "$OUT/report_grouped.md"
 fi

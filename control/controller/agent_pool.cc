@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "server/grpc_status.h"
+#include "rpc/grpc_status.h"
 
 namespace moe {
 

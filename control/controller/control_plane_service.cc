@@ -5,13 +5,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 #include "runtime/release/evidence.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/placement/migration.h"
 #include "runtime/status.h"
-#include "server/bearer_auth.h"
-#include "server/grpc_status.h"
+#include "rpc/bearer_auth.h"
+#include "rpc/grpc_status.h"
 #include "spdlog/spdlog.h"
 
 namespace moe {

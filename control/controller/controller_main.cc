@@ -19,7 +19,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "runtime/logging.h"
-#include "server/daemon_util.h"
+#include "rpc/daemon_util.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, store, "", "SQLite file holding the release registry (created if missing)");
@@ -158,11 +158,14 @@ int Main() {
                  std::string(s.message()));
   }
   int port = 0;
-  auto server = ServeGrpc({&service}, 0, &port);
+  GrpcServeOptions serve;
+  serve.listen = absl::GetFlag(FLAGS_listen);
+  auto server = ServeGrpc({&service}, serve, &port);
   if (!server.ok()) {
     spdlog::error("{}", std::string(server.status().message()));
     return 1;
   }
+  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   auto releases = (*store)->List();
   spdlog::info("serving on port {} (metrics on {}), {} releases in {} (single writer: {}), {} rank agents", port,
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store),

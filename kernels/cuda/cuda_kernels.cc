@@ -105,7 +105,13 @@ struct Problem {
 
 class CudaKernels final : public ExpertKernels {
  public:
-  CudaKernels(cublasHandle_t handle, int device) : handle_(handle), device_(device) {
+  CudaKernels(cublasHandle_t handle, int device, const CudaTuning& tuning)
+      : handle_(handle),
+        device_(device),
+        loop_gemm_(tuning.gemm == CudaTuning::Gemm::kLoop),
+        force_grouped_(tuning.gemm == CudaTuning::Gemm::kGrouped),
+        chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
+        fused_layer_(tuning.fused_layer) {
     for (int i = 0; i < kSideStreams; ++i) {
       side_ok_ = side_ok_ && cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking) == cudaSuccess &&
                  cublasCreate(&side_handle_[i]) == CUBLAS_STATUS_SUCCESS &&
@@ -113,12 +119,6 @@ class CudaKernels final : public ExpertKernels {
                  cudaEventCreateWithFlags(&side_done_[i], cudaEventDisableTiming) == cudaSuccess;
     }
     side_ok_ = side_ok_ && cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming) == cudaSuccess;
-    const char* mode = std::getenv("MOE_GROUPED_GEMM");
-    loop_gemm_ = mode != nullptr && std::strcmp(mode, "loop") == 0;
-    force_grouped_ = mode != nullptr && std::strcmp(mode, "grouped") == 0;
-    if (const char* n = std::getenv("MOE_CHAIN_STREAMS"); n != nullptr) {
-      chain_streams_env_ = std::max(1, std::min(kSideStreams, std::atoi(n)));
-    }
   }
   ~CudaKernels() override {
     for (int i = 0; i < kSideStreams; ++i) {
@@ -365,7 +365,7 @@ class CudaKernels final : public ExpertKernels {
       // expert's activation with another's GEMMs; many large GEMMs (1024+ rows) fill the GPU
       // alone and only contend when concurrent; many smaller ones share it.
       const bool many_large = up.size() > 8 && avg_rows >= 1024;
-      const int streams = chain_streams_env_ > 0 ? chain_streams_env_ : (many_large ? 1 : kSideStreams);
+      const int streams = chain_streams_forced_ > 0 ? chain_streams_forced_ : (many_large ? 1 : kSideStreams);
       s = Chains(up, down, f, streams, st);
       if (!s.ok()) return s;
     } else {
@@ -584,7 +584,7 @@ class CudaKernels final : public ExpertKernels {
   // below it one grouped call wins (measured on the H200, bench/RESULTS.md).
   static constexpr int64_t kChainWork = 4'000'000'000;
   static constexpr int kSideStreams = 4;
-  int chain_streams_env_ = 0;  // MOE_CHAIN_STREAMS override for A/B runs
+  int chain_streams_forced_ = 0;  // CudaTuning::chain_streams (side-by-side runs)
   bool side_ok_ = true;
   cudaStream_t side_[kSideStreams] = {};
   cublasHandle_t side_handle_[kSideStreams] = {};
@@ -596,12 +596,9 @@ class CudaKernels final : public ExpertKernels {
   std::vector<cublasOperation_t> trans_a_, trans_b_;
   std::vector<int> m_, n_, k_, lda_, ldb_, ldc_, ones_;
   std::vector<float> alpha_, beta_;
-  // LocalLayer: the fused kernels' scratch ([done counter][a][y]); MOE_CUDA_FUSED_LAYER=0 runs
-  // every step in stages (side-by-side measurements). Last, so its buffers go first.
-  bool fused_layer_ = [] {
-    const char* v = std::getenv("MOE_CUDA_FUSED_LAYER");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  // LocalLayer: the fused kernels' scratch ([done counter][a][y]); CudaTuning::fused_layer =
+  // false runs every step in stages (side-by-side measurements). Last, so its buffers go first.
+  bool fused_layer_ = true;
   Scratch layer_scratch_;
   uint64_t layer_zeroed_ = 0;  // the allocation of layer_scratch_ whose counter was zeroed
   LocalLayerScratch layer_stages_;
@@ -618,7 +615,9 @@ absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels() {
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   cublasHandle_t handle;
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
-  return std::unique_ptr<ExpertKernels>(new CudaKernels(handle, device));
+  const CudaTuning tuning = GetCudaTuning();
+  cuda::SetLaunchSwitches(tuning.pdl, tuning.mma_wide);
+  return std::unique_ptr<ExpertKernels>(new CudaKernels(handle, device, tuning));
 }
 
 }  // namespace moe::kernels

@@ -4,6 +4,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -575,5 +577,17 @@ cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, con
                                                                     row_of_route, token_of_row);
   return cudaGetLastError();
 }
+
+namespace {
+std::atomic<bool> launch_pdl{true};
+std::atomic<int> launch_mma_wide{-1};
+}  // namespace
+
+void SetLaunchSwitches(bool pdl, int mma_wide) {
+  launch_pdl.store(pdl, std::memory_order_relaxed);
+  launch_mma_wide.store(mma_wide, std::memory_order_relaxed);
+}
+bool PdlEnabled() { return launch_pdl.load(std::memory_order_relaxed); }
+int MmaWideForced() { return launch_mma_wide.load(std::memory_order_relaxed); }
 
 }  // namespace moe::kernels::cuda

@@ -10,6 +10,11 @@
 
 namespace moe::kernels::cuda {
 
+// The process's launch switches (CudaTuning::pdl, CudaTuning::mma_wide in kernels/api.h), set by
+// CreateCudaKernels from GetCudaTuning(); read at every launch.
+void SetLaunchSwitches(bool pdl, int mma_wide);
+int MmaWideForced();  // -1: by expected rows; 0 / 1: forced narrow / wide
+
 // out[i] = in[index[i]] for rows of `row_bytes`; index < 0 or >= in_rows writes `fill_bf16`
 // repeated (row_bytes must be even when fill is used) or zeros when fill_bf16 == 0.
 cudaError_t LaunchGatherRows(const void* in, int64_t in_rows, const int32_t* index, int64_t n, int64_t row_bytes,

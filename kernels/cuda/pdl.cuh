@@ -12,14 +12,13 @@
 //   3. a kernel may read before its wait only inputs of the launch sequence it belongs to that
 //      the previous kernel of the sequence also only reads (e.g. the down projection's weights
 //      and offsets while the gate/up kernel runs).
-// MOE_CUDA_PDL=0 in the environment turns the attribute off (for side-by-side measurements).
+// CudaTuning::pdl = false (kernels/api.h; "pdl=0") turns the attribute off, for side-by-side
+// measurements: CreateCudaKernels hands it to SetLaunchSwitches (launch.h).
 #ifndef MOE_KERNELS_CUDA_PDL_CUH_
 #define MOE_KERNELS_CUDA_PDL_CUH_
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 namespace moe::kernels::cuda {
@@ -27,13 +26,8 @@ namespace moe::kernels::cuda {
 __device__ __forceinline__ void WaitForPredecessor() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void ReleaseDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-inline bool PdlEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MOE_CUDA_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return enabled;
-}
+// Whether launches carry the attribute (SetLaunchSwitches, device_kernels.cu).
+bool PdlEnabled();
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic serialization on the
 // previous work of `stream` when PDL is enabled.

@@ -266,12 +266,9 @@ bool MmaSupported(int d, int f) { return d > 0 && f > 0 && d % 32 == 0 && f % 32
 // against 3.3; E=128 (d=2048, d_ff=768) 128 tokens 447 us against 466 (graph replay). They cost
 // where experts get a row or two (E=128, 16 tokens: 258-289 us against 195): half the weight
 // loads in flight a lane. Hence wide from 8 expected rows (twice the mean segment);
-// MOE_CUDA_MMA_WIDE=0 or 1 in the environment forces either (side-by-side measurements).
+// CudaTuning::mma_wide = 0 or 1 forces either (side-by-side measurements; MmaWideForced()).
 bool WidePass(int64_t want) {
-  static const int forced = [] {
-    const char* v = std::getenv("MOE_CUDA_MMA_WIDE");
-    return v == nullptr || *v == '\0' ? -1 : (std::atoi(v) != 0 ? 1 : 0);
-  }();
+  const int forced = MmaWideForced();
   return forced >= 0 ? forced == 1 : want >= kRowsPerMma;
 }
 

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "control/controller/control_plane_service.h"
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "runtime/placement/default_placement.h"

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -50,6 +51,12 @@ class DeviceVector {
 class CudaKernelsTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // MOE_CUDA_TUNING (kernels/api.h CudaTuning) runs the suite under other switches, e.g. mma_wide=1.
+    if (const char* spec = std::getenv("MOE_CUDA_TUNING"); spec != nullptr) {
+      auto tuning = ParseCudaTuning(spec);
+      ASSERT_TRUE(tuning.ok()) << tuning.status();
+      SetCudaTuning(*tuning);
+    }
     auto k = CreateCudaKernels();
     ASSERT_TRUE(k.ok()) << k.status();
     gpu_ = std::move(*k);
@@ -185,8 +192,8 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
 // order either way, so both give the same bits. Five experts with the same weights: expert 0
 // has rows x0..x7, the others repeat them, 13 rows (one ragged 16-row pass), 16, none and 45
 // (ragged last passes of both widths): each row must also equal expert 0's row of the same
-// source, and the CPU within rounding. (MOE_CUDA_MMA_WIDE in the environment forces one width
-// for all three calls.)
+// source, and the CPU within rounding. (MOE_CUDA_TUNING=mma_wide=0|1 in the environment forces one
+// width for all three calls.)
 TEST_F(CudaKernelsTest, DeviceOffsetSwigluPassesOfEveryWidthAgree) {
   const int e = 5, d = 256, f = 160;
   const std::vector<int64_t> counts = {8, 13, 16, 0, 45};

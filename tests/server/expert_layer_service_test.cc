@@ -19,7 +19,7 @@
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
-#include "server/unix_socket.h"
+#include "rpc/unix_socket.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {

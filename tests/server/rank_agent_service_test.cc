@@ -9,7 +9,7 @@
 
 #include <random>
 
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/numeric.h"

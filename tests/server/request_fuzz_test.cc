@@ -25,7 +25,7 @@
 #include "gtest/gtest.h"
 #include "kernels/numeric.h"
 #include "server/expert_layer_service.h"
-#include "server/unix_socket.h"
+#include "rpc/unix_socket.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {

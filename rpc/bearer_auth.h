@@ -1,7 +1,7 @@
 // Bearer-token check for control-plane services (moe-controller, rank agents): the token is
 // compared in constant time; a missing or wrong token is UNAUTHENTICATED.
-#ifndef MOE_SERVER_BEARER_AUTH_H_
-#define MOE_SERVER_BEARER_AUTH_H_
+#ifndef MOE_RPC_BEARER_AUTH_H_
+#define MOE_RPC_BEARER_AUTH_H_
 
 #include <openssl/crypto.h>
 
@@ -26,4 +26,4 @@ inline grpc::Status CheckBearer(const grpc::ServerContext* ctx, const std::strin
 
 }  // namespace moe
 
-#endif  // MOE_SERVER_BEARER_AUTH_H_
+#endif  // MOE_RPC_BEARER_AUTH_H_

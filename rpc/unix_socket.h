@@ -8,8 +8,8 @@
 // credential check is the gate then).
 //
 // Thread-safety: PeerUid() may be called from any thread; Start() once.
-#ifndef MOE_SERVER_UNIX_SOCKET_H_
-#define MOE_SERVER_UNIX_SOCKET_H_
+#ifndef MOE_RPC_UNIX_SOCKET_H_
+#define MOE_RPC_UNIX_SOCKET_H_
 
 #include <sys/types.h>
 
@@ -59,4 +59,4 @@ class UnixSocketListener {
 
 }  // namespace moe
 
-#endif  // MOE_SERVER_UNIX_SOCKET_H_
+#endif  // MOE_RPC_UNIX_SOCKET_H_

@@ -1,4 +1,4 @@
-#include "server/unix_socket.h"
+#include "rpc/unix_socket.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -2,8 +2,8 @@
 // listen, where they write their ports, the log level), port files, the gRPC server with health
 // checking, the Prometheus exposer on a (possibly zero) port, and blocking
 // termination signals for a sigwait() in main.
-#ifndef MOE_SERVER_DAEMON_UTIL_H_
-#define MOE_SERVER_DAEMON_UTIL_H_
+#ifndef MOE_RPC_DAEMON_UTIL_H_
+#define MOE_RPC_DAEMON_UTIL_H_
 
 #include <signal.h>
 
@@ -47,13 +47,10 @@ struct GrpcServeOptions {
 // Serves `services` (and health as asked) and sets *port to the bound TCP port (0 without one).
 // No daemon serves gRPC reflection: linking gRPC's reflection library turns it on for every
 // server of the process, the TCP ones included. Connections can also be added from descriptors
-// (server/unix_socket.h). Exactly one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are off).
+// (rpc/unix_socket.h). Exactly one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are off).
 // UNAVAILABLE naming the flag when the address cannot be bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
                                                         const GrpcServeOptions& options, int* port);
-// The same on --listen with health checking, writing the port to --port_file (moe-controller).
-absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
-                                                        int max_message_bytes, int* port);
 
 // Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later).
 sigset_t BlockTerminationSignals();
@@ -66,4 +63,4 @@ void DisableMutexDeadlockDetection();
 
 }  // namespace moe
 
-#endif  // MOE_SERVER_DAEMON_UTIL_H_
+#endif  // MOE_RPC_DAEMON_UTIL_H_

@@ -1,4 +1,4 @@
-#include "control/placement_proto.h"
+#include "rpc/placement_proto.h"
 
 #include <openssl/evp.h>
 

@@ -1,4 +1,4 @@
-#include "server/daemon_util.h"
+#include "rpc/daemon_util.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -100,16 +100,6 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
   if (server == nullptr || (!o.listen.empty() && *port == 0)) {
     return absl::UnavailableError(absl::StrCat(o.flag, " ", o.listen, ": cannot bind"));
   }
-  return server;
-}
-
-absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
-                                                        int max_message_bytes, int* port) {
-  GrpcServeOptions o;
-  o.listen = absl::GetFlag(FLAGS_listen);
-  o.max_message_bytes = max_message_bytes;
-  auto server = ServeGrpc(services, o, port);
-  if (server.ok()) WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(*port));
   return server;
 }
 

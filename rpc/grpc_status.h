@@ -1,6 +1,6 @@
 // The one place absl::Status becomes grpc::Status (conventions 9).
-#ifndef MOE_SERVER_GRPC_STATUS_H_
-#define MOE_SERVER_GRPC_STATUS_H_
+#ifndef MOE_RPC_GRPC_STATUS_H_
+#define MOE_RPC_GRPC_STATUS_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -20,4 +20,4 @@ inline absl::Status FromGrpcStatus(const grpc::Status& s) {
 
 }  // namespace moe
 
-#endif  // MOE_SERVER_GRPC_STATUS_H_
+#endif  // MOE_RPC_GRPC_STATUS_H_

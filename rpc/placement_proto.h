@@ -1,7 +1,7 @@
 // Translation between runtime placement manifests and their proto form (the edge where proto
 // types stop: runtime/ never sees them). FromProto validates every field and names it.
-#ifndef MOE_CONTROL_PLACEMENT_PROTO_H_
-#define MOE_CONTROL_PLACEMENT_PROTO_H_
+#ifndef MOE_RPC_PLACEMENT_PROTO_H_
+#define MOE_RPC_PLACEMENT_PROTO_H_
 
 #include <memory>
 #include <string>
@@ -26,4 +26,4 @@ std::string PlacementDigest(const PlacementManifest& manifest, const Topology& t
 
 }  // namespace moe
 
-#endif  // MOE_CONTROL_PLACEMENT_PROTO_H_
+#endif  // MOE_RPC_PLACEMENT_PROTO_H_

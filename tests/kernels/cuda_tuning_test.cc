@@ -1,0 +1,52 @@
+// CudaTuning's text form (kernels/api.h): what moe-rankd's --cuda_tuning and the benchmarks'
+// MOE_CUDA_TUNING take.
+#include "gtest/gtest.h"
+#include "kernels/api.h"
+
+namespace moe::kernels {
+namespace {
+
+TEST(CudaTuningTest, EmptyIsTheTunedDefaults) {
+  auto t = ParseCudaTuning("");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->gemm, CudaTuning::Gemm::kAuto);
+  EXPECT_EQ(t->chain_streams, 0);
+  EXPECT_TRUE(t->fused_layer);
+  EXPECT_TRUE(t->pdl);
+  EXPECT_EQ(t->mma_wide, -1);
+}
+
+TEST(CudaTuningTest, EveryKey) {
+  auto t = ParseCudaTuning("gemm=loop, chain_streams=2,fused_layer=0,pdl=0,mma_wide=1");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->gemm, CudaTuning::Gemm::kLoop);
+  EXPECT_EQ(t->chain_streams, 2);
+  EXPECT_FALSE(t->fused_layer);
+  EXPECT_FALSE(t->pdl);
+  EXPECT_EQ(t->mma_wide, 1);
+  EXPECT_EQ(ParseCudaTuning("gemm=grouped")->gemm, CudaTuning::Gemm::kGrouped);
+}
+
+TEST(CudaTuningTest, BadInputNamesTheKey) {
+  for (const char* bad : {"pdl=2", "gemm=fast", "chain_streams=5", "mma_wide=-2", "fused_layer=", "speed=1", "pdl"}) {
+    auto t = ParseCudaTuning(bad);
+    ASSERT_FALSE(t.ok()) << bad;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    const std::string key = std::string(bad).substr(0, std::string(bad).find('='));
+    EXPECT_NE(t.status().message().find(key), std::string::npos) << t.status();
+  }
+}
+
+TEST(CudaTuningTest, SetAndGetAreProcessWide) {
+  CudaTuning t;
+  t.pdl = false;
+  t.chain_streams = 3;
+  SetCudaTuning(t);
+  EXPECT_FALSE(GetCudaTuning().pdl);
+  EXPECT_EQ(GetCudaTuning().chain_streams, 3);
+  SetCudaTuning(CudaTuning{});
+  EXPECT_TRUE(GetCudaTuning().pdl);
+}
+
+}  // namespace
+}  // namespace moe::kernels
