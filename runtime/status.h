@@ -33,6 +33,22 @@ inline void UpdateFirstError(absl::Status* first, const absl::Status& next) {
   if (first->ok() && !next.ok()) *first = next;
 }
 
+// The exit status of every moe-runtime binary (moe-rankd, moe-controller, moectl,
+// engine_driver, ...), so scripts tell a caller's mistake from a failure of the system:
+//   0 (kExitOk)      the status is OK;
+//   2 (kExitUsage)   the input was wrong: flags, files, arguments, or a request the other side
+//                    refused as such (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND,
+//                    ALREADY_EXISTS, OUT_OF_RANGE);
+//   1 (kExitFailure) anything else (unreachable or unauthenticated peers, internal errors).
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+int ExitCode(const absl::Status& status);
+
+// Aborts with file:line and the message when an invariant of the program (never of its input)
+// does not hold: input is answered with a Status, a broken invariant is a bug.
+[[noreturn]] void CheckFailed(const char* condition, const char* file, int line, absl::string_view message);
+
 namespace status_internal {
 inline absl::Status AsStatus(absl::Status s) { return s; }
 template <typename T>
@@ -62,6 +78,12 @@ inline absl::Status AsStatus(const absl::StatusOr<T>& s) {
   auto statusor = (rexpr);                           \
   if (!statusor.ok()) return statusor.status();      \
   lhs = std::move(statusor).value()
+
+// MOE_CHECK(cond) / MOE_CHECK(cond, message): the invariant `cond` holds, or the process aborts.
+#define MOE_CHECK(cond, ...)                                                        \
+  do {                                                                              \
+    if (!(cond)) ::moe::CheckFailed(#cond, __FILE__, __LINE__, "" __VA_ARGS__);     \
+  } while (0)
 
 // errno-returning POSIX calls: `RETURN_IF_ERRNO(::close(fd))` returns when the call is < 0.
 #define RETURN_IF_ERRNO(expr)                                                  \

@@ -48,3 +48,29 @@ TEST(StatusTest, FirstErrorWins) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+TEST(ExitCodeTest, OneMappingForEveryBinary) {
+  EXPECT_EQ(ExitCode(absl::OkStatus()), 0);
+  for (const absl::Status& usage :
+       {absl::InvalidArgumentError("x"), absl::FailedPreconditionError("x"), absl::NotFoundError("x"),
+        absl::AlreadyExistsError("x"), absl::OutOfRangeError("x")}) {
+    EXPECT_EQ(ExitCode(usage), kExitUsage) << usage;
+  }
+  for (const absl::Status& failure : {absl::UnavailableError("x"), absl::InternalError("x"),
+                                      absl::UnauthenticatedError("x"), absl::DeadlineExceededError("x"),
+                                      absl::PermissionDeniedError("x"), absl::AbortedError("x")}) {
+    EXPECT_EQ(ExitCode(failure), kExitFailure) << failure;
+  }
+}
+
+TEST(CheckDeathTest, BrokenInvariantAbortsNamingIt) {
+  MOE_CHECK(1 + 1 == 2, "arithmetic");
+  EXPECT_DEATH(MOE_CHECK(2 + 2 == 5, "slots sum"), "invariant violated: 2 \\+ 2 == 5: slots sum");
+  EXPECT_DEATH(MOE_CHECK(false), "status_test.cc:[0-9]+: invariant violated: false");
+}
+
+}  // namespace
+}  // namespace moe
