@@ -293,12 +293,7 @@ class UcxTransport final : public Transport {
       return absl::InvalidArgumentError(absl::StrCat("ucx: step record of ", bytes, " bytes (at most ",
                                                      kMaxStepRecordBytes, ")"));
     }
-    for (int i = 0; i < size(); ++i) {
-      if (i != slot() && peers_[i].failure != UCS_OK) {
-        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
-                                                   ") failed: ", ucs_status_string(peers_[i].failure)));
-      }
-    }
+    if (absl::Status s = CheckPeersUp(); !s.ok()) return s;
     AgreeChannel channel(this);
     return RunStepGather(channel, backlog_, slot(), size(), step, in, bytes, out, timeout);
   }
@@ -472,9 +467,101 @@ class UcxTransport final : public Transport {
     }
   }
 
+  // UNAVAILABLE naming the first peer (other than this member) that UCX saw fail, else OK.
+  absl::Status CheckPeersUp() const {
+    for (int i = 0; i < size(); ++i) {
+      if (i != slot() && peers_[i].failure != UCS_OK) {
+        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
+                                                   ") failed: ", ucs_status_string(peers_[i].failure)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // The requests of one positional collective: entry i is the one with peer slot i.
+  struct Pending {
+    std::vector<void*> recvs, sends;
+    std::vector<bool> recv_done, send_done;
+    bool Done(int i) const { return recv_done[i] && send_done[i]; }
+  };
+
+  // Posts every receive, then every send, of collective `position`; copies this member's own
+  // segment locally.
+  Pending PostExchange(uint64_t kind, uint64_t position, const void* send, const std::vector<int64_t>& send_off,
+                       absl::Span<const int64_t> send_bytes, void* recv, const std::vector<int64_t>& recv_off,
+                       absl::Span<const int64_t> recv_bytes) {
+    const int n = size(), me = slot();
+    Pending p{std::vector<void*>(n, nullptr), std::vector<void*>(n, nullptr), std::vector<bool>(n, false),
+              std::vector<bool>(n, false)};
+    for (int i = 0; i < n; ++i) {
+      if (i == me) continue;
+      p.recvs[i] = PostRecv(Tag(kind, position, i), static_cast<char*>(recv) + recv_off[i], recv_bytes[i]);
+    }
+    for (int i = 0; i < n; ++i) {
+      if (i == me) continue;
+      p.sends[i] = PostSend(i, Tag(kind, position, me), static_cast<const char*>(send) + send_off[i], send_bytes[i]);
+    }
+    std::memcpy(static_cast<char*>(recv) + recv_off[me], static_cast<const char*>(send) + send_off[me], send_bytes[me]);
+    p.recv_done[me] = p.send_done[me] = true;
+    return p;
+  }
+
+  // Tests peer i's receive and send; on a failed request or a failed peer, ends every request
+  // of the collective and returns UNAVAILABLE.
+  absl::Status AdvancePeer(int i, Pending& p) {
+    ucs_status_t st = UCS_OK;
+    if (!p.recv_done[i] && Completed(&p.recvs[i], &st)) {
+      p.recv_done[i] = true;
+      if (st != UCS_OK) {
+        CancelAll(&p.recvs);
+        CancelAll(&p.sends);
+        return absl::UnavailableError(absl::StrCat("ucx: receive from peer slot ", i, " failed: ", ucs_status_string(st)));
+      }
+    }
+    if (!p.send_done[i] && Completed(&p.sends[i], &st)) {
+      p.send_done[i] = true;
+      if (st != UCS_OK) {
+        CancelAll(&p.recvs);
+        CancelAll(&p.sends);
+        return absl::UnavailableError(absl::StrCat("ucx: send to peer slot ", i, " (", options_.addresses[i],
+                                                   ") failed: ", ucs_status_string(st)));
+      }
+    }
+    if (i != slot() && peers_[i].failure != UCS_OK && !p.Done(i)) {
+      CancelAll(&p.recvs);
+      CancelAll(&p.sends);
+      return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
+                                                 ") failed: ", ucs_status_string(peers_[i].failure)));
+    }
+    return absl::OkStatus();
+  }
+
+  // The collective ran past its deadline: ends its requests and fails the peers it did not
+  // complete with.
+  absl::Status AbandonExchange(Pending& p, uint64_t seq, absl::Duration timeout) {
+    const int n = size(), me = slot();
+    int missing = -1;
+    for (int i = 0; i < n && missing < 0; ++i) {
+      if (!p.Done(i)) missing = i;
+    }
+    CancelAll(&p.recvs);
+    CancelAll(&p.sends);
+    // Positions now differ between this member and the peers it did not complete with: a
+    // later call would pair with the wrong one of theirs. Fail them (as NCCL aborts its
+    // communicator); later calls with them answer UNAVAILABLE at once.
+    for (int i = 0; i < n; ++i) {
+      if (i == me || p.Done(i) || peers_[i].ep == nullptr) continue;
+      if (peers_[i].failure == UCS_OK) peers_[i].failure = UCS_ERR_TIMED_OUT;
+      base_->CloseEp(peers_[i].ep, /*force=*/true);
+      peers_[i].ep = nullptr;
+    }
+    return absl::DeadlineExceededError(absl::StrCat("ucx: peer slot ", missing, " did not answer within ",
+                                                    absl::FormatDuration(timeout), " (seq ", seq, ")"));
+  }
+
   absl::Status Exchange(uint64_t kind, uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes,
                         void* recv, absl::Span<const int64_t> recv_bytes, absl::Duration timeout) {
-    const int n = size(), me = slot();
+    const int n = size();
     // Matched by position: this member's n-th collective pairs with every peer's n-th.
     const uint64_t position = ++collectives_;
     std::vector<int64_t> send_off(n + 1, 0), recv_off(n + 1, 0);
@@ -482,76 +569,19 @@ class UcxTransport final : public Transport {
       send_off[i + 1] = send_off[i] + send_bytes[i];
       recv_off[i + 1] = recv_off[i] + recv_bytes[i];
     }
-    for (int i = 0; i < n; ++i) {
-      if (i != me && peers_[i].failure != UCS_OK) {
-        return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
-                                                   ") failed: ", ucs_status_string(peers_[i].failure)));
-      }
-    }
-    std::vector<void*> recvs(n, nullptr), sends(n, nullptr);
-    std::vector<bool> recv_done(n, false), send_done(n, false);
-    for (int i = 0; i < n; ++i) {
-      if (i == me) continue;
-      recvs[i] = PostRecv(Tag(kind, position, i), static_cast<char*>(recv) + recv_off[i], recv_bytes[i]);
-    }
-    for (int i = 0; i < n; ++i) {
-      if (i == me) continue;
-      sends[i] = PostSend(i, Tag(kind, position, me), static_cast<const char*>(send) + send_off[i], send_bytes[i]);
-    }
-    std::memcpy(static_cast<char*>(recv) + recv_off[me], static_cast<const char*>(send) + send_off[me], send_bytes[me]);
-    recv_done[me] = send_done[me] = true;
+    if (absl::Status s = CheckPeersUp(); !s.ok()) return s;
+    Pending p = PostExchange(kind, position, send, send_off, send_bytes, recv, recv_off, recv_bytes);
     const absl::Time deadline = absl::Now() + timeout;
     while (true) {
       // Yield when nothing progressed: several ranks may share few cores (local clusters).
       if (ucp_worker_progress(base_->worker) == 0) std::this_thread::yield();
       bool all = true;
       for (int i = 0; i < n; ++i) {
-        ucs_status_t st = UCS_OK;
-        if (!recv_done[i] && Completed(&recvs[i], &st)) {
-          recv_done[i] = true;
-          if (st != UCS_OK) {
-            CancelAll(&recvs);
-            CancelAll(&sends);
-            return absl::UnavailableError(absl::StrCat("ucx: receive from peer slot ", i, " failed: ", ucs_status_string(st)));
-          }
-        }
-        if (!send_done[i] && Completed(&sends[i], &st)) {
-          send_done[i] = true;
-          if (st != UCS_OK) {
-            CancelAll(&recvs);
-            CancelAll(&sends);
-            return absl::UnavailableError(absl::StrCat("ucx: send to peer slot ", i, " (", options_.addresses[i],
-                                                       ") failed: ", ucs_status_string(st)));
-          }
-        }
-        if (i != me && peers_[i].failure != UCS_OK && !(recv_done[i] && send_done[i])) {
-          CancelAll(&recvs);
-          CancelAll(&sends);
-          return absl::UnavailableError(absl::StrCat("ucx: peer slot ", i, " (", options_.addresses[i],
-                                                     ") failed: ", ucs_status_string(peers_[i].failure)));
-        }
-        all = all && recv_done[i] && send_done[i];
+        if (absl::Status s = AdvancePeer(i, p); !s.ok()) return s;
+        all = all && p.Done(i);
       }
       if (all) return absl::OkStatus();
-      if (absl::Now() > deadline) {
-        int missing = -1;
-        for (int i = 0; i < n && missing < 0; ++i) {
-          if (!recv_done[i] || !send_done[i]) missing = i;
-        }
-        CancelAll(&recvs);
-        CancelAll(&sends);
-        // Positions now differ between this member and the peers it did not complete with: a
-        // later call would pair with the wrong one of theirs. Fail them (as NCCL aborts its
-        // communicator); later calls with them answer UNAVAILABLE at once.
-        for (int i = 0; i < n; ++i) {
-          if (i == me || (recv_done[i] && send_done[i]) || peers_[i].ep == nullptr) continue;
-          if (peers_[i].failure == UCS_OK) peers_[i].failure = UCS_ERR_TIMED_OUT;
-          base_->CloseEp(peers_[i].ep, /*force=*/true);
-          peers_[i].ep = nullptr;
-        }
-        return absl::DeadlineExceededError(absl::StrCat("ucx: peer slot ", missing, " did not answer within ",
-                                                        absl::FormatDuration(timeout), " (seq ", seq, ")"));
-      }
+      if (absl::Now() > deadline) return AbandonExchange(p, seq, timeout);
     }
   }
 
