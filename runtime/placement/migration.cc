@@ -27,6 +27,93 @@ bool SameState(const SlotRecord& a, const PlacementManifest& am, const SlotRecor
   return a.expert == b.expert && a.checkpoint == b.checkpoint && am.checkpoint() == bm.checkpoint() &&
          a.parameter_digest == b.parameter_digest;
 }
+
+// An unclaimed compatible copy of target slot `t` already resident on rank r, or -1.
+int FindRetainable(const PlacementManifest& from, const PlacementManifest& to, const SlotRecord& t, int r,
+                   const std::vector<bool>& claimed) {
+  for (PhysicalSlotId s : from.LocalSlots(Rank(r))) {
+    if (!claimed[s.value()] && SameState(from.slot(s), from, t, to)) return s.value();
+  }
+  return -1;
+}
+
+// The nearest compatible holder of `t` in the source placement for rank r, or -1: the same node
+// first, then the lowest rank, then the lowest slot id.
+int FindNearestHolder(const PlacementManifest& from, const PlacementManifest& to, const SlotRecord& t, int r,
+                      const Topology& topology) {
+  int best = -1;
+  for (PhysicalSlotId s : from.SlotsOf(t.expert)) {
+    const SlotRecord& c = from.slot(s);
+    if (!SameState(c, from, t, to) || !topology.HasRank(c.rank)) continue;
+    if (best < 0) {
+      best = s.value();
+      continue;
+    }
+    const SlotRecord& b = from.slot(PhysicalSlotId(best));
+    const bool c_near = topology.NodeOf(c.rank) == topology.NodeOf(Rank(r));
+    const bool b_near = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r));
+    if (c_near != b_near ? c_near : (c.rank != b.rank ? c.rank < b.rank : c.slot < b.slot)) best = s.value();
+  }
+  return best;
+}
+
+// Picks the action (and source) for `step`, whose target is slot q on rank r. `first` is the
+// first target slot on rank r that materialized the expert, or -1.
+void ChooseSource(const PlacementManifest& from, const PlacementManifest& to, const Topology& topology, int r,
+                  PhysicalSlotId q, int32_t first, std::vector<bool>& claimed, MigrationStep& step) {
+  const SlotRecord& t = to.slot(q);
+  const int retain = FindRetainable(from, to, t, r, claimed);
+  if (retain >= 0) {
+    claimed[retain] = true;
+    step.action = MigrationAction::kRetain;
+    step.source_rank = Rank(r);
+    step.source_slot = PhysicalSlotId(retain);
+    return;
+  }
+  if (first >= 0) {
+    step.action = MigrationAction::kLocalDuplicate;
+    step.source_rank = Rank(r);
+    step.source_slot = PhysicalSlotId(first);
+    step.source_is_target = true;
+    return;
+  }
+  const int best = FindNearestHolder(from, to, t, r, topology);
+  if (best < 0) {
+    step.action = MigrationAction::kCheckpointLoad;
+    return;
+  }
+  const SlotRecord& b = from.slot(PhysicalSlotId(best));
+  step.action = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r)) ? MigrationAction::kSameNodeCopy
+                                                                     : MigrationAction::kCrossNodeCopy;
+  step.source_rank = b.rank;
+  step.source_slot = b.slot;
+}
+
+// Adds one step of `action` to the plan's per-action totals.
+void CountAction(MigrationAction action, int64_t expert_bytes, MigrationPlan& plan) {
+  switch (action) {
+    case MigrationAction::kRetain:
+      ++plan.retained_copies;
+      plan.retained_bytes += expert_bytes;
+      break;
+    case MigrationAction::kLocalDuplicate:
+      ++plan.local_duplicates;
+      plan.local_bytes += expert_bytes;
+      break;
+    case MigrationAction::kSameNodeCopy:
+      ++plan.same_node_copies;
+      plan.same_node_bytes += expert_bytes;
+      break;
+    case MigrationAction::kCrossNodeCopy:
+      ++plan.cross_node_copies;
+      plan.cross_node_bytes += expert_bytes;
+      break;
+    case MigrationAction::kCheckpointLoad:
+      ++plan.checkpoint_loads;
+      plan.checkpoint_bytes += expert_bytes;
+      break;
+  }
+}
 }  // namespace
 
 absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const PlacementManifest& to,
@@ -52,73 +139,9 @@ absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const
       step.source_rank = Rank(-1);
       step.source_slot = PhysicalSlotId(-1);
       int32_t& first = materialized[static_cast<size_t>(r) * to.num_experts() + t.expert.value()];
-
-      // Retain an unclaimed compatible copy already resident on this rank.
-      int retain = -1;
-      for (PhysicalSlotId s : from.LocalSlots(Rank(r))) {
-        if (!claimed[s.value()] && SameState(from.slot(s), from, t, to)) {
-          retain = s.value();
-          break;
-        }
-      }
-      if (retain >= 0) {
-        claimed[retain] = true;
-        step.action = MigrationAction::kRetain;
-        step.source_rank = Rank(r);
-        step.source_slot = PhysicalSlotId(retain);
-      } else if (first >= 0) {
-        step.action = MigrationAction::kLocalDuplicate;
-        step.source_rank = Rank(r);
-        step.source_slot = PhysicalSlotId(first);
-        step.source_is_target = true;
-      } else {
-        // Nearest compatible holder in the source placement.
-        int best = -1;
-        for (PhysicalSlotId s : from.SlotsOf(t.expert)) {
-          const SlotRecord& c = from.slot(s);
-          if (!SameState(c, from, t, to) || !topology.HasRank(c.rank)) continue;
-          if (best < 0) {
-            best = s.value();
-            continue;
-          }
-          const SlotRecord& b = from.slot(PhysicalSlotId(best));
-          const bool c_near = topology.NodeOf(c.rank) == topology.NodeOf(Rank(r));
-          const bool b_near = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r));
-          if (c_near != b_near ? c_near : (c.rank != b.rank ? c.rank < b.rank : c.slot < b.slot)) best = s.value();
-        }
-        if (best < 0) {
-          step.action = MigrationAction::kCheckpointLoad;
-        } else {
-          const SlotRecord& b = from.slot(PhysicalSlotId(best));
-          step.action = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r)) ? MigrationAction::kSameNodeCopy
-                                                                             : MigrationAction::kCrossNodeCopy;
-          step.source_rank = b.rank;
-          step.source_slot = b.slot;
-        }
-      }
+      ChooseSource(from, to, topology, r, q, first, claimed, step);
       if (first < 0) first = q.value();
-      switch (step.action) {
-        case MigrationAction::kRetain:
-          ++plan.retained_copies;
-          plan.retained_bytes += expert_bytes;
-          break;
-        case MigrationAction::kLocalDuplicate:
-          ++plan.local_duplicates;
-          plan.local_bytes += expert_bytes;
-          break;
-        case MigrationAction::kSameNodeCopy:
-          ++plan.same_node_copies;
-          plan.same_node_bytes += expert_bytes;
-          break;
-        case MigrationAction::kCrossNodeCopy:
-          ++plan.cross_node_copies;
-          plan.cross_node_bytes += expert_bytes;
-          break;
-        case MigrationAction::kCheckpointLoad:
-          ++plan.checkpoint_loads;
-          plan.checkpoint_bytes += expert_bytes;
-          break;
-      }
+      CountAction(step.action, expert_bytes, plan);
       plan.steps.push_back(step);
     }
   }
