@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/status.h"
 
 namespace moe {
 
@@ -63,15 +64,23 @@ ByteLedger ComputeByteLedger(const ClusterPlan& plan, const FrozenHandoff& hando
   return b;
 }
 
-absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& events,
-                                              const std::vector<BufferLifetime>& buffers) {
-  std::map<std::string, size_t> index;
+namespace {
+
+using EventIndex = std::map<std::string, size_t>;
+
+// Event name -> index in `events`; a name declared twice is an error.
+absl::StatusOr<EventIndex> IndexEvents(const std::vector<ScheduleEvent>& events) {
+  EventIndex index;
   for (size_t i = 0; i < events.size(); ++i) {
     if (!index.emplace(events[i].name, i).second) {
       return absl::InvalidArgumentError(absl::StrCat("event ", events[i].name, " is declared twice"));
     }
   }
-  // Dependencies exist, every non-root event has one, and epochs follow dependencies.
+  return index;
+}
+
+// Dependencies exist, every non-root event has one, and epochs follow dependencies.
+absl::Status CheckDependencies(const std::vector<ScheduleEvent>& events, const EventIndex& index) {
   int roots = 0;
   for (const ScheduleEvent& e : events) {
     if (e.deps.empty()) ++roots;
@@ -91,13 +100,17 @@ absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& 
     return absl::FailedPreconditionError(
         absl::StrCat("missing dependency: the event graph has ", roots, " events without a dependency, expected one root"));
   }
-  // Cycle check (Kahn). Epoch ordering already excludes cycles among epoch-ordered events, but
-  // the check stands on its own so a schedule with equal epochs is still rejected for the right reason.
+  return absl::OkStatus();
+}
+
+// Cycle check (Kahn). Epoch ordering already excludes cycles among epoch-ordered events, but
+// the check stands on its own so a schedule with equal epochs is still rejected for the right reason.
+absl::Status CheckAcyclic(const std::vector<ScheduleEvent>& events, const EventIndex& index) {
   std::vector<int> indegree(events.size(), 0);
   std::vector<std::vector<size_t>> users(events.size());
   for (size_t i = 0; i < events.size(); ++i) {
     for (const std::string& dep : events[i].deps) {
-      users[index[dep]].push_back(i);
+      users[index.find(dep)->second].push_back(i);  // CheckDependencies found every dep
       ++indegree[i];
     }
   }
@@ -115,10 +128,14 @@ absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& 
     }
   }
   if (visited != events.size()) return absl::FailedPreconditionError("cyclic event graph");
+  return absl::OkStatus();
+}
 
-  LifetimeReport report;
-  int last_epoch = 0;
-  for (const ScheduleEvent& e : events) last_epoch = std::max(last_epoch, e.epoch);
+// Each buffer's interval is non-empty and outlives its last reader; buffers of one alias group
+// are never live together. Adds the buffers' bytes to report.total_bytes and raises *last_epoch
+// to the last buffer end.
+absl::Status CheckBuffers(const std::vector<ScheduleEvent>& events, const EventIndex& index,
+                          const std::vector<BufferLifetime>& buffers, LifetimeReport& report, int* last_epoch) {
   for (const BufferLifetime& b : buffers) {
     if (b.begin >= b.end) {
       return absl::InvalidArgumentError(absl::StrCat("buffer ", b.name, ": empty interval [", b.begin, ", ", b.end, ")"));
@@ -135,7 +152,7 @@ absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& 
                                                         " completes at epoch ", complete));
     }
     report.total_bytes += b.bytes;
-    last_epoch = std::max(last_epoch, b.end);
+    *last_epoch = std::max(*last_epoch, b.end);
   }
   for (size_t i = 0; i < buffers.size(); ++i) {
     for (size_t j = i + 1; j < buffers.size(); ++j) {
@@ -147,6 +164,21 @@ absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& 
       }
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& events,
+                                              const std::vector<BufferLifetime>& buffers) {
+  ASSIGN_OR_RETURN(const EventIndex index, IndexEvents(events));
+  RETURN_IF_ERROR(CheckDependencies(events, index));
+  RETURN_IF_ERROR(CheckAcyclic(events, index));
+
+  LifetimeReport report;
+  int last_epoch = 0;
+  for (const ScheduleEvent& e : events) last_epoch = std::max(last_epoch, e.epoch);
+  RETURN_IF_ERROR(CheckBuffers(events, index, buffers, report, &last_epoch));
   report.live_by_epoch.assign(last_epoch + 1, 0);
   for (const BufferLifetime& b : buffers) {
     for (int t = b.begin; t < b.end; ++t) report.live_by_epoch[t] += b.bytes;

@@ -140,6 +140,75 @@ std::vector<int32_t> ClusterPlan::ExpertRoutes(Rank dest) const {
   return out;
 }
 
+namespace {
+
+// Route checks against the immutable manifest, then grouping by source in semantic order:
+// fills the count matrix, destination ranks and per-source routes of `plan`, and each source's
+// slots in `source_slots`.
+absl::Status GroupBySource(const SemanticHandoff& h, absl::Span<const PhysicalSlotId> slots, const PlanLayout& layout,
+                           const Topology& topology, ClusterPlan& plan,
+                           std::vector<std::vector<PhysicalSlotId>>& source_slots) {
+  const PlacementManifest& m = layout.manifest();
+  const ProcessGroup& g = layout.group();
+  const int p_count = plan.num_ranks;
+  for (int32_t r = 0; r < h.size(); ++r) {
+    if (!h.admitted[r]) continue;
+    const Rank src = h.origin[r];
+    if (!topology.HasRank(src) || !g.Contains(src)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("route ", r, ": source rank ", src.value(), " is not a member of ", g.id().value()));
+    }
+    const int q = slots[r].value();
+    if (q < 0 || q >= m.num_slots()) {
+      return absl::InvalidArgumentError(absl::StrCat("route ", r, ": physical slot ", q, " is not in ", m.VersionName()));
+    }
+    const Incompatibility why = CheckCompatible(h.expert[r], slots[r], m, g, topology);
+    if (why != Incompatibility::kNone) {
+      return absl::FailedPreconditionError(absl::StrCat("route ", r, " (logical expert ", h.expert[r].value(),
+                                                        ") -> slot ", m.slot(slots[r]).name, ": ",
+                                                        IncompatibilityName(why)));
+    }
+    const Rank dst = m.slot(slots[r]).rank;
+    plan.destination_rank[r] = dst.value();
+    ++plan.count_matrix[src.value() * p_count + dst.value()];
+    plan.source_routes[src.value()].push_back(r);
+    source_slots[src.value()].push_back(slots[r]);
+    ++plan.accepted;
+  }
+  return absl::OkStatus();
+}
+
+// Receive side: rank u receives, from each source peer i in peer-slot order, that source's
+// segment for u's peer slot.
+absl::Status PlanReceives(const PlanLayout& layout, ClusterPlan& plan) {
+  const ProcessGroup& g = layout.group();
+  const int p_count = plan.num_ranks;
+  std::vector<int64_t> recv_splits(p_count);
+  std::vector<PhysicalSlotId> received;
+  for (int u = 0; u < p_count; ++u) {
+    const int u_peer = g.SlotOf(Rank(u)).value();
+    received.clear();
+    auto& routes = plan.receive_routes[u];
+    for (int i = 0; i < p_count; ++i) {
+      const int s = g.RankAt(PeerSlot(i)).value();
+      const SourcePlan& sp = plan.source[s];
+      recv_splits[i] = sp.send_splits[u_peer];
+      for (int64_t pos = sp.send_offsets[u_peer]; pos < sp.send_offsets[u_peer + 1]; ++pos) {
+        received.push_back(sp.send_slots[pos]);
+        routes.push_back(plan.source_routes[s][sp.send_order[pos]]);
+      }
+    }
+    RETURN_IF_ERROR(PlanDestination(layout, Rank(u), recv_splits, received, &plan.destination[u]));
+    for (size_t pos = 0; pos < routes.size(); ++pos) {
+      plan.receive_position[routes[pos]] = static_cast<int32_t>(pos);
+      plan.expert_position[routes[pos]] = plan.destination[u].expert_position[pos];
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span<const PhysicalSlotId> slots,
                                         const PlanLayout& layout, const Topology& topology) {
   RETURN_IF_ERROR(VerifyFrozen(handoff));
@@ -167,33 +236,8 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
   plan.receive_position.assign(h.size(), -1);
   plan.expert_position.assign(h.size(), -1);
   plan.destination_rank.assign(h.size(), -1);
-
-  // Route checks against the immutable manifest, then group by source in semantic order.
   std::vector<std::vector<PhysicalSlotId>> source_slots(p_count);
-  for (int32_t r = 0; r < h.size(); ++r) {
-    if (!h.admitted[r]) continue;
-    const Rank src = h.origin[r];
-    if (!topology.HasRank(src) || !g.Contains(src)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("route ", r, ": source rank ", src.value(), " is not a member of ", g.id().value()));
-    }
-    const int q = slots[r].value();
-    if (q < 0 || q >= m.num_slots()) {
-      return absl::InvalidArgumentError(absl::StrCat("route ", r, ": physical slot ", q, " is not in ", m.VersionName()));
-    }
-    const Incompatibility why = CheckCompatible(h.expert[r], slots[r], m, g, topology);
-    if (why != Incompatibility::kNone) {
-      return absl::FailedPreconditionError(absl::StrCat("route ", r, " (logical expert ", h.expert[r].value(),
-                                                        ") -> slot ", m.slot(slots[r]).name, ": ",
-                                                        IncompatibilityName(why)));
-    }
-    const Rank dst = m.slot(slots[r]).rank;
-    plan.destination_rank[r] = dst.value();
-    ++plan.count_matrix[src.value() * p_count + dst.value()];
-    plan.source_routes[src.value()].push_back(r);
-    source_slots[src.value()].push_back(slots[r]);
-    ++plan.accepted;
-  }
+  RETURN_IF_ERROR(GroupBySource(h, slots, layout, topology, plan, source_slots));
 
   if (g.size() != p_count) {
     return absl::FailedPreconditionError(absl::StrCat("process group ", g.id().value(), " has ", g.size(),
@@ -205,30 +249,7 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
       plan.send_position[plan.source_routes[s][i]] = plan.source[s].send_position[i];
     }
   }
-
-  // Receive side: rank u receives, from each source peer i in peer-slot order, that source's
-  // segment for u's peer slot.
-  std::vector<int64_t> recv_splits(p_count);
-  std::vector<PhysicalSlotId> received;
-  for (int u = 0; u < p_count; ++u) {
-    const int u_peer = g.SlotOf(Rank(u)).value();
-    received.clear();
-    auto& routes = plan.receive_routes[u];
-    for (int i = 0; i < p_count; ++i) {
-      const int s = g.RankAt(PeerSlot(i)).value();
-      const SourcePlan& sp = plan.source[s];
-      recv_splits[i] = sp.send_splits[u_peer];
-      for (int64_t pos = sp.send_offsets[u_peer]; pos < sp.send_offsets[u_peer + 1]; ++pos) {
-        received.push_back(sp.send_slots[pos]);
-        routes.push_back(plan.source_routes[s][sp.send_order[pos]]);
-      }
-    }
-    RETURN_IF_ERROR(PlanDestination(layout, Rank(u), recv_splits, received, &plan.destination[u]));
-    for (size_t pos = 0; pos < routes.size(); ++pos) {
-      plan.receive_position[routes[pos]] = static_cast<int32_t>(pos);
-      plan.expert_position[routes[pos]] = plan.destination[u].expert_position[pos];
-    }
-  }
+  RETURN_IF_ERROR(PlanReceives(layout, plan));
   return plan;
 }
 
