@@ -258,24 +258,10 @@ class CudaKernels final : public ExpertKernels {
     absl::Status s = CheckSwiglu(p);
     if (!s.ok()) return s;
     auto st = static_cast<cudaStream_t>(stream);
+    if (p.host_offsets == nullptr) return SwigluDeviceOffsets(p, st);
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
-    if (p.host_offsets == nullptr) {
-      // Decode path: offsets stay on the device.
-      if (!cuda::SmallBatchSupported(d, f)) {
-        return absl::UnimplementedError(absl::StrCat("swiglu.device_offsets: d=", d, ", d_ff=", f,
-                                                     " not supported on the decode path (multiples of 8 required)"));
-      }
-      if (p.rows == 0) return absl::OkStatus();
-      if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
-      auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
-      if (!a.ok()) return a.status();
-      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up,
-                                                        w.w_down, static_cast<uint16_t*>(*a), p.y, p.rows,
-                                                        p.max_segment_rows, st));
-      return absl::OkStatus();
-    }
-    std::vector<int64_t> counts(e_count), executed;
+    std::vector<int64_t> counts(e_count);
     int64_t max_segment = 0;
     for (int e = 0; e < e_count; ++e) {
       counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
@@ -283,115 +269,9 @@ class CudaKernels final : public ExpertKernels {
     }
     if (p.layout.layout == Layout::kGrouped && max_segment <= kSmallSegmentRows &&
         static_cast<int64_t>(d) * f <= kSmallExpertElems && cuda::SmallBatchSupported(d, f)) {
-      // Decode-sized segments of small experts: the offsets go to the device in one copy and
-      // the decode-path kernels run both projections in two launches, instead of a GEMM or two
-      // per expert (H200, 8 experts of 4 rows: ~190 us of the executor's eager step went to the
-      // per-expert cuBLAS calls).
-      const int64_t used = p.host_offsets[e_count];
-      if (used == 0) return absl::OkStatus();
-      const size_t offset_bytes = static_cast<size_t>(e_count + 1) * sizeof(int64_t);
-      auto staged = offsets_in_.Acquire(offset_bytes);
-      if (!staged.ok()) return staged.status();
-      std::memcpy(*staged, p.host_offsets, offset_bytes);
-      auto offsets = offsets_scratch_.Get(offset_bytes);
-      if (!offsets.ok()) return offsets.status();
-      s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
-      if (!s.ok()) return s;
-      auto a = scratch_.Get(static_cast<size_t>(used) * f * 2);
-      if (!a.ok()) return a.status();
-      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, nullptr, static_cast<const int64_t*>(*offsets), e_count, d, f,
-                                                        w.w_gate_up, w.w_down, static_cast<uint16_t*>(*a), p.y, used,
-                                                        max_segment, st));
-      return absl::OkStatus();
+      return SwigluSmallSegments(p, max_segment, st);
     }
-    s = ExecutedOffsets(p.layout, counts, &executed);
-    if (!s.ok()) return s;
-    const int64_t exec_rows = executed[e_count];
-    if (exec_rows == 0) return absl::OkStatus();
-    const bool direct = p.layout.layout == Layout::kGrouped;  // x and y are used in place
-
-    // Scratch: [executed x] [executed y] [h: exec x 2f] [a: exec x f] [row map].
-    auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
-    const size_t x_bytes = direct ? 0 : align(exec_rows * d * 2);
-    const size_t h_bytes = align(exec_rows * 2 * f * 2);
-    const size_t a_bytes = align(exec_rows * f * 2);
-    const size_t map_bytes = direct ? 0 : align(exec_rows * 4) + align(p.rows * 4);
-    auto base = scratch_.Get(2 * x_bytes + h_bytes + a_bytes + map_bytes);
-    if (!base.ok()) return base.status();
-    char* ptr = static_cast<char*>(*base);
-    uint16_t* xe = direct ? const_cast<uint16_t*>(p.x) : reinterpret_cast<uint16_t*>(ptr);
-    uint16_t* ye = direct ? p.y : reinterpret_cast<uint16_t*>(ptr + x_bytes);
-    uint16_t* h = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes);
-    uint16_t* a = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes + h_bytes);
-    int32_t* map = reinterpret_cast<int32_t*>(ptr + 2 * x_bytes + h_bytes + a_bytes);
-
-    if (!direct) {
-      // Phase: scatter useful rows into the executed layout; padding rows get padding_value.
-      auto staged = map_in_.Acquire(exec_rows * 4);
-      if (!staged.ok()) return staged.status();
-      int32_t* host_map = static_cast<int32_t*>(*staged);
-      std::fill(host_map, host_map + exec_rows, -1);
-      for (int e = 0; e < e_count; ++e) {
-        for (int64_t i = 0; i < counts[e]; ++i) host_map[executed[e] + i] = static_cast<int32_t>(p.host_offsets[e] + i);
-      }
-      s = map_in_.CopyTo(map, exec_rows * 4, st);
-      if (!s.ok()) return s;
-      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.x, p.rows, map, exec_rows, static_cast<int64_t>(d) * 2, xe,
-                                                  FloatToBf16(p.padding_value), st));
-    }
-
-    // Phase: gate+up GEMM per segment, activation, down GEMM.
-    CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle_, st));
-    std::vector<Problem> up, down;
-    for (int e = 0; e < e_count; ++e) {
-      const int64_t m = executed[e + 1] - executed[e];
-      if (m == 0) continue;
-      up.push_back({static_cast<int>(m), 2 * f, d, xe + executed[e] * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
-                    h + executed[e] * 2 * f});
-      down.push_back({static_cast<int>(m), d, f, a + executed[e] * f, w.w_down + static_cast<int64_t>(e) * d * f,
-                      ye + executed[e] * d});
-    }
-    const bool uniform = p.layout.layout == Layout::kPaddedDense;
-    int64_t executed_total = 0;
-    for (const Problem& q : up) executed_total += q.m;
-    const int64_t avg_rows = executed_total / static_cast<int64_t>(up.size());
-    const bool chains = !uniform && !force_grouped_ && side_ok_ &&
-                        (loop_gemm_ || up.size() <= 8 || avg_rows * 2 * f * static_cast<int64_t>(d) >= kChainWork);
-    if (chains) {
-      // Few or large segments: one chain (gate+up GEMM, activation, down GEMM) per expert, the
-      // chains spread over side streams so one expert's memory-bound activation overlaps
-      // another's GEMMs and small GEMMs share the GPU.
-      // Measured on the H200 (bench/RESULTS.md): a few experts gain from overlapping one
-      // expert's activation with another's GEMMs; many large GEMMs (1024+ rows) fill the GPU
-      // alone and only contend when concurrent; many smaller ones share it.
-      const bool many_large = up.size() > 8 && avg_rows >= 1024;
-      const int streams = chain_streams_forced_ > 0 ? chain_streams_forced_ : (many_large ? 1 : kSideStreams);
-      s = Chains(up, down, f, streams, st);
-      if (!s.ok()) return s;
-    } else {
-      s = uniform ? StridedBatched(up, st) : Grouped(up, st);
-      if (!s.ok()) return s;
-      CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
-      s = uniform ? StridedBatched(down, st) : Grouped(down, st);
-      if (!s.ok()) return s;
-    }
-
-    if (!direct) {
-      // Phase: only useful rows leave the runner.
-      // The second map goes after the first in device scratch (exec_rows >= rows entries).
-      int32_t* out_map = map + exec_rows;
-      auto staged = map_out_.Acquire(p.rows * 4);
-      if (!staged.ok()) return staged.status();
-      int32_t* host_map = static_cast<int32_t*>(*staged);
-      std::fill(host_map, host_map + p.rows, -1);
-      for (int e = 0; e < e_count; ++e) {
-        for (int64_t i = 0; i < counts[e]; ++i) host_map[p.host_offsets[e] + i] = static_cast<int32_t>(executed[e] + i);
-      }
-      s = map_out_.CopyTo(out_map, p.rows * 4, st);
-      if (!s.ok()) return s;
-      CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, out_map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
-    }
-    return absl::OkStatus();
+    return SwigluExecuted(p, counts, st);
   }
 
   // The decode path's padded runner: every expert's segment in a fixed slot of C_exec rows
@@ -476,6 +356,165 @@ class CudaKernels final : public ExpertKernels {
   }
 
  private:
+  // Swiglu's decode path: offsets stay on the device.
+  absl::Status SwigluDeviceOffsets(const SwigluParams& p, cudaStream_t st) {
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    if (!cuda::SmallBatchSupported(d, f)) {
+      return absl::UnimplementedError(absl::StrCat("swiglu.device_offsets: d=", d, ", d_ff=", f,
+                                                   " not supported on the decode path (multiples of 8 required)"));
+    }
+    if (p.rows == 0) return absl::OkStatus();
+    if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
+    auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
+    if (!a.ok()) return a.status();
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up,
+                                                      w.w_down, static_cast<uint16_t*>(*a), p.y, p.rows,
+                                                      p.max_segment_rows, st));
+    return absl::OkStatus();
+  }
+
+  // Decode-sized segments of small experts: the offsets go to the device in one copy and
+  // the decode-path kernels run both projections in two launches, instead of a GEMM or two
+  // per expert (H200, 8 experts of 4 rows: ~190 us of the executor's eager step went to the
+  // per-expert cuBLAS calls).
+  absl::Status SwigluSmallSegments(const SwigluParams& p, int64_t max_segment, cudaStream_t st) {
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    const int64_t used = p.host_offsets[e_count];
+    if (used == 0) return absl::OkStatus();
+    const size_t offset_bytes = static_cast<size_t>(e_count + 1) * sizeof(int64_t);
+    auto staged = offsets_in_.Acquire(offset_bytes);
+    if (!staged.ok()) return staged.status();
+    std::memcpy(*staged, p.host_offsets, offset_bytes);
+    auto offsets = offsets_scratch_.Get(offset_bytes);
+    if (!offsets.ok()) return offsets.status();
+    absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
+    if (!s.ok()) return s;
+    auto a = scratch_.Get(static_cast<size_t>(used) * f * 2);
+    if (!a.ok()) return a.status();
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, nullptr, static_cast<const int64_t*>(*offsets), e_count, d, f,
+                                                      w.w_gate_up, w.w_down, static_cast<uint16_t*>(*a), p.y, used,
+                                                      max_segment, st));
+    return absl::OkStatus();
+  }
+
+  // Host-offset Swiglu on the executed layout (`counts[e]` useful rows of expert e): scatter,
+  // both projections on cuBLAS, gather.
+  absl::Status SwigluExecuted(const SwigluParams& p, const std::vector<int64_t>& counts, cudaStream_t st) {
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    std::vector<int64_t> executed;
+    absl::Status s = ExecutedOffsets(p.layout, counts, &executed);
+    if (!s.ok()) return s;
+    const int64_t exec_rows = executed[e_count];
+    if (exec_rows == 0) return absl::OkStatus();
+    const bool direct = p.layout.layout == Layout::kGrouped;  // x and y are used in place
+
+    // Scratch: [executed x] [executed y] [h: exec x 2f] [a: exec x f] [row map].
+    auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
+    const size_t x_bytes = direct ? 0 : align(exec_rows * d * 2);
+    const size_t h_bytes = align(exec_rows * 2 * f * 2);
+    const size_t a_bytes = align(exec_rows * f * 2);
+    const size_t map_bytes = direct ? 0 : align(exec_rows * 4) + align(p.rows * 4);
+    auto base = scratch_.Get(2 * x_bytes + h_bytes + a_bytes + map_bytes);
+    if (!base.ok()) return base.status();
+    char* ptr = static_cast<char*>(*base);
+    uint16_t* xe = direct ? const_cast<uint16_t*>(p.x) : reinterpret_cast<uint16_t*>(ptr);
+    uint16_t* ye = direct ? p.y : reinterpret_cast<uint16_t*>(ptr + x_bytes);
+    uint16_t* h = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes);
+    uint16_t* a = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes + h_bytes);
+    int32_t* map = reinterpret_cast<int32_t*>(ptr + 2 * x_bytes + h_bytes + a_bytes);
+
+    if (!direct) {
+      s = ScatterToExecuted(p, counts, executed, map, xe, st);
+      if (!s.ok()) return s;
+    }
+    s = SwigluProjections(p, executed, xe, h, a, ye, st);
+    if (!s.ok()) return s;
+    if (!direct) return GatherFromExecuted(p, counts, executed, map, ye, st);
+    return absl::OkStatus();
+  }
+
+  // Phase: scatter useful rows into the executed layout; padding rows get padding_value.
+  absl::Status ScatterToExecuted(const SwigluParams& p, const std::vector<int64_t>& counts,
+                                 const std::vector<int64_t>& executed, int32_t* map, uint16_t* xe, cudaStream_t st) {
+    const int d = p.weights.d, e_count = p.weights.num_experts;
+    const int64_t exec_rows = executed[e_count];
+    auto staged = map_in_.Acquire(exec_rows * 4);
+    if (!staged.ok()) return staged.status();
+    int32_t* host_map = static_cast<int32_t*>(*staged);
+    std::fill(host_map, host_map + exec_rows, -1);
+    for (int e = 0; e < e_count; ++e) {
+      for (int64_t i = 0; i < counts[e]; ++i) host_map[executed[e] + i] = static_cast<int32_t>(p.host_offsets[e] + i);
+    }
+    absl::Status s = map_in_.CopyTo(map, exec_rows * 4, st);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.x, p.rows, map, exec_rows, static_cast<int64_t>(d) * 2, xe,
+                                                FloatToBf16(p.padding_value), st));
+    return absl::OkStatus();
+  }
+
+  // Phase: gate+up GEMM per segment, activation, down GEMM (xe -> h -> a -> ye, executed rows).
+  absl::Status SwigluProjections(const SwigluParams& p, const std::vector<int64_t>& executed, uint16_t* xe,
+                                 uint16_t* h, uint16_t* a, uint16_t* ye, cudaStream_t st) {
+    const ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff, e_count = w.num_experts;
+    const int64_t exec_rows = executed[e_count];
+    CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle_, st));
+    std::vector<Problem> up, down;
+    for (int e = 0; e < e_count; ++e) {
+      const int64_t m = executed[e + 1] - executed[e];
+      if (m == 0) continue;
+      up.push_back({static_cast<int>(m), 2 * f, d, xe + executed[e] * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
+                    h + executed[e] * 2 * f});
+      down.push_back({static_cast<int>(m), d, f, a + executed[e] * f, w.w_down + static_cast<int64_t>(e) * d * f,
+                      ye + executed[e] * d});
+    }
+    const bool uniform = p.layout.layout == Layout::kPaddedDense;
+    int64_t executed_total = 0;
+    for (const Problem& q : up) executed_total += q.m;
+    const int64_t avg_rows = executed_total / static_cast<int64_t>(up.size());
+    const bool chains = !uniform && !force_grouped_ && side_ok_ &&
+                        (loop_gemm_ || up.size() <= 8 || avg_rows * 2 * f * static_cast<int64_t>(d) >= kChainWork);
+    if (chains) {
+      // Few or large segments: one chain (gate+up GEMM, activation, down GEMM) per expert, the
+      // chains spread over side streams so one expert's memory-bound activation overlaps
+      // another's GEMMs and small GEMMs share the GPU.
+      // Measured on the H200 (bench/RESULTS.md): a few experts gain from overlapping one
+      // expert's activation with another's GEMMs; many large GEMMs (1024+ rows) fill the GPU
+      // alone and only contend when concurrent; many smaller ones share it.
+      const bool many_large = up.size() > 8 && avg_rows >= 1024;
+      const int streams = chain_streams_forced_ > 0 ? chain_streams_forced_ : (many_large ? 1 : kSideStreams);
+      return Chains(up, down, f, streams, st);
+    }
+    absl::Status s = uniform ? StridedBatched(up, st) : Grouped(up, st);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
+    return uniform ? StridedBatched(down, st) : Grouped(down, st);
+  }
+
+  // Phase: only useful rows leave the runner.
+  absl::Status GatherFromExecuted(const SwigluParams& p, const std::vector<int64_t>& counts,
+                                  const std::vector<int64_t>& executed, int32_t* map, const uint16_t* ye,
+                                  cudaStream_t st) {
+    const int d = p.weights.d, e_count = p.weights.num_experts;
+    const int64_t exec_rows = executed[e_count];
+    // The second map goes after the first in device scratch (exec_rows >= rows entries).
+    int32_t* out_map = map + exec_rows;
+    auto staged = map_out_.Acquire(p.rows * 4);
+    if (!staged.ok()) return staged.status();
+    int32_t* host_map = static_cast<int32_t*>(*staged);
+    std::fill(host_map, host_map + p.rows, -1);
+    for (int e = 0; e < e_count; ++e) {
+      for (int64_t i = 0; i < counts[e]; ++i) host_map[p.host_offsets[e] + i] = static_cast<int32_t>(executed[e] + i);
+    }
+    absl::Status s = map_out_.CopyTo(out_map, p.rows * 4, st);
+    if (!s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, out_map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
+    return absl::OkStatus();
+  }
+
   // Row-major C = A B^T is column-major C^T = B A^T: cuBLAS(transa = T on B, transb = N on A).
   absl::Status GemmOn(cublasHandle_t handle, const Problem& q) {
     const float alpha = 1.0f, beta = 0.0f;
