@@ -28,6 +28,7 @@
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
+#include "runtime/status.h"
 
 ABSL_FLAG(std::string, trace, "", "plan: layer-step trace JSON (docs/trace-format.md)");
 ABSL_FLAG(std::string, input, "", "eplb solve: load JSON {weight, num_replicas, num_groups, num_nodes, num_gpus}");
@@ -98,14 +99,14 @@ constexpr char kUsage[] =
     "  moectl placement diff --from A --to B --world P (--checkpoint C | --expert_bytes N) [--budget_bytes B]\n"
     "                                                          (offline) the migration plan and its peak memory\n";
 
+// Logs a failure and returns its exit code (never called with OK).
 int Fail(const absl::Status& s) {
   spdlog::error("{}", std::string(s.message()));
-  const bool input_error = s.code() == absl::StatusCode::kInvalidArgument ||
-                           s.code() == absl::StatusCode::kFailedPrecondition ||
-                           s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kOutOfRange ||
-                           s.code() == absl::StatusCode::kAlreadyExists;
-  return input_error ? 2 : 1;
+  return moe::ExitCode(s);
 }
+
+// The ranks' topology for every subcommand that needs one: the local cluster's two nodes.
+moe::Topology ClusterTopology(int num_ranks) { return moe::TwoNodeTopology(num_ranks); }
 
 int Plan() {
   const std::string path = absl::GetFlag(FLAGS_trace);
@@ -123,7 +124,7 @@ int Plan() {
   } else {
     std::cout << moe::RenderPlanText(*report);
   }
-  return 0;
+  return moe::kExitOk;
 }
 
 int EplbSolve() {
@@ -136,7 +137,7 @@ int EplbSolve() {
   auto solution = moe::RebalanceExperts(*problem);
   if (!solution.ok()) return Fail(absl::Status(solution.status().code(), absl::StrCat(path, ": ", solution.status().message())));
   std::cout << moe::EplbSolutionJson(*solution).dump() << "\n";
-  return 0;
+  return moe::kExitOk;
 }
 
 int CheckpointSynth() {
@@ -152,7 +153,7 @@ int CheckpointSynth() {
   if (!s.ok()) return Fail(s);
   std::cout << "wrote " << out << ": " << e << " experts, d=" << d << ", d_ff=" << f << ", "
             << file.metadata.at("checkpoint") << "\n";
-  return 0;
+  return moe::kExitOk;
 }
 
 // The default placement moe-rankd builds for itself (DefaultPlacement), at another version and
@@ -166,7 +167,7 @@ int PlacementSynth() {
   }
   const int world = absl::GetFlag(FLAGS_world);
   if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
-  const moe::Topology topology = moe::TwoNodeTopology(world);
+  const moe::Topology topology = ClusterTopology(world);
   const moe::ProcessGroup group = moe::LocalClusterGroup(world, absl::GetFlag(FLAGS_epoch));
   auto m = moe::DefaultPlacement(moe::PlacementVersion(absl::GetFlag(FLAGS_placement_version)), experts,
                                  absl::GetFlag(FLAGS_extra_replicas), topology, group, ckpt->metadata);
@@ -176,7 +177,7 @@ int PlacementSynth() {
   o.add_whitespace = true;
   (void)google::protobuf::util::MessageToJsonString(moe::ManifestToProto(**m, topology), &json, o);
   std::cout << json;
-  return 0;
+  return moe::kExitOk;
 }
 
 absl::StatusOr<std::shared_ptr<const moe::PlacementManifest>> ReadManifest(const std::string& flag,
@@ -201,12 +202,12 @@ absl::StatusOr<std::shared_ptr<const moe::PlacementManifest>> ReadManifest(const
 int PlacementOffline(const std::string& verb) {
   const int world = absl::GetFlag(FLAGS_world);
   if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
-  const moe::Topology topology = moe::TwoNodeTopology(world);
+  const moe::Topology topology = ClusterTopology(world);
   if (verb == "show") {
     auto m = ReadManifest("--manifest", absl::GetFlag(FLAGS_manifest), topology);
     if (!m.ok()) return Fail(m.status());
     std::cout << moe::RenderManifest(**m, topology);
-    return 0;
+    return moe::kExitOk;
   }
   auto from = ReadManifest("--from", absl::GetFlag(FLAGS_from), topology);
   if (!from.ok()) return Fail(from.status());
@@ -230,7 +231,7 @@ int PlacementOffline(const std::string& verb) {
     return Fail(absl::FailedPreconditionError(absl::StrCat("--budget_bytes: the overlap peaks at ", plan->peak_bytes,
                                                            " bytes, over the budget of ", budget)));
   }
-  return 0;
+  return moe::kExitOk;
 }
 
 }  // namespace
@@ -271,9 +272,10 @@ int main(int argc, char** argv) {
     o.checkpoint = absl::GetFlag(FLAGS_checkpoint);
     o.placement_version = absl::GetFlag(FLAGS_placement_version);
     o.epoch = absl::GetFlag(FLAGS_epoch);
+    o.topology = ClusterTopology;
     absl::Status s = moe::RunRemote(cmd, o);
-    return s.ok() ? 0 : Fail(s);
+    return s.ok() ? moe::kExitOk : Fail(s);
   }
   std::fputs(kUsage, stderr);
-  return 2;
+  return moe::kExitUsage;
 }

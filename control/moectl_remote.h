@@ -3,10 +3,12 @@
 #define MOE_CONTROL_MOECTL_REMOTE_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "runtime/placement/topology.h"
 
 namespace moe {
 
@@ -25,6 +27,9 @@ struct RemoteOptions {
   int num_replicas = 0, num_groups = 1, num_nodes = 1;
   std::string out, checkpoint;  // with --out: write the plan as a PlacementManifest JSON
   int64_t placement_version = 0, epoch = 1;
+  // rebalance --out: the topology of the controller's `num_ranks` ranks, which the written
+  // manifest places slots on. Set by the caller (moectl: the local cluster's); required there.
+  std::function<Topology(int num_ranks)> topology;
   // watch: start after this transition seq; stop after `count` transitions (0: run until
   // interrupted) or `timeout_s` seconds (0: none). drain: give up after timeout_s (default 60).
   int64_t after_seq = 0;
