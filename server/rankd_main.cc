@@ -85,26 +85,18 @@ ABSL_FLAG(std::string, cuda_tuning, "",
           "switches of the CUDA kernels for side-by-side measurements, e.g. pdl=0,fused_layer=0 (kernels/api.h "
           "CudaTuning; empty: the tuned defaults)");
 
+
 namespace moe {
 namespace {
 
-absl::Status Annotate(const absl::Status& s, const char* what) {
+absl::Status Annotate(const absl::Status& s, absl::string_view what) {
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
-// Publishes this rank's UCX listener, learns the peers' addresses and connects.
-absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const ProcessGroup& group) {
-  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host), absl::GetFlag(FLAGS_ucx_net_devices));
-  if (!listener.ok()) return Annotate(listener.status(), "ucx");
-  auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
-                                       absl::Seconds(60));
-  if (!addresses.ok()) return Annotate(addresses.status(), "rendezvous");
-  UcxOptions ucx;
-  ucx.slot = group.SlotOf(Rank(rank)).value();
-  ucx.addresses = *addresses;
-  auto transport = CreateUcxTransportWithListener(*std::move(listener), ucx);
-  if (!transport.ok()) return Annotate(transport.status(), "ucx");
-  return transport;
+// Logs why the daemon cannot go on and returns the exit status for it.
+int Fail(const absl::Status& s, int exit_code) {
+  spdlog::error("{}", std::string(s.message()));
+  return exit_code;
 }
 
 absl::StatusOr<std::vector<uid_t>> ParseUids(const std::string& list) {
@@ -122,252 +114,322 @@ absl::StatusOr<std::vector<uid_t>> ParseUids(const std::string& list) {
   return out;
 }
 
-int Main() {
-  const int rank = absl::GetFlag(FLAGS_rank), world = absl::GetFlag(FLAGS_world);
-  if (world <= 0 || rank < 0 || rank >= world) {
-    spdlog::error("--rank {} / --world {}: rank must be in [0, world)", rank, world);
-    return 2;
-  }
-  EngineApiOptions api;
+// Everything moe-rankd takes from its flags, validated before the daemon acts on any of it.
+struct RankdOptions {
+  int rank = 0;
+  int world = 1;
+  EngineApiOptions api;  // limits, --shm_prefix and the engine token; peer_uid is set with the socket
+  std::vector<uid_t> engine_uids;
+  std::string kernels;    // cpu | cuda
+  std::string transport;  // ucx | nccl
+  int gpu = 0;
+  kernels::CudaTuning cuda_tuning;  // parsed only when the CUDA backend is loaded
+  DecodeRunner decode_runner = DecodeRunner::kKernels;
+  bool trial_drift = false;  // --inject_fault=trial_drift
+  std::string agent_token;   // empty: RankAgentService is off
+
+  bool UsesCudaBackend() const { return kernels == "cuda" || transport == "nccl"; }
+};
+
+// The engine API's limits, --shm_prefix, --engine_uids and the engine token.
+absl::Status ParseEngineApiFlags(RankdOptions* o) {
+  EngineApiOptions& api = o->api;
   api.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
   api.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   api.regions.name_prefix = absl::GetFlag(FLAGS_shm_prefix);
   if (api.max_step_tokens <= 0 || api.max_step_tokens > (int64_t{1} << 24)) {
-    spdlog::error("--max_step_tokens {}: expected 1 .. 2^24", api.max_step_tokens);
-    return 2;
+    return absl::InvalidArgumentError(absl::StrCat("--max_step_tokens ", api.max_step_tokens, ": expected 1 .. 2^24"));
   }
   // gRPC's limits are ints; a request's message carries its rows plus top-k ids and gates.
   if (api.max_request_bytes < (1 << 20) || api.max_request_bytes > (int64_t{1} << 31) - 1) {
-    spdlog::error("--max_request_bytes {}: expected 1 MiB .. 2 GiB - 1", api.max_request_bytes);
-    return 2;
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_request_bytes ", api.max_request_bytes, ": expected 1 MiB .. 2 GiB - 1"));
   }
   if (api.regions.name_prefix.size() < 2 || api.regions.name_prefix[0] != '/' ||
       api.regions.name_prefix.find('/', 1) != std::string::npos) {
-    spdlog::error("--shm_prefix '{}': expected \"/name-prefix\"", api.regions.name_prefix);
-    return 2;
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shm_prefix '", api.regions.name_prefix, "': expected \"/name-prefix\""));
   }
-  auto uids = ParseUids(absl::GetFlag(FLAGS_engine_uids));
-  if (!uids.ok()) {
-    spdlog::error("{}", std::string(uids.status().message()));
-    return 2;
-  }
+  ASSIGN_OR_RETURN(o->engine_uids, ParseUids(absl::GetFlag(FLAGS_engine_uids)));
   if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {
-    auto token = ReadTokenFile(absl::GetFlag(FLAGS_engine_token_file), "--engine_token_file");
-    if (!token.ok()) {
-      spdlog::error("{}", std::string(token.status().message()));
-      return 2;
-    }
-    api.token = *token;
+    ASSIGN_OR_RETURN(api.token, ReadTokenFile(absl::GetFlag(FLAGS_engine_token_file), "--engine_token_file"));
   }
-  // The exposer starts first: civetweb fails to bind once UCX has initialized in this process.
-  RankMetrics metrics(absl::GetFlag(FLAGS_release));
-  metrics.Generation(1);
-  auto exposer = StartExposer(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
-  if (!exposer.ok()) {
-    spdlog::error("{}", std::string(exposer.status().message()));
-    return 1;
+  return absl::OkStatus();
+}
+
+// --kernels, --transport, --gpu, --cuda_tuning, --decode_runner, --inject_fault.
+absl::Status ParseExecutionFlags(RankdOptions* o) {
+  o->kernels = absl::GetFlag(FLAGS_kernels);
+  o->transport = absl::GetFlag(FLAGS_transport);
+  if (o->kernels != "cpu" && o->kernels != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("--kernels=", o->kernels, ": expected cpu or cuda"));
   }
-  (*exposer)->RegisterCollectable(metrics.registry());
+  if (o->transport != "ucx" && o->transport != "nccl") {
+    return absl::InvalidArgumentError(absl::StrCat("--transport=", o->transport, ": expected ucx or nccl"));
+  }
+  o->gpu = absl::GetFlag(FLAGS_gpu) >= 0 ? absl::GetFlag(FLAGS_gpu) : o->rank;
+  if (o->UsesCudaBackend()) {
+    auto tuning = kernels::ParseCudaTuning(absl::GetFlag(FLAGS_cuda_tuning));
+    if (!tuning.ok()) return absl::InvalidArgumentError(absl::StrCat("--cuda_tuning: ", tuning.status().message()));
+    o->cuda_tuning = *tuning;
+  }
+  auto runner = ParseDecodeRunner(absl::GetFlag(FLAGS_decode_runner));
+  if (!runner.ok()) return absl::InvalidArgumentError(absl::StrCat("--", runner.status().message()));
+  o->decode_runner = *runner;
+  const std::string fault = absl::GetFlag(FLAGS_inject_fault);
+  if (!fault.empty() && fault != "trial_drift") {
+    return absl::InvalidArgumentError(absl::StrCat("--inject_fault=", fault, ": expected trial_drift"));
+  }
+  o->trial_drift = fault == "trial_drift";
+  return absl::OkStatus();
+}
 
-  // Block the termination signals in every thread; the main thread waits for them below.
-  sigset_t signals = BlockTerminationSignals();
+// Reads and validates every flag that says what to serve and how. Every error is INVALID_ARGUMENT
+// (exit status 2).
+absl::StatusOr<RankdOptions> ParseRankdOptions() {
+  RankdOptions o;
+  o.rank = absl::GetFlag(FLAGS_rank);
+  o.world = absl::GetFlag(FLAGS_world);
+  if (o.world <= 0 || o.rank < 0 || o.rank >= o.world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank ", o.rank, " / --world ", o.world, ": rank must be in [0, world)"));
+  }
+  RETURN_IF_ERROR(ParseEngineApiFlags(&o));
+  RETURN_IF_ERROR(ParseExecutionFlags(&o));
+  if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {
+    ASSIGN_OR_RETURN(o.agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
+  }
+  return o;
+}
 
+// What the rank serves as placement-v1: the checkpoint, the default placement over the local
+// cluster's topology and group, and this rank's experts of it.
+struct Model {
+  SafetensorsFile checkpoint;
+  Topology topology;
+  ProcessGroup group;
+  std::shared_ptr<const PlacementManifest> manifest;
+  LocalExperts local;
+};
+
+// Step: load the checkpoint and place it. Every error is the input's (exit status 2).
+absl::StatusOr<Model> LoadModel(const RankdOptions& o) {
   auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
-  if (!ckpt.ok()) {
-    spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
-    return 2;
-  }
+  if (!ckpt.ok()) return Annotate(ckpt.status(), "--checkpoint");
   int num_experts = 0;
   if (!absl::SimpleAtoi(ckpt->metadata["num_experts"], &num_experts) || num_experts <= 0) {
-    spdlog::error("--checkpoint: metadata has no num_experts");
-    return 2;
+    return absl::InvalidArgumentError("--checkpoint: metadata has no num_experts");
   }
-  const Topology topology = TwoNodeTopology(world);
-  const ProcessGroup group = LocalClusterGroup(world, absl::GetFlag(FLAGS_epoch));
+  const Topology topology = TwoNodeTopology(o.world);
+  const ProcessGroup group = LocalClusterGroup(o.world, absl::GetFlag(FLAGS_epoch));
   auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology, group,
                                    ckpt->metadata);
-  if (!manifest.ok()) {
-    spdlog::error("placement: {}", std::string(manifest.status().message()));
-    return 2;
-  }
-  if (absl::Status s = VerifyForPublish(**manifest, group, topology); !s.ok()) {
-    spdlog::error("placement: {}", std::string(s.message()));
-    return 2;
-  }
-  auto local = LoadLocalExperts(*ckpt, **manifest, Rank(rank));
-  if (!local.ok()) {
-    spdlog::error("weights: {}", std::string(local.status().message()));
-    return 2;
-  }
-  GenerationRegistry registry;
-  registry.Prepare(*manifest).IgnoreError();
-  registry.Activate(PlacementVersion(1)).IgnoreError();
+  if (!manifest.ok()) return Annotate(manifest.status(), "placement");
+  if (absl::Status s = VerifyForPublish(**manifest, group, topology); !s.ok()) return Annotate(s, "placement");
+  auto local = LoadLocalExperts(*ckpt, **manifest, Rank(o.rank));
+  if (!local.ok()) return Annotate(local.status(), "weights");
+  return Model{*std::move(ckpt), topology, group, *std::move(manifest), *std::move(local)};
+}
 
-  // Kernels and transport: CPU + UCX built in; CUDA + NCCL from the plugin (server/cuda_backend.h).
-  const std::string kernels_flag = absl::GetFlag(FLAGS_kernels), transport_flag = absl::GetFlag(FLAGS_transport);
-  if (kernels_flag != "cpu" && kernels_flag != "cuda") {
-    spdlog::error("--kernels={}: expected cpu or cuda", kernels_flag);
-    return 2;
-  }
-  if (transport_flag != "ucx" && transport_flag != "nccl") {
-    spdlog::error("--transport={}: expected ucx or nccl", transport_flag);
-    return 2;
-  }
-  const int gpu = absl::GetFlag(FLAGS_gpu) >= 0 ? absl::GetFlag(FLAGS_gpu) : rank;
+// Publishes this rank's UCX listener, learns the peers' addresses and connects.
+absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const ProcessGroup& group) {
+  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host), absl::GetFlag(FLAGS_ucx_net_devices));
+  if (!listener.ok()) return Annotate(listener.status(), "ucx");
+  auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
+                                       absl::Seconds(60));
+  if (!addresses.ok()) return Annotate(addresses.status(), "rendezvous");
+  UcxOptions ucx;
+  ucx.slot = group.SlotOf(Rank(rank)).value();
+  ucx.addresses = *addresses;
+  auto transport = CreateUcxTransportWithListener(*std::move(listener), ucx);
+  if (!transport.ok()) return Annotate(transport.status(), "ucx");
+  return transport;
+}
+
+// Kernels and transport: CPU + UCX built in; CUDA + NCCL from the plugin (server/cuda_backend.h).
+// Members in this order so the transport goes before the kernels, and both before the plugin.
+struct Backend {
   std::optional<CudaBackend> cuda;
-  if (kernels_flag == "cuda" || transport_flag == "nccl") {
-    auto tuning = kernels::ParseCudaTuning(absl::GetFlag(FLAGS_cuda_tuning));
-    if (!tuning.ok()) {
-      spdlog::error("--cuda_tuning: {}", std::string(tuning.status().message()));
-      return 2;
-    }
-    auto loaded = CudaBackend::Load(absl::GetFlag(FLAGS_cuda_backend), *tuning);
-    if (!loaded.ok()) {
-      spdlog::error("--kernels={} --transport={}: {}", kernels_flag, transport_flag, std::string(loaded.status().message()));
-      return 2;
-    }
-    cuda = *loaded;
-  }
   std::unique_ptr<kernels::ExpertKernels> kernels;
-  if (kernels_flag == "cuda") {
-    auto k = cuda->CreateKernels(gpu);
-    if (!k.ok()) {
-      spdlog::error("--kernels=cuda --gpu {}: {}", gpu, std::string(k.status().message()));
-      return 1;
-    }
-    kernels = *std::move(k);
-  } else {
-    kernels = kernels::CreateCpuKernels();
-  }
   std::unique_ptr<Transport> transport;
-  if (transport_flag == "nccl") {
+};
+
+// Step: load the CUDA backend plugin when --kernels or --transport needs it (a missing or
+// unusable plugin is the deployment's: exit status 2).
+absl::Status LoadCudaBackend(const RankdOptions& o, Backend* b) {
+  if (!o.UsesCudaBackend()) return absl::OkStatus();
+  auto loaded = CudaBackend::Load(absl::GetFlag(FLAGS_cuda_backend), o.cuda_tuning);
+  if (!loaded.ok()) return Annotate(loaded.status(), absl::StrCat("--kernels=", o.kernels, " --transport=", o.transport));
+  b->cuda = *loaded;
+  return absl::OkStatus();
+}
+
+// Step: create the kernels and join the process group's transport (exit status 1 on failure).
+absl::Status CreateKernelsAndTransport(const RankdOptions& o, const ProcessGroup& group, Backend* b) {
+  if (o.kernels == "cuda") {
+    auto k = b->cuda->CreateKernels(o.gpu);
+    if (!k.ok()) return Annotate(k.status(), absl::StrCat("--kernels=cuda --gpu ", o.gpu));
+    b->kernels = *std::move(k);
+  } else {
+    b->kernels = kernels::CreateCpuKernels();
+  }
+  if (o.transport == "nccl") {
     NcclBackendOptions nccl;
-    nccl.slot = group.SlotOf(Rank(rank)).value();
-    nccl.size = world;
-    nccl.device = gpu;
+    nccl.slot = group.SlotOf(Rank(o.rank)).value();
+    nccl.size = o.world;
+    nccl.device = o.gpu;
     nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
-    auto t = cuda->CreateNccl(nccl);
-    if (!t.ok()) {
-      spdlog::error("{}", std::string(t.status().message()));
-      return 1;
-    }
-    transport = *std::move(t);
+    ASSIGN_OR_RETURN(b->transport, b->cuda->CreateNccl(nccl));
   }
-  if (transport == nullptr) {
-    auto t = ConnectUcx(rank, world, group);
-    if (!t.ok()) {
-      spdlog::error("{}", std::string(t.status().message()));
-      return 1;
-    }
-    transport = *std::move(t);
+  if (b->transport == nullptr) {
+    ASSIGN_OR_RETURN(b->transport, ConnectUcx(o.rank, o.world, group));
   }
+  return absl::OkStatus();
+}
+
+// Step: the layer executor over the backend, serving placement-v1 from `registry`.
+absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions& o, const Model& m,
+                                                             GenerationRegistry* registry, const Backend& b) {
   LayerExecutorOptions eo;
-  eo.rank = Rank(rank);
-  eo.topology = topology;
-  eo.group = group;
-  eo.registry = &registry;
-  eo.transport = transport.get();
-  eo.kernels = kernels.get();
+  eo.rank = Rank(o.rank);
+  eo.topology = m.topology;
+  eo.group = m.group;
+  eo.registry = registry;
+  eo.transport = b.transport.get();
+  eo.kernels = b.kernels.get();
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
-  auto runner = ParseDecodeRunner(absl::GetFlag(FLAGS_decode_runner));
-  if (!runner.ok()) {
-    spdlog::error("--{}", std::string(runner.status().message()));
-    return 2;
-  }
-  eo.decode_runner = *runner;
-  if (absl::GetFlag(FLAGS_inject_fault) == "trial_drift") {
+  eo.decode_runner = o.decode_runner;
+  if (o.trial_drift) {
     eo.fault_trial_output_scale = 1.05f;
     spdlog::warn("fault injection: trial passes on this rank return outputs scaled by 1.05");
-  } else if (!absl::GetFlag(FLAGS_inject_fault).empty()) {
-    spdlog::error("--inject_fault={}: expected trial_drift", absl::GetFlag(FLAGS_inject_fault));
-    return 2;
   }
   // Decode graphs where experts and rows live on the GPU and NCCL moves them; on the CPU
   // backend admission still runs and each decode step reports why it ran eagerly.
-  if (kernels_flag == "cuda" && transport_flag == "nccl") eo.decode_graphs = cuda->DecodeGraphs(transport.get());
+  if (o.kernels == "cuda" && o.transport == "nccl") eo.decode_graphs = b.cuda->DecodeGraphs(b.transport.get());
   auto executor = LayerExecutor::Create(std::move(eo));
-  if (!executor.ok()) {
-    spdlog::error("executor: {}", std::string(executor.status().message()));
-    return 1;
-  }
-  (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*std::move(local))).IgnoreError();
+  if (!executor.ok()) return Annotate(executor.status(), "executor");
+  return executor;
+}
 
-  auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
-  (*exposer)->RegisterCollectable(generation_metrics);
-
-  // The engine API's Unix socket: connections are admitted by their uid before gRPC sees them.
-  std::string socket_path = absl::GetFlag(FLAGS_engine_socket);
-  if (socket_path.empty()) socket_path = absl::StrCat("/tmp/moe-rankd-", geteuid(), "-", rank, ".sock");
-  auto unix_listener = UnixSocketListener::Create(socket_path, *uids);
-  if (!unix_listener.ok()) {
-    spdlog::error("{}", std::string(unix_listener.status().message()));
-    return 2;
-  }
-  UnixSocketListener* listener = unix_listener->get();
-  api.peer_uid = [listener](const std::string& peer) { return listener->PeerUid(peer); };
-  const bool engine_on_tcp = !api.token.empty();
-  ExpertLayerServiceImpl service(executor->get(), &metrics, api);
+// The daemon's gRPC side. Members in this order so that the servers are destroyed before the
+// services they call, and those before the engine socket's listener.
+struct Serving {
+  std::string socket_path;
+  std::unique_ptr<UnixSocketListener> unix_listener;
+  std::unique_ptr<ExpertLayerServiceImpl> engine;
   std::unique_ptr<RankAgentServiceImpl> agent;
-  if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {
-    auto token = ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file");
-    if (!token.ok()) {
-      spdlog::error("{}", std::string(token.status().message()));
-      return 2;
-    }
-    agent = std::make_unique<RankAgentServiceImpl>(
-        RankAgentContext{Rank(rank), topology, group, &registry, executor->get(), &*ckpt, *token});
+  std::unique_ptr<grpc::Server> tcp_server;
+  std::unique_ptr<grpc::Server> unix_server;
+  int port = 0;  // the TCP port; 0 when there is no TCP server
+  bool engine_on_tcp = false;
+};
+
+// Step: the engine API's Unix socket, whose connections are admitted by their uid before gRPC
+// sees them (a socket path that cannot be bound is the input's: exit status 2).
+absl::Status OpenEngineSocket(const RankdOptions& o, Serving* s) {
+  s->socket_path = absl::GetFlag(FLAGS_engine_socket);
+  if (s->socket_path.empty()) s->socket_path = absl::StrCat("/tmp/moe-rankd-", geteuid(), "-", o.rank, ".sock");
+  ASSIGN_OR_RETURN(s->unix_listener, UnixSocketListener::Create(s->socket_path, o.engine_uids));
+  return absl::OkStatus();
+}
+
+// Step: the engine service and the agent, served on the Unix socket and, when there is something
+// to serve on it, on a TCP port (exit status 1 on failure).
+absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegistry* registry, LayerExecutor* executor,
+                           RankMetrics* metrics, Serving* s) {
+  EngineApiOptions api = o.api;
+  UnixSocketListener* listener = s->unix_listener.get();
+  api.peer_uid = [listener](const std::string& peer) { return listener->PeerUid(peer); };
+  s->engine_on_tcp = !api.token.empty();
+  s->engine = std::make_unique<ExpertLayerServiceImpl>(executor, metrics, api);
+  if (!o.agent_token.empty()) {
+    s->agent = std::make_unique<RankAgentServiceImpl>(
+        RankAgentContext{Rank(o.rank), m.topology, m.group, registry, executor, &m.checkpoint, o.agent_token});
   }
   // gRPC's message limit: the request bytes plus room for the top-k ids and gates (8 bytes a
   // route at most 64 routes a token) and framing.
   const int64_t message_limit =
       std::min<int64_t>(api.max_request_bytes + api.max_step_tokens * 64 * 8 + (1 << 16), (int64_t{1} << 31) - 1);
   // A TCP server only with something to serve on it.
-  std::unique_ptr<grpc::Server> tcp_server;
-  int port = 0;
   std::vector<grpc::Service*> tcp_services;
-  if (agent != nullptr) tcp_services.push_back(agent.get());
-  if (engine_on_tcp) tcp_services.push_back(&service);
+  if (s->agent != nullptr) tcp_services.push_back(s->agent.get());
+  if (s->engine_on_tcp) tcp_services.push_back(s->engine.get());
   if (!tcp_services.empty() || absl::GetFlag(FLAGS_tcp_health)) {
-    GrpcServeOptions o;
-    o.listen = absl::GetFlag(FLAGS_listen);
-    o.max_message_bytes = static_cast<int>(message_limit);
-    o.health = absl::GetFlag(FLAGS_tcp_health);
-    auto server = ServeGrpc(tcp_services, o, &port);
-    if (!server.ok()) {
-      spdlog::error("{}", std::string(server.status().message()));
-      return 1;
-    }
-    tcp_server = *std::move(server);
+    GrpcServeOptions to;
+    to.listen = absl::GetFlag(FLAGS_listen);
+    to.max_message_bytes = static_cast<int>(message_limit);
+    to.health = absl::GetFlag(FLAGS_tcp_health);
+    ASSIGN_OR_RETURN(s->tcp_server, ServeGrpc(tcp_services, to, &s->port));
   }
   GrpcServeOptions uo;
   uo.max_message_bytes = static_cast<int>(message_limit);
   uo.health = true;
   int no_port = 0;
-  auto unix_server = ServeGrpc({&service}, uo, &no_port);
-  if (!unix_server.ok()) {
-    spdlog::error("{}", std::string(unix_server.status().message()));
-    return 1;
-  }
-  listener->Start(unix_server->get());
-  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
-  spdlog::info("rank {} of {} serving engines on unix:{} (TCP port {}: {}), metrics on {}, placement-v1 with {} local "
-               "slots",
-               rank, world, socket_path, port,
-               tcp_services.empty() ? "off" : (engine_on_tcp ? (agent ? "agent + engine" : "engine") : "agent"),
-               (*exposer)->GetListeningPorts().at(0), (*manifest)->LocalSlots(Rank(rank)).size());
+  ASSIGN_OR_RETURN(s->unix_server, ServeGrpc({s->engine.get()}, uo, &no_port));
+  listener->Start(s->unix_server.get());
+  return absl::OkStatus();
+}
 
+// Step: serve until SIGTERM or SIGINT (blocked in every thread), then drain: steps in flight
+// finish, new ones get UNAVAILABLE.
+void ServeUntilSignal(sigset_t signals, Serving* s) {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining", sig);
-  service.Drain();
-  unix_listener->reset();  // no new engine connections
+  s->engine->Drain();
+  s->unix_listener.reset();  // no new engine connections
   const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(5);
-  if (tcp_server != nullptr) tcp_server->Shutdown(grace);
-  (*unix_server)->Shutdown(grace);
+  if (s->tcp_server != nullptr) s->tcp_server->Shutdown(grace);
+  s->unix_server->Shutdown(grace);
   spdlog::info("drained, exiting");
-  return 0;
+}
+
+int Main() {
+  auto options = ParseRankdOptions();
+  if (!options.ok()) return Fail(options.status(), ExitCode(options.status()));
+  const RankdOptions& o = *options;
+  // The exposer starts first: civetweb fails to bind once UCX has initialized in this process.
+  RankMetrics metrics(absl::GetFlag(FLAGS_release));
+  metrics.Generation(1);
+  auto exposer = StartExposer(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
+  if (!exposer.ok()) return Fail(exposer.status(), kExitFailure);
+  (*exposer)->RegisterCollectable(metrics.registry());
+
+  // Block the termination signals in every thread; the main thread waits for them below.
+  sigset_t signals = BlockTerminationSignals();
+
+  auto model = LoadModel(o);
+  if (!model.ok()) return Fail(model.status(), kExitUsage);
+  GenerationRegistry registry;
+  registry.Prepare(model->manifest).IgnoreError();
+  registry.Activate(PlacementVersion(1)).IgnoreError();
+
+  Backend backend;
+  if (absl::Status s = LoadCudaBackend(o, &backend); !s.ok()) return Fail(s, kExitUsage);
+  if (absl::Status s = CreateKernelsAndTransport(o, model->group, &backend); !s.ok()) return Fail(s, kExitFailure);
+  auto executor = BuildExecutor(o, *model, &registry, backend);
+  if (!executor.ok()) return Fail(executor.status(), kExitFailure);
+  (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(model->local))).IgnoreError();
+  auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
+  (*exposer)->RegisterCollectable(generation_metrics);
+
+  Serving serving;
+  if (absl::Status s = OpenEngineSocket(o, &serving); !s.ok()) return Fail(s, kExitUsage);
+  if (absl::Status s = StartServices(o, *model, &registry, executor->get(), &metrics, &serving); !s.ok()) {
+    return Fail(s, kExitFailure);
+  }
+  WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(serving.port));
+  const char* tcp = serving.agent == nullptr && !serving.engine_on_tcp
+                        ? "off"
+                        : (serving.engine_on_tcp ? (serving.agent ? "agent + engine" : "engine") : "agent");
+  spdlog::info("rank {} of {} serving engines on unix:{} (TCP port {}: {}), metrics on {}, placement-v1 with {} local "
+               "slots",
+               o.rank, o.world, serving.socket_path, serving.port, tcp, (*exposer)->GetListeningPorts().at(0),
+               model->manifest->LocalSlots(Rank(o.rank)).size());
+  ServeUntilSignal(signals, &serving);
+  return kExitOk;
 }
 
 }  // namespace
