@@ -28,6 +28,7 @@
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
+#include "runtime/status.h"
 #include "server/client.h"
 
 ABSL_FLAG(std::string, addresses, "",
@@ -158,97 +159,128 @@ StepCall MakeCall(std::mt19937& rng, uint64_t step, bool decode, int64_t tokens,
   return c;
 }
 
-// Fault checks on a live cluster (0x0E): each prints what it saw and returns the exit code.
-int Fault(std::vector<std::unique_ptr<ExpertLayerClient>>& clients, Reference& reference, int d, int k) {
-  const int p = static_cast<int>(clients.size());
-  std::mt19937 rng(9);
-  auto run = [&](uint64_t step, const std::vector<StepCall>& calls, std::vector<absl::StatusOr<StepAnswer>>* answers,
-                 const std::vector<bool>& skip) {
-    answers->assign(p, absl::UnknownError("not run"));
+using Clients = std::vector<std::unique_ptr<ExpertLayerClient>>;  // by rank; nullptr: a killed rank
+using Answers = std::vector<absl::StatusOr<StepAnswer>>;
+
+// What a fault check needs: the ranks' clients, the reference, the step's shape and the calls'
+// random source (one sequence across the checks' steps).
+struct FaultContext {
+  Clients& clients;
+  Reference& reference;
+  int d, k;
+  std::mt19937 rng{9};
+
+  int ranks() const { return static_cast<int>(clients.size()); }
+  // A prefill step of 8 tokens a rank, uniform routing.
+  std::vector<StepCall> Calls(uint64_t step) {
+    std::vector<StepCall> calls;
+    for (int r = 0; r < ranks(); ++r) calls.push_back(MakeCall(rng, step, false, 8, d, k, reference.num_experts(), false));
+    return calls;
+  }
+  // Calls every rank not skipped at once, with a 30 s deadline.
+  void Run(const std::vector<StepCall>& calls, Answers* answers, const std::vector<bool>& skip) {
+    answers->assign(ranks(), absl::UnknownError("not run"));
     std::vector<std::thread> threads;
-    for (int r = 0; r < p; ++r) {
+    for (int r = 0; r < ranks(); ++r) {
       if (!skip[r]) threads.emplace_back([&, r] { (*answers)[r] = clients[r]->Execute(calls[r], absl::Seconds(30)); });
     }
     for (auto& t : threads) t.join();
-  };
-  std::vector<StepCall> calls;
-  for (int r = 0; r < p; ++r) calls.push_back(MakeCall(rng, 1000, false, 8, d, k, reference.num_experts(), false));
-  std::vector<absl::StatusOr<StepAnswer>> answers;
-  if (absl::GetFlag(FLAGS_fault) == "bad_input") {
-    calls[1].hidden.pop_back();  // byte length no longer matches dtype x shape
-    const absl::Time start = absl::Now();
-    run(1000, calls, &answers, std::vector<bool>(p, false));
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    bool ok = answers[1].status().code() == absl::StatusCode::kInvalidArgument &&
-              std::string(answers[1].status().message()).find("hidden.data") != std::string::npos;
-    std::printf("rank 1 (malformed): %s\n", answers[1].status().ToString().c_str());
-    for (int r = 0; r < p; ++r) {
-      if (r == 1) continue;
-      std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
-      ok = ok && answers[r].status().code() == absl::StatusCode::kAborted;
-    }
-    std::printf("step answered everywhere in %.2f s\n", seconds);
-    calls.clear();
-    for (int r = 0; r < p; ++r) calls.push_back(MakeCall(rng, 1001, false, 8, d, k, reference.num_experts(), false));
-    run(1001, calls, &answers, std::vector<bool>(p, false));
-    for (int r = 0; r < p; ++r) ok = ok && answers[r].ok();
-    std::printf("next step: %s\n", ok ? "served by every rank" : "FAILED");
-    return ok ? 0 : 1;
   }
-  if (absl::GetFlag(FLAGS_fault) == "dead_rank") {
-    std::vector<bool> skip(p, false);
-    skip[absl::GetFlag(FLAGS_dead_rank)] = true;
-    const absl::Time start = absl::Now();
-    run(1000, calls, &answers, skip);
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    bool ok = true;
-    for (int r = 0; r < p; ++r) {
-      if (skip[r]) continue;
-      std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
-      ok = ok && (answers[r].status().code() == absl::StatusCode::kDeadlineExceeded ||
-                  answers[r].status().code() == absl::StatusCode::kUnavailable);
-    }
-    std::printf("every live rank answered with an error in %.2f s\n", seconds);
-    return ok ? 0 : 1;
+  void RunAll(const std::vector<StepCall>& calls, Answers* answers) {
+    Run(calls, answers, std::vector<bool>(ranks(), false));
   }
-  if (absl::GetFlag(FLAGS_fault) == "stale_generation") {
-    // 0x0E "stale handle reaches new active generation -> reject handle and replan": the engine
-    // expects a generation the ranks do not serve; every rank refuses the step naming both, and
-    // the engine re-plans against the generation the error names.
-    run(1000, calls, &answers, std::vector<bool>(p, false));  // learn the serving generation
-    if (!answers[0].ok()) {
-      std::printf("first step failed: %s\n", answers[0].status().ToString().c_str());
-      return 1;
-    }
-    const int64_t serving = answers[0]->record.placement_generation();
-    calls.clear();
-    for (int r = 0; r < p; ++r) {
-      calls.push_back(MakeCall(rng, 1001, false, 8, d, k, reference.num_experts(), false));
-      calls.back().expected_generation = serving + 1;
-    }
-    run(1001, calls, &answers, std::vector<bool>(p, false));
-    bool ok = true;
-    for (int r = 0; r < p; ++r) {
-      std::printf("rank %d (expects placement-v%lld): %s\n", r, static_cast<long long>(serving + 1),
-                  answers[r].status().ToString().c_str());
-      ok = ok && answers[r].status().code() == absl::StatusCode::kFailedPrecondition &&
-           std::string(answers[r].status().message()).find("expected_generation") != std::string::npos;
-    }
-    for (StepCall& c : calls) {
-      c.step_id = 1002;
-      c.expected_generation = serving;
-    }
-    run(1002, calls, &answers, std::vector<bool>(p, false));
-    for (int r = 0; r < p; ++r) {
-      ok = ok && answers[r].ok() && answers[r]->record.placement_generation() == serving;
-      if (answers[r].ok()) ok = ok && RelativeError(answers[r]->output, reference.Compute(calls[r])) <= 1e-2;
-    }
-    std::printf("re-planned against placement-v%lld: %s\n", static_cast<long long>(serving),
-                ok ? "served by every rank, outputs checked" : "FAILED");
-    return ok ? 0 : 1;
+};
+
+// bad_input: rank 1's step is malformed; it gets INVALID_ARGUMENT naming the field, every other
+// rank ABORTED, and the next step is served everywhere.
+int FaultBadInput(FaultContext& f, std::vector<StepCall> calls) {
+  const int p = f.ranks();
+  Answers answers;
+  calls[1].hidden.pop_back();  // byte length no longer matches dtype x shape
+  const absl::Time start = absl::Now();
+  f.RunAll(calls, &answers);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  bool ok = answers[1].status().code() == absl::StatusCode::kInvalidArgument &&
+            std::string(answers[1].status().message()).find("hidden.data") != std::string::npos;
+  std::printf("rank 1 (malformed): %s\n", answers[1].status().ToString().c_str());
+  for (int r = 0; r < p; ++r) {
+    if (r == 1) continue;
+    std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
+    ok = ok && answers[r].status().code() == absl::StatusCode::kAborted;
   }
-  spdlog::error("--fault {}: unknown (bad_input, dead_rank, stale_generation)", absl::GetFlag(FLAGS_fault));
-  return 2;
+  std::printf("step answered everywhere in %.2f s\n", seconds);
+  f.RunAll(f.Calls(1001), &answers);
+  for (int r = 0; r < p; ++r) ok = ok && answers[r].ok();
+  std::printf("next step: %s\n", ok ? "served by every rank" : "FAILED");
+  return ok ? kExitOk : kExitFailure;
+}
+
+// dead_rank: with --dead_rank killed, every live rank fails the step within the timeout.
+int FaultDeadRank(FaultContext& f, const std::vector<StepCall>& calls) {
+  const int p = f.ranks();
+  Answers answers;
+  std::vector<bool> skip(p, false);
+  skip[absl::GetFlag(FLAGS_dead_rank)] = true;
+  const absl::Time start = absl::Now();
+  f.Run(calls, &answers, skip);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  bool ok = true;
+  for (int r = 0; r < p; ++r) {
+    if (skip[r]) continue;
+    std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
+    ok = ok && (answers[r].status().code() == absl::StatusCode::kDeadlineExceeded ||
+                answers[r].status().code() == absl::StatusCode::kUnavailable);
+  }
+  std::printf("every live rank answered with an error in %.2f s\n", seconds);
+  return ok ? kExitOk : kExitFailure;
+}
+
+// 0x0E "stale handle reaches new active generation -> reject handle and replan": the engine
+// expects a generation the ranks do not serve; every rank refuses the step naming both, and
+// the engine re-plans against the generation the error names.
+int FaultStaleGeneration(FaultContext& f, const std::vector<StepCall>& calls) {
+  const int p = f.ranks();
+  Answers answers;
+  f.RunAll(calls, &answers);  // learn the serving generation
+  if (!answers[0].ok()) {
+    std::printf("first step failed: %s\n", answers[0].status().ToString().c_str());
+    return kExitFailure;
+  }
+  const int64_t serving = answers[0]->record.placement_generation();
+  std::vector<StepCall> stale = f.Calls(1001);
+  for (StepCall& c : stale) c.expected_generation = serving + 1;
+  f.RunAll(stale, &answers);
+  bool ok = true;
+  for (int r = 0; r < p; ++r) {
+    std::printf("rank %d (expects placement-v%lld): %s\n", r, static_cast<long long>(serving + 1),
+                answers[r].status().ToString().c_str());
+    ok = ok && answers[r].status().code() == absl::StatusCode::kFailedPrecondition &&
+         std::string(answers[r].status().message()).find("expected_generation") != std::string::npos;
+  }
+  for (StepCall& c : stale) {
+    c.step_id = 1002;
+    c.expected_generation = serving;
+  }
+  f.RunAll(stale, &answers);
+  for (int r = 0; r < p; ++r) {
+    ok = ok && answers[r].ok() && answers[r]->record.placement_generation() == serving;
+    if (answers[r].ok()) ok = ok && RelativeError(answers[r]->output, f.reference.Compute(stale[r])) <= 1e-2;
+  }
+  std::printf("re-planned against placement-v%lld: %s\n", static_cast<long long>(serving),
+              ok ? "served by every rank, outputs checked" : "FAILED");
+  return ok ? kExitOk : kExitFailure;
+}
+
+// Fault checks on a live cluster (0x0E): each prints what it saw and returns the exit code.
+int Fault(Clients& clients, Reference& reference, int d, int k) {
+  FaultContext f{clients, reference, d, k};
+  const std::vector<StepCall> calls = f.Calls(1000);
+  const std::string fault = absl::GetFlag(FLAGS_fault);
+  if (fault == "bad_input") return FaultBadInput(f, calls);
+  if (fault == "dead_rank") return FaultDeadRank(f, calls);
+  if (fault == "stale_generation") return FaultStaleGeneration(f, calls);
+  spdlog::error("--fault {}: unknown (bad_input, dead_rank, stale_generation)", fault);
+  return kExitUsage;
 }
 
 std::vector<std::string> Addresses() {
@@ -269,51 +301,117 @@ std::vector<std::string> Addresses() {
   return out;
 }
 
-int Main() {
-  auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
-  if (!ckpt.ok()) {
-    spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
-    return 2;
-  }
-  int d = 0, f = 0;
-  absl::SimpleAtoi(ckpt->metadata["d"], &d);
-  absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
-  Reference reference(*ckpt, d, f);
-  const std::vector<std::string> addresses = Addresses();
-  std::string token;
-  if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {
-    std::ifstream in(absl::GetFlag(FLAGS_engine_token_file));
-    std::getline(in, token);
-  }
-  const int p = static_cast<int>(addresses.size());
-  std::vector<std::unique_ptr<ExpertLayerClient>> clients;
-  for (int r = 0; r < p; ++r) {
-    const std::string& a = addresses[r];
-    if (r == absl::GetFlag(FLAGS_dead_rank)) {  // a killed rank is not called
-      clients.push_back(nullptr);
-      continue;
-    }
-    auto c = ExpertLayerClient::Connect(a, absl::Seconds(30), token);
-    if (!c.ok()) {
-      spdlog::error("{}", std::string(c.status().message()));
-      return 1;
-    }
-    clients.push_back(*std::move(c));
-  }
-  const int k = absl::GetFlag(FLAGS_k);
-  if (!absl::GetFlag(FLAGS_fault).empty()) return Fault(clients, reference, d, k);
-  struct Unit {
-    std::string scenario;
-    bool decode;
-    int64_t tokens;
-  };
-  const std::vector<Unit> units = {
+// One kind of step of the scenario list.
+struct Unit {
+  std::string scenario;
+  bool decode;
+  int64_t tokens;
+};
+
+std::vector<Unit> Units() {
+  return {
       {"prefill", false, absl::GetFlag(FLAGS_prefill_tokens)},
       {"decode", true, absl::GetFlag(FLAGS_decode_tokens)},
       {"mixed/prefill-unit", false, absl::GetFlag(FLAGS_prefill_tokens) / 4},
       {"mixed/decode-unit", true, absl::GetFlag(FLAGS_decode_tokens) / 2},
       {"oversize-decode", true, absl::GetFlag(FLAGS_oversize_tokens)},
   };
+}
+
+// Calls every rank at once. A step every rank answered ABORTED (the group aborted before payload:
+// no rank computed anything) runs again as a new step, up to --max_retries times.
+Answers ExecuteWithRetries(Clients& clients, std::vector<StepCall>& calls, uint64_t step, Stats* stats) {
+  const int p = static_cast<int>(clients.size());
+  Answers answers(p, absl::UnknownError("not run"));
+  for (int attempt = 0;; ++attempt) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < p; ++r) threads.emplace_back([&, r] { answers[r] = clients[r]->Execute(calls[r]); });
+    for (auto& t : threads) t.join();
+    const bool all_aborted = std::all_of(answers.begin(), answers.end(), [](const auto& a) {
+      return a.status().code() == absl::StatusCode::kAborted;
+    });
+    if (!all_aborted || attempt == absl::GetFlag(FLAGS_max_retries)) break;
+    ++stats->retried;
+    const uint64_t retry_id = (uint64_t{1} << 40) + static_cast<uint64_t>(stats->retried);
+    spdlog::info("step {} aborted on every rank ({}); retrying as step {}", step,
+                 std::string(answers[0].status().message()), retry_id);
+    for (StepCall& c : calls) c.step_id = retry_id;
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000, 10 << attempt)));
+  }
+  return answers;
+}
+
+// Follows the serving generation through the steps: the timeline, its segments, canary steps
+// and steps the ranks answered under different generations.
+void RecordGeneration(const Answers& answers, uint64_t step, Stats* stats) {
+  if (answers[0].ok() && answers[0]->record.canary()) {
+    ++stats->canary_steps;  // served by the candidate on trial: not a change of the serving generation
+    return;
+  }
+  if (!answers[0].ok()) return;
+  const int64_t gen = answers[0]->record.placement_generation();
+  for (size_t r = 1; r < answers.size(); ++r) {
+    if (answers[r].ok() && answers[r]->record.placement_generation() != gen) ++stats->generation_splits;
+  }
+  if (stats->timeline.empty() || std::get<0>(stats->timeline.back()) != gen) {
+    stats->timeline.emplace_back(gen, step, step);
+    stats->segment_latency_us.emplace_back();
+  } else {
+    std::get<2>(stats->timeline.back()) = step;
+  }
+}
+
+// Checks every rank's answer against the semantic computation and counts its record.
+void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, const Unit& u, uint64_t step,
+                  Reference& reference, Stats* stats) {
+  const std::string phase = u.decode ? "decode" : "prefill";
+  for (size_t r = 0; r < answers.size(); ++r) {
+    ++stats->steps;
+    if (!answers[r].ok()) {
+      ++stats->failed;
+      spdlog::error("step {} rank {}: {}", step, r, std::string(answers[r].status().message()));
+      continue;
+    }
+    const std::vector<float> ref = reference.Compute(calls[r]);
+    const double rel = RelativeError(answers[r]->output, ref);
+    if (!ref.empty() && rel > 1e-2) {
+      ++stats->mismatches;
+      spdlog::error("step {} rank {}: output differs from the semantic computation (rel {:.3g})", step, r, rel);
+    }
+    const v1::StepRecord& rec = answers[r]->record;
+    stats->routes += rec.routes_accepted();
+    stats->remote += rec.routes_remote();
+    stats->inter_node += rec.routes_inter_node();
+    stats->dropped += rec.routes_dropped();
+    if (u.decode) {
+      ++stats->decode_steps;
+      if (rec.path() == v1::PATH_GRAPH_REPLAY) ++stats->replays;
+      else ++stats->fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
+    }
+    stats->latency_us[phase].push_back(answers[r]->client_latency_us);
+    stats->executor_us[phase].push_back(rec.compute_latency_us());
+    stats->server_us[phase].push_back(rec.server_latency_us());
+    if (!stats->segment_latency_us.empty()) {
+      stats->segment_latency_us.back()[phase].push_back(answers[r]->client_latency_us);
+    }
+  }
+}
+
+void PrintProgress(int round, int rounds, uint64_t step, const Unit& u, bool hot, const Stats& stats) {
+  std::printf("%s", isatty(1) ? "\r" : "");
+  std::printf("round %d/%s  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1,
+              round < rounds ? std::to_string(rounds).c_str() : "live", static_cast<unsigned long long>(step),
+              u.scenario.c_str(), hot ? "hot" : "uniform", static_cast<long long>(stats.failed),
+              static_cast<long long>(stats.mismatches));
+  if (!isatty(1)) std::printf("\n");
+  std::fflush(stdout);
+}
+
+// The scenario list under uniform and hot-expert routing, --rounds times and then, in live-traffic
+// mode, until --until_file exists.
+Stats RunRounds(Clients& clients, Reference& reference, int d, int k) {
+  const int p = static_cast<int>(clients.size());
+  const std::vector<Unit> units = Units();
   Stats stats;
   std::mt19937 rng(42);
   uint64_t step = 1;
@@ -333,79 +431,40 @@ int Main() {
           const int64_t tokens = (r == p - 1 && step % 3 == 0) ? 0 : u.tokens;
           calls.push_back(MakeCall(rng, step, u.decode, tokens, d, k, reference.num_experts(), hot));
         }
-        std::vector<absl::StatusOr<StepAnswer>> answers(p, absl::UnknownError("not run"));
-        for (int attempt = 0;; ++attempt) {
-          std::vector<std::thread> threads;
-          for (int r = 0; r < p; ++r) threads.emplace_back([&, r] { answers[r] = clients[r]->Execute(calls[r]); });
-          for (auto& t : threads) t.join();
-          const bool all_aborted = std::all_of(answers.begin(), answers.end(), [](const auto& a) {
-            return a.status().code() == absl::StatusCode::kAborted;
-          });
-          if (!all_aborted || attempt == absl::GetFlag(FLAGS_max_retries)) break;
-          // The group aborted before payload (no rank computed anything): run it again as a new step.
-          ++stats.retried;
-          const uint64_t retry_id = (uint64_t{1} << 40) + static_cast<uint64_t>(stats.retried);
-          spdlog::info("step {} aborted on every rank ({}); retrying as step {}", step,
-                       std::string(answers[0].status().message()), retry_id);
-          for (StepCall& c : calls) c.step_id = retry_id;
-          std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1000, 10 << attempt)));
-        }
-        if (answers[0].ok() && answers[0]->record.canary()) {
-          ++stats.canary_steps;  // served by the candidate on trial: not a change of the serving generation
-        } else if (answers[0].ok()) {
-          const int64_t gen = answers[0]->record.placement_generation();
-          for (int r = 1; r < p; ++r) {
-            if (answers[r].ok() && answers[r]->record.placement_generation() != gen) ++stats.generation_splits;
-          }
-          if (stats.timeline.empty() || std::get<0>(stats.timeline.back()) != gen) {
-            stats.timeline.emplace_back(gen, step, step);
-            stats.segment_latency_us.emplace_back();
-          } else {
-            std::get<2>(stats.timeline.back()) = step;
-          }
-        }
-        for (int r = 0; r < p; ++r) {
-          ++stats.steps;
-          if (!answers[r].ok()) {
-            ++stats.failed;
-            spdlog::error("step {} rank {}: {}", step, r, std::string(answers[r].status().message()));
-            continue;
-          }
-          const std::vector<float> ref = reference.Compute(calls[r]);
-          const double rel = RelativeError(answers[r]->output, ref);
-          if (!ref.empty() && rel > 1e-2) {
-            ++stats.mismatches;
-            spdlog::error("step {} rank {}: output differs from the semantic computation (rel {:.3g})", step, r, rel);
-          }
-          const v1::StepRecord& rec = answers[r]->record;
-          stats.routes += rec.routes_accepted();
-          stats.remote += rec.routes_remote();
-          stats.inter_node += rec.routes_inter_node();
-          stats.dropped += rec.routes_dropped();
-          if (u.decode) {
-            ++stats.decode_steps;
-            if (rec.path() == v1::PATH_GRAPH_REPLAY) ++stats.replays;
-            else ++stats.fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
-          }
-          stats.latency_us[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
-          stats.executor_us[u.decode ? "decode" : "prefill"].push_back(rec.compute_latency_us());
-          stats.server_us[u.decode ? "decode" : "prefill"].push_back(rec.server_latency_us());
-          if (!stats.segment_latency_us.empty()) {
-            stats.segment_latency_us.back()[u.decode ? "decode" : "prefill"].push_back(answers[r]->client_latency_us);
-          }
-        }
-        std::printf("%s", isatty(1) ? "\r" : "");
-        std::printf("round %d/%s  step %llu  %-20s %-7s routing   failed %lld  mismatches %lld", round + 1,
-                    round < rounds ? std::to_string(rounds).c_str() : "live", static_cast<unsigned long long>(step), u.scenario.c_str(), hot ? "hot" : "uniform",
-                    static_cast<long long>(stats.failed), static_cast<long long>(stats.mismatches));
-        if (!isatty(1)) std::printf("\n");
-        std::fflush(stdout);
+        const Answers answers = ExecuteWithRetries(clients, calls, step, &stats);
+        RecordGeneration(answers, step, &stats);
+        CheckAnswers(answers, calls, u, step, reference, &stats);
+        PrintProgress(round, rounds, step, u, hot, stats);
         ++step;
       }
     }
   }
-  std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts)\n", p, k, d, f,
-              reference.num_experts());
+  return stats;
+}
+
+// The samples of `phase` (none if it has none).
+const std::vector<double>& Samples(const std::map<std::string, std::vector<double>>& by_phase,
+                                   const std::string& phase) {
+  static const std::vector<double>* const kNone = new std::vector<double>();
+  auto it = by_phase.find(phase);
+  return it == by_phase.end() ? *kNone : it->second;
+}
+
+// The latency of each segment of the generation timeline (when a rollout made more than one).
+void PrintTimelineSegments(const Stats& stats) {
+  for (size_t i = 0; i < stats.timeline.size() && stats.timeline.size() > 1; ++i) {
+    std::printf("    placement-v%lld (steps %llu-%llu):", static_cast<long long>(std::get<0>(stats.timeline[i])),
+                static_cast<unsigned long long>(std::get<1>(stats.timeline[i])),
+                static_cast<unsigned long long>(std::get<2>(stats.timeline[i])));
+    for (const auto& [phase, v] : stats.segment_latency_us[i]) {
+      std::printf("  %s p50 %.0f us p99 %.0f us (%zu)", phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size());
+    }
+    std::printf("\n");
+  }
+}
+
+void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts) {
+  std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts)\n", p, k, d, f, experts);
   std::printf("  rank-steps          %lld (failed %lld)\n", static_cast<long long>(stats.steps), static_cast<long long>(stats.failed));
   std::printf("  routes accepted     %lld (router-dropped %lld)\n", static_cast<long long>(stats.routes), static_cast<long long>(stats.dropped));
   std::printf("  remote fraction     %.3f\n", stats.routes ? static_cast<double>(stats.remote) / stats.routes : 0.0);
@@ -417,8 +476,8 @@ int Main() {
   for (const auto& [phase, v] : stats.latency_us) {
     std::printf("  %-8s latency     p50 %.0f us  p99 %.0f us  (%zu rank-steps; inside the rank's handler p50 %.0f us, "
                 "its executor p50 %.0f us)\n",
-                phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size(), Percentile(stats.server_us[phase], 0.5),
-                Percentile(stats.executor_us[phase], 0.5));
+                phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size(),
+                Percentile(Samples(stats.server_us, phase), 0.5), Percentile(Samples(stats.executor_us, phase), 0.5));
   }
   std::printf("  mismatches          %lld\n", static_cast<long long>(stats.mismatches));
   std::printf("  steps retried       %lld (aborted on every rank before payload, e.g. during a generation switch)\n",
@@ -433,20 +492,53 @@ int Main() {
                 static_cast<unsigned long long>(last));
   }
   std::printf("\n");
-  for (size_t i = 0; i < stats.timeline.size() && stats.timeline.size() > 1; ++i) {
-    std::printf("    placement-v%lld (steps %llu-%llu):", static_cast<long long>(std::get<0>(stats.timeline[i])),
-                static_cast<unsigned long long>(std::get<1>(stats.timeline[i])),
-                static_cast<unsigned long long>(std::get<2>(stats.timeline[i])));
-    for (const auto& [phase, v] : stats.segment_latency_us[i]) {
-      std::printf("  %s p50 %.0f us p99 %.0f us (%zu)", phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size());
-    }
-    std::printf("\n");
-  }
+  PrintTimelineSegments(stats);
   if (stats.generation_splits > 0) {
     std::printf("  GENERATION SPLITS   %lld (ranks answered one step under different generations)\n",
                 static_cast<long long>(stats.generation_splits));
   }
-  return stats.failed == 0 && stats.mismatches == 0 && stats.generation_splits == 0 ? 0 : 1;
+}
+
+// A client for every rank but a killed one (--dead_rank: nullptr).
+absl::StatusOr<Clients> ConnectClients(const std::vector<std::string>& addresses, const std::string& token) {
+  Clients clients;
+  for (int r = 0; r < static_cast<int>(addresses.size()); ++r) {
+    if (r == absl::GetFlag(FLAGS_dead_rank)) {  // a killed rank is not called
+      clients.push_back(nullptr);
+      continue;
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<ExpertLayerClient> c, ExpertLayerClient::Connect(addresses[r], absl::Seconds(30), token));
+    clients.push_back(std::move(c));
+  }
+  return clients;
+}
+
+int Main() {
+  auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+  if (!ckpt.ok()) {
+    spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
+    return kExitUsage;
+  }
+  int d = 0, f = 0;
+  absl::SimpleAtoi(ckpt->metadata["d"], &d);
+  absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
+  Reference reference(*ckpt, d, f);
+  const std::vector<std::string> addresses = Addresses();
+  std::string token;
+  if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_engine_token_file));
+    std::getline(in, token);
+  }
+  auto clients = ConnectClients(addresses, token);
+  if (!clients.ok()) {
+    spdlog::error("{}", std::string(clients.status().message()));
+    return kExitFailure;
+  }
+  const int k = absl::GetFlag(FLAGS_k);
+  if (!absl::GetFlag(FLAGS_fault).empty()) return Fault(*clients, reference, d, k);
+  const Stats stats = RunRounds(*clients, reference, d, k);
+  PrintSummary(stats, static_cast<int>(clients->size()), k, d, f, reference.num_experts());
+  return stats.failed == 0 && stats.mismatches == 0 && stats.generation_splits == 0 ? kExitOk : kExitFailure;
 }
 
 }  // namespace
