@@ -9,57 +9,11 @@
 #include "absl/time/clock.h"
 #include "runtime/exec/dispatch_handle.h"
 #include "runtime/exec/step_exchange.h"
+#include "runtime/exec/step_phases.h"
 #include "runtime/hash.h"
 #include "runtime/status.h"
 
 namespace moe {
-namespace {
-
-// The host tables a step's kernels read (index tables, gates), each at a 16-byte aligned offset
-// of one block that goes to kernel memory in one copy: with device kernels one host-to-device
-// transfer a step instead of one a table. Host kernels read the tables in place.
-class StepTables {
- public:
-  // Adds `bytes` at `src` (read at Upload); returns the table's handle for Get.
-  int Add(const void* src, int64_t bytes) {
-    tables_.push_back({src, bytes, total_});
-    total_ += (bytes + 15) / 16 * 16;
-    return static_cast<int>(tables_.size()) - 1;
-  }
-  absl::Status Upload(bool device, kernels::ExpertKernels& kern, kernels::KernelBuffer& to, std::vector<uint8_t>& host,
-                      kernels::Stream stream) {
-    device_ = device;
-    if (!device || total_ == 0) return absl::OkStatus();
-    host.resize(total_);
-    for (const Table& t : tables_) {
-      if (t.bytes > 0) std::memcpy(host.data() + t.offset, t.src, t.bytes);
-    }
-    RETURN_IF_ERROR(to.Reserve(&kern, total_));
-    RETURN_IF_ERROR(kern.CopyToKernel(to.data(), host.data(), total_, stream));
-    base_ = static_cast<const uint8_t*>(to.data());
-    return absl::OkStatus();
-  }
-  // The table where the kernels read it (nullptr: on the device, and nothing was uploaded).
-  template <typename T>
-  const T* Get(int table) const {
-    const Table& t = tables_[table];
-    if (!device_) return static_cast<const T*>(t.src);
-    return base_ != nullptr ? reinterpret_cast<const T*>(base_ + t.offset) : nullptr;
-  }
-
- private:
-  struct Table {
-    const void* src;
-    int64_t bytes, offset;
-  };
-  std::vector<Table> tables_;
-  int64_t total_ = 0;
-  bool device_ = false;
-  const uint8_t* base_ = nullptr;
-};
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecutorOptions options) {
   if (!options.topology || !options.group) return absl::InvalidArgumentError("executor: topology and group required");
   if (options.registry == nullptr || options.transport == nullptr || options.kernels == nullptr) {
@@ -216,29 +170,6 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
   return graph->Replay(in.step_id * 4 + 2, t, out->data(), options_.timeout);
 }
 
-absl::Status LayerExecutor::Validate(const LayerStepInput& in, int num_experts) const {
-  if (in.tokens < 0) return absl::InvalidArgumentError("hidden: negative token count");
-  if (in.k <= 0) return absl::InvalidArgumentError("topk_ids: k must be positive");
-  if (in.d <= 0) return absl::InvalidArgumentError("hidden: d must be positive");
-  if (in.tokens > 0 && (in.hidden == nullptr || in.topk_ids == nullptr || in.topk_weights == nullptr)) {
-    return absl::InvalidArgumentError("hidden / topk_ids / topk_weights: missing");
-  }
-  for (int64_t i = 0; i < in.tokens * in.k; ++i) {
-    if (in.admitted != nullptr && in.admitted[i] == 0) continue;
-    const int32_t e = in.topk_ids[i];
-    if (e < 0 || e >= num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e,
-                                                     " outside [0, ", num_experts, ")"));
-    }
-    const float g = in.topk_weights[i];
-    if (!std::isfinite(g) || g < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", g,
-                                                     " is NaN, infinite or negative"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status why) {
   const int64_t active = options_.registry->ActiveVersion();
   StepHeader h{step_id, layer, active, options_.group->epoch().value(), 1};
@@ -331,6 +262,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   auto r = RunPass(in, po, &shadow);
   Count(r, in, false);
   if (shadow < 0) return r;
+  RunShadow(in, shadow, r);
+  return r;
+}
+
+void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const absl::StatusOr<LayerStepResult>& r) {
   // Shadow: every member agreed to run this step on the candidate too (same proposal, sampled
   // step), so every member runs the pass, whatever its own active result was. The engine gets
   // the active result; the candidate's output is only compared with it (runner parity).
@@ -357,387 +293,411 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
   ++c.shadow_samples;
   if (!s.ok()) ++c.shadow_failures;
   if (mismatch) ++c.shadow_mismatches;
-  return r;
 }
+
+
+// What one pass's phases hand each other. Buffers reused across steps stay in buf_.
+struct LayerExecutor::Pass {
+  Pass(const LayerStepInput& input, const PassOptions& options)
+      : in(input), po(options), trial(options.trial_version >= 0), clock(&result.record.phase_us) {}
+  const LayerStepInput& in;
+  const PassOptions& po;
+  const bool trial;
+  const absl::Time started = absl::Now();
+  LayerStepResult result;
+  PhaseClock clock;  // after `result`, whose record it writes
+  int64_t num_experts = 0;
+  std::optional<FrozenHandoff> frozen;           // validate
+  std::unique_ptr<DispatchHandle> handle;        // acquire
+  PlacementVersion version{0};
+  std::shared_ptr<const ResidentExperts> weights;
+  std::shared_ptr<const PlanLayout> layout;
+  const PlacementManifest* manifest = nullptr;
+  int64_t n_send = 0;                            // plan
+  StepAgreement agreement;                       // agree
+  int64_t n_recv = 0;                            // dispatch
+  ByteSplits bytes;
+  StepTables tables;                             // eager payload: the kernels' index tables
+  int t_send = -1, t_order = -1, t_position = -1, t_rows_of = -1, t_gates = -1;
+  const void* hidden = nullptr;                  // the engine's rows where the kernels read them
+};
 
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
                                                        int64_t* agreed_shadow) {
-  const absl::Time started = absl::Now();
-  const Topology& topo = *options_.topology;
-  const ProcessGroup& group = *options_.group;
-  const int p = group.size();
-  const int me = group.SlotOf(options_.rank).value();
-  kernels::ExpertKernels& kern = *options_.kernels;
-
+  Pass pass(in, po);
   // A member that cannot run the step still joins the agreement with the abort flag set, so its
   // peers abort at once (they get ABORTED) instead of waiting out the timeout; the member itself
   // answers its engine with the original error.
-  auto reject = [&](absl::Status why) { return Reject(in.step_id, in.layer, std::move(why)); };
+  absl::Status before_agreement = ValidatePhase(pass);
+  if (before_agreement.ok()) before_agreement = AcquirePhase(pass);
+  if (before_agreement.ok()) before_agreement = PlanPhase(pass);
+  if (!before_agreement.ok()) return Reject(in.step_id, in.layer, std::move(before_agreement));
+  RETURN_IF_ERROR(AgreePhase(pass, agreed_shadow));
+  RETURN_IF_ERROR(DispatchPlanPhase(pass));
+  if (pass.result.record.graph_replay) {
+    // Replay (admitted decode step): the bucket's captured graph does dispatch through combine.
+    pass.clock.Enter(StepPhase::kExperts);
+    RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
+    RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
+    RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+    RETURN_IF_ERROR(ReplayDecode(in, pass.version, pass.manifest->num_slots(), pass.weights, buf_.source, buf_.dest,
+                                 pass.handle->inverse().token, buf_.row_of_route, buf_.gates, &pass.result.output));
+  } else {
+    RETURN_IF_ERROR(EagerPayload(pass));
+  }
+  RETURN_IF_ERROR(ReleasePhase(pass));
+  return std::move(pass.result);
+}
 
-  // Phase: the semantic handoff of this rank's routes, sealed before any physical decision.
-  const bool trial = po.trial_version >= 0;
-  const int64_t active = trial ? po.trial_version : options_.registry->ActiveVersion();
-  if (active < 0) return reject(absl::UnavailableError("no ACTIVE placement generation"));
-  auto active_manifest = trial ? options_.registry->RequireTrial(PlacementVersion(active))
-                               : options_.registry->RequireLive(PlacementVersion(active));
-  if (!active_manifest.ok()) return reject(active_manifest.status());
-  if (absl::Status v = Validate(in, (*active_manifest)->num_experts()); !v.ok()) return reject(v);
-  SemanticHandoff h;
-  h.scope = ExecutionScopeId(static_cast<int64_t>(in.step_id));
-  h.num_experts = (*active_manifest)->num_experts();
-  h.top_k = in.k;
-  h.num_partitions = topo.num_ranks();
-  h.Reserve(in.tokens * in.k);
-  if (!po.shadow_pass) {
+absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kValidate);
+  const LayerStepInput& in = pass.in;
+  const int64_t active = pass.trial ? pass.po.trial_version : options_.registry->ActiveVersion();
+  if (active < 0) return absl::UnavailableError("no ACTIVE placement generation");
+  pass.version = PlacementVersion(active);
+  auto manifest = pass.trial ? options_.registry->RequireTrial(pass.version) : options_.registry->RequireLive(pass.version);
+  if (!manifest.ok()) return manifest.status();
+  pass.num_experts = (*manifest)->num_experts();
+  RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
+  if (!pass.po.shadow_pass) {
     // The load signal for rebalancing: routes this rank's tokens chose, per logical expert.
     absl::MutexLock lock(&generations_mu_);
-    if (expert_load_.size() < static_cast<size_t>(h.num_experts)) expert_load_.resize(h.num_experts, 0);
+    if (expert_load_.size() < static_cast<size_t>(pass.num_experts)) expert_load_.resize(pass.num_experts, 0);
     for (int64_t i = 0; i < in.tokens * in.k; ++i) {
       if (in.admitted == nullptr || in.admitted[i] != 0) ++expert_load_[in.topk_ids[i]];
     }
   }
-  for (int64_t t = 0; t < in.tokens; ++t) {
-    for (int j = 0; j < in.k; ++j) {
-      const int64_t i = t * in.k + j;
-      const bool admitted = in.admitted == nullptr || in.admitted[i] != 0;
-      h.Add(options_.rank, static_cast<int32_t>(t), j, LogicalExpertId(admitted ? in.topk_ids[i] : 0),
-            admitted ? in.topk_weights[i] : 0.0f, admitted);
-    }
-  }
-  auto frozen_or = Freeze(std::move(h));
-  if (!frozen_or.ok()) return reject(frozen_or.status());
-  const FrozenHandoff& frozen = *frozen_or;
+  ASSIGN_OR_RETURN(FrozenHandoff frozen, SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts),
+                                                    options_.topology->num_ranks()));
+  pass.frozen.emplace(std::move(frozen));
+  return absl::OkStatus();
+}
 
-  // Phase: pin the generation for this step's whole lifetime.
-  auto handle_or = trial ? DispatchHandle::AcquireTrial(HandleId(static_cast<int64_t>(in.step_id)), frozen,
-                                                        options_.registry, group, PlacementVersion(active))
-                         : DispatchHandle::Acquire(HandleId(static_cast<int64_t>(in.step_id)), frozen, options_.registry,
-                                                   group);
-  if (!handle_or.ok()) return reject(handle_or.status());
-  std::unique_ptr<DispatchHandle> handle = *std::move(handle_or);
-  const PlacementVersion version = handle->placement_version();
-  if (!trial && in.expected_generation >= 0 && in.expected_generation != version.value()) {
-    return reject(absl::FailedPreconditionError(absl::StrCat("expected_generation: engine expects placement-v",
-                                                             in.expected_generation, ", active is placement-v",
-                                                             version.value())));
+absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kAcquire);
+  const HandleId id(static_cast<int64_t>(pass.in.step_id));
+  ASSIGN_OR_RETURN(pass.handle,
+                   pass.trial ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group,
+                                                             pass.version)
+                              : DispatchHandle::Acquire(id, *pass.frozen, options_.registry, *options_.group));
+  const PlacementVersion version = pass.handle->placement_version();
+  pass.version = version;
+  if (!pass.trial && pass.in.expected_generation >= 0 && pass.in.expected_generation != version.value()) {
+    return absl::FailedPreconditionError(absl::StrCat("expected_generation: engine expects placement-v",
+                                                      pass.in.expected_generation, ", active is placement-v",
+                                                      version.value()));
   }
-  std::shared_ptr<const ResidentExperts> weights_ptr;
-  std::shared_ptr<const PlanLayout> layout_ptr;
   {
     absl::MutexLock lock(&generations_mu_);
     auto it = experts_.find(version.value());
-    if (it != experts_.end()) weights_ptr = it->second;
+    if (it != experts_.end()) pass.weights = it->second;
     auto lit = layouts_.find(version.value());
-    if (lit != layouts_.end()) layout_ptr = lit->second;
+    if (lit != layouts_.end()) pass.layout = lit->second;
   }
-  if (weights_ptr == nullptr) {
-    return reject(absl::FailedPreconditionError(absl::StrCat("placement-v", version.value(),
-                                                             ": no weights loaded on rank ", options_.rank.value())));
+  if (pass.weights == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("placement-v", version.value(), ": no weights loaded on rank ", options_.rank.value()));
   }
-  const ResidentExperts& weights = *weights_ptr;
-  if (weights.host->d != in.d) {
-    return reject(absl::InvalidArgumentError(absl::StrCat("hidden: d = ", in.d, ", the experts have d = ", weights.host->d)));
+  if (pass.weights->host->d != pass.in.d) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: d = ", pass.in.d, ", the experts have d = ", pass.weights->host->d));
   }
-  if (layout_ptr == nullptr) {
-    auto layout = PlanLayout::Create(handle->manifest(), group);
-    if (!layout.ok()) return reject(layout.status());
-    layout_ptr = std::make_shared<const PlanLayout>(*std::move(layout));
+  if (pass.layout == nullptr) {
+    ASSIGN_OR_RETURN(PlanLayout layout, PlanLayout::Create(pass.handle->manifest(), *options_.group));
+    pass.layout = std::make_shared<const PlanLayout>(std::move(layout));
     absl::MutexLock lock(&generations_mu_);
-    layouts_[version.value()] = layout_ptr;
+    layouts_[version.value()] = pass.layout;
   }
-  const PlanLayout& layout = *layout_ptr;
-  const PlacementManifest& m = *handle->manifest();
+  pass.manifest = pass.handle->manifest().get();
+  return absl::OkStatus();
+}
 
-  // Phase: replica selection and the source plan (accepted routes only, semantic order).
-  const SemanticHandoff& routes = frozen.routes;
-  std::vector<PhysicalSlotId>& slots = buf_.slots;
-  slots.resize(routes.size());
-  if (absl::Status sel = selector_->Select(routes, m, group, topo, {}, absl::MakeSpan(slots)); !sel.ok()) {
-    return reject(sel);
-  }
-  std::vector<int32_t>& accepted_ids = buf_.accepted_ids;
-  std::vector<PhysicalSlotId>& accepted_slots = buf_.accepted_slots;
-  accepted_ids.clear();
-  accepted_slots.clear();
-  for (int32_t r = 0; r < routes.size(); ++r) {
-    if (!routes.admitted[r]) continue;
-    accepted_ids.push_back(r);
-    accepted_slots.push_back(slots[r]);
-  }
-  SourcePlan& source = buf_.source;
-  if (absl::Status planned = PlanSource(layout, accepted_slots, &source); !planned.ok()) return reject(planned);
-  const int64_t n_send = static_cast<int64_t>(accepted_ids.size());
+absl::Status LayerExecutor::PlanPhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kPlan);
+  const SemanticHandoff& routes = pass.frozen->routes;
+  buf_.slots.resize(routes.size());
+  RETURN_IF_ERROR(selector_->Select(routes, *pass.manifest, *options_.group, *options_.topology, {},
+                                    absl::MakeSpan(buf_.slots)));
+  AcceptRoutes(routes, buf_.slots, &buf_.accepted_ids, &buf_.accepted_slots);
+  RETURN_IF_ERROR(PlanSource(*pass.layout, buf_.accepted_slots, &buf_.source));
+  pass.n_send = static_cast<int64_t>(buf_.accepted_ids.size());
+  return absl::OkStatus();
+}
 
-  // Phase: agreement before any payload moves (header, counts, tokens, routes per slot).
+absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
+  pass.clock.Enter(StepPhase::kAgree);
+  const LayerStepInput& in = pass.in;
+  const PlacementManifest& m = *pass.manifest;
+  // Agreement before any payload moves: header, counts, tokens, routes per slot.
   std::vector<int64_t>& slot_counts = buf_.slot_counts;
   slot_counts.assign(m.num_slots(), 0);
-  for (PhysicalSlotId q : accepted_slots) ++slot_counts[q.value()];
+  for (PhysicalSlotId q : buf_.accepted_slots) ++slot_counts[q.value()];
   // This member's graph manifest (bucket, whether it captures graphs, runner): members that
   // differ serve decode steps eagerly.
-  uint64_t manifest = SplitMix64(static_cast<uint64_t>(options_.decode_rank_tokens));
-  manifest = SplitMix64(manifest ^ static_cast<uint64_t>(options_.decode_slot_routes));
-  manifest = SplitMix64(manifest ^ (graphs_ ? 1u : 0u));
-  manifest = SplitMix64(manifest ^ static_cast<uint64_t>(options_.decode_runner));
-  StepHeader header{in.step_id,        in.layer,        version.value(), group.epoch().value(), 0, in.tokens,
-                    po.shadow_version, po.shadow_every, static_cast<int64_t>(manifest)};
+  const uint64_t manifest = GraphManifestWord(options_.decode_rank_tokens, options_.decode_slot_routes, graphs_,
+                                              options_.decode_runner);
+  StepHeader header{in.step_id,          in.layer,          pass.version.value(), options_.group->epoch().value(), 0,
+                    in.tokens,           pass.po.shadow_version, pass.po.shadow_every, static_cast<int64_t>(manifest)};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
   std::vector<int32_t>& send_meta = buf_.send_meta;
-  send_meta.resize(n_send);
-  for (int64_t pos = 0; pos < n_send; ++pos) send_meta[pos] = source.send_slots[pos].value();
-  ASSIGN_OR_RETURN(StepAgreement agreement, AgreeOnStep(*options_.transport, header, source.send_splits,
-                                                        options_.timeout, slot_counts, &send_meta));
-  if (agreed_shadow != nullptr) *agreed_shadow = agreement.shadow_version;
+  send_meta.resize(pass.n_send);
+  for (int64_t pos = 0; pos < pass.n_send; ++pos) send_meta[pos] = buf_.source.send_slots[pos].value();
+  ASSIGN_OR_RETURN(pass.agreement, AgreeOnStep(*options_.transport, header, buf_.source.send_splits, options_.timeout,
+                                               slot_counts, &send_meta));
+  if (agreed_shadow != nullptr) *agreed_shadow = pass.agreement.shadow_version;
+  if (in.phase == Phase::kDecode) AdmitDecode(pass);
+  return absl::OkStatus();
+}
 
-  // Phase: decode-graph admission, evaluated identically on every member over agreed counts.
-  LayerStepResult result;
-  if (in.phase == Phase::kDecode) {
-    DecodeGraph bucket;
-    bucket.graph_id = absl::StrCat("decode.bucket", options_.decode_rank_tokens, ".v", version.value());
-    bucket.key.process_group = group.id().value();
-    bucket.key.placement_version = version.value();
-    bucket.key.checkpoint = m.checkpoint().value();
-    bucket.key.d = in.d;
-    bucket.key.k = in.k;
-    bucket.key.rank_token_capacity.assign(p, options_.decode_rank_tokens);
-    bucket.key.slot_route_capacity.assign(m.num_slots(), options_.decode_slot_routes);
-    bucket.stable_buffers_ready = graphs_;
-    AdmissionStep step;
-    step.decode = true;
-    step.key = bucket.key;
-    step.rank_tokens = agreement.rank_tokens;
-    step.slot_routes = agreement.slot_routes;
-    // Members with different graph manifests all serve eagerly: no member replays alone.
-    const Admission admission = agreement.graph_keys_agree
-                                    ? AdmitDecodeGraph(step, &bucket)
-                                    : Admission{false, FallbackReason::kGraphKeyMismatch, ""};
-    result.record.graph_replay = admission.replay;
-    if (!admission.replay) result.record.fallback_reason = FallbackReasonName(admission.reason);
-  }
+// Decode-graph admission, evaluated identically on every member over the agreed counts.
+void LayerExecutor::AdmitDecode(Pass& pass) const {
+  const PlacementManifest& m = *pass.manifest;
+  DecodeGraph bucket;
+  bucket.graph_id = absl::StrCat("decode.bucket", options_.decode_rank_tokens, ".v", pass.version.value());
+  bucket.key.process_group = options_.group->id().value();
+  bucket.key.placement_version = pass.version.value();
+  bucket.key.checkpoint = m.checkpoint().value();
+  bucket.key.d = pass.in.d;
+  bucket.key.k = pass.in.k;
+  bucket.key.rank_token_capacity.assign(options_.group->size(), options_.decode_rank_tokens);
+  bucket.key.slot_route_capacity.assign(m.num_slots(), options_.decode_slot_routes);
+  bucket.stable_buffers_ready = graphs_;
+  AdmissionStep step;
+  step.decode = true;
+  step.key = bucket.key;
+  step.rank_tokens = pass.agreement.rank_tokens;
+  step.slot_routes = pass.agreement.slot_routes;
+  // Members with different graph manifests all serve eagerly: no member replays alone.
+  const Admission admission = pass.agreement.graph_keys_agree
+                                  ? AdmitDecodeGraph(step, &bucket)
+                                  : Admission{false, FallbackReason::kGraphKeyMismatch, ""};
+  pass.result.record.graph_replay = admission.replay;
+  if (!admission.replay) pass.result.record.fallback_reason = FallbackReasonName(admission.reason);
+}
 
-  // Phase: the handle binds the inverse coordinates (origin token and gate per send position).
-  const int d = in.d;
-  const int64_t row_bytes = static_cast<int64_t>(d) * 2;
-  InverseCoordinates inverse;
-  inverse.token.resize(n_send);
-  inverse.gate.resize(n_send);
-  inverse.num_tokens = in.tokens;
-  for (int64_t pos = 0; pos < n_send; ++pos) {
-    const int32_t r = accepted_ids[source.send_order[pos]];
-    inverse.token[pos] = routes.token[r];
-    inverse.gate[pos] = routes.gate[r];
-  }
-  RETURN_IF_ERROR(handle->BindPlan(std::move(inverse)));
-  const std::vector<int32_t>& send_token = handle->inverse().token;
-
-  int64_t n_recv = 0;
-  for (int64_t c : agreement.recv_counts) n_recv += c;
-  std::vector<int64_t> send_bytes(p), recv_bytes(p), send_meta_bytes(p), recv_meta_bytes(p);
-  for (int i = 0; i < p; ++i) {
-    send_bytes[i] = source.send_splits[i] * row_bytes;
-    recv_bytes[i] = agreement.recv_counts[i] * row_bytes;
-    send_meta_bytes[i] = source.send_splits[i] * 4;
-    recv_meta_bytes[i] = agreement.recv_counts[i] * 4;
-  }
-
-  // Phase: slot metadata to the expert ranks (host memory; with the agreement when it fitted),
-  // then the receive-side plan.
+// The handle binds the inverse coordinates; slot metadata reaches the expert ranks (host memory;
+// with the agreement when it fitted); the receive-side plan and the combine's tables.
+absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kDispatch);
+  const LayerStepInput& in = pass.in;
+  const SourcePlan& source = buf_.source;
+  RETURN_IF_ERROR(pass.handle->BindPlan(InverseOf(pass.frozen->routes, buf_.accepted_ids, source, in.tokens)));
+  const StepAgreement& agreement = pass.agreement;
+  for (int64_t c : agreement.recv_counts) pass.n_recv += c;
+  pass.bytes = SplitBytes(source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2);
   std::vector<int32_t>& recv_meta = buf_.recv_meta;
-  RETURN_IF_ERROR(handle->MarkDispatchInFlight());
+  RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
   if (agreement.meta_received) {
     recv_meta.assign(agreement.recv_meta.begin(), agreement.recv_meta.end());
   } else {
-    recv_meta.resize(n_recv);
-    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, send_meta.data(), send_meta_bytes,
-                                                  recv_meta.data(), recv_meta_bytes, options_.timeout));
+    recv_meta.resize(pass.n_recv);
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, buf_.send_meta.data(), pass.bytes.send_meta,
+                                                  recv_meta.data(), pass.bytes.recv_meta, options_.timeout));
   }
-  if (static_cast<int64_t>(recv_meta.size()) != n_recv) return absl::InternalError("slot metadata: wrong entry count");
-  std::vector<PhysicalSlotId>& received = buf_.received;
-  received.resize(n_recv);
-  for (int64_t i = 0; i < n_recv; ++i) received[i] = PhysicalSlotId(recv_meta[i]);
-  DestinationPlan& dest = buf_.dest;
-  RETURN_IF_ERROR(PlanDestination(layout, options_.rank, agreement.recv_counts, received, &dest));
-  // Token-major view of the handle's coordinates for the kernel: route (t, j) -> send position.
-  std::vector<int32_t>& row_of_route = buf_.row_of_route;
-  std::vector<float>& gates = buf_.gates;
-  row_of_route.assign(in.tokens * in.k, -1);
-  gates.assign(in.tokens * in.k, 0.0f);
-  for (int64_t i = 0; i < n_send; ++i) {
-    const int32_t r = accepted_ids[i];
-    const int32_t pos = source.send_position[i];
-    row_of_route[r] = pos;
-    gates[r] = handle->inverse().gate[pos];
+  if (static_cast<int64_t>(recv_meta.size()) != pass.n_recv) {
+    return absl::InternalError("slot metadata: wrong entry count");
   }
-  result.output.assign(static_cast<size_t>(in.tokens) * d, 0);
+  buf_.received.resize(pass.n_recv);
+  for (int64_t i = 0; i < pass.n_recv; ++i) buf_.received[i] = PhysicalSlotId(recv_meta[i]);
+  RETURN_IF_ERROR(PlanDestination(*pass.layout, options_.rank, agreement.recv_counts, buf_.received, &buf_.dest));
+  CombineTables(buf_.accepted_ids, source, pass.handle->inverse().gate, in.tokens * in.k, &buf_.row_of_route,
+                &buf_.gates);
+  pass.result.output.assign(static_cast<size_t>(in.tokens) * in.d, 0);
+  return absl::OkStatus();
+}
 
-  // Phase: payload. Eager: pack, exchange, experts, return, combine as separate calls sized by
-  // this step. Replay (admitted decode step): the bucket's captured graph does all of it.
-  auto eager = [&]() -> absl::Status {
-    // Row payloads live where the kernels run (device memory for CUDA kernels, which the NCCL
-    // transport moves directly); plans and slot metadata stay on the host.
-    Buffers& b = buf_;
-    const kernels::Stream stream = nullptr;
-    const int local_slots = static_cast<int>(dest.expert_counts.size());
-    if (n_recv > 0 &&
-        static_cast<int64_t>(weights.host->w_down.size()) != static_cast<int64_t>(local_slots) * d * weights.host->d_ff) {
-      return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
-                                                        " number of local slots than placement-v", version.value()));
-    }
-    const int64_t routes_n = in.tokens * in.k;
-    const void* hidden = in.hidden;
-    if (device_ && in.tokens > 0) {
-      RETURN_IF_ERROR(b.hidden.Reserve(&kern, in.tokens * row_bytes));
-      RETURN_IF_ERROR(kern.CopyToKernel(b.hidden.data(), in.hidden, in.tokens * row_bytes, stream));
-      hidden = b.hidden.data();
-    }
-    // The combined rows: written in kernel memory, then copied out.
-    auto output = [&]() -> absl::StatusOr<uint16_t*> {
-      if (!device_) return result.output.data();
-      RETURN_IF_ERROR(b.output.Reserve(&kern, in.tokens * row_bytes));
-      return b.output.as<uint16_t>();
-    };
-    auto copy_out = [&](const uint16_t* out) -> absl::Status {
-      return device_ ? kern.CopyToHost(result.output.data(), out, in.tokens * row_bytes, stream) : absl::OkStatus();
-    };
-    StepTables tables;
-    if (p == 1 && in.phase == Phase::kDecode) {
-      // A lone member holds every slot: a decode step's route, experts and combine are one
-      // kernels call on the tokens as they are (LocalLayer: the decode kernels, at one token
-      // fused), with no exchange, packs or repacks. Prefill steps keep the grouped GEMMs below.
-      RETURN_IF_ERROR(handle->MarkExpertRowsReady());
-      RETURN_IF_ERROR(handle->MarkExpertOutputReady());
-      RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
-      if (in.tokens == 0) return absl::OkStatus();
-      std::vector<int32_t>& local_ids = b.local_ids;
-      local_ids.assign(routes_n, -1);  // dropped routes add nothing
-      std::vector<int64_t>& slot_routes = b.local_slot_routes;
-      slot_routes.assign(local_slots, 0);
-      for (int64_t i = 0; i < n_send; ++i) {
-        const int32_t local = m.LocalIndex(accepted_slots[i]);
-        local_ids[accepted_ids[i]] = local;
-        ++slot_routes[local];
-      }
-      const int t_ids = tables.Add(local_ids.data(), routes_n * 4);
-      const int t_gates = tables.Add(gates.data(), routes_n * 4);
-      RETURN_IF_ERROR(tables.Upload(device_, kern, b.tables, b.tables_host, stream));
-      kernels::LocalLayerParams layer;
-      layer.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
-      layer.x = static_cast<const uint16_t*>(hidden);
-      layer.topk = tables.Get<int32_t>(t_ids);
-      layer.gate = tables.Get<float>(t_gates);
-      layer.num_tokens = in.tokens;
-      layer.k = in.k;
-      // The runner, with every slot's routes known here: the padded GEMMs at the largest count
-      // (forced, or where they pay), else the decode kernels.
-      const int64_t most = slot_routes.empty() ? 0 : *std::max_element(slot_routes.begin(), slot_routes.end());
-      switch (options_.decode_runner) {
-        case DecodeRunner::kKernels:
-          break;
-        case DecodeRunner::kPadded:
-          layer.padded_capacity = most;
-          break;
-        case DecodeRunner::kAuto:
-          layer.padded_capacity = kernels::PaddedDecodeCapacity(slot_routes, d, weights.host->d_ff);
-          break;
-      }
-      ASSIGN_OR_RETURN(layer.out_bf16, output());
-      RETURN_IF_ERROR(kern.LocalLayer(layer, stream));
-      return copy_out(layer.out_bf16);
-    }
-    const int t_send = tables.Add(send_token.data(), n_send * 4);
-    const int t_order = tables.Add(dest.expert_order.data(), n_recv * 4);
-    const int t_position = tables.Add(dest.expert_position.data(), n_recv * 4);
-    const int t_rows_of = tables.Add(row_of_route.data(), routes_n * 4);
-    const int t_gates = tables.Add(gates.data(), routes_n * 4);
-    RETURN_IF_ERROR(tables.Upload(device_, kern, b.tables, b.tables_host, stream));
-    RETURN_IF_ERROR(b.send_rows.Reserve(&kern, n_send * row_bytes));
-    if (n_send > 0) {
-      kernels::GatherParams pack;
-      pack.d = d;
-      pack.in = hidden;
-      pack.in_rows = in.tokens;
-      pack.index = tables.Get<int32_t>(t_send);
-      pack.n = n_send;
-      pack.out = b.send_rows.data();
-      RETURN_IF_ERROR(kern.Gather(pack, stream));
-    }
-    RETURN_IF_ERROR(b.recv_rows.Reserve(&kern, n_recv * row_bytes));
-    RETURN_IF_ERROR(kern.Synchronize(stream));  // the transport reads the packed rows on its own stream
-    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, b.send_rows.data(), send_bytes, b.recv_rows.data(),
-                                                  recv_bytes, options_.timeout));
-    RETURN_IF_ERROR(handle->MarkExpertRowsReady());
+// Row payloads live where the kernels run (device memory for CUDA kernels, which the NCCL
+// transport moves directly); plans and slot metadata stay on the host.
+absl::Status LayerExecutor::EagerPayload(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const int64_t row_bytes = static_cast<int64_t>(in.d) * 2;
+  const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
+  const LocalExperts& host = *pass.weights->host;
+  if (pass.n_recv > 0 && static_cast<int64_t>(host.w_down.size()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
+                                                      " number of local slots than placement-v", pass.version.value()));
+  }
+  pass.hidden = in.hidden;
+  if (device_ && in.tokens > 0) {
+    RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, in.tokens * row_bytes));
+    RETURN_IF_ERROR(kern.CopyToKernel(buf_.hidden.data(), in.hidden, in.tokens * row_bytes, nullptr));
+    pass.hidden = buf_.hidden.data();
+  }
+  // A lone member holds every slot: a decode step's route, experts and combine are one kernels
+  // call on the tokens as they are. Prefill steps keep the grouped GEMMs.
+  if (options_.group->size() == 1 && in.phase == Phase::kDecode) return LocalLayerPhase(pass);
+  RETURN_IF_ERROR(DispatchRows(pass));
+  RETURN_IF_ERROR(ExpertsPhase(pass));
+  return ReturnAndCombine(pass);
+}
 
-    // Phase: receive repack by (local slot, source, send position), experts, inverse repack.
-    RETURN_IF_ERROR(b.expert_in.Reserve(&kern, n_recv * row_bytes));
-    RETURN_IF_ERROR(b.expert_out.Reserve(&kern, n_recv * row_bytes));
-    RETURN_IF_ERROR(b.back_rows.Reserve(&kern, n_recv * row_bytes));
-    RETURN_IF_ERROR(b.returned.Reserve(&kern, n_send * row_bytes));
-    if (n_recv > 0) {
-      kernels::GatherParams repack;
-      repack.d = d;
-      repack.in = b.recv_rows.data();
-      repack.in_rows = n_recv;
-      repack.index = tables.Get<int32_t>(t_order);
-      repack.n = n_recv;
-      repack.out = b.expert_in.data();
-      RETURN_IF_ERROR(kern.Gather(repack, stream));
-      kernels::SwigluParams sw;
-      sw.weights = {weights.w_gate_up, weights.w_down, local_slots, d, weights.host->d_ff};
-      sw.x = b.expert_in.as<uint16_t>();
-      sw.rows = n_recv;
-      sw.host_offsets = dest.expert_offsets.data();
-      sw.y = b.expert_out.as<uint16_t>();
-      RETURN_IF_ERROR(kern.Swiglu(sw, stream));
-      kernels::GatherParams unpack = repack;
-      unpack.in = b.expert_out.data();
-      unpack.index = tables.Get<int32_t>(t_position);
-      unpack.out = b.back_rows.data();
-      RETURN_IF_ERROR(kern.Gather(unpack, stream));
-      RETURN_IF_ERROR(kern.Synchronize(stream));
-    }
-    RETURN_IF_ERROR(handle->MarkExpertOutputReady());
+// Where the combined rows are written (kernel memory for device kernels, then copied out).
+absl::StatusOr<uint16_t*> LayerExecutor::OutputRows(Pass& pass) {
+  if (!device_) return pass.result.output.data();
+  RETURN_IF_ERROR(buf_.output.Reserve(options_.kernels, pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2));
+  return buf_.output.as<uint16_t>();
+}
 
-    // Phase: return exchange (splits reversed), then combine over the semantic key.
-    RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
-    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, b.back_rows.data(), recv_bytes, b.returned.data(),
-                                                  send_bytes, options_.timeout));
-    if (in.tokens > 0) {
-      ASSIGN_OR_RETURN(uint16_t* out, output());
-      kernels::CombineParams c{b.returned.as<uint16_t>(), n_send, d, tables.Get<int32_t>(t_rows_of),
-                               tables.Get<float>(t_gates), in.tokens, in.k, nullptr, out};
-      RETURN_IF_ERROR(kern.Combine(c, stream));
-      RETURN_IF_ERROR(copy_out(out));
-    }
-    return absl::OkStatus();
-  };
-  auto replay = [&]() -> absl::Status {
-    RETURN_IF_ERROR(handle->MarkExpertRowsReady());
-    RETURN_IF_ERROR(handle->MarkExpertOutputReady());
-    RETURN_IF_ERROR(handle->BeginCombine(*options_.registry, version));
-    return ReplayDecode(in, version, m.num_slots(), weights_ptr, source, dest, send_token, row_of_route, gates, &result.output);
-  };
-  RETURN_IF_ERROR(result.record.graph_replay ? replay() : eager());
-  if (trial && options_.fault_trial_output_scale != 1.0f) {
+absl::Status LayerExecutor::CopyOut(Pass& pass, const uint16_t* out) {
+  if (!device_) return absl::OkStatus();
+  return options_.kernels->CopyToHost(pass.result.output.data(), out,
+                                      pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2, nullptr);
+}
+
+// LocalLayer: the decode kernels (at one token fused), with no exchange, packs or repacks.
+absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kExperts);
+  const LayerStepInput& in = pass.in;
+  RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
+  RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
+  RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+  if (in.tokens == 0) return absl::OkStatus();
+  const int64_t routes_n = in.tokens * in.k;
+  const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
+  std::vector<int32_t>& local_ids = buf_.local_ids;
+  local_ids.assign(routes_n, -1);  // dropped routes add nothing
+  std::vector<int64_t>& slot_routes = buf_.local_slot_routes;
+  slot_routes.assign(local_slots, 0);
+  for (int64_t i = 0; i < pass.n_send; ++i) {
+    const int32_t local = pass.manifest->LocalIndex(buf_.accepted_slots[i]);
+    local_ids[buf_.accepted_ids[i]] = local;
+    ++slot_routes[local];
+  }
+  StepTables& tables = pass.tables;
+  const int t_ids = tables.Add(local_ids.data(), routes_n * 4);
+  const int t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
+  RETURN_IF_ERROR(tables.Upload(device_, *options_.kernels, buf_.tables, buf_.tables_host, nullptr));
+  const ResidentExperts& weights = *pass.weights;
+  kernels::LocalLayerParams layer;
+  layer.weights = {weights.w_gate_up, weights.w_down, local_slots, in.d, weights.host->d_ff};
+  layer.x = static_cast<const uint16_t*>(pass.hidden);
+  layer.topk = tables.Get<int32_t>(t_ids);
+  layer.gate = tables.Get<float>(t_gates);
+  layer.num_tokens = in.tokens;
+  layer.k = in.k;
+  // The runner, with every slot's routes known here: the padded GEMMs at the largest count
+  // (forced, or where they pay), else the decode kernels.
+  const int64_t most = slot_routes.empty() ? 0 : *std::max_element(slot_routes.begin(), slot_routes.end());
+  switch (options_.decode_runner) {
+    case DecodeRunner::kKernels:
+      break;
+    case DecodeRunner::kPadded:
+      layer.padded_capacity = most;
+      break;
+    case DecodeRunner::kAuto:
+      layer.padded_capacity = kernels::PaddedDecodeCapacity(slot_routes, in.d, weights.host->d_ff);
+      break;
+  }
+  ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));
+  RETURN_IF_ERROR(options_.kernels->LocalLayer(layer, nullptr));
+  return CopyOut(pass, layer.out_bf16);
+}
+
+// Dispatch: the step's tables to kernel memory, rows packed in send order and exchanged.
+absl::Status LayerExecutor::DispatchRows(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const int64_t row_bytes = static_cast<int64_t>(in.d) * 2, routes_n = in.tokens * in.k;
+  StepTables& tables = pass.tables;
+  pass.t_send = tables.Add(pass.handle->inverse().token.data(), pass.n_send * 4);
+  pass.t_order = tables.Add(buf_.dest.expert_order.data(), pass.n_recv * 4);
+  pass.t_position = tables.Add(buf_.dest.expert_position.data(), pass.n_recv * 4);
+  pass.t_rows_of = tables.Add(buf_.row_of_route.data(), routes_n * 4);
+  pass.t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
+  RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
+  RETURN_IF_ERROR(buf_.send_rows.Reserve(&kern, pass.n_send * row_bytes));
+  if (pass.n_send > 0) {
+    kernels::GatherParams pack;
+    pack.d = in.d;
+    pack.in = pass.hidden;
+    pack.in_rows = in.tokens;
+    pack.index = tables.Get<int32_t>(pass.t_send);
+    pack.n = pass.n_send;
+    pack.out = buf_.send_rows.data();
+    RETURN_IF_ERROR(kern.Gather(pack, nullptr));
+  }
+  RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
+  RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
+                                                buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
+  return pass.handle->MarkExpertRowsReady();
+}
+
+// Experts: receive repack by (local slot, source, send position), SwiGLU, inverse repack.
+absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kExperts);
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const int d = pass.in.d;
+  const int64_t row_bytes = static_cast<int64_t>(d) * 2, n_recv = pass.n_recv;
+  RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
+  RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
+  RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
+  RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
+  if (n_recv > 0) {
+    kernels::GatherParams repack;
+    repack.d = d;
+    repack.in = buf_.recv_rows.data();
+    repack.in_rows = n_recv;
+    repack.index = pass.tables.Get<int32_t>(pass.t_order);
+    repack.n = n_recv;
+    repack.out = buf_.expert_in.data();
+    RETURN_IF_ERROR(kern.Gather(repack, nullptr));
+    const ResidentExperts& weights = *pass.weights;
+    kernels::SwigluParams sw;
+    sw.weights = {weights.w_gate_up, weights.w_down, static_cast<int>(buf_.dest.expert_counts.size()), d,
+                  weights.host->d_ff};
+    sw.x = buf_.expert_in.as<uint16_t>();
+    sw.rows = n_recv;
+    sw.host_offsets = buf_.dest.expert_offsets.data();
+    sw.y = buf_.expert_out.as<uint16_t>();
+    RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
+    kernels::GatherParams unpack = repack;
+    unpack.in = buf_.expert_out.data();
+    unpack.index = pass.tables.Get<int32_t>(pass.t_position);
+    unpack.out = buf_.back_rows.data();
+    RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
+    RETURN_IF_ERROR(kern.Synchronize(nullptr));
+  }
+  return pass.handle->MarkExpertOutputReady();
+}
+
+// Return exchange (splits reversed), then the combine over the semantic key.
+absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
+  pass.clock.Enter(StepPhase::kReturn);
+  const LayerStepInput& in = pass.in;
+  RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, buf_.back_rows.data(), pass.bytes.recv,
+                                                buf_.returned.data(), pass.bytes.send, options_.timeout));
+  pass.clock.Enter(StepPhase::kCombine);
+  if (in.tokens == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
+  kernels::CombineParams c{buf_.returned.as<uint16_t>(), pass.n_send, in.d,
+                           pass.tables.Get<int32_t>(pass.t_rows_of), pass.tables.Get<float>(pass.t_gates),
+                           in.tokens, in.k, nullptr, out};
+  RETURN_IF_ERROR(options_.kernels->Combine(c, nullptr));
+  return CopyOut(pass, out);
+}
+
+absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
+  pass.clock.Enter(StepPhase::kRelease);
+  LayerStepResult& result = pass.result;
+  if (pass.trial && options_.fault_trial_output_scale != 1.0f) {
     for (uint16_t& v : result.output) v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * options_.fault_trial_output_scale);
   }
-  RETURN_IF_ERROR(handle->MarkOriginRowsReady());
-  RETURN_IF_ERROR(handle->Release());
-
+  RETURN_IF_ERROR(pass.handle->MarkOriginRowsReady());
+  RETURN_IF_ERROR(pass.handle->Release());
   StepRecord& rec = result.record;
-  rec.placement_version = version.value();
-  rec.routes_attempted = in.tokens * in.k;
-  rec.routes_accepted = n_send;
-  rec.routes_dropped = rec.routes_attempted - n_send;
-  for (int64_t i = 0; i < n_send; ++i) {
-    const Rank dst = m.slot(accepted_slots[i]).rank;
-    if (dst != options_.rank) ++rec.routes_remote;
-    if (topo.NodeOf(dst) != topo.NodeOf(options_.rank)) ++rec.routes_inter_node;
+  rec.placement_version = pass.version.value();
+  CountRoutes(*pass.manifest, *options_.topology, options_.rank, buf_.accepted_slots, pass.in.tokens * pass.in.k, &rec);
+  const int me = options_.group->SlotOf(options_.rank).value();
+  for (int i = 0; i < options_.group->size(); ++i) {
+    if (i != me) rec.bytes_sent += pass.bytes.send[i] + pass.bytes.recv[i];
   }
-  for (int i = 0; i < p; ++i) {
-    if (i != me) rec.bytes_sent += send_bytes[i] + recv_bytes[i];
-  }
-  rec.execute_us = absl::ToDoubleMicroseconds(absl::Now() - started);
-  return result;
+  pass.clock.Stop();
+  rec.execute_us = absl::ToDoubleMicroseconds(absl::Now() - pass.started);
+  return absl::OkStatus();
 }
 
 }  // namespace moe

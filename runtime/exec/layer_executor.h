@@ -1,9 +1,16 @@
-// One rank's side of a layer step (spec 0x03, 0x06H, DESIGN "data flow of one layer step"):
+// One rank's side of a layer step (spec 0x03, 0x06H, DESIGN "data flow of one layer step"), in
+// the named phases of runtime/exec/step.h, each timed in the step's record:
 //
-//   validate -> acquire the ACTIVE generation (dispatch handle) -> replica selection ->
-//   source plan -> header + count agreement with every peer (abort before payload on any
-//   disagreement) -> all-to-all-v of rows and slot metadata -> receive repack by physical slot
-//   -> SwiGLU experts -> return all-to-all-v -> gate-weighted combine in FP32 -> release.
+//   validate   the input, sealed as a semantic handoff
+//   acquire    the ACTIVE generation (or the trial candidate) pinned by a dispatch handle
+//   plan       replica selection, the source plan
+//   agree      header + count agreement with every peer (abort before payload on any
+//              disagreement); decode-graph admission over the agreed counts
+//   dispatch   inverse coordinates, slot metadata, the receive plan, all-to-all-v of rows
+//   experts    receive repack by physical slot, SwiGLU experts, inverse repack
+//   return     all-to-all-v back (splits reversed)
+//   combine    gate-weighted combine in FP32
+//   release    the handle released
 //
 // Every member of the process group must call Execute for every step, in the same order, with
 // the same step id and layer (a rank with no tokens calls it with T = 0). The engine's rows are
@@ -30,6 +37,7 @@
 #include "kernels/api.h"
 #include "runtime/exec/decode_admission.h"
 #include "runtime/exec/decode_graph.h"
+#include "runtime/exec/step.h"
 #include "runtime/placement/registry.h"
 #include "runtime/placement/replica_selector.h"
 #include "runtime/placement/topology.h"
@@ -44,36 +52,6 @@ struct LocalExperts {
   int d_ff = 0;
   std::vector<uint16_t> w_gate_up;  // [L, 2 d_ff, d] BF16
   std::vector<uint16_t> w_down;     // [L, d, d_ff] BF16
-};
-
-enum class Phase { kPrefill, kDecode };
-
-struct LayerStepInput {
-  uint64_t step_id = 0;
-  int64_t layer = 0;
-  Phase phase = Phase::kPrefill;
-  const uint16_t* hidden = nullptr;      // [tokens, d] BF16
-  int64_t tokens = 0;
-  int d = 0;
-  const int32_t* topk_ids = nullptr;     // [tokens, k]
-  const float* topk_weights = nullptr;   // [tokens, k]
-  int k = 0;
-  const uint8_t* admitted = nullptr;     // optional [tokens, k]; 0 = dropped by the router
-  int64_t expected_generation = -1;      // -1: any
-};
-
-struct StepRecord {
-  int64_t placement_version = 0;
-  bool graph_replay = false;
-  std::string fallback_reason;  // decode steps served eagerly: the first failing admission clause
-  int64_t routes_attempted = 0;
-  int64_t routes_accepted = 0;
-  int64_t routes_dropped = 0;
-  int64_t routes_remote = 0;
-  int64_t routes_inter_node = 0;
-  int64_t bytes_sent = 0;  // payload bytes to other ranks (dispatch + return)
-  double execute_us = 0;   // wall time inside Execute
-  bool canary = false;     // served by the candidate generation (a canary step)
 };
 
 // What one rank observed per placement generation since it started: the promotion gate's
@@ -94,11 +72,6 @@ struct GenerationCounters {
   // acceptance): expected_generation differs from the serving one, or a canary step's generation
   // is no longer PREPARED / ACTIVE. The fences reject such steps first, so this counts breaches.
   int64_t stale_accepts = 0;
-};
-
-struct LayerStepResult {
-  std::vector<uint16_t> output;  // [tokens, d] BF16
-  StepRecord record;
 };
 
 struct LayerExecutorOptions {
@@ -173,15 +146,36 @@ class LayerExecutor {
 
  private:
   explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
-  absl::Status Validate(const LayerStepInput& in, int num_experts) const;
   struct PassOptions {
     int64_t trial_version = -1;  // >= 0: run on this PREPARED candidate instead of the ACTIVE one
     bool shadow_pass = false;    // a shadow pass (not counted in the expert load)
     int64_t shadow_version = -1, shadow_every = 0;  // the shadow proposal in the step header
   };
-  absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);
-  void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary);
+  // One pass of a step (the served pass, or a shadow pass): what its phases hand each other.
+  struct Pass;
   struct ResidentExperts;
+  absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);
+  // The phases in the order RunPass runs them (runtime/exec/step.h). Until the agreement, an
+  // error is answered by Reject (every peer aborts too); after it, the step fails as it is.
+  absl::Status ValidatePhase(Pass& pass);
+  absl::Status AcquirePhase(Pass& pass);
+  absl::Status PlanPhase(Pass& pass);
+  absl::Status AgreePhase(Pass& pass, int64_t* agreed_shadow);
+  void AdmitDecode(Pass& pass) const;
+  absl::Status DispatchPlanPhase(Pass& pass);
+  // The payload, eagerly: rows staged, then a lone member's decode step in one kernels call, or
+  // dispatch, experts, return and combine as separate calls sized by this step.
+  absl::Status EagerPayload(Pass& pass);
+  absl::Status LocalLayerPhase(Pass& pass);
+  absl::Status DispatchRows(Pass& pass);
+  absl::Status ExpertsPhase(Pass& pass);
+  absl::Status ReturnAndCombine(Pass& pass);
+  absl::StatusOr<uint16_t*> OutputRows(Pass& pass);
+  absl::Status CopyOut(Pass& pass, const uint16_t* out);
+  absl::Status ReleasePhase(Pass& pass);
+  void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary);
+  // Runs the sampled shadow pass of step `in` on `shadow` and counts whether it matches `served`.
+  void RunShadow(const LayerStepInput& in, int64_t shadow, const absl::StatusOr<LayerStepResult>& served);
   // The admitted decode step's payload through the bucket's graph (captured on first use).
   absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
                             const std::shared_ptr<const ResidentExperts>& weights, const SourcePlan& source,

@@ -157,6 +157,18 @@ std::vector<float> Reference(const SafetensorsFile& ckpt, const RankInput& in) {
   return y;
 }
 
+// Every phase's time is recorded, none negative, and they add up to no more than the step.
+void ExpectPhaseTimes(const StepRecord& rec) {
+  double sum = 0;
+  for (int i = 0; i < kNumStepPhases; ++i) {
+    EXPECT_GE(rec.phase_us[i], 0) << StepPhaseName(static_cast<StepPhase>(i));
+    sum += rec.phase_us[i];
+  }
+  EXPECT_LE(sum, rec.execute_us + 1e-3);
+}
+
+double PhaseUs(const StepRecord& rec, StepPhase phase) { return rec.phase_us[static_cast<int>(phase)]; }
+
 // Relative L2 distance of a rank's output from the semantic computation of its input.
 double ErrorAgainstReference(const SafetensorsFile& ckpt, const RankInput& in, const std::vector<uint16_t>& out) {
   const auto ref = Reference(ckpt, in);
@@ -186,6 +198,11 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
       EXPECT_EQ(rec.routes_accepted + rec.routes_dropped, rec.routes_attempted);
       EXPECT_LE(rec.routes_inter_node, rec.routes_remote);
       EXPECT_EQ(w.registry[r].Refcount(PlacementVersion(17)), 0);  // every handle released
+      // Four members: every phase ran; the collective ones waited for the peers.
+      ExpectPhaseTimes(rec);
+      for (StepPhase waits : {StepPhase::kAgree, StepPhase::kDispatch, StepPhase::kReturn}) {
+        EXPECT_GT(PhaseUs(rec, waits), 0) << StepPhaseName(waits);
+      }
     }
   }
 }
@@ -222,6 +239,13 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
       }
       EXPECT_EQ(result->record.routes_remote, 0);
       EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+      ExpectPhaseTimes(result->record);
+      if (phase == Phase::kDecode) {
+        // One LocalLayer call does route, experts and combine: timed under experts alone.
+        EXPECT_EQ(PhaseUs(result->record, StepPhase::kReturn), 0);
+        EXPECT_EQ(PhaseUs(result->record, StepPhase::kCombine), 0);
+        if (tokens > 0) EXPECT_GT(PhaseUs(result->record, StepPhase::kExperts), 0);
+      }
     }
   }
 }

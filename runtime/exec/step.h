@@ -1,0 +1,100 @@
+// One rank's layer step as the engine hands it in and as the executor reports it, and the named
+// phases a step runs through (spec 0x03, 0x06H; docs/architecture.md):
+//
+//   validate -> acquire -> plan -> agree -> dispatch -> experts -> return -> combine -> release
+//
+// runtime/exec/step_phases.h has the phases' pure parts as functions; LayerExecutor::RunPass
+// runs the phases in this order and times each (StepRecord::phase_us).
+#ifndef MOE_RUNTIME_EXEC_STEP_H_
+#define MOE_RUNTIME_EXEC_STEP_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace moe {
+
+enum class Phase { kPrefill, kDecode };
+
+struct LayerStepInput {
+  uint64_t step_id = 0;
+  int64_t layer = 0;
+  Phase phase = Phase::kPrefill;
+  const uint16_t* hidden = nullptr;      // [tokens, d] BF16
+  int64_t tokens = 0;
+  int d = 0;
+  const int32_t* topk_ids = nullptr;     // [tokens, k]
+  const float* topk_weights = nullptr;   // [tokens, k]
+  int k = 0;
+  const uint8_t* admitted = nullptr;     // optional [tokens, k]; 0 = dropped by the router
+  int64_t expected_generation = -1;      // -1: any
+};
+
+// The phases of a step, in the order they run.
+enum class StepPhase : int {
+  kValidate,  // the engine's input checked against the generation, sealed as a semantic handoff
+  kAcquire,   // the generation pinned by a dispatch handle; its weights and plan layout found
+  kPlan,      // replica selection and the source plan (accepted routes, semantic order)
+  kAgree,     // header and counts agreed with every peer (abort before payload); decode admission
+  kDispatch,  // inverse coordinates bound, slot metadata and receive plan, rows packed and sent
+  kExperts,   // receive repack, SwiGLU experts, inverse repack
+  kReturn,    // the return exchange (splits reversed)
+  kCombine,   // the gate-weighted combine into the engine's rows
+  kRelease,   // the dispatch handle released, the record filled
+};
+inline constexpr int kNumStepPhases = 9;
+// "validate", "acquire", "plan", "agree", "dispatch", "experts", "return", "combine", "release".
+const char* StepPhaseName(StepPhase phase);
+
+struct StepRecord {
+  int64_t placement_version = 0;
+  bool graph_replay = false;
+  std::string fallback_reason;  // decode steps served eagerly: the first failing admission clause
+  int64_t routes_attempted = 0;
+  int64_t routes_accepted = 0;
+  int64_t routes_dropped = 0;
+  int64_t routes_remote = 0;
+  int64_t routes_inter_node = 0;
+  int64_t bytes_sent = 0;  // payload bytes to other ranks (dispatch + return)
+  double execute_us = 0;   // wall time inside Execute
+  bool canary = false;     // served by the candidate generation (a canary step)
+  // Wall time of each phase (index: StepPhase), microseconds. Work that one launch does for
+  // several phases is timed under experts: a replayed decode graph (dispatch through combine)
+  // and a lone member's decode step (route, experts and combine in one kernels call).
+  std::array<double, kNumStepPhases> phase_us{};
+};
+
+struct LayerStepResult {
+  std::vector<uint16_t> output;  // [tokens, d] BF16
+  StepRecord record;
+};
+
+// Times consecutive phases into an array indexed by StepPhase: Enter(next) closes the phase
+// running (if any) and starts `next`; Stop() closes it. Re-entering a phase adds to its time.
+class PhaseClock {
+ public:
+  explicit PhaseClock(std::array<double, kNumStepPhases>* us) : us_(us), at_(absl::Now()) {}
+  void Enter(StepPhase next) {
+    Stop();
+    current_ = static_cast<int>(next);
+  }
+  void Stop() {
+    const absl::Time now = absl::Now();
+    if (current_ >= 0) (*us_)[current_] += absl::ToDoubleMicroseconds(now - at_);
+    at_ = now;
+    current_ = -1;
+  }
+
+ private:
+  std::array<double, kNumStepPhases>* us_;
+  absl::Time at_;
+  int current_ = -1;
+};
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_EXEC_STEP_H_

@@ -1,0 +1,150 @@
+#include "runtime/exec/step_phases.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/hash.h"
+#include "runtime/status.h"
+
+namespace moe {
+
+const char* StepPhaseName(StepPhase phase) {
+  static constexpr const char* kNames[kNumStepPhases] = {"validate", "acquire", "plan",    "agree",  "dispatch",
+                                                         "experts",  "return",  "combine", "release"};
+  const int i = static_cast<int>(phase);
+  return i >= 0 && i < kNumStepPhases ? kNames[i] : "unknown";
+}
+
+absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
+  if (in.tokens < 0) return absl::InvalidArgumentError("hidden: negative token count");
+  if (in.k <= 0) return absl::InvalidArgumentError("topk_ids: k must be positive");
+  if (in.d <= 0) return absl::InvalidArgumentError("hidden: d must be positive");
+  if (in.tokens > 0 && (in.hidden == nullptr || in.topk_ids == nullptr || in.topk_weights == nullptr)) {
+    return absl::InvalidArgumentError("hidden / topk_ids / topk_weights: missing");
+  }
+  for (int64_t i = 0; i < in.tokens * in.k; ++i) {
+    if (in.admitted != nullptr && in.admitted[i] == 0) continue;
+    const int32_t e = in.topk_ids[i];
+    if (e < 0 || e >= num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e,
+                                                     " outside [0, ", num_experts, ")"));
+    }
+    const float g = in.topk_weights[i];
+    if (!std::isfinite(g) || g < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", g,
+                                                     " is NaN, infinite or negative"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions) {
+  SemanticHandoff h;
+  h.scope = ExecutionScopeId(static_cast<int64_t>(in.step_id));
+  h.num_experts = num_experts;
+  h.top_k = in.k;
+  h.num_partitions = num_partitions;
+  h.Reserve(in.tokens * in.k);
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    for (int j = 0; j < in.k; ++j) {
+      const int64_t i = t * in.k + j;
+      const bool admitted = in.admitted == nullptr || in.admitted[i] != 0;
+      h.Add(rank, static_cast<int32_t>(t), j, LogicalExpertId(admitted ? in.topk_ids[i] : 0),
+            admitted ? in.topk_weights[i] : 0.0f, admitted);
+    }
+  }
+  return Freeze(std::move(h));
+}
+
+void AcceptRoutes(const SemanticHandoff& routes, absl::Span<const PhysicalSlotId> slots, std::vector<int32_t>* ids,
+                  std::vector<PhysicalSlotId>* accepted) {
+  ids->clear();
+  accepted->clear();
+  for (int32_t r = 0; r < routes.size(); ++r) {
+    if (!routes.admitted[r]) continue;
+    ids->push_back(r);
+    accepted->push_back(slots[r]);
+  }
+}
+
+uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner) {
+  uint64_t word = SplitMix64(static_cast<uint64_t>(rank_tokens));
+  word = SplitMix64(word ^ static_cast<uint64_t>(slot_routes));
+  word = SplitMix64(word ^ (graphs ? 1u : 0u));
+  return SplitMix64(word ^ static_cast<uint64_t>(runner));
+}
+
+InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids,
+                             const SourcePlan& source, int64_t tokens) {
+  const int64_t n_send = static_cast<int64_t>(accepted_ids.size());
+  InverseCoordinates inverse;
+  inverse.token.resize(n_send);
+  inverse.gate.resize(n_send);
+  inverse.num_tokens = tokens;
+  for (int64_t pos = 0; pos < n_send; ++pos) {
+    const int32_t r = accepted_ids[source.send_order[pos]];
+    inverse.token[pos] = routes.token[r];
+    inverse.gate[pos] = routes.gate[r];
+  }
+  return inverse;
+}
+
+ByteSplits SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes) {
+  const size_t p = send_counts.size();
+  ByteSplits b{std::vector<int64_t>(p), std::vector<int64_t>(p), std::vector<int64_t>(p), std::vector<int64_t>(p)};
+  for (size_t i = 0; i < p; ++i) {
+    b.send[i] = send_counts[i] * row_bytes;
+    b.recv[i] = recv_counts[i] * row_bytes;
+    b.send_meta[i] = send_counts[i] * 4;
+    b.recv_meta[i] = recv_counts[i] * 4;
+  }
+  return b;
+}
+
+void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source, absl::Span<const float> gate_of_position,
+                   int64_t routes, std::vector<int32_t>* row_of_route, std::vector<float>* gates) {
+  row_of_route->assign(routes, -1);
+  gates->assign(routes, 0.0f);
+  for (size_t i = 0; i < accepted_ids.size(); ++i) {
+    const int32_t r = accepted_ids[i];
+    const int32_t pos = source.send_position[i];
+    (*row_of_route)[r] = pos;
+    (*gates)[r] = gate_of_position[pos];
+  }
+}
+
+void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me,
+                 absl::Span<const PhysicalSlotId> accepted_slots, int64_t attempted, StepRecord* record) {
+  const int64_t accepted = static_cast<int64_t>(accepted_slots.size());
+  record->routes_attempted = attempted;
+  record->routes_accepted = accepted;
+  record->routes_dropped = attempted - accepted;
+  for (PhysicalSlotId q : accepted_slots) {
+    const Rank dst = m.slot(q).rank;
+    if (dst != me) ++record->routes_remote;
+    if (topology.NodeOf(dst) != topology.NodeOf(me)) ++record->routes_inter_node;
+  }
+}
+
+int StepTables::Add(const void* src, int64_t bytes) {
+  tables_.push_back({src, bytes, total_});
+  total_ += (bytes + 15) / 16 * 16;
+  return static_cast<int>(tables_.size()) - 1;
+}
+
+absl::Status StepTables::Upload(bool device, kernels::ExpertKernels& kern, kernels::KernelBuffer& to,
+                                std::vector<uint8_t>& host, kernels::Stream stream) {
+  device_ = device;
+  if (!device || total_ == 0) return absl::OkStatus();
+  host.resize(total_);
+  for (const Table& t : tables_) {
+    if (t.bytes > 0) std::memcpy(host.data() + t.offset, t.src, t.bytes);
+  }
+  RETURN_IF_ERROR(to.Reserve(&kern, total_));
+  RETURN_IF_ERROR(kern.CopyToKernel(to.data(), host.data(), total_, stream));
+  base_ = static_cast<const uint8_t*>(to.data());
+  return absl::OkStatus();
+}
+
+}  // namespace moe

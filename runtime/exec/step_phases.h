@@ -1,0 +1,94 @@
+// The pure parts of a step's phases (runtime/exec/step.h), as functions with their own tests
+// (tests/runtime/step_phases_test.cc). LayerExecutor::RunPass strings them together with the
+// stateful parts: the dispatch handle, the agreement and exchanges over the transport, the
+// kernels.
+#ifndef MOE_RUNTIME_EXEC_STEP_PHASES_H_
+#define MOE_RUNTIME_EXEC_STEP_PHASES_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/api.h"
+#include "runtime/exec/decode_graph.h"
+#include "runtime/exec/dispatch_handle.h"
+#include "runtime/exec/step.h"
+#include "runtime/ids.h"
+#include "runtime/placement/manifest.h"
+#include "runtime/placement/topology.h"
+#include "runtime/plan/route_plan.h"
+#include "runtime/semantic.h"
+
+namespace moe {
+
+// validate: the engine's input against a generation of `num_experts` experts. INVALID_ARGUMENT
+// naming the field (and the token and choice) otherwise. Routes the router dropped are not
+// checked.
+absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts);
+
+// validate: the engine's routes as this rank's sealed semantic handoff, token-major; a route the
+// router dropped stays in it, unadmitted, with expert 0 and gate 0.
+absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions);
+
+// plan: the admitted routes in semantic order (`ids`, indices into `routes`) with the slot
+// replica selection gave each (`accepted`).
+void AcceptRoutes(const SemanticHandoff& routes, absl::Span<const PhysicalSlotId> slots, std::vector<int32_t>* ids,
+                  std::vector<PhysicalSlotId>* accepted);
+
+// agree: a member's decode-graph manifest (bucket, whether it captures graphs, runner) as one
+// word of the step header; members whose words differ serve decode steps eagerly.
+uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner);
+
+// dispatch: the origin token and gate of every send position (what the handle binds).
+InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids,
+                             const SourcePlan& source, int64_t tokens);
+
+// dispatch: bytes to and from every peer slot for rows of `row_bytes` and 4-byte slot metadata.
+struct ByteSplits {
+  std::vector<int64_t> send, recv, send_meta, recv_meta;
+};
+ByteSplits SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes);
+
+// combine: the token-major view of the handle's coordinates the combine kernel reads: route
+// (t, j) -> its send position (-1: not sent) and its gate (0 when not sent).
+void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source, absl::Span<const float> gate_of_position,
+                   int64_t routes, std::vector<int32_t>* row_of_route, std::vector<float>* gates);
+
+// release: the route statistics of the record (attempted, accepted, dropped, remote, inter-node).
+void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me,
+                 absl::Span<const PhysicalSlotId> accepted_slots, int64_t attempted, StepRecord* record);
+
+// The host tables a step's kernels read (index tables, gates), each at a 16-byte aligned offset
+// of one block that goes to kernel memory in one copy: with device kernels one host-to-device
+// transfer a step instead of one a table. Host kernels read the tables in place.
+class StepTables {
+ public:
+  // Adds `bytes` at `src` (read at Upload); returns the table's handle for Get.
+  int Add(const void* src, int64_t bytes);
+  absl::Status Upload(bool device, kernels::ExpertKernels& kern, kernels::KernelBuffer& to, std::vector<uint8_t>& host,
+                      kernels::Stream stream);
+  // The table where the kernels read it (nullptr: on the device, and nothing was uploaded).
+  template <typename T>
+  const T* Get(int table) const {
+    const Table& t = tables_[table];
+    if (!device_) return static_cast<const T*>(t.src);
+    return base_ != nullptr ? reinterpret_cast<const T*>(base_ + t.offset) : nullptr;
+  }
+  int64_t total_bytes() const { return total_; }
+
+ private:
+  struct Table {
+    const void* src;
+    int64_t bytes, offset;
+  };
+  std::vector<Table> tables_;
+  int64_t total_ = 0;
+  bool device_ = false;
+  const uint8_t* base_ = nullptr;
+};
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_EXEC_STEP_PHASES_H_

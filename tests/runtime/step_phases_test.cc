@@ -1,0 +1,179 @@
+// The pure parts of a step's phases (runtime/exec/step_phases.h), each on a small hand example.
+#include "runtime/exec/step_phases.h"
+
+#include <cstdint>
+#include <set>
+
+#include "absl/time/clock.h"
+
+#include "gtest/gtest.h"
+#include "tests/runtime/fixtures.h"
+
+namespace moe {
+namespace {
+
+// Two tokens, k = 2; the router dropped token 1's second choice.
+struct TwoTokens {
+  std::vector<uint16_t> hidden = std::vector<uint16_t>(2 * 4, 0);
+  std::vector<int32_t> ids = {3, 1, 2, 0};
+  std::vector<float> gates = {0.75f, 0.25f, 1.0f, 0.5f};
+  std::vector<uint8_t> admitted = {1, 1, 1, 0};
+  LayerStepInput Input() const {
+    LayerStepInput in;
+    in.step_id = 9;
+    in.hidden = hidden.data();
+    in.tokens = 2;
+    in.d = 4;
+    in.topk_ids = ids.data();
+    in.topk_weights = gates.data();
+    in.k = 2;
+    in.admitted = admitted.data();
+    return in;
+  }
+};
+
+TEST(StepPhasesTest, PhaseNamesInOrder) {
+  const char* want[] = {"validate", "acquire", "plan", "agree", "dispatch", "experts", "return", "combine", "release"};
+  for (int i = 0; i < kNumStepPhases; ++i) EXPECT_STREQ(StepPhaseName(static_cast<StepPhase>(i)), want[i]);
+  EXPECT_STREQ(StepPhaseName(static_cast<StepPhase>(kNumStepPhases)), "unknown");
+}
+
+TEST(StepPhasesTest, ValidateNamesTheFieldAndSkipsDroppedRoutes) {
+  TwoTokens t;
+  EXPECT_TRUE(ValidateStepInput(t.Input(), 4).ok());
+  t.ids[3] = 99;  // dropped by the router: not checked
+  EXPECT_TRUE(ValidateStepInput(t.Input(), 4).ok());
+  t.ids[1] = 4;
+  absl::Status s = ValidateStepInput(t.Input(), 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("topk_ids[0][1]: expert 4 outside [0, 4)"), std::string::npos) << s;
+  t.ids[1] = 1;
+  t.gates[2] = -1.0f;
+  s = ValidateStepInput(t.Input(), 4);
+  EXPECT_NE(s.message().find("topk_weights[1][0]"), std::string::npos) << s;
+  LayerStepInput in = t.Input();
+  in.k = 0;
+  EXPECT_NE(ValidateStepInput(in, 4).message().find("topk_ids: k must be positive"), std::string::npos);
+}
+
+TEST(StepPhasesTest, SealKeepsDroppedRoutesUnadmitted) {
+  TwoTokens t;
+  auto frozen = SealRoutes(t.Input(), Rank(1), 4, 2);
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  const SemanticHandoff& h = frozen->routes;
+  ASSERT_EQ(h.size(), 4);
+  EXPECT_EQ(h.token, (std::vector<int32_t>{0, 0, 1, 1}));
+  EXPECT_EQ(h.admitted[3], 0);
+  EXPECT_EQ(h.gate[3], 0.0f);
+  EXPECT_EQ(h.gate[0], 0.75f);
+  EXPECT_TRUE(VerifyFrozen(*frozen).ok());
+}
+
+TEST(StepPhasesTest, AcceptKeepsAdmittedRoutesInSemanticOrder) {
+  TwoTokens t;
+  auto frozen = SealRoutes(t.Input(), Rank(0), 4, 2);
+  ASSERT_TRUE(frozen.ok());
+  const std::vector<PhysicalSlotId> slots = {PhysicalSlotId(5), PhysicalSlotId(1), PhysicalSlotId(3), PhysicalSlotId(0)};
+  std::vector<int32_t> ids = {42};
+  std::vector<PhysicalSlotId> accepted;
+  AcceptRoutes(frozen->routes, slots, &ids, &accepted);
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(accepted, (std::vector<PhysicalSlotId>{PhysicalSlotId(5), PhysicalSlotId(1), PhysicalSlotId(3)}));
+}
+
+TEST(StepPhasesTest, GraphManifestWordTellsEverySettingApart) {
+  std::set<uint64_t> words = {GraphManifestWord(8, 16, true, DecodeRunner::kKernels),
+                              GraphManifestWord(4, 16, true, DecodeRunner::kKernels),
+                              GraphManifestWord(8, 32, true, DecodeRunner::kKernels),
+                              GraphManifestWord(8, 16, false, DecodeRunner::kKernels),
+                              GraphManifestWord(8, 16, true, DecodeRunner::kPadded)};
+  EXPECT_EQ(words.size(), 5u);
+  EXPECT_EQ(GraphManifestWord(8, 16, true, DecodeRunner::kAuto), GraphManifestWord(8, 16, true, DecodeRunner::kAuto));
+}
+
+// Three accepted routes sent in the order 2, 0, 1 (send_order), so route i sits at
+// send_position[i]: inverse coordinates and the combine's token-major tables must agree.
+TEST(StepPhasesTest, InverseAndCombineTablesAgree) {
+  TwoTokens t;
+  auto frozen = SealRoutes(t.Input(), Rank(0), 4, 2);
+  ASSERT_TRUE(frozen.ok());
+  const std::vector<int32_t> accepted_ids = {0, 1, 2};
+  SourcePlan source;
+  source.send_order = {2, 0, 1};
+  source.send_position = {1, 2, 0};
+  const InverseCoordinates inv = InverseOf(frozen->routes, accepted_ids, source, 2);
+  EXPECT_EQ(inv.num_tokens, 2);
+  EXPECT_EQ(inv.token, (std::vector<int32_t>{1, 0, 0}));
+  EXPECT_EQ(inv.gate, (std::vector<float>{1.0f, 0.75f, 0.25f}));
+  std::vector<int32_t> row_of_route;
+  std::vector<float> gates;
+  CombineTables(accepted_ids, source, inv.gate, 4, &row_of_route, &gates);
+  EXPECT_EQ(row_of_route, (std::vector<int32_t>{1, 2, 0, -1}));
+  EXPECT_EQ(gates, (std::vector<float>{0.75f, 0.25f, 1.0f, 0.0f}));
+}
+
+TEST(StepPhasesTest, ByteSplitsPerPeer) {
+  const std::vector<int64_t> send = {3, 0, 2}, recv = {1, 4, 0};
+  const ByteSplits b = SplitBytes(send, recv, 8192);
+  EXPECT_EQ(b.send, (std::vector<int64_t>{3 * 8192, 0, 2 * 8192}));
+  EXPECT_EQ(b.recv, (std::vector<int64_t>{8192, 4 * 8192, 0}));
+  EXPECT_EQ(b.send_meta, (std::vector<int64_t>{12, 0, 8}));
+  EXPECT_EQ(b.recv_meta, (std::vector<int64_t>{4, 16, 0}));
+}
+
+// The spec's four-rank, two-node manifest (fixtures: slots 0-2 on node 0, 3-5 on node 1).
+TEST(StepPhasesTest, CountRoutesSplitsRemoteAndInterNode) {
+  const Topology topology = fixture::FourRankTwoNode();
+  const auto m = fixture::V17(topology);
+  const std::vector<PhysicalSlotId> accepted = {PhysicalSlotId(0), PhysicalSlotId(1), PhysicalSlotId(3), PhysicalSlotId(5)};
+  StepRecord rec;
+  CountRoutes(*m, topology, Rank(0), accepted, 6, &rec);
+  EXPECT_EQ(rec.routes_attempted, 6);
+  EXPECT_EQ(rec.routes_accepted, 4);
+  EXPECT_EQ(rec.routes_dropped, 2);
+  EXPECT_EQ(rec.routes_remote, 3);       // slots 1 (rank 1), 3 (rank 2), 5 (rank 3)
+  EXPECT_EQ(rec.routes_inter_node, 2);   // ranks 2 and 3 are on node 1
+}
+
+TEST(StepPhasesTest, PhaseClockAddsUpConsecutivePhases) {
+  std::array<double, kNumStepPhases> us{};
+  PhaseClock clock(&us);
+  clock.Enter(StepPhase::kValidate);
+  clock.Enter(StepPhase::kAgree);
+  absl::SleepFor(absl::Milliseconds(2));
+  clock.Enter(StepPhase::kAgree);  // re-entering adds to the same phase
+  clock.Stop();
+  EXPECT_GE(us[static_cast<int>(StepPhase::kAgree)], 2000);
+  EXPECT_LT(us[static_cast<int>(StepPhase::kValidate)], 2000);
+  EXPECT_EQ(us[static_cast<int>(StepPhase::kExperts)], 0);
+  clock.Stop();  // stopping twice adds nothing
+  EXPECT_EQ(us[static_cast<int>(StepPhase::kExperts)], 0);
+}
+
+// Host kernels read the tables in place; device kernels read one uploaded block in which every
+// table starts 16-byte aligned (the CPU kernels stand in for the device: same copy calls).
+TEST(StepPhasesTest, TablesInPlaceOrInOneAlignedBlock) {
+  auto kern = kernels::CreateCpuKernels();
+  const std::vector<int32_t> a = {1, 2, 3};
+  const std::vector<float> b = {0.5f, 0.25f};
+  StepTables host_tables;
+  const int ta = host_tables.Add(a.data(), 12), tb = host_tables.Add(b.data(), 8);
+  kernels::KernelBuffer block;
+  std::vector<uint8_t> staging;
+  ASSERT_TRUE(host_tables.Upload(false, *kern, block, staging, nullptr).ok());
+  EXPECT_EQ(host_tables.Get<int32_t>(ta), a.data());
+  EXPECT_EQ(host_tables.Get<float>(tb), b.data());
+  StepTables device_tables;
+  const int da = device_tables.Add(a.data(), 12), db = device_tables.Add(b.data(), 8);
+  EXPECT_EQ(device_tables.total_bytes(), 32);
+  ASSERT_TRUE(device_tables.Upload(true, *kern, block, staging, nullptr).ok());
+  const int32_t* ga = device_tables.Get<int32_t>(da);
+  const float* gb = device_tables.Get<float>(db);
+  EXPECT_NE(ga, a.data());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(gb) - reinterpret_cast<uintptr_t>(ga), 16u);
+  EXPECT_EQ(std::vector<int32_t>(ga, ga + 3), a);
+  EXPECT_EQ(std::vector<float>(gb, gb + 2), b);
+}
+
+}  // namespace
+}  // namespace moe
