@@ -3,6 +3,36 @@
 #include <cmath>
 
 namespace moe::kernels {
+namespace {
+
+double Widen(float v) { return v; }
+double Widen(double v) { return v; }
+double Widen(uint16_t bf16) { return Bf16ToFloat(bf16); }
+
+// RelativeL2Error of got[i] against want[i], each widened to double.
+template <typename Got, typename Want>
+double RelativeL2Of(absl::Span<const Got> got, absl::Span<const Want> want) {
+  if (got.size() != want.size()) return std::nan("");
+  RelativeL2Error e;
+  for (size_t i = 0; i < want.size(); ++i) e.Add(Widen(got[i]), Widen(want[i]));
+  return e.Value();
+}
+
+}  // namespace
+
+double RelativeL2(absl::Span<const float> got, absl::Span<const float> want) { return RelativeL2Of(got, want); }
+
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const uint16_t> want) {
+  return RelativeL2Of(got, want);
+}
+
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const float> want) {
+  return RelativeL2Of(got, want);
+}
+
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const double> want) {
+  return RelativeL2Of(got, want);
+}
 
 float Fp8E4M3ToFloat(uint8_t v) {
   const int sign = v >> 7;

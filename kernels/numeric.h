@@ -6,8 +6,11 @@
 #ifndef MOE_KERNELS_NUMERIC_H_
 #define MOE_KERNELS_NUMERIC_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "absl/types/span.h"
 
 namespace moe::kernels {
 
@@ -32,6 +35,30 @@ constexpr float kFp8E4M3Max = 448.0f;
 
 float Fp8E4M3ToFloat(uint8_t v);
 uint8_t FloatToFp8E4M3(float f);  // round to nearest even, saturating
+
+// Relative L2 error ||got - want|| / ||want||, the check every comparison of a result with its
+// reference uses (tests, benches, drivers), summed in double one element at a time.
+// Zero rule: when ||want|| is 0 the value is the absolute error ||got - want|| (0 when got is zero
+// too), never a division by zero. A NaN in either input makes the value NaN, which fails every
+// `<` bound.
+class RelativeL2Error {
+ public:
+  void Add(double got, double want) {
+    num_ += (got - want) * (got - want);
+    den_ += want * want;
+  }
+  double Value() const { return den_ == 0 ? std::sqrt(num_) : std::sqrt(num_ / den_); }
+
+ private:
+  double num_ = 0, den_ = 0;
+};
+
+// RelativeL2Error over whole arrays; BF16 elements are widened exactly. Arrays of different
+// lengths give NaN.
+double RelativeL2(absl::Span<const float> got, absl::Span<const float> want);
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const uint16_t> want);
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const float> want);
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const double> want);
 
 }  // namespace moe::kernels
 

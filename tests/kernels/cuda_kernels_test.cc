@@ -66,17 +66,15 @@ class CudaKernelsTest : public ::testing::Test {
   std::mt19937 rng_{1234};
 };
 
+// The largest |a - b| (INFINITY when either holds a NaN); *rel = RelativeL2Bf16(a, b).
 float MaxAbsDiffBf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, double* rel) {
-  double num = 0, den = 0;
+  *rel = RelativeL2Bf16(a, b);
   float worst = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     const float x = Bf16ToFloat(a[i]), y = Bf16ToFloat(b[i]);
     if (std::isnan(x) || std::isnan(y)) return INFINITY;
     worst = std::max(worst, std::fabs(x - y));
-    num += (x - y) * static_cast<double>(x - y);
-    den += static_cast<double>(y) * y;
   }
-  *rel = den == 0 ? std::sqrt(num) : std::sqrt(num / den);
   return worst;
 }
 
@@ -469,13 +467,8 @@ TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
       c.out_bf16 = nullptr;
       ASSERT_TRUE(cpu_->LocalLayer(c, nullptr).ok());
       const auto got = dout.Host();
-      double num = 0, den = 0;
-      for (size_t i = 0; i < out.size(); ++i) {
-        ASSERT_TRUE(std::isfinite(got[i])) << i;
-        num += (got[i] - out[i]) * static_cast<double>(got[i] - out[i]);
-        den += static_cast<double>(out[i]) * out[i];
-      }
-      EXPECT_LT(std::sqrt(num / den), 1e-2);
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << i;
+      EXPECT_LT(RelativeL2(got, out), 1e-2);
     };
     ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
     check(topk, "first call");
@@ -562,15 +555,9 @@ TEST_F(CudaKernelsTest, LocalLayerPaddedRunnerMatchesDecodeKernels) {
   ASSERT_TRUE(gpu_->LocalLayer(p, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = padded.Host(), other = kernels.Host();
-  double num = 0, den = 0, num_cpu = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i;
-    num += (got[i] - other[i]) * static_cast<double>(got[i] - other[i]);
-    num_cpu += (got[i] - cpu_out[i]) * static_cast<double>(got[i] - cpu_out[i]);
-    den += other[i] * static_cast<double>(other[i]);
-  }
-  EXPECT_LT(std::sqrt(num / den), 1e-2);
-  EXPECT_LT(std::sqrt(num_cpu / den), 1e-2);
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << "element " << i;
+  EXPECT_LT(RelativeL2(got, other), 1e-2);
+  EXPECT_LT(RelativeL2(got, cpu_out), 1e-2);
 }
 
 TEST_F(CudaKernelsTest, LocalLayerRejectsBadParamsBeforeLaunch) {

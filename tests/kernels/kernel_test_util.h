@@ -51,18 +51,6 @@ inline std::vector<double> ReferenceSwiglu(const uint16_t* x, const uint16_t* wg
   return y;
 }
 
-// ||a - b|| / ||b|| over BF16 a and float64 b.
-inline double RelativeError(const std::vector<uint16_t>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    const double x = Bf16ToFloat(a[i]);
-    if (std::isnan(x)) return INFINITY;
-    num += (x - b[i]) * (x - b[i]);
-    den += b[i] * b[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
 // A LocalLayer call's inputs; the outputs (and the runner) are the caller's to set.
 inline LocalLayerParams LayerInputs(const ExpertWeights& w, const uint16_t* x, const int32_t* topk, const float* gate,
                                     int64_t tokens, int k) {

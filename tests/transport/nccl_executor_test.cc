@@ -73,7 +73,7 @@ absl::Status CheckAgainstReference(const Input& in, const std::vector<uint16_t>&
                                    const char* what) {
   std::vector<std::vector<uint16_t>> gu(kExperts), dn(kExperts);
   for (int e = 0; e < kExperts; ++e) SyntheticExpert(e, {kExperts, kD, kFf}, 5, &gu[e], &dn[e]);
-  double num = 0, den = 0;
+  kernels::RelativeL2Error error;
   std::vector<uint16_t> out(kD);
   for (int64_t t = 0; t < in.tokens; ++t) {
     std::vector<double> y(kD, 0.0);
@@ -90,13 +90,9 @@ absl::Status CheckAgainstReference(const Input& in, const std::vector<uint16_t>&
       if (absl::Status s = cpu.Swiglu(p, nullptr); !s.ok()) return s;
       for (int c = 0; c < kD; ++c) y[c] += in.gates[t * kK + j] * kernels::Bf16ToFloat(out[c]);
     }
-    for (int c = 0; c < kD; ++c) {
-      const double x = kernels::Bf16ToFloat(got[t * kD + c]);
-      num += (x - y[c]) * (x - y[c]);
-      den += y[c] * y[c];
-    }
+    for (int c = 0; c < kD; ++c) error.Add(kernels::Bf16ToFloat(got[t * kD + c]), y[c]);
   }
-  const double rel = std::sqrt(num / std::max(den, 1e-30));
+  const double rel = error.Value();
   if (!(rel < 1e-2)) return absl::InternalError(absl::StrCat(what, ": relative L2 error ", rel));
   return absl::OkStatus();
 }
