@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/numeric.h"
+#include "runtime/status.h"
 #include "runtime/hash.h"
 
 namespace moe {
@@ -54,51 +55,38 @@ std::string ExpertDigest(const std::vector<uint16_t>& w_gate_up, const std::vect
 
 SafetensorsFile SyntheticCheckpoint(const ExpertShape& shape, uint64_t seed, const std::string& checkpoint_version) {
   SafetensorsFile f;
-  f.metadata["checkpoint"] = checkpoint_version;
-  f.metadata["num_experts"] = absl::StrCat(shape.num_experts);
-  f.metadata["d"] = absl::StrCat(shape.d);
-  f.metadata["d_ff"] = absl::StrCat(shape.d_ff);
-  f.metadata["seed"] = absl::StrCat(seed);
+  f.metadata[checkpoint_keys::kVersion] = checkpoint_version;
+  f.metadata[checkpoint_keys::kNumExperts] = absl::StrCat(shape.num_experts);
+  f.metadata[checkpoint_keys::kD] = absl::StrCat(shape.d);
+  f.metadata[checkpoint_keys::kDff] = absl::StrCat(shape.d_ff);
+  f.metadata[checkpoint_keys::kSeed] = absl::StrCat(seed);
   for (int e = 0; e < shape.num_experts; ++e) {
     std::vector<uint16_t> gu, dn;
     SyntheticExpert(e, shape, seed, &gu, &dn);
-    f.metadata[absl::StrCat("digest.", e)] = ExpertDigest(gu, dn);
-    f.tensors[absl::StrCat("experts.", e, ".w_gate_up")] = TensorBlob{"BF16", {2LL * shape.d_ff, shape.d}, AsBytes(gu)};
-    f.tensors[absl::StrCat("experts.", e, ".w_down")] = TensorBlob{"BF16", {shape.d, shape.d_ff}, AsBytes(dn)};
+    f.metadata[checkpoint_keys::Digest(e)] = ExpertDigest(gu, dn);
+    f.tensors[checkpoint_keys::GateUp(e)] = TensorBlob{"BF16", {2LL * shape.d_ff, shape.d}, AsBytes(gu)};
+    f.tensors[checkpoint_keys::Down(e)] = TensorBlob{"BF16", {shape.d, shape.d_ff}, AsBytes(dn)};
   }
   return f;
 }
 
 absl::StatusOr<LocalExperts> LoadLocalExperts(const SafetensorsFile& ckpt, const PlacementManifest& m, Rank rank) {
-  int d = 0, d_ff = 0;
-  auto md = [&](const char* key, int* out) -> absl::Status {
-    auto it = ckpt.metadata.find(key);
-    if (it == ckpt.metadata.end() || !absl::SimpleAtoi(it->second, out) || *out <= 0) {
-      return absl::DataLossError(absl::StrCat("checkpoint metadata '", key, "' missing or invalid"));
-    }
-    return absl::OkStatus();
-  };
-  absl::Status s = md("d", &d);
-  if (!s.ok()) return s;
-  s = md("d_ff", &d_ff);
-  if (!s.ok()) return s;
+  ASSIGN_OR_RETURN(const ExpertCheckpoint view, ExpertCheckpoint::Open(ckpt));
   LocalExperts out;
-  out.d = d;
-  out.d_ff = d_ff;
+  out.d = view.d();
+  out.d_ff = view.d_ff();
   for (PhysicalSlotId q : m.LocalSlots(rank)) {
     const SlotRecord& slot = m.slot(q);
     const int e = slot.expert.value();
-    auto gu = ckpt.tensors.find(absl::StrCat("experts.", e, ".w_gate_up"));
-    auto dn = ckpt.tensors.find(absl::StrCat("experts.", e, ".w_down"));
-    if (gu == ckpt.tensors.end() || dn == ckpt.tensors.end()) {
-      return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": checkpoint has no tensors for expert ", e));
+    auto tensors = view.Expert(e);
+    if (!tensors.ok()) {
+      return absl::Status(tensors.status().code(), absl::StrCat("slot ", slot.name, ": ", tensors.status().message()));
     }
-    if (gu->second.data.size() != static_cast<size_t>(2) * d_ff * d * 2 || dn->second.data.size() != static_cast<size_t>(d) * d_ff * 2) {
-      return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": expert ", e, " tensors have the wrong shape"));
-    }
-    std::vector<uint16_t> wgu(gu->second.data.size() / 2), wd(dn->second.data.size() / 2);
-    std::memcpy(wgu.data(), gu->second.data.data(), gu->second.data.size());
-    std::memcpy(wd.data(), dn->second.data.data(), dn->second.data.size());
+    const std::string& gu_bytes = tensors->gate_up->data;
+    const std::string& dn_bytes = tensors->down->data;
+    std::vector<uint16_t> wgu(gu_bytes.size() / 2), wd(dn_bytes.size() / 2);
+    std::memcpy(wgu.data(), gu_bytes.data(), gu_bytes.size());
+    std::memcpy(wd.data(), dn_bytes.data(), dn_bytes.size());
     const std::string digest = ExpertDigest(wgu, wd);
     if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
       return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", digest.substr(0, 12),

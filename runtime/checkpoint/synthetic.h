@@ -9,24 +9,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/manifest.h"
 
 namespace moe {
 
-struct ExpertShape {
-  int num_experts = 0;
-  int d = 0;
-  int d_ff = 0;
-};
-
 // w_gate_up [2 d_ff, d] and w_down [d, d_ff] of one logical expert (BF16 bits).
 void SyntheticExpert(int expert, const ExpertShape& shape, uint64_t seed, std::vector<uint16_t>* w_gate_up,
                      std::vector<uint16_t>* w_down);
 
-// Tensors "experts.<e>.w_gate_up" / "experts.<e>.w_down"; metadata "checkpoint", "d", "d_ff",
-// "num_experts" and "digest.<e>" (hex SHA-256 over both tensors).
+// The layout of runtime/checkpoint/expert_checkpoint.h: both tensors of every expert, its
+// digest, the version and the shape.
 SafetensorsFile SyntheticCheckpoint(const ExpertShape& shape, uint64_t seed, const std::string& checkpoint_version);
 
 // The weights of `rank`'s slots in `manifest` (local slot order). Each slot's expert digest must

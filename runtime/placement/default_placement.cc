@@ -1,6 +1,7 @@
 #include "runtime/placement/default_placement.h"
 
 #include "absl/strings/str_cat.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
 
 namespace moe {
 
@@ -24,7 +25,7 @@ ProcessGroup LocalClusterGroup(int num_ranks, int64_t epoch) {
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md) {
-  auto ckpt = md.find("checkpoint");
+  auto ckpt = md.find(checkpoint_keys::kVersion);
   if (ckpt == md.end()) return absl::FailedPreconditionError("checkpoint metadata: no 'checkpoint' version");
   std::vector<SlotRecord> slots;
   std::map<int, int> replicas;  // copies placed so far, per expert
@@ -32,7 +33,7 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
     if (rank < 0 || rank >= topology.num_ranks()) {
       return absl::InvalidArgumentError(absl::StrCat("slot ", slots.size(), ": rank ", rank, " outside the topology"));
     }
-    auto digest = md.find(absl::StrCat("digest.", e));
+    auto digest = md.find(checkpoint_keys::Digest(e));
     if (digest == md.end()) return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
     SlotRecord s;
     s.slot = PhysicalSlotId(static_cast<int32_t>(slots.size()));

@@ -1,0 +1,63 @@
+#include "runtime/checkpoint/expert_checkpoint.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+namespace checkpoint_keys {
+std::string GateUp(int expert) { return absl::StrCat("experts.", expert, ".w_gate_up"); }
+std::string Down(int expert) { return absl::StrCat("experts.", expert, ".w_down"); }
+std::string Digest(int expert) { return absl::StrCat("digest.", expert); }
+}  // namespace checkpoint_keys
+
+namespace {
+
+absl::Status PositiveInt(const SafetensorsFile& file, const char* key, int* out) {
+  auto it = file.metadata.find(key);
+  if (it == file.metadata.end() || !absl::SimpleAtoi(it->second, out) || *out <= 0) {
+    return absl::DataLossError(absl::StrCat("checkpoint metadata '", key, "' missing or invalid"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ExpertCheckpoint> ExpertCheckpoint::Open(const SafetensorsFile& file) {
+  ExpertCheckpoint c;
+  c.file_ = &file;
+  auto version = file.metadata.find(checkpoint_keys::kVersion);
+  if (version == file.metadata.end() || version->second.empty()) {
+    return absl::DataLossError(absl::StrCat("checkpoint metadata '", checkpoint_keys::kVersion, "' missing or invalid"));
+  }
+  c.version_ = version->second;
+  for (auto [key, out] : {std::pair<const char*, int*>{checkpoint_keys::kNumExperts, &c.shape_.num_experts},
+                          {checkpoint_keys::kD, &c.shape_.d},
+                          {checkpoint_keys::kDff, &c.shape_.d_ff}}) {
+    if (absl::Status s = PositiveInt(file, key, out); !s.ok()) return s;
+  }
+  return c;
+}
+
+absl::StatusOr<std::string> ExpertCheckpoint::Digest(int expert) const {
+  auto it = file_->metadata.find(checkpoint_keys::Digest(expert));
+  if (it == file_->metadata.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", expert));
+  }
+  return it->second;
+}
+
+absl::StatusOr<ExpertCheckpoint::Tensors> ExpertCheckpoint::Expert(int expert) const {
+  auto gu = file_->tensors.find(checkpoint_keys::GateUp(expert));
+  auto dn = file_->tensors.find(checkpoint_keys::Down(expert));
+  if (gu == file_->tensors.end() || dn == file_->tensors.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint has no tensors for expert ", expert));
+  }
+  const size_t matrix_bytes = static_cast<size_t>(shape_.d) * shape_.d_ff * 2;
+  if (gu->second.data.size() != 2 * matrix_bytes || dn->second.data.size() != matrix_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat("expert ", expert, " tensors have the wrong shape"));
+  }
+  return Tensors{&gu->second, &dn->second};
+}
+
+}  // namespace moe

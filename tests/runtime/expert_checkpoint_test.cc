@@ -1,0 +1,63 @@
+// The typed checkpoint view (runtime/checkpoint/expert_checkpoint.h) over what synthetic.h writes.
+#include "runtime/checkpoint/expert_checkpoint.h"
+
+#include "gtest/gtest.h"
+#include "runtime/checkpoint/synthetic.h"
+
+namespace moe {
+namespace {
+
+TEST(ExpertCheckpointTest, ReadsWhatTheSyntheticCheckpointWrites) {
+  const SafetensorsFile file = SyntheticCheckpoint({3, 16, 24}, 7, "checkpoint-7");
+  auto view = ExpertCheckpoint::Open(file);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->version(), "checkpoint-7");
+  EXPECT_EQ(view->num_experts(), 3);
+  EXPECT_EQ(view->d(), 16);
+  EXPECT_EQ(view->d_ff(), 24);
+  for (int e = 0; e < 3; ++e) {
+    auto t = view->Expert(e);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->gate_up->shape, (std::vector<int64_t>{48, 16}));
+    EXPECT_EQ(t->down->shape, (std::vector<int64_t>{16, 24}));
+    std::vector<uint16_t> gu, dn;
+    SyntheticExpert(e, view->shape(), 7, &gu, &dn);
+    auto digest = view->Digest(e);
+    ASSERT_TRUE(digest.ok());
+    EXPECT_EQ(*digest, ExpertDigest(gu, dn));
+  }
+  EXPECT_EQ(checkpoint_keys::GateUp(2), "experts.2.w_gate_up");
+  EXPECT_EQ(checkpoint_keys::Down(2), "experts.2.w_down");
+  EXPECT_EQ(checkpoint_keys::Digest(2), "digest.2");
+}
+
+TEST(ExpertCheckpointTest, MissingOrBadMetadataNamesTheKey) {
+  for (const char* key : {checkpoint_keys::kVersion, checkpoint_keys::kNumExperts, checkpoint_keys::kD,
+                          checkpoint_keys::kDff}) {
+    SafetensorsFile file = SyntheticCheckpoint({2, 8, 8}, 1, "c");
+    file.metadata.erase(key);
+    auto view = ExpertCheckpoint::Open(file);
+    ASSERT_FALSE(view.ok()) << key;
+    EXPECT_EQ(view.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(view.status().message().find(std::string("'") + key + "'"), std::string::npos) << view.status();
+  }
+  SafetensorsFile file = SyntheticCheckpoint({2, 8, 8}, 1, "c");
+  file.metadata[checkpoint_keys::kD] = "-8";
+  EXPECT_EQ(ExpertCheckpoint::Open(file).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(ExpertCheckpointTest, AbsentOrMisshapenExpertNamesIt) {
+  SafetensorsFile file = SyntheticCheckpoint({2, 8, 8}, 1, "c");
+  file.tensors.erase(checkpoint_keys::Down(1));
+  file.tensors[checkpoint_keys::GateUp(0)].data.resize(10);
+  file.metadata.erase(checkpoint_keys::Digest(1));
+  auto view = ExpertCheckpoint::Open(file);
+  ASSERT_TRUE(view.ok());
+  EXPECT_NE(view->Expert(1).status().message().find("no tensors for expert 1"), std::string::npos);
+  EXPECT_NE(view->Expert(0).status().message().find("expert 0 tensors have the wrong shape"), std::string::npos);
+  EXPECT_EQ(view->Expert(5).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(view->Digest(1).status().message().find("no digest for expert 1"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moe
