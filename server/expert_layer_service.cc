@@ -104,6 +104,94 @@ absl::StatusOr<CheckedStep> CheckRequest(const v1::StepRequest& req, const Engin
   return c;
 }
 
+// A request decoded into the layer executor's input. `input` points into the request, into
+// `hidden` and into the rows read from a shared region, so the request and this must outlive the
+// step.
+struct DecodedStep {
+  CheckedStep checked;
+  std::vector<char> once_rows;  // rows read from a region too large for the thread's kept buffer
+  Bf16Rows hidden;
+  LayerStepInput input;
+};
+
+// Phases: validate the request, then read the rows, inline or copied out of a registered region
+// (read once: the engine changing or shrinking the region later cannot reach this step), and
+// check the output region's range. Every error here is the request's.
+absl::Status DecodeStepRequest(const v1::StepRequest& req, const EngineApiOptions& options, SharedRegions& regions,
+                               DecodedStep* step) {
+  ASSIGN_OR_RETURN(step->checked, CheckRequest(req, options));
+  const CheckedStep& c = step->checked;
+  thread_local std::vector<char> kept_in;
+  absl::StatusOr<Bf16Rows> hidden;
+  if (req.has_hidden_region()) {
+    const v1::SharedRegionRef& ref = req.hidden_region();
+    char* rows = Scratch(kept_in, step->once_rows, c.wire_bytes);
+    RETURN_IF_ERROR(regions.Read(ref.region(), ref.offset(), ref.bytes(), rows, "hidden_region"));
+    hidden = ReadBf16(req.hidden(), rows, c.wire_bytes, "hidden_region");
+  } else {
+    hidden = ReadBf16(req.hidden(), req.hidden().data().data(), req.hidden().data().size(), "hidden");
+  }
+  if (!hidden.ok()) return hidden.status();
+  step->hidden = *std::move(hidden);
+  if (req.has_output_region()) {
+    const v1::SharedRegionRef& ref = req.output_region();
+    RETURN_IF_ERROR(regions.CheckRange(ref.region(), ref.offset(), ref.bytes(), "output_region"));
+  }
+  LayerStepInput& in = step->input;
+  in.step_id = req.step_id();
+  in.layer = req.layer();
+  in.phase = c.decode ? Phase::kDecode : Phase::kPrefill;
+  in.hidden = step->hidden.data();
+  in.tokens = c.tokens;
+  in.d = c.d;
+  in.topk_ids = req.topk_ids().data();
+  in.topk_weights = req.topk_weights().data();
+  in.k = req.k();
+  in.admitted = req.admitted().empty() ? nullptr : reinterpret_cast<const uint8_t*>(req.admitted().data());
+  in.expected_generation = req.expected_generation() > 0 ? req.expected_generation() : -1;
+  return absl::OkStatus();
+}
+
+// Phase: encode the output rows, inline or written to the request's output region.
+absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, const std::vector<uint16_t>& output,
+                          SharedRegions& regions, v1::StepResponse* resp) {
+  resp->set_step_id(req.step_id());
+  if (!req.has_output_region()) {
+    EncodeFromBf16(output, c.tokens, c.d, req.hidden().dtype(), resp->mutable_output());
+    return absl::OkStatus();
+  }
+  thread_local std::vector<char> kept_out;
+  std::vector<char> once_out;
+  const v1::SharedRegionRef& ref = req.output_region();
+  char* out = Scratch(kept_out, once_out, c.wire_bytes);
+  EncodeBytes(output, req.hidden().dtype(), out);
+  RETURN_IF_ERROR(regions.Write(ref.region(), ref.offset(), ref.bytes(), out, "output_region"));
+  resp->mutable_output()->set_dtype(req.hidden().dtype());
+  resp->mutable_output()->set_rows(c.tokens);
+  resp->mutable_output()->set_cols(c.d);
+  return absl::OkStatus();
+}
+
+// Phase: encode the step record, and count it.
+void EncodeRecord(const StepRecord& r, bool decode, RankMetrics* metrics, v1::StepRecord* rec) {
+  rec->set_placement_generation(r.placement_version);
+  rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
+  if (decode && !r.graph_replay) {
+    rec->set_fallback_reason(r.fallback_reason);
+    metrics->Fallback(r.fallback_reason);
+  }
+  rec->set_compute_latency_us(r.execute_us);
+  rec->set_canary(r.canary);
+  rec->set_routes_attempted(r.routes_attempted);
+  rec->set_routes_accepted(r.routes_accepted);
+  rec->set_routes_dropped(r.routes_dropped);
+  rec->set_routes_remote(r.routes_remote);
+  rec->set_routes_inter_node(r.routes_inter_node);
+  metrics->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
+  metrics->BytesSent(r.bytes_sent);
+  metrics->Generation(r.placement_version);
+}
+
 }  // namespace
 
 absl::StatusOr<ExpertLayerServiceImpl::Caller> ExpertLayerServiceImpl::Authenticate(
@@ -122,97 +210,34 @@ absl::StatusOr<ExpertLayerServiceImpl::Caller> ExpertLayerServiceImpl::Authentic
 
 absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepResponse* resp) {
   const absl::Time start = absl::Now();
-  const bool decode = req.phase() == v1::PHASE_DECODE;
-  const std::string phase = decode ? "decode" : "prefill";
-  // A request rejected here still takes part in its step's agreement (with the abort flag), so
-  // the peers abort at once instead of waiting for this rank.
-  auto reject = [&](absl::Status why) {
-    absl::MutexLock lock(&step_mu_);
-    return executor_->Reject(req.step_id(), req.layer(), std::move(why));
-  };
+  const std::string phase = req.phase() == v1::PHASE_DECODE ? "decode" : "prefill";
   const char* path = "eager";  // the path label of the step latency histogram
-  absl::Status status = [&]() -> absl::Status {
-    auto checked = CheckRequest(req, options_);
-    if (!checked.ok()) return reject(checked.status());
-    const CheckedStep& c = *checked;
-    // Phase: read the rows, inline or copied out of a registered region (read once: the engine
-    // changing or shrinking the region later cannot reach this step).
-    thread_local std::vector<char> kept_in, kept_out;
-    std::vector<char> once_in, once_out;
-    absl::StatusOr<Bf16Rows> hidden;
-    if (req.has_hidden_region()) {
-      const v1::SharedRegionRef& ref = req.hidden_region();
-      char* rows = Scratch(kept_in, once_in, c.wire_bytes);
-      absl::Status read = regions_.Read(ref.region(), ref.offset(), ref.bytes(), rows, "hidden_region");
-      if (!read.ok()) return reject(read);
-      hidden = ReadBf16(req.hidden(), rows, c.wire_bytes, "hidden_region");
-    } else {
-      hidden = ReadBf16(req.hidden(), req.hidden().data().data(), req.hidden().data().size(), "hidden");
-    }
-    if (!hidden.ok()) return reject(hidden.status());
-    if (req.has_output_region()) {
-      const v1::SharedRegionRef& ref = req.output_region();
-      if (absl::Status s = regions_.CheckRange(ref.region(), ref.offset(), ref.bytes(), "output_region"); !s.ok()) {
-        return reject(s);
-      }
-    }
-    // Phase: run the step across the ranks.
-    LayerStepInput in;
-    in.step_id = req.step_id();
-    in.layer = req.layer();
-    in.phase = c.decode ? Phase::kDecode : Phase::kPrefill;
-    in.hidden = hidden->data();
-    in.tokens = c.tokens;
-    in.d = c.d;
-    in.topk_ids = req.topk_ids().data();
-    in.topk_weights = req.topk_weights().data();
-    in.k = req.k();
-    in.admitted = req.admitted().empty() ? nullptr : reinterpret_cast<const uint8_t*>(req.admitted().data());
-    in.expected_generation = req.expected_generation() > 0 ? req.expected_generation() : -1;
-    absl::StatusOr<LayerStepResult> result;
-    {
-      absl::MutexLock lock(&step_mu_);
-      result = executor_->Execute(in);
-    }
-    if (!result.ok()) return result.status();
-    // Phase: encode the output and the record.
-    resp->set_step_id(req.step_id());
-    if (req.has_output_region()) {
-      const v1::SharedRegionRef& ref = req.output_region();
-      char* out = Scratch(kept_out, once_out, c.wire_bytes);
-      EncodeBytes(result->output, req.hidden().dtype(), out);
-      RETURN_IF_ERROR(regions_.Write(ref.region(), ref.offset(), ref.bytes(), out, "output_region"));
-      resp->mutable_output()->set_dtype(req.hidden().dtype());
-      resp->mutable_output()->set_rows(c.tokens);
-      resp->mutable_output()->set_cols(c.d);
-    } else {
-      EncodeFromBf16(result->output, c.tokens, c.d, req.hidden().dtype(), resp->mutable_output());
-    }
-    v1::StepRecord* rec = resp->mutable_record();
-    const StepRecord& r = result->record;
-    path = r.graph_replay ? "graph_replay" : "eager";
-    rec->set_placement_generation(r.placement_version);
-    rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
-    if (c.decode && !r.graph_replay) {
-      rec->set_fallback_reason(r.fallback_reason);
-      metrics_->Fallback(r.fallback_reason);
-    }
-    rec->set_compute_latency_us(r.execute_us);
-    rec->set_canary(r.canary);
-    rec->set_routes_attempted(r.routes_attempted);
-    rec->set_routes_accepted(r.routes_accepted);
-    rec->set_routes_dropped(r.routes_dropped);
-    rec->set_routes_remote(r.routes_remote);
-    rec->set_routes_inter_node(r.routes_inter_node);
-    metrics_->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
-    metrics_->BytesSent(r.bytes_sent);
-    metrics_->Generation(r.placement_version);
-    return absl::OkStatus();
-  }();
+  const absl::Status status = RunStep(req, resp, &path);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (status.ok()) resp->mutable_record()->set_server_latency_us(seconds * 1e6);
   metrics_->Step(phase, path, StatusLabel(status.code()), seconds);
   return status;
+}
+
+absl::Status ExpertLayerServiceImpl::RunStep(const v1::StepRequest& req, v1::StepResponse* resp, const char** path) {
+  DecodedStep step;
+  if (absl::Status s = DecodeStepRequest(req, options_, regions_, &step); !s.ok()) {
+    // A request rejected here still takes part in its step's agreement (with the abort flag), so
+    // the peers abort at once instead of waiting for this rank.
+    absl::MutexLock lock(&step_mu_);
+    return executor_->Reject(req.step_id(), req.layer(), std::move(s));
+  }
+  // Phase: run the step across the ranks.
+  absl::StatusOr<LayerStepResult> result;
+  {
+    absl::MutexLock lock(&step_mu_);
+    result = executor_->Execute(step.input);
+  }
+  if (!result.ok()) return result.status();
+  RETURN_IF_ERROR(EncodeOutput(req, step.checked, result->output, regions_, resp));
+  *path = result->record.graph_replay ? "graph_replay" : "eager";
+  EncodeRecord(result->record, step.checked.decode, metrics_, resp->mutable_record());
+  return absl::OkStatus();
 }
 
 grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response) {

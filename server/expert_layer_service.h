@@ -63,7 +63,10 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   };
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContext* context) const;
   grpc::Status ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response);
+  // One step with its latency and outcome counted; RunStep decodes the request (a request it
+  // refuses still takes part in the step's agreement), runs the step and encodes the response.
   absl::Status Run(const v1::StepRequest& request, v1::StepResponse* response);
+  absl::Status RunStep(const v1::StepRequest& request, v1::StepResponse* response, const char** path);
 
   LayerExecutor* executor_;
   RankMetrics* metrics_;
