@@ -31,6 +31,7 @@
 
 #include "absl/time/clock.h"
 #include "bench/echo.grpc.pb.h"
+#include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #ifdef MOE_BENCH_CUDA
@@ -44,6 +45,8 @@
 
 namespace moe {
 namespace {
+
+using bench::Median;
 
 class EchoImpl final : public bench::Echo::Service {
  public:
@@ -84,11 +87,6 @@ class EchoImpl final : public bench::Echo::Service {
   }
   std::string reply_;
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 int Main() {
   // MOE_BENCH_DFF shrinks the experts (less compute per step) to see how the overhead depends on

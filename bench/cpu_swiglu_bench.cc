@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <vector>
+#include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 using namespace moe::kernels;
@@ -25,7 +26,6 @@ int main() {
       if (!k->Swiglu(p, nullptr).ok()) return 1;
       us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     }
-    std::sort(us.begin(), us.end());
-    std::printf("d_ff=%d m=%d: %.0f us\n", f, m, us[4]);
+    std::printf("d_ff=%d m=%d: %.0f us\n", f, m, moe::bench::Median(us));
   }
 }

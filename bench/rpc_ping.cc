@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "bench/stats.h"
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -32,8 +33,8 @@ int main(int argc, char** argv) {
       if (mode % 2 == 0) call(); else std::thread(call).join();
       if (mode >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    std::sort(us.begin(), us.end());
     const char* names[4] = {"back to back, one thread", "back to back, fresh thread", "after 2 ms idle, one thread", "after 2 ms idle, fresh thread"};
-    std::printf("%s: p50 %.0f us p90 %.0f us\n", names[mode], us[150], us[270]);
+    std::printf("%s: p50 %.0f us p90 %.0f us\n", names[mode], moe::bench::Quantile(us, 0.5),
+                moe::bench::Quantile(us, 0.9));
   }
 }

@@ -30,11 +30,14 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/transport/nccl.h"
 
 namespace {
+
+using moe::bench::Median;
 
 constexpr int kHidden = 7168, kTopK = 8, kExperts = 256, kPrefillTokens = 4096, kDecodeTokens = 128;
 constexpr int kScalesPerRow = kHidden / 128;
@@ -89,11 +92,6 @@ std::vector<int64_t> CountMatrix(const std::vector<std::vector<int>>& dest, int 
     for (int d : dest[src]) ++counts[src * p + d];
   }
   return counts;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // Host barrier over the transport (outside any capture).

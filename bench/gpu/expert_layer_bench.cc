@@ -21,10 +21,13 @@
 #include <vector>
 
 #include "bench/gpu/fill.h"
+#include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 
 namespace {
+
+using moe::bench::Median;
 
 #define CHECK_CUDA(x)                                                                        \
   do {                                                                                       \
@@ -49,11 +52,6 @@ struct Shape {
   int e, k, d, f;
   std::vector<int64_t> tokens;
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // --cold-l2: every timed repetition starts from an L2 that holds nothing of the previous one
 // (a decode step's weights are those of another layer the step before), scrubbed and
