@@ -132,150 +132,191 @@ absl::StatusOr<std::vector<float>> ParseRow(const Json& v, const std::string& pa
   return out;
 }
 
-}  // namespace
+// The trace's scalar header: sizes and the route handoff's scope.
+struct TraceHeader {
+  int64_t num_experts = 0;
+  int64_t top_k = 0;  // 0: the largest route slot + 1
+  int64_t scope = 0;
+};
 
-absl::StatusOr<Trace> ParseTrace(const Json& doc) {
-  if (!doc.is_object()) return json::Invalid("trace", "expected a JSON object");
-  Trace t;
+// d, d_ff, num_experts, top_k and execution_scope; fills t->d and t->d_ff.
+absl::StatusOr<TraceHeader> ParseHeader(const Json& doc, Trace* t) {
+  TraceHeader header;
   ASSIGN_OR_RETURN(const Json* d_json, json::Member(doc, "", "d"));
   ASSIGN_OR_RETURN(int64_t d, json::Int(*d_json, "d"));
   if (d <= 0) return json::Invalid("d", "must be positive");
-  t.d = static_cast<int>(d);
+  t->d = static_cast<int>(d);
   ASSIGN_OR_RETURN(int64_t d_ff, json::IntOr(doc, "", "d_ff", 4));
   if (d_ff <= 0) return json::Invalid("d_ff", "must be positive");
-  t.d_ff = static_cast<int>(d_ff);
+  t->d_ff = static_cast<int>(d_ff);
   ASSIGN_OR_RETURN(const Json* e_json, json::Member(doc, "", "num_experts"));
-  ASSIGN_OR_RETURN(int64_t num_experts, json::Int(*e_json, "num_experts"));
-  if (num_experts <= 0) return json::Invalid("num_experts", "must be positive");
-  ASSIGN_OR_RETURN(int64_t top_k, json::IntOr(doc, "", "top_k", 0));
-  ASSIGN_OR_RETURN(int64_t scope, json::IntOr(doc, "", "execution_scope", 0));
+  ASSIGN_OR_RETURN(header.num_experts, json::Int(*e_json, "num_experts"));
+  if (header.num_experts <= 0) return json::Invalid("num_experts", "must be positive");
+  ASSIGN_OR_RETURN(header.top_k, json::IntOr(doc, "", "top_k", 0));
+  ASSIGN_OR_RETURN(header.scope, json::IntOr(doc, "", "execution_scope", 0));
+  return header;
+}
 
-  ASSIGN_OR_RETURN(Topology topology, ParseTopology(doc));
-  ASSIGN_OR_RETURN(ProcessGroup group, ParseGroup(doc, topology));
-  ASSIGN_OR_RETURN(t.manifest, ParsePlacement(doc, topology, group, static_cast<int>(num_experts)));
-  t.topology = std::move(topology);
-  t.group = std::move(group);
-  const int p_count = t.topology->num_ranks();
-
-  // Hidden rows per source rank: {"0": [[...], ...], ...}; absent ranks own no tokens.
-  t.hidden.assign(p_count, {});
-  if (doc.contains("hidden")) {
-    const Json& h = doc.at("hidden");
-    if (!h.is_object()) return json::Invalid("hidden", "expected an object keyed by source rank");
-    for (auto it = h.begin(); it != h.end(); ++it) {
-      int rank = -1;
-      if (!absl::SimpleAtoi(it.key(), &rank) || rank < 0 || rank >= p_count) {
-        return json::Invalid(absl::StrCat("hidden.", it.key()), "key must be a rank of the topology");
-      }
-      ASSIGN_OR_RETURN(const Json* rows, json::Array(it.value(), absl::StrCat("hidden.", it.key())));
-      for (size_t i = 0; i < rows->size(); ++i) {
-        ASSIGN_OR_RETURN(std::vector<float> row, ParseRow((*rows)[i], absl::StrCat("hidden.", it.key(), "[", i, "]"), t.d));
-        t.hidden[rank].insert(t.hidden[rank].end(), row.begin(), row.end());
-      }
+// Hidden rows per source rank: {"0": [[...], ...], ...}; absent ranks own no tokens.
+absl::StatusOr<PartitionRows> ParseHidden(const Json& doc, int p_count, int d) {
+  PartitionRows hidden(p_count);
+  if (!doc.contains("hidden")) return hidden;
+  const Json& h = doc.at("hidden");
+  if (!h.is_object()) return json::Invalid("hidden", "expected an object keyed by source rank");
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    int rank = -1;
+    if (!absl::SimpleAtoi(it.key(), &rank) || rank < 0 || rank >= p_count) {
+      return json::Invalid(absl::StrCat("hidden.", it.key()), "key must be a rank of the topology");
+    }
+    ASSIGN_OR_RETURN(const Json* rows, json::Array(it.value(), absl::StrCat("hidden.", it.key())));
+    for (size_t i = 0; i < rows->size(); ++i) {
+      ASSIGN_OR_RETURN(std::vector<float> row, ParseRow((*rows)[i], absl::StrCat("hidden.", it.key(), "[", i, "]"), d));
+      hidden[rank].insert(hidden[rank].end(), row.begin(), row.end());
     }
   }
+  return hidden;
+}
 
+// A route's physical_slot (appended to t->slots), checked against the route's optional replica
+// and destination (0x03A1: they must agree with the manifest).
+absl::Status ParseRouteSlot(const Json& r, const std::string& path, Trace* t) {
+  ASSIGN_OR_RETURN(std::string slot_name, json::String(r.at("physical_slot"), path + ".physical_slot"));
+  const int q = t->manifest->FindSlot(slot_name);
+  if (q < 0) return json::Invalid(path + ".physical_slot", absl::StrCat("no slot '", slot_name, "' in the placement"));
+  t->slots.push_back(PhysicalSlotId(q));
+  const SlotRecord& slot = t->manifest->slot(PhysicalSlotId(q));
+  if (r.contains("replica")) {
+    ASSIGN_OR_RETURN(std::string replica, json::String(r.at("replica"), path + ".replica"));
+    if (replica != slot.replica_name) {
+      return absl::FailedPreconditionError(absl::StrCat(path, ".replica: '", replica, "' but slot ", slot_name,
+                                                        " holds replica '", slot.replica_name, "'"));
+    }
+  }
+  if (r.contains("destination_rank")) {
+    ASSIGN_OR_RETURN(int64_t dst, json::Int(r.at("destination_rank"), path + ".destination_rank"));
+    if (dst != slot.rank.value()) {
+      return absl::FailedPreconditionError(absl::StrCat(path, ".destination_rank: ", dst, " but slot ", slot_name,
+                                                        " lives on rank ", slot.rank.value()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// routes[i]: appended to t->routes (and its name, and its slot when it names one). Returns the
+// route slot.
+absl::StatusOr<int64_t> ParseRoute(const Json& r, size_t i, Trace* t) {
+  const int p_count = t->topology->num_ranks();
+  const std::string path = absl::StrCat("routes[", i, "]");
+  ASSIGN_OR_RETURN(std::string name, json::StringOr(r, path, "id", absl::StrCat("r", i)));
+  ASSIGN_OR_RETURN(const Json* src_json, json::Member(r, path, "source_rank"));
+  ASSIGN_OR_RETURN(int64_t src, json::Int(*src_json, path + ".source_rank"));
+  if (src < 0 || src >= p_count) return json::Invalid(path + ".source_rank", absl::StrCat(src, " is not a rank of the topology"));
+  ASSIGN_OR_RETURN(const Json* tok_json, json::Member(r, path, "token"));
+  ASSIGN_OR_RETURN(int64_t token, json::Int(*tok_json, path + ".token"));
+  const int64_t tokens = static_cast<int64_t>(t->hidden[src].size() / t->d);
+  if (token < 0 || token >= tokens) {
+    return json::Invalid(path + ".token", absl::StrCat(token, " but source rank ", src, " has ", tokens, " hidden rows"));
+  }
+  ASSIGN_OR_RETURN(int64_t route_slot, json::IntOr(r, path, "route_slot", 0));
+  ASSIGN_OR_RETURN(const Json* e_json, json::Member(r, path, "logical_expert"));
+  ASSIGN_OR_RETURN(int64_t expert, json::Int(*e_json, path + ".logical_expert"));
+  ASSIGN_OR_RETURN(const Json* g_json, json::Member(r, path, "gate"));
+  ASSIGN_OR_RETURN(double gate, json::Number(*g_json, path + ".gate"));
+  bool admitted = true;
+  if (r.contains("admitted")) {
+    ASSIGN_OR_RETURN(admitted, json::Bool(r.at("admitted"), path + ".admitted"));
+  }
+  t->routes.Add(Rank(static_cast<int32_t>(src)), static_cast<int32_t>(token), static_cast<int32_t>(route_slot),
+                LogicalExpertId(static_cast<int32_t>(expert)), static_cast<float>(gate), admitted);
+  t->route_names.push_back(name);
+  if (r.contains("physical_slot")) RETURN_IF_ERROR(ParseRouteSlot(r, path, t));
+  return route_slot;
+}
+
+// The routes into t->routes, then the handoff's checks: slots for every route or none, top_k,
+// experts in range, and SemanticHandoff::Validate.
+absl::Status ParseRoutes(const Json& doc, const TraceHeader& header, Trace* t) {
   ASSIGN_OR_RETURN(const Json* routes_json, json::Member(doc, "", "routes"));
   ASSIGN_OR_RETURN(routes_json, json::Array(*routes_json, "routes"));
-  SemanticHandoff& h = t.routes;
-  h.scope = ExecutionScopeId(scope);
-  h.num_experts = static_cast<int32_t>(num_experts);
-  h.num_partitions = p_count;
+  SemanticHandoff& h = t->routes;
+  h.scope = ExecutionScopeId(header.scope);
+  h.num_experts = static_cast<int32_t>(header.num_experts);
+  h.num_partitions = t->topology->num_ranks();
   int max_slot = 0;
-  int with_slot = 0;
   for (size_t i = 0; i < routes_json->size(); ++i) {
-    const Json& r = (*routes_json)[i];
-    const std::string path = absl::StrCat("routes[", i, "]");
-    ASSIGN_OR_RETURN(std::string name, json::StringOr(r, path, "id", absl::StrCat("r", i)));
-    ASSIGN_OR_RETURN(const Json* src_json, json::Member(r, path, "source_rank"));
-    ASSIGN_OR_RETURN(int64_t src, json::Int(*src_json, path + ".source_rank"));
-    if (src < 0 || src >= p_count) return json::Invalid(path + ".source_rank", absl::StrCat(src, " is not a rank of the topology"));
-    ASSIGN_OR_RETURN(const Json* tok_json, json::Member(r, path, "token"));
-    ASSIGN_OR_RETURN(int64_t token, json::Int(*tok_json, path + ".token"));
-    const int64_t tokens = static_cast<int64_t>(t.hidden[src].size() / t.d);
-    if (token < 0 || token >= tokens) {
-      return json::Invalid(path + ".token", absl::StrCat(token, " but source rank ", src, " has ", tokens, " hidden rows"));
-    }
-    ASSIGN_OR_RETURN(int64_t route_slot, json::IntOr(r, path, "route_slot", 0));
+    ASSIGN_OR_RETURN(int64_t route_slot, ParseRoute((*routes_json)[i], i, t));
     max_slot = std::max<int>(max_slot, static_cast<int>(route_slot));
-    ASSIGN_OR_RETURN(const Json* e_json2, json::Member(r, path, "logical_expert"));
-    ASSIGN_OR_RETURN(int64_t expert, json::Int(*e_json2, path + ".logical_expert"));
-    ASSIGN_OR_RETURN(const Json* g_json, json::Member(r, path, "gate"));
-    ASSIGN_OR_RETURN(double gate, json::Number(*g_json, path + ".gate"));
-    bool admitted = true;
-    if (r.contains("admitted")) {
-      ASSIGN_OR_RETURN(admitted, json::Bool(r.at("admitted"), path + ".admitted"));
-    }
-    h.Add(Rank(static_cast<int32_t>(src)), static_cast<int32_t>(token), static_cast<int32_t>(route_slot),
-          LogicalExpertId(static_cast<int32_t>(expert)), static_cast<float>(gate), admitted);
-    t.route_names.push_back(name);
-    if (r.contains("physical_slot")) {
-      ++with_slot;
-      ASSIGN_OR_RETURN(std::string slot_name, json::String(r.at("physical_slot"), path + ".physical_slot"));
-      const int q = t.manifest->FindSlot(slot_name);
-      if (q < 0) return json::Invalid(path + ".physical_slot", absl::StrCat("no slot '", slot_name, "' in the placement"));
-      t.slots.push_back(PhysicalSlotId(q));
-      const SlotRecord& slot = t.manifest->slot(PhysicalSlotId(q));
-      // 0x03A1: the route's optional replica and destination must agree with the manifest.
-      if (r.contains("replica")) {
-        ASSIGN_OR_RETURN(std::string replica, json::String(r.at("replica"), path + ".replica"));
-        if (replica != slot.replica_name) {
-          return absl::FailedPreconditionError(absl::StrCat(path, ".replica: '", replica, "' but slot ", slot_name,
-                                                            " holds replica '", slot.replica_name, "'"));
-        }
-      }
-      if (r.contains("destination_rank")) {
-        ASSIGN_OR_RETURN(int64_t dst, json::Int(r.at("destination_rank"), path + ".destination_rank"));
-        if (dst != slot.rank.value()) {
-          return absl::FailedPreconditionError(absl::StrCat(path, ".destination_rank: ", dst, " but slot ", slot_name,
-                                                            " lives on rank ", slot.rank.value()));
-        }
-      }
-    }
   }
+  const int with_slot = static_cast<int>(t->slots.size());
   if (with_slot != 0 && with_slot != h.size()) {
     return json::Invalid("routes", "physical_slot must be given for every route or for none");
   }
-  h.top_k = top_k > 0 ? static_cast<int32_t>(top_k) : max_slot + 1;
+  h.top_k = header.top_k > 0 ? static_cast<int32_t>(header.top_k) : max_slot + 1;
   for (int32_t r = 0; r < h.size(); ++r) {
-    if (h.expert[r].value() < 0 || h.expert[r].value() >= num_experts) {
+    if (h.expert[r].value() < 0 || h.expert[r].value() >= header.num_experts) {
       return json::Invalid(absl::StrCat("routes[", r, "].logical_expert"),
-                           absl::StrCat(h.expert[r].value(), " outside [0, ", num_experts, ")"));
+                           absl::StrCat(h.expert[r].value(), " outside [0, ", header.num_experts, ")"));
     }
   }
-  RETURN_IF_ERROR(h.Validate());
+  return h.Validate();
+}
 
-  if (doc.contains("expert_scale")) {
-    ASSIGN_OR_RETURN(const Json* s, json::Array(doc.at("expert_scale"), "expert_scale"));
-    if (static_cast<int64_t>(s->size()) != num_experts) {
-      return json::Invalid("expert_scale", absl::StrCat("expected ", num_experts, " values, got ", s->size()));
-    }
-    for (size_t i = 0; i < s->size(); ++i) {
-      ASSIGN_OR_RETURN(double x, json::Number((*s)[i], absl::StrCat("expert_scale[", i, "]")));
-      t.expert_scale.push_back(static_cast<float>(x));
-    }
-  } else {
-    for (int e = 0; e < num_experts; ++e) t.expert_scale.push_back(static_cast<float>(e + 1));
+// expert_scale: one scalar per logical expert; e + 1 when absent.
+absl::StatusOr<std::vector<float>> ParseExpertScale(const Json& doc, int64_t num_experts) {
+  std::vector<float> scale;
+  if (!doc.contains("expert_scale")) {
+    for (int e = 0; e < num_experts; ++e) scale.push_back(static_cast<float>(e + 1));
+    return scale;
   }
+  ASSIGN_OR_RETURN(const Json* s, json::Array(doc.at("expert_scale"), "expert_scale"));
+  if (static_cast<int64_t>(s->size()) != num_experts) {
+    return json::Invalid("expert_scale", absl::StrCat("expected ", num_experts, " values, got ", s->size()));
+  }
+  for (size_t i = 0; i < s->size(); ++i) {
+    ASSIGN_OR_RETURN(double x, json::Number((*s)[i], absl::StrCat("expert_scale[", i, "]")));
+    scale.push_back(static_cast<float>(x));
+  }
+  return scale;
+}
 
+// The optional runner and widths objects into t.
+absl::Status ParseRunnerAndWidths(const Json& doc, Trace* t) {
   const Json empty = Json::object();
   const Json& runner = doc.contains("runner") ? doc.at("runner") : empty;
-  ASSIGN_OR_RETURN(t.capacity, json::IntOr(runner, "runner", "capacity", 0));
-  ASSIGN_OR_RETURN(t.alignment, json::IntOr(runner, "runner", "alignment", 1));
-  ASSIGN_OR_RETURN(t.block_rows, json::IntOr(runner, "runner", "block_rows", 128));
+  ASSIGN_OR_RETURN(t->capacity, json::IntOr(runner, "runner", "capacity", 0));
+  ASSIGN_OR_RETURN(t->alignment, json::IntOr(runner, "runner", "alignment", 1));
+  ASSIGN_OR_RETURN(t->block_rows, json::IntOr(runner, "runner", "block_rows", 128));
   ASSIGN_OR_RETURN(int64_t block_cols, json::IntOr(runner, "runner", "block_cols", 0));
-  t.block_cols = static_cast<int>(block_cols);
-  if (t.alignment <= 0) return json::Invalid("runner.alignment", "must be positive");
-  if (t.block_rows <= 0) return json::Invalid("runner.block_rows", "must be positive");
-  if (t.block_cols < 0 || (t.block_cols > 0 && t.d_ff % t.block_cols != 0)) {
-    return json::Invalid("runner.block_cols", absl::StrCat("must divide d_ff=", t.d_ff));
+  t->block_cols = static_cast<int>(block_cols);
+  if (t->alignment <= 0) return json::Invalid("runner.alignment", "must be positive");
+  if (t->block_rows <= 0) return json::Invalid("runner.block_rows", "must be positive");
+  if (t->block_cols < 0 || (t->block_cols > 0 && t->d_ff % t->block_cols != 0)) {
+    return json::Invalid("runner.block_cols", absl::StrCat("must divide d_ff=", t->d_ff));
   }
   const Json& widths = doc.contains("widths") ? doc.at("widths") : empty;
   ASSIGN_OR_RETURN(int64_t wa, json::IntOr(widths, "widths", "activation", 2));
   ASSIGN_OR_RETURN(int64_t wo, json::IntOr(widths, "widths", "output", 2));
   if (wa <= 0 || wo <= 0) return json::Invalid("widths", "element widths must be positive");
-  t.widths.activation = static_cast<int>(wa);
-  t.widths.output = static_cast<int>(wo);
+  t->widths.activation = static_cast<int>(wa);
+  t->widths.output = static_cast<int>(wo);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Trace> ParseTrace(const Json& doc) {
+  if (!doc.is_object()) return json::Invalid("trace", "expected a JSON object");
+  Trace t;
+  ASSIGN_OR_RETURN(const TraceHeader header, ParseHeader(doc, &t));
+  ASSIGN_OR_RETURN(Topology topology, ParseTopology(doc));
+  ASSIGN_OR_RETURN(ProcessGroup group, ParseGroup(doc, topology));
+  ASSIGN_OR_RETURN(t.manifest, ParsePlacement(doc, topology, group, static_cast<int>(header.num_experts)));
+  t.topology = std::move(topology);
+  t.group = std::move(group);
+  ASSIGN_OR_RETURN(t.hidden, ParseHidden(doc, t.topology->num_ranks(), t.d));
+  RETURN_IF_ERROR(ParseRoutes(doc, header, &t));
+  ASSIGN_OR_RETURN(t.expert_scale, ParseExpertScale(doc, header.num_experts));
+  RETURN_IF_ERROR(ParseRunnerAndWidths(doc, &t));
   return t;
 }
 
@@ -301,45 +342,37 @@ Json LedgerJson(const RunnerLedger& l) {
               {"state_bytes", l.state_bytes}};
 }
 
-}  // namespace
-
-absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
-  const Topology& topo = *t.topology;
+// The plan's identity: digest, placement, process group, how replicas were selected and the
+// slot each admitted route went to.
+void AddPlanIdentity(const Trace& t, const FrozenHandoff& frozen, const std::vector<PhysicalSlotId>& slots,
+                     const std::string& selection, Json* report) {
   const ProcessGroup& group = *t.group;
   const PlacementManifest& m = *t.manifest;
-  std::vector<PhysicalSlotId> slots = t.slots;
-  std::string selection = "trace";
-  if (slots.empty()) {
-    slots.resize(t.routes.size());
-    RETURN_IF_ERROR(ReplicaSelector::Create(selector)->Select(t.routes, m, group, topo, {}, absl::MakeSpan(slots)));
-    selection = SelectorPolicyName(selector);
-  }
-  ASSIGN_OR_RETURN(FrozenHandoff frozen, Freeze(t.routes));
-  ASSIGN_OR_RETURN(PlanLayout layout, PlanLayout::Create(t.manifest, group));
-  ASSIGN_OR_RETURN(ClusterPlan plan, PlanCluster(frozen, slots, layout, topo));
-  const int p_count = plan.num_ranks;
-
-  Json report;
-  report["semantic_digest"] = HexDigest(frozen.digest);
-  report["placement_version"] = m.VersionName();
-  report["process_group"] = {{"id", group.id().value()}, {"epoch", group.epoch().value()}};
+  (*report)["semantic_digest"] = HexDigest(frozen.digest);
+  (*report)["placement_version"] = m.VersionName();
+  (*report)["process_group"] = {{"id", group.id().value()}, {"epoch", group.epoch().value()}};
   Json peers = Json::array();
   for (Rank r : group.peers()) peers.push_back(r.value());
-  report["process_group"]["peers"] = peers;
-  report["replica_selection"] = selection;
+  (*report)["process_group"]["peers"] = peers;
+  (*report)["replica_selection"] = selection;
   Json assignment = Json::object();
   for (int32_t r = 0; r < t.routes.size(); ++r) {
     if (t.routes.admitted[r]) assignment[t.route_names[r]] = m.slot(slots[r]).name;
   }
-  report["physical_slots"] = assignment;
+  (*report)["physical_slots"] = assignment;
+}
 
+// The route plan: count matrix, both sides' splits, offsets and orders, and every admitted
+// route's inverse coordinates.
+void AddRoutePlan(const Trace& t, const ClusterPlan& plan, Json* report) {
+  const int p_count = plan.num_ranks;
   Json count = Json::array();
   for (int s = 0; s < p_count; ++s) {
     Json row = Json::array();
     for (int u = 0; u < p_count; ++u) row.push_back(plan.Count(Rank(s), Rank(u)));
     count.push_back(row);
   }
-  report["count_matrix"] = count;
+  (*report)["count_matrix"] = count;
   Json send_splits = Json::array(), send_offsets = Json::array(), send_order = Json::array();
   Json recv_splits = Json::array(), recv_order = Json::array(), expert_order = Json::array();
   Json expert_counts = Json::array(), expert_offsets = Json::array();
@@ -355,14 +388,14 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
     expert_counts.push_back(plan.destination[u].expert_counts);
     expert_offsets.push_back(plan.destination[u].expert_offsets);
   }
-  report["send_splits"] = send_splits;
-  report["send_offsets"] = send_offsets;
-  report["send_order"] = send_order;
-  report["recv_splits"] = recv_splits;
-  report["receive_order"] = recv_order;
-  report["expert_order"] = expert_order;
-  report["expert_counts"] = expert_counts;
-  report["expert_offsets"] = expert_offsets;
+  (*report)["send_splits"] = send_splits;
+  (*report)["send_offsets"] = send_offsets;
+  (*report)["send_order"] = send_order;
+  (*report)["recv_splits"] = recv_splits;
+  (*report)["receive_order"] = recv_order;
+  (*report)["expert_order"] = expert_order;
+  (*report)["expert_counts"] = expert_counts;
+  (*report)["expert_offsets"] = expert_offsets;
   Json inverse = Json::object();
   for (int32_t r = 0; r < t.routes.size(); ++r) {
     if (!t.routes.admitted[r]) continue;
@@ -375,22 +408,29 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
                                  {"route_slot", t.routes.route_slot[r]},
                                  {"gate", t.routes.gate[r]}};
   }
-  report["inverse"] = inverse;
+  (*report)["inverse"] = inverse;
+}
 
-  // Outputs through all three runner layouts, checked against the semantic computation.
-  ASSIGN_OR_RETURN(PartitionRows semantic, SemanticOutputs(t.routes, t.hidden, t.d, t.expert_scale));
-  LoadLedger loads = ComputeLoadLedger(plan, frozen, m);
+// The three runner layouts the trace is executed and accounted under.
+std::vector<RunnerLayoutParams> TraceRunners(const Trace& t, const LoadLedger& loads) {
   const int64_t max_count = *std::max_element(loads.physical_slot_rows.begin(), loads.physical_slot_rows.end());
   const int64_t capacity = t.capacity > 0 ? t.capacity : std::max<int64_t>(max_count, 1);
-  const std::vector<RunnerLayoutParams> runners = {
+  return {
       {RunnerKind::kPaddedDense, capacity, t.alignment, t.block_rows},
       {RunnerKind::kGrouped, 0, 1, t.block_rows},
       {RunnerKind::kBlockSparse, 0, 1, t.block_rows},
   };
+}
+
+// Outputs through every runner layout, checked against the semantic computation (INTERNAL when
+// one differs); the grouped runner's rows are reported, rounded to FP32's decimal precision.
+absl::Status AddOutputs(const Trace& t, const ClusterPlan& plan, const FrozenHandoff& frozen,
+                        const std::vector<RunnerLayoutParams>& runners, const PartitionRows& semantic, Json* report) {
   Json parity = Json::object();
   PartitionRows grouped_out;
   for (const RunnerLayoutParams& runner : runners) {
-    ASSIGN_OR_RETURN(PartitionRows out, PhysicalOutputs(plan, frozen, m, t.hidden, t.d, t.expert_scale, runner));
+    ASSIGN_OR_RETURN(PartitionRows out,
+                     PhysicalOutputs(plan, frozen, *t.manifest, t.hidden, t.d, t.expert_scale, runner));
     double max_diff = 0;
     for (size_t p = 0; p < out.size(); ++p) {
       for (size_t i = 0; i < out[p].size(); ++i) {
@@ -406,7 +446,7 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
     if (runner.kind == RunnerKind::kGrouped) grouped_out = std::move(out);
   }
   Json outputs = Json::array();
-  for (int p = 0; p < p_count; ++p) {
+  for (int p = 0; p < plan.num_ranks; ++p) {
     Json rows = Json::array();
     for (size_t i = 0; i < grouped_out[p].size(); i += t.d) {
       Json row = Json::array();
@@ -418,33 +458,32 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
     }
     outputs.push_back(rows);
   }
-  report["outputs"] = outputs;
-  report["runner_parity_max_abs_diff"] = parity;
+  (*report)["outputs"] = outputs;
+  (*report)["runner_parity_max_abs_diff"] = parity;
+  return absl::OkStatus();
+}
 
-  // Ledgers.
-  Json ledgers;
-  ledgers["load"] = {{"logical_expert_rows", loads.logical_expert_rows},
-                     {"physical_slot_rows", loads.physical_slot_rows},
-                     {"destination_rank_rows", loads.destination_rank_rows}};
-  ByteLedger b = ComputeByteLedger(plan, frozen, t.d, t.widths);
-  ledgers["row_slots"] = {{"useful_rows", b.routes}, {"max_split", b.max_split},
-                          {"uniform_padded_rows", b.padded_rows}, {"padding_rows", b.padding_rows}};
-  ledgers["bytes"] = {{"staging_dispatch", b.staging_dispatch},
-                      {"staging_combine", b.staging_combine},
-                      {"remote_routes", b.remote_routes},
-                      {"remote_dispatch", b.remote_dispatch},
-                      {"remote_combine", b.remote_combine},
-                      {"dispatch_metadata", b.dispatch_meta},
-                      {"combine_metadata", b.combine_meta},
-                      {"route_handle", b.route_handle},
-                      {"count_matrix", b.count_matrix},
-                      {"send_offsets", b.send_offsets},
-                      {"recv_splits", b.recv_splits},
-                      {"expert_offsets", b.expert_offsets},
-                      {"remote_logical_excluding_protocol", b.remote_logical},
-                      {"uniform_padded_per_direction", b.padded_per_direction},
-                      {"uniform_padded_round_trip", b.padded_round_trip},
-                      {"useful_staging_round_trip", b.useful_round_trip}};
+Json ByteLedgerJson(const ByteLedger& b) {
+  return Json{{"staging_dispatch", b.staging_dispatch},
+              {"staging_combine", b.staging_combine},
+              {"remote_routes", b.remote_routes},
+              {"remote_dispatch", b.remote_dispatch},
+              {"remote_combine", b.remote_combine},
+              {"dispatch_metadata", b.dispatch_meta},
+              {"combine_metadata", b.combine_meta},
+              {"route_handle", b.route_handle},
+              {"count_matrix", b.count_matrix},
+              {"send_offsets", b.send_offsets},
+              {"recv_splits", b.recv_splits},
+              {"expert_offsets", b.expert_offsets},
+              {"remote_logical_excluding_protocol", b.remote_logical},
+              {"uniform_padded_per_direction", b.padded_per_direction},
+              {"uniform_padded_round_trip", b.padded_round_trip},
+              {"useful_staging_round_trip", b.useful_round_trip}};
+}
+
+// The layer step's buffers and their lifetimes, checked against its event schedule.
+absl::StatusOr<Json> LifetimesJson(const Trace& t, const ByteLedger& b) {
   auto buffers = LayerStepBuffers(b, t.d, t.widths);
   ASSIGN_OR_RETURN(LifetimeReport life, CheckLifetimes(LayerStepEvents(), buffers));
   Json buffer_rows = Json::array();
@@ -452,9 +491,13 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
     buffer_rows.push_back({{"buffer", buf.name}, {"bytes", buf.bytes}, {"live", {buf.begin, buf.end}},
                            {"last_reader", buf.last_reader}});
   }
-  ledgers["lifetimes"] = {{"buffers", buffer_rows}, {"total_bytes", life.total_bytes},
-                          {"peak_bytes", life.peak_bytes}, {"peak_epoch", life.peak_epoch},
-                          {"live_by_epoch", life.live_by_epoch}};
+  return Json{{"buffers", buffer_rows}, {"total_bytes", life.total_bytes},
+              {"peak_bytes", life.peak_bytes}, {"peak_epoch", life.peak_epoch},
+              {"live_by_epoch", life.live_by_epoch}};
+}
+
+absl::StatusOr<Json> RunnerLedgersJson(const Trace& t, const LoadLedger& loads,
+                                       const std::vector<RunnerLayoutParams>& runners) {
   Json runner_ledgers = Json::object();
   const int block_cols = t.block_cols > 0 ? t.block_cols : t.d_ff;
   for (const RunnerLayoutParams& runner : runners) {
@@ -462,8 +505,10 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
     ASSIGN_OR_RETURN(RunnerLedger l, ComputeRunnerLedger(layout_all, t.d, t.d_ff, block_cols));
     runner_ledgers[RunnerKindName(runner.kind)] = LedgerJson(l);
   }
-  ledgers["runners"] = runner_ledgers;
-  RouteClassLedger classes = ComputeRouteClasses(plan, frozen, topo, t.d, t.widths);
+  return runner_ledgers;
+}
+
+Json RouteClassesJson(const Trace& t, const RouteClassLedger& classes) {
   Json class_json = Json::object();
   for (int c = 0; c < 3; ++c) {
     class_json[RouteClassName(c)] = {{"rows", classes.rows[c]},
@@ -472,19 +517,67 @@ absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
                                      {"round_trip_bytes", classes.round_trip_bytes[c]},
                                      {"directed_pairs", classes.directed_pairs[c]}};
   }
-  ledgers["route_classes"] = class_json;
-  RelayLedger relay = ComputeRelayLedger(plan, frozen, topo, t.d, t.widths);
-  ledgers["hierarchical_relay"] = {{"dispatch_source_to_relay", relay.dispatch_to_source_relay},
-                                   {"dispatch_relay_to_relay", relay.dispatch_relay_to_relay},
-                                   {"dispatch_relay_to_final", relay.dispatch_relay_to_final},
-                                   {"combine_expert_to_relay", relay.combine_to_expert_relay},
-                                   {"combine_relay_to_relay", relay.combine_relay_to_relay},
-                                   {"combine_relay_to_origin", relay.combine_relay_to_origin},
-                                   {"inter_node_round_trip_bytes", relay.inter_node_round_trip_bytes},
-                                   {"added_relay_bytes", relay.added_relay_bytes},
-                                   {"flat_inter_node_pairs", relay.flat_inter_node_pairs},
-                                   {"hierarchical_inter_node_pairs", relay.hierarchical_inter_node_pairs}};
-  report["ledgers"] = ledgers;
+  return class_json;
+}
+
+Json RelayLedgerJson(const RelayLedger& relay) {
+  return Json{{"dispatch_source_to_relay", relay.dispatch_to_source_relay},
+              {"dispatch_relay_to_relay", relay.dispatch_relay_to_relay},
+              {"dispatch_relay_to_final", relay.dispatch_relay_to_final},
+              {"combine_expert_to_relay", relay.combine_to_expert_relay},
+              {"combine_relay_to_relay", relay.combine_relay_to_relay},
+              {"combine_relay_to_origin", relay.combine_relay_to_origin},
+              {"inter_node_round_trip_bytes", relay.inter_node_round_trip_bytes},
+              {"added_relay_bytes", relay.added_relay_bytes},
+              {"flat_inter_node_pairs", relay.flat_inter_node_pairs},
+              {"hierarchical_inter_node_pairs", relay.hierarchical_inter_node_pairs}};
+}
+
+// Every ledger of the step: load, row slots, bytes, buffer lifetimes, runners, route classes
+// and the hierarchical relay.
+absl::StatusOr<Json> Ledgers(const Trace& t, const ClusterPlan& plan, const FrozenHandoff& frozen,
+                             const LoadLedger& loads, const std::vector<RunnerLayoutParams>& runners) {
+  Json ledgers;
+  ledgers["load"] = {{"logical_expert_rows", loads.logical_expert_rows},
+                     {"physical_slot_rows", loads.physical_slot_rows},
+                     {"destination_rank_rows", loads.destination_rank_rows}};
+  ByteLedger b = ComputeByteLedger(plan, frozen, t.d, t.widths);
+  ledgers["row_slots"] = {{"useful_rows", b.routes}, {"max_split", b.max_split},
+                          {"uniform_padded_rows", b.padded_rows}, {"padding_rows", b.padding_rows}};
+  ledgers["bytes"] = ByteLedgerJson(b);
+  ASSIGN_OR_RETURN(ledgers["lifetimes"], LifetimesJson(t, b));
+  ASSIGN_OR_RETURN(ledgers["runners"], RunnerLedgersJson(t, loads, runners));
+  ledgers["route_classes"] = RouteClassesJson(t, ComputeRouteClasses(plan, frozen, *t.topology, t.d, t.widths));
+  ledgers["hierarchical_relay"] = RelayLedgerJson(ComputeRelayLedger(plan, frozen, *t.topology, t.d, t.widths));
+  return ledgers;
+}
+
+}  // namespace
+
+absl::StatusOr<Json> PlanTrace(const Trace& t, SelectorPolicy selector) {
+  const Topology& topo = *t.topology;
+  const ProcessGroup& group = *t.group;
+  std::vector<PhysicalSlotId> slots = t.slots;
+  std::string selection = "trace";
+  if (slots.empty()) {
+    slots.resize(t.routes.size());
+    RETURN_IF_ERROR(
+        ReplicaSelector::Create(selector)->Select(t.routes, *t.manifest, group, topo, {}, absl::MakeSpan(slots)));
+    selection = SelectorPolicyName(selector);
+  }
+  ASSIGN_OR_RETURN(FrozenHandoff frozen, Freeze(t.routes));
+  ASSIGN_OR_RETURN(PlanLayout layout, PlanLayout::Create(t.manifest, group));
+  ASSIGN_OR_RETURN(ClusterPlan plan, PlanCluster(frozen, slots, layout, topo));
+
+  Json report;
+  AddPlanIdentity(t, frozen, slots, selection, &report);
+  AddRoutePlan(t, plan, &report);
+  // Outputs through all three runner layouts, checked against the semantic computation.
+  ASSIGN_OR_RETURN(PartitionRows semantic, SemanticOutputs(t.routes, t.hidden, t.d, t.expert_scale));
+  const LoadLedger loads = ComputeLoadLedger(plan, frozen, *t.manifest);
+  const std::vector<RunnerLayoutParams> runners = TraceRunners(t, loads);
+  RETURN_IF_ERROR(AddOutputs(t, plan, frozen, runners, semantic, &report));
+  ASSIGN_OR_RETURN(report["ledgers"], Ledgers(t, plan, frozen, loads, runners));
   return report;
 }
 
