@@ -53,6 +53,150 @@ int64_t LocalIndex(const PlacementManifest& m, Rank rank, PhysicalSlotId q) {
   return m.LocalIndex(q);
 }
 
+// The sizes of one expert of the checkpoint: d, d_ff and the BF16 elements of its w_gate_up
+// [2 d_ff, d] and w_down [d, d_ff].
+struct SlotSizes {
+  int d = 0, d_ff = 0;
+  size_t gu_n = 0, dn_n = 0;
+};
+
+absl::StatusOr<SlotSizes> CheckpointSlotSizes(const SafetensorsFile& checkpoint) {
+  SlotSizes s;
+  const auto& md = checkpoint.metadata;
+  if (!md.count("d") || !md.count("d_ff") || !absl::SimpleAtoi(md.at("d"), &s.d) ||
+      !absl::SimpleAtoi(md.at("d_ff"), &s.d_ff) || s.d <= 0 || s.d_ff <= 0) {
+    return absl::DataLossError("checkpoint metadata 'd' / 'd_ff' missing or invalid");
+  }
+  s.gu_n = static_cast<size_t>(2) * s.d_ff * s.d;
+  s.dn_n = static_cast<size_t>(s.d) * s.d_ff;
+  return s;
+}
+
+// The source of the 0x08F plan: the placement this rank serves now, with its weights in memory,
+// and this rank's steps of the plan from it (none without an active placement in memory).
+struct MigrationSource {
+  std::shared_ptr<const PlacementManifest> from;
+  std::shared_ptr<const LocalExperts> weights;
+  std::map<int64_t, MigrationStep> mine;  // target slot -> step
+};
+
+absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const PlacementManifest& to,
+                                               const SlotSizes& sizes) {
+  MigrationSource src;
+  const int64_t active = c.registry->ActiveVersion();
+  if (active >= 0) {
+    auto live = c.registry->RequireLive(PlacementVersion(active));
+    if (live.ok()) src.from = *live;
+    src.weights = c.executor->HostWeights(PlacementVersion(active));
+  }
+  if (src.from != nullptr && src.weights != nullptr) {
+    ASSIGN_OR_RETURN(MigrationPlan plan,
+                     PlanMigration(*src.from, to, c.topology, static_cast<int64_t>(sizes.gu_n + sizes.dn_n) * 2));
+    for (const MigrationStep& st : plan.steps) {
+      if (st.target_rank == c.rank) src.mine[st.target_slot.value()] = st;
+    }
+  }
+  return src;
+}
+
+// One slot's expert weights, BF16.
+struct SlotTensors {
+  std::vector<uint16_t> gate_up, down;
+};
+
+// Retain / local duplicate: the weights of `source` (a slot of `m` on `rank`) from `src`, the
+// weights of m's local slots in memory.
+absl::Status CopyInMemory(const LocalExperts& src, const PlacementManifest& m, Rank rank, PhysicalSlotId source,
+                          const SlotSizes& sizes, const SlotRecord& slot, MigrationAction action, SlotTensors* w) {
+  const int64_t j = LocalIndex(m, rank, source);
+  if (j < 0 || (j + 1) * sizes.gu_n > src.w_gate_up.size()) {
+    return absl::InternalError(absl::StrCat("slot ", slot.name, ": ", MigrationActionName(action), " source missing"));
+  }
+  w->gate_up.assign(src.w_gate_up.begin() + j * sizes.gu_n, src.w_gate_up.begin() + (j + 1) * sizes.gu_n);
+  w->down.assign(src.w_down.begin() + j * sizes.dn_n, src.w_down.begin() + (j + 1) * sizes.dn_n);
+  return absl::OkStatus();
+}
+
+// Same-node / cross-node copies: the peers' agents (rank -> address), one channel per peer for
+// all the slots copied from it.
+class PeerAgents {
+ public:
+  PeerAgents(const std::vector<std::string>& peers, const std::string& token) : peers_(peers), token_(token) {}
+
+  // The weights of `step`'s source slot in placement `from`, fetched from the rank holding it.
+  absl::Status Fetch(PlacementVersion from, const MigrationStep& step, const SlotRecord& slot, const SlotSizes& sizes,
+                     SlotTensors* out) {
+    const int e = slot.expert.value();
+    const int src_rank = step.source_rank.value();
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token_);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::FetchSlotRequest freq;
+    freq.set_version(from.value());
+    freq.set_slot(static_cast<int32_t>(step.source_slot.value()));
+    v1::SlotWeights w;
+    const grpc::Status fetched = Stub(src_rank).FetchSlotWeights(&ctx, freq, &w);
+    if (!fetched.ok()) {
+      return absl::UnavailableError(absl::StrCat("slot ", slot.name, ": copy of expert ", e, " from rank ", src_rank,
+                                                 " (", peers_.at(src_rank), "): ", fetched.error_message()));
+    }
+    if (w.expert() != e || w.w_gate_up().size() != sizes.gu_n * 2 || w.w_down().size() != sizes.dn_n * 2) {
+      return absl::DataLossError(absl::StrCat("slot ", slot.name, ": rank ", src_rank, " sent expert ", w.expert(),
+                                              " with ", w.w_gate_up().size() + w.w_down().size(), " bytes"));
+    }
+    out->gate_up.resize(sizes.gu_n);
+    out->down.resize(sizes.dn_n);
+    std::memcpy(out->gate_up.data(), w.w_gate_up().data(), sizes.gu_n * 2);
+    std::memcpy(out->down.data(), w.w_down().data(), sizes.dn_n * 2);
+    return absl::OkStatus();
+  }
+
+ private:
+  v1::RankAgentService::Stub& Stub(int r) {
+    std::unique_ptr<v1::RankAgentService::Stub>& stub = stubs_[r];
+    if (stub == nullptr) {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(1 << 30);
+      stub = v1::RankAgentService::NewStub(grpc::CreateCustomChannel(peers_.at(r), grpc::InsecureChannelCredentials(), args));
+    }
+    return *stub;
+  }
+
+  const std::vector<std::string>& peers_;
+  const std::string& token_;
+  std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
+};
+
+// Checkpoint load: the expert's tensors of the checkpoint.
+absl::Status LoadFromCheckpoint(const SafetensorsFile& checkpoint, const SlotRecord& slot, const SlotSizes& sizes,
+                                SlotTensors* out) {
+  const int e = slot.expert.value();
+  auto tgu = checkpoint.tensors.find(absl::StrCat("experts.", e, ".w_gate_up"));
+  auto tdn = checkpoint.tensors.find(absl::StrCat("experts.", e, ".w_down"));
+  if (tgu == checkpoint.tensors.end() || tdn == checkpoint.tensors.end() ||
+      tgu->second.data.size() != sizes.gu_n * 2 || tdn->second.data.size() != sizes.dn_n * 2) {
+    return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": checkpoint has no ", sizes.d_ff, "x",
+                                                      sizes.d, " tensors for expert ", e));
+  }
+  out->gate_up.resize(sizes.gu_n);
+  out->down.resize(sizes.dn_n);
+  std::memcpy(out->gate_up.data(), tgu->second.data.data(), sizes.gu_n * 2);
+  std::memcpy(out->down.data(), tdn->second.data.data(), sizes.dn_n * 2);
+  return absl::OkStatus();
+}
+
+// Every slot is verified before publish, however it was materialized (0x08F).
+absl::Status VerifySlotDigest(const SlotRecord& slot, MigrationAction action, const SlotTensors& w) {
+  const std::string digest = ExpertDigest(w.gate_up, w.down);
+  if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
+    return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", digest.substr(0, 12),
+                                                      "... (", MigrationActionName(action),
+                                                      ") does not match the manifest's ",
+                                                      slot.parameter_digest.value().substr(0, 12)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* out) const {
@@ -129,108 +273,34 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
 
 absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materialize(
     const PlacementManifest& to, const std::vector<std::string>& peers) {
-  int d = 0, d_ff = 0;
-  const auto& md = c_.checkpoint->metadata;
-  if (!md.count("d") || !md.count("d_ff") || !absl::SimpleAtoi(md.at("d"), &d) || !absl::SimpleAtoi(md.at("d_ff"), &d_ff) ||
-      d <= 0 || d_ff <= 0) {
-    return absl::DataLossError("checkpoint metadata 'd' / 'd_ff' missing or invalid");
-  }
-  const size_t gu_n = static_cast<size_t>(2) * d_ff * d, dn_n = static_cast<size_t>(d) * d_ff;
-  // The source of the 0x08F plan: the placement this rank serves now, with its weights in memory.
-  std::shared_ptr<const PlacementManifest> from;
-  std::shared_ptr<const LocalExperts> from_weights;
-  const int64_t active = c_.registry->ActiveVersion();
-  if (active >= 0) {
-    auto live = c_.registry->RequireLive(PlacementVersion(active));
-    if (live.ok()) from = *live;
-    from_weights = c_.executor->HostWeights(PlacementVersion(active));
-  }
-  std::map<int64_t, MigrationStep> mine;  // target slot -> step
-  if (from != nullptr && from_weights != nullptr) {
-    ASSIGN_OR_RETURN(MigrationPlan plan, PlanMigration(*from, to, c_.topology, static_cast<int64_t>(gu_n + dn_n) * 2));
-    for (const MigrationStep& st : plan.steps) {
-      if (st.target_rank == c_.rank) mine[st.target_slot.value()] = st;
-    }
-  }
-  // One channel per peer for all the slots copied from it.
-  std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> peer_stubs;
-  auto peer = [&](int r) -> v1::RankAgentService::Stub& {
-    std::unique_ptr<v1::RankAgentService::Stub>& stub = peer_stubs[r];
-    if (stub == nullptr) {
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(1 << 30);
-      stub = v1::RankAgentService::NewStub(grpc::CreateCustomChannel(peers.at(r), grpc::InsecureChannelCredentials(), args));
-    }
-    return *stub;
-  };
+  ASSIGN_OR_RETURN(const SlotSizes sizes, CheckpointSlotSizes(*c_.checkpoint));
+  ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, to, sizes));
+  PeerAgents peer_agents(peers, c_.token);
   Materialized out;
-  out.experts.d = d;
-  out.experts.d_ff = d_ff;
+  out.experts.d = sizes.d;
+  out.experts.d_ff = sizes.d_ff;
   for (PhysicalSlotId q : to.LocalSlots(c_.rank)) {
     const SlotRecord& slot = to.slot(q);
-    const int e = slot.expert.value();
-    std::vector<uint16_t> gu, dn;
-    auto it = mine.find(q.value());
-    MigrationAction action = it == mine.end() ? MigrationAction::kCheckpointLoad : it->second.action;
+    SlotTensors w;
+    auto it = source.mine.find(q.value());
+    MigrationAction action = it == source.mine.end() ? MigrationAction::kCheckpointLoad : it->second.action;
     const bool network = action == MigrationAction::kSameNodeCopy || action == MigrationAction::kCrossNodeCopy;
     if (network && peers.empty()) action = MigrationAction::kCheckpointLoad;
     if (action == MigrationAction::kRetain || action == MigrationAction::kLocalDuplicate) {
       const bool dup = action == MigrationAction::kLocalDuplicate;
-      const LocalExperts& src = dup ? out.experts : *from_weights;
-      const int64_t j = LocalIndex(dup ? to : *from, c_.rank, it->second.source_slot);
-      if (j < 0 || (j + 1) * gu_n > src.w_gate_up.size()) {
-        return absl::InternalError(absl::StrCat("slot ", slot.name, ": ", MigrationActionName(action), " source missing"));
-      }
-      gu.assign(src.w_gate_up.begin() + j * gu_n, src.w_gate_up.begin() + (j + 1) * gu_n);
-      dn.assign(src.w_down.begin() + j * dn_n, src.w_down.begin() + (j + 1) * dn_n);
+      RETURN_IF_ERROR(CopyInMemory(dup ? out.experts : *source.weights, dup ? to : *source.from, c_.rank,
+                                   it->second.source_slot, sizes, slot, action, &w));
       ++(dup ? out.duplicated : out.retained);
     } else if (action != MigrationAction::kCheckpointLoad) {
-      const int src_rank = it->second.source_rank.value();
-      grpc::ClientContext ctx;
-      ctx.AddMetadata("authorization", "Bearer " + c_.token);
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-      v1::FetchSlotRequest freq;
-      freq.set_version(from->version().value());
-      freq.set_slot(static_cast<int32_t>(it->second.source_slot.value()));
-      v1::SlotWeights w;
-      const grpc::Status fetched = peer(src_rank).FetchSlotWeights(&ctx, freq, &w);
-      if (!fetched.ok()) {
-        return absl::UnavailableError(absl::StrCat("slot ", slot.name, ": copy of expert ", e, " from rank ", src_rank,
-                                                   " (", peers.at(src_rank), "): ", fetched.error_message()));
-      }
-      if (w.expert() != e || w.w_gate_up().size() != gu_n * 2 || w.w_down().size() != dn_n * 2) {
-        return absl::DataLossError(absl::StrCat("slot ", slot.name, ": rank ", src_rank, " sent expert ", w.expert(),
-                                                " with ", w.w_gate_up().size() + w.w_down().size(), " bytes"));
-      }
-      gu.resize(gu_n);
-      dn.resize(dn_n);
-      std::memcpy(gu.data(), w.w_gate_up().data(), gu_n * 2);
-      std::memcpy(dn.data(), w.w_down().data(), dn_n * 2);
+      RETURN_IF_ERROR(peer_agents.Fetch(source.from->version(), it->second, slot, sizes, &w));
       ++out.copied;
     } else {
-      auto tgu = c_.checkpoint->tensors.find(absl::StrCat("experts.", e, ".w_gate_up"));
-      auto tdn = c_.checkpoint->tensors.find(absl::StrCat("experts.", e, ".w_down"));
-      if (tgu == c_.checkpoint->tensors.end() || tdn == c_.checkpoint->tensors.end() ||
-          tgu->second.data.size() != gu_n * 2 || tdn->second.data.size() != dn_n * 2) {
-        return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": checkpoint has no ", d_ff, "x", d,
-                                                          " tensors for expert ", e));
-      }
-      gu.resize(gu_n);
-      dn.resize(dn_n);
-      std::memcpy(gu.data(), tgu->second.data.data(), gu_n * 2);
-      std::memcpy(dn.data(), tdn->second.data.data(), dn_n * 2);
+      RETURN_IF_ERROR(LoadFromCheckpoint(*c_.checkpoint, slot, sizes, &w));
       ++out.loaded;
     }
-    // Every slot is verified before publish, however it was materialized (0x08F).
-    const std::string digest = ExpertDigest(gu, dn);
-    if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
-      return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", digest.substr(0, 12),
-                                                        "... (", MigrationActionName(action),
-                                                        ") does not match the manifest's ",
-                                                        slot.parameter_digest.value().substr(0, 12)));
-    }
-    out.experts.w_gate_up.insert(out.experts.w_gate_up.end(), gu.begin(), gu.end());
-    out.experts.w_down.insert(out.experts.w_down.end(), dn.begin(), dn.end());
+    RETURN_IF_ERROR(VerifySlotDigest(slot, action, w));
+    out.experts.w_gate_up.insert(out.experts.w_gate_up.end(), w.gate_up.begin(), w.gate_up.end());
+    out.experts.w_down.insert(out.experts.w_down.end(), w.down.begin(), w.down.end());
   }
   return out;
 }
