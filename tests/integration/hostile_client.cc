@@ -23,33 +23,17 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "kernels/numeric.h"
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
+#include "tests/server/step_request_builder.h"
 
 namespace moe {
 namespace {
 
-constexpr int kD = 64, kK = 2, kTokens = 4;
+constexpr int kD = 64, kK = 2, kTokens = 4, kExperts = 8;
 
 v1::StepRequest Valid(uint64_t step) {
-  v1::StepRequest req;
-  req.set_step_id(step);
-  req.set_phase(v1::PHASE_PREFILL);
-  req.set_k(kK);
-  req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
-  req.mutable_hidden()->set_rows(kTokens);
-  req.mutable_hidden()->set_cols(kD);
-  std::string data(kTokens * kD * 2, '\0');
-  for (int i = 0; i < kTokens * kD; ++i) {
-    const uint16_t b = kernels::FloatToBf16(0.01f * (i % 17));
-    std::memcpy(&data[2 * i], &b, 2);
-  }
-  req.mutable_hidden()->set_data(data);
-  for (int t = 0; t < kTokens * kK; ++t) {
-    req.add_topk_ids(t % 8);
-    req.add_topk_weights(0.5f);
-  }
-  return req;
+  return testing::ValidStepRequest(step, v1::PHASE_PREFILL, {kTokens, kD, kK, kExperts},
+                                   [](int i) { return 0.01f * (i % 17); });
 }
 
 std::unique_ptr<v1::ExpertLayerService::Stub> Stub(const std::string& target) {

@@ -21,6 +21,7 @@
 #include "runtime/checkpoint/synthetic.h"
 #include "rpc/unix_socket.h"
 #include "tests/server/one_rank_fixture.h"
+#include "tests/server/step_request_builder.h"
 
 namespace moe {
 namespace {
@@ -63,27 +64,10 @@ class ServiceTest : public testing::OneRankTest {
   }
 
   v1::StepRequest Request(uint64_t step) {
-    v1::StepRequest req;
-    req.set_step_id(step);
-    req.set_phase(v1::PHASE_PREFILL);
-    req.set_k(kK);
-    req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
-    req.mutable_hidden()->set_rows(kTokens);
-    req.mutable_hidden()->set_cols(kD);
     std::mt19937 rng(step);
-    std::string data(kTokens * kD * 2, '\0');
-    for (int i = 0; i < kTokens * kD; ++i) {
-      const uint16_t b = kernels::FloatToBf16(std::normal_distribution<float>(0, 1)(rng));
-      std::memcpy(&data[2 * i], &b, 2);
-    }
-    req.mutable_hidden()->set_data(data);
-    for (int t = 0; t < kTokens; ++t) {
-      req.add_topk_ids(t % kExperts);
-      req.add_topk_ids((t + 1) % kExperts);
-      req.add_topk_weights(0.75f);
-      req.add_topk_weights(0.25f);
-    }
-    return req;
+    return testing::ValidStepRequest(
+        step, v1::PHASE_PREFILL, {kTokens, kD, kK, kExperts},
+        [&rng](int) { return std::normal_distribution<float>(0, 1)(rng); }, {0.75f, 0.25f});
   }
 
   grpc::Status Call(const v1::StepRequest& req, v1::StepResponse* resp) {

@@ -23,10 +23,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
-#include "kernels/numeric.h"
 #include "server/expert_layer_service.h"
 #include "rpc/unix_socket.h"
 #include "tests/server/one_rank_fixture.h"
+#include "tests/server/step_request_builder.h"
 
 namespace moe {
 namespace {
@@ -68,26 +68,8 @@ class RequestFuzzTest : public testing::OneRankTest {
   }
 
   v1::StepRequest Valid(uint64_t step) {
-    v1::StepRequest req;
-    req.set_step_id(step);
-    req.set_phase(step % 2 ? v1::PHASE_DECODE : v1::PHASE_PREFILL);
-    req.set_k(kK);
-    req.mutable_hidden()->set_dtype(v1::DTYPE_BF16);
-    req.mutable_hidden()->set_rows(kTokens);
-    req.mutable_hidden()->set_cols(kD);
-    std::string data(kTokens * kD * 2, '\0');
-    for (int i = 0; i < kTokens * kD; ++i) {
-      const uint16_t b = kernels::FloatToBf16(std::sin(0.1f * i));
-      std::memcpy(&data[2 * i], &b, 2);
-    }
-    req.mutable_hidden()->set_data(data);
-    for (int t = 0; t < kTokens; ++t) {
-      for (int j = 0; j < kK; ++j) {
-        req.add_topk_ids((t + j) % kExperts);
-        req.add_topk_weights(0.5f);
-      }
-    }
-    return req;
+    return testing::ValidStepRequest(step, step % 2 ? v1::PHASE_DECODE : v1::PHASE_PREFILL, {kTokens, kD, kK, kExperts},
+                                     [](int i) { return std::sin(0.1f * i); });
   }
 
   // One structured mutation: a field set to a value a hostile or broken engine could send.
