@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/api.h"
+#include "kernels/arg_checks.h"
 
 namespace moe::kernels {
 
@@ -43,18 +44,12 @@ int64_t ScaleCount(ScaleGranularity g, int64_t rows, int d) {
 }
 
 absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, const char* field) {
-  if (offsets.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": needs E + 1 entries"));
-  if (offsets[0] != 0) return absl::InvalidArgumentError(absl::StrCat(field, "[0]: ", offsets[0], ", must be 0"));
+  KERNEL_INVALID_IF(offsets.empty(), field, ": needs E + 1 entries");
+  KERNEL_INVALID_IF(offsets[0] != 0, field, "[0]: ", offsets[0], ", must be 0");
   for (size_t i = 1; i < offsets.size(); ++i) {
-    if (offsets[i] < offsets[i - 1]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", i, "]: ", offsets[i], " < ", field, "[", i - 1, "] = ", offsets[i - 1]));
-    }
+    KERNEL_INVALID_IF(offsets[i] < offsets[i - 1], field, "[", i, "]: ", offsets[i], " < ", field, "[", i - 1, "] = ", offsets[i - 1]);
   }
-  if (offsets.back() != rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": sentinel ", offsets.back(), " does not equal the ", rows, " rows"));
-  }
+  KERNEL_INVALID_IF(offsets.back() != rows, field, ": sentinel ", offsets.back(), " does not equal the ", rows, " rows");
   return absl::OkStatus();
 }
 
@@ -62,15 +57,13 @@ absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> co
   out->assign(counts.size() + 1, 0);
   int64_t c_exec = 0;
   if (p.layout == Layout::kPaddedDense) {
-    if (p.capacity <= 0) return absl::InvalidArgumentError("capacity: must be positive for the padded layout");
-    if (p.alignment <= 0) return absl::InvalidArgumentError("alignment: must be positive");
+    KERNEL_INVALID_IF(p.capacity <= 0, "capacity: must be positive for the padded layout");
+    KERNEL_INVALID_IF(p.alignment <= 0, "alignment: must be positive");
     c_exec = p.alignment * ((p.capacity + p.alignment - 1) / p.alignment);
   }
-  if (p.layout == Layout::kBlockSparse && p.block_rows <= 0) {
-    return absl::InvalidArgumentError("block_rows: must be positive");
-  }
+  KERNEL_INVALID_IF(p.layout == Layout::kBlockSparse && p.block_rows <= 0, "block_rows: must be positive");
   for (size_t e = 0; e < counts.size(); ++e) {
-    if (counts[e] < 0) return absl::InvalidArgumentError(absl::StrCat("counts[", e, "]: negative"));
+    KERNEL_INVALID_IF(counts[e] < 0, "counts[", e, "]: negative");
     int64_t executed = counts[e];
     if (p.layout == Layout::kPaddedDense) {
       if (counts[e] > p.capacity) {
@@ -87,67 +80,44 @@ absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> co
 }
 
 absl::Status CheckGather(const GatherParams& p) {
-  if (p.d <= 0) return absl::InvalidArgumentError("gather.d: must be positive");
-  if (p.n < 0 || p.in_rows < 0) return absl::InvalidArgumentError("gather: negative row count");
-  if (p.n > 0 && (p.index == nullptr || p.out == nullptr || (p.in_rows > 0 && p.in == nullptr))) {
-    return absl::InvalidArgumentError("gather: null buffer");
-  }
+  KERNEL_INVALID_IF(p.d <= 0, "gather.d: must be positive");
+  KERNEL_INVALID_IF(p.n < 0 || p.in_rows < 0, "gather: negative row count");
+  KERNEL_INVALID_IF(p.n > 0 && (p.index == nullptr || p.out == nullptr || (p.in_rows > 0 && p.in == nullptr)), "gather: null buffer");
   if (p.scales != ScaleGranularity::kNone) {
-    if (p.dtype != DType::kFP8E4M3) return absl::InvalidArgumentError("gather.scales: only FP8 payloads carry scales");
+    KERNEL_INVALID_IF(p.dtype != DType::kFP8E4M3, "gather.scales: only FP8 payloads carry scales");
     const int64_t want = ScaleCount(p.scales, p.in_rows, p.d);
-    if (p.in_scale_count != want) {
-      return absl::InvalidArgumentError(absl::StrCat("gather.in_scale_count: ", p.in_scale_count, ", the payload of ",
-                                                     p.in_rows, " rows x ", p.d, " needs ", want));
-    }
-    if (p.n > 0 && (p.in_scales == nullptr || p.out_scales == nullptr)) {
-      return absl::InvalidArgumentError("gather: null scale buffer");
-    }
-  } else if (p.dtype == DType::kFP8E4M3) {
-    return absl::InvalidArgumentError("gather.scales: an FP8 payload needs its scales");
+    KERNEL_INVALID_IF(p.in_scale_count != want, "gather.in_scale_count: ", p.in_scale_count, ", the payload of ", p.in_rows, " rows x ", p.d, " needs ", want);
+    KERNEL_INVALID_IF(p.n > 0 && (p.in_scales == nullptr || p.out_scales == nullptr), "gather: null scale buffer");
+  } else {
+    KERNEL_INVALID_IF(p.dtype == DType::kFP8E4M3, "gather.scales: an FP8 payload needs its scales");
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckHistogram(const HistogramParams& p) {
-  if (p.num_bins <= 0) return absl::InvalidArgumentError("histogram.num_bins: must be positive");
-  if (p.n < 0) return absl::InvalidArgumentError("histogram.n: negative");
-  if (p.counts == nullptr || p.offsets == nullptr || (p.n > 0 && p.keys == nullptr)) {
-    return absl::InvalidArgumentError("histogram: null buffer");
-  }
+  KERNEL_INVALID_IF(p.num_bins <= 0, "histogram.num_bins: must be positive");
+  KERNEL_INVALID_IF(p.n < 0, "histogram.n: negative");
+  KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr || (p.n > 0 && p.keys == nullptr), "histogram: null buffer");
   return absl::OkStatus();
 }
 
 absl::Status CheckRouteRows(const RouteRowsParams& p) {
-  if (p.num_experts <= 0 || p.k <= 0 || p.num_tokens < 0) {
-    return absl::InvalidArgumentError("route_rows: num_experts and k must be positive");
-  }
-  if (p.counts == nullptr || p.offsets == nullptr) return absl::InvalidArgumentError("route_rows: null counts/offsets");
-  if (p.num_tokens > 0 && (p.topk == nullptr || p.row_of_route == nullptr || p.token_of_row == nullptr)) {
-    return absl::InvalidArgumentError("route_rows: null buffer");
-  }
+  KERNEL_INVALID_IF(p.num_experts <= 0 || p.k <= 0 || p.num_tokens < 0, "route_rows: num_experts and k must be positive");
+  KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr, "route_rows: null counts/offsets");
+  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.topk == nullptr || p.row_of_route == nullptr || p.token_of_row == nullptr), "route_rows: null buffer");
   return absl::OkStatus();
 }
 
 absl::Status CheckSwiglu(const SwigluParams& p) {
   const ExpertWeights& w = p.weights;
-  if (w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0) {
-    return absl::InvalidArgumentError("swiglu.weights: num_experts, d and d_ff must be positive");
-  }
-  if (w.w_gate_up == nullptr || w.w_down == nullptr) return absl::InvalidArgumentError("swiglu.weights: null");
-  if (p.rows > 0 && (p.x == nullptr || p.y == nullptr)) return absl::InvalidArgumentError("swiglu: null x or y");
-  if (p.x_row_index != nullptr && p.host_offsets != nullptr) {
-    return absl::InvalidArgumentError("swiglu.x_row_index: only with device_offsets (the decode path)");
-  }
+  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0, "swiglu.weights: num_experts, d and d_ff must be positive");
+  KERNEL_INVALID_IF(w.w_gate_up == nullptr || w.w_down == nullptr, "swiglu.weights: null");
+  KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.y == nullptr), "swiglu: null x or y");
+  KERNEL_INVALID_IF(p.x_row_index != nullptr && p.host_offsets != nullptr, "swiglu.x_row_index: only with device_offsets (the decode path)");
   if (p.host_offsets == nullptr) {
-    if (p.device_offsets == nullptr) return absl::InvalidArgumentError("swiglu: host_offsets or device_offsets required");
-    if (p.layout.layout == Layout::kBlockSparse) {
-      return absl::InvalidArgumentError(
-          "swiglu.device_offsets: the decode path runs the grouped or the padded layout, not block-sparse");
-    }
-    if (p.layout.layout == Layout::kPaddedDense && (p.layout.capacity <= 0 || p.layout.alignment <= 0)) {
-      return absl::InvalidArgumentError(
-          "swiglu.layout: the padded layout on the decode path needs a positive capacity and alignment");
-    }
+    KERNEL_INVALID_IF(p.device_offsets == nullptr, "swiglu: host_offsets or device_offsets required");
+    KERNEL_INVALID_IF(p.layout.layout == Layout::kBlockSparse,  "swiglu.device_offsets: the decode path runs the grouped or the padded layout, not block-sparse");
+    KERNEL_INVALID_IF(p.layout.layout == Layout::kPaddedDense && (p.layout.capacity <= 0 || p.layout.alignment <= 0),  "swiglu.layout: the padded layout on the decode path needs a positive capacity and alignment");
     return absl::OkStatus();
   }
   absl::Status s = ValidateOffsets(absl::MakeConstSpan(p.host_offsets, w.num_experts + 1), p.rows, "swiglu.host_offsets");
@@ -158,31 +128,23 @@ absl::Status CheckSwiglu(const SwigluParams& p) {
 }
 
 absl::Status CheckCombine(const CombineParams& p) {
-  if (p.d <= 0 || p.k <= 0) return absl::InvalidArgumentError("combine: d and k must be positive");
-  if (p.num_tokens < 0 || p.num_rows < 0) return absl::InvalidArgumentError("combine: negative size");
-  if (p.out_fp32 == nullptr && p.out_bf16 == nullptr) return absl::InvalidArgumentError("combine: no output");
-  if (p.num_tokens > 0 && (p.row_of_route == nullptr || p.gate == nullptr)) {
-    return absl::InvalidArgumentError("combine: null route map or gates");
-  }
+  KERNEL_INVALID_IF(p.d <= 0 || p.k <= 0, "combine: d and k must be positive");
+  KERNEL_INVALID_IF(p.num_tokens < 0 || p.num_rows < 0, "combine: negative size");
+  KERNEL_INVALID_IF(p.out_fp32 == nullptr && p.out_bf16 == nullptr, "combine: no output");
+  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.row_of_route == nullptr || p.gate == nullptr), "combine: null route map or gates");
   return absl::OkStatus();
 }
 
 absl::Status CheckLocalLayer(const LocalLayerParams& p) {
   const ExpertWeights& w = p.weights;
-  if (w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0) {
-    return absl::InvalidArgumentError("local_layer.weights: num_experts, d and d_ff must be positive");
-  }
-  if (w.w_gate_up == nullptr || w.w_down == nullptr) return absl::InvalidArgumentError("local_layer.weights: null");
-  if (p.k <= 0) return absl::InvalidArgumentError("local_layer.k: must be positive");
-  if (p.num_tokens < 0) return absl::InvalidArgumentError("local_layer.num_tokens: negative");
-  if (p.out_fp32 == nullptr && p.out_bf16 == nullptr) return absl::InvalidArgumentError("local_layer: no output");
-  if (p.num_tokens > 0 && (p.x == nullptr || p.topk == nullptr || p.gate == nullptr)) {
-    return absl::InvalidArgumentError("local_layer: null x, topk or gate");
-  }
-  if (p.num_tokens * p.k > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError("local_layer.num_tokens: num_tokens * k must fit 32-bit row indices");
-  }
-  if (p.padded_capacity < 0) return absl::InvalidArgumentError("local_layer.padded_capacity: negative");
+  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0, "local_layer.weights: num_experts, d and d_ff must be positive");
+  KERNEL_INVALID_IF(w.w_gate_up == nullptr || w.w_down == nullptr, "local_layer.weights: null");
+  KERNEL_INVALID_IF(p.k <= 0, "local_layer.k: must be positive");
+  KERNEL_INVALID_IF(p.num_tokens < 0, "local_layer.num_tokens: negative");
+  KERNEL_INVALID_IF(p.out_fp32 == nullptr && p.out_bf16 == nullptr, "local_layer: no output");
+  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.x == nullptr || p.topk == nullptr || p.gate == nullptr), "local_layer: null x, topk or gate");
+  KERNEL_INVALID_IF(p.num_tokens * p.k > std::numeric_limits<int32_t>::max(), "local_layer.num_tokens: num_tokens * k must fit 32-bit row indices");
+  KERNEL_INVALID_IF(p.padded_capacity < 0, "local_layer.padded_capacity: negative");
   return absl::OkStatus();
 }
 
@@ -202,25 +164,22 @@ int64_t PaddedDecodeCapacity(absl::Span<const int64_t> counts, int d, int d_ff) 
 
 namespace {
 absl::Status CheckScales(ScaleGranularity g, int64_t count, int64_t rows, int d, const char* what) {
-  if (g == ScaleGranularity::kNone) return absl::InvalidArgumentError(absl::StrCat(what, ".granularity: FP8 needs scales"));
+  KERNEL_INVALID_IF(g == ScaleGranularity::kNone, what, ".granularity: FP8 needs scales");
   const int64_t want = ScaleCount(g, rows, d);
-  if (count != want) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ".scale_count: ", count, ", the payload of ", rows, " rows x ", d,
-                                                   " needs ", want));
-  }
+  KERNEL_INVALID_IF(count != want, what, ".scale_count: ", count, ", the payload of ", rows, " rows x ", d, " needs ", want);
   return absl::OkStatus();
 }
 }  // namespace
 
 absl::Status CheckQuantize(const QuantizeParams& p) {
-  if (p.d <= 0 || p.rows < 0) return absl::InvalidArgumentError("quantize: bad shape");
-  if (p.rows > 0 && (p.x == nullptr || p.q == nullptr || p.scales == nullptr)) return absl::InvalidArgumentError("quantize: null buffer");
+  KERNEL_INVALID_IF(p.d <= 0 || p.rows < 0, "quantize: bad shape");
+  KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.q == nullptr || p.scales == nullptr), "quantize: null buffer");
   return CheckScales(p.granularity, p.scale_count, p.rows, p.d, "quantize");
 }
 
 absl::Status CheckDequantize(const DequantizeParams& p) {
-  if (p.d <= 0 || p.rows < 0) return absl::InvalidArgumentError("dequantize: bad shape");
-  if (p.rows > 0 && (p.x == nullptr || p.q == nullptr || p.scales == nullptr)) return absl::InvalidArgumentError("dequantize: null buffer");
+  KERNEL_INVALID_IF(p.d <= 0 || p.rows < 0, "dequantize: bad shape");
+  KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.q == nullptr || p.scales == nullptr), "dequantize: null buffer");
   return CheckScales(p.granularity, p.scale_count, p.rows, p.d, "dequantize");
 }
 
