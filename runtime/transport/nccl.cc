@@ -5,12 +5,12 @@
 
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "runtime/transport/file_rendezvous.h"
 
 #define NCCL_RETURN_IF_ERROR(expr)                                                                          \
   do {                                                                                                      \
@@ -195,21 +195,25 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
     return absl::InvalidArgumentError("nccl: slot must be in [0, size)");
   }
   CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  // Member 0 makes the group's unique id and publishes it; the others read it.
   ncclUniqueId id;
-  const std::string path = absl::StrCat(options.rendezvous_dir, "/nccl.id");
   if (options.slot == 0) {
     NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
-    const std::string tmp = path + ".tmp";
-    std::ofstream(tmp, std::ios::binary).write(id.internal, sizeof(id.internal));
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) return absl::UnavailableError("nccl: cannot publish the id");
+    absl::Status s =
+        PublishFile(options.rendezvous_dir, "nccl.id", absl::string_view(id.internal, sizeof(id.internal)));
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("nccl: member 0's id: ", s.message()));
   } else {
-    const absl::Time deadline = absl::Now() + options.connect_timeout;
-    while (true) {
-      std::ifstream in(path, std::ios::binary);
-      if (in && in.read(id.internal, sizeof(id.internal))) break;
-      if (absl::Now() > deadline) return absl::DeadlineExceededError("nccl: member 0 did not publish its id");
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    auto published = AwaitFiles(options.rendezvous_dir, {"nccl.id"}, options.connect_timeout);
+    if (!published.ok()) {
+      return absl::Status(published.status().code(),
+                          absl::StrCat("nccl: member 0's id: ", published.status().message()));
     }
+    const std::string& bytes = (*published)[0];
+    if (bytes.size() != sizeof(id.internal)) {
+      return absl::DataLossError(absl::StrCat("nccl: ", options.rendezvous_dir, "/nccl.id holds ", bytes.size(),
+                                              " bytes, not an id's ", sizeof(id.internal)));
+    }
+    std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   }
   ncclComm_t comm;
   NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm, options.size, id, options.slot));

@@ -17,7 +17,6 @@
 #include <ucp/api/ucp.h>
 
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -26,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/step_gather.h"
 #include "runtime/transport/transport.h"
 
@@ -619,26 +619,10 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(const UcxOptions& 
 
 absl::StatusOr<std::vector<std::string>> RendezvousAddresses(const std::string& dir, int slot, int size,
                                                              const std::string& address, absl::Duration timeout) {
-  {
-    const std::string tmp = absl::StrCat(dir, "/", slot, ".addr.tmp");
-    std::ofstream(tmp) << address;
-    if (std::rename(tmp.c_str(), absl::StrCat(dir, "/", slot, ".addr").c_str()) != 0) {
-      return absl::UnavailableError(absl::StrCat("rendezvous: cannot publish into ", dir));
-    }
-  }
-  const absl::Time deadline = absl::Now() + timeout;
-  std::vector<std::string> out(size);
-  for (int i = 0; i < size; ++i) {
-    while (true) {
-      std::ifstream in(absl::StrCat(dir, "/", i, ".addr"));
-      if (in && std::getline(in, out[i]) && !out[i].empty()) break;
-      if (absl::Now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat("rendezvous: slot ", i, " did not publish in ", dir));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
-  return out;
+  if (absl::Status s = PublishFile(dir, absl::StrCat(slot, ".addr"), address); !s.ok()) return s;
+  std::vector<std::string> names;
+  for (int i = 0; i < size; ++i) names.push_back(absl::StrCat(i, ".addr"));
+  return AwaitFiles(dir, names, timeout);
 }
 
 }  // namespace moe
