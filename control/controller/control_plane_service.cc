@@ -82,6 +82,18 @@ v1::ReleaseState ToProto(ReleaseState s) {
   return static_cast<v1::ReleaseState>(static_cast<int>(s) + 1);  // both enums list the states in order
 }
 
+ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseStore* store, std::string token,
+                                                 PromotionThresholds thresholds, AgentPool* agents,
+                                                 std::optional<Topology> topology, absl::Duration drain_timeout,
+                                                 MigrationBudget migration, TrialPolicy trial)
+    : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
+      topology_(std::move(topology)), drain_timeout_(drain_timeout), migration_(migration), trial_(trial) {
+  MOE_CHECK(agents_ == nullptr || agents_->empty() ||
+                (topology_.has_value() &&
+                 topology_->num_ranks() == static_cast<int>(agents_->addresses().size())),
+            "the rank agents need their topology, one rank per agent");
+}
+
 grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) const {
   return CheckBearer(ctx, token_);
 }
@@ -169,82 +181,86 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   return grpc::Status::OK;
 }
 
-absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks(const ReleaseRecord& candidate) {
-  const int64_t version = candidate.placement_version;
-  const Topology topology = TwoNodeTopology(static_cast<int>(agents_->addresses().size()));
-  EvidenceExpectation expect;
-  expect.candidate_version = version;
-  // HashOK's reference: the digest of the manifest the store recorded for the release when its
-  // placement was loaded, computed here, never taken from a rank.
+namespace {
+
+// HashOK's reference: the digest of the manifest the store recorded for the release when its
+// placement was loaded, computed here, never taken from a rank. Sets expect->manifest_digest, or
+// expect->manifest_problem when there is none to compute it from.
+void ExpectRecordedManifest(const ReleaseRecord& candidate, const Topology& topology, EvidenceExpectation* expect) {
   if (candidate.placement_manifest.empty()) {
-    expect.manifest_problem = absl::StrCat(candidate.release_id, " has no recorded placement manifest");
-  } else {
-    v1::PlacementManifest proto;
-    std::shared_ptr<const PlacementManifest> manifest;
-    if (!google::protobuf::util::JsonStringToMessage(candidate.placement_manifest, &proto).ok()) {
-      expect.manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest does not parse");
-    } else if (auto m = ManifestFromProto(proto, topology); !m.ok()) {
-      expect.manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest: ", m.status().message());
-    } else {
-      manifest = *m;
-    }
-    for (size_t q = 0; manifest != nullptr && q < manifest->slots().size(); ++q) {
-      if (manifest->slots()[q].parameter_digest.empty()) {  // the ranks had nothing to check it by
-        expect.manifest_problem = absl::StrCat("slot ", manifest->slots()[q].name,
-                                               " of the recorded manifest has no parameter digest");
-        manifest = nullptr;
-      }
-    }
-    if (manifest != nullptr) expect.manifest_digest = PlacementDigest(*manifest, topology);
+    expect->manifest_problem = absl::StrCat(candidate.release_id, " has no recorded placement manifest");
+    return;
   }
-  // RollbackOK's subject: the release ACTIVE now, which this promotion would drain.
-  auto releases = store_->List();
-  if (!releases.ok()) return releases.status();
+  v1::PlacementManifest proto;
+  std::shared_ptr<const PlacementManifest> manifest;
+  if (!google::protobuf::util::JsonStringToMessage(candidate.placement_manifest, &proto).ok()) {
+    expect->manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest does not parse");
+  } else if (auto m = ManifestFromProto(proto, topology); !m.ok()) {
+    expect->manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest: ", m.status().message());
+  } else {
+    manifest = *m;
+  }
+  for (size_t q = 0; manifest != nullptr && q < manifest->slots().size(); ++q) {
+    if (manifest->slots()[q].parameter_digest.empty()) {  // the ranks had nothing to check it by
+      expect->manifest_problem = absl::StrCat("slot ", manifest->slots()[q].name,
+                                              " of the recorded manifest has no parameter digest");
+      manifest = nullptr;
+    }
+  }
+  if (manifest != nullptr) expect->manifest_digest = PlacementDigest(*manifest, topology);
+}
+
+// RollbackOK's subject: the release ACTIVE now, which promoting `candidate` would drain. Sets
+// expect->prior_version, or expect->prior_problem.
+void ExpectPrior(const std::vector<ReleaseRecord>& releases, const ReleaseRecord& candidate,
+                 EvidenceExpectation* expect) {
   std::string prior_id;
-  for (const ReleaseRecord& r : *releases) {
+  for (const ReleaseRecord& r : releases) {
     if (r.state != ReleaseState::kActive || r.release_id == candidate.release_id) continue;
     prior_id = r.release_id;
-    if (r.placement_version <= 0 || r.placement_version == version) {
-      expect.prior_problem = absl::StrCat(r.release_id, " (ACTIVE) has no placement of its own on the ranks");
+    if (r.placement_version <= 0 || r.placement_version == candidate.placement_version) {
+      expect->prior_problem = absl::StrCat(r.release_id, " (ACTIVE) has no placement of its own on the ranks");
     } else {
-      expect.prior_version = r.placement_version;
+      expect->prior_version = r.placement_version;
     }
   }
-  if (prior_id.empty()) expect.prior_problem = "no release is ACTIVE (a first release is promoted with operator evidence)";
+  if (prior_id.empty()) {
+    expect->prior_problem = "no release is ACTIVE (a first release is promoted with operator evidence)";
+  }
+}
 
-  std::vector<RankReport> reports;
-  int rank = 0;
-  for (auto& [status, address] : agents_->Status()) {
-    if (!status.ok()) {
-      return absl::Status(status.status().code(),
-                          absl::StrCat("evidence: rank ", address, ": ", status.status().message()));
-    }
-    RankReport r;
-    r.name = absl::StrCat("rank ", rank++, " (", address, ")");
-    for (const v1::GenerationStatus& g : status->generations()) {
-      std::optional<GenerationState> state;
-      switch (g.state()) {
-        case v1::GENERATION_STATE_PREPARED: state = GenerationState::kPrepared; break;
-        case v1::GENERATION_STATE_ACTIVE: state = GenerationState::kActive; break;
-        case v1::GENERATION_STATE_DRAINING: state = GenerationState::kDraining; break;
-        case v1::GENERATION_STATE_RETIRED: state = GenerationState::kRetired; break;
-        default: break;
-      }
-      if (g.version() == version) {
-        r.candidate_state = state;
-        r.candidate_digest = g.manifest_digest();
-      }
-      if (expect.prior_version > 0 && g.version() == expect.prior_version) r.prior_state = state;
-    }
-    for (const v1::GenerationCounters& c : status->counters()) {
-      if (c.version() != version) continue;
-      r.counters = RankCounters{c.steps(), c.failed_steps(), c.canary_steps(), c.decode_steps(), c.fallback_steps(),
-                                c.routes_attempted(), c.routes_dropped(), c.shadow_samples(), c.shadow_mismatches(),
-                                c.shadow_failures(), c.stale_accepts()};
-    }
-    reports.push_back(std::move(r));
+std::optional<GenerationState> GenerationStateFromProto(v1::GenerationState s) {
+  switch (s) {
+    case v1::GENERATION_STATE_PREPARED: return GenerationState::kPrepared;
+    case v1::GENERATION_STATE_ACTIVE: return GenerationState::kActive;
+    case v1::GENERATION_STATE_DRAINING: return GenerationState::kDraining;
+    case v1::GENERATION_STATE_RETIRED: return GenerationState::kRetired;
+    default: return std::nullopt;
   }
-  const GateEvidence g = AggregateRankEvidence(reports, expect);
+}
+
+// What one rank's status says about the candidate (placement `version`) and the prior placement.
+RankReport ReportOf(const v1::AgentStatusResponse& status, std::string name, int64_t version, int64_t prior_version) {
+  RankReport r;
+  r.name = std::move(name);
+  for (const v1::GenerationStatus& g : status.generations()) {
+    const std::optional<GenerationState> state = GenerationStateFromProto(g.state());
+    if (g.version() == version) {
+      r.candidate_state = state;
+      r.candidate_digest = g.manifest_digest();
+    }
+    if (prior_version > 0 && g.version() == prior_version) r.prior_state = state;
+  }
+  for (const v1::GenerationCounters& c : status.counters()) {
+    if (c.version() != version) continue;
+    r.counters = RankCounters{c.steps(), c.failed_steps(), c.canary_steps(), c.decode_steps(), c.fallback_steps(),
+                              c.routes_attempted(), c.routes_dropped(), c.shadow_samples(), c.shadow_mismatches(),
+                              c.shadow_failures(), c.stale_accepts()};
+  }
+  return r;
+}
+
+v1::PromotionEvidence EvidenceToProto(const GateEvidence& g) {
   const PromotionInputs& in = g.inputs;
   v1::PromotionEvidence e;
   e.set_hash_ok(in.hash_ok);
@@ -262,6 +278,28 @@ absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks
   e.set_count_failures(in.count_failures);
   for (const std::string& f : g.findings) e.add_findings(f);
   return e;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks(const ReleaseRecord& candidate) {
+  EvidenceExpectation expect;
+  expect.candidate_version = candidate.placement_version;
+  ExpectRecordedManifest(candidate, *topology_, &expect);
+  auto releases = store_->List();
+  if (!releases.ok()) return releases.status();
+  ExpectPrior(*releases, candidate, &expect);
+  std::vector<RankReport> reports;
+  int rank = 0;
+  for (auto& [status, address] : agents_->Status()) {
+    if (!status.ok()) {
+      return absl::Status(status.status().code(),
+                          absl::StrCat("evidence: rank ", address, ": ", status.status().message()));
+    }
+    reports.push_back(ReportOf(*status, absl::StrCat("rank ", rank++, " (", address, ")"), candidate.placement_version,
+                               expect.prior_version));
+  }
+  return EvidenceToProto(AggregateRankEvidence(reports, expect));
 }
 
 grpc::Status ControlPlaneServiceImpl::AdmitCanary(const v1::TransitionReleaseRequest& req) {
@@ -509,7 +547,7 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
 
 absl::StatusOr<int64_t> ControlPlaneServiceImpl::MigrationPeak(const std::vector<ReleaseRecord>& releases,
                                                                 const v1::PlacementManifest& to) const {
-  const Topology topology = TwoNodeTopology(static_cast<int>(agents_->addresses().size()));
+  const Topology& topology = *topology_;
   auto target = ManifestFromProto(to, topology);
   if (!target.ok()) return target.status();
   for (const ReleaseRecord& r : releases) {

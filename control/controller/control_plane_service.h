@@ -5,6 +5,7 @@
 #ifndef MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_
 #define MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "control/controller/agent_pool.h"
 #include "control/store/release_store.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
+#include "runtime/placement/topology.h"
 #include "runtime/release/lifecycle.h"
 
 namespace moe {
@@ -37,12 +39,12 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
   // `token` must be non-empty: calls carry `authorization: Bearer <token>`.
   // `agents` (may be null or empty: the registry alone) are the ranks the releases' placements
-  // are driven onto.
+  // are driven onto; `topology` is theirs (one rank per agent, required with agents): placement
+  // manifests are read, digested and migrated against it.
   ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {},
-                          AgentPool* agents = nullptr, absl::Duration drain_timeout = absl::Seconds(60),
-                          MigrationBudget migration = {}, TrialPolicy trial = {})
-      : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
-        drain_timeout_(drain_timeout), migration_(migration), trial_(trial) {}
+                          AgentPool* agents = nullptr, std::optional<Topology> topology = std::nullopt,
+                          absl::Duration drain_timeout = absl::Seconds(60), MigrationBudget migration = {},
+                          TrialPolicy trial = {});
 
   // After a restart: the ranks' active generation is made the placement of the release the store
   // records ACTIVE (a controller killed between committing a promotion or rollback and driving the
@@ -68,8 +70,8 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
 
  private:
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
-  // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (the rank agents'
-  // two-node topology).
+  // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (on the ranks'
+  // topology).
   absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases, const v1::PlacementManifest& to) const;
   // A retried Promote / Rollback: the transitions recorded under `request_id` (empty when new);
   // ALREADY_EXISTS if the id was used for a different request.
@@ -80,6 +82,7 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   const std::string token_;
   const PromotionThresholds thresholds_;
   AgentPool* agents_;
+  const std::optional<Topology> topology_;  // the agents' ranks; set whenever agents_ is non-empty
   // The promotion gate's inputs for `candidate`'s placement from every rank's status (spec
   // 0x0DC): counters, the manifest digest each rank holds against the one computed here over the
   // manifest the store recorded, and whether the ACTIVE release's placement is re-activatable.

@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -19,6 +20,8 @@
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "runtime/logging.h"
+#include "runtime/placement/default_placement.h"
+#include "runtime/status.h"
 #include "rpc/daemon_util.h"
 #include "spdlog/spdlog.h"
 
@@ -85,74 +88,129 @@ class StoreCollector : public prometheus::Collectable {
   ReleaseStore* store_;
 };
 
-int Main() {
-  auto token = ReadTokenFile(absl::GetFlag(FLAGS_token_file), "--token_file");
-  if (!token.ok()) {
-    spdlog::error("{}", std::string(token.status().message()));
-    return 2;
+// moe-controller's flags, checked.
+struct ControllerOptions {
+  std::string store_path;
+  std::string token;
+  PromotionThresholds thresholds;
+  bool ranks_given = false;        // false: the controller keeps the registry only
+  std::vector<std::string> ranks;  // --ranks (may still be empty: "," names no rank)
+  std::string agent_token;         // with --ranks
+  absl::Duration drain_timeout;
+  MigrationBudget migration;
+  TrialPolicy trial;
+  int reconcile_interval_s = 0;
+};
+
+// --token_file and --store (INVALID_ARGUMENT naming the flag).
+absl::Status ParseRegistryFlags(ControllerOptions* o) {
+  ASSIGN_OR_RETURN(o->token, ReadTokenFile(absl::GetFlag(FLAGS_token_file), "--token_file"));
+  o->store_path = absl::GetFlag(FLAGS_store);
+  if (o->store_path.empty()) return absl::InvalidArgumentError("--store: required");
+  return absl::OkStatus();
+}
+
+// The gate's thresholds and the rank agents' flags (INVALID_ARGUMENT naming the flag).
+absl::Status ParseRankFlags(ControllerOptions* o) {
+  o->thresholds.min_shadow = absl::GetFlag(FLAGS_min_shadow);
+  o->thresholds.min_canary = absl::GetFlag(FLAGS_min_canary);
+  o->thresholds.max_drop_ratio = absl::GetFlag(FLAGS_max_drop_ratio);
+  o->thresholds.max_fallback_ratio = absl::GetFlag(FLAGS_max_fallback_ratio);
+  o->ranks_given = !absl::GetFlag(FLAGS_ranks).empty();
+  o->ranks = absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',', absl::SkipEmpty());
+  if (o->ranks_given) {
+    ASSIGN_OR_RETURN(o->agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
   }
-  if (absl::GetFlag(FLAGS_store).empty()) {
-    spdlog::error("--store: required");
-    return 2;
+  o->drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  o->migration = {absl::GetFlag(FLAGS_migration_budget_bytes), absl::GetFlag(FLAGS_expert_bytes)};
+  if (o->migration.budget_bytes > 0 && o->migration.expert_bytes <= 0) {
+    return absl::InvalidArgumentError("--expert_bytes: required with --migration_budget_bytes");
   }
+  o->trial = {absl::GetFlag(FLAGS_shadow_every), absl::GetFlag(FLAGS_canary_every),
+              absl::GetFlag(FLAGS_max_shadow_mismatches)};
+  if (o->trial.shadow_every <= 0 || o->trial.canary_every <= 0) {
+    return absl::InvalidArgumentError("--shadow_every / --canary_every: must be positive");
+  }
+  if (o->trial.max_shadow_mismatches < 0) return absl::InvalidArgumentError("--max_shadow_mismatches: must be >= 0");
+  o->reconcile_interval_s = absl::GetFlag(FLAGS_reconcile_interval_s);
+  return absl::OkStatus();
+}
+
+// The registry file, held by this process for its lifetime.
+struct Registry {
+  std::unique_ptr<RegistryLock> lock;
+  std::unique_ptr<ReleaseStore> store;
+};
+
+// Locks, opens and verifies the registry; the error's message is the whole log line.
+absl::StatusOr<Registry> OpenRegistry(const std::string& path) {
+  Registry registry;
   // One writer per registry, for the process lifetime: a second controller on the same file
   // would accept writes this one does not serialize with.
-  auto lock = RegistryLock::Acquire(absl::GetFlag(FLAGS_store));
+  auto lock = RegistryLock::Acquire(path);
   if (!lock.ok()) {
-    spdlog::error("--store: {}; refusing to start", std::string(lock.status().message()));
-    return 1;
+    return absl::Status(lock.status().code(), absl::StrCat("--store: ", lock.status().message(), "; refusing to start"));
   }
-  auto store = ReleaseStore::Open(absl::GetFlag(FLAGS_store));
-  if (!store.ok()) {
-    spdlog::error("--store: {}", std::string(store.status().message()));
-    return 1;
+  registry.lock = std::move(*lock);
+  auto store = ReleaseStore::Open(path);
+  if (!store.ok()) return absl::Status(store.status().code(), absl::StrCat("--store: ", store.status().message()));
+  registry.store = std::move(*store);
+  if (absl::Status s = registry.store->Verify(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("--store ", path, ": refusing to serve an inconsistent registry: ",
+                                               s.message()));
   }
-  if (absl::Status s = (*store)->Verify(); !s.ok()) {
-    spdlog::error("--store {}: refusing to serve an inconsistent registry: {}", absl::GetFlag(FLAGS_store),
-                  std::string(s.message()));
-    return 1;
-  }
+  return registry;
+}
+
+// The rank agents of --ranks (null without).
+std::unique_ptr<AgentPool> ConnectAgents(const ControllerOptions& o) {
+  if (!o.ranks_given) return nullptr;
+  return std::make_unique<AgentPool>(o.ranks, o.agent_token);
+}
+
+// The agents' topology: the local cluster's two nodes, until the controller is told its ranks'.
+std::optional<Topology> AgentTopology(const AgentPool* agents) {
+  if (agents == nullptr || agents->empty()) return std::nullopt;
+  return TwoNodeTopology(static_cast<int>(agents->addresses().size()));
+}
+
+// Periodic reconcile: a rank agent that restarted re-registers its generations here. Returns a
+// thread that is not joinable when there is nothing to reconcile.
+std::thread StartReconciler(ControlPlaneServiceImpl* service, const AgentPool* agents, int interval_s,
+                            absl::Notification* stopping) {
+  if (agents == nullptr || agents->empty() || interval_s <= 0) return std::thread();
+  return std::thread([service, interval_s, stopping] {
+    std::string last;
+    while (!stopping->WaitForNotificationWithTimeout(absl::Seconds(interval_s))) {
+      const absl::Status s = service->Reconcile();
+      const std::string now = s.ok() ? "" : std::string(s.message());
+      if (now != last && !s.ok()) spdlog::warn("reconcile: {}", now);  // each new failure once
+      last = now;
+    }
+  });
+}
+
+// Logs the failure and returns `exit_code`.
+int Fail(const absl::Status& s, int exit_code) {
+  spdlog::error("{}", std::string(s.message()));
+  return exit_code;
+}
+
+int Main() {
+  ControllerOptions o;
+  if (absl::Status s = ParseRegistryFlags(&o); !s.ok()) return Fail(s, ExitCode(s));
+  // Registry and metrics failures exit 1 whatever their code (a held registry lock included).
+  auto registry = OpenRegistry(o.store_path);
+  if (!registry.ok()) return Fail(registry.status(), kExitFailure);
   auto exposer = StartExposer(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
-  if (!exposer.ok()) {
-    spdlog::error("{}", std::string(exposer.status().message()));
-    return 1;
-  }
-  auto collector = std::make_shared<StoreCollector>(store->get());
+  if (!exposer.ok()) return Fail(exposer.status(), kExitFailure);
+  auto collector = std::make_shared<StoreCollector>(registry->store.get());  // the exposer holds it weakly
   (*exposer)->RegisterCollectable(collector);
   sigset_t signals = BlockTerminationSignals();
-
-  PromotionThresholds thresholds;
-  thresholds.min_shadow = absl::GetFlag(FLAGS_min_shadow);
-  thresholds.min_canary = absl::GetFlag(FLAGS_min_canary);
-  thresholds.max_drop_ratio = absl::GetFlag(FLAGS_max_drop_ratio);
-  thresholds.max_fallback_ratio = absl::GetFlag(FLAGS_max_fallback_ratio);
-  std::unique_ptr<AgentPool> agents;
-  if (!absl::GetFlag(FLAGS_ranks).empty()) {
-    auto agent_token = ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file");
-    if (!agent_token.ok()) {
-      spdlog::error("{}", std::string(agent_token.status().message()));
-      return 2;
-    }
-    agents = std::make_unique<AgentPool>(absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',', absl::SkipEmpty()),
-                                         *agent_token);
-  }
-  MigrationBudget migration{absl::GetFlag(FLAGS_migration_budget_bytes), absl::GetFlag(FLAGS_expert_bytes)};
-  if (migration.budget_bytes > 0 && migration.expert_bytes <= 0) {
-    spdlog::error("--expert_bytes: required with --migration_budget_bytes");
-    return 2;
-  }
-  TrialPolicy trial{absl::GetFlag(FLAGS_shadow_every), absl::GetFlag(FLAGS_canary_every),
-                    absl::GetFlag(FLAGS_max_shadow_mismatches)};
-  if (trial.shadow_every <= 0 || trial.canary_every <= 0) {
-    spdlog::error("--shadow_every / --canary_every: must be positive");
-    return 2;
-  }
-  if (trial.max_shadow_mismatches < 0) {
-    spdlog::error("--max_shadow_mismatches: must be >= 0");
-    return 2;
-  }
-  ControlPlaneServiceImpl service(store->get(), *token, thresholds, agents.get(),
-                                  absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)), migration, trial);
+  if (absl::Status s = ParseRankFlags(&o); !s.ok()) return Fail(s, ExitCode(s));
+  std::unique_ptr<AgentPool> agents = ConnectAgents(o);
+  ControlPlaneServiceImpl service(registry->store.get(), o.token, o.thresholds, agents.get(),
+                                  AgentTopology(agents.get()), o.drain_timeout, o.migration, o.trial);
   if (absl::Status s = service.Reconcile(); !s.ok()) {
     spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
                  std::string(s.message()));
@@ -161,37 +219,21 @@ int Main() {
   GrpcServeOptions serve;
   serve.listen = absl::GetFlag(FLAGS_listen);
   auto server = ServeGrpc({&service}, serve, &port);
-  if (!server.ok()) {
-    spdlog::error("{}", std::string(server.status().message()));
-    return 1;
-  }
+  if (!server.ok()) return Fail(server.status(), kExitFailure);
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
-  auto releases = (*store)->List();
+  auto releases = registry->store->List();
   spdlog::info("serving on port {} (metrics on {}), {} releases in {} (single writer: {}), {} rank agents", port,
-               (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, absl::GetFlag(FLAGS_store),
-               (*lock)->path(), agents == nullptr ? 0 : agents->addresses().size());
-  // Periodic reconcile: a rank agent that restarted re-registers its generations here.
+               (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, o.store_path,
+               registry->lock->path(), agents == nullptr ? 0 : agents->addresses().size());
   absl::Notification stopping;
-  std::thread reconciler;
-  const int interval = absl::GetFlag(FLAGS_reconcile_interval_s);
-  if (agents != nullptr && !agents->empty() && interval > 0) {
-    reconciler = std::thread([&] {
-      std::string last;
-      while (!stopping.WaitForNotificationWithTimeout(absl::Seconds(interval))) {
-        const absl::Status s = service.Reconcile();
-        const std::string now = s.ok() ? "" : std::string(s.message());
-        if (now != last && !s.ok()) spdlog::warn("reconcile: {}", now);  // each new failure once
-        last = now;
-      }
-    });
-  }
+  std::thread reconciler = StartReconciler(&service, agents.get(), o.reconcile_interval_s, &stopping);
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);
   stopping.Notify();
   if (reconciler.joinable()) reconciler.join();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  return 0;
+  return kExitOk;
 }
 
 }  // namespace

@@ -157,7 +157,8 @@ class GateTest : public ::testing::Test {
     thresholds.min_shadow = 10;
     thresholds.min_canary = 10;
     service_ = std::make_unique<ControlPlaneServiceImpl>(store_.get(), kToken, thresholds, pool_.get(),
-                                                         absl::Seconds(5), MigrationBudget{}, TrialPolicy{2, 3, 0});
+                                                         TwoNodeTopology(kRanks), absl::Seconds(5), MigrationBudget{},
+                                                         TrialPolicy{2, 3, 0});
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
