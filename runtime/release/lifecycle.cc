@@ -69,12 +69,18 @@ bool LegalTransition(ReleaseState from, ReleaseState to) {
   return false;
 }
 
-absl::StatusOr<Transition> ReleaseLifecycle::Propose(ReleaseState to, const std::string& reason) {
+absl::Status CheckTransition(const std::string& release_id, ReleaseState from, ReleaseState to,
+                             const std::string& reason) {
   if (reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
-  if (!LegalTransition(state_, to)) {
-    return absl::FailedPreconditionError(absl::StrCat(release_id_, ": ", ReleaseStateName(state_), " -> ",
+  if (!LegalTransition(from, to)) {
+    return absl::FailedPreconditionError(absl::StrCat(release_id, ": ", ReleaseStateName(from), " -> ",
                                                       ReleaseStateName(to), " is not a legal transition"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Transition> ReleaseLifecycle::Propose(ReleaseState to, const std::string& reason) {
+  if (absl::Status s = CheckTransition(release_id_, state_, to, reason); !s.ok()) return s;
   return Transition{release_id_, state_, to, reason};
 }
 

@@ -20,6 +20,12 @@ absl::StatusOr<ReleaseState> ParseReleaseState(const std::string& name);
 // dispatch); a prior release goes DRAINING -> ACTIVE when it is re-activated.
 bool LegalTransition(ReleaseState from, ReleaseState to);
 
+// The check every transition of `release_id` passes, wherever releases are kept (a
+// ReleaseLifecycle here, the controller's store): INVALID_ARGUMENT without a reason,
+// FAILED_PRECONDITION naming both states when the table has no such edge.
+absl::Status CheckTransition(const std::string& release_id, ReleaseState from, ReleaseState to,
+                             const std::string& reason);
+
 struct Transition {
   std::string release_id;
   ReleaseState from;

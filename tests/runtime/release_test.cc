@@ -47,6 +47,15 @@ TEST(ReleaseLifecycleTest, IllegalTransitionsAreRefusedAndChangeNothing) {
   EXPECT_EQ(ParseReleaseState("LIVE").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ReleaseLifecycleTest, CheckTransitionIsTheTableAndAReason) {
+  EXPECT_TRUE(CheckTransition("release-v19", ReleaseState::kCanary, ReleaseState::kActive, "gate passed").ok());
+  EXPECT_EQ(CheckTransition("release-v19", ReleaseState::kCanary, ReleaseState::kActive, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  const absl::Status s = CheckTransition("release-v19", ReleaseState::kShadow, ReleaseState::kActive, "skip");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "release-v19: SHADOW -> ACTIVE is not a legal transition");
+}
+
 TEST(ReleaseLifecycleTest, StaleProposalIsNotApplied) {
   ReleaseLifecycle r("release-v19");
   auto t = *r.Propose(ReleaseState::kVerified, "digests ok");
