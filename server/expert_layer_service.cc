@@ -190,6 +190,17 @@ void EncodeRecord(const StepRecord& r, bool decode, RankMetrics* metrics, v1::St
   metrics->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
   metrics->BytesSent(r.bytes_sent);
   metrics->Generation(r.placement_version);
+  metrics->StepPhases(decode ? "decode" : "prefill", r.phase_us);
+  v1::StepStages* stages = rec->mutable_stages();
+  stages->set_validate_us(r.phase_us[static_cast<int>(StepPhase::kValidate)]);
+  stages->set_acquire_us(r.phase_us[static_cast<int>(StepPhase::kAcquire)]);
+  stages->set_plan_us(r.phase_us[static_cast<int>(StepPhase::kPlan)]);
+  stages->set_agree_us(r.phase_us[static_cast<int>(StepPhase::kAgree)]);
+  stages->set_dispatch_us(r.phase_us[static_cast<int>(StepPhase::kDispatch)]);
+  stages->set_experts_us(r.phase_us[static_cast<int>(StepPhase::kExperts)]);
+  stages->set_return_us(r.phase_us[static_cast<int>(StepPhase::kReturn)]);
+  stages->set_combine_us(r.phase_us[static_cast<int>(StepPhase::kCombine)]);
+  stages->set_release_us(r.phase_us[static_cast<int>(StepPhase::kRelease)]);
 }
 
 }  // namespace

@@ -19,6 +19,11 @@ RankMetrics::RankMetrics(const std::string& release) : registry_(std::make_share
                     .Name("moe_decode_fallbacks_total")
                     .Help("Decode steps served eagerly instead of by graph replay, by reason")
                     .Register(*registry_);
+  stage_latency_ = &prometheus::BuildHistogram()
+                        .Name("moe_step_stage_seconds")
+                        .Help("Wall time of each stage of an answered layer step (validate, acquire, plan, agree, "
+                              "dispatch, experts, return, combine, release), by phase")
+                        .Register(*registry_);
   bytes_sent_ = &prometheus::BuildCounter()
                      .Name("moe_payload_bytes_sent_total")
                      .Help("Row payload bytes sent to other ranks (dispatch and return)")
@@ -65,6 +70,31 @@ void RankMetrics::Step(const std::string& phase, const std::string& path, const 
   }
   steps->Increment();
   if (ok) latency->Observe(seconds);
+}
+
+void RankMetrics::StepPhases(const std::string& phase, const std::array<double, kNumStepPhases>& us) {
+  std::array<prometheus::Histogram*, kNumStepPhases> histograms{};
+  {
+    std::array<prometheus::Histogram*, kNumStepPhases>* series = nullptr;
+    std::lock_guard<std::mutex> lock(series_mu_);
+    for (auto& [name, histograms] : stage_series_) {
+      if (name == phase) series = &histograms;
+    }
+    if (series == nullptr) {
+      static const prometheus::Histogram::BucketBoundaries kBuckets = {
+          0.000002, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+          0.001,    0.0025,   0.005,   0.01,     0.025,   0.1,    1};
+      std::array<prometheus::Histogram*, kNumStepPhases> made{};
+      for (int i = 0; i < kNumStepPhases; ++i) {
+        made[i] = &stage_latency_->Add(
+            {{"release", release_}, {"phase", phase}, {"stage", StepPhaseName(static_cast<StepPhase>(i))}}, kBuckets);
+      }
+      stage_series_.emplace_back(phase, made);
+      series = &stage_series_.back().second;
+    }
+    histograms = *series;  // the histograms live as long as their family
+  }
+  for (int i = 0; i < kNumStepPhases; ++i) histograms[i]->Observe(us[i] * 1e-6);
 }
 
 void RankMetrics::Routes(int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote, int64_t inter_node) {

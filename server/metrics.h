@@ -1,9 +1,11 @@
 // Prometheus metrics of moe-rankd (spec 0x0DB). Labels come only from bounded sets: phase
 // (prefill, decode), path (eager, graph_replay), status (ok, invalid_argument, aborted, ...),
-// fallback reason (the five of 0x05D), route kind; never request or token ids.
+// fallback reason (the five of 0x05D), route kind, stage (the nine phases of a step,
+// runtime/exec/step.h); never request or token ids.
 #ifndef MOE_SERVER_METRICS_H_
 #define MOE_SERVER_METRICS_H_
 
+#include <array>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -15,6 +17,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "runtime/exec/step.h"
 
 namespace moe {
 
@@ -29,6 +32,8 @@ class RankMetrics {
   void BytesSent(int64_t bytes);
   void Generation(int64_t version);
   void InFlight(int64_t n);
+  // The wall time of each phase of an answered step (runtime/exec/step.h), `phase` prefill or decode.
+  void StepPhases(const std::string& phase, const std::array<double, kNumStepPhases>& us);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -37,6 +42,7 @@ class RankMetrics {
   prometheus::Family<prometheus::Histogram>* latency_;
   prometheus::Family<prometheus::Counter>* routes_;
   prometheus::Family<prometheus::Counter>* fallbacks_;
+  prometheus::Family<prometheus::Histogram>* stage_latency_;
   prometheus::Counter* bytes_sent_;
   prometheus::Gauge* generation_;
   prometheus::Gauge* in_flight_;
@@ -61,6 +67,9 @@ class RankMetrics {
   std::vector<StepSeries> step_series_;                                         // guarded by series_mu_
   std::unique_ptr<RouteSeries> route_series_;                                   // guarded by series_mu_
   std::vector<std::pair<std::string, prometheus::Counter*>> fallback_series_;  // guarded by series_mu_
+  // Per step phase (prefill, decode) the histogram of each stage, made on first use.
+  std::vector<std::pair<std::string, std::array<prometheus::Histogram*, kNumStepPhases>>>
+      stage_series_;  // guarded by series_mu_
 };
 
 }  // namespace moe

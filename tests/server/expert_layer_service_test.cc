@@ -117,6 +117,27 @@ TEST_F(ServiceTest, SharedMemoryPayloadEqualsInline) {
   ASSERT_TRUE(Call(Request(1), &inline_resp).ok());
   EXPECT_EQ(inline_resp.record().placement_generation(), 1);
   EXPECT_EQ(inline_resp.record().routes_accepted(), kTokens * kK);
+  // The stages of the step: reported, none negative, adding up to no more than the executor's time;
+  // and the rank's moe_step_stage_seconds histograms each saw the step.
+  const v1::StepStages& st = inline_resp.record().stages();
+  const double stages[] = {st.validate_us(), st.acquire_us(), st.plan_us(),    st.agree_us(),  st.dispatch_us(),
+                           st.experts_us(),  st.return_us(),  st.combine_us(), st.release_us()};
+  double sum = 0;
+  for (double us : stages) {
+    EXPECT_GE(us, 0);
+    sum += us;
+  }
+  EXPECT_GT(st.experts_us(), 0);
+  EXPECT_LE(sum, inline_resp.record().compute_latency_us() + 1e-3);
+  int stage_series = 0;
+  for (const auto& family : metrics_.registry()->Collect()) {
+    if (family.name != "moe_step_stage_seconds") continue;
+    for (const auto& m : family.metric) {
+      ++stage_series;
+      EXPECT_EQ(m.histogram.sample_count, 1u);
+    }
+  }
+  EXPECT_EQ(stage_series, kNumStepPhases);
 
   const std::string name = "/moe-test-" + std::to_string(getpid());
   const size_t bytes = 2 * kTokens * kD * 2;
