@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+
 #include "kernels/numeric.h"
 
 namespace moe::kernels {
