@@ -25,6 +25,7 @@
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/placement/migration.h"
 #include "control/trace.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
@@ -152,7 +153,7 @@ int CheckpointSynth() {
   absl::Status s = moe::WriteSafetensors(out, file);
   if (!s.ok()) return Fail(s);
   std::cout << "wrote " << out << ": " << e << " experts, d=" << d << ", d_ff=" << f << ", "
-            << file.metadata.at("checkpoint") << "\n";
+            << file.metadata.at(moe::checkpoint_keys::kVersion) << "\n";
   return moe::kExitOk;
 }
 
@@ -161,10 +162,9 @@ int CheckpointSynth() {
 int PlacementSynth() {
   auto ckpt = moe::ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
   if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
-  int experts = 0;
-  if (!absl::SimpleAtoi(ckpt->metadata["num_experts"], &experts) || experts <= 0) {
-    return Fail(absl::InvalidArgumentError("--checkpoint: metadata has no num_experts"));
-  }
+  auto view = moe::ExpertCheckpoint::Open(*ckpt);
+  if (!view.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", view.status().message())));
+  const int experts = view->num_experts();
   const int world = absl::GetFlag(FLAGS_world);
   if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
   const moe::Topology topology = ClusterTopology(world);
@@ -217,10 +217,9 @@ int PlacementOffline(const std::string& verb) {
   if (expert_bytes <= 0 && !absl::GetFlag(FLAGS_checkpoint).empty()) {
     auto ckpt = moe::ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
     if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
-    int d = 0, f = 0;
-    absl::SimpleAtoi(ckpt->metadata["d"], &d);
-    absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
-    expert_bytes = int64_t{3} * d * f * 2;  // gate, up and down in BF16
+    auto view = moe::ExpertCheckpoint::Open(*ckpt);
+    if (!view.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", view.status().message())));
+    expert_bytes = int64_t{3} * view->d() * view->d_ff() * 2;  // gate, up and down in BF16
   }
   if (expert_bytes <= 0) return Fail(absl::InvalidArgumentError("--expert_bytes or --checkpoint: required"));
   auto plan = moe::PlanMigration(**from, **to, topology, expert_bytes);

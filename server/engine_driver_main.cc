@@ -26,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
 #include "runtime/status.h"
@@ -89,12 +90,12 @@ double Percentile(std::vector<double> v, double q) {
 
 class Reference {
  public:
-  Reference(const SafetensorsFile& ckpt, int d, int f) : d_(d), f_(f), kernels_(kernels::CreateCpuKernels()) {
-    int e = 0;
-    absl::SimpleAtoi(ckpt.metadata.at("num_experts"), &e);
-    for (int i = 0; i < e; ++i) {
-      const std::string& gu = ckpt.tensors.at(absl::StrCat("experts.", i, ".w_gate_up")).data;
-      const std::string& dn = ckpt.tensors.at(absl::StrCat("experts.", i, ".w_down")).data;
+  explicit Reference(const ExpertCheckpoint& ckpt)
+      : d_(ckpt.d()), f_(ckpt.d_ff()), kernels_(kernels::CreateCpuKernels()) {
+    for (int i = 0; i < ckpt.num_experts(); ++i) {
+      const ExpertCheckpoint::Tensors tensors = ckpt.Expert(i).value();  // Main checked every expert
+      const std::string& gu = tensors.gate_up->data;
+      const std::string& dn = tensors.down->data;
       gate_up_.emplace_back(gu.size() / 2);
       down_.emplace_back(dn.size() / 2);
       std::memcpy(gate_up_.back().data(), gu.data(), gu.size());
@@ -519,10 +520,16 @@ int Main() {
     spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
     return kExitUsage;
   }
-  int d = 0, f = 0;
-  absl::SimpleAtoi(ckpt->metadata["d"], &d);
-  absl::SimpleAtoi(ckpt->metadata["d_ff"], &f);
-  Reference reference(*ckpt, d, f);
+  auto view = ExpertCheckpoint::Open(*ckpt);
+  for (int e = 0; view.ok() && e < view->num_experts(); ++e) {
+    if (auto t = view->Expert(e); !t.ok()) view = t.status();
+  }
+  if (!view.ok()) {
+    spdlog::error("--checkpoint: {}", std::string(view.status().message()));
+    return kExitUsage;
+  }
+  Reference reference(*view);
+  const int d = view->d(), f = view->d_ff();
   const std::vector<std::string> addresses = Addresses();
   std::string token;
   if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {

@@ -11,6 +11,7 @@
 #include "runtime/placement/migration.h"
 #include "runtime/status.h"
 #include "rpc/placement_proto.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "rpc/bearer_auth.h"
 #include "rpc/grpc_status.h"
@@ -171,8 +172,8 @@ class PeerAgents {
 absl::Status LoadFromCheckpoint(const SafetensorsFile& checkpoint, const SlotRecord& slot, const SlotSizes& sizes,
                                 SlotTensors* out) {
   const int e = slot.expert.value();
-  auto tgu = checkpoint.tensors.find(absl::StrCat("experts.", e, ".w_gate_up"));
-  auto tdn = checkpoint.tensors.find(absl::StrCat("experts.", e, ".w_down"));
+  auto tgu = checkpoint.tensors.find(checkpoint_keys::GateUp(e));
+  auto tdn = checkpoint.tensors.find(checkpoint_keys::Down(e));
   if (tgu == checkpoint.tensors.end() || tdn == checkpoint.tensors.end() ||
       tgu->second.data.size() != sizes.gu_n * 2 || tdn->second.data.size() != sizes.dn_n * 2) {
     return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": checkpoint has no ", sizes.d_ff, "x",

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kernels/api.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/logging.h"
@@ -216,10 +217,9 @@ struct Model {
 absl::StatusOr<Model> LoadModel(const RankdOptions& o) {
   auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
   if (!ckpt.ok()) return Annotate(ckpt.status(), "--checkpoint");
-  int num_experts = 0;
-  if (!absl::SimpleAtoi(ckpt->metadata["num_experts"], &num_experts) || num_experts <= 0) {
-    return absl::InvalidArgumentError("--checkpoint: metadata has no num_experts");
-  }
+  auto view = ExpertCheckpoint::Open(*ckpt);
+  if (!view.ok()) return Annotate(view.status(), "--checkpoint");
+  const int num_experts = view->num_experts();
   const Topology topology = TwoNodeTopology(o.world);
   const ProcessGroup group = LocalClusterGroup(o.world, absl::GetFlag(FLAGS_epoch));
   auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology, group,
