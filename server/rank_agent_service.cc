@@ -14,6 +14,7 @@
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "rpc/bearer_auth.h"
+#include "rpc/counters_proto.h"
 #include "rpc/grpc_status.h"
 
 namespace moe {
@@ -415,20 +416,7 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   resp->mutable_trial()->set_shadow_every(t.shadow_every);
   resp->mutable_trial()->set_canary_every(t.canary_every);
   for (const auto& [version, c] : c_.executor->Counters()) {
-    v1::GenerationCounters* out = resp->add_counters();
-    out->set_version(version);
-    out->set_steps(c.steps);
-    out->set_failed_steps(c.failed_steps);
-    out->set_aborted_steps(c.aborted_steps);
-    out->set_canary_steps(c.canary_steps);
-    out->set_decode_steps(c.decode_steps);
-    out->set_fallback_steps(c.fallback_steps);
-    out->set_routes_attempted(c.routes_attempted);
-    out->set_routes_dropped(c.routes_dropped);
-    out->set_shadow_samples(c.shadow_samples);
-    out->set_shadow_mismatches(c.shadow_mismatches);
-    out->set_shadow_failures(c.shadow_failures);
-    out->set_stale_accepts(c.stale_accepts);
+    *resp->add_counters() = GenerationCountersToProto(version, c);
   }
   for (const GenerationInfo& g : c_.registry->List()) {
     Fill(g, resp->add_generations());

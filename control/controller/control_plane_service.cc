@@ -11,6 +11,7 @@
 #include "runtime/placement/migration.h"
 #include "runtime/status.h"
 #include "rpc/bearer_auth.h"
+#include "rpc/counters_proto.h"
 #include "rpc/grpc_status.h"
 #include "spdlog/spdlog.h"
 
@@ -253,9 +254,7 @@ RankReport ReportOf(const v1::AgentStatusResponse& status, std::string name, int
   }
   for (const v1::GenerationCounters& c : status.counters()) {
     if (c.version() != version) continue;
-    r.counters = RankCounters{c.steps(), c.failed_steps(), c.canary_steps(), c.decode_steps(), c.fallback_steps(),
-                              c.routes_attempted(), c.routes_dropped(), c.shadow_samples(), c.shadow_mismatches(),
-                              c.shadow_failures(), c.stale_accepts()};
+    r.counters = GenerationCountersFromProto(c);
   }
   return r;
 }

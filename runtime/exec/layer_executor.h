@@ -42,6 +42,7 @@
 #include "runtime/placement/replica_selector.h"
 #include "runtime/placement/topology.h"
 #include "runtime/plan/route_plan.h"
+#include "runtime/release/generation_counters.h"
 #include "runtime/transport/transport.h"
 
 namespace moe {
@@ -52,26 +53,6 @@ struct LocalExperts {
   int d_ff = 0;
   std::vector<uint16_t> w_gate_up;  // [L, 2 d_ff, d] BF16
   std::vector<uint16_t> w_down;     // [L, d, d_ff] BF16
-};
-
-// What one rank observed per placement generation since it started: the promotion gate's
-// inputs (spec 0x0DC) as the rank sees them.
-struct GenerationCounters {
-  int64_t steps = 0;            // answered under this generation (canary steps included)
-  int64_t failed_steps = 0;
-  int64_t aborted_steps = 0;    // refused by the step agreement before payload (not failures)
-  int64_t canary_steps = 0;
-  int64_t decode_steps = 0;
-  int64_t fallback_steps = 0;   // decode steps that ran eagerly
-  int64_t routes_attempted = 0; // routes the engine admitted (its router's drops are not counted)
-  int64_t routes_dropped = 0;   // admitted routes not delivered: none (no capacity-drop path)
-  int64_t shadow_samples = 0;   // steps also run on this generation as a shadow
-  int64_t shadow_mismatches = 0;// ... whose output differed from the active one's
-  int64_t shadow_failures = 0;  // ... whose shadow pass failed
-  // Steps served by a generation that is not the one they had to use (0x0DB stale-handle
-  // acceptance): expected_generation differs from the serving one, or a canary step's generation
-  // is no longer PREPARED / ACTIVE. The fences reject such steps first, so this counts breaches.
-  int64_t stale_accepts = 0;
 };
 
 struct LayerExecutorOptions {

@@ -33,7 +33,7 @@ GateEvidence AggregateRankEvidence(const std::vector<RankReport>& ranks, const E
   }
   int64_t shadow = -1, canary = -1;
   for (const RankReport& r : ranks) {
-    const RankCounters& c = r.counters;
+    const GenerationCounters& c = r.counters;
     // Shadow passes and canary steps are collective: every rank counts each one, so the group
     // ran the smallest count. The rest adds up over the ranks.
     shadow = shadow < 0 ? c.shadow_samples : std::min(shadow, c.shadow_samples);

@@ -24,31 +24,17 @@
 #include <vector>
 
 #include "runtime/placement/registry.h"
+#include "runtime/release/generation_counters.h"
 #include "runtime/release/lifecycle.h"
 
 namespace moe {
-
-// One rank's counters of the candidate's generation since the rank started.
-struct RankCounters {
-  int64_t steps = 0;  // every step answered under the generation, prefill, decode and canary
-  int64_t failed_steps = 0;
-  int64_t canary_steps = 0;
-  int64_t decode_steps = 0;
-  int64_t fallback_steps = 0;  // decode steps that ran eagerly
-  int64_t routes_attempted = 0;
-  int64_t routes_dropped = 0;
-  int64_t shadow_samples = 0;
-  int64_t shadow_mismatches = 0;
-  int64_t shadow_failures = 0;
-  int64_t stale_accepts = 0;
-};
 
 struct RankReport {
   std::string name;  // names the rank in findings, e.g. "rank 2 (127.0.0.1:4417)"
   std::optional<GenerationState> candidate_state;  // nullopt: the rank does not hold the candidate
   std::string candidate_digest;  // the manifest digest the rank reports for it (empty: none)
   std::optional<GenerationState> prior_state;  // the prior release's generation here (nullopt: not held)
-  RankCounters counters;  // of the candidate's generation
+  GenerationCounters counters;  // of the candidate's generation since the rank started
 };
 
 struct EvidenceExpectation {
