@@ -298,7 +298,9 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
   std::string fingerprint = "transition";
   for (const Move& m : moves) {
     if (m.release_id.empty()) return absl::InvalidArgumentError("release_id: required");
-    if (m.reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
+    // Before the replay lookup and any read: a reasonless batch is refused as such, whatever else
+    // is wrong with it (CheckTransition below then finds every reason present).
+    if (absl::Status s = CheckTransitionReason(m.reason); !s.ok()) return s;
     absl::StrAppend(&fingerprint, "|", m.release_id, "|", ReleaseStateName(m.to), "|", m.reason, "|",
                     m.placement_version);
   }
@@ -322,10 +324,7 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
       state[m.release_id] = rec->state;
     }
     const ReleaseState from = state[m.release_id];
-    if (!LegalTransition(from, m.to)) {
-      return absl::FailedPreconditionError(absl::StrCat(m.release_id, ": ", ReleaseStateName(from), " -> ",
-                                                        ReleaseStateName(m.to), " is not a legal transition"));
-    }
+    if (absl::Status s = CheckTransition(m.release_id, from, m.to, m.reason); !s.ok()) return s;
     state[m.release_id] = m.to;
     out.push_back(StoredTransition{0, request_id, static_cast<int>(out.size()), m.release_id, from, m.to, m.reason});
   }

@@ -69,9 +69,14 @@ bool LegalTransition(ReleaseState from, ReleaseState to) {
   return false;
 }
 
+absl::Status CheckTransitionReason(const std::string& reason) {
+  if (reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
+  return absl::OkStatus();
+}
+
 absl::Status CheckTransition(const std::string& release_id, ReleaseState from, ReleaseState to,
                              const std::string& reason) {
-  if (reason.empty()) return absl::InvalidArgumentError("reason: every transition needs one");
+  if (absl::Status s = CheckTransitionReason(reason); !s.ok()) return s;
   if (!LegalTransition(from, to)) {
     return absl::FailedPreconditionError(absl::StrCat(release_id, ": ", ReleaseStateName(from), " -> ",
                                                       ReleaseStateName(to), " is not a legal transition"));

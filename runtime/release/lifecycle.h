@@ -21,10 +21,13 @@ absl::StatusOr<ReleaseState> ParseReleaseState(const std::string& name);
 bool LegalTransition(ReleaseState from, ReleaseState to);
 
 // The check every transition of `release_id` passes, wherever releases are kept (a
-// ReleaseLifecycle here, the controller's store): INVALID_ARGUMENT without a reason,
-// FAILED_PRECONDITION naming both states when the table has no such edge.
+// ReleaseLifecycle here, the controller's store): INVALID_ARGUMENT without a reason
+// (CheckTransitionReason), FAILED_PRECONDITION naming both states when the table has no such edge.
 absl::Status CheckTransition(const std::string& release_id, ReleaseState from, ReleaseState to,
                              const std::string& reason);
+// CheckTransition's first half, for a caller that refuses a reasonless request before it reads
+// any state (the store checks a whole batch's reasons before its transaction).
+absl::Status CheckTransitionReason(const std::string& reason);
 
 struct Transition {
   std::string release_id;

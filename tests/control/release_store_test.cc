@@ -100,6 +100,22 @@ TEST(ReleaseStoreTest, ErrorsNameTheFieldAndWriteNothing) {
   EXPECT_TRUE(store->Transition("r2", "release-v19", ReleaseState::kVerified, "digests match").ok());
 }
 
+// The store runs the lifecycle's CheckTransition, with every reason of a batch checked before
+// any edge: a batch with an illegal edge and a missing reason is refused for the reason.
+TEST(ReleaseStoreTest, ReasonsAreCheckedBeforeEdges) {
+  auto store = *ReleaseStore::Open(TempPath("order.db"));
+  ASSERT_TRUE(store->Register("r1", "release-v19", "sha256:aa").ok());
+  auto both = store->Apply("r2", {{"release-v19", ReleaseState::kActive, "skip the gate"},
+                                  {"release-v19", ReleaseState::kVerified, ""}});
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(both.status().message(), "reason: every transition needs one");
+  auto illegal = store->Apply("r3", {{"release-v19", ReleaseState::kActive, "skip the gate"}});
+  EXPECT_EQ(illegal.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(illegal.status().message(), "release-v19: BUILT -> ACTIVE is not a legal transition");
+  EXPECT_EQ(illegal.status(), CheckTransition("release-v19", ReleaseState::kBuilt, ReleaseState::kActive, "x"));
+  EXPECT_TRUE(store->History("")->empty());
+}
+
 TEST(ReleaseStoreTest, BatchesAreAllOrNothing) {
   auto store = *ReleaseStore::Open(TempPath("batch.db"));
   for (const char* id : {"release-v18", "release-v19"}) {
