@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "control/controller/agent_rollback.h"
 #include "rpc/placement_proto.h"
 #include "runtime/release/evidence.h"
 #include "runtime/placement/default_placement.h"
@@ -461,8 +462,9 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
   }
   for (const StoredTransition& t : *applied) Fill(t, resp->add_transitions());
   if (agents_ == nullptr || agents_->empty()) return grpc::Status::OK;
-  // On the ranks: activate the prior placement (each rank's candidate drains in the same step),
-  // drain the candidate's handles to zero, retire it; then commit the candidate RETIRED.
+  // On the ranks, 0x0EA's order (RollBack): activate the prior placement (each rank's candidate
+  // stops dispatch in the same step), drain the candidate's handles to zero, retire it (each rank
+  // frees its resources); then commit the candidate RETIRED.
   auto candidate = store_->Get(req->release_id());
   auto prior = store_->Get(req->prior_release_id());
   if (!candidate.ok()) return ToGrpcStatus(candidate.status());
@@ -474,12 +476,11 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
   if (prior->state != ReleaseState::kActive) {
     return grpc::Status::OK;  // a late retry: the registry has moved on; the ranks follow it, not this request
   }
-  auto drive = [&]() -> absl::Status {
-    if (absl::Status s = agents_->Activate(prior->placement_version); !s.ok()) return s;
-    if (absl::Status s = agents_->AwaitDrained(candidate->placement_version, drain_timeout_); !s.ok()) return s;
-    return agents_->Retire(candidate->placement_version);
-  };
-  if (absl::Status s = drive(); !s.ok()) {
+  AgentRollback ranks(agents_, drain_timeout_);
+  auto rolled =
+      RollBack(ranks, PlacementVersion(candidate->placement_version), PlacementVersion(prior->placement_version));
+  if (!rolled.ok()) {
+    const absl::Status& s = rolled.status();
     return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("rollback committed; on the ranks: ", s.message(),
                                                             "; retry with the same request_id")));
   }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -62,6 +63,7 @@ class FakeRank final : public v1::RankAgentService::Service {
     if (g == nullptr) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown version");
     g->set_state(v1::GENERATION_STATE_ACTIVE);
     status_.set_active_version(req->version());
+    calls_.push_back(absl::StrCat("activate v", req->version()));
     *resp = *g;
     return grpc::Status::OK;
   }
@@ -71,6 +73,7 @@ class FakeRank final : public v1::RankAgentService::Service {
     v1::GenerationStatus* g = Find(req->version());
     if (g == nullptr) return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown version");
     g->set_state(v1::GENERATION_STATE_RETIRED);
+    calls_.push_back(absl::StrCat("retire v", req->version()));
     *resp = *g;
     return grpc::Status::OK;
   }
@@ -113,6 +116,15 @@ class FakeRank final : public v1::RankAgentService::Service {
     absl::MutexLock lock(&mu_);
     return status_.trial();
   }
+  void SetRefcount(int64_t version, int64_t n) {
+    absl::MutexLock lock(&mu_);
+    Find(version)->set_refcount(n);
+  }
+  // The Activate / Retire calls since the last TakeCalls, in order.
+  std::vector<std::string> TakeCalls() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(calls_, {});
+  }
 
  private:
   v1::GenerationStatus* Find(int64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -123,6 +135,7 @@ class FakeRank final : public v1::RankAgentService::Service {
   }
   absl::Mutex mu_;
   v1::AgentStatusResponse status_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
 };
 
 v1::PlacementManifest Manifest(int64_t version) {
@@ -359,6 +372,45 @@ TEST_F(GateTest, PromotionClausesComeFromTheRanks) {
   EXPECT_EQ(resp.evidence().findings_size(), 0);
   EXPECT_EQ(resp.release().state(), v1::RELEASE_STATE_ACTIVE);
   EXPECT_EQ(resp.drained_release_id(), "release-v1");
+}
+
+// 0x0EA on the ranks: the prior activated, the candidate drained to zero handles, then retired
+// and committed RETIRED; a candidate that does not drain stays DRAINING (committed) and the
+// request is retried with the same request_id.
+TEST_F(GateTest, RollbackDrivesTheRanksInOrder) {
+  Bootstrap();
+  ToShadow("release-v2", 2);
+  for (auto& r : ranks_) r->SetCounters(Healthy(2));
+  ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
+  v1::PromoteResponse promoted;
+  grpc::Status s = Promote("p2", "release-v2", &promoted);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (auto& r : ranks_) r->TakeCalls();
+  ranks_[1]->SetRefcount(2, 1);  // a step still holds placement-v2 on rank 1
+
+  v1::RollbackRequest req;
+  req.set_request_id("rb");
+  req.set_release_id("release-v2");
+  req.set_prior_release_id("release-v1");
+  req.set_reason("candidate faulted");
+  v1::RollbackResponse resp;
+  s = stub_->Rollback(Ctx().get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s.error_message(), HasSubstr("rollback committed; on the ranks: placement-v2 still held (rank 1: 1)"));
+  EXPECT_THAT(s.error_message(), HasSubstr("; retry with the same request_id"));
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_DRAINING);
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+  for (auto& r : ranks_) EXPECT_THAT(r->TakeCalls(), ::testing::ElementsAre("activate v1"));
+
+  ranks_[1]->SetRefcount(2, 0);
+  resp.Clear();
+  s = stub_->Rollback(Ctx().get(), req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (auto& r : ranks_) EXPECT_THAT(r->TakeCalls(), ::testing::ElementsAre("activate v1", "retire v2"));
+  ASSERT_EQ(resp.transitions_size(), 3);
+  EXPECT_EQ(resp.transitions(2).to(), v1::RELEASE_STATE_RETIRED);
+  EXPECT_EQ(resp.transitions(2).reason(), "handles drained and retired on every rank");
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_RETIRED);
 }
 
 TEST_F(GateTest, FirstReleaseFromRankCountersHasNothingToRollBackTo) {

@@ -358,5 +358,39 @@ TEST(RollbackTest, RetiredPriorIsRefused) {
   EXPECT_EQ(registry.ActiveVersion(), 19);  // nothing half-applied
 }
 
+// A target that records the calls RollBack makes and fails the step named `fail_at`.
+class RecordingTarget : public RollbackTarget {
+ public:
+  explicit RecordingTarget(std::string fail_at = "") : fail_at_(std::move(fail_at)) {}
+  absl::Status StopDispatch(PlacementVersion v) override { return Call("stop", v); }
+  absl::Status ActivatePrior(PlacementVersion v) override { return Call("activate", v); }
+  absl::Status AwaitDrained(PlacementVersion v) override { return Call("drain", v); }
+  absl::Status ReleaseGraphs(PlacementVersion v) override { return Call("release", v); }
+  absl::Status Retire(PlacementVersion v) override { return Call("retire", v); }
+  std::vector<std::string> calls;
+
+ private:
+  absl::Status Call(const std::string& step, PlacementVersion v) {
+    calls.push_back(step + " v" + std::to_string(v.value()));
+    return step == fail_at_ ? absl::UnavailableError("rank 1 (x): " + step) : absl::OkStatus();
+  }
+  std::string fail_at_;
+};
+
+TEST(RollbackTest, OneOrderOverAnyTarget) {
+  RecordingTarget target;
+  auto report = RollBack(target, PlacementVersion(19), PlacementVersion(18));
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_THAT(target.calls, ElementsAre("stop v19", "activate v18", "drain v19", "release v19", "retire v19"));
+  EXPECT_EQ(report->steps.size(), 5u);
+}
+
+TEST(RollbackTest, FirstFailingStepStopsItAndIsReturnedUnchanged) {
+  RecordingTarget target("drain");
+  auto report = RollBack(target, PlacementVersion(19), PlacementVersion(18));
+  EXPECT_EQ(report.status(), absl::UnavailableError("rank 1 (x): drain"));
+  EXPECT_THAT(target.calls, ElementsAre("stop v19", "activate v18", "drain v19"));
+}
+
 }  // namespace
 }  // namespace moe
