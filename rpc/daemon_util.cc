@@ -5,7 +5,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <fstream>
 
 #include <grpcpp/health_check_service_interface.h>
@@ -15,6 +14,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "runtime/transport/file_rendezvous.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
@@ -49,9 +49,13 @@ std::string ResolvePortZero(const std::string& address) {
 
 void WriteFileAtomically(const std::string& path, const std::string& text) {
   if (path.empty()) return;
-  const std::string tmp = path + ".tmp";
-  std::ofstream(tmp) << text;
-  std::rename(tmp.c_str(), path.c_str());
+  // PublishFile writes <dir>/<name> through <dir>/<name>.tmp: the same path and temporary as
+  // `path` and `path`.tmp ("/x" splits into "" and "x", "x" into "." and "x").
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  // Best effort, as before (a reader of a missing port file times out and says so); now logged.
+  if (absl::Status s = PublishFile(dir, name, text); !s.ok()) spdlog::warn("{}: {}", path, std::string(s.message()));
 }
 
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::string& address,

@@ -25,7 +25,8 @@ ABSL_DECLARE_FLAG(std::string, log_level);
 
 namespace moe {
 
-// Writes `text` to `path` through a rename, so a reader never sees a partial file. No-op for "".
+// Writes `text` to `path` through a rename (runtime/transport's PublishFile), so a reader never
+// sees a partial file. No-op for ""; a failure is logged, not returned (best effort).
 void WriteFileAtomically(const std::string& path, const std::string& text);
 
 // Starts prometheus-cpp's exposer on `address` ("host:0" picks a free port: civetweb cannot bind
