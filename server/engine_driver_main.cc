@@ -71,15 +71,9 @@ struct Stats {
   std::vector<std::map<std::string, std::vector<double>>> segment_latency_us;
 };
 
-// Relative L2 distance of BF16 output rows from the FP32 reference.
+// Relative L2 distance of BF16 output rows from the FP32 reference (kernels/numeric.h's zero rule).
 double RelativeError(const std::vector<uint16_t>& out, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double x = kernels::Bf16ToFloat(out[i]);
-    num += (x - ref[i]) * (x - ref[i]);
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
+  return kernels::RelativeL2Bf16(out, ref);
 }
 
 double Percentile(std::vector<double> v, double q) {

@@ -9,21 +9,12 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/api.h"
 #include "runtime/status.h"
+#include "runtime/transport/gpu_checks.h"
 #include "runtime/transport/nccl.h"
 
 namespace moe {
 namespace {
 
-#define GRAPH_CUDA(expr)                                                                            \
-  do {                                                                                              \
-    const cudaError_t e_ = (expr);                                                                  \
-    if (e_ != cudaSuccess) return absl::InternalError(absl::StrCat("decode graph: ", #expr, ": ", cudaGetErrorString(e_))); \
-  } while (0)
-#define GRAPH_NCCL(expr)                                                                            \
-  do {                                                                                              \
-    const ncclResult_t r_ = (expr);                                                                 \
-    if (r_ != ncclSuccess) return absl::UnavailableError(absl::StrCat("decode graph: ", #expr, ": ", ncclGetErrorString(r_))); \
-  } while (0)
 
 int64_t Align(int64_t b) { return (b + 255) / 256 * 256; }
 
@@ -41,7 +32,7 @@ class CudaDecodeGraph final : public DecodeStepGraph {
   absl::Status Init() {
     handles_ = NativeNcclHandles(*transport_);
     if (handles_.comm == nullptr) return absl::FailedPreconditionError("decode graph: the transport is not a live NCCL one");
-    GRAPH_CUDA(cudaSetDevice(handles_.device));
+    CUDART_RETURN_IF_ERROR(cudaSetDevice(handles_.device));
     ASSIGN_OR_RETURN(kernels_, kernels::CreateCudaKernels());
     const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
     // Staged block (one host->device copy a step): hidden, then the tables.
@@ -53,8 +44,8 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     off_gates_ = off_row_of_route_ + Align(routes * 4);
     off_offsets_ = off_gates_ + Align(routes * 4);
     block_bytes_ = off_offsets_ + Align((s_.local_slots + 1) * 8);
-    GRAPH_CUDA(cudaMallocHost(&staging_, block_bytes_));
-    GRAPH_CUDA(cudaMallocHost(&out_host_, s_.rank_tokens * s_.d * 2));
+    CUDART_RETURN_IF_ERROR(cudaMallocHost(&staging_, block_bytes_));
+    CUDART_RETURN_IF_ERROR(cudaMallocHost(&out_host_, s_.rank_tokens * s_.d * 2));
     const int64_t row = static_cast<int64_t>(s_.d) * 2;
     RETURN_IF_ERROR(block_.Reserve(kernels_.get(), block_bytes_));
     for (kernels::KernelBuffer* b : {&send_rows_, &recv_rows_, &back_rows_, &returned_}) {
@@ -71,19 +62,19 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     Fill(off_layout_row_, ps, -1);
     Fill(off_row_of_route_, routes, -1);
     auto stream = static_cast<cudaStream_t>(handles_.stream);
-    GRAPH_CUDA(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
+    CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
     RETURN_IF_ERROR(Enqueue());
     RETURN_IF_ERROR(WaitNcclStream(*transport_, ~uint64_t{0}, s_.warmup_timeout));
 
     cudaGraph_t graph = nullptr;
-    GRAPH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    CUDART_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
     const absl::Status captured = Enqueue();
     const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
     RETURN_IF_ERROR(captured);
-    GRAPH_CUDA(ended);
+    CUDART_RETURN_IF_ERROR(ended);
     const cudaError_t inst = cudaGraphInstantiate(&exec_, graph, 0);
     cudaGraphDestroy(graph);
-    GRAPH_CUDA(inst);
+    CUDART_RETURN_IF_ERROR(inst);
     return absl::OkStatus();
   }
 
@@ -94,7 +85,7 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     if (NativeNcclHandles(*transport_).comm == nullptr) {
       return absl::UnavailableError("decode graph: the NCCL communicator was aborted by an earlier failure");
     }
-    GRAPH_CUDA(cudaSetDevice(handles_.device));
+    CUDART_RETURN_IF_ERROR(cudaSetDevice(handles_.device));
     const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
     char* h = static_cast<char*>(staging_);
     std::memcpy(h + off_hidden_, t.hidden, t.tokens * s_.d * 2);
@@ -105,9 +96,9 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     std::memcpy(h + off_gates_, t.gates, routes * 4);
     std::memcpy(h + off_offsets_, t.expert_offsets, (s_.local_slots + 1) * 8);
     auto stream = static_cast<cudaStream_t>(handles_.stream);
-    GRAPH_CUDA(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
-    GRAPH_CUDA(cudaGraphLaunch(exec_, stream));
-    GRAPH_CUDA(cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
+    CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
+    CUDART_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream));
+    CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
     RETURN_IF_ERROR(WaitNcclStream(*transport_, seq, timeout));
     std::memcpy(out, out_host_, t.tokens * s_.d * 2);
     return absl::OkStatus();
@@ -127,12 +118,12 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     auto comm = static_cast<ncclComm_t>(handles_.comm);
     auto stream = static_cast<cudaStream_t>(handles_.stream);
     const size_t seg = static_cast<size_t>(s_.segment_rows) * s_.d * 2;
-    GRAPH_NCCL(ncclGroupStart());
+    NCCL_RETURN_IF_ERROR(ncclGroupStart());
     for (int j = 0; j < s_.peers; ++j) {
-      GRAPH_NCCL(ncclSend(static_cast<const char*>(from.data()) + j * seg, seg, ncclUint8, j, comm, stream));
-      GRAPH_NCCL(ncclRecv(static_cast<char*>(to.data()) + j * seg, seg, ncclUint8, j, comm, stream));
+      NCCL_RETURN_IF_ERROR(ncclSend(static_cast<const char*>(from.data()) + j * seg, seg, ncclUint8, j, comm, stream));
+      NCCL_RETURN_IF_ERROR(ncclRecv(static_cast<char*>(to.data()) + j * seg, seg, ncclUint8, j, comm, stream));
     }
-    GRAPH_NCCL(ncclGroupEnd());
+    NCCL_RETURN_IF_ERROR(ncclGroupEnd());
     return absl::OkStatus();
   }
 

@@ -11,24 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "runtime/transport/file_rendezvous.h"
+#include "runtime/transport/gpu_checks.h"
 
-#define NCCL_RETURN_IF_ERROR(expr)                                                                          \
-  do {                                                                                                      \
-    const ncclResult_t moe_nccl_ = (expr);                                                                  \
-    if (moe_nccl_ != ncclSuccess && moe_nccl_ != ncclInProgress) {                                          \
-      return absl::UnavailableError(absl::StrCat("NCCL error ", ncclGetErrorString(moe_nccl_), " in `", #expr, \
-                                                 "` at ", __FILE__, ":", __LINE__));                        \
-    }                                                                                                       \
-  } while (0)
-
-#define CUDA_TRANSPORT_RETURN_IF_ERROR(expr)                                                                \
-  do {                                                                                                      \
-    const cudaError_t moe_cuda_ = (expr);                                                                   \
-    if (moe_cuda_ != cudaSuccess) {                                                                         \
-      return absl::InternalError(absl::StrCat("CUDA error ", cudaGetErrorName(moe_cuda_), " in `", #expr,   \
-                                              "` at ", __FILE__, ":", __LINE__));                           \
-    }                                                                                                       \
-  } while (0)
 
 namespace moe {
 namespace {
@@ -64,7 +48,7 @@ class NcclTransport final : public Transport {
   absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
     // Callers may be any thread (gRPC handlers start on device 0): bind the communicator's device.
-    CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+    CUDART_RETURN_IF_ERROR(cudaSetDevice(options_.device));
     return WithDevice(in, bytes, out, bytes * size(), [&](const void* din, void* dout) -> absl::Status {
       NCCL_RETURN_IF_ERROR(ncclAllGather(din, dout, bytes, ncclUint8, comm_, stream_));
       return Wait(seq, timeout);
@@ -75,7 +59,7 @@ class NcclTransport final : public Transport {
                          absl::Span<const int64_t> recv_bytes, absl::Duration timeout) override {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
     // Callers may be any thread (gRPC handlers start on device 0): bind the communicator's device.
-    CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+    CUDART_RETURN_IF_ERROR(cudaSetDevice(options_.device));
     if (static_cast<int>(send_bytes.size()) != size() || static_cast<int>(recv_bytes.size()) != size()) {
       return absl::InvalidArgumentError("split vectors must have one entry per peer slot");
     }
@@ -118,21 +102,21 @@ class NcclTransport final : public Transport {
     }
     const size_t need = static_cast<size_t>(in_bytes + out_bytes) + 256;
     if (need > staging_bytes_) {
-      if (staging_ != nullptr) CUDA_TRANSPORT_RETURN_IF_ERROR(cudaFree(staging_));
+      if (staging_ != nullptr) CUDART_RETURN_IF_ERROR(cudaFree(staging_));
       staging_ = nullptr;
-      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaMalloc(&staging_, need));
+      CUDART_RETURN_IF_ERROR(cudaMalloc(&staging_, need));
       staging_bytes_ = need;
     }
     char* din = in_dev ? const_cast<char*>(static_cast<const char*>(in)) : static_cast<char*>(staging_);
     char* dout = out_dev ? static_cast<char*>(out) : static_cast<char*>(staging_) + ((in_bytes + 255) / 256) * 256;
     if (!in_dev && in_bytes > 0) {
-      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaMemcpyAsync(din, in, in_bytes, cudaMemcpyHostToDevice, stream_));
+      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(din, in, in_bytes, cudaMemcpyHostToDevice, stream_));
     }
     absl::Status s = op(din, dout);
     if (!s.ok()) return s;
     if (!out_dev && out_bytes > 0) {
-      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaMemcpyAsync(out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
-      CUDA_TRANSPORT_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
+      CUDART_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
     }
     return absl::OkStatus();
   }
@@ -194,7 +178,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
   if (options.size <= 0 || options.slot < 0 || options.slot >= options.size) {
     return absl::InvalidArgumentError("nccl: slot must be in [0, size)");
   }
-  CUDA_TRANSPORT_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  CUDART_RETURN_IF_ERROR(cudaSetDevice(options.device));
   // Member 0 makes the group's unique id and publishes it; the others read it.
   ncclUniqueId id;
   if (options.slot == 0) {
@@ -218,7 +202,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
   ncclComm_t comm;
   NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm, options.size, id, options.slot));
   cudaStream_t stream;
-  CUDA_TRANSPORT_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDART_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   return std::unique_ptr<Transport>(new NcclTransport(options, comm, stream));
 }
 

@@ -25,17 +25,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "runtime/status.h"
 #include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/step_gather.h"
 #include "runtime/transport/transport.h"
 
-#define UCX_RETURN_IF_ERROR(expr)                                                                       \
-  do {                                                                                                  \
-    const ucs_status_t moe_ucs_ = (expr);                                                               \
-    if (moe_ucs_ != UCS_OK) {                                                                           \
-      return absl::UnavailableError(absl::StrCat("UCX error ", ucs_status_string(moe_ucs_), " in `", #expr, \
-                                                 "` at ", __FILE__, ":", __LINE__));                    \
-    }                                                                                                   \
+// UCX codes become absl::Status here only (moe::ForeignError: code, message, expression, file:line).
+#define UCX_RETURN_IF_ERROR(expr)                                                                   \
+  do {                                                                                              \
+    const ucs_status_t moe_ucs_ = (expr);                                                           \
+    if (moe_ucs_ != UCS_OK) {                                                                       \
+      return ::moe::ForeignError(absl::StatusCode::kUnavailable, "UCX",                             \
+                                 absl::StrCat("ucs_status ", static_cast<int>(moe_ucs_)),           \
+                                 ucs_status_string(moe_ucs_), #expr, __FILE__, __LINE__);           \
+    }                                                                                               \
   } while (0)
 
 namespace moe {

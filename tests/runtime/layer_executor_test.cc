@@ -171,14 +171,7 @@ double PhaseUs(const StepRecord& rec, StepPhase phase) { return rec.phase_us[sta
 
 // Relative L2 distance of a rank's output from the semantic computation of its input.
 double ErrorAgainstReference(const SafetensorsFile& ckpt, const RankInput& in, const std::vector<uint16_t>& out) {
-  const auto ref = Reference(ckpt, in);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double x = kernels::Bf16ToFloat(out[i]);
-    num += (x - ref[i]) * (x - ref[i]);
-    den += ref[i] * static_cast<double>(ref[i]);
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
+  return kernels::RelativeL2Bf16(out, Reference(ckpt, in));
 }
 
 TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
