@@ -13,23 +13,24 @@
 // the API's work. "ratio" is api / echo, "held" api / held echo. HOLD_TOUCH=1 makes the held
 // echo stream over 16 MiB while it holds (caches as cold as after the experts ran).
 #include <fcntl.h>
-#include <grpcpp/grpcpp.h>
-#include <sys/mman.h>
 #include <unistd.h>
-
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <string>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+
 #include "absl/time/clock.h"
+
 #include "bench/echo.grpc.pb.h"
 #include "bench/stats.h"
 #include "kernels/api.h"
@@ -37,11 +38,11 @@
 #ifdef MOE_BENCH_CUDA
 #include "runtime/transport/nccl.h"
 #endif
+#include "rpc/daemon_util.h"
+#include "rpc/unix_socket.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/placement/default_placement.h"
-#include "rpc/daemon_util.h"
 #include "server/expert_layer_service.h"
-#include "rpc/unix_socket.h"
 
 namespace moe {
 namespace {
@@ -76,7 +77,8 @@ class EchoImpl final : public bench::Echo::Service {
   std::atomic<double> hold_us{0};
   std::vector<uint8_t> scratch_;
   uint64_t sink_ = 0;
-  grpc::Status Stream(grpc::ServerContext*, grpc::ServerReaderWriter<bench::EchoMessage, bench::EchoMessage>* s) override {
+  grpc::Status Stream(grpc::ServerContext*,
+                      grpc::ServerReaderWriter<bench::EchoMessage, bench::EchoMessage>* s) override {
     bench::EchoMessage in, out;
     out.set_payload(reply_);
     while (s->Read(&in)) {
@@ -91,7 +93,8 @@ class EchoImpl final : public bench::Echo::Service {
 int Main() {
   // MOE_BENCH_DFF shrinks the experts (less compute per step) to see how the overhead depends on
   // the work between request and response.
-  const int d = 2048, k = 8, experts = 8, f = std::getenv("MOE_BENCH_DFF") ? std::atoi(std::getenv("MOE_BENCH_DFF")) : 64;
+  const int d = 2048, k = 8, experts = 8,
+            f = std::getenv("MOE_BENCH_DFF") ? std::atoi(std::getenv("MOE_BENCH_DFF")) : 64;
   const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
   const Topology topology = TwoNodeTopology(1);
   const ProcessGroup group = LocalClusterGroup(1, 1);
@@ -101,7 +104,8 @@ int Main() {
   registry.Activate(PlacementVersion(1)).IgnoreError();
   // MOE_BENCH_KERNELS=cuda runs the experts on the GPU (a --config=gpu build on a GPU machine):
   // the executor then takes microseconds and the host waits instead of computing.
-  const bool cuda = std::getenv("MOE_BENCH_KERNELS") != nullptr && std::string(std::getenv("MOE_BENCH_KERNELS")) == "cuda";
+  const bool cuda =
+      std::getenv("MOE_BENCH_KERNELS") != nullptr && std::string(std::getenv("MOE_BENCH_KERNELS")) == "cuda";
   std::unique_ptr<kernels::ExpertKernels> kernels;
   if (cuda) {
     auto made = kernels::CreateCudaKernels();
@@ -150,7 +154,8 @@ int Main() {
     eo.decode_runner = *parsed;
   }
   auto executor = *LayerExecutor::Create(std::move(eo));
-  executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
+  executor
+      ->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
       .IgnoreError();
   RankMetrics metrics("bench");
   // The engine API as moe-rankd serves it by default: a Unix socket whose callers are admitted by

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "benchmark/benchmark.h"
+
 #include "runtime/placement/eplb.h"
 
 namespace moe {

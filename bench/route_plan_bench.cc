@@ -10,6 +10,7 @@
 #include <random>
 
 #include "benchmark/benchmark.h"
+
 #include "runtime/placement/replica_selector.h"
 #include "runtime/plan/route_plan.h"
 
@@ -87,14 +88,15 @@ void BM_RankStep(benchmark::State& state) {
   std::vector<PhysicalSlotId> slots(h.size());
   SourcePlan plan;
   for (auto _ : state) {
-    if (!selector->Select(h, *w.manifest, w.layout->group(), w.topology, {}, absl::MakeSpan(slots)).ok()) state.SkipWithError("select");
+    if (!selector->Select(h, *w.manifest, w.layout->group(), w.topology, {}, absl::MakeSpan(slots)).ok())
+      state.SkipWithError("select");
     if (!PlanSource(*w.layout, slots, &plan).ok()) state.SkipWithError("plan");
     benchmark::DoNotOptimize(plan.send_order.data());
   }
   state.SetItemsProcessed(state.iterations() * h.size());
-  state.counters["ns_per_route"] = benchmark::Counter(static_cast<double>(h.size()) * state.iterations(),
-                                                      benchmark::Counter::kIsRate | benchmark::Counter::kInvert,
-                                                      benchmark::Counter::kIs1000);
+  state.counters["ns_per_route"] =
+      benchmark::Counter(static_cast<double>(h.size()) * state.iterations(),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert, benchmark::Counter::kIs1000);
   state.SetLabel(SelectorPolicyName(policy));
 }
 BENCHMARK(BM_RankStep)
@@ -106,15 +108,16 @@ void BM_SourcePlanOnly(benchmark::State& state) {
   const World& w = GetWorld();
   SemanticHandoff h = Routes(static_cast<int>(state.range(0)), 1, 2);
   std::vector<PhysicalSlotId> slots(h.size());
-  (void)ReplicaSelector::Create(SelectorPolicy::kHash)->Select(h, *w.manifest, w.layout->group(), w.topology, {}, absl::MakeSpan(slots));
+  (void)ReplicaSelector::Create(SelectorPolicy::kHash)
+      ->Select(h, *w.manifest, w.layout->group(), w.topology, {}, absl::MakeSpan(slots));
   SourcePlan plan;
   for (auto _ : state) {
     if (!PlanSource(*w.layout, slots, &plan).ok()) state.SkipWithError("plan");
     benchmark::DoNotOptimize(plan.send_order.data());
   }
-  state.counters["ns_per_route"] = benchmark::Counter(static_cast<double>(h.size()) * state.iterations(),
-                                                      benchmark::Counter::kIsRate | benchmark::Counter::kInvert,
-                                                      benchmark::Counter::kIs1000);
+  state.counters["ns_per_route"] =
+      benchmark::Counter(static_cast<double>(h.size()) * state.iterations(),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_SourcePlanOnly)->Arg(8192)->Unit(benchmark::kMicrosecond);
 
@@ -124,15 +127,16 @@ void BM_Cluster(benchmark::State& state) {
   const int per_rank = static_cast<int>(state.range(0)) / kRanks;
   FrozenHandoff frozen = *Freeze(Routes(per_rank, kRanks, 3));
   std::vector<PhysicalSlotId> slots(frozen.routes.size());
-  (void)ReplicaSelector::Create(SelectorPolicy::kHash)->Select(frozen.routes, *w.manifest, w.layout->group(), w.topology, {}, absl::MakeSpan(slots));
+  (void)ReplicaSelector::Create(SelectorPolicy::kHash)
+      ->Select(frozen.routes, *w.manifest, w.layout->group(), w.topology, {}, absl::MakeSpan(slots));
   for (auto _ : state) {
     auto plan = PlanCluster(frozen, slots, *w.layout, w.topology);
     if (!plan.ok()) state.SkipWithError("plan");
     benchmark::DoNotOptimize(plan);
   }
-  state.counters["ns_per_route"] = benchmark::Counter(static_cast<double>(frozen.routes.size()) * state.iterations(),
-                                                      benchmark::Counter::kIsRate | benchmark::Counter::kInvert,
-                                                      benchmark::Counter::kIs1000);
+  state.counters["ns_per_route"] =
+      benchmark::Counter(static_cast<double>(frozen.routes.size()) * state.iterations(),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Cluster)->Arg(8192)->Unit(benchmark::kMicrosecond);
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+
 #include "bench/stats.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/transport/transport.h"
@@ -28,7 +29,8 @@ int main() {
         if (!(*t)->AllGather(seq++, in.data(), bytes, out.data(), absl::Seconds(10)).ok()) return 3;
         us.push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
       }
-      if (slot == 0) std::printf("allgather %6lld B: p50 %.1f us\n", (long long)bytes, moe::bench::Median(us)), std::fflush(stdout);
+      if (slot == 0)
+        std::printf("allgather %6lld B: p50 %.1f us\n", (long long)bytes, moe::bench::Median(us)), std::fflush(stdout);
     }
     std::vector<int64_t> split(n, 64);
     std::vector<char> in(64 * n, 1), out(64 * n);
@@ -41,5 +43,6 @@ int main() {
     if (slot == 0) std::printf("alltoallv 4x64 B: p50 %.1f us\n", moe::bench::Median(us)), std::fflush(stdout);
     return 0;
   });
-  for (int c : codes) if (c != 0) std::printf("member exit %d\n", c);
+  for (int c : codes)
+    if (c != 0) std::printf("member exit %d\n", c);
 }

@@ -6,6 +6,7 @@
 #define MOE_CONTROL_EPLB_IO_H_
 
 #include "absl/status/statusor.h"
+
 #include "control/json_util.h"
 #include "runtime/placement/eplb.h"
 

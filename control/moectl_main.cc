@@ -11,24 +11,25 @@
 #include <string>
 #include <vector>
 
+#include <google/protobuf/util/json_util.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include <google/protobuf/util/json_util.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+
 #include "control/eplb_io.h"
 #include "control/moectl_remote.h"
-#include "rpc/placement_proto.h"
 #include "control/placement_report.h"
-#include "runtime/checkpoint/safetensors.h"
-#include "runtime/placement/migration.h"
 #include "control/trace.h"
+#include "rpc/placement_proto.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
+#include "runtime/checkpoint/safetensors.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
+#include "runtime/placement/migration.h"
 #include "runtime/status.h"
 
 ABSL_FLAG(std::string, trace, "", "plan: layer-step trace JSON (docs/trace-format.md)");
@@ -39,10 +40,12 @@ ABSL_FLAG(int, d, 256, "checkpoint synth: hidden width");
 ABSL_FLAG(int, d_ff, 512, "checkpoint synth: expert FFN width");
 ABSL_FLAG(int64_t, seed, 1, "checkpoint synth: weight seed");
 ABSL_FLAG(std::string, version, "checkpoint-0001", "checkpoint synth: checkpoint version");
-ABSL_FLAG(std::string, out, "", "checkpoint synth: output .safetensors path; rebalance: PlacementManifest JSON to write");
+ABSL_FLAG(std::string, out, "",
+          "checkpoint synth: output .safetensors path; rebalance: PlacementManifest JSON to write");
 ABSL_FLAG(std::string, controller, "", "controller subcommands: moe-controller address host:port");
 ABSL_FLAG(std::string, token_file, "", "controller subcommands: file holding the bearer token");
-ABSL_FLAG(std::string, request_id, "", "controller subcommands: idempotency key (random when empty; reuse it to retry)");
+ABSL_FLAG(std::string, request_id, "",
+          "controller subcommands: idempotency key (random when empty; reuse it to retry)");
 ABSL_FLAG(std::string, digest, "", "release register: bundle digest");
 ABSL_FLAG(std::string, reason, "", "release transition / rollback: reason recorded with the transition");
 ABSL_FLAG(std::string, evidence, "",
@@ -53,7 +56,8 @@ ABSL_FLAG(int, world, 4, "placement synth: ranks in the expert-parallel group");
 ABSL_FLAG(int, extra_replicas, 2, "placement synth: extra replicas of the first experts");
 ABSL_FLAG(int64_t, placement_version, 2, "placement synth, rebalance --out: generation number");
 ABSL_FLAG(int64_t, epoch, 1, "placement synth: process-group epoch (moe-rankd --epoch)");
-ABSL_FLAG(std::string, checkpoint, "", "placement synth, rebalance --out: the checkpoint whose digests the slots carry");
+ABSL_FLAG(std::string, checkpoint, "",
+          "placement synth, rebalance --out: the checkpoint whose digests the slots carry");
 ABSL_FLAG(std::string, from, "", "placement diff: the current placement (PlacementManifest JSON)");
 ABSL_FLAG(std::string, to, "", "placement diff: the next placement (PlacementManifest JSON)");
 ABSL_FLAG(int64_t, expert_bytes, 0, "placement diff: bytes of one expert copy (or give --checkpoint)");
@@ -85,15 +89,19 @@ constexpr char kUsage[] =
     "  moectl release transition ID STATE --reason R           one lifecycle transition\n"
     "  moectl promote ID [--evidence FILE]                     CANARY -> ACTIVE through the promotion gate (inputs\n"
     "                                                          from FILE, or from the ranks' counters without it)\n"
-    "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the ranks)\n"
-    "  moectl drain ID [--reason R] [--timeout_s S]            stop a non-serving release, wait for its handles, retire it\n"
+    "  moectl rollback ID --prior PRIOR [--reason R]           stop ID, re-activate PRIOR (drain + retire ID on the "
+    "ranks)\n"
+    "  moectl drain ID [--reason R] [--timeout_s S]            stop a non-serving release, wait for its handles, "
+    "retire it\n"
     "  moectl rollout ID --manifest F [--digest D] [--min_shadow N --min_canary N] [--evidence F] [--timeout_s S]\n"
-    "                                                          register .. load .. shadow .. canary .. promote (resumable)\n"
+    "                                                          register .. load .. shadow .. canary .. promote "
+    "(resumable)\n"
     "  moectl watch [ID] [--after SEQ] [--count N] [--timeout_s S] [--json]  transitions as they commit\n"
     "  moectl placement load ID --manifest FILE                prepare a placement on every rank (VERIFIED -> LOADED)\n"
     "  moectl status                                           every rank's generations and handles\n"
     "  moectl rebalance --dry_run [--num_replicas Q] [--out F --checkpoint C --placement_version V]\n"
-    "                                                          EPLB over the ranks' observed load, balancedness before/after\n"
+    "                                                          EPLB over the ranks' observed load, balancedness "
+    "before/after\n"
     "  moectl placement synth --checkpoint F --world P --extra_replicas N --placement_version V\n"
     "                                                          (offline) a PlacementManifest JSON for placement load\n"
     "  moectl placement show --manifest F --world P            (offline) a placement's slots\n"
@@ -119,7 +127,8 @@ int Plan() {
   auto trace = moe::ParseTrace(*doc);
   if (!trace.ok()) return Fail(absl::Status(trace.status().code(), absl::StrCat(path, ": ", trace.status().message())));
   auto report = moe::PlanTrace(*trace, *selector);
-  if (!report.ok()) return Fail(absl::Status(report.status().code(), absl::StrCat(path, ": ", report.status().message())));
+  if (!report.ok())
+    return Fail(absl::Status(report.status().code(), absl::StrCat(path, ": ", report.status().message())));
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << report->dump(2) << "\n";
   } else {
@@ -134,9 +143,11 @@ int EplbSolve() {
   auto doc = moe::json::ParseFile(path);
   if (!doc.ok()) return Fail(doc.status());
   auto problem = moe::ParseEplbProblem(*doc);
-  if (!problem.ok()) return Fail(absl::Status(problem.status().code(), absl::StrCat(path, ": ", problem.status().message())));
+  if (!problem.ok())
+    return Fail(absl::Status(problem.status().code(), absl::StrCat(path, ": ", problem.status().message())));
   auto solution = moe::RebalanceExperts(*problem);
-  if (!solution.ok()) return Fail(absl::Status(solution.status().code(), absl::StrCat(path, ": ", solution.status().message())));
+  if (!solution.ok())
+    return Fail(absl::Status(solution.status().code(), absl::StrCat(path, ": ", solution.status().message())));
   std::cout << moe::EplbSolutionJson(*solution).dump() << "\n";
   return moe::kExitOk;
 }
@@ -181,8 +192,8 @@ int PlacementSynth() {
 }
 
 absl::StatusOr<std::shared_ptr<const moe::PlacementManifest>> ReadManifest(const std::string& flag,
-                                                                             const std::string& path,
-                                                                             const moe::Topology& topology) {
+                                                                           const std::string& path,
+                                                                           const moe::Topology& topology) {
   if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required"));
   std::ifstream in(path);
   if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": cannot read"));

@@ -14,13 +14,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "rpc/placement_proto.h"
+
 #include "control/rebalance.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
+#include "rpc/grpc_status.h"
+#include "rpc/placement_proto.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/status.h"
-#include "rpc/grpc_status.h"
 
 namespace moe {
 
@@ -138,8 +139,8 @@ absl::Status RunWatch(const RemoteCall& call) {
       (void)google::protobuf::util::MessageToJsonString(t, &line);
       std::cout << line << "\n";
     } else {
-      std::cout << absl::StrFormat("%6d  %-24s %-10s -> %-10s %-28s %s\n", t.seq(), t.release_id(),
-                                   StateName(t.from()), StateName(t.to()), t.request_id(), t.reason());
+      std::cout << absl::StrFormat("%6d  %-24s %-10s -> %-10s %-28s %s\n", t.seq(), t.release_id(), StateName(t.from()),
+                                   StateName(t.to()), t.request_id(), t.reason());
     }
     std::cout.flush();
     ++seen;
@@ -183,7 +184,8 @@ absl::Status RunDrain(const RemoteCall& call) {
     return absl::OkStatus();
   }
   if (rel.state() == v1::RELEASE_STATE_ACTIVE) {
-    return absl::FailedPreconditionError(absl::StrCat("drain ", release, ": it is ACTIVE (serving); leave ACTIVE through ",
+    return absl::FailedPreconditionError(absl::StrCat("drain ", release,
+                                                      ": it is ACTIVE (serving); leave ACTIVE through ",
                                                       "promote of another release or rollback"));
   }
   if (rel.state() != v1::RELEASE_STATE_DRAINING) {
@@ -205,7 +207,7 @@ absl::Status RunDrain(const RemoteCall& call) {
 struct Rollout {
   const RemoteCall& call;
   const std::string& id;
-  std::string base;   // every step's request id is <base>:<step>
+  std::string base;    // every step's request id is <base>:<step>
   RemoteOptions step;  // the options each step runs with (tables, never --json)
   absl::Time deadline;
 
@@ -300,7 +302,8 @@ absl::Status RolloutStep(Rollout& r, const v1::Release& rel) {
 absl::Status RunRollout(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
   const std::string& id = call.cmd[1];
-  if (o.manifest.empty()) return absl::InvalidArgumentError("--manifest: required (the release's PlacementManifest JSON)");
+  if (o.manifest.empty())
+    return absl::InvalidArgumentError("--manifest: required (the release's PlacementManifest JSON)");
   Rollout r{call, id, o.request_id.empty() ? absl::StrCat("rollout-", id) : o.request_id, o, absl::InfiniteFuture()};
   r.step.json = false;
   r.deadline = absl::Now() + absl::Seconds(o.timeout_s > 0 ? o.timeout_s : 600);
@@ -391,12 +394,12 @@ void PrintPromotion(const v1::PromoteResponse& resp, bool evidence_from_ranks) {
   if (!resp.drained_release_id().empty()) std::cout << "; " << resp.drained_release_id() << " DRAINING";
   if (evidence_from_ranks) {
     const v1::PromotionEvidence& e = resp.evidence();
-    std::cout << absl::StrFormat(" (ranks: %d shadow samples, %d mismatches, %d canary steps, drop %.4f, "
-                                 "fallback %.3f, %d failures)",
-                                 e.shadow_samples(), e.route_mismatches(), e.canary_samples(),
-                                 e.routes_attempted() ? static_cast<double>(e.routes_dropped()) / e.routes_attempted() : 0.0,
-                                 e.steps() ? static_cast<double>(e.fallback_steps()) / e.steps() : 0.0,
-                                 e.count_failures());
+    std::cout << absl::StrFormat(
+        " (ranks: %d shadow samples, %d mismatches, %d canary steps, drop %.4f, "
+        "fallback %.3f, %d failures)",
+        e.shadow_samples(), e.route_mismatches(), e.canary_samples(),
+        e.routes_attempted() ? static_cast<double>(e.routes_dropped()) / e.routes_attempted() : 0.0,
+        e.steps() ? static_cast<double>(e.fallback_steps()) / e.steps() : 0.0, e.count_failures());
   }
   std::cout << "\n";
 }
@@ -494,8 +497,8 @@ void PrintRebalance(int num_ranks, const RebalanceInput& in, const RebalancePlan
   for (size_t r = 0; r < plan.rank_load_before.size(); ++r) {
     std::cout << absl::StrFormat("%-8d %14.1f %14.1f\n", r, plan.rank_load_before[r], plan.rank_load_after[r]);
   }
-  std::cout << absl::StrFormat("balancedness (mean/max rank load): before %.3f, after %.3f\n",
-                               plan.balancedness_before, plan.balancedness_after);
+  std::cout << absl::StrFormat("balancedness (mean/max rank load): before %.3f, after %.3f\n", plan.balancedness_before,
+                               plan.balancedness_after);
 }
 
 // `rebalance --out F`: the plan as a PlacementManifest JSON over the ranks' topology.
@@ -517,7 +520,8 @@ absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, const Reb
 // `rebalance --dry_run [--out F ...]`: EPLB over the ranks' observed load.
 absl::Status RunRebalance(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
-  if (!o.dry_run) return absl::InvalidArgumentError("--dry_run: required (rebalance only plans; load the plan with placement load)");
+  if (!o.dry_run)
+    return absl::InvalidArgumentError("--dry_run: required (rebalance only plans; load the plan with placement load)");
   ASSIGN_OR_RETURN(const v1::ClusterStatusResponse resp, GetClusterStatus(call));
   ASSIGN_OR_RETURN(const RebalanceInput in, RebalanceInputFromRanks(resp, o));
   auto plan = PlanRebalance(in);
@@ -606,7 +610,8 @@ const Subcommand* FindSubcommand(const std::vector<std::string>& cmd) {
 bool IsRemoteCommand(const std::vector<std::string>& cmd) {
   if (cmd.empty()) return false;
   return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback" ||
-         cmd[0] == "status" || cmd[0] == "watch" || cmd[0] == "drain" || cmd[0] == "rollout" || cmd[0] == "rebalance" || (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
+         cmd[0] == "status" || cmd[0] == "watch" || cmd[0] == "drain" || cmd[0] == "rollout" || cmd[0] == "rebalance" ||
+         (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
 }
 
 absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
@@ -617,9 +622,9 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
   if (!tf || !std::getline(tf, token)) {
     return absl::InvalidArgumentError(absl::StrCat("--token_file ", o.token_file, ": cannot read"));
   }
-  RemoteCall call{cmd, o,
-                  v1::ControlPlaneService::NewStub(grpc::CreateChannel(o.controller, grpc::InsecureChannelCredentials())),
-                  std::string(absl::StripAsciiWhitespace(token)), o.request_id.empty() ? NewRequestId() : o.request_id};
+  RemoteCall call{
+      cmd, o, v1::ControlPlaneService::NewStub(grpc::CreateChannel(o.controller, grpc::InsecureChannelCredentials())),
+      std::string(absl::StripAsciiWhitespace(token)), o.request_id.empty() ? NewRequestId() : o.request_id};
   const Subcommand* sub = FindSubcommand(cmd);
   if (sub == nullptr) {
     return absl::InvalidArgumentError(

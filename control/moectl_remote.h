@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+
 #include "runtime/placement/topology.h"
 
 namespace moe {

@@ -22,9 +22,9 @@ std::string RenderManifest(const PlacementManifest& m, const Topology& topology)
   absl::StrAppend(&out, absl::StrFormat("%-6s %-7s %-8s %-5s %-7s %s\n", "SLOT", "EXPERT", "REPLICA", "RANK", "NODE",
                                         "PARAMETER DIGEST"));
   for (const SlotRecord& s : m.slots()) {
-    absl::StrAppend(&out, absl::StrFormat("%-6s %-7d %-8d %-5d %-7s %s\n", s.name, s.expert.value(), s.replica.value(),
-                                          s.rank.value(), topology.NodeName(s.domain),
-                                          s.parameter_digest.value().substr(0, 16)));
+    absl::StrAppend(
+        &out, absl::StrFormat("%-6s %-7d %-8d %-5d %-7s %s\n", s.name, s.expert.value(), s.replica.value(),
+                              s.rank.value(), topology.NodeName(s.domain), s.parameter_digest.value().substr(0, 16)));
   }
   return out;
 }
@@ -39,17 +39,18 @@ std::string RenderMigration(const PlacementManifest& from, const PlacementManife
       const std::string& slot = s.source_is_target ? to.slot(s.source_slot).name : from.slot(s.source_slot).name;
       source = absl::StrCat("rank ", s.source_rank.value(), " ", slot, s.source_is_target ? " (new)" : "");
     }
-    absl::StrAppend(&out, absl::StrFormat("%-5d %-6s %-7d %-24s %s\n", s.target_rank.value(),
-                                          to.slot(s.target_slot).name, s.expert.value(), MigrationActionName(s.action),
-                                          source));
+    absl::StrAppend(&out,
+                    absl::StrFormat("%-5d %-6s %-7d %-24s %s\n", s.target_rank.value(), to.slot(s.target_slot).name,
+                                    s.expert.value(), MigrationActionName(s.action), source));
   }
-  absl::StrAppend(&out, absl::StrFormat(
-                            "retained %d (%s), local duplicates %d (%s), same-node copies %d (%s), cross-node copies %d "
-                            "(%s), checkpoint loads %d (%s), retired %d (%s)\n",
-                            plan.retained_copies, Bytes(plan.retained_bytes), plan.local_duplicates,
-                            Bytes(plan.local_bytes), plan.same_node_copies, Bytes(plan.same_node_bytes),
-                            plan.cross_node_copies, Bytes(plan.cross_node_bytes), plan.checkpoint_loads,
-                            Bytes(plan.checkpoint_bytes), plan.retired_copies, Bytes(plan.retired_bytes)));
+  absl::StrAppend(
+      &out,
+      absl::StrFormat("retained %d (%s), local duplicates %d (%s), same-node copies %d (%s), cross-node copies %d "
+                      "(%s), checkpoint loads %d (%s), retired %d (%s)\n",
+                      plan.retained_copies, Bytes(plan.retained_bytes), plan.local_duplicates, Bytes(plan.local_bytes),
+                      plan.same_node_copies, Bytes(plan.same_node_bytes), plan.cross_node_copies,
+                      Bytes(plan.cross_node_bytes), plan.checkpoint_loads, Bytes(plan.checkpoint_bytes),
+                      plan.retired_copies, Bytes(plan.retired_bytes)));
   absl::StrAppend(&out, absl::StrFormat("resident before %s, after %s; peak during the overlap %s (reserve %s)\n",
                                         Bytes(plan.resident_from), Bytes(plan.resident_to), Bytes(plan.peak_bytes),
                                         Bytes(plan.reserved_bytes)));

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/placement/eplb.h"
 
 namespace moe {
@@ -50,14 +51,14 @@ absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
   RebalancePlan plan;
   plan.num_replicas = in.num_replicas > 0 ? in.num_replicas : (current_slots + ranks - 1) / ranks * ranks;
   if (plan.num_replicas % ranks != 0 || plan.num_replicas < experts) {
-    return absl::InvalidArgumentError(absl::StrCat("--num_replicas: ", plan.num_replicas,
-                                                   " must be a multiple of the ", ranks, " ranks and at least the ",
-                                                   experts, " experts"));
+    return absl::InvalidArgumentError(absl::StrCat("--num_replicas: ", plan.num_replicas, " must be a multiple of the ",
+                                                   ranks, " ranks and at least the ", experts, " experts"));
   }
   std::vector<int> copies;
   plan.rank_load_before = RankLoad(in.expert_load, in.current_slot_experts, &copies);
   for (int e = 0; e < experts; ++e) {
-    if (copies[e] == 0) return absl::FailedPreconditionError(absl::StrCat("current placement: expert ", e, " has no slot"));
+    if (copies[e] == 0)
+      return absl::FailedPreconditionError(absl::StrCat("current placement: expert ", e, " has no slot"));
   }
   plan.copies_before = copies;
   plan.balancedness_before = Balancedness(plan.rank_load_before);

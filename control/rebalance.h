@@ -13,7 +13,7 @@
 namespace moe {
 
 struct RebalanceInput {
-  std::vector<int64_t> expert_load;                   // [E] routes per logical expert
+  std::vector<int64_t> expert_load;                    // [E] routes per logical expert
   std::vector<std::vector<int>> current_slot_experts;  // per rank: logical expert of each slot
   int num_replicas = 0;  // physical slots of the new placement; 0: current slots rounded up to a multiple of ranks
   int num_groups = 1;
@@ -25,7 +25,7 @@ struct RebalancePlan {
   std::vector<double> rank_load_before, rank_load_after;
   double balancedness_before = 0, balancedness_after = 0;
   std::vector<int> copies_before, copies_after;  // [E]
-  std::vector<std::pair<int, int>> expert_rank;   // new placement: (expert, rank) per slot, slot order
+  std::vector<std::pair<int, int>> expert_rank;  // new placement: (expert, rank) per slot, slot order
 };
 
 absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in);

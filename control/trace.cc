@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+
 #include "runtime/plan/route_plan.h"
 #include "runtime/status.h"
 
@@ -57,13 +58,15 @@ absl::StatusOr<ProcessGroup> ParseGroup(const Json& doc, const Topology& topolog
   const Json& g = doc.contains("process_group") ? doc.at("process_group") : empty;
   ASSIGN_OR_RETURN(std::string id, json::StringOr(g, "process_group", "id", "ep-group-0"));
   ASSIGN_OR_RETURN(int64_t epoch, json::IntOr(g, "process_group", "epoch", 0));
-  if (!g.contains("peers")) return ProcessGroup::Identity(ProcessGroupId(id), ProcessGroupEpoch(epoch), topology.num_ranks());
+  if (!g.contains("peers"))
+    return ProcessGroup::Identity(ProcessGroupId(id), ProcessGroupEpoch(epoch), topology.num_ranks());
   ASSIGN_OR_RETURN(const Json* peers_json, json::Array(g.at("peers"), "process_group.peers"));
   std::vector<Rank> peers;
   for (size_t i = 0; i < peers_json->size(); ++i) {
     ASSIGN_OR_RETURN(int64_t r, json::Int((*peers_json)[i], absl::StrCat("process_group.peers[", i, "]")));
     if (!topology.HasRank(Rank(static_cast<int32_t>(r)))) {
-      return json::Invalid(absl::StrCat("process_group.peers[", i, "]"), absl::StrCat("rank ", r, " is not in the topology"));
+      return json::Invalid(absl::StrCat("process_group.peers[", i, "]"),
+                           absl::StrCat("rank ", r, " is not in the topology"));
     }
     peers.push_back(Rank(static_cast<int32_t>(r)));
   }
@@ -112,7 +115,8 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> ParsePlacement(const Js
     rec.domain = TopologyDomainId(d);
     ASSIGN_OR_RETURN(std::string ckpt, json::StringOr(s, path, "checkpoint", checkpoint));
     rec.checkpoint = CheckpointVersion(ckpt);
-    ASSIGN_OR_RETURN(std::string digest, json::StringOr(s, path, "parameter_digest", absl::StrCat("expert-", expert, "-", checkpoint)));
+    ASSIGN_OR_RETURN(std::string digest,
+                     json::StringOr(s, path, "parameter_digest", absl::StrCat("expert-", expert, "-", checkpoint)));
     rec.parameter_digest = ParameterDigest(digest);
     slots.push_back(std::move(rec));
   }
@@ -210,12 +214,14 @@ absl::StatusOr<int64_t> ParseRoute(const Json& r, size_t i, Trace* t) {
   ASSIGN_OR_RETURN(std::string name, json::StringOr(r, path, "id", absl::StrCat("r", i)));
   ASSIGN_OR_RETURN(const Json* src_json, json::Member(r, path, "source_rank"));
   ASSIGN_OR_RETURN(int64_t src, json::Int(*src_json, path + ".source_rank"));
-  if (src < 0 || src >= p_count) return json::Invalid(path + ".source_rank", absl::StrCat(src, " is not a rank of the topology"));
+  if (src < 0 || src >= p_count)
+    return json::Invalid(path + ".source_rank", absl::StrCat(src, " is not a rank of the topology"));
   ASSIGN_OR_RETURN(const Json* tok_json, json::Member(r, path, "token"));
   ASSIGN_OR_RETURN(int64_t token, json::Int(*tok_json, path + ".token"));
   const int64_t tokens = static_cast<int64_t>(t->hidden[src].size() / t->d);
   if (token < 0 || token >= tokens) {
-    return json::Invalid(path + ".token", absl::StrCat(token, " but source rank ", src, " has ", tokens, " hidden rows"));
+    return json::Invalid(path + ".token",
+                         absl::StrCat(token, " but source rank ", src, " has ", tokens, " hidden rows"));
   }
   ASSIGN_OR_RETURN(int64_t route_slot, json::IntOr(r, path, "route_slot", 0));
   ASSIGN_OR_RETURN(const Json* e_json, json::Member(r, path, "logical_expert"));
@@ -488,11 +494,13 @@ absl::StatusOr<Json> LifetimesJson(const Trace& t, const ByteLedger& b) {
   ASSIGN_OR_RETURN(LifetimeReport life, CheckLifetimes(LayerStepEvents(), buffers));
   Json buffer_rows = Json::array();
   for (const BufferLifetime& buf : buffers) {
-    buffer_rows.push_back({{"buffer", buf.name}, {"bytes", buf.bytes}, {"live", {buf.begin, buf.end}},
-                           {"last_reader", buf.last_reader}});
+    buffer_rows.push_back(
+        {{"buffer", buf.name}, {"bytes", buf.bytes}, {"live", {buf.begin, buf.end}}, {"last_reader", buf.last_reader}});
   }
-  return Json{{"buffers", buffer_rows}, {"total_bytes", life.total_bytes},
-              {"peak_bytes", life.peak_bytes}, {"peak_epoch", life.peak_epoch},
+  return Json{{"buffers", buffer_rows},
+              {"total_bytes", life.total_bytes},
+              {"peak_bytes", life.peak_bytes},
+              {"peak_epoch", life.peak_epoch},
               {"live_by_epoch", life.live_by_epoch}};
 }
 
@@ -542,8 +550,10 @@ absl::StatusOr<Json> Ledgers(const Trace& t, const ClusterPlan& plan, const Froz
                      {"physical_slot_rows", loads.physical_slot_rows},
                      {"destination_rank_rows", loads.destination_rank_rows}};
   ByteLedger b = ComputeByteLedger(plan, frozen, t.d, t.widths);
-  ledgers["row_slots"] = {{"useful_rows", b.routes}, {"max_split", b.max_split},
-                          {"uniform_padded_rows", b.padded_rows}, {"padding_rows", b.padding_rows}};
+  ledgers["row_slots"] = {{"useful_rows", b.routes},
+                          {"max_split", b.max_split},
+                          {"uniform_padded_rows", b.padded_rows},
+                          {"padding_rows", b.padding_rows}};
   ledgers["bytes"] = ByteLedgerJson(b);
   ASSIGN_OR_RETURN(ledgers["lifetimes"], LifetimesJson(t, b));
   ASSIGN_OR_RETURN(ledgers["runners"], RunnerLedgersJson(t, loads, runners));
@@ -595,8 +605,8 @@ std::string RenderPlanText(const Json& r) {
   std::ostringstream o;
   const int p = static_cast<int>(r["count_matrix"].size());
   o << "placement " << r["placement_version"].get<std::string>() << ", process group "
-    << r["process_group"]["id"].get<std::string>() << " epoch " << r["process_group"]["epoch"].dump()
-    << ", peer order " << Vec(r["process_group"]["peers"]) << "\n";
+    << r["process_group"]["id"].get<std::string>() << " epoch " << r["process_group"]["epoch"].dump() << ", peer order "
+    << Vec(r["process_group"]["peers"]) << "\n";
   o << "semantic digest " << r["semantic_digest"].get<std::string>() << "\n";
   o << "replica selection: " << r["replica_selection"].get<std::string>() << "\n\n";
   o << "count matrix C[source][destination] (global ranks)\n";
@@ -627,8 +637,8 @@ std::string RenderPlanText(const Json& r) {
   o << "\nload ledger\n  logical expert rows " << Vec(l["load"]["logical_expert_rows"]) << "\n  physical slot rows  "
     << Vec(l["load"]["physical_slot_rows"]) << "\n  destination rank rows " << Vec(l["load"]["destination_rank_rows"])
     << "\n";
-  o << "\nrow slots: useful " << l["row_slots"]["useful_rows"] << ", uniform padded " << l["row_slots"]["uniform_padded_rows"]
-    << " (" << l["row_slots"]["padding_rows"] << " padding)\n";
+  o << "\nrow slots: useful " << l["row_slots"]["useful_rows"] << ", uniform padded "
+    << l["row_slots"]["uniform_padded_rows"] << " (" << l["row_slots"]["padding_rows"] << " padding)\n";
   o << "\nbyte ledger (representation-level, excluding protocol)\n";
   for (auto it = l["bytes"].begin(); it != l["bytes"].end(); ++it) {
     o << absl::StrFormat("  %-36s %s\n", it.key(), it.value().dump());
@@ -641,8 +651,8 @@ std::string RenderPlanText(const Json& r) {
   o << "  sum " << l["lifetimes"]["total_bytes"] << " B, peak " << l["lifetimes"]["peak_bytes"] << " B at epoch "
     << l["lifetimes"]["peak_epoch"] << "\n";
   o << "\nrunner ledgers (global physical-slot order)\n";
-  o << absl::StrFormat("  %-24s %9s %9s %11s %7s %12s %10s %s\n", "layout", "executed", "useful", "utilization", "input",
-                       "intermediate", "flops", "state");
+  o << absl::StrFormat("  %-24s %9s %9s %11s %7s %12s %10s %s\n", "layout", "executed", "useful", "utilization",
+                       "input", "intermediate", "flops", "state");
   for (auto it = l["runners"].begin(); it != l["runners"].end(); ++it) {
     const Json& x = it.value();
     o << absl::StrFormat("  %-24s %9s %9s %10.1f%% %7s %12s %10s %s (%s B)\n", it.key(), x["executed_rows"].dump(),

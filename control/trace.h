@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "control/json_util.h"
 #include "runtime/exec/runner_layout.h"
 #include "runtime/placement/manifest.h"
@@ -38,10 +39,10 @@ struct Trace {
   std::vector<PhysicalSlotId> slots;  // empty when the trace leaves selection to the runtime
   PartitionRows hidden;
   std::vector<float> expert_scale;
-  int64_t capacity = 0;   // padded runner; 0 = max slot count
+  int64_t capacity = 0;  // padded runner; 0 = max slot count
   int64_t alignment = 1;
   int64_t block_rows = 128;
-  int block_cols = 0;     // 0 = d_ff
+  int block_cols = 0;  // 0 = d_ff
   LedgerWidths widths;
 };
 

@@ -63,7 +63,7 @@ struct GatherParams {
   int64_t in_rows = 0;
   const int32_t* index = nullptr;  // [n]
   int64_t n = 0;
-  void* out = nullptr;             // [n, d]
+  void* out = nullptr;  // [n, d]
   ScaleGranularity scales = ScaleGranularity::kNone;
   const float* in_scales = nullptr;
   int64_t in_scale_count = 0;
@@ -111,9 +111,9 @@ struct ExpertWeights {
 struct SwigluParams {
   LayoutParams layout;
   ExpertWeights weights;
-  const uint16_t* x = nullptr;          // [rows, d] BF16
+  const uint16_t* x = nullptr;  // [rows, d] BF16
   int64_t rows = 0;
-  const int64_t* host_offsets = nullptr;// [E + 1], host memory
+  const int64_t* host_offsets = nullptr;  // [E + 1], host memory
   // Decode path: when host_offsets is null the offsets are read where the kernels run (device
   // memory on CUDA) and nothing returns to the host; offsets[E] may then be below `rows`, which
   // is the capacity of x and y. x and y stay expert-major useful rows in either layout it
@@ -130,7 +130,7 @@ struct SwigluParams {
   // expert-major order is fused into the expert kernel's operand load.
   const int32_t* x_row_index = nullptr;
   int64_t x_rows = 0;
-  uint16_t* y = nullptr;                // [rows, d] BF16
+  uint16_t* y = nullptr;  // [rows, d] BF16
   // Value written into padding / fringe input rows (tests poison them with NaN).
   float padding_value = 0.0f;
 };
@@ -138,15 +138,15 @@ struct SwigluParams {
 // y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
 // row -1 (a dropped route) contributes nothing.
 struct CombineParams {
-  const uint16_t* rows = nullptr;       // [num_rows, d] BF16 returned expert rows
+  const uint16_t* rows = nullptr;  // [num_rows, d] BF16 returned expert rows
   int64_t num_rows = 0;
   int d = 0;
-  const int32_t* row_of_route = nullptr;// [num_tokens, k]
-  const float* gate = nullptr;          // [num_tokens, k] FP32
+  const int32_t* row_of_route = nullptr;  // [num_tokens, k]
+  const float* gate = nullptr;            // [num_tokens, k] FP32
   int64_t num_tokens = 0;
   int k = 0;
-  float* out_fp32 = nullptr;            // optional [num_tokens, d]
-  uint16_t* out_bf16 = nullptr;         // optional [num_tokens, d]
+  float* out_fp32 = nullptr;     // optional [num_tokens, d]
+  uint16_t* out_bf16 = nullptr;  // optional [num_tokens, d]
 };
 
 // The whole MoE layer of a step whose experts all live where the kernels run (one device, no
@@ -160,13 +160,13 @@ struct CombineParams {
 // kernels object and grows on first use at a size: warm a size up before capturing the call.
 struct LocalLayerParams {
   ExpertWeights weights;
-  const uint16_t* x = nullptr;      // [num_tokens, d] BF16
-  const int32_t* topk = nullptr;    // [num_tokens, k]
-  const float* gate = nullptr;      // [num_tokens, k] FP32
+  const uint16_t* x = nullptr;    // [num_tokens, d] BF16
+  const int32_t* topk = nullptr;  // [num_tokens, k]
+  const float* gate = nullptr;    // [num_tokens, k] FP32
   int64_t num_tokens = 0;
   int k = 0;
-  float* out_fp32 = nullptr;        // optional [num_tokens, d]
-  uint16_t* out_bf16 = nullptr;     // optional [num_tokens, d]
+  float* out_fp32 = nullptr;     // optional [num_tokens, d]
+  uint16_t* out_bf16 = nullptr;  // optional [num_tokens, d]
   // > 0: the experts run Swiglu's padded runner with this capacity instead of the decode
   // kernels (the caller knows every expert's routes, e.g. from host-side ids, and passes their
   // maximum: a segment above it is the contract broken, NaN rows on CUDA, FAILED_PRECONDITION on
@@ -191,19 +191,19 @@ struct QuantizeParams {
   int64_t rows = 0;
   int d = 0;
   ScaleGranularity granularity = ScaleGranularity::kPerRow;
-  uint8_t* q = nullptr;         // [rows, d]
+  uint8_t* q = nullptr;  // [rows, d]
   float* scales = nullptr;
-  int64_t scale_count = 0;      // must equal ScaleCount(granularity, rows, d)
+  int64_t scale_count = 0;  // must equal ScaleCount(granularity, rows, d)
 };
 
 struct DequantizeParams {
   const uint8_t* q = nullptr;
   const float* scales = nullptr;
-  int64_t scale_count = 0;      // must equal ScaleCount(granularity, rows, d): checked before compute
+  int64_t scale_count = 0;  // must equal ScaleCount(granularity, rows, d): checked before compute
   int64_t rows = 0;
   int d = 0;
   ScaleGranularity granularity = ScaleGranularity::kPerRow;
-  uint16_t* x = nullptr;        // [rows, d] BF16
+  uint16_t* x = nullptr;  // [rows, d] BF16
 };
 
 class ExpertKernels {
@@ -263,11 +263,11 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // "gemm=auto|loop|grouped,chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1".
 struct CudaTuning {
   enum class Gemm { kAuto, kLoop, kGrouped };
-  Gemm gemm = Gemm::kAuto;   // loop: one cuBLAS GEMM per expert; grouped: always grouped
-  int chain_streams = 0;     // side streams for chained GEMMs; 0: the kernels' choice
-  bool fused_layer = true;   // LocalLayer's fused one-token kernels (false: always in stages)
-  bool pdl = true;           // programmatic dependent launch between consecutive kernels
-  int mma_wide = -1;         // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
+  Gemm gemm = Gemm::kAuto;  // loop: one cuBLAS GEMM per expert; grouped: always grouped
+  int chain_streams = 0;    // side streams for chained GEMMs; 0: the kernels' choice
+  bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
+  bool pdl = true;          // programmatic dependent launch between consecutive kernels
+  int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
 };
 // INVALID_ARGUMENT naming the key for an unknown key or a value out of range; "" is the defaults.
 absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec);

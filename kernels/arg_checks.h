@@ -7,9 +7,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
-#define KERNEL_INVALID_IF(cond, ...)                                                   \
-  do {                                                                                 \
-    if (cond) return ::absl::InvalidArgumentError(::absl::StrCat(__VA_ARGS__));        \
+#define KERNEL_INVALID_IF(cond, ...)                                            \
+  do {                                                                          \
+    if (cond) return ::absl::InvalidArgumentError(::absl::StrCat(__VA_ARGS__)); \
   } while (0)
 
 #endif  // MOE_KERNELS_ARG_CHECKS_H_

@@ -7,11 +7,10 @@ namespace moe::kernels {
 absl::Status ReserveLocalLayerScratch(ExpertKernels* kernels, const LocalLayerParams& p, LocalLayerScratch* scratch) {
   const ExpertWeights& w = p.weights;
   const int64_t routes = p.num_tokens * p.k;
-  for (auto [buffer, bytes] : {std::pair{&scratch->counts, int64_t{8} * w.num_experts},
-                               std::pair{&scratch->offsets, int64_t{8} * (w.num_experts + 1)},
-                               std::pair{&scratch->row_of_route, 4 * routes},
-                               std::pair{&scratch->token_of_row, 4 * routes},
-                               std::pair{&scratch->rows, 2 * routes * w.d}}) {
+  for (auto [buffer, bytes] :
+       {std::pair{&scratch->counts, int64_t{8} * w.num_experts},
+        std::pair{&scratch->offsets, int64_t{8} * (w.num_experts + 1)}, std::pair{&scratch->row_of_route, 4 * routes},
+        std::pair{&scratch->token_of_row, 4 * routes}, std::pair{&scratch->rows, 2 * routes * w.d}}) {
     absl::Status s = buffer->Reserve(kernels, bytes);
     if (!s.ok()) return s;
   }
@@ -48,8 +47,15 @@ absl::Status RunLocalLayerInStages(ExpertKernels* kernels, const LocalLayerParam
   if (p.padded_capacity > 0) experts.layout = {Layout::kPaddedDense, p.padded_capacity, 16, 128};
   s = kernels->Swiglu(experts, stream);
   if (!s.ok()) return s;
-  const CombineParams combine{scratch->rows.as<uint16_t>(), routes, w.d, scratch->row_of_route.as<int32_t>(),
-                              p.gate, p.num_tokens, p.k, p.out_fp32, p.out_bf16};
+  const CombineParams combine{scratch->rows.as<uint16_t>(),
+                              routes,
+                              w.d,
+                              scratch->row_of_route.as<int32_t>(),
+                              p.gate,
+                              p.num_tokens,
+                              p.k,
+                              p.out_fp32,
+                              p.out_bf16};
   return kernels->Combine(combine, stream);
 }
 

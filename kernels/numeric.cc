@@ -26,13 +26,9 @@ double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const uint16_t>
   return RelativeL2Of(got, want);
 }
 
-double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const float> want) {
-  return RelativeL2Of(got, want);
-}
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const float> want) { return RelativeL2Of(got, want); }
 
-double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const double> want) {
-  return RelativeL2Of(got, want);
-}
+double RelativeL2Bf16(absl::Span<const uint16_t> got, absl::Span<const double> want) { return RelativeL2Of(got, want); }
 
 float Fp8E4M3ToFloat(uint8_t v) {
   const int sign = v >> 7;
@@ -58,7 +54,10 @@ uint8_t FloatToFp8E4M3(float f) {
   int lo = 0, hi = 0x7e;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    if (Fp8E4M3ToFloat(static_cast<uint8_t>(mid)) <= a) lo = mid; else hi = mid;
+    if (Fp8E4M3ToFloat(static_cast<uint8_t>(mid)) <= a)
+      lo = mid;
+    else
+      hi = mid;
   }
   const float vlo = Fp8E4M3ToFloat(static_cast<uint8_t>(lo));
   const float vhi = Fp8E4M3ToFloat(static_cast<uint8_t>(hi));

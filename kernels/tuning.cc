@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+
 #include "kernels/api.h"
 
 namespace moe::kernels {
@@ -57,8 +58,8 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else {
-      s = absl::InvalidArgumentError(absl::StrCat(
-          "cuda tuning: unknown key '", key, "' (gemm, chain_streams, fused_layer, pdl, mma_wide)"));
+      s = absl::InvalidArgumentError(
+          absl::StrCat("cuda tuning: unknown key '", key, "' (gemm, chain_streams, fused_layer, pdl, mma_wide)"));
     }
     if (!s.ok()) return s;
   }

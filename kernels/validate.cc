@@ -2,6 +2,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+
 #include "kernels/api.h"
 #include "kernels/arg_checks.h"
 
@@ -47,9 +48,11 @@ absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, co
   KERNEL_INVALID_IF(offsets.empty(), field, ": needs E + 1 entries");
   KERNEL_INVALID_IF(offsets[0] != 0, field, "[0]: ", offsets[0], ", must be 0");
   for (size_t i = 1; i < offsets.size(); ++i) {
-    KERNEL_INVALID_IF(offsets[i] < offsets[i - 1], field, "[", i, "]: ", offsets[i], " < ", field, "[", i - 1, "] = ", offsets[i - 1]);
+    KERNEL_INVALID_IF(offsets[i] < offsets[i - 1], field, "[", i, "]: ", offsets[i], " < ", field, "[", i - 1,
+                      "] = ", offsets[i - 1]);
   }
-  KERNEL_INVALID_IF(offsets.back() != rows, field, ": sentinel ", offsets.back(), " does not equal the ", rows, " rows");
+  KERNEL_INVALID_IF(offsets.back() != rows, field, ": sentinel ", offsets.back(), " does not equal the ", rows,
+                    " rows");
   return absl::OkStatus();
 }
 
@@ -67,8 +70,8 @@ absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> co
     int64_t executed = counts[e];
     if (p.layout == Layout::kPaddedDense) {
       if (counts[e] > p.capacity) {
-        return absl::FailedPreconditionError(absl::StrCat("segment ", e, " has ", counts[e],
-                                                          " rows, above the padded capacity ", p.capacity));
+        return absl::FailedPreconditionError(
+            absl::StrCat("segment ", e, " has ", counts[e], " rows, above the padded capacity ", p.capacity));
       }
       executed = c_exec;
     } else if (p.layout == Layout::kBlockSparse) {
@@ -82,11 +85,13 @@ absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> co
 absl::Status CheckGather(const GatherParams& p) {
   KERNEL_INVALID_IF(p.d <= 0, "gather.d: must be positive");
   KERNEL_INVALID_IF(p.n < 0 || p.in_rows < 0, "gather: negative row count");
-  KERNEL_INVALID_IF(p.n > 0 && (p.index == nullptr || p.out == nullptr || (p.in_rows > 0 && p.in == nullptr)), "gather: null buffer");
+  KERNEL_INVALID_IF(p.n > 0 && (p.index == nullptr || p.out == nullptr || (p.in_rows > 0 && p.in == nullptr)),
+                    "gather: null buffer");
   if (p.scales != ScaleGranularity::kNone) {
     KERNEL_INVALID_IF(p.dtype != DType::kFP8E4M3, "gather.scales: only FP8 payloads carry scales");
     const int64_t want = ScaleCount(p.scales, p.in_rows, p.d);
-    KERNEL_INVALID_IF(p.in_scale_count != want, "gather.in_scale_count: ", p.in_scale_count, ", the payload of ", p.in_rows, " rows x ", p.d, " needs ", want);
+    KERNEL_INVALID_IF(p.in_scale_count != want, "gather.in_scale_count: ", p.in_scale_count, ", the payload of ",
+                      p.in_rows, " rows x ", p.d, " needs ", want);
     KERNEL_INVALID_IF(p.n > 0 && (p.in_scales == nullptr || p.out_scales == nullptr), "gather: null scale buffer");
   } else {
     KERNEL_INVALID_IF(p.dtype == DType::kFP8E4M3, "gather.scales: an FP8 payload needs its scales");
@@ -97,30 +102,38 @@ absl::Status CheckGather(const GatherParams& p) {
 absl::Status CheckHistogram(const HistogramParams& p) {
   KERNEL_INVALID_IF(p.num_bins <= 0, "histogram.num_bins: must be positive");
   KERNEL_INVALID_IF(p.n < 0, "histogram.n: negative");
-  KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr || (p.n > 0 && p.keys == nullptr), "histogram: null buffer");
+  KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr || (p.n > 0 && p.keys == nullptr),
+                    "histogram: null buffer");
   return absl::OkStatus();
 }
 
 absl::Status CheckRouteRows(const RouteRowsParams& p) {
-  KERNEL_INVALID_IF(p.num_experts <= 0 || p.k <= 0 || p.num_tokens < 0, "route_rows: num_experts and k must be positive");
+  KERNEL_INVALID_IF(p.num_experts <= 0 || p.k <= 0 || p.num_tokens < 0,
+                    "route_rows: num_experts and k must be positive");
   KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr, "route_rows: null counts/offsets");
-  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.topk == nullptr || p.row_of_route == nullptr || p.token_of_row == nullptr), "route_rows: null buffer");
+  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.topk == nullptr || p.row_of_route == nullptr || p.token_of_row == nullptr),
+                    "route_rows: null buffer");
   return absl::OkStatus();
 }
 
 absl::Status CheckSwiglu(const SwigluParams& p) {
   const ExpertWeights& w = p.weights;
-  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0, "swiglu.weights: num_experts, d and d_ff must be positive");
+  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,
+                    "swiglu.weights: num_experts, d and d_ff must be positive");
   KERNEL_INVALID_IF(w.w_gate_up == nullptr || w.w_down == nullptr, "swiglu.weights: null");
   KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.y == nullptr), "swiglu: null x or y");
-  KERNEL_INVALID_IF(p.x_row_index != nullptr && p.host_offsets != nullptr, "swiglu.x_row_index: only with device_offsets (the decode path)");
+  KERNEL_INVALID_IF(p.x_row_index != nullptr && p.host_offsets != nullptr,
+                    "swiglu.x_row_index: only with device_offsets (the decode path)");
   if (p.host_offsets == nullptr) {
     KERNEL_INVALID_IF(p.device_offsets == nullptr, "swiglu: host_offsets or device_offsets required");
-    KERNEL_INVALID_IF(p.layout.layout == Layout::kBlockSparse,  "swiglu.device_offsets: the decode path runs the grouped or the padded layout, not block-sparse");
-    KERNEL_INVALID_IF(p.layout.layout == Layout::kPaddedDense && (p.layout.capacity <= 0 || p.layout.alignment <= 0),  "swiglu.layout: the padded layout on the decode path needs a positive capacity and alignment");
+    KERNEL_INVALID_IF(p.layout.layout == Layout::kBlockSparse,
+                      "swiglu.device_offsets: the decode path runs the grouped or the padded layout, not block-sparse");
+    KERNEL_INVALID_IF(p.layout.layout == Layout::kPaddedDense && (p.layout.capacity <= 0 || p.layout.alignment <= 0),
+                      "swiglu.layout: the padded layout on the decode path needs a positive capacity and alignment");
     return absl::OkStatus();
   }
-  absl::Status s = ValidateOffsets(absl::MakeConstSpan(p.host_offsets, w.num_experts + 1), p.rows, "swiglu.host_offsets");
+  absl::Status s =
+      ValidateOffsets(absl::MakeConstSpan(p.host_offsets, w.num_experts + 1), p.rows, "swiglu.host_offsets");
   if (!s.ok()) return s;
   std::vector<int64_t> counts(w.num_experts), executed;
   for (int e = 0; e < w.num_experts; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
@@ -131,19 +144,23 @@ absl::Status CheckCombine(const CombineParams& p) {
   KERNEL_INVALID_IF(p.d <= 0 || p.k <= 0, "combine: d and k must be positive");
   KERNEL_INVALID_IF(p.num_tokens < 0 || p.num_rows < 0, "combine: negative size");
   KERNEL_INVALID_IF(p.out_fp32 == nullptr && p.out_bf16 == nullptr, "combine: no output");
-  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.row_of_route == nullptr || p.gate == nullptr), "combine: null route map or gates");
+  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.row_of_route == nullptr || p.gate == nullptr),
+                    "combine: null route map or gates");
   return absl::OkStatus();
 }
 
 absl::Status CheckLocalLayer(const LocalLayerParams& p) {
   const ExpertWeights& w = p.weights;
-  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0, "local_layer.weights: num_experts, d and d_ff must be positive");
+  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,
+                    "local_layer.weights: num_experts, d and d_ff must be positive");
   KERNEL_INVALID_IF(w.w_gate_up == nullptr || w.w_down == nullptr, "local_layer.weights: null");
   KERNEL_INVALID_IF(p.k <= 0, "local_layer.k: must be positive");
   KERNEL_INVALID_IF(p.num_tokens < 0, "local_layer.num_tokens: negative");
   KERNEL_INVALID_IF(p.out_fp32 == nullptr && p.out_bf16 == nullptr, "local_layer: no output");
-  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.x == nullptr || p.topk == nullptr || p.gate == nullptr), "local_layer: null x, topk or gate");
-  KERNEL_INVALID_IF(p.num_tokens * p.k > std::numeric_limits<int32_t>::max(), "local_layer.num_tokens: num_tokens * k must fit 32-bit row indices");
+  KERNEL_INVALID_IF(p.num_tokens > 0 && (p.x == nullptr || p.topk == nullptr || p.gate == nullptr),
+                    "local_layer: null x, topk or gate");
+  KERNEL_INVALID_IF(p.num_tokens * p.k > std::numeric_limits<int32_t>::max(),
+                    "local_layer.num_tokens: num_tokens * k must fit 32-bit row indices");
   KERNEL_INVALID_IF(p.padded_capacity < 0, "local_layer.padded_capacity: negative");
   return absl::OkStatus();
 }
@@ -166,7 +183,8 @@ namespace {
 absl::Status CheckScales(ScaleGranularity g, int64_t count, int64_t rows, int d, const char* what) {
   KERNEL_INVALID_IF(g == ScaleGranularity::kNone, what, ".granularity: FP8 needs scales");
   const int64_t want = ScaleCount(g, rows, d);
-  KERNEL_INVALID_IF(count != want, what, ".scale_count: ", count, ", the payload of ", rows, " rows x ", d, " needs ", want);
+  KERNEL_INVALID_IF(count != want, what, ".scale_count: ", count, ", the payload of ", rows, " rows x ", d, " needs ",
+                    want);
   return absl::OkStatus();
 }
 }  // namespace

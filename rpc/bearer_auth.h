@@ -3,11 +3,10 @@
 #ifndef MOE_RPC_BEARER_AUTH_H_
 #define MOE_RPC_BEARER_AUTH_H_
 
-#include <openssl/crypto.h>
-
 #include <string>
 
 #include <grpcpp/grpcpp.h>
+#include <openssl/crypto.h>
 
 namespace moe {
 

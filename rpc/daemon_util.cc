@@ -1,21 +1,22 @@
 #include "rpc/daemon_util.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <fstream>
 
+#include <arpa/inet.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "CivetServer.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "runtime/transport/file_rendezvous.h"
 #include "spdlog/spdlog.h"
+
+#include "runtime/transport/file_rendezvous.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC address (loopback by default; port 0 = pick one)");
 ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
@@ -76,7 +77,8 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::str
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag) {
-  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": required (control RPCs are authenticated)"));
+  if (path.empty())
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": required (control RPCs are authenticated)"));
   std::ifstream in(path);
   std::string line;
   if (!in || !std::getline(in, line)) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": cannot read"));

@@ -7,11 +7,11 @@
 
 #include <signal.h>
 
-#include <grpcpp/grpcpp.h>
-
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <grpcpp/grpcpp.h>
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
@@ -39,7 +39,7 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartExposer(const std::str
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
 
 struct GrpcServeOptions {
-  std::string listen;      // "host:port" (port 0: the kernel picks); empty: no TCP port
+  std::string listen;             // "host:port" (port 0: the kernel picks); empty: no TCP port
   std::string flag = "--listen";  // names `listen` in errors
   int max_message_bytes = 0;      // > 0: gRPC's send and receive limits
   bool health = true;             // grpc.health.v1.Health on this server
@@ -48,8 +48,8 @@ struct GrpcServeOptions {
 // Serves `services` (and health as asked) and sets *port to the bound TCP port (0 without one).
 // No daemon serves gRPC reflection: linking gRPC's reflection library turns it on for every
 // server of the process, the TCP ones included. Connections can also be added from descriptors
-// (rpc/unix_socket.h). Exactly one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are off).
-// UNAVAILABLE naming the flag when the address cannot be bound.
+// (rpc/unix_socket.h). Exactly one listening socket per address (gRPC's SO_REUSEPORT clones of a port-0 listener are
+// off). UNAVAILABLE naming the flag when the address cannot be bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
                                                         const GrpcServeOptions& options, int* port);
 

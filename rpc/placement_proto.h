@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+
 #include "proto/moe/v1/placement.pb.h"
 #include "runtime/placement/manifest.h"
 

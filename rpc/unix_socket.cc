@@ -2,9 +2,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +9,9 @@
 #include <cstring>
 
 #include <grpcpp/server_posix.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -24,8 +24,8 @@ absl::StatusOr<std::unique_ptr<UnixSocketListener>> UnixSocketListener::Create(c
                                                                                std::vector<uid_t> allowed) {
   sockaddr_un addr{};
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("--engine_socket '", path, "': a path of 1 to ",
-                                                   sizeof(addr.sun_path) - 1, " characters"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--engine_socket '", path, "': a path of 1 to ", sizeof(addr.sun_path) - 1, " characters"));
   }
   if (allowed.empty()) allowed.push_back(geteuid());
   struct stat st {};

@@ -11,8 +11,6 @@
 #ifndef MOE_RPC_UNIX_SOCKET_H_
 #define MOE_RPC_UNIX_SOCKET_H_
 
-#include <sys/types.h>
-
 #include <atomic>
 #include <map>
 #include <memory>
@@ -22,6 +20,7 @@
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
+#include <sys/types.h>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -32,7 +31,7 @@ class UnixSocketListener {
  public:
   // Binds and listens on `path`. `allowed_uids` empty: only this process's effective uid.
   static absl::StatusOr<std::unique_ptr<UnixSocketListener>> Create(const std::string& path,
-                                                                   std::vector<uid_t> allowed_uids);
+                                                                    std::vector<uid_t> allowed_uids);
   ~UnixSocketListener();  // stops accepting and removes the socket file
 
   // Accepts connections into `server` (built with no ports of its own, or any) until destroyed.

@@ -1,10 +1,10 @@
 #include "runtime/semantic.h"
 
-#include <openssl/evp.h>
-
 #include <cmath>
 #include <cstring>
 #include <unordered_set>
+
+#include <openssl/evp.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -40,8 +40,8 @@ absl::Status SemanticHandoff::Validate() const {
   keys.reserve(n);
   for (size_t r = 0; r < n; ++r) {
     if (origin[r].value() < 0 || origin[r].value() >= num_partitions) {
-      return absl::InvalidArgumentError(absl::StrCat("routes[", r, "].source_rank: ", origin[r].value(),
-                                                     " outside [0, ", num_partitions, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("routes[", r, "].source_rank: ", origin[r].value(), " outside [0, ", num_partitions, ")"));
     }
     if (token[r] < 0) return absl::InvalidArgumentError(absl::StrCat("routes[", r, "].token: negative"));
     if (route_slot[r] < 0 || route_slot[r] >= top_k) {
@@ -49,11 +49,12 @@ absl::Status SemanticHandoff::Validate() const {
           absl::StrCat("routes[", r, "].route_slot: ", route_slot[r], " outside [0, ", top_k, ")"));
     }
     if (expert[r].value() < 0 || expert[r].value() >= num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat("routes[", r, "].logical_expert: ", expert[r].value(),
-                                                     " outside [0, ", num_experts, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("routes[", r, "].logical_expert: ", expert[r].value(), " outside [0, ", num_experts, ")"));
     }
     if (!std::isfinite(gate[r]) || gate[r] < 0.0f) {
-      return absl::InvalidArgumentError(absl::StrCat("routes[", r, "].gate: ", gate[r], " is NaN, infinite or negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("routes[", r, "].gate: ", gate[r], " is NaN, infinite or negative"));
     }
     const uint64_t key = (static_cast<uint64_t>(origin[r].value()) << 40) ^ (static_cast<uint64_t>(token[r]) << 8) ^
                          static_cast<uint64_t>(route_slot[r]);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/ids.h"
 
 namespace moe {
@@ -27,12 +28,12 @@ struct SemanticHandoff {
   int32_t top_k = 0;
   int32_t num_partitions = 0;  // source ranks of the group (members, even with zero tokens)
 
-  std::vector<Rank> origin;              // p
-  std::vector<int32_t> token;            // t, row inside the origin partition
-  std::vector<int32_t> route_slot;       // j in [0, k)
-  std::vector<LogicalExpertId> expert;   // e
-  std::vector<float> gate;               // g, FP32
-  std::vector<uint8_t> admitted;         // 1 = accepted by the router, 0 = dropped
+  std::vector<Rank> origin;             // p
+  std::vector<int32_t> token;           // t, row inside the origin partition
+  std::vector<int32_t> route_slot;      // j in [0, k)
+  std::vector<LogicalExpertId> expert;  // e
+  std::vector<float> gate;              // g, FP32
+  std::vector<uint8_t> admitted;        // 1 = accepted by the router, 0 = dropped
 
   int32_t size() const { return static_cast<int32_t>(origin.size()); }
   void Reserve(size_t n);

@@ -31,8 +31,8 @@ void CheckFailed(const char* condition, const char* file, int line, absl::string
 
 absl::Status ForeignError(absl::StatusCode code, absl::string_view library, absl::string_view code_name,
                           absl::string_view message, absl::string_view expr, const char* file, int line) {
-  return absl::Status(code, absl::StrCat(library, " error ", code_name, " (", message, ") in `", expr, "` at ",
-                                         file, ":", line));
+  return absl::Status(
+      code, absl::StrCat(library, " error ", code_name, " (", message, ") in `", expr, "` at ", file, ":", line));
 }
 
 absl::Status ErrnoError(int err, absl::string_view expr, const char* file, int line) {

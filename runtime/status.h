@@ -10,12 +10,12 @@
 #define MOE_RUNTIME_STATUS_H_
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace moe {
 
@@ -63,16 +63,15 @@ inline absl::Status AsStatus(const absl::StatusOr<T>& s) {
 #define MOE_STATUS_CONCAT_(a, b) MOE_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (a Status or StatusOr) is not OK.
-#define RETURN_IF_ERROR(expr)                                                   \
-  do {                                                                          \
-    ::absl::Status moe_status_ = ::moe::status_internal::AsStatus((expr));      \
-    if (!moe_status_.ok()) return moe_status_;                                  \
+#define RETURN_IF_ERROR(expr)                                              \
+  do {                                                                     \
+    ::absl::Status moe_status_ = ::moe::status_internal::AsStatus((expr)); \
+    if (!moe_status_.ok()) return moe_status_;                             \
   } while (0)
 
 // ASSIGN_OR_RETURN(lhs, rexpr): evaluates the StatusOr `rexpr`; on error returns its status,
 // otherwise moves the value into `lhs` (which may be a declaration, e.g. `auto x`).
-#define ASSIGN_OR_RETURN(lhs, rexpr) \
-  ASSIGN_OR_RETURN_IMPL_(MOE_STATUS_CONCAT_(moe_statusor_, __LINE__), lhs, rexpr)
+#define ASSIGN_OR_RETURN(lhs, rexpr) ASSIGN_OR_RETURN_IMPL_(MOE_STATUS_CONCAT_(moe_statusor_, __LINE__), lhs, rexpr)
 
 #define ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
   auto statusor = (rexpr);                           \
@@ -80,14 +79,14 @@ inline absl::Status AsStatus(const absl::StatusOr<T>& s) {
   lhs = std::move(statusor).value()
 
 // MOE_CHECK(cond) / MOE_CHECK(cond, message): the invariant `cond` holds, or the process aborts.
-#define MOE_CHECK(cond, ...)                                                        \
-  do {                                                                              \
-    if (!(cond)) ::moe::CheckFailed(#cond, __FILE__, __LINE__, "" __VA_ARGS__);     \
+#define MOE_CHECK(cond, ...)                                                    \
+  do {                                                                          \
+    if (!(cond)) ::moe::CheckFailed(#cond, __FILE__, __LINE__, "" __VA_ARGS__); \
   } while (0)
 
 // errno-returning POSIX calls: `RETURN_IF_ERRNO(::close(fd))` returns when the call is < 0.
-#define RETURN_IF_ERRNO(expr)                                                  \
-  do {                                                                         \
+#define RETURN_IF_ERRNO(expr)                                                   \
+  do {                                                                          \
     if ((expr) < 0) return ::moe::ErrnoError(errno, #expr, __FILE__, __LINE__); \
   } while (0)
 

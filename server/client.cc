@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "rpc/grpc_status.h"
 
 namespace moe {

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
 
 namespace moe {
@@ -22,11 +23,11 @@ struct StepCall {
   std::vector<uint16_t> hidden;  // [tokens, d] BF16
   int64_t tokens = 0;
   int d = 0;
-  std::vector<int32_t> topk_ids;     // [tokens, k]
-  std::vector<float> topk_weights;   // [tokens, k]
+  std::vector<int32_t> topk_ids;    // [tokens, k]
+  std::vector<float> topk_weights;  // [tokens, k]
   int k = 0;
-  std::vector<uint8_t> admitted;     // optional [tokens, k]
-  int64_t expected_generation = 0;   // 0: any
+  std::vector<uint8_t> admitted;    // optional [tokens, k]
+  int64_t expected_generation = 0;  // 0: any
 };
 
 struct StepAnswer {
@@ -40,7 +41,7 @@ class ExpertLayerClient {
   // `address`: a gRPC target, "unix:/path/to/engine.sock" (the rank's --engine_socket) or
   // "host:port" (then `token` is the rank's --engine_token_file token).
   static absl::StatusOr<std::unique_ptr<ExpertLayerClient>> Connect(const std::string& address, absl::Duration timeout,
-                                                                   const std::string& token = "");
+                                                                    const std::string& token = "");
   absl::StatusOr<StepAnswer> Execute(const StepCall& call, absl::Duration deadline = absl::Seconds(60));
 
  private:

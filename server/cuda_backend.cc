@@ -25,8 +25,8 @@ absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path, const ker
   const std::string file = path.empty() ? NextToExecutable("libmoe_cuda.so") : path;
   void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("cuda backend ", file, ": ", dlerror(),
-                                                      " (build it with tools/gpu_bundle.sh or --config=gpu)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda backend ", file, ": ", dlerror(), " (build it with tools/gpu_bundle.sh or --config=gpu)"));
   }
   CudaBackend b;
   b.kernels_ = reinterpret_cast<KernelsFactory>(dlsym(lib, "moe_cuda_create_kernels"));

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+
 #include "kernels/api.h"
 #include "runtime/exec/decode_graph.h"
 #include "runtime/transport/transport.h"

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/exec/cuda_decode_graph.h"
 #include "runtime/transport/nccl.h"
 #include "server/cuda_backend.h"

@@ -8,14 +8,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <tuple>
-#include <cstring>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
@@ -37,7 +38,8 @@ ABSL_FLAG(std::string, addresses, "",
 ABSL_FLAG(std::string, port_dir, "",
           "directory with <rank>.engine files (a rank's engine target, e.g. unix:/run/moe/0.sock) or else "
           "<rank>.port files (moe-rankd --port_file; TCP on 127.0.0.1, needs --engine_token_file)");
-ABSL_FLAG(std::string, engine_token_file, "", "bearer token for ranks reached over TCP (moe-rankd --engine_token_file)");
+ABSL_FLAG(std::string, engine_token_file, "",
+          "bearer token for ranks reached over TCP (moe-rankd --engine_token_file)");
 ABSL_FLAG(int, world, 4, "ranks (with --port_dir)");
 ABSL_FLAG(std::string, checkpoint, "", "the checkpoint the ranks serve (for the reference computation)");
 ABSL_FLAG(int, rounds, 3, "rounds of the scenario list");
@@ -52,8 +54,9 @@ ABSL_FLAG(int, k, 4, "experts per token");
 ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
 ABSL_FLAG(int, oversize_tokens, 9, "tokens per rank in an oversize decode step");
-ABSL_FLAG(std::string, fault, "", "bad_input: rank 1 sends a malformed step (then a good one); dead_rank: expect every "
-                                 "live rank to fail a step within the timeout (a rank was killed)");
+ABSL_FLAG(std::string, fault, "",
+          "bad_input: rank 1 sends a malformed step (then a good one); dead_rank: expect every "
+          "live rank to fail a step within the timeout (a rank was killed)");
 ABSL_FLAG(int, dead_rank, -1, "dead_rank fault: the rank that was killed");
 
 namespace moe {
@@ -64,7 +67,7 @@ struct Stats {
   int64_t replays = 0, decode_steps = 0, retried = 0, generation_splits = 0, canary_steps = 0;
   std::vector<std::tuple<int64_t, uint64_t, uint64_t>> timeline;  // (generation, first step, last step)
   std::map<std::string, int64_t> fallbacks;
-  std::map<std::string, std::vector<double>> latency_us;  // by phase
+  std::map<std::string, std::vector<double>> latency_us;   // by phase
   std::map<std::string, std::vector<double>> executor_us;  // by phase: time inside the rank's layer executor
   std::map<std::string, std::vector<double>> server_us;    // by phase: time inside the rank's handler
   // By timeline segment, then phase: the latency before, during and after a rollout.
@@ -169,7 +172,8 @@ struct FaultContext {
   // A prefill step of 8 tokens a rank, uniform routing.
   std::vector<StepCall> Calls(uint64_t step) {
     std::vector<StepCall> calls;
-    for (int r = 0; r < ranks(); ++r) calls.push_back(MakeCall(rng, step, false, 8, d, k, reference.num_experts(), false));
+    for (int r = 0; r < ranks(); ++r)
+      calls.push_back(MakeCall(rng, step, false, 8, d, k, reference.num_experts(), false));
     return calls;
   }
   // Calls every rank not skipped at once, with a 30 s deadline.
@@ -322,9 +326,8 @@ Answers ExecuteWithRetries(Clients& clients, std::vector<StepCall>& calls, uint6
     std::vector<std::thread> threads;
     for (int r = 0; r < p; ++r) threads.emplace_back([&, r] { answers[r] = clients[r]->Execute(calls[r]); });
     for (auto& t : threads) t.join();
-    const bool all_aborted = std::all_of(answers.begin(), answers.end(), [](const auto& a) {
-      return a.status().code() == absl::StatusCode::kAborted;
-    });
+    const bool all_aborted = std::all_of(answers.begin(), answers.end(),
+                                         [](const auto& a) { return a.status().code() == absl::StatusCode::kAborted; });
     if (!all_aborted || attempt == absl::GetFlag(FLAGS_max_retries)) break;
     ++stats->retried;
     const uint64_t retry_id = (uint64_t{1} << 40) + static_cast<uint64_t>(stats->retried);
@@ -380,8 +383,10 @@ void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, co
     stats->dropped += rec.routes_dropped();
     if (u.decode) {
       ++stats->decode_steps;
-      if (rec.path() == v1::PATH_GRAPH_REPLAY) ++stats->replays;
-      else ++stats->fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
+      if (rec.path() == v1::PATH_GRAPH_REPLAY)
+        ++stats->replays;
+      else
+        ++stats->fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
     }
     stats->latency_us[phase].push_back(answers[r]->client_latency_us);
     stats->executor_us[phase].push_back(rec.compute_latency_us());
@@ -452,7 +457,8 @@ void PrintTimelineSegments(const Stats& stats) {
                 static_cast<unsigned long long>(std::get<1>(stats.timeline[i])),
                 static_cast<unsigned long long>(std::get<2>(stats.timeline[i])));
     for (const auto& [phase, v] : stats.segment_latency_us[i]) {
-      std::printf("  %s p50 %.0f us p99 %.0f us (%zu)", phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size());
+      std::printf("  %s p50 %.0f us p99 %.0f us (%zu)", phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99),
+                  v.size());
     }
     std::printf("\n");
   }
@@ -460,19 +466,24 @@ void PrintTimelineSegments(const Stats& stats) {
 
 void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts) {
   std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts)\n", p, k, d, f, experts);
-  std::printf("  rank-steps          %lld (failed %lld)\n", static_cast<long long>(stats.steps), static_cast<long long>(stats.failed));
-  std::printf("  routes accepted     %lld (router-dropped %lld)\n", static_cast<long long>(stats.routes), static_cast<long long>(stats.dropped));
+  std::printf("  rank-steps          %lld (failed %lld)\n", static_cast<long long>(stats.steps),
+              static_cast<long long>(stats.failed));
+  std::printf("  routes accepted     %lld (router-dropped %lld)\n", static_cast<long long>(stats.routes),
+              static_cast<long long>(stats.dropped));
   std::printf("  remote fraction     %.3f\n", stats.routes ? static_cast<double>(stats.remote) / stats.routes : 0.0);
-  std::printf("  inter-node fraction %.3f\n", stats.routes ? static_cast<double>(stats.inter_node) / stats.routes : 0.0);
+  std::printf("  inter-node fraction %.3f\n",
+              stats.routes ? static_cast<double>(stats.inter_node) / stats.routes : 0.0);
   std::printf("  graph replay ratio  %.3f (%lld of %lld decode rank-steps)\n",
               stats.decode_steps ? static_cast<double>(stats.replays) / stats.decode_steps : 0.0,
               static_cast<long long>(stats.replays), static_cast<long long>(stats.decode_steps));
-  for (const auto& [reason, n] : stats.fallbacks) std::printf("  fallback %-26s %lld\n", reason.c_str(), static_cast<long long>(n));
+  for (const auto& [reason, n] : stats.fallbacks)
+    std::printf("  fallback %-26s %lld\n", reason.c_str(), static_cast<long long>(n));
   for (const auto& [phase, v] : stats.latency_us) {
-    std::printf("  %-8s latency     p50 %.0f us  p99 %.0f us  (%zu rank-steps; inside the rank's handler p50 %.0f us, "
-                "its executor p50 %.0f us)\n",
-                phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size(),
-                Percentile(Samples(stats.server_us, phase), 0.5), Percentile(Samples(stats.executor_us, phase), 0.5));
+    std::printf(
+        "  %-8s latency     p50 %.0f us  p99 %.0f us  (%zu rank-steps; inside the rank's handler p50 %.0f us, "
+        "its executor p50 %.0f us)\n",
+        phase.c_str(), Percentile(v, 0.5), Percentile(v, 0.99), v.size(),
+        Percentile(Samples(stats.server_us, phase), 0.5), Percentile(Samples(stats.executor_us, phase), 0.5));
   }
   std::printf("  mismatches          %lld\n", static_cast<long long>(stats.mismatches));
   std::printf("  steps retried       %lld (aborted on every rank before payload, e.g. during a generation switch)\n",
@@ -483,8 +494,8 @@ void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts) {
   }
   std::printf("  generation timeline");
   for (const auto& [gen, first, last] : stats.timeline) {
-    std::printf("  placement-v%lld: steps %llu-%llu", static_cast<long long>(gen), static_cast<unsigned long long>(first),
-                static_cast<unsigned long long>(last));
+    std::printf("  placement-v%lld: steps %llu-%llu", static_cast<long long>(gen),
+                static_cast<unsigned long long>(first), static_cast<unsigned long long>(last));
   }
   std::printf("\n");
   PrintTimelineSegments(stats);
@@ -502,7 +513,8 @@ absl::StatusOr<Clients> ConnectClients(const std::vector<std::string>& addresses
       clients.push_back(nullptr);
       continue;
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<ExpertLayerClient> c, ExpertLayerClient::Connect(addresses[r], absl::Seconds(30), token));
+    ASSIGN_OR_RETURN(std::unique_ptr<ExpertLayerClient> c,
+                     ExpertLayerClient::Connect(addresses[r], absl::Seconds(30), token));
     clients.push_back(std::move(c));
   }
   return clients;

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "rpc/bearer_auth.h"
 #include "rpc/grpc_status.h"
 #include "runtime/status.h"
@@ -67,8 +68,8 @@ absl::StatusOr<CheckedStep> CheckRequest(const v1::StepRequest& req, const Engin
   auto bytes = WireBytes(h, "hidden");
   if (!bytes.ok()) return bytes.status();
   if (*bytes > o.max_request_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("hidden: ", *bytes, " bytes of rows exceed ", o.max_request_bytes,
-                                                   " (--max_request_bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden: ", *bytes, " bytes of rows exceed ", o.max_request_bytes, " (--max_request_bytes)"));
   }
   c.tokens = h.rows();
   c.d = static_cast<int>(h.cols());
@@ -77,8 +78,8 @@ absl::StatusOr<CheckedStep> CheckRequest(const v1::StepRequest& req, const Engin
     return absl::InvalidArgumentError("k: hidden.rows x k overflows");
   }
   if (req.topk_ids_size() != c.routes) {
-    return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", req.topk_ids_size(), " entries, hidden has ",
-                                                   c.tokens, " rows and k = ", req.k()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids: ", req.topk_ids_size(), " entries, hidden has ", c.tokens, " rows and k = ", req.k()));
   }
   if (req.topk_weights_size() != c.routes) {
     return absl::InvalidArgumentError(
@@ -93,13 +94,13 @@ absl::StatusOr<CheckedStep> CheckRequest(const v1::StepRequest& req, const Engin
       return absl::InvalidArgumentError("hidden.data: must be empty when hidden_region is set");
     }
     if (req.hidden_region().bytes() != static_cast<uint64_t>(c.wire_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat("hidden_region.bytes: ", req.hidden_region().bytes(),
-                                                     ", dtype x shape needs ", c.wire_bytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden_region.bytes: ", req.hidden_region().bytes(), ", dtype x shape needs ", c.wire_bytes));
     }
   }
   if (req.has_output_region() && req.output_region().bytes() != static_cast<uint64_t>(c.wire_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat("output_region.bytes: ", req.output_region().bytes(),
-                                                   ", the output needs ", c.wire_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("output_region.bytes: ", req.output_region().bytes(), ", the output needs ", c.wire_bytes));
   }
   return c;
 }

@@ -11,14 +11,15 @@
 #ifndef MOE_SERVER_EXPERT_LAYER_SERVICE_H_
 #define MOE_SERVER_EXPERT_LAYER_SERVICE_H_
 
-#include <sys/types.h>
-
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include <sys/types.h>
+
 #include "absl/synchronization/mutex.h"
+
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
 #include "runtime/exec/layer_executor.h"
 #include "server/metrics.h"

@@ -8,11 +8,13 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
   prometheus::MetricFamily steps{"moe_generation_steps_total",
                                  "layer steps by placement generation: served as the active one, served as a canary "
                                  "of a candidate, or failed",
-                                 prometheus::MetricType::Counter, {}};
+                                 prometheus::MetricType::Counter,
+                                 {}};
   prometheus::MetricFamily shadow{"moe_shadow_steps_total",
                                   "shadow passes of a candidate generation by result (its output against the active "
                                   "generation's: match, mismatch; or failed)",
-                                  prometheus::MetricType::Counter, {}};
+                                  prometheus::MetricType::Counter,
+                                  {}};
   auto add = [&](prometheus::MetricFamily& f, int64_t version, const char* key, const char* value, int64_t n) {
     prometheus::ClientMetric m;
     m.label = {{"release", release_}, {"placement_generation", absl::StrCat(version)}, {key, value}};

@@ -9,6 +9,7 @@
 
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
+
 #include "runtime/exec/layer_executor.h"
 
 namespace moe {

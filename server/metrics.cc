@@ -2,7 +2,8 @@
 
 namespace moe {
 
-RankMetrics::RankMetrics(const std::string& release) : registry_(std::make_shared<prometheus::Registry>()), release_(release) {
+RankMetrics::RankMetrics(const std::string& release)
+    : registry_(std::make_shared<prometheus::Registry>()), release_(release) {
   steps_ = &prometheus::BuildCounter()
                 .Name("moe_steps_total")
                 .Help("Layer steps answered, by phase, execution path and status")
@@ -21,8 +22,9 @@ RankMetrics::RankMetrics(const std::string& release) : registry_(std::make_share
                     .Register(*registry_);
   stage_latency_ = &prometheus::BuildHistogram()
                         .Name("moe_step_stage_seconds")
-                        .Help("Wall time of each stage of an answered layer step (validate, acquire, plan, agree, "
-                              "dispatch, experts, return, combine, release), by phase")
+                        .Help(
+                            "Wall time of each stage of an answered layer step (validate, acquire, plan, agree, "
+                            "dispatch, experts, return, combine, release), by phase")
                         .Register(*registry_);
   bytes_sent_ = &prometheus::BuildCounter()
                      .Name("moe_payload_bytes_sent_total")
@@ -81,9 +83,9 @@ void RankMetrics::StepPhases(const std::string& phase, const std::array<double, 
       if (name == phase) series = &histograms;
     }
     if (series == nullptr) {
-      static const prometheus::Histogram::BucketBoundaries kBuckets = {
-          0.000002, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
-          0.001,    0.0025,   0.005,   0.01,     0.025,   0.1,    1};
+      static const prometheus::Histogram::BucketBoundaries kBuckets = {0.000002, 0.000005, 0.00001, 0.000025, 0.00005,
+                                                                       0.0001,   0.00025,  0.0005,  0.001,    0.0025,
+                                                                       0.005,    0.01,     0.025,   0.1,      1};
       std::array<prometheus::Histogram*, kNumStepPhases> made{};
       for (int i = 0; i < kNumStepPhases; ++i) {
         made[i] = &stage_latency_->Add(
@@ -102,10 +104,12 @@ void RankMetrics::Routes(int64_t attempted, int64_t accepted, int64_t dropped, i
   {
     std::lock_guard<std::mutex> lock(series_mu_);
     if (route_series_ == nullptr) {
-      route_series_ = std::make_unique<RouteSeries>(RouteSeries{
-          &routes_->Add({{"release", release_}, {"kind", "attempted"}}), &routes_->Add({{"release", release_}, {"kind", "accepted"}}),
-          &routes_->Add({{"release", release_}, {"kind", "dropped"}}), &routes_->Add({{"release", release_}, {"kind", "remote"}}),
-          &routes_->Add({{"release", release_}, {"kind", "inter_node"}})});
+      route_series_ =
+          std::make_unique<RouteSeries>(RouteSeries{&routes_->Add({{"release", release_}, {"kind", "attempted"}}),
+                                                    &routes_->Add({{"release", release_}, {"kind", "accepted"}}),
+                                                    &routes_->Add({{"release", release_}, {"kind", "dropped"}}),
+                                                    &routes_->Add({{"release", release_}, {"kind", "remote"}}),
+                                                    &routes_->Add({{"release", release_}, {"kind", "inter_node"}})});
     }
     r = route_series_.get();
   }

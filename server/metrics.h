@@ -17,6 +17,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+
 #include "runtime/exec/step.h"
 
 namespace moe {
@@ -64,8 +65,8 @@ class RankMetrics {
     prometheus::Counter* inter_node;
   };
   std::mutex series_mu_;
-  std::vector<StepSeries> step_series_;                                         // guarded by series_mu_
-  std::unique_ptr<RouteSeries> route_series_;                                   // guarded by series_mu_
+  std::vector<StepSeries> step_series_;                                        // guarded by series_mu_
+  std::unique_ptr<RouteSeries> route_series_;                                  // guarded by series_mu_
   std::vector<std::pair<std::string, prometheus::Counter*>> fallback_series_;  // guarded by series_mu_
   // Per step phase (prefill, decode) the histogram of each stage, made on first use.
   std::vector<std::pair<std::string, std::array<prometheus::Histogram*, kNumStepPhases>>>

@@ -7,15 +7,16 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "runtime/logging.h"
-#include "runtime/placement/migration.h"
-#include "runtime/status.h"
-#include "rpc/placement_proto.h"
-#include "runtime/checkpoint/expert_checkpoint.h"
-#include "runtime/checkpoint/synthetic.h"
+
 #include "rpc/bearer_auth.h"
 #include "rpc/counters_proto.h"
 #include "rpc/grpc_status.h"
+#include "rpc/placement_proto.h"
+#include "runtime/checkpoint/expert_checkpoint.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/logging.h"
+#include "runtime/placement/migration.h"
+#include "runtime/status.h"
 
 namespace moe {
 
@@ -159,7 +160,8 @@ class PeerAgents {
     if (stub == nullptr) {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(1 << 30);
-      stub = v1::RankAgentService::NewStub(grpc::CreateCustomChannel(peers_.at(r), grpc::InsecureChannelCredentials(), args));
+      stub = v1::RankAgentService::NewStub(
+          grpc::CreateCustomChannel(peers_.at(r), grpc::InsecureChannelCredentials(), args));
     }
     return *stub;
   }
@@ -175,10 +177,10 @@ absl::Status LoadFromCheckpoint(const SafetensorsFile& checkpoint, const SlotRec
   const int e = slot.expert.value();
   auto tgu = checkpoint.tensors.find(checkpoint_keys::GateUp(e));
   auto tdn = checkpoint.tensors.find(checkpoint_keys::Down(e));
-  if (tgu == checkpoint.tensors.end() || tdn == checkpoint.tensors.end() ||
-      tgu->second.data.size() != sizes.gu_n * 2 || tdn->second.data.size() != sizes.dn_n * 2) {
-    return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": checkpoint has no ", sizes.d_ff, "x",
-                                                      sizes.d, " tensors for expert ", e));
+  if (tgu == checkpoint.tensors.end() || tdn == checkpoint.tensors.end() || tgu->second.data.size() != sizes.gu_n * 2 ||
+      tdn->second.data.size() != sizes.dn_n * 2) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("slot ", slot.name, ": checkpoint has no ", sizes.d_ff, "x", sizes.d, " tensors for expert ", e));
   }
   out->gate_up.resize(sizes.gu_n);
   out->down.resize(sizes.dn_n);
@@ -191,10 +193,9 @@ absl::Status LoadFromCheckpoint(const SafetensorsFile& checkpoint, const SlotRec
 absl::Status VerifySlotDigest(const SlotRecord& slot, MigrationAction action, const SlotTensors& w) {
   const std::string digest = ExpertDigest(w.gate_up, w.down);
   if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
-    return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", digest.substr(0, 12),
-                                                      "... (", MigrationActionName(action),
-                                                      ") does not match the manifest's ",
-                                                      slot.parameter_digest.value().substr(0, 12)));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "slot ", slot.name, ": parameter digest ", digest.substr(0, 12), "... (", MigrationActionName(action),
+        ") does not match the manifest's ", slot.parameter_digest.value().substr(0, 12)));
   }
   return absl::OkStatus();
 }
@@ -249,8 +250,9 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
   if (absl::Status s = VerifyForPublish(**manifest, c_.group, c_.topology); !s.ok()) return ToGrpcStatus(s);
   const std::vector<std::string> peers(req->peer_agents().begin(), req->peer_agents().end());
   if (!peers.empty() && static_cast<int>(peers.size()) != c_.topology.num_ranks()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("peer_agents: ", peers.size(), " addresses for ", c_.topology.num_ranks(), " ranks"));
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("peer_agents: ", peers.size(), " addresses for ", c_.topology.num_ranks(), " ranks"));
   }
   auto local = Materialize(**manifest, peers);
   if (!local.ok()) return ToGrpcStatus(local.status());
@@ -267,9 +269,10 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
     absl::MutexLock summary_lock(&summary_mu_);
     materialized_[v.value()] = summary;
   }
-  spdlog::info("placement-v{}: {} local slots: {} retained, {} duplicated here, {} copied from peers, {} loaded from "
-               "the checkpoint", v.value(), summary[0] + summary[1] + summary[2] + summary[3], summary[0], summary[1],
-               summary[2], summary[3]);
+  spdlog::info(
+      "placement-v{}: {} local slots: {} retained, {} duplicated here, {} copied from peers, {} loaded from "
+      "the checkpoint",
+      v.value(), summary[0] + summary[1] + summary[2] + summary[3], summary[0], summary[1], summary[2], summary[3]);
   return Describe(v, resp);
 }
 
@@ -391,8 +394,8 @@ grpc::Status RankAgentServiceImpl::SetTrial(grpc::ServerContext* ctx, const v1::
     if (!state.ok() || *state != GenerationState::kPrepared) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           absl::StrCat("version: placement-v", req->version(), " is ",
-                                       state.ok() ? GenerationStateName(*state) : "unknown",
-                                       " on rank ", c_.rank.value(), "; trials run on a PREPARED candidate"));
+                                       state.ok() ? GenerationStateName(*state) : "unknown", " on rank ",
+                                       c_.rank.value(), "; trials run on a PREPARED candidate"));
     }
     c_.executor->SetTrial(req->version(), req->shadow_every(), req->canary_every());
   } else {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/exec/layer_executor.h"
@@ -24,10 +25,10 @@ struct RankAgentContext {
   Rank rank;
   Topology topology;
   ProcessGroup group;
-  GenerationRegistry* registry = nullptr;  // not owned
-  LayerExecutor* executor = nullptr;       // not owned
+  GenerationRegistry* registry = nullptr;       // not owned
+  LayerExecutor* executor = nullptr;            // not owned
   const SafetensorsFile* checkpoint = nullptr;  // not owned
-  std::string token;                       // bearer token; must be non-empty
+  std::string token;                            // bearer token; must be non-empty
 };
 
 class RankAgentServiceImpl final : public v1::RankAgentService::Service {

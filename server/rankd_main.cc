@@ -19,13 +19,15 @@
 
 #include <grpcpp/grpcpp.h>
 
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+
 #include "kernels/api.h"
+#include "rpc/daemon_util.h"
+#include "rpc/unix_socket.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/exec/layer_executor.h"
@@ -36,10 +38,8 @@
 #include "server/cuda_backend.h"
 #include "server/expert_layer_service.h"
 #include "server/generation_metrics.h"
-#include "rpc/daemon_util.h"
 #include "server/metrics.h"
 #include "server/rank_agent_service.h"
-#include "rpc/unix_socket.h"
 
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
 ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
@@ -85,7 +85,6 @@ ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to
 ABSL_FLAG(std::string, cuda_tuning, "",
           "switches of the CUDA kernels for side-by-side measurements, e.g. pdl=0,fused_layer=0 (kernels/api.h "
           "CudaTuning; empty: the tuned defaults)");
-
 
 namespace moe {
 namespace {
@@ -222,8 +221,8 @@ absl::StatusOr<Model> LoadModel(const RankdOptions& o) {
   const int num_experts = view->num_experts();
   const Topology topology = TwoNodeTopology(o.world);
   const ProcessGroup group = LocalClusterGroup(o.world, absl::GetFlag(FLAGS_epoch));
-  auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology, group,
-                                   ckpt->metadata);
+  auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology,
+                                   group, ckpt->metadata);
   if (!manifest.ok()) return Annotate(manifest.status(), "placement");
   if (absl::Status s = VerifyForPublish(**manifest, group, topology); !s.ok()) return Annotate(s, "placement");
   auto local = LoadLocalExperts(*ckpt, **manifest, Rank(o.rank));
@@ -259,7 +258,8 @@ struct Backend {
 absl::Status LoadCudaBackend(const RankdOptions& o, Backend* b) {
   if (!o.UsesCudaBackend()) return absl::OkStatus();
   auto loaded = CudaBackend::Load(absl::GetFlag(FLAGS_cuda_backend), o.cuda_tuning);
-  if (!loaded.ok()) return Annotate(loaded.status(), absl::StrCat("--kernels=", o.kernels, " --transport=", o.transport));
+  if (!loaded.ok())
+    return Annotate(loaded.status(), absl::StrCat("--kernels=", o.kernels, " --transport=", o.transport));
   b->cuda = *loaded;
   return absl::OkStatus();
 }
@@ -411,7 +411,9 @@ int Main() {
   if (absl::Status s = CreateKernelsAndTransport(o, model->group, &backend); !s.ok()) return Fail(s, kExitFailure);
   auto executor = BuildExecutor(o, *model, &registry, backend);
   if (!executor.ok()) return Fail(executor.status(), kExitFailure);
-  (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(model->local))).IgnoreError();
+  (*executor)
+      ->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(model->local)))
+      .IgnoreError();
   auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
   (*exposer)->RegisterCollectable(generation_metrics);
 
@@ -424,10 +426,11 @@ int Main() {
   const char* tcp = serving.agent == nullptr && !serving.engine_on_tcp
                         ? "off"
                         : (serving.engine_on_tcp ? (serving.agent ? "agent + engine" : "engine") : "agent");
-  spdlog::info("rank {} of {} serving engines on unix:{} (TCP port {}: {}), metrics on {}, placement-v1 with {} local "
-               "slots",
-               o.rank, o.world, serving.socket_path, serving.port, tcp, (*exposer)->GetListeningPorts().at(0),
-               model->manifest->LocalSlots(Rank(o.rank)).size());
+  spdlog::info(
+      "rank {} of {} serving engines on unix:{} (TCP port {}: {}), metrics on {}, placement-v1 with {} local "
+      "slots",
+      o.rank, o.world, serving.socket_path, serving.port, tcp, (*exposer)->GetListeningPorts().at(0),
+      model->manifest->LocalSlots(Rank(o.rank)).size());
   ServeUntilSignal(signals, &serving);
   return kExitOk;
 }

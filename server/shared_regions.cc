@@ -1,12 +1,13 @@
 #include "server/shared_regions.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -14,8 +15,7 @@ namespace moe {
 namespace {
 
 bool NameCharOk(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
-         c == '.';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
 }
 
 // The region's current size, FAILED_PRECONDITION when the object no longer covers `end`.
@@ -48,8 +48,8 @@ int SharedRegions::size() {
 absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, std::optional<uid_t> caller_uid) {
   const std::string& prefix = options_.name_prefix;
   if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0 || name.size() > 255) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name: '", name, "' must start with '", prefix, "' (the daemon's --shm_prefix) and be at most 255 characters"));
+    return absl::InvalidArgumentError(absl::StrCat("name: '", name, "' must start with '", prefix,
+                                                   "' (the daemon's --shm_prefix) and be at most 255 characters"));
   }
   for (size_t i = 1; i < name.size(); ++i) {
     if (!NameCharOk(name[i])) {
@@ -159,7 +159,8 @@ absl::Status SharedRegions::Write(const std::string& name, uint64_t offset, uint
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       return absl::FailedPreconditionError(absl::StrCat(field, ".region: writing '", name, "' at byte ", offset + done,
-                                                        " failed", n < 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
+                                                        " failed",
+                                                        n < 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
     }
     done += static_cast<uint64_t>(n);
   }

@@ -17,13 +17,13 @@
 #ifndef MOE_SERVER_SHARED_REGIONS_H_
 #define MOE_SERVER_SHARED_REGIONS_H_
 
-#include <sys/types.h>
-
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+
+#include <sys/types.h>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"

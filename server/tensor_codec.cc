@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+
 #include "kernels/numeric.h"
 
 namespace moe {
@@ -13,9 +14,12 @@ namespace {
 float HalfToFloat(uint16_t h) {
   const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   float v;
-  if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
-  else if (exp == 31) v = man ? NAN : INFINITY;
-  else v = std::ldexp(1.0f + man / 1024.0f, exp - 15);
+  if (exp == 0)
+    v = std::ldexp(static_cast<float>(man), -24);
+  else if (exp == 31)
+    v = man ? NAN : INFINITY;
+  else
+    v = std::ldexp(1.0f + man / 1024.0f, exp - 15);
   return sign ? -v : v;
 }
 
@@ -127,7 +131,8 @@ absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field)
   for (int64_t i = words * 4; i < n; ++i) bad = bad || (rows[i] & 0x7f80) == 0x7f80;
   if (!bad) return absl::OkStatus();
   for (int64_t i = 0; i < n; ++i) {
-    if ((rows[i] & 0x7f80) == 0x7f80) return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
+    if ((rows[i] & 0x7f80) == 0x7f80)
+      return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
   }
   return absl::OkStatus();
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "proto/moe/v1/expert_layer.pb.h"
 
 namespace moe {

@@ -12,6 +12,7 @@ PKGS=(
   prometheus-cpp-dev libucx-dev libsqlite3-dev libssl-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev
+  clang-format
   prometheus curl
 )
 

@@ -18,7 +18,6 @@
 //            figures above are quoted against.
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,7 +28,10 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
 #include "absl/time/clock.h"
+
 #include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
@@ -43,29 +45,29 @@ constexpr int kHidden = 7168, kTopK = 8, kExperts = 256, kPrefillTokens = 4096, 
 constexpr int kScalesPerRow = kHidden / 128;
 constexpr int64_t kFp8RowBytes = kHidden + kScalesPerRow * 4;
 
-#define CHECK_CUDA(x)                                                                    \
-  do {                                                                                   \
-    const cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                             \
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    const cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                          \
-    }                                                                                    \
+      return 1;                                                                               \
+    }                                                                                         \
   } while (0)
-#define CHECK_OK(x)                                                                      \
-  do {                                                                                   \
-    const absl::Status s_ = (x);                                                         \
-    if (!s_.ok()) {                                                                      \
+#define CHECK_OK(x)                                                                              \
+  do {                                                                                           \
+    const absl::Status s_ = (x);                                                                 \
+    if (!s_.ok()) {                                                                              \
       std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, std::string(s_.message()).c_str()); \
-      return 1;                                                                          \
-    }                                                                                    \
+      return 1;                                                                                  \
+    }                                                                                            \
   } while (0)
-#define CHECK_NCCL(x)                                                                    \
-  do {                                                                                   \
-    const ncclResult_t r_ = (x);                                                         \
-    if (r_ != ncclSuccess) {                                                             \
+#define CHECK_NCCL(x)                                                                         \
+  do {                                                                                        \
+    const ncclResult_t r_ = (x);                                                              \
+    if (r_ != ncclSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, ncclGetErrorString(r_)); \
-      return 1;                                                                          \
-    }                                                                                    \
+      return 1;                                                                               \
+    }                                                                                         \
   } while (0)
 
 // Routes of every source rank under uniform top-k (the same seed everywhere): dest[src][t * k + j]
@@ -163,12 +165,20 @@ int Prefill(moe::Transport& t, moe::kernels::ExpertKernels& k, int reps) {
       cudaEventCreate(&e2);
       std::vector<double> qv, dv;
       for (int r = 0; r < reps + 3; ++r) {
-        moe::kernels::QuantizeParams qp{static_cast<const uint16_t*>(x), rows, kHidden,
-                                        moe::kernels::ScaleGranularity::kPerBlock128, static_cast<uint8_t*>(q),
-                                        static_cast<float*>(sc), rows * kScalesPerRow};
-        moe::kernels::DequantizeParams dp{static_cast<const uint8_t*>(q), static_cast<const float*>(sc),
-                                          rows_in * kScalesPerRow, rows_in, kHidden,
-                                          moe::kernels::ScaleGranularity::kPerBlock128, static_cast<uint16_t*>(y)};
+        moe::kernels::QuantizeParams qp{static_cast<const uint16_t*>(x),
+                                        rows,
+                                        kHidden,
+                                        moe::kernels::ScaleGranularity::kPerBlock128,
+                                        static_cast<uint8_t*>(q),
+                                        static_cast<float*>(sc),
+                                        rows * kScalesPerRow};
+        moe::kernels::DequantizeParams dp{static_cast<const uint8_t*>(q),
+                                          static_cast<const float*>(sc),
+                                          rows_in * kScalesPerRow,
+                                          rows_in,
+                                          kHidden,
+                                          moe::kernels::ScaleGranularity::kPerBlock128,
+                                          static_cast<uint16_t*>(y)};
         cudaEventRecord(e0, nullptr);
         CHECK_OK(k.Quantize(qp, nullptr));
         cudaEventRecord(e1, nullptr);
@@ -192,11 +202,12 @@ int Prefill(moe::Transport& t, moe::kernels::ExpertKernels& k, int reps) {
     }
     const double dm = Median(dispatch_us), cm = Median(combine_us);
     const int64_t remote_bf16 = remote / row * kHidden * 2;
-    std::printf("{\"kind\": \"a2a\", \"impl\": \"moe-runtime nccl\", \"payload\": \"%s\", \"gpus\": %d, \"slot\": %d, "
-                "\"dispatch_us\": %.1f, \"combine_us\": %.1f, \"remote_bytes\": %lld, \"dispatch_gbps\": %.1f, "
-                "\"combine_gbps\": %.1f, \"quantize_us\": %.1f, \"dequantize_us\": %.1f}\n",
-                fp8 ? "fp8" : "bf16", p, slot, dm, cm, static_cast<long long>(remote), remote / (dm * 1e3),
-                remote_bf16 / (cm * 1e3), quant_us, dequant_us);
+    std::printf(
+        "{\"kind\": \"a2a\", \"impl\": \"moe-runtime nccl\", \"payload\": \"%s\", \"gpus\": %d, \"slot\": %d, "
+        "\"dispatch_us\": %.1f, \"combine_us\": %.1f, \"remote_bytes\": %lld, \"dispatch_gbps\": %.1f, "
+        "\"combine_gbps\": %.1f, \"quantize_us\": %.1f, \"dequantize_us\": %.1f}\n",
+        fp8 ? "fp8" : "bf16", p, slot, dm, cm, static_cast<long long>(remote), remote / (dm * 1e3),
+        remote_bf16 / (cm * 1e3), quant_us, dequant_us);
     std::fflush(stdout);
     cudaFree(a);
     cudaFree(b);
@@ -287,9 +298,9 @@ int Decode(moe::Transport& t, moe::kernels::ExpertKernels& k, int reps) {
     return 1;
   }
   if (capture(&dispatch_fp8, [&]() -> int {
-        CHECK_OK(k.Quantize({hidden, kDecodeTokens, kHidden, ScaleGranularity::kPerBlock128, q, sc,
-                             kDecodeTokens * kScalesPerRow},
-                            st));
+        CHECK_OK(k.Quantize(
+            {hidden, kDecodeTokens, kHidden, ScaleGranularity::kPerBlock128, q, sc, kDecodeTokens * kScalesPerRow},
+            st));
         moe::kernels::GatherParams g;
         g.dtype = moe::kernels::DType::kFP8E4M3;
         g.d = kHidden;
@@ -305,9 +316,8 @@ int Decode(moe::Transport& t, moe::kernels::ExpertKernels& k, int reps) {
         CHECK_OK(k.Gather(g, st));
         if (exchange(send_q, recv_q, cap * kHidden) != 0) return 1;
         if (exchange(send_sc, recv_sc, cap * kScalesPerRow * 4) != 0) return 1;
-        CHECK_OK(k.Dequantize({recv_q, recv_sc, slots * kScalesPerRow, slots, kHidden, ScaleGranularity::kPerBlock128,
-                               recv},
-                              st));
+        CHECK_OK(k.Dequantize(
+            {recv_q, recv_sc, slots * kScalesPerRow, slots, kHidden, ScaleGranularity::kPerBlock128, recv}, st));
         return 0;
       }) != 0) {
     return 1;
@@ -360,11 +370,12 @@ int Decode(moe::Transport& t, moe::kernels::ExpertKernels& k, int reps) {
     for (int j = 0; j < p; ++j) {
       if (j != me) remote_rows += counts[me * p + j];
     }
-    std::printf("{\"kind\": \"decode\", \"impl\": \"moe-runtime nccl graph\", \"payload\": \"%s\", \"gpus\": %d, "
-                "\"slot\": %d, \"tokens\": %d, \"bucket_rows_per_peer\": %lld, \"dispatch_us\": %.1f, "
-                "\"combine_us\": %.1f, \"remote_routes\": %lld, \"rel_error\": %.2e}\n",
-                fp8 ? "fp8" : "bf16", p, me, kDecodeTokens, static_cast<long long>(cap), Median(dv), Median(cv),
-                static_cast<long long>(remote_rows), rel);
+    std::printf(
+        "{\"kind\": \"decode\", \"impl\": \"moe-runtime nccl graph\", \"payload\": \"%s\", \"gpus\": %d, "
+        "\"slot\": %d, \"tokens\": %d, \"bucket_rows_per_peer\": %lld, \"dispatch_us\": %.1f, "
+        "\"combine_us\": %.1f, \"remote_routes\": %lld, \"rel_error\": %.2e}\n",
+        fp8 ? "fp8" : "bf16", p, me, kDecodeTokens, static_cast<long long>(cap), Median(dv), Median(cv),
+        static_cast<long long>(remote_rows), rel);
     std::fflush(stdout);
     if (!(rel < (fp8 ? 0.08 : 0.01))) {
       std::fprintf(stderr, "decode %s: combined rows wrong\n", fp8 ? "fp8" : "bf16");

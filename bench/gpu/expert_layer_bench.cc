@@ -6,7 +6,6 @@
 //
 // Usage: expert_layer_bench [--reps N] [--layout grouped|padded|block] [--quick] [--shape S] [--tokens T]
 //   [--decode-only] [--cold-l2] [--padded-decode (also the decode path's padded runner, T <= 128)]
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <cublas_v2.h>
+
 #include "bench/gpu/fill.h"
 #include "bench/stats.h"
 #include "kernels/api.h"
@@ -29,22 +30,22 @@ namespace {
 
 using moe::bench::Median;
 
-#define CHECK_CUDA(x)                                                                        \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
-#define CHECK_OK(x)                                                                                   \
-  do {                                                                                                \
-    absl::Status s_ = (x);                                                                            \
-    if (!s_.ok()) {                                                                                   \
+#define CHECK_OK(x)                                                                                      \
+  do {                                                                                                   \
+    absl::Status s_ = (x);                                                                               \
+    if (!s_.ok()) {                                                                                      \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, std::string(s_.message()).c_str()); \
-      std::exit(1);                                                                                   \
-    }                                                                                                 \
+      std::exit(1);                                                                                      \
+    }                                                                                                    \
   } while (0)
 
 struct Shape {
@@ -217,8 +218,10 @@ int main(int argc, char** argv) {
 
   const double dense = DenseTflops(h, st, reps);
   const double copy = CopyTBps(st, reps);
-  std::printf("{\"kind\": \"ceiling\", \"impl\": \"moe-runtime\", \"dense_bf16_tflops\": %.1f, \"copy_tbps\": %.3f, \"kernels\": \"%s\"}\n",
-              dense, copy, kernels->name());
+  std::printf(
+      "{\"kind\": \"ceiling\", \"impl\": \"moe-runtime\", \"dense_bf16_tflops\": %.1f, \"copy_tbps\": %.3f, "
+      "\"kernels\": \"%s\"}\n",
+      dense, copy, kernels->name());
 
   std::vector<Shape> shapes = {
       {"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 16, 64, 128, 1024, 8192}},
@@ -303,8 +306,15 @@ int main(int argc, char** argv) {
       decode.x = static_cast<const uint16_t*>(hidden);
       decode.x_row_index = token_of_row;
       decode.x_rows = t;
-      const moe::kernels::CombineParams combine{static_cast<const uint16_t*>(expert_out), routes, s.d, row_of_route,
-                                                d_gates, t, s.k, nullptr, static_cast<uint16_t*>(out)};
+      const moe::kernels::CombineParams combine{static_cast<const uint16_t*>(expert_out),
+                                                routes,
+                                                s.d,
+                                                row_of_route,
+                                                d_gates,
+                                                t,
+                                                s.k,
+                                                nullptr,
+                                                static_cast<uint16_t*>(out)};
       auto layer = [&] {
         route();
         // Prefill path: the GEMM shapes come back to the host once per step.
@@ -359,12 +369,13 @@ int main(int argc, char** argv) {
               std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
         }
         CHECK_CUDA(cudaStreamSynchronize(st));
-        std::printf("{\"kind\": \"breakdown\", \"path\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
-                    "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f, "
-                    "\"host_route_us\": %.1f, \"host_experts_us\": %.1f, \"host_combine_us\": %.1f, "
-                    "\"host_local_layer_us\": %.1f}\n",
-                    path, s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us, floor_us,
-                    Median(host[0]), Median(host[1]), Median(host[2]), Median(host_layer));
+        std::printf(
+            "{\"kind\": \"breakdown\", \"path\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"route_rows_us\": %.1f, "
+            "\"gather_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f, \"gemm_floor_us\": %.1f, "
+            "\"host_route_us\": %.1f, \"host_experts_us\": %.1f, \"host_combine_us\": %.1f, "
+            "\"host_local_layer_us\": %.1f}\n",
+            path, s.name, static_cast<long long>(t), route_us, gather_us, experts_us, combine_us, floor_us,
+            Median(host[0]), Median(host[1]), Median(host[2]), Median(host_layer));
       };
       // Capacity for the padded layout: the largest segment of this routing.
       if (!decode_only) layer();
@@ -378,7 +389,8 @@ int main(int argc, char** argv) {
       // turns (interleaved_us, dense_interleaved_tflops): the dense rate under the same clocks
       // and power state as the cell, which a long sweep moves away from the first ceiling's.
       auto report = [&](const char* path, double us, double interleaved_us = 0, double dense_here = 0) {
-        const double here = interleaved_us > 0 && dense_here > 0 ? flops / (interleaved_us * 1e-6) / 1e12 / dense_here : 0;
+        const double here =
+            interleaved_us > 0 && dense_here > 0 ? flops / (interleaved_us * 1e-6) / 1e12 / dense_here : 0;
         std::printf(
             "{\"kind\": \"cell\", \"impl\": \"moe-runtime\", \"path\": \"%s\", \"layout\": \"%s\", \"shape\": \"%s\", "
             "\"T\": %lld, \"us\": %.1f, \"tflops\": %.2f, \"bytes_per_s_tb\": %.3f, \"experts_hit\": %d, "

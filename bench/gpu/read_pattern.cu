@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(256) Units(const uint4* w, Hit hit, unsigned* 
   unsigned acc = 0;
   for (int64_t u = units * gw / warps; u < units * (gw + 1) / warps; ++u) {
     const int e = hit.ids[u / kF], c = static_cast<int>(u % kF);
-    const uint4* rows[2] = {w + (static_cast<int64_t>(e) * 2 * kF + c) * kD8, w + (static_cast<int64_t>(e) * 2 * kF + kF + c) * kD8};
+    const uint4* rows[2] = {w + (static_cast<int64_t>(e) * 2 * kF + c) * kD8,
+                            w + (static_cast<int64_t>(e) * 2 * kF + kF + c) * kD8};
     if (WHOLE_ROWS) {
       for (int n = 0; n < 2; ++n) {
         for (int base = lane; base < kD8; base += 32 * B) {
@@ -101,7 +102,8 @@ __global__ void __launch_bounds__(256) Units(const uint4* w, Hit hit, unsigned* 
 // 3: every weight of n hit experts (gate/up and down, 3 d f values each) as contiguous streams:
 // the floor of a decode step's expert work, whatever the kernels.
 template <int U>
-__global__ void __launch_bounds__(256) AllWeights(const uint4* wgu, const uint4* wd, const int* ids, int n, unsigned* sink) {
+__global__ void __launch_bounds__(256)
+    AllWeights(const uint4* wgu, const uint4* wd, const int* ids, int n, unsigned* sink) {
   const int64_t per_gu = static_cast<int64_t>(2 * kF) * kD8, per_d = static_cast<int64_t>(kD) * (kF / 8);
   const int64_t per = per_gu + per_d, total = per * n;
   unsigned acc = 0;
@@ -138,7 +140,8 @@ __global__ void __launch_bounds__(256, 1) DownToShared(const char* wd, Hit hit, 
   if (threadIdx.x == 0 && begin < end) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr));
     asm volatile("fence.proxy.async.shared::cta;");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(static_cast<unsigned>(end - begin)));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr),
+                 "r"(static_cast<unsigned>(end - begin)));
     for (int64_t at = begin; at < end;) {
       const int64_t e = at / per, off = at % per;
       const int64_t n = (per - off) < (end - at) ? (per - off) : (end - at);
@@ -154,20 +157,21 @@ __global__ void __launch_bounds__(256, 1) DownToShared(const char* wd, Hit hit, 
   if (begin >= end) return;
   unsigned done = 0;
   while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar_addr)
-        : "memory");
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(bar_addr)
+                 : "memory");
   }
   unsigned acc = 0;
-  for (int64_t i = threadIdx.x * 16; i < end - begin; i += 256 * 16) acc ^= Mix(*reinterpret_cast<const uint4*>(stage + i));
+  for (int64_t i = threadIdx.x * 16; i < end - begin; i += 256 * 16)
+    acc ^= Mix(*reinterpret_cast<const uint4*>(stage + i));
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
 __global__ void Flush(const uint4* p, int64_t n, unsigned* sink) {
   unsigned acc = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     acc ^= Mix(p[i]);
   if (acc == 0x12345678u) sink[0] = acc;
 }
@@ -188,7 +192,8 @@ int main() {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  auto time = [&](const char* name, int blocks_per_sm, auto launch, double bytes = static_cast<double>(kHit) * 2 * kF * kD * 2) {
+  auto time = [&](const char* name, int blocks_per_sm, auto launch,
+                  double bytes = static_cast<double>(kHit) * 2 * kF * kD * 2) {
     std::vector<float> ms;
     for (int rep = 0; rep < 33; ++rep) {
       Flush<<<sms * 4, 256>>>(flush, static_cast<int64_t>(fbytes / 16), sink);
@@ -202,8 +207,8 @@ int main() {
     }
     std::sort(ms.begin(), ms.end());
     const double us = ms[ms.size() / 2] * 1000.0;
-    std::printf("{\"pattern\": \"%s\", \"blocks_per_sm\": %d, \"us\": %.2f, \"tb_per_s\": %.3f}\n", name, blocks_per_sm, us,
-                bytes / (us * 1e-6) / 1e12);
+    std::printf("{\"pattern\": \"%s\", \"blocks_per_sm\": %d, \"us\": %.2f, \"tb_per_s\": %.3f}\n", name, blocks_per_sm,
+                us, bytes / (us * 1e-6) / 1e12);
   };
   for (int bps : {2, 4, 8}) {
     time("contiguous-u4", bps, [&](int g) { Contiguous<4><<<g, 256>>>(w, hit, sink); });
@@ -229,9 +234,11 @@ int main() {
     char name[64];
     for (int bps : {4, 8}) {
       std::snprintf(name, sizeof(name), "all-weights-%d-experts-u4", n);
-      time(name, bps, [&](int g) { AllWeights<4><<<g, 256>>>(w, wd, ids, n, sink); }, b);
+      time(
+          name, bps, [&](int g) { AllWeights<4><<<g, 256>>>(w, wd, ids, n, sink); }, b);
       std::snprintf(name, sizeof(name), "all-weights-%d-experts-u8", n);
-      time(name, bps, [&](int g) { AllWeights<8><<<g, 256>>>(w, wd, ids, n, sink); }, b);
+      time(
+          name, bps, [&](int g) { AllWeights<8><<<g, 256>>>(w, wd, ids, n, sink); }, b);
     }
   }
   // Pattern 4 alone and beside pattern 1 (gate/up at two blocks a SM), on two streams.
@@ -248,23 +255,31 @@ int main() {
     CHECK(cudaEventCreateWithFlags(&j1, cudaEventDisableTiming));
     CHECK(cudaEventCreateWithFlags(&j2, cudaEventDisableTiming));
     const double gu = static_cast<double>(kHit) * 2 * kF * kD * 2, dn = static_cast<double>(down_total);
-    time("down-to-shared-alone", 1, [&](int) { DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink); }, dn);
-    time("units-2rows-b4-alone", 2, [&](int g) { Units<4, false><<<g, 256>>>(w, hit, sink); }, gu);
-    time("units-2rows-b4-then-down-to-shared", 2, [&](int g) {
-      Units<4, false><<<g, 256>>>(w, hit, sink);
-      DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink);
-    }, gu + dn);
-    time("units-2rows-b4-beside-down-to-shared", 2, [&](int g) {
-      CHECK(cudaEventRecord(fork, 0));
-      CHECK(cudaStreamWaitEvent(s1, fork));
-      CHECK(cudaStreamWaitEvent(s2, fork));
-      DownToShared<<<sms, 256, share, s1>>>(wd_bytes, hit, share, sink);
-      Units<4, false><<<g, 256, 0, s2>>>(w, hit, sink);
-      CHECK(cudaEventRecord(j1, s1));
-      CHECK(cudaEventRecord(j2, s2));
-      CHECK(cudaStreamWaitEvent(0, j1));
-      CHECK(cudaStreamWaitEvent(0, j2));
-    }, gu + dn);
+    time(
+        "down-to-shared-alone", 1, [&](int) { DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink); }, dn);
+    time(
+        "units-2rows-b4-alone", 2, [&](int g) { Units<4, false><<<g, 256>>>(w, hit, sink); }, gu);
+    time(
+        "units-2rows-b4-then-down-to-shared", 2,
+        [&](int g) {
+          Units<4, false><<<g, 256>>>(w, hit, sink);
+          DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink);
+        },
+        gu + dn);
+    time(
+        "units-2rows-b4-beside-down-to-shared", 2,
+        [&](int g) {
+          CHECK(cudaEventRecord(fork, 0));
+          CHECK(cudaStreamWaitEvent(s1, fork));
+          CHECK(cudaStreamWaitEvent(s2, fork));
+          DownToShared<<<sms, 256, share, s1>>>(wd_bytes, hit, share, sink);
+          Units<4, false><<<g, 256, 0, s2>>>(w, hit, sink);
+          CHECK(cudaEventRecord(j1, s1));
+          CHECK(cudaEventRecord(j2, s2));
+          CHECK(cudaStreamWaitEvent(0, j1));
+          CHECK(cudaStreamWaitEvent(0, j2));
+        },
+        gu + dn);
   }
   CHECK(cudaGetLastError());
   return 0;

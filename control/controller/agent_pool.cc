@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+
 #include "rpc/grpc_status.h"
 
 namespace moe {
@@ -88,7 +89,8 @@ absl::Status AgentPool::AwaitDrained(int64_t version, absl::Duration timeout) {
       auto ctx = Context();
       v1::AgentStatusResponse st;
       absl::Status s = FromGrpcStatus(stubs_[r]->Status(ctx.get(), {}, &st));
-      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("status of rank ", r, " (", addresses_[r], "): ", s.message()));
+      if (!s.ok())
+        return absl::Status(s.code(), absl::StrCat("status of rank ", r, " (", addresses_[r], "): ", s.message()));
       for (const v1::GenerationStatus& g : st.generations()) {
         if (g.version() == version && g.refcount() > 0) holding.push_back(absl::StrCat("rank ", r, ": ", g.refcount()));
       }

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
 
 namespace moe {

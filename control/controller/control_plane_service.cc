@@ -5,16 +5,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
+
 #include "control/controller/agent_rollback.h"
-#include "rpc/placement_proto.h"
-#include "runtime/release/evidence.h"
-#include "runtime/placement/default_placement.h"
-#include "runtime/placement/migration.h"
-#include "runtime/status.h"
 #include "rpc/bearer_auth.h"
 #include "rpc/counters_proto.h"
 #include "rpc/grpc_status.h"
-#include "spdlog/spdlog.h"
+#include "rpc/placement_proto.h"
+#include "runtime/placement/default_placement.h"
+#include "runtime/placement/migration.h"
+#include "runtime/release/evidence.h"
+#include "runtime/status.h"
 
 namespace moe {
 
@@ -84,15 +85,20 @@ v1::ReleaseState ToProto(ReleaseState s) {
   return static_cast<v1::ReleaseState>(static_cast<int>(s) + 1);  // both enums list the states in order
 }
 
-ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseStore* store, std::string token,
-                                                 PromotionThresholds thresholds, AgentPool* agents,
-                                                 std::optional<Topology> topology, absl::Duration drain_timeout,
-                                                 MigrationBudget migration, TrialPolicy trial)
-    : store_(store), token_(std::move(token)), thresholds_(thresholds), agents_(agents),
-      topology_(std::move(topology)), drain_timeout_(drain_timeout), migration_(migration), trial_(trial) {
+ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds,
+                                                 AgentPool* agents, std::optional<Topology> topology,
+                                                 absl::Duration drain_timeout, MigrationBudget migration,
+                                                 TrialPolicy trial)
+    : store_(store),
+      token_(std::move(token)),
+      thresholds_(thresholds),
+      agents_(agents),
+      topology_(std::move(topology)),
+      drain_timeout_(drain_timeout),
+      migration_(migration),
+      trial_(trial) {
   MOE_CHECK(agents_ == nullptr || agents_->empty() ||
-                (topology_.has_value() &&
-                 topology_->num_ranks() == static_cast<int>(agents_->addresses().size())),
+                (topology_.has_value() && topology_->num_ranks() == static_cast<int>(agents_->addresses().size())),
             "the rank agents need their topology, one rank per agent");
 }
 
@@ -101,8 +107,8 @@ grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) 
 }
 
 absl::StatusOr<std::vector<StoredTransition>> ControlPlaneServiceImpl::Replay(const std::string& request_id,
-                                                                            const std::string& release_id,
-                                                                            ReleaseState first_to) const {
+                                                                              const std::string& release_id,
+                                                                              ReleaseState first_to) const {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
   auto recorded = store_->Recorded(request_id);
   if (!recorded.ok()) return recorded.status();
@@ -129,7 +135,8 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   auto to = FromProto(req->to(), "to");
   if (!to.ok()) return ToGrpcStatus(to.status());
   if (*to == ReleaseState::kActive) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "to: ACTIVE is reached through Promote (the 0x0DC gate)");
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "to: ACTIVE is reached through Promote (the 0x0DC gate)");
   }
   absl::MutexLock lock(&write_mu_);
   const bool drives_ranks = agents_ != nullptr && !agents_->empty();
@@ -175,9 +182,9 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
       driven = agents_->SetTrial(0, 0, 0);
     }
     if (!driven.ok()) {
-      return ToGrpcStatus(absl::Status(driven.code(), absl::StrCat(req->release_id(), " is committed ",
-                                                                   ReleaseStateName(t->to), " but ", driven.message(),
-                                                                   "; retry with the same request_id")));
+      return ToGrpcStatus(
+          absl::Status(driven.code(), absl::StrCat(req->release_id(), " is committed ", ReleaseStateName(t->to),
+                                                   " but ", driven.message(), "; retry with the same request_id")));
     }
   }
   return grpc::Status::OK;
@@ -204,8 +211,8 @@ void ExpectRecordedManifest(const ReleaseRecord& candidate, const Topology& topo
   }
   for (size_t q = 0; manifest != nullptr && q < manifest->slots().size(); ++q) {
     if (manifest->slots()[q].parameter_digest.empty()) {  // the ranks had nothing to check it by
-      expect->manifest_problem = absl::StrCat("slot ", manifest->slots()[q].name,
-                                              " of the recorded manifest has no parameter digest");
+      expect->manifest_problem =
+          absl::StrCat("slot ", manifest->slots()[q].name, " of the recorded manifest has no parameter digest");
       manifest = nullptr;
     }
   }
@@ -233,11 +240,16 @@ void ExpectPrior(const std::vector<ReleaseRecord>& releases, const ReleaseRecord
 
 std::optional<GenerationState> GenerationStateFromProto(v1::GenerationState s) {
   switch (s) {
-    case v1::GENERATION_STATE_PREPARED: return GenerationState::kPrepared;
-    case v1::GENERATION_STATE_ACTIVE: return GenerationState::kActive;
-    case v1::GENERATION_STATE_DRAINING: return GenerationState::kDraining;
-    case v1::GENERATION_STATE_RETIRED: return GenerationState::kRetired;
-    default: return std::nullopt;
+    case v1::GENERATION_STATE_PREPARED:
+      return GenerationState::kPrepared;
+    case v1::GENERATION_STATE_ACTIVE:
+      return GenerationState::kActive;
+    case v1::GENERATION_STATE_DRAINING:
+      return GenerationState::kDraining;
+    case v1::GENERATION_STATE_RETIRED:
+      return GenerationState::kRetired;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -307,9 +319,10 @@ grpc::Status ControlPlaneServiceImpl::AdmitCanary(const v1::TransitionReleaseReq
   const std::string blocked_id = absl::StrCat(req.request_id(), "/blocked");
   auto refusal = [&](const std::string& reason, const std::string& trials) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("to: CANARY refused for ", id, ": ", reason, "; the candidate was drained (SHADOW -> "
-                                     "DRAINING) and never served a canary step, ", trials,
-                                     "; retire it with `moectl drain ", id, "`"));
+                        absl::StrCat("to: CANARY refused for ", id, ": ", reason,
+                                     "; the candidate was drained (SHADOW -> "
+                                     "DRAINING) and never served a canary step, ",
+                                     trials, "; retire it with `moectl drain ", id, "`"));
   };
   auto recorded = store_->Recorded(req.request_id());
   if (!recorded.ok()) return ToGrpcStatus(recorded.status());
@@ -351,10 +364,10 @@ grpc::Status ControlPlaneServiceImpl::AdmitCanary(const v1::TransitionReleaseReq
   if (!drained.ok()) return ToGrpcStatus(drained.status());
   spdlog::warn("{}: SHADOW -> CANARY refused, drained: {}", id, reason);
   const absl::Status stopped = agents_->SetTrial(0, 0, 0);
-  return refusal(absl::StrCat("canary blocked: ", reason),
-                 stopped.ok() ? "trials stopped on every rank"
-                              : absl::StrCat("stopping trials failed: ", stopped.message(),
-                                             " (retry with the same request_id)"));
+  return refusal(
+      absl::StrCat("canary blocked: ", reason),
+      stopped.ok() ? "trials stopped on every rank"
+                   : absl::StrCat("stopping trials failed: ", stopped.message(), " (retry with the same request_id)"));
 }
 
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
@@ -386,10 +399,11 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
   *resp->mutable_evidence() = evidence;
   const PromotionDecision d = gate ? EvaluatePromotion(FromProto(evidence), thresholds_) : PromotionDecision{true, {}};
   if (!d.promote) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", "),
-                                     req->has_evidence() ? "" : " (read from the ranks)",
-                                     evidence.findings().empty() ? "" : ": ", absl::StrJoin(evidence.findings(), "; ")));
+    return grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", "),
+                     req->has_evidence() ? "" : " (read from the ranks)", evidence.findings().empty() ? "" : ": ",
+                     absl::StrJoin(evidence.findings(), "; ")));
   }
   absl::MutexLock lock(&write_mu_);
   auto applied = Replay(req->request_id(), req->release_id(), ReleaseState::kActive);
@@ -425,8 +439,8 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
     absl::Status s = agents_->SetTrial(0, 0, 0);
     if (s.ok()) s = agents_->Activate(rec->placement_version);
     if (!s.ok()) {
-      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat(req->release_id(), " is committed ACTIVE but ", s.message(),
-                                                              "; retry with the same request_id")));
+      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat(req->release_id(), " is committed ACTIVE but ",
+                                                              s.message(), "; retry with the same request_id")));
     }
   }
   return grpc::Status::OK;
@@ -449,10 +463,10 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
     auto prior = store_->Get(req->prior_release_id());
     if (!prior.ok()) return ToGrpcStatus(prior.status());
     if (prior->state != ReleaseState::kDraining) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          absl::StrCat("prior_release_id: ", req->prior_release_id(), " is ",
-                                       ReleaseStateName(prior->state),
-                                       "; only a DRAINING (loaded) release is re-activated"));
+      return grpc::Status(
+          grpc::StatusCode::FAILED_PRECONDITION,
+          absl::StrCat("prior_release_id: ", req->prior_release_id(), " is ", ReleaseStateName(prior->state),
+                       "; only a DRAINING (loaded) release is re-activated"));
     }
     // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
     // activate the prior release.
@@ -481,11 +495,12 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
       RollBack(ranks, PlacementVersion(candidate->placement_version), PlacementVersion(prior->placement_version));
   if (!rolled.ok()) {
     const absl::Status& s = rolled.status();
-    return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("rollback committed; on the ranks: ", s.message(),
-                                                            "; retry with the same request_id")));
+    return ToGrpcStatus(absl::Status(
+        s.code(), absl::StrCat("rollback committed; on the ranks: ", s.message(), "; retry with the same request_id")));
   }
-  auto retired = store_->Apply(absl::StrCat(req->request_id(), "/retire"),
-                               {{req->release_id(), ReleaseState::kRetired, "handles drained and retired on every rank"}});
+  auto retired =
+      store_->Apply(absl::StrCat(req->request_id(), "/retire"),
+                    {{req->release_id(), ReleaseState::kRetired, "handles drained and retired on every rank"}});
   if (!retired.ok()) return ToGrpcStatus(retired.status());
   for (const StoredTransition& t : *retired) Fill(t, resp->add_transitions());
   return grpc::Status::OK;
@@ -535,8 +550,8 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
     if (absl::Status s = agents_->Prepare(req->manifest()); !s.ok()) return ToGrpcStatus(s);
     std::string manifest_json;
     (void)google::protobuf::util::MessageToJsonString(req->manifest(), &manifest_json);
-    applied = store_->Apply(req->request_id(), {{req->release_id(), ReleaseState::kLoaded, reason, version,
-                                                 manifest_json}});
+    applied =
+        store_->Apply(req->request_id(), {{req->release_id(), ReleaseState::kLoaded, reason, version, manifest_json}});
     if (!applied.ok()) return ToGrpcStatus(applied.status());
   }
   auto rec = store_->Get(req->release_id());
@@ -546,7 +561,7 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
 }
 
 absl::StatusOr<int64_t> ControlPlaneServiceImpl::MigrationPeak(const std::vector<ReleaseRecord>& releases,
-                                                                const v1::PlacementManifest& to) const {
+                                                               const v1::PlacementManifest& to) const {
   const Topology& topology = *topology_;
   auto target = ManifestFromProto(to, topology);
   if (!target.ok()) return target.status();

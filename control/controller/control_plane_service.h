@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+
 #include "control/controller/agent_pool.h"
 #include "control/store/release_store.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
@@ -57,8 +58,7 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
                                  v1::TransitionRecord* resp) override;
   grpc::Status Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req, v1::PromoteResponse* resp) override;
   grpc::Status Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req, v1::RollbackResponse* resp) override;
-  grpc::Status LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req,
-                             v1::Release* resp) override;
+  grpc::Status LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req, v1::Release* resp) override;
   grpc::Status ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest* req,
                              v1::ClusterStatusResponse* resp) override;
   grpc::Status GetRelease(grpc::ServerContext* ctx, const v1::GetReleaseRequest* req, v1::Release* resp) override;
@@ -72,7 +72,8 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
   // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (on the ranks'
   // topology).
-  absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases, const v1::PlacementManifest& to) const;
+  absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases,
+                                        const v1::PlacementManifest& to) const;
   // A retried Promote / Rollback: the transitions recorded under `request_id` (empty when new);
   // ALREADY_EXISTS if the id was used for a different request.
   absl::StatusOr<std::vector<StoredTransition>> Replay(const std::string& request_id, const std::string& release_id,

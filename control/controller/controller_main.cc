@@ -15,15 +15,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
-#include "control/controller/control_plane_service.h"
-#include "control/store/release_store.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
+#include "spdlog/spdlog.h"
+
+#include "control/controller/control_plane_service.h"
+#include "control/store/release_store.h"
+#include "rpc/daemon_util.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/status.h"
-#include "rpc/daemon_util.h"
-#include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, store, "", "SQLite file holding the release registry (created if missing)");
 ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every RPC must carry");
@@ -31,7 +32,8 @@ ABSL_FLAG(int64_t, min_shadow, 100, "promotion gate: shadow samples required");
 ABSL_FLAG(int64_t, min_canary, 200, "promotion gate: canary samples required");
 ABSL_FLAG(double, max_drop_ratio, 0.005, "promotion gate: dropped / attempted routes");
 ABSL_FLAG(double, max_fallback_ratio, 0.15, "promotion gate: fallback steps / steps");
-ABSL_FLAG(std::string, ranks, "", "comma-separated host:port of every moe-rankd's RankAgentService, in rank order "
+ABSL_FLAG(std::string, ranks, "",
+          "comma-separated host:port of every moe-rankd's RankAgentService, in rank order "
           "(empty: the controller keeps the registry only)");
 ABSL_FLAG(std::string, agent_token_file, "", "bearer token for the rank agents (with --ranks)");
 ABSL_FLAG(int, drain_timeout_s, 60, "rollback: how long the ranks may take to drain a candidate's handles");
@@ -57,11 +59,12 @@ class StoreCollector : public prometheus::Collectable {
  public:
   explicit StoreCollector(ReleaseStore* store) : store_(store) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
-    prometheus::MetricFamily releases{"moe_controller_releases", "releases by lifecycle state",
-                                      prometheus::MetricType::Gauge, {}};
+    prometheus::MetricFamily releases{
+        "moe_controller_releases", "releases by lifecycle state", prometheus::MetricType::Gauge, {}};
     prometheus::MetricFamily transitions{"moe_controller_transitions_total",
                                          "lifecycle transitions committed to the store, by target state",
-                                         prometheus::MetricType::Counter, {}};
+                                         prometheus::MetricType::Counter,
+                                         {}};
     std::map<ReleaseState, int64_t> by_state, by_target;
     if (auto list = store_->List(); list.ok()) {
       for (const ReleaseRecord& r : *list) ++by_state[r.state];
@@ -69,9 +72,9 @@ class StoreCollector : public prometheus::Collectable {
     if (auto history = store_->History(""); history.ok()) {
       for (const StoredTransition& t : *history) ++by_target[t.to];
     }
-    for (ReleaseState s : {ReleaseState::kBuilt, ReleaseState::kVerified, ReleaseState::kLoaded, ReleaseState::kShadow,
-                           ReleaseState::kCanary, ReleaseState::kActive, ReleaseState::kDraining,
-                           ReleaseState::kRetired}) {
+    for (ReleaseState s :
+         {ReleaseState::kBuilt, ReleaseState::kVerified, ReleaseState::kLoaded, ReleaseState::kShadow,
+          ReleaseState::kCanary, ReleaseState::kActive, ReleaseState::kDraining, ReleaseState::kRetired}) {
       prometheus::ClientMetric g;
       g.label = {{"state", ReleaseStateName(s)}};
       g.gauge.value = static_cast<double>(by_state[s]);
@@ -149,15 +152,16 @@ absl::StatusOr<Registry> OpenRegistry(const std::string& path) {
   // would accept writes this one does not serialize with.
   auto lock = RegistryLock::Acquire(path);
   if (!lock.ok()) {
-    return absl::Status(lock.status().code(), absl::StrCat("--store: ", lock.status().message(), "; refusing to start"));
+    return absl::Status(lock.status().code(),
+                        absl::StrCat("--store: ", lock.status().message(), "; refusing to start"));
   }
   registry.lock = std::move(*lock);
   auto store = ReleaseStore::Open(path);
   if (!store.ok()) return absl::Status(store.status().code(), absl::StrCat("--store: ", store.status().message()));
   registry.store = std::move(*store);
   if (absl::Status s = registry.store->Verify(); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("--store ", path, ": refusing to serve an inconsistent registry: ",
-                                               s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat("--store ", path, ": refusing to serve an inconsistent registry: ", s.message()));
   }
   return registry;
 }

@@ -2,16 +2,17 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <sqlite3.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <map>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
+#include <sqlite3.h>
+#include <sys/file.h>
+
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 
 namespace moe {
 
@@ -176,7 +177,8 @@ absl::StatusOr<std::vector<StoredTransition>> ReadTransitions(Stmt& q) {
     t.release_id = q.Text(3);
     auto from = ParseReleaseState(q.Text(4));
     auto to = ParseReleaseState(q.Text(5));
-    if (!from.ok() || !to.ok()) return absl::InternalError(absl::StrCat("transition seq ", t.seq, ": bad stored state"));
+    if (!from.ok() || !to.ok())
+      return absl::InternalError(absl::StrCat("transition seq ", t.seq, ": bad stored state"));
     t.from = *from;
     t.to = *to;
     t.reason = q.Text(6);
@@ -208,9 +210,9 @@ absl::StatusOr<std::unique_ptr<RegistryLock>> RegistryLock::Acquire(const std::s
     close(fd);
     if (err != EWOULDBLOCK) return absl::UnavailableError(absl::StrCat("cannot lock ", path, ": ", std::strerror(err)));
     holder = std::string(absl::StripAsciiWhitespace(holder));
-    return absl::FailedPreconditionError(absl::StrCat(
-        "registry ", store_path, " is held by another moe-controller (", holder.empty() ? "holder unknown" : holder,
-        "; lock file ", path, "): one controller writes a registry"));
+    return absl::FailedPreconditionError(absl::StrCat("registry ", store_path, " is held by another moe-controller (",
+                                                      holder.empty() ? "holder unknown" : holder, "; lock file ", path,
+                                                      "): one controller writes a registry"));
   }
   // Ours: say who holds it (the previous holder's line, if any, is stale: its lock is gone).
   char host[256] = {0};

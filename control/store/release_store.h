@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/release/lifecycle.h"
 
 struct sqlite3;
@@ -23,8 +24,8 @@ struct ReleaseRecord {
   std::string release_id;
   std::string bundle_digest;  // digest of the release bundle (0x0C) registered with it
   ReleaseState state = ReleaseState::kBuilt;
-  int64_t revision = 0;  // number of transitions applied
-  int64_t placement_version = 0;  // the placement generation the release serves (0: none yet)
+  int64_t revision = 0;            // number of transitions applied
+  int64_t placement_version = 0;   // the placement generation the release serves (0: none yet)
   std::string placement_manifest;  // its PlacementManifest as JSON, recorded with the version
 };
 
@@ -84,7 +85,7 @@ class ReleaseStore {
     std::string release_id;
     ReleaseState to;
     std::string reason;
-    int64_t placement_version = 0;  // > 0: recorded on the release in the same commit,
+    int64_t placement_version = 0;   // > 0: recorded on the release in the same commit,
     std::string placement_manifest;  // together with this
   };
   // Commits several transitions atomically under one request id (promotion: candidate ACTIVE and

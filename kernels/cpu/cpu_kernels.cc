@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+
 #include "kernels/api.h"
 #include "kernels/cpu/dot_bf16.h"
 #include "kernels/numeric.h"
@@ -37,7 +38,8 @@ class CpuKernels final : public ExpertKernels {
     for (int64_t i = 0; i < p.n; ++i) {
       const int32_t src = p.index[i];
       if (src >= p.in_rows) {
-        return absl::InvalidArgumentError(absl::StrCat("gather.index[", i, "]: ", src, " outside [0, ", p.in_rows, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("gather.index[", i, "]: ", src, " outside [0, ", p.in_rows, ")"));
       }
     }
     for (int64_t i = 0; i < p.n; ++i) {

@@ -3,8 +3,9 @@
 #ifndef MOE_KERNELS_CUDA_CHECKS_H_
 #define MOE_KERNELS_CUDA_CHECKS_H_
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include <cublas_v2.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -27,17 +28,17 @@ inline absl::Status CublasError(cublasStatus_t e, const char* expr, const char* 
 
 }  // namespace moe::kernels
 
-#define CUDA_RETURN_IF_ERROR(expr)                                                         \
-  do {                                                                                     \
-    const cudaError_t moe_cuda_err_ = (expr);                                              \
+#define CUDA_RETURN_IF_ERROR(expr)                                                                                \
+  do {                                                                                                            \
+    const cudaError_t moe_cuda_err_ = (expr);                                                                     \
     if (moe_cuda_err_ != cudaSuccess) return ::moe::kernels::CudaError(moe_cuda_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-#define CUBLAS_RETURN_IF_ERROR(expr)                                                       \
-  do {                                                                                     \
-    const cublasStatus_t moe_cublas_err_ = (expr);                                         \
-    if (moe_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                          \
-      return ::moe::kernels::CublasError(moe_cublas_err_, #expr, __FILE__, __LINE__);      \
+#define CUBLAS_RETURN_IF_ERROR(expr)                                                  \
+  do {                                                                                \
+    const cublasStatus_t moe_cublas_err_ = (expr);                                    \
+    if (moe_cublas_err_ != CUBLAS_STATUS_SUCCESS)                                     \
+      return ::moe::kernels::CublasError(moe_cublas_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // After a kernel launch: launch-configuration errors surface here.

@@ -4,10 +4,11 @@
 #ifndef MOE_KERNELS_CUDA_COMBINE_CUH_
 #define MOE_KERNELS_CUDA_COMBINE_CUH_
 
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include <cuda_bf16.h>
 
 namespace moe::kernels::cuda {
 
@@ -40,7 +41,8 @@ __device__ __forceinline__ void CombineVector(RowAt&& row_at, int64_t num_rows, 
     }
     uint4 v[K_MAX];
 #pragma unroll
-    for (int j = 0; j < K_MAX; ++j) v[j] = row[j] >= 0 && row[j] < num_rows ? row_at(row[j], c) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < K_MAX; ++j)
+      v[j] = row[j] >= 0 && row[j] < num_rows ? row_at(row[j], c) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int j = 0; j < K_MAX; ++j) {
       if (row[j] >= 0 && row[j] < num_rows) add(g[j], v[j]);  // dropped routes add nothing

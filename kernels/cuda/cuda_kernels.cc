@@ -3,7 +3,6 @@
 // activation is one fused elementwise kernel, the down projection a second GEMM. The grouped
 // and block-sparse layouts run as one cublasGemmGroupedBatchedEx call per projection; the padded
 // layout, whose segments are all C_exec rows, as one strided-batched GEMM.
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,7 +11,10 @@
 #include <cstring>
 #include <vector>
 
+#include <cublas_v2.h>
+
 #include "absl/strings/str_cat.h"
+
 #include "kernels/api.h"
 #include "kernels/cuda/checks.h"
 #include "kernels/cuda/launch.h"
@@ -174,8 +176,8 @@ class CudaKernels final : public ExpertKernels {
     absl::Status s = CheckGather(p);
     if (!s.ok()) return s;
     auto st = static_cast<cudaStream_t>(stream);
-    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.in, p.in_rows, p.index, p.n, static_cast<int64_t>(p.d) * DTypeBytes(p.dtype),
-                                          p.out, 0, st));
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(p.in, p.in_rows, p.index, p.n,
+                                                static_cast<int64_t>(p.d) * DTypeBytes(p.dtype), p.out, 0, st));
     if (p.scales != ScaleGranularity::kNone) {
       CUDA_RETURN_IF_ERROR(cuda::LaunchGatherScales(p.in_scales, p.in_rows, p.index, p.n, ScaleCount(p.scales, 1, p.d),
                                                     p.out_scales, st));
@@ -305,7 +307,8 @@ class CudaKernels final : public ExpertKernels {
     for (int e = 0; e < e_count; ++e) {
       up[e] = {static_cast<int>(cap), 2 * f, d, xp + e * cap * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
                h + e * cap * 2 * f};
-      down[e] = {static_cast<int>(cap), d, f, a + e * cap * f, w.w_down + static_cast<int64_t>(e) * d * f, yp + e * cap * d};
+      down[e] = {static_cast<int>(cap), d, f, a + e * cap * f, w.w_down + static_cast<int64_t>(e) * d * f,
+                 yp + e * cap * d};
     }
     s = StridedBatched(up, st);
     if (!s.ok()) return s;
@@ -393,8 +396,8 @@ class CudaKernels final : public ExpertKernels {
     if (!s.ok()) return s;
     auto a = scratch_.Get(static_cast<size_t>(used) * f * 2);
     if (!a.ok()) return a.status();
-    CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, nullptr, static_cast<const int64_t*>(*offsets), e_count, d, f,
-                                                      w.w_gate_up, w.w_down, static_cast<uint16_t*>(*a), p.y, used,
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, nullptr, static_cast<const int64_t*>(*offsets), e_count, d,
+                                                      f, w.w_gate_up, w.w_down, static_cast<uint16_t*>(*a), p.y, used,
                                                       max_segment, st));
     return absl::OkStatus();
   }
@@ -456,8 +459,8 @@ class CudaKernels final : public ExpertKernels {
   }
 
   // Phase: gate+up GEMM per segment, activation, down GEMM (xe -> h -> a -> ye, executed rows).
-  absl::Status SwigluProjections(const SwigluParams& p, const std::vector<int64_t>& executed, uint16_t* xe,
-                                 uint16_t* h, uint16_t* a, uint16_t* ye, cudaStream_t st) {
+  absl::Status SwigluProjections(const SwigluParams& p, const std::vector<int64_t>& executed, uint16_t* xe, uint16_t* h,
+                                 uint16_t* a, uint16_t* ye, cudaStream_t st) {
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
     const int64_t exec_rows = executed[e_count];
@@ -466,8 +469,8 @@ class CudaKernels final : public ExpertKernels {
     for (int e = 0; e < e_count; ++e) {
       const int64_t m = executed[e + 1] - executed[e];
       if (m == 0) continue;
-      up.push_back({static_cast<int>(m), 2 * f, d, xe + executed[e] * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
-                    h + executed[e] * 2 * f});
+      up.push_back({static_cast<int>(m), 2 * f, d, xe + executed[e] * d,
+                    w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d, h + executed[e] * 2 * f});
       down.push_back({static_cast<int>(m), d, f, a + executed[e] * f, w.w_down + static_cast<int64_t>(e) * d * f,
                       ye + executed[e] * d});
     }
@@ -511,7 +514,8 @@ class CudaKernels final : public ExpertKernels {
     }
     absl::Status s = map_out_.CopyTo(out_map, p.rows * 4, st);
     if (!s.ok()) return s;
-    CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(ye, exec_rows, out_map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
+    CUDA_RETURN_IF_ERROR(
+        cuda::LaunchGatherRows(ye, exec_rows, out_map, p.rows, static_cast<int64_t>(d) * 2, p.y, 0, st));
     return absl::OkStatus();
   }
 
@@ -553,10 +557,10 @@ class CudaKernels final : public ExpertKernels {
     const int64_t stride_b = static_cast<int64_t>(q.n) * q.k;
     const int64_t stride_a = static_cast<int64_t>(q.m) * q.k;
     const int64_t stride_c = static_cast<int64_t>(q.m) * q.n;
-    CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
-        handle_, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k, stride_b, q.a, CUDA_R_16BF, q.k,
-        stride_a, &beta, q.c, CUDA_R_16BF, q.n, stride_c, static_cast<int>(ps.size()), CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
+    CUBLAS_RETURN_IF_ERROR(
+        cublasGemmStridedBatchedEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, q.n, q.m, q.k, &alpha, q.b, CUDA_R_16BF, q.k,
+                                   stride_b, q.a, CUDA_R_16BF, q.k, stride_a, &beta, q.c, CUDA_R_16BF, q.n, stride_c,
+                                   static_cast<int>(ps.size()), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return absl::OkStatus();
   }
 

@@ -1,13 +1,13 @@
 // Device kernels of the CUDA implementation. Memory-bound work: 16-byte accesses per thread
 // where row sizes allow, grid-stride loops, no host round trips.
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "kernels/cuda/combine.cuh"
 #include "kernels/cuda/launch.h"
@@ -53,7 +53,8 @@ __global__ void GatherScalesKernel(const float* __restrict__ in, int64_t in_rows
 // ---- histogram + scan ---------------------------------------------------------------------
 
 __global__ void ZeroKernel(int64_t* p, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    p[i] = 0;
 }
 
 __global__ void HistogramKernel(const int32_t* __restrict__ keys, int64_t n, int num_bins,
@@ -208,7 +209,8 @@ __global__ void ScatterPaddedKernel(const uint4* __restrict__ y_pad, const int64
 template <int K_MAX>
 __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
                                   const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
-                                  int64_t num_tokens, int k, float* __restrict__ out_fp32, uint4* __restrict__ out_bf16) {
+                                  int64_t num_tokens, int k, float* __restrict__ out_fp32,
+                                  uint4* __restrict__ out_bf16) {
   WaitForPredecessor();  // the expert rows, routes and gates come from earlier kernels
   ReleaseDependents();
   const int64_t total = num_tokens * d8;
@@ -259,7 +261,8 @@ __global__ void QuantizeFp8Kernel(const __nv_bfloat16* __restrict__ x, int d, in
   const int begin = g * group;
   const int end = min(d, begin + group);
   float amax = 0;
-  for (int c = begin + threadIdx.x; c < end; c += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(x[row * d + c])));
+  for (int c = begin + threadIdx.x; c < end; c += blockDim.x)
+    amax = fmaxf(amax, fabsf(__bfloat162float(x[row * d + c])));
   amax = Reduce(storage).Reduce(amax, MaxOp());
   if (threadIdx.x == 0) {
     scale_shared = amax > 0 ? amax / 448.0f : 1.0f;
@@ -362,9 +365,10 @@ __global__ void AssignRowsKernel(const int32_t* __restrict__ topk, int64_t num_t
 // registers between the histogram and the assignment.
 constexpr int kRoutesPerThread = 2;
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) RouteRowsSmallKernel(
-    const int32_t* __restrict__ topk, int64_t num_tokens, int k, int num_experts, int64_t* __restrict__ counts,
-    int64_t* __restrict__ offsets, int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
+__global__ void __launch_bounds__(THREADS)
+    RouteRowsSmallKernel(const int32_t* __restrict__ topk, int64_t num_tokens, int k, int num_experts,
+                         int64_t* __restrict__ counts, int64_t* __restrict__ offsets,
+                         int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
   using Scan = cub::BlockScan<int, THREADS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int carry;
@@ -433,11 +437,11 @@ cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k,
   // to the single-block limit.
   const size_t smem = static_cast<size_t>(num_experts) * 2 * sizeof(int);
   if (num_tokens * k <= 256 * kRoutesPerThread) {
-    RouteRowsSmallKernel<256><<<1, 256, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route,
-                                                         token_of_row);
+    RouteRowsSmallKernel<256>
+        <<<1, 256, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
   } else {
-    RouteRowsSmallKernel<1024><<<1, 1024, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets,
-                                                           row_of_route, token_of_row);
+    RouteRowsSmallKernel<1024>
+        <<<1, 1024, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
   }
   return cudaGetLastError();
 }
@@ -455,9 +459,9 @@ cudaError_t LaunchGatherRows(const void* in, int64_t in_rows, const int32_t* ind
     GatherRowsKernel<uint16_t><<<Blocks(n * vecs), kThreads, 0, stream>>>(
         static_cast<const uint16_t*>(in), in_rows, index, n, vecs, static_cast<uint16_t*>(out), fill_bf16);
   } else {
-    GatherRowsKernel<uint8_t><<<Blocks(n * row_bytes), kThreads, 0, stream>>>(
-        static_cast<const uint8_t*>(in), in_rows, index, n, row_bytes, static_cast<uint8_t*>(out),
-        static_cast<uint8_t>(fill_bf16));
+    GatherRowsKernel<uint8_t>
+        <<<Blocks(n * row_bytes), kThreads, 0, stream>>>(static_cast<const uint8_t*>(in), in_rows, index, n, row_bytes,
+                                                         static_cast<uint8_t*>(out), static_cast<uint8_t>(fill_bf16));
   }
   return cudaGetLastError();
 }
@@ -486,9 +490,8 @@ cudaError_t LaunchGatherPadded(const uint16_t* x, const int32_t* row_index, cons
                                int64_t capacity, int d, uint16_t* x_pad, cudaStream_t stream) {
   const int64_t rows = num_experts * capacity;
   if (rows == 0) return cudaSuccess;
-  GatherPaddedKernel<<<Blocks(rows * (d / 8)), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(x), row_index,
-                                                                       offsets, capacity, rows, d / 8,
-                                                                       reinterpret_cast<uint4*>(x_pad));
+  GatherPaddedKernel<<<Blocks(rows * (d / 8)), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x), row_index, offsets, capacity, rows, d / 8, reinterpret_cast<uint4*>(x_pad));
   return cudaGetLastError();
 }
 
@@ -504,27 +507,25 @@ cudaError_t LaunchSwigluActivationPadded(const uint16_t* h, const int64_t* offse
 cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, int num_experts, int64_t capacity, int d,
                                 int64_t rows, uint16_t* y, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  ScatterPaddedKernel<<<Blocks(rows * (d / 8)), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(y_pad), offsets,
-                                                                        num_experts, capacity, rows, d / 8,
-                                                                        reinterpret_cast<uint4*>(y));
+  ScatterPaddedKernel<<<Blocks(rows * (d / 8)), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint4*>(y_pad), offsets, num_experts, capacity, rows, d / 8, reinterpret_cast<uint4*>(y));
   return cudaGetLastError();
 }
 
 cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint16_t* a, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (f % 8 == 0 && reinterpret_cast<uintptr_t>(h) % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0) {
-    SwigluActivationVec8Kernel<<<Blocks(rows * f / 8), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(h), rows, f / 8, reinterpret_cast<uint4*>(a));
+    SwigluActivationVec8Kernel<<<Blocks(rows * f / 8), kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(h), rows,
+                                                                              f / 8, reinterpret_cast<uint4*>(a));
   } else {
-    SwigluActivationKernel<<<Blocks(rows * f), kThreads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(h), rows, f, reinterpret_cast<__nv_bfloat16*>(a));
+    SwigluActivationKernel<<<Blocks(rows * f), kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(h), rows,
+                                                                      f, reinterpret_cast<__nv_bfloat16*>(a));
   }
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route,
-                          const float* gate, int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16,
-                          cudaStream_t stream) {
+cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route, const float* gate,
+                          int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
   if (d % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(out_fp32) % 16 == 0) {
@@ -541,7 +542,8 @@ cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group,
                               cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
-  if (group == 128 && d % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0) {
+  if (group == 128 && d % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(q) % 4 == 0) {
     const int64_t groups = rows * groups_per_row;
     QuantizeFp8Group128Kernel<<<Blocks(groups * 32), kThreads, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x), groups, reinterpret_cast<__nv_fp8_storage_t*>(q), scales);
@@ -557,11 +559,12 @@ cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t r
                                 cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
-  if (d % 8 == 0 && group % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+  if (d % 8 == 0 && group % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     const int64_t vecs = rows * d / 8;
     DequantizeFp8Vec8Kernel<<<Blocks(vecs), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q),
-                                                                  scales, vecs, d, group, groups_per_row,
-                                                                  reinterpret_cast<__nv_bfloat16*>(x));
+                                                                   scales, vecs, d, group, groups_per_row,
+                                                                   reinterpret_cast<__nv_bfloat16*>(x));
     return cudaGetLastError();
   }
   DequantizeFp8Kernel<<<Blocks(rows * d), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q), scales,

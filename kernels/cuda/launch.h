@@ -31,9 +31,8 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
 cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint16_t* a, cudaStream_t stream);
 
 // y[t] = sum_j gate[t, j] rows[row_of_route[t, j]] (FP32), written as FP32 and/or BF16.
-cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route,
-                          const float* gate, int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16,
-                          cudaStream_t stream);
+cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route, const float* gate,
+                          int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16, cudaStream_t stream);
 
 // FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block).
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
@@ -73,9 +72,10 @@ cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, i
 // (the layout's capacity) and the optional bound on any segment (0 = none) pick the chunk size.
 bool SmallBatchSupported(int d, int f);
 // With x_row_index, layout row r reads x[x_row_index[r]] (the gather fused into the load).
-cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
-                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, int64_t rows,
-                                   int64_t max_segment_rows, cudaStream_t stream);
+cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
+                                   int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                                   uint16_t* a, uint16_t* y, int64_t rows, int64_t max_segment_rows,
+                                   cudaStream_t stream);
 
 // The fused local layer (LocalLayerParams in kernels/api.h) for decode-sized steps: two kernels,
 // each block routing from topk itself, the down kernel's last block combining. `a` [routes, f]

@@ -21,8 +21,9 @@
 // Longer segments loop over rows: any size is correct. Steps whose experts get more rows take
 // the tensor-core family (small_batch_mma.cu) or, for dimensions that are not multiples of 32,
 // the staged family (small_batch_staged.cu).
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cuda_bf16.h>
 
 #include "kernels/cuda/combine.cuh"
 #include "kernels/cuda/launch.h"
@@ -37,7 +38,6 @@ using small_batch::ActiveExperts;
 using small_batch::DotRows;
 using small_batch::kThreads;
 using small_batch::kWarps;
-
 
 // Bytes of its first unit's weights a down warp prefetches into L2 before waiting for `a`.
 constexpr int kPrefetchBytes = 8 * 1024;
@@ -80,7 +80,7 @@ struct LayerRoute {
   int routes = 0;
   int k = 0;
   int tokens = 0;
-  const float* gate = nullptr;    // [tokens, k]
+  const float* gate = nullptr;  // [tokens, k]
   unsigned int* done = nullptr;
   float* out_fp32 = nullptr;
   uint4* out_bf16 = nullptr;
@@ -89,7 +89,7 @@ struct LayerRoute {
 // The routing of either kernel: the fused layer's own, or the offsets of a Swiglu call.
 template <bool FUSED>
 __device__ __forceinline__ small_batch::BlockRouting KernelRouting(const LayerRoute& route, const int64_t* offsets,
-                                                                  int num_experts) {
+                                                                   int num_experts) {
   if constexpr (FUSED) {
     return small_batch::RouteInBlock(route.topk, route.routes, route.k, num_experts, small_batch::ActiveCache());
   } else {
@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (int64_t row = seg_begin; row < seg_end; ++row) {
       const uint4* xp = x + SourceRow<FUSED>(x_row_index, row) * d8;
       float gu[2][1] = {};
-      DotRows<1, 2, 4>(w, [&](int, int i) { return __ldg(xp + i); }, d8, 1, gu);
+      DotRows<1, 2, 4>(
+          w, [&](int, int i) { return __ldg(xp + i); }, d8, 1, gu);
       small_batch::StoreActivation<1>(gu, 1, row, f, c, a);
     }
   }
@@ -184,7 +185,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (int64_t row = seg_begin; row < seg_end; ++row) {
       const uint4* ap = a + row * f8;
       float acc[kDownRows][1] = {};
-      DotRows<1, kDownRows, kDownBatch>(w, [&](int, int i) { return __ldg(ap + i); }, f8, 1, acc);
+      DotRows<1, kDownRows, kDownBatch>(
+          w, [&](int, int i) { return __ldg(ap + i); }, f8, 1, acc);
       small_batch::StoreRows<1, kDownRows>(acc, 1, row, d, o0, y);
     }
   }
@@ -213,9 +215,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
 // Both kernels; `max_active` bounds the experts with rows (the grid).
 template <bool FUSED>
-cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int max_active,
-                   int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                   const LayerRoute& route, cudaStream_t stream) {
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts,
+                   int max_active, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a,
+                   uint16_t* y, const LayerRoute& route, cudaStream_t stream) {
   int sms = 0;  // (the shared memory, at most 24 KiB, needs no opt-in)
   const cudaError_t setup = small_batch::SmCount(&sms);
   if (setup != cudaSuccess) return setup;
@@ -224,14 +226,14 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
   auto grid = [&](int64_t max_units) {
     return small_batch::OneWave((max_units + kWarps - 1) / kWarps, static_cast<int64_t>(sms) * kBlocksPerSm);
   };
-  cudaError_t e = LaunchDependent(GateUpKernel<FUSED>, dim3(grid(static_cast<int64_t>(max_active) * f)), dim3(kThreads),
-                                  smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts,
-                                  d / 8, f, reinterpret_cast<const uint4*>(w_gate_up),
-                                  reinterpret_cast<__nv_bfloat16*>(a), route);
+  cudaError_t e =
+      LaunchDependent(GateUpKernel<FUSED>, dim3(grid(static_cast<int64_t>(max_active) * f)), dim3(kThreads), smem,
+                      stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
+                      reinterpret_cast<const uint4*>(w_gate_up), reinterpret_cast<__nv_bfloat16*>(a), route);
   if (e != cudaSuccess) return e;
   const int64_t down_units = static_cast<int64_t>(max_active) * ((d + kDownRows - 1) / kDownRows);
-  return LaunchDependent(DownKernel<FUSED>, dim3(grid(down_units)), dim3(kThreads), smem,
-                         stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
+  return LaunchDependent(DownKernel<FUSED>, dim3(grid(down_units)), dim3(kThreads), smem, stream,
+                         reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
                          reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y), route);
 }
 
@@ -258,9 +260,10 @@ bool SmallBatchSupported(int d, int f) {
          static_cast<size_t>(f) * 2 <= small_batch::kStagedRowBudget;
 }
 
-cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
-                                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, int64_t rows,
-                                   int64_t max_segment_rows, cudaStream_t stream) {
+cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
+                                   int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                                   uint16_t* a, uint16_t* y, int64_t rows, int64_t max_segment_rows,
+                                   cudaStream_t stream) {
   // Rows per expert expected: twice the mean segment when the rows spread over every expert,
   // within the caller's bound on any segment. One row (a single token, or one token's k routes
   // to distinct experts): this family, latency-bound, where the tensor-core family's per-tile
@@ -276,8 +279,8 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
     return small_batch::LaunchMmaSwiglu(small_batch::WidePass(want), x, x_row_index, offsets, num_experts, d, f,
                                         w_gate_up, w_down, a, y, stream);
   }
-  return small_batch::LaunchStagedSwiglu(want <= 4 ? 4 : 8, x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down,
-                                         a, y, stream);
+  return small_batch::LaunchStagedSwiglu(want <= 4 ? 4 : 8, x, x_row_index, offsets, num_experts, d, f, w_gate_up,
+                                         w_down, a, y, stream);
 }
 
 bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int f) {

@@ -5,11 +5,12 @@
 #ifndef MOE_KERNELS_CUDA_SMALL_BATCH_COMMON_CUH_
 #define MOE_KERNELS_CUDA_SMALL_BATCH_COMMON_CUH_
 
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
 
 #include "kernels/cuda/launch.h"
 
@@ -327,8 +328,8 @@ cudaError_t LaunchStagedSwiglu(int rows_cap, const uint16_t* x, const int32_t* x
 bool MmaSupported(int d, int f);
 bool WidePass(int64_t want);
 cudaError_t LaunchMmaSwiglu(bool wide, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
-                            int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a,
-                            uint16_t* y, cudaStream_t stream);
+                            int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                            uint16_t* a, uint16_t* y, cudaStream_t stream);
 // The staged family's shared-memory bound on a row (bytes).
 constexpr size_t kStagedRowBudget = 96 * 1024;
 

@@ -19,10 +19,11 @@
 // memory. Segments of more than 8 rows loop over chunks of 8, or of 16 in the wide variant: two
 // mmas (two groups of 8 activation rows) share each weight load. It is chosen per step, when
 // the step is expected to give busy experts 8 rows or more (WidePass).
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+
+#include <cuda_bf16.h>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
     const int col = w.grp * 8 + g;
     const uint4* lo = w_gate_up + (static_cast<int64_t>(e) * 2 * f + col) * d8;  // gate row of column col
-    const uint4* hi = lo + static_cast<int64_t>(f) * d8;                          // its up row
+    const uint4* hi = lo + static_cast<int64_t>(f) * d8;                         // its up row
     for (int64_t r0 = seg_begin; r0 < seg_end; r0 += NT * kRowsPerMma) {
       const int rows = static_cast<int>(seg_end - r0 < NT * kRowsPerMma ? seg_end - r0 : NT * kRowsPerMma);
       int64_t layout_row[NT];
@@ -253,8 +254,8 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
                                   reinterpret_cast<__nv_bfloat16*>(a));
   if (e != cudaSuccess) return e;
   return LaunchDependent(DownMmaKernel<NT>, dim3(OneWave(static_cast<int64_t>(num_experts) * (d / 16), wave)),
-                         dim3(kThreads), smem, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
-                         reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y));
+                         dim3(kThreads), smem, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8,
+                         d, reinterpret_cast<const uint4*>(w_down), reinterpret_cast<__nv_bfloat16*>(y));
 }
 
 }  // namespace
@@ -273,8 +274,8 @@ bool WidePass(int64_t want) {
 }
 
 cudaError_t LaunchMmaSwiglu(bool wide, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
-                            int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a,
-                            uint16_t* y, cudaStream_t stream) {
+                            int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
+                            uint16_t* a, uint16_t* y, cudaStream_t stream) {
   if (wide) return Launch<2>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
   return Launch<1>(x, x_row_index, offsets, num_experts, d, f, w_gate_up, w_down, a, y, stream);
 }

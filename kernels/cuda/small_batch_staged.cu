@@ -8,8 +8,9 @@
 // tokens, 1.81 ms staged against 2.45 ms.
 //   GateUpKernel: a[r, c] = bf16(silu(bf16(x_r . Wg_c)) * bf16(x_r . Wu_c))
 //   DownKernel:   y[r, o] = bf16(a_r . Wd_o)
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cuda_bf16.h>
 
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
@@ -68,53 +69,53 @@ __device__ __forceinline__ void ForEachStagedChunk(const int64_t* __restrict__ o
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32, StagedBlocksPerSm<ROWS>()) GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
-                                                           const int64_t* __restrict__ offsets,
-                                                           int num_experts, int d8, int f,
-                                                           const uint4* __restrict__ w_gate_up, int chunk_rows,
-                                                           __nv_bfloat16* __restrict__ a) {
+__global__ void __launch_bounds__(kWarps * 32, StagedBlocksPerSm<ROWS>())
+    GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
+                 const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
+                 const uint4* __restrict__ w_gate_up, int chunk_rows, __nv_bfloat16* __restrict__ a) {
   WaitForPredecessor();
   ReleaseDependents();
   const int warp = threadIdx.x >> 5;
   ForEachStagedChunk(offsets, num_experts, (f + kUpTile - 1) / kUpTile, x, x_row_index, d8, chunk_rows,
                      [&](int e, int tile, int64_t r0, int rows, const uint4* xs) {
 #pragma unroll
-    for (int j = 0; j < kUpRowsPerWarp; ++j) {
-      const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
-      if (c >= f) break;
-      float gu[2][ROWS] = {};
-      const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
-                                 w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
-      DotRows<ROWS, 2, 4>(w, [&](int r, int i) { return xs[r * d8 + i]; }, d8, rows, gu);
-      StoreActivation<ROWS>(gu, rows, r0, f, c, a);
-    }
-  });
+                       for (int j = 0; j < kUpRowsPerWarp; ++j) {
+                         const int c = tile * kUpTile + warp * kUpRowsPerWarp + j;
+                         if (c >= f) break;
+                         float gu[2][ROWS] = {};
+                         const uint4* const w[2] = {w_gate_up + (static_cast<int64_t>(e) * 2 * f + c) * d8,
+                                                    w_gate_up + (static_cast<int64_t>(e) * 2 * f + f + c) * d8};
+                         DotRows<ROWS, 2, 4>(
+                             w, [&](int r, int i) { return xs[r * d8 + i]; }, d8, rows, gu);
+                         StoreActivation<ROWS>(gu, rows, r0, f, c, a);
+                       }
+                     });
 }
 
 template <int ROWS>
-__global__ void __launch_bounds__(kWarps * 32, StagedBlocksPerSm<ROWS>()) DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets,
-                                                         int num_experts, int f8, int d,
-                                                         const uint4* __restrict__ w_down, int chunk_rows,
-                                                         __nv_bfloat16* __restrict__ y) {
+__global__ void __launch_bounds__(kWarps * 32, StagedBlocksPerSm<ROWS>())
+    DownKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets, int num_experts, int f8, int d,
+               const uint4* __restrict__ w_down, int chunk_rows, __nv_bfloat16* __restrict__ y) {
   WaitForPredecessor();
   ReleaseDependents();
   const int warp = threadIdx.x >> 5;
   ForEachStagedChunk(offsets, num_experts, (d + kDownTile - 1) / kDownTile, a, nullptr, f8, chunk_rows,
                      [&](int e, int tile, int64_t r0, int rows, const uint4* as) {
-    // Two output rows per warp, their weight rows streamed together (clamped at d; the
-    // duplicate rows of a ragged last tile are computed but not written).
-    const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
-    if (o0 >= d) return;
-    const uint4* w[kDownRowsPerWarp];
+                       // Two output rows per warp, their weight rows streamed together (clamped at d; the
+                       // duplicate rows of a ragged last tile are computed but not written).
+                       const int o0 = tile * kDownTile + warp * kDownRowsPerWarp;
+                       if (o0 >= d) return;
+                       const uint4* w[kDownRowsPerWarp];
 #pragma unroll
-    for (int j = 0; j < kDownRowsPerWarp; ++j) {
-      const int o = o0 + j < d ? o0 + j : d - 1;
-      w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
-    }
-    float acc[kDownRowsPerWarp][ROWS] = {};
-    DotRows<ROWS, kDownRowsPerWarp, 4>(w, [&](int r, int i) { return as[r * f8 + i]; }, f8, rows, acc);
-    StoreRows<ROWS, kDownRowsPerWarp>(acc, rows, r0, d, o0, y);
-  });
+                       for (int j = 0; j < kDownRowsPerWarp; ++j) {
+                         const int o = o0 + j < d ? o0 + j : d - 1;
+                         w[j] = w_down + (static_cast<int64_t>(e) * d + o) * f8;
+                       }
+                       float acc[kDownRowsPerWarp][ROWS] = {};
+                       DotRows<ROWS, kDownRowsPerWarp, 4>(
+                           w, [&](int r, int i) { return as[r * f8 + i]; }, f8, rows, acc);
+                       StoreRows<ROWS, kDownRowsPerWarp>(acc, rows, r0, d, o0, y);
+                     });
 }
 
 constexpr size_t kSmemBudget = kStagedRowBudget;  // staged rows; the active-expert cache comes on top
@@ -125,8 +126,8 @@ int ChunkRows(int rows_cap, int len) {
 }
 
 template <int ROWS>
-cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f, const uint16_t* w_gate_up,
-                   const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
+cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets, int num_experts, int d, int f,
+                   const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y, cudaStream_t stream) {
   // The shared-memory opt-in is set once per process and ROWS.
   int sms = 0;
   const cudaError_t count = SmCount(&sms);
@@ -143,21 +144,22 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
   if (setup != cudaSuccess) return setup;
   const int chunk_x = ChunkRows(ROWS, d), chunk_a = ChunkRows(ROWS, f);
   const size_t active = (ActiveBytes(num_experts) + 15) / 16 * 16;
-  const size_t smem_x = active + static_cast<size_t>(chunk_x) * d * 2, smem_a = active + static_cast<size_t>(chunk_a) * f * 2;
+  const size_t smem_x = active + static_cast<size_t>(chunk_x) * d * 2,
+               smem_a = active + static_cast<size_t>(chunk_a) * f * 2;
   // One resident wave: blocks stride over the work items.
   int per_sm_up = 1, per_sm_down = 1;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_up, GateUpKernel<ROWS>, kWarps * 32, smem_x);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_down, DownKernel<ROWS>, kWarps * 32, smem_a);
   const int items_up = num_experts * ((f + kUpTile - 1) / kUpTile);
   cudaError_t e = LaunchDependent(GateUpKernel<ROWS>, dim3(OneWave(items_up, sms * (per_sm_up > 0 ? per_sm_up : 1))),
-                                  dim3(kThreads), smem_x, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets,
-                                  num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up), chunk_x,
+                                  dim3(kThreads), smem_x, stream, reinterpret_cast<const uint4*>(x), x_row_index,
+                                  offsets, num_experts, d / 8, f, reinterpret_cast<const uint4*>(w_gate_up), chunk_x,
                                   reinterpret_cast<__nv_bfloat16*>(a));
   if (e != cudaSuccess) return e;
   const int items_down = num_experts * ((d + kDownTile - 1) / kDownTile);
   return LaunchDependent(DownKernel<ROWS>, dim3(OneWave(items_down, sms * (per_sm_down > 0 ? per_sm_down : 1))),
-                         dim3(kThreads), smem_a, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8, d,
-                         reinterpret_cast<const uint4*>(w_down), chunk_a, reinterpret_cast<__nv_bfloat16*>(y));
+                         dim3(kThreads), smem_a, stream, reinterpret_cast<const uint4*>(a), offsets, num_experts, f / 8,
+                         d, reinterpret_cast<const uint4*>(w_down), chunk_a, reinterpret_cast<__nv_bfloat16*>(y));
 }
 
 }  // namespace

@@ -28,7 +28,8 @@ absl::StatusOr<ExpertCheckpoint> ExpertCheckpoint::Open(const SafetensorsFile& f
   c.file_ = &file;
   auto version = file.metadata.find(checkpoint_keys::kVersion);
   if (version == file.metadata.end() || version->second.empty()) {
-    return absl::DataLossError(absl::StrCat("checkpoint metadata '", checkpoint_keys::kVersion, "' missing or invalid"));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint metadata '", checkpoint_keys::kVersion, "' missing or invalid"));
   }
   c.version_ = version->second;
   for (auto [key, out] : {std::pair<const char*, int*>{checkpoint_keys::kNumExperts, &c.shape_.num_experts},

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/checkpoint/safetensors.h"
 
 namespace moe {

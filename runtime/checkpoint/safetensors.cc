@@ -65,7 +65,8 @@ absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
   SafetensorsFile file;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
-      for (auto m = it.value().begin(); m != it.value().end(); ++m) file.metadata[m.key()] = m.value().get<std::string>();
+      for (auto m = it.value().begin(); m != it.value().end(); ++m)
+        file.metadata[m.key()] = m.value().get<std::string>();
       continue;
     }
     const auto& v = it.value();

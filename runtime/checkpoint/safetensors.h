@@ -14,9 +14,9 @@
 namespace moe {
 
 struct TensorBlob {
-  std::string dtype;             // "BF16", "F32", ...
+  std::string dtype;  // "BF16", "F32", ...
   std::vector<int64_t> shape;
-  std::string data;              // raw bytes
+  std::string data;  // raw bytes
 };
 
 struct SafetensorsFile {

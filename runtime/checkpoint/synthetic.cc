@@ -1,15 +1,16 @@
 #include "runtime/checkpoint/synthetic.h"
 
-#include <openssl/evp.h>
-
 #include <cmath>
 #include <cstring>
 
+#include <openssl/evp.h>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+
 #include "kernels/numeric.h"
-#include "runtime/status.h"
 #include "runtime/hash.h"
+#include "runtime/status.h"
 
 namespace moe {
 namespace {
@@ -18,7 +19,9 @@ void Fill(std::vector<uint16_t>* out, size_t n, uint64_t seed, float scale) {
   out->resize(n);
   for (size_t i = 0; i < n; ++i) {
     const uint64_t x = SplitMix64(seed ^ SplitMix64(i));
-    const float u = (static_cast<float>(x & 0xffffff) / 16777216.0f + static_cast<float>((x >> 24) & 0xffffff) / 16777216.0f) - 1.0f;
+    const float u =
+        (static_cast<float>(x & 0xffffff) / 16777216.0f + static_cast<float>((x >> 24) & 0xffffff) / 16777216.0f) -
+        1.0f;
     (*out)[i] = kernels::FloatToBf16(u * scale);
   }
 }
@@ -31,8 +34,10 @@ std::string AsBytes(const std::vector<uint16_t>& v) {
 
 void SyntheticExpert(int expert, const ExpertShape& s, uint64_t seed, std::vector<uint16_t>* w_gate_up,
                      std::vector<uint16_t>* w_down) {
-  Fill(w_gate_up, static_cast<size_t>(2) * s.d_ff * s.d, SplitMix64(seed * 1000003 + 2 * expert), 1.7f / std::sqrt(static_cast<float>(s.d)));
-  Fill(w_down, static_cast<size_t>(s.d) * s.d_ff, SplitMix64(seed * 1000003 + 2 * expert + 1), 1.7f / std::sqrt(static_cast<float>(s.d_ff)));
+  Fill(w_gate_up, static_cast<size_t>(2) * s.d_ff * s.d, SplitMix64(seed * 1000003 + 2 * expert),
+       1.7f / std::sqrt(static_cast<float>(s.d)));
+  Fill(w_down, static_cast<size_t>(s.d) * s.d_ff, SplitMix64(seed * 1000003 + 2 * expert + 1),
+       1.7f / std::sqrt(static_cast<float>(s.d_ff)));
 }
 
 std::string ExpertDigest(const std::vector<uint16_t>& w_gate_up, const std::vector<uint16_t>& w_down) {

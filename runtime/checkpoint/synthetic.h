@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/exec/layer_executor.h"

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+
 #include "kernels/api.h"
 #include "runtime/status.h"
 #include "runtime/transport/gpu_checks.h"
@@ -14,7 +15,6 @@
 
 namespace moe {
 namespace {
-
 
 int64_t Align(int64_t b) { return (b + 255) / 256 * 256; }
 
@@ -31,10 +31,12 @@ class CudaDecodeGraph final : public DecodeStepGraph {
 
   absl::Status Init() {
     handles_ = NativeNcclHandles(*transport_);
-    if (handles_.comm == nullptr) return absl::FailedPreconditionError("decode graph: the transport is not a live NCCL one");
+    if (handles_.comm == nullptr)
+      return absl::FailedPreconditionError("decode graph: the transport is not a live NCCL one");
     CUDART_RETURN_IF_ERROR(cudaSetDevice(handles_.device));
     ASSIGN_OR_RETURN(kernels_, kernels::CreateCudaKernels());
-    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
+    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes,
+                  routes = s_.rank_tokens * s_.k;
     // Staged block (one host->device copy a step): hidden, then the tables.
     off_hidden_ = 0;
     off_send_index_ = Align(s_.rank_tokens * s_.d * 2);
@@ -80,13 +82,15 @@ class CudaDecodeGraph final : public DecodeStepGraph {
 
   absl::Status Replay(uint64_t seq, const DecodeGraphTables& t, uint16_t* out, absl::Duration timeout) override {
     if (t.tokens < 0 || t.tokens > s_.rank_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat("decode graph: ", t.tokens, " tokens, bucket holds ", s_.rank_tokens));
+      return absl::InvalidArgumentError(
+          absl::StrCat("decode graph: ", t.tokens, " tokens, bucket holds ", s_.rank_tokens));
     }
     if (NativeNcclHandles(*transport_).comm == nullptr) {
       return absl::UnavailableError("decode graph: the NCCL communicator was aborted by an earlier failure");
     }
     CUDART_RETURN_IF_ERROR(cudaSetDevice(handles_.device));
-    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes, routes = s_.rank_tokens * s_.k;
+    const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes,
+                  routes = s_.rank_tokens * s_.k;
     char* h = static_cast<char*>(staging_);
     std::memcpy(h + off_hidden_, t.hidden, t.tokens * s_.d * 2);
     std::memcpy(h + off_send_index_, t.send_index, ps * 4);
@@ -98,7 +102,8 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     auto stream = static_cast<cudaStream_t>(handles_.stream);
     CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
     CUDART_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream));
-    CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
+    CUDART_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
     RETURN_IF_ERROR(WaitNcclStream(*transport_, seq, timeout));
     std::memcpy(out, out_host_, t.tokens * s_.d * 2);
     return absl::OkStatus();
@@ -161,8 +166,15 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     unpack.out = back_rows_.data();
     RETURN_IF_ERROR(kernels_->Gather(unpack, st));
     RETURN_IF_ERROR(Exchange(back_rows_, returned_));
-    kernels::CombineParams c{returned_.as<uint16_t>(), ps, s_.d, At<int32_t>(off_row_of_route_), At<float>(off_gates_),
-                             s_.rank_tokens, s_.k, nullptr, out_.as<uint16_t>()};
+    kernels::CombineParams c{returned_.as<uint16_t>(),
+                             ps,
+                             s_.d,
+                             At<int32_t>(off_row_of_route_),
+                             At<float>(off_gates_),
+                             s_.rank_tokens,
+                             s_.k,
+                             nullptr,
+                             out_.as<uint16_t>()};
     return kernels_->Combine(c, st);
   }
 

@@ -53,8 +53,7 @@ UnitLedger GraphUnitLedger(const GraphKey& key, const std::vector<int64_t>& rank
   l.useful_routes = std::accumulate(slot_routes.begin(), slot_routes.end(), int64_t{0});
   l.executed_dispatch_slots =
       std::accumulate(key.rank_token_capacity.begin(), key.rank_token_capacity.end(), int64_t{0});
-  l.executed_runner_rows =
-      std::accumulate(key.slot_route_capacity.begin(), key.slot_route_capacity.end(), int64_t{0});
+  l.executed_runner_rows = std::accumulate(key.slot_route_capacity.begin(), key.slot_route_capacity.end(), int64_t{0});
   const int64_t slots = l.executed_dispatch_slots;
   // hidden + route ids (INT32) + gates (FP32) + expert output + per-rank metadata (3 x INT32).
   l.graph_payload_bytes = slots * key.d * act_bytes + slots * key.k * 4 + slots * key.k * 4 +

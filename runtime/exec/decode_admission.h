@@ -50,9 +50,9 @@ const char* FallbackReasonName(FallbackReason r);
 
 struct AdmissionStep {
   bool decode = false;
-  GraphKey key;                       // the step's key (capacities ignored in the comparison)
-  std::vector<int64_t> rank_tokens;   // per rank
-  std::vector<int64_t> slot_routes;   // per physical slot
+  GraphKey key;                      // the step's key (capacities ignored in the comparison)
+  std::vector<int64_t> rank_tokens;  // per rank
+  std::vector<int64_t> slot_routes;  // per physical slot
 };
 
 struct Admission {
@@ -70,7 +70,7 @@ struct UnitLedger {
   int64_t executed_dispatch_slots = 0;  // token slots the dispatch moves (capacity for graphs)
   int64_t useful_routes = 0;
   int64_t executed_runner_rows = 0;
-  int64_t graph_payload_bytes = 0;      // reserved stable-buffer payload (graph units)
+  int64_t graph_payload_bytes = 0;  // reserved stable-buffer payload (graph units)
   int64_t host_submissions = 0;
 };
 // A graph-replayed unit: dispatch executes every captured token slot, the runner every captured

@@ -29,7 +29,7 @@ struct DecodeGraphShape {
   int peers = 0;
   int64_t segment_rows = 0;  // rows per peer segment: rank_tokens * k bounds any rank's routes to one peer
   int local_slots = 0;
-  int64_t slot_routes = 0;   // routes per local slot the bucket admits
+  int64_t slot_routes = 0;  // routes per local slot the bucket admits
   int64_t rank_tokens = 0;
   int d = 0;
   int d_ff = 0;
@@ -61,14 +61,14 @@ absl::StatusOr<DecodeRunner> ParseDecodeRunner(const std::string& name);
 
 // One step's tables, host memory. Row r of peer j's segment is at j * segment_rows + r.
 struct DecodeGraphTables {
-  const uint16_t* hidden = nullptr;       // [tokens, d]
-  int64_t tokens = 0;                     // <= rank_tokens
-  const int32_t* send_index = nullptr;    // [peers * segment_rows]: source token, -1 padding
-  const int32_t* expert_rows = nullptr;   // [local_slots * slot_routes]: received row per layout row
-  const int64_t* expert_offsets = nullptr;// [local_slots + 1]
-  const int32_t* layout_row = nullptr;    // [peers * segment_rows]: layout row per received row, -1 padding
-  const int32_t* row_of_route = nullptr;  // [rank_tokens * k]: returned row per route, -1 none
-  const float* gates = nullptr;           // [rank_tokens * k]
+  const uint16_t* hidden = nullptr;         // [tokens, d]
+  int64_t tokens = 0;                       // <= rank_tokens
+  const int32_t* send_index = nullptr;      // [peers * segment_rows]: source token, -1 padding
+  const int32_t* expert_rows = nullptr;     // [local_slots * slot_routes]: received row per layout row
+  const int64_t* expert_offsets = nullptr;  // [local_slots + 1]
+  const int32_t* layout_row = nullptr;      // [peers * segment_rows]: layout row per received row, -1 padding
+  const int32_t* row_of_route = nullptr;    // [rank_tokens * k]: returned row per route, -1 none
+  const float* gates = nullptr;             // [rank_tokens * k]
 };
 
 class DecodeStepGraph {

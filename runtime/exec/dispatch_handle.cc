@@ -1,6 +1,7 @@
 #include "runtime/exec/dispatch_handle.h"
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/plan/combine.h"
 #include "runtime/status.h"
 
@@ -29,31 +30,30 @@ const char* HandleStateName(HandleState s) {
 }
 
 absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::Acquire(HandleId id, const FrozenHandoff& handoff,
-                                                                         GenerationRegistry* registry,
-                                                                         const ProcessGroup& group) {
+                                                                        GenerationRegistry* registry,
+                                                                        const ProcessGroup& group) {
   RETURN_IF_ERROR(VerifyFrozen(handoff));
   ASSIGN_OR_RETURN(GenerationLease lease, registry->AcquireActive(id));
   return FromLease(id, handoff, group, std::move(lease), false);
 }
 
 absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::AcquireTrial(HandleId id, const FrozenHandoff& handoff,
-                                                                              GenerationRegistry* registry,
-                                                                              const ProcessGroup& group,
-                                                                              PlacementVersion candidate) {
+                                                                             GenerationRegistry* registry,
+                                                                             const ProcessGroup& group,
+                                                                             PlacementVersion candidate) {
   RETURN_IF_ERROR(VerifyFrozen(handoff));
   ASSIGN_OR_RETURN(GenerationLease lease, registry->AcquireTrial(candidate, id));
   return FromLease(id, handoff, group, std::move(lease), true);
 }
 
 absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::FromLease(HandleId id, const FrozenHandoff& handoff,
-                                                                           const ProcessGroup& group,
-                                                                           GenerationLease lease, bool trial) {
+                                                                          const ProcessGroup& group,
+                                                                          GenerationLease lease, bool trial) {
   const PlacementManifest& m = *lease.manifest();
   if (m.process_group() != group.id() || m.epoch() != group.epoch()) {
-    return absl::FailedPreconditionError(absl::StrCat("active ", m.VersionName(), " is bound to ",
-                                                      m.process_group().value(), " epoch ", m.epoch().value(),
-                                                      ", the step runs on ", group.id().value(), " epoch ",
-                                                      group.epoch().value()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("active ", m.VersionName(), " is bound to ", m.process_group().value(), " epoch ",
+                     m.epoch().value(), ", the step runs on ", group.id().value(), " epoch ", group.epoch().value()));
   }
   std::unique_ptr<DispatchHandle> h(new DispatchHandle());
   h->id_ = id;
@@ -113,9 +113,9 @@ absl::Status DispatchHandle::BeginCombine(const GenerationRegistry& registry, Pl
   }
   ASSIGN_OR_RETURN(auto live, trial_ ? registry.RequireTrial(version_) : registry.RequireLive(version_));
   if (live->checkpoint() != checkpoint_ || live->process_group() != group_ || live->epoch() != epoch_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("handle ", id_.value(), ": placement-v", version_.value(), " no longer matches the handle's "
-                     "checkpoint / process group"));
+    return absl::FailedPreconditionError(absl::StrCat("handle ", id_.value(), ": placement-v", version_.value(),
+                                                      " no longer matches the handle's "
+                                                      "checkpoint / process group"));
   }
   return Advance(HandleState::kExpertOutputReady, HandleState::kCombineInFlight, "combine");
 }

@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+
 #include "runtime/ids.h"
 #include "runtime/placement/registry.h"
 #include "runtime/semantic.h"
@@ -50,14 +51,14 @@ class DispatchHandle {
   // Acquires a reference on the registry's ACTIVE generation (state 0). The generation must be
   // bound to `group` (same id and epoch). The registry must outlive the handle.
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> Acquire(HandleId id, const FrozenHandoff& handoff,
-                                                                  GenerationRegistry* registry,
-                                                                  const ProcessGroup& group);
+                                                                 GenerationRegistry* registry,
+                                                                 const ProcessGroup& group);
   // The same on a PREPARED candidate generation, for its shadow and canary steps; the handle's
   // combine then requires the candidate still resident (a promotion mid-step is fine).
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> AcquireTrial(HandleId id, const FrozenHandoff& handoff,
-                                                                       GenerationRegistry* registry,
-                                                                       const ProcessGroup& group,
-                                                                       PlacementVersion candidate);
+                                                                      GenerationRegistry* registry,
+                                                                      const ProcessGroup& group,
+                                                                      PlacementVersion candidate);
   bool trial() const { return trial_; }
 
   HandleId id() const { return id_; }
@@ -93,8 +94,8 @@ class DispatchHandle {
 
   HandleId id_;
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> FromLease(HandleId id, const FrozenHandoff& handoff,
-                                                                    const ProcessGroup& group, GenerationLease lease,
-                                                                    bool trial);
+                                                                   const ProcessGroup& group, GenerationLease lease,
+                                                                   bool trial);
 
   HandleState state_ = HandleState::kRouterOutput;
   bool trial_ = false;

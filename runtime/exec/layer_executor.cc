@@ -1,12 +1,13 @@
 #include "runtime/exec/layer_executor.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/numeric.h"
 #include "absl/time/clock.h"
+
+#include "kernels/numeric.h"
 #include "runtime/exec/dispatch_handle.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/exec/step_phases.h"
@@ -55,7 +56,8 @@ absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_
   resident->w_down = experts->w_down.data();
   if (device_) {
     kernels::ExpertKernels* kern = options_.kernels;
-    const int64_t gu = static_cast<int64_t>(experts->w_gate_up.size()) * 2, dn = static_cast<int64_t>(experts->w_down.size()) * 2;
+    const int64_t gu = static_cast<int64_t>(experts->w_gate_up.size()) * 2,
+                  dn = static_cast<int64_t>(experts->w_down.size()) * 2;
     RETURN_IF_ERROR(resident->gate_up.Reserve(kern, gu));
     RETURN_IF_ERROR(resident->down.Reserve(kern, dn));
     RETURN_IF_ERROR(kern->CopyToKernel(resident->gate_up.data(), experts->w_gate_up.data(), gu, nullptr));
@@ -142,13 +144,15 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
       b.pad_of_send[pos] = static_cast<int32_t>(j * seg + i);
       b.g_send_index[j * seg + i] = send_token[pos];
     }
-    for (int64_t i = 0; i < dest.recv_splits[j]; ++i) b.pad_of_recv[dest.recv_offsets[j] + i] = static_cast<int32_t>(j * seg + i);
+    for (int64_t i = 0; i < dest.recv_splits[j]; ++i)
+      b.pad_of_recv[dest.recv_offsets[j] + i] = static_cast<int32_t>(j * seg + i);
   }
   if (dest.expert_offsets[local_slots] > local_slots * slot_cap) {
     return absl::InternalError("decode graph: received routes exceed the bucket (admission let them through)");
   }
   b.g_expert_rows.assign(local_slots * slot_cap, 0);
-  for (int64_t r = 0; r < dest.expert_offsets[local_slots]; ++r) b.g_expert_rows[r] = b.pad_of_recv[dest.expert_order[r]];
+  for (int64_t r = 0; r < dest.expert_offsets[local_slots]; ++r)
+    b.g_expert_rows[r] = b.pad_of_recv[dest.expert_order[r]];
   b.g_layout_row.assign(p * seg, -1);
   for (int64_t c = 0; c < n_recv; ++c) b.g_layout_row[b.pad_of_recv[c]] = dest.expert_position[c];
   b.g_row_of_route.assign(tokens_cap * in.k, -1);
@@ -286,7 +290,6 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   if (mismatch) ++c.shadow_mismatches;
 }
 
-
 // What one pass's phases hand each other. Buffers reused across steps stay in buf_.
 struct LayerExecutor::Pass {
   Pass(const LayerStepInput& input, const PassOptions& options)
@@ -298,19 +301,19 @@ struct LayerExecutor::Pass {
   LayerStepResult result;
   PhaseClock clock;  // after `result`, whose record it writes
   int64_t num_experts = 0;
-  std::optional<FrozenHandoff> frozen;           // validate
-  std::unique_ptr<DispatchHandle> handle;        // acquire
+  std::optional<FrozenHandoff> frozen;     // validate
+  std::unique_ptr<DispatchHandle> handle;  // acquire
   PlacementVersion version{0};
   std::shared_ptr<const ResidentExperts> weights;
   std::shared_ptr<const PlanLayout> layout;
   const PlacementManifest* manifest = nullptr;
-  int64_t n_send = 0;                            // plan
-  StepAgreement agreement;                       // agree
-  int64_t n_recv = 0;                            // dispatch
+  int64_t n_send = 0;       // plan
+  StepAgreement agreement;  // agree
+  int64_t n_recv = 0;       // dispatch
   ByteSplits bytes;
-  StepTables tables;                             // eager payload: the kernels' index tables
+  StepTables tables;  // eager payload: the kernels' index tables
   int t_send = -1, t_order = -1, t_position = -1, t_rows_of = -1, t_gates = -1;
-  const void* hidden = nullptr;                  // the engine's rows where the kernels read them
+  const void* hidden = nullptr;  // the engine's rows where the kernels read them
 };
 
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
@@ -346,7 +349,8 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   const int64_t active = pass.trial ? pass.po.trial_version : options_.registry->ActiveVersion();
   if (active < 0) return absl::UnavailableError("no ACTIVE placement generation");
   pass.version = PlacementVersion(active);
-  auto manifest = pass.trial ? options_.registry->RequireTrial(pass.version) : options_.registry->RequireLive(pass.version);
+  auto manifest =
+      pass.trial ? options_.registry->RequireTrial(pass.version) : options_.registry->RequireLive(pass.version);
   if (!manifest.ok()) return manifest.status();
   pass.num_experts = (*manifest)->num_experts();
   RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
@@ -358,8 +362,8 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
       if (in.admitted == nullptr || in.admitted[i] != 0) ++expert_load_[in.topk_ids[i]];
     }
   }
-  ASSIGN_OR_RETURN(FrozenHandoff frozen, SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts),
-                                                    options_.topology->num_ranks()));
+  ASSIGN_OR_RETURN(FrozenHandoff frozen,
+                   SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts), options_.topology->num_ranks()));
   pass.frozen.emplace(std::move(frozen));
   return absl::OkStatus();
 }
@@ -367,10 +371,10 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
 absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kAcquire);
   const HandleId id(static_cast<int64_t>(pass.in.step_id));
-  ASSIGN_OR_RETURN(pass.handle,
-                   pass.trial ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group,
-                                                             pass.version)
-                              : DispatchHandle::Acquire(id, *pass.frozen, options_.registry, *options_.group));
+  ASSIGN_OR_RETURN(
+      pass.handle,
+      pass.trial ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group, pass.version)
+                 : DispatchHandle::Acquire(id, *pass.frozen, options_.registry, *options_.group));
   const PlacementVersion version = pass.handle->placement_version();
   pass.version = version;
   if (!pass.trial && pass.in.expected_generation >= 0 && pass.in.expected_generation != version.value()) {
@@ -407,8 +411,8 @@ absl::Status LayerExecutor::PlanPhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kPlan);
   const SemanticHandoff& routes = pass.frozen->routes;
   buf_.slots.resize(routes.size());
-  RETURN_IF_ERROR(selector_->Select(routes, *pass.manifest, *options_.group, *options_.topology, {},
-                                    absl::MakeSpan(buf_.slots)));
+  RETURN_IF_ERROR(
+      selector_->Select(routes, *pass.manifest, *options_.group, *options_.topology, {}, absl::MakeSpan(buf_.slots)));
   AcceptRoutes(routes, buf_.slots, &buf_.accepted_ids, &buf_.accepted_slots);
   RETURN_IF_ERROR(PlanSource(*pass.layout, buf_.accepted_slots, &buf_.source));
   pass.n_send = static_cast<int64_t>(buf_.accepted_ids.size());
@@ -425,10 +429,17 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
   for (PhysicalSlotId q : buf_.accepted_slots) ++slot_counts[q.value()];
   // This member's graph manifest (bucket, whether it captures graphs, runner): members that
   // differ serve decode steps eagerly.
-  const uint64_t manifest = GraphManifestWord(options_.decode_rank_tokens, options_.decode_slot_routes, graphs_,
-                                              options_.decode_runner);
-  StepHeader header{in.step_id,          in.layer,          pass.version.value(), options_.group->epoch().value(), 0,
-                    in.tokens,           pass.po.shadow_version, pass.po.shadow_every, static_cast<int64_t>(manifest)};
+  const uint64_t manifest =
+      GraphManifestWord(options_.decode_rank_tokens, options_.decode_slot_routes, graphs_, options_.decode_runner);
+  StepHeader header{in.step_id,
+                    in.layer,
+                    pass.version.value(),
+                    options_.group->epoch().value(),
+                    0,
+                    in.tokens,
+                    pass.po.shadow_version,
+                    pass.po.shadow_every,
+                    static_cast<int64_t>(manifest)};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
   std::vector<int32_t>& send_meta = buf_.send_meta;
@@ -460,9 +471,8 @@ void LayerExecutor::AdmitDecode(Pass& pass) const {
   step.rank_tokens = pass.agreement.rank_tokens;
   step.slot_routes = pass.agreement.slot_routes;
   // Members with different graph manifests all serve eagerly: no member replays alone.
-  const Admission admission = pass.agreement.graph_keys_agree
-                                  ? AdmitDecodeGraph(step, &bucket)
-                                  : Admission{false, FallbackReason::kGraphKeyMismatch, ""};
+  const Admission admission = pass.agreement.graph_keys_agree ? AdmitDecodeGraph(step, &bucket)
+                                                              : Admission{false, FallbackReason::kGraphKeyMismatch, ""};
   pass.result.record.graph_replay = admission.replay;
   if (!admission.replay) pass.result.record.fallback_reason = FallbackReasonName(admission.reason);
 }
@@ -506,7 +516,8 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   const int64_t row_bytes = static_cast<int64_t>(in.d) * 2;
   const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
   const LocalExperts& host = *pass.weights->host;
-  if (pass.n_recv > 0 && static_cast<int64_t>(host.w_down.size()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
+  if (pass.n_recv > 0 &&
+      static_cast<int64_t>(host.w_down.size()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                       " number of local slots than placement-v", pass.version.value()));
   }
@@ -664,9 +675,15 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   pass.clock.Enter(StepPhase::kCombine);
   if (in.tokens == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
-  kernels::CombineParams c{buf_.returned.as<uint16_t>(), pass.n_send, in.d,
-                           pass.tables.Get<int32_t>(pass.t_rows_of), pass.tables.Get<float>(pass.t_gates),
-                           in.tokens, in.k, nullptr, out};
+  kernels::CombineParams c{buf_.returned.as<uint16_t>(),
+                           pass.n_send,
+                           in.d,
+                           pass.tables.Get<int32_t>(pass.t_rows_of),
+                           pass.tables.Get<float>(pass.t_gates),
+                           in.tokens,
+                           in.k,
+                           nullptr,
+                           out};
   RETURN_IF_ERROR(options_.kernels->Combine(c, nullptr));
   return CopyOut(pass, out);
 }
@@ -675,7 +692,8 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kRelease);
   LayerStepResult& result = pass.result;
   if (pass.trial && options_.fault_trial_output_scale != 1.0f) {
-    for (uint16_t& v : result.output) v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * options_.fault_trial_output_scale);
+    for (uint16_t& v : result.output)
+      v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * options_.fault_trial_output_scale);
   }
   RETURN_IF_ERROR(pass.handle->MarkOriginRowsReady());
   RETURN_IF_ERROR(pass.handle->Release());

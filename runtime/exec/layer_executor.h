@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+
 #include "kernels/api.h"
 #include "runtime/exec/decode_admission.h"
 #include "runtime/exec/decode_graph.h"
@@ -59,9 +60,9 @@ struct LayerExecutorOptions {
   Rank rank;
   std::optional<Topology> topology;
   std::optional<ProcessGroup> group;
-  GenerationRegistry* registry = nullptr;          // not owned
-  Transport* transport = nullptr;                  // not owned; slot() must equal the rank's peer slot
-  kernels::ExpertKernels* kernels = nullptr;       // not owned
+  GenerationRegistry* registry = nullptr;     // not owned
+  Transport* transport = nullptr;             // not owned; slot() must equal the rank's peer slot
+  kernels::ExpertKernels* kernels = nullptr;  // not owned
   absl::Duration timeout = absl::Seconds(30);
   SelectorPolicy selector = SelectorPolicy::kLocalityFirst;
   // The decode bucket (graph manifest): tokens per rank and routes per physical slot a captured
@@ -128,8 +129,8 @@ class LayerExecutor {
  private:
   explicit LayerExecutor(LayerExecutorOptions options) : options_(std::move(options)) {}
   struct PassOptions {
-    int64_t trial_version = -1;  // >= 0: run on this PREPARED candidate instead of the ACTIVE one
-    bool shadow_pass = false;    // a shadow pass (not counted in the expert load)
+    int64_t trial_version = -1;                     // >= 0: run on this PREPARED candidate instead of the ACTIVE one
+    bool shadow_pass = false;                       // a shadow pass (not counted in the expert load)
     int64_t shadow_version = -1, shadow_every = 0;  // the shadow proposal in the step header
   };
   // One pass of a step (the served pass, or a shadow pass): what its phases hand each other.

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+
 #include "kernels/api.h"
 
 namespace moe {

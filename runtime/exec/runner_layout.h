@@ -26,9 +26,9 @@ const char* RunnerKindName(RunnerKind kind);
 
 struct RunnerLayoutParams {
   RunnerKind kind = RunnerKind::kGrouped;
-  int64_t capacity = 0;     // padded: rows admitted per slot (C)
-  int64_t alignment = 1;    // padded: kernel row multiple (a)
-  int64_t block_rows = 128; // block-sparse: token-row block (B_r)
+  int64_t capacity = 0;      // padded: rows admitted per slot (C)
+  int64_t alignment = 1;     // padded: kernel row multiple (a)
+  int64_t block_rows = 128;  // block-sparse: token-row block (B_r)
 };
 
 struct RunnerLayout {
@@ -38,7 +38,7 @@ struct RunnerLayout {
   int64_t capacity_rows = 0;              // padded: L * C (before alignment)
   int64_t executed_rows = 0;
   int64_t useful_rows = 0;
-  int64_t block_rows = 0;                 // block-sparse: B_r
+  int64_t block_rows = 0;  // block-sparse: B_r
 
   int num_segments() const { return static_cast<int>(counts.size()); }
   int64_t ExecutedRows(int l) const { return executed_offsets[l + 1] - executed_offsets[l]; }

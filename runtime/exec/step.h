@@ -24,14 +24,14 @@ struct LayerStepInput {
   uint64_t step_id = 0;
   int64_t layer = 0;
   Phase phase = Phase::kPrefill;
-  const uint16_t* hidden = nullptr;      // [tokens, d] BF16
+  const uint16_t* hidden = nullptr;  // [tokens, d] BF16
   int64_t tokens = 0;
   int d = 0;
-  const int32_t* topk_ids = nullptr;     // [tokens, k]
-  const float* topk_weights = nullptr;   // [tokens, k]
+  const int32_t* topk_ids = nullptr;    // [tokens, k]
+  const float* topk_weights = nullptr;  // [tokens, k]
   int k = 0;
-  const uint8_t* admitted = nullptr;     // optional [tokens, k]; 0 = dropped by the router
-  int64_t expected_generation = -1;      // -1: any
+  const uint8_t* admitted = nullptr;  // optional [tokens, k]; 0 = dropped by the router
+  int64_t expected_generation = -1;   // -1: any
 };
 
 // The phases of a step, in the order they run.

@@ -16,8 +16,19 @@ namespace {
 // when Q exceeds the record do the slot counts take a second all-gather (every member then
 // has the same Q).
 constexpr int kHeaderWords = 11;
-enum Word { kStepId, kLayer, kGeneration, kEpoch, kAbort, kTokens, kSlotCount, kShadowVersion, kShadowEvery,
-            kGraphKey, kMetaEntries };
+enum Word {
+  kStepId,
+  kLayer,
+  kGeneration,
+  kEpoch,
+  kAbort,
+  kTokens,
+  kSlotCount,
+  kShadowVersion,
+  kShadowEvery,
+  kGraphKey,
+  kMetaEntries
+};
 
 struct RecordLayout {
   RecordLayout(int peers, int64_t slots, const std::vector<int32_t>* send_meta)
@@ -35,11 +46,14 @@ struct RecordLayout {
   const bool meta_inline;
   // Word f of member i's record in the gathered records.
   int64_t At(const std::vector<int64_t>& all, int i, int f) const { return all[i * words + f]; }
-  const int64_t* Inline(const std::vector<int64_t>& all, int i) const { return all.data() + i * words + kHeaderWords + p; }
+  const int64_t* Inline(const std::vector<int64_t>& all, int i) const {
+    return all.data() + i * words + kHeaderWords + p;
+  }
 };
 
-std::vector<int64_t> EncodeRecord(const RecordLayout& l, const StepHeader& header, absl::Span<const int64_t> send_counts,
-                                  absl::Span<const int64_t> slot_counts, const std::vector<int32_t>* send_meta) {
+std::vector<int64_t> EncodeRecord(const RecordLayout& l, const StepHeader& header,
+                                  absl::Span<const int64_t> send_counts, absl::Span<const int64_t> slot_counts,
+                                  const std::vector<int32_t>* send_meta) {
   std::vector<int64_t> mine(l.words, 0);
   mine[kStepId] = static_cast<int64_t>(header.step_id);
   mine[kLayer] = header.layer;
@@ -64,13 +78,12 @@ std::vector<int64_t> EncodeRecord(const RecordLayout& l, const StepHeader& heade
 absl::Status CheckHeaders(const RecordLayout& l, const std::vector<int64_t>& all) {
   for (int i = 0; i < l.p; ++i) {
     if (l.At(all, i, kAbort) != 0) {
-      return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
-                                             " rejected its input for this step"));
+      return absl::AbortedError(
+          absl::StrCat("step aborted before payload exchange: peer slot ", i, " rejected its input for this step"));
     }
   }
-  static constexpr const char* kField[kHeaderWords] = {"step_id", "layer", "placement_generation",
-                                                      "process_group_epoch", "", "", "slot_count_length", "", "",
-                                                      "", ""};
+  static constexpr const char* kField[kHeaderWords] = {
+      "step_id", "layer", "placement_generation", "process_group_epoch", "", "", "slot_count_length", "", "", "", ""};
   for (int i = 1; i < l.p; ++i) {
     for (int f : {kStepId, kLayer, kGeneration, kEpoch, kSlotCount}) {
       if (l.At(all, i, f) != all[f]) {
@@ -90,13 +103,14 @@ absl::Status ReadAgreement(const RecordLayout& l, const std::vector<int64_t>& al
                            StepAgreement* out) {
   const int p = l.p;
   // The shadow pass: every member proposed the same (version, period) and the step is sampled.
-  bool shadow = all[kShadowVersion] >= 0 && all[kShadowEvery] > 0 &&
-                step_id % static_cast<uint64_t>(all[kShadowEvery]) == 0;
+  bool shadow =
+      all[kShadowVersion] >= 0 && all[kShadowEvery] > 0 && step_id % static_cast<uint64_t>(all[kShadowEvery]) == 0;
   for (int i = 1; i < p && shadow; ++i) {
     shadow = l.At(all, i, kShadowVersion) == all[kShadowVersion] && l.At(all, i, kShadowEvery) == all[kShadowEvery];
   }
   out->shadow_version = shadow ? all[kShadowVersion] : -1;
-  for (int i = 1; i < p; ++i) out->graph_keys_agree = out->graph_keys_agree && l.At(all, i, kGraphKey) == all[kGraphKey];
+  for (int i = 1; i < p; ++i)
+    out->graph_keys_agree = out->graph_keys_agree && l.At(all, i, kGraphKey) == all[kGraphKey];
   out->count_matrix.resize(static_cast<size_t>(p) * p);
   for (int i = 0; i < p; ++i) {
     for (int j = 0; j < p; ++j) {
@@ -171,11 +185,11 @@ absl::Status ReadInlineMeta(const RecordLayout& l, const std::vector<int64_t>& a
 
 absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
                                           absl::Span<const int64_t> send_counts, absl::Duration timeout,
-                                          absl::Span<const int64_t> slot_counts, const std::vector<int32_t>* send_meta) {
+                                          absl::Span<const int64_t> slot_counts,
+                                          const std::vector<int32_t>* send_meta) {
   const int p = transport.size();
   if (static_cast<int>(send_counts.size()) != p) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
+    return absl::InvalidArgumentError(absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
   const RecordLayout layout(p, static_cast<int64_t>(slot_counts.size()), send_meta);
   const std::vector<int64_t> mine = EncodeRecord(layout, header, send_counts, slot_counts, send_meta);

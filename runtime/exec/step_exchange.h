@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+
 #include "runtime/transport/transport.h"
 
 namespace moe {

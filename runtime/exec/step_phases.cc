@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/hash.h"
 #include "runtime/status.h"
 
@@ -27,13 +28,13 @@ absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
     if (in.admitted != nullptr && in.admitted[i] == 0) continue;
     const int32_t e = in.topk_ids[i];
     if (e < 0 || e >= num_experts) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e,
-                                                     " outside [0, ", num_experts, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e, " outside [0, ", num_experts, ")"));
     }
     const float g = in.topk_weights[i];
     if (!std::isfinite(g) || g < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", g,
-                                                     " is NaN, infinite or negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", g, " is NaN, infinite or negative"));
     }
   }
   return absl::OkStatus();
@@ -102,8 +103,9 @@ ByteSplits SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const in
   return b;
 }
 
-void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source, absl::Span<const float> gate_of_position,
-                   int64_t routes, std::vector<int32_t>* row_of_route, std::vector<float>* gates) {
+void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source,
+                   absl::Span<const float> gate_of_position, int64_t routes, std::vector<int32_t>* row_of_route,
+                   std::vector<float>* gates) {
   row_of_route->assign(routes, -1);
   gates->assign(routes, 0.0f);
   for (size_t i = 0; i < accepted_ids.size(); ++i) {

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+
 #include "kernels/api.h"
 #include "runtime/exec/decode_graph.h"
 #include "runtime/exec/dispatch_handle.h"
@@ -53,8 +54,9 @@ ByteSplits SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const in
 
 // combine: the token-major view of the handle's coordinates the combine kernel reads: route
 // (t, j) -> its send position (-1: not sent) and its gate (0 when not sent).
-void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source, absl::Span<const float> gate_of_position,
-                   int64_t routes, std::vector<int32_t>* row_of_route, std::vector<float>* gates);
+void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source,
+                   absl::Span<const float> gate_of_position, int64_t routes, std::vector<int32_t>* row_of_route,
+                   std::vector<float>* gates);
 
 // release: the route statistics of the record (attempted, accepted, dropped, remote, inter-node).
 void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me,

@@ -1,6 +1,7 @@
 #include "runtime/placement/default_placement.h"
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/checkpoint/expert_checkpoint.h"
 
 namespace moe {
@@ -34,7 +35,8 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
       return absl::InvalidArgumentError(absl::StrCat("slot ", slots.size(), ": rank ", rank, " outside the topology"));
     }
     auto digest = md.find(checkpoint_keys::Digest(e));
-    if (digest == md.end()) return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
+    if (digest == md.end())
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
     SlotRecord s;
     s.slot = PhysicalSlotId(static_cast<int32_t>(slots.size()));
     s.name = absl::StrCat("q", slots.size());

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/placement/manifest.h"
 
 namespace moe {

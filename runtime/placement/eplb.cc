@@ -166,12 +166,13 @@ absl::StatusOr<EplbSolution> RebalanceExperts(const EplbProblem& p) {
   if (p.layers <= 0) return absl::InvalidArgumentError("weight: needs at least one layer");
   if (p.experts <= 0) return absl::InvalidArgumentError("weight: needs at least one logical expert per layer");
   if (p.weight.size() != static_cast<size_t>(p.layers) * p.experts) {
-    return absl::InvalidArgumentError(absl::StrCat("weight: ", p.weight.size(), " values for ", p.layers, " x ", p.experts));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight: ", p.weight.size(), " values for ", p.layers, " x ", p.experts));
   }
   for (size_t i = 0; i < p.weight.size(); ++i) {
     if (!std::isfinite(p.weight[i]) || p.weight[i] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("weight[", i / p.experts, "][", i % p.experts,
-                                                     "]: must be finite and non-negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight[", i / p.experts, "][", i % p.experts, "]: must be finite and non-negative"));
     }
   }
   if (p.num_groups <= 0) return absl::InvalidArgumentError("num_groups: must be positive");
@@ -186,7 +187,8 @@ absl::StatusOr<EplbSolution> RebalanceExperts(const EplbProblem& p) {
         absl::StrCat("num_groups: ", groups, " does not divide the ", p.experts, " logical experts"));
   }
   if (p.num_gpus % nodes != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("num_gpus: ", p.num_gpus, " is not a multiple of num_nodes ", nodes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_gpus: ", p.num_gpus, " is not a multiple of num_nodes ", nodes));
   }
   if (p.num_replicas % p.num_gpus != 0) {
     return absl::InvalidArgumentError(

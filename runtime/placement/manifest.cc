@@ -55,7 +55,9 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
   for (const SlotRecord& s : m->slots_) m->expert_slots_[fill[s.expert.value()]++] = s.slot;
   for (int e = 0; e < e_count; ++e) {
     std::stable_sort(m->expert_slots_.begin() + m->expert_begin_[e], m->expert_slots_.begin() + m->expert_begin_[e + 1],
-                     [&](PhysicalSlotId a, PhysicalSlotId b) { return m->slots_[a.value()].replica < m->slots_[b.value()].replica; });
+                     [&](PhysicalSlotId a, PhysicalSlotId b) {
+                       return m->slots_[a.value()].replica < m->slots_[b.value()].replica;
+                     });
   }
 
   m->local_slots_.assign(topology.num_ranks(), {});
@@ -116,9 +118,9 @@ Incompatibility CheckCompatible(LogicalExpertId e, PhysicalSlotId q, const Place
 
 absl::Status VerifyForPublish(const PlacementManifest& manifest, const ProcessGroup& group, const Topology& topology) {
   if (manifest.process_group() != group.id() || manifest.epoch() != group.epoch()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        manifest.VersionName(), " is bound to process group ", manifest.process_group().value(), " epoch ",
-        manifest.epoch().value(), ", not ", group.id().value(), " epoch ", group.epoch().value()));
+    return absl::FailedPreconditionError(
+        absl::StrCat(manifest.VersionName(), " is bound to process group ", manifest.process_group().value(), " epoch ",
+                     manifest.epoch().value(), ", not ", group.id().value(), " epoch ", group.epoch().value()));
   }
   for (const SlotRecord& s : manifest.slots()) {
     const Incompatibility why = CheckCompatible(s.expert, s.slot, manifest, group, topology);

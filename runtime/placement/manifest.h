@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+
 #include "runtime/ids.h"
 #include "runtime/placement/topology.h"
 
@@ -20,7 +21,7 @@ namespace moe {
 
 struct SlotRecord {
   PhysicalSlotId slot;
-  std::string name;          // "q1"; unique inside the version
+  std::string name;  // "q1"; unique inside the version
   LogicalExpertId expert;
   ReplicaId replica;         // copy index among the expert's copies
   std::string replica_name;  // "e0-r1"
@@ -43,8 +44,8 @@ class PlacementManifest {
   // Structural validation only (dense ids, unique names, experts and ranks in range). Whether
   // each slot is *compatible* is the predicate below; publishing requires VerifyForPublish.
   static absl::StatusOr<std::shared_ptr<const PlacementManifest>> Create(ManifestOptions options,
-                                                                          std::vector<SlotRecord> slots,
-                                                                          const Topology& topology);
+                                                                         std::vector<SlotRecord> slots,
+                                                                         const Topology& topology);
 
   PlacementVersion version() const { return options_.version; }
   std::string VersionName() const;  // "placement-v17"
@@ -69,7 +70,7 @@ class PlacementManifest {
  private:
   ManifestOptions options_;
   std::vector<SlotRecord> slots_;
-  std::vector<int32_t> expert_begin_;           // E + 1 offsets into expert_slots_
+  std::vector<int32_t> expert_begin_;  // E + 1 offsets into expert_slots_
   std::vector<PhysicalSlotId> expert_slots_;
   std::vector<std::vector<PhysicalSlotId>> local_slots_;
   std::vector<int32_t> local_index_;
@@ -77,10 +78,10 @@ class PlacementManifest {
 
 enum class Incompatibility {
   kNone = 0,
-  kWrongExpert,        // the slot stores another logical expert
-  kStaleCheckpoint,    // the replica's checkpoint differs from c_v(e)
-  kRankOutsideGroup,   // the destination rank is not in the pinned communicator
-  kDomainMismatch,     // the topology label does not own that rank
+  kWrongExpert,       // the slot stores another logical expert
+  kStaleCheckpoint,   // the replica's checkpoint differs from c_v(e)
+  kRankOutsideGroup,  // the destination rank is not in the pinned communicator
+  kDomainMismatch,    // the topology label does not own that rank
 };
 const char* IncompatibilityName(Incompatibility reason);
 

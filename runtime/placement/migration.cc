@@ -84,7 +84,7 @@ void ChooseSource(const PlacementManifest& from, const PlacementManifest& to, co
   }
   const SlotRecord& b = from.slot(PhysicalSlotId(best));
   step.action = topology.NodeOf(b.rank) == topology.NodeOf(Rank(r)) ? MigrationAction::kSameNodeCopy
-                                                                     : MigrationAction::kCrossNodeCopy;
+                                                                    : MigrationAction::kCrossNodeCopy;
   step.source_rank = b.rank;
   step.source_slot = b.slot;
 }
@@ -120,8 +120,8 @@ absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const
                                             const Topology& topology, int64_t expert_bytes) {
   if (expert_bytes <= 0) return absl::InvalidArgumentError("expert_bytes: must be positive");
   if (from.num_experts() != to.num_experts()) {
-    return absl::FailedPreconditionError(absl::StrCat(from.VersionName(), " and ", to.VersionName(),
-                                                      " disagree on the number of logical experts"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(from.VersionName(), " and ", to.VersionName(), " disagree on the number of logical experts"));
   }
   MigrationPlan plan;
   std::vector<bool> claimed(from.num_slots(), false);

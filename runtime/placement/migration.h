@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/placement/manifest.h"
 #include "runtime/placement/topology.h"
 
@@ -34,9 +35,9 @@ struct MigrationStep {
   PhysicalSlotId target_slot;
   LogicalExpertId expert;
   MigrationAction action;
-  Rank source_rank;              // -1 for checkpoint loads
-  PhysicalSlotId source_slot;    // source placement slot, or the earlier target slot for duplicates
-  bool source_is_target = false; // source_slot names a target-placement slot
+  Rank source_rank;               // -1 for checkpoint loads
+  PhysicalSlotId source_slot;     // source placement slot, or the earlier target slot for duplicates
+  bool source_is_target = false;  // source_slot names a target-placement slot
   int64_t bytes = 0;
 };
 

@@ -53,7 +53,8 @@ absl::Status GenerationRegistry::Prepare(std::shared_ptr<const PlacementManifest
   if (manifest == nullptr) return absl::InvalidArgumentError("manifest: null");
   absl::MutexLock lock(&mu_);
   const int64_t v = manifest->version().value();
-  if (generations_.count(v) != 0) return absl::AlreadyExistsError(absl::StrCat(Name(manifest->version()), " is already registered"));
+  if (generations_.count(v) != 0)
+    return absl::AlreadyExistsError(absl::StrCat(Name(manifest->version()), " is already registered"));
   Entry& e = generations_[v];
   e.manifest = std::move(manifest);
   e.state = GenerationState::kPrepared;
@@ -165,8 +166,7 @@ absl::Status GenerationRegistry::ReleaseLease(PlacementVersion v, HandleId handl
   absl::MutexLock lock(&mu_);
   auto it = generations_.find(v.value());
   if (it == generations_.end() || it->second.holders.erase(handle.value()) == 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("handle ", handle.value(), " holds no reference on ", Name(v)));
+    return absl::FailedPreconditionError(absl::StrCat("handle ", handle.value(), " holds no reference on ", Name(v)));
   }
   return absl::OkStatus();
 }

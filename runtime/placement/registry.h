@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+
 #include "runtime/ids.h"
 #include "runtime/placement/manifest.h"
 

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/hash.h"
 
 namespace moe {
@@ -75,13 +76,14 @@ class SelectorBase : public ReplicaSelector {
       }
       const int e = routes.expert[r].value();
       if (e < 0 || e >= e_count) {
-        return absl::InvalidArgumentError(absl::StrCat("routes[", r, "].logical_expert: ", e, " outside [0, ", e_count, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("routes[", r, "].logical_expert: ", e, " outside [0, ", e_count, ")"));
       }
       const int32_t begin = cand_begin_[e];
       const int32_t n = cand_begin_[e + 1] - begin;
       if (n == 0) {
-        return absl::FailedPreconditionError(absl::StrCat("route ", r, ": no compatible slot holds logical expert ", e,
-                                                          " in ", manifest.VersionName()));
+        return absl::FailedPreconditionError(
+            absl::StrCat("route ", r, ": no compatible slot holds logical expert ", e, " in ", manifest.VersionName()));
       }
       // NOTE: a single compatible copy leaves no choice under any policy; round-robin still
       // advances its cursor so its sequence does not depend on the fast path.
@@ -108,7 +110,8 @@ class SelectorBase : public ReplicaSelector {
           const int cls = cand_rank_[i] == origin ? 0 : (cand_node_[i] == origin_node ? 1 : 2);
           const int64_t load = rank_load_[cand_rank_[i]];
           // Candidates are in (replica, slot) order; ties on (class, load) keep the lower slot id.
-          if (cls < best_class || (cls == best_class && (load < best_load || (load == best_load && cand_[i] < cand_[best])))) {
+          if (cls < best_class ||
+              (cls == best_class && (load < best_load || (load == best_load && cand_[i] < cand_[best])))) {
             best = i;
             best_class = cls;
             best_load = load;
@@ -130,9 +133,10 @@ class SelectorBase : public ReplicaSelector {
         return begin + static_cast<int32_t>(cursor_[e]++ % static_cast<uint64_t>(n));
       }
       case SelectorPolicy::kHash: {
-        const uint64_t key = SplitMix64((static_cast<uint64_t>(routes.scope.value()) << 48) ^
-                                 (static_cast<uint64_t>(routes.origin[r].value()) << 32) ^
-                                 (static_cast<uint64_t>(routes.token[r]) << 8) ^ static_cast<uint64_t>(routes.route_slot[r]));
+        const uint64_t key =
+            SplitMix64((static_cast<uint64_t>(routes.scope.value()) << 48) ^
+                       (static_cast<uint64_t>(routes.origin[r].value()) << 32) ^
+                       (static_cast<uint64_t>(routes.token[r]) << 8) ^ static_cast<uint64_t>(routes.route_slot[r]));
         return begin + static_cast<int32_t>(key % static_cast<uint64_t>(n));
       }
     }

@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+
 #include "runtime/placement/manifest.h"
 #include "runtime/semantic.h"
 

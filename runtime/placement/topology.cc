@@ -22,7 +22,8 @@ absl::StatusOr<Topology> Topology::Create(std::vector<RankInfo> ranks, std::vect
           absl::StrCat("topology.ranks: rank ", r, " is duplicated or outside [0, ", ranks.size(), ")"));
     }
     if (info.node.value() < 0 || info.node.value() >= static_cast<int>(node_names.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("topology.ranks[", r, "].node: unknown domain ", info.node.value()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("topology.ranks[", r, "].node: unknown domain ", info.node.value()));
     }
     seen[r] = true;
     t.ranks_[r] = info;

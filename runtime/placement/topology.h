@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/ids.h"
 
 namespace moe {
@@ -19,9 +20,9 @@ namespace moe {
 struct RankInfo {
   Rank rank;
   TopologyDomainId node;
-  int32_t local_rank = 0;  // GPU-local rank inside the node
-  std::string nic;         // NIC identity ("nic-0"), may be empty
-  bool node_relay = false; // relay of its node in hierarchical schedules
+  int32_t local_rank = 0;   // GPU-local rank inside the node
+  std::string nic;          // NIC identity ("nic-0"), may be empty
+  bool node_relay = false;  // relay of its node in hierarchical schedules
 };
 
 class Topology {

@@ -11,7 +11,8 @@ absl::Status WeightedScatterAdd(const CombineArgs& a) {
   }
   for (int64_t i = 0; i < a.n; ++i) {
     if (a.token[i] < 0 || a.token[i] >= a.num_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat("token[", i, "] = ", a.token[i], " outside [0, ", a.num_tokens, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token[", i, "] = ", a.token[i], " outside [0, ", a.num_tokens, ")"));
     }
   }
   for (int64_t i = 0; i < a.n; ++i) {

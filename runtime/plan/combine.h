@@ -13,13 +13,13 @@
 namespace moe {
 
 struct CombineArgs {
-  const float* rows = nullptr;    // [n, d]
-  const int32_t* token = nullptr; // [n], origin token of each row
-  const float* gate = nullptr;    // [n]
+  const float* rows = nullptr;     // [n, d]
+  const int32_t* token = nullptr;  // [n], origin token of each row
+  const float* gate = nullptr;     // [n]
   int64_t n = 0;
   int d = 0;
   int64_t num_tokens = 0;
-  float* out = nullptr;           // [num_tokens, d], accumulated into (caller zeroes it)
+  float* out = nullptr;  // [num_tokens, d], accumulated into (caller zeroes it)
 };
 
 absl::Status WeightedScatterAdd(const CombineArgs& args);

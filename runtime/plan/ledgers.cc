@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/status.h"
 
 namespace moe {
@@ -87,18 +88,19 @@ absl::Status CheckDependencies(const std::vector<ScheduleEvent>& events, const E
     for (const std::string& dep : e.deps) {
       auto it = index.find(dep);
       if (it == index.end()) {
-        return absl::FailedPreconditionError(absl::StrCat("missing dependency: event ", e.name, " waits on unknown event ", dep));
+        return absl::FailedPreconditionError(
+            absl::StrCat("missing dependency: event ", e.name, " waits on unknown event ", dep));
       }
       if (events[it->second].epoch >= e.epoch) {
-        return absl::FailedPreconditionError(absl::StrCat("epoch before dependency: event ", e.name, " at epoch ", e.epoch,
-                                                          " does not follow ", dep, " at epoch ",
+        return absl::FailedPreconditionError(absl::StrCat("epoch before dependency: event ", e.name, " at epoch ",
+                                                          e.epoch, " does not follow ", dep, " at epoch ",
                                                           events[it->second].epoch));
       }
     }
   }
   if (roots != 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("missing dependency: the event graph has ", roots, " events without a dependency, expected one root"));
+    return absl::FailedPreconditionError(absl::StrCat("missing dependency: the event graph has ", roots,
+                                                      " events without a dependency, expected one root"));
   }
   return absl::OkStatus();
 }
@@ -138,7 +140,8 @@ absl::Status CheckBuffers(const std::vector<ScheduleEvent>& events, const EventI
                           const std::vector<BufferLifetime>& buffers, LifetimeReport& report, int* last_epoch) {
   for (const BufferLifetime& b : buffers) {
     if (b.begin >= b.end) {
-      return absl::InvalidArgumentError(absl::StrCat("buffer ", b.name, ": empty interval [", b.begin, ", ", b.end, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("buffer ", b.name, ": empty interval [", b.begin, ", ", b.end, ")"));
     }
     auto it = index.find(b.last_reader);
     if (it == index.end()) {
@@ -289,7 +292,8 @@ RouteClassLedger ComputeRouteClasses(const ClusterPlan& plan, const FrozenHandof
     if (!h.admitted[r]) continue;
     const Rank src = h.origin[r];
     const Rank dst(plan.destination_rank[r]);
-    const int c = src == dst ? kSameGpu : (topology.NodeOf(src) == topology.NodeOf(dst) ? kSameNodeRemoteGpu : kDifferentNode);
+    const int c =
+        src == dst ? kSameGpu : (topology.NodeOf(src) == topology.NodeOf(dst) ? kSameNodeRemoteGpu : kDifferentNode);
     ++l.rows[c];
     l.routes[c].push_back(r);
     if (c != kSameGpu) pairs[c].insert({src.value(), dst.value()});

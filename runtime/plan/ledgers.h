@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/exec/runner_layout.h"
 #include "runtime/plan/route_plan.h"
 
@@ -18,45 +19,45 @@ namespace moe {
 
 // 0x02B1: the three load ledgers answer different questions.
 struct LoadLedger {
-  std::vector<int64_t> logical_expert_rows;  // [E]
-  std::vector<int64_t> physical_slot_rows;   // [Q]
-  std::vector<int64_t> destination_rank_rows;// [P]
+  std::vector<int64_t> logical_expert_rows;    // [E]
+  std::vector<int64_t> physical_slot_rows;     // [Q]
+  std::vector<int64_t> destination_rank_rows;  // [P]
 };
 LoadLedger ComputeLoadLedger(const ClusterPlan& plan, const FrozenHandoff& handoff, const PlacementManifest& manifest);
 
 // Element widths of the declared representation (0x03D: BF16 rows, INT64 coordinates,
 // INT32 transport metadata and handle fields).
 struct LedgerWidths {
-  int activation = 2;         // b_a
-  int output = 2;             // b_o
-  int coordinate = 8;         // count / offset tables
-  int meta = 4;               // transport metadata and handle fields
+  int activation = 2;  // b_a
+  int output = 2;      // b_o
+  int coordinate = 8;  // count / offset tables
+  int meta = 4;        // transport metadata and handle fields
   int dispatch_meta_fields = 2;
   int combine_meta_fields = 1;
   int handle_fields = 8;
 };
 
 struct ByteLedger {
-  int64_t routes = 0;                 // R
-  int64_t remote_routes = 0;          // R_remote (destination != source)
-  int64_t tokens = 0;                 // input rows over all partitions
-  int64_t staging_dispatch = 0;       // R d b_a
-  int64_t staging_combine = 0;        // R d b_o
-  int64_t remote_dispatch = 0;        // R_remote d b_a
-  int64_t remote_combine = 0;         // R_remote d b_o
-  int64_t dispatch_meta = 0;          // R_remote * fields * 4
+  int64_t routes = 0;            // R
+  int64_t remote_routes = 0;     // R_remote (destination != source)
+  int64_t tokens = 0;            // input rows over all partitions
+  int64_t staging_dispatch = 0;  // R d b_a
+  int64_t staging_combine = 0;   // R d b_o
+  int64_t remote_dispatch = 0;   // R_remote d b_a
+  int64_t remote_combine = 0;    // R_remote d b_o
+  int64_t dispatch_meta = 0;     // R_remote * fields * 4
   int64_t combine_meta = 0;
-  int64_t route_handle = 0;           // R * 8 * 4
-  int64_t count_matrix = 0;           // P^2 b_c
-  int64_t send_offsets = 0;           // P (P + 1) b_c
-  int64_t recv_splits = 0;            // P^2 b_c
-  int64_t expert_offsets = 0;         // sum_u (L_u + 1) b_c
+  int64_t route_handle = 0;    // R * 8 * 4
+  int64_t count_matrix = 0;    // P^2 b_c
+  int64_t send_offsets = 0;    // P (P + 1) b_c
+  int64_t recv_splits = 0;     // P^2 b_c
+  int64_t expert_offsets = 0;  // sum_u (L_u + 1) b_c
   int64_t expert_offset_entries = 0;
-  int64_t remote_logical = 0;         // remote payload + remote metadata, excluding protocol
-  int64_t max_split = 0;              // max_{p,u} C_{p,u}
-  int64_t padded_rows = 0;            // P^2 max split (uniform padded all-to-all)
+  int64_t remote_logical = 0;  // remote payload + remote metadata, excluding protocol
+  int64_t max_split = 0;       // max_{p,u} C_{p,u}
+  int64_t padded_rows = 0;     // P^2 max split (uniform padded all-to-all)
   int64_t padding_rows = 0;
-  int64_t padded_per_direction = 0;   // bytes
+  int64_t padded_per_direction = 0;  // bytes
   int64_t padded_round_trip = 0;
   int64_t useful_round_trip = 0;
 };
@@ -104,7 +105,7 @@ struct RunnerLedger {
   int64_t intermediate_values = 0;  // executed rows * d_ff
   int64_t matmul_flops = 0;         // 6 * executed * d * d_ff
   int64_t useful_flops = 0;
-  int64_t state_bytes = 0;          // mask / descriptor table / block topology
+  int64_t state_bytes = 0;  // mask / descriptor table / block topology
   std::string state;
   // Block-sparse topology detail.
   int64_t row_blocks = 0;
@@ -127,16 +128,16 @@ RouteClassLedger ComputeRouteClasses(const ClusterPlan& plan, const FrozenHandof
 
 // 0x07E: flat vs hierarchical (relay) exchange of the inter-node routes.
 struct RelayLedger {
-  int64_t dispatch_to_source_relay = 0;   // source -> source-node relay
-  int64_t dispatch_relay_to_relay = 0;    // source relay -> destination relay
-  int64_t dispatch_relay_to_final = 0;    // destination relay -> expert rank
-  int64_t combine_to_expert_relay = 0;    // expert rank -> expert-node relay
+  int64_t dispatch_to_source_relay = 0;  // source -> source-node relay
+  int64_t dispatch_relay_to_relay = 0;   // source relay -> destination relay
+  int64_t dispatch_relay_to_final = 0;   // destination relay -> expert rank
+  int64_t combine_to_expert_relay = 0;   // expert rank -> expert-node relay
   int64_t combine_relay_to_relay = 0;
   int64_t combine_relay_to_origin = 0;
-  int64_t inter_node_round_trip_bytes = 0;  // equal for flat and hierarchical
-  int64_t added_relay_bytes = 0;            // intra-node relay movements the hierarchy adds
-  int64_t flat_inter_node_pairs = 0;        // directed rank pairs, dispatch + combine
-  int64_t hierarchical_inter_node_pairs = 0;// directed relay pairs, dispatch + combine
+  int64_t inter_node_round_trip_bytes = 0;    // equal for flat and hierarchical
+  int64_t added_relay_bytes = 0;              // intra-node relay movements the hierarchy adds
+  int64_t flat_inter_node_pairs = 0;          // directed rank pairs, dispatch + combine
+  int64_t hierarchical_inter_node_pairs = 0;  // directed relay pairs, dispatch + combine
 };
 RelayLedger ComputeRelayLedger(const ClusterPlan& plan, const FrozenHandoff& handoff, const Topology& topology, int d,
                                const LedgerWidths& w);

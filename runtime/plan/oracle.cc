@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/plan/combine.h"
 #include "runtime/status.h"
 
@@ -19,7 +20,8 @@ absl::Status CheckInputs(const SemanticHandoff& routes, const PartitionRows& hid
   }
   for (size_t p = 0; p < hidden.size(); ++p) {
     if (hidden[p].size() % d != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("hidden[", p, "]: ", hidden[p].size(), " values, not a multiple of d=", d));
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden[", p, "]: ", hidden[p].size(), " values, not a multiple of d=", d));
     }
   }
   if (static_cast<int>(expert_scale.size()) != routes.num_experts) {
@@ -90,13 +92,13 @@ absl::StatusOr<PartitionRows> PhysicalOutputs(const ClusterPlan& plan, const Fro
     for (int32_t pos = 0; pos < n; ++pos) {
       const int32_t r = plan.receive_routes[u][pos];
       const int s = routes.origin[r].value();
-      std::memcpy(receive.data() + static_cast<int64_t>(pos) * d, send[s].data() + static_cast<int64_t>(plan.send_position[r]) * d,
-                  sizeof(float) * d);
+      std::memcpy(receive.data() + static_cast<int64_t>(pos) * d,
+                  send[s].data() + static_cast<int64_t>(plan.send_position[r]) * d, sizeof(float) * d);
     }
     std::vector<float> expert_in(receive.size()), expert_out(receive.size());
     for (int32_t e = 0; e < n; ++e) {
-      std::memcpy(expert_in.data() + static_cast<int64_t>(e) * d, receive.data() + static_cast<int64_t>(dp.expert_order[e]) * d,
-                  sizeof(float) * d);
+      std::memcpy(expert_in.data() + static_cast<int64_t>(e) * d,
+                  receive.data() + static_cast<int64_t>(dp.expert_order[e]) * d, sizeof(float) * d);
     }
     ASSIGN_OR_RETURN(RunnerLayout layout, MakeRunnerLayout(dp.expert_counts, runner));
     const auto local = manifest.LocalSlots(Rank(u));

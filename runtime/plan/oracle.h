@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+
 #include "runtime/exec/runner_layout.h"
 #include "runtime/plan/route_plan.h"
 
@@ -24,8 +25,7 @@ absl::StatusOr<PartitionRows> SemanticOutputs(const SemanticHandoff& routes, con
 
 absl::StatusOr<PartitionRows> PhysicalOutputs(const ClusterPlan& plan, const FrozenHandoff& handoff,
                                               const PlacementManifest& manifest, const PartitionRows& hidden, int d,
-                                              const std::vector<float>& expert_scale,
-                                              const RunnerLayoutParams& runner);
+                                              const std::vector<float>& expert_scale, const RunnerLayoutParams& runner);
 
 }  // namespace moe
 

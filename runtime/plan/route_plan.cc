@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/status.h"
 
 namespace moe {
@@ -10,10 +11,9 @@ namespace moe {
 absl::StatusOr<PlanLayout> PlanLayout::Create(std::shared_ptr<const PlacementManifest> manifest, ProcessGroup group) {
   if (manifest == nullptr) return absl::InvalidArgumentError("manifest: null");
   if (manifest->process_group() != group.id() || manifest->epoch() != group.epoch()) {
-    return absl::FailedPreconditionError(absl::StrCat(manifest->VersionName(), " is bound to ",
-                                                      manifest->process_group().value(), " epoch ",
-                                                      manifest->epoch().value(), ", not ", group.id().value(),
-                                                      " epoch ", group.epoch().value()));
+    return absl::FailedPreconditionError(
+        absl::StrCat(manifest->VersionName(), " is bound to ", manifest->process_group().value(), " epoch ",
+                     manifest->epoch().value(), ", not ", group.id().value(), " epoch ", group.epoch().value()));
   }
   PlanLayout l;
   const int q_count = manifest->num_slots();
@@ -50,12 +50,14 @@ absl::Status PlanSource(const PlanLayout& layout, absl::Span<const PhysicalSlotI
   for (int32_t i = 0; i < n; ++i) {
     const int q = route_slots[i].value();
     if (q < 0 || q >= q_count) {
-      return absl::InvalidArgumentError(absl::StrCat("route ", i, ": physical slot ", q, " outside [0, ", q_count, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("route ", i, ": physical slot ", q, " outside [0, ", q_count, ")"));
     }
     const int32_t key = layout.SlotKey(route_slots[i]);
     if (key < 0) {
-      return absl::FailedPreconditionError(absl::StrCat("route ", i, ": slot ", layout.manifest().slot(route_slots[i]).name,
-                                                        " lives on rank ", layout.manifest().slot(route_slots[i]).rank.value(),
+      return absl::FailedPreconditionError(absl::StrCat("route ", i, ": slot ",
+                                                        layout.manifest().slot(route_slots[i]).name, " lives on rank ",
+                                                        layout.manifest().slot(route_slots[i]).rank.value(),
                                                         ", outside process group ", layout.group().id().value()));
     }
     ++bucket[key + 1];
@@ -99,8 +101,8 @@ absl::Status PlanDestination(const PlanLayout& layout, Rank self, absl::Span<con
   }
   const int32_t n = static_cast<int32_t>(received_slots.size());
   if (plan->recv_offsets[p_count] != n) {
-    return absl::InvalidArgumentError(absl::StrCat("recv_splits sum to ", plan->recv_offsets[p_count], " but ", n,
-                                                   " rows were received"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recv_splits sum to ", plan->recv_offsets[p_count], " but ", n, " rows were received"));
   }
   const auto local = m.LocalSlots(self);
   const int l_count = static_cast<int>(local.size());
@@ -160,7 +162,8 @@ absl::Status GroupBySource(const SemanticHandoff& h, absl::Span<const PhysicalSl
     }
     const int q = slots[r].value();
     if (q < 0 || q >= m.num_slots()) {
-      return absl::InvalidArgumentError(absl::StrCat("route ", r, ": physical slot ", q, " is not in ", m.VersionName()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("route ", r, ": physical slot ", q, " is not in ", m.VersionName()));
     }
     const Incompatibility why = CheckCompatible(h.expert[r], slots[r], m, g, topology);
     if (why != Incompatibility::kNone) {
@@ -217,7 +220,8 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
   const ProcessGroup& g = layout.group();
   const int p_count = topology.num_ranks();
   if (static_cast<int32_t>(slots.size()) != h.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("physical_slot: ", slots.size(), " entries for ", h.size(), " routes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("physical_slot: ", slots.size(), " entries for ", h.size(), " routes"));
   }
   if (h.num_experts != m.num_experts()) {
     return absl::FailedPreconditionError(absl::StrCat("handoff names ", h.num_experts, " logical experts, ",

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+
 #include "runtime/ids.h"
 #include "runtime/placement/manifest.h"
 #include "runtime/placement/topology.h"
@@ -69,12 +70,12 @@ struct SourcePlan {
 absl::Status PlanSource(const PlanLayout& layout, absl::Span<const PhysicalSlotId> route_slots, SourcePlan* plan);
 
 struct DestinationPlan {
-  std::vector<int64_t> recv_splits;        // [P], source peer-slot order
-  std::vector<int64_t> recv_offsets;       // [P + 1]
-  std::vector<int32_t> expert_order;       // expert position -> receive position
-  std::vector<int32_t> expert_position;    // receive position -> expert position
-  std::vector<int64_t> expert_counts;      // [local slots], manifest local slot order
-  std::vector<int64_t> expert_offsets;     // [local slots + 1]
+  std::vector<int64_t> recv_splits;      // [P], source peer-slot order
+  std::vector<int64_t> recv_offsets;     // [P + 1]
+  std::vector<int32_t> expert_order;     // expert position -> receive position
+  std::vector<int32_t> expert_position;  // receive position -> expert position
+  std::vector<int64_t> expert_counts;    // [local slots], manifest local slot order
+  std::vector<int64_t> expert_offsets;   // [local slots + 1]
   std::vector<int32_t> scratch;
 };
 

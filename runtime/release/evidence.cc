@@ -52,8 +52,8 @@ GateEvidence AggregateRankEvidence(const std::vector<RankReport>& ranks, const E
 
     const bool is_prepared = r.candidate_state == GenerationState::kPrepared;
     if (!is_prepared) {
-      out.findings.push_back(absl::StrCat("ManifestOK: ", r.name, ": ", candidate, " is ", StateOf(r.candidate_state),
-                                          ", not PREPARED"));
+      out.findings.push_back(
+          absl::StrCat("ManifestOK: ", r.name, ": ", candidate, " is ", StateOf(r.candidate_state), ", not PREPARED"));
     }
     prepared = prepared && is_prepared;
     if (!expect.manifest_digest.empty()) {
@@ -63,7 +63,8 @@ GateEvidence AggregateRankEvidence(const std::vector<RankReport>& ranks, const E
       } else if (r.candidate_digest != expect.manifest_digest) {
         hashes = false;
         out.findings.push_back(absl::StrCat("HashOK: ", r.name, " holds ", candidate, " under manifest digest ",
-                                            r.candidate_digest, ", the recorded manifest's is ", expect.manifest_digest));
+                                            r.candidate_digest, ", the recorded manifest's is ",
+                                            expect.manifest_digest));
       }
       hashes = hashes && is_prepared;
     }

@@ -30,11 +30,11 @@
 namespace moe {
 
 struct RankReport {
-  std::string name;  // names the rank in findings, e.g. "rank 2 (127.0.0.1:4417)"
+  std::string name;                                // names the rank in findings, e.g. "rank 2 (127.0.0.1:4417)"
   std::optional<GenerationState> candidate_state;  // nullopt: the rank does not hold the candidate
-  std::string candidate_digest;  // the manifest digest the rank reports for it (empty: none)
-  std::optional<GenerationState> prior_state;  // the prior release's generation here (nullopt: not held)
-  GenerationCounters counters;  // of the candidate's generation since the rank started
+  std::string candidate_digest;                    // the manifest digest the rank reports for it (empty: none)
+  std::optional<GenerationState> prior_state;      // the prior release's generation here (nullopt: not held)
+  GenerationCounters counters;                     // of the candidate's generation since the rank started
 };
 
 struct EvidenceExpectation {

@@ -8,8 +8,8 @@
 namespace moe {
 
 namespace {
-constexpr ReleaseState kAll[] = {ReleaseState::kBuilt,  ReleaseState::kVerified, ReleaseState::kLoaded,
-                                 ReleaseState::kShadow, ReleaseState::kCanary,   ReleaseState::kActive,
+constexpr ReleaseState kAll[] = {ReleaseState::kBuilt,    ReleaseState::kVerified, ReleaseState::kLoaded,
+                                 ReleaseState::kShadow,   ReleaseState::kCanary,   ReleaseState::kActive,
                                  ReleaseState::kDraining, ReleaseState::kRetired};
 
 struct Edge {
@@ -17,19 +17,19 @@ struct Edge {
 };
 // The legal transitions, all in one place.
 constexpr Edge kEdges[] = {
-    {ReleaseState::kBuilt, ReleaseState::kVerified},     // digests and manifests check out
-    {ReleaseState::kVerified, ReleaseState::kLoaded},    // weights materialized on every rank
-    {ReleaseState::kLoaded, ReleaseState::kShadow},      // runs beside the active release on samples
-    {ReleaseState::kShadow, ReleaseState::kCanary},      // serves a share of real traffic
-    {ReleaseState::kCanary, ReleaseState::kActive},      // promoted (the 0x0DC gate)
-    {ReleaseState::kActive, ReleaseState::kDraining},    // replaced or rolled back: no new dispatch
-    {ReleaseState::kCanary, ReleaseState::kDraining},    // canary blocked / rolled back
-    {ReleaseState::kShadow, ReleaseState::kDraining},    // shadow parity failed
-    {ReleaseState::kDraining, ReleaseState::kActive},    // the prior release re-activated (rollback)
-    {ReleaseState::kDraining, ReleaseState::kRetired},   // refcount reached zero
-    {ReleaseState::kBuilt, ReleaseState::kRetired},      // rejected build
-    {ReleaseState::kVerified, ReleaseState::kRetired},   // rejected load
-    {ReleaseState::kLoaded, ReleaseState::kRetired},     // abandoned before serving
+    {ReleaseState::kBuilt, ReleaseState::kVerified},    // digests and manifests check out
+    {ReleaseState::kVerified, ReleaseState::kLoaded},   // weights materialized on every rank
+    {ReleaseState::kLoaded, ReleaseState::kShadow},     // runs beside the active release on samples
+    {ReleaseState::kShadow, ReleaseState::kCanary},     // serves a share of real traffic
+    {ReleaseState::kCanary, ReleaseState::kActive},     // promoted (the 0x0DC gate)
+    {ReleaseState::kActive, ReleaseState::kDraining},   // replaced or rolled back: no new dispatch
+    {ReleaseState::kCanary, ReleaseState::kDraining},   // canary blocked / rolled back
+    {ReleaseState::kShadow, ReleaseState::kDraining},   // shadow parity failed
+    {ReleaseState::kDraining, ReleaseState::kActive},   // the prior release re-activated (rollback)
+    {ReleaseState::kDraining, ReleaseState::kRetired},  // refcount reached zero
+    {ReleaseState::kBuilt, ReleaseState::kRetired},     // rejected build
+    {ReleaseState::kVerified, ReleaseState::kRetired},  // rejected load
+    {ReleaseState::kLoaded, ReleaseState::kRetired},    // abandoned before serving
 };
 }  // namespace
 

@@ -67,7 +67,7 @@ struct PromotionInputs {
   int64_t canary_samples = 0;
   int64_t routes_attempted = 0;  // r_drop = routes_dropped / routes_attempted
   int64_t routes_dropped = 0;
-  int64_t steps = 0;             // ALL steps: r_fallback = fallback_steps / steps (0x0D)
+  int64_t steps = 0;  // ALL steps: r_fallback = fallback_steps / steps (0x0D)
   int64_t fallback_steps = 0;
   int64_t route_mismatches = 0;
   int64_t stale_accepts = 0;

@@ -9,6 +9,7 @@
 #include <nccl.h>
 
 #include "absl/strings/str_cat.h"
+
 #include "runtime/status.h"
 
 namespace moe {
@@ -27,17 +28,17 @@ inline absl::Status CudaRuntimeError(cudaError_t e, const char* expr, const char
 }  // namespace moe
 
 // ncclInProgress is not a failure: a nonblocking communicator's call was queued.
-#define NCCL_RETURN_IF_ERROR(expr)                                                          \
-  do {                                                                                      \
-    const ncclResult_t moe_nccl_ = (expr);                                                  \
-    if (moe_nccl_ != ncclSuccess && moe_nccl_ != ncclInProgress) {                          \
-      return ::moe::NcclError(moe_nccl_, #expr, __FILE__, __LINE__);                       \
-    }                                                                                       \
+#define NCCL_RETURN_IF_ERROR(expr)                                   \
+  do {                                                               \
+    const ncclResult_t moe_nccl_ = (expr);                           \
+    if (moe_nccl_ != ncclSuccess && moe_nccl_ != ncclInProgress) {   \
+      return ::moe::NcclError(moe_nccl_, #expr, __FILE__, __LINE__); \
+    }                                                                \
   } while (0)
 
-#define CUDART_RETURN_IF_ERROR(expr)                                                        \
-  do {                                                                                      \
-    const cudaError_t moe_cudart_ = (expr);                                                 \
+#define CUDART_RETURN_IF_ERROR(expr)                                                                        \
+  do {                                                                                                      \
+    const cudaError_t moe_cudart_ = (expr);                                                                 \
     if (moe_cudart_ != cudaSuccess) return ::moe::CudaRuntimeError(moe_cudart_, #expr, __FILE__, __LINE__); \
   } while (0)
 

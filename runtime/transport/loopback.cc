@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+
 #include "runtime/transport/step_gather.h"
 #include "runtime/transport/transport.h"
 
@@ -100,8 +101,8 @@ class LoopbackTransport final : public Transport {
       }
       auto it = state_->box.find(key);
       if (static_cast<int64_t>(it->second.size()) != recv_bytes[i]) {
-        return absl::InternalError(absl::StrCat("loopback: peer slot ", i, " sent ", it->second.size(),
-                                                " bytes, expected ", recv_bytes[i]));
+        return absl::InternalError(
+            absl::StrCat("loopback: peer slot ", i, " sent ", it->second.size(), " bytes, expected ", recv_bytes[i]));
       }
       std::memcpy(static_cast<char*>(recv) + off, it->second.data(), it->second.size());
       state_->box.erase(it);

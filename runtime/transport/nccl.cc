@@ -10,9 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/gpu_checks.h"
-
 
 namespace moe {
 namespace {
@@ -73,7 +73,8 @@ class NcclTransport final : public Transport {
       int64_t so = 0, ro = 0;
       for (int i = 0; i < size(); ++i) {
         if (send_bytes[i] > 0) {
-          NCCL_RETURN_IF_ERROR(ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
+          NCCL_RETURN_IF_ERROR(
+              ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
         }
         if (recv_bytes[i] > 0) {
           NCCL_RETURN_IF_ERROR(ncclRecv(static_cast<char*>(drecv) + ro, recv_bytes[i], ncclUint8, i, comm_, stream_));
@@ -151,14 +152,15 @@ class NcclTransport final : public Transport {
       ncclCommGetAsyncError(comm_, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
         Abandon();
-        return absl::UnavailableError(absl::StrCat("nccl: communicator error ", ncclGetErrorString(async), " (seq ", seq, ")"));
+        return absl::UnavailableError(
+            absl::StrCat("nccl: communicator error ", ncclGetErrorString(async), " (seq ", seq, ")"));
       }
       if (absl::Now() > deadline) {
         // NOTE: aborting releases this member from the collective; peers see their own timeout
         // or a communicator error. The communicator is unusable afterwards.
         Abandon();
-        return absl::DeadlineExceededError(absl::StrCat("nccl: collective (seq ", seq, ") did not finish within ",
-                                                        absl::FormatDuration(timeout)));
+        return absl::DeadlineExceededError(
+            absl::StrCat("nccl: collective (seq ", seq, ") did not finish within ", absl::FormatDuration(timeout)));
       }
       std::this_thread::yield();
     }

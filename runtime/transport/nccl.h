@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "runtime/transport/transport.h"
 
 namespace moe {

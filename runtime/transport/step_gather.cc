@@ -30,8 +30,17 @@ class GatherAttempt {
  public:
   GatherAttempt(StepGatherChannel& ch, StepGatherBacklog& backlog, int me, int size, uint64_t step, int64_t bytes,
                 void* out)
-      : ch_(ch), backlog_(backlog), me_(me), size_(size), step_(step), bytes_(bytes),
-        out_(static_cast<char*>(out)), have_(size, false), pending_(size), missing_(size - 1), scratch_(bytes) {
+      : ch_(ch),
+        backlog_(backlog),
+        me_(me),
+        size_(size),
+        step_(step),
+        bytes_(bytes),
+        out_(static_cast<char*>(out)),
+        have_(size, false),
+        pending_(size),
+        missing_(size - 1),
+        scratch_(bytes) {
     have_[me] = true;
   }
 
@@ -81,8 +90,8 @@ class GatherAttempt {
         if (m.header.type == StepGatherHeader::kLeft &&
             (m.header.step == step_ || (m.header.mismatch != 0 && m.header.mismatch_step == step_))) {
           Leave(ch_, me_, size_, step_, std::nullopt);
-          return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
-                                                 " gave up step_id ", step_));
+          return absl::AbortedError(
+              absl::StrCat("step aborted before payload exchange: peer slot ", i, " gave up step_id ", step_));
         }
       }
     }
@@ -135,9 +144,8 @@ class GatherAttempt {
         return absl::OkStatus();
       }
       if (got != bytes_) {
-        return Fail(absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
-                                                    " sent a ", got, "-byte agreement record, this member ",
-                                                    bytes_)));
+        return Fail(absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " sent a ",
+                                                    got, "-byte agreement record, this member ", bytes_)));
       }
       std::memcpy(out_ + i * bytes_, scratch_.data(), bytes_);
       have_[i] = true;
@@ -150,8 +158,8 @@ class GatherAttempt {
                     h.step);
       }
       if (h.step == step_) {
-        return Fail(absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
-                                                    " gave up step_id ", step_)));
+        return Fail(absl::AbortedError(
+            absl::StrCat("step aborted before payload exchange: peer slot ", i, " gave up step_id ", step_)));
       }
     }
     return absl::OkStatus();

@@ -31,8 +31,8 @@ namespace moe {
 struct StepGatherHeader {
   uint64_t type = 0;  // kRecord or kLeft
   uint64_t step = 0;
-  uint64_t mismatch = 0;      // LEFT: 1 when the attempt ended because a peer was in another step
-  uint64_t mismatch_step = 0; // ... that step
+  uint64_t mismatch = 0;       // LEFT: 1 when the attempt ended because a peer was in another step
+  uint64_t mismatch_step = 0;  // ... that step
   static constexpr uint64_t kRecord = 0x5245434f5244ull;  // "RECORD"
   static constexpr uint64_t kLeft = 0x4c454654ull;        // "LEFT"
 };

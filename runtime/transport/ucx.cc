@@ -8,37 +8,39 @@
 // agreement (StepGather) runs the step_gather.h protocol over one stream a peer (kind kAgree,
 // source slot), carrying the whole 64-bit step id in each message. Progress is driven by the
 // calling thread (UCS_THREAD_MODE_SINGLE).
-#include <arpa/inet.h>
 #include <ifaddrs.h>
-#include <net/if.h>
 #include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <ucp/api/ucp.h>
 
 #include <cstring>
 #include <sstream>
 #include <thread>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+
 #include "runtime/status.h"
 #include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/step_gather.h"
 #include "runtime/transport/transport.h"
 
 // UCX codes become absl::Status here only (moe::ForeignError: code, message, expression, file:line).
-#define UCX_RETURN_IF_ERROR(expr)                                                                   \
-  do {                                                                                              \
-    const ucs_status_t moe_ucs_ = (expr);                                                           \
-    if (moe_ucs_ != UCS_OK) {                                                                       \
-      return ::moe::ForeignError(absl::StatusCode::kUnavailable, "UCX",                             \
-                                 absl::StrCat("ucs_status ", static_cast<int>(moe_ucs_)),           \
-                                 ucs_status_string(moe_ucs_), #expr, __FILE__, __LINE__);           \
-    }                                                                                               \
+#define UCX_RETURN_IF_ERROR(expr)                                                                                      \
+  do {                                                                                                                 \
+    const ucs_status_t moe_ucs_ = (expr);                                                                              \
+    if (moe_ucs_ != UCS_OK) {                                                                                          \
+      return ::moe::ForeignError(absl::StatusCode::kUnavailable, "UCX",                                                \
+                                 absl::StrCat("ucs_status ", static_cast<int>(moe_ucs_)), ucs_status_string(moe_ucs_), \
+                                 #expr, __FILE__, __LINE__);                                                           \
+    }                                                                                                                  \
   } while (0)
 
 namespace moe {
@@ -105,8 +107,8 @@ class UcxListenerHandle {
     ucp_ep_params_t params{};
     // Accepted endpoints only keep the peer's client endpoint connected; failures surface on
     // this member's own client endpoint to that peer.
-    params.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.field_mask =
+        UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
     params.conn_request = request;
     params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     params.err_handler.cb = &UcxListenerHandle::IgnoreError;
@@ -141,7 +143,8 @@ absl::StatusOr<std::string> InterfaceOf(const std::string& address) {
     if (reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == want.s_addr) name = a->ifa_name;
   }
   freeifaddrs(list);
-  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is on no interface of this host"));
+  if (name.empty())
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is on no interface of this host"));
   return name;
 }
 
@@ -293,8 +296,8 @@ class UcxTransport final : public Transport {
 
   absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
     if (bytes < 0 || bytes > kMaxStepRecordBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("ucx: step record of ", bytes, " bytes (at most ",
-                                                     kMaxStepRecordBytes, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ucx: step record of ", bytes, " bytes (at most ", kMaxStepRecordBytes, ")"));
     }
     if (absl::Status s = CheckPeersUp(); !s.ok()) return s;
     AgreeChannel channel(this);
@@ -316,8 +319,8 @@ class UcxTransport final : public Transport {
       if (bytes > 0) std::memcpy(msg->data() + sizeof(header), payload, bytes);
       void* req = t_->PostSend(peer, Tag(kAgree, 0, t_->slot()), msg->data(), msg->size());
       if (UCS_PTR_IS_ERR(req)) {
-        return absl::UnavailableError(absl::StrCat("ucx: send to peer slot ", peer, ": ",
-                                                   ucs_status_string(UCS_PTR_STATUS(req))));
+        return absl::UnavailableError(
+            absl::StrCat("ucx: send to peer slot ", peer, ": ", ucs_status_string(UCS_PTR_STATUS(req))));
       }
       if (req != nullptr) t_->agree_sends_.push_back({req, std::move(msg)});
       t_->ReapAgreeSends();
@@ -336,7 +339,8 @@ class UcxTransport final : public Transport {
       if (r.req == nullptr) {
         ucp_request_param_t p{};
         p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;  // always a request, tested below
-        void* req = ucp_tag_recv_nbx(t_->base_->worker, r.buf.data(), r.buf.size(), Tag(kAgree, 0, peer), ~uint64_t{0}, &p);
+        void* req =
+            ucp_tag_recv_nbx(t_->base_->worker, r.buf.data(), r.buf.size(), Tag(kAgree, 0, peer), ~uint64_t{0}, &p);
         if (UCS_PTR_IS_ERR(req)) {
           return absl::UnavailableError(absl::StrCat("ucx: agreement receive from peer slot ", peer, ": ",
                                                      ucs_status_string(UCS_PTR_STATUS(req))));
@@ -348,11 +352,12 @@ class UcxTransport final : public Transport {
       ucp_request_free(r.req);
       r.req = nullptr;
       if (st != UCS_OK) {
-        return absl::UnavailableError(absl::StrCat("ucx: agreement receive from peer slot ", peer, ": ",
-                                                   ucs_status_string(st)));
+        return absl::UnavailableError(
+            absl::StrCat("ucx: agreement receive from peer slot ", peer, ": ", ucs_status_string(st)));
       }
       if (info.length < sizeof(StepGatherHeader)) {
-        return absl::DataLossError(absl::StrCat("ucx: agreement message of ", info.length, " bytes from peer slot ", peer));
+        return absl::DataLossError(
+            absl::StrCat("ucx: agreement message of ", info.length, " bytes from peer slot ", peer));
       }
       std::memcpy(header, r.buf.data(), sizeof(StepGatherHeader));
       *bytes = static_cast<int64_t>(info.length - sizeof(StepGatherHeader));
@@ -518,7 +523,8 @@ class UcxTransport final : public Transport {
       if (st != UCS_OK) {
         CancelAll(&p.recvs);
         CancelAll(&p.sends);
-        return absl::UnavailableError(absl::StrCat("ucx: receive from peer slot ", i, " failed: ", ucs_status_string(st)));
+        return absl::UnavailableError(
+            absl::StrCat("ucx: receive from peer slot ", i, " failed: ", ucs_status_string(st)));
       }
     }
     if (!p.send_done[i] && Completed(&p.sends[i], &st)) {
@@ -562,8 +568,8 @@ class UcxTransport final : public Transport {
                                                     absl::FormatDuration(timeout), " (seq ", seq, ")"));
   }
 
-  absl::Status Exchange(uint64_t kind, uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes,
-                        void* recv, absl::Span<const int64_t> recv_bytes, absl::Duration timeout) {
+  absl::Status Exchange(uint64_t kind, uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                        absl::Span<const int64_t> recv_bytes, absl::Duration timeout) {
     const int n = size();
     // Matched by position: this member's n-th collective pairs with every peer's n-th.
     const uint64_t position = ++collectives_;

@@ -2,14 +2,15 @@
 // before touching the registry; served over a real loopback socket.
 #include <unistd.h>
 
-#include <grpcpp/grpcpp.h>
-
 #include <cstdlib>
 #include <functional>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/strings/str_cat.h"
-#include "control/controller/control_plane_service.h"
 #include "gtest/gtest.h"
+
+#include "control/controller/control_plane_service.h"
 
 namespace moe {
 namespace {
@@ -59,13 +60,41 @@ TEST_F(AuthTest, EveryRpcNeedsTheToken) {
   rb.set_release_id("release-v1");
   rb.set_prior_release_id("release-v0");
   const std::vector<std::pair<const char*, Call>> calls = {
-      {"RegisterRelease", [&](grpc::ClientContext* c) { v1::Release r; return stub_->RegisterRelease(c, reg, &r); }},
-      {"TransitionRelease", [&](grpc::ClientContext* c) { v1::TransitionRecord r; return stub_->TransitionRelease(c, tr, &r); }},
-      {"Promote", [&](grpc::ClientContext* c) { v1::PromoteResponse r; return stub_->Promote(c, pr, &r); }},
-      {"Rollback", [&](grpc::ClientContext* c) { v1::RollbackResponse r; return stub_->Rollback(c, rb, &r); }},
-      {"GetRelease", [&](grpc::ClientContext* c) { v1::Release r; return stub_->GetRelease(c, {}, &r); }},
-      {"ListReleases", [&](grpc::ClientContext* c) { v1::ListReleasesResponse r; return stub_->ListReleases(c, {}, &r); }},
-      {"History", [&](grpc::ClientContext* c) { v1::HistoryResponse r; return stub_->History(c, {}, &r); }},
+      {"RegisterRelease",
+       [&](grpc::ClientContext* c) {
+         v1::Release r;
+         return stub_->RegisterRelease(c, reg, &r);
+       }},
+      {"TransitionRelease",
+       [&](grpc::ClientContext* c) {
+         v1::TransitionRecord r;
+         return stub_->TransitionRelease(c, tr, &r);
+       }},
+      {"Promote",
+       [&](grpc::ClientContext* c) {
+         v1::PromoteResponse r;
+         return stub_->Promote(c, pr, &r);
+       }},
+      {"Rollback",
+       [&](grpc::ClientContext* c) {
+         v1::RollbackResponse r;
+         return stub_->Rollback(c, rb, &r);
+       }},
+      {"GetRelease",
+       [&](grpc::ClientContext* c) {
+         v1::Release r;
+         return stub_->GetRelease(c, {}, &r);
+       }},
+      {"ListReleases",
+       [&](grpc::ClientContext* c) {
+         v1::ListReleasesResponse r;
+         return stub_->ListReleases(c, {}, &r);
+       }},
+      {"History",
+       [&](grpc::ClientContext* c) {
+         v1::HistoryResponse r;
+         return stub_->History(c, {}, &r);
+       }},
   };
   for (const auto& [name, call] : calls) {
     grpc::ClientContext none;

@@ -6,20 +6,21 @@
 //    reports against the one the controller computes over the manifest it recorded, RollbackOK
 //    from the prior placement's state on every rank, stale accepts summed, and r_fallback over
 //    all steps.
-#include <grpcpp/grpcpp.h>
-
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "control/controller/control_plane_service.h"
-#include "rpc/placement_proto.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
+#include "control/controller/control_plane_service.h"
+#include "rpc/placement_proto.h"
 #include "runtime/placement/default_placement.h"
 
 namespace moe {
@@ -336,8 +337,8 @@ TEST_F(GateTest, PromotionClausesComeFromTheRanks) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("promotion gate failed: HashOK (read from the ranks)"));
   EXPECT_THAT(s.error_message(), HasSubstr("rank 1 (127.0.0.1:"));
-  EXPECT_THAT(s.error_message(), HasSubstr("under manifest digest sha256:other-slots, the recorded manifest's is " +
-                                           digest));
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("under manifest digest sha256:other-slots, the recorded manifest's is " + digest));
   ranks_[1]->SetDigest(3, "");  // a rank that reports none proves nothing either
   s = Promote("p1b", "release-v3", &resp);
   EXPECT_THAT(s.error_message(), HasSubstr("HashOK"));

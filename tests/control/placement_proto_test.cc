@@ -2,6 +2,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "tests/runtime/fixtures.h"
 
 namespace moe {
@@ -35,7 +36,8 @@ TEST(PlacementProtoTest, RejectsUnknownDomainAndBadVersion) {
   Topology t = fixture::FourRankTwoNode();
   v1::PlacementManifest p = ManifestToProto(*fixture::V17(t), t);
   p.mutable_slots(2)->set_topology_domain("node-7");
-  EXPECT_THAT(std::string(ManifestFromProto(p, t).status().message()), ::testing::HasSubstr("slots[2].topology_domain"));
+  EXPECT_THAT(std::string(ManifestFromProto(p, t).status().message()),
+              ::testing::HasSubstr("slots[2].topology_domain"));
   p = ManifestToProto(*fixture::V17(t), t);
   p.set_version(0);
   EXPECT_EQ(ManifestFromProto(p, t).status().code(), absl::StatusCode::kInvalidArgument);

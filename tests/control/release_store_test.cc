@@ -5,7 +5,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -13,6 +12,8 @@
 #include <random>
 #include <set>
 #include <string>
+
+#include <sys/wait.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -57,7 +58,8 @@ TEST(ReleaseStoreTest, PlacementIsRecordedWithItsTransition) {
     auto store = *ReleaseStore::Open(path);
     ASSERT_TRUE(store->Register("r1", "release-v2", "sha256:bb").ok());
     ASSERT_TRUE(store->Transition("r2", "release-v2", ReleaseState::kVerified, "ok").ok());
-    ASSERT_TRUE(store->Apply("r3", {{"release-v2", ReleaseState::kLoaded, "prepared", 2, "{\"version\": \"2\"}"}}).ok());
+    ASSERT_TRUE(
+        store->Apply("r3", {{"release-v2", ReleaseState::kLoaded, "prepared", 2, "{\"version\": \"2\"}"}}).ok());
     // A later transition without a placement keeps it.
     ASSERT_TRUE(store->Transition("r4", "release-v2", ReleaseState::kShadow, "shadow").ok());
   }
@@ -105,8 +107,8 @@ TEST(ReleaseStoreTest, ErrorsNameTheFieldAndWriteNothing) {
 TEST(ReleaseStoreTest, ReasonsAreCheckedBeforeEdges) {
   auto store = *ReleaseStore::Open(TempPath("order.db"));
   ASSERT_TRUE(store->Register("r1", "release-v19", "sha256:aa").ok());
-  auto both = store->Apply("r2", {{"release-v19", ReleaseState::kActive, "skip the gate"},
-                                  {"release-v19", ReleaseState::kVerified, ""}});
+  auto both = store->Apply(
+      "r2", {{"release-v19", ReleaseState::kActive, "skip the gate"}, {"release-v19", ReleaseState::kVerified, ""}});
   EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(both.status().message(), "reason: every transition needs one");
   auto illegal = store->Apply("r3", {{"release-v19", ReleaseState::kActive, "skip the gate"}});
@@ -120,8 +122,8 @@ TEST(ReleaseStoreTest, BatchesAreAllOrNothing) {
   auto store = *ReleaseStore::Open(TempPath("batch.db"));
   for (const char* id : {"release-v18", "release-v19"}) {
     ASSERT_TRUE(store->Register(absl::StrCat(id, ":reg"), id, "sha256:aa").ok());
-    for (ReleaseState to : {ReleaseState::kVerified, ReleaseState::kLoaded, ReleaseState::kShadow,
-                            ReleaseState::kCanary}) {
+    for (ReleaseState to :
+         {ReleaseState::kVerified, ReleaseState::kLoaded, ReleaseState::kShadow, ReleaseState::kCanary}) {
       ASSERT_TRUE(store->Transition(absl::StrCat(id, ":", ReleaseStateName(to)), id, to, "walk").ok());
     }
   }
@@ -204,7 +206,8 @@ TEST(RegistryLockTest, OneWriterPerRegistryNamingTheHolder) {
 template <typename Ack>
 absl::Status RollOut(ReleaseStore& store, int k, Ack ack) {
   const std::string id = absl::StrCat("release-", k);
-  if (auto r = store.Register(absl::StrCat(id, ":register"), id, absl::StrCat("sha256:", k)); !r.ok()) return r.status();
+  if (auto r = store.Register(absl::StrCat(id, ":register"), id, absl::StrCat("sha256:", k)); !r.ok())
+    return r.status();
   ack(absl::StrCat(id, ":register"));
   auto step = [&](const std::string& rid, ReleaseState to) -> absl::Status {
     const std::string req = absl::StrCat(rid, ":", ReleaseStateName(to));

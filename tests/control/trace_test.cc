@@ -1,8 +1,9 @@
 #include "control/trace.h"
 
-#include "control/eplb_io.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
+#include "control/eplb_io.h"
 
 namespace moe {
 namespace {

@@ -10,7 +10,6 @@
 //                                        no health, no reflection
 //   grpc_ports PORT...                   prints how many of the ports answer gRPC at all
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -20,9 +19,11 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
+
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
 #include "tests/server/step_request_builder.h"
 
@@ -68,7 +69,9 @@ int Overflow(const std::string& target) {
   req.mutable_hidden()->set_rows(int64_t{1} << 55);
   req.mutable_hidden()->set_cols(256);
   req.set_k(8);
-  ok = Expect("rows 2^55 x cols 256 x 2 bytes", Execute(*stub, req), grpc::StatusCode::INVALID_ARGUMENT, "hidden.rows") && ok;
+  ok = Expect("rows 2^55 x cols 256 x 2 bytes", Execute(*stub, req), grpc::StatusCode::INVALID_ARGUMENT,
+              "hidden.rows") &&
+       ok;
   return ok ? 0 : 1;
 }
 
@@ -155,7 +158,8 @@ grpc::Status Generic(const std::string& target, const std::string& method, const
 int Unauthenticated(const std::string& target) {
   auto stub = Stub(target);
   const grpc::Status step = Execute(*stub, Valid(30), 5);
-  bool ok = step.error_code() == grpc::StatusCode::UNAUTHENTICATED || step.error_code() == grpc::StatusCode::UNIMPLEMENTED;
+  bool ok =
+      step.error_code() == grpc::StatusCode::UNAUTHENTICATED || step.error_code() == grpc::StatusCode::UNIMPLEMENTED;
   std::printf("%s step over TCP without a token: code %d\n", ok ? "ok  " : "FAIL", static_cast<int>(step.error_code()));
   grpc::ClientContext ctx;
   v1::RegisterRegionRequest reg;
@@ -163,12 +167,17 @@ int Unauthenticated(const std::string& target) {
   reg.set_bytes(64);
   v1::RegisterRegionResponse ignored;
   const grpc::Status r = stub->RegisterRegion(&ctx, reg, &ignored);
-  const bool rok = r.error_code() == grpc::StatusCode::UNAUTHENTICATED || r.error_code() == grpc::StatusCode::UNIMPLEMENTED;
-  std::printf("%s RegisterRegion over TCP without a token: code %d\n", rok ? "ok  " : "FAIL", static_cast<int>(r.error_code()));
-  ok = Expect("health over TCP", Generic(target, "/grpc.health.v1.Health/Check", ""), grpc::StatusCode::UNIMPLEMENTED) && ok && rok;
+  const bool rok =
+      r.error_code() == grpc::StatusCode::UNAUTHENTICATED || r.error_code() == grpc::StatusCode::UNIMPLEMENTED;
+  std::printf("%s RegisterRegion over TCP without a token: code %d\n", rok ? "ok  " : "FAIL",
+              static_cast<int>(r.error_code()));
+  ok =
+      Expect("health over TCP", Generic(target, "/grpc.health.v1.Health/Check", ""), grpc::StatusCode::UNIMPLEMENTED) &&
+      ok && rok;
   ok = Expect("reflection over TCP",
               Generic(target, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", ""),
-              grpc::StatusCode::UNIMPLEMENTED) && ok;
+              grpc::StatusCode::UNIMPLEMENTED) &&
+       ok;
   return ok ? 0 : 1;
 }
 
@@ -178,7 +187,8 @@ int GrpcPorts(int argc, char** argv) {
     // Any gRPC status means a gRPC server read the call; a non-gRPC listener fails the
     // connection (UNAVAILABLE) or never answers (DEADLINE_EXCEEDED).
     const grpc::Status s = Generic(std::string("127.0.0.1:") + argv[i], "/moe.v1.Probe/Nothing", "");
-    const bool grpc = s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
+    const bool grpc =
+        s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED;
     answering += grpc ? 1 : 0;
   }
   std::printf("%d\n", answering);

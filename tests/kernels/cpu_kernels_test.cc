@@ -4,6 +4,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "kernels/api.h"
 #include "kernels/cpu/dot_bf16.h"
 #include "kernels/numeric.h"
@@ -24,8 +25,8 @@ const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 TEST(NumericTest, Bf16RoundsToNearestEven) {
   EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
-  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.00390625f)), 1.0f);      // tie -> even
-  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.01171875f)), 1.015625f); // tie -> even (up)
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.00390625f)), 1.0f);       // tie -> even
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(1.01171875f)), 1.015625f);  // tie -> even (up)
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(kNaN))));
 }
 
@@ -40,8 +41,8 @@ TEST(NumericTest, Fp8E4M3CodesRoundTripAndSaturate) {
   EXPECT_EQ(Fp8E4M3ToFloat(0x01), std::ldexp(1.0f, -9));
   EXPECT_EQ(FloatToFp8E4M3(1000.0f), 0x7e);
   EXPECT_EQ(FloatToFp8E4M3(-1000.0f), 0xfe);
-  EXPECT_EQ(FloatToFp8E4M3(1.0625f), FloatToFp8E4M3(1.0f));    // tie between 1 and 1.125 -> even
-  EXPECT_EQ(FloatToFp8E4M3(1.1875f), FloatToFp8E4M3(1.25f));   // tie between 1.125 and 1.25 -> even
+  EXPECT_EQ(FloatToFp8E4M3(1.0625f), FloatToFp8E4M3(1.0f));   // tie between 1 and 1.125 -> even
+  EXPECT_EQ(FloatToFp8E4M3(1.1875f), FloatToFp8E4M3(1.25f));  // tie between 1.125 and 1.25 -> even
 }
 
 struct Experts {
@@ -124,7 +125,7 @@ TEST(CpuKernelsTest, SwigluValidatesBeforeCompute) {
   p.host_offsets = ok.data();
   p.layout = {Layout::kPaddedDense, 3, 1, 128};
   EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);  // capacity 3 < segment of 4
-  for (uint16_t v : y) EXPECT_EQ(v, 0x7fc0);  // nothing was written
+  for (uint16_t v : y) EXPECT_EQ(v, 0x7fc0);                                       // nothing was written
 }
 
 TEST(CpuKernelsTest, DeviceOffsetPathEqualsHostOffsetPath) {
@@ -159,7 +160,8 @@ TEST(CpuKernelsTest, DeviceOffsetPathEqualsHostOffsetPath) {
   p.x_rows = 12;
   p.y = y3.data();
   ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
-  EXPECT_EQ(std::vector<uint16_t>(y3.begin(), y3.begin() + 9 * 16), std::vector<uint16_t>(y1.begin(), y1.begin() + 9 * 16));
+  EXPECT_EQ(std::vector<uint16_t>(y3.begin(), y3.begin() + 9 * 16),
+            std::vector<uint16_t>(y1.begin(), y1.begin() + 9 * 16));
   index[3] = 12;
   EXPECT_THAT(std::string(k->Swiglu(p, nullptr).message()), HasSubstr("x_row_index[3]"));
   p.x = x.data();
@@ -170,7 +172,8 @@ TEST(CpuKernelsTest, DeviceOffsetPathEqualsHostOffsetPath) {
   p.y = y4.data();
   p.layout = {Layout::kPaddedDense, 5, 4, 128};
   ASSERT_TRUE(k->Swiglu(p, nullptr).ok());
-  EXPECT_EQ(std::vector<uint16_t>(y4.begin(), y4.begin() + 9 * 16), std::vector<uint16_t>(y1.begin(), y1.begin() + 9 * 16));
+  EXPECT_EQ(std::vector<uint16_t>(y4.begin(), y4.begin() + 9 * 16),
+            std::vector<uint16_t>(y1.begin(), y1.begin() + 9 * 16));
   p.layout = {Layout::kPaddedDense, 4, 1, 128};
   EXPECT_EQ(k->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
   p.layout = {Layout::kPaddedDense, 0, 1, 128};
@@ -325,15 +328,15 @@ TEST(CpuKernelsTest, PaddedDecodeCapacityPicksTheRunner) {
   const int d = 2048, f = 768;
   std::vector<int64_t> four(128, 4);
   four[5] = 11;
-  EXPECT_EQ(PaddedDecodeCapacity(four, d, f), 11);          // E128 T=64-like: padded at the largest
-  EXPECT_EQ(PaddedDecodeCapacity(four, 256, 512), 0);       // small experts: the kernels
+  EXPECT_EQ(PaddedDecodeCapacity(four, d, f), 11);                       // E128 T=64-like: padded at the largest
+  EXPECT_EQ(PaddedDecodeCapacity(four, 256, 512), 0);                    // small experts: the kernels
   EXPECT_EQ(PaddedDecodeCapacity(std::vector<int64_t>(8, 4), d, f), 0);  // 75 MB of weights
   std::vector<int64_t> one(128, 1);
-  EXPECT_EQ(PaddedDecodeCapacity(one, d, f), 0);            // a row an expert
+  EXPECT_EQ(PaddedDecodeCapacity(one, d, f), 0);  // a row an expert
   std::vector<int64_t> sparse(128, 0);
-  for (int i = 0; i < 100; ++i) sparse[i] = 6;             // 78% hit
+  for (int i = 0; i < 100; ++i) sparse[i] = 6;  // 78% hit
   EXPECT_EQ(PaddedDecodeCapacity(sparse, d, f), 0);
-  four[5] = 300;                                            // a hot expert: 128 x 304 padded rows > 8 x 808
+  four[5] = 300;  // a hot expert: 128 x 304 padded rows > 8 x 808
   EXPECT_EQ(PaddedDecodeCapacity(four, d, f), 0);
   std::vector<int64_t> mixtral(8, 30);
   mixtral[3] = 41;
@@ -377,7 +380,8 @@ TEST(CpuKernelsTest, Fp8ScaleCountMismatchIsRejectedBeforeCompute) {
   std::vector<uint8_t> q(4 * 256, 0x38);
   std::vector<float> scales(4, 1.0f);
   std::vector<uint16_t> out(4 * 256, 0x7fc0);
-  absl::Status s = k->Dequantize({q.data(), scales.data(), 4, 4, 256, ScaleGranularity::kPerBlock128, out.data()}, nullptr);
+  absl::Status s =
+      k->Dequantize({q.data(), scales.data(), 4, 4, 256, ScaleGranularity::kPerBlock128, out.data()}, nullptr);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("scale_count"));
   for (uint16_t v : out) ASSERT_EQ(v, 0x7fc0);
@@ -401,8 +405,8 @@ TEST(CpuKernelsTest, GatherPermutesFp8ScalesWithRows) {
   const std::vector<int32_t> index = {2, 0, -1, 1};
   std::vector<uint8_t> out(16, 0xee);
   std::vector<float> out_scales(4);
-  GatherParams g{DType::kFP8E4M3, d, q.data(), 3, index.data(), 4, out.data(), ScaleGranularity::kPerRow,
-                 scales.data(), 3, out_scales.data()};
+  GatherParams g{DType::kFP8E4M3, d, q.data(),         3, index.data(), 4, out.data(), ScaleGranularity::kPerRow,
+                 scales.data(),   3, out_scales.data()};
   ASSERT_TRUE(k->Gather(g, nullptr).ok());
   EXPECT_THAT(out, ElementsAre(3, 3, 3, 3, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 2, 2));
   EXPECT_THAT(out_scales, ElementsAre(30, 10, 1, 20));
@@ -412,7 +416,8 @@ TEST(CpuKernelsTest, CudaIsUnavailableOrReal) {
   auto cuda = CreateCudaKernels();
   if (!cuda.ok()) {
     EXPECT_TRUE(cuda.status().code() == absl::StatusCode::kUnimplemented ||
-                cuda.status().code() == absl::StatusCode::kUnavailable) << cuda.status();
+                cuda.status().code() == absl::StatusCode::kUnavailable)
+        << cuda.status();
   } else {
     EXPECT_NE(std::string((*cuda)->name()).find("cuda"), std::string::npos);
   }

@@ -3,14 +3,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <random>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "tests/kernels/kernel_test_util.h"
@@ -95,8 +96,9 @@ TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
     int64_t cap = 1;
     for (int64_t c : counts) cap = std::max(cap, c);
     DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
-    for (LayoutParams layout : {LayoutParams{Layout::kGrouped, 0, 1, 128}, LayoutParams{Layout::kPaddedDense, cap, 8, 128},
-                                LayoutParams{Layout::kBlockSparse, 0, 1, 16}}) {
+    for (LayoutParams layout :
+         {LayoutParams{Layout::kGrouped, 0, 1, 128}, LayoutParams{Layout::kPaddedDense, cap, 8, 128},
+          LayoutParams{Layout::kBlockSparse, 0, 1, 16}}) {
       std::vector<uint16_t> ref(x.size(), 0);
       SwigluParams p;
       p.layout = layout;
@@ -207,7 +209,8 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluPassesOfEveryWidthAgree) {
   const auto x8 = RandomBf16(rng_, static_cast<size_t>(8) * d, 1.0f);
   std::vector<uint16_t> x(static_cast<size_t>(rows) * d);
   for (int ex = 0; ex < e; ++ex) {
-    for (int64_t r = 0; r < counts[ex]; ++r) std::copy_n(x8.begin() + (r % 8) * d, d, x.begin() + (offsets[ex] + r) * d);
+    for (int64_t r = 0; r < counts[ex]; ++r)
+      std::copy_n(x8.begin() + (r % 8) * d, d, x.begin() + (offsets[ex] + r) * d);
   }
   std::vector<uint16_t> ref(x.size(), 0);
   SwigluParams p;
@@ -234,7 +237,8 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluPassesOfEveryWidthAgree) {
     for (int ex = 1; ex < e; ++ex) {
       for (int64_t r = 0; r < counts[ex]; ++r) {
         const auto row = got.begin() + (offsets[ex] + r) * d;
-        EXPECT_TRUE(std::equal(row, row + d, got.begin() + (r % 8) * d)) << "bound " << bound << " expert " << ex << " row " << r;
+        EXPECT_TRUE(std::equal(row, row + d, got.begin() + (r % 8) * d))
+            << "bound " << bound << " expert " << ex << " row " << r;
       }
     }
     double rel = 0;
@@ -345,11 +349,14 @@ TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
     for (auto& id : topk) id = rng_() % 10 == 0 ? -1 : static_cast<int32_t>(rng_() % std::min(e, 3 + trial));  // skewed
     std::vector<int64_t> counts(e), offsets(e + 1);
     std::vector<int32_t> row_of_route(t * k), token_of_row(t * k, -1);
-    ASSERT_TRUE(cpu_->RouteRows({topk.data(), t, k, e, counts.data(), offsets.data(), row_of_route.data(),
-                                 token_of_row.data()}, nullptr).ok());
+    ASSERT_TRUE(
+        cpu_->RouteRows({topk.data(), t, k, e, counts.data(), offsets.data(), row_of_route.data(), token_of_row.data()},
+                        nullptr)
+            .ok());
     DeviceVector<int32_t> dtopk(topk), drow(t * k, -9), dtok(t * k, -1);
     DeviceVector<int64_t> dcounts(e), doffsets(e + 1);
-    ASSERT_TRUE(gpu_->RouteRows({dtopk.get(), t, k, e, dcounts.get(), doffsets.get(), drow.get(), dtok.get()}, nullptr).ok());
+    ASSERT_TRUE(
+        gpu_->RouteRows({dtopk.get(), t, k, e, dcounts.get(), doffsets.get(), drow.get(), dtok.get()}, nullptr).ok());
     EXPECT_EQ(dcounts.Host(), counts);
     EXPECT_EQ(doffsets.Host(), offsets);
     // Rows inside a segment may be ordered differently; each route must land in its expert's
@@ -415,10 +422,10 @@ TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
       {8, 2, 1024, 256, 1, {}},
       // Repeated experts (a two-row segment), a dropped route and an id past E (dropped too).
       {16, 6, 256, 64, 1, {3, 3, -1, 7, 16, 3}},
-      {300, 4, 2048, 8, 1, {}},   // E > 256; the widest fused combine (one round of the last block)
-      {64, 32, 256, 32, 1, {}},   // 32 routes: the most one warp routes
-      {8, 2, 4096, 64, 1, {}},    // d above the fused combine's one round: the stages
-      {32, 4, 256, 96, 5, {}},    // more tokens: the stages
+      {300, 4, 2048, 8, 1, {}},  // E > 256; the widest fused combine (one round of the last block)
+      {64, 32, 256, 32, 1, {}},  // 32 routes: the most one warp routes
+      {8, 2, 4096, 64, 1, {}},   // d above the fused combine's one round: the stages
+      {32, 4, 256, 96, 5, {}},   // more tokens: the stages
   };
   for (const Case& tc : cases) {
     const int e = tc.e, k = tc.k, d = tc.d, f = tc.f;
@@ -595,10 +602,14 @@ TEST_F(CudaKernelsTest, HistogramScanStaysOnDevice) {
   std::vector<int32_t> keys(100000);
   for (auto& k : keys) k = static_cast<int32_t>(rng_() % 300) - 10;  // -10..-1 are dropped routes
   std::vector<int64_t> counts(290), offsets(291);
-  ASSERT_TRUE(cpu_->HistogramScan({keys.data(), static_cast<int64_t>(keys.size()), 290, counts.data(), offsets.data()}, nullptr).ok());
+  ASSERT_TRUE(
+      cpu_->HistogramScan({keys.data(), static_cast<int64_t>(keys.size()), 290, counts.data(), offsets.data()}, nullptr)
+          .ok());
   DeviceVector<int32_t> dkeys(keys);
   DeviceVector<int64_t> dcounts(290), doffsets(291);
-  ASSERT_TRUE(gpu_->HistogramScan({dkeys.get(), static_cast<int64_t>(keys.size()), 290, dcounts.get(), doffsets.get()}, nullptr).ok());
+  ASSERT_TRUE(
+      gpu_->HistogramScan({dkeys.get(), static_cast<int64_t>(keys.size()), 290, dcounts.get(), doffsets.get()}, nullptr)
+          .ok());
   EXPECT_EQ(dcounts.Host(), counts);
   EXPECT_EQ(doffsets.Host(), offsets);
 }

@@ -1,6 +1,7 @@
 // CudaTuning's text form (kernels/api.h): what moe-rankd's --cuda_tuning and the benchmarks'
 // MOE_CUDA_TUNING take.
 #include "gtest/gtest.h"
+
 #include "kernels/api.h"
 
 namespace moe::kernels {

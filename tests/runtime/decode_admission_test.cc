@@ -3,6 +3,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
+
 #include "runtime/exec/decode_graph.h"
 
 namespace moe {
@@ -50,7 +51,8 @@ TEST(DecodeAdmissionTest, DecodeFixtureReplaysWithItsLedger) {
 
 TEST(DecodeAdmissionTest, EachReasonIsExact) {
   const DecodeGraph g = Bucket4();
-  EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1}, false), &g).reason, FallbackReason::kPhaseNotDecode);
+  EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1}, false), &g).reason,
+            FallbackReason::kPhaseNotDecode);
   AdmissionStep stale = Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1});
   stale.key.placement_version = 18;  // replaying a v17 graph against v18 is stale state
   EXPECT_EQ(AdmitDecodeGraph(stale, &g).reason, FallbackReason::kGraphKeyMismatch);
@@ -90,7 +92,7 @@ TEST(DecodeAdmissionTest, PrefillAndMixedLedgers) {
 
   const DecodeGraph g = Bucket4();
   const UnitLedger p = EagerUnitLedger({7, 5, 0, 0}, {7, 6, 5, 2, 2, 2}, 7);  // 24 routes
-  const AdmissionStep ds = Step({1, 2, 0, 0}, {1, 1, 1, 1, 1, 1});             // 6 routes
+  const AdmissionStep ds = Step({1, 2, 0, 0}, {1, 1, 1, 1, 1, 1});            // 6 routes
   ASSERT_TRUE(AdmitDecodeGraph(ds, &g).replay);
   const UnitLedger d = GraphUnitLedger(g.key, ds.rank_tokens, ds.slot_routes, 2, 4);
   EXPECT_EQ(p.useful_input_rows + d.useful_input_rows, 15);

@@ -5,6 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "runtime/placement/migration.h"
 #include "tests/runtime/fixtures.h"
 
@@ -143,14 +144,16 @@ TEST(EplbTest, RandomSolutionsAreConsistent) {
 // 1 and E1 on rank 2), which is what makes three old copies retire.
 TEST(MigrationTest, PlacementV18ToV19MatchesSpec) {
   Topology t = fixture::FourRankTwoNode();
-  auto v18 = *PlacementManifest::Create(fixture::Options(18),
-                                        {fixture::Slot(0, 0, 0, 0, 0), fixture::Slot(1, 2, 1, 1, 0), fixture::Slot(2, 1, 0, 1, 0),
-                                         fixture::Slot(3, 1, 1, 2, 1), fixture::Slot(4, 2, 0, 2, 1), fixture::Slot(5, 3, 0, 3, 1)},
-                                        t);
+  auto v18 = *PlacementManifest::Create(
+      fixture::Options(18),
+      {fixture::Slot(0, 0, 0, 0, 0), fixture::Slot(1, 2, 1, 1, 0), fixture::Slot(2, 1, 0, 1, 0),
+       fixture::Slot(3, 1, 1, 2, 1), fixture::Slot(4, 2, 0, 2, 1), fixture::Slot(5, 3, 0, 3, 1)},
+      t);
   auto solution = *RebalanceExperts(Fixture(2, 2));
   std::vector<SlotRecord> target;
   for (int q = 0; q < 8; ++q) {
-    target.push_back(fixture::Slot(q, static_cast<int>(solution.phy2log[q]), static_cast<int>(solution.phyrank[q]), q / 2, q / 4));
+    target.push_back(
+        fixture::Slot(q, static_cast<int>(solution.phy2log[q]), static_cast<int>(solution.phyrank[q]), q / 2, q / 4));
     target.back().name = "p" + std::to_string(q);
   }
   auto v19 = *PlacementManifest::Create(fixture::Options(19), target, t);

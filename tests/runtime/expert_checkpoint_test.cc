@@ -2,6 +2,7 @@
 #include "runtime/checkpoint/expert_checkpoint.h"
 
 #include "gtest/gtest.h"
+
 #include "runtime/checkpoint/synthetic.h"
 
 namespace moe {
@@ -32,8 +33,8 @@ TEST(ExpertCheckpointTest, ReadsWhatTheSyntheticCheckpointWrites) {
 }
 
 TEST(ExpertCheckpointTest, MissingOrBadMetadataNamesTheKey) {
-  for (const char* key : {checkpoint_keys::kVersion, checkpoint_keys::kNumExperts, checkpoint_keys::kD,
-                          checkpoint_keys::kDff}) {
+  for (const char* key :
+       {checkpoint_keys::kVersion, checkpoint_keys::kNumExperts, checkpoint_keys::kD, checkpoint_keys::kDff}) {
     SafetensorsFile file = SyntheticCheckpoint({2, 8, 8}, 1, "c");
     file.metadata.erase(key);
     auto view = ExpertCheckpoint::Open(file);

@@ -26,11 +26,14 @@ inline Topology FourRankTwoNode() {
   return *t;
 }
 
-inline ProcessGroup IdentityGroup() { return ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), 4); }
+inline ProcessGroup IdentityGroup() {
+  return ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), 4);
+}
 
 // 0x07B: peer slots 0..3 hold global ranks 2, 0, 3, 1.
 inline ProcessGroup PeerOrderGroup() {
-  return *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(2), Rank(0), Rank(3), Rank(1)});
+  return *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12),
+                               {Rank(2), Rank(0), Rank(3), Rank(1)});
 }
 
 inline SlotRecord Slot(int q, int expert, int replica, int rank, int node,
@@ -91,9 +94,7 @@ inline std::vector<PhysicalSlotId> EightRouteSlots() {
   return s;
 }
 
-inline PartitionRows EightRouteHidden() {
-  return {{1, 10, 100, 2, 20, 200}, {3, 30, 300, 4, 40, 400}, {}, {}};
-}
+inline PartitionRows EightRouteHidden() { return {{1, 10, 100, 2, 20, 200}, {3, 30, 300, 4, 40, 400}, {}, {}}; }
 
 inline std::vector<float> TeachingScales() { return {1, 2, 3, 4}; }
 

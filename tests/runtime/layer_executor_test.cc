@@ -3,12 +3,13 @@
 #include "runtime/exec/layer_executor.h"
 
 #include <cmath>
-#include <random>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "tests/runtime/fixtures.h"
@@ -31,7 +32,8 @@ struct Rank4 {
   std::unique_ptr<LayerExecutor> exec[kRanks];
 
   // Ten slots (the last two replicas) with digests from the checkpoint.
-  std::shared_ptr<const PlacementManifest> TenSlots(int64_t version, const int (&expert_of)[10], const int (&rank_of)[10]) {
+  std::shared_ptr<const PlacementManifest> TenSlots(int64_t version, const int (&expert_of)[10],
+                                                    const int (&rank_of)[10]) {
     std::vector<SlotRecord> slots;
     for (int q = 0; q < 10; ++q) {
       SlotRecord s = fixture::Slot(q, expert_of[q], q < 8 ? 0 : 1, rank_of[q], rank_of[q] / 2);
@@ -179,12 +181,14 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
   std::mt19937 rng(21);
   for (uint64_t step = 1; step <= 4; ++step) {
     std::vector<RankInput> inputs;
-    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, r == 2 ? 0 : 1 + rng() % 24));  // rank 2: no tokens
+    for (int r = 0; r < kRanks; ++r)
+      inputs.push_back(RandomInput(rng, r == 2 ? 0 : 1 + rng() % 24));  // rank 2: no tokens
     const auto results = RunStep(w, inputs, step, 3);
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
       ASSERT_EQ(results[r]->output.size(), static_cast<size_t>(inputs[r].tokens) * kD);
-      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r << " step " << step;
+      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2)
+          << "rank " << r << " step " << step;
       const StepRecord& rec = results[r]->record;
       EXPECT_EQ(rec.placement_version, 17);
       EXPECT_EQ(rec.routes_attempted, inputs[r].tokens * kK);
@@ -311,7 +315,8 @@ TEST(LayerExecutorTrialTest, ShadowComparesAndCanaryServesTheCandidate) {
   auto check_outputs = [&](const std::vector<RankInput>& inputs, const auto& results, uint64_t step) {
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << " step " << step << ": " << results[r].status();
-      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r << " step " << step;
+      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2)
+          << "rank " << r << " step " << step;
     }
   };
   for (uint64_t step = 1; step <= 6; ++step) {

@@ -2,6 +2,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "tests/runtime/fixtures.h"
 
 namespace moe {
@@ -115,8 +116,8 @@ TEST(LedgersTest, UnsafeSchedulesAreRejected) {
   };
   using E = std::vector<ScheduleEvent>;
   using B = std::vector<BufferLifetime>;
-  expect_rejected([](E&, B& bufs) { bufs[5].end = 2; }, "early release");           // packed send payload
-  expect_rejected([](E&, B& bufs) { bufs[1].end = 8; }, "early release");           // route handle
+  expect_rejected([](E&, B& bufs) { bufs[5].end = 2; }, "early release");  // packed send payload
+  expect_rejected([](E&, B& bufs) { bufs[1].end = 8; }, "early release");  // route handle
   expect_rejected([](E& ev, B&) { ev[4].deps = {"dispatch_finished"}; }, "missing dependency");
   expect_rejected([](E& ev, B&) { ev[4].deps.clear(); }, "missing dependency");
   expect_rejected([](E& ev, B&) { ev[3].epoch = 1; }, "epoch before dependency");
@@ -127,8 +128,11 @@ TEST(LedgersTest, UnsafeSchedulesAreRejected) {
         ev.push_back({"root", "route", 0, {}});
       },
       "epoch before dependency");
-  expect_rejected([](E&, B& bufs) { bufs.push_back({"second return payload", 48, 5, 7, "combine_complete", "expert_output_return"}); },
-                  "overlapping live alias");
+  expect_rejected(
+      [](E&, B& bufs) {
+        bufs.push_back({"second return payload", 48, 5, 7, "combine_complete", "expert_output_return"});
+      },
+      "overlapping live alias");
 }
 
 TEST(LedgersTest, CyclicEventGraphIsRejected) {
@@ -227,10 +231,11 @@ TEST(LedgersTest, HierarchicalGroupsValidateAgainstTopology) {
   std::vector<ProcessGroup> nodes = {group("ep-node-0", {1, 0}, e), group("ep-node-1", {3, 2}, e)};
   EXPECT_TRUE(ValidateHierarchicalGroups(t, ep, nodes, group("ep-relays", {2, 0}, e)).ok());
   EXPECT_FALSE(ValidateHierarchicalGroups(t, ep, nodes, group("ep-relays", {2, 1}, e)).ok());
-  EXPECT_FALSE(ValidateHierarchicalGroups(t, ep, {group("ep-node-0", {1, 2}, e), nodes[1]},
-                                          group("ep-relays", {2, 0}, e)).ok());
+  EXPECT_FALSE(
+      ValidateHierarchicalGroups(t, ep, {group("ep-node-0", {1, 2}, e), nodes[1]}, group("ep-relays", {2, 0}, e)).ok());
   EXPECT_FALSE(ValidateHierarchicalGroups(t, ep, {group("ep-node-0", {1, 0}, ProcessGroupEpoch(13)), nodes[1]},
-                                          group("ep-relays", {2, 0}, e)).ok());
+                                          group("ep-relays", {2, 0}, e))
+                   .ok());
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "runtime/placement/replica_selector.h"
 #include "tests/runtime/fixtures.h"
 
@@ -20,7 +21,8 @@ PartitionRows RunFixture(RunnerLayoutParams runner) {
   FrozenHandoff frozen = *Freeze(fixture::EightRoutes());
   PlanLayout layout = *PlanLayout::Create(manifest, fixture::IdentityGroup());
   ClusterPlan plan = *PlanCluster(frozen, fixture::EightRouteSlots(), layout, topo);
-  auto out = PhysicalOutputs(plan, frozen, *manifest, fixture::EightRouteHidden(), 3, fixture::TeachingScales(), runner);
+  auto out =
+      PhysicalOutputs(plan, frozen, *manifest, fixture::EightRouteHidden(), 3, fixture::TeachingScales(), runner);
   EXPECT_TRUE(out.ok()) << out.status();
   return *out;
 }
@@ -94,12 +96,14 @@ TEST(OracleTest, PhysicalEqualsSemanticOnRandomRoutings) {
     FrozenHandoff frozen = *Freeze(h);
     auto policy = static_cast<SelectorPolicy>(trial % 4);
     std::vector<PhysicalSlotId> slots(h.size());
-    ASSERT_TRUE(ReplicaSelector::Create(policy)->Select(h, *manifest, fixture::IdentityGroup(), topo, {}, absl::MakeSpan(slots)).ok());
+    ASSERT_TRUE(ReplicaSelector::Create(policy)
+                    ->Select(h, *manifest, fixture::IdentityGroup(), topo, {}, absl::MakeSpan(slots))
+                    .ok());
     ClusterPlan plan = *PlanCluster(frozen, slots, layout, topo);
     auto semantic = *SemanticOutputs(h, hidden, d, scales);
-    for (RunnerLayoutParams runner : {RunnerLayoutParams{RunnerKind::kGrouped, 0, 1, 128},
-                                      RunnerLayoutParams{RunnerKind::kPaddedDense, 64, 8, 128},
-                                      RunnerLayoutParams{RunnerKind::kBlockSparse, 0, 1, 4}}) {
+    for (RunnerLayoutParams runner :
+         {RunnerLayoutParams{RunnerKind::kGrouped, 0, 1, 128}, RunnerLayoutParams{RunnerKind::kPaddedDense, 64, 8, 128},
+          RunnerLayoutParams{RunnerKind::kBlockSparse, 0, 1, 4}}) {
       auto physical = PhysicalOutputs(plan, frozen, *manifest, hidden, d, scales, runner);
       ASSERT_TRUE(physical.ok()) << physical.status();
       for (int p = 0; p < 4; ++p) {

@@ -1,9 +1,9 @@
-#include "runtime/placement/manifest.h"
-#include "runtime/placement/registry.h"
-
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "runtime/exec/dispatch_handle.h"
+#include "runtime/placement/manifest.h"
+#include "runtime/placement/registry.h"
 #include "tests/runtime/fixtures.h"
 
 namespace moe {
@@ -47,13 +47,14 @@ TEST(ManifestTest, CompatibilityPredicateHasFourClauses) {
   ProcessGroup g = fixture::IdentityGroup();
   auto slots = fixture::V17Slots();
   slots[1].checkpoint = CheckpointVersion("checkpoint-0041");  // stale replica of expert 0
-  slots[3].domain = TopologyDomainId(0);                        // rank 2 is on node-1
+  slots[3].domain = TopologyDomainId(0);                       // rank 2 is on node-1
   auto m = *PlacementManifest::Create(fixture::Options(17), slots, t);
   EXPECT_EQ(CheckCompatible(LogicalExpertId(0), PhysicalSlotId(0), *m, g, t), Incompatibility::kNone);
   EXPECT_EQ(CheckCompatible(LogicalExpertId(1), PhysicalSlotId(0), *m, g, t), Incompatibility::kWrongExpert);
   EXPECT_EQ(CheckCompatible(LogicalExpertId(0), PhysicalSlotId(1), *m, g, t), Incompatibility::kStaleCheckpoint);
   EXPECT_EQ(CheckCompatible(LogicalExpertId(1), PhysicalSlotId(3), *m, g, t), Incompatibility::kDomainMismatch);
-  ProcessGroup three = *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(0), Rank(1), Rank(2)});
+  ProcessGroup three =
+      *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(0), Rank(1), Rank(2)});
   EXPECT_EQ(CheckCompatible(LogicalExpertId(3), PhysicalSlotId(5), *m, three, t), Incompatibility::kRankOutsideGroup);
   EXPECT_THAT(std::string(VerifyForPublish(*m, g, t).message()), HasSubstr("q1"));
 }
@@ -181,7 +182,8 @@ TEST(DispatchHandleTest, AbandonedHandleDoesNotPinTheGeneration) {
   ASSERT_TRUE(registry.Prepare(Version(17)).ok());
   ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
   {
-    auto h = *DispatchHandle::Acquire(HandleId(5), *Freeze(fixture::EightRoutes()), &registry, fixture::IdentityGroup());
+    auto h =
+        *DispatchHandle::Acquire(HandleId(5), *Freeze(fixture::EightRoutes()), &registry, fixture::IdentityGroup());
     EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 1);
   }
   EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);

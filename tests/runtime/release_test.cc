@@ -4,6 +4,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "runtime/placement/registry.h"
 #include "runtime/release/evidence.h"
 #include "runtime/release/lifecycle.h"
@@ -94,7 +95,7 @@ TEST(PromotionGateTest, EachClauseBlocksAloneAndIsNamed) {
       {[](PromotionInputs& in) { in.rollback_ok = false; }, "RollbackOK"},
       {[](PromotionInputs& in) { in.shadow_samples = 99; }, "N_shadow >= 100"},
       {[](PromotionInputs& in) { in.canary_samples = 199; }, "N_canary >= 200"},
-      {[](PromotionInputs& in) { in.routes_dropped = 5; }, "r_drop <= 0.005"},  // 5/800 = 0.00625
+      {[](PromotionInputs& in) { in.routes_dropped = 5; }, "r_drop <= 0.005"},      // 5/800 = 0.00625
       {[](PromotionInputs& in) { in.fallback_steps = 37; }, "r_fallback <= 0.15"},  // 37/240 = 0.154
       {[](PromotionInputs& in) { in.route_mismatches = 1; }, "N_route_mismatch = 0"},
       {[](PromotionInputs& in) { in.stale_accepts = 1; }, "N_stale_accept = 0"},
@@ -315,9 +316,10 @@ TEST(RollbackTest, OrderedStateTransferWithLiveHandles) {
       [&] { graphs_released_with_refs = registry.Refcount(PlacementVersion(19)) != 0; }, absl::Seconds(10));
   finisher.join();
   ASSERT_TRUE(report.ok()) << report.status();
-  EXPECT_THAT(report->steps, ElementsAre("stop new dispatch on placement-v19", "activate placement-v18 for new dispatch",
-                                         "drain placement-v19 handles to zero", "release placement-v19 graph resources",
-                                         "retire placement-v19"));
+  EXPECT_THAT(report->steps,
+              ElementsAre("stop new dispatch on placement-v19", "activate placement-v18 for new dispatch",
+                          "drain placement-v19 handles to zero", "release placement-v19 graph resources",
+                          "retire placement-v19"));
   EXPECT_THAT(observed, ElementsAre("v18 active while v19 refcount=3"));
   EXPECT_FALSE(graphs_released_with_refs);
   EXPECT_EQ(*registry.State(PlacementVersion(19)), GenerationState::kRetired);
@@ -334,8 +336,8 @@ TEST(RollbackTest, StuckHandleTimesOutWithoutRetiring) {
   ASSERT_TRUE(registry.Activate(PlacementVersion(19)).ok());
   GenerationLease stuck = *registry.AcquireActive(HandleId(7));
   bool released = false;
-  auto report = RollBack(registry, PlacementVersion(19), PlacementVersion(18), [&] { released = true; },
-                         absl::Milliseconds(20));
+  auto report = RollBack(
+      registry, PlacementVersion(19), PlacementVersion(18), [&] { released = true; }, absl::Milliseconds(20));
   EXPECT_EQ(report.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(report.status().message()), HasSubstr("1 handles"));
   EXPECT_FALSE(released);

@@ -4,6 +4,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "tests/runtime/fixtures.h"
 
 namespace moe {
@@ -67,7 +68,8 @@ TEST(ReplicaSelectorTest, LocalityFirstPrefersSameGpuThenNode) {
   h.Add(Rank(0), 0, 0, LogicalExpertId(1), 1.0f);  // q2 is on node-0 (rank 1)
   std::vector<PhysicalSlotId> out(3);
   ASSERT_TRUE(ReplicaSelector::Create(SelectorPolicy::kLocalityFirst)
-                  ->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(out)).ok());
+                  ->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(out))
+                  .ok());
   EXPECT_EQ(out[0], PhysicalSlotId(1));
   EXPECT_EQ(out[1], PhysicalSlotId(3));
   EXPECT_EQ(out[2], PhysicalSlotId(2));
@@ -83,7 +85,8 @@ TEST(ReplicaSelectorTest, LoadAwarePoliciesSpreadHotExpert) {
   for (int i = 0; i < 100; ++i) h.Add(Rank(2), i, 0, LogicalExpertId(0), 1.0f);
   for (SelectorPolicy policy : {SelectorPolicy::kLeastLoad, SelectorPolicy::kRoundRobin, SelectorPolicy::kHash}) {
     std::vector<PhysicalSlotId> out(h.size());
-    ASSERT_TRUE(ReplicaSelector::Create(policy)->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(out)).ok());
+    ASSERT_TRUE(
+        ReplicaSelector::Create(policy)->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(out)).ok());
     std::vector<int> per_slot(6, 0);
     for (PhysicalSlotId q : out) ++per_slot[q.value()];
     EXPECT_EQ(per_slot[0] + per_slot[1], 100);
@@ -102,8 +105,12 @@ TEST(ReplicaSelectorTest, HashIsDeterministic) {
   std::mt19937 rng(5);
   SemanticHandoff h = RandomRoutes(rng, 32);
   std::vector<PhysicalSlotId> a(h.size()), b(h.size());
-  ASSERT_TRUE(ReplicaSelector::Create(SelectorPolicy::kHash)->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(a)).ok());
-  ASSERT_TRUE(ReplicaSelector::Create(SelectorPolicy::kHash)->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(b)).ok());
+  ASSERT_TRUE(ReplicaSelector::Create(SelectorPolicy::kHash)
+                  ->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(a))
+                  .ok());
+  ASSERT_TRUE(ReplicaSelector::Create(SelectorPolicy::kHash)
+                  ->Select(h, *m, fixture::IdentityGroup(), t, {}, absl::MakeSpan(b))
+                  .ok());
   EXPECT_EQ(a, b);
 }
 

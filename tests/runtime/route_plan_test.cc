@@ -7,6 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "tests/runtime/fixtures.h"
 
 namespace moe {
@@ -139,7 +140,8 @@ TEST(RoutePlanTest, RejectsMutatedHandoffBeforePlanning) {
 
 TEST(RoutePlanTest, RejectsLayoutForAnotherProcessGroupEpoch) {
   Fixture f;
-  auto layout = PlanLayout::Create(f.manifest, ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), 4));
+  auto layout =
+      PlanLayout::Create(f.manifest, ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), 4));
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
@@ -164,7 +166,8 @@ TEST(RoutePlanTest, MatchesComparisonSortOnRandomRoutings) {
     const int experts = 1 + static_cast<int>(rng() % 12);
     const int extra = static_cast<int>(rng() % 6);
     std::vector<RankInfo> ranks;
-    for (int r = 0; r < p_count; ++r) ranks.push_back(RankInfo{Rank(r), TopologyDomainId(r / 2), r % 2, "", r % 2 == 0});
+    for (int r = 0; r < p_count; ++r)
+      ranks.push_back(RankInfo{Rank(r), TopologyDomainId(r / 2), r % 2, "", r % 2 == 0});
     std::vector<std::string> nodes;
     for (int n = 0; n < (p_count + 1) / 2; ++n) nodes.push_back("node-" + std::to_string(n));
     Topology topo = *Topology::Create(ranks, nodes);
@@ -227,8 +230,10 @@ TEST(RoutePlanTest, MatchesComparisonSortOnRandomRoutings) {
       const auto routes = plan->ExpertRoutes(Rank(u));
       for (size_t i = 1; i < routes.size(); ++i) {
         const int32_t a = routes[i - 1], b = routes[i];
-        const auto ka = std::make_tuple(manifest->LocalIndex(chosen[a]), group.SlotOf(h.origin[a]).value(), plan->send_position[a]);
-        const auto kb = std::make_tuple(manifest->LocalIndex(chosen[b]), group.SlotOf(h.origin[b]).value(), plan->send_position[b]);
+        const auto ka =
+            std::make_tuple(manifest->LocalIndex(chosen[a]), group.SlotOf(h.origin[a]).value(), plan->send_position[a]);
+        const auto kb =
+            std::make_tuple(manifest->LocalIndex(chosen[b]), group.SlotOf(h.origin[b]).value(), plan->send_position[b]);
         EXPECT_LT(ka, kb);
       }
     }

@@ -5,6 +5,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "runtime/ids.h"
 #include "tests/runtime/fixtures.h"
 

@@ -59,9 +59,9 @@ TEST(ExitCodeTest, OneMappingForEveryBinary) {
         absl::AlreadyExistsError("x"), absl::OutOfRangeError("x")}) {
     EXPECT_EQ(ExitCode(usage), kExitUsage) << usage;
   }
-  for (const absl::Status& failure : {absl::UnavailableError("x"), absl::InternalError("x"),
-                                      absl::UnauthenticatedError("x"), absl::DeadlineExceededError("x"),
-                                      absl::PermissionDeniedError("x"), absl::AbortedError("x")}) {
+  for (const absl::Status& failure :
+       {absl::UnavailableError("x"), absl::InternalError("x"), absl::UnauthenticatedError("x"),
+        absl::DeadlineExceededError("x"), absl::PermissionDeniedError("x"), absl::AbortedError("x")}) {
     EXPECT_EQ(ExitCode(failure), kExitFailure) << failure;
   }
 }

@@ -5,8 +5,8 @@
 #include <set>
 
 #include "absl/time/clock.h"
-
 #include "gtest/gtest.h"
+
 #include "tests/runtime/fixtures.h"
 
 namespace moe {
@@ -73,7 +73,8 @@ TEST(StepPhasesTest, AcceptKeepsAdmittedRoutesInSemanticOrder) {
   TwoTokens t;
   auto frozen = SealRoutes(t.Input(), Rank(0), 4, 2);
   ASSERT_TRUE(frozen.ok());
-  const std::vector<PhysicalSlotId> slots = {PhysicalSlotId(5), PhysicalSlotId(1), PhysicalSlotId(3), PhysicalSlotId(0)};
+  const std::vector<PhysicalSlotId> slots = {PhysicalSlotId(5), PhysicalSlotId(1), PhysicalSlotId(3),
+                                             PhysicalSlotId(0)};
   std::vector<int32_t> ids = {42};
   std::vector<PhysicalSlotId> accepted;
   AcceptRoutes(frozen->routes, slots, &ids, &accepted);
@@ -82,11 +83,10 @@ TEST(StepPhasesTest, AcceptKeepsAdmittedRoutesInSemanticOrder) {
 }
 
 TEST(StepPhasesTest, GraphManifestWordTellsEverySettingApart) {
-  std::set<uint64_t> words = {GraphManifestWord(8, 16, true, DecodeRunner::kKernels),
-                              GraphManifestWord(4, 16, true, DecodeRunner::kKernels),
-                              GraphManifestWord(8, 32, true, DecodeRunner::kKernels),
-                              GraphManifestWord(8, 16, false, DecodeRunner::kKernels),
-                              GraphManifestWord(8, 16, true, DecodeRunner::kPadded)};
+  std::set<uint64_t> words = {
+      GraphManifestWord(8, 16, true, DecodeRunner::kKernels), GraphManifestWord(4, 16, true, DecodeRunner::kKernels),
+      GraphManifestWord(8, 32, true, DecodeRunner::kKernels), GraphManifestWord(8, 16, false, DecodeRunner::kKernels),
+      GraphManifestWord(8, 16, true, DecodeRunner::kPadded)};
   EXPECT_EQ(words.size(), 5u);
   EXPECT_EQ(GraphManifestWord(8, 16, true, DecodeRunner::kAuto), GraphManifestWord(8, 16, true, DecodeRunner::kAuto));
 }
@@ -125,14 +125,15 @@ TEST(StepPhasesTest, ByteSplitsPerPeer) {
 TEST(StepPhasesTest, CountRoutesSplitsRemoteAndInterNode) {
   const Topology topology = fixture::FourRankTwoNode();
   const auto m = fixture::V17(topology);
-  const std::vector<PhysicalSlotId> accepted = {PhysicalSlotId(0), PhysicalSlotId(1), PhysicalSlotId(3), PhysicalSlotId(5)};
+  const std::vector<PhysicalSlotId> accepted = {PhysicalSlotId(0), PhysicalSlotId(1), PhysicalSlotId(3),
+                                                PhysicalSlotId(5)};
   StepRecord rec;
   CountRoutes(*m, topology, Rank(0), accepted, 6, &rec);
   EXPECT_EQ(rec.routes_attempted, 6);
   EXPECT_EQ(rec.routes_accepted, 4);
   EXPECT_EQ(rec.routes_dropped, 2);
-  EXPECT_EQ(rec.routes_remote, 3);       // slots 1 (rank 1), 3 (rank 2), 5 (rank 3)
-  EXPECT_EQ(rec.routes_inter_node, 2);   // ranks 2 and 3 are on node 1
+  EXPECT_EQ(rec.routes_remote, 3);      // slots 1 (rank 1), 3 (rank 2), 5 (rank 3)
+  EXPECT_EQ(rec.routes_inter_node, 2);  // ranks 2 and 3 are on node 1
 }
 
 TEST(StepPhasesTest, PhaseClockAddsUpConsecutivePhases) {

@@ -5,21 +5,22 @@
 #include "server/expert_layer_service.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "kernels/api.h"
 #include "kernels/numeric.h"
-#include "runtime/checkpoint/synthetic.h"
 #include "rpc/unix_socket.h"
+#include "runtime/checkpoint/synthetic.h"
 #include "tests/server/one_rank_fixture.h"
 #include "tests/server/step_request_builder.h"
 
@@ -65,9 +66,9 @@ class ServiceTest : public testing::OneRankTest {
 
   v1::StepRequest Request(uint64_t step) {
     std::mt19937 rng(step);
-    return testing::ValidStepRequest(
-        step, v1::PHASE_PREFILL, {kTokens, kD, kK, kExperts},
-        [&rng](int) { return std::normal_distribution<float>(0, 1)(rng); }, {0.75f, 0.25f});
+    return testing::ValidStepRequest(step, v1::PHASE_PREFILL, {kTokens, kD, kK, kExperts},
+                                     [&rng](int) { return std::normal_distribution<float>(0, 1)(rng); },
+                                     {0.75f, 0.25f});
   }
 
   grpc::Status Call(const v1::StepRequest& req, v1::StepResponse* resp) {

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "gtest/gtest.h"
+
 #include "kernels/api.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/exec/layer_executor.h"
@@ -35,8 +36,9 @@ class OneRankTest : public ::testing::Test {
     eo.kernels = kernels_.get();
     eo.decode_runner = runner;
     executor_ = *LayerExecutor::Create(std::move(eo));
-    ASSERT_TRUE(executor_->AddGeneration(PlacementVersion(1),
-                                         std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v1_, Rank(0))))
+    ASSERT_TRUE(executor_
+                    ->AddGeneration(PlacementVersion(1),
+                                    std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v1_, Rank(0))))
                     .ok());
   }
 

@@ -5,14 +5,15 @@
 // load); every RPC needs the bearer token.
 #include "server/rank_agent_service.h"
 
-#include <grpcpp/grpcpp.h>
-
 #include <random>
 
-#include "rpc/placement_proto.h"
+#include <grpcpp/grpcpp.h>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
 #include "kernels/numeric.h"
+#include "rpc/placement_proto.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {
@@ -45,8 +46,8 @@ class RankAgentTest : public testing::OneRankTest {
     return c;
   }
   v1::PlacementManifest Manifest(int64_t version) {
-    return ManifestToProto(**DefaultPlacement(PlacementVersion(version), kExperts, 0, topology_, group_, ckpt_.metadata),
-                           topology_);
+    return ManifestToProto(
+        **DefaultPlacement(PlacementVersion(version), kExperts, 0, topology_, group_, ckpt_.metadata), topology_);
   }
   grpc::Status Prepare(const v1::PlacementManifest& m, v1::GenerationStatus* out) {
     v1::PrepareGenerationRequest req;
@@ -92,7 +93,7 @@ TEST_F(RankAgentTest, GenerationSwapWithFences) {
   EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
   EXPECT_EQ(st.local_slots(), kExperts);
   ASSERT_TRUE(Prepare(Manifest(2), &st).ok());  // repeat is idempotent
-  EXPECT_EQ(StepGeneration(1), 1);               // preparing did not change what steps use
+  EXPECT_EQ(StepGeneration(1), 1);              // preparing did not change what steps use
 
   // A step's handle holds placement-v1 across the switch.
   GenerationLease in_flight = *registry_.AcquireActive(HandleId(900));

@@ -23,8 +23,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include "gtest/gtest.h"
-#include "server/expert_layer_service.h"
+
 #include "rpc/unix_socket.h"
+#include "server/expert_layer_service.h"
 #include "tests/server/one_rank_fixture.h"
 #include "tests/server/step_request_builder.h"
 
@@ -76,20 +77,36 @@ class RequestFuzzTest : public testing::OneRankTest {
   void Mutate(v1::StepRequest* r, std::mt19937_64& rng) {
     auto any64 = [&]() -> int64_t {
       switch (rng() % 6) {
-        case 0: return -static_cast<int64_t>(rng() % 1000);
-        case 1: return static_cast<int64_t>(1) << (rng() % 63);
-        case 2: return static_cast<int64_t>(rng());
-        case 3: return INT64_MAX - static_cast<int64_t>(rng() % 4);
-        case 4: return INT64_MIN + static_cast<int64_t>(rng() % 4);
-        default: return static_cast<int64_t>(rng() % 64);
+        case 0:
+          return -static_cast<int64_t>(rng() % 1000);
+        case 1:
+          return static_cast<int64_t>(1) << (rng() % 63);
+        case 2:
+          return static_cast<int64_t>(rng());
+        case 3:
+          return INT64_MAX - static_cast<int64_t>(rng() % 4);
+        case 4:
+          return INT64_MIN + static_cast<int64_t>(rng() % 4);
+        default:
+          return static_cast<int64_t>(rng() % 64);
       }
     };
     switch (rng() % 16) {
-      case 0: r->mutable_hidden()->set_rows(any64()); break;
-      case 1: r->mutable_hidden()->set_cols(any64()); break;
-      case 2: r->set_k(static_cast<int32_t>(any64())); break;
-      case 3: r->set_phase(static_cast<v1::Phase>(static_cast<int>(rng() % 8) - 2)); break;
-      case 4: r->mutable_hidden()->set_dtype(static_cast<v1::DType>(static_cast<int>(rng() % 8) - 2)); break;
+      case 0:
+        r->mutable_hidden()->set_rows(any64());
+        break;
+      case 1:
+        r->mutable_hidden()->set_cols(any64());
+        break;
+      case 2:
+        r->set_k(static_cast<int32_t>(any64()));
+        break;
+      case 3:
+        r->set_phase(static_cast<v1::Phase>(static_cast<int>(rng() % 8) - 2));
+        break;
+      case 4:
+        r->mutable_hidden()->set_dtype(static_cast<v1::DType>(static_cast<int>(rng() % 8) - 2));
+        break;
       case 5:
         if (r->topk_ids_size() > 0) r->set_topk_ids(rng() % r->topk_ids_size(), static_cast<int32_t>(any64()));
         break;
@@ -98,7 +115,9 @@ class RequestFuzzTest : public testing::OneRankTest {
         if (r->topk_weights_size() > 0) r->set_topk_weights(rng() % r->topk_weights_size(), bad[rng() % 5]);
         break;
       }
-      case 7: r->mutable_hidden()->mutable_data()->resize(rng() % (kTokens * kD * 4)); break;
+      case 7:
+        r->mutable_hidden()->mutable_data()->resize(rng() % (kTokens * kD * 4));
+        break;
       case 8: {
         const uint16_t bad[] = {0x7fc0, 0x7f80, 0xff80, 0xffff};
         const uint16_t v = bad[rng() % 4];
@@ -106,7 +125,9 @@ class RequestFuzzTest : public testing::OneRankTest {
         if (data->size() >= 2) std::memcpy(&(*data)[2 * (rng() % (data->size() / 2))], &v, 2);
         break;
       }
-      case 9: r->set_admitted(std::string(rng() % 32, static_cast<char>(rng()))); break;
+      case 9:
+        r->set_admitted(std::string(rng() % 32, static_cast<char>(rng())));
+        break;
       case 10: {
         // Rows and k whose products wrap in 64 bits, with nothing behind them.
         const int shift = 40 + static_cast<int>(rng() % 23);
@@ -128,9 +149,15 @@ class RequestFuzzTest : public testing::OneRankTest {
         r->mutable_output_region()->set_region("/moe-none");
         r->mutable_output_region()->set_bytes(static_cast<uint64_t>(any64()));
         break;
-      case 13: r->set_expected_generation(any64()); break;
-      case 14: r->add_topk_ids(1); break;
-      default: r->clear_topk_weights(); break;
+      case 13:
+        r->set_expected_generation(any64());
+        break;
+      case 14:
+        r->add_topk_ids(1);
+        break;
+      default:
+        r->clear_topk_weights();
+        break;
     }
   }
 
@@ -140,10 +167,18 @@ class RequestFuzzTest : public testing::OneRankTest {
     for (int i = 0; i < n && !b->empty(); ++i) {
       const size_t at = rng() % b->size();
       switch (rng() % 4) {
-        case 0: (*b)[at] = static_cast<char>(rng()); break;
-        case 1: b->insert(at, 1, static_cast<char>(rng())); break;
-        case 2: b->erase(at, 1 + rng() % 16); break;
-        default: b->resize(at); break;
+        case 0:
+          (*b)[at] = static_cast<char>(rng());
+          break;
+        case 1:
+          b->insert(at, 1, static_cast<char>(rng()));
+          break;
+        case 2:
+          b->erase(at, 1 + rng() % 16);
+          break;
+        default:
+          b->resize(at);
+          break;
       }
     }
   }
@@ -216,7 +251,8 @@ TEST_F(RequestFuzzTest, MutatedRequestsAreAnsweredAndTheRankKeepsServing) {
       ASSERT_EQ(OutputOf(reply), want) << "after iteration " << i;
     }
   }
-  for (const auto& [code, n] : codes) std::printf("status %d: %lld\n", static_cast<int>(code), static_cast<long long>(n));
+  for (const auto& [code, n] : codes)
+    std::printf("status %d: %lld\n", static_cast<int>(code), static_cast<long long>(n));
   EXPECT_GT(codes[grpc::StatusCode::INVALID_ARGUMENT], 0);
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+
 #include "runtime/exec/step_exchange.h"
 #include "runtime/transport/transport.h"
 
@@ -42,7 +43,8 @@ inline absl::Status RandomExchange(Transport& t, int rounds, uint32_t seed) {
     if (!s.ok()) return s;
     int64_t off = 0;
     for (int j = 0; j < p; ++j) {
-      if (agreement->recv_counts[j] != matrix[j * p + me]) return absl::InternalError("recv split is not the transpose");
+      if (agreement->recv_counts[j] != matrix[j * p + me])
+        return absl::InternalError("recv split is not the transpose");
       for (int64_t i = 0; i < agreement->recv_counts[j]; ++i) {
         if (in[off + i] != Pattern(j, me, h.step_id, i)) {
           return absl::InternalError(absl::StrCat("byte ", i, " from slot ", j, " corrupted in round ", r));

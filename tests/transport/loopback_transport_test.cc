@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+
 #include "tests/transport/exchange_scenarios.h"
 
 namespace moe {

@@ -5,7 +5,6 @@
 // members with no tokens; a member with bad input aborts the step on every member, and the
 // next step succeeds.
 #include <cuda_runtime.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,8 +14,11 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+
 #include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
@@ -169,10 +171,12 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner) {
       const Input in = MakeInput(rng, tokens, hot);
       const Phase phase = base <= 128 ? Phase::kDecode : Phase::kPrefill;
       auto r = run(step, phase, in);
-      if (!r.ok()) return fail(absl::Status(r.status().code(), absl::StrCat("step ", step, ": ", r.status().message())));
+      if (!r.ok())
+        return fail(absl::Status(r.status().code(), absl::StrCat("step ", step, ": ", r.status().message())));
       const std::string what = absl::StrCat(hot ? "hot" : "random", " T=", tokens);
       if (absl::Status s = CheckAgainstReference(in, r->output, *cpu, what.c_str()); !s.ok()) return fail(s);
-      if (r->record.routes_accepted + r->record.routes_dropped != tokens * kK) return fail(absl::InternalError("ledger"));
+      if (r->record.routes_accepted + r->record.routes_dropped != tokens * kK)
+        return fail(absl::InternalError("ledger"));
       // Steps above the bucket's 8 tokens per rank run eagerly, saying why. A member holding no
       // tokens is in an oversize step through the others; alone (one GPU) its step is empty and
       // fits the bucket.
@@ -194,9 +198,10 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner) {
         const int64_t t = (slot == 0 && tokens == 3 && rep == 1) ? 0 : tokens;  // a member with no tokens
         const Input in = MakeInput(rng, t, hot);
         auto r = run(step, Phase::kDecode, in);
-        if (!r.ok()) return fail(absl::Status(r.status().code(), absl::StrCat("decode step ", step, ": ", r.status().message())));
-        const std::string what = absl::StrCat("decode ", hot ? "hot" : "random", " T=", t,
-                                              r->record.graph_replay ? " (graph)" : " (eager)");
+        if (!r.ok())
+          return fail(absl::Status(r.status().code(), absl::StrCat("decode step ", step, ": ", r.status().message())));
+        const std::string what =
+            absl::StrCat("decode ", hot ? "hot" : "random", " T=", t, r->record.graph_replay ? " (graph)" : " (eager)");
         if (absl::Status s = CheckAgainstReference(in, r->output, *cpu, what.c_str()); !s.ok()) return fail(s);
         if (!r->record.graph_replay && r->record.fallback_reason.empty()) return fail(absl::InternalError("no reason"));
         replays += r->record.graph_replay;
@@ -209,7 +214,8 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner) {
   }
   std::fprintf(stderr, "slot %d: %d decode graph replays (%d of %d uniform steps)\n", slot, replays, uniform_replays,
                uniform_steps);
-  if (uniform_replays != uniform_steps) return fail(absl::InternalError("a uniform decode step inside the bucket ran eagerly"));
+  if (uniform_replays != uniform_steps)
+    return fail(absl::InternalError("a uniform decode step inside the bucket ran eagerly"));
   // Bad input on the last member: everyone fails the step (ABORTED on the others), then serves.
   ++step;
   std::mt19937 rng(77 + slot);
@@ -238,9 +244,8 @@ TEST_P(NcclExecutorTest, DeviceResidentStepsMatchTheSemanticComputation) {
   const int n = Devices();
   ASSERT_GE(n, 1) << "no GPU";
   const DecodeRunner runner = GetParam();
-  const auto codes = testing::ForkMembers(n, "nccl-exec", [n, runner](int slot, const std::string& dir) {
-    return Member(slot, n, dir, runner);
-  });
+  const auto codes = testing::ForkMembers(
+      n, "nccl-exec", [n, runner](int slot, const std::string& dir) { return Member(slot, n, dir, runner); });
   for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
 }
 

@@ -3,7 +3,6 @@
 // staged), header mismatch and generation split aborting every member, a killed member turning
 // into errors on the others within the timeout, and device-buffer all-to-all-v.
 #include <cuda_runtime.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -11,7 +10,10 @@
 #include <functional>
 #include <vector>
 
+#include <sys/wait.h>
+
 #include "gtest/gtest.h"
+
 #include "runtime/transport/nccl.h"
 #include "tests/transport/exchange_scenarios.h"
 #include "tests/transport/process_harness.h"

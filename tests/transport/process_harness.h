@@ -3,7 +3,6 @@
 #ifndef MOE_TESTS_TRANSPORT_PROCESS_HARNESS_H_
 #define MOE_TESTS_TRANSPORT_PROCESS_HARNESS_H_
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -11,8 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
 #include "runtime/transport/transport.h"
 
 namespace moe::testing {
@@ -52,7 +54,8 @@ inline absl::StatusOr<std::unique_ptr<Transport>> UcxMemberTransport(const std::
 
 // `member(slot, dir)` runs in the child and returns its exit code. Returns every member's exit
 // code (-signal for a member killed by a signal).
-inline std::vector<int> ForkMembers(int size, const char* prefix, const std::function<int(int, const std::string&)>& member) {
+inline std::vector<int> ForkMembers(int size, const char* prefix,
+                                    const std::function<int(int, const std::string&)>& member) {
   const std::string dir = FreshDir(prefix);
   std::vector<pid_t> pids;
   for (int i = 0; i < size; ++i) {

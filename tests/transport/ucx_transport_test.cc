@@ -1,7 +1,6 @@
 // UCX across real processes: each member is a forked child with its own UCX context, listener
 // and endpoints on the loopback interface, rendezvous through files in a temp directory.
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -10,8 +9,11 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+
 #include "tests/transport/exchange_scenarios.h"
 #include "tests/transport/process_harness.h"
 
@@ -33,7 +35,8 @@ int RunMember(const std::string& dir, int slot, int size, const std::function<ab
 }
 
 std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario) {
-  return testing::ForkMembers(size, "ucx", [&](int slot, const std::string& dir) { return RunMember(dir, slot, size, scenario); });
+  return testing::ForkMembers(size, "ucx",
+                              [&](int slot, const std::string& dir) { return RunMember(dir, slot, size, scenario); });
 }
 
 TEST(UcxTransportTest, FourProcessesExchangeRandomSplits) {
@@ -82,9 +85,8 @@ TEST(UcxTransportTest, SilentLivePeerTimesOutAndIsMarkedFailed) {
 }
 
 TEST(UcxTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
-  const auto codes = RunProcesses(4, [](Transport& t) {
-    return testing::KilledPeerFailsFast(t, 3, absl::Seconds(2), [] { raise(SIGKILL); });
-  });
+  const auto codes = RunProcesses(
+      4, [](Transport& t) { return testing::KilledPeerFailsFast(t, 3, absl::Seconds(2), [] { raise(SIGKILL); }); });
   for (int i = 0; i < 3; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
   EXPECT_EQ(codes[3], -SIGKILL);
 }
