@@ -247,6 +247,46 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
   }
 }
 
+// A lone member's canary steps count their routes under the candidate (the promotion gate's
+// r_drop denominator), decode and prefill alike.
+TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
+  auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 4, topology_, group_, ckpt_.metadata);
+  ASSERT_TRUE(registry_.Prepare(v2).ok());
+  ASSERT_TRUE(
+      executor_
+          ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
+          .ok());
+  executor_->SetTrial(2, 2, 3);  // every 3rd step a canary step, every 2nd a shadow
+  std::mt19937 rng(9);
+  int64_t accepted = 0;
+  uint64_t step = 1;
+  for (Phase phase :
+       {Phase::kDecode, Phase::kPrefill, Phase::kDecode, Phase::kPrefill, Phase::kDecode, Phase::kPrefill}) {
+    const RankInput input = RandomInput(rng, 5);
+    LayerStepInput in;
+    in.step_id = step++;
+    in.phase = phase;
+    in.hidden = input.hidden.data();
+    in.tokens = input.tokens;
+    in.d = kD;
+    in.topk_ids = input.ids.data();
+    in.topk_weights = input.gates.data();
+    in.k = kK;
+    in.admitted = input.admitted.data();
+    auto result = executor_->Execute(in);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->record.canary, in.step_id % 3 == 0);
+    EXPECT_EQ(result->record.placement_version, result->record.canary ? 2 : 1);
+    EXPECT_GT(result->record.routes_accepted, 0);
+    if (result->record.canary) accepted += result->record.routes_accepted;
+  }
+  const GenerationCounters c = executor_->Counters()[2];
+  EXPECT_EQ(c.canary_steps, 2);
+  EXPECT_EQ(c.shadow_samples, 2);  // steps 2 and 4 (step 6 is a canary step)
+  EXPECT_EQ(c.routes_attempted, accepted);
+}
+
 INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
                          [](const ::testing::TestParamInfo<DecodeRunner>& info) {
                            return std::string(info.param == DecodeRunner::kPadded ? "Padded" : "Kernels");
