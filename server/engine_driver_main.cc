@@ -427,8 +427,12 @@ Stats RunRounds(Clients& clients, Reference& reference, int d, int k) {
       for (const Unit& u : units) {
         std::vector<StepCall> calls;
         for (int r = 0; r < p; ++r) {
-          // The last rank sits out every third step with zero tokens (it still takes part).
-          const int64_t tokens = (r == p - 1 && step % 3 == 0) ? 0 : u.tokens;
+          // The last rank sits out every third step with zero tokens (it still takes part). A lone
+          // rank sits out every seventh: every third would make each of a rollout's canary steps
+          // (live_rollout.sh: --canary_every 3) an empty one, and a candidate without a route
+          // fails the gate's r_drop clause (its denominator must be positive).
+          const uint64_t sit_out = p > 1 ? 3 : 7;
+          const int64_t tokens = (r == p - 1 && step % sit_out == 0) ? 0 : u.tokens;
           calls.push_back(MakeCall(rng, step, u.decode, tokens, d, k, reference.num_experts(), hot));
         }
         const Answers answers = ExecuteWithRetries(clients, calls, step, &stats);
