@@ -96,11 +96,9 @@ ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseStore* store, std::strin
       topology_(std::move(topology)),
       drain_timeout_(drain_timeout),
       migration_(migration),
-      trial_(trial) {
-  MOE_CHECK(agents_ == nullptr || agents_->empty() ||
-                (topology_.has_value() && topology_->num_ranks() == static_cast<int>(agents_->addresses().size())),
-            "the rank agents need their topology, one rank per agent");
-}
+      trial_(trial),
+      manager_(store, thresholds, agents, topology_, drain_timeout, migration, trial),
+      write_mu_(*manager_.write_mu()) {}
 
 grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) const {
   return CheckBearer(ctx, token_);
@@ -121,8 +119,7 @@ absl::StatusOr<std::vector<StoredTransition>> ControlPlaneServiceImpl::Replay(co
 grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                                       v1::Release* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  absl::MutexLock lock(&write_mu_);
-  auto r = store_->Register(req->request_id(), req->release_id(), req->bundle_digest());
+  auto r = manager_.Register(req->request_id(), req->release_id(), req->bundle_digest());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
   return grpc::Status::OK;
@@ -134,59 +131,9 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
   auto to = FromProto(req->to(), "to");
   if (!to.ok()) return ToGrpcStatus(to.status());
-  if (*to == ReleaseState::kActive) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        "to: ACTIVE is reached through Promote (the 0x0DC gate)");
-  }
-  absl::MutexLock lock(&write_mu_);
-  const bool drives_ranks = agents_ != nullptr && !agents_->empty();
-  if (drives_ranks && *to == ReleaseState::kCanary) {
-    // 0x0E: runner parity differs -> block canary. A candidate whose shadow outputs differ never
-    // serves live steps: the transition is refused and the candidate drained.
-    if (grpc::Status admitted = AdmitCanary(*req); !admitted.ok()) return admitted;
-  }
-  if (drives_ranks && (*to == ReleaseState::kDraining || *to == ReleaseState::kRetired)) {
-    auto recorded = store_->Recorded(req->request_id());
-    if (!recorded.ok()) return ToGrpcStatus(recorded.status());
-    auto rec = store_->Get(req->release_id());
-    if (!rec.ok()) return ToGrpcStatus(rec.status());
-    if (recorded->empty() && rec->placement_version > 0) {
-      if (*to == ReleaseState::kDraining && rec->state == ReleaseState::kActive) {
-        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                            absl::StrCat("to: ", req->release_id(), " serves placement-v", rec->placement_version,
-                                         " on the ranks; leave ACTIVE through Promote of another release or Rollback"));
-      }
-      if (*to == ReleaseState::kRetired && LegalTransition(rec->state, *to)) {
-        // The ranks retire first, each refusing while a handle still holds the generation; only
-        // then is the release recorded RETIRED (a retry re-drives the ranks).
-        if (absl::Status s = agents_->Retire(rec->placement_version); !s.ok()) return ToGrpcStatus(s);
-      }
-    }
-  }
-  auto t = store_->Transition(req->request_id(), req->release_id(), *to, req->reason());
+  auto t = manager_.Transition(req->request_id(), req->release_id(), *to, req->reason());
   if (!t.ok()) return ToGrpcStatus(t.status());
   Fill(*t, resp);
-  // Trials follow the committed state (a retry with the same request id re-drives the ranks):
-  // SHADOW starts shadow steps of the release's placement, CANARY adds canary steps, leaving
-  // either for DRAINING or RETIRED stops them.
-  if (drives_ranks) {
-    auto rec = store_->Get(req->release_id());
-    if (!rec.ok()) return ToGrpcStatus(rec.status());
-    absl::Status driven;
-    if (rec->placement_version > 0 && t->to == ReleaseState::kShadow) {
-      driven = agents_->SetTrial(rec->placement_version, trial_.shadow_every, 0);
-    } else if (rec->placement_version > 0 && t->to == ReleaseState::kCanary) {
-      driven = agents_->SetTrial(rec->placement_version, trial_.shadow_every, trial_.canary_every);
-    } else if ((t->from == ReleaseState::kShadow || t->from == ReleaseState::kCanary) &&
-               (t->to == ReleaseState::kDraining || t->to == ReleaseState::kRetired)) {
-      driven = agents_->SetTrial(0, 0, 0);
-    }
-    if (!driven.ok()) {
-      return ToGrpcStatus(
-          absl::Status(driven.code(), absl::StrCat(req->release_id(), " is committed ", ReleaseStateName(t->to),
-                                                   " but ", driven.message(), "; retry with the same request_id")));
-    }
-  }
   return grpc::Status::OK;
 }
 
@@ -312,62 +259,6 @@ absl::StatusOr<v1::PromotionEvidence> ControlPlaneServiceImpl::EvidenceFromRanks
                                expect.prior_version));
   }
   return EvidenceToProto(AggregateRankEvidence(reports, expect));
-}
-
-grpc::Status ControlPlaneServiceImpl::AdmitCanary(const v1::TransitionReleaseRequest& req) {
-  const std::string& id = req.release_id();
-  const std::string blocked_id = absl::StrCat(req.request_id(), "/blocked");
-  auto refusal = [&](const std::string& reason, const std::string& trials) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("to: CANARY refused for ", id, ": ", reason,
-                                     "; the candidate was drained (SHADOW -> "
-                                     "DRAINING) and never served a canary step, ",
-                                     trials, "; retire it with `moectl drain ", id, "`"));
-  };
-  auto recorded = store_->Recorded(req.request_id());
-  if (!recorded.ok()) return ToGrpcStatus(recorded.status());
-  if (!recorded->empty()) return grpc::Status::OK;  // a retry of a committed transition: the store answers it
-  auto blocked = store_->Recorded(blocked_id);
-  if (!blocked.ok()) return ToGrpcStatus(blocked.status());
-  if (!blocked->empty()) {  // a retry of a refused one: the same answer, the ranks re-driven
-    const absl::Status stopped = agents_->SetTrial(0, 0, 0);
-    return refusal(blocked->front().reason,
-                   stopped.ok() ? "trials stopped on every rank"
-                                : absl::StrCat("stopping trials failed: ", stopped.message(), " (retry)"));
-  }
-  auto rec = store_->Get(id);
-  if (!rec.ok()) return ToGrpcStatus(rec.status());
-  if (rec->state != ReleaseState::kShadow || rec->placement_version <= 0) return grpc::Status::OK;
-  // Runner parity of the candidate, summed over the ranks (a shadow pass runs on every rank).
-  int64_t samples = -1, mismatches = 0, failures = 0;
-  for (auto& [status, address] : agents_->Status()) {
-    if (!status.ok()) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          absl::StrCat("to: CANARY needs every rank's shadow counters of placement-v",
-                                       rec->placement_version, ": rank ", address, ": ", status.status().message()));
-    }
-    int64_t n = 0;
-    for (const v1::GenerationCounters& c : status->counters()) {
-      if (c.version() != rec->placement_version) continue;
-      n = c.shadow_samples();
-      mismatches += c.shadow_mismatches();
-      failures += c.shadow_failures();
-    }
-    samples = samples < 0 ? n : std::min(samples, n);
-  }
-  if (mismatches + failures <= trial_.max_shadow_mismatches) return grpc::Status::OK;
-  const std::string reason =
-      absl::StrCat("runner parity differs: the ranks counted ", mismatches, " shadow mismatches and ", failures,
-                   " failed shadow passes of placement-v", rec->placement_version, " (", std::max<int64_t>(samples, 0),
-                   " shadow samples), over --max_shadow_mismatches ", trial_.max_shadow_mismatches);
-  auto drained = store_->Apply(blocked_id, {{id, ReleaseState::kDraining, absl::StrCat("canary blocked: ", reason)}});
-  if (!drained.ok()) return ToGrpcStatus(drained.status());
-  spdlog::warn("{}: SHADOW -> CANARY refused, drained: {}", id, reason);
-  const absl::Status stopped = agents_->SetTrial(0, 0, 0);
-  return refusal(
-      absl::StrCat("canary blocked: ", reason),
-      stopped.ok() ? "trials stopped on every rank"
-                   : absl::StrCat("stopping trials failed: ", stopped.message(), " (retry with the same request_id)"));
 }
 
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,

@@ -12,29 +12,13 @@
 #include "absl/synchronization/mutex.h"
 
 #include "control/controller/agent_pool.h"
+#include "control/controller/release_manager.h"
 #include "control/store/release_store.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
 #include "runtime/placement/topology.h"
 #include "runtime/release/lifecycle.h"
 
 namespace moe {
-
-// Admission of a placement load against the weight memory its migration needs (0x08F): the peak
-// of the overlap from the ACTIVE release's placement. Off when budget_bytes is 0.
-struct MigrationBudget {
-  int64_t budget_bytes = 0;
-  int64_t expert_bytes = 0;  // one expert copy's parameters
-};
-
-// How the ranks try a candidate: in SHADOW every shadow_every-th step also runs on it (outputs
-// compared), in CANARY every canary_every-th step is served by it as well. SHADOW -> CANARY is
-// refused, and the candidate drained, when the ranks counted more than max_shadow_mismatches
-// shadow mismatches plus failed shadow passes of it (0x0E: runner parity differs -> block canary).
-struct TrialPolicy {
-  int64_t shadow_every = 4;
-  int64_t canary_every = 4;
-  int64_t max_shadow_mismatches = 0;
-};
 
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
@@ -88,13 +72,11 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
   // 0x0DC): counters, the manifest digest each rank holds against the one computed here over the
   // manifest the store recorded, and whether the ACTIVE release's placement is re-activatable.
   absl::StatusOr<v1::PromotionEvidence> EvidenceFromRanks(const ReleaseRecord& candidate);
-  // SHADOW -> CANARY admission (under write_mu_): OK to go on; otherwise the refusal, with the
-  // candidate committed DRAINING (request `<request_id>/blocked`) and trials stopped.
-  grpc::Status AdmitCanary(const v1::TransitionReleaseRequest& req);
   const absl::Duration drain_timeout_;
   const MigrationBudget migration_;
   const TrialPolicy trial_;
-  absl::Mutex write_mu_;  // one mutating request at a time
+  StoreReleaseManager manager_;  // Register and Transition go through it
+  absl::Mutex& write_mu_;        // the manager's: one mutating request at a time
 };
 
 // Conversions between the proto and the lifecycle enum (INVALID_ARGUMENT naming `field`).
