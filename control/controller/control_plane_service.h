@@ -54,28 +54,11 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
 
  private:
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
-  // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (on the ranks'
-  // topology).
-  absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases,
-                                        const v1::PlacementManifest& to) const;
-  // A retried Promote / Rollback: the transitions recorded under `request_id` (empty when new);
-  // ALREADY_EXISTS if the id was used for a different request.
-  absl::StatusOr<std::vector<StoredTransition>> Replay(const std::string& request_id, const std::string& release_id,
-                                                       ReleaseState first_to) const;
 
   ReleaseStore* store_;
   const std::string token_;
-  const PromotionThresholds thresholds_;
   AgentPool* agents_;
-  const std::optional<Topology> topology_;  // the agents' ranks; set whenever agents_ is non-empty
-  // The promotion gate's inputs for `candidate`'s placement from every rank's status (spec
-  // 0x0DC): counters, the manifest digest each rank holds against the one computed here over the
-  // manifest the store recorded, and whether the ACTIVE release's placement is re-activatable.
-  absl::StatusOr<v1::PromotionEvidence> EvidenceFromRanks(const ReleaseRecord& candidate);
-  const absl::Duration drain_timeout_;
-  const MigrationBudget migration_;
-  const TrialPolicy trial_;
-  StoreReleaseManager manager_;  // Register and Transition go through it
+  StoreReleaseManager manager_;  // every mutating RPC but Reconcile goes through it
   absl::Mutex& write_mu_;        // the manager's: one mutating request at a time
 };
 

@@ -1,11 +1,105 @@
 #include "control/controller/release_manager.h"
 
+#include <tuple>
+#include <utility>
+
+#include <google/protobuf/util/json_util.h>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "spdlog/spdlog.h"
 
+#include "control/controller/agent_rollback.h"
+#include "rpc/counters_proto.h"
+#include "rpc/placement_proto.h"
+#include "runtime/placement/migration.h"
 #include "runtime/status.h"
 
 namespace moe {
+
+namespace {
+
+// HashOK's reference: the digest of the manifest the store recorded for the release when its
+// placement was loaded, computed here, never taken from a rank. Sets expect->manifest_digest, or
+// expect->manifest_problem when there is none to compute it from.
+void ExpectRecordedManifest(const ReleaseRecord& candidate, const Topology& topology, EvidenceExpectation* expect) {
+  if (candidate.placement_manifest.empty()) {
+    expect->manifest_problem = absl::StrCat(candidate.release_id, " has no recorded placement manifest");
+    return;
+  }
+  v1::PlacementManifest proto;
+  std::shared_ptr<const PlacementManifest> manifest;
+  if (!google::protobuf::util::JsonStringToMessage(candidate.placement_manifest, &proto).ok()) {
+    expect->manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest does not parse");
+  } else if (auto m = ManifestFromProto(proto, topology); !m.ok()) {
+    expect->manifest_problem = absl::StrCat(candidate.release_id, ": the recorded manifest: ", m.status().message());
+  } else {
+    manifest = *m;
+  }
+  for (size_t q = 0; manifest != nullptr && q < manifest->slots().size(); ++q) {
+    if (manifest->slots()[q].parameter_digest.empty()) {  // the ranks had nothing to check it by
+      expect->manifest_problem =
+          absl::StrCat("slot ", manifest->slots()[q].name, " of the recorded manifest has no parameter digest");
+      manifest = nullptr;
+    }
+  }
+  if (manifest != nullptr) expect->manifest_digest = PlacementDigest(*manifest, topology);
+}
+
+// RollbackOK's subject: the release ACTIVE now, which promoting `candidate` would drain. Sets
+// expect->prior_version, or expect->prior_problem.
+void ExpectPrior(const std::vector<ReleaseRecord>& releases, const ReleaseRecord& candidate,
+                 EvidenceExpectation* expect) {
+  std::string prior_id;
+  for (const ReleaseRecord& r : releases) {
+    if (r.state != ReleaseState::kActive || r.release_id == candidate.release_id) continue;
+    prior_id = r.release_id;
+    if (r.placement_version <= 0 || r.placement_version == candidate.placement_version) {
+      expect->prior_problem = absl::StrCat(r.release_id, " (ACTIVE) has no placement of its own on the ranks");
+    } else {
+      expect->prior_version = r.placement_version;
+    }
+  }
+  if (prior_id.empty()) {
+    expect->prior_problem = "no release is ACTIVE (a first release is promoted with operator evidence)";
+  }
+}
+
+std::optional<GenerationState> GenerationStateFromProto(v1::GenerationState s) {
+  switch (s) {
+    case v1::GENERATION_STATE_PREPARED:
+      return GenerationState::kPrepared;
+    case v1::GENERATION_STATE_ACTIVE:
+      return GenerationState::kActive;
+    case v1::GENERATION_STATE_DRAINING:
+      return GenerationState::kDraining;
+    case v1::GENERATION_STATE_RETIRED:
+      return GenerationState::kRetired;
+    default:
+      return std::nullopt;
+  }
+}
+
+// What one rank's status says about the candidate (placement `version`) and the prior placement.
+RankReport ReportOf(const v1::AgentStatusResponse& status, std::string name, int64_t version, int64_t prior_version) {
+  RankReport r;
+  r.name = std::move(name);
+  for (const v1::GenerationStatus& g : status.generations()) {
+    const std::optional<GenerationState> state = GenerationStateFromProto(g.state());
+    if (g.version() == version) {
+      r.candidate_state = state;
+      r.candidate_digest = g.manifest_digest();
+    }
+    if (prior_version > 0 && g.version() == prior_version) r.prior_state = state;
+  }
+  for (const v1::GenerationCounters& c : status.counters()) {
+    if (c.version() != version) continue;
+    r.counters = GenerationCountersFromProto(c);
+  }
+  return r;
+}
+
+}  // namespace
 
 StoreReleaseManager::StoreReleaseManager(ReleaseStore* store, PromotionThresholds thresholds, AgentPool* agents,
                                          std::optional<Topology> topology, absl::Duration drain_timeout,
@@ -130,6 +224,229 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
       absl::StrCat("canary blocked: ", reason),
       stopped.ok() ? "trials stopped on every rank"
                    : absl::StrCat("stopping trials failed: ", stopped.message(), " (retry with the same request_id)"));
+}
+
+absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::Replay(const std::string& request_id,
+                                                                          const std::string& release_id,
+                                                                          ReleaseState first_to) const {
+  if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
+  auto recorded = store_->Recorded(request_id);
+  if (!recorded.ok()) return recorded.status();
+  if (!recorded->empty() && (recorded->front().release_id != release_id || recorded->front().to != first_to)) {
+    return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+  }
+  return recorded;
+}
+
+absl::StatusOr<GateEvidence> StoreReleaseManager::EvidenceFromRanks(const ReleaseRecord& candidate) {
+  EvidenceExpectation expect;
+  expect.candidate_version = candidate.placement_version;
+  ExpectRecordedManifest(candidate, *topology_, &expect);
+  auto releases = store_->List();
+  if (!releases.ok()) return releases.status();
+  ExpectPrior(*releases, candidate, &expect);
+  std::vector<RankReport> reports;
+  int rank = 0;
+  for (auto& [status, address] : agents_->Status()) {
+    if (!status.ok()) {
+      return absl::Status(status.status().code(),
+                          absl::StrCat("evidence: rank ", address, ": ", status.status().message()));
+    }
+    reports.push_back(ReportOf(*status, absl::StrCat("rank ", rank++, " (", address, ")"), candidate.placement_version,
+                               expect.prior_version));
+  }
+  return AggregateRankEvidence(reports, expect);
+}
+
+absl::StatusOr<std::pair<GateEvidence, bool>> StoreReleaseManager::GateInputs(
+    const std::string& request_id, const std::string& release_id, const std::optional<GateEvidence>& evidence) {
+  if (evidence.has_value()) return std::make_pair(*evidence, true);
+  // Without operator evidence the gate reads the ranks' counters for the candidate's placement
+  // (a retry of a committed promotion skips the gate: the store answers it).
+  if (!drives_ranks()) return absl::InvalidArgumentError("evidence: required (no rank agents)");
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
+  ASSIGN_OR_RETURN(ReleaseRecord candidate, store_->Get(release_id));
+  if (!recorded.empty()) {
+    return std::make_pair(GateEvidence{}, false);  // a retry of a promotion the gate passed and the store committed
+  }
+  if (candidate.placement_version <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("evidence: ", release_id, " has no placement on the ranks to read"));
+  }
+  ASSIGN_OR_RETURN(GateEvidence from_ranks, EvidenceFromRanks(candidate));
+  return std::make_pair(std::move(from_ranks), true);
+}
+
+absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitPromotion(const std::string& request_id,
+                                                                                   const std::string& release_id) {
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kActive));
+  if (!applied.empty()) return applied;
+  ASSIGN_OR_RETURN(ReleaseRecord candidate, store_->Get(release_id));
+  if (candidate.state != ReleaseState::kCanary) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "release_id: ", release_id, " is ", ReleaseStateName(candidate.state), "; only a CANARY release is promoted"));
+  }
+  ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
+  std::vector<ReleaseStore::Move> moves = {{release_id, ReleaseState::kActive, "promotion gate passed"}};
+  for (const ReleaseRecord& r : releases) {
+    if (r.state == ReleaseState::kActive && r.release_id != release_id) {
+      moves.push_back({r.release_id, ReleaseState::kDraining, absl::StrCat("replaced by ", release_id)});
+    }
+  }
+  return store_->Apply(request_id, moves);  // committed before any rank acts on it
+}
+
+absl::StatusOr<Promotion> StoreReleaseManager::Promote(const std::string& request_id, const std::string& release_id,
+                                                       const std::optional<GateEvidence>& evidence) {
+  Promotion p;
+  bool gate = true;
+  ASSIGN_OR_RETURN(std::tie(p.evidence, gate), GateInputs(request_id, release_id, evidence));
+  const PromotionDecision d = gate ? EvaluatePromotion(p.evidence.inputs, thresholds_) : PromotionDecision{true, {}};
+  if (!d.promote) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("evidence: promotion gate failed: ", absl::StrJoin(d.failed, ", "),
+                     evidence.has_value() ? "" : " (read from the ranks)", p.evidence.findings.empty() ? "" : ": ",
+                     absl::StrJoin(p.evidence.findings, "; ")));
+  }
+  absl::MutexLock lock(&write_mu_);
+  ASSIGN_OR_RETURN(p.transitions, CommitPromotion(request_id, release_id));
+  ASSIGN_OR_RETURN(p.release, store_->Get(release_id));
+  const ReleaseRecord& rec = p.release;
+  // Drive the ranks only while the registry still says this release is ACTIVE: a late retry after
+  // another promotion or a rollback must not switch the ranks back.
+  if (drives_ranks() && rec.placement_version > 0 && rec.state == ReleaseState::kActive) {
+    absl::Status s = agents_->SetTrial(0, 0, 0);
+    if (s.ok()) s = agents_->Activate(rec.placement_version);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(release_id, " is committed ACTIVE but ", s.message(),
+                                                 "; retry with the same request_id"));
+    }
+  }
+  return p;
+}
+
+absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitRollback(const std::string& request_id,
+                                                                                  const std::string& release_id,
+                                                                                  const std::string& prior_release_id,
+                                                                                  const std::string& reason) {
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kDraining));
+  if (!applied.empty()) return applied;
+  ASSIGN_OR_RETURN(ReleaseRecord prior, store_->Get(prior_release_id));
+  if (prior.state != ReleaseState::kDraining) {
+    return absl::FailedPreconditionError(absl::StrCat("prior_release_id: ", prior_release_id, " is ",
+                                                      ReleaseStateName(prior.state),
+                                                      "; only a DRAINING (loaded) release is re-activated"));
+  }
+  // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
+  // activate the prior release.
+  return store_->Apply(
+      request_id, {{release_id, ReleaseState::kDraining, reason}, {prior_release_id, ReleaseState::kActive, reason}});
+}
+
+absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::Rollback(const std::string& request_id,
+                                                                            const std::string& release_id,
+                                                                            const std::string& prior_release_id,
+                                                                            const std::string& reason) {
+  if (prior_release_id.empty()) return absl::InvalidArgumentError("prior_release_id: required");
+  if (prior_release_id == release_id) {
+    return absl::InvalidArgumentError("prior_release_id: must differ from release_id");
+  }
+  absl::MutexLock lock(&write_mu_);
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> transitions,
+                   CommitRollback(request_id, release_id, prior_release_id, reason.empty() ? "rollback" : reason));
+  if (!drives_ranks()) return transitions;
+  // On the ranks, 0x0EA's order (RollBack): activate the prior placement (each rank's candidate
+  // stops dispatch in the same step), drain the candidate's handles to zero, retire it (each rank
+  // frees its resources); then commit the candidate RETIRED.
+  auto candidate = store_->Get(release_id);
+  auto prior = store_->Get(prior_release_id);
+  if (!candidate.ok()) return candidate.status();
+  if (!prior.ok()) return prior.status();
+  if (candidate->placement_version <= 0 || prior->placement_version <= 0 ||
+      candidate->placement_version == prior->placement_version) {
+    return transitions;  // nothing placed on the ranks by these releases
+  }
+  if (prior->state != ReleaseState::kActive) {
+    return transitions;  // a late retry: the registry has moved on; the ranks follow it, not this request
+  }
+  AgentRollback ranks(agents_, drain_timeout_);
+  auto rolled =
+      RollBack(ranks, PlacementVersion(candidate->placement_version), PlacementVersion(prior->placement_version));
+  if (!rolled.ok()) {
+    const absl::Status& s = rolled.status();
+    return absl::Status(
+        s.code(), absl::StrCat("rollback committed; on the ranks: ", s.message(), "; retry with the same request_id"));
+  }
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> retired,
+                   store_->Apply(absl::StrCat(request_id, "/retire"),
+                                 {{release_id, ReleaseState::kRetired, "handles drained and retired on every rank"}}));
+  transitions.insert(transitions.end(), retired.begin(), retired.end());
+  return transitions;
+}
+
+absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const std::string& release_id,
+                                          const v1::PlacementManifest& manifest) {
+  const int64_t version = manifest.version();
+  ASSIGN_OR_RETURN(ReleaseRecord rec, store_->Get(release_id));
+  if (rec.state != ReleaseState::kVerified) {
+    return absl::FailedPreconditionError(absl::StrCat("release_id: ", release_id, " is ", ReleaseStateName(rec.state),
+                                                      "; a placement is loaded for a VERIFIED release"));
+  }
+  ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
+  for (const ReleaseRecord& r : releases) {
+    if (r.placement_version == version && r.release_id != release_id) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("manifest.version: placement-v", version, " belongs to ", r.release_id));
+    }
+  }
+  std::string reason = absl::StrCat("placement-v", version, " prepared on ", agents_->addresses().size(), " ranks");
+  // Admission: the migration from the ACTIVE release's placement must fit the memory budget.
+  if (migration_.budget_bytes > 0) {
+    ASSIGN_OR_RETURN(int64_t peak, MigrationPeak(releases, manifest));
+    if (peak > migration_.budget_bytes) {
+      return absl::FailedPreconditionError(absl::StrCat("manifest: the migration to placement-v", version, " peaks at ",
+                                                        peak, " bytes of expert weights, over the budget of ",
+                                                        migration_.budget_bytes));
+    }
+    absl::StrAppend(&reason, ", migration peak ", peak, " bytes");
+  }
+  // Every rank has the generation prepared before the release is recorded LOADED.
+  RETURN_IF_ERROR(agents_->Prepare(manifest));
+  std::string manifest_json;
+  (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
+  return store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();
+}
+
+absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::string& request_id,
+                                                                 const std::string& release_id,
+                                                                 const v1::PlacementManifest& manifest) {
+  if (manifest.version() <= 0) return absl::InvalidArgumentError("manifest.version: must be positive");
+  if (!drives_ranks()) return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks");
+  absl::MutexLock lock(&write_mu_);
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kLoaded));
+  if (applied.empty()) RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest));
+  return store_->Get(release_id);
+}
+
+absl::StatusOr<int64_t> StoreReleaseManager::MigrationPeak(const std::vector<ReleaseRecord>& releases,
+                                                           const v1::PlacementManifest& to) const {
+  const Topology& topology = *topology_;
+  auto target = ManifestFromProto(to, topology);
+  if (!target.ok()) return target.status();
+  for (const ReleaseRecord& r : releases) {
+    if (r.state != ReleaseState::kActive || r.placement_manifest.empty()) continue;
+    v1::PlacementManifest proto;
+    if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
+      return absl::InternalError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
+    }
+    auto from = ManifestFromProto(proto, topology);
+    if (!from.ok()) return from.status();
+    auto plan = PlanMigration(**from, **target, topology, migration_.expert_bytes);
+    if (!plan.ok()) return plan.status();
+    return plan->peak_bytes;
+  }
+  // Nothing active with a placement: every copy is loaded while nothing else is resident.
+  return static_cast<int64_t>((*target)->num_slots()) * migration_.expert_bytes;
 }
 
 }  // namespace moe

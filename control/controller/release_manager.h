@@ -21,7 +21,9 @@
 
 #include "control/controller/agent_pool.h"
 #include "control/store/release_store.h"
+#include "proto/moe/v1/placement.pb.h"
 #include "runtime/placement/topology.h"
+#include "runtime/release/evidence.h"
 #include "runtime/release/lifecycle.h"
 
 namespace moe {
@@ -43,6 +45,13 @@ struct TrialPolicy {
   int64_t max_shadow_mismatches = 0;
 };
 
+// What a promotion committed.
+struct Promotion {
+  GateEvidence evidence;                      // what the gate judged (empty for a retry of a committed one)
+  std::vector<StoredTransition> transitions;  // committed under the request id (the replaced release's DRAINING)
+  ReleaseRecord release;                      // the promoted release as the store has it now
+};
+
 class ReleaseManager {
  public:
   virtual ~ReleaseManager() = default;
@@ -54,6 +63,21 @@ class ReleaseManager {
   // after it commits; SHADOW -> CANARY is admitted only while runner parity holds.
   virtual absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
                                                       ReleaseState to, const std::string& reason) = 0;
+  // CANARY -> ACTIVE through the 0x0DC gate, the ACTIVE release (if any) drained in the same
+  // commit, then the ranks switched. `evidence` is the operator's; nullopt: read from the ranks.
+  virtual absl::StatusOr<Promotion> Promote(const std::string& request_id, const std::string& release_id,
+                                            const std::optional<GateEvidence>& evidence) = 0;
+  // 0x0EA: `release_id` DRAINING and the DRAINING `prior_release_id` ACTIVE in one commit, then the
+  // ordered rollback on the ranks and the candidate RETIRED. Returns every transition committed
+  // for the request (an empty `reason` is "rollback").
+  virtual absl::StatusOr<std::vector<StoredTransition>> Rollback(const std::string& request_id,
+                                                                 const std::string& release_id,
+                                                                 const std::string& prior_release_id,
+                                                                 const std::string& reason) = 0;
+  // The placement `manifest` prepared on every rank, then the VERIFIED release recorded LOADED
+  // with it; returns the release as the store has it.
+  virtual absl::StatusOr<ReleaseRecord> LoadPlacement(const std::string& request_id, const std::string& release_id,
+                                                      const v1::PlacementManifest& manifest) = 0;
 };
 
 // The production manager: the registry in `store`, the releases' placements driven onto `agents`.
@@ -70,6 +94,13 @@ class StoreReleaseManager final : public ReleaseManager {
                                          const std::string& bundle_digest) override;
   absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
                                               ReleaseState to, const std::string& reason) override;
+  absl::StatusOr<Promotion> Promote(const std::string& request_id, const std::string& release_id,
+                                    const std::optional<GateEvidence>& evidence) override;
+  absl::StatusOr<std::vector<StoredTransition>> Rollback(const std::string& request_id, const std::string& release_id,
+                                                         const std::string& prior_release_id,
+                                                         const std::string& reason) override;
+  absl::StatusOr<ReleaseRecord> LoadPlacement(const std::string& request_id, const std::string& release_id,
+                                              const v1::PlacementManifest& manifest) override;
 
   // NOTE: only while some mutating RPCs are still served by ControlPlaneServiceImpl itself: they
   // take this lock so that every mutating request stays serialized.
@@ -80,6 +111,33 @@ class StoreReleaseManager final : public ReleaseManager {
   // SHADOW -> CANARY admission (under write_mu_): OK to go on; otherwise the refusal, with the
   // candidate committed DRAINING (request `<request_id>/blocked`) and trials stopped.
   absl::Status AdmitCanary(const std::string& request_id, const std::string& release_id);
+  // A retried Promote / Rollback / LoadPlacement: the transitions recorded under `request_id`
+  // (empty when new); ALREADY_EXISTS if the id was used for a different request.
+  absl::StatusOr<std::vector<StoredTransition>> Replay(const std::string& request_id, const std::string& release_id,
+                                                       ReleaseState first_to) const;
+  // The promotion gate's inputs for `candidate`'s placement from every rank's status (spec
+  // 0x0DC): counters, the manifest digest each rank holds against the one computed here over the
+  // manifest the store recorded, and whether the ACTIVE release's placement is re-activatable.
+  absl::StatusOr<GateEvidence> EvidenceFromRanks(const ReleaseRecord& candidate);
+  // The evidence the gate judges (the operator's, or the ranks'), and whether the gate applies
+  // (not to a retry of a promotion the store committed).
+  absl::StatusOr<std::pair<GateEvidence, bool>> GateInputs(const std::string& request_id, const std::string& release_id,
+                                                           const std::optional<GateEvidence>& evidence);
+  // The promotion's commit (under write_mu_), or the one recorded under `request_id`.
+  absl::StatusOr<std::vector<StoredTransition>> CommitPromotion(const std::string& request_id,
+                                                                const std::string& release_id);
+  // The rollback's commit (under write_mu_), or the one recorded under `request_id`.
+  absl::StatusOr<std::vector<StoredTransition>> CommitRollback(const std::string& request_id,
+                                                               const std::string& release_id,
+                                                               const std::string& prior_release_id,
+                                                               const std::string& reason);
+  // LoadPlacement's checks, ranks and commit for a new request id (under write_mu_).
+  absl::Status LoadNew(const std::string& request_id, const std::string& release_id,
+                       const v1::PlacementManifest& manifest);
+  // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (on the ranks'
+  // topology).
+  absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases,
+                                        const v1::PlacementManifest& to) const;
 
   ReleaseStore* store_;
   const PromotionThresholds thresholds_;
