@@ -1,21 +1,13 @@
 #include "control/controller/control_plane_service.h"
 
-#include <google/protobuf/util/json_util.h>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "spdlog/spdlog.h"
 
-#include "control/controller/agent_rollback.h"
 #include "rpc/bearer_auth.h"
-#include "rpc/counters_proto.h"
 #include "rpc/grpc_status.h"
-#include "rpc/placement_proto.h"
-#include "runtime/placement/default_placement.h"
-#include "runtime/placement/migration.h"
 #include "runtime/release/evidence.h"
-#include "runtime/status.h"
 
 namespace moe {
 
@@ -87,15 +79,8 @@ v1::ReleaseState ToProto(ReleaseState s) {
   return static_cast<v1::ReleaseState>(static_cast<int>(s) + 1);  // both enums list the states in order
 }
 
-ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds,
-                                                 AgentPool* agents, std::optional<Topology> topology,
-                                                 absl::Duration drain_timeout, MigrationBudget migration,
-                                                 TrialPolicy trial)
-    : store_(store),
-      token_(std::move(token)),
-      agents_(agents),
-      manager_(store, thresholds, agents, std::move(topology), drain_timeout, migration, trial),
-      write_mu_(*manager_.write_mu()) {}
+ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseManager* manager, std::string token)
+    : manager_(manager), token_(std::move(token)) {}
 
 grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) const {
   return CheckBearer(ctx, token_);
@@ -104,7 +89,7 @@ grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) 
 grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                                       v1::Release* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  auto r = manager_.Register(req->request_id(), req->release_id(), req->bundle_digest());
+  auto r = manager_->Register(req->request_id(), req->release_id(), req->bundle_digest());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
   return grpc::Status::OK;
@@ -116,7 +101,7 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
   auto to = FromProto(req->to(), "to");
   if (!to.ok()) return ToGrpcStatus(to.status());
-  auto t = manager_.Transition(req->request_id(), req->release_id(), *to, req->reason());
+  auto t = manager_->Transition(req->request_id(), req->release_id(), *to, req->reason());
   if (!t.ok()) return ToGrpcStatus(t.status());
   Fill(*t, resp);
   return grpc::Status::OK;
@@ -151,7 +136,7 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
   std::optional<GateEvidence> evidence;
   if (req->has_evidence()) evidence = FromProto(req->evidence());
-  auto promoted = manager_.Promote(req->request_id(), req->release_id(), evidence);
+  auto promoted = manager_->Promote(req->request_id(), req->release_id(), evidence);
   if (!promoted.ok()) return ToGrpcStatus(promoted.status());
   *resp->mutable_evidence() = EvidenceToProto(promoted->evidence);
   for (const StoredTransition& t : promoted->transitions) {
@@ -164,7 +149,7 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
 grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req,
                                                v1::RollbackResponse* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  auto transitions = manager_.Rollback(req->request_id(), req->release_id(), req->prior_release_id(), req->reason());
+  auto transitions = manager_->Rollback(req->request_id(), req->release_id(), req->prior_release_id(), req->reason());
   if (!transitions.ok()) return ToGrpcStatus(transitions.status());
   for (const StoredTransition& t : *transitions) Fill(t, resp->add_transitions());
   return grpc::Status::OK;
@@ -174,46 +159,16 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
                                                     v1::Release* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
   if (!req->has_manifest()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest: required");
-  auto r = manager_.LoadPlacement(req->request_id(), req->release_id(), req->manifest());
+  auto r = manager_->LoadPlacement(req->request_id(), req->release_id(), req->manifest());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
   return grpc::Status::OK;
 }
 
-absl::Status ControlPlaneServiceImpl::Reconcile() {
-  if (agents_ == nullptr || agents_->empty()) return absl::OkStatus();
-  absl::MutexLock lock(&write_mu_);
-  auto releases = store_->List();
-  if (!releases.ok()) return releases.status();
-  for (const ReleaseRecord& r : *releases) {
-    if (r.state != ReleaseState::kActive || r.placement_version <= 0) continue;
-    // Drive only ranks that disagree (this runs periodically): a restarted moe-rankd comes back
-    // serving its boot placement without the release's; it gets the placement prepared (from
-    // the manifest the store recorded, slots copied from its peers) and activated again.
-    bool agree = true;
-    for (auto& [status, address] : agents_->Status()) {
-      agree = agree && status.ok() && status->active_version() == r.placement_version;
-    }
-    if (agree) return absl::OkStatus();
-    if (!r.placement_manifest.empty()) {
-      v1::PlacementManifest proto;
-      if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
-        return absl::DataLossError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
-      }
-      RETURN_IF_ERROR(agents_->Prepare(proto));  // a no-op where the rank already holds it
-    }
-    RETURN_IF_ERROR(agents_->Activate(r.placement_version));
-    spdlog::info("reconcile: every rank serves placement-v{} of {} again", r.placement_version, r.release_id);
-    return absl::OkStatus();
-  }
-  return absl::OkStatus();
-}
-
 grpc::Status ControlPlaneServiceImpl::ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
                                                     v1::ClusterStatusResponse* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  if (agents_ == nullptr) return grpc::Status::OK;
-  for (auto& [status, address] : agents_->Status()) {
+  for (auto& [status, address] : manager_->ClusterStatus()) {
     v1::RankAgentReport* r = resp->add_ranks();
     r->set_address(address);
     if (status.ok()) {
@@ -228,7 +183,7 @@ grpc::Status ControlPlaneServiceImpl::ClusterStatus(grpc::ServerContext* ctx, co
 grpc::Status ControlPlaneServiceImpl::GetRelease(grpc::ServerContext* ctx, const v1::GetReleaseRequest* req,
                                                  v1::Release* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  auto r = store_->Get(req->release_id());
+  auto r = manager_->Get(req->release_id());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
   return grpc::Status::OK;
@@ -237,7 +192,7 @@ grpc::Status ControlPlaneServiceImpl::GetRelease(grpc::ServerContext* ctx, const
 grpc::Status ControlPlaneServiceImpl::ListReleases(grpc::ServerContext* ctx, const v1::ListReleasesRequest*,
                                                    v1::ListReleasesResponse* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  auto releases = store_->List();
+  auto releases = manager_->List();
   if (!releases.ok()) return ToGrpcStatus(releases.status());
   for (const ReleaseRecord& r : *releases) Fill(r, resp->add_releases());
   return grpc::Status::OK;
@@ -246,7 +201,7 @@ grpc::Status ControlPlaneServiceImpl::ListReleases(grpc::ServerContext* ctx, con
 grpc::Status ControlPlaneServiceImpl::History(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
                                               v1::HistoryResponse* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  auto history = store_->History(req->release_id());
+  auto history = manager_->History(req->release_id(), 0);
   if (!history.ok()) return ToGrpcStatus(history.status());
   for (const StoredTransition& t : *history) Fill(t, resp->add_transitions());
   return grpc::Status::OK;
@@ -260,7 +215,7 @@ grpc::Status ControlPlaneServiceImpl::Watch(grpc::ServerContext* ctx, const v1::
   // Transitions are committed to SQLite before they are answered, so polling the table sees
   // each one exactly once, in seq order, whichever RPC (or restarted controller) wrote it.
   while (!ctx->IsCancelled()) {
-    auto batch = store_->History(req->release_id(), last);
+    auto batch = manager_->History(req->release_id(), last);
     if (!batch.ok()) return ToGrpcStatus(batch.status());
     for (const StoredTransition& t : *batch) {
       v1::TransitionRecord r;

@@ -1,40 +1,26 @@
-// ControlPlaneService on moe-controller: the release registry over the durable store. Every RPC
-// checks the bearer token first (UNAUTHENTICATED otherwise); mutating RPCs are serialized so a
-// promotion or rollback reads and writes one consistent registry, and each is one atomic store
-// batch, so a controller killed mid-request leaves either all of it or none of it.
+// ControlPlaneService on moe-controller: the gRPC edge of the release registry. Every RPC checks
+// the bearer token first (UNAUTHENTICATED otherwise, before the manager is called), decodes the
+// request, calls one ReleaseManager method (release_manager.h: the logic, its serialization and
+// its atomic store commits) and encodes the answer; a manager's error reaches the client with its
+// code and message as they are (rpc/grpc_status.h).
 #ifndef MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_
 #define MOE_CONTROL_CONTROLLER_CONTROL_PLANE_SERVICE_H_
 
-#include <optional>
 #include <string>
-#include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "absl/status/statusor.h"
 
-#include "control/controller/agent_pool.h"
 #include "control/controller/release_manager.h"
-#include "control/store/release_store.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
-#include "runtime/placement/topology.h"
 #include "runtime/release/lifecycle.h"
 
 namespace moe {
 
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
-  // `token` must be non-empty: calls carry `authorization: Bearer <token>`.
-  // `agents` (may be null or empty: the registry alone) are the ranks the releases' placements
-  // are driven onto; `topology` is theirs (one rank per agent, required with agents): placement
-  // manifests are read, digested and migrated against it.
-  ControlPlaneServiceImpl(ReleaseStore* store, std::string token, PromotionThresholds thresholds = {},
-                          AgentPool* agents = nullptr, std::optional<Topology> topology = std::nullopt,
-                          absl::Duration drain_timeout = absl::Seconds(60), MigrationBudget migration = {},
-                          TrialPolicy trial = {});
-
-  // After a restart: the ranks' active generation is made the placement of the release the store
-  // records ACTIVE (a controller killed between committing a promotion or rollback and driving the
-  // ranks finishes it here). Idempotent.
-  absl::Status Reconcile();
+  // `manager` is not owned and outlives the service. `token` must be non-empty: calls carry
+  // `authorization: Bearer <token>`.
+  ControlPlaneServiceImpl(ReleaseManager* manager, std::string token);
 
   grpc::Status RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                v1::Release* resp) override;
@@ -55,11 +41,8 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  private:
   grpc::Status Authorize(const grpc::ServerContext* ctx) const;
 
-  ReleaseStore* store_;
+  ReleaseManager* manager_;
   const std::string token_;
-  AgentPool* agents_;
-  StoreReleaseManager manager_;  // every mutating RPC but Reconcile goes through it
-  absl::Mutex& write_mu_;        // the manager's: one mutating request at a time
 };
 
 // Conversions between the proto and the lifecycle enum (INVALID_ARGUMENT naming `field`).

@@ -20,6 +20,7 @@
 #include "spdlog/spdlog.h"
 
 #include "control/controller/control_plane_service.h"
+#include "control/controller/release_manager.h"
 #include "control/store/release_store.h"
 #include "rpc/daemon_util.h"
 #include "runtime/logging.h"
@@ -180,13 +181,13 @@ std::optional<Topology> AgentTopology(const AgentPool* agents) {
 
 // Periodic reconcile: a rank agent that restarted re-registers its generations here. Returns a
 // thread that is not joinable when there is nothing to reconcile.
-std::thread StartReconciler(ControlPlaneServiceImpl* service, const AgentPool* agents, int interval_s,
+std::thread StartReconciler(ReleaseManager* manager, const AgentPool* agents, int interval_s,
                             absl::Notification* stopping) {
   if (agents == nullptr || agents->empty() || interval_s <= 0) return std::thread();
-  return std::thread([service, interval_s, stopping] {
+  return std::thread([manager, interval_s, stopping] {
     std::string last;
     while (!stopping->WaitForNotificationWithTimeout(absl::Seconds(interval_s))) {
-      const absl::Status s = service->Reconcile();
+      const absl::Status s = manager->Reconcile();
       const std::string now = s.ok() ? "" : std::string(s.message());
       if (now != last && !s.ok()) spdlog::warn("reconcile: {}", now);  // each new failure once
       last = now;
@@ -213,9 +214,10 @@ int Main() {
   sigset_t signals = BlockTerminationSignals();
   if (absl::Status s = ParseRankFlags(&o); !s.ok()) return Fail(s, ExitCode(s));
   std::unique_ptr<AgentPool> agents = ConnectAgents(o);
-  ControlPlaneServiceImpl service(registry->store.get(), o.token, o.thresholds, agents.get(),
-                                  AgentTopology(agents.get()), o.drain_timeout, o.migration, o.trial);
-  if (absl::Status s = service.Reconcile(); !s.ok()) {
+  StoreReleaseManager manager(registry->store.get(), o.thresholds, agents.get(), AgentTopology(agents.get()),
+                              o.drain_timeout, o.migration, o.trial);
+  ControlPlaneServiceImpl service(&manager, o.token);
+  if (absl::Status s = manager.Reconcile(); !s.ok()) {
     spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
                  std::string(s.message()));
   }
@@ -230,7 +232,7 @@ int Main() {
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, o.store_path,
                registry->lock->path(), agents == nullptr ? 0 : agents->addresses().size());
   absl::Notification stopping;
-  std::thread reconciler = StartReconciler(&service, agents.get(), o.reconcile_interval_s, &stopping);
+  std::thread reconciler = StartReconciler(&manager, agents.get(), o.reconcile_interval_s, &stopping);
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);

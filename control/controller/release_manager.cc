@@ -116,6 +116,22 @@ StoreReleaseManager::StoreReleaseManager(ReleaseStore* store, PromotionThreshold
             "the rank agents need their topology, one rank per agent");
 }
 
+absl::StatusOr<ReleaseRecord> StoreReleaseManager::Get(const std::string& release_id) {
+  return store_->Get(release_id);
+}
+
+absl::StatusOr<std::vector<ReleaseRecord>> StoreReleaseManager::List() { return store_->List(); }
+
+absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::History(const std::string& release_id,
+                                                                           int64_t after_seq) {
+  return store_->History(release_id, after_seq);
+}
+
+RankStatuses StoreReleaseManager::ClusterStatus() {
+  if (agents_ == nullptr) return {};
+  return agents_->Status();
+}
+
 absl::StatusOr<ReleaseRecord> StoreReleaseManager::Register(const std::string& request_id,
                                                             const std::string& release_id,
                                                             const std::string& bundle_digest) {
@@ -447,6 +463,34 @@ absl::StatusOr<int64_t> StoreReleaseManager::MigrationPeak(const std::vector<Rel
   }
   // Nothing active with a placement: every copy is loaded while nothing else is resident.
   return static_cast<int64_t>((*target)->num_slots()) * migration_.expert_bytes;
+}
+
+absl::Status StoreReleaseManager::Reconcile() {
+  if (!drives_ranks()) return absl::OkStatus();
+  absl::MutexLock lock(&write_mu_);
+  ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
+  for (const ReleaseRecord& r : releases) {
+    if (r.state != ReleaseState::kActive || r.placement_version <= 0) continue;
+    // Drive only ranks that disagree (this runs periodically): a restarted moe-rankd comes back
+    // serving its boot placement without the release's; it gets the placement prepared (from
+    // the manifest the store recorded, slots copied from its peers) and activated again.
+    bool agree = true;
+    for (auto& [status, address] : agents_->Status()) {
+      agree = agree && status.ok() && status->active_version() == r.placement_version;
+    }
+    if (agree) return absl::OkStatus();
+    if (!r.placement_manifest.empty()) {
+      v1::PlacementManifest proto;
+      if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
+        return absl::DataLossError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
+      }
+      RETURN_IF_ERROR(agents_->Prepare(proto));  // a no-op where the rank already holds it
+    }
+    RETURN_IF_ERROR(agents_->Activate(r.placement_version));
+    spdlog::info("reconcile: every rank serves placement-v{} of {} again", r.placement_version, r.release_id);
+    return absl::OkStatus();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace moe

@@ -52,9 +52,21 @@ struct Promotion {
   ReleaseRecord release;                      // the promoted release as the store has it now
 };
 
+// Every rank agent's status in rank order, with its address; a rank that did not answer has its
+// error instead.
+using RankStatuses = std::vector<std::pair<absl::StatusOr<v1::AgentStatusResponse>, std::string>>;
+
 class ReleaseManager {
  public:
   virtual ~ReleaseManager() = default;
+
+  // Reads of the registry.
+  virtual absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) = 0;
+  virtual absl::StatusOr<std::vector<ReleaseRecord>> List() = 0;
+  // The committed transitions of `release_id` (empty: every release) with seq > after_seq, in order.
+  virtual absl::StatusOr<std::vector<StoredTransition>> History(const std::string& release_id, int64_t after_seq) = 0;
+  // The rank agents' statuses (none without agents).
+  virtual RankStatuses ClusterStatus() = 0;
 
   // A new release, BUILT (a retry with the same request id answers the same record).
   virtual absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
@@ -78,6 +90,10 @@ class ReleaseManager {
   // with it; returns the release as the store has it.
   virtual absl::StatusOr<ReleaseRecord> LoadPlacement(const std::string& request_id, const std::string& release_id,
                                                       const v1::PlacementManifest& manifest) = 0;
+  // After a restart, and periodically: the ranks' active generation is made the placement of the
+  // release the store records ACTIVE (a controller killed between committing a promotion or
+  // rollback and driving the ranks finishes it here). Idempotent.
+  virtual absl::Status Reconcile() = 0;
 };
 
 // The production manager: the registry in `store`, the releases' placements driven onto `agents`.
@@ -90,6 +106,10 @@ class StoreReleaseManager final : public ReleaseManager {
                       std::optional<Topology> topology = std::nullopt, absl::Duration drain_timeout = absl::Seconds(60),
                       MigrationBudget migration = {}, TrialPolicy trial = {});
 
+  absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) override;
+  absl::StatusOr<std::vector<ReleaseRecord>> List() override;
+  absl::StatusOr<std::vector<StoredTransition>> History(const std::string& release_id, int64_t after_seq) override;
+  RankStatuses ClusterStatus() override;
   absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
                                          const std::string& bundle_digest) override;
   absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
@@ -101,10 +121,7 @@ class StoreReleaseManager final : public ReleaseManager {
                                                          const std::string& reason) override;
   absl::StatusOr<ReleaseRecord> LoadPlacement(const std::string& request_id, const std::string& release_id,
                                               const v1::PlacementManifest& manifest) override;
-
-  // NOTE: only while some mutating RPCs are still served by ControlPlaneServiceImpl itself: they
-  // take this lock so that every mutating request stays serialized.
-  absl::Mutex* write_mu() { return &write_mu_; }
+  absl::Status Reconcile() override;
 
  private:
   bool drives_ranks() const { return agents_ != nullptr && !agents_->empty(); }

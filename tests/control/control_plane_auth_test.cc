@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 
 #include "control/controller/control_plane_service.h"
+#include "control/controller/release_manager.h"
 
 namespace moe {
 namespace {
@@ -22,7 +23,8 @@ class AuthTest : public ::testing::Test {
     const std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/auth-", getpid(), ".db");
     unlink(path.c_str());
     store_ = *ReleaseStore::Open(path);
-    service_ = std::make_unique<ControlPlaneServiceImpl>(store_.get(), "0123456789abcdef-token");
+    manager_ = std::make_unique<StoreReleaseManager>(store_.get());
+    service_ = std::make_unique<ControlPlaneServiceImpl>(manager_.get(), "0123456789abcdef-token");
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(service_.get());
@@ -34,6 +36,7 @@ class AuthTest : public ::testing::Test {
   void TearDown() override { server_->Shutdown(); }
 
   std::unique_ptr<ReleaseStore> store_;
+  std::unique_ptr<StoreReleaseManager> manager_;
   std::unique_ptr<ControlPlaneServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::ControlPlaneService::Stub> stub_;

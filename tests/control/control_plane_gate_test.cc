@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 
 #include "control/controller/control_plane_service.h"
+#include "control/controller/release_manager.h"
 #include "rpc/placement_proto.h"
 #include "runtime/placement/default_placement.h"
 
@@ -170,9 +171,9 @@ class GateTest : public ::testing::Test {
     PromotionThresholds thresholds;
     thresholds.min_shadow = 10;
     thresholds.min_canary = 10;
-    service_ = std::make_unique<ControlPlaneServiceImpl>(store_.get(), kToken, thresholds, pool_.get(),
-                                                         TwoNodeTopology(kRanks), absl::Seconds(5), MigrationBudget{},
-                                                         TrialPolicy{2, 3, 0});
+    manager_ = std::make_unique<StoreReleaseManager>(store_.get(), thresholds, pool_.get(), TwoNodeTopology(kRanks),
+                                                     absl::Seconds(5), MigrationBudget{}, TrialPolicy{2, 3, 0});
+    service_ = std::make_unique<ControlPlaneServiceImpl>(manager_.get(), kToken);
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -274,6 +275,7 @@ class GateTest : public ::testing::Test {
   std::vector<std::unique_ptr<grpc::Server>> rank_servers_;
   std::unique_ptr<ReleaseStore> store_;
   std::unique_ptr<AgentPool> pool_;
+  std::unique_ptr<StoreReleaseManager> manager_;
   std::unique_ptr<ControlPlaneServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::ControlPlaneService::Stub> stub_;
