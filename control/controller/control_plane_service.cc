@@ -50,6 +50,26 @@ GateEvidence FromProto(const v1::PromotionEvidence& e) {
   return g;
 }
 
+v1::PromotionEvidence EvidenceToProto(const GateEvidence& g) {
+  const PromotionInputs& in = g.inputs;
+  v1::PromotionEvidence e;
+  e.set_hash_ok(in.hash_ok);
+  e.set_manifest_ok(in.manifest_ok);
+  e.set_faults_ok(in.faults_ok);
+  e.set_rollback_ok(in.rollback_ok);
+  e.set_shadow_samples(in.shadow_samples);
+  e.set_canary_samples(in.canary_samples);
+  e.set_routes_attempted(in.routes_attempted);
+  e.set_routes_dropped(in.routes_dropped);
+  e.set_steps(in.steps);
+  e.set_fallback_steps(in.fallback_steps);
+  e.set_route_mismatches(in.route_mismatches);
+  e.set_stale_accepts(in.stale_accepts);
+  e.set_count_failures(in.count_failures);
+  for (const std::string& f : g.findings) e.add_findings(f);
+  return e;
+}
+
 }  // namespace
 
 absl::StatusOr<ReleaseState> FromProto(v1::ReleaseState s, const char* field) {
@@ -106,30 +126,6 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
   Fill(*t, resp);
   return grpc::Status::OK;
 }
-
-namespace {
-
-v1::PromotionEvidence EvidenceToProto(const GateEvidence& g) {
-  const PromotionInputs& in = g.inputs;
-  v1::PromotionEvidence e;
-  e.set_hash_ok(in.hash_ok);
-  e.set_manifest_ok(in.manifest_ok);
-  e.set_faults_ok(in.faults_ok);
-  e.set_rollback_ok(in.rollback_ok);
-  e.set_shadow_samples(in.shadow_samples);
-  e.set_canary_samples(in.canary_samples);
-  e.set_routes_attempted(in.routes_attempted);
-  e.set_routes_dropped(in.routes_dropped);
-  e.set_steps(in.steps);
-  e.set_fallback_steps(in.fallback_steps);
-  e.set_route_mismatches(in.route_mismatches);
-  e.set_stale_accepts(in.stale_accepts);
-  e.set_count_failures(in.count_failures);
-  for (const std::string& f : g.findings) e.add_findings(f);
-  return e;
-}
-
-}  // namespace
 
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
                                               v1::PromoteResponse* resp) {
