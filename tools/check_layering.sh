@@ -21,34 +21,26 @@ rules=(
   'control|^server/'
 )
 
-violations=0
+srcs=(--include='*.h' --include='*.cc' --include='*.cu' --include='*.cuh')
+report="$(mktemp)"
+trap 'rm -f "$report"' EXIT
 scanned=0
 for rule in "${rules[@]}"; do
   dir="${rule%%|*}"
   forbidden="${rule#*|}"
   [ -d "$dir" ] || continue
-  while IFS= read -r -d '' f; do
-    scanned=$((scanned + 1))
-    # #include "x" or #include <x>: "line:path"
-    while IFS=: read -r line path; do
-      if printf '%s\n' "$path" | grep -Eq "$forbidden"; then
-        echo "$f:$line: $dir/ may not include $path"
-        violations=$((violations + 1))
-      fi
-    done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' "$f" |
-             sed -E 's/^([0-9]+):[^"<]*["<]([^">]+)[">].*/\1:\2/')
-    case "$f" in
-      *_main.cc) ;;
-      *)
-        while IFS= read -r hit; do
-          [ -n "$hit" ] || continue
-          echo "$f:${hit%%:*}: libraries take options structs; only a binary's main reads flags or the environment: ${hit#*:}"
-          violations=$((violations + 1))
-        done < <(grep -nE '(std::)?\bgetenv[[:space:]]*\(|absl::GetFlag[[:space:]]*\(' "$f" | grep -vE '^[0-9]+:[[:space:]]*//')
-        ;;
-    esac
-  done < <(find -L "$dir" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) -print0 | sort -z)
+  scanned=$((scanned + $(find -L "$dir" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) | wc -l)))
+  # #include "x" or #include <x>, one grep over the folder: "file:line:path".
+  grep -RnE "${srcs[@]}" '^[[:space:]]*#[[:space:]]*include[[:space:]]*["<]' "$dir" |
+    sed -E 's/^([^:]+):([0-9]+):[^"<]*["<]([^">]+)[">].*/\1:\2:\3/' |
+    RE="$forbidden" DIR="$dir" awk -F: '$3 ~ ENVIRON["RE"] { printf "%s:%s: %s/ may not include %s\n", $1, $2, ENVIRON["DIR"], $3 }' >>"$report"
+  # Flags and the environment: only a binary's *_main.cc reads them (comment lines aside).
+  grep -RnE "${srcs[@]}" '(std::)?\bgetenv[[:space:]]*\(|absl::GetFlag[[:space:]]*\(' "$dir" |
+    grep -vE '^[^:]+_main\.cc:' | grep -vE '^[^:]+:[0-9]+:[[:space:]]*//' |
+    sed -E 's/^([^:]+):([0-9]+):(.*)$/\1:\2: libraries take options structs; only a binary'"'"'s main reads flags or the environment: \3/' >>"$report"
 done
+violations=$(wc -l <"$report")
+cat "$report"
 
 if [ "$scanned" -eq 0 ]; then
   echo "check_layering: no sources under $root" >&2
