@@ -91,6 +91,39 @@ void LayerExecutor::DropGeneration(PlacementVersion version) {
   }
 }
 
+// The bucket's graph for (version, d, k), captured on first use. Every member reaches the
+// capture at the same step: admission is decided over agreed counts.
+absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
+    const LayerStepInput& in, PlacementVersion version, int64_t total_slots, int local_slots,
+    const std::shared_ptr<const ResidentExperts>& weights) {
+  const auto key = std::make_tuple(version.value(), in.d, in.k);
+  {
+    absl::MutexLock lock(&generations_mu_);
+    auto it = graphs_by_key_.find(key);
+    if (it != graphs_by_key_.end()) return it->second.graph;
+  }
+  const int p = options_.group->size();
+  const int64_t tokens_cap = options_.decode_rank_tokens;
+  DecodeGraphShape shape;
+  shape.peers = p;
+  shape.segment_rows = tokens_cap * in.k;
+  shape.local_slots = local_slots;
+  shape.slot_routes = options_.decode_slot_routes;
+  shape.rank_tokens = tokens_cap;
+  shape.d = in.d;
+  shape.d_ff = weights->host->d_ff;
+  shape.k = in.k;
+  shape.padded_runner = ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots);
+  shape.w_gate_up = weights->w_gate_up;
+  shape.w_down = weights->w_down;
+  shape.warmup_timeout = options_.timeout;
+  ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepGraph> made, options_.decode_graphs(shape));
+  std::shared_ptr<DecodeStepGraph> graph = std::move(made);
+  absl::MutexLock lock(&generations_mu_);
+  graphs_by_key_[key] = Graph{weights, graph};
+  return graph;
+}
+
 absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
                                          const std::shared_ptr<const ResidentExperts>& weights,
                                          const SourcePlan& source, const DestinationPlan& dest,
@@ -101,33 +134,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
   const int local_slots = static_cast<int>(dest.expert_counts.size());
   const int64_t tokens_cap = options_.decode_rank_tokens, slot_cap = options_.decode_slot_routes;
   const int64_t seg = tokens_cap * in.k;  // bounds any rank's routes to one peer
-  const auto key = std::make_tuple(version.value(), in.d, in.k);
-  std::shared_ptr<DecodeStepGraph> graph;
-  {
-    absl::MutexLock lock(&generations_mu_);
-    auto it = graphs_by_key_.find(key);
-    if (it != graphs_by_key_.end()) graph = it->second.graph;
-  }
-  if (graph == nullptr) {
-    // Every member reaches this at the same step: admission is decided over agreed counts.
-    DecodeGraphShape shape;
-    shape.peers = p;
-    shape.segment_rows = seg;
-    shape.local_slots = local_slots;
-    shape.slot_routes = slot_cap;
-    shape.rank_tokens = tokens_cap;
-    shape.d = in.d;
-    shape.d_ff = weights->host->d_ff;
-    shape.k = in.k;
-    shape.padded_runner = ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots);
-    shape.w_gate_up = weights->w_gate_up;
-    shape.w_down = weights->w_down;
-    shape.warmup_timeout = options_.timeout;
-    ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepGraph> made, options_.decode_graphs(shape));
-    graph = std::move(made);
-    absl::MutexLock lock(&generations_mu_);
-    graphs_by_key_[key] = Graph{weights, graph};
-  }
+  ASSIGN_OR_RETURN(std::shared_ptr<DecodeStepGraph> graph, BucketGraph(in, version, total_slots, local_slots, weights));
 
   // Tables in bucket shape: compact send / receive positions -> padded peer segments.
   Buffers& b = buf_;

@@ -158,6 +158,9 @@ class LayerExecutor {
   void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary);
   // Runs the sampled shadow pass of step `in` on `shadow` and counts whether it matches `served`.
   void RunShadow(const LayerStepInput& in, int64_t shadow, const absl::StatusOr<LayerStepResult>& served);
+  absl::StatusOr<std::shared_ptr<DecodeStepGraph>> BucketGraph(const LayerStepInput& in, PlacementVersion version,
+                                                               int64_t total_slots, int local_slots,
+                                                               const std::shared_ptr<const ResidentExperts>& weights);
   // The admitted decode step's payload through the bucket's graph (captured on first use).
   absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
                             const std::shared_ptr<const ResidentExperts>& weights, const SourcePlan& source,
