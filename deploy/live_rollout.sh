@@ -29,7 +29,7 @@ ctl_pid=""
 driver=""
 # A failed step of the walk (set -e) must not leave the live-traffic driver running: it would
 # retry against the stopped ranks until its --until_file appears, which is never.
-trap '[ -n "$driver" ] && kill "$driver" 2>/dev/null; [ -n "$ctl_pid" ] && kill "$ctl_pid" 2>/dev/null;
+trap '{ [ -z "$driver" ] || kill "$driver" 2>/dev/null || true; }; [ -n "$ctl_pid" ] && kill "$ctl_pid" 2>/dev/null;
   stop_ranks; rm -rf "$work"' EXIT
 ts() { date +%H:%M:%S.%N | cut -c1-12; }
 token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1"; }
