@@ -74,11 +74,6 @@ struct Stats {
   std::vector<std::map<std::string, std::vector<double>>> segment_latency_us;
 };
 
-// Relative L2 distance of BF16 output rows from the FP32 reference (kernels/numeric.h's zero rule).
-double RelativeError(const std::vector<uint16_t>& out, const std::vector<float>& ref) {
-  return kernels::RelativeL2Bf16(out, ref);
-}
-
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -263,7 +258,7 @@ int FaultStaleGeneration(FaultContext& f, const std::vector<StepCall>& calls) {
   f.RunAll(stale, &answers);
   for (int r = 0; r < p; ++r) {
     ok = ok && answers[r].ok() && answers[r]->record.placement_generation() == serving;
-    if (answers[r].ok()) ok = ok && RelativeError(answers[r]->output, f.reference.Compute(stale[r])) <= 1e-2;
+    if (answers[r].ok()) ok = ok && kernels::RelativeL2Bf16(answers[r]->output, f.reference.Compute(stale[r])) <= 1e-2;
   }
   std::printf("re-planned against placement-v%lld: %s\n", static_cast<long long>(serving),
               ok ? "served by every rank, outputs checked" : "FAILED");
@@ -371,7 +366,7 @@ void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, co
       continue;
     }
     const std::vector<float> ref = reference.Compute(calls[r]);
-    const double rel = RelativeError(answers[r]->output, ref);
+    const double rel = kernels::RelativeL2Bf16(answers[r]->output, ref);
     if (!ref.empty() && rel > 1e-2) {
       ++stats->mismatches;
       spdlog::error("step {} rank {}: output differs from the semantic computation (rel {:.3g})", step, r, rel);

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <functional>
 
 #include <grpcpp/grpcpp.h>
 
@@ -12,6 +11,7 @@
 
 #include "control/controller/control_plane_service.h"
 #include "control/controller/release_manager.h"
+#include "tests/control/control_plane_rpcs.h"
 
 namespace moe {
 namespace {
@@ -44,61 +44,7 @@ class AuthTest : public ::testing::Test {
 };
 
 TEST_F(AuthTest, EveryRpcNeedsTheToken) {
-  using Call = std::function<grpc::Status(grpc::ClientContext*)>;
-  v1::RegisterReleaseRequest reg;
-  reg.set_request_id("r1");
-  reg.set_release_id("release-v1");
-  reg.set_bundle_digest("sha256:1");
-  v1::TransitionReleaseRequest tr;
-  tr.set_request_id("r2");
-  tr.set_release_id("release-v1");
-  tr.set_to(v1::RELEASE_STATE_VERIFIED);
-  tr.set_reason("x");
-  v1::PromoteRequest pr;
-  pr.set_request_id("r3");
-  pr.set_release_id("release-v1");
-  pr.mutable_evidence();
-  v1::RollbackRequest rb;
-  rb.set_request_id("r4");
-  rb.set_release_id("release-v1");
-  rb.set_prior_release_id("release-v0");
-  const std::vector<std::pair<const char*, Call>> calls = {
-      {"RegisterRelease",
-       [&](grpc::ClientContext* c) {
-         v1::Release r;
-         return stub_->RegisterRelease(c, reg, &r);
-       }},
-      {"TransitionRelease",
-       [&](grpc::ClientContext* c) {
-         v1::TransitionRecord r;
-         return stub_->TransitionRelease(c, tr, &r);
-       }},
-      {"Promote",
-       [&](grpc::ClientContext* c) {
-         v1::PromoteResponse r;
-         return stub_->Promote(c, pr, &r);
-       }},
-      {"Rollback",
-       [&](grpc::ClientContext* c) {
-         v1::RollbackResponse r;
-         return stub_->Rollback(c, rb, &r);
-       }},
-      {"GetRelease",
-       [&](grpc::ClientContext* c) {
-         v1::Release r;
-         return stub_->GetRelease(c, {}, &r);
-       }},
-      {"ListReleases",
-       [&](grpc::ClientContext* c) {
-         v1::ListReleasesResponse r;
-         return stub_->ListReleases(c, {}, &r);
-       }},
-      {"History",
-       [&](grpc::ClientContext* c) {
-         v1::HistoryResponse r;
-         return stub_->History(c, {}, &r);
-       }},
-  };
+  const auto calls = testing::EveryControlPlaneRpc(stub_.get());
   for (const auto& [name, call] : calls) {
     grpc::ClientContext none;
     EXPECT_EQ(call(&none).error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
@@ -112,6 +58,10 @@ TEST_F(AuthTest, EveryRpcNeedsTheToken) {
   grpc::ClientContext ok;
   ok.AddMetadata("authorization", "Bearer 0123456789abcdef-token");
   v1::Release r;
+  v1::RegisterReleaseRequest reg;
+  reg.set_request_id("r1");
+  reg.set_release_id("release-v1");
+  reg.set_bundle_digest("sha256:1");
   EXPECT_TRUE(stub_->RegisterRelease(&ok, reg, &r).ok());
   EXPECT_EQ(r.state(), v1::RELEASE_STATE_BUILT);
 }

@@ -3,7 +3,6 @@
 // answers are encoded and its errors come back with their code and message.
 #include "control/controller/control_plane_service.h"
 
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +18,7 @@
 
 #include "control/controller/release_manager.h"
 #include "runtime/status.h"
+#include "tests/control/control_plane_rpcs.h"
 
 namespace moe {
 namespace {
@@ -149,68 +149,7 @@ class ServiceTest : public ::testing::Test {
 using ::testing::ElementsAre;
 
 TEST_F(ServiceTest, EveryRpcIsAuthorizedBeforeTheManagerIsCalled) {
-  using Call = std::function<grpc::Status(grpc::ClientContext*)>;
-  v1::PromoteRequest promote;
-  promote.mutable_evidence();
-  v1::LoadPlacementRequest load;
-  load.mutable_manifest()->set_version(3);
-  v1::TransitionReleaseRequest transition;
-  transition.set_to(v1::RELEASE_STATE_VERIFIED);
-  const std::vector<std::pair<const char*, Call>> calls = {
-      {"RegisterRelease",
-       [&](grpc::ClientContext* c) {
-         v1::Release r;
-         return stub_->RegisterRelease(c, {}, &r);
-       }},
-      {"TransitionRelease",
-       [&](grpc::ClientContext* c) {
-         v1::TransitionRecord r;
-         return stub_->TransitionRelease(c, transition, &r);
-       }},
-      {"Promote",
-       [&](grpc::ClientContext* c) {
-         v1::PromoteResponse r;
-         return stub_->Promote(c, promote, &r);
-       }},
-      {"Rollback",
-       [&](grpc::ClientContext* c) {
-         v1::RollbackResponse r;
-         return stub_->Rollback(c, {}, &r);
-       }},
-      {"LoadPlacement",
-       [&](grpc::ClientContext* c) {
-         v1::Release r;
-         return stub_->LoadPlacement(c, load, &r);
-       }},
-      {"ClusterStatus",
-       [&](grpc::ClientContext* c) {
-         v1::ClusterStatusResponse r;
-         return stub_->ClusterStatus(c, {}, &r);
-       }},
-      {"GetRelease",
-       [&](grpc::ClientContext* c) {
-         v1::Release r;
-         return stub_->GetRelease(c, {}, &r);
-       }},
-      {"ListReleases",
-       [&](grpc::ClientContext* c) {
-         v1::ListReleasesResponse r;
-         return stub_->ListReleases(c, {}, &r);
-       }},
-      {"History",
-       [&](grpc::ClientContext* c) {
-         v1::HistoryResponse r;
-         return stub_->History(c, {}, &r);
-       }},
-      {"Watch",
-       [&](grpc::ClientContext* c) {
-         auto reader = stub_->Watch(c, {});
-         v1::TransitionRecord r;
-         while (reader->Read(&r)) {
-         }
-         return reader->Finish();
-       }},
-  };
+  const auto calls = testing::EveryControlPlaneRpc(stub_.get());
   for (const auto& [name, call] : calls) {
     EXPECT_EQ(call(Ctx("").get()).error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
     EXPECT_EQ(call(Ctx("0123456789abcdef-tokeN").get()).error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;

@@ -111,25 +111,29 @@ RankInput RandomInput(std::mt19937& rng, int64_t tokens) {
   return in;
 }
 
+// The executor's view of a rank's input (the vectors must outlive the step).
+LayerStepInput StepInput(const RankInput& input, uint64_t step, int64_t layer, Phase phase = Phase::kPrefill) {
+  LayerStepInput in;
+  in.step_id = step;
+  in.layer = layer;
+  in.phase = phase;
+  in.hidden = input.hidden.data();
+  in.tokens = input.tokens;
+  in.d = kD;
+  in.topk_ids = input.ids.data();
+  in.topk_weights = input.gates.data();
+  in.k = kK;
+  in.admitted = input.admitted.data();
+  return in;
+}
+
 // Every rank executes one step on its own thread (the collectives need all of them at once).
 std::vector<absl::StatusOr<LayerStepResult>> RunStep(Rank4& w, const std::vector<RankInput>& inputs, uint64_t step,
                                                      int64_t layer) {
   std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      LayerStepInput in;
-      in.step_id = step;
-      in.layer = layer;
-      in.hidden = inputs[r].hidden.data();
-      in.tokens = inputs[r].tokens;
-      in.d = kD;
-      in.topk_ids = inputs[r].ids.data();
-      in.topk_weights = inputs[r].gates.data();
-      in.k = kK;
-      in.admitted = inputs[r].admitted.data();
-      results[r] = w.exec[r]->Execute(in);
-    });
+    threads.emplace_back([&, r] { results[r] = w.exec[r]->Execute(StepInput(inputs[r], step, layer)); });
   }
   for (auto& t : threads) t.join();
   return results;
@@ -217,18 +221,7 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
   for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
     for (int64_t tokens : {1, 0, 3, 17}) {
       const RankInput input = RandomInput(rng, tokens);
-      LayerStepInput in;
-      in.step_id = step++;
-      in.layer = 0;
-      in.phase = phase;
-      in.hidden = input.hidden.data();
-      in.tokens = input.tokens;
-      in.d = kD;
-      in.topk_ids = input.ids.data();
-      in.topk_weights = input.gates.data();
-      in.k = kK;
-      in.admitted = input.admitted.data();
-      auto result = executor_->Execute(in);
+      auto result = executor_->Execute(StepInput(input, step++, 0, phase));
       ASSERT_TRUE(result.ok()) << result.status();
       ASSERT_EQ(result->output.size(), static_cast<size_t>(tokens) * kD);
       if (tokens > 0) {
@@ -264,16 +257,7 @@ TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
   for (Phase phase :
        {Phase::kDecode, Phase::kPrefill, Phase::kDecode, Phase::kPrefill, Phase::kDecode, Phase::kPrefill}) {
     const RankInput input = RandomInput(rng, 5);
-    LayerStepInput in;
-    in.step_id = step++;
-    in.phase = phase;
-    in.hidden = input.hidden.data();
-    in.tokens = input.tokens;
-    in.d = kD;
-    in.topk_ids = input.ids.data();
-    in.topk_weights = input.gates.data();
-    in.k = kK;
-    in.admitted = input.admitted.data();
+    const LayerStepInput in = StepInput(input, step++, 0, phase);
     auto result = executor_->Execute(in);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->record.canary, in.step_id % 3 == 0);
