@@ -3,12 +3,11 @@
 #include <cmath>
 #include <cstring>
 
-#include <openssl/evp.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 #include "kernels/numeric.h"
+#include "runtime/checkpoint/hf_checkpoint.h"
 #include "runtime/hash.h"
 #include "runtime/status.h"
 
@@ -41,21 +40,7 @@ void SyntheticExpert(int expert, const ExpertShape& s, uint64_t seed, std::vecto
 }
 
 std::string ExpertDigest(const std::vector<uint16_t>& w_gate_up, const std::vector<uint16_t>& w_down) {
-  unsigned char md[32];
-  unsigned int len = 0;
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  EVP_DigestUpdate(ctx, w_gate_up.data(), w_gate_up.size() * 2);
-  EVP_DigestUpdate(ctx, w_down.data(), w_down.size() * 2);
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : md) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
+  return ExpertDigest(w_gate_up.data(), w_gate_up.size(), w_down.data(), w_down.size());
 }
 
 SafetensorsFile SyntheticCheckpoint(const ExpertShape& shape, uint64_t seed, const std::string& checkpoint_version) {

@@ -1,0 +1,60 @@
+// A safetensors file mapped read-only (mmap): the header is parsed and checked, the tensor
+// bytes stay in the page cache until a caller copies what it needs. A rank reads only its own
+// experts out of a checkpoint shard this way, never the whole file into its heap.
+//
+// Thread-safety: immutable after Open; safe to read from any thread.
+#ifndef MOE_RUNTIME_CHECKPOINT_MAPPED_SAFETENSORS_H_
+#define MOE_RUNTIME_CHECKPOINT_MAPPED_SAFETENSORS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe {
+
+// Bytes per element of a safetensors dtype ("BF16", "F32", "F8_E4M3", ...); 0 when unknown.
+int SafetensorsDtypeWidth(const std::string& dtype);
+
+struct TensorRef {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;  // inside the mapping
+  uint64_t bytes = 0;
+  int64_t elements() const;
+};
+
+class MappedSafetensors {
+ public:
+  // NOT_FOUND when the file cannot be opened; DATA_LOSS naming the file (and the tensor) when
+  // the header is malformed: length past the end, offsets outside the data or overlapping a
+  // neighbour's, a shape whose element count overflows or does not match the bytes.
+  static absl::StatusOr<std::unique_ptr<MappedSafetensors>> Open(const std::string& path);
+  ~MappedSafetensors();
+  MappedSafetensors(const MappedSafetensors&) = delete;
+  MappedSafetensors& operator=(const MappedSafetensors&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t file_bytes() const { return size_; }
+  const TensorRef* Find(const std::string& name) const;
+  const std::map<std::string, TensorRef>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Tells the kernel the caller is done with [data, data + bytes) of a tensor (MADV_DONTNEED on
+  // the whole pages inside it), so a long load does not keep every shard's pages resident.
+  void Release(const TensorRef& t) const;
+
+ private:
+  MappedSafetensors() = default;
+  std::string path_;
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  std::map<std::string, TensorRef> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_CHECKPOINT_MAPPED_SAFETENSORS_H_
