@@ -25,7 +25,9 @@ v1::PlacementManifest ManifestToProto(const PlacementManifest& m, const Topology
     out->set_topology_domain(topology.NodeName(s.domain));
     out->set_checkpoint_version(s.checkpoint.value());
     out->set_parameter_digest(s.parameter_digest.value());
+    for (const std::string& d : s.layer_digests) out->add_layer_digests(d);
   }
+  for (int64_t l : m.layers()) p.add_layers(l);
   return p;
 }
 
@@ -40,6 +42,7 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> ManifestFromProto(const
   o.epoch = ProcessGroupEpoch(p.process_group_epoch());
   o.checkpoint = CheckpointVersion(p.checkpoint_version());
   o.num_experts = p.num_logical_experts();
+  o.layers.assign(p.layers().begin(), p.layers().end());
   std::vector<SlotRecord> slots;
   for (int i = 0; i < p.slots_size(); ++i) {
     const v1::PhysicalSlot& s = p.slots(i);
@@ -58,6 +61,7 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> ManifestFromProto(const
     r.domain = TopologyDomainId(domain);
     r.checkpoint = CheckpointVersion(s.checkpoint_version());
     r.parameter_digest = ParameterDigest(s.parameter_digest());
+    r.layer_digests.assign(s.layer_digests().begin(), s.layer_digests().end());
     slots.push_back(std::move(r));
   }
   return PlacementManifest::Create(o, std::move(slots), topology);
@@ -114,6 +118,16 @@ std::string PlacementDigest(const PlacementManifest& m, const Topology& topology
     h.Str(d >= 0 && d < topology.num_nodes() ? topology.NodeName(s.domain) : absl::StrCat("domain-", d));
     h.Str(s.checkpoint.value());
     h.Str(s.parameter_digest.value());
+  }
+  // The layer axis (absent from single-layer manifests, whose digests it leaves as they were).
+  if (!m.layers().empty()) {
+    h.Str("layers");
+    h.Int(static_cast<int64_t>(m.layers().size()));
+    for (int64_t l : m.layers()) h.Int(l);
+    for (const SlotRecord& s : m.slots()) {
+      h.Int(static_cast<int64_t>(s.layer_digests.size()));
+      for (const std::string& d : s.layer_digests) h.Str(d);
+    }
   }
   return h.Finish();
 }

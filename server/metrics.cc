@@ -41,6 +41,32 @@ RankMetrics::RankMetrics(const std::string& release)
                     .Help("Layer steps being executed")
                     .Register(*registry_)
                     .Add({{"release", release_}});
+  auto& load_bytes = prometheus::BuildGauge()
+                         .Name("moe_checkpoint_load_bytes")
+                         .Help("Expert bytes of this rank's checkpoint load: placed so far (state=done) and in all")
+                         .Register(*registry_);
+  load_bytes_done_ = &load_bytes.Add({{"release", release_}, {"state", "done"}});
+  load_bytes_total_ = &load_bytes.Add({{"release", release_}, {"state", "total"}});
+  auto& load_layers = prometheus::BuildGauge()
+                          .Name("moe_checkpoint_load_layers")
+                          .Help("MoE layers of this rank's checkpoint load: complete (state=done) and in all")
+                          .Register(*registry_);
+  load_layers_done_ = &load_layers.Add({{"release", release_}, {"state", "done"}});
+  load_layers_total_ = &load_layers.Add({{"release", release_}, {"state", "total"}});
+  load_seconds_ = &prometheus::BuildGauge()
+                       .Name("moe_checkpoint_load_seconds")
+                       .Help("Wall time of the checkpoint load so far")
+                       .Register(*registry_)
+                       .Add({{"release", release_}});
+}
+
+void RankMetrics::CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total,
+                                 double seconds) {
+  load_bytes_done_->Set(static_cast<double>(bytes_done));
+  load_bytes_total_->Set(static_cast<double>(bytes_total));
+  load_layers_done_->Set(layers_done);
+  load_layers_total_->Set(layers_total);
+  load_seconds_->Set(seconds);
 }
 
 void RankMetrics::Step(const std::string& phase, const std::string& path, const std::string& status, double seconds) {

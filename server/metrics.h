@@ -33,6 +33,8 @@ class RankMetrics {
   void BytesSent(int64_t bytes);
   void Generation(int64_t version);
   void InFlight(int64_t n);
+  // Progress of the checkpoint load at start-up (runtime/checkpoint/expert_loader.h).
+  void CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total, double seconds);
   // The wall time of each phase of an answered step (runtime/exec/step.h), `phase` prefill or decode.
   void StepPhases(const std::string& phase, const std::array<double, kNumStepPhases>& us);
 
@@ -47,6 +49,11 @@ class RankMetrics {
   prometheus::Counter* bytes_sent_;
   prometheus::Gauge* generation_;
   prometheus::Gauge* in_flight_;
+  prometheus::Gauge* load_bytes_done_;
+  prometheus::Gauge* load_bytes_total_;
+  prometheus::Gauge* load_layers_done_;
+  prometheus::Gauge* load_layers_total_;
+  prometheus::Gauge* load_seconds_;
 
   // The series each call updates, looked up once per label set and kept (a Family's series live
   // as long as the Family, nothing here removes them). Each step updates about ten series;

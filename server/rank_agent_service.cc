@@ -1,5 +1,6 @@
 #include "server/rank_agent_service.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 
@@ -13,6 +14,8 @@
 #include "rpc/grpc_status.h"
 #include "rpc/placement_proto.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
+#include "runtime/checkpoint/expert_loader.h"
+#include "runtime/checkpoint/hf_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
 #include "runtime/placement/migration.h"
@@ -42,11 +45,11 @@ bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
   for (size_t i = 0; i < a.slots().size(); ++i) {
     const SlotRecord &x = a.slots()[i], &y = b.slots()[i];
     if (x.slot != y.slot || x.expert != y.expert || x.rank != y.rank || x.parameter_digest != y.parameter_digest ||
-        x.checkpoint != y.checkpoint) {
+        x.checkpoint != y.checkpoint || x.layer_digests != y.layer_digests) {
       return false;
     }
   }
-  return true;
+  return a.layers() == b.layers();
 }
 
 // Index of slot `q` among `rank`'s local slots of `m` (the order of its weights), -1 if `q` is
@@ -56,22 +59,27 @@ int64_t LocalIndex(const PlacementManifest& m, Rank rank, PhysicalSlotId q) {
   return m.LocalIndex(q);
 }
 
-// The sizes of one expert of the checkpoint: d, d_ff and the BF16 elements of its w_gate_up
-// [2 d_ff, d] and w_down [d, d_ff].
+// The sizes of one slot's expert in every layer of the checkpoint: d, d_ff, the layers, and the
+// BF16 elements of one layer's w_gate_up [2 d_ff, d] and w_down [d, d_ff].
 struct SlotSizes {
   int d = 0, d_ff = 0;
-  size_t gu_n = 0, dn_n = 0;
+  std::vector<int64_t> layers;  // empty: one expert set
+  int num_layers = 1;
+  size_t gu1 = 0, dn1 = 0;    // one layer
+  size_t gu_n = 0, dn_n = 0;  // every layer (a slot's weights, layer after layer)
 };
 
-absl::StatusOr<SlotSizes> CheckpointSlotSizes(const SafetensorsFile& checkpoint) {
+SlotSizes CheckpointSlotSizes(const CheckpointReader& checkpoint) {
   SlotSizes s;
-  const auto& md = checkpoint.metadata;
-  if (!md.count("d") || !md.count("d_ff") || !absl::SimpleAtoi(md.at("d"), &s.d) ||
-      !absl::SimpleAtoi(md.at("d_ff"), &s.d_ff) || s.d <= 0 || s.d_ff <= 0) {
-    return absl::DataLossError("checkpoint metadata 'd' / 'd_ff' missing or invalid");
-  }
-  s.gu_n = static_cast<size_t>(2) * s.d_ff * s.d;
-  s.dn_n = static_cast<size_t>(s.d) * s.d_ff;
+  const ExpertShape shape = checkpoint.shape();
+  s.d = shape.d;
+  s.d_ff = shape.d_ff;
+  s.layers = checkpoint.layers();
+  s.num_layers = checkpoint.num_layers();
+  s.gu1 = static_cast<size_t>(2) * s.d_ff * s.d;
+  s.dn1 = static_cast<size_t>(s.d) * s.d_ff;
+  s.gu_n = s.gu1 * s.num_layers;
+  s.dn_n = s.dn1 * s.num_layers;
   return s;
 }
 
@@ -108,15 +116,22 @@ struct SlotTensors {
 };
 
 // Retain / local duplicate: the weights of `source` (a slot of `m` on `rank`) from `src`, the
-// weights of m's local slots in memory.
+// weights of m's local slots in memory (layer after layer, L slots each).
 absl::Status CopyInMemory(const LocalExperts& src, const PlacementManifest& m, Rank rank, PhysicalSlotId source,
                           const SlotSizes& sizes, const SlotRecord& slot, MigrationAction action, SlotTensors* w) {
   const int64_t j = LocalIndex(m, rank, source);
-  if (j < 0 || (j + 1) * sizes.gu_n > src.w_gate_up.size()) {
+  const size_t l_count = m.LocalSlots(rank).size();
+  if (j < 0 || src.layers != sizes.layers || src.w_gate_up.size() < sizes.gu1 * l_count * sizes.num_layers ||
+      src.w_down.size() < sizes.dn1 * l_count * sizes.num_layers) {
     return absl::InternalError(absl::StrCat("slot ", slot.name, ": ", MigrationActionName(action), " source missing"));
   }
-  w->gate_up.assign(src.w_gate_up.begin() + j * sizes.gu_n, src.w_gate_up.begin() + (j + 1) * sizes.gu_n);
-  w->down.assign(src.w_down.begin() + j * sizes.dn_n, src.w_down.begin() + (j + 1) * sizes.dn_n);
+  w->gate_up.resize(sizes.gu_n);
+  w->down.resize(sizes.dn_n);
+  for (int li = 0; li < sizes.num_layers; ++li) {
+    const size_t at = li * l_count + j;
+    std::copy_n(src.w_gate_up.begin() + at * sizes.gu1, sizes.gu1, w->gate_up.begin() + li * sizes.gu1);
+    std::copy_n(src.w_down.begin() + at * sizes.dn1, sizes.dn1, w->down.begin() + li * sizes.dn1);
+  }
   return absl::OkStatus();
 }
 
@@ -171,33 +186,30 @@ class PeerAgents {
   std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
 };
 
-// Checkpoint load: the expert's tensors of the checkpoint.
-absl::Status LoadFromCheckpoint(const SafetensorsFile& checkpoint, const SlotRecord& slot, const SlotSizes& sizes,
+// Checkpoint load: the expert's tensors in every layer of the checkpoint.
+absl::Status LoadFromCheckpoint(const CheckpointReader& checkpoint, const SlotRecord& slot, const SlotSizes& sizes,
                                 SlotTensors* out) {
-  const int e = slot.expert.value();
-  auto tgu = checkpoint.tensors.find(checkpoint_keys::GateUp(e));
-  auto tdn = checkpoint.tensors.find(checkpoint_keys::Down(e));
-  if (tgu == checkpoint.tensors.end() || tdn == checkpoint.tensors.end() || tgu->second.data.size() != sizes.gu_n * 2 ||
-      tdn->second.data.size() != sizes.dn_n * 2) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("slot ", slot.name, ": checkpoint has no ", sizes.d_ff, "x", sizes.d, " tensors for expert ", e));
-  }
   out->gate_up.resize(sizes.gu_n);
   out->down.resize(sizes.dn_n);
-  std::memcpy(out->gate_up.data(), tgu->second.data.data(), sizes.gu_n * 2);
-  std::memcpy(out->down.data(), tdn->second.data.data(), sizes.dn_n * 2);
+  for (int li = 0; li < sizes.num_layers; ++li) {
+    const int64_t layer = sizes.layers.empty() ? 0 : sizes.layers[li];
+    absl::Status s = checkpoint.ReadExpert(layer, slot.expert.value(), out->gate_up.data() + li * sizes.gu1,
+                                           out->down.data() + li * sizes.dn1);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("slot ", slot.name, ": ", s.message()));
+  }
   return absl::OkStatus();
 }
 
-// Every slot is verified before publish, however it was materialized (0x08F).
-absl::Status VerifySlotDigest(const SlotRecord& slot, MigrationAction action, const SlotTensors& w) {
-  const std::string digest = ExpertDigest(w.gate_up, w.down);
-  if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "slot ", slot.name, ": parameter digest ", digest.substr(0, 12), "... (", MigrationActionName(action),
-        ") does not match the manifest's ", slot.parameter_digest.value().substr(0, 12)));
+// Every slot is verified before publish, however it was materialized (0x08F): per layer, and
+// the slot's parameter digest.
+absl::Status VerifySlotDigest(const SlotRecord& slot, MigrationAction action, const SlotSizes& sizes,
+                              const SlotTensors& w) {
+  std::vector<std::string> computed;
+  for (int li = 0; li < sizes.num_layers; ++li) {
+    computed.push_back(
+        ExpertDigest(w.gate_up.data() + li * sizes.gu1, sizes.gu1, w.down.data() + li * sizes.dn1, sizes.dn1));
   }
-  return absl::OkStatus();
+  return CheckSlotDigests(slot, sizes.layers, computed, MigrationActionName(action));
 }
 
 }  // namespace
@@ -278,13 +290,24 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
 
 absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materialize(
     const PlacementManifest& to, const std::vector<std::string>& peers) {
-  ASSIGN_OR_RETURN(const SlotSizes sizes, CheckpointSlotSizes(*c_.checkpoint));
+  const SlotSizes sizes = CheckpointSlotSizes(*c_.checkpoint);
+  if (to.layers() != sizes.layers) {
+    return absl::FailedPreconditionError(absl::StrCat("manifest.layers: placement-v", to.version().value(),
+                                                      " serves other layers than checkpoint ", c_.checkpoint->version(),
+                                                      " holds"));
+  }
   ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, to, sizes));
   PeerAgents peer_agents(peers, c_.token);
   Materialized out;
   out.experts.d = sizes.d;
   out.experts.d_ff = sizes.d_ff;
-  for (PhysicalSlotId q : to.LocalSlots(c_.rank)) {
+  out.experts.layers = sizes.layers;
+  const auto local = to.LocalSlots(c_.rank);
+  const size_t l_count = local.size();
+  out.experts.w_gate_up.resize(sizes.gu_n * l_count);
+  out.experts.w_down.resize(sizes.dn_n * l_count);
+  for (size_t j = 0; j < l_count; ++j) {
+    const PhysicalSlotId q = local[j];
     const SlotRecord& slot = to.slot(q);
     SlotTensors w;
     auto it = source.mine.find(q.value());
@@ -303,9 +326,12 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
       RETURN_IF_ERROR(LoadFromCheckpoint(*c_.checkpoint, slot, sizes, &w));
       ++out.loaded;
     }
-    RETURN_IF_ERROR(VerifySlotDigest(slot, action, w));
-    out.experts.w_gate_up.insert(out.experts.w_gate_up.end(), w.gate_up.begin(), w.gate_up.end());
-    out.experts.w_down.insert(out.experts.w_down.end(), w.down.begin(), w.down.end());
+    RETURN_IF_ERROR(VerifySlotDigest(slot, action, sizes, w));
+    for (int li = 0; li < sizes.num_layers; ++li) {
+      const size_t at = li * l_count + j;
+      std::copy_n(w.gate_up.begin() + li * sizes.gu1, sizes.gu1, out.experts.w_gate_up.begin() + at * sizes.gu1);
+      std::copy_n(w.down.begin() + li * sizes.dn1, sizes.dn1, out.experts.w_down.begin() + at * sizes.dn1);
+    }
   }
   return out;
 }
@@ -332,10 +358,17 @@ grpc::Status RankAgentServiceImpl::FetchSlotWeights(grpc::ServerContext* ctx, co
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("placement-v", v.value(), ": no weights in memory on rank ", c_.rank.value()));
   }
-  const size_t gu_n = static_cast<size_t>(2) * w->d_ff * w->d, dn_n = static_cast<size_t>(w->d) * w->d_ff;
+  // The slot's weights in every layer, layer after layer.
+  const size_t gu1 = static_cast<size_t>(2) * w->d_ff * w->d, dn1 = static_cast<size_t>(w->d) * w->d_ff;
+  const size_t l_count = m->LocalSlots(c_.rank).size();
   resp->set_expert(m->slot(PhysicalSlotId(req->slot())).expert.value());
-  resp->set_w_gate_up(reinterpret_cast<const char*>(w->w_gate_up.data() + j * gu_n), gu_n * 2);
-  resp->set_w_down(reinterpret_cast<const char*>(w->w_down.data() + j * dn_n), dn_n * 2);
+  std::string* gu = resp->mutable_w_gate_up();
+  std::string* dn = resp->mutable_w_down();
+  for (int li = 0; li < w->num_layers(); ++li) {
+    const size_t at = li * l_count + j;
+    gu->append(reinterpret_cast<const char*>(w->w_gate_up.data() + at * gu1), gu1 * 2);
+    dn->append(reinterpret_cast<const char*>(w->w_down.data() + at * dn1), dn1 * 2);
+  }
   return grpc::Status::OK;
 }
 

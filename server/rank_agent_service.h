@@ -15,7 +15,7 @@
 #include "absl/synchronization/mutex.h"
 
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
-#include "runtime/checkpoint/safetensors.h"
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/registry.h"
 
@@ -25,10 +25,10 @@ struct RankAgentContext {
   Rank rank;
   Topology topology;
   ProcessGroup group;
-  GenerationRegistry* registry = nullptr;       // not owned
-  LayerExecutor* executor = nullptr;            // not owned
-  const SafetensorsFile* checkpoint = nullptr;  // not owned
-  std::string token;                            // bearer token; must be non-empty
+  GenerationRegistry* registry = nullptr;        // not owned
+  LayerExecutor* executor = nullptr;             // not owned
+  const CheckpointReader* checkpoint = nullptr;  // not owned
+  std::string token;                             // bearer token; must be non-empty
 };
 
 class RankAgentServiceImpl final : public v1::RankAgentService::Service {

@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -28,8 +29,8 @@
 #include "kernels/api.h"
 #include "rpc/daemon_util.h"
 #include "rpc/unix_socket.h"
-#include "runtime/checkpoint/expert_checkpoint.h"
-#include "runtime/checkpoint/synthetic.h"
+#include "runtime/checkpoint/checkpoint_reader.h"
+#include "runtime/checkpoint/expert_loader.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
@@ -59,7 +60,10 @@ ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "most bytes of one request (gRPC message, or rows read from a shared region); at most 2 GiB - 1");
 ABSL_FLAG(std::string, shm_prefix, "/moe-", "shared-memory regions must have names starting with this");
 ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
-ABSL_FLAG(std::string, checkpoint, "", "safetensors checkpoint (moectl checkpoint synth writes one)");
+ABSL_FLAG(std::string, checkpoint, "",
+          "the experts: a Hugging Face model directory (config.json + safetensors shards), or the single-file "
+          "synthetic checkpoint (moectl checkpoint synth writes either)");
+ABSL_FLAG(int, load_threads, 4, "threads reading the checkpoint at start-up");
 ABSL_FLAG(int, extra_replicas, 2, "extra replicas of the first experts in the default placement");
 ABSL_FLAG(int64_t, epoch, 1, "process-group epoch");
 ABSL_FLAG(int, timeout_ms, 10000, "collective timeout per step");
@@ -205,29 +209,58 @@ absl::StatusOr<RankdOptions> ParseRankdOptions() {
 // What the rank serves as placement-v1: the checkpoint, the default placement over the local
 // cluster's topology and group, and this rank's experts of it.
 struct Model {
-  SafetensorsFile checkpoint;
+  std::unique_ptr<SafetensorsFile> file;  // the single-file checkpoint's contents (else null)
+  std::unique_ptr<CheckpointReader> checkpoint;
   Topology topology;
   ProcessGroup group;
   std::shared_ptr<const PlacementManifest> manifest;
   LocalExperts local;
 };
 
-// Step: load the checkpoint and place it. Every error is the input's (exit status 2).
-absl::StatusOr<Model> LoadModel(const RankdOptions& o) {
-  auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
-  if (!ckpt.ok()) return Annotate(ckpt.status(), "--checkpoint");
-  auto view = ExpertCheckpoint::Open(*ckpt);
-  if (!view.ok()) return Annotate(view.status(), "--checkpoint");
-  const int num_experts = view->num_experts();
-  const Topology topology = TwoNodeTopology(o.world);
-  const ProcessGroup group = LocalClusterGroup(o.world, absl::GetFlag(FLAGS_epoch));
-  auto manifest = DefaultPlacement(PlacementVersion(1), num_experts, absl::GetFlag(FLAGS_extra_replicas), topology,
-                                   group, ckpt->metadata);
+// Host memory a load may use: MemAvailable of /proc/meminfo (0 when unknown: no limit).
+int64_t AvailableHostBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
+
+// Step: open the checkpoint, place it and load this rank's experts of every MoE layer, with
+// progress in the log and the metrics. Every error is the input's (exit status 2).
+absl::StatusOr<Model> LoadModel(const RankdOptions& o, RankMetrics* metrics) {
+  Model model;
+  auto reader = OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &model.file);
+  if (!reader.ok()) return Annotate(reader.status(), "--checkpoint");
+  model.checkpoint = *std::move(reader);
+  const CheckpointReader& ckpt = *model.checkpoint;
+  spdlog::info("checkpoint {}: {}", ckpt.version(), ckpt.Describe());
+  model.topology = TwoNodeTopology(o.world);
+  model.group = LocalClusterGroup(o.world, absl::GetFlag(FLAGS_epoch));
+  auto manifest = DefaultPlacement(PlacementVersion(1), ckpt.shape().num_experts, absl::GetFlag(FLAGS_extra_replicas),
+                                   model.topology, model.group, ckpt.Identity());
   if (!manifest.ok()) return Annotate(manifest.status(), "placement");
-  if (absl::Status s = VerifyForPublish(**manifest, group, topology); !s.ok()) return Annotate(s, "placement");
-  auto local = LoadLocalExperts(*ckpt, **manifest, Rank(o.rank));
+  if (absl::Status s = VerifyForPublish(**manifest, model.group, model.topology); !s.ok()) {
+    return Annotate(s, "placement");
+  }
+  model.manifest = *std::move(manifest);
+  LoadOptions lo;
+  lo.threads = std::max(1, absl::GetFlag(FLAGS_load_threads));
+  lo.max_bytes = AvailableHostBytes();
+  lo.progress = [metrics](const LoadProgress& p) {
+    metrics->CheckpointLoad(p.bytes_done, p.bytes_total, p.layers_done, p.layers_total, p.seconds);
+    if (p.layers_done == p.layers_total || p.layers_total <= 64 || p.layers_done % 8 == 0) {
+      spdlog::info("checkpoint load: {}/{} layers, {:.1f}/{:.1f} MB, {:.2f} GB/s", p.layers_done, p.layers_total,
+                   p.bytes_done / 1e6, p.bytes_total / 1e6, p.seconds > 0 ? p.bytes_done / p.seconds / 1e9 : 0.0);
+    }
+  };
+  auto local = LoadLocalExperts(ckpt, *model.manifest, Rank(o.rank), lo);
   if (!local.ok()) return Annotate(local.status(), "weights");
-  return Model{*std::move(ckpt), topology, group, *std::move(manifest), *std::move(local)};
+  model.local = *std::move(local);
+  return model;
 }
 
 // Publishes this rank's UCX listener, learns the peers' addresses and connects.
@@ -346,7 +379,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   s->engine = std::make_unique<ExpertLayerServiceImpl>(executor, metrics, api);
   if (!o.agent_token.empty()) {
     s->agent = std::make_unique<RankAgentServiceImpl>(
-        RankAgentContext{Rank(o.rank), m.topology, m.group, registry, executor, &m.checkpoint, o.agent_token});
+        RankAgentContext{Rank(o.rank), m.topology, m.group, registry, executor, m.checkpoint.get(), o.agent_token});
   }
   // gRPC's message limit: the request bytes plus room for the top-k ids and gates (8 bytes a
   // route at most 64 routes a token) and framing.
@@ -400,7 +433,7 @@ int Main() {
   // Block the termination signals in every thread; the main thread waits for them below.
   sigset_t signals = BlockTerminationSignals();
 
-  auto model = LoadModel(o);
+  auto model = LoadModel(o, &metrics);
   if (!model.ok()) return Fail(model.status(), kExitUsage);
   GenerationRegistry registry;
   registry.Prepare(model->manifest).IgnoreError();

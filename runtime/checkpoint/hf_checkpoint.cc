@@ -62,10 +62,10 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 
 bool Exists(const std::string& path) { return std::ifstream(path).good(); }
 
-std::string LayerPrefix(int layer) { return absl::StrCat("model.layers.", layer, "."); }
+std::string LayerPrefix(int64_t layer) { return absl::StrCat("model.layers.", layer, "."); }
 
 // The three matrices of one expert under a per-expert naming: gate, up, down.
-std::array<std::string, 3> ExpertNames(ExpertNaming naming, int layer, int expert) {
+std::array<std::string, 3> ExpertNames(ExpertNaming naming, int64_t layer, int expert) {
   const std::string p = LayerPrefix(layer);
   if (naming == ExpertNaming::kMixtral) {
     const std::string e = absl::StrCat(p, "block_sparse_moe.experts.", expert, ".");
@@ -133,6 +133,7 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
     return absl::Status(config.status().code(), absl::StrCat(dir, "/", config.status().message()));
   }
   c->config_ = *std::move(config);
+  c->layers_.assign(c->config_.moe_layers.begin(), c->config_.moe_layers.end());
   RETURN_IF_ERROR(c->OpenShards());
   RETURN_IF_ERROR(c->DetectNaming());
   RETURN_IF_ERROR(c->ReadSidecar());
@@ -263,15 +264,18 @@ uint64_t HfCheckpoint::file_bytes() const {
   return n;
 }
 
-int64_t HfCheckpoint::expert_bytes() const {
-  return int64_t{3} * config_.hidden_size * config_.moe_intermediate_size * 2;
+std::string HfCheckpoint::Describe() const {
+  return absl::StrCat(config_.model_type, " directory ", dir_, " (", layers_.size(), " MoE layers x ",
+                      config_.num_experts, " experts, d ", config_.hidden_size, ", d_ff ",
+                      config_.moe_intermediate_size, ", ", ExpertNamingName(naming_), " naming, ", weight_dtype_, ", ",
+                      shards_.size(), " shard(s))");
 }
 
-bool HfCheckpoint::IsMoeLayer(int layer) const {
+bool HfCheckpoint::IsMoeLayer(int64_t layer) const {
   return std::binary_search(config_.moe_layers.begin(), config_.moe_layers.end(), layer);
 }
 
-std::string HfCheckpoint::RecordedDigest(int layer, int expert) const {
+std::string HfCheckpoint::RecordedDigest(int64_t layer, int expert) const {
   auto it = recorded_.find({layer, expert});
   return it == recorded_.end() ? "" : it->second;
 }
@@ -359,7 +363,7 @@ absl::Status HfCheckpoint::ReadFusedExpert(const std::string& prefix, int expert
   return absl::OkStatus();
 }
 
-absl::Status HfCheckpoint::ReadExpert(int layer, int expert, uint16_t* gate_up, uint16_t* down) const {
+absl::Status HfCheckpoint::ReadExpert(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down) const {
   if (!IsMoeLayer(layer)) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not a MoE layer of ", dir_));
   }

@@ -32,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/hf_config.h"
 #include "runtime/checkpoint/mapped_safetensors.h"
@@ -43,7 +44,7 @@ const char* ExpertNamingName(ExpertNaming naming);
 
 inline constexpr char kCheckpointSidecar[] = "moe_checkpoint.json";
 
-class HfCheckpoint {
+class HfCheckpoint final : public CheckpointReader {
  public:
   // NOT_FOUND when config.json or a shard is missing; INVALID_ARGUMENT / DATA_LOSS naming the
   // file and key when the config, the index or a shard header is wrong, or when the first MoE
@@ -52,26 +53,28 @@ class HfCheckpoint {
 
   const std::string& dir() const { return dir_; }
   const HfMoeConfig& config() const { return config_; }
-  ExpertShape shape() const { return {config_.num_experts, config_.hidden_size, config_.moe_intermediate_size}; }
+  ExpertShape shape() const override {
+    return {config_.num_experts, config_.hidden_size, config_.moe_intermediate_size};
+  }
+  const std::vector<int64_t>& layers() const override { return layers_; }
   ExpertNaming naming() const { return naming_; }
-  const std::string& version() const { return version_; }
+  const std::string& version() const override { return version_; }
+  std::string Describe() const override;
   const std::string& weight_dtype() const { return weight_dtype_; }  // of the first expert's gate
   int num_shards() const { return static_cast<int>(shards_.size()); }
   uint64_t file_bytes() const;  // all shards
-  // BF16 bytes of one expert as a rank holds it (3 d f * 2).
-  int64_t expert_bytes() const;
   // Bytes of one expert in the files (what a load reads).
   int64_t expert_source_bytes() const { return expert_source_bytes_; }
-  bool IsMoeLayer(int layer) const;
+  bool IsMoeLayer(int64_t layer) const;
 
   // Expert `expert` of MoE layer `layer` into gate_up [2f, d] and down [d, f] (BF16).
   // INVALID_ARGUMENT for a layer that is not a MoE layer or an expert out of range;
   // FAILED_PRECONDITION naming the tensor when it is absent, misshapen or of an unsupported dtype.
   // Safe to call from several threads at once.
-  absl::Status ReadExpert(int layer, int expert, uint16_t* gate_up, uint16_t* down) const;
+  absl::Status ReadExpert(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down) const override;
 
   // The sidecar's digest of (layer, expert), or "" when it records none.
-  std::string RecordedDigest(int layer, int expert) const;
+  std::string RecordedDigest(int64_t layer, int expert) const override;
   bool has_recorded_digests() const { return !recorded_.empty(); }
 
  private:
@@ -93,7 +96,8 @@ class HfCheckpoint {
   std::string index_text_;
   std::vector<std::unique_ptr<MappedSafetensors>> shards_;
   std::map<std::string, int> tensor_shard_;  // tensor name -> shards_ index
-  std::map<std::pair<int, int>, std::string> recorded_;
+  std::vector<int64_t> layers_;
+  std::map<std::pair<int64_t, int>, std::string> recorded_;
 };
 
 // Hex SHA-256 over an expert's BF16 gate_up and down bytes (the manifest's parameter digest).

@@ -60,33 +60,4 @@ SafetensorsFile SyntheticCheckpoint(const ExpertShape& shape, uint64_t seed, con
   return f;
 }
 
-absl::StatusOr<LocalExperts> LoadLocalExperts(const SafetensorsFile& ckpt, const PlacementManifest& m, Rank rank) {
-  ASSIGN_OR_RETURN(const ExpertCheckpoint view, ExpertCheckpoint::Open(ckpt));
-  LocalExperts out;
-  out.d = view.d();
-  out.d_ff = view.d_ff();
-  for (PhysicalSlotId q : m.LocalSlots(rank)) {
-    const SlotRecord& slot = m.slot(q);
-    const int e = slot.expert.value();
-    auto tensors = view.Expert(e);
-    if (!tensors.ok()) {
-      return absl::Status(tensors.status().code(), absl::StrCat("slot ", slot.name, ": ", tensors.status().message()));
-    }
-    const std::string& gu_bytes = tensors->gate_up->data;
-    const std::string& dn_bytes = tensors->down->data;
-    std::vector<uint16_t> wgu(gu_bytes.size() / 2), wd(dn_bytes.size() / 2);
-    std::memcpy(wgu.data(), gu_bytes.data(), gu_bytes.size());
-    std::memcpy(wd.data(), dn_bytes.data(), dn_bytes.size());
-    const std::string digest = ExpertDigest(wgu, wd);
-    if (!slot.parameter_digest.empty() && slot.parameter_digest.value() != digest) {
-      return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", digest.substr(0, 12),
-                                                        "... does not match the manifest's ",
-                                                        slot.parameter_digest.value().substr(0, 12)));
-    }
-    out.w_gate_up.insert(out.w_gate_up.end(), wgu.begin(), wgu.end());
-    out.w_down.insert(out.w_down.end(), wd.begin(), wd.end());
-  }
-  return out;
-}
-
 }  // namespace moe

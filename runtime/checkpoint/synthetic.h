@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 
 #include "runtime/checkpoint/expert_checkpoint.h"
+#include "runtime/checkpoint/expert_loader.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/manifest.h"
@@ -24,11 +25,6 @@ void SyntheticExpert(int expert, const ExpertShape& shape, uint64_t seed, std::v
 // The layout of runtime/checkpoint/expert_checkpoint.h: both tensors of every expert, its
 // digest, the version and the shape.
 SafetensorsFile SyntheticCheckpoint(const ExpertShape& shape, uint64_t seed, const std::string& checkpoint_version);
-
-// The weights of `rank`'s slots in `manifest` (local slot order). Each slot's expert digest must
-// equal the slot's parameter_digest (FAILED_PRECONDITION naming the slot otherwise).
-absl::StatusOr<LocalExperts> LoadLocalExperts(const SafetensorsFile& checkpoint, const PlacementManifest& manifest,
-                                              Rank rank);
 
 // Hex SHA-256 of an expert's two tensors (what "digest.<e>" holds).
 std::string ExpertDigest(const std::vector<uint16_t>& w_gate_up, const std::vector<uint16_t>& w_down);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
 #include "kernels/numeric.h"
@@ -44,8 +45,11 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
 struct LayerExecutor::ResidentExperts {
   std::shared_ptr<const LocalExperts> host;
   kernels::KernelBuffer gate_up, down;
-  const uint16_t* w_gate_up = nullptr;
+  const uint16_t* w_gate_up = nullptr;  // every layer's slots, layer after layer
   const uint16_t* w_down = nullptr;
+  // Layer `index`'s weights (LocalExperts::LayerIndex).
+  const uint16_t* LayerGateUp(int index) const { return w_gate_up + index * host->layer_gate_up_elems(); }
+  const uint16_t* LayerDown(int index) const { return w_down + index * host->layer_down_elems(); }
 };
 
 absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts) {
@@ -91,12 +95,12 @@ void LayerExecutor::DropGeneration(PlacementVersion version) {
   }
 }
 
-// The bucket's graph for (version, d, k), captured on first use. Every member reaches the
+// The bucket's graph for (version, layer, d, k), captured on first use. Every member reaches the
 // capture at the same step: admission is decided over agreed counts.
 absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
     const LayerStepInput& in, PlacementVersion version, int64_t total_slots, int local_slots,
-    const std::shared_ptr<const ResidentExperts>& weights) {
-  const auto key = std::make_tuple(version.value(), in.d, in.k);
+    const std::shared_ptr<const ResidentExperts>& weights, int layer_index) {
+  const auto key = std::make_tuple(version.value(), layer_index, in.d, in.k);
   {
     absl::MutexLock lock(&generations_mu_);
     auto it = graphs_by_key_.find(key);
@@ -114,8 +118,8 @@ absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
   shape.d_ff = weights->host->d_ff;
   shape.k = in.k;
   shape.padded_runner = ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots);
-  shape.w_gate_up = weights->w_gate_up;
-  shape.w_down = weights->w_down;
+  shape.w_gate_up = weights->LayerGateUp(layer_index);
+  shape.w_down = weights->LayerDown(layer_index);
   shape.warmup_timeout = options_.timeout;
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepGraph> made, options_.decode_graphs(shape));
   std::shared_ptr<DecodeStepGraph> graph = std::move(made);
@@ -125,7 +129,7 @@ absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
 }
 
 absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
-                                         const std::shared_ptr<const ResidentExperts>& weights,
+                                         const std::shared_ptr<const ResidentExperts>& weights, int layer_index,
                                          const SourcePlan& source, const DestinationPlan& dest,
                                          const std::vector<int32_t>& send_token,
                                          const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,
@@ -134,7 +138,8 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
   const int local_slots = static_cast<int>(dest.expert_counts.size());
   const int64_t tokens_cap = options_.decode_rank_tokens, slot_cap = options_.decode_slot_routes;
   const int64_t seg = tokens_cap * in.k;  // bounds any rank's routes to one peer
-  ASSIGN_OR_RETURN(std::shared_ptr<DecodeStepGraph> graph, BucketGraph(in, version, total_slots, local_slots, weights));
+  ASSIGN_OR_RETURN(std::shared_ptr<DecodeStepGraph> graph,
+                   BucketGraph(in, version, total_slots, local_slots, weights, layer_index));
 
   // Tables in bucket shape: compact send / receive positions -> padded peer segments.
   Buffers& b = buf_;
@@ -312,6 +317,7 @@ struct LayerExecutor::Pass {
   std::unique_ptr<DispatchHandle> handle;  // acquire
   PlacementVersion version{0};
   std::shared_ptr<const ResidentExperts> weights;
+  int layer_index = 0;  // the step's layer in `weights`
   std::shared_ptr<const PlanLayout> layout;
   const PlacementManifest* manifest = nullptr;
   int64_t n_send = 0;       // plan
@@ -341,8 +347,9 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
     RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
     RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
-    RETURN_IF_ERROR(ReplayDecode(in, pass.version, pass.manifest->num_slots(), pass.weights, buf_.source, buf_.dest,
-                                 pass.handle->inverse().token, buf_.row_of_route, buf_.gates, &pass.result.output));
+    RETURN_IF_ERROR(ReplayDecode(in, pass.version, pass.manifest->num_slots(), pass.weights, pass.layer_index,
+                                 buf_.source, buf_.dest, pass.handle->inverse().token, buf_.row_of_route, buf_.gates,
+                                 &pass.result.output));
   } else {
     RETURN_IF_ERROR(EagerPayload(pass));
   }
@@ -399,6 +406,12 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   if (pass.weights == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("placement-v", version.value(), ": no weights loaded on rank ", options_.rank.value()));
+  }
+  pass.layer_index = pass.weights->host->LayerIndex(pass.in.layer);
+  if (pass.layer_index < 0 || !pass.handle->manifest()->ServesLayer(pass.in.layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", pass.in.layer, " is not a MoE layer of placement-v",
+                                                   version.value(), " (it serves layers ",
+                                                   absl::StrJoin(pass.handle->manifest()->layers(), ","), ")"));
   }
   if (pass.weights->host->d != pass.in.d) {
     return absl::InvalidArgumentError(
@@ -524,7 +537,7 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
   const LocalExperts& host = *pass.weights->host;
   if (pass.n_recv > 0 &&
-      static_cast<int64_t>(host.w_down.size()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
+      static_cast<int64_t>(host.layer_down_elems()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                       " number of local slots than placement-v", pass.version.value()));
   }
@@ -580,7 +593,8 @@ absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
   RETURN_IF_ERROR(tables.Upload(device_, *options_.kernels, buf_.tables, buf_.tables_host, nullptr));
   const ResidentExperts& weights = *pass.weights;
   kernels::LocalLayerParams layer;
-  layer.weights = {weights.w_gate_up, weights.w_down, local_slots, in.d, weights.host->d_ff};
+  layer.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index), local_slots, in.d,
+                   weights.host->d_ff};
   layer.x = static_cast<const uint16_t*>(pass.hidden);
   layer.topk = tables.Get<int32_t>(t_ids);
   layer.gate = tables.Get<float>(t_gates);
@@ -655,8 +669,8 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     RETURN_IF_ERROR(kern.Gather(repack, nullptr));
     const ResidentExperts& weights = *pass.weights;
     kernels::SwigluParams sw;
-    sw.weights = {weights.w_gate_up, weights.w_down, static_cast<int>(buf_.dest.expert_counts.size()), d,
-                  weights.host->d_ff};
+    sw.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index),
+                  static_cast<int>(buf_.dest.expert_counts.size()), d, weights.host->d_ff};
     sw.x = buf_.expert_in.as<uint16_t>();
     sw.rows = n_recv;
     sw.host_offsets = buf_.dest.expert_offsets.data();

@@ -48,12 +48,28 @@
 
 namespace moe {
 
-// Weights of this rank's physical slots under one generation, in the manifest's local order.
+// Weights of this rank's physical slots under one generation, in the manifest's local order,
+// for every MoE layer it serves (the generation's layers), layer after layer.
 struct LocalExperts {
   int d = 0;
   int d_ff = 0;
-  std::vector<uint16_t> w_gate_up;  // [L, 2 d_ff, d] BF16
-  std::vector<uint16_t> w_down;     // [L, d, d_ff] BF16
+  // The MoE layers served, ascending; empty: one expert set serves every layer index.
+  std::vector<int64_t> layers;
+  std::vector<uint16_t> w_gate_up;  // [layers][L, 2 d_ff, d] BF16
+  std::vector<uint16_t> w_down;     // [layers][L, d, d_ff] BF16
+
+  int num_layers() const { return layers.empty() ? 1 : static_cast<int>(layers.size()); }
+  // Position of `layer` in `layers` (0 when it is empty), -1 when it is not served.
+  int LayerIndex(int64_t layer) const {
+    if (layers.empty()) return 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i] == layer) return static_cast<int>(i);
+    }
+    return -1;
+  }
+  // Elements of one layer's gate_up block (all L slots); down's is half of it.
+  size_t layer_gate_up_elems() const { return w_gate_up.size() / num_layers(); }
+  size_t layer_down_elems() const { return w_down.size() / num_layers(); }
 };
 
 struct LayerExecutorOptions {
@@ -160,13 +176,14 @@ class LayerExecutor {
   void RunShadow(const LayerStepInput& in, int64_t shadow, const absl::StatusOr<LayerStepResult>& served);
   absl::StatusOr<std::shared_ptr<DecodeStepGraph>> BucketGraph(const LayerStepInput& in, PlacementVersion version,
                                                                int64_t total_slots, int local_slots,
-                                                               const std::shared_ptr<const ResidentExperts>& weights);
+                                                               const std::shared_ptr<const ResidentExperts>& weights,
+                                                               int layer_index);
   // The admitted decode step's payload through the bucket's graph (captured on first use).
   absl::Status ReplayDecode(const LayerStepInput& in, PlacementVersion version, int64_t total_slots,
-                            const std::shared_ptr<const ResidentExperts>& weights, const SourcePlan& source,
-                            const DestinationPlan& dest, const std::vector<int32_t>& send_token,
-                            const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,
-                            std::vector<uint16_t>* out);
+                            const std::shared_ptr<const ResidentExperts>& weights, int layer_index,
+                            const SourcePlan& source, const DestinationPlan& dest,
+                            const std::vector<int32_t>& send_token, const std::vector<int32_t>& row_of_route,
+                            const std::vector<float>& gates, std::vector<uint16_t>* out);
 
   LayerExecutorOptions options_;
   bool device_ = false;  // the kernels keep rows in device memory
@@ -176,7 +193,7 @@ class LayerExecutor {
     std::shared_ptr<const ResidentExperts> weights;
     std::shared_ptr<DecodeStepGraph> graph;
   };
-  std::map<std::tuple<int64_t, int, int>, Graph> graphs_by_key_ ABSL_GUARDED_BY(generations_mu_);
+  std::map<std::tuple<int64_t, int, int, int>, Graph> graphs_by_key_ ABSL_GUARDED_BY(generations_mu_);
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   std::vector<int64_t> expert_load_ ABSL_GUARDED_BY(generations_mu_);

@@ -23,20 +23,43 @@ ProcessGroup LocalClusterGroup(int num_ranks, int64_t epoch) {
   return ProcessGroup::Identity(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(epoch), num_ranks);
 }
 
+absl::StatusOr<CheckpointIdentity> IdentityFromMetadata(const std::map<std::string, std::string>& md, int num_experts) {
+  auto ckpt = md.find(checkpoint_keys::kVersion);
+  if (ckpt == md.end()) return absl::FailedPreconditionError("checkpoint metadata: no 'checkpoint' version");
+  CheckpointIdentity id;
+  id.version = ckpt->second;
+  id.digests.resize(num_experts);
+  for (int e = 0; e < num_experts; ++e) {
+    auto digest = md.find(checkpoint_keys::Digest(e));
+    id.digests[e].push_back(digest == md.end() ? "" : digest->second);
+  }
+  return id;
+}
+
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md) {
-  auto ckpt = md.find(checkpoint_keys::kVersion);
-  if (ckpt == md.end()) return absl::FailedPreconditionError("checkpoint metadata: no 'checkpoint' version");
+  auto id = IdentityFromMetadata(md, num_experts);
+  if (!id.ok()) return id.status();
+  return PlacementFromAssignment(version, num_experts, expert_rank, topology, group, *id);
+}
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id) {
+  if (static_cast<int>(id.digests.size()) < num_experts) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint has ", id.digests.size(), " experts, the placement ", num_experts));
+  }
   std::vector<SlotRecord> slots;
   std::map<int, int> replicas;  // copies placed so far, per expert
   for (const auto& [e, rank] : expert_rank) {
     if (rank < 0 || rank >= topology.num_ranks()) {
       return absl::InvalidArgumentError(absl::StrCat("slot ", slots.size(), ": rank ", rank, " outside the topology"));
     }
-    auto digest = md.find(checkpoint_keys::Digest(e));
-    if (digest == md.end())
-      return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
+    if (e < 0 || e >= num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat("slot ", slots.size(), ": expert ", e, " outside the checkpoint"));
+    }
     SlotRecord s;
     s.slot = PhysicalSlotId(static_cast<int32_t>(slots.size()));
     s.name = absl::StrCat("q", slots.size());
@@ -44,22 +67,41 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
     s.replica = ReplicaId(replicas[e]++);
     s.rank = Rank(rank);
     s.domain = topology.NodeOf(Rank(rank));
-    s.checkpoint = CheckpointVersion(ckpt->second);
-    s.parameter_digest = ParameterDigest(digest->second);
+    s.checkpoint = CheckpointVersion(id.version);
+    if (id.layers.empty()) {
+      if (id.digests[e].empty() || id.digests[e][0].empty()) {
+        return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
+      }
+      s.parameter_digest = ParameterDigest(id.digests[e][0]);
+    } else {
+      const std::string combined = CombinedDigest(id.digests[e]);
+      if (!combined.empty()) s.layer_digests = id.digests[e];
+      s.parameter_digest = ParameterDigest(combined);
+    }
     slots.push_back(std::move(s));
   }
   ManifestOptions o;
   o.version = version;
   o.process_group = group.id();
   o.epoch = group.epoch();
-  o.checkpoint = CheckpointVersion(ckpt->second);
+  o.checkpoint = CheckpointVersion(id.version);
   o.num_experts = num_experts;
+  o.layers = id.layers;
   return PlacementManifest::Create(o, std::move(slots), topology);
 }
 
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
     PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
     const std::map<std::string, std::string>& md) {
+  auto id = IdentityFromMetadata(md, num_experts);
+  if (!id.ok()) return id.status();
+  return DefaultPlacement(version, num_experts, extra_replicas, topology, group, *id);
+}
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(PlacementVersion version, int num_experts,
+                                                                          int extra_replicas, const Topology& topology,
+                                                                          const ProcessGroup& group,
+                                                                          const CheckpointIdentity& md) {
   const int p = topology.num_ranks();
   std::vector<std::pair<int, int>> expert_rank;
   for (int e = 0; e < num_experts; ++e) expert_rank.emplace_back(e, e % p);

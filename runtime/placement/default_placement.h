@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/placement/manifest.h"
 
 namespace moe {
@@ -20,12 +21,27 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(
     PlacementVersion version, int num_experts, int extra_replicas, const Topology& topology, const ProcessGroup& group,
     const std::map<std::string, std::string>& checkpoint_metadata);
 
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(PlacementVersion version, int num_experts,
+                                                                          int extra_replicas, const Topology& topology,
+                                                                          const ProcessGroup& group,
+                                                                          const CheckpointIdentity& checkpoint);
+
 // A manifest from (logical expert, rank) per physical slot, in slot order; replica ids count the
-// copies of each expert in that order, checkpoint and digests come from the checkpoint metadata.
+// copies of each expert in that order. Checkpoint version, layers and digests come from the
+// checkpoint: a single-layer slot carries the expert's digest (FAILED_PRECONDITION when the
+// metadata has none); a multi-layer slot its per-layer digests and their CombinedDigest, both
+// empty when the checkpoint records none (the ranks then check nothing across each other).
 // EPLB's phy2log becomes a placement this way (slot q on rank q / (Q / P)).
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& checkpoint);
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md);
+
+// The identity of a single-file checkpoint from its metadata (FAILED_PRECONDITION without a
+// version).
+absl::StatusOr<CheckpointIdentity> IdentityFromMetadata(const std::map<std::string, std::string>& md, int num_experts);
 
 // The process group moe-rankd forms: "ep-group-0" at `epoch`, peer slot i = rank i.
 ProcessGroup LocalClusterGroup(int num_ranks, int64_t epoch);

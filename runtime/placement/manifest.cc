@@ -12,6 +12,12 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
                                                                                    const Topology& topology) {
   if (options.num_experts <= 0) return absl::InvalidArgumentError("placement.num_experts: must be positive");
   if (slots.empty()) return absl::InvalidArgumentError("placement.slots: must not be empty");
+  for (size_t i = 0; i < options.layers.size(); ++i) {
+    if (options.layers[i] < 0 || (i > 0 && options.layers[i] <= options.layers[i - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement.layers[", i, "]: ", options.layers[i], " (layers are distinct, ascending, >= 0)"));
+    }
+  }
   auto m = std::shared_ptr<PlacementManifest>(new PlacementManifest());
   m->options_ = std::move(options);
   const int q_count = static_cast<int>(slots.size());
@@ -39,6 +45,11 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
     if (s.domain.value() < 0 || s.domain.value() >= topology.num_nodes()) {
       return absl::InvalidArgumentError(
           absl::StrCat("placement.slots[", s.name, "].topology_domain_id: unknown domain ", s.domain.value()));
+    }
+    if (!s.layer_digests.empty() && s.layer_digests.size() != m->options_.layers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("placement.slots[", s.name,
+                                                     "].layer_digests: ", s.layer_digests.size(), " digests for ",
+                                                     m->options_.layers.size(), " layers"));
     }
     if (s.replica_name.empty()) s.replica_name = absl::StrCat("e", s.expert.value(), "-r", s.replica.value());
     seen[q] = true;
@@ -81,6 +92,10 @@ absl::Span<const PhysicalSlotId> PlacementManifest::SlotsOf(LogicalExpertId e) c
 absl::Span<const PhysicalSlotId> PlacementManifest::LocalSlots(Rank r) const {
   if (r.value() < 0 || r.value() >= num_ranks()) return {};
   return local_slots_[r.value()];
+}
+
+bool PlacementManifest::ServesLayer(int64_t layer) const {
+  return options_.layers.empty() || std::binary_search(options_.layers.begin(), options_.layers.end(), layer);
 }
 
 int PlacementManifest::FindSlot(const std::string& name) const {

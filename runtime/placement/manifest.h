@@ -29,6 +29,8 @@ struct SlotRecord {
   TopologyDomainId domain;   // topology domain the manifest claims for the rank
   CheckpointVersion checkpoint;
   ParameterDigest parameter_digest;
+  // The expert's digest in each of the manifest's layers (empty, or one per layer).
+  std::vector<std::string> layer_digests;
 };
 
 struct ManifestOptions {
@@ -37,6 +39,9 @@ struct ManifestOptions {
   ProcessGroupEpoch epoch;
   CheckpointVersion checkpoint;  // the generation's checkpoint: c_v(e) for every logical expert
   int num_experts = 0;
+  // The MoE layers served (ascending, distinct, >= 0), each with every slot. Empty: one expert
+  // set serves every layer index (single-file checkpoints).
+  std::vector<int64_t> layers;
 };
 
 class PlacementManifest {
@@ -54,6 +59,9 @@ class PlacementManifest {
   const CheckpointVersion& checkpoint() const { return options_.checkpoint; }
   int num_experts() const { return options_.num_experts; }
   int num_slots() const { return static_cast<int>(slots_.size()); }
+  const std::vector<int64_t>& layers() const { return options_.layers; }
+  // Whether a step of `layer` can run on this generation.
+  bool ServesLayer(int64_t layer) const;
   int num_ranks() const { return static_cast<int>(local_slots_.size()); }
 
   const SlotRecord& slot(PhysicalSlotId q) const { return slots_[q.value()]; }

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 
 #include "kernels/api.h"
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/default_placement.h"
@@ -22,6 +23,7 @@ class OneRankTest : public ::testing::Test {
   void SetUpRank(int experts, int d, int d_ff, uint64_t seed, int redundant = 0,
                  DecodeRunner runner = DecodeRunner::kKernels) {
     ckpt_ = SyntheticCheckpoint({experts, d, d_ff}, seed, "checkpoint-0001");
+    reader_ = *SingleFileReader(ckpt_);
     v1_ = *DefaultPlacement(PlacementVersion(1), experts, redundant, topology_, group_, ckpt_.metadata);
     ASSERT_TRUE(registry_.Prepare(v1_).ok());
     ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
@@ -43,6 +45,7 @@ class OneRankTest : public ::testing::Test {
   }
 
   SafetensorsFile ckpt_;
+  std::unique_ptr<CheckpointReader> reader_;  // over ckpt_
   Topology topology_ = TwoNodeTopology(1);
   ProcessGroup group_ = LocalClusterGroup(1, 1);
   std::shared_ptr<const PlacementManifest> v1_;

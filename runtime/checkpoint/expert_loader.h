@@ -1,0 +1,63 @@
+// Loads a rank's experts for a placement generation: every MoE layer the generation serves,
+// this rank's physical slots in local order, read through a CheckpointReader by a few threads
+// (each copy goes straight into its place; nothing else of the checkpoint is kept), each
+// expert's digest computed and checked against the manifest's (per layer, and the slot's
+// combined digest). A load that would not fit the budget fails before it reads a byte.
+#ifndef MOE_RUNTIME_CHECKPOINT_EXPERT_LOADER_H_
+#define MOE_RUNTIME_CHECKPOINT_EXPERT_LOADER_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "runtime/checkpoint/checkpoint_reader.h"
+#include "runtime/checkpoint/safetensors.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/manifest.h"
+
+namespace moe {
+
+struct LoadProgress {
+  int layers_done = 0;
+  int layers_total = 0;
+  int64_t bytes_done = 0;  // BF16 bytes placed
+  int64_t bytes_total = 0;
+  double seconds = 0;
+};
+
+struct LoadOptions {
+  int threads = 4;
+  // > 0: RESOURCE_EXHAUSTED naming both numbers, before anything is read or allocated, when the
+  // rank's experts (layers x local slots x expert bytes) exceed it.
+  int64_t max_bytes = 0;
+  // Called after each layer completes (from a loader thread, one call at a time).
+  std::function<void(const LoadProgress&)> progress;
+};
+
+// BF16 bytes of `rank`'s experts under `manifest` (every layer); INVALID_ARGUMENT on overflow.
+absl::StatusOr<int64_t> LocalExpertBytes(const CheckpointReader& checkpoint, const PlacementManifest& manifest,
+                                         Rank rank);
+
+// FAILED_PRECONDITION when the manifest's layers are not the checkpoint's, or naming the slot
+// and layer whose weights do not match the manifest's digest.
+absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& checkpoint, const PlacementManifest& manifest,
+                                              Rank rank, const LoadOptions& options = {});
+
+// The single-file synthetic checkpoint (one expert set).
+absl::StatusOr<LocalExperts> LoadLocalExperts(const SafetensorsFile& checkpoint, const PlacementManifest& manifest,
+                                              Rank rank);
+
+// Checks the digests computed for one slot's expert (one per layer, in the manifest's layer
+// order) against the slot's: per layer when it has them, and its parameter digest (the expert
+// digest of a single-layer checkpoint, the CombinedDigest of a multi-layer one) when set.
+// FAILED_PRECONDITION naming the slot, the layer and `how` the weights came (e.g. "checkpoint
+// load", "cross-node copy").
+absl::Status CheckSlotDigests(const SlotRecord& slot, const std::vector<int64_t>& layers,
+                              const std::vector<std::string>& computed, const char* how);
+
+}  // namespace moe
+
+#endif  // MOE_RUNTIME_CHECKPOINT_EXPERT_LOADER_H_
