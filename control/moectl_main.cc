@@ -18,13 +18,19 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 #include "control/eplb_io.h"
+#include "control/json_util.h"
 #include "control/moectl_remote.h"
 #include "control/placement_report.h"
 #include "control/trace.h"
 #include "rpc/placement_proto.h"
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
+#include "runtime/checkpoint/expert_loader.h"
+#include "runtime/checkpoint/hf_checkpoint.h"
+#include "runtime/checkpoint/hf_writer.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
@@ -41,7 +47,16 @@ ABSL_FLAG(int, d_ff, 512, "checkpoint synth: expert FFN width");
 ABSL_FLAG(int64_t, seed, 1, "checkpoint synth: weight seed");
 ABSL_FLAG(std::string, version, "checkpoint-0001", "checkpoint synth: checkpoint version");
 ABSL_FLAG(std::string, out, "",
-          "checkpoint synth: output .safetensors path; rebalance: PlacementManifest JSON to write");
+          "checkpoint synth: output (a directory with --layers, else a .safetensors file); rebalance: "
+          "PlacementManifest JSON to write");
+ABSL_FLAG(int, layers, 0,
+          "checkpoint synth: decoder layers of a Hugging Face layout model (0: the single-file checkpoint)");
+ABSL_FLAG(std::string, family, "qwen3_moe",
+          "checkpoint synth --layers: model_type (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)");
+ABSL_FLAG(std::string, dtype, "BF16", "checkpoint synth --layers: weight dtype (BF16, F32, F16, F8_E4M3)");
+ABSL_FLAG(int, top_k, 2, "checkpoint synth --layers: num_experts_per_tok");
+ABSL_FLAG(int, first_dense, 0, "checkpoint synth --layers: leading dense layers (deepseek first_k_dense_replace)");
+ABSL_FLAG(int64_t, shard_mb, 0, "checkpoint synth --layers: split the weights into shards of this many MB");
 ABSL_FLAG(std::string, controller, "", "controller subcommands: moe-controller address host:port");
 ABSL_FLAG(std::string, token_file, "", "controller subcommands: file holding the bearer token");
 ABSL_FLAG(std::string, request_id, "",
@@ -82,7 +97,15 @@ constexpr char kUsage[] =
     "  moectl plan --trace FILE [--json] [--selector POLICY]   plan a layer-step trace, print plan and ledgers\n"
     "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n"
     "  moectl checkpoint synth --experts E --d D --d_ff F --seed S --out FILE\n"
-    "                                                          write a synthetic safetensors checkpoint\n"
+    "                                                          write a synthetic single-file checkpoint\n"
+    "  moectl checkpoint synth --layers L [--family F --dtype T --top_k K --first_dense N --shard_mb M] --out DIR ...\n"
+    "                                                          write a Hugging Face layout model with a digest "
+    "sidecar\n"
+    "  moectl checkpoint inspect PATH [--world P --extra_replicas N] [--json]\n"
+    "                                                          architecture, MoE layers, experts, dtypes, bytes per "
+    "rank\n"
+    "  moectl checkpoint digest DIR --version V                record every expert's per-layer digest "
+    "(moe_checkpoint.json)\n"
     "Controller subcommands (need --controller HOST:PORT --token_file FILE; --json for scripts):\n"
     "  moectl releases list | releases show ID                 releases, states, transition history\n"
     "  moectl release register ID --digest D                   register a release bundle (BUILT)\n"
@@ -152,15 +175,49 @@ int EplbSolve() {
   return moe::kExitOk;
 }
 
+absl::StatusOr<moe::HfFamily> ParseFamily(const std::string& name) {
+  for (moe::HfFamily f : {moe::HfFamily::kMixtral, moe::HfFamily::kQwen2Moe, moe::HfFamily::kQwen3Moe,
+                          moe::HfFamily::kDeepseekV2, moe::HfFamily::kDeepseekV3}) {
+    if (name == moe::HfFamilyName(f)) return f;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--family: '", name, "' (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)"));
+}
+
 int CheckpointSynth() {
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));
   const int e = absl::GetFlag(FLAGS_experts), d = absl::GetFlag(FLAGS_d), f = absl::GetFlag(FLAGS_d_ff);
-  if (e <= 0 || d <= 0 || f <= 0 || d % 8 != 0 || f % 8 != 0) {
-    return Fail(absl::InvalidArgumentError("--experts, --d, --d_ff: must be positive, d and d_ff multiples of 8"));
+  if (e <= 0 || d <= 0 || f <= 0 || d % 8 != 0 || f % 8 != 0 || e > 4096 || d > 65536 || f > 65536) {
+    return Fail(absl::InvalidArgumentError(
+        "--experts, --d, --d_ff: must be positive (at most 4096, 65536, 65536), d and d_ff multiples of 8"));
   }
-  const auto file = moe::SyntheticCheckpoint({e, d, f}, static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)),
-                                             absl::GetFlag(FLAGS_version));
+  const uint64_t seed = static_cast<uint64_t>(absl::GetFlag(FLAGS_seed));
+  const int layers = absl::GetFlag(FLAGS_layers);
+  if (layers < 0 || layers > 1024) return Fail(absl::InvalidArgumentError("--layers: must be in [0, 1024]"));
+  if (layers > 0) {
+    auto family = ParseFamily(absl::GetFlag(FLAGS_family));
+    if (!family.ok()) return Fail(family.status());
+    moe::HfModelSpec spec;
+    spec.family = *family;
+    spec.naming = *family == moe::HfFamily::kMixtral ? moe::ExpertNaming::kMixtral : moe::ExpertNaming::kProjections;
+    spec.hidden_size = d;
+    spec.moe_intermediate_size = f;
+    spec.num_experts = e;
+    spec.top_k = absl::GetFlag(FLAGS_top_k);
+    spec.num_hidden_layers = layers;
+    spec.first_k_dense_replace = absl::GetFlag(FLAGS_first_dense);
+    spec.dtype = absl::GetFlag(FLAGS_dtype);
+    spec.max_shard_bytes = absl::GetFlag(FLAGS_shard_mb) << 20;
+    spec.version = absl::GetFlag(FLAGS_version);
+    absl::Status s = moe::WriteHfModel(out, spec, moe::SyntheticExpertSource(d, f, seed));
+    if (!s.ok()) return Fail(s);
+    auto written = moe::HfCheckpoint::Open(out);
+    if (!written.ok()) return Fail(written.status());
+    std::cout << "wrote " << out << ": " << (*written)->Describe() << ", " << (*written)->version() << "\n";
+    return moe::kExitOk;
+  }
+  const auto file = moe::SyntheticCheckpoint({e, d, f}, seed, absl::GetFlag(FLAGS_version));
   absl::Status s = moe::WriteSafetensors(out, file);
   if (!s.ok()) return Fail(s);
   std::cout << "wrote " << out << ": " << e << " experts, d=" << d << ", d_ff=" << f << ", "
@@ -168,20 +225,125 @@ int CheckpointSynth() {
   return moe::kExitOk;
 }
 
+// "1-3,5,7-60": a layer list compressed into ranges.
+std::string LayerRanges(const std::vector<int64_t>& layers) {
+  std::string out;
+  for (size_t i = 0; i < layers.size();) {
+    size_t j = i;
+    while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+    absl::StrAppend(&out, out.empty() ? "" : ",", layers[i]);
+    if (j > i) absl::StrAppend(&out, "-", layers[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+// `checkpoint inspect PATH`: what a rank would load, and how much of it each rank holds under
+// the default placement of --world ranks.
+int CheckpointInspect(const std::string& path) {
+  std::unique_ptr<moe::SafetensorsFile> storage;
+  auto ckpt = moe::OpenCheckpoint(path, &storage);
+  if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(ckpt.status().message()));
+  const moe::CheckpointReader& c = **ckpt;
+  const int world = absl::GetFlag(FLAGS_world);
+  if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
+  const moe::Topology topology = ClusterTopology(world);
+  const moe::ProcessGroup group = moe::LocalClusterGroup(world, absl::GetFlag(FLAGS_epoch));
+  moe::CheckpointIdentity id = c.Identity();
+  int recorded = 0;
+  for (auto& expert : id.digests) {
+    for (std::string& digest : expert) {
+      if (!digest.empty()) ++recorded;
+      digest = "x";  // the byte counts below need a placement, not the digests
+    }
+  }
+  auto m = moe::DefaultPlacement(moe::PlacementVersion(1), c.shape().num_experts, absl::GetFlag(FLAGS_extra_replicas),
+                                 topology, group, id);
+  if (!m.ok()) return Fail(m.status());
+  const auto* hf = dynamic_cast<const moe::HfCheckpoint*>(&c);
+  moe::json::Json out;
+  out["path"] = path;
+  out["version"] = c.version();
+  out["layout"] = hf != nullptr ? "huggingface" : "single-file";
+  if (hf != nullptr) {
+    out["model_type"] = hf->config().model_type;
+    out["naming"] = moe::ExpertNamingName(hf->naming());
+    out["weight_dtype"] = hf->weight_dtype();
+    out["top_k"] = hf->config().top_k;
+    out["decoder_layers"] = hf->config().num_hidden_layers;
+    out["shards"] = hf->num_shards();
+    out["file_bytes"] = hf->file_bytes();
+    if (hf->config().fp8_block_rows > 0) {
+      out["fp8_block"] = {hf->config().fp8_block_rows, hf->config().fp8_block_cols};
+    }
+  }
+  out["moe_layers"] = c.layers();
+  out["experts"] = c.shape().num_experts;
+  out["d"] = c.shape().d;
+  out["d_ff"] = c.shape().d_ff;
+  out["expert_bytes_bf16"] = c.expert_bytes();
+  out["digests_recorded"] = recorded;
+  out["digests_total"] = c.shape().num_experts * c.num_layers();
+  for (int r = 0; r < world; ++r) {
+    auto bytes = moe::LocalExpertBytes(c, **m, moe::Rank(r));
+    if (!bytes.ok()) return Fail(bytes.status());
+    out["rank_bytes"].push_back({{"rank", r}, {"slots", (*m)->LocalSlots(moe::Rank(r)).size()}, {"bytes", *bytes}});
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << out.dump(2) << "\n";
+    return moe::kExitOk;
+  }
+  std::cout << path << "\n  " << c.Describe() << "\n  version            " << c.version() << "\n";
+  if (hf != nullptr) {
+    std::cout << "  architecture       " << hf->config().model_type << ", " << hf->config().num_hidden_layers
+              << " decoder layers, top-" << hf->config().top_k << "\n  weights            " << hf->weight_dtype()
+              << (hf->config().fp8_block_rows > 0
+                      ? absl::StrCat(" with ", hf->config().fp8_block_rows, "x", hf->config().fp8_block_cols,
+                                     " block scales (dequantized to BF16 at load)")
+                      : "")
+              << ", " << hf->num_shards() << " shard(s), " << hf->file_bytes() << " bytes\n";
+  }
+  std::cout << "  MoE layers         "
+            << (c.layers().empty() ? "one expert set for every layer" : LayerRanges(c.layers())) << " ("
+            << c.num_layers() << ")\n  experts            " << c.shape().num_experts << " x (d " << c.shape().d
+            << ", d_ff " << c.shape().d_ff << "), " << c.expert_bytes() << " BF16 bytes each per layer\n"
+            << "  digests recorded   " << recorded << " of " << c.shape().num_experts * c.num_layers()
+            << (recorded == 0 ? " (moectl checkpoint digest records them)" : "") << "\n"
+            << "  default placement over " << world << " rank(s), " << absl::GetFlag(FLAGS_extra_replicas)
+            << " extra replica(s):\n";
+  for (const auto& r : out["rank_bytes"]) {
+    std::cout << absl::StrFormat("    rank %-3d %4d slots  %14lld bytes (%.2f GiB)\n", r["rank"].get<int>(),
+                                 r["slots"].get<int>(), static_cast<long long>(r["bytes"].get<int64_t>()),
+                                 r["bytes"].get<int64_t>() / double(1 << 30));
+  }
+  return moe::kExitOk;
+}
+
+// `checkpoint digest DIR --version V`: reads every expert once and records the digests.
+int CheckpointDigest(const std::string& dir) {
+  if (absl::GetFlag(FLAGS_version).empty()) return Fail(absl::InvalidArgumentError("--version: required"));
+  absl::Status s = moe::WriteCheckpointSidecar(dir, absl::GetFlag(FLAGS_version));
+  if (!s.ok()) return Fail(absl::Status(s.code(), absl::StrCat(dir, ": ", s.message())));
+  auto c = moe::HfCheckpoint::Open(dir);
+  if (!c.ok()) return Fail(c.status());
+  std::cout << "recorded " << (*c)->shape().num_experts * (*c)->num_layers() << " expert digests of " << dir << " as "
+            << (*c)->version() << "\n";
+  return moe::kExitOk;
+}
+
 // The default placement moe-rankd builds for itself (DefaultPlacement), at another version and
 // replica count, as PlacementManifest JSON for `moectl placement load`.
 int PlacementSynth() {
-  auto ckpt = moe::ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+  std::unique_ptr<moe::SafetensorsFile> storage;
+  auto ckpt = moe::OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &storage);
   if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
-  auto view = moe::ExpertCheckpoint::Open(*ckpt);
-  if (!view.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", view.status().message())));
-  const int experts = view->num_experts();
+  const int experts = (*ckpt)->shape().num_experts;
   const int world = absl::GetFlag(FLAGS_world);
   if (world <= 0) return Fail(absl::InvalidArgumentError("--world: must be positive"));
   const moe::Topology topology = ClusterTopology(world);
   const moe::ProcessGroup group = moe::LocalClusterGroup(world, absl::GetFlag(FLAGS_epoch));
   auto m = moe::DefaultPlacement(moe::PlacementVersion(absl::GetFlag(FLAGS_placement_version)), experts,
-                                 absl::GetFlag(FLAGS_extra_replicas), topology, group, ckpt->metadata);
+                                 absl::GetFlag(FLAGS_extra_replicas), topology, group, (*ckpt)->Identity());
   if (!m.ok()) return Fail(m.status());
   std::string json;
   google::protobuf::util::JsonPrintOptions o;
@@ -226,11 +388,11 @@ int PlacementOffline(const std::string& verb) {
   if (!to.ok()) return Fail(to.status());
   int64_t expert_bytes = absl::GetFlag(FLAGS_expert_bytes);
   if (expert_bytes <= 0 && !absl::GetFlag(FLAGS_checkpoint).empty()) {
-    auto ckpt = moe::ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
+    std::unique_ptr<moe::SafetensorsFile> storage;
+    auto ckpt = moe::OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &storage);
     if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
-    auto view = moe::ExpertCheckpoint::Open(*ckpt);
-    if (!view.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", view.status().message())));
-    expert_bytes = int64_t{3} * view->d() * view->d_ff() * 2;  // gate, up and down in BF16
+    // gate, up and down in BF16, in every layer (a slot moves with all its layers)
+    expert_bytes = (*ckpt)->expert_bytes() * (*ckpt)->num_layers();
   }
   if (expert_bytes <= 0) return Fail(absl::InvalidArgumentError("--expert_bytes or --checkpoint: required"));
   auto plan = moe::PlanMigration(**from, **to, topology, expert_bytes);
@@ -254,6 +416,8 @@ int main(int argc, char** argv) {
   if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
   if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
+  if (cmd.size() == 3 && cmd[0] == "checkpoint" && cmd[1] == "inspect") return CheckpointInspect(cmd[2]);
+  if (cmd.size() == 3 && cmd[0] == "checkpoint" && cmd[1] == "digest") return CheckpointDigest(cmd[2]);
   if (cmd.size() == 2 && cmd[0] == "placement" && cmd[1] == "synth") return PlacementSynth();
   if (cmd.size() == 2 && cmd[0] == "placement" && (cmd[1] == "show" || cmd[1] == "diff")) {
     return PlacementOffline(cmd[1]);

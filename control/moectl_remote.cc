@@ -19,6 +19,7 @@
 #include "proto/moe/v1/control_plane.grpc.pb.h"
 #include "rpc/grpc_status.h"
 #include "rpc/placement_proto.h"
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/checkpoint/safetensors.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/status.h"
@@ -504,13 +505,14 @@ void PrintRebalance(int num_ranks, const RebalanceInput& in, const RebalancePlan
 // `rebalance --out F`: the plan as a PlacementManifest JSON over the ranks' topology.
 absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, const RebalanceInput& in,
                                     const RebalancePlan& plan) {
-  auto ckpt = ReadSafetensors(o.checkpoint);
+  std::unique_ptr<SafetensorsFile> storage;
+  auto ckpt = OpenCheckpoint(o.checkpoint, &storage);
   if (!ckpt.ok()) return absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message()));
   MOE_CHECK(o.topology != nullptr, "RemoteOptions.topology: the caller provides the ranks' topology");
   const Topology topology = o.topology(world);
   const ProcessGroup group = LocalClusterGroup(world, o.epoch);
   auto m = PlacementFromAssignment(PlacementVersion(o.placement_version), static_cast<int>(in.expert_load.size()),
-                                   plan.expert_rank, topology, group, ckpt->metadata);
+                                   plan.expert_rank, topology, group, (*ckpt)->Identity());
   if (!m.ok()) return m.status();
   std::ofstream(o.out) << Json(ManifestToProto(**m, topology));
   std::cout << "wrote placement-v" << o.placement_version << " to " << o.out << "\n";

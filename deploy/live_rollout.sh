@@ -35,14 +35,15 @@ ts() { date +%H:%M:%S.%N | cut -c1-12; }
 token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1"; }
 token "$work/token"
 token "$work/agent_token"
-$M checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
-  --out "$work/checkpoint.safetensors" >/dev/null
+# Four MoE layers of 16 experts in Hugging Face layout; a slot moves with all its layers.
+$M checkpoint synth --layers 4 --family qwen3_moe --experts 16 --d 128 --d_ff 256 --seed 7 --version checkpoint-0001 \
+  --out "$work/model" >/dev/null
 choose_backend "$RANKS"
 echo "$(ts)  $RANKS ranks: $BACKEND_NAME"
-start_ranks "$RANKD" "$work" "$RANKS" "$work/checkpoint.safetensors" \
+start_ranks "$RANKD" "$work" "$RANKS" "$work/model" \
   --agent_token_file "$work/agent_token"
 ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
-# Expert weights: 3 x d x d_ff BF16 = 786432 bytes a copy; a migration may peak at 40 copies.
+# Expert weights: 4 layers x 3 x d x d_ff BF16 = 786432 bytes a copy; a migration may peak at 40 copies.
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" \
   --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
   --expert_bytes 786432 --migration_budget_bytes $((40 * 786432)) \
@@ -59,7 +60,7 @@ walk_and_load() {  # walk_and_load RELEASE MANIFEST_JSON: register, verify, prep
   echo "$(ts)  $(ctl placement load "$1" --manifest "$2")"
 }
 # release-v1: the placement the ranks started with (preparing it again is a no-op).
-$M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 1 \
+$M placement synth --checkpoint "$work/model" --world "$RANKS" --placement_version 1 \
   --extra_replicas 2 >"$work/placement-v1.json"
 walk_and_load release-v1 "$work/placement-v1.json"
 ctl release transition release-v1 SHADOW --reason "already serving" >/dev/null
@@ -68,13 +69,13 @@ ctl release transition release-v1 CANARY --reason "already serving" >/dev/null
 # gate inputs come from an operator file.
 echo "$(ts)  promote: $(ctl promote release-v1 --evidence deploy/examples/promotion-evidence.json)"
 
-"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/model" \
   --rounds 2 --until_file "$work/stop" --ready_file "$work/ready" >"$work/driver.log" 2>&1 &
 driver=$!
 for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
 echo "$(ts)  engine driver running steps"
 echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dry_run):"
-ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/checkpoint.safetensors" \
+ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/model" \
   --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
 # moectl rollout walks release-v2 under live traffic: register, verify, load on every rank, SHADOW
 # (every 2nd step also runs on placement-v2, its output compared with placement-v1's), CANARY
@@ -98,7 +99,7 @@ set -e
 retry="$(ctl promote release-v2 --request_id rollout-release-v2:promote 2>&1)" &&
   retry="answered with the recorded result"
 echo "$(ts)  a late retry of the v2 promotion was $retry; the ranks stay on: $(ctl status | awk 'NR > 1 {print $3}' | sort -u | xargs)"
-$M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 4 \
+$M placement synth --checkpoint "$work/model" --world "$RANKS" --placement_version 4 \
   --extra_replicas 40 >"$work/placement-v4.json"
 ctl release register release-v4 --digest sha256:v4 >/dev/null
 ctl release transition release-v4 VERIFIED --reason "bundle digests checked" >/dev/null
@@ -112,7 +113,7 @@ grep -A20 "== local cluster summary" "$work/driver.log"
 if [ -n "${KILL_RANK_CHECK:-}" ]; then
   # A rank dies before the next rollout: loading a placement must stop and say which rank, not hang.
   kill -9 "${RANK_PIDS[1]}"
-  $M placement synth --checkpoint "$work/checkpoint.safetensors" --world "$RANKS" --placement_version 3 \
+  $M placement synth --checkpoint "$work/model" --world "$RANKS" --placement_version 3 \
     --extra_replicas 4 >"$work/placement-v3.json"
   ctl release register release-v3 --digest sha256:v3 >/dev/null
   ctl release transition release-v3 VERIFIED --reason "bundle digests checked" >/dev/null

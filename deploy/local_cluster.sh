@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A local cluster on one machine: a synthetic checkpoint, RANKS moe-rankd processes (two "nodes"
+# A local cluster on one machine: a small multi-layer model in Hugging Face layout, RANKS moe-rankd processes (two "nodes"
 # of RANKS/2 ranks; CPU kernels and UCX over the loopback interface, or CUDA kernels and NCCL
 # with one GPU per rank where there are RANKS GPUs: see choose_backend), and the engine driver, which
 # runs prefill, decode, mixed and oversize steps under uniform and hot-expert routing, checks
@@ -22,12 +22,14 @@ source deploy/cluster_lib.sh
 choose_backend "$RANKS"
 work="$(mktemp -d)"
 trap 'stop_ranks; rm -rf "$work"' EXIT
-"$M" checkpoint synth --experts 16 --d 256 --d_ff 512 --seed 7 --version checkpoint-0001 \
-  --out "$work/checkpoint.safetensors"
-start_ranks "$RANKD" "$work" "$RANKS" "$work/checkpoint.safetensors"
+# A small Qwen3-MoE-layout model the project writes itself (no download): 4 MoE layers of 16
+# experts, sharded with an index, the way Hugging Face ships models.
+"$M" checkpoint synth --layers 4 --family qwen3_moe --experts 16 --d 256 --d_ff 512 --shard_mb 16 --seed 7 \
+  --version checkpoint-0001 --out "$work/model"
+start_ranks "$RANKD" "$work" "$RANKS" "$work/model"
 echo "started $RANKS ranks ($BACKEND_NAME): engine sockets $(for f in "$work"/ports/*.engine; do printf '%s ' "$(cat "$f")"; done)"
 set +e
-"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/checkpoint.safetensors" \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/model" \
   --rounds "$ROUNDS"
 status=$?
 set -e

@@ -27,6 +27,7 @@
 
 #include "kernels/api.h"
 #include "kernels/numeric.h"
+#include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
@@ -80,25 +81,43 @@ double Percentile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
 }
 
+// The semantic computation from the checkpoint's own tensors, every MoE layer's experts read
+// through the same CheckpointReader the ranks load from (small models: all held in memory).
 class Reference {
  public:
-  explicit Reference(const ExpertCheckpoint& ckpt)
-      : d_(ckpt.d()), f_(ckpt.d_ff()), kernels_(kernels::CreateCpuKernels()) {
-    for (int i = 0; i < ckpt.num_experts(); ++i) {
-      const ExpertCheckpoint::Tensors tensors = ckpt.Expert(i).value();  // Main checked every expert
-      const std::string& gu = tensors.gate_up->data;
-      const std::string& dn = tensors.down->data;
-      gate_up_.emplace_back(gu.size() / 2);
-      down_.emplace_back(dn.size() / 2);
-      std::memcpy(gate_up_.back().data(), gu.data(), gu.size());
-      std::memcpy(down_.back().data(), dn.data(), dn.size());
+  static absl::StatusOr<Reference> Load(const CheckpointReader& ckpt) {
+    Reference r;
+    const ExpertShape s = ckpt.shape();
+    r.d_ = s.d;
+    r.f_ = s.d_ff;
+    r.layers_ = ckpt.layers();
+    for (int li = 0; li < ckpt.num_layers(); ++li) {
+      const int64_t layer = r.layers_.empty() ? 0 : r.layers_[li];
+      r.gate_up_.emplace_back();
+      r.down_.emplace_back();
+      for (int e = 0; e < s.num_experts; ++e) {
+        r.gate_up_.back().emplace_back(2 * static_cast<size_t>(s.d_ff) * s.d);
+        r.down_.back().emplace_back(static_cast<size_t>(s.d) * s.d_ff);
+        RETURN_IF_ERROR(ckpt.ReadExpert(layer, e, r.gate_up_.back().back().data(), r.down_.back().back().data()));
+      }
     }
+    r.kernels_ = kernels::CreateCpuKernels();
+    return r;
   }
-  int num_experts() const { return static_cast<int>(gate_up_.size()); }
+  // The layer of a step: the model's MoE layers in turn (0, 1, 2 in turn for a single-layer
+  // checkpoint, whose experts serve every layer index).
+  int64_t LayerFor(uint64_t step) const {
+    return layers_.empty() ? static_cast<int64_t>(step % 3) : layers_[step % layers_.size()];
+  }
+  int num_layers() const { return static_cast<int>(gate_up_.size()); }
+  int num_experts() const { return static_cast<int>(gate_up_.front().size()); }
 
   // y_t = sum_j g_tj E_e(h_t) in FP32, rounded to BF16 at the end.
   std::vector<float> Compute(const StepCall& c) {
     std::vector<float> y(c.tokens * d_, 0.0f);
+    size_t li = 0;
+    while (li < layers_.size() && layers_[li] != c.layer) ++li;
+    if (li == layers_.size()) li = 0;  // a single-layer checkpoint
     std::vector<uint16_t> out(d_);
     const int64_t offsets[2] = {0, 1};
     for (int64_t t = 0; t < c.tokens; ++t) {
@@ -107,7 +126,7 @@ class Reference {
         if (!c.admitted.empty() && c.admitted[i] == 0) continue;
         const int e = c.topk_ids[i];
         kernels::SwigluParams p;
-        p.weights = {gate_up_[e].data(), down_[e].data(), 1, d_, f_};
+        p.weights = {gate_up_[li][e].data(), down_[li][e].data(), 1, d_, f_};
         p.x = c.hidden.data() + t * d_;
         p.rows = 1;
         p.host_offsets = offsets;
@@ -120,15 +139,19 @@ class Reference {
   }
 
  private:
-  int d_, f_;
+  Reference() = default;
+  int d_ = 0, f_ = 0;
+  std::vector<int64_t> layers_;
   std::unique_ptr<kernels::ExpertKernels> kernels_;
-  std::vector<std::vector<uint16_t>> gate_up_, down_;
+  std::vector<std::vector<std::vector<uint16_t>>> gate_up_, down_;  // [layer][expert]
 };
 
-StepCall MakeCall(std::mt19937& rng, uint64_t step, bool decode, int64_t tokens, int d, int k, int experts, bool hot) {
+StepCall MakeCall(std::mt19937& rng, uint64_t step, bool decode, int64_t tokens, int d, int k,
+                  const Reference& reference, bool hot) {
+  const int experts = reference.num_experts();
   StepCall c;
   c.step_id = step;
-  c.layer = static_cast<int64_t>(step % 3);
+  c.layer = reference.LayerFor(step);
   c.decode = decode;
   c.tokens = tokens;
   c.d = d;
@@ -167,8 +190,7 @@ struct FaultContext {
   // A prefill step of 8 tokens a rank, uniform routing.
   std::vector<StepCall> Calls(uint64_t step) {
     std::vector<StepCall> calls;
-    for (int r = 0; r < ranks(); ++r)
-      calls.push_back(MakeCall(rng, step, false, 8, d, k, reference.num_experts(), false));
+    for (int r = 0; r < ranks(); ++r) calls.push_back(MakeCall(rng, step, false, 8, d, k, reference, false));
     return calls;
   }
   // Calls every rank not skipped at once, with a 30 s deadline.
@@ -428,7 +450,7 @@ Stats RunRounds(Clients& clients, Reference& reference, int d, int k) {
           // fails the gate's r_drop clause (its denominator must be positive).
           const uint64_t sit_out = p > 1 ? 3 : 7;
           const int64_t tokens = (r == p - 1 && step % sit_out == 0) ? 0 : u.tokens;
-          calls.push_back(MakeCall(rng, step, u.decode, tokens, d, k, reference.num_experts(), hot));
+          calls.push_back(MakeCall(rng, step, u.decode, tokens, d, k, reference, hot));
         }
         const Answers answers = ExecuteWithRetries(clients, calls, step, &stats);
         RecordGeneration(answers, step, &stats);
@@ -463,8 +485,9 @@ void PrintTimelineSegments(const Stats& stats) {
   }
 }
 
-void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts) {
-  std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts)\n", p, k, d, f, experts);
+void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts, int layers) {
+  std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts x %d MoE layers)\n", p, k, d, f,
+              experts, layers);
   std::printf("  rank-steps          %lld (failed %lld)\n", static_cast<long long>(stats.steps),
               static_cast<long long>(stats.failed));
   std::printf("  routes accepted     %lld (router-dropped %lld)\n", static_cast<long long>(stats.routes),
@@ -520,21 +543,15 @@ absl::StatusOr<Clients> ConnectClients(const std::vector<std::string>& addresses
 }
 
 int Main() {
-  auto ckpt = ReadSafetensors(absl::GetFlag(FLAGS_checkpoint));
-  if (!ckpt.ok()) {
-    spdlog::error("--checkpoint: {}", std::string(ckpt.status().message()));
+  std::unique_ptr<SafetensorsFile> file;
+  auto ckpt = OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &file);
+  absl::StatusOr<Reference> loaded = ckpt.ok() ? Reference::Load(**ckpt) : absl::StatusOr<Reference>(ckpt.status());
+  if (!loaded.ok()) {
+    spdlog::error("--checkpoint: {}", std::string(loaded.status().message()));
     return kExitUsage;
   }
-  auto view = ExpertCheckpoint::Open(*ckpt);
-  for (int e = 0; view.ok() && e < view->num_experts(); ++e) {
-    if (auto t = view->Expert(e); !t.ok()) view = t.status();
-  }
-  if (!view.ok()) {
-    spdlog::error("--checkpoint: {}", std::string(view.status().message()));
-    return kExitUsage;
-  }
-  Reference reference(*view);
-  const int d = view->d(), f = view->d_ff();
+  Reference& reference = *loaded;
+  const int d = (*ckpt)->shape().d, f = (*ckpt)->shape().d_ff;
   const std::vector<std::string> addresses = Addresses();
   std::string token;
   if (!absl::GetFlag(FLAGS_engine_token_file).empty()) {
@@ -549,7 +566,7 @@ int Main() {
   const int k = absl::GetFlag(FLAGS_k);
   if (!absl::GetFlag(FLAGS_fault).empty()) return Fault(*clients, reference, d, k);
   const Stats stats = RunRounds(*clients, reference, d, k);
-  PrintSummary(stats, static_cast<int>(clients->size()), k, d, f, reference.num_experts());
+  PrintSummary(stats, static_cast<int>(clients->size()), k, d, f, reference.num_experts(), reference.num_layers());
   return stats.failed == 0 && stats.mismatches == 0 && stats.generation_splits == 0 ? kExitOk : kExitFailure;
 }
 

@@ -23,15 +23,21 @@ trap 'stop_ranks' EXIT
 fail=0
 check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 
-"$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 3 --out "$work/ckpt.safetensors" >/dev/null
-start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt.safetensors" --timeout_ms 3000 || exit 1
+# A DeepSeek-V3-layout model: layer 0 dense (the engine's), MoE layers 1-3, two shards + index.
+"$MOECTL" checkpoint synth --layers 4 --family deepseek_v3 --first_dense 1 --experts 8 --d 64 --d_ff 128 --seed 3 \
+  --shard_mb 1 --version ckpt-3 --out "$work/ckpt" >/dev/null
+start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt" --timeout_ms 3000 || exit 1
 
-"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt.safetensors" --rounds 1 --prefill_tokens 24 \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --rounds 1 --prefill_tokens 24 \
   >"$work/driver.log" 2>&1
 check $? "driver: all scenarios served"
 grep -q "mismatches          0" "$work/driver.log"; check $? "driver: zero mismatches"
 grep -q "rank-steps          $((10 * RANKS)) (failed 0)" "$work/driver.log"
 check $? "driver: $((10 * RANKS)) rank-steps, none failed"
+grep -q "8 experts x 3 MoE layers" "$work/driver.log"; check $? "driver: steps over the model's 3 MoE layers"
+grep -q "checkpoint load: 3/3 layers" "$work/rank0.log"; check $? "rank 0 logged its load progress"
+curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/load.txt"
+grep -q '^moe_checkpoint_load_layers{.*state="done"} 3' "$work/load.txt"; check $? "metrics: load progress (3 of 3 layers)"
 
 if [ "$RANKS" -lt 2 ]; then
   echo "n/a  malformed request and killed rank: need two ranks"
@@ -44,7 +50,7 @@ if [ "$RANKS" -lt 2 ]; then
   exit $fail
 fi
 
-"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt.safetensors" --fault bad_input >"$work/bad.log" 2>&1
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --fault bad_input >"$work/bad.log" 2>&1
 check $? "malformed request: INVALID_ARGUMENT on its rank, ABORTED on the others, next step served"
 cat "$work/bad.log" | sed 's/^/     /'
 
@@ -57,7 +63,7 @@ if command -v promtool >/dev/null; then promtool check metrics <"$work/scrape.tx
 kill -KILL "${RANK_PIDS[$last]}"
 wait "${RANK_PIDS[$last]}" 2>/dev/null
 start=$(date +%s)
-"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt.safetensors" --fault dead_rank --dead_rank "$last" \
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --fault dead_rank --dead_rank "$last" \
   >"$work/dead.log" 2>&1
 check $? "killed rank: every live rank errors"
 took=$(( $(date +%s) - start ))
