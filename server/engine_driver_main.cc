@@ -59,6 +59,10 @@ ABSL_FLAG(std::string, fault, "",
           "bad_input: rank 1 sends a malformed step (then a good one); dead_rank: expect every "
           "live rank to fail a step within the timeout (a rank was killed)");
 ABSL_FLAG(int, dead_rank, -1, "dead_rank fault: the rank that was killed");
+ABSL_FLAG(std::string, parity, "",
+          "parity mode: a safetensors file of steps recorded from a Hugging Face transformers MoE block "
+          "(bench/gpu/hf_parity.py); every layer's tokens are split across the ranks and their outputs compared");
+ABSL_FLAG(double, parity_tolerance, 2e-2, "parity mode: the largest relative L2 error that passes");
 
 namespace moe {
 namespace {
@@ -356,6 +360,87 @@ Answers ExecuteWithRetries(Clients& clients, std::vector<StepCall>& calls, uint6
   return answers;
 }
 
+// --parity FILE: per MoE layer L the tensors hidden.L [T, d] BF16, topk_ids.L [T, k] I32,
+// topk_weights.L [T, k] F32 and expected.L [T, d] F32 (a transformers MoE block's experts on that
+// routing, computed by the block itself). Each layer's tokens are split across the ranks in
+// order; one line per layer gives the ranks' error against `expected` and against the semantic
+// computation from the checkpoint's tensors. Exit 1 when a relative L2 error is over the
+// tolerance or a step fails.
+int Parity(Clients& clients, Reference& reference, int d, const std::string& path) {
+  auto file = ReadSafetensors(path);
+  if (!file.ok()) {
+    spdlog::error("--parity: {}", std::string(file.status().message()));
+    return kExitUsage;
+  }
+  const int p = static_cast<int>(clients.size());
+  const double tolerance = absl::GetFlag(FLAGS_parity_tolerance);
+  bool pass = true;
+  int layers_checked = 0;
+  uint64_t step = 1;
+  for (const auto& [name, hidden] : file->tensors) {
+    if (name.rfind("hidden.", 0) != 0) continue;
+    const std::string key = name.substr(7);
+    int64_t layer = 0;
+    const auto ids = file->tensors.find("topk_ids." + key), w = file->tensors.find("topk_weights." + key),
+               want = file->tensors.find("expected." + key);
+    if (!absl::SimpleAtoi(key, &layer) || ids == file->tensors.end() || w == file->tensors.end() ||
+        want == file->tensors.end() || hidden.dtype != "BF16" || hidden.shape.size() != 2 || hidden.shape[1] != d ||
+        ids->second.dtype != "I32" || ids->second.shape.size() != 2 || w->second.dtype != "F32" ||
+        w->second.shape != ids->second.shape || want->second.dtype != "F32" || want->second.shape != hidden.shape ||
+        ids->second.shape[0] != hidden.shape[0]) {
+      spdlog::error("--parity: layer {}: tensors missing or of the wrong dtype / shape", key);
+      return kExitUsage;
+    }
+    const int64_t tokens = hidden.shape[0];
+    const int k = static_cast<int>(ids->second.shape[1]);
+    std::vector<StepCall> calls(p);
+    for (int r = 0; r < p; ++r) {
+      const int64_t begin = tokens * r / p, end = tokens * (r + 1) / p;
+      StepCall& c = calls[r];
+      c.step_id = step;
+      c.layer = layer;
+      c.tokens = end - begin;
+      c.d = d;
+      c.k = k;
+      c.hidden.resize(c.tokens * d);
+      std::memcpy(c.hidden.data(), hidden.data.data() + begin * d * 2, c.hidden.size() * 2);
+      c.topk_ids.resize(c.tokens * k);
+      std::memcpy(c.topk_ids.data(), ids->second.data.data() + begin * k * 4, c.topk_ids.size() * 4);
+      c.topk_weights.resize(c.tokens * k);
+      std::memcpy(c.topk_weights.data(), w->second.data.data() + begin * k * 4, c.topk_weights.size() * 4);
+    }
+    Stats stats;
+    const Answers answers = ExecuteWithRetries(clients, calls, step++, &stats);
+    std::vector<uint16_t> got;
+    std::vector<float> semantic;
+    for (int r = 0; r < p; ++r) {
+      if (!answers[r].ok()) {
+        spdlog::error("parity layer {} rank {}: {}", layer, r, std::string(answers[r].status().message()));
+        return kExitFailure;
+      }
+      got.insert(got.end(), answers[r]->output.begin(), answers[r]->output.end());
+      const std::vector<float> ref = reference.Compute(calls[r]);
+      semantic.insert(semantic.end(), ref.begin(), ref.end());
+    }
+    std::vector<float> expected(tokens * d);
+    std::memcpy(expected.data(), want->second.data.data(), expected.size() * 4);
+    double max_hf = 0, max_sem = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      max_hf = std::max<double>(max_hf, std::fabs(kernels::Bf16ToFloat(got[i]) - expected[i]));
+      max_sem = std::max<double>(max_sem, std::fabs(kernels::Bf16ToFloat(got[i]) - semantic[i]));
+    }
+    const double rel_hf = kernels::RelativeL2Bf16(got, expected), rel_sem = kernels::RelativeL2Bf16(got, semantic);
+    std::printf(
+        "parity layer %lld: %lld tokens over %d ranks, k=%d: vs transformers max_abs %.3g rel_l2 %.3g; "
+        "vs semantic max_abs %.3g rel_l2 %.3g\n",
+        static_cast<long long>(layer), static_cast<long long>(tokens), p, k, max_hf, rel_hf, max_sem, rel_sem);
+    pass = pass && rel_hf <= tolerance && rel_sem <= tolerance;
+    ++layers_checked;
+  }
+  std::printf("parity: %d layers, %s (tolerance %.3g)\n", layers_checked, pass ? "pass" : "FAIL", tolerance);
+  return pass && layers_checked > 0 ? kExitOk : kExitFailure;
+}
+
 // Follows the serving generation through the steps: the timeline, its segments, canary steps
 // and steps the ranks answered under different generations.
 void RecordGeneration(const Answers& answers, uint64_t step, Stats* stats) {
@@ -565,6 +650,7 @@ int Main() {
   }
   const int k = absl::GetFlag(FLAGS_k);
   if (!absl::GetFlag(FLAGS_fault).empty()) return Fault(*clients, reference, d, k);
+  if (!absl::GetFlag(FLAGS_parity).empty()) return Parity(*clients, reference, d, absl::GetFlag(FLAGS_parity));
   const Stats stats = RunRounds(*clients, reference, d, k);
   PrintSummary(stats, static_cast<int>(clients->size()), k, d, f, reference.num_experts(), reference.num_layers());
   return stats.failed == 0 && stats.mismatches == 0 && stats.generation_splits == 0 ? kExitOk : kExitFailure;

@@ -17,6 +17,14 @@ int64_t CheckpointReader::expert_bytes() const {
   return int64_t{3} * s.d * s.d_ff * 2;
 }
 
+absl::Status CheckpointReader::ReadExpertWithDigest(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down,
+                                                    std::string* digest) const {
+  RETURN_IF_ERROR(ReadExpert(layer, expert, gate_up, down));
+  const ExpertShape s = shape();
+  *digest = ExpertDigest(gate_up, 2 * static_cast<size_t>(s.d_ff) * s.d, down, static_cast<size_t>(s.d) * s.d_ff);
+  return absl::OkStatus();
+}
+
 CheckpointIdentity CheckpointReader::Identity() const {
   CheckpointIdentity id;
   id.version = version();

@@ -36,6 +36,10 @@ class CheckpointReader {
   // Expert `expert` of `layer` (any index when layers() is empty) as BF16 gate_up [2f, d]
   // (gate rows, then up rows) and down [d, f]. Safe to call from several threads at once.
   virtual absl::Status ReadExpert(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down) const = 0;
+  // ReadExpert and the expert's digest (ExpertDigest over what it wrote); readers may hash while
+  // they convert, while the bytes are still in cache.
+  virtual absl::Status ReadExpertWithDigest(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down,
+                                            std::string* digest) const;
   // The digest recorded for (layer, expert) beside the weights, or "" when none is.
   virtual std::string RecordedDigest(int64_t layer, int expert) const = 0;
   // A line for logs: "qwen3_moe directory /m (projections, BF16)".

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <thread>
 
+#include <sys/mman.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -13,6 +15,18 @@
 #include "runtime/status.h"
 
 namespace moe {
+
+namespace {
+
+// Transparent huge pages for a large destination buffer: 512x fewer page faults to fill it.
+void AdviseHugePages(void* p, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+}  // namespace
 
 absl::StatusOr<int64_t> LocalExpertBytes(const CheckpointReader& ckpt, const PlacementManifest& m, Rank rank) {
   int64_t n = 0;
@@ -70,8 +84,10 @@ absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& ckpt, cons
   out.d = shape.d;
   out.d_ff = shape.d_ff;
   out.layers = ckpt.layers();
-  out.w_gate_up.resize(gu_n * l_count * layers);
+  out.w_gate_up.resize(gu_n * l_count * layers);  // left unwritten: the workers fault the pages in
   out.w_down.resize(dn_n * l_count * layers);
+  AdviseHugePages(out.w_gate_up.data(), out.w_gate_up.size() * 2);
+  AdviseHugePages(out.w_down.data(), out.w_down.size() * 2);
   // Items in layer-major order; digests[slot][layer].
   const int64_t items = l_count * layers;
   std::vector<std::vector<std::string>> digests(l_count, std::vector<std::string>(layers));
@@ -93,12 +109,8 @@ absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& ckpt, cons
       uint16_t* gu = out.w_gate_up.data() + (li * l_count + j) * gu_n;
       uint16_t* dn = out.w_down.data() + (li * l_count + j) * dn_n;
       const int64_t layer = out.layers.empty() ? 0 : out.layers[li];
-      absl::Status s = ckpt.ReadExpert(layer, slot.expert.value(), gu, dn);
-      if (!s.ok()) {
-        s = absl::Status(s.code(), absl::StrCat("slot ", slot.name, ": ", s.message()));
-      } else {
-        digests[j][li] = ExpertDigest(gu, gu_n, dn, dn_n);
-      }
+      absl::Status s = ckpt.ReadExpertWithDigest(layer, slot.expert.value(), gu, dn, &digests[j][li]);
+      if (!s.ok()) s = absl::Status(s.code(), absl::StrCat("slot ", slot.name, ": ", s.message()));
       if (!s.ok()) {
         absl::MutexLock lock(&mu);
         if (first_error.ok()) first_error = s;

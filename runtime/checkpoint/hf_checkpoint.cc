@@ -287,7 +287,15 @@ const TensorRef* HfCheckpoint::Tensor(const std::string& name, const MappedSafet
   return (*shard)->Find(name);
 }
 
-absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out) const {
+// Rows per converted block: about 256 KiB of output, hashed while it is still in cache.
+int64_t BlockRows(int64_t cols) { return std::max<int64_t>(1, (int64_t{128} << 10) / std::max<int64_t>(cols, 1)); }
+
+void Hash(void* hasher, const uint16_t* p, int64_t n) {
+  if (hasher != nullptr) EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(hasher), p, static_cast<size_t>(n) * 2);
+}
+
+absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out,
+                                      void* hasher) const {
   const MappedSafetensors* shard = nullptr;
   const TensorRef* t = Tensor(name, &shard);
   if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat(dir_, ": tensor ", name, " is missing"));
@@ -295,8 +303,14 @@ absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int
     return absl::FailedPreconditionError(absl::StrCat(dir_, ": tensor ", name, " has shape ", ShapeText(t->shape),
                                                       ", expected [", rows, ", ", cols, "]"));
   }
+  const int64_t block = BlockRows(cols);
   if (Convertible(t->dtype)) {
-    ToBf16(t->dtype, t->data, rows * cols, out);
+    const int width = SafetensorsDtypeWidth(t->dtype);
+    for (int64_t r = 0; r < rows; r += block) {
+      const int64_t n = std::min(block, rows - r) * cols;
+      ToBf16(t->dtype, t->data + r * cols * width, n, out + r * cols);
+      Hash(hasher, out + r * cols, n);
+    }
     shard->Release(*t);
     return absl::OkStatus();
   }
@@ -330,11 +344,15 @@ absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int
   }
   float lut[256];
   for (int v = 0; v < 256; ++v) lut[v] = kernels::Fp8E4M3ToFloat(static_cast<uint8_t>(v));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* srow = scales.data() + (r / br) * scols;
-    const uint8_t* src = t->data + r * cols;
-    uint16_t* dst = out + r * cols;
-    for (int64_t c = 0; c < cols; ++c) dst[c] = kernels::FloatToBf16(lut[src[c]] * srow[c / bc]);
+  for (int64_t r0 = 0; r0 < rows; r0 += block) {
+    const int64_t r1 = std::min(rows, r0 + block);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* srow = scales.data() + (r / br) * scols;
+      const uint8_t* src = t->data + r * cols;
+      uint16_t* dst = out + r * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = kernels::FloatToBf16(lut[src[c]] * srow[c / bc]);
+    }
+    Hash(hasher, out + r0 * cols, (r1 - r0) * cols);
   }
   shard->Release(*t);
   return absl::OkStatus();
@@ -364,6 +382,31 @@ absl::Status HfCheckpoint::ReadFusedExpert(const std::string& prefix, int expert
 }
 
 absl::Status HfCheckpoint::ReadExpert(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down) const {
+  return Read(layer, expert, gate_up, down, nullptr);
+}
+
+absl::Status HfCheckpoint::ReadExpertWithDigest(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down,
+                                                std::string* digest) const {
+  if (naming_ == ExpertNaming::kFused)
+    return CheckpointReader::ReadExpertWithDigest(layer, expert, gate_up, down, digest);
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  absl::Status s = Read(layer, expert, gate_up, down, ctx);
+  unsigned char md[32];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, md, &len);
+  EVP_MD_CTX_free(ctx);
+  if (!s.ok()) return s;
+  static const char kHex[] = "0123456789abcdef";
+  digest->clear();
+  for (unsigned char b : md) {
+    digest->push_back(kHex[b >> 4]);
+    digest->push_back(kHex[b & 15]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HfCheckpoint::Read(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down, void* hasher) const {
   if (!IsMoeLayer(layer)) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not a MoE layer of ", dir_));
   }
@@ -376,9 +419,13 @@ absl::Status HfCheckpoint::ReadExpert(int64_t layer, int expert, uint16_t* gate_
     return ReadFusedExpert(absl::StrCat(LayerPrefix(layer), fused_prefix_, ".experts."), expert, gate_up, down);
   }
   const auto names = ExpertNames(naming_, layer, expert);
-  RETURN_IF_ERROR(ReadMatrix(names[0], f, d, gate_up));
-  RETURN_IF_ERROR(ReadMatrix(names[1], f, d, gate_up + f * d));
-  return ReadMatrix(names[2], d, f, down);
+  for (const std::string& name : names) {  // all three read ahead while the first is copied
+    const MappedSafetensors* shard = nullptr;
+    if (const TensorRef* t = Tensor(name, &shard); t != nullptr) shard->Prefetch(*t);
+  }
+  RETURN_IF_ERROR(ReadMatrix(names[0], f, d, gate_up, hasher));
+  RETURN_IF_ERROR(ReadMatrix(names[1], f, d, gate_up + f * d, hasher));
+  return ReadMatrix(names[2], d, f, down, hasher);
 }
 
 }  // namespace moe

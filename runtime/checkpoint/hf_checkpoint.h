@@ -72,6 +72,9 @@ class HfCheckpoint final : public CheckpointReader {
   // FAILED_PRECONDITION naming the tensor when it is absent, misshapen or of an unsupported dtype.
   // Safe to call from several threads at once.
   absl::Status ReadExpert(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down) const override;
+  // Hashes each converted block of rows right after writing it (one pass over memory).
+  absl::Status ReadExpertWithDigest(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down,
+                                    std::string* digest) const override;
 
   // The sidecar's digest of (layer, expert), or "" when it records none.
   std::string RecordedDigest(int64_t layer, int expert) const override;
@@ -83,8 +86,10 @@ class HfCheckpoint final : public CheckpointReader {
   absl::Status DetectNaming();
   absl::Status ReadSidecar();
   const TensorRef* Tensor(const std::string& name, const MappedSafetensors** shard) const;
-  absl::Status ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out) const;
+  // `hasher` (an EVP_MD_CTX*, may be null) is updated with the converted rows as they are written.
+  absl::Status ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out, void* hasher) const;
   absl::Status ReadFusedExpert(const std::string& prefix, int expert, uint16_t* gate_up, uint16_t* down) const;
+  absl::Status Read(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down, void* hasher) const;
 
   std::string dir_;
   HfMoeConfig config_;

@@ -253,8 +253,9 @@ absl::Status WriteCheckpointSidecar(const std::string& dir, const std::string& v
   for (int l : ckpt->config().moe_layers) {
     ordered_json layer = ordered_json::array();
     for (int e = 0; e < shape.num_experts; ++e) {
-      RETURN_IF_ERROR(ckpt->ReadExpert(l, e, gu.data(), dn.data()));
-      layer.push_back(ExpertDigest(gu.data(), gu.size(), dn.data(), dn.size()));
+      std::string digest;
+      RETURN_IF_ERROR(ckpt->ReadExpertWithDigest(l, e, gu.data(), dn.data(), &digest));
+      layer.push_back(digest);
     }
     digests[absl::StrCat(l)] = std::move(layer);
   }

@@ -127,6 +127,13 @@ const TensorRef* MappedSafetensors::Find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+void MappedSafetensors::Prefetch(const TensorRef& t) const {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = static_cast<uint64_t>(t.data - base_) / page * page;
+  const uint64_t end = static_cast<uint64_t>(t.data - base_) + t.bytes;
+  if (end > begin) ::madvise(const_cast<uint8_t*>(base_) + begin, end - begin, MADV_WILLNEED);
+}
+
 void MappedSafetensors::Release(const TensorRef& t) const {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   const uint64_t begin = static_cast<uint64_t>(t.data - base_);

@@ -45,6 +45,8 @@ class MappedSafetensors {
   // Tells the kernel the caller is done with [data, data + bytes) of a tensor (MADV_DONTNEED on
   // the whole pages inside it), so a long load does not keep every shard's pages resident.
   void Release(const TensorRef& t) const;
+  // Asks the kernel to read a tensor's pages ahead (MADV_WILLNEED) before the caller copies it.
+  void Prefetch(const TensorRef& t) const;
 
  private:
   MappedSafetensors() = default;

@@ -48,6 +48,29 @@
 
 namespace moe {
 
+// An allocator whose value-initialization leaves elements uninitialized: weight buffers of
+// many GB are written once by the loader's threads, which fault their pages in in parallel,
+// instead of being zeroed first by one thread.
+template <class T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <class U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using WeightBuffer = std::vector<uint16_t, UninitializedAllocator<uint16_t>>;
+
 // Weights of this rank's physical slots under one generation, in the manifest's local order,
 // for every MoE layer it serves (the generation's layers), layer after layer.
 struct LocalExperts {
@@ -55,8 +78,8 @@ struct LocalExperts {
   int d_ff = 0;
   // The MoE layers served, ascending; empty: one expert set serves every layer index.
   std::vector<int64_t> layers;
-  std::vector<uint16_t> w_gate_up;  // [layers][L, 2 d_ff, d] BF16
-  std::vector<uint16_t> w_down;     // [layers][L, d, d_ff] BF16
+  WeightBuffer w_gate_up;  // [layers][L, 2 d_ff, d] BF16
+  WeightBuffer w_down;     // [layers][L, d, d_ff] BF16
 
   int num_layers() const { return layers.empty() ? 1 : static_cast<int>(layers.size()); }
   // Position of `layer` in `layers` (0 when it is empty), -1 when it is not served.
