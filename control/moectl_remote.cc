@@ -469,20 +469,55 @@ absl::Status RunPlacementLoad(const RemoteCall& call) {
   return absl::OkStatus();
 }
 
-// The EPLB problem of `rebalance`: the routes every rank counted per expert and the slots each
-// serves now.
-absl::StatusOr<RebalanceInput> RebalanceInputFromRanks(const v1::ClusterStatusResponse& resp, const RemoteOptions& o) {
-  RebalanceInput in;
-  in.num_replicas = o.num_replicas;
-  in.num_groups = o.num_groups;
-  in.num_nodes = o.num_nodes;
+// The EPLB problems of `rebalance`: the routes every rank counted per expert and the slots each
+// serves now, summed over the layers, and per MoE layer when the active generation has layers.
+struct RebalanceInputs {
+  RebalanceInput total;
+  std::vector<int64_t> layers;
+  std::vector<RebalanceInput> per_layer;  // one per entry of `layers`
+};
+
+absl::StatusOr<RebalanceInputs> RebalanceInputFromRanks(const v1::ClusterStatusResponse& resp, const RemoteOptions& o) {
+  RebalanceInputs in;
+  for (RebalanceInput* x : {&in.total}) {
+    x->num_replicas = o.num_replicas;
+    x->num_groups = o.num_groups;
+    x->num_nodes = o.num_nodes;
+  }
   for (const v1::RankAgentReport& rep : resp.ranks()) {
     if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
     const auto& routes = rep.status().expert_routes();
-    if (in.expert_load.size() < static_cast<size_t>(routes.size())) in.expert_load.resize(routes.size(), 0);
-    for (int e = 0; e < routes.size(); ++e) in.expert_load[e] += routes[e];
-    in.current_slot_experts.emplace_back(rep.status().active_slot_experts().begin(),
-                                         rep.status().active_slot_experts().end());
+    if (in.total.expert_load.size() < static_cast<size_t>(routes.size())) in.total.expert_load.resize(routes.size(), 0);
+    for (int e = 0; e < routes.size(); ++e) in.total.expert_load[e] += routes[e];
+    in.total.current_slot_experts.emplace_back(rep.status().active_slot_experts().begin(),
+                                               rep.status().active_slot_experts().end());
+  }
+  // Per layer: every rank must report the same layers (they serve one generation).
+  for (int r = 0; r < resp.ranks_size(); ++r) {
+    const auto& layers = resp.ranks(r).status().layers();
+    if (r == 0) {
+      for (const v1::LayerLoad& l : layers) {
+        in.layers.push_back(l.layer());
+        in.per_layer.push_back(in.total);
+        in.per_layer.back().expert_load.assign(l.expert_routes_size(), 0);
+        in.per_layer.back().current_slot_experts.clear();
+      }
+    }
+    if (layers.size() != static_cast<int>(in.layers.size())) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", resp.ranks(r).address(), " reports ", layers.size(),
+                                                        " layers, rank 0 ", in.layers.size(), ": a switch under way?"));
+    }
+    for (int i = 0; i < layers.size(); ++i) {
+      RebalanceInput& x = in.per_layer[i];
+      if (layers[i].layer() != in.layers[i] ||
+          layers[i].expert_routes_size() != static_cast<int>(x.expert_load.size())) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("rank ", resp.ranks(r).address(), ": layer ", layers[i].layer(), " differs from rank 0's"));
+      }
+      for (int e = 0; e < layers[i].expert_routes_size(); ++e) x.expert_load[e] += layers[i].expert_routes(e);
+      x.current_slot_experts.emplace_back(layers[i].active_slot_experts().begin(),
+                                          layers[i].active_slot_experts().end());
+    }
   }
   return in;
 }
@@ -502,34 +537,83 @@ void PrintRebalance(int num_ranks, const RebalanceInput& in, const RebalancePlan
                                plan.balancedness_after);
 }
 
-// `rebalance --out F`: the plan as a PlacementManifest JSON over the ranks' topology.
-absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, const RebalanceInput& in,
-                                    const RebalancePlan& plan) {
+// Per-layer EPLB: one line per layer, then the balancedness of the layers' summed rank loads.
+void PrintLayerRebalance(int num_ranks, const RebalanceInputs& in, const std::vector<RebalancePlan>& plans) {
+  std::cout << absl::StrFormat("EPLB per MoE layer over the load of %d ranks: %d layers, %d physical slots each\n",
+                               num_ranks, in.layers.size(), plans.front().num_replicas);
+  std::cout << absl::StrFormat("%-8s %12s %12s %12s %10s\n", "LAYER", "ROUTES", "BAL BEFORE", "BAL AFTER",
+                               "MAX COPIES");
+  std::vector<double> before(num_ranks, 0), after(num_ranks, 0);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    int64_t routes = 0;
+    for (int64_t w : in.per_layer[i].expert_load) routes += w;
+    std::cout << absl::StrFormat("%-8d %12d %12.3f %12.3f %10d\n", in.layers[i], routes, plans[i].balancedness_before,
+                                 plans[i].balancedness_after,
+                                 *std::max_element(plans[i].copies_after.begin(), plans[i].copies_after.end()));
+    for (int r = 0; r < num_ranks; ++r) {
+      before[r] += plans[i].rank_load_before[r];
+      after[r] += plans[i].rank_load_after[r];
+    }
+  }
+  std::cout << absl::StrFormat("balancedness (mean/max rank load, every layer): before %.3f, after %.3f\n",
+                               Balancedness(before), Balancedness(after));
+}
+
+// `rebalance --out F`: the plan as a PlacementManifest JSON over the ranks' topology: one slot
+// table per layer when the plans are per layer.
+absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, int num_experts, bool per_layer,
+                                    const std::vector<RebalancePlan>& plans) {
   std::unique_ptr<SafetensorsFile> storage;
   auto ckpt = OpenCheckpoint(o.checkpoint, &storage);
   if (!ckpt.ok()) return absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message()));
   MOE_CHECK(o.topology != nullptr, "RemoteOptions.topology: the caller provides the ranks' topology");
   const Topology topology = o.topology(world);
   const ProcessGroup group = LocalClusterGroup(world, o.epoch);
-  auto m = PlacementFromAssignment(PlacementVersion(o.placement_version), static_cast<int>(in.expert_load.size()),
-                                   plan.expert_rank, topology, group, (*ckpt)->Identity());
+  const CheckpointIdentity id = (*ckpt)->Identity();
+  absl::StatusOr<std::shared_ptr<const PlacementManifest>> m;
+  if (!per_layer) {
+    m = PlacementFromAssignment(PlacementVersion(o.placement_version), num_experts, plans.front().expert_rank, topology,
+                                group, id);
+  } else {
+    std::vector<std::vector<std::pair<int, int>>> per_layer;
+    for (const RebalancePlan& p : plans) per_layer.push_back(p.expert_rank);
+    m = LayeredPlacementFromAssignment(PlacementVersion(o.placement_version), num_experts, per_layer, topology, group,
+                                       id);
+  }
   if (!m.ok()) return m.status();
   std::ofstream(o.out) << Json(ManifestToProto(**m, topology));
-  std::cout << "wrote placement-v" << o.placement_version << " to " << o.out << "\n";
+  std::cout << "wrote placement-v" << o.placement_version << " to " << o.out
+            << ((*m)->per_layer() ? absl::StrCat(" (", (*m)->layers().size(), " per-layer slot tables)") : "") << "\n";
   return absl::OkStatus();
 }
 
-// `rebalance --dry_run [--out F ...]`: EPLB over the ranks' observed load.
+// `rebalance --dry_run [--out F ...]`: EPLB over the ranks' observed load, per MoE layer when
+// the ranks serve layers.
 absl::Status RunRebalance(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
   if (!o.dry_run)
     return absl::InvalidArgumentError("--dry_run: required (rebalance only plans; load the plan with placement load)");
   ASSIGN_OR_RETURN(const v1::ClusterStatusResponse resp, GetClusterStatus(call));
-  ASSIGN_OR_RETURN(const RebalanceInput in, RebalanceInputFromRanks(resp, o));
-  auto plan = PlanRebalance(in);
-  if (!plan.ok()) return plan.status();
-  PrintRebalance(resp.ranks_size(), in, *plan);
-  if (!o.out.empty()) return WriteRebalanceManifest(o, resp.ranks_size(), in, *plan);
+  ASSIGN_OR_RETURN(const RebalanceInputs in, RebalanceInputFromRanks(resp, o));
+  std::vector<RebalancePlan> plans;
+  if (in.layers.empty()) {
+    ASSIGN_OR_RETURN(RebalancePlan plan, PlanRebalance(in.total));
+    PrintRebalance(resp.ranks_size(), in.total, plan);
+    plans.push_back(std::move(plan));
+  } else {
+    for (size_t i = 0; i < in.layers.size(); ++i) {
+      auto plan = PlanRebalance(in.per_layer[i]);
+      if (!plan.ok()) {
+        return absl::Status(plan.status().code(), absl::StrCat("layer ", in.layers[i], ": ", plan.status().message()));
+      }
+      plans.push_back(*std::move(plan));
+    }
+    PrintLayerRebalance(resp.ranks_size(), in, plans);
+  }
+  if (!o.out.empty()) {
+    return WriteRebalanceManifest(o, resp.ranks_size(), static_cast<int>(in.total.expert_load.size()),
+                                  !in.layers.empty(), plans);
+  }
   return absl::OkStatus();
 }
 

@@ -43,10 +43,11 @@ echo "$(ts)  $RANKS ranks: $BACKEND_NAME"
 start_ranks "$RANKD" "$work" "$RANKS" "$work/model" \
   --agent_token_file "$work/agent_token"
 ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
-# Expert weights: 4 layers x 3 x d x d_ff BF16 = 786432 bytes a copy; a migration may peak at 40 copies.
+# Expert weights: 3 x d x d_ff BF16 = 196608 bytes an expert in one layer, 786432 a slot with its
+# 4 layers; a migration may peak at 40 slots.
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" \
   --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
-  --expert_bytes 786432 --migration_budget_bytes $((40 * 786432)) \
+  --expert_bytes 196608 --migration_budget_bytes $((40 * 786432)) \
   --shadow_every 2 --canary_every 3 --min_shadow 10 --min_canary 10 --max_fallback_ratio 1 \
   >"$work/controller.log" 2>&1 &
 ctl_pid=$!

@@ -7,6 +7,49 @@
 
 namespace moe {
 
+namespace {
+
+void SlotToProto(const SlotRecord& s, const Topology& topology, v1::PhysicalSlot* out) {
+  out->set_physical_slot_id(s.slot.value());
+  out->set_name(s.name);
+  out->set_logical_expert_id(s.expert.value());
+  out->set_replica_id(s.replica.value());
+  out->set_replica_name(s.replica_name);
+  out->set_destination_rank(s.rank.value());
+  out->set_topology_domain(topology.NodeName(s.domain));
+  out->set_checkpoint_version(s.checkpoint.value());
+  out->set_parameter_digest(s.parameter_digest.value());
+  for (const std::string& d : s.layer_digests) out->add_layer_digests(d);
+}
+
+absl::StatusOr<std::vector<SlotRecord>> SlotsFromProto(const google::protobuf::RepeatedPtrField<v1::PhysicalSlot>& in,
+                                                       const Topology& topology, const std::string& field) {
+  std::vector<SlotRecord> slots;
+  for (int i = 0; i < in.size(); ++i) {
+    const v1::PhysicalSlot& s = in.Get(i);
+    SlotRecord r;
+    r.slot = PhysicalSlotId(s.physical_slot_id());
+    r.name = s.name();
+    r.expert = LogicalExpertId(s.logical_expert_id());
+    r.replica = ReplicaId(s.replica_id());
+    r.replica_name = s.replica_name();
+    r.rank = Rank(s.destination_rank());
+    const int domain = topology.FindNode(s.topology_domain());
+    if (domain < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "].topology_domain: unknown node '", s.topology_domain(), "'"));
+    }
+    r.domain = TopologyDomainId(domain);
+    r.checkpoint = CheckpointVersion(s.checkpoint_version());
+    r.parameter_digest = ParameterDigest(s.parameter_digest());
+    r.layer_digests.assign(s.layer_digests().begin(), s.layer_digests().end());
+    slots.push_back(std::move(r));
+  }
+  return slots;
+}
+
+}  // namespace
+
 v1::PlacementManifest ManifestToProto(const PlacementManifest& m, const Topology& topology) {
   v1::PlacementManifest p;
   p.set_version(m.version().value());
@@ -14,20 +57,15 @@ v1::PlacementManifest ManifestToProto(const PlacementManifest& m, const Topology
   p.set_process_group_epoch(m.epoch().value());
   p.set_checkpoint_version(m.checkpoint().value());
   p.set_num_logical_experts(m.num_experts());
-  for (const SlotRecord& s : m.slots()) {
-    v1::PhysicalSlot* out = p.add_slots();
-    out->set_physical_slot_id(s.slot.value());
-    out->set_name(s.name);
-    out->set_logical_expert_id(s.expert.value());
-    out->set_replica_id(s.replica.value());
-    out->set_replica_name(s.replica_name);
-    out->set_destination_rank(s.rank.value());
-    out->set_topology_domain(topology.NodeName(s.domain));
-    out->set_checkpoint_version(s.checkpoint.value());
-    out->set_parameter_digest(s.parameter_digest.value());
-    for (const std::string& d : s.layer_digests) out->add_layer_digests(d);
-  }
+  for (const SlotRecord& s : m.slots()) SlotToProto(s, topology, p.add_slots());
   for (int64_t l : m.layers()) p.add_layers(l);
+  if (m.per_layer()) {
+    for (size_t i = 0; i < m.layers().size(); ++i) {
+      v1::LayerSlots* table = p.add_layer_slots();
+      table->set_layer(m.layers()[i]);
+      for (const SlotRecord& s : m.LayerAt(static_cast<int>(i)).slots()) SlotToProto(s, topology, table->add_slots());
+    }
+  }
   return p;
 }
 
@@ -43,28 +81,26 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> ManifestFromProto(const
   o.checkpoint = CheckpointVersion(p.checkpoint_version());
   o.num_experts = p.num_logical_experts();
   o.layers.assign(p.layers().begin(), p.layers().end());
-  std::vector<SlotRecord> slots;
-  for (int i = 0; i < p.slots_size(); ++i) {
-    const v1::PhysicalSlot& s = p.slots(i);
-    SlotRecord r;
-    r.slot = PhysicalSlotId(s.physical_slot_id());
-    r.name = s.name();
-    r.expert = LogicalExpertId(s.logical_expert_id());
-    r.replica = ReplicaId(s.replica_id());
-    r.replica_name = s.replica_name();
-    r.rank = Rank(s.destination_rank());
-    const int domain = topology.FindNode(s.topology_domain());
-    if (domain < 0) {
+  if (p.layer_slots_size() > 0) {
+    if (p.layer_slots_size() != p.layers_size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("slots[", i, "].topology_domain: unknown node '", s.topology_domain(), "'"));
+          absl::StrCat("layer_slots: ", p.layer_slots_size(), " tables for ", p.layers_size(), " layers"));
     }
-    r.domain = TopologyDomainId(domain);
-    r.checkpoint = CheckpointVersion(s.checkpoint_version());
-    r.parameter_digest = ParameterDigest(s.parameter_digest());
-    r.layer_digests.assign(s.layer_digests().begin(), s.layer_digests().end());
-    slots.push_back(std::move(r));
+    std::vector<std::vector<SlotRecord>> tables;
+    for (int i = 0; i < p.layer_slots_size(); ++i) {
+      if (p.layer_slots(i).layer() != p.layers(i)) {
+        return absl::InvalidArgumentError(absl::StrCat("layer_slots[", i, "].layer: ", p.layer_slots(i).layer(),
+                                                       ", layers[", i, "] is ", p.layers(i)));
+      }
+      auto slots = SlotsFromProto(p.layer_slots(i).slots(), topology, absl::StrCat("layer_slots[", i, "].slots"));
+      if (!slots.ok()) return slots.status();
+      tables.push_back(*std::move(slots));
+    }
+    return PlacementManifest::CreateLayered(o, std::move(tables), topology);
   }
-  return PlacementManifest::Create(o, std::move(slots), topology);
+  auto slots = SlotsFromProto(p.slots(), topology, "slots");
+  if (!slots.ok()) return slots.status();
+  return PlacementManifest::Create(o, *std::move(slots), topology);
 }
 
 namespace {
@@ -127,6 +163,21 @@ std::string PlacementDigest(const PlacementManifest& m, const Topology& topology
     for (const SlotRecord& s : m.slots()) {
       h.Int(static_cast<int64_t>(s.layer_digests.size()));
       for (const std::string& d : s.layer_digests) h.Str(d);
+    }
+    if (m.per_layer()) {  // every layer's own table
+      h.Str("layer_slots");
+      for (size_t i = 0; i < m.layers().size(); ++i) {
+        for (const SlotRecord& s : m.LayerAt(static_cast<int>(i)).slots()) {
+          h.Int(s.slot.value());
+          h.Str(s.name);
+          h.Int(s.expert.value());
+          h.Int(s.replica.value());
+          h.Str(s.replica_name);
+          h.Int(s.rank.value());
+          h.Str(s.checkpoint.value());
+          h.Str(s.parameter_digest.value());
+        }
+      }
     }
   }
   return h.Finish();

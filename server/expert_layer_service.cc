@@ -176,6 +176,8 @@ absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, cons
 // Phase: encode the step record, and count it.
 void EncodeRecord(const StepRecord& r, bool decode, RankMetrics* metrics, v1::StepRecord* rec) {
   rec->set_placement_generation(r.placement_version);
+  rec->set_layer(r.layer);
+  metrics->LayerRoutes(r.layer, r.routes_accepted);
   rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
   if (decode && !r.graph_replay) {
     rec->set_fallback_reason(r.fallback_reason);

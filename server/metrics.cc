@@ -41,6 +41,10 @@ RankMetrics::RankMetrics(const std::string& release)
                     .Help("Layer steps being executed")
                     .Register(*registry_)
                     .Add({{"release", release_}});
+  layer_routes_ = &prometheus::BuildCounter()
+                       .Name("moe_layer_routes_total")
+                       .Help("Accepted routes of served steps, per MoE layer (the per-layer load EPLB balances)")
+                       .Register(*registry_);
   auto& load_bytes = prometheus::BuildGauge()
                          .Name("moe_checkpoint_load_bytes")
                          .Help("Expert bytes of this rank's checkpoint load: placed so far (state=done) and in all")
@@ -58,6 +62,13 @@ RankMetrics::RankMetrics(const std::string& release)
                        .Help("Wall time of the checkpoint load so far")
                        .Register(*registry_)
                        .Add({{"release", release_}});
+}
+
+void RankMetrics::LayerRoutes(int64_t layer, int64_t accepted) {
+  std::lock_guard<std::mutex> lock(series_mu_);
+  prometheus::Counter*& c = layer_series_[layer];
+  if (c == nullptr) c = &layer_routes_->Add({{"release", release_}, {"layer", std::to_string(layer)}});
+  c->Increment(static_cast<double>(accepted));
 }
 
 void RankMetrics::CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total,

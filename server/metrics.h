@@ -6,6 +6,7 @@
 #define MOE_SERVER_METRICS_H_
 
 #include <array>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,6 +30,9 @@ class RankMetrics {
 
   void Step(const std::string& phase, const std::string& path, const std::string& status, double seconds);
   void Routes(int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote, int64_t inter_node);
+  // Accepted routes of a served step of `layer` (label `layer`: bounded by the model's MoE
+  // layers, since steps of any other layer are refused before they count).
+  void LayerRoutes(int64_t layer, int64_t accepted);
   void Fallback(const std::string& reason);
   void BytesSent(int64_t bytes);
   void Generation(int64_t version);
@@ -46,6 +50,7 @@ class RankMetrics {
   prometheus::Family<prometheus::Counter>* routes_;
   prometheus::Family<prometheus::Counter>* fallbacks_;
   prometheus::Family<prometheus::Histogram>* stage_latency_;
+  prometheus::Family<prometheus::Counter>* layer_routes_;
   prometheus::Counter* bytes_sent_;
   prometheus::Gauge* generation_;
   prometheus::Gauge* in_flight_;
@@ -75,6 +80,7 @@ class RankMetrics {
   std::vector<StepSeries> step_series_;                                        // guarded by series_mu_
   std::unique_ptr<RouteSeries> route_series_;                                  // guarded by series_mu_
   std::vector<std::pair<std::string, prometheus::Counter*>> fallback_series_;  // guarded by series_mu_
+  std::map<int64_t, prometheus::Counter*> layer_series_;                       // guarded by series_mu_
   // Per step phase (prefill, decode) the histogram of each stage, made on first use.
   std::vector<std::pair<std::string, std::array<prometheus::Histogram*, kNumStepPhases>>>
       stage_series_;  // guarded by series_mu_

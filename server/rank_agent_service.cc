@@ -39,8 +39,7 @@ v1::GenerationState ToProto(GenerationState s) {
   return v1::GENERATION_STATE_UNSPECIFIED;
 }
 
-// Same version, same slots: a repeated PrepareGeneration.
-bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
+bool SameTable(const PlacementManifest& a, const PlacementManifest& b) {
   if (a.slots().size() != b.slots().size()) return false;
   for (size_t i = 0; i < a.slots().size(); ++i) {
     const SlotRecord &x = a.slots()[i], &y = b.slots()[i];
@@ -49,7 +48,16 @@ bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
       return false;
     }
   }
-  return a.layers() == b.layers();
+  return true;
+}
+
+// Same version, same slots (in every layer): a repeated PrepareGeneration.
+bool SameSlots(const PlacementManifest& a, const PlacementManifest& b) {
+  if (a.layers() != b.layers() || a.per_layer() != b.per_layer() || !SameTable(a, b)) return false;
+  for (int i = 0; a.per_layer() && i < static_cast<int>(a.layers().size()); ++i) {
+    if (!SameTable(a.LayerAt(i), b.LayerAt(i))) return false;
+  }
+  return true;
 }
 
 // Index of slot `q` among `rank`'s local slots of `m` (the order of its weights), -1 if `q` is
@@ -84,54 +92,57 @@ SlotSizes CheckpointSlotSizes(const CheckpointReader& checkpoint) {
 }
 
 // The source of the 0x08F plan: the placement this rank serves now, with its weights in memory,
-// and this rank's steps of the plan from it (none without an active placement in memory).
+// and this rank's steps of every layer's plan from it (none without an active placement in
+// memory over the same layers).
 struct MigrationSource {
   std::shared_ptr<const PlacementManifest> from;
   std::shared_ptr<const LocalExperts> weights;
-  std::map<int64_t, MigrationStep> mine;  // target slot -> step
+  std::vector<std::map<int64_t, MigrationStep>> mine;  // [layer index]: target slot -> step
 };
 
 absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const PlacementManifest& to,
                                                const SlotSizes& sizes) {
   MigrationSource src;
+  src.mine.resize(sizes.num_layers);
   const int64_t active = c.registry->ActiveVersion();
   if (active >= 0) {
     auto live = c.registry->RequireLive(PlacementVersion(active));
     if (live.ok()) src.from = *live;
     src.weights = c.executor->HostWeights(PlacementVersion(active));
   }
-  if (src.from != nullptr && src.weights != nullptr) {
-    ASSIGN_OR_RETURN(MigrationPlan plan,
-                     PlanMigration(*src.from, to, c.topology, static_cast<int64_t>(sizes.gu_n + sizes.dn_n) * 2));
-    for (const MigrationStep& st : plan.steps) {
-      if (st.target_rank == c.rank) src.mine[st.target_slot.value()] = st;
+  if (src.from != nullptr && src.weights != nullptr && src.from->layers() == to.layers() &&
+      src.weights->layers == sizes.layers) {
+    ASSIGN_OR_RETURN(LayeredMigrationPlan plan,
+                     PlanLayeredMigration(*src.from, to, c.topology, static_cast<int64_t>(sizes.gu1 + sizes.dn1) * 2));
+    for (int li = 0; li < sizes.num_layers; ++li) {
+      for (const MigrationStep& st : plan.per_layer[li].steps) {
+        if (st.target_rank == c.rank) src.mine[li][st.target_slot.value()] = st;
+      }
     }
   }
   return src;
 }
 
-// One slot's expert weights, BF16.
-struct SlotTensors {
-  std::vector<uint16_t> gate_up, down;
+// One expert in one layer of a rank's weights (layer after layer, L local slots each).
+struct ExpertAt {
+  uint16_t* gate_up;
+  uint16_t* down;
 };
+ExpertAt At(LocalExperts& w, size_t l_count, int li, int64_t j, const SlotSizes& s) {
+  const size_t at = li * l_count + j;
+  return {w.w_gate_up.data() + at * s.gu1, w.w_down.data() + at * s.dn1};
+}
 
-// Retain / local duplicate: the weights of `source` (a slot of `m` on `rank`) from `src`, the
-// weights of m's local slots in memory (layer after layer, L slots each).
-absl::Status CopyInMemory(const LocalExperts& src, const PlacementManifest& m, Rank rank, PhysicalSlotId source,
-                          const SlotSizes& sizes, const SlotRecord& slot, MigrationAction action, SlotTensors* w) {
-  const int64_t j = LocalIndex(m, rank, source);
-  const size_t l_count = m.LocalSlots(rank).size();
-  if (j < 0 || src.layers != sizes.layers || src.w_gate_up.size() < sizes.gu1 * l_count * sizes.num_layers ||
-      src.w_down.size() < sizes.dn1 * l_count * sizes.num_layers) {
+// Retain / local duplicate: layer li's copy of local slot j (of `l_count`) in `src`.
+absl::Status CopyInMemory(const LocalExperts& src, size_t l_count, int li, int64_t j, const SlotSizes& sizes,
+                          const SlotRecord& slot, MigrationAction action, ExpertAt out) {
+  const size_t at = li * l_count + j;
+  if (j < 0 || src.layers != sizes.layers || (at + 1) * sizes.gu1 > src.w_gate_up.size() ||
+      (at + 1) * sizes.dn1 > src.w_down.size()) {
     return absl::InternalError(absl::StrCat("slot ", slot.name, ": ", MigrationActionName(action), " source missing"));
   }
-  w->gate_up.resize(sizes.gu_n);
-  w->down.resize(sizes.dn_n);
-  for (int li = 0; li < sizes.num_layers; ++li) {
-    const size_t at = li * l_count + j;
-    std::copy_n(src.w_gate_up.begin() + at * sizes.gu1, sizes.gu1, w->gate_up.begin() + li * sizes.gu1);
-    std::copy_n(src.w_down.begin() + at * sizes.dn1, sizes.dn1, w->down.begin() + li * sizes.dn1);
-  }
+  std::copy_n(src.w_gate_up.begin() + at * sizes.gu1, sizes.gu1, out.gate_up);
+  std::copy_n(src.w_down.begin() + at * sizes.dn1, sizes.dn1, out.down);
   return absl::OkStatus();
 }
 
@@ -141,9 +152,10 @@ class PeerAgents {
  public:
   PeerAgents(const std::vector<std::string>& peers, const std::string& token) : peers_(peers), token_(token) {}
 
-  // The weights of `step`'s source slot in placement `from`, fetched from the rank holding it.
-  absl::Status Fetch(PlacementVersion from, const MigrationStep& step, const SlotRecord& slot, const SlotSizes& sizes,
-                     SlotTensors* out) {
+  // Layer `layer`'s copy of `step`'s source slot in placement `from` (the whole single expert
+  // set when the checkpoint has no layers), fetched from the rank holding it.
+  absl::Status Fetch(PlacementVersion from, const MigrationStep& step, const SlotRecord& slot, int64_t layer,
+                     const SlotSizes& sizes, ExpertAt out) {
     const int e = slot.expert.value();
     const int src_rank = step.source_rank.value();
     grpc::ClientContext ctx;
@@ -152,20 +164,20 @@ class PeerAgents {
     v1::FetchSlotRequest freq;
     freq.set_version(from.value());
     freq.set_slot(static_cast<int32_t>(step.source_slot.value()));
+    if (!sizes.layers.empty()) freq.set_layer(layer);
     v1::SlotWeights w;
     const grpc::Status fetched = Stub(src_rank).FetchSlotWeights(&ctx, freq, &w);
     if (!fetched.ok()) {
-      return absl::UnavailableError(absl::StrCat("slot ", slot.name, ": copy of expert ", e, " from rank ", src_rank,
-                                                 " (", peers_.at(src_rank), "): ", fetched.error_message()));
+      return absl::UnavailableError(absl::StrCat("slot ", slot.name, ": copy of expert ", e, " (layer ", layer,
+                                                 ") from rank ", src_rank, " (", peers_.at(src_rank),
+                                                 "): ", fetched.error_message()));
     }
-    if (w.expert() != e || w.w_gate_up().size() != sizes.gu_n * 2 || w.w_down().size() != sizes.dn_n * 2) {
+    if (w.expert() != e || w.w_gate_up().size() != sizes.gu1 * 2 || w.w_down().size() != sizes.dn1 * 2) {
       return absl::DataLossError(absl::StrCat("slot ", slot.name, ": rank ", src_rank, " sent expert ", w.expert(),
                                               " with ", w.w_gate_up().size() + w.w_down().size(), " bytes"));
     }
-    out->gate_up.resize(sizes.gu_n);
-    out->down.resize(sizes.dn_n);
-    std::memcpy(out->gate_up.data(), w.w_gate_up().data(), sizes.gu_n * 2);
-    std::memcpy(out->down.data(), w.w_down().data(), sizes.dn_n * 2);
+    std::memcpy(out.gate_up, w.w_gate_up().data(), sizes.gu1 * 2);
+    std::memcpy(out.down, w.w_down().data(), sizes.dn1 * 2);
     return absl::OkStatus();
   }
 
@@ -186,30 +198,28 @@ class PeerAgents {
   std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
 };
 
-// Checkpoint load: the expert's tensors in every layer of the checkpoint.
-absl::Status LoadFromCheckpoint(const CheckpointReader& checkpoint, const SlotRecord& slot, const SlotSizes& sizes,
-                                SlotTensors* out) {
-  out->gate_up.resize(sizes.gu_n);
-  out->down.resize(sizes.dn_n);
-  for (int li = 0; li < sizes.num_layers; ++li) {
-    const int64_t layer = sizes.layers.empty() ? 0 : sizes.layers[li];
-    absl::Status s = checkpoint.ReadExpert(layer, slot.expert.value(), out->gate_up.data() + li * sizes.gu1,
-                                           out->down.data() + li * sizes.dn1);
-    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("slot ", slot.name, ": ", s.message()));
-  }
-  return absl::OkStatus();
+// The digest the manifest expects for layer li's copy of `slot` ("" when it records none): the
+// slot's own in a per-layer table, its per-layer digest in a shared one, the expert digest of a
+// single-layer checkpoint.
+std::string ExpectedDigest(const PlacementManifest& to, const SlotRecord& slot, int li, const SlotSizes& sizes) {
+  if (to.per_layer() || sizes.layers.empty()) return slot.parameter_digest.value();
+  return li < static_cast<int>(slot.layer_digests.size()) ? slot.layer_digests[li] : "";
 }
 
-// Every slot is verified before publish, however it was materialized (0x08F): per layer, and
-// the slot's parameter digest.
-absl::Status VerifySlotDigest(const SlotRecord& slot, MigrationAction action, const SlotSizes& sizes,
-                              const SlotTensors& w) {
-  std::vector<std::string> computed;
-  for (int li = 0; li < sizes.num_layers; ++li) {
-    computed.push_back(
-        ExpertDigest(w.gate_up.data() + li * sizes.gu1, sizes.gu1, w.down.data() + li * sizes.dn1, sizes.dn1));
+// Every copy is verified before publish, however it was materialized (0x08F).
+absl::Status VerifyDigest(const PlacementManifest& to, const SlotRecord& slot, int li, const SlotSizes& sizes,
+                          MigrationAction action, ExpertAt w) {
+  const std::string want = ExpectedDigest(to, slot, li, sizes);
+  if (want.empty()) return absl::OkStatus();
+  const std::string got = ExpertDigest(w.gate_up, sizes.gu1, w.down, sizes.dn1);
+  if (got != want) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("slot ", slot.name, " (expert ", slot.expert.value(), ")",
+                     sizes.layers.empty() ? std::string() : absl::StrCat(" layer ", sizes.layers[li]),
+                     ": parameter digest ", got.substr(0, 12), "... (", MigrationActionName(action),
+                     ") does not match the manifest's ", want.substr(0, 12)));
   }
-  return CheckSlotDigests(slot, sizes.layers, computed, MigrationActionName(action));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -304,33 +314,38 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
   out.experts.layers = sizes.layers;
   const auto local = to.LocalSlots(c_.rank);
   const size_t l_count = local.size();
+  const size_t from_count = source.from != nullptr ? source.from->LocalSlots(c_.rank).size() : 0;
   out.experts.w_gate_up.resize(sizes.gu_n * l_count);
   out.experts.w_down.resize(sizes.dn_n * l_count);
-  for (size_t j = 0; j < l_count; ++j) {
-    const PhysicalSlotId q = local[j];
-    const SlotRecord& slot = to.slot(q);
-    SlotTensors w;
-    auto it = source.mine.find(q.value());
-    MigrationAction action = it == source.mine.end() ? MigrationAction::kCheckpointLoad : it->second.action;
-    const bool network = action == MigrationAction::kSameNodeCopy || action == MigrationAction::kCrossNodeCopy;
-    if (network && peers.empty()) action = MigrationAction::kCheckpointLoad;
-    if (action == MigrationAction::kRetain || action == MigrationAction::kLocalDuplicate) {
-      const bool dup = action == MigrationAction::kLocalDuplicate;
-      RETURN_IF_ERROR(CopyInMemory(dup ? out.experts : *source.weights, dup ? to : *source.from, c_.rank,
-                                   it->second.source_slot, sizes, slot, action, &w));
-      ++(dup ? out.duplicated : out.retained);
-    } else if (action != MigrationAction::kCheckpointLoad) {
-      RETURN_IF_ERROR(peer_agents.Fetch(source.from->version(), it->second, slot, sizes, &w));
-      ++out.copied;
-    } else {
-      RETURN_IF_ERROR(LoadFromCheckpoint(*c_.checkpoint, slot, sizes, &w));
-      ++out.loaded;
-    }
-    RETURN_IF_ERROR(VerifySlotDigest(slot, action, sizes, w));
-    for (int li = 0; li < sizes.num_layers; ++li) {
-      const size_t at = li * l_count + j;
-      std::copy_n(w.gate_up.begin() + li * sizes.gu1, sizes.gu1, out.experts.w_gate_up.begin() + at * sizes.gu1);
-      std::copy_n(w.down.begin() + li * sizes.dn1, sizes.dn1, out.experts.w_down.begin() + at * sizes.dn1);
+  // Every layer's copy of every local slot, each as its layer's plan says.
+  for (int li = 0; li < sizes.num_layers; ++li) {
+    const int64_t layer = sizes.layers.empty() ? 0 : sizes.layers[li];
+    const PlacementManifest& table = to.LayerAt(li);
+    for (size_t j = 0; j < l_count; ++j) {
+      const SlotRecord& slot = table.slot(local[j]);
+      const ExpertAt dst = At(out.experts, l_count, li, static_cast<int64_t>(j), sizes);
+      auto it = source.mine[li].find(local[j].value());
+      MigrationAction action = it == source.mine[li].end() ? MigrationAction::kCheckpointLoad : it->second.action;
+      const bool network = action == MigrationAction::kSameNodeCopy || action == MigrationAction::kCrossNodeCopy;
+      if (network && peers.empty()) action = MigrationAction::kCheckpointLoad;
+      if (action == MigrationAction::kRetain) {
+        RETURN_IF_ERROR(CopyInMemory(*source.weights, from_count, li,
+                                     LocalIndex(*source.from, c_.rank, it->second.source_slot), sizes, slot, action,
+                                     dst));
+        ++out.retained;
+      } else if (action == MigrationAction::kLocalDuplicate) {
+        RETURN_IF_ERROR(CopyInMemory(out.experts, l_count, li, LocalIndex(to, c_.rank, it->second.source_slot), sizes,
+                                     slot, action, dst));
+        ++out.duplicated;
+      } else if (action != MigrationAction::kCheckpointLoad) {
+        RETURN_IF_ERROR(peer_agents.Fetch(source.from->version(), it->second, slot, layer, sizes, dst));
+        ++out.copied;
+      } else {
+        absl::Status s = c_.checkpoint->ReadExpert(layer, slot.expert.value(), dst.gate_up, dst.down);
+        if (!s.ok()) return absl::Status(s.code(), absl::StrCat("slot ", slot.name, ": ", s.message()));
+        ++out.loaded;
+      }
+      RETURN_IF_ERROR(VerifyDigest(to, slot, li, sizes, action, dst));
     }
   }
   return out;
@@ -358,13 +373,23 @@ grpc::Status RankAgentServiceImpl::FetchSlotWeights(grpc::ServerContext* ctx, co
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("placement-v", v.value(), ": no weights in memory on rank ", c_.rank.value()));
   }
-  // The slot's weights in every layer, layer after layer.
+  // The slot's weights in the requested layer, or in every layer, layer after layer.
   const size_t gu1 = static_cast<size_t>(2) * w->d_ff * w->d, dn1 = static_cast<size_t>(w->d) * w->d_ff;
   const size_t l_count = m->LocalSlots(c_.rank).size();
-  resp->set_expert(m->slot(PhysicalSlotId(req->slot())).expert.value());
+  int first = 0, last = w->num_layers();
+  if (req->has_layer()) {
+    first = w->LayerIndex(req->layer());
+    if (first < 0 || w->layers.empty()) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("layer: ", req->layer(), " is not a layer of placement-v", v.value(),
+                                       " on rank ", c_.rank.value()));
+    }
+    last = first + 1;
+  }
+  resp->set_expert(m->LayerAt(first).slot(PhysicalSlotId(req->slot())).expert.value());
   std::string* gu = resp->mutable_w_gate_up();
   std::string* dn = resp->mutable_w_down();
-  for (int li = 0; li < w->num_layers(); ++li) {
+  for (int li = first; li < last; ++li) {
     const size_t at = li * l_count + j;
     gu->append(reinterpret_cast<const char*>(w->w_gate_up.data() + at * gu1), gu1 * 2);
     dn->append(reinterpret_cast<const char*>(w->w_down.data() + at * dn1), dn1 * 2);
@@ -454,12 +479,24 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   for (const auto& [version, c] : c_.executor->Counters()) {
     *resp->add_counters() = GenerationCountersToProto(version, c);
   }
+  const std::map<int64_t, std::vector<int64_t>> layer_load = c_.executor->LayerExpertLoad();
   for (const GenerationInfo& g : c_.registry->List()) {
     Fill(g, resp->add_generations());
-    if (g.state == GenerationState::kActive) {
-      for (PhysicalSlotId q : g.manifest->LocalSlots(c_.rank)) {
-        resp->add_active_slot_experts(g.manifest->slot(q).expert.value());
+    if (g.state != GenerationState::kActive) continue;
+    for (PhysicalSlotId q : g.manifest->LocalSlots(c_.rank)) {
+      resp->add_active_slot_experts(g.manifest->slot(q).expert.value());
+    }
+    for (size_t i = 0; i < g.manifest->layers().size(); ++i) {
+      const int64_t layer = g.manifest->layers()[i];
+      v1::LayerLoad* out = resp->add_layers();
+      out->set_layer(layer);
+      auto load = layer_load.find(layer);
+      for (int e = 0; e < g.manifest->num_experts(); ++e) {
+        out->add_expert_routes(
+            load == layer_load.end() || e >= static_cast<int>(load->second.size()) ? 0 : load->second[e]);
       }
+      const PlacementManifest& table = g.manifest->LayerAt(static_cast<int>(i));
+      for (PhysicalSlotId q : table.LocalSlots(c_.rank)) out->add_active_slot_experts(table.slot(q).expert.value());
     }
   }
   return grpc::Status::OK;

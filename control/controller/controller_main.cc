@@ -41,7 +41,9 @@ ABSL_FLAG(int, drain_timeout_s, 60, "rollback: how long the ranks may take to dr
 ABSL_FLAG(int64_t, migration_budget_bytes, 0,
           "placement load: refuse a placement whose migration from the active one peaks above this many bytes of "
           "expert weights (0: no admission check)");
-ABSL_FLAG(int64_t, expert_bytes, 0, "bytes of one expert copy's parameters (with --migration_budget_bytes)");
+ABSL_FLAG(int64_t, expert_bytes, 0,
+          "bytes of one expert copy's parameters in one MoE layer (with --migration_budget_bytes; moectl checkpoint "
+          "inspect prints it)");
 ABSL_FLAG(int64_t, shadow_every, 4, "trials: in SHADOW, every Nth step also runs on the candidate and is compared");
 ABSL_FLAG(int64_t, canary_every, 4, "trials: in CANARY, every Nth step is served by the candidate");
 ABSL_FLAG(int64_t, max_shadow_mismatches, 0,

@@ -457,12 +457,14 @@ absl::StatusOr<int64_t> StoreReleaseManager::MigrationPeak(const std::vector<Rel
     }
     auto from = ManifestFromProto(proto, topology);
     if (!from.ok()) return from.status();
-    auto plan = PlanMigration(**from, **target, topology, migration_.expert_bytes);
+    auto plan = PlanLayeredMigration(**from, **target, topology, migration_.expert_bytes);
     if (!plan.ok()) return plan.status();
-    return plan->peak_bytes;
+    return plan->total.peak_bytes;
   }
-  // Nothing active with a placement: every copy is loaded while nothing else is resident.
-  return static_cast<int64_t>((*target)->num_slots()) * migration_.expert_bytes;
+  // Nothing active with a placement: every copy of every layer is loaded while nothing else is
+  // resident.
+  const int64_t layers = std::max<int64_t>(1, static_cast<int64_t>((*target)->layers().size()));
+  return static_cast<int64_t>((*target)->num_slots()) * layers * migration_.expert_bytes;
 }
 
 absl::Status StoreReleaseManager::Reconcile() {

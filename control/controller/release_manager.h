@@ -33,7 +33,7 @@ namespace moe {
 // of the overlap from the ACTIVE release's placement. Off when budget_bytes is 0.
 struct MigrationBudget {
   int64_t budget_bytes = 0;
-  int64_t expert_bytes = 0;  // one expert copy's parameters
+  int64_t expert_bytes = 0;  // one expert copy's parameters in one MoE layer
 };
 
 // How the ranks try a candidate: in SHADOW every shadow_every-th step also runs on it (outputs

@@ -83,13 +83,25 @@ std::shared_ptr<const LocalExperts> LayerExecutor::HostWeights(PlacementVersion 
 
 std::vector<int64_t> LayerExecutor::ExpertLoad() const {
   absl::MutexLock lock(&generations_mu_);
-  return expert_load_;
+  std::vector<int64_t> total;
+  for (const auto& [layer, load] : layer_load_) {
+    if (total.size() < load.size()) total.resize(load.size(), 0);
+    for (size_t e = 0; e < load.size(); ++e) total[e] += load[e];
+  }
+  return total;
+}
+
+std::map<int64_t, std::vector<int64_t>> LayerExecutor::LayerExpertLoad() const {
+  absl::MutexLock lock(&generations_mu_);
+  return layer_load_;
 }
 
 void LayerExecutor::DropGeneration(PlacementVersion version) {
   absl::MutexLock lock(&generations_mu_);
   experts_.erase(version.value());
-  layouts_.erase(version.value());
+  for (auto it = layouts_.begin(); it != layouts_.end();) {
+    it = it->first.first == version.value() ? layouts_.erase(it) : std::next(it);
+  }
   for (auto it = graphs_by_key_.begin(); it != graphs_by_key_.end();) {
     it = std::get<0>(it->first) == version.value() ? graphs_by_key_.erase(it) : std::next(it);
   }
@@ -371,9 +383,10 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   if (!pass.po.shadow_pass) {
     // The load signal for rebalancing: routes this rank's tokens chose, per logical expert.
     absl::MutexLock lock(&generations_mu_);
-    if (expert_load_.size() < static_cast<size_t>(pass.num_experts)) expert_load_.resize(pass.num_experts, 0);
+    std::vector<int64_t>& load = layer_load_[in.layer];
+    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
     for (int64_t i = 0; i < in.tokens * in.k; ++i) {
-      if (in.admitted == nullptr || in.admitted[i] != 0) ++expert_load_[in.topk_ids[i]];
+      if (in.admitted == nullptr || in.admitted[i] != 0) ++load[in.topk_ids[i]];
     }
   }
   ASSIGN_OR_RETURN(FrozenHandoff frozen,
@@ -396,34 +409,41 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
                                                       pass.in.expected_generation, ", active is placement-v",
                                                       version.value()));
   }
+  const std::shared_ptr<const PlacementManifest>& generation = pass.handle->manifest();
   {
     absl::MutexLock lock(&generations_mu_);
     auto it = experts_.find(version.value());
     if (it != experts_.end()) pass.weights = it->second;
-    auto lit = layouts_.find(version.value());
-    if (lit != layouts_.end()) pass.layout = lit->second;
   }
   if (pass.weights == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("placement-v", version.value(), ": no weights loaded on rank ", options_.rank.value()));
   }
   pass.layer_index = pass.weights->host->LayerIndex(pass.in.layer);
-  if (pass.layer_index < 0 || !pass.handle->manifest()->ServesLayer(pass.in.layer)) {
+  if (pass.layer_index < 0 || !generation->ServesLayer(pass.in.layer)) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", pass.in.layer, " is not a MoE layer of placement-v",
                                                    version.value(), " (it serves layers ",
-                                                   absl::StrJoin(pass.handle->manifest()->layers(), ","), ")"));
+                                                   absl::StrJoin(generation->layers(), ","), ")"));
   }
   if (pass.weights->host->d != pass.in.d) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden: d = ", pass.in.d, ", the experts have d = ", pass.weights->host->d));
   }
+  // The layer's slot table: its own in a per-layer generation.
+  const std::shared_ptr<const PlacementManifest> table = generation->ForLayer(pass.in.layer);
+  const std::pair<int64_t, int> layout_key(version.value(), generation->per_layer() ? pass.layer_index : -1);
+  {
+    absl::MutexLock lock(&generations_mu_);
+    auto lit = layouts_.find(layout_key);
+    if (lit != layouts_.end()) pass.layout = lit->second;
+  }
   if (pass.layout == nullptr) {
-    ASSIGN_OR_RETURN(PlanLayout layout, PlanLayout::Create(pass.handle->manifest(), *options_.group));
+    ASSIGN_OR_RETURN(PlanLayout layout, PlanLayout::Create(table, *options_.group));
     pass.layout = std::make_shared<const PlanLayout>(std::move(layout));
     absl::MutexLock lock(&generations_mu_);
-    layouts_[version.value()] = pass.layout;
+    layouts_[layout_key] = pass.layout;
   }
-  pass.manifest = pass.handle->manifest().get();
+  pass.manifest = table.get();  // the generation (held by the handle's lease) owns its tables
   return absl::OkStatus();
 }
 
@@ -720,6 +740,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->Release());
   StepRecord& rec = result.record;
   rec.placement_version = pass.version.value();
+  rec.layer = pass.in.layer;
   CountRoutes(*pass.manifest, *options_.topology, options_.rank, buf_.accepted_slots, pass.in.tokens * pass.in.k, &rec);
   const int me = options_.group->SlotOf(options_.rank).value();
   for (int i = 0; i < options_.group->size(); ++i) {

@@ -136,8 +136,10 @@ class LayerExecutor {
   // Frees a retired generation's weights and plan layout (steps still using them hold a reference).
   void DropGeneration(PlacementVersion version);
 
-  // Admitted routes this rank's tokens sent to each logical expert since start (EPLB's input).
+  // Admitted routes this rank's tokens sent to each logical expert since start (EPLB's input),
+  // summed over the layers, and per layer (the layer index the steps named).
   std::vector<int64_t> ExpertLoad() const;
+  std::map<int64_t, std::vector<int64_t>> LayerExpertLoad() const;
 
   // Runs the step on the ACTIVE generation, or on the trial candidate for canary steps; on
   // sampled shadow steps also runs it on the candidate and compares (the engine gets the active
@@ -219,11 +221,13 @@ class LayerExecutor {
   std::map<std::tuple<int64_t, int, int, int>, Graph> graphs_by_key_ ABSL_GUARDED_BY(generations_mu_);
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
-  std::vector<int64_t> expert_load_ ABSL_GUARDED_BY(generations_mu_);
+  std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);  // by layer
   TrialConfig trial_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, GenerationCounters> counters_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const ResidentExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);
-  std::map<int64_t, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
+  // By (version, layer index): per-layer generations plan each layer on its own slot table
+  // (index -1 for generations whose layers share one).
+  std::map<std::pair<int64_t, int>, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
 
   // Step buffers, reused across steps: steady-state steps allocate (and page-fault) nothing.
   struct Buffers {

@@ -52,6 +52,7 @@ const char* StepPhaseName(StepPhase phase);
 
 struct StepRecord {
   int64_t placement_version = 0;
+  int64_t layer = 0;  // the MoE layer whose experts served the step
   bool graph_replay = false;
   std::string fallback_reason;  // decode steps served eagerly: the first failing admission clause
   int64_t routes_attempted = 0;

@@ -44,9 +44,15 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
   return PlacementFromAssignment(version, num_experts, expert_rank, topology, group, *id);
 }
 
-absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
-    PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
-    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id) {
+namespace {
+
+// The slots of one assignment. `layer_index` < 0: a slot's digests cover every layer of the
+// checkpoint (its per-layer digests and their CombinedDigest; the expert digest of a single-layer
+// checkpoint); >= 0: the expert's digest in that layer alone (a per-layer slot table).
+absl::StatusOr<std::vector<SlotRecord>> AssignmentSlots(int num_experts,
+                                                        const std::vector<std::pair<int, int>>& expert_rank,
+                                                        const Topology& topology, const CheckpointIdentity& id,
+                                                        int layer_index) {
   if (static_cast<int>(id.digests.size()) < num_experts) {
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint has ", id.digests.size(), " experts, the placement ", num_experts));
@@ -68,7 +74,9 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
     s.rank = Rank(rank);
     s.domain = topology.NodeOf(Rank(rank));
     s.checkpoint = CheckpointVersion(id.version);
-    if (id.layers.empty()) {
+    if (layer_index >= 0) {
+      s.parameter_digest = ParameterDigest(id.digests[e].at(layer_index));
+    } else if (id.layers.empty()) {
       if (id.digests[e].empty() || id.digests[e][0].empty()) {
         return absl::FailedPreconditionError(absl::StrCat("checkpoint has no digest for expert ", e));
       }
@@ -80,6 +88,11 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
     }
     slots.push_back(std::move(s));
   }
+  return slots;
+}
+
+ManifestOptions OptionsFor(PlacementVersion version, int num_experts, const ProcessGroup& group,
+                           const CheckpointIdentity& id) {
   ManifestOptions o;
   o.version = version;
   o.process_group = group.id();
@@ -87,7 +100,35 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
   o.checkpoint = CheckpointVersion(id.version);
   o.num_experts = num_experts;
   o.layers = id.layers;
-  return PlacementManifest::Create(o, std::move(slots), topology);
+  return o;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id) {
+  auto slots = AssignmentSlots(num_experts, expert_rank, topology, id, -1);
+  if (!slots.ok()) return slots.status();
+  return PlacementManifest::Create(OptionsFor(version, num_experts, group, id), *std::move(slots), topology);
+}
+
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> LayeredPlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::vector<std::pair<int, int>>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id) {
+  if (id.layers.empty() || expert_rank.size() != id.layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("placement: ", expert_rank.size(), " per-layer assignments for a ",
+                                                   id.layers.size(), "-layer checkpoint"));
+  }
+  std::vector<std::vector<SlotRecord>> tables;
+  for (size_t i = 0; i < expert_rank.size(); ++i) {
+    auto slots = AssignmentSlots(num_experts, expert_rank[i], topology, id, static_cast<int>(i));
+    if (!slots.ok()) {
+      return absl::Status(slots.status().code(), absl::StrCat("layer ", id.layers[i], ": ", slots.status().message()));
+    }
+    tables.push_back(*std::move(slots));
+  }
+  return PlacementManifest::CreateLayered(OptionsFor(version, num_experts, group, id), std::move(tables), topology);
 }
 
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(

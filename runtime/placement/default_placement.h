@@ -39,6 +39,13 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md);
 
+// One assignment per MoE layer of the checkpoint (EPLB's phy2log per layer, in the order of
+// checkpoint.layers): a per-layer generation (PlacementManifest::CreateLayered), each slot with
+// its expert's digest in its layer. Every layer must put slot q on the same rank.
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> LayeredPlacementFromAssignment(
+    PlacementVersion version, int num_experts, const std::vector<std::vector<std::pair<int, int>>>& expert_rank,
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& checkpoint);
+
 // The identity of a single-file checkpoint from its metadata (FAILED_PRECONDITION without a
 // version).
 absl::StatusOr<CheckpointIdentity> IdentityFromMetadata(const std::map<std::string, std::string>& md, int num_experts);

@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "runtime/status.h"
+
 namespace moe {
 
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Create(ManifestOptions options,
@@ -81,6 +83,55 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
   return std::shared_ptr<const PlacementManifest>(std::move(m));
 }
 
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::CreateLayered(
+    ManifestOptions options, std::vector<std::vector<SlotRecord>> layer_slots, const Topology& topology) {
+  if (options.layers.empty() || layer_slots.size() != options.layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("placement.layer_slots: ", layer_slots.size(), " slot tables for ",
+                                                   options.layers.size(), " layers"));
+  }
+  std::vector<std::shared_ptr<const PlacementManifest>> tables;
+  for (size_t i = 0; i < layer_slots.size(); ++i) {
+    ManifestOptions one = options;
+    one.layers = {options.layers[i]};
+    for (SlotRecord& s : layer_slots[i]) s.layer_digests.clear();
+    auto table = Create(one, layer_slots[i], topology);
+    if (!table.ok()) {
+      return absl::Status(table.status().code(),
+                          absl::StrCat("layer ", options.layers[i], ": ", table.status().message()));
+    }
+    if (!tables.empty()) {
+      const PlacementManifest& first = *tables.front();
+      if ((*table)->num_slots() != first.num_slots()) {
+        return absl::InvalidArgumentError(absl::StrCat("placement.layer_slots[", options.layers[i],
+                                                       "]: ", (*table)->num_slots(), " slots, layer ",
+                                                       options.layers[0], " has ", first.num_slots()));
+      }
+      for (int q = 0; q < first.num_slots(); ++q) {
+        if ((*table)->slot(PhysicalSlotId(q)).rank != first.slot(PhysicalSlotId(q)).rank) {
+          return absl::InvalidArgumentError(absl::StrCat("placement.layer_slots[", options.layers[i], "]: slot ", q,
+                                                         " is on another rank than in layer ", options.layers[0]));
+        }
+      }
+    }
+    tables.push_back(*std::move(table));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const PlacementManifest> root,
+                   Create(std::move(options), layer_slots.front(), topology));
+  std::const_pointer_cast<PlacementManifest>(root)->layer_manifests_ = std::move(tables);
+  return root;
+}
+
+std::shared_ptr<const PlacementManifest> PlacementManifest::ForLayer(int64_t layer) const {
+  if (layer_manifests_.empty()) return shared_from_this();
+  auto it = std::lower_bound(options_.layers.begin(), options_.layers.end(), layer);
+  if (it == options_.layers.end() || *it != layer) return shared_from_this();
+  return layer_manifests_[it - options_.layers.begin()];
+}
+
+const PlacementManifest& PlacementManifest::LayerAt(int index) const {
+  return layer_manifests_.empty() ? *this : *layer_manifests_.at(index);
+}
+
 std::string PlacementManifest::VersionName() const { return absl::StrCat("placement-v", options_.version.value()); }
 
 absl::Span<const PhysicalSlotId> PlacementManifest::SlotsOf(LogicalExpertId e) const {
@@ -132,6 +183,12 @@ Incompatibility CheckCompatible(LogicalExpertId e, PhysicalSlotId q, const Place
 }
 
 absl::Status VerifyForPublish(const PlacementManifest& manifest, const ProcessGroup& group, const Topology& topology) {
+  if (manifest.per_layer()) {
+    for (size_t i = 0; i < manifest.layers().size(); ++i) {
+      absl::Status s = VerifyForPublish(manifest.LayerAt(static_cast<int>(i)), group, topology);
+      if (!s.ok()) return absl::Status(s.code(), absl::StrCat("layer ", manifest.layers()[i], ": ", s.message()));
+    }
+  }
   if (manifest.process_group() != group.id() || manifest.epoch() != group.epoch()) {
     return absl::FailedPreconditionError(
         absl::StrCat(manifest.VersionName(), " is bound to process group ", manifest.process_group().value(), " epoch ",

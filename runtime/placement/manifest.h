@@ -44,13 +44,28 @@ struct ManifestOptions {
   std::vector<int64_t> layers;
 };
 
-class PlacementManifest {
+class PlacementManifest : public std::enable_shared_from_this<PlacementManifest> {
  public:
   // Structural validation only (dense ids, unique names, experts and ranks in range). Whether
   // each slot is *compatible* is the predicate below; publishing requires VerifyForPublish.
   static absl::StatusOr<std::shared_ptr<const PlacementManifest>> Create(ManifestOptions options,
                                                                          std::vector<SlotRecord> slots,
                                                                          const Topology& topology);
+  // A generation whose MoE layers place experts differently (EPLB's phy2log per layer): one slot
+  // table per layer of options.layers, in that order. Every table has the same slot ids on the
+  // same ranks (a rank holds the same number of slots in every layer); experts, replicas and
+  // digests differ. Each slot's parameter_digest is its expert's digest in that layer. The
+  // manifest's own slots are the first layer's.
+  static absl::StatusOr<std::shared_ptr<const PlacementManifest>> CreateLayered(
+      ManifestOptions options, std::vector<std::vector<SlotRecord>> layer_slots, const Topology& topology);
+
+  // Whether the layers have slot tables of their own (CreateLayered).
+  bool per_layer() const { return !layer_manifests_.empty(); }
+  // The slot table a step of `layer` runs on: the layer's own in a per-layer generation, this
+  // manifest otherwise (also for a layer it does not serve: check ServesLayer first).
+  std::shared_ptr<const PlacementManifest> ForLayer(int64_t layer) const;
+  // The slot table of layers()[index] (this manifest when not per-layer).
+  const PlacementManifest& LayerAt(int index) const;
 
   PlacementVersion version() const { return options_.version; }
   std::string VersionName() const;  // "placement-v17"
@@ -82,6 +97,7 @@ class PlacementManifest {
   std::vector<PhysicalSlotId> expert_slots_;
   std::vector<std::vector<PhysicalSlotId>> local_slots_;
   std::vector<int32_t> local_index_;
+  std::vector<std::shared_ptr<const PlacementManifest>> layer_manifests_;  // per-layer generations
 };
 
 enum class Incompatibility {
@@ -103,7 +119,8 @@ inline bool Compatible(LogicalExpertId e, PhysicalSlotId q, const PlacementManif
 
 // Before a generation may serve: every slot is compatible with its own expert, the manifest
 // names this process group and epoch, and all replicas of one logical expert agree on the
-// parameter digest (0x02B2). FAILED_PRECONDITION naming the first offending slot otherwise.
+// parameter digest (0x02B2), in every layer's slot table. FAILED_PRECONDITION naming the first
+// offending slot (and layer) otherwise.
 absl::Status VerifyForPublish(const PlacementManifest& manifest, const ProcessGroup& group, const Topology& topology);
 
 }  // namespace moe

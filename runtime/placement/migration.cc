@@ -158,4 +158,76 @@ absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const
   return plan;
 }
 
+namespace {
+
+// Layer i's slot table with each slot's digest in that layer: a per-layer generation's own; for a
+// shared table, its slots with their per-layer digests in place of the combined one (so that a
+// copy compares equal with the same expert's copy in a per-layer table).
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> LayerTable(const PlacementManifest& m, int i,
+                                                                    const Topology& topology) {
+  if (m.layers().empty()) return m.shared_from_this();
+  if (m.per_layer()) return m.ForLayer(m.layers()[i]);
+  std::vector<SlotRecord> slots = m.slots();
+  for (SlotRecord& s : slots) {
+    s.parameter_digest = ParameterDigest(i < static_cast<int>(s.layer_digests.size()) ? s.layer_digests[i] : "");
+    s.layer_digests.clear();
+  }
+  ManifestOptions o;
+  o.version = m.version();
+  o.process_group = m.process_group();
+  o.epoch = m.epoch();
+  o.checkpoint = m.checkpoint();
+  o.num_experts = m.num_experts();
+  o.layers = {m.layers()[i]};
+  return PlacementManifest::Create(o, std::move(slots), topology);
+}
+
+}  // namespace
+
+absl::StatusOr<LayeredMigrationPlan> PlanLayeredMigration(const PlacementManifest& from, const PlacementManifest& to,
+                                                          const Topology& topology, int64_t expert_bytes) {
+  if (from.layers() != to.layers()) {
+    return absl::FailedPreconditionError(absl::StrCat(from.VersionName(), " and ", to.VersionName(),
+                                                      " serve different layers: nothing migrates between them"));
+  }
+  LayeredMigrationPlan out;
+  out.layers = to.layers();
+  const int n = out.layers.empty() ? 1 : static_cast<int>(out.layers.size());
+  for (int i = 0; i < n; ++i) {
+    if (i > 0 && !from.per_layer() && !to.per_layer()) {
+      out.per_layer.push_back(out.per_layer.front());  // one shared slot table: the same plan
+    } else {
+      absl::StatusOr<MigrationPlan> plan = absl::UnknownError("");
+      auto a = LayerTable(from, i, topology);
+      auto b = LayerTable(to, i, topology);
+      plan = !a.ok() ? a.status() : !b.ok() ? b.status() : PlanMigration(**a, **b, topology, expert_bytes);
+      if (!plan.ok()) {
+        return out.layers.empty() ? plan.status()
+                                  : absl::Status(plan.status().code(),
+                                                 absl::StrCat("layer ", out.layers[i], ": ", plan.status().message()));
+      }
+      out.per_layer.push_back(*std::move(plan));
+    }
+    const MigrationPlan& p = out.per_layer.back();
+    MigrationPlan& t = out.total;
+    t.retained_copies += p.retained_copies;
+    t.retained_bytes += p.retained_bytes;
+    t.same_node_copies += p.same_node_copies;
+    t.same_node_bytes += p.same_node_bytes;
+    t.cross_node_copies += p.cross_node_copies;
+    t.cross_node_bytes += p.cross_node_bytes;
+    t.local_duplicates += p.local_duplicates;
+    t.local_bytes += p.local_bytes;
+    t.checkpoint_loads += p.checkpoint_loads;
+    t.checkpoint_bytes += p.checkpoint_bytes;
+    t.retired_copies += p.retired_copies;
+    t.retired_bytes += p.retired_bytes;
+    t.resident_from += p.resident_from;
+    t.resident_to += p.resident_to;
+    t.peak_bytes += p.peak_bytes;
+    t.reserved_bytes += p.reserved_bytes;
+  }
+  return out;
+}
+
 }  // namespace moe

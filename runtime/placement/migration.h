@@ -58,6 +58,21 @@ struct MigrationPlan {
 absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const PlacementManifest& to,
                                             const Topology& topology, int64_t expert_bytes);
 
+// The migration of every MoE layer between two generations over the same layers: one plan per
+// layer on the layers' slot tables (their own in per-layer generations, else the shared one),
+// and the totals. `expert_bytes` is one expert's parameters in one layer. Layers hold disjoint
+// storage, so the peak of the whole migration is the sum of the layers' peaks.
+struct LayeredMigrationPlan {
+  std::vector<int64_t> layers;           // empty: one expert set (single-layer checkpoints)
+  std::vector<MigrationPlan> per_layer;  // one per layer (one when `layers` is empty)
+  MigrationPlan total;                   // counts and bytes summed over the layers (no steps)
+};
+
+// FAILED_PRECONDITION when the generations serve different layers (a new checkpoint: every
+// slot loads from it).
+absl::StatusOr<LayeredMigrationPlan> PlanLayeredMigration(const PlacementManifest& from, const PlacementManifest& to,
+                                                          const Topology& topology, int64_t expert_bytes);
+
 }  // namespace moe
 
 #endif  // MOE_RUNTIME_PLACEMENT_MIGRATION_H_

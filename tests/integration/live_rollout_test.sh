@@ -26,7 +26,7 @@ check $? "a placement whose migration peaks over the budget is refused before an
 grep -q "release-v2 LOADED placement-v2" "$out"; check $? "the EPLB placement fits the budget"
 grep -q "stopping the serving release by hand is refused: to: release-v1 serves placement-v1" "$out"
 check $? "an ACTIVE release serving a placement leaves ACTIVE only through promote/rollback"
-grep -Eq "balancedness \(mean/max rank load\): before 0\.[0-9]+, after 0\.[0-9]+" "$out"
+grep -Eq "balancedness \(mean/max rank load, every layer\): before 0\.[0-9]+, after 0\.[0-9]+" "$out"
 check $? "EPLB plan from the observed load printed with balancedness before/after"
 grep -Eq "killed rank: placement load refused after [0-9] s: .*rank 1 \(127.0.0.1:[0-9]+\)" "$out"
 check $? "a killed rank stops the next placement load within seconds, naming the rank"
