@@ -47,10 +47,11 @@ ABSL_FLAG(int, d_ff, 512, "checkpoint synth: expert FFN width");
 ABSL_FLAG(int64_t, seed, 1, "checkpoint synth: weight seed");
 ABSL_FLAG(std::string, version, "checkpoint-0001", "checkpoint synth: checkpoint version");
 ABSL_FLAG(std::string, out, "",
-          "checkpoint synth: output (a directory with --layers, else a .safetensors file); rebalance: "
-          "PlacementManifest JSON to write");
-ABSL_FLAG(int, layers, 0,
-          "checkpoint synth: decoder layers of a Hugging Face layout model (0: the single-file checkpoint)");
+          "checkpoint synth: output directory (a .safetensors file with --layers 0); rebalance: PlacementManifest "
+          "JSON to write");
+ABSL_FLAG(int, layers, 1,
+          "checkpoint synth: decoder layers of the Hugging Face layout model it writes (0: the older single-file "
+          "checkpoint instead)");
 ABSL_FLAG(std::string, family, "qwen3_moe",
           "checkpoint synth --layers: model_type (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3)");
 ABSL_FLAG(std::string, dtype, "BF16", "checkpoint synth --layers: weight dtype (BF16, F32, F16, F8_E4M3)");
@@ -96,11 +97,10 @@ constexpr char kUsage[] =
     "moectl: operator CLI of moe-runtime.\n"
     "  moectl plan --trace FILE [--json] [--selector POLICY]   plan a layer-step trace, print plan and ledgers\n"
     "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n"
-    "  moectl checkpoint synth --experts E --d D --d_ff F --seed S --out FILE\n"
-    "                                                          write a synthetic single-file checkpoint\n"
-    "  moectl checkpoint synth --layers L [--family F --dtype T --top_k K --first_dense N --shard_mb M] --out DIR ...\n"
-    "                                                          write a Hugging Face layout model with a digest "
-    "sidecar\n"
+    "  moectl checkpoint synth --experts E --d D --d_ff F --seed S [--layers L --family F --dtype T --top_k K\n"
+    "                          --first_dense N --shard_mb M --version V] --out DIR\n"
+    "                                                          write a synthetic model in Hugging Face layout with a\n"
+    "                                                          digest sidecar (--layers 0: the older single file)\n"
     "  moectl checkpoint inspect PATH [--world P --extra_replicas N] [--json]\n"
     "                                                          architecture, MoE layers, experts, dtypes, bytes per "
     "rank\n"

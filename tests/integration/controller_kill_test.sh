@@ -19,8 +19,8 @@ fail=0
 check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/agent_token"
-"$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 5 --out "$work/ckpt.safetensors" >/dev/null
-start_ranks "$RANKD" "$work" 4 "$work/ckpt.safetensors" --agent_token_file "$work/agent_token" --timeout_ms 5000 \
+"$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 5 --out "$work/model" >/dev/null
+start_ranks "$RANKD" "$work" 4 "$work/model" --agent_token_file "$work/agent_token" --timeout_ms 5000 \
   --extra_replicas 0 || exit 1
 ranks="$(for r in 0 1 2 3; do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
 
@@ -54,12 +54,12 @@ round() {  # round K: every command idempotent by its request id
 }
 
 for ((k = 0; k <= ROUNDS; k++)); do
-  "$MOECTL" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version $((k + 1)) \
+  "$MOECTL" placement synth --checkpoint "$work/model" --world 4 --placement_version $((k + 1)) \
     --extra_replicas $((k % 5)) >"$work/placement-v$((k + 1)).json"
 done
 start_controller || exit 1
 round 0 || { echo "FAIL round 0"; exit 1; }
-"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --rounds 1 --prefill_tokens 16 \
+"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/model" --rounds 1 --prefill_tokens 16 \
   --until_file "$work/stop" >"$work/driver.log" 2>&1 &
 driver=$!
 

@@ -23,8 +23,8 @@ trap '[ -n "$driver" ] && kill "$driver" 2>/dev/null; [ -n "$ctl_pid" ] && kill 
 token() { head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1"; }
 token "$work/token"
 token "$work/agent_token"
-"$M" checkpoint synth --experts 16 --d 64 --d_ff 128 --seed 5 --out "$work/ckpt.safetensors" >/dev/null
-RANK1_FLAGS="--decode_bucket_tokens 4" RANK2_FLAGS="--inject_fault trial_drift" start_ranks "$RANKD" "$work" 4 "$work/ckpt.safetensors" \
+"$M" checkpoint synth --experts 16 --d 64 --d_ff 128 --seed 5 --out "$work/model" >/dev/null
+RANK1_FLAGS="--decode_bucket_tokens 4" RANK2_FLAGS="--inject_fault trial_drift" start_ranks "$RANKD" "$work" 4 "$work/model" \
   --agent_token_file "$work/agent_token" --timeout_ms 5000 || exit 1
 ranks="$(for r in 0 1 2 3; do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" --ranks "${ranks%,}" \
@@ -35,12 +35,12 @@ for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
 
 # The placement the ranks booted on, registered and promoted with operator evidence.
-"$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 1 --extra_replicas 2 >"$work/v1.json"
+"$M" placement synth --checkpoint "$work/model" --world 4 --placement_version 1 --extra_replicas 2 >"$work/v1.json"
 check "bootstrap release-v1" 0 "release-v1 ACTIVE" -- "$M" "${C[@]}" rollout release-v1 --manifest "$work/v1.json" \
   --digest sha256:v1 --min_shadow 0 --min_canary 0 --evidence deploy/examples/promotion-evidence.json
 
 # Process-group generation differs -> reject load.
-"$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 9 --extra_replicas 2 \
+"$M" placement synth --checkpoint "$work/model" --world 4 --placement_version 9 --extra_replicas 2 \
   --epoch 2 >"$work/v9.json"
 "$M" "${C[@]}" release register release-v9 --digest sha256:v9 >/dev/null
 "$M" "${C[@]}" release transition release-v9 VERIFIED --reason ok >/dev/null
@@ -48,11 +48,11 @@ check "process-group epoch differs: load rejected" 2 "epoch" -- "$M" "${C[@]}" p
 check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" releases list
 
 # Runner parity differs -> block canary.
-"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --rounds 1 --until_file "$work/stop" \
+"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/model" --rounds 1 --until_file "$work/stop" \
   --ready_file "$work/ready" >"$work/driver.log" 2>&1 &
 driver=$!
 for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
-"$M" placement synth --checkpoint "$work/ckpt.safetensors" --world 4 --placement_version 2 --extra_replicas 6 >"$work/v2.json"
+"$M" placement synth --checkpoint "$work/model" --world 4 --placement_version 2 --extra_replicas 6 >"$work/v2.json"
 check "runner parity differs: canary blocked" 2 "blocked at SHADOW -> CANARY and drained: .*shadow mismatches" -- \
   "$M" "${C[@]}" rollout release-v2 --manifest "$work/v2.json" --digest sha256:v2 --min_shadow 10 --min_canary 10
 check "the candidate is drained by the controller" 0 "release-v2 *DRAINING" -- "$M" "${C[@]}" releases list
@@ -103,7 +103,7 @@ verdict $? "graph key differs on rank 1: decode steps fall back with graph_key_m
 verdict $? "... before any other clause is looked at"
 
 # Stale handle under a new generation -> reject handle and re-plan.
-"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/ckpt.safetensors" --fault stale_generation \
+"$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/model" --fault stale_generation \
   >"$work/stale.log" 2>&1
 verdict $? "stale generation: every rank refuses naming expected_generation; the re-planned step is served"
 sed 's/^/     /' "$work/stale.log"

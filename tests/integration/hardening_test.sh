@@ -17,8 +17,8 @@ trap 'stop_ranks' EXIT
 fail=0
 verdict() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/agent_token"
-"$M" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 3 --out "$work/ckpt.safetensors" >/dev/null
-start_ranks "$RANKD" "$work" 2 "$work/ckpt.safetensors" --agent_token_file "$work/agent_token" --timeout_ms 10000 || exit 1
+"$M" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 3 --out "$work/model" >/dev/null
+start_ranks "$RANKD" "$work" 2 "$work/model" --agent_token_file "$work/agent_token" --timeout_ms 10000 || exit 1
 t0="$(cat "$work/ports/0.engine")" t1="$(cat "$work/ports/1.engine")"
 
 "$HOSTILE" overflow "$t0"; verdict $? "sizes that wrap in 64 bits are INVALID_ARGUMENT"
@@ -40,7 +40,7 @@ for r in 0 1; do
   [ "$n" = 1 ]; verdict $? "rank $r answers gRPC on exactly one TCP port, the published one ($n found)"
 done
 
-"$DRIVER" --port_dir "$work/ports" --world 2 --checkpoint "$work/ckpt.safetensors" --rounds 1 --prefill_tokens 8 \
+"$DRIVER" --port_dir "$work/ports" --world 2 --checkpoint "$work/model" --rounds 1 --prefill_tokens 8 \
   >"$work/driver.log" 2>&1
 verdict $? "every rank serves valid steps afterwards (engine driver, outputs checked)"
 grep -E "mismatch" "$work/driver.log" | tail -2

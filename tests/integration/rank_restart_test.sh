@@ -10,11 +10,11 @@ rank_pid="" ctl_pid=""
 trap '[ -n "$rank_pid" ] && kill -9 "$rank_pid" 2>/dev/null; [ -n "$ctl_pid" ] && kill -9 "$ctl_pid" 2>/dev/null; true' EXIT
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token"
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/agent_token"
-"$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 3 --out "$work/ckpt.safetensors" >/dev/null
+"$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --seed 3 --out "$work/model" >/dev/null
 start_rank() {  # start_rank LISTEN
   rm -f "$work/rank.port"
   mkdir -p "$work/rv"
-  "$RANKD" --rank 0 --world 1 --rendezvous_dir "$work/rv" --checkpoint "$work/ckpt.safetensors" --listen "$1" \
+  "$RANKD" --rank 0 --world 1 --rendezvous_dir "$work/rv" --checkpoint "$work/model" --listen "$1" \
     --port_file "$work/rank.port" --agent_token_file "$work/agent_token" >>"$work/rank.log" 2>&1 &
   rank_pid=$!
   for _ in $(seq 100); do [ -s "$work/rank.port" ] && return 0; sleep 0.1; done
@@ -30,7 +30,7 @@ for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
 EV=deploy/examples/promotion-evidence.json
 
-"$MOECTL" placement synth --checkpoint "$work/ckpt.safetensors" --world 1 --placement_version 2 --extra_replicas 3 \
+"$MOECTL" placement synth --checkpoint "$work/model" --world 1 --placement_version 2 --extra_replicas 3 \
   >"$work/v2.json"
 "$MOECTL" "${C[@]}" release register release-v2 --digest sha256:v2 >/dev/null
 "$MOECTL" "${C[@]}" release transition release-v2 VERIFIED --reason ok >/dev/null
