@@ -105,7 +105,7 @@ absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& ckpt, cons
     for (int64_t i = next++; i < items && !failed.load(); i = next++) {
       const int li = static_cast<int>(i / std::max<int64_t>(l_count, 1));
       const int64_t j = i % l_count;
-      const SlotRecord& slot = m.slot(slots[j]);
+      const SlotRecord& slot = m.LayerAt(li).slot(slots[j]);  // the layer's own table in a per-layer generation
       uint16_t* gu = out.w_gate_up.data() + (li * l_count + j) * gu_n;
       uint16_t* dn = out.w_down.data() + (li * l_count + j) * dn_n;
       const int64_t layer = out.layers.empty() ? 0 : out.layers[li];
@@ -133,7 +133,14 @@ absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& ckpt, cons
   for (std::thread& t : pool) t.join();
   RETURN_IF_ERROR(first_error);
   for (int64_t j = 0; j < l_count; ++j) {
-    RETURN_IF_ERROR(CheckSlotDigests(m.slot(slots[j]), out.layers, digests[j], "checkpoint load"));
+    if (!m.per_layer()) {
+      RETURN_IF_ERROR(CheckSlotDigests(m.slot(slots[j]), out.layers, digests[j], "checkpoint load"));
+      continue;
+    }
+    for (int li = 0; li < layers; ++li) {  // each layer's table names its expert's digest in that layer
+      const std::string how = absl::StrCat("checkpoint load of layer ", out.layers[li]);
+      RETURN_IF_ERROR(CheckSlotDigests(m.LayerAt(li).slot(slots[j]), {}, {digests[j][li]}, how.c_str()));
+    }
   }
   return out;
 }

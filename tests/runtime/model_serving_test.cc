@@ -250,3 +250,68 @@ TEST(ExpertLoaderTest, RefusesOverBudgetWrongDigestsAndOtherLayers) {
 
 }  // namespace
 }  // namespace moe
+
+namespace moe {
+namespace {
+
+// A per-layer generation (EPLB's phy2log per layer): every layer places the experts its own
+// way on the same slots; each step runs on its layer's table and still equals the semantic
+// computation; the loader checks each layer's copy against that layer's table.
+TEST(PerLayerPlacementTest, EachLayerServesFromItsOwnSlotTable) {
+  TwoRanks w(WriteModel({"per_layer", HfFamily::kQwen3Moe, "BF16", 0}));
+  const CheckpointIdentity id = w.ckpt->Identity();
+  ASSERT_EQ(id.layers, (std::vector<int64_t>{1, 2, 3}));
+  // Eight slots, four a rank; each layer rotates the experts and replicates another one.
+  std::vector<std::vector<std::pair<int, int>>> assignment;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<std::pair<int, int>> slots;
+    for (int q = 0; q < 8; ++q) slots.emplace_back(q < kExperts ? (q + 2 * i) % kExperts : i + q - kExperts, q / 4);
+    assignment.push_back(slots);
+  }
+  auto v2 = LayeredPlacementFromAssignment(PlacementVersion(2), kExperts, assignment, w.topology, w.group, id);
+  ASSERT_TRUE(v2.ok()) << v2.status();
+  ASSERT_TRUE((*v2)->per_layer());
+  EXPECT_TRUE(VerifyForPublish(**v2, w.group, w.topology).ok());
+  EXPECT_EQ((*v2)->ForLayer(2)->slot(PhysicalSlotId(0)).expert.value(), 2);
+  EXPECT_EQ((*v2)->ForLayer(3)->slot(PhysicalSlotId(0)).expert.value(), 4);
+  // Each layer's slot carries that layer's digest of its expert.
+  EXPECT_EQ((*v2)->ForLayer(3)->slot(PhysicalSlotId(0)).parameter_digest.value(), w.ckpt->RecordedDigest(3, 4));
+  for (int r = 0; r < kRanks; ++r) {
+    auto local = LoadLocalExperts(*w.ckpt, **v2, Rank(r));
+    ASSERT_TRUE(local.ok()) << local.status();
+    ASSERT_TRUE(w.registry[r].Prepare(*v2).ok());
+    ASSERT_TRUE(w.exec[r]->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*std::move(local))).ok());
+    ASSERT_TRUE(w.registry[r].Activate(PlacementVersion(2)).ok());
+  }
+  std::mt19937 rng(8);
+  uint64_t step = 100;
+  for (int64_t layer : id.layers) {
+    const std::vector<Input> inputs = {RandomInput(rng, 11), RandomInput(rng, 7)};
+    const auto results = RunStep(w, inputs, step++, layer);
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok()) << results[r].status();
+      EXPECT_EQ(results[r]->record.placement_version, 2);
+      EXPECT_EQ(results[r]->record.layer, layer);
+      EXPECT_LT(kernels::RelativeL2Bf16(results[r]->output, Semantic(*w.ckpt, layer, inputs[r])), 1e-2)
+          << "rank " << r << " layer " << layer;
+    }
+  }
+  EXPECT_EQ(w.exec[0]->LayerExpertLoad().size(), 3u);  // load counted per layer
+  // A table that puts a slot on another rank in one layer is refused, naming the layer.
+  assignment[1][0].second = 1;
+  auto bad = LayeredPlacementFromAssignment(PlacementVersion(3), kExperts, assignment, w.topology, w.group, id);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("layer_slots[2]"));
+  // A layer's digest that differs from its weights fails that layer's load, naming it.
+  CheckpointIdentity tampered = id;
+  tampered.digests[(0 + 2 * 2) % kExperts][2] = std::string(64, 'b');  // expert 4 in layer 3
+  assignment[1][0].second = 0;
+  auto wrong =
+      *LayeredPlacementFromAssignment(PlacementVersion(4), kExperts, assignment, w.topology, w.group, tampered);
+  auto refused = LoadLocalExperts(*w.ckpt, *wrong, Rank(0));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("layer 3"));
+}
+
+}  // namespace
+}  // namespace moe
