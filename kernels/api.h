@@ -224,6 +224,9 @@ class ExpertKernels {
   // pageable host memory returns when the source may be reused; one to the host returns when
   // the data has arrived).
   virtual bool device_resident() const { return false; }
+  // Bytes Allocate can still hand out (free device memory for CUDA); -1 when unbounded or
+  // unknown (host memory: the process's own limits apply).
+  virtual int64_t AvailableBytes() { return -1; }
   virtual absl::StatusOr<void*> Allocate(int64_t bytes);
   virtual void Free(void* p);
   virtual absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream);

@@ -230,8 +230,10 @@ int64_t AvailableHostBytes() {
 }
 
 // Step: open the checkpoint, place it and load this rank's experts of every MoE layer, with
-// progress in the log and the metrics. Every error is the input's (exit status 2).
-absl::StatusOr<Model> LoadModel(const RankdOptions& o, RankMetrics* metrics) {
+// progress in the log and the metrics. A load over the host memory available, or over the free
+// memory of device-resident kernels (`kernels`, may be null), fails before it reads a byte,
+// naming the numbers. Every error is the input's (exit status 2).
+absl::StatusOr<Model> LoadModel(const RankdOptions& o, kernels::ExpertKernels* kernels, RankMetrics* metrics) {
   Model model;
   auto reader = OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &model.file);
   if (!reader.ok()) return Annotate(reader.status(), "--checkpoint");
@@ -250,6 +252,20 @@ absl::StatusOr<Model> LoadModel(const RankdOptions& o, RankMetrics* metrics) {
   LoadOptions lo;
   lo.threads = std::max(1, absl::GetFlag(FLAGS_load_threads));
   lo.max_bytes = AvailableHostBytes();
+  if (kernels != nullptr && kernels->device_resident()) {
+    ASSIGN_OR_RETURN(const int64_t need, LocalExpertBytes(ckpt, *model.manifest, Rank(o.rank)));
+    if (const int64_t free = kernels->AvailableBytes(); free >= 0 && need > free) {
+      return absl::ResourceExhaustedError(absl::StrCat("weights: rank ", o.rank, " would hold ", need,
+                                                       " bytes of experts on ", kernels->name(), ", ", free,
+                                                       " bytes of device memory are free"));
+    }
+  }
+  if (ckpt.layers().size() > 0 && ckpt.RecordedDigest(ckpt.layers().front(), 0).empty()) {
+    spdlog::warn(
+        "checkpoint {} records no expert digests: the ranks cannot check each other's copies "
+        "(moectl checkpoint digest DIR --version V records them)",
+        ckpt.version());
+  }
   lo.progress = [metrics](const LoadProgress& p) {
     metrics->CheckpointLoad(p.bytes_done, p.bytes_total, p.layers_done, p.layers_total, p.seconds);
     if (p.layers_done == p.layers_total || p.layers_total <= 64 || p.layers_done % 8 == 0) {
@@ -297,8 +313,8 @@ absl::Status LoadCudaBackend(const RankdOptions& o, Backend* b) {
   return absl::OkStatus();
 }
 
-// Step: create the kernels and join the process group's transport (exit status 1 on failure).
-absl::Status CreateKernelsAndTransport(const RankdOptions& o, const ProcessGroup& group, Backend* b) {
+// Step: create the kernels (exit status 1 on failure).
+absl::Status CreateKernels(const RankdOptions& o, Backend* b) {
   if (o.kernels == "cuda") {
     auto k = b->cuda->CreateKernels(o.gpu);
     if (!k.ok()) return Annotate(k.status(), absl::StrCat("--kernels=cuda --gpu ", o.gpu));
@@ -306,6 +322,11 @@ absl::Status CreateKernelsAndTransport(const RankdOptions& o, const ProcessGroup
   } else {
     b->kernels = kernels::CreateCpuKernels();
   }
+  return absl::OkStatus();
+}
+
+// Step: join the process group's transport (exit status 1 on failure).
+absl::Status JoinTransport(const RankdOptions& o, const ProcessGroup& group, Backend* b) {
   if (o.transport == "nccl") {
     NcclBackendOptions nccl;
     nccl.slot = group.SlotOf(Rank(o.rank)).value();
@@ -433,20 +454,22 @@ int Main() {
   // Block the termination signals in every thread; the main thread waits for them below.
   sigset_t signals = BlockTerminationSignals();
 
-  auto model = LoadModel(o, &metrics);
+  Backend backend;
+  if (absl::Status s = LoadCudaBackend(o, &backend); !s.ok()) return Fail(s, kExitUsage);
+  if (absl::Status s = CreateKernels(o, &backend); !s.ok()) return Fail(s, kExitFailure);
+  auto model = LoadModel(o, backend.kernels.get(), &metrics);
   if (!model.ok()) return Fail(model.status(), kExitUsage);
   GenerationRegistry registry;
   registry.Prepare(model->manifest).IgnoreError();
   registry.Activate(PlacementVersion(1)).IgnoreError();
-
-  Backend backend;
-  if (absl::Status s = LoadCudaBackend(o, &backend); !s.ok()) return Fail(s, kExitUsage);
-  if (absl::Status s = CreateKernelsAndTransport(o, model->group, &backend); !s.ok()) return Fail(s, kExitFailure);
+  if (absl::Status s = JoinTransport(o, model->group, &backend); !s.ok()) return Fail(s, kExitFailure);
   auto executor = BuildExecutor(o, *model, &registry, backend);
   if (!executor.ok()) return Fail(executor.status(), kExitFailure);
-  (*executor)
-      ->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(model->local)))
-      .IgnoreError();
+  if (absl::Status s =
+          (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(model->local)));
+      !s.ok()) {
+    return Fail(Annotate(s, "weights"), kExitUsage);
+  }
   auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
   (*exposer)->RegisterCollectable(generation_metrics);
 

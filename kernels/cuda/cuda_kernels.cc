@@ -137,6 +137,11 @@ class CudaKernels final : public ExpertKernels {
   }
 
   bool device_resident() const override { return true; }
+  int64_t AvailableBytes() override {
+    size_t free = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) return -1;
+    return static_cast<int64_t>(free);
+  }
   absl::StatusOr<void*> Allocate(int64_t bytes) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (bytes < 0) return absl::InvalidArgumentError(absl::StrCat("allocate: ", bytes, " bytes"));

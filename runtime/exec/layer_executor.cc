@@ -62,6 +62,12 @@ absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_
     kernels::ExpertKernels* kern = options_.kernels;
     const int64_t gu = static_cast<int64_t>(experts->w_gate_up.size()) * 2,
                   dn = static_cast<int64_t>(experts->w_down.size()) * 2;
+    // Refused before anything is allocated when the weights cannot fit.
+    if (const int64_t free = kern->AvailableBytes(); free >= 0 && gu + dn > free) {
+      return absl::ResourceExhaustedError(absl::StrCat("placement-v", version.value(), ": the experts need ", gu + dn,
+                                                       " bytes of device memory, ", free, " are free on ",
+                                                       kern->name()));
+    }
     RETURN_IF_ERROR(resident->gate_up.Reserve(kern, gu));
     RETURN_IF_ERROR(resident->down.Reserve(kern, dn));
     RETURN_IF_ERROR(kern->CopyToKernel(resident->gate_up.data(), experts->w_gate_up.data(), gu, nullptr));
