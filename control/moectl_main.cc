@@ -76,7 +76,7 @@ ABSL_FLAG(std::string, checkpoint, "",
           "placement synth, rebalance --out: the checkpoint whose digests the slots carry");
 ABSL_FLAG(std::string, from, "", "placement diff: the current placement (PlacementManifest JSON)");
 ABSL_FLAG(std::string, to, "", "placement diff: the next placement (PlacementManifest JSON)");
-ABSL_FLAG(int64_t, expert_bytes, 0, "placement diff: bytes of one expert copy (or give --checkpoint)");
+ABSL_FLAG(int64_t, expert_bytes, 0, "placement diff: bytes of one expert copy in one MoE layer (or give --checkpoint)");
 ABSL_FLAG(int64_t, budget_bytes, 0, "placement diff: fail (exit 2) when the overlap's peak exceeds this");
 ABSL_FLAG(bool, dry_run, false, "rebalance: plan only (required)");
 ABSL_FLAG(int, num_replicas, 0, "rebalance: physical slots of the new placement (0: current, rounded to the ranks)");
@@ -391,17 +391,32 @@ int PlacementOffline(const std::string& verb) {
     std::unique_ptr<moe::SafetensorsFile> storage;
     auto ckpt = moe::OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &storage);
     if (!ckpt.ok()) return Fail(absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message())));
-    // gate, up and down in BF16, in every layer (a slot moves with all its layers)
-    expert_bytes = (*ckpt)->expert_bytes() * (*ckpt)->num_layers();
+    expert_bytes = (*ckpt)->expert_bytes();  // gate, up and down in BF16, one layer
   }
   if (expert_bytes <= 0) return Fail(absl::InvalidArgumentError("--expert_bytes or --checkpoint: required"));
-  auto plan = moe::PlanMigration(**from, **to, topology, expert_bytes);
+  auto plan = moe::PlanLayeredMigration(**from, **to, topology, expert_bytes);
   if (!plan.ok()) return Fail(plan.status());
-  std::cout << moe::RenderMigration(**from, **to, *plan);
+  const size_t layers = plan->layers.size();
+  if (layers == 0 || (!(*from)->per_layer() && !(*to)->per_layer())) {
+    std::cout << moe::RenderMigration(**from, **to, plan->per_layer.front());
+    if (layers > 1) std::cout << "(the same plan in each of the " << layers << " MoE layers)\n";
+  } else {
+    for (size_t i = 0; i < layers; ++i) {
+      std::cout << "== layer " << plan->layers[i] << "\n"
+                << moe::RenderMigration((*from)->LayerAt(static_cast<int>(i)), (*to)->LayerAt(static_cast<int>(i)),
+                                        plan->per_layer[i]);
+    }
+  }
+  if (layers > 1) {
+    std::cout << absl::StrFormat("every layer: %d retained, %d copied, %d loaded; peak %d bytes\n",
+                                 plan->total.retained_copies,
+                                 plan->total.same_node_copies + plan->total.cross_node_copies,
+                                 plan->total.checkpoint_loads, plan->total.peak_bytes);
+  }
   const int64_t budget = absl::GetFlag(FLAGS_budget_bytes);
-  if (budget > 0 && plan->peak_bytes > budget) {
-    return Fail(absl::FailedPreconditionError(absl::StrCat("--budget_bytes: the overlap peaks at ", plan->peak_bytes,
-                                                           " bytes, over the budget of ", budget)));
+  if (budget > 0 && plan->total.peak_bytes > budget) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat(
+        "--budget_bytes: the overlap peaks at ", plan->total.peak_bytes, " bytes, over the budget of ", budget)));
   }
   return moe::kExitOk;
 }
