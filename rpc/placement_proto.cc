@@ -143,7 +143,7 @@ std::string PlacementDigest(const PlacementManifest& m, const Topology& topology
   h.Str(m.checkpoint().value());
   h.Int(m.num_experts());
   h.Int(m.num_slots());
-  for (const SlotRecord& s : m.slots()) {
+  const auto hash_slot = [&h, &topology](const SlotRecord& s) {
     h.Int(s.slot.value());
     h.Str(s.name);
     h.Int(s.expert.value());
@@ -154,7 +154,8 @@ std::string PlacementDigest(const PlacementManifest& m, const Topology& topology
     h.Str(d >= 0 && d < topology.num_nodes() ? topology.NodeName(s.domain) : absl::StrCat("domain-", d));
     h.Str(s.checkpoint.value());
     h.Str(s.parameter_digest.value());
-  }
+  };
+  for (const SlotRecord& s : m.slots()) hash_slot(s);
   // The layer axis (absent from single-layer manifests, whose digests it leaves as they were).
   if (!m.layers().empty()) {
     h.Str("layers");
@@ -167,16 +168,7 @@ std::string PlacementDigest(const PlacementManifest& m, const Topology& topology
     if (m.per_layer()) {  // every layer's own table
       h.Str("layer_slots");
       for (size_t i = 0; i < m.layers().size(); ++i) {
-        for (const SlotRecord& s : m.LayerAt(static_cast<int>(i)).slots()) {
-          h.Int(s.slot.value());
-          h.Str(s.name);
-          h.Int(s.expert.value());
-          h.Int(s.replica.value());
-          h.Str(s.replica_name);
-          h.Int(s.rank.value());
-          h.Str(s.checkpoint.value());
-          h.Str(s.parameter_digest.value());
-        }
+        for (const SlotRecord& s : m.LayerAt(static_cast<int>(i)).slots()) hash_slot(s);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "runtime/checkpoint/hf_checkpoint.h"
+#include "runtime/checkpoint/sha256.h"
 #include "runtime/status.h"
 
 namespace moe {
@@ -90,27 +91,13 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::stri
 }
 
 std::string CombinedDigest(const std::vector<std::string>& layer_digests) {
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  Sha256Hex h;
   for (const std::string& d : layer_digests) {
-    if (d.empty()) {
-      EVP_MD_CTX_free(ctx);
-      return "";
-    }
-    EVP_DigestUpdate(ctx, d.data(), d.size());
-    EVP_DigestUpdate(ctx, "\n", 1);
+    if (d.empty()) return "";
+    h.Update(d.data(), d.size());
+    h.Update("\n", 1);
   }
-  unsigned char md[32];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : md) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
+  return h.Finish();
 }
 
 }  // namespace moe

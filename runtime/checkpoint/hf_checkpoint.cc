@@ -7,13 +7,12 @@
 #include <set>
 #include <sstream>
 
-#include <openssl/evp.h>
-
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
 #include "kernels/numeric.h"
+#include "runtime/checkpoint/sha256.h"
 #include "runtime/status.h"
 
 namespace moe {
@@ -31,21 +30,10 @@ const char* ExpertNamingName(ExpertNaming naming) {
 }
 
 std::string ExpertDigest(const uint16_t* gate_up, size_t gate_up_elems, const uint16_t* down, size_t down_elems) {
-  unsigned char md[32];
-  unsigned int len = 0;
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  EVP_DigestUpdate(ctx, gate_up, gate_up_elems * 2);
-  EVP_DigestUpdate(ctx, down, down_elems * 2);
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  static const char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : md) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
+  Sha256Hex h;
+  h.Update(gate_up, gate_up_elems * 2);
+  h.Update(down, down_elems * 2);
+  return h.Finish();
 }
 
 namespace {
@@ -138,16 +126,10 @@ absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::stri
   RETURN_IF_ERROR(c->DetectNaming());
   RETURN_IF_ERROR(c->ReadSidecar());
   if (c->version_.empty()) {
-    const std::string text = config_text + c->index_text_;
-    unsigned char md[32];
-    unsigned int len = 0;
-    EVP_Digest(text.data(), text.size(), md, &len, EVP_sha256(), nullptr);
-    c->version_ = "sha256:";
-    static const char kHex[] = "0123456789abcdef";
-    for (int i = 0; i < 8; ++i) {
-      c->version_.push_back(kHex[md[i] >> 4]);
-      c->version_.push_back(kHex[md[i] & 15]);
-    }
+    Sha256Hex h;
+    h.Update(config_text.data(), config_text.size());
+    h.Update(c->index_text_.data(), c->index_text_.size());
+    c->version_ = "sha256:" + h.Finish().substr(0, 16);
   }
   return c;
 }
@@ -290,12 +272,12 @@ const TensorRef* HfCheckpoint::Tensor(const std::string& name, const MappedSafet
 // Rows per converted block: about 256 KiB of output, hashed while it is still in cache.
 int64_t BlockRows(int64_t cols) { return std::max<int64_t>(1, (int64_t{128} << 10) / std::max<int64_t>(cols, 1)); }
 
-void Hash(void* hasher, const uint16_t* p, int64_t n) {
-  if (hasher != nullptr) EVP_DigestUpdate(static_cast<EVP_MD_CTX*>(hasher), p, static_cast<size_t>(n) * 2);
+void Hash(Sha256Hex* hasher, const uint16_t* p, int64_t n) {
+  if (hasher != nullptr) hasher->Update(p, static_cast<size_t>(n) * 2);
 }
 
 absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out,
-                                      void* hasher) const {
+                                      Sha256Hex* hasher) const {
   const MappedSafetensors* shard = nullptr;
   const TensorRef* t = Tensor(name, &shard);
   if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat(dir_, ": tensor ", name, " is missing"));
@@ -389,24 +371,13 @@ absl::Status HfCheckpoint::ReadExpertWithDigest(int64_t layer, int expert, uint1
                                                 std::string* digest) const {
   if (naming_ == ExpertNaming::kFused)
     return CheckpointReader::ReadExpertWithDigest(layer, expert, gate_up, down, digest);
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  absl::Status s = Read(layer, expert, gate_up, down, ctx);
-  unsigned char md[32];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  if (!s.ok()) return s;
-  static const char kHex[] = "0123456789abcdef";
-  digest->clear();
-  for (unsigned char b : md) {
-    digest->push_back(kHex[b >> 4]);
-    digest->push_back(kHex[b & 15]);
-  }
+  Sha256Hex h;
+  RETURN_IF_ERROR(Read(layer, expert, gate_up, down, &h));
+  *digest = h.Finish();
   return absl::OkStatus();
 }
 
-absl::Status HfCheckpoint::Read(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down, void* hasher) const {
+absl::Status HfCheckpoint::Read(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down, Sha256Hex* hasher) const {
   if (!IsMoeLayer(layer)) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not a MoE layer of ", dir_));
   }

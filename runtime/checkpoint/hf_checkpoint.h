@@ -36,6 +36,7 @@
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/hf_config.h"
 #include "runtime/checkpoint/mapped_safetensors.h"
+#include "runtime/checkpoint/sha256.h"
 
 namespace moe {
 
@@ -86,10 +87,10 @@ class HfCheckpoint final : public CheckpointReader {
   absl::Status DetectNaming();
   absl::Status ReadSidecar();
   const TensorRef* Tensor(const std::string& name, const MappedSafetensors** shard) const;
-  // `hasher` (an EVP_MD_CTX*, may be null) is updated with the converted rows as they are written.
-  absl::Status ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out, void* hasher) const;
+  // `hasher` (may be null) is updated with the converted rows as they are written.
+  absl::Status ReadMatrix(const std::string& name, int64_t rows, int64_t cols, uint16_t* out, Sha256Hex* hasher) const;
   absl::Status ReadFusedExpert(const std::string& prefix, int expert, uint16_t* gate_up, uint16_t* down) const;
-  absl::Status Read(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down, void* hasher) const;
+  absl::Status Read(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down, Sha256Hex* hasher) const;
 
   std::string dir_;
   HfMoeConfig config_;

@@ -45,15 +45,21 @@ TEST(PlacementProtoTest, RejectsUnknownDomainAndBadVersion) {
   EXPECT_EQ(ManifestFromProto(p, t).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Four experts in MoE layers 3 and 5, each with a digest per layer.
+CheckpointIdentity TwoLayers() {
+  CheckpointIdentity id;
+  id.version = "checkpoint-0042";
+  id.layers = {3, 5};
+  for (int e = 0; e < 4; ++e) id.digests.push_back({"d3-" + std::to_string(e), "d5-" + std::to_string(e)});
+  return id;
+}
+
 // A per-layer generation: every layer's table crosses the wire; the digest covers each table
 // (a change in one layer's slot changes it); a table for the wrong layer is refused.
 TEST(PlacementProtoTest, PerLayerTablesRoundTripAndAreDigested) {
   Topology t = fixture::FourRankTwoNode();
   const ProcessGroup g = fixture::IdentityGroup();
-  CheckpointIdentity id;
-  id.version = "checkpoint-0042";
-  id.layers = {3, 5};
-  for (int e = 0; e < 4; ++e) id.digests.push_back({"d3-" + std::to_string(e), "d5-" + std::to_string(e)});
+  const CheckpointIdentity id = TwoLayers();
   const std::vector<std::vector<std::pair<int, int>>> a = {{{0, 0}, {1, 1}, {2, 2}, {3, 3}},
                                                            {{3, 0}, {2, 1}, {1, 2}, {0, 3}}};
   auto m = LayeredPlacementFromAssignment(PlacementVersion(9), 4, a, t, g, id);
@@ -89,10 +95,7 @@ TEST(PlacementProtoTest, PerLayerTablesRoundTripAndAreDigested) {
 TEST(LayeredMigrationTest, RetainsPerLayerAndSumsPeaks) {
   Topology t = fixture::FourRankTwoNode();
   const ProcessGroup g = fixture::IdentityGroup();
-  CheckpointIdentity id;
-  id.version = "checkpoint-0042";
-  id.layers = {3, 5};
-  for (int e = 0; e < 4; ++e) id.digests.push_back({"d3-" + std::to_string(e), "d5-" + std::to_string(e)});
+  const CheckpointIdentity id = TwoLayers();
   const std::vector<std::pair<int, int>> same = {{0, 0}, {1, 1}, {2, 2}, {3, 3}};
   auto shared = PlacementFromAssignment(PlacementVersion(1), 4, same, t, g, id);
   ASSERT_TRUE(shared.ok()) << shared.status();
