@@ -1,8 +1,12 @@
 #include "runtime/semantic.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <unordered_set>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <openssl/evp.h>
 
@@ -36,8 +40,12 @@ absl::Status SemanticHandoff::Validate() const {
   if (num_experts <= 0) return absl::InvalidArgumentError("num_experts: must be positive");
   if (top_k <= 0) return absl::InvalidArgumentError("top_k: must be positive");
   if (num_partitions <= 0) return absl::InvalidArgumentError("num_partitions: must be positive");
-  std::unordered_set<uint64_t> keys;
-  keys.reserve(n);
+  // (p, t, j) unique: strictly increasing keys (how a rank seals its own routes) prove it in the
+  // scan; any other order is checked by sorting the keys.
+  using Key = std::tuple<int64_t, int32_t, int32_t>;
+  const auto key_of = [this](size_t r) { return Key(origin[r].value(), token[r], route_slot[r]); };
+  bool increasing = true;
+  Key previous;
   for (size_t r = 0; r < n; ++r) {
     if (origin[r].value() < 0 || origin[r].value() >= num_partitions) {
       return absl::InvalidArgumentError(
@@ -56,9 +64,17 @@ absl::Status SemanticHandoff::Validate() const {
       return absl::InvalidArgumentError(
           absl::StrCat("routes[", r, "].gate: ", gate[r], " is NaN, infinite or negative"));
     }
-    const uint64_t key = (static_cast<uint64_t>(origin[r].value()) << 40) ^ (static_cast<uint64_t>(token[r]) << 8) ^
-                         static_cast<uint64_t>(route_slot[r]);
-    if (!keys.insert(key).second) {
+    const Key key = key_of(r);
+    if (r > 0 && key <= previous) increasing = false;
+    previous = key;
+  }
+  if (!increasing) {
+    std::vector<std::pair<Key, size_t>> keys(n);
+    for (size_t r = 0; r < n; ++r) keys[r] = {key_of(r), r};
+    std::sort(keys.begin(), keys.end());
+    for (size_t i = 1; i < n; ++i) {
+      if (keys[i].first != keys[i - 1].first) continue;
+      const size_t r = std::max(keys[i].second, keys[i - 1].second);  // the later of the two
       return absl::InvalidArgumentError(absl::StrCat("routes[", r, "]: duplicate (source_rank, token, route_slot) = (",
                                                      origin[r].value(), ", ", token[r], ", ", route_slot[r], ")"));
     }
@@ -93,11 +109,24 @@ class Hasher {
     U64(s.size());
     EVP_DigestUpdate(ctx_, s.data(), s.size());
   }
-  template <typename T, typename F>
-  void Column(const char* name, const std::vector<T>& col, F encode) {
+  // A column of 1- or 4-byte values (int32, a 32-bit id, FP32 bits, flags): its name, its
+  // length, then every value little-endian at its own width. On a little-endian host that is
+  // how the vector stores them, so the column is hashed in place in one call.
+  template <typename T>
+  void Column(const char* name, const std::vector<T>& col) {
+    static_assert((sizeof(T) == 4 || sizeof(T) == 1) && std::is_trivially_copyable_v<T>, "1- or 4-byte values");
     Str(name);
     U64(col.size());
-    for (const T& v : col) encode(v);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    EVP_DigestUpdate(ctx_, col.data(), col.size() * sizeof(T));
+#else
+    for (const T& v : col) {
+      uint8_t b[sizeof(T)];
+      std::memcpy(b, &v, sizeof(T));
+      std::reverse(b, b + sizeof(T));
+      EVP_DigestUpdate(ctx_, b, sizeof(T));
+    }
+#endif
   }
   Sha256 Finish() {
     Sha256 out{};
@@ -119,16 +148,12 @@ Sha256 SemanticDigest(const SemanticHandoff& h) {
   s.I64(h.num_experts);
   s.I64(h.top_k);
   s.I64(h.num_partitions);
-  s.Column("origin", h.origin, [&](Rank v) { s.I64(v.value()); });
-  s.Column("token", h.token, [&](int32_t v) { s.I64(v); });
-  s.Column("route_slot", h.route_slot, [&](int32_t v) { s.I64(v); });
-  s.Column("logical_expert", h.expert, [&](LogicalExpertId v) { s.I64(v.value()); });
-  s.Column("gate", h.gate, [&](float v) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    s.U64(bits);
-  });
-  s.Column("admitted", h.admitted, [&](uint8_t v) { s.U64(v); });
+  s.Column("origin", h.origin);
+  s.Column("token", h.token);
+  s.Column("route_slot", h.route_slot);
+  s.Column("logical_expert", h.expert);
+  s.Column("gate", h.gate);  // IEEE-754 bits
+  s.Column("admitted", h.admitted);
   return s.Finish();
 }
 

@@ -46,8 +46,11 @@ struct SemanticHandoff {
 using Sha256 = std::array<uint8_t, 32>;
 std::string HexDigest(const Sha256& digest);
 
-// SHA-256 over the canonical encoding: fixed field order, little-endian fixed-width integers,
-// IEEE-754 bits for gates, length-prefixed strings.
+// SHA-256 over the canonical encoding: the contract version (length-prefixed), scope, expert
+// count, top-k and partitions as 64-bit little-endian words, then the columns in a fixed order,
+// each as its name (length-prefixed), its length (64-bit) and its values little-endian at their
+// width: origin, token, route_slot, logical_expert as 32-bit integers, gate as its IEEE-754 bits,
+// admitted as one byte. (The columns are hashed in place: 21 bytes a route.)
 Sha256 SemanticDigest(const SemanticHandoff& handoff);
 
 struct FrozenHandoff {

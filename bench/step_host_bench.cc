@@ -1,0 +1,155 @@
+// Host work of one layer step in a one-member group. On the CPU kernels with tiny experts (d 64,
+// d_ff 16), so that what the executor spends outside the experts shows; with a GPU build and
+// MOE_BENCH_KERNELS=cuda on the CUDA kernels over a one-member NCCL transport (d 2048, d_ff 768:
+// the Qwen3-like layer). Prints, per token count, the median wall time of each phase of the step
+// (runtime/exec/step.h), of the whole step, and of the step without its experts phase, in
+// microseconds and per route, and the process's CPU time per step.
+//
+//   bazel run -c opt //bench:step_host_bench [-- --reps 9 --experts 128 --k 8]
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <sys/resource.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+
+#include "bench/stats.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/default_placement.h"
+#include "runtime/transport/transport.h"
+#ifdef MOE_BENCH_CUDA
+#include <unistd.h>
+
+#include "runtime/transport/nccl.h"
+#endif
+
+ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
+ABSL_FLAG(int, experts, 128, "logical experts");
+ABSL_FLAG(int, k, 8, "routes per token");
+
+namespace moe {
+namespace {
+
+double CpuSeconds() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+int Main() {
+  const bool cuda =
+      std::getenv("MOE_BENCH_KERNELS") != nullptr && std::string(std::getenv("MOE_BENCH_KERNELS")) == "cuda";
+  const int d = cuda ? 2048 : 64, f = cuda ? 768 : 16, experts = absl::GetFlag(FLAGS_experts),
+            k = absl::GetFlag(FLAGS_k);
+  const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
+  const Topology topology = TwoNodeTopology(1);
+  const ProcessGroup group = LocalClusterGroup(1, 1);
+  auto manifest = *DefaultPlacement(PlacementVersion(1), experts, 0, topology, group, ckpt.metadata);
+  GenerationRegistry registry;
+  registry.Prepare(manifest).IgnoreError();
+  registry.Activate(PlacementVersion(1)).IgnoreError();
+  std::unique_ptr<kernels::ExpertKernels> kernels;
+  std::unique_ptr<Transport> transport;
+  LoopbackFabric fabric(1);
+#ifdef MOE_BENCH_CUDA
+  if (cuda) {
+    auto made = kernels::CreateCudaKernels();
+    if (!made.ok()) {
+      std::fprintf(stderr, "MOE_BENCH_KERNELS=cuda: %s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    kernels = std::move(*made);
+    char dir[] = "/tmp/step_host_ncclXXXXXX";
+    if (mkdtemp(dir) == nullptr) return 1;
+    NcclOptions no;
+    no.rendezvous_dir = dir;
+    auto nccl = CreateNcclTransport(no);
+    if (!nccl.ok()) {
+      std::fprintf(stderr, "nccl: %s\n", nccl.status().ToString().c_str());
+      return 1;
+    }
+    transport = std::move(*nccl);
+  }
+#endif
+  if (kernels == nullptr) kernels = kernels::CreateCpuKernels();
+  if (transport == nullptr) transport = fabric.Endpoint(0);
+  LayerExecutorOptions eo;
+  eo.rank = Rank(0);
+  eo.topology = topology;
+  eo.group = group;
+  eo.registry = &registry;
+  eo.transport = transport.get();
+  eo.kernels = kernels.get();
+  auto executor = *LayerExecutor::Create(std::move(eo));
+  executor
+      ->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
+      .IgnoreError();
+  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, median of %d\n", kernels->name(), experts, k, d,
+              f, absl::GetFlag(FLAGS_reps));
+  std::printf("%8s", "tokens");
+  for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9s", StepPhaseName(static_cast<StepPhase>(p)));
+  std::printf(" %10s %12s %13s %11s\n", "step_us", "non-expert", "ns/route", "cpu_us");
+  std::mt19937 rng(1);
+  uint64_t step = 1;
+  for (int64_t tokens : {256, 1024, 2048, 4096, 8192}) {
+    std::vector<uint16_t> hidden(tokens * d);
+    for (auto& h : hidden) h = kernels::FloatToBf16(std::normal_distribution<float>(0, 1)(rng));
+    std::vector<int32_t> ids(tokens * k);
+    std::vector<float> gates(tokens * k, 1.0f / k);
+    std::vector<int> perm(experts);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int e = 0; e < experts; ++e) perm[e] = e;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int j = 0; j < k; ++j) ids[t * k + j] = perm[j];
+    }
+    std::vector<std::vector<double>> phase(kNumStepPhases);
+    std::vector<double> host, total, cpu;
+    for (int rep = 0; rep < absl::GetFlag(FLAGS_reps) + 1; ++rep) {
+      LayerStepInput in;
+      in.step_id = step++;
+      in.phase = Phase::kPrefill;
+      in.hidden = hidden.data();
+      in.tokens = tokens;
+      in.d = d;
+      in.topk_ids = ids.data();
+      in.topk_weights = gates.data();
+      in.k = k;
+      const double cpu0 = CpuSeconds();
+      auto r = executor->Execute(in);
+      const double cpu_us = (CpuSeconds() - cpu0) * 1e6;
+      if (!r.ok()) {
+        std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
+        return 1;
+      }
+      if (rep == 0) continue;  // warm-up
+      double sum = 0;
+      for (int p = 0; p < kNumStepPhases; ++p) {
+        phase[p].push_back(r->record.phase_us[p]);
+        if (static_cast<StepPhase>(p) != StepPhase::kExperts) sum += r->record.phase_us[p];
+      }
+      host.push_back(sum);
+      total.push_back(r->record.execute_us);
+      cpu.push_back(cpu_us);
+    }
+    std::printf("%8lld", static_cast<long long>(tokens));
+    for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9.1f", bench::Median(phase[p]));
+    const double h = bench::Median(host);
+    std::printf(" %10.1f %12.1f %13.1f %11.1f\n", bench::Median(total), h, h * 1e3 / (tokens * k), bench::Median(cpu));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return moe::Main();
+}
