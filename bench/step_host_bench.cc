@@ -137,6 +137,7 @@ int Main() {
       host.push_back(sum);
       total.push_back(r->record.execute_us);
       cpu.push_back(cpu_us);
+      executor->RecycleOutput(std::move(r->output));  // as the engine service does
     }
     std::printf("%8lld", static_cast<long long>(tokens));
     for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9.1f", bench::Median(phase[p]));

@@ -154,7 +154,7 @@ absl::Status DecodeStepRequest(const v1::StepRequest& req, const EngineApiOption
 }
 
 // Phase: encode the output rows, inline or written to the request's output region.
-absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, const std::vector<uint16_t>& output,
+absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, absl::Span<const uint16_t> output,
                           SharedRegions& regions, v1::StepResponse* resp) {
   resp->set_step_id(req.step_id());
   if (!req.has_output_region()) {
@@ -249,6 +249,7 @@ absl::Status ExpertLayerServiceImpl::RunStep(const v1::StepRequest& req, v1::Ste
   }
   if (!result.ok()) return result.status();
   RETURN_IF_ERROR(EncodeOutput(req, step.checked, result->output, regions_, resp));
+  executor_->RecycleOutput(std::move(result->output));  // the next step's rows go there
   *path = result->record.graph_replay ? "graph_replay" : "eager";
   EncodeRecord(result->record, step.checked.decode, metrics_, resp->mutable_record());
   return absl::OkStatus();

@@ -162,7 +162,7 @@ absl::StatusOr<Bf16Rows> ReadBf16(const v1::Tensor& t, const char* data, size_t 
   return rows;
 }
 
-void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out) {
+void EncodeBytes(absl::Span<const uint16_t> rows, v1::DType dtype, char* out) {
   if (dtype == v1::DTYPE_BF16 || dtype == v1::DTYPE_UNSPECIFIED) {
     std::memcpy(out, rows.data(), rows.size() * 2);
     return;
@@ -178,7 +178,7 @@ void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out) 
   }
 }
 
-void EncodeFromBf16(const std::vector<uint16_t>& rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out) {
+void EncodeFromBf16(absl::Span<const uint16_t> rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out) {
   out->set_dtype(dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_BF16 : dtype);
   out->set_rows(n);
   out->set_cols(d);

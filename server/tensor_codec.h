@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 #include "proto/moe/v1/expert_layer.pb.h"
 
@@ -42,8 +43,8 @@ class Bf16Rows {
 };
 absl::StatusOr<Bf16Rows> ReadBf16(const v1::Tensor& t, const char* data, size_t size, const char* field);
 // Writes rows as `dtype` into `out` (rows * d * width bytes).
-void EncodeBytes(const std::vector<uint16_t>& rows, v1::DType dtype, char* out);
-void EncodeFromBf16(const std::vector<uint16_t>& rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out);
+void EncodeBytes(absl::Span<const uint16_t> rows, v1::DType dtype, char* out);
+void EncodeFromBf16(absl::Span<const uint16_t> rows, int64_t n, int64_t d, v1::DType dtype, v1::Tensor* out);
 
 }  // namespace moe
 

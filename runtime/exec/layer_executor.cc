@@ -97,6 +97,11 @@ std::vector<int64_t> LayerExecutor::ExpertLoad() const {
   return total;
 }
 
+void LayerExecutor::RecycleOutput(RowBuffer buffer) {
+  absl::MutexLock lock(&generations_mu_);
+  if (buffer.capacity() > spare_output_.capacity()) spare_output_ = std::move(buffer);
+}
+
 std::map<int64_t, std::vector<int64_t>> LayerExecutor::LayerExpertLoad() const {
   absl::MutexLock lock(&generations_mu_);
   return layer_load_;
@@ -151,7 +156,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
                                          const SourcePlan& source, const DestinationPlan& dest,
                                          const std::vector<int32_t>& send_token,
                                          const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,
-                                         std::vector<uint16_t>* out) {
+                                         RowBuffer* out) {
   const int p = options_.group->size();
   const int local_slots = static_cast<int>(dest.expert_counts.size());
   const int64_t tokens_cap = options_.decode_rank_tokens, slot_cap = options_.decode_slot_routes;
@@ -550,7 +555,12 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   RETURN_IF_ERROR(PlanDestination(*pass.layout, options_.rank, agreement.recv_counts, buf_.received, &buf_.dest));
   CombineTables(buf_.accepted_ids, source, pass.handle->inverse().gate, in.tokens * in.k, &buf_.row_of_route,
                 &buf_.gates);
-  pass.result.output.assign(static_cast<size_t>(in.tokens) * in.d, 0);
+  // Every row is written by the combine (or copied out whole): a recycled buffer, not zeroed.
+  {
+    absl::MutexLock lock(&generations_mu_);
+    if (spare_output_.capacity() > pass.result.output.capacity()) pass.result.output.swap(spare_output_);
+  }
+  pass.result.output.resize(static_cast<size_t>(in.tokens) * in.d);
   return absl::OkStatus();
 }
 

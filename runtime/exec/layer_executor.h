@@ -48,27 +48,6 @@
 
 namespace moe {
 
-// An allocator whose value-initialization leaves elements uninitialized: weight buffers of
-// many GB are written once by the loader's threads, which fault their pages in in parallel,
-// instead of being zeroed first by one thread.
-template <class T>
-struct UninitializedAllocator : std::allocator<T> {
-  template <class U>
-  struct rebind {
-    using other = UninitializedAllocator<U>;
-  };
-  UninitializedAllocator() = default;
-  template <class U>
-  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
-  template <class U>
-  void construct(U* p) noexcept {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <class U, class... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
 using WeightBuffer = std::vector<uint16_t, UninitializedAllocator<uint16_t>>;
 
 // Weights of this rank's physical slots under one generation, in the manifest's local order,
@@ -141,6 +120,10 @@ class LayerExecutor {
   std::vector<int64_t> ExpertLoad() const;
   std::map<int64_t, std::vector<int64_t>> LayerExpertLoad() const;
 
+  // Hands a step's output buffer back once the caller is done with it: the next step writes its
+  // rows there instead of allocating (and faulting in) a new one.
+  void RecycleOutput(RowBuffer buffer);
+
   // Runs the step on the ACTIVE generation, or on the trial candidate for canary steps; on
   // sampled shadow steps also runs it on the candidate and compares (the engine gets the active
   // result). Trial passes are collective like the step itself: every member decides from the
@@ -208,7 +191,7 @@ class LayerExecutor {
                             const std::shared_ptr<const ResidentExperts>& weights, int layer_index,
                             const SourcePlan& source, const DestinationPlan& dest,
                             const std::vector<int32_t>& send_token, const std::vector<int32_t>& row_of_route,
-                            const std::vector<float>& gates, std::vector<uint16_t>* out);
+                            const std::vector<float>& gates, RowBuffer* out);
 
   LayerExecutorOptions options_;
   bool device_ = false;  // the kernels keep rows in device memory
@@ -222,6 +205,7 @@ class LayerExecutor {
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);  // by layer
+  RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);                              // RecycleOutput's buffer
   TrialConfig trial_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, GenerationCounters> counters_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const ResidentExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);

@@ -10,7 +10,9 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -69,8 +71,32 @@ struct StepRecord {
   std::array<double, kNumStepPhases> phase_us{};
 };
 
+// An allocator whose value-initialization leaves elements uninitialized: buffers that are
+// written in full before they are read (a rank's expert weights, filled by the loader's threads,
+// which fault their pages in in parallel; a step's output rows) are not zeroed first.
+template <class T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <class U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+// A step's output rows, written in full by the combine before anyone reads them.
+using RowBuffer = std::vector<uint16_t, UninitializedAllocator<uint16_t>>;
+
 struct LayerStepResult {
-  std::vector<uint16_t> output;  // [tokens, d] BF16
+  RowBuffer output;  // [tokens, d] BF16
   StepRecord record;
 };
 

@@ -176,7 +176,7 @@ void ExpectPhaseTimes(const StepRecord& rec) {
 double PhaseUs(const StepRecord& rec, StepPhase phase) { return rec.phase_us[static_cast<int>(phase)]; }
 
 // Relative L2 distance of a rank's output from the semantic computation of its input.
-double ErrorAgainstReference(const SafetensorsFile& ckpt, const RankInput& in, const std::vector<uint16_t>& out) {
+double ErrorAgainstReference(const SafetensorsFile& ckpt, const RankInput& in, absl::Span<const uint16_t> out) {
   return kernels::RelativeL2Bf16(out, Reference(ckpt, in));
 }
 
