@@ -79,6 +79,24 @@ float MaxAbsDiffBf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>
   return worst;
 }
 
+// Large pageable copies to the device go through the pinned bounce buffers in chunks (a partial
+// last chunk here), small ones the driver's way: every byte arrives either way, and a copy's
+// source may be overwritten as soon as CopyToKernel returns.
+TEST_F(CudaKernelsTest, LargePageableCopiesArriveWhole) {
+  for (size_t bytes : {size_t{1} << 20, (size_t{11} << 20) + 12345, size_t{8} << 20}) {
+    std::vector<uint8_t> src(bytes), back(bytes, 0);
+    for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<uint8_t>(rng_());
+    const std::vector<uint8_t> want = src;
+    auto dev = gpu_->Allocate(static_cast<int64_t>(bytes));
+    ASSERT_TRUE(dev.ok()) << dev.status();
+    ASSERT_TRUE(gpu_->CopyToKernel(*dev, src.data(), static_cast<int64_t>(bytes), nullptr).ok());
+    std::fill(src.begin(), src.end(), 0);  // the source may be reused at once
+    ASSERT_TRUE(gpu_->CopyToHost(back.data(), *dev, static_cast<int64_t>(bytes), nullptr).ok());
+    EXPECT_EQ(back, want) << bytes << " bytes";
+    gpu_->Free(*dev);
+  }
+}
+
 TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   // Trials 8 and 9: at most four rows per expert, which the grouped layout runs through the

@@ -71,7 +71,7 @@ Input MakeInput(std::mt19937& rng, int64_t tokens, bool hot) {
 }
 
 // y_t = sum_j g_tj E_{e_tj}(h_t), each route through the CPU reference kernel.
-absl::Status CheckAgainstReference(const Input& in, const std::vector<uint16_t>& got, kernels::ExpertKernels& cpu,
+absl::Status CheckAgainstReference(const Input& in, absl::Span<const uint16_t> got, kernels::ExpertKernels& cpu,
                                    const char* what) {
   std::vector<std::vector<uint16_t>> gu(kExperts), dn(kExperts);
   for (int e = 0; e < kExperts; ++e) SyntheticExpert(e, {kExperts, kD, kFf}, 5, &gu[e], &dn[e]);
