@@ -391,15 +391,6 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   if (!manifest.ok()) return manifest.status();
   pass.num_experts = (*manifest)->num_experts();
   RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
-  if (!pass.po.shadow_pass) {
-    // The load signal for rebalancing: routes this rank's tokens chose, per logical expert.
-    absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[in.layer];
-    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
-    for (int64_t i = 0; i < in.tokens * in.k; ++i) {
-      if (in.admitted == nullptr || in.admitted[i] != 0) ++load[in.topk_ids[i]];
-    }
-  }
   ASSIGN_OR_RETURN(FrozenHandoff frozen,
                    SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts), options_.topology->num_ranks()));
   pass.frozen.emplace(std::move(frozen));
@@ -439,6 +430,17 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   if (pass.weights->host->d != pass.in.d) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden: d = ", pass.in.d, ", the experts have d = ", pass.weights->host->d));
+  }
+  if (!pass.po.shadow_pass) {
+    // The load signal for rebalancing: routes this rank's tokens chose, per logical expert, per
+    // layer. Counted once the layer is known to be served, so that the engine's layer values
+    // cannot grow the table.
+    absl::MutexLock lock(&generations_mu_);
+    std::vector<int64_t>& load = layer_load_[pass.in.layer];
+    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
+    for (int64_t i = 0; i < pass.in.tokens * pass.in.k; ++i) {
+      if (pass.in.admitted == nullptr || pass.in.admitted[i] != 0) ++load[pass.in.topk_ids[i]];
+    }
   }
   // The layer's slot table: its own in a per-layer generation.
   const std::shared_ptr<const PlacementManifest> table = generation->ForLayer(pass.in.layer);

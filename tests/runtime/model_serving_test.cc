@@ -203,6 +203,12 @@ TEST_P(ModelServingTest, EveryMoeLayerMatchesItsOwnExperts) {
                 HasSubstr(absl::StrCat("layer: ", dense, " is not a MoE layer of placement-v1")));
   }
   for (const auto& result : RunStep(w, inputs, step++, 3)) EXPECT_TRUE(result.ok()) << result.status();
+  // Only served layers count load: a refused layer value leaves no entry behind.
+  for (int r = 0; r < kRanks; ++r) {
+    const auto load = w.exec[r]->LayerExpertLoad();
+    EXPECT_EQ(load.count(dense), 0u);
+    EXPECT_EQ(load.size(), layers.size());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelServingTest,
