@@ -198,30 +198,6 @@ class PeerAgents {
   std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
 };
 
-// The digest the manifest expects for layer li's copy of `slot` ("" when it records none): the
-// slot's own in a per-layer table, its per-layer digest in a shared one, the expert digest of a
-// single-layer checkpoint.
-std::string ExpectedDigest(const PlacementManifest& to, const SlotRecord& slot, int li, const SlotSizes& sizes) {
-  if (to.per_layer() || sizes.layers.empty()) return slot.parameter_digest.value();
-  return li < static_cast<int>(slot.layer_digests.size()) ? slot.layer_digests[li] : "";
-}
-
-// Every copy is verified before publish, however it was materialized (0x08F).
-absl::Status VerifyDigest(const PlacementManifest& to, const SlotRecord& slot, int li, const SlotSizes& sizes,
-                          MigrationAction action, ExpertAt w) {
-  const std::string want = ExpectedDigest(to, slot, li, sizes);
-  if (want.empty()) return absl::OkStatus();
-  const std::string got = ExpertDigest(w.gate_up, sizes.gu1, w.down, sizes.dn1);
-  if (got != want) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("slot ", slot.name, " (expert ", slot.expert.value(), ")",
-                     sizes.layers.empty() ? std::string() : absl::StrCat(" layer ", sizes.layers[li]),
-                     ": parameter digest ", got.substr(0, 12), "... (", MigrationActionName(action),
-                     ") does not match the manifest's ", want.substr(0, 12)));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* out) const {
@@ -317,6 +293,9 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
   const size_t from_count = source.from != nullptr ? source.from->LocalSlots(c_.rank).size() : 0;
   out.experts.w_gate_up.resize(sizes.gu_n * l_count);
   out.experts.w_down.resize(sizes.dn_n * l_count);
+  // Every copy's digest and how it came, [local slot][layer], verified before publish (0x08F).
+  std::vector<std::vector<std::string>> digests(l_count, std::vector<std::string>(sizes.num_layers));
+  std::vector<std::vector<std::string>> how(l_count, std::vector<std::string>(sizes.num_layers));
   // Every layer's copy of every local slot, each as its layer's plan says.
   for (int li = 0; li < sizes.num_layers; ++li) {
     const int64_t layer = sizes.layers.empty() ? 0 : sizes.layers[li];
@@ -345,9 +324,11 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
         if (!s.ok()) return absl::Status(s.code(), absl::StrCat("slot ", slot.name, ": ", s.message()));
         ++out.loaded;
       }
-      RETURN_IF_ERROR(VerifyDigest(to, slot, li, sizes, action, dst));
+      digests[j][li] = ExpertDigest(dst.gate_up, sizes.gu1, dst.down, sizes.dn1);
+      how[j][li] = MigrationActionName(action);
     }
   }
+  for (size_t j = 0; j < l_count; ++j) RETURN_IF_ERROR(CheckSlotDigests(to, local[j], digests[j], how[j]));
   return out;
 }
 

@@ -37,22 +37,30 @@ absl::StatusOr<int64_t> LocalExpertBytes(const CheckpointReader& ckpt, const Pla
   return n;
 }
 
-absl::Status CheckSlotDigests(const SlotRecord& slot, const std::vector<int64_t>& layers,
-                              const std::vector<std::string>& computed, const char* how) {
-  for (size_t i = 0; i < slot.layer_digests.size() && i < computed.size(); ++i) {
-    if (!slot.layer_digests[i].empty() && slot.layer_digests[i] != computed[i]) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("slot ", slot.name, " (expert ", slot.expert.value(), ") layer ",
-                       i < layers.size() ? layers[i] : 0, ": parameter digest ", computed[i].substr(0, 12), "... (",
-                       how, ") does not match the manifest's ", slot.layer_digests[i].substr(0, 12)));
-    }
+std::string ExpectedLayerDigest(const PlacementManifest& m, PhysicalSlotId q, int li) {
+  if (m.per_layer() || m.layers().empty()) return m.LayerAt(li).slot(q).parameter_digest.value();
+  const std::vector<std::string>& per_layer = m.slot(q).layer_digests;
+  return li < static_cast<int>(per_layer.size()) ? per_layer[li] : "";
+}
+
+absl::Status CheckSlotDigests(const PlacementManifest& m, PhysicalSlotId q, const std::vector<std::string>& computed,
+                              const std::vector<std::string>& how) {
+  for (size_t li = 0; li < computed.size(); ++li) {
+    const std::string want = ExpectedLayerDigest(m, q, static_cast<int>(li));
+    if (want.empty() || want == computed[li]) continue;
+    const SlotRecord& slot = m.LayerAt(static_cast<int>(li)).slot(q);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "slot ", slot.name, " (expert ", slot.expert.value(), ")",
+        m.layers().empty() ? std::string() : absl::StrCat(" layer ", m.layers()[li]), ": parameter digest ",
+        computed[li].substr(0, 12), "... (", how[li], ") does not match the manifest's ", want.substr(0, 12)));
   }
-  if (slot.parameter_digest.empty()) return absl::OkStatus();
-  const std::string got = layers.empty() && computed.size() == 1 ? computed[0] : CombinedDigest(computed);
+  const SlotRecord& slot = m.slot(q);
+  if (m.per_layer() || m.layers().empty() || slot.parameter_digest.empty()) return absl::OkStatus();
+  const std::string got = CombinedDigest(computed);
   if (got != slot.parameter_digest.value()) {
-    return absl::FailedPreconditionError(absl::StrCat("slot ", slot.name, ": parameter digest ", got.substr(0, 12),
-                                                      "... (", how, ") does not match the manifest's ",
-                                                      slot.parameter_digest.value().substr(0, 12)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("slot ", slot.name, ": combined parameter digest ", got.substr(0, 12), "... (", how.front(),
+                     ") does not match the manifest's ", slot.parameter_digest.value().substr(0, 12)));
   }
   return absl::OkStatus();
 }
@@ -132,16 +140,8 @@ absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& ckpt, cons
   worker();
   for (std::thread& t : pool) t.join();
   RETURN_IF_ERROR(first_error);
-  for (int64_t j = 0; j < l_count; ++j) {
-    if (!m.per_layer()) {
-      RETURN_IF_ERROR(CheckSlotDigests(m.slot(slots[j]), out.layers, digests[j], "checkpoint load"));
-      continue;
-    }
-    for (int li = 0; li < layers; ++li) {  // each layer's table names its expert's digest in that layer
-      const std::string how = absl::StrCat("checkpoint load of layer ", out.layers[li]);
-      RETURN_IF_ERROR(CheckSlotDigests(m.LayerAt(li).slot(slots[j]), {}, {digests[j][li]}, how.c_str()));
-    }
-  }
+  const std::vector<std::string> how(layers, "checkpoint load");
+  for (int64_t j = 0; j < l_count; ++j) RETURN_IF_ERROR(CheckSlotDigests(m, slots[j], digests[j], how));
   return out;
 }
 

@@ -50,13 +50,18 @@ absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& checkpoint
 absl::StatusOr<LocalExperts> LoadLocalExperts(const SafetensorsFile& checkpoint, const PlacementManifest& manifest,
                                               Rank rank);
 
-// Checks the digests computed for one slot's expert (one per layer, in the manifest's layer
-// order) against the slot's: per layer when it has them, and its parameter digest (the expert
-// digest of a single-layer checkpoint, the CombinedDigest of a multi-layer one) when set.
-// FAILED_PRECONDITION naming the slot, the layer and `how` the weights came (e.g. "checkpoint
-// load", "cross-node copy").
-absl::Status CheckSlotDigests(const SlotRecord& slot, const std::vector<int64_t>& layers,
-                              const std::vector<std::string>& computed, const char* how);
+// The digest `m` expects for the copy of slot q in its layer index li ("" when it records
+// none): the slot's own in a per-layer generation's table for that layer, its per-layer digest in
+// a shared table, the expert digest of a single-layer checkpoint.
+std::string ExpectedLayerDigest(const PlacementManifest& m, PhysicalSlotId q, int li);
+
+// Checks the digests computed for every layer's copy of slot q (`computed[li]`, how each copy
+// came in `how[li]`, e.g. "checkpoint load", "cross-node copy") against ExpectedLayerDigest, and a
+// shared multi-layer table's combined digest against their CombinedDigest. FAILED_PRECONDITION
+// naming the slot, its expert, the layer and how the copy came. The loader and the rank agent
+// verify every copy with it, however it was materialized (0x08F).
+absl::Status CheckSlotDigests(const PlacementManifest& m, PhysicalSlotId q, const std::vector<std::string>& computed,
+                              const std::vector<std::string>& how);
 
 }  // namespace moe
 
