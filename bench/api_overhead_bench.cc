@@ -32,12 +32,10 @@
 #include "absl/time/clock.h"
 
 #include "bench/echo.grpc.pb.h"
+#include "bench/one_member.h"
 #include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
-#ifdef MOE_BENCH_CUDA
-#include "runtime/transport/nccl.h"
-#endif
 #include "rpc/daemon_util.h"
 #include "rpc/unix_socket.h"
 #include "runtime/checkpoint/synthetic.h"
@@ -104,39 +102,14 @@ int Main() {
   registry.Activate(PlacementVersion(1)).IgnoreError();
   // MOE_BENCH_KERNELS=cuda runs the experts on the GPU (a --config=gpu build on a GPU machine):
   // the executor then takes microseconds and the host waits instead of computing.
-  const bool cuda =
-      std::getenv("MOE_BENCH_KERNELS") != nullptr && std::string(std::getenv("MOE_BENCH_KERNELS")) == "cuda";
-  std::unique_ptr<kernels::ExpertKernels> kernels;
-  if (cuda) {
-    auto made = kernels::CreateCudaKernels();
-    if (!made.ok()) {
-      std::fprintf(stderr, "MOE_BENCH_KERNELS=cuda: %s\n", made.status().ToString().c_str());
-      return 1;
-    }
-    kernels = std::move(*made);
-  } else {
-    kernels = kernels::CreateCpuKernels();
+  bench::OneMemberBackend backend;
+  if (absl::Status s = bench::MakeOneMemberBackend(&backend); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
   }
+  std::unique_ptr<kernels::ExpertKernels>& kernels = backend.kernels;
+  std::unique_ptr<Transport>& transport = backend.transport;
   std::printf("kernels: %s\n", kernels->name());
-  // Rows in device memory need a transport that moves them: NCCL with one member on the GPU,
-  // loopback otherwise.
-  LoopbackFabric fabric(1);
-  std::unique_ptr<Transport> transport;
-#ifdef MOE_BENCH_CUDA
-  if (cuda) {
-    char dir[] = "/tmp/api_overhead_ncclXXXXXX";
-    if (mkdtemp(dir) == nullptr) return 1;
-    NcclOptions no;
-    no.rendezvous_dir = dir;
-    auto made = CreateNcclTransport(no);
-    if (!made.ok()) {
-      std::fprintf(stderr, "nccl: %s\n", made.status().ToString().c_str());
-      return 1;
-    }
-    transport = std::move(*made);
-  }
-#endif
-  if (transport == nullptr) transport = fabric.Endpoint(0);
   LayerExecutorOptions eo;
   eo.rank = Rank(0);
   eo.topology = topology;

@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 
+#include "bench/one_member.h"
 #include "bench/stats.h"
 #include "kernels/api.h"
 #include "kernels/numeric.h"
@@ -24,11 +25,6 @@
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/transport/transport.h"
-#ifdef MOE_BENCH_CUDA
-#include <unistd.h>
-
-#include "runtime/transport/nccl.h"
-#endif
 
 ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
 ABSL_FLAG(int, experts, 128, "logical experts");
@@ -44,8 +40,14 @@ double CpuSeconds() {
 }
 
 int Main() {
-  const bool cuda =
-      std::getenv("MOE_BENCH_KERNELS") != nullptr && std::string(std::getenv("MOE_BENCH_KERNELS")) == "cuda";
+  bench::OneMemberBackend backend;
+  if (absl::Status s = bench::MakeOneMemberBackend(&backend); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<kernels::ExpertKernels>& kernels = backend.kernels;
+  std::unique_ptr<Transport>& transport = backend.transport;
+  const bool cuda = backend.cuda;
   const int d = cuda ? 2048 : 64, f = cuda ? 768 : 16, experts = absl::GetFlag(FLAGS_experts),
             k = absl::GetFlag(FLAGS_k);
   const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
@@ -55,31 +57,6 @@ int Main() {
   GenerationRegistry registry;
   registry.Prepare(manifest).IgnoreError();
   registry.Activate(PlacementVersion(1)).IgnoreError();
-  std::unique_ptr<kernels::ExpertKernels> kernels;
-  std::unique_ptr<Transport> transport;
-  LoopbackFabric fabric(1);
-#ifdef MOE_BENCH_CUDA
-  if (cuda) {
-    auto made = kernels::CreateCudaKernels();
-    if (!made.ok()) {
-      std::fprintf(stderr, "MOE_BENCH_KERNELS=cuda: %s\n", made.status().ToString().c_str());
-      return 1;
-    }
-    kernels = std::move(*made);
-    char dir[] = "/tmp/step_host_ncclXXXXXX";
-    if (mkdtemp(dir) == nullptr) return 1;
-    NcclOptions no;
-    no.rendezvous_dir = dir;
-    auto nccl = CreateNcclTransport(no);
-    if (!nccl.ok()) {
-      std::fprintf(stderr, "nccl: %s\n", nccl.status().ToString().c_str());
-      return 1;
-    }
-    transport = std::move(*nccl);
-  }
-#endif
-  if (kernels == nullptr) kernels = kernels::CreateCpuKernels();
-  if (transport == nullptr) transport = fabric.Endpoint(0);
   LayerExecutorOptions eo;
   eo.rank = Rank(0);
   eo.topology = topology;
