@@ -56,7 +56,8 @@ ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
 ABSL_FLAG(int, oversize_tokens, 9, "tokens per rank in an oversize decode step");
 ABSL_FLAG(std::string, fault, "",
-          "bad_input: rank 1 sends a malformed step (then a good one); dead_rank: expect every "
+          "bad_input: rank 1 sends a malformed step (then a good one); bad_layer: rank 1 names a layer the model "
+          "does not serve (then a good step); dead_rank: expect every "
           "live rank to fail a step within the timeout (a rank was killed)");
 ABSL_FLAG(int, dead_rank, -1, "dead_rank fault: the rank that was killed");
 ABSL_FLAG(std::string, parity, "",
@@ -213,16 +214,23 @@ struct FaultContext {
 
 // bad_input: rank 1's step is malformed; it gets INVALID_ARGUMENT naming the field, every other
 // rank ABORTED, and the next step is served everywhere.
-int FaultBadInput(FaultContext& f, std::vector<StepCall> calls) {
+// bad_layer: the same with rank 1 naming a layer the model does not serve (a huge index): it
+// gets INVALID_ARGUMENT naming the layer, every other rank ABORTED, the next step is served.
+int FaultBadInput(FaultContext& f, std::vector<StepCall> calls, bool bad_layer) {
   const int p = f.ranks();
   Answers answers;
-  calls[1].hidden.pop_back();  // byte length no longer matches dtype x shape
+  if (bad_layer) {
+    calls[1].layer = int64_t{1} << 40;
+  } else {
+    calls[1].hidden.pop_back();  // byte length no longer matches dtype x shape
+  }
   const absl::Time start = absl::Now();
   f.RunAll(calls, &answers);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   bool ok = answers[1].status().code() == absl::StatusCode::kInvalidArgument &&
-            std::string(answers[1].status().message()).find("hidden.data") != std::string::npos;
-  std::printf("rank 1 (malformed): %s\n", answers[1].status().ToString().c_str());
+            std::string(answers[1].status().message()).find(bad_layer ? "is not a MoE layer" : "hidden.data") !=
+                std::string::npos;
+  std::printf("rank 1 (%s): %s\n", bad_layer ? "bad layer" : "malformed", answers[1].status().ToString().c_str());
   for (int r = 0; r < p; ++r) {
     if (r == 1) continue;
     std::printf("rank %d: %s\n", r, answers[r].status().ToString().c_str());
@@ -296,10 +304,10 @@ int Fault(Clients& clients, Reference& reference, int d, int k) {
   FaultContext f{clients, reference, d, k};
   const std::vector<StepCall> calls = f.Calls(1000);
   const std::string fault = absl::GetFlag(FLAGS_fault);
-  if (fault == "bad_input") return FaultBadInput(f, calls);
+  if (fault == "bad_input" || fault == "bad_layer") return FaultBadInput(f, calls, fault == "bad_layer");
   if (fault == "dead_rank") return FaultDeadRank(f, calls);
   if (fault == "stale_generation") return FaultStaleGeneration(f, calls);
-  spdlog::error("--fault {}: unknown (bad_input, dead_rank, stale_generation)", fault);
+  spdlog::error("--fault {}: unknown (bad_input, bad_layer, dead_rank, stale_generation)", fault);
   return kExitUsage;
 }
 

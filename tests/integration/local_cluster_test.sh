@@ -53,6 +53,9 @@ fi
 "$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --fault bad_input >"$work/bad.log" 2>&1
 check $? "malformed request: INVALID_ARGUMENT on its rank, ABORTED on the others, next step served"
 cat "$work/bad.log" | sed 's/^/     /'
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --fault bad_layer >"$work/layer.log" 2>&1
+check $? "a layer the model does not serve: INVALID_ARGUMENT naming it on its rank, ABORTED on the others, next step served"
+cat "$work/layer.log" | sed 's/^/     /'
 
 curl -s "http://127.0.0.1:$(cat "$work/metrics/1.port")/metrics" >"$work/scrape.txt"
 grep -q '^moe_steps_total{.*status="ok"' "$work/scrape.txt"; check $? "metrics: steps by status"
