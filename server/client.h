@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
@@ -36,6 +37,81 @@ struct StepAnswer {
   double client_latency_us = 0;
 };
 
+struct StepRingOptions {
+  int slots = 2;             // steps in flight at once
+  int64_t max_tokens = 256;  // rows per step
+  int d = 0;                 // hidden columns (BF16)
+  int k = 0;                 // routes per row
+  int64_t spin_us = 50;      // how long Wait spins before it sleeps on the futex
+};
+
+// A step ring on the engine's co-located rank (docs/api.md "Step rings"; server/step_ring_layout.h):
+// the engine writes a step's rows and routing into a shared slot in place, rings a futex
+// doorbell, and finds the output rows in the same slot. Opened through ExpertLayerClient::OpenRing
+// on the rank's Unix socket.
+//
+// Thread-safety: one thread drives a ring; separate rings may be driven concurrently. The rank
+// serves a ring's steps in submission order, interleaved with its gRPC steps.
+class StepRing {
+ public:
+  ~StepRing();  // closes the ring and the claim connection (the rank tears it down)
+
+  struct Slot {
+    uint16_t* hidden;        // [max_tokens, d] BF16: write the step's rows here
+    int32_t* topk_ids;       // [max_tokens, k]: the step's [tokens, k] ids, row-major
+    float* topk_weights;     // [max_tokens, k]
+    uint8_t* admitted;       // [max_tokens, k]: read only when StepMeta::admitted is set
+    const uint16_t* output;  // [max_tokens, d] BF16: the step's output after Wait
+  };
+  struct StepMeta {
+    uint64_t step_id = 0;
+    int64_t layer = 0;
+    bool decode = false;
+    int64_t tokens = 0;
+    int k = 0;
+    bool admitted = false;
+    int64_t expected_generation = 0;  // 0: any
+  };
+  // The slot the next Submit uses; waits (up to `deadline`) while every slot is in flight.
+  absl::StatusOr<Slot> NextSlot(absl::Duration deadline = absl::Seconds(60));
+  // Submits the step written into NextSlot()'s slot.
+  absl::Status Submit(const StepMeta& meta);
+  // Waits for the oldest outstanding step: its record, or its error (the rank's status code and
+  // message). Its output rows stay in its slot until the slot is submitted again.
+  absl::StatusOr<v1::StepRecord> Wait(absl::Duration deadline = absl::Seconds(60), const uint16_t** output = nullptr);
+  // One step end to end: the call copied into the next slot, submitted, waited for, copied out.
+  absl::StatusOr<StepAnswer> Execute(const StepCall& call, absl::Duration deadline = absl::Seconds(60));
+  // CloseStepRing through gRPC (the destructor only hangs up).
+  absl::Status Close();
+
+  int64_t max_tokens() const { return max_tokens_; }
+  int d() const { return d_; }
+  int k() const { return k_; }
+  uint64_t id() const { return id_; }
+  int outstanding() const { return static_cast<int>(submitted_ - waited_); }
+  // Submit to completion of the step the last Wait returned, microseconds.
+  double last_client_us() const { return last_client_us_; }
+
+ private:
+  friend class ExpertLayerClient;
+  StepRing() = default;
+  char* slot(uint32_t seq) const;
+
+  v1::ExpertLayerService::Stub* stub_ = nullptr;  // the opening client's, for Close
+  uint64_t id_ = 0;
+  int conn_ = -1;  // the claim connection: the engine's hold on the ring
+  char* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  int slots_ = 0;
+  int64_t max_tokens_ = 0;
+  int d_ = 0, k_ = 0;
+  int64_t spin_us_ = 50;
+  uint64_t slot_bytes_ = 0, hidden_off_ = 0, output_off_ = 0, ids_off_ = 0, weights_off_ = 0, admitted_off_ = 0;
+  uint32_t submitted_ = 0, waited_ = 0;
+  std::vector<absl::Time> submit_times_;  // by slot
+  double last_client_us_ = 0;
+};
+
 class ExpertLayerClient {
  public:
   // `address`: a gRPC target, "unix:/path/to/engine.sock" (the rank's --engine_socket) or
@@ -43,6 +119,9 @@ class ExpertLayerClient {
   static absl::StatusOr<std::unique_ptr<ExpertLayerClient>> Connect(const std::string& address, absl::Duration timeout,
                                                                     const std::string& token = "");
   absl::StatusOr<StepAnswer> Execute(const StepCall& call, absl::Duration deadline = absl::Seconds(60));
+  // A step ring on this rank (the client must be connected to the rank's Unix socket, and must
+  // outlive the ring).
+  absl::StatusOr<std::unique_ptr<StepRing>> OpenRing(const StepRingOptions& options);
 
  private:
   ExpertLayerClient(std::unique_ptr<v1::ExpertLayerService::Stub> stub, std::string token)

@@ -1,6 +1,7 @@
 #include "server/expert_layer_service.h"
 
 #include <cctype>
+#include <cstdio>
 #include <memory>
 #include <vector>
 
@@ -173,16 +174,22 @@ absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, absl
   return absl::OkStatus();
 }
 
-// Phase: encode the step record, and count it.
-void EncodeRecord(const StepRecord& r, bool decode, RankMetrics* metrics, v1::StepRecord* rec) {
+// Phase: count the step record in the metrics.
+void CountRecord(const StepRecord& r, bool decode, RankMetrics* metrics) {
+  metrics->LayerRoutes(r.layer, r.routes_accepted);
+  if (decode && !r.graph_replay) metrics->Fallback(r.fallback_reason);
+  metrics->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
+  metrics->BytesSent(r.bytes_sent);
+  metrics->Generation(r.placement_version);
+  metrics->StepPhases(decode ? "decode" : "prefill", r.phase_us);
+}
+
+// Phase: encode the step record.
+void EncodeRecord(const StepRecord& r, bool decode, v1::StepRecord* rec) {
   rec->set_placement_generation(r.placement_version);
   rec->set_layer(r.layer);
-  metrics->LayerRoutes(r.layer, r.routes_accepted);
   rec->set_path(r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER);
-  if (decode && !r.graph_replay) {
-    rec->set_fallback_reason(r.fallback_reason);
-    metrics->Fallback(r.fallback_reason);
-  }
+  if (decode && !r.graph_replay) rec->set_fallback_reason(r.fallback_reason);
   rec->set_compute_latency_us(r.execute_us);
   rec->set_canary(r.canary);
   rec->set_routes_attempted(r.routes_attempted);
@@ -190,10 +197,6 @@ void EncodeRecord(const StepRecord& r, bool decode, RankMetrics* metrics, v1::St
   rec->set_routes_dropped(r.routes_dropped);
   rec->set_routes_remote(r.routes_remote);
   rec->set_routes_inter_node(r.routes_inter_node);
-  metrics->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
-  metrics->BytesSent(r.bytes_sent);
-  metrics->Generation(r.placement_version);
-  metrics->StepPhases(decode ? "decode" : "prefill", r.phase_us);
   v1::StepStages* stages = rec->mutable_stages();
   stages->set_validate_us(r.phase_us[static_cast<int>(StepPhase::kValidate)]);
   stages->set_acquire_us(r.phase_us[static_cast<int>(StepPhase::kAcquire)]);
@@ -204,6 +207,24 @@ void EncodeRecord(const StepRecord& r, bool decode, RankMetrics* metrics, v1::St
   stages->set_return_us(r.phase_us[static_cast<int>(StepPhase::kReturn)]);
   stages->set_combine_us(r.phase_us[static_cast<int>(StepPhase::kCombine)]);
   stages->set_release_us(r.phase_us[static_cast<int>(StepPhase::kRelease)]);
+}
+
+// A ring step's record, in the slot's result (stages in StepStages' field order = StepPhase's).
+void RingRecord(const StepRecord& r, bool decode, ring::Result* out) {
+  out->placement_generation = r.placement_version;
+  out->layer = r.layer;
+  out->path = r.graph_replay ? v1::PATH_GRAPH_REPLAY : v1::PATH_EAGER;
+  out->canary = r.canary ? 1 : 0;
+  if (decode && !r.graph_replay) {
+    std::snprintf(out->fallback_reason, sizeof(out->fallback_reason), "%s", r.fallback_reason.c_str());
+  }
+  out->routes_attempted = r.routes_attempted;
+  out->routes_accepted = r.routes_accepted;
+  out->routes_dropped = r.routes_dropped;
+  out->routes_remote = r.routes_remote;
+  out->routes_inter_node = r.routes_inter_node;
+  out->compute_latency_us = r.execute_us;
+  for (int i = 0; i < kNumStepPhases; ++i) out->stages_us[i] = r.phase_us[i];
 }
 
 }  // namespace
@@ -251,22 +272,135 @@ absl::Status ExpertLayerServiceImpl::RunStep(const v1::StepRequest& req, v1::Ste
   RETURN_IF_ERROR(EncodeOutput(req, step.checked, result->output, regions_, resp));
   executor_->RecycleOutput(std::move(result->output));  // the next step's rows go there
   *path = result->record.graph_replay ? "graph_replay" : "eager";
-  EncodeRecord(result->record, step.checked.decode, metrics_, resp->mutable_record());
+  CountRecord(result->record, step.checked.decode, metrics_);
+  EncodeRecord(result->record, step.checked.decode, resp->mutable_record());
   return absl::OkStatus();
 }
 
-grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "moe-rankd is draining");
-    ++in_flight_;
-    metrics_->InFlight(in_flight_);
-  }
-  const absl::Status s = Run(*request, response);
+absl::Status ExpertLayerServiceImpl::BeginStep() {
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("moe-rankd is draining");
+  ++in_flight_;
+  metrics_->InFlight(in_flight_);
+  return absl::OkStatus();
+}
+
+void ExpertLayerServiceImpl::EndStep() {
   absl::MutexLock lock(&mu_);
   --in_flight_;
   metrics_->InFlight(in_flight_);
+}
+
+grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response) {
+  if (absl::Status s = BeginStep(); !s.ok()) return ToGrpcStatus(s);
+  const absl::Status s = Run(*request, response);
+  EndStep();
   return ToGrpcStatus(s);
+}
+
+// A step from a ring, as Run + RunStep do for a gRPC request: checked (a step refused here still
+// joins its agreement), run with the rows read and written in the ring's slot, counted.
+void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* result) {
+  const absl::Time start = absl::Now();
+  const ring::Descriptor& desc = step.desc;
+  const bool decode = desc.phase == v1::PHASE_DECODE;
+  const char* path = "eager";
+  absl::Status status = BeginStep();
+  if (status.ok()) {
+    absl::Status checked = step.status;
+    if (checked.ok() && desc.phase != v1::PHASE_PREFILL && !decode) {
+      checked = absl::InvalidArgumentError(
+          absl::StrCat("descriptor.phase: ", desc.phase, " is not PHASE_PREFILL (1) or PHASE_DECODE (2)"));
+    }
+    if (checked.ok()) checked = CheckFiniteBf16(step.hidden, desc.tokens * step.d, "hidden");
+    LayerStepInput in;
+    in.step_id = desc.step_id;
+    in.layer = desc.layer;
+    in.phase = decode ? Phase::kDecode : Phase::kPrefill;
+    in.hidden = step.hidden;
+    in.tokens = desc.tokens;
+    in.d = static_cast<int>(step.d);
+    in.topk_ids = step.topk_ids;
+    in.topk_weights = step.topk_weights;
+    in.k = desc.k;
+    in.admitted = step.admitted;
+    in.expected_generation = desc.expected_generation > 0 ? desc.expected_generation : -1;
+    in.output = step.output;
+    absl::StatusOr<LayerStepResult> r;
+    {
+      absl::MutexLock lock(&step_mu_);
+      r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
+    }
+    if (r.ok()) {
+      path = r->record.graph_replay ? "graph_replay" : "eager";
+      CountRecord(r->record, decode, metrics_);
+      RingRecord(r->record, decode, result);
+    }
+    status = r.status();
+    EndStep();
+  }
+  result->code = static_cast<int32_t>(status.code());
+  std::snprintf(result->message, sizeof(result->message), "%s", std::string(status.message()).c_str());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (status.ok()) result->server_latency_us = seconds * 1e6;
+  metrics_->Step(decode ? "decode" : "prefill", path, StatusLabel(status.code()), seconds);
+}
+
+absl::Status ExpertLayerServiceImpl::EnableStepRings(StepRingsOptions options) {
+  ASSIGN_OR_RETURN(rings_, StepRings::Create(std::move(options), [this](const RingStep& step, ring::Result* result) {
+                     ServeRingStep(step, result);
+                   }));
+  return absl::OkStatus();
+}
+
+grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, const v1::OpenStepRingRequest* request,
+                                                  v1::OpenStepRingResponse* response) {
+  auto caller = Authenticate(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller->uid.has_value()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "step rings are for engines on the rank's host: call OpenStepRing on its --engine_socket");
+  }
+  if (rings_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "step rings are off on this rank");
+  }
+  const int64_t max_tokens = request->max_tokens();
+  if (max_tokens < 1 || max_tokens > options_.max_step_tokens) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("max_tokens: ", max_tokens, " outside [1, ",
+                                                                options_.max_step_tokens, "] (--max_step_tokens)")));
+  }
+  if (request->d() < 1 || request->d() > kMaxCols) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("d: ", request->d(), " outside [1, ", kMaxCols, "]")));
+  }
+  if (request->k() < 1 || request->k() > options_.max_top_k) {
+    return ToGrpcStatus(
+        absl::InvalidArgumentError(absl::StrCat("k: ", request->k(), " outside [1, ", options_.max_top_k, "]")));
+  }
+  // max_tokens x d x 2 <= 2^20 x 2^21: no overflow; a slot's rows obey the request limit.
+  if (max_tokens * request->d() * 2 > options_.max_request_bytes) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("max_tokens: ", max_tokens, " rows of d = ",
+                                                                request->d(), " exceed ", options_.max_request_bytes,
+                                                                " bytes (--max_request_bytes)")));
+  }
+  auto opened = rings_->Open(*caller->uid, request->slots(), max_tokens, request->d(), request->k());
+  if (!opened.ok()) return ToGrpcStatus(opened.status());
+  response->set_ring_id(opened->id);
+  response->set_ticket(opened->ticket);
+  response->set_socket_path(rings_->socket_path());
+  response->set_bytes(opened->bytes);
+  response->set_layout_version(ring::kLayoutVersion);
+  return grpc::Status::OK;
+}
+
+grpc::Status ExpertLayerServiceImpl::CloseStepRing(grpc::ServerContext* context,
+                                                   const v1::CloseStepRingRequest* request,
+                                                   v1::CloseStepRingResponse*) {
+  auto caller = Authenticate(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (rings_ == nullptr || !caller->uid.has_value()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("ring_id: no step ring ", request->ring_id()));
+  }
+  return ToGrpcStatus(rings_->Close(*caller->uid, request->ring_id()));
 }
 
 grpc::Status ExpertLayerServiceImpl::Execute(grpc::ServerContext* context, const v1::StepRequest* request,

@@ -24,6 +24,7 @@
 #include "runtime/exec/layer_executor.h"
 #include "server/metrics.h"
 #include "server/shared_regions.h"
+#include "server/step_rings.h"
 
 namespace moe {
 
@@ -54,6 +55,15 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
                               v1::RegisterRegionResponse* response) override;
   grpc::Status UnregisterRegion(grpc::ServerContext* context, const v1::UnregisterRegionRequest* request,
                                 v1::UnregisterRegionResponse* response) override;
+  grpc::Status OpenStepRing(grpc::ServerContext* context, const v1::OpenStepRingRequest* request,
+                            v1::OpenStepRingResponse* response) override;
+  grpc::Status CloseStepRing(grpc::ServerContext* context, const v1::CloseStepRingRequest* request,
+                             v1::CloseStepRingResponse* response) override;
+
+  // Serves step rings (server/step_rings.h) with their claim socket at options.socket_path.
+  // Without it, OpenStepRing answers FAILED_PRECONDITION.
+  absl::Status EnableStepRings(StepRingsOptions options);
+  int step_rings() { return rings_ == nullptr ? 0 : rings_->size(); }
 
   // Refuses new steps, then blocks until the steps in flight have finished.
   void Drain();
@@ -68,6 +78,9 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   // refuses still takes part in the step's agreement), runs the step and encodes the response.
   absl::Status Run(const v1::StepRequest& request, v1::StepResponse* response);
   absl::Status RunStep(const v1::StepRequest& request, v1::StepResponse* response, const char** path);
+  absl::Status BeginStep();  // counted in flight, or UNAVAILABLE while draining
+  void EndStep();
+  void ServeRingStep(const RingStep& step, ring::Result* result);
 
   LayerExecutor* executor_;
   RankMetrics* metrics_;
@@ -77,6 +90,7 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<StepRings> rings_;  // last: its threads call into the members above
 };
 
 }  // namespace moe

@@ -58,6 +58,11 @@ ABSL_FLAG(bool, tcp_health, false,
 ABSL_FLAG(int64_t, max_step_tokens, 65536, "most rows (tokens) one step request may carry");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "most bytes of one request (gRPC message, or rows read from a shared region); at most 2 GiB - 1");
+ABSL_FLAG(int, max_step_rings, 8,
+          "step rings (shared-memory submission for co-located engines; claimed on --engine_socket + \".ring\") "
+          "open at once; 0: no step rings");
+ABSL_FLAG(int64_t, max_ring_bytes, int64_t{4} << 30, "most bytes of one step ring");
+ABSL_FLAG(int64_t, ring_spin_us, 50, "how long a step ring's thread spins for the doorbell before it sleeps");
 ABSL_FLAG(std::string, shm_prefix, "/moe-", "shared-memory regions must have names starting with this");
 ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
 ABSL_FLAG(std::string, checkpoint, "",
@@ -398,6 +403,14 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   api.peer_uid = [listener](const std::string& peer) { return listener->PeerUid(peer); };
   s->engine_on_tcp = !api.token.empty();
   s->engine = std::make_unique<ExpertLayerServiceImpl>(executor, metrics, api);
+  if (const int rings = absl::GetFlag(FLAGS_max_step_rings); rings > 0) {
+    StepRingsOptions ro;
+    ro.socket_path = s->socket_path + ".ring";
+    ro.max_rings = rings;
+    ro.max_ring_bytes = static_cast<uint64_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_ring_bytes), 0));
+    ro.spin_us = std::max<int64_t>(absl::GetFlag(FLAGS_ring_spin_us), 0);
+    RETURN_IF_ERROR(s->engine->EnableStepRings(std::move(ro)));
+  }
   if (!o.agent_token.empty()) {
     s->agent = std::make_unique<RankAgentServiceImpl>(
         RankAgentContext{Rank(o.rank), m.topology, m.group, registry, executor, m.checkpoint.get(), o.agent_token});

@@ -156,7 +156,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
                                          const SourcePlan& source, const DestinationPlan& dest,
                                          const std::vector<int32_t>& send_token,
                                          const std::vector<int32_t>& row_of_route, const std::vector<float>& gates,
-                                         RowBuffer* out) {
+                                         uint16_t* out) {
   const int p = options_.group->size();
   const int local_slots = static_cast<int>(dest.expert_counts.size());
   const int64_t tokens_cap = options_.decode_rank_tokens, slot_cap = options_.decode_slot_routes;
@@ -206,7 +206,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
   t.layout_row = b.g_layout_row.data();
   t.row_of_route = b.g_row_of_route.data();
   t.gates = b.g_gates.data();
-  return graph->Replay(in.step_id * 4 + 2, t, out->data(), options_.timeout);
+  return graph->Replay(in.step_id * 4 + 2, t, out, options_.timeout);
 }
 
 absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status why) {
@@ -311,13 +311,20 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   // the active result; the candidate's output is only compared with it (runner parity).
   LayerStepInput sin = in;
   sin.step_id = in.step_id + kShadowStepOffset;
+  sin.output = nullptr;  // the shadow's rows are only compared, never handed out
   sin.expected_generation = -1;
   PassOptions spo;
   spo.trial_version = shadow;
   spo.shadow_pass = true;
   auto s = RunPass(sin, spo, nullptr);
   // Outputs of different sizes give NaN, which is a mismatch too.
-  const bool mismatch = s.ok() && r.ok() && !(kernels::RelativeL2Bf16(s->output, r->output) <= kShadowTolerance);
+  absl::Span<const uint16_t> served;
+  if (in.output != nullptr) {
+    served = absl::MakeConstSpan(in.output, static_cast<size_t>(in.tokens) * in.d);
+  } else if (r.ok()) {
+    served = r->output;
+  }
+  const bool mismatch = s.ok() && r.ok() && !(kernels::RelativeL2Bf16(s->output, served) <= kShadowTolerance);
   absl::MutexLock lock(&generations_mu_);
   GenerationCounters& c = counters_[shadow];
   ++c.shadow_samples;
@@ -350,6 +357,8 @@ struct LayerExecutor::Pass {
   StepTables tables;  // eager payload: the kernels' index tables
   int t_send = -1, t_order = -1, t_position = -1, t_rows_of = -1, t_gates = -1;
   const void* hidden = nullptr;  // the engine's rows where the kernels read them
+  // The step's combined rows on the host: the caller's (in.output) or the result's.
+  uint16_t* host_out() { return in.output != nullptr ? in.output : result.output.data(); }
 };
 
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
@@ -372,7 +381,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
     RETURN_IF_ERROR(ReplayDecode(in, pass.version, pass.manifest->num_slots(), pass.weights, pass.layer_index,
                                  buf_.source, buf_.dest, pass.handle->inverse().token, buf_.row_of_route, buf_.gates,
-                                 &pass.result.output));
+                                 pass.host_out()));
   } else {
     RETURN_IF_ERROR(EagerPayload(pass));
   }
@@ -558,6 +567,7 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   CombineTables(buf_.accepted_ids, source, pass.handle->inverse().gate, in.tokens * in.k, &buf_.row_of_route,
                 &buf_.gates);
   // Every row is written by the combine (or copied out whole): a recycled buffer, not zeroed.
+  if (in.output != nullptr) return absl::OkStatus();  // the caller's memory
   {
     absl::MutexLock lock(&generations_mu_);
     if (spare_output_.capacity() > pass.result.output.capacity()) pass.result.output.swap(spare_output_);
@@ -595,14 +605,14 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
 
 // Where the combined rows are written (kernel memory for device kernels, then copied out).
 absl::StatusOr<uint16_t*> LayerExecutor::OutputRows(Pass& pass) {
-  if (!device_) return pass.result.output.data();
+  if (!device_) return pass.host_out();
   RETURN_IF_ERROR(buf_.output.Reserve(options_.kernels, pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2));
   return buf_.output.as<uint16_t>();
 }
 
 absl::Status LayerExecutor::CopyOut(Pass& pass, const uint16_t* out) {
   if (!device_) return absl::OkStatus();
-  return options_.kernels->CopyToHost(pass.result.output.data(), out,
+  return options_.kernels->CopyToHost(pass.host_out(), out,
                                       pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2, nullptr);
 }
 
@@ -751,8 +761,9 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kRelease);
   LayerStepResult& result = pass.result;
   if (pass.trial && options_.fault_trial_output_scale != 1.0f) {
-    for (uint16_t& v : result.output)
-      v = kernels::FloatToBf16(kernels::Bf16ToFloat(v) * options_.fault_trial_output_scale);
+    uint16_t* rows = pass.host_out();
+    for (int64_t i = 0; i < pass.in.tokens * pass.in.d; ++i)
+      rows[i] = kernels::FloatToBf16(kernels::Bf16ToFloat(rows[i]) * options_.fault_trial_output_scale);
   }
   RETURN_IF_ERROR(pass.handle->MarkOriginRowsReady());
   RETURN_IF_ERROR(pass.handle->Release());

@@ -191,7 +191,7 @@ class LayerExecutor {
                             const std::shared_ptr<const ResidentExperts>& weights, int layer_index,
                             const SourcePlan& source, const DestinationPlan& dest,
                             const std::vector<int32_t>& send_token, const std::vector<int32_t>& row_of_route,
-                            const std::vector<float>& gates, RowBuffer* out);
+                            const std::vector<float>& gates, uint16_t* out);
 
   LayerExecutorOptions options_;
   bool device_ = false;  // the kernels keep rows in device memory

@@ -34,6 +34,9 @@ struct LayerStepInput {
   int k = 0;
   const uint8_t* admitted = nullptr;  // optional [tokens, k]; 0 = dropped by the router
   int64_t expected_generation = -1;   // -1: any
+  // Optional: host memory of [tokens, d] BF16 where the combined rows are written (a step ring's
+  // slot); LayerStepResult::output then stays empty. Null: the result owns its rows.
+  uint16_t* output = nullptr;
 };
 
 // The phases of a step, in the order they run.
@@ -96,7 +99,7 @@ struct UninitializedAllocator : std::allocator<T> {
 using RowBuffer = std::vector<uint16_t, UninitializedAllocator<uint16_t>>;
 
 struct LayerStepResult {
-  RowBuffer output;  // [tokens, d] BF16
+  RowBuffer output;  // [tokens, d] BF16; empty when the input named its own output
   StepRecord record;
 };
 

@@ -1,0 +1,368 @@
+#include "server/step_rings.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
+
+namespace moe {
+namespace {
+
+constexpr absl::Duration kClaimWindow = absl::Seconds(10);
+constexpr int64_t kSleepNs = 100'000'000;  // a sleeping ring thread re-checks its ring every 100 ms
+
+std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+// Constant-time comparison of two tickets.
+bool SameTicket(const std::string& a, const char* b, size_t n) {
+  if (a.size() != n) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+struct StepRings::Ring {
+  ~Ring() {
+    if (base != nullptr) munmap(base, bytes);
+    if (memfd >= 0) close(memfd);
+    if (conn >= 0) close(conn);
+  }
+  uint64_t id = 0;
+  uid_t owner = 0;
+  std::string ticket;
+  absl::Time opened;
+  int memfd = -1;
+  int conn = -1;  // the engine's claim connection, once claimed
+  char* base = nullptr;
+  uint64_t bytes = 0;
+  int slots = 0;
+  int64_t max_tokens = 0, d = 0, k = 0;
+  ring::Geometry geometry;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+  ring::Header* header() const { return reinterpret_cast<ring::Header*>(base); }
+  char* slot(uint32_t seq) const { return base + ring::kPage + (seq % slots) * geometry.slot_bytes; }
+};
+
+absl::StatusOr<std::unique_ptr<StepRings>> StepRings::Create(StepRingsOptions options, RingServe serve) {
+  sockaddr_un addr{};
+  const std::string& path = options.socket_path;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring socket '", path, "': a path of 1 to ", sizeof(addr.sun_path) - 1, " characters"));
+  }
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode) || st.st_uid != geteuid()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("ring socket ", path, ": exists and is not a socket owned by this user"));
+    }
+    unlink(path.c_str());
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(Errno("ring socket: socket()"));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  // Open to every local user: a ring is handed only to the uid that opened it through the
+  // engine socket (whose credential check is the gate), and only with its ticket.
+  const mode_t old_mask = umask(0111);
+  const int bound = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+  const int bind_errno = errno;
+  umask(old_mask);
+  if (bound != 0 || listen(fd, 64) != 0) {
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("ring socket ", path, ": cannot listen: ", std::strerror(bound != 0 ? bind_errno : errno)));
+  }
+  auto rings = std::unique_ptr<StepRings>(new StepRings(std::move(options), std::move(serve), fd));
+  rings->claim_thread_ = std::thread([r = rings.get()] { r->ClaimLoop(); });
+  return rings;
+}
+
+StepRings::StepRings(StepRingsOptions options, RingServe serve, int listen_fd)
+    : options_(std::move(options)), serve_(std::move(serve)), listen_fd_(listen_fd) {
+  if (pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
+}
+
+StepRings::~StepRings() {
+  if (wake_[1] >= 0) {
+    const char c = 0;
+    (void)!write(wake_[1], &c, 1);
+  }
+  if (claim_thread_.joinable()) claim_thread_.join();
+  Reap(/*all=*/true);
+  close(listen_fd_);
+  unlink(options_.socket_path.c_str());
+  for (int f : wake_) {
+    if (f >= 0) close(f);
+  }
+}
+
+int StepRings::size() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(rings_.size());
+}
+
+absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k) {
+  if (slots < 1 || slots > ring::kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("slots: ", slots, " outside [1, ", ring::kMaxSlots, "]"));
+  }
+  ring::Geometry g;
+  if (!ring::ComputeGeometry(max_tokens, d, k, slots, &g) || g.total_bytes > options_.max_ring_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens: a ring of ", slots, " slots of ", max_tokens,
+                                                   " rows, d = ", d, ", k = ", k, " exceeds ", options_.max_ring_bytes,
+                                                   " bytes (--max_ring_bytes)"));
+  }
+  Reap(/*all=*/false);
+  auto r = std::make_shared<Ring>();
+  r->owner = caller;
+  r->opened = absl::Now();
+  r->slots = slots;
+  r->max_tokens = max_tokens;
+  r->d = d;
+  r->k = k;
+  r->geometry = g;
+  r->bytes = g.total_bytes;
+  r->ticket.resize(16);
+  if (getrandom(r->ticket.data(), r->ticket.size(), 0) != 16) return absl::InternalError(Errno("getrandom"));
+  r->memfd = memfd_create("moe-step-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (r->memfd < 0) return absl::ResourceExhaustedError(Errno("memfd_create"));
+  if (ftruncate(r->memfd, static_cast<off_t>(r->bytes)) != 0) return absl::ResourceExhaustedError(Errno("ftruncate"));
+  // Sealed: neither side can change the size, so neither mapping can fault past the end.
+  if (fcntl(r->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return absl::InternalError(Errno("F_ADD_SEALS"));
+  }
+  void* base = mmap(nullptr, r->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r->memfd, 0);
+  if (base == MAP_FAILED) return absl::ResourceExhaustedError(Errno("mmap"));
+  r->base = static_cast<char*>(base);
+  ring::Header* h = r->header();
+  h->magic = ring::kMagic;
+  h->layout_version = ring::kLayoutVersion;
+  h->slots = static_cast<uint32_t>(slots);
+  h->slot_bytes = g.slot_bytes;
+  h->max_tokens = max_tokens;
+  h->d = d;
+  h->k = k;
+  h->hidden_offset = g.hidden_offset;
+  h->output_offset = g.output_offset;
+  h->ids_offset = g.ids_offset;
+  h->weights_offset = g.weights_offset;
+  h->admitted_offset = g.admitted_offset;
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int>(rings_.size()) >= options_.max_rings) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("step rings: ", rings_.size(), " open, the limit is ", options_.max_rings, " (--max_step_rings)"));
+  }
+  r->id = next_id_++;
+  rings_[r->id] = r;
+  return Opened{r->id, r->ticket, r->bytes};
+}
+
+absl::Status StepRings::Close(uid_t caller, uint64_t id) {
+  std::shared_ptr<Ring> r;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = rings_.find(id);
+    if (it == rings_.end() || it->second->owner != caller) {
+      return absl::NotFoundError(absl::StrCat("ring_id: no step ring ", id, " of this caller"));
+    }
+    r = it->second;
+    rings_.erase(it);
+  }
+  r->stop.store(true);
+  ring::FutexWake(&r->header()->submitted.value);
+  if (r->thread.joinable()) r->thread.join();
+  return absl::OkStatus();
+}
+
+// Drops rings whose engine went away (claim connection closed, thread ended) or that were never
+// claimed within the window; `all`: every ring.
+void StepRings::Reap(bool all) {
+  std::vector<std::shared_ptr<Ring>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = rings_.begin(); it != rings_.end();) {
+      Ring& r = *it->second;
+      const bool unclaimed = r.conn < 0 && now - r.opened > kClaimWindow;
+      const bool ended = r.conn >= 0 && r.stop.load();
+      if (all || unclaimed || ended) {
+        dropped.push_back(it->second);
+        it = rings_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& r : dropped) {
+    r->stop.store(true);
+    ring::FutexWake(&r->header()->submitted.value);
+    if (r->thread.joinable()) r->thread.join();
+  }
+}
+
+void StepRings::ClaimLoop() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    const int n = poll(fds, 2, 1000);
+    if (n < 0 && errno != EINTR) return;
+    if (fds[1].revents != 0) return;
+    Reap(/*all=*/false);
+    if (n <= 0 || (fds[0].revents & POLLIN) == 0) continue;
+    const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn >= 0) Claim(conn);
+  }
+}
+
+// One claim: [ring id, 8 bytes][ticket, 16 bytes] from a process of the ring's owner uid gets
+// one byte 'K' with the memfd attached; anything else gets 'N' and the connection closed.
+void StepRings::Claim(int conn) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  timeval tv{2, 0};
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  char msg[24];
+  size_t got = 0;
+  while (got < sizeof(msg)) {
+    const ssize_t n = recv(conn, msg + got, sizeof(msg) - got, 0);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  std::shared_ptr<Ring> r;
+  if (got == sizeof(msg) && getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    uint64_t id = 0;
+    std::memcpy(&id, msg, 8);
+    absl::MutexLock lock(&mu_);
+    auto it = rings_.find(id);
+    if (it != rings_.end() && it->second->conn < 0 && it->second->owner == cred.uid &&
+        SameTicket(it->second->ticket, msg + 8, 16)) {
+      r = it->second;
+      r->conn = conn;
+      r->ticket.assign(16, '\0');  // single use
+    }
+  }
+  if (r == nullptr) {
+    const char no = 'N';
+    (void)!send(conn, &no, 1, MSG_NOSIGNAL);
+    close(conn);
+    return;
+  }
+  char yes = 'K';
+  iovec iov{&yes, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &r->memfd, sizeof(int));
+  if (sendmsg(conn, &mh, MSG_NOSIGNAL) != 1) {
+    spdlog::warn("step ring {}: handing the memfd over failed: {}", r->id, std::strerror(errno));
+    r->stop.store(true);  // reaped; its conn is closed with it
+    return;
+  }
+  // Started under the lock, and only while the ring is still registered: Close and Reap take a
+  // ring out under it before they join its thread.
+  absl::MutexLock lock(&mu_);
+  if (rings_.count(r->id) != 0) r->thread = std::thread([this, raw = r.get()] { Serve(raw); });
+}
+
+void StepRings::Serve(Ring* r) {
+  ring::Header* h = r->header();
+  const ring::Geometry& g = r->geometry;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  std::vector<uint8_t> admitted;
+  uint32_t next = 0;
+  const absl::Duration spin = absl::Microseconds(options_.spin_us);
+  while (!r->stop.load(std::memory_order_relaxed)) {
+    uint32_t submitted = h->submitted.value.load(std::memory_order_acquire);
+    if (submitted == next) {
+      // Doorbell: spin, then sleep on the futex (announced first, so a submit after the
+      // announcement sees it and wakes us).
+      const absl::Time until = absl::Now() + spin;
+      while (submitted == next && absl::Now() < until) {
+        submitted = h->submitted.value.load(std::memory_order_acquire);
+      }
+      if (submitted == next) {
+        h->rank_sleeping.value.store(1, std::memory_order_seq_cst);
+        submitted = h->submitted.value.load(std::memory_order_seq_cst);
+        if (submitted == next) ring::FutexWait(&h->submitted.value, next, kSleepNs);
+        h->rank_sleeping.value.store(0, std::memory_order_relaxed);
+        // The engine's hold on the ring: a hung-up claim connection ends it.
+        pollfd p{r->conn, POLLRDHUP, 0};
+        if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) break;
+        continue;
+      }
+    }
+    if (static_cast<uint32_t>(submitted - next) > static_cast<uint32_t>(r->slots)) {
+      spdlog::warn("step ring {}: {} steps outstanding on {} slots; closing the ring", r->id, submitted - next,
+                   r->slots);
+      break;
+    }
+    char* slot = r->slot(next);
+    RingStep step;
+    std::memcpy(&step.desc, slot, sizeof(step.desc));
+    const ring::Descriptor& desc = step.desc;
+    step.d = r->d;
+    if (desc.seq != next) {
+      step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.seq: ", desc.seq, ", expected ", next));
+    } else if (desc.k < 1 || desc.k > r->k) {
+      step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.k: ", desc.k, " outside [1, ", r->k, "]"));
+    } else if (desc.tokens < 0 || desc.tokens > r->max_tokens) {
+      step.status = absl::InvalidArgumentError(
+          absl::StrCat("descriptor.tokens: ", desc.tokens, " outside [0, ", r->max_tokens, "] (the ring's max_tokens)"));
+    } else if ((desc.flags & ~ring::kFlagAdmitted) != 0) {
+      step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.flags: unknown bits ", desc.flags));
+    } else {
+      // Routing tables are copied once: the engine rewriting them during the step cannot make
+      // this rank's checks and plan see different routes.
+      const size_t routes = static_cast<size_t>(desc.tokens) * desc.k;
+      ids.resize(routes);
+      weights.resize(routes);
+      std::memcpy(ids.data(), slot + g.ids_offset, routes * 4);
+      std::memcpy(weights.data(), slot + g.weights_offset, routes * 4);
+      step.topk_ids = ids.data();
+      step.topk_weights = weights.data();
+      if ((desc.flags & ring::kFlagAdmitted) != 0) {
+        admitted.resize(routes);
+        std::memcpy(admitted.data(), slot + g.admitted_offset, routes);
+        step.admitted = admitted.data();
+      }
+      step.hidden = reinterpret_cast<const uint16_t*>(slot + g.hidden_offset);
+      step.output = reinterpret_cast<uint16_t*>(slot + g.output_offset);
+    }
+    ring::Result result{};
+    serve_(step, &result);
+    result.seq = next;
+    std::memcpy(slot + ring::kResultOffset, &result, sizeof(result));
+    ++next;
+    h->completed.value.store(next, std::memory_order_seq_cst);
+    if (h->engine_sleeping.value.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&h->completed.value);
+  }
+  h->closed.value.store(1, std::memory_order_seq_cst);
+  ring::FutexWake(&h->completed.value);
+  r->stop.store(true);
+}
+
+}  // namespace moe

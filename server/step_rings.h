@@ -1,0 +1,98 @@
+// Step rings on moe-rankd: low-latency step submission for an engine on the rank's host, beside
+// the gRPC API (layout and protocol: server/step_ring_layout.h; docs/api.md "Step rings").
+//
+// A ring is a memfd the rank creates, sized once and sealed against shrinking and growing (so
+// the engine cannot make the rank's mapping fault), opened through gRPC (OpenStepRing, engine
+// Unix-socket callers only) and handed over on the rank's ring socket: the engine connects,
+// sends the ring id and the single-use ticket from the gRPC answer, and receives the memfd
+// (SCM_RIGHTS) if its uid is the one that opened the ring. That connection is the engine's hold
+// on the ring: when it closes (the engine exits), the ring is torn down, as on CloseStepRing.
+// A ring not claimed within 10 s is dropped.
+//
+// Each claimed ring has a serving thread: it waits for the doorbell (spinning `spin_us`, then
+// sleeping on the futex), copies the descriptor and routing tables out of the shared pages,
+// checks them against the ring's own geometry and hands the step to `serve`, whose result it
+// publishes in the slot.
+//
+// Thread-safety: every public method is safe to call concurrently; `serve` is called from the
+// rings' threads (one step at a time per ring, rings concurrently).
+#ifndef MOE_SERVER_STEP_RINGS_H_
+#define MOE_SERVER_STEP_RINGS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/types.h>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+#include "server/step_ring_layout.h"
+
+namespace moe {
+
+struct StepRingsOptions {
+  std::string socket_path;        // the ring socket (moe-rankd: --engine_socket + ".ring")
+  int max_rings = 8;              // open (claimed or not) at once
+  uint64_t max_ring_bytes = uint64_t{4} << 30;
+  int64_t spin_us = 50;           // the serving thread's spin before it sleeps on the futex
+};
+
+// One step read from a ring: the descriptor and routing tables are private copies, the rows are
+// the slot's (read and written in place).
+struct RingStep {
+  absl::Status status;  // the descriptor checked against the ring; an error is still served (rejected)
+  ring::Descriptor desc{};
+  int64_t d = 0;
+  const uint16_t* hidden = nullptr;  // [tokens, d] BF16, in the ring
+  uint16_t* output = nullptr;        // [tokens, d] BF16, in the ring
+  const int32_t* topk_ids = nullptr;
+  const float* topk_weights = nullptr;
+  const uint8_t* admitted = nullptr;  // null when the descriptor does not set kFlagAdmitted
+};
+using RingServe = std::function<void(const RingStep& step, ring::Result* result)>;
+
+class StepRings {
+ public:
+  static absl::StatusOr<std::unique_ptr<StepRings>> Create(StepRingsOptions options, RingServe serve);
+  ~StepRings();  // tears every ring down, removes the socket
+
+  struct Opened {
+    uint64_t id = 0;
+    std::string ticket;  // 16 bytes
+    uint64_t bytes = 0;
+  };
+  // A ring for `caller` (the engine's uid). Sizes are checked with checked arithmetic.
+  absl::StatusOr<Opened> Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k);
+  // Tears the ring down (its thread finishes the step it is serving first).
+  absl::Status Close(uid_t caller, uint64_t id);
+  int size();
+  const std::string& socket_path() const { return options_.socket_path; }
+
+ private:
+  struct Ring;
+  StepRings(StepRingsOptions options, RingServe serve, int listen_fd);
+  void ClaimLoop();
+  void Claim(int conn);
+  void Serve(Ring* ring);
+  void Reap(bool all);
+
+  const StepRingsOptions options_;
+  const RingServe serve_;
+  const int listen_fd_;
+  int wake_[2] = {-1, -1};
+  std::thread claim_thread_;
+  absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::shared_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_STEP_RINGS_H_
