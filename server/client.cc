@@ -34,7 +34,23 @@ absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(co
   return std::unique_ptr<ExpertLayerClient>(new ExpertLayerClient(v1::ExpertLayerService::NewStub(channel), token));
 }
 
+absl::Status ExpertLayerClient::UseRing(const StepRingOptions& options) {
+  ASSIGN_OR_RETURN(ring_, OpenRing(options));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepAnswer> ExpertLayerClient::Execute(const StepCall& call, absl::Duration deadline) {
+  if (ring_ != nullptr) {
+    const size_t rows = static_cast<size_t>(call.tokens) * call.d;
+    const size_t routes = static_cast<size_t>(call.tokens) * call.k;
+    const bool fits = call.tokens >= 0 && call.tokens <= ring_->max_tokens() && call.k >= 1 && call.k <= ring_->k() &&
+                      call.d == ring_->d() && call.hidden.size() == rows && call.topk_ids.size() == routes &&
+                      call.topk_weights.size() == routes && (call.admitted.empty() || call.admitted.size() == routes);
+    if (fits) {
+      absl::MutexLock lock(&ring_mu_);
+      return ring_->Execute(call, deadline);
+    }
+  }
   v1::StepRequest req;
   req.set_step_id(call.step_id);
   req.set_layer(call.layer);

@@ -9,8 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "absl/time/clock.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
@@ -122,12 +123,19 @@ class ExpertLayerClient {
   // A step ring on this rank (the client must be connected to the rank's Unix socket, and must
   // outlive the ring).
   absl::StatusOr<std::unique_ptr<StepRing>> OpenRing(const StepRingOptions& options);
+  // From now on Execute sends the well-formed steps that fit `options` through a ring of its own
+  // (one step at a time); larger or malformed ones keep going through gRPC, which checks them
+  // and has the rank reject them into the step's agreement.
+  absl::Status UseRing(const StepRingOptions& options);
+  bool using_ring() const { return ring_ != nullptr; }
 
  private:
   ExpertLayerClient(std::unique_ptr<v1::ExpertLayerService::Stub> stub, std::string token)
       : stub_(std::move(stub)), token_(std::move(token)) {}
   std::unique_ptr<v1::ExpertLayerService::Stub> stub_;
   std::string token_;
+  absl::Mutex ring_mu_;  // a ring has one driver at a time
+  std::unique_ptr<StepRing> ring_;
 };
 
 }  // namespace moe

@@ -51,6 +51,9 @@ ABSL_FLAG(std::string, ready_file, "", "live-traffic mode: touched after the fir
 ABSL_FLAG(int, max_retries, 8,
           "a step every rank answered ABORTED (e.g. ranks switching generation) is retried as a new step this often, "
           "backing off 10 ms, 20 ms, ... up to 1 s");
+ABSL_FLAG(bool, ring, false,
+          "submit steps through a step ring on each rank (ranks on this host, reached on their Unix socket); "
+          "steps larger than --prefill_tokens and malformed ones still go through gRPC");
 ABSL_FLAG(int, k, 4, "experts per token");
 ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
@@ -657,6 +660,22 @@ int Main() {
     return kExitFailure;
   }
   const int k = absl::GetFlag(FLAGS_k);
+  if (absl::GetFlag(FLAGS_ring)) {
+    StepRingOptions ro;
+    ro.max_tokens = std::max(absl::GetFlag(FLAGS_prefill_tokens), absl::GetFlag(FLAGS_oversize_tokens));
+    ro.d = d;
+    ro.k = k;
+    int rings = 0;
+    for (auto& c : *clients) {
+      if (c == nullptr) continue;
+      if (absl::Status s = c->UseRing(ro); !s.ok()) {
+        spdlog::error("--ring: {}", s.ToString());
+        return kExitFailure;
+      }
+      ++rings;
+    }
+    std::printf("submission: step rings on %d ranks (slots of %d tokens)\n", rings, static_cast<int>(ro.max_tokens));
+  }
   if (!absl::GetFlag(FLAGS_fault).empty()) return Fault(*clients, reference, d, k);
   if (!absl::GetFlag(FLAGS_parity).empty()) return Parity(*clients, reference, d, absl::GetFlag(FLAGS_parity));
   const Stats stats = RunRounds(*clients, reference, d, k);

@@ -366,8 +366,8 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
   }
   const int64_t max_tokens = request->max_tokens();
   if (max_tokens < 1 || max_tokens > options_.max_step_tokens) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("max_tokens: ", max_tokens, " outside [1, ",
-                                                                options_.max_step_tokens, "] (--max_step_tokens)")));
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("max_tokens: ", max_tokens, " outside [1, ", options_.max_step_tokens, "] (--max_step_tokens)")));
   }
   if (request->d() < 1 || request->d() > kMaxCols) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("d: ", request->d(), " outside [1, ", kMaxCols, "]")));
@@ -378,9 +378,9 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
   }
   // max_tokens x d x 2 <= 2^20 x 2^21: no overflow; a slot's rows obey the request limit.
   if (max_tokens * request->d() * 2 > options_.max_request_bytes) {
-    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("max_tokens: ", max_tokens, " rows of d = ",
-                                                                request->d(), " exceed ", options_.max_request_bytes,
-                                                                " bytes (--max_request_bytes)")));
+    return ToGrpcStatus(
+        absl::InvalidArgumentError(absl::StrCat("max_tokens: ", max_tokens, " rows of d = ", request->d(), " exceed ",
+                                                options_.max_request_bytes, " bytes (--max_request_bytes)")));
   }
   auto opened = rings_->Open(*caller->uid, request->slots(), max_tokens, request->d(), request->k());
   if (!opened.ok()) return ToGrpcStatus(opened.status());

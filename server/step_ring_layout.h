@@ -22,6 +22,8 @@
 #ifndef MOE_SERVER_STEP_RING_LAYOUT_H_
 #define MOE_SERVER_STEP_RING_LAYOUT_H_
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -29,7 +31,6 @@
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 
 namespace moe::ring {
 

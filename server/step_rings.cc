@@ -330,8 +330,8 @@ void StepRings::Serve(Ring* r) {
     } else if (desc.k < 1 || desc.k > r->k) {
       step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.k: ", desc.k, " outside [1, ", r->k, "]"));
     } else if (desc.tokens < 0 || desc.tokens > r->max_tokens) {
-      step.status = absl::InvalidArgumentError(
-          absl::StrCat("descriptor.tokens: ", desc.tokens, " outside [0, ", r->max_tokens, "] (the ring's max_tokens)"));
+      step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.tokens: ", desc.tokens, " outside [0, ",
+                                                            r->max_tokens, "] (the ring's max_tokens)"));
     } else if ((desc.flags & ~ring::kFlagAdmitted) != 0) {
       step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.flags: unknown bits ", desc.flags));
     } else {

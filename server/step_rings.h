@@ -38,10 +38,10 @@
 namespace moe {
 
 struct StepRingsOptions {
-  std::string socket_path;        // the ring socket (moe-rankd: --engine_socket + ".ring")
-  int max_rings = 8;              // open (claimed or not) at once
+  std::string socket_path;  // the ring socket (moe-rankd: --engine_socket + ".ring")
+  int max_rings = 8;        // open (claimed or not) at once
   uint64_t max_ring_bytes = uint64_t{4} << 30;
-  int64_t spin_us = 50;           // the serving thread's spin before it sleeps on the futex
+  int64_t spin_us = 50;  // the serving thread's spin before it sleeps on the futex
 };
 
 // One step read from a ring: the descriptor and routing tables are private copies, the rows are

@@ -612,8 +612,8 @@ absl::StatusOr<uint16_t*> LayerExecutor::OutputRows(Pass& pass) {
 
 absl::Status LayerExecutor::CopyOut(Pass& pass, const uint16_t* out) {
   if (!device_) return absl::OkStatus();
-  return options_.kernels->CopyToHost(pass.host_out(), out,
-                                      pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2, nullptr);
+  return options_.kernels->CopyToHost(pass.host_out(), out, pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2,
+                                      nullptr);
 }
 
 // LocalLayer: the decode kernels (at one token fused), with no exchange, packs or repacks.

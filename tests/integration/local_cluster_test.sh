@@ -35,6 +35,12 @@ grep -q "mismatches          0" "$work/driver.log"; check $? "driver: zero misma
 grep -q "rank-steps          $((10 * RANKS)) (failed 0)" "$work/driver.log"
 check $? "driver: $((10 * RANKS)) rank-steps, none failed"
 grep -q "8 experts x 3 MoE layers" "$work/driver.log"; check $? "driver: steps over the model's 3 MoE layers"
+# The same scenarios submitted through step rings (shared memory + futex doorbell) on every rank.
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --rounds 1 --prefill_tokens 24 --ring \
+  >"$work/ring.log" 2>&1
+check $? "driver over step rings: all scenarios served"
+grep -q "submission: step rings on $RANKS ranks" "$work/ring.log" && grep -q "mismatches          0" "$work/ring.log"
+check $? "driver over step rings: every rank's ring, zero mismatches"
 grep -q "checkpoint load: 3/3 layers" "$work/rank0.log"; check $? "rank 0 logged its load progress"
 curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/load.txt"
 grep -q '^moe_checkpoint_load_layers{.*state="done"} 3' "$work/load.txt"; check $? "metrics: load progress (3 of 3 layers)"

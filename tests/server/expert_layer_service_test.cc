@@ -13,6 +13,8 @@
 
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -21,6 +23,8 @@
 #include "kernels/numeric.h"
 #include "rpc/unix_socket.h"
 #include "runtime/checkpoint/synthetic.h"
+#include "server/client.h"
+#include "server/step_ring_layout.h"
 #include "tests/server/one_rank_fixture.h"
 #include "tests/server/step_request_builder.h"
 
@@ -48,6 +52,10 @@ class ServiceTest : public testing::OneRankTest {
     UnixSocketListener* l = listener_.get();
     o.peer_uid = [l](const std::string& peer) { return l->PeerUid(peer); };
     service_ = std::make_unique<ExpertLayerServiceImpl>(executor_.get(), &metrics_, o);
+    StepRingsOptions ro;
+    ro.socket_path = socket_path_ + ".ring";
+    ro.max_rings = 3;
+    ASSERT_TRUE(service_->EnableStepRings(ro).ok());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -62,6 +70,7 @@ class ServiceTest : public testing::OneRankTest {
   void TearDown() override {
     listener_.reset();
     server_->Shutdown();
+    service_.reset();  // its rings' threads end first
   }
 
   v1::StepRequest Request(uint64_t step) {
@@ -417,6 +426,248 @@ TEST_F(ServiceTest, RegionsAreConfinedAndAShrunkRegionIsAnErrorNotASignal) {
   EXPECT_THAT(s.error_message(), HasSubstr("output_region.region"));
   // Still serving.
   EXPECT_TRUE(Call(Request(4), &resp).ok());
+}
+
+// Step rings (server/step_rings.h): the same step through a ring and through gRPC.
+
+// A StepCall of Request(step)'s contents.
+StepCall CallOf(const v1::StepRequest& req) {
+  StepCall c;
+  c.step_id = req.step_id();
+  c.layer = req.layer();
+  c.decode = req.phase() == v1::PHASE_DECODE;
+  c.tokens = req.hidden().rows();
+  c.d = static_cast<int>(req.hidden().cols());
+  c.hidden.resize(c.tokens * c.d);
+  std::memcpy(c.hidden.data(), req.hidden().data().data(), c.hidden.size() * 2);
+  c.topk_ids.assign(req.topk_ids().begin(), req.topk_ids().end());
+  c.topk_weights.assign(req.topk_weights().begin(), req.topk_weights().end());
+  c.k = req.k();
+  return c;
+}
+
+class RingTest : public ServiceTest {
+ protected:
+  void SetUp() override {
+    ServiceTest::SetUp();
+    auto client = ExpertLayerClient::Connect("unix:" + socket_path_, absl::Seconds(5));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+  }
+  std::unique_ptr<StepRing> Open(int slots = 2, int64_t max_tokens = 16) {
+    StepRingOptions o;
+    o.slots = slots;
+    o.max_tokens = max_tokens;
+    o.d = kD;
+    o.k = kK;
+    auto ring = client_->OpenRing(o);
+    EXPECT_TRUE(ring.ok()) << ring.status();
+    return ring.ok() ? *std::move(ring) : nullptr;
+  }
+  std::unique_ptr<ExpertLayerClient> client_;
+};
+
+TEST_F(RingTest, RingStepsEqualGrpcStepsAndWriteTheOutputInPlace) {
+  std::unique_ptr<StepRing> ring = Open();
+  ASSERT_NE(ring, nullptr);
+  EXPECT_EQ(service_->step_rings(), 1);
+  for (uint64_t step = 1; step <= 6; step += 2) {
+    v1::StepResponse want;
+    ASSERT_TRUE(Call(Request(step), &want).ok());
+    StepCall call = CallOf(Request(step));
+    call.step_id = step + 1;  // each step id once, gRPC and ring steps interleaved
+    auto got = ring->Execute(call);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->output.size() * 2, want.output().data().size());
+    EXPECT_EQ(std::memcmp(got->output.data(), want.output().data().data(), want.output().data().size()), 0);
+    EXPECT_EQ(got->record.placement_generation(), 1);
+    EXPECT_EQ(got->record.routes_accepted(), kTokens * kK);
+    EXPECT_GT(got->record.compute_latency_us(), 0);
+    EXPECT_GE(got->record.server_latency_us(), got->record.compute_latency_us());
+    EXPECT_GT(got->record.stages().experts_us(), 0);
+  }
+  // Two steps in flight on two slots; each answer's rows are in its own slot.
+  v1::StepResponse want;
+  ASSERT_TRUE(Call(Request(20), &want).ok());
+  const StepCall call = CallOf(Request(20));
+  const uint16_t* slot_out[2];
+  for (int i = 0; i < 2; ++i) {
+    auto slot = ring->NextSlot();
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    std::memcpy(slot->hidden, call.hidden.data(), call.hidden.size() * 2);
+    std::memcpy(slot->topk_ids, call.topk_ids.data(), call.topk_ids.size() * 4);
+    std::memcpy(slot->topk_weights, call.topk_weights.data(), call.topk_weights.size() * 4);
+    slot_out[i] = slot->output;
+    StepRing::StepMeta meta;
+    meta.step_id = 21 + i;
+    meta.tokens = kTokens;
+    meta.k = kK;
+    ASSERT_TRUE(ring->Submit(meta).ok());
+  }
+  EXPECT_EQ(ring->NextSlot().status().code(), absl::StatusCode::kFailedPrecondition);  // both slots in flight
+  for (int i = 0; i < 2; ++i) {
+    const uint16_t* out = nullptr;
+    auto rec = ring->Wait(absl::Seconds(30), &out);
+    ASSERT_TRUE(rec.ok()) << rec.status();
+    EXPECT_EQ(out, slot_out[i]);
+    EXPECT_EQ(std::memcmp(out, want.output().data().data(), want.output().data().size()), 0);
+  }
+  ASSERT_TRUE(ring->Close().ok());
+  EXPECT_EQ(service_->step_rings(), 0);
+  EXPECT_EQ(ring->Execute(call).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// What a hostile engine can write into a slot: each bad descriptor or payload is answered in the
+// slot with INVALID_ARGUMENT naming the field, and the ring serves the next step.
+TEST_F(RingTest, BadSlotsAreAnsweredNamingTheFieldAndTheRingServesOn) {
+  std::unique_ptr<StepRing> ring = Open(/*slots=*/1);
+  ASSERT_NE(ring, nullptr);
+  ring::Geometry g;
+  ASSERT_TRUE(ring::ComputeGeometry(16, kD, kK, 1, &g));
+  const StepCall good = CallOf(Request(1));
+  uint64_t step = 100;
+  // Writes `good` into the slot, lets `spoil` change the descriptor or the payload, submits it
+  // as an engine would (raw: the client's Submit refuses such descriptors), waits for the rank
+  // and reads the slot's result.
+  auto slot = ring->NextSlot();
+  ASSERT_TRUE(slot.ok());
+  char* base = reinterpret_cast<char*>(slot->hidden) - g.hidden_offset;
+  auto* header = reinterpret_cast<ring::Header*>(base - ring::kPage);
+  auto run = [&](const std::function<void(ring::Descriptor&, char* slot)>& spoil) {
+    std::memcpy(base + g.hidden_offset, good.hidden.data(), good.hidden.size() * 2);
+    std::memcpy(base + g.ids_offset, good.topk_ids.data(), good.topk_ids.size() * 4);
+    std::memcpy(base + g.weights_offset, good.topk_weights.data(), good.topk_weights.size() * 4);
+    const uint32_t seq = header->submitted.value.load();
+    ring::Descriptor d{};
+    d.seq = seq;
+    d.phase = v1::PHASE_PREFILL;
+    d.k = kK;
+    d.step_id = step++;
+    d.tokens = kTokens;
+    spoil(d, base);
+    std::memcpy(base, &d, sizeof(d));
+    header->submitted.value.store(seq + 1);
+    ring::FutexWake(&header->submitted.value);
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (header->completed.value.load() != seq + 1 && absl::Now() < until) absl::SleepFor(absl::Microseconds(50));
+    ring::Result r;
+    std::memcpy(&r, base + ring::kResultOffset, sizeof(r));
+    EXPECT_EQ(r.seq, seq);
+    return r;
+  };
+  auto expect = [&](const std::function<void(ring::Descriptor&, char*)>& spoil, const char* field) {
+    const ring::Result r = run(spoil);
+    EXPECT_EQ(r.code, static_cast<int>(absl::StatusCode::kInvalidArgument)) << field << ": " << r.message;
+    EXPECT_THAT(std::string(r.message), HasSubstr(field));
+  };
+  expect([](ring::Descriptor& d, char*) { d.phase = 7; }, "descriptor.phase");
+  expect([](ring::Descriptor& d, char*) { d.k = kK + 1; }, "descriptor.k");
+  expect([](ring::Descriptor& d, char*) { d.tokens = 17; }, "descriptor.tokens");
+  expect([](ring::Descriptor& d, char*) { d.tokens = -1; }, "descriptor.tokens");
+  expect([](ring::Descriptor& d, char*) { d.flags = 6; }, "descriptor.flags");
+  expect([](ring::Descriptor& d, char*) { d.seq += 5; }, "descriptor.seq");
+  expect([&](ring::Descriptor&, char* b) { reinterpret_cast<uint16_t*>(b + g.hidden_offset)[3] = 0x7fc0; },  // NaN
+         "hidden");
+  expect([&](ring::Descriptor&, char* b) { reinterpret_cast<int32_t*>(b + g.ids_offset)[1] = kExperts + 3; },
+         "topk_ids");
+  // Still serving, through the ring and through gRPC, with the rows of the gRPC step.
+  v1::StepResponse want;
+  ASSERT_TRUE(Call(Request(1), &want).ok());
+  const ring::Result r = run([](ring::Descriptor&, char*) {});
+  EXPECT_EQ(r.code, 0) << r.message;
+  EXPECT_EQ(std::memcmp(base + g.output_offset, want.output().data().data(), want.output().data().size()), 0);
+}
+
+// An engine that submits more steps than the ring has slots breaks the protocol: the rank closes
+// the ring, and the client says so instead of waiting.
+TEST_F(RingTest, OverrunningTheSlotsClosesTheRing) {
+  std::unique_ptr<StepRing> ring = Open(/*slots=*/2);
+  ASSERT_NE(ring, nullptr);
+  auto slot = ring->NextSlot();
+  ASSERT_TRUE(slot.ok());
+  ring::Geometry g;
+  ASSERT_TRUE(ring::ComputeGeometry(16, kD, kK, 2, &g));
+  auto* header = reinterpret_cast<ring::Header*>(reinterpret_cast<char*>(slot->hidden) - g.hidden_offset - ring::kPage);
+  header->submitted.value.store(3);
+  ring::FutexWake(&header->submitted.value);
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (header->closed.value.load() == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(header->closed.value.load(), 1u);
+  EXPECT_EQ(ring->Execute(CallOf(Request(1))).status().code(), absl::StatusCode::kUnavailable);
+  v1::StepResponse resp;
+  EXPECT_TRUE(Call(Request(2), &resp).ok());  // the rank serves on
+}
+
+// The claim: only with the ticket, once, from the opener's uid; the memfd cannot be resized; an
+// engine that goes away takes its ring with it; rings are capped; TCP callers get none.
+TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
+  v1::OpenStepRingRequest req;
+  req.set_slots(1);
+  req.set_max_tokens(8);
+  req.set_d(kD);
+  req.set_k(kK);
+  v1::OpenStepRingResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->OpenStepRing(&ctx, req, &opened).ok());
+  }
+  auto claim = [&](const std::string& ticket, int* memfd) {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, opened.socket_path().c_str(), sizeof(addr.sun_path) - 1);
+    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    char msg[24];
+    const uint64_t id = opened.ring_id();
+    std::memcpy(msg, &id, 8);
+    std::memcpy(msg + 8, ticket.data(), 16);
+    EXPECT_EQ(send(fd, msg, sizeof(msg), 0), 24);
+    char reply = 0;
+    iovec iov{&reply, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof(control);
+    *memfd = -1;
+    if (recvmsg(fd, &mh, 0) == 1 && reply == 'K' && CMSG_FIRSTHDR(&mh) != nullptr) {
+      std::memcpy(memfd, CMSG_DATA(CMSG_FIRSTHDR(&mh)), sizeof(int));
+    }
+    return fd;
+  };
+  std::string wrong = opened.ticket();
+  wrong[0] ^= 1;
+  int memfd = -1;
+  close(claim(wrong, &memfd));
+  EXPECT_EQ(memfd, -1);
+  const int conn = claim(opened.ticket(), &memfd);
+  ASSERT_GE(memfd, 0);
+  EXPECT_NE(ftruncate(memfd, 4096), 0);                // sealed against shrinking
+  EXPECT_NE(ftruncate(memfd, opened.bytes() * 2), 0);  // and growing
+  int again = -1;
+  close(claim(opened.ticket(), &again));  // single use
+  EXPECT_EQ(again, -1);
+  close(memfd);
+  EXPECT_EQ(service_->step_rings(), 1);
+  close(conn);  // the engine goes away: its ring is torn down
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (service_->step_rings() != 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(service_->step_rings(), 0);
+
+  // At most max_rings (3 here) open at once.
+  std::vector<std::unique_ptr<StepRing>> rings;
+  for (int i = 0; i < 3; ++i) rings.push_back(Open(1, 4));
+  auto fourth = client_->OpenRing({1, 4, kD, kK});
+  EXPECT_EQ(fourth.status().code(), absl::StatusCode::kResourceExhausted) << fourth.status();
+  // Sizes from the request are checked.
+  StepRingOptions huge{1, int64_t{1} << 40, kD, kK};
+  EXPECT_EQ(client_->OpenRing(huge).status().code(), absl::StatusCode::kInvalidArgument);
+  // TCP callers (token holders elsewhere) get no ring.
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+  const grpc::Status tcp = tcp_stub_->OpenStepRing(&ctx, req, &opened);
+  EXPECT_EQ(tcp.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << tcp.error_message();
 }
 
 }  // namespace
