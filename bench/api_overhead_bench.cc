@@ -7,7 +7,10 @@
 // in StepRecord.compute_latency_us): request encoding, transport, decoding, validation, response
 // encoding and decoding. The echo sends the inline StepRequest's size and answers with the inline
 // StepResponse's size. Medians over repetitions; unary, streaming, and unary with the rows in a
-// registered shared-memory region (in and out); decode- and prefill-sized. A second control,
+// registered shared-memory region (in and out); and through a step ring (server/step_rings.h:
+// rows, routing and output in the ring's slot, a futex doorbell, no gRPC per step; the rows are
+// written into the slot once, as an engine producing them there would); decode- and
+// prefill-sized. A second control,
 // the held echo, keeps its handler busy for as long as the step's executor ran before it
 // answers (held_echo_us = its latency minus the hold): the same wait on an idle client, without
 // the API's work. "ratio" is api / echo, "held" api / held echo. HOLD_TOUCH=1 makes the held
@@ -29,6 +32,7 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 #include "bench/echo.grpc.pb.h"
@@ -40,6 +44,7 @@
 #include "rpc/unix_socket.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/placement/default_placement.h"
+#include "server/client.h"
 #include "server/expert_layer_service.h"
 
 namespace moe {
@@ -88,11 +93,30 @@ class EchoImpl final : public bench::Echo::Service {
   std::string reply_;
 };
 
+// MOE_BENCH_RING_SPIN_US: how long the ring's rank thread and the client spin before they sleep
+// on the futex (moe-rankd --ring_spin_us, StepRingOptions::spin_us); default 50.
+int64_t RingSpinUs() {
+  const char* v = std::getenv("MOE_BENCH_RING_SPIN_US");
+  return v != nullptr ? std::atoll(v) : 50;
+}
+
 int Main() {
   // MOE_BENCH_DFF shrinks the experts (less compute per step) to see how the overhead depends on
   // the work between request and response.
-  const int d = 2048, k = 8, experts = 8,
+  // MOE_BENCH_EXPERTS sets the experts (8), MOE_BENCH_TOKENS the steps' tokens ("4,256"; up to
+  // 8 tokens a step is a decode step).
+  const int d = 2048, k = 8,
+            experts = std::getenv("MOE_BENCH_EXPERTS") ? std::atoi(std::getenv("MOE_BENCH_EXPERTS")) : 8,
             f = std::getenv("MOE_BENCH_DFF") ? std::atoi(std::getenv("MOE_BENCH_DFF")) : 64;
+  if (experts < k) {
+    std::fprintf(stderr, "MOE_BENCH_EXPERTS: %d, at least k = %d\n", experts, k);
+    return 2;
+  }
+  std::vector<int64_t> token_counts = {4, 256};
+  if (const char* t = std::getenv("MOE_BENCH_TOKENS"); t != nullptr) {
+    token_counts.clear();
+    for (absl::string_view part : absl::StrSplit(t, ',')) token_counts.push_back(std::atoll(std::string(part).c_str()));
+  }
   const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
   const Topology topology = TwoNodeTopology(1);
   const ProcessGroup group = LocalClusterGroup(1, 1);
@@ -109,7 +133,7 @@ int Main() {
   }
   std::unique_ptr<kernels::ExpertKernels>& kernels = backend.kernels;
   std::unique_ptr<Transport>& transport = backend.transport;
-  std::printf("kernels: %s\n", kernels->name());
+  std::printf("kernels: %s, ring spin %lld us\n", kernels->name(), static_cast<long long>(RingSpinUs()));
   LayerExecutorOptions eo;
   eo.rank = Rank(0);
   eo.topology = topology;
@@ -141,10 +165,19 @@ int Main() {
     return listener != nullptr ? listener->PeerUid(peer) : std::nullopt;
   };
   ExpertLayerServiceImpl service(executor.get(), &metrics, api);
+  {
+    StepRingsOptions ro;
+    ro.socket_path = socket_path + ".ring";
+    ro.spin_us = RingSpinUs();
+    if (absl::Status s = service.EnableStepRings(ro); !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
 
-  std::printf("%-8s %-7s %8s %12s %12s %12s %12s %12s %8s %8s\n", "payload", "mode", "tokens", "api_us", "echo_us",
-              "held_echo_us", "server_us", "compute_us", "ratio", "held");
-  for (int64_t tokens : {4, 256}) {
+  std::printf("%-8s %-7s %8s %12s %12s %12s %12s %12s %8s %8s %12s %12s\n", "payload", "mode", "tokens", "api_us",
+              "echo_us", "held_echo_us", "server_us", "compute_us", "ratio", "held", "client_p50", "client_p99");
+  for (int64_t tokens : token_counts) {
     v1::StepRequest req;
     req.set_layer(0);
     req.set_phase(tokens <= 8 ? v1::PHASE_DECODE : v1::PHASE_PREFILL);
@@ -159,9 +192,10 @@ int Main() {
       std::memcpy(&data[2 * i], &b, 2);
     }
     req.mutable_hidden()->set_data(data);
+    // Token t: k distinct experts spread over all of them (every expert for E = k = 8).
     for (int64_t t = 0; t < tokens; ++t) {
       for (int j = 0; j < k; ++j) {
-        req.add_topk_ids(j);
+        req.add_topk_ids(static_cast<int32_t>((t * 37 + j * (experts / k)) % experts));
         req.add_topk_weights(1.0f / k);
       }
     }
@@ -211,10 +245,26 @@ int Main() {
     shm_req.mutable_output_region()->set_region(region_name);
     shm_req.mutable_output_region()->set_offset(data.size());
     shm_req.mutable_output_region()->set_bytes(data.size());
-    for (const char* mode : {"unary", "stream", "shm"}) {
-      std::vector<double> api, compute, plain, server_side, held;
+    // The ring mode's ring: the step's rows and routing written into its slot once.
+    auto ring_client = ExpertLayerClient::Connect("unix:" + socket_path, absl::Seconds(10));
+    if (!ring_client.ok()) return 1;
+    auto ring = (*ring_client)->OpenRing({1, tokens, d, k, RingSpinUs()});
+    if (!ring.ok()) {
+      std::fprintf(stderr, "ring: %s\n", ring.status().ToString().c_str());
+      return 1;
+    }
+    {
+      auto slot = (*ring)->NextSlot();
+      if (!slot.ok()) return 1;
+      std::memcpy(slot->hidden, data.data(), data.size());
+      std::copy(req.topk_ids().begin(), req.topk_ids().end(), slot->topk_ids);
+      std::copy(req.topk_weights().begin(), req.topk_weights().end(), slot->topk_weights);
+    }
+    for (const char* mode : {"unary", "stream", "shm", "ring"}) {
+      std::vector<double> api, compute, plain, server_side, held, client;
       const bool stream = std::string(mode) == "stream";
       const bool shm = std::string(mode) == "shm";
+      const bool use_ring = std::string(mode) == "ring";
       grpc::ClientContext sctx, ectx;
       auto s = stream ? stub->Step(&sctx) : nullptr;
       auto es = stream ? echo_stub->Stream(&ectx) : nullptr;
@@ -224,7 +274,20 @@ int Main() {
         r_req.set_step_id(step++);
         v1::StepResponse resp;
         absl::Time t0 = absl::Now();
-        if (stream) {
+        if (use_ring) {
+          StepRing::StepMeta meta;
+          meta.step_id = r_req.step_id();
+          meta.decode = r_req.phase() == v1::PHASE_DECODE;
+          meta.tokens = tokens;
+          meta.k = k;
+          absl::Status st = (*ring)->Submit(meta);
+          absl::StatusOr<v1::StepRecord> rec = st.ok() ? (*ring)->Wait() : st;
+          if (!rec.ok()) {
+            std::fprintf(stderr, "ring step failed: %s\n", rec.status().ToString().c_str());
+            return 1;
+          }
+          *resp.mutable_record() = *rec;
+        } else if (stream) {
           s->Write(r_req);
           s->Read(&resp);
         } else {
@@ -257,6 +320,7 @@ int Main() {
         if (r >= 20) {
           held.push_back(eh);
           api.push_back(a - resp.record().compute_latency_us());
+          client.push_back(a);
           server_side.push_back(resp.record().server_latency_us() - resp.record().compute_latency_us());
           compute.push_back(resp.record().compute_latency_us());
           plain.push_back(e);
@@ -268,11 +332,13 @@ int Main() {
         es->WritesDone();
         es->Finish().IgnoreError();
       }
-      std::printf("%-8s %-7s %8lld %12.1f %12.1f %12.1f %12.1f %12.1f %7.2fx %7.2fx\n",
-                  tokens <= 16 ? "decode" : "prefill", mode, static_cast<long long>(tokens), Median(api), Median(plain),
+      std::sort(client.begin(), client.end());
+      std::printf("%-8s %-7s %8lld %12.1f %12.1f %12.1f %12.1f %12.1f %7.2fx %7.2fx %12.1f %12.1f\n",
+                  tokens <= 8 ? "decode" : "prefill", mode, static_cast<long long>(tokens), Median(api), Median(plain),
                   Median(held), Median(server_side), Median(compute), Median(api) / Median(plain),
-                  Median(api) / Median(held));
+                  Median(api) / Median(held), Median(client), client[client.size() * 99 / 100]);
     }
+    ring->reset();
     munmap(region, region_bytes);
     shm_unlink(region_name.c_str());
     listener.reset();

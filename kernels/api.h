@@ -231,6 +231,12 @@ class ExpertKernels {
   virtual void Free(void* p);
   virtual absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream);
   virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream);
+  // Makes host memory [p, p + bytes) that the caller keeps mapped until UnregisterHostMemory
+  // reachable by the copies without staging (CUDA: page-locked and registered, so copies from
+  // and to it are DMA; a copy from it returns before the data has left, ordered on `stream`).
+  // The defaults (host kernels) do nothing.
+  virtual absl::Status RegisterHostMemory(void* p, int64_t bytes) { return absl::OkStatus(); }
+  virtual void UnregisterHostMemory(void* p) {}
   // Returns when all work enqueued on `stream` has finished (its errors surface here).
   virtual absl::Status Synchronize(Stream stream) { return absl::OkStatus(); }
 };

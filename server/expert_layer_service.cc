@@ -347,6 +347,8 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
 }
 
 absl::Status ExpertLayerServiceImpl::EnableStepRings(StepRingsOptions options) {
+  options.register_memory = [this](void* p, int64_t bytes) { return executor_->RegisterHostMemory(p, bytes); };
+  options.unregister_memory = [this](void* p) { executor_->UnregisterHostMemory(p); };
   ASSIGN_OR_RETURN(rings_, StepRings::Create(std::move(options), [this](const RingStep& step, ring::Result* result) {
                      ServeRingStep(step, result);
                    }));

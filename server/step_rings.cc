@@ -38,6 +38,7 @@ bool SameTicket(const std::string& a, const char* b, size_t n) {
 
 struct StepRings::Ring {
   ~Ring() {
+    if (registered && unregister) unregister(base);
     if (base != nullptr) munmap(base, bytes);
     if (memfd >= 0) close(memfd);
     if (conn >= 0) close(conn);
@@ -50,6 +51,8 @@ struct StepRings::Ring {
   int conn = -1;  // the engine's claim connection, once claimed
   char* base = nullptr;
   uint64_t bytes = 0;
+  bool registered = false;  // with options.register_memory
+  std::function<void(void*)> unregister;
   int slots = 0;
   int64_t max_tokens = 0, d = 0, k = 0;
   ring::Geometry geometry;
@@ -150,6 +153,15 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   void* base = mmap(nullptr, r->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r->memfd, 0);
   if (base == MAP_FAILED) return absl::ResourceExhaustedError(Errno("mmap"));
   r->base = static_cast<char*>(base);
+  if (options_.register_memory) {
+    if (absl::Status s = options_.register_memory(base, static_cast<int64_t>(r->bytes)); s.ok()) {
+      r->registered = true;
+      r->unregister = options_.unregister_memory;
+    } else {
+      spdlog::warn("step ring: registering its {} bytes for device copies failed ({}); copies are staged", r->bytes,
+                   s.ToString());
+    }
+  }
   ring::Header* h = r->header();
   h->magic = ring::kMagic;
   h->layout_version = ring::kLayoutVersion;

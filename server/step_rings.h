@@ -42,6 +42,11 @@ struct StepRingsOptions {
   int max_rings = 8;        // open (claimed or not) at once
   uint64_t max_ring_bytes = uint64_t{4} << 30;
   int64_t spin_us = 50;  // the serving thread's spin before it sleeps on the futex
+  // Called with each ring's mapping after it is made, and before it is unmapped (the executor's
+  // RegisterHostMemory: device copies from and to the slots without staging). Optional; a
+  // failed registration is logged and the ring serves without it.
+  std::function<absl::Status(void* p, int64_t bytes)> register_memory;
+  std::function<void(void* p)> unregister_memory;
 };
 
 // One step read from a ring: the descriptor and routing tables are private copies, the rows are

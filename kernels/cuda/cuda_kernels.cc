@@ -225,6 +225,15 @@ class CudaKernels final : public ExpertKernels {
     }
     return absl::OkStatus();
   }
+  absl::Status RegisterHostMemory(void* p, int64_t bytes) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterPortable));
+    return absl::OkStatus();
+  }
+  void UnregisterHostMemory(void* p) override {
+    cudaSetDevice(device_);
+    if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+  }
   absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (bytes > 0) {

@@ -97,6 +97,15 @@ std::vector<int64_t> LayerExecutor::ExpertLoad() const {
   return total;
 }
 
+absl::Status LayerExecutor::RegisterHostMemory(void* p, int64_t bytes) {
+  if (!device_) return absl::OkStatus();
+  return options_.kernels->RegisterHostMemory(p, bytes);
+}
+
+void LayerExecutor::UnregisterHostMemory(void* p) {
+  if (device_) options_.kernels->UnregisterHostMemory(p);
+}
+
 void LayerExecutor::RecycleOutput(RowBuffer buffer) {
   absl::MutexLock lock(&generations_mu_);
   if (buffer.capacity() > spare_output_.capacity()) spare_output_ = std::move(buffer);

@@ -120,6 +120,12 @@ class LayerExecutor {
   std::vector<int64_t> ExpertLoad() const;
   std::map<int64_t, std::vector<int64_t>> LayerExpertLoad() const;
 
+  // Host memory that steps' rows will be read from and written to (a step ring): made reachable
+  // by the kernels' copies without staging where they are device-resident (a no-op elsewhere).
+  // The caller keeps it mapped until UnregisterHostMemory.
+  absl::Status RegisterHostMemory(void* p, int64_t bytes);
+  void UnregisterHostMemory(void* p);
+
   // Hands a step's output buffer back once the caller is done with it: the next step writes its
   // rows there instead of allocating (and faulting in) a new one.
   void RecycleOutput(RowBuffer buffer);
