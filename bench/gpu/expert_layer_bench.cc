@@ -232,8 +232,12 @@ int main(int argc, char** argv) {
   if (quick) shapes = {{"E128-k8-d2048-f768", 128, 8, 2048, 768, {1, 1024}}};
 
   std::mt19937 rng(7);
-  for (const Shape& s : shapes) {
+  for (Shape& s : shapes) {
     if (!only_shape.empty() && only_shape != s.name) continue;
+    // --tokens T outside the shape's list: that T alone.
+    if (only_tokens > 0 && std::find(s.tokens.begin(), s.tokens.end(), only_tokens) == s.tokens.end()) {
+      s.tokens = {only_tokens};
+    }
     const int64_t wgu_n = static_cast<int64_t>(s.e) * 2 * s.f * s.d, wd_n = static_cast<int64_t>(s.e) * s.d * s.f;
     void *wgu, *wd;
     CHECK_CUDA(cudaMalloc(&wgu, wgu_n * 2));
