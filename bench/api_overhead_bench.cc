@@ -262,6 +262,7 @@ int Main() {
     }
     for (const char* mode : {"unary", "stream", "shm", "ring"}) {
       std::vector<double> api, compute, plain, server_side, held, client;
+      std::vector<std::vector<double>> stages(kNumStepPhases);
       const bool stream = std::string(mode) == "stream";
       const bool shm = std::string(mode) == "shm";
       const bool use_ring = std::string(mode) == "ring";
@@ -321,6 +322,10 @@ int Main() {
           held.push_back(eh);
           api.push_back(a - resp.record().compute_latency_us());
           client.push_back(a);
+          const v1::StepStages& st = resp.record().stages();
+          const double us[] = {st.validate_us(), st.acquire_us(), st.plan_us(),    st.agree_us(),  st.dispatch_us(),
+                               st.experts_us(),  st.return_us(),  st.combine_us(), st.release_us()};
+          for (int i = 0; i < kNumStepPhases; ++i) stages[i].push_back(us[i]);
           server_side.push_back(resp.record().server_latency_us() - resp.record().compute_latency_us());
           compute.push_back(resp.record().compute_latency_us());
           plain.push_back(e);
@@ -337,6 +342,13 @@ int Main() {
                   tokens <= 8 ? "decode" : "prefill", mode, static_cast<long long>(tokens), Median(api), Median(plain),
                   Median(held), Median(server_side), Median(compute), Median(api) / Median(plain),
                   Median(api) / Median(held), Median(client), client[client.size() * 99 / 100]);
+      if (use_ring) {  // where the executor's time went (medians, us)
+        std::printf("  stages:");
+        for (int i = 0; i < kNumStepPhases; ++i) {
+          std::printf(" %s %.1f", StepPhaseName(static_cast<StepPhase>(i)), Median(stages[i]));
+        }
+        std::printf("\n");
+      }
     }
     ring->reset();
     munmap(region, region_bytes);
