@@ -157,20 +157,94 @@ Sha256 SemanticDigest(const SemanticHandoff& h) {
   return s.Finish();
 }
 
+namespace {
+
+// Four lanes so that the multiplies of consecutive words overlap.
+class Fingerprinter {
+ public:
+  void Word(uint64_t w) {
+    uint64_t& l = lane_[n_++ & 3];
+    l = (l ^ w) * 0x9e3779b97f4a7c15ull;
+    l ^= l >> 29;
+  }
+  void Bytes(const void* p, size_t bytes) {
+    Word(bytes);
+    const auto* b = static_cast<const uint8_t*>(p);
+    size_t i = 0;
+    for (; i + 32 <= bytes; i += 32) {
+      uint64_t w[4];
+      std::memcpy(w, b + i, 32);
+      for (int j = 0; j < 4; ++j) {
+        lane_[j] = (lane_[j] ^ w[j]) * 0x9e3779b97f4a7c15ull;
+        lane_[j] ^= lane_[j] >> 29;
+      }
+    }
+    for (; i + 8 <= bytes; i += 8) {
+      uint64_t w;
+      std::memcpy(&w, b + i, 8);
+      Word(w);
+    }
+    if (i < bytes) {
+      uint64_t w = 0;
+      std::memcpy(&w, b + i, bytes - i);
+      Word(w);
+    }
+  }
+  template <typename T>
+  void Column(const std::vector<T>& col) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    Bytes(col.data(), col.size() * sizeof(T));
+  }
+  uint64_t Finish() const {
+    uint64_t h = 0;
+    for (int j = 0; j < 4; ++j) {
+      uint64_t l = lane_[j] ^ (static_cast<uint64_t>(j) << 56);
+      l *= 0xff51afd7ed558ccdull;
+      l ^= l >> 33;
+      h = (h ^ l) * 0xc4ceb9fe1a85ec53ull;
+      h ^= h >> 29;
+    }
+    return h;
+  }
+
+ private:
+  uint64_t lane_[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull, 0x082efa98ec4e6c89ull};
+  uint64_t n_ = 0;
+};
+
+}  // namespace
+
+uint64_t SemanticFingerprint(const SemanticHandoff& h) {
+  Fingerprinter f;
+  f.Bytes(h.contract_version.data(), h.contract_version.size());
+  f.Word(static_cast<uint64_t>(h.scope.value()));
+  f.Word(static_cast<uint64_t>(static_cast<uint32_t>(h.num_experts)) << 32 | static_cast<uint32_t>(h.top_k));
+  f.Word(static_cast<uint32_t>(h.num_partitions));
+  f.Column(h.origin);
+  f.Column(h.token);
+  f.Column(h.route_slot);
+  f.Column(h.expert);
+  f.Column(h.gate);
+  f.Column(h.admitted);
+  return f.Finish();
+}
+
 absl::StatusOr<FrozenHandoff> Freeze(SemanticHandoff handoff) {
   absl::Status valid = handoff.Validate();
   if (!valid.ok()) return valid;
   FrozenHandoff f;
   f.digest = SemanticDigest(handoff);
+  f.fingerprint = SemanticFingerprint(handoff);
   f.routes = std::move(handoff);
   return f;
 }
 
 absl::Status VerifyFrozen(const FrozenHandoff& frozen) {
-  const Sha256 now = SemanticDigest(frozen.routes);
-  if (now != frozen.digest) {
-    return absl::FailedPreconditionError(absl::StrCat("semantic handoff mutated after freeze: digest ", HexDigest(now),
-                                                      " != sealed ", HexDigest(frozen.digest)));
+  const uint64_t now = SemanticFingerprint(frozen.routes);
+  if (now != frozen.fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "semantic handoff mutated after freeze: fingerprint ", absl::Hex(now, absl::kZeroPad16), " != sealed ",
+        absl::Hex(frozen.fingerprint, absl::kZeroPad16), " (digest ", HexDigest(frozen.digest), ")"));
   }
   return absl::OkStatus();
 }

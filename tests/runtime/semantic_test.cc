@@ -49,6 +49,49 @@ TEST(SemanticTest, FrozenHandoffDetectsMutation) {
   EXPECT_EQ(VerifyFrozen(g).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// VerifyFrozen compares the fingerprint, not the digest: every field, and any one value of a
+// large handoff (each lane of the fingerprint and the tail of each column), is covered.
+TEST(SemanticTest, FingerprintCatchesEveryMutation) {
+  const SemanticHandoff base = fixture::EightRoutes();
+  const uint64_t f0 = SemanticFingerprint(base);
+  auto mutated = [&](auto f) {
+    SemanticHandoff h = base;
+    f(h);
+    return SemanticFingerprint(h);
+  };
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.expert[0] = LogicalExpertId(1); }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.gate[7] = std::nextafter(h.gate[7], 1.0f); }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.token[2] = 0; }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.route_slot[0] = 1; }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.origin[7] = Rank(0); }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.admitted[3] = 0; }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.scope = ExecutionScopeId(2); }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.top_k = 3; }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.num_experts = 9; }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.num_partitions = 3; }));
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.contract_version += "x"; }));
+  // Moving a value from one column's end to the next column's start changes it too (lengths).
+  EXPECT_NE(f0, mutated([](SemanticHandoff& h) { h.admitted.pop_back(); }));
+
+  SemanticHandoff big;
+  big.num_experts = 128;
+  big.top_k = 8;
+  big.num_partitions = 1;
+  for (int t = 0; t < 1001; ++t) {
+    for (int j = 0; j < 8; ++j) big.Add(Rank(0), t, j, LogicalExpertId((t * 8 + j) % 128), 0.125f);
+  }
+  FrozenHandoff frozen = *Freeze(big);
+  for (int i : {0, 1, 2, 3, 4, 5, 6, 7, 4000, 8000, 8005, 8006, 8007}) {
+    FrozenHandoff m = frozen;
+    m.routes.gate[i] = 0.25f;
+    EXPECT_EQ(VerifyFrozen(m).code(), absl::StatusCode::kFailedPrecondition) << i;
+    FrozenHandoff a = frozen;
+    a.routes.admitted[i] = 0;
+    EXPECT_EQ(VerifyFrozen(a).code(), absl::StatusCode::kFailedPrecondition) << i;
+  }
+  EXPECT_TRUE(VerifyFrozen(frozen).ok());
+}
+
 TEST(SemanticTest, ValidationNamesTheField) {
   auto expect_invalid = [](auto f, const char* field) {
     SemanticHandoff h = fixture::EightRoutes();
