@@ -20,39 +20,45 @@
 
 namespace moe {
 
-absl::StatusOr<std::unique_ptr<UnixSocketListener>> UnixSocketListener::Create(const std::string& path,
-                                                                               std::vector<uid_t> allowed) {
+absl::StatusOr<int> ListenUnixSocket(const std::string& path, bool only_owner, const std::string& what) {
   sockaddr_un addr{};
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--engine_socket '", path, "': a path of 1 to ", sizeof(addr.sun_path) - 1, " characters"));
+        absl::StrCat(what, " '", path, "': a path of 1 to ", sizeof(addr.sun_path) - 1, " characters"));
   }
-  if (allowed.empty()) allowed.push_back(geteuid());
   struct stat st {};
   if (lstat(path.c_str(), &st) == 0) {
     // A socket of ours left by an earlier run is replaced; anything else is not ours to remove.
     if (!S_ISSOCK(st.st_mode) || st.st_uid != geteuid()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("--engine_socket ", path, ": exists and is not a socket owned by this user"));
+          absl::StrCat(what, " ", path, ": exists and is not a socket owned by this user"));
     }
     unlink(path.c_str());
   }
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat("--engine_socket: socket(): ", std::strerror(errno)));
+  if (fd < 0) return absl::UnavailableError(absl::StrCat(what, ": socket(): ", std::strerror(errno)));
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.c_str(), path.size());
-  const bool only_me = std::all_of(allowed.begin(), allowed.end(), [](uid_t u) { return u == geteuid(); });
   // Created with the final mode (no window where others may connect).
-  const mode_t old_mask = umask(only_me ? 0177 : 0111);
+  const mode_t old_mask = umask(only_owner ? 0177 : 0111);
   const int bound = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   const int bind_errno = errno;
   umask(old_mask);
   if (bound != 0 || listen(fd, 128) != 0) {
     close(fd);
     return absl::UnavailableError(
-        absl::StrCat("--engine_socket ", path, ": cannot listen: ", std::strerror(bound != 0 ? bind_errno : errno)));
+        absl::StrCat(what, " ", path, ": cannot listen: ", std::strerror(bound != 0 ? bind_errno : errno)));
   }
-  return std::unique_ptr<UnixSocketListener>(new UnixSocketListener(path, fd, std::move(allowed)));
+  return fd;
+}
+
+absl::StatusOr<std::unique_ptr<UnixSocketListener>> UnixSocketListener::Create(const std::string& path,
+                                                                               std::vector<uid_t> allowed) {
+  if (allowed.empty()) allowed.push_back(geteuid());
+  const bool only_me = std::all_of(allowed.begin(), allowed.end(), [](uid_t u) { return u == geteuid(); });
+  absl::StatusOr<int> fd = ListenUnixSocket(path, only_me, "--engine_socket");
+  if (!fd.ok()) return fd.status();
+  return std::unique_ptr<UnixSocketListener>(new UnixSocketListener(path, *fd, std::move(allowed)));
 }
 
 UnixSocketListener::UnixSocketListener(std::string path, int fd, std::vector<uid_t> allowed)

@@ -27,6 +27,11 @@
 
 namespace moe {
 
+// A listening Unix socket at `path`, created afresh: a socket of this user left there is replaced,
+// any other file is refused (FAILED_PRECONDITION); the file gets mode 0600 when `only_owner`,
+// 0666 otherwise, with no window in between. `what` names the socket in errors (a flag).
+absl::StatusOr<int> ListenUnixSocket(const std::string& path, bool only_owner, const std::string& what);
+
 class UnixSocketListener {
  public:
   // Binds and listens on `path`. `allowed_uids` empty: only this process's effective uid.

@@ -108,24 +108,18 @@ absl::Status ClaimRing(const std::string& path, uint64_t id, const std::string& 
   std::memcpy(msg, &id, 8);
   std::memcpy(msg + 8, ticket.data(), 16);
   char reply = 0;
-  iovec iov{&reply, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr mh{};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = control;
-  mh.msg_controllen = sizeof(control);
+  int received = -1;
   if (send(fd, msg, sizeof(msg), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(msg)) ||
-      recvmsg(fd, &mh, MSG_CMSG_CLOEXEC) != 1) {
+      !ring::ReceiveReply(fd, &reply, &received)) {
     close(fd);
     return absl::UnavailableError("ring socket: the rank closed the claim");
   }
-  cmsghdr* c = CMSG_FIRSTHDR(&mh);
-  if (reply != 'K' || c == nullptr || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(sizeof(int))) {
+  if (reply != 'K' || received < 0) {
+    if (received >= 0) close(received);
     close(fd);
     return absl::PermissionDeniedError("ring socket: the rank refused the claim (ticket or uid)");
   }
-  std::memcpy(memfd, CMSG_DATA(c), sizeof(int));
+  *memfd = received;
   *conn = fd;
   return absl::OkStatus();
 }

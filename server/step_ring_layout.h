@@ -27,9 +27,11 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <ctime>
 
 #include <linux/futex.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 
 namespace moe::ring {
@@ -136,6 +138,46 @@ inline void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, int64_t timeou
 }
 inline void FutexWake(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+
+// The claim's reply on the ring socket: one byte ('K' granted, 'N' refused), with `fd` attached
+// (SCM_RIGHTS) when it is >= 0. True when the byte was sent.
+inline bool SendReply(int conn, char byte, int fd) {
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (fd >= 0) {
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof(control);
+    cmsghdr* c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  return sendmsg(conn, &mh, MSG_NOSIGNAL) == 1;
+}
+
+// Reads that reply: the byte, and the descriptor attached to it (-1 when none). False when no
+// byte arrived.
+inline bool ReceiveReply(int conn, char* byte, int* fd) {
+  *fd = -1;
+  iovec iov{byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof(control);
+  if (recvmsg(conn, &mh, MSG_CMSG_CLOEXEC) != 1) return false;
+  const cmsghdr* c = CMSG_FIRSTHDR(&mh);
+  if (c != nullptr && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
+      c->cmsg_len == CMSG_LEN(sizeof(int))) {
+    std::memcpy(fd, CMSG_DATA(c), sizeof(int));
+  }
+  return true;
 }
 
 }  // namespace moe::ring

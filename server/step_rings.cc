@@ -12,11 +12,12 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
+
+#include "rpc/unix_socket.h"
 
 namespace moe {
 namespace {
@@ -63,35 +64,11 @@ struct StepRings::Ring {
 };
 
 absl::StatusOr<std::unique_ptr<StepRings>> StepRings::Create(StepRingsOptions options, RingServe serve) {
-  sockaddr_un addr{};
-  const std::string& path = options.socket_path;
-  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ring socket '", path, "': a path of 1 to ", sizeof(addr.sun_path) - 1, " characters"));
-  }
-  struct stat st {};
-  if (lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode) || st.st_uid != geteuid()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("ring socket ", path, ": exists and is not a socket owned by this user"));
-    }
-    unlink(path.c_str());
-  }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError(Errno("ring socket: socket()"));
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size());
   // Open to every local user: a ring is handed only to the uid that opened it through the
   // engine socket (whose credential check is the gate), and only with its ticket.
-  const mode_t old_mask = umask(0111);
-  const int bound = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
-  const int bind_errno = errno;
-  umask(old_mask);
-  if (bound != 0 || listen(fd, 64) != 0) {
-    close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("ring socket ", path, ": cannot listen: ", std::strerror(bound != 0 ? bind_errno : errno)));
-  }
+  absl::StatusOr<int> listening = ListenUnixSocket(options.socket_path, /*only_owner=*/false, "ring socket");
+  if (!listening.ok()) return listening.status();
+  const int fd = *listening;
   auto rings = std::unique_ptr<StepRings>(new StepRings(std::move(options), std::move(serve), fd));
   rings->claim_thread_ = std::thread([r = rings.get()] { r->ClaimLoop(); });
   return rings;
@@ -270,25 +247,11 @@ void StepRings::Claim(int conn) {
     }
   }
   if (r == nullptr) {
-    const char no = 'N';
-    (void)!send(conn, &no, 1, MSG_NOSIGNAL);
+    ring::SendReply(conn, 'N', -1);
     close(conn);
     return;
   }
-  char yes = 'K';
-  iovec iov{&yes, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr mh{};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = control;
-  mh.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &r->memfd, sizeof(int));
-  if (sendmsg(conn, &mh, MSG_NOSIGNAL) != 1) {
+  if (!ring::SendReply(conn, 'K', r->memfd)) {
     spdlog::warn("step ring {}: handing the memfd over failed: {}", r->id, std::strerror(errno));
     r->stop.store(true);  // reaped; its conn is closed with it
     return;

@@ -623,17 +623,9 @@ TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
     std::memcpy(msg + 8, ticket.data(), 16);
     EXPECT_EQ(send(fd, msg, sizeof(msg), 0), 24);
     char reply = 0;
-    iovec iov{&reply, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof(control);
+    int got = -1;
     *memfd = -1;
-    if (recvmsg(fd, &mh, 0) == 1 && reply == 'K' && CMSG_FIRSTHDR(&mh) != nullptr) {
-      std::memcpy(memfd, CMSG_DATA(CMSG_FIRSTHDR(&mh)), sizeof(int));
-    }
+    if (ring::ReceiveReply(fd, &reply, &got) && reply == 'K') *memfd = got;
     return fd;
   };
   std::string wrong = opened.ticket();
