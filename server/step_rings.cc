@@ -109,6 +109,14 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
                                                    " bytes (--max_ring_bytes)"));
   }
   Reap(/*all=*/false);
+  {
+    // Refused before anything is allocated, mapped or pinned (checked again when it is added).
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int>(rings_.size()) >= options_.max_rings) {
+      return absl::ResourceExhaustedError(absl::StrCat("step rings: ", rings_.size(), " open, the limit is ",
+                                                       options_.max_rings, " (--max_step_rings)"));
+    }
+  }
   auto r = std::make_shared<Ring>();
   r->owner = caller;
   r->opened = absl::Now();
