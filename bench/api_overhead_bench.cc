@@ -117,13 +117,6 @@ int Main() {
     token_counts.clear();
     for (absl::string_view part : absl::StrSplit(t, ',')) token_counts.push_back(std::atoll(std::string(part).c_str()));
   }
-  const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
-  const Topology topology = TwoNodeTopology(1);
-  const ProcessGroup group = LocalClusterGroup(1, 1);
-  auto manifest = *DefaultPlacement(PlacementVersion(1), experts, 0, topology, group, ckpt.metadata);
-  GenerationRegistry registry;
-  registry.Prepare(manifest).IgnoreError();
-  registry.Activate(PlacementVersion(1)).IgnoreError();
   // MOE_BENCH_KERNELS=cuda runs the experts on the GPU (a --config=gpu build on a GPU machine):
   // the executor then takes microseconds and the host waits instead of computing.
   bench::OneMemberBackend backend;
@@ -131,29 +124,23 @@ int Main() {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 1;
   }
-  std::unique_ptr<kernels::ExpertKernels>& kernels = backend.kernels;
-  std::unique_ptr<Transport>& transport = backend.transport;
-  std::printf("kernels: %s, ring spin %lld us\n", kernels->name(), static_cast<long long>(RingSpinUs()));
-  LayerExecutorOptions eo;
-  eo.rank = Rank(0);
-  eo.topology = topology;
-  eo.group = group;
-  eo.registry = &registry;
-  eo.transport = transport.get();
-  eo.kernels = kernels.get();
+  std::printf("kernels: %s, ring spin %lld us\n", backend.kernels->name(), static_cast<long long>(RingSpinUs()));
   // MOE_BENCH_DECODE_RUNNER=kernels|padded|auto: the decode steps' expert runner.
-  if (const char* runner = std::getenv("MOE_BENCH_DECODE_RUNNER"); runner != nullptr) {
-    auto parsed = ParseDecodeRunner(runner);
+  DecodeRunner runner = DecodeRunner::kKernels;
+  if (const char* name = std::getenv("MOE_BENCH_DECODE_RUNNER"); name != nullptr) {
+    auto parsed = ParseDecodeRunner(name);
     if (!parsed.ok()) {
       std::fprintf(stderr, "MOE_BENCH_DECODE_RUNNER: %s\n", parsed.status().ToString().c_str());
       return 2;
     }
-    eo.decode_runner = *parsed;
+    runner = *parsed;
   }
-  auto executor = *LayerExecutor::Create(std::move(eo));
-  executor
-      ->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
-      .IgnoreError();
+  bench::OneMemberRank rank;
+  if (absl::Status s = bench::MakeOneMemberRank(backend, experts, d, f, runner, &rank); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  LayerExecutor* executor = rank.executor.get();
   RankMetrics metrics("bench");
   // The engine API as moe-rankd serves it by default: a Unix socket whose callers are admitted by
   // uid (the echo control rides the same socket).
@@ -164,7 +151,7 @@ int Main() {
   api.peer_uid = [&listener](const std::string& peer) {
     return listener != nullptr ? listener->PeerUid(peer) : std::nullopt;
   };
-  ExpertLayerServiceImpl service(executor.get(), &metrics, api);
+  ExpertLayerServiceImpl service(executor, &metrics, api);
   {
     StepRingsOptions ro;
     ro.socket_path = socket_path + ".ring";

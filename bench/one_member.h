@@ -1,7 +1,8 @@
 // The kernels and transport of a one-member group, for the benches that time a rank's layer
 // step in-process: the CPU kernels over the loopback transport or, with MOE_BENCH_KERNELS=cuda in
 // a GPU build (the including target defines MOE_BENCH_CUDA), the CUDA kernels over a one-member
-// NCCL transport (rows in device memory need a transport that moves them).
+// NCCL transport (rows in device memory need a transport that moves them); and the rank's layer
+// executor over them, serving a synthetic checkpoint as placement-v1.
 #ifndef MOE_BENCH_ONE_MEMBER_H_
 #define MOE_BENCH_ONE_MEMBER_H_
 
@@ -15,6 +16,10 @@
 #include "absl/strings/str_cat.h"
 
 #include "kernels/api.h"
+#include "runtime/checkpoint/synthetic.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/default_placement.h"
+#include "runtime/status.h"
 #include "runtime/transport/transport.h"
 #ifdef MOE_BENCH_CUDA
 #include "runtime/transport/nccl.h"
@@ -54,6 +59,36 @@ inline absl::Status MakeOneMemberBackend(OneMemberBackend* b) {
 #else
   return absl::FailedPreconditionError("MOE_BENCH_KERNELS=cuda: this build has no CUDA backend (--config=gpu)");
 #endif
+}
+
+// The one member's executor: a synthetic checkpoint of `experts` experts of d x f, placed as
+// placement-v1 (no redundant slots) and active, its weights loaded. Members in destruction order:
+// the executor goes before the registry it reads.
+struct OneMemberRank {
+  SafetensorsFile ckpt;
+  GenerationRegistry registry;
+  std::unique_ptr<LayerExecutor> executor;
+};
+
+inline absl::Status MakeOneMemberRank(OneMemberBackend& backend, int experts, int d, int f, DecodeRunner runner,
+                                      OneMemberRank* r) {
+  r->ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
+  const Topology topology = TwoNodeTopology(1);
+  const ProcessGroup group = LocalClusterGroup(1, 1);
+  ASSIGN_OR_RETURN(auto manifest, DefaultPlacement(PlacementVersion(1), experts, 0, topology, group, r->ckpt.metadata));
+  RETURN_IF_ERROR(r->registry.Prepare(manifest));
+  RETURN_IF_ERROR(r->registry.Activate(PlacementVersion(1)));
+  LayerExecutorOptions eo;
+  eo.rank = Rank(0);
+  eo.topology = topology;
+  eo.group = group;
+  eo.registry = &r->registry;
+  eo.transport = backend.transport.get();
+  eo.kernels = backend.kernels.get();
+  eo.decode_runner = runner;
+  ASSIGN_OR_RETURN(r->executor, LayerExecutor::Create(std::move(eo)));
+  ASSIGN_OR_RETURN(LocalExperts weights, LoadLocalExperts(r->ckpt, *manifest, Rank(0)));
+  return r->executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(weights)));
 }
 
 }  // namespace moe::bench

@@ -46,28 +46,15 @@ int Main() {
     return 1;
   }
   std::unique_ptr<kernels::ExpertKernels>& kernels = backend.kernels;
-  std::unique_ptr<Transport>& transport = backend.transport;
   const bool cuda = backend.cuda;
   const int d = cuda ? 2048 : 64, f = cuda ? 768 : 16, experts = absl::GetFlag(FLAGS_experts),
             k = absl::GetFlag(FLAGS_k);
-  const SafetensorsFile ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
-  const Topology topology = TwoNodeTopology(1);
-  const ProcessGroup group = LocalClusterGroup(1, 1);
-  auto manifest = *DefaultPlacement(PlacementVersion(1), experts, 0, topology, group, ckpt.metadata);
-  GenerationRegistry registry;
-  registry.Prepare(manifest).IgnoreError();
-  registry.Activate(PlacementVersion(1)).IgnoreError();
-  LayerExecutorOptions eo;
-  eo.rank = Rank(0);
-  eo.topology = topology;
-  eo.group = group;
-  eo.registry = &registry;
-  eo.transport = transport.get();
-  eo.kernels = kernels.get();
-  auto executor = *LayerExecutor::Create(std::move(eo));
-  executor
-      ->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt, *manifest, Rank(0))))
-      .IgnoreError();
+  bench::OneMemberRank rank;
+  if (absl::Status s = bench::MakeOneMemberRank(backend, experts, d, f, DecodeRunner::kKernels, &rank); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  LayerExecutor* executor = rank.executor.get();
   std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, median of %d\n", kernels->name(), experts, k, d,
               f, absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");
