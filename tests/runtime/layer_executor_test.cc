@@ -13,6 +13,7 @@
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "tests/runtime/fixtures.h"
+#include "tests/runtime/random_step.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {
@@ -84,47 +85,11 @@ struct Rank4 {
   }
 };
 
-struct RankInput {
-  std::vector<uint16_t> hidden;
-  std::vector<int32_t> ids;
-  std::vector<float> gates;
-  std::vector<uint8_t> admitted;
-  int64_t tokens = 0;
-};
+using RankInput = testing::RandomRankInput;
 
+// One in ten first routes dropped by the router.
 RankInput RandomInput(std::mt19937& rng, int64_t tokens) {
-  RankInput in;
-  in.tokens = tokens;
-  std::normal_distribution<float> n(0, 1);
-  for (int64_t i = 0; i < tokens * kD; ++i) in.hidden.push_back(kernels::FloatToBf16(n(rng)));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int e0 = static_cast<int>(rng() % kExperts);
-    const int e1 = (e0 + 1 + static_cast<int>(rng() % (kExperts - 1))) % kExperts;
-    in.ids.push_back(e0);
-    in.ids.push_back(e1);
-    const float g = std::uniform_real_distribution<float>(0, 1)(rng);
-    in.gates.push_back(g);
-    in.gates.push_back(1 - g);
-    in.admitted.push_back(rng() % 10 != 0);
-    in.admitted.push_back(1);
-  }
-  return in;
-}
-
-// The executor's view of a rank's input (the vectors must outlive the step).
-LayerStepInput StepInput(const RankInput& input, uint64_t step, int64_t layer, Phase phase = Phase::kPrefill) {
-  LayerStepInput in;
-  in.step_id = step;
-  in.layer = layer;
-  in.phase = phase;
-  in.hidden = input.hidden.data();
-  in.tokens = input.tokens;
-  in.d = kD;
-  in.topk_ids = input.ids.data();
-  in.topk_weights = input.gates.data();
-  in.k = kK;
-  in.admitted = input.admitted.data();
-  return in;
+  return testing::RandomTwoRouteInput(rng, tokens, kD, kExperts, /*drop_some=*/true);
 }
 
 // Every rank executes one step on its own thread (the collectives need all of them at once).
@@ -133,7 +98,7 @@ std::vector<absl::StatusOr<LayerStepResult>> RunStep(Rank4& w, const std::vector
   std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] { results[r] = w.exec[r]->Execute(StepInput(inputs[r], step, layer)); });
+    threads.emplace_back([&, r] { results[r] = w.exec[r]->Execute(inputs[r].Step(step, layer)); });
   }
   for (auto& t : threads) t.join();
   return results;
@@ -221,7 +186,7 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
   for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
     for (int64_t tokens : {1, 0, 3, 17}) {
       const RankInput input = RandomInput(rng, tokens);
-      auto result = executor_->Execute(StepInput(input, step++, 0, phase));
+      auto result = executor_->Execute(input.Step(step++, 0, phase));
       ASSERT_TRUE(result.ok()) << result.status();
       ASSERT_EQ(result->output.size(), static_cast<size_t>(tokens) * kD);
       if (tokens > 0) {
@@ -257,7 +222,7 @@ TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
   for (Phase phase :
        {Phase::kDecode, Phase::kPrefill, Phase::kDecode, Phase::kPrefill, Phase::kDecode, Phase::kPrefill}) {
     const RankInput input = RandomInput(rng, 5);
-    const LayerStepInput in = StepInput(input, step++, 0, phase);
+    const LayerStepInput in = input.Step(step++, 0, phase);
     auto result = executor_->Execute(in);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->record.canary, in.step_id % 3 == 0);

@@ -19,6 +19,7 @@
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/transport/transport.h"
+#include "tests/runtime/random_step.h"
 
 namespace moe {
 namespace {
@@ -94,41 +95,10 @@ struct TwoRanks {
   }
 };
 
-struct Input {
-  std::vector<uint16_t> hidden;
-  std::vector<int32_t> ids;
-  std::vector<float> gates;
-  int64_t tokens = 0;
-};
+using Input = testing::RandomRankInput;
 
 Input RandomInput(std::mt19937& rng, int64_t tokens) {
-  Input in;
-  in.tokens = tokens;
-  std::normal_distribution<float> n(0, 1);
-  for (int64_t i = 0; i < tokens * kD; ++i) in.hidden.push_back(kernels::FloatToBf16(n(rng)));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int e0 = static_cast<int>(rng() % kExperts);
-    in.ids.push_back(e0);
-    in.ids.push_back((e0 + 1 + static_cast<int>(rng() % (kExperts - 1))) % kExperts);
-    const float g = std::uniform_real_distribution<float>(0, 1)(rng);
-    in.gates.push_back(g);
-    in.gates.push_back(1 - g);
-  }
-  return in;
-}
-
-LayerStepInput StepOf(const Input& input, uint64_t step, int64_t layer) {
-  LayerStepInput in;
-  in.step_id = step;
-  in.layer = layer;
-  in.phase = Phase::kPrefill;
-  in.hidden = input.hidden.data();
-  in.tokens = input.tokens;
-  in.d = kD;
-  in.topk_ids = input.ids.data();
-  in.topk_weights = input.gates.data();
-  in.k = kK;
-  return in;
+  return testing::RandomTwoRouteInput(rng, tokens, kD, kExperts, /*drop_some=*/false);
 }
 
 // y_t = sum_j g_tj E^layer_{e_tj}(h_t) with the experts read from the files.
@@ -158,7 +128,7 @@ std::vector<absl::StatusOr<LayerStepResult>> RunStep(TwoRanks& w, const std::vec
   std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] { results[r] = w.exec[r]->Execute(StepOf(inputs[r], step, layer)); });
+    threads.emplace_back([&, r] { results[r] = w.exec[r]->Execute(inputs[r].Step(step, layer)); });
   }
   for (auto& t : threads) t.join();
   return results;
