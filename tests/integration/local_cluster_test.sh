@@ -62,6 +62,11 @@ cat "$work/bad.log" | sed 's/^/     /'
 "$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --fault bad_layer >"$work/layer.log" 2>&1
 check $? "a layer the model does not serve: INVALID_ARGUMENT naming it on its rank, ABORTED on the others, next step served"
 cat "$work/layer.log" | sed 's/^/     /'
+# The same through step rings: rank 1's bad step arrives in its ring slot, is rejected there and
+# still aborts its peers at once; every rank serves the next step.
+"$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --fault bad_layer --ring \
+  >"$work/ring_layer.log" 2>&1 && grep -q "submission: step rings on $RANKS ranks" "$work/ring_layer.log"
+check $? "over step rings, a layer the model does not serve: rejected in the ring on its rank, ABORTED on the others, next step served"
 
 curl -s "http://127.0.0.1:$(cat "$work/metrics/1.port")/metrics" >"$work/scrape.txt"
 grep -q '^moe_steps_total{.*status="ok"' "$work/scrape.txt"; check $? "metrics: steps by status"
