@@ -354,7 +354,8 @@ void AddPlanIdentity(const Trace& t, const FrozenHandoff& frozen, const std::vec
                      const std::string& selection, Json* report) {
   const ProcessGroup& group = *t.group;
   const PlacementManifest& m = *t.manifest;
-  (*report)["semantic_digest"] = HexDigest(frozen.digest);
+  absl::StatusOr<Sha256> digest = frozen.Digest();
+  (*report)["semantic_digest"] = digest.ok() ? HexDigest(*digest) : std::string(digest.status().message());
   (*report)["placement_version"] = m.VersionName();
   (*report)["process_group"] = {{"id", group.id().value()}, {"epoch", group.epoch().value()}};
   Json peers = Json::array();

@@ -12,6 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "runtime/status.h"
+
 namespace moe {
 
 void SemanticHandoff::Reserve(size_t n) {
@@ -233,7 +235,6 @@ absl::StatusOr<FrozenHandoff> Freeze(SemanticHandoff handoff) {
   absl::Status valid = handoff.Validate();
   if (!valid.ok()) return valid;
   FrozenHandoff f;
-  f.digest = SemanticDigest(handoff);
   f.fingerprint = SemanticFingerprint(handoff);
   f.routes = std::move(handoff);
   return f;
@@ -244,9 +245,18 @@ absl::Status VerifyFrozen(const FrozenHandoff& frozen) {
   if (now != frozen.fingerprint) {
     return absl::FailedPreconditionError(absl::StrCat(
         "semantic handoff mutated after freeze: fingerprint ", absl::Hex(now, absl::kZeroPad16), " != sealed ",
-        absl::Hex(frozen.fingerprint, absl::kZeroPad16), " (digest ", HexDigest(frozen.digest), ")"));
+        absl::Hex(frozen.fingerprint, absl::kZeroPad16), " (scope ", frozen.routes.scope.value(), ")"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<Sha256> FrozenHandoff::Digest() const {
+  if (!has_digest_) {
+    RETURN_IF_ERROR(VerifyFrozen(*this));
+    digest_ = SemanticDigest(routes);
+    has_digest_ = true;
+  }
+  return digest_;
 }
 
 }  // namespace moe

@@ -312,7 +312,10 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
       checked = absl::InvalidArgumentError(
           absl::StrCat("descriptor.phase: ", desc.phase, " is not PHASE_PREFILL (1) or PHASE_DECODE (2)"));
     }
-    if (checked.ok()) checked = CheckFiniteBf16(step.hidden, desc.tokens * step.d, "hidden");
+    // The rows' NaN/Inf check runs on the pool while the executor validates and plans; the
+    // executor awaits it before the agreement.
+    std::shared_ptr<FiniteCheckPool::Check> rows_check;
+    if (checked.ok()) rows_check = check_pool_->Start(step.hidden, desc.tokens * step.d, "hidden");
     LayerStepInput in;
     in.step_id = desc.step_id;
     in.layer = desc.layer;
@@ -326,11 +329,13 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     in.admitted = step.admitted;
     in.expected_generation = desc.expected_generation > 0 ? desc.expected_generation : -1;
     in.output = step.output;
+    if (rows_check != nullptr) in.await_input_check = [&rows_check] { return rows_check->Await(); };
     absl::StatusOr<LayerStepResult> r;
     {
       absl::MutexLock lock(&step_mu_);
       r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
     }
+    if (rows_check != nullptr) rows_check->Await().IgnoreError();  // done already; the rows may be reused after this
     if (r.ok()) {
       path = r->record.graph_replay ? "graph_replay" : "eager";
       CountRecord(r->record, decode, metrics_);
@@ -349,6 +354,7 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
 absl::Status ExpertLayerServiceImpl::EnableStepRings(StepRingsOptions options) {
   options.register_memory = [this](void* p, int64_t bytes) { return executor_->RegisterHostMemory(p, bytes); };
   options.unregister_memory = [this](void* p) { executor_->UnregisterHostMemory(p); };
+  check_pool_ = std::make_unique<FiniteCheckPool>(std::max(0, options.check_threads));
   ASSIGN_OR_RETURN(rings_, StepRings::Create(std::move(options), [this](const RingStep& step, ring::Result* result) {
                      ServeRingStep(step, result);
                    }));

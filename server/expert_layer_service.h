@@ -25,6 +25,7 @@
 #include "server/metrics.h"
 #include "server/shared_regions.h"
 #include "server/step_rings.h"
+#include "server/tensor_codec.h"
 
 namespace moe {
 
@@ -90,7 +91,8 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  std::unique_ptr<StepRings> rings_;  // last: its threads call into the members above
+  std::unique_ptr<FiniteCheckPool> check_pool_;  // ring steps' row checks
+  std::unique_ptr<StepRings> rings_;             // last: its threads call into the members above
 };
 
 }  // namespace moe

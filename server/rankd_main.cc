@@ -63,6 +63,8 @@ ABSL_FLAG(int, max_step_rings, 8,
           "open at once; 0: no step rings");
 ABSL_FLAG(int64_t, max_ring_bytes, int64_t{4} << 30, "most bytes of one step ring");
 ABSL_FLAG(int64_t, ring_spin_us, 50, "how long a step ring's thread spins for the doorbell before it sleeps");
+ABSL_FLAG(int, ring_check_threads, 8,
+          "threads that check a ring step's rows for NaN/Inf beside the executor's first phases (0: in line)");
 ABSL_FLAG(std::string, shm_prefix, "/moe-", "shared-memory regions must have names starting with this");
 ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
 ABSL_FLAG(std::string, checkpoint, "",
@@ -409,6 +411,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     ro.max_rings = rings;
     ro.max_ring_bytes = static_cast<uint64_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_ring_bytes), 0));
     ro.spin_us = std::max<int64_t>(absl::GetFlag(FLAGS_ring_spin_us), 0);
+    ro.check_threads = std::clamp(absl::GetFlag(FLAGS_ring_check_threads), 0, 64);
     RETURN_IF_ERROR(s->engine->EnableStepRings(std::move(ro)));
   }
   if (!o.agent_token.empty()) {

@@ -42,6 +42,9 @@ struct StepRingsOptions {
   int max_rings = 8;        // open (claimed or not) at once
   uint64_t max_ring_bytes = uint64_t{4} << 30;
   int64_t spin_us = 50;  // the serving thread's spin before it sleeps on the futex
+  // Workers of the NaN/Inf check of a step's rows, which runs beside the executor's first phases
+  // (FiniteCheckPool: from 256 Ki values; smaller steps are checked in line).
+  int check_threads = 8;
   // Called with each ring's mapping after it is made, and before it is unmapped (the executor's
   // RegisterHostMemory: device copies from and to the slots without staging). Optional; a
   // failed registration is logged and the ring serves without it.

@@ -167,6 +167,71 @@ absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field)
   return absl::OkStatus();
 }
 
+FiniteCheckPool::FiniteCheckPool(int threads) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
+}
+
+FiniteCheckPool::~FiniteCheckPool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  for (auto& t : threads_) t.join();
+}
+
+void FiniteCheckPool::Work() {
+  while (true) {
+    Part part;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](FiniteCheckPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) { return p->stop_ || !p->parts_.empty(); },
+          this));
+      if (parts_.empty()) return;  // stopping
+      part = std::move(parts_.front());
+      parts_.pop_front();
+    }
+    Check& c = *part.check;
+    const bool bad = AnyNonFiniteBf16(c.rows_ + part.begin, part.end - part.begin);
+    absl::MutexLock lock(&c.mu_);
+    c.bad_ = c.bad_ || bad;
+    --c.pending_;
+  }
+}
+
+std::shared_ptr<FiniteCheckPool::Check> FiniteCheckPool::Start(const uint16_t* rows, int64_t n, const char* field) {
+  auto check = std::make_shared<Check>();
+  check->rows_ = rows;
+  check->n_ = n;
+  check->field_ = field;
+  if (n < kMinValues || threads_.empty()) {
+    absl::MutexLock lock(&check->mu_);
+    check->bad_ = AnyNonFiniteBf16(rows, n);
+    return check;
+  }
+  const int parts = static_cast<int>(threads_.size());
+  const int64_t chunk = (n / parts + 3) / 4 * 4;
+  {
+    absl::MutexLock lock(&check->mu_);
+    check->pending_ = parts;
+  }
+  absl::MutexLock lock(&mu_);
+  for (int i = 0; i < parts; ++i)
+    parts_.push_back({check, std::min(n, i * chunk), i + 1 == parts ? n : std::min(n, (i + 1) * chunk)});
+  return check;
+}
+
+absl::Status FiniteCheckPool::Check::Await() {
+  bool bad = false;
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](Check* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu_) { return c->pending_ == 0; }, this));
+    bad = bad_;
+  }
+  return bad ? CheckFiniteBf16(rows_, n_, field_) : absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
                                                    const char* field) {
   absl::Status s = CheckShape(t, size, field);

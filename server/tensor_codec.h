@@ -5,9 +5,14 @@
 #define MOE_SERVER_TENSOR_CODEC_H_
 
 #include <cstdint>
+#include <deque>
+#include <memory>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 
 #include "proto/moe/v1/expert_layer.pb.h"
@@ -21,6 +26,46 @@ int WireWidth(v1::DType dtype);
 absl::StatusOr<int64_t> WireBytes(const v1::Tensor& t, const char* field);
 // INVALID_ARGUMENT naming `field`.data[i] for the first NaN or infinite value of `n` BF16 values.
 absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field);
+
+// CheckFiniteBf16 on worker threads beside the caller: Start splits the rows over the pool and
+// returns at once; Await returns what CheckFiniteBf16 would (the same message). A step ring's
+// prefill rows are checked while the executor validates and plans the step (its first phases).
+// Thread-safe; checks started by several callers share the workers.
+class FiniteCheckPool {
+ public:
+  explicit FiniteCheckPool(int threads);
+  ~FiniteCheckPool();  // waits for the workers (every started check must have been awaited)
+
+  class Check {
+   public:
+    // Blocks until every part is checked; idempotent. The rows must stay valid until it returns.
+    absl::Status Await();
+
+   private:
+    friend class FiniteCheckPool;
+    absl::Mutex mu_;
+    int pending_ ABSL_GUARDED_BY(mu_) = 0;
+    bool bad_ ABSL_GUARDED_BY(mu_) = false;
+    const uint16_t* rows_ = nullptr;
+    int64_t n_ = 0;
+    const char* field_ = "";
+  };
+  // Rows under kMinValues are checked here, in the caller (their Check is already done).
+  std::shared_ptr<Check> Start(const uint16_t* rows, int64_t n, const char* field);
+  static constexpr int64_t kMinValues = int64_t{1} << 18;
+
+ private:
+  void Work();
+  struct Part {
+    std::shared_ptr<Check> check;
+    int64_t begin, end;
+  };
+  absl::Mutex mu_;
+  std::deque<Part> parts_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
 // Rows described by `t` (dtype, rows, cols) whose bytes are `data` (t.data() or a shared region).
 absl::StatusOr<std::vector<uint16_t>> DecodeToBf16(const v1::Tensor& t, const char* data, size_t size,
                                                    const char* field);

@@ -61,7 +61,7 @@ absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::FromLease(Handle
   h->checkpoint_ = m.checkpoint();
   h->group_ = m.process_group();
   h->epoch_ = m.epoch();
-  h->digest_ = handoff.digest;
+  h->fingerprint_ = handoff.fingerprint;
   h->lease_ = std::move(lease);
   h->trial_ = trial;
   return h;

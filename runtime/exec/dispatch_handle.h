@@ -67,7 +67,9 @@ class DispatchHandle {
   const CheckpointVersion& checkpoint() const { return checkpoint_; }
   const ProcessGroupId& process_group() const { return group_; }
   ProcessGroupEpoch epoch() const { return epoch_; }
-  const Sha256& semantic_digest() const { return digest_; }
+  // The semantic handoff the handle was acquired for: its fingerprint (its SHA-256 identity is
+  // FrozenHandoff::Digest()).
+  uint64_t semantic_fingerprint() const { return fingerprint_; }
   const std::shared_ptr<const PlacementManifest>& manifest() const { return lease_.manifest(); }
   const InverseCoordinates& inverse() const { return inverse_; }
 
@@ -104,7 +106,7 @@ class DispatchHandle {
   CheckpointVersion checkpoint_;
   ProcessGroupId group_;
   ProcessGroupEpoch epoch_;
-  Sha256 digest_{};
+  uint64_t fingerprint_ = 0;
   InverseCoordinates inverse_;
 };
 

@@ -366,6 +366,7 @@ struct LayerExecutor::Pass {
   StepTables tables;  // eager payload: the kernels' index tables
   int t_send = -1, t_order = -1, t_position = -1, t_rows_of = -1, t_gates = -1;
   const void* hidden = nullptr;  // the engine's rows where the kernels read them
+  bool rows_staged = false;      // ... copied (or being copied) to kernel memory by StageRows
   // The step's combined rows on the host: the caller's (in.output) or the result's.
   uint16_t* host_out() { return in.output != nullptr ? in.output : result.output.data(); }
 };
@@ -377,11 +378,24 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   // peers abort at once (they get ABORTED) instead of waiting out the timeout; the member itself
   // answers its engine with the original error.
   absl::Status before_agreement = ValidatePhase(pass);
+  if (before_agreement.ok()) before_agreement = StageRows(pass);
   if (before_agreement.ok()) before_agreement = AcquirePhase(pass);
   if (before_agreement.ok()) before_agreement = PlanPhase(pass);
-  if (!before_agreement.ok()) return Reject(in.step_id, in.layer, std::move(before_agreement));
-  RETURN_IF_ERROR(AgreePhase(pass, agreed_shadow));
-  RETURN_IF_ERROR(DispatchPlanPhase(pass));
+  if (in.await_input_check) {
+    absl::Status checked = in.await_input_check();
+    if (before_agreement.ok()) before_agreement = std::move(checked);
+  }
+  // A failed step answers its engine only once the staged rows' copy no longer reads its memory.
+  const auto settled = [&](absl::Status s) {
+    if (pass.rows_staged) options_.kernels->Synchronize(nullptr).IgnoreError();
+    return s;
+  };
+  if (!before_agreement.ok()) {
+    settled(absl::OkStatus()).IgnoreError();
+    return Reject(in.step_id, in.layer, std::move(before_agreement));
+  }
+  if (absl::Status s = AgreePhase(pass, agreed_shadow); !s.ok()) return settled(std::move(s));
+  if (absl::Status s = DispatchPlanPhase(pass); !s.ok()) return settled(std::move(s));
   if (pass.result.record.graph_replay) {
     // Replay (admitted decode step): the bucket's captured graph does dispatch through combine.
     pass.clock.Enter(StepPhase::kExperts);
@@ -391,8 +405,8 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     RETURN_IF_ERROR(ReplayDecode(in, pass.version, pass.manifest->num_slots(), pass.weights, pass.layer_index,
                                  buf_.source, buf_.dest, pass.handle->inverse().token, buf_.row_of_route, buf_.gates,
                                  pass.host_out()));
-  } else {
-    RETURN_IF_ERROR(EagerPayload(pass));
+  } else if (absl::Status s = EagerPayload(pass); !s.ok()) {
+    return settled(std::move(s));
   }
   RETURN_IF_ERROR(ReleasePhase(pass));
   return std::move(pass.result);
@@ -412,6 +426,21 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   ASSIGN_OR_RETURN(FrozenHandoff frozen,
                    SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts), options_.topology->num_ranks()));
   pass.frozen.emplace(std::move(frozen));
+  return absl::OkStatus();
+}
+
+// A prefill step's rows start their copy to kernel memory as soon as the input is valid: on the
+// kernels' stream, which the dispatch's pack kernel follows, so the copy (8 MiB at 2048 tokens of
+// d 2048) overlaps the host's acquire, plan and agreement instead of opening the dispatch. Rows
+// in registered memory (a step ring's slot) copy asynchronously; pageable rows as before.
+absl::Status LayerExecutor::StageRows(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  if (!device_ || in.tokens == 0 || in.phase != Phase::kPrefill) return absl::OkStatus();
+  const int64_t bytes = in.tokens * static_cast<int64_t>(in.d) * 2;
+  RETURN_IF_ERROR(buf_.hidden.Reserve(options_.kernels, bytes));
+  RETURN_IF_ERROR(options_.kernels->CopyToKernel(buf_.hidden.data(), in.hidden, bytes, nullptr));
+  pass.hidden = buf_.hidden.data();
+  pass.rows_staged = true;
   return absl::OkStatus();
 }
 
@@ -598,11 +627,13 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                       " number of local slots than placement-v", pass.version.value()));
   }
-  pass.hidden = in.hidden;
-  if (device_ && in.tokens > 0) {
-    RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, in.tokens * row_bytes));
-    RETURN_IF_ERROR(kern.CopyToKernel(buf_.hidden.data(), in.hidden, in.tokens * row_bytes, nullptr));
-    pass.hidden = buf_.hidden.data();
+  if (!pass.rows_staged) {
+    pass.hidden = in.hidden;
+    if (device_ && in.tokens > 0) {
+      RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, in.tokens * row_bytes));
+      RETURN_IF_ERROR(kern.CopyToKernel(buf_.hidden.data(), in.hidden, in.tokens * row_bytes, nullptr));
+      pass.hidden = buf_.hidden.data();
+    }
   }
   // A lone member holds every slot: a decode step's route, experts and combine are one kernels
   // call on the tokens as they are. Prefill steps keep the grouped GEMMs.

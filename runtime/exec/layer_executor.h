@@ -170,6 +170,7 @@ class LayerExecutor {
   // The phases in the order RunPass runs them (runtime/exec/step.h). Until the agreement, an
   // error is answered by Reject (every peer aborts too); after it, the step fails as it is.
   absl::Status ValidatePhase(Pass& pass);
+  absl::Status StageRows(Pass& pass);
   absl::Status AcquirePhase(Pass& pass);
   absl::Status PlanPhase(Pass& pass);
   absl::Status AgreePhase(Pass& pass, int64_t* agreed_shadow);

@@ -10,11 +10,13 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -37,6 +39,11 @@ struct LayerStepInput {
   // Optional: host memory of [tokens, d] BF16 where the combined rows are written (a step ring's
   // slot); LayerStepResult::output then stays empty. Null: the result owns its rows.
   uint16_t* output = nullptr;
+  // Optional: a check of the input running beside the step's first phases (the service's NaN/Inf
+  // scan of a prefill step's rows on worker threads). Awaited before the agreement, also when an
+  // earlier phase failed (the rows must outlive it); a failure rejects the step into its
+  // agreement like any other invalid input. Must be idempotent (a shadow pass awaits it again).
+  std::function<absl::Status()> await_input_check;
 };
 
 // The phases of a step, in the order they run.

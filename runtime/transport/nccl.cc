@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "runtime/status.h"
 #include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/gpu_checks.h"
 
@@ -32,6 +33,7 @@ class NcclTransport final : public Transport {
       : options_(std::move(options)), comm_(comm), stream_(stream) {}
   ~NcclTransport() override {
     if (staging_ != nullptr) cudaFree(staging_);
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
     if (comm_ != nullptr) (broken_ ? ncclCommAbort(comm_) : ncclCommDestroy(comm_));
     cudaStreamDestroy(stream_);
   }
@@ -49,9 +51,9 @@ class NcclTransport final : public Transport {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
     // Callers may be any thread (gRPC handlers start on device 0): bind the communicator's device.
     CUDART_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-    return WithDevice(in, bytes, out, bytes * size(), [&](const void* din, void* dout) -> absl::Status {
+    return WithDevice(seq, timeout, in, bytes, out, bytes * size(), [&](const void* din, void* dout) -> absl::Status {
       NCCL_RETURN_IF_ERROR(ncclAllGather(din, dout, bytes, ncclUint8, comm_, stream_));
-      return Wait(seq, timeout);
+      return absl::OkStatus();
     });
   }
 
@@ -68,32 +70,42 @@ class NcclTransport final : public Transport {
       send_total += send_bytes[i];
       recv_total += recv_bytes[i];
     }
-    return WithDevice(send, send_total, recv, recv_total, [&](const void* dsend, void* drecv) -> absl::Status {
-      NCCL_RETURN_IF_ERROR(ncclGroupStart());
-      int64_t so = 0, ro = 0;
-      for (int i = 0; i < size(); ++i) {
-        if (send_bytes[i] > 0) {
-          NCCL_RETURN_IF_ERROR(
-              ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
-        }
-        if (recv_bytes[i] > 0) {
-          NCCL_RETURN_IF_ERROR(ncclRecv(static_cast<char*>(drecv) + ro, recv_bytes[i], ncclUint8, i, comm_, stream_));
-        }
-        so += send_bytes[i];
-        ro += recv_bytes[i];
-      }
-      NCCL_RETURN_IF_ERROR(ncclGroupEnd());
-      return Wait(seq, timeout);
-    });
+    return WithDevice(
+        seq, timeout, send, send_total, recv, recv_total, [&](const void* dsend, void* drecv) -> absl::Status {
+          NCCL_RETURN_IF_ERROR(ncclGroupStart());
+          int64_t so = 0, ro = 0;
+          for (int i = 0; i < size(); ++i) {
+            if (send_bytes[i] > 0) {
+              NCCL_RETURN_IF_ERROR(
+                  ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
+            }
+            if (recv_bytes[i] > 0) {
+              NCCL_RETURN_IF_ERROR(
+                  ncclRecv(static_cast<char*>(drecv) + ro, recv_bytes[i], ncclUint8, i, comm_, stream_));
+            }
+            so += send_bytes[i];
+            ro += recv_bytes[i];
+          }
+          NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+          return absl::OkStatus();
+        });
   }
 
  private:
-  // Runs `op` on device pointers, staging host buffers through one device allocation.
+  // Runs `op` (which enqueues a collective on the stream) on device pointers and waits for it,
+  // staging host buffers through one device allocation. Small host buffers (a step agreement,
+  // metadata) also go through pinned host staging, so their copies are true async copies: the
+  // input copy, the collective and the output copy are enqueued back to back and the stream is
+  // waited for once.
   template <typename Op>
-  absl::Status WithDevice(const void* in, int64_t in_bytes, void* out, int64_t out_bytes, Op&& op) {
+  absl::Status WithDevice(uint64_t seq, absl::Duration timeout, const void* in, int64_t in_bytes, void* out,
+                          int64_t out_bytes, Op&& op) {
     const bool in_dev = in_bytes == 0 || IsDevice(in);
     const bool out_dev = out_bytes == 0 || IsDevice(out);
-    if (in_dev && out_dev) return op(in, out);
+    if (in_dev && out_dev) {
+      RETURN_IF_ERROR(op(in, out));
+      return Wait(seq, timeout);
+    }
     if (size() == 1 && !in_dev && !out_dev) {
       // A lone member's collective of host memory is a copy (its step agreement, metadata): no
       // staging round trip through the device and no stream synchronization.
@@ -101,24 +113,37 @@ class NcclTransport final : public Transport {
       if (in_bytes > 0) std::memcpy(out, in, static_cast<size_t>(in_bytes));
       return absl::OkStatus();
     }
-    const size_t need = static_cast<size_t>(in_bytes + out_bytes) + 256;
+    const int64_t in_staged = in_dev ? 0 : (in_bytes + 255) / 256 * 256;
+    const size_t need = static_cast<size_t>(in_staged + (out_dev ? 0 : out_bytes)) + 256;
     if (need > staging_bytes_) {
       if (staging_ != nullptr) CUDART_RETURN_IF_ERROR(cudaFree(staging_));
       staging_ = nullptr;
+      staging_bytes_ = 0;
       CUDART_RETURN_IF_ERROR(cudaMalloc(&staging_, need));
       staging_bytes_ = need;
     }
+    // Pinned host staging for small transfers (both directions fit).
+    const bool pinned = need <= kPinnedStagingBytes;
+    if (pinned && pinned_ == nullptr) CUDART_RETURN_IF_ERROR(cudaMallocHost(&pinned_, kPinnedStagingBytes));
     char* din = in_dev ? const_cast<char*>(static_cast<const char*>(in)) : static_cast<char*>(staging_);
-    char* dout = out_dev ? static_cast<char*>(out) : static_cast<char*>(staging_) + ((in_bytes + 255) / 256) * 256;
+    char* dout = out_dev ? static_cast<char*>(out) : static_cast<char*>(staging_) + in_staged;
+    char* hin = pinned ? static_cast<char*>(pinned_) : nullptr;
+    char* hout = pinned ? static_cast<char*>(pinned_) + in_staged : nullptr;
     if (!in_dev && in_bytes > 0) {
-      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(din, in, in_bytes, cudaMemcpyHostToDevice, stream_));
+      const void* src = in;
+      if (pinned) {
+        std::memcpy(hin, in, static_cast<size_t>(in_bytes));
+        src = hin;
+      }
+      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(din, src, in_bytes, cudaMemcpyHostToDevice, stream_));
     }
-    absl::Status s = op(din, dout);
-    if (!s.ok()) return s;
+    RETURN_IF_ERROR(op(din, dout));
     if (!out_dev && out_bytes > 0) {
-      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
-      CUDART_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      CUDART_RETURN_IF_ERROR(
+          cudaMemcpyAsync(pinned ? static_cast<void*>(hout) : out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
     }
+    RETURN_IF_ERROR(Wait(seq, timeout));
+    if (pinned && !out_dev && out_bytes > 0) std::memcpy(out, hout, static_cast<size_t>(out_bytes));
     return absl::OkStatus();
   }
 
@@ -172,6 +197,9 @@ class NcclTransport final : public Transport {
   bool broken_ = false;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  // Pinned host staging of small collectives (allocated on first use).
+  static constexpr size_t kPinnedStagingBytes = size_t{1} << 20;
+  void* pinned_ = nullptr;
 };
 
 }  // namespace

@@ -236,6 +236,41 @@ TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
   EXPECT_EQ(c.routes_attempted, accepted);
 }
 
+// The input check that runs beside the first phases (the service's row scan) is awaited before
+// the agreement on every step, also one that failed earlier; its failure rejects the step with
+// its own error, and the next step is served.
+TEST_F(OneMemberTest, AnInputCheckIsAwaitedBeforeTheAgreementAndItsFailureRejectsTheStep) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
+  std::mt19937 rng(13);
+  const RankInput input = RandomInput(rng, 6);
+  int awaited = 0;
+  LayerStepInput in = input.Step(1, 0, Phase::kPrefill);
+  in.await_input_check = [&awaited] {
+    ++awaited;
+    return absl::InvalidArgumentError("hidden.data[7]: not finite");
+  };
+  auto rejected = executor_->Execute(in);
+  EXPECT_EQ(rejected.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(rejected.status().message()), ::testing::HasSubstr("hidden.data[7]"));
+  EXPECT_EQ(awaited, 1);
+  // A step whose layer is not served fails in acquire: the check is still awaited.
+  in.step_id = 2;
+  in.layer = 999;
+  EXPECT_EQ(executor_->Execute(in).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(awaited, 2);
+  // A passing check: the step is served.
+  LayerStepInput good = input.Step(3, 0, Phase::kPrefill);
+  good.await_input_check = [&awaited] {
+    ++awaited;
+    return absl::OkStatus();
+  };
+  auto served = executor_->Execute(good);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(awaited, 3);
+  EXPECT_LT(ErrorAgainstReference(ckpt_, input, served->output), 1e-2);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
                          [](const ::testing::TestParamInfo<DecodeRunner>& info) {
                            return std::string(info.param == DecodeRunner::kPadded ? "Padded" : "Kernels");

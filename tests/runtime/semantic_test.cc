@@ -49,6 +49,20 @@ TEST(SemanticTest, FrozenHandoffDetectsMutation) {
   EXPECT_EQ(VerifyFrozen(g).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// The digest of a frozen handoff is the canonical SHA-256 of what was sealed, computed on first
+// use; once the routes are mutated it is refused rather than computed over the mutation.
+TEST(SemanticTest, FrozenDigestIsTheSealedRoutesSha256) {
+  FrozenHandoff f = *Freeze(fixture::EightRoutes());
+  absl::StatusOr<Sha256> d = f.Digest();
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(*d, SemanticDigest(fixture::EightRoutes()));
+  FrozenHandoff g = *Freeze(fixture::EightRoutes());
+  g.routes.gate[2] = 0.5f;
+  absl::StatusOr<Sha256> mutated = g.Digest();
+  EXPECT_EQ(mutated.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(mutated.status().message()).find("mutated after freeze"), std::string::npos);
+}
+
 // VerifyFrozen compares the fingerprint, not the digest: every field, and any one value of a
 // large handoff (each lane of the fingerprint and the tail of each column), is covered.
 TEST(SemanticTest, FingerprintCatchesEveryMutation) {

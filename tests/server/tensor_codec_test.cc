@@ -5,7 +5,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <thread>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -187,6 +190,47 @@ TEST(TensorCodecTest, CheckFiniteBf16SplitAcrossThreadsMissesNoPart) {
       EXPECT_FALSE(s.ok()) << at;
       EXPECT_NE(s.message().find("hidden.data[" + std::to_string(at) + "]"), std::string::npos) << s;
       rows[at] = 0xbf80;
+    }
+  }
+}
+
+// The pool's check, started and awaited later, answers what CheckFiniteBf16 answers: OK for
+// finite rows, the first bad index otherwise (whichever part of the rows it is in), in line for
+// small rows, and checks started from several threads at once do not mix.
+TEST(TensorCodecTest, FiniteCheckPoolAnswersAsTheInlineCheck) {
+  FiniteCheckPool pool(3);
+  const int64_t n = 3 * FiniteCheckPool::kMinValues + 5;
+  std::vector<uint16_t> rows(n, kernels::FloatToBf16(0.25f));
+  EXPECT_TRUE(pool.Start(rows.data(), n, "hidden")->Await().ok());
+  for (int64_t bad : {int64_t{0}, n / 2, n - 1}) {
+    std::vector<uint16_t> r = rows;
+    r[bad] = 0xff80;                           // -inf
+    if (bad > 0) r[n - 1 - bad / 3] = 0x7fc0;  // a second bad value, later or earlier
+    auto check = pool.Start(r.data(), n, "hidden");
+    const absl::Status got = check->Await();
+    const absl::Status want = CheckFiniteBf16(r.data(), n, "hidden");
+    EXPECT_EQ(got.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(got.message(), want.message());
+    EXPECT_EQ(check->Await().message(), want.message());  // idempotent
+  }
+  std::vector<uint16_t> small(100, 0);
+  small[42] = 0x7f80;
+  auto inline_check = pool.Start(small.data(), 100, "hidden");
+  EXPECT_THAT(std::string(inline_check->Await().message()), ::testing::HasSubstr("hidden.data[42]"));
+  std::vector<uint16_t> dirty = rows;
+  dirty[n - 3] = 0x7fc0;
+  std::vector<absl::Status> results(8);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back(
+        [&, t] { results[t] = pool.Start(t % 2 == 0 ? rows.data() : dirty.data(), n, "hidden")->Await(); });
+  }
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < 8; ++t) {
+    if (t % 2 == 0) {
+      EXPECT_TRUE(results[t].ok()) << t << ": " << results[t];
+    } else {
+      EXPECT_THAT(std::string(results[t].message()), ::testing::HasSubstr(absl::StrCat("hidden.data[", n - 3, "]")));
     }
   }
 }
