@@ -27,6 +27,7 @@ struct NcclBackendOptions {
   int device = 0;
   std::string rendezvous_dir;  // member 0 publishes the NCCL unique id here
   int connect_timeout_ms = 60000;
+  bool host_agreement = true;  // NcclOptions::host_agreement
 };
 
 class CudaBackend {

@@ -91,6 +91,9 @@ ABSL_FLAG(std::string, transport, "ucx",
 ABSL_FLAG(std::string, inject_fault, "",
           "fault injection for tests: trial_drift = this rank's shadow and canary passes return outputs scaled by "
           "1.05 (a candidate runner that computes something else)");
+ABSL_FLAG(bool, nccl_host_agreement, true,
+          "with --transport nccl: agree on each step over shared memory when every rank is on this host (else, or "
+          "when false, an NCCL all-gather)");
 ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (-1: the rank's index)");
 ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to this executable)");
 ABSL_FLAG(std::string, cuda_tuning, "",
@@ -340,6 +343,7 @@ absl::Status JoinTransport(const RankdOptions& o, const ProcessGroup& group, Bac
     nccl.size = o.world;
     nccl.device = o.gpu;
     nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
+    nccl.host_agreement = absl::GetFlag(FLAGS_nccl_host_agreement);
     ASSIGN_OR_RETURN(b->transport, b->cuda->CreateNccl(nccl));
   }
   if (b->transport == nullptr) {

@@ -9,7 +9,7 @@
 # The layer is E128 k8 d2048 f768 (a synthetic checkpoint of one MoE layer, made here).
 # Run from the repository root on the GPU machine with the bundle (tools/gpu_bundle.sh):
 #   LD_LIBRARY_PATH=$PWD/dist/gpu/lib:/usr/local/cuda/lib64 bench/gpu/cluster_latency.sh
-# Environment: RANKS, CELLS (phase:tokens-per-rank list), STEPS, RING_SPIN_US (the ranks' and the
+# Environment: RANKS, CELLS (phase:tokens-per-rank list), MODES (ring,grpc), STEPS, RING_SPIN_US (the ranks' and the
 # engine threads' spin before they sleep, default 5000), RANKD (another moe-rankd, with its
 # libmoe_cuda.so beside it: side-by-side runs), RANKD_EXTRA (more moe-rankd flags), FLOOR=0 (skip
 # the floor), CKPT (keep the synthetic checkpoint in this directory across runs).
@@ -44,7 +44,7 @@ trap 'stop_ranks' EXIT
 # shellcheck disable=SC2086
 start_ranks "$RANKD" "$work" "$RANKS" "$ckpt" --ring_spin_us "$SPIN" --max_step_tokens 16384 ${RANKD_EXTRA:-} || exit 1
 "$B/cluster_step_bench" --port_dir "$work/ports" --world "$RANKS" --experts 128 --d 2048 --k 8 --cells "$CELLS" \
-  --steps "$STEPS" --spin_us "$SPIN"
+  --steps "$STEPS" --spin_us "$SPIN" --modes "${MODES:-ring,grpc}"
 rc=$?
 stop_ranks
 [ "$rc" = 0 ] || tail -20 "$work/rank0.log"

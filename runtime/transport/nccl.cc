@@ -14,6 +14,8 @@
 #include "runtime/status.h"
 #include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/gpu_checks.h"
+#include "runtime/transport/shm_channel.h"
+#include "runtime/transport/step_gather.h"
 
 namespace moe {
 namespace {
@@ -42,6 +44,38 @@ class NcclTransport final : public Transport {
   int size() const override { return options_.size; }
   bool accepts_device_memory() const override { return true; }
   NcclHandles handles() const { return {broken_ ? nullptr : comm_, stream_, options_.device}; }
+
+  // The step agreement over shared memory when every member is on this host: member 0 creates the
+  // segment named after the group's unique id, the others open it, and an all-gather of who
+  // could decides for the whole group (members on another host cannot open it, and then every
+  // member keeps the NCCL all-gather). Member 0 removes the name once everyone has answered.
+  absl::Status SetUpHostAgreement(const char* id, size_t id_bytes, absl::Duration timeout) {
+    uint64_t h = 0x6d6f652d61677265ull;
+    for (size_t i = 0; i < id_bytes; ++i) h = (h ^ static_cast<uint8_t>(id[i])) * 0x100000001b3ull;
+    const std::string name = absl::StrCat("/moe-agree-", absl::Hex(h, absl::kZeroPad16));
+    absl::StatusOr<std::unique_ptr<ShmStepChannel>> channel =
+        slot() == 0 ? ShmStepChannel::Create(name, size())
+                    : ShmStepChannel::Open(name, slot(), size(), std::min(timeout, absl::Seconds(3)));
+    const uint8_t mine = channel.ok() ? 1 : 0;
+    std::vector<uint8_t> all(size(), 0);
+    absl::Status s = AllGather(0, &mine, 1, all.data(), timeout);
+    if (slot() == 0 && channel.ok()) ShmStepChannel::Unlink(name);
+    if (!s.ok()) return s;
+    bool everyone = true;
+    for (uint8_t a : all) everyone = everyone && a == 1;
+    if (everyone) {
+      agree_ = std::move(*channel);
+      backlog_.from.assign(size(), {});
+    }
+    return absl::OkStatus();
+  }
+  bool host_agreement() const { return agree_ != nullptr; }
+
+  absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    if (agree_ == nullptr) return AllGather(step, in, bytes, out, timeout);
+    if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
+    return RunStepGather(*agree_, backlog_, slot(), size(), step, in, bytes, out, timeout);
+  }
   absl::Status WaitStream(uint64_t seq, absl::Duration timeout) {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
     return Wait(seq, timeout);
@@ -197,6 +231,8 @@ class NcclTransport final : public Transport {
   bool broken_ = false;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  std::unique_ptr<ShmStepChannel> agree_;  // the step agreement's channel, when the group is on one host
+  StepGatherBacklog backlog_;
   // Pinned host staging of small collectives (allocated on first use).
   static constexpr size_t kPinnedStagingBytes = size_t{1} << 20;
   void* pinned_ = nullptr;
@@ -233,12 +269,21 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
   NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm, options.size, id, options.slot));
   cudaStream_t stream;
   CUDART_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  return std::unique_ptr<Transport>(new NcclTransport(options, comm, stream));
+  auto transport = std::unique_ptr<NcclTransport>(new NcclTransport(options, comm, stream));
+  if (options.host_agreement && options.size > 1) {
+    RETURN_IF_ERROR(transport->SetUpHostAgreement(id.internal, sizeof(id.internal), options.connect_timeout));
+  }
+  return std::unique_ptr<Transport>(std::move(transport));
 }
 
 NcclHandles NativeNcclHandles(Transport& transport) {
   auto* nccl = dynamic_cast<NcclTransport*>(&transport);
   return nccl == nullptr ? NcclHandles{} : nccl->handles();
+}
+
+bool NcclHostAgreement(Transport& transport) {
+  auto* nccl = dynamic_cast<NcclTransport*>(&transport);
+  return nccl != nullptr && nccl->host_agreement();
 }
 
 absl::Status WaitNcclStream(Transport& transport, uint64_t seq, absl::Duration timeout) {

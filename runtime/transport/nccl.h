@@ -1,6 +1,9 @@
 // NCCL implementation of Transport (GPU; grouped ncclSend/ncclRecv for all-to-all-v, ncclAllGather
 // for the step header). Built only under --config=cuda.
 //
+// The step agreement goes over shared memory when the whole group is on one host
+// (NcclOptions::host_agreement), else over an NCCL all-gather.
+//
 // Pointers may be device or host memory: host buffers are staged through a device buffer
 // (cudaPointerGetAttributes decides), so the step agreement and host-memory callers work
 // unchanged; device buffers go to NCCL directly. Waits poll the stream and the communicator's
@@ -26,6 +29,10 @@ struct NcclOptions {
   // Member 0 writes the NCCL unique id here; the others wait for it.
   std::string rendezvous_dir;
   absl::Duration connect_timeout = absl::Seconds(60);
+  // The step agreement (StepGather) over a shared-memory channel when every member is on this
+  // host (runtime/transport/shm_channel.h), with the step_gather.h protocol: members in different
+  // steps abort at once. Otherwise, or when false, an NCCL all-gather of the record.
+  bool host_agreement = true;
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& options);
@@ -40,6 +47,8 @@ struct NcclHandles {
   int device = 0;
 };
 NcclHandles NativeNcclHandles(Transport& transport);
+// Whether an NCCL transport agrees on steps over shared memory (false for any other transport).
+bool NcclHostAgreement(Transport& transport);
 
 // Waits for the work on the transport's stream with its deadline and abort handling (as its own
 // collectives do): DEADLINE_EXCEEDED and an aborted communicator when a peer does not take part.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -40,7 +41,7 @@ class GatherAttempt {
         have_(size, false),
         pending_(size),
         missing_(size - 1),
-        scratch_(bytes) {
+        scratch_(new char[kMaxStepGatherRecordBytes]) {
     have_[me] = true;
   }
 
@@ -108,10 +109,10 @@ class GatherAttempt {
   // The next message from peer i: the backlog first, then the channel.
   absl::StatusOr<bool> Next(int i, StepGatherHeader* h, int64_t* got) {
     auto& q = backlog_.from[i];
-    if (q.empty()) return ch_.Poll(i, h, scratch_.data(), bytes_, got);
+    if (q.empty()) return ch_.Poll(i, h, scratch_.get(), kMaxStepGatherRecordBytes, got);
     *h = q.front().header;
-    *got = std::min<int64_t>(bytes_, static_cast<int64_t>(q.front().payload.size()));
-    if (*got > 0) std::memcpy(scratch_.data(), q.front().payload.data(), *got);
+    *got = std::min<int64_t>(kMaxStepGatherRecordBytes, static_cast<int64_t>(q.front().payload.size()));
+    if (*got > 0) std::memcpy(scratch_.get(), q.front().payload.data(), *got);
     q.pop_front();
     return true;
   }
@@ -147,7 +148,7 @@ class GatherAttempt {
         return Fail(absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " sent a ",
                                                     got, "-byte agreement record, this member ", bytes_)));
       }
-      std::memcpy(out_ + i * bytes_, scratch_.data(), bytes_);
+      std::memcpy(out_ + i * bytes_, scratch_.get(), bytes_);
       have_[i] = true;
       --missing_;
     } else if (h.type == StepGatherHeader::kLeft) {
@@ -169,11 +170,10 @@ class GatherAttempt {
   void BacklogArrived(int i) {
     while (true) {
       StepGatherBacklog::Message m;
-      m.payload.resize(bytes_);
       int64_t got = 0;
-      auto polled = ch_.Poll(i, &m.header, m.payload.data(), bytes_, &got);
+      auto polled = ch_.Poll(i, &m.header, scratch_.get(), kMaxStepGatherRecordBytes, &got);
       if (!polled.ok() || !*polled) break;
-      m.payload.resize(got);
+      m.payload.assign(scratch_.get(), static_cast<size_t>(got));
       backlog_.from[i].push_back(std::move(m));
     }
   }
@@ -188,13 +188,17 @@ class GatherAttempt {
   std::vector<bool> have_;
   std::vector<std::optional<uint64_t>> pending_;
   int missing_;
-  std::vector<char> scratch_;
+  std::unique_ptr<char[]> scratch_;  // one message's payload, read whole (not zero-filled)
 };
 
 }  // namespace
 
 absl::Status RunStepGather(StepGatherChannel& ch, StepGatherBacklog& backlog, int me, int size, uint64_t step,
                            const void* in, int64_t bytes, void* out, absl::Duration timeout) {
+  if (bytes < 0 || bytes > kMaxStepGatherRecordBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step record of ", bytes, " bytes (at most ", kMaxStepGatherRecordBytes, ")"));
+  }
   backlog.from.resize(size);
   GatherAttempt attempt(ch, backlog, me, size, step, bytes, out);
   if (absl::Status s = attempt.SendRecord(in); !s.ok()) return s;

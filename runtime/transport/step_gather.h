@@ -51,6 +51,12 @@ class StepGatherChannel {
   virtual void Idle() = 0;
 };
 
+// The largest record a StepGather carries (the executor's agreement record is at most ~7 KiB).
+// Every message is read whole up to this size, so a record of another length than this
+// member's (a peer's next step, taken early into the backlog) keeps its length and is compared
+// as it was sent.
+inline constexpr int64_t kMaxStepGatherRecordBytes = int64_t{64} << 10;
+
 // Messages taken from the channel but not yet consumed (kept by the transport across calls).
 struct StepGatherBacklog {
   struct Message {

@@ -52,9 +52,6 @@ uint64_t Tag(uint64_t kind, uint64_t seq, int src) {
   return (kind << 60) | ((seq & ((uint64_t{1} << 44) - 1)) << 16) | static_cast<uint64_t>(src & 0xffff);
 }
 
-// The largest agreement record StepGather carries (the executor's is 7 KiB).
-constexpr int64_t kMaxStepRecordBytes = 64 << 10;
-
 absl::StatusOr<sockaddr_storage> Resolve(const std::string& address, socklen_t* len) {
   std::vector<std::string> parts = absl::StrSplit(address, ':');
   int port = 0;
@@ -295,9 +292,9 @@ class UcxTransport final : public Transport {
   }
 
   absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
-    if (bytes < 0 || bytes > kMaxStepRecordBytes) {
+    if (bytes < 0 || bytes > kMaxStepGatherRecordBytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("ucx: step record of ", bytes, " bytes (at most ", kMaxStepRecordBytes, ")"));
+          absl::StrCat("ucx: step record of ", bytes, " bytes (at most ", kMaxStepGatherRecordBytes, ")"));
     }
     if (absl::Status s = CheckPeersUp(); !s.ok()) return s;
     AgreeChannel channel(this);
@@ -333,7 +330,7 @@ class UcxTransport final : public Transport {
                                                    ") failed: ", ucs_status_string(t_->peers_[peer].failure)));
       }
       auto& r = t_->agree_recv_[peer];
-      if (r.buf.empty()) r.buf.resize(sizeof(StepGatherHeader) + kMaxStepRecordBytes);
+      if (r.buf.empty()) r.buf.resize(sizeof(StepGatherHeader) + kMaxStepGatherRecordBytes);
       ucp_tag_recv_info_t info{};
       ucs_status_t st = UCS_OK;
       if (r.req == nullptr) {

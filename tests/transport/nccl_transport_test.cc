@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 
+#include "runtime/status.h"
 #include "runtime/transport/nccl.h"
 #include "tests/transport/exchange_scenarios.h"
 #include "tests/transport/process_harness.h"
@@ -29,7 +30,8 @@ int Devices() {
   });
 }
 
-std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario) {
+std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transport&)>& scenario,
+                              bool host_agreement = true) {
   return testing::ForkMembers(size, "nccl", [&](int slot, const std::string& dir) {
     setenv("NCCL_NVLS_ENABLE", "0", 1);
     NcclOptions o;
@@ -37,6 +39,7 @@ std::vector<int> RunProcesses(int size, const std::function<absl::Status(Transpo
     o.size = size;
     o.device = slot;
     o.rendezvous_dir = dir;
+    o.host_agreement = host_agreement;
     auto t = CreateNcclTransport(o);
     if (!t.ok()) {
       std::fprintf(stderr, "slot %d: %s\n", slot, std::string(t.status().message()).c_str());
@@ -60,6 +63,24 @@ TEST(NcclTransportTest, HeaderMismatchAbortsEveryMember) {
   ASSERT_GE(n, 2) << "needs two GPUs (a lone member has no one to disagree with)";
   const auto codes = RunProcesses(n, [n](Transport& t) { return testing::HeaderMismatchAbortsEveryone(t, n - 1); });
   for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
+}
+
+// Members of one host agree over shared memory unless told not to; both ways abort a header
+// mismatch everywhere and carry the metadata.
+TEST(NcclTransportTest, HostAgreementOnOneHostAndTheNcclAllGatherWithoutIt) {
+  const int n = Devices();
+  ASSERT_GE(n, 2) << "needs two GPUs";
+  for (bool host : {true, false}) {
+    const auto codes = RunProcesses(
+        n,
+        [n, host](Transport& t) -> absl::Status {
+          if (NcclHostAgreement(t) != host) return absl::InternalError("host agreement not as asked");
+          RETURN_IF_ERROR(testing::HeaderMismatchAbortsEveryone(t, n - 1));
+          return testing::MetadataRidesWithTheAgreement(t);
+        },
+        host);
+    for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i << (host ? " (host agreement)" : " (nccl)");
+  }
 }
 
 TEST(NcclTransportTest, GenerationSplitAbortsEveryMember) {

@@ -1,0 +1,142 @@
+// The shared-memory agreement channel under the step_gather.h protocol, between real processes
+// (forked members): records of every size gathered over many steps (the rings wrap), members in
+// different steps abort at once, a member that does not join leaves the others a deadline, and
+// segments that do not fit are refused.
+#include "runtime/transport/shm_channel.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+#include "runtime/transport/step_gather.h"
+#include "tests/transport/process_harness.h"
+
+namespace moe {
+namespace {
+
+// Unique across concurrent runs (sandboxes may share /dev/shm and give every run the same pid).
+std::string SegmentName(const char* what) {
+  return absl::StrCat("/moe-agree-test-", what, "-", getpid(), "-", std::random_device()());
+}
+
+// Member `me` of `size` on segment `name` (member 0 creates it).
+std::unique_ptr<ShmStepChannel> Member(const std::string& name, int me, int size) {
+  auto c = me == 0 ? ShmStepChannel::Create(name, size) : ShmStepChannel::Open(name, me, size, absl::Seconds(10));
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+// The payload member `m` sends at step `s`: its size varies with the step, its bytes name both.
+std::vector<char> Record(int m, uint64_t s, int64_t bytes) {
+  std::vector<char> r(bytes);
+  for (int64_t i = 0; i < bytes; ++i) r[i] = static_cast<char>(m * 31 + s * 7 + i);
+  return r;
+}
+
+TEST(ShmStepChannelTest, ThreeProcessesGatherEveryStepAcrossRingWraps) {
+  const std::string name = SegmentName("gather");
+  constexpr int kSize = 3;
+  const std::vector<int> codes = testing::ForkMembers(kSize, "shm-gather", [&](int me, const std::string&) {
+    auto ch = Member(name, me, kSize);
+    if (ch == nullptr) return 10;
+    StepGatherBacklog backlog;
+    backlog.from.resize(kSize);
+    for (uint64_t step = 1; step <= 300; ++step) {
+      const int64_t bytes = 8 + static_cast<int64_t>(step * 977 % 7000);  // up to ~7 KiB: 300 steps wrap 256 KiB
+      const std::vector<char> mine = Record(me, step, bytes);
+      std::vector<char> all(bytes * kSize);
+      const absl::Status s =
+          RunStepGather(*ch, backlog, me, kSize, step, mine.data(), bytes, all.data(), absl::Seconds(20));
+      if (!s.ok()) {
+        std::fprintf(stderr, "member %d step %llu: %s\n", me, static_cast<unsigned long long>(step),
+                     s.ToString().c_str());
+        return 11;
+      }
+      for (int m = 0; m < kSize; ++m) {
+        if (std::memcmp(all.data() + m * bytes, Record(m, step, bytes).data(), bytes) != 0) return 12;
+      }
+    }
+    return 0;
+  });
+  ShmStepChannel::Unlink(name);
+  EXPECT_EQ(codes, std::vector<int>(kSize, 0));
+}
+
+TEST(ShmStepChannelTest, MembersInDifferentStepsAbortAtOnceAndTheNextStepIsGathered) {
+  const std::string name = SegmentName("mismatch");
+  constexpr int kSize = 3;
+  const std::vector<int> codes = testing::ForkMembers(kSize, "shm-mismatch", [&](int me, const std::string&) {
+    auto ch = Member(name, me, kSize);
+    if (ch == nullptr) return 10;
+    StepGatherBacklog backlog;
+    backlog.from.resize(kSize);
+    const uint64_t step = me == 2 ? 41 : 40;  // member 2 is in another step
+    const int64_t bytes = 64;
+    std::vector<char> mine = Record(me, step, bytes), all(bytes * kSize);
+    const absl::Time start = absl::Now();
+    const absl::Status s =
+        RunStepGather(*ch, backlog, me, kSize, step, mine.data(), bytes, all.data(), absl::Seconds(20));
+    if (s.code() != absl::StatusCode::kAborted) return 11;
+    if (absl::Now() - start > absl::Seconds(5)) return 12;  // not a timeout
+    if (std::string(s.message()).find("step_id") == std::string::npos) return 13;
+    // The engines retry an aborted step after a back-off (10 ms and up); a member that retried at
+    // once could still meet a slower peer's record of the aborted step before its LEFT.
+    absl::SleepFor(absl::Milliseconds(50));
+    mine = Record(me, 42, bytes);
+    const absl::Status next =
+        RunStepGather(*ch, backlog, me, kSize, 42, mine.data(), bytes, all.data(), absl::Seconds(20));
+    if (!next.ok()) {
+      std::fprintf(stderr, "member %d step 42: %s\n", me, next.ToString().c_str());
+      return 14;
+    }
+    for (int m = 0; m < kSize; ++m) {
+      if (std::memcmp(all.data() + m * bytes, Record(m, 42, bytes).data(), bytes) != 0) return 15;
+    }
+    return 0;
+  });
+  ShmStepChannel::Unlink(name);
+  EXPECT_EQ(codes, std::vector<int>(kSize, 0));
+}
+
+TEST(ShmStepChannelTest, AMemberThatDoesNotJoinLeavesTheOthersADeadline) {
+  const std::string name = SegmentName("absent");
+  constexpr int kSize = 2;
+  const std::vector<int> codes = testing::ForkMembers(kSize, "shm-absent", [&](int me, const std::string&) {
+    auto ch = Member(name, me, kSize);
+    if (ch == nullptr) return 10;
+    if (me == 1) return 0;  // opens the channel and leaves
+    StepGatherBacklog backlog;
+    backlog.from.resize(kSize);
+    char mine[16] = {}, all[32];
+    const absl::Status s = RunStepGather(*ch, backlog, me, kSize, 7, mine, 16, all, absl::Milliseconds(300));
+    return s.code() == absl::StatusCode::kDeadlineExceeded ? 0 : 11;
+  });
+  ShmStepChannel::Unlink(name);
+  EXPECT_EQ(codes, std::vector<int>(kSize, 0));
+}
+
+TEST(ShmStepChannelTest, SegmentsThatDoNotFitAreRefused) {
+  const std::string name = SegmentName("refused");
+  auto created = ShmStepChannel::Create(name, 2);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_FALSE(ShmStepChannel::Create(name, 2).ok());                     // the name exists
+  auto wrong = ShmStepChannel::Open(name, 1, 3, absl::Milliseconds(50));  // another group size
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition) << wrong.status();
+  EXPECT_FALSE(ShmStepChannel::Open(name, 2, 2, absl::Milliseconds(50)).ok());  // no such member
+  ShmStepChannel::Unlink(name);
+  EXPECT_FALSE(ShmStepChannel::Open(name, 1, 2, absl::Milliseconds(50)).ok());  // gone
+  StepGatherHeader h;
+  std::vector<char> big(ShmStepChannel::kRingBytes);
+  EXPECT_EQ((*created)->Send(1, h, big.data(), static_cast<int64_t>(big.size())).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*created)->Send(0, h, nullptr, 0).code(), absl::StatusCode::kInvalidArgument);  // itself
+}
+
+}  // namespace
+}  // namespace moe
