@@ -1,0 +1,109 @@
+"""Every rank of the group, one step at a time: for an engine that drives all ranks from one
+process (a test harness, a single-process multi-GPU engine, the transformers adapter).
+
+Each layer step is issued on every rank concurrently with the same step id and layer; each rank
+gets its own rows (a rank may have none). A step that every rank answered ``ABORTED`` computed
+nothing anywhere (the ranks aborted before payload moved: e.g. the ranks were switching
+placement generation), so it is re-issued under a new step id, backing off 10 ms, 20 ms, ... up
+to 1 s, at most ``max_retries`` times (docs/engine-integration.md).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any, List, Optional, Sequence
+
+from moe_runtime import errors
+from moe_runtime.client import RankClient, StepInput, StepResult
+
+
+class StepIds:
+    """Step ids unique in this process: a 64-bit start (the time, microseconds) plus a counter.
+    Thread-safe."""
+
+    def __init__(self, start: Optional[int] = None):
+        self._next = start if start is not None else (time.time_ns() // 1000) << 8
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            v = self._next
+            self._next = (self._next + 1) % (1 << 64)
+            return v
+
+
+class GroupStepError(errors.MoeError):
+    """At least one rank failed a step that was not retried: ``errors`` holds each rank's error
+    (None where the rank succeeded), ``results`` each rank's result (None where it failed)."""
+
+    def __init__(self, step_id: int, per_rank: List[Optional[errors.MoeError]], results: List[Optional[StepResult]]):
+        first = next(e for e in per_rank if e is not None)
+        super().__init__(f"step {step_id}: " + "; ".join(str(e) for e in per_rank if e is not None))
+        self.code = first.code
+        self.errors = per_rank
+        self.results = results
+        self.step_id = step_id
+
+
+class RankGroup:
+    """Clients of ranks 0..P-1. ``targets``: each rank's address (``unix:/...`` or ``host:port``)."""
+
+    def __init__(self, targets: Sequence[str], *, token: Optional[str] = None, timeout: float = 60.0,
+                 max_retries: int = 8, step_ids: Optional[StepIds] = None):
+        self.clients = [RankClient(t, token=token, timeout=timeout, rank=r) for r, t in enumerate(targets)]
+        self.max_retries = max_retries
+        self.step_ids = step_ids or StepIds()
+        self.retried = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.clients))
+
+    @property
+    def size(self) -> int:
+        return len(self.clients)
+
+    def use_rings(self, *, max_tokens: int, d: int, k: int, spin_us: int = 50) -> None:
+        """Every rank's client sends the steps that fit through a step ring (ranks on this host)."""
+        for c in self.clients:
+            c.use_ring(max_tokens=max_tokens, d=d, k=k, spin_us=spin_us)
+
+    def step(self, layer: int, inputs: Sequence[StepInput], *, decode: bool = False,
+             step_id: Optional[int] = None, timeout: Optional[float] = None) -> List[StepResult]:
+        """One layer step: ``inputs[r]`` on rank r. Returns each rank's result, in rank order;
+        raises GroupStepError when a rank failed (after the retries of an all-ABORTED step)."""
+        if len(inputs) != self.size:
+            raise ValueError(f"inputs: {len(inputs)} entries for {self.size} ranks")
+        sid = self.step_ids.next() if step_id is None else step_id
+        for attempt in range(self.max_retries + 1):
+            futures = [
+                self._pool.submit(c.step_input, sid, layer, x, decode=decode, timeout=timeout)
+                for c, x in zip(self.clients, inputs)
+            ]
+            results: List[Optional[StepResult]] = []
+            errs: List[Optional[errors.MoeError]] = []
+            for f in futures:
+                try:
+                    results.append(f.result())
+                    errs.append(None)
+                except errors.MoeError as e:
+                    results.append(None)
+                    errs.append(e)
+            if all(e is None for e in errs):
+                return results  # type: ignore[return-value]
+            if all(isinstance(e, errors.Aborted) for e in errs) and attempt < self.max_retries:
+                self.retried += 1
+                time.sleep(min(1.0, 0.01 * (1 << attempt)))
+                sid = self.step_ids.next()
+                continue
+            raise GroupStepError(sid, errs, results)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> "RankGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,268 @@
+"""Step rings from Python (docs/api.md "Step rings"; layout: server/step_ring_layout.h).
+
+A co-located engine opens a ring through gRPC, claims the rank's sealed memfd on the ring socket
+(``SCM_RIGHTS``; the ticket from the gRPC answer and the same uid), maps it, and from then on a
+step is: rows and routing written into the slot, a descriptor, a counter bump and a futex wake
+when the rank sleeps; the answer is read from the same slot. No gRPC call per step.
+
+The counters are plain aligned 32-bit stores and loads, which x86-64 keeps in program order
+(TSO); the ring is refused on other machines.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import socket
+import struct
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from moe_runtime import errors
+from moe_runtime._proto import expert_layer_pb2 as pb
+from moe_runtime.client import STAGES, RankClient, StepRecord, StepResult
+from moe_runtime.tensors import admitted_bytes, from_wire, routing_arrays, to_wire
+
+MAGIC = 0x31474E4952454F4D  # "MOERING1"
+LAYOUT_VERSION = 1
+PAGE = 4096
+ALIGN = 256
+FLAG_ADMITTED = 1
+# Header: counters each on their own 64-byte line.
+OFF_SUBMITTED, OFF_RANK_SLEEPING, OFF_COMPLETED, OFF_ENGINE_SLEEPING, OFF_CLOSED = 128, 192, 256, 320, 384
+RESULT_OFFSET = 64
+_HEADER = struct.Struct("<QIIQqqqQQQQQ")  # magic .. admitted_offset
+_DESCRIPTOR = struct.Struct("<IIiiQqqq")  # seq, flags, phase, k, step_id, layer, tokens, expected_generation
+_RESULT_HEAD = struct.Struct("<Ii")  # seq, code; message[512] follows
+_RESULT_REST = struct.Struct("<qqii64s5qdd9d")  # at +520
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def geometry(max_tokens: int, d: int, k: int, slots: int) -> dict:
+    """Slot offsets and sizes, as ring::ComputeGeometry computes them."""
+    rows, routes = max_tokens * d * 2, max_tokens * k
+    at = PAGE
+    g = {"hidden": at}
+    at = _align(at + rows, ALIGN)
+    g["output"] = at
+    at = _align(at + rows, ALIGN)
+    g["ids"] = at
+    at = _align(at + routes * 4, ALIGN)
+    g["weights"] = at
+    at = _align(at + routes * 4, ALIGN)
+    g["admitted"] = at
+    at = _align(at + routes, PAGE)
+    g["slot_bytes"] = at
+    g["total_bytes"] = at * slots + PAGE
+    return g
+
+
+class _Futex:
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.syscall.restype = ctypes.c_long
+
+    def wake(self, addr: int) -> None:
+        self._libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 1, None, None, 0)
+
+    def wait(self, addr: int, seen: int, timeout_s: float) -> None:
+        class Timespec(ctypes.Structure):
+            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+        ts = Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+        self._libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(ts), None, 0)
+
+
+class StepRing:
+    """One engine's ring on one rank. Steps are submitted and waited for in order; ``slots``
+    steps may be outstanding. Not thread-safe: one thread drives a ring."""
+
+    def __init__(self) -> None:
+        raise TypeError("use RankClient.open_ring")
+
+    @classmethod
+    def open(cls, client: RankClient, *, max_tokens: int, d: int, k: int, slots: int = 2, spin_us: int = 50) -> "StepRing":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise errors.FailedPrecondition(f"step rings from Python need x86-64 (this is {platform.machine()})")
+        resp = client._call(
+            client._stub.OpenStepRing, pb.OpenStepRingRequest(slots=slots, max_tokens=max_tokens, d=d, k=k), timeout=10
+        )
+        g = geometry(max_tokens, d, k, slots)
+        if resp.layout_version != LAYOUT_VERSION or resp.bytes != g["total_bytes"]:
+            raise errors.FailedPrecondition(
+                f"OpenStepRing: the rank's ring layout {resp.layout_version} of {resp.bytes} bytes is not this "
+                f"client's {LAYOUT_VERSION} of {g['total_bytes']}"
+            )
+        self = object.__new__(cls)
+        self._client = client
+        self.id = resp.ring_id
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(resp.socket_path)
+            self._conn.sendall(struct.pack("<Q", resp.ring_id) + resp.ticket)
+            msg, fds, _, _ = socket.recv_fds(self._conn, 1, 1)
+        except OSError as e:
+            self._conn.close()
+            raise errors.Unavailable(f"ring socket {resp.socket_path}: {e}", rank=client.rank) from None
+        if msg != b"K" or not fds:
+            for fd in fds:
+                os.close(fd)
+            self._conn.close()
+            raise errors.PermissionDenied("ring socket: the rank refused the claim (ticket or uid)", rank=client.rank)
+        memfd = fds[0]
+        try:
+            if os.fstat(memfd).st_size != g["total_bytes"]:
+                raise errors.FailedPrecondition("step ring: the memfd's size is not the ring's")
+            self._mm = mmap.mmap(memfd, g["total_bytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(memfd)
+        head = _HEADER.unpack_from(self._mm, 0)
+        if head[0] != MAGIC or head[3] != g["slot_bytes"] or head[7] != g["hidden"]:
+            self.close()
+            raise errors.FailedPrecondition("step ring: the header does not match the layout this client expects")
+        self.slots, self.max_tokens, self.d, self.k = slots, max_tokens, d, k
+        self.spin_s = spin_us * 1e-6
+        self._g = g
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._submitted = ctypes.c_uint32.from_buffer(self._mm, OFF_SUBMITTED)
+        self._rank_sleeping = ctypes.c_uint32.from_buffer(self._mm, OFF_RANK_SLEEPING)
+        self._completed = ctypes.c_uint32.from_buffer(self._mm, OFF_COMPLETED)
+        self._engine_sleeping = ctypes.c_uint32.from_buffer(self._mm, OFF_ENGINE_SLEEPING)
+        self._closed_word = ctypes.c_uint32.from_buffer(self._mm, OFF_CLOSED)
+        self._futex = _Futex()
+        self._n_submitted = self._n_waited = 0
+        self._pending: list = []  # (rows meta, submit time) per outstanding step
+        return self
+
+    # -- the slot of step n ------------------------------------------------------------------
+    def _slot(self, seq: int) -> int:
+        return PAGE + (seq % self.slots) * self._g["slot_bytes"]
+
+    def _view(self, seq: int, part: str, dtype: Any, count: int) -> np.ndarray:
+        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._slot(seq) + self._g[part])
+
+    def fits(self, hidden: Any, topk_ids: Any) -> bool:
+        """Whether a step can go through this ring: BF16 rows of this d, at most max_tokens rows
+        and k routes (other dtypes would need a lossy cast; they go through gRPC)."""
+        try:
+            shape, k = tuple(hidden.shape), topk_ids.shape[1]
+        except Exception:
+            return False
+        dtype = str(getattr(hidden, "dtype", ""))
+        bf16 = dtype in ("uint16", "torch.bfloat16")
+        return bf16 and len(shape) == 2 and shape[0] <= self.max_tokens and shape[1] == self.d and 1 <= k <= self.k
+
+    def submit(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
+               decode: bool = False, admitted: Any = None, expected_generation: int = 0) -> None:
+        if self._n_submitted - self._n_waited >= self.slots:
+            raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
+        if self._closed_word.value:
+            raise errors.Unavailable("step ring: the rank closed the ring", rank=self._client.rank)
+        rows = to_wire(hidden)
+        if rows.dtype != pb.DTYPE_BF16 or rows.cols != self.d or rows.rows > self.max_tokens:
+            raise ValueError(f"hidden: [{rows.rows}, {rows.cols}] of dtype {rows.np_dtype} does not fit the ring's "
+                             f"BF16 [{self.max_tokens}, {self.d}] slots")
+        ids, w, k = routing_arrays(topk_ids, topk_weights, rows.rows)
+        if k > self.k:
+            raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
+        seq = self._n_submitted & 0xFFFFFFFF
+        t = rows.rows
+        self._view(seq, "hidden", np.uint8, len(rows.data))[:] = np.frombuffer(rows.data, np.uint8)
+        self._view(seq, "ids", np.int32, t * k)[:] = ids.reshape(-1)
+        self._view(seq, "weights", np.float32, t * k)[:] = w.reshape(-1)
+        flags = 0
+        adm = admitted_bytes(admitted, ids.shape)
+        if adm:
+            self._view(seq, "admitted", np.uint8, t * k)[:] = np.frombuffer(adm, np.uint8)
+            flags |= FLAG_ADMITTED
+        _DESCRIPTOR.pack_into(self._mm, self._slot(seq), seq, flags, pb.PHASE_DECODE if decode else pb.PHASE_PREFILL,
+                              k, int(step_id), int(layer), t, int(expected_generation))
+        self._pending.append((rows, time.perf_counter()))
+        self._n_submitted += 1
+        self._submitted.value = self._n_submitted & 0xFFFFFFFF  # after the slot: x86-64 keeps store order
+        if self._rank_sleeping.value:
+            self._futex.wake(self._base + OFF_SUBMITTED)
+
+    def wait(self, timeout: float = 60.0, rank: Optional[int] = None) -> StepResult:
+        """The oldest outstanding step's answer (its error raised as a MoeError)."""
+        if self._n_submitted == self._n_waited:
+            raise errors.FailedPrecondition("step ring: no step outstanding")
+        want = (self._n_waited + 1) & 0xFFFFFFFF
+        done = lambda: ((self._completed.value - want) & 0xFFFFFFFF) < 0x80000000  # noqa: E731
+        start = time.perf_counter()
+        spin_until, until = start + self.spin_s, start + timeout
+        while not done():
+            now = time.perf_counter()
+            if now < spin_until:
+                continue
+            if self._closed_word.value and not done():
+                raise errors.Unavailable("step ring: the rank closed the ring", rank=rank)
+            if now >= until:
+                raise errors.DeadlineExceeded("step ring: the step did not complete within the deadline", rank=rank)
+            self._engine_sleeping.value = 1
+            seen = self._completed.value
+            if ((seen - want) & 0xFFFFFFFF) >= 0x80000000:
+                self._futex.wait(self._base + OFF_COMPLETED, seen, min(until - now, 0.1))
+            self._engine_sleeping.value = 0
+        seq = self._n_waited & 0xFFFFFFFF
+        rows, submitted_at = self._pending.pop(0)
+        res = self._slot(seq) + RESULT_OFFSET
+        _, code = _RESULT_HEAD.unpack_from(self._mm, res)
+        self._n_waited += 1
+        if code != 0:
+            message = bytes(self._mm[res + 8 : res + 520]).split(b"\0", 1)[0].decode(errors="replace")
+            raise errors.from_status_code(code, message, rank)
+        gen, layer, path, canary, fallback, *rest = _RESULT_REST.unpack_from(self._mm, res + 520)
+        routes, server_us, compute_us, stages = rest[:5], rest[5], rest[6], rest[7:]
+        record = StepRecord(
+            placement_generation=gen, layer=layer, path="graph_replay" if path == pb.PATH_GRAPH_REPLAY else "eager",
+            fallback_reason=fallback.split(b"\0", 1)[0].decode(errors="replace"),
+            routes_attempted=routes[0], routes_accepted=routes[1], routes_dropped=routes[2],
+            routes_remote=routes[3], routes_inter_node=routes[4], server_latency_us=server_us,
+            compute_latency_us=compute_us, canary=bool(canary), stages_us=dict(zip(STAGES, stages)),
+        )
+        out_bytes = bytes(self._view(seq, "output", np.uint8, rows.rows * rows.cols * 2))
+        return StepResult(from_wire(rows, out_bytes, rows.rows, rows.cols), record,
+                          (time.perf_counter() - submitted_at) * 1e6, via="ring")
+
+    def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
+             decode: bool = False, admitted: Any = None, expected_generation: int = 0,
+             timeout: float = 60.0, rank: Optional[int] = None) -> StepResult:
+        """One step end to end: submit, then wait."""
+        self.submit(step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
+                    expected_generation=expected_generation)
+        return self.wait(timeout, rank)
+
+    def close(self) -> None:
+        """Closes the ring (``CloseStepRing``) and the claim connection."""
+        if getattr(self, "_conn", None) is None:
+            return
+        try:
+            self._client._call(self._client._stub.CloseStepRing, pb.CloseStepRingRequest(ring_id=self.id), timeout=5)
+        except errors.MoeError:
+            pass  # hanging up below tears the ring down as well
+        for name in ("_submitted", "_rank_sleeping", "_completed", "_engine_sleeping", "_closed_word"):
+            if hasattr(self, name):
+                delattr(self, name)  # ctypes views must go before the mapping can close
+        self._base = 0
+        try:
+            self._mm.close()
+        except (BufferError, AttributeError):
+            pass
+        self._conn.close()
+        self._conn = None
+
+    def __enter__(self) -> "StepRing":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

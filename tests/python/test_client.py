@@ -1,0 +1,196 @@
+"""The Python engine client against a live two-rank CPU cluster: outputs equal the semantic
+computation from the checkpoint, rings equal gRPC, the asyncio group equals the sync one, and bad
+input surfaces as typed errors on its rank (ABORTED on the other) with the group still serving."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import tempfile
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import D, K, WORLD, random_step, rel_l2
+from moe_runtime import GroupStepError, RankClient, RankGroup, StepInput, bf16_to_float32, errors
+from moe_runtime.aio import AsyncRankGroup
+from moe_runtime.tensors import float32_to_bf16
+
+TOL = 1e-2
+
+
+def check_outputs(cluster, layer, inputs, results):
+    for r, (x, res) in enumerate(zip(inputs, results)):
+        want = cluster.reference(layer, bf16_to_float32(x.hidden) if x.hidden.dtype == np.uint16 else x.hidden,
+                                 x.topk_ids, x.topk_weights, x.admitted)
+        got = bf16_to_float32(res.output) if res.output.dtype == np.uint16 else res.output.astype(np.float32)
+        assert got.shape == want.shape, f"rank {r}"
+        if want.size:
+            assert rel_l2(got, want) <= TOL, f"rank {r}: rel L2 {rel_l2(got, want)}"
+
+
+def test_group_steps_equal_the_semantic_computation(cluster):
+    rng = np.random.default_rng(1)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        for layer, tokens, decode, hot in [(0, (5, 3), False, False), (1, (0, 7), False, True), (0, (2, 2), True, False)]:
+            inputs = [StepInput(*random_step(rng, t, hot=hot)) for t in tokens]
+            results = group.step(layer, inputs, decode=decode)
+            check_outputs(cluster, layer, inputs, results)
+            for x, res in zip(inputs, results):
+                assert res.output.dtype == np.uint16  # BF16 in, BF16 out, bits untouched on the client
+                assert res.record.routes_attempted == len(x.hidden) * K
+                assert res.record.routes_accepted == len(x.hidden) * K
+                assert res.record.placement_generation >= 1
+                assert res.record.layer == layer
+                assert res.via == "grpc"
+
+
+def test_float32_rows_and_dropped_routes(cluster):
+    rng = np.random.default_rng(2)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        inputs = []
+        for t in (4, 6):
+            h, ids, w = random_step(rng, t)
+            admitted = rng.uniform(size=(t, K)) > 0.3
+            inputs.append(StepInput(bf16_to_float32(h), ids, w, admitted))  # float32 on the wire
+        results = group.step(0, inputs)
+        for x, res in zip(inputs, results):
+            assert res.output.dtype == np.float32
+            assert res.record.routes_dropped == int((~x.admitted).sum())
+        check_outputs(cluster, 0, inputs, results)
+
+
+def test_rings_answer_as_grpc_does(cluster):
+    rng = np.random.default_rng(3)
+    inputs = [StepInput(*random_step(rng, t)) for t in (6, 4)]
+    with RankGroup(cluster.targets, timeout=30) as grpc_group:
+        want = grpc_group.step(1, inputs)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        group.use_rings(max_tokens=16, d=D, k=K, spin_us=200)
+        for _ in range(3):
+            got = group.step(1, inputs)
+            for g, w in zip(got, want):
+                assert g.via == "ring"
+                assert np.array_equal(g.output, w.output)
+                assert g.record.routes_attempted == w.record.routes_attempted
+        # A step larger than the rings' slots still goes through gRPC.
+        big = [StepInput(*random_step(rng, t)) for t in (20, 1)]
+        res = group.step(0, big)
+        assert [r.via for r in res] == ["grpc", "ring"]
+        check_outputs(cluster, 0, big, res)
+
+
+def test_bad_input_is_a_typed_error_on_its_rank_and_aborts_the_other(cluster):
+    rng = np.random.default_rng(4)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        good = [StepInput(*random_step(rng, 3)) for _ in range(WORLD)]
+        bad = list(good)
+        ids = good[1].topk_ids.copy()
+        ids[2, 1] = 99  # no such expert
+        bad[1] = StepInput(good[1].hidden, ids, good[1].topk_weights)
+        with pytest.raises(GroupStepError) as e:
+            group.step(0, bad)
+        assert isinstance(e.value.errors[1], errors.InvalidArgument)
+        assert "topk_ids[2][1]" in str(e.value.errors[1])
+        assert isinstance(e.value.errors[0], errors.Aborted)
+        assert e.value.errors[0].retryable and not e.value.errors[1].retryable
+        # A NaN row and a layer the model does not serve, the same way.
+        nan = good[1].hidden.copy()
+        nan[1, 5] = 0x7FC0
+        bad[1] = StepInput(nan, good[1].topk_ids, good[1].topk_weights)
+        with pytest.raises(GroupStepError) as e:
+            group.step(0, bad)
+        assert isinstance(e.value.errors[1], errors.InvalidArgument) and "hidden" in str(e.value.errors[1])
+        with pytest.raises(GroupStepError) as e:
+            group.step(7, good)
+        assert all(isinstance(x, errors.InvalidArgument) for x in e.value.errors)
+        assert "layer" in str(e.value.errors[0])
+        # The group still serves.
+        check_outputs(cluster, 1, good, group.step(1, good))
+    # Malformed before it is sent: the client names the field.
+    with RankClient(cluster.targets[0]) as c:
+        h, ids, w = random_step(rng, 3)
+        with pytest.raises(ValueError, match="topk_weights"):
+            c.step(1, 0, h, ids, w[:2])
+        with pytest.raises(TypeError, match="hidden"):
+            c.step(1, 0, h.astype(np.int64), ids, w)
+
+
+def test_bad_input_through_a_ring_is_a_typed_error_too(cluster):
+    rng = np.random.default_rng(5)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        group.use_rings(max_tokens=8, d=D, k=K, spin_us=200)
+        good = [StepInput(*random_step(rng, 2)) for _ in range(WORLD)]
+        ids = good[0].topk_ids.copy()
+        ids[1, 0] = -1
+        with pytest.raises(GroupStepError) as e:
+            group.step(0, [StepInput(good[0].hidden, ids, good[0].topk_weights), good[1]])
+        assert isinstance(e.value.errors[0], errors.InvalidArgument) and "topk_ids[1][0]" in str(e.value.errors[0])
+        assert isinstance(e.value.errors[1], errors.Aborted)
+        res = group.step(0, good)
+        assert all(r.via == "ring" for r in res)
+        check_outputs(cluster, 0, good, res)
+
+
+def test_asyncio_group_equals_the_sync_group(cluster):
+    rng = np.random.default_rng(6)
+    inputs = [StepInput(*random_step(rng, t)) for t in (3, 5)]
+    with RankGroup(cluster.targets, timeout=30) as group:
+        want = group.step(1, inputs)
+
+    async def run():
+        g = AsyncRankGroup(cluster.targets, timeout=30)
+        try:
+            return await g.step(1, inputs)
+        finally:
+            await g.close()
+
+    got = asyncio.run(run())
+    for g, w in zip(got, want):
+        assert np.array_equal(g.output, w.output)
+
+
+def test_streams_serve_steps_in_order(cluster):
+    rng = np.random.default_rng(7)
+    with RankClient(cluster.targets[0], rank=0) as c0, RankGroup([cluster.targets[1]]) as _:
+        c1 = RankClient(cluster.targets[1], rank=1)
+        with c0.stream() as s:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                for step_id in (9001, 9002):
+                    x0, x1 = random_step(rng, 3), random_step(rng, 2)
+                    other = pool.submit(c1.step, step_id, 0, *x1)
+                    r0 = s.step(step_id, 0, *x0)
+                    r1 = other.result()
+                    check_outputs(cluster, 0, [StepInput(*x0), StepInput(*x1)], [r0, r1])
+        c1.close()
+
+
+def test_a_rank_left_alone_answers_within_the_deadline(cluster):
+    rng = np.random.default_rng(8)
+    with RankClient(cluster.targets[0], rank=0) as c:
+        with pytest.raises((errors.DeadlineExceeded, errors.Unavailable)):
+            c.step(424242, 0, *random_step(rng, 2), timeout=1.0)
+    # Once the rank's own collective timeout (3 s) has passed, the group serves again.
+    with RankGroup(cluster.targets, timeout=30) as group:
+        for attempt in range(20):
+            try:
+                inputs = [StepInput(*random_step(rng, 2)) for _ in range(WORLD)]
+                check_outputs(cluster, 0, inputs, group.step(0, inputs))
+                break
+            except GroupStepError:
+                import time
+
+                time.sleep(0.5)
+        else:
+            pytest.fail("the group did not serve again after a lone step timed out")
+
+
+def test_generated_stubs_are_current(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([str(root / "python/tools/gen_stubs.sh"), str(tmp_path)], check=True)
+    for name in ("expert_layer_pb2.py", "expert_layer_pb2_grpc.py"):
+        assert (tmp_path / name).read_text() == (root / "python/moe_runtime/_proto" / name).read_text(), (
+            f"{name} is stale: run python/tools/gen_stubs.sh")
