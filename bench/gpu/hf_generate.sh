@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 18's check on the GPU machine (two GPUs), one call: per family, a random-init transformers
+# model saved with save_pretrained, served by two ranks (CUDA kernels + NCCL, one GPU each), and
+# greedy generate() of 16 prompts x 32 tokens with the model alone against the same model whose
+# MoE experts are served by the ranks through the Python client (bench/gpu/hf_generate.py).
+# Run from the repository root with dist/gpu (tools/gpu_bundle.sh); dist/wheels may hold grpcio
+# and protobuf wheels for a Python without them (the GPU machine reaches no package index).
+set -uo pipefail
+export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64" NCCL_NVLS_ENABLE=0
+PY="${PY:-/opt/torch/.venv/bin/python3}"
+B=dist/gpu/bin
+RANKD="$B/moe-rankd"
+if ! "$PY" -c "import grpc, google.protobuf" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/moe-pydeps dist/wheels/*.whl || exit 1
+  export PYTHONPATH="/tmp/moe-pydeps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$PY" -c "import grpc, google.protobuf, torch, transformers; print('grpcio', grpc.__version__, 'protobuf', google.protobuf.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+work="$(mktemp -d /tmp/hfgen.XXXXXX)"
+source deploy/cluster_lib.sh
+trap 'stop_ranks; rm -rf "$work"' EXIT
+rc=0
+for fam in ${FAMILIES:-mixtral qwen2_moe qwen3_moe deepseek_v3}; do
+  echo "== $fam"
+  "$PY" bench/gpu/hf_generate.py make --family "$fam" --out "$work/$fam/model" 2>&1 | grep -v -i warn | tail -1
+  SKIP_BUILD=1 choose_backend 2
+  start_ranks "$RANKD" "$work/$fam" 2 "$work/$fam/model" || { rc=1; continue; }
+  targets="$(cat "$work/$fam/ports/0.engine"),$(cat "$work/$fam/ports/1.engine")"
+  "$PY" bench/gpu/hf_generate.py compare --model "$work/$fam/model" --targets "$targets" 2>&1 | grep -v -i warn | tail -3 || rc=1
+  stop_ranks
+done
+exit $rc
