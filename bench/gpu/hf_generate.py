@@ -5,8 +5,8 @@ are (the GPU machine), with the ranks started by bench/gpu/hf_generate.sh.
   python3 bench/gpu/hf_generate.py make --family qwen3_moe --out DIR/model
   python3 bench/gpu/hf_generate.py compare --model DIR/model --targets unix:/s/0.sock,unix:/s/1.sock
 
-`make` writes a model made with from_config + save_pretrained (nothing downloaded; the experts'
-weights scaled by 10 as bench/gpu/hf_parity.py does, so that they matter). `compare` runs, for
+`make` writes a model made with from_config + save_pretrained (hf_parity.make_model: nothing
+downloaded; the experts' weights scaled by 10, so that they matter). `compare` runs, for
 16 prompts of 16 tokens (one batch):
   1. generate(max_new_tokens=32, greedy) with the model alone, timed;
   2. the same with every MoE block's experts served by the ranks (attach), timed;
@@ -28,24 +28,14 @@ import transformers
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hf_parity import config_for, moe_block  # noqa: E402
+from hf_parity import add_model_args, make_model, moe_block  # noqa: E402
 
 from moe_runtime import RankGroup  # noqa: E402
 from moe_runtime.hf import attach, detach  # noqa: E402
 
 
 def make(a):
-    torch.manual_seed(a.seed)
-    args = argparse.Namespace(d=a.d, f=a.f, layers=a.layers, experts=a.experts, k=a.k)
-    cfg = transformers.AutoConfig.for_model(a.family, **config_for(a.family, args))
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            block = moe_block(layer)
-            if block is not None:
-                for prm in block.experts.parameters():
-                    prm.mul_(10.0)
-    model.save_pretrained(a.out)
+    make_model(a).save_pretrained(a.out)
     print(json.dumps({"family": a.family, "out": a.out}))
 
 
@@ -134,15 +124,7 @@ def compare(a):
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make")
-    m.add_argument("--family", required=True)
-    m.add_argument("--out", required=True)
-    m.add_argument("--layers", type=int, default=4)
-    m.add_argument("--experts", type=int, default=16)
-    m.add_argument("--k", type=int, default=4)
-    m.add_argument("--d", type=int, default=512)
-    m.add_argument("--f", type=int, default=256)
-    m.add_argument("--seed", type=int, default=1)
+    add_model_args(sub.add_parser("make"))
     c = sub.add_parser("compare")
     c.add_argument("--model", required=True)
     c.add_argument("--targets", required=True)

@@ -41,18 +41,20 @@ def moe_block(layer):
     return None
 
 
-def main():
-    p = argparse.ArgumentParser()
+def add_model_args(p):
+    """The random-init model's shape (shared with hf_generate.py)."""
     p.add_argument("--family", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--d", type=int, default=512)
     p.add_argument("--f", type=int, default=256)
     p.add_argument("--seed", type=int, default=1)
-    a = p.parse_args()
+
+
+def make_model(a):
+    """A random-init model of a.family in BF16 (from_config: nothing downloaded)."""
     torch.manual_seed(a.seed)
     cfg = transformers.AutoConfig.for_model(a.family, **config_for(a.family, a))
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -64,6 +66,15 @@ def main():
             if block is not None:
                 for prm in block.experts.parameters():
                     prm.mul_(10.0)
+    return model
+
+
+def main():
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    p.add_argument("--tokens", type=int, default=64)
+    a = p.parse_args()
+    model = make_model(a)
     os.makedirs(a.out, exist_ok=True)
     model.save_pretrained(os.path.join(a.out, "model"))
     model = model.cuda().eval()
