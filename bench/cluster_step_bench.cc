@@ -14,8 +14,8 @@
 //                   the host-only stages (validate + acquire + plan), medians;
 //   stages          StepRecord.stages medians on rank 0.
 //
-//   cluster_step_bench --port_dir WORK/ports --world 2 --experts 128 --d 2048 --k 8 \
-//       --cells decode:1,decode:8,prefill:2048 --modes ring,grpc
+//   cluster_step_bench --port_dir WORK/ports --world 2 --experts 128 --d 2048 --k 8
+//       --cells decode:1,decode:8,prefill:2048 --modes ring,grpc      (one command line)
 #include <algorithm>
 #include <atomic>
 #include <cstdio>

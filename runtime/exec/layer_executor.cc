@@ -810,7 +810,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   StepRecord& rec = result.record;
   rec.placement_version = pass.version.value();
   rec.layer = pass.in.layer;
-  CountRoutes(*pass.manifest, *options_.topology, options_.rank, buf_.accepted_slots, pass.in.tokens * pass.in.k, &rec);
+  CountRoutes(*pass.manifest, *options_.topology, options_.rank, buf_.slot_counts, pass.in.tokens * pass.in.k, &rec);
   const int me = options_.group->SlotOf(options_.rank).value();
   for (int i = 0; i < options_.group->size(); ++i) {
     if (i != me) rec.bytes_sent += pass.bytes.send[i] + pass.bytes.recv[i];

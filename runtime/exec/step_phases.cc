@@ -46,13 +46,24 @@ absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, in
   h.num_experts = num_experts;
   h.top_k = in.k;
   h.num_partitions = num_partitions;
-  h.Reserve(in.tokens * in.k);
+  // The columns filled in place, token-major (what SemanticHandoff::Add would append, without a
+  // size check and a push per column per route).
+  const size_t n = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.k);
+  h.origin.assign(n, rank);
+  h.token.resize(n);
+  h.route_slot.resize(n);
+  h.expert.resize(n);
+  h.gate.resize(n);
+  h.admitted.resize(n);
   for (int64_t t = 0; t < in.tokens; ++t) {
     for (int j = 0; j < in.k; ++j) {
       const int64_t i = t * in.k + j;
       const bool admitted = in.admitted == nullptr || in.admitted[i] != 0;
-      h.Add(rank, static_cast<int32_t>(t), j, LogicalExpertId(admitted ? in.topk_ids[i] : 0),
-            admitted ? in.topk_weights[i] : 0.0f, admitted);
+      h.token[i] = static_cast<int32_t>(t);
+      h.route_slot[i] = j;
+      h.expert[i] = LogicalExpertId(admitted ? in.topk_ids[i] : 0);
+      h.gate[i] = admitted ? in.topk_weights[i] : 0.0f;
+      h.admitted[i] = admitted ? 1 : 0;
     }
   }
   return Freeze(std::move(h));
@@ -116,17 +127,20 @@ void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& sou
   }
 }
 
-void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me,
-                 absl::Span<const PhysicalSlotId> accepted_slots, int64_t attempted, StepRecord* record) {
-  const int64_t accepted = static_cast<int64_t>(accepted_slots.size());
+void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me, absl::Span<const int64_t> slot_counts,
+                 int64_t attempted, StepRecord* record) {
+  int64_t accepted = 0;
+  for (size_t q = 0; q < slot_counts.size(); ++q) {
+    const int64_t n = slot_counts[q];
+    if (n == 0) continue;
+    accepted += n;
+    const Rank dst = m.slot(PhysicalSlotId(static_cast<int32_t>(q))).rank;
+    if (dst != me) record->routes_remote += n;
+    if (topology.NodeOf(dst) != topology.NodeOf(me)) record->routes_inter_node += n;
+  }
   record->routes_attempted = attempted;
   record->routes_accepted = accepted;
   record->routes_dropped = attempted - accepted;
-  for (PhysicalSlotId q : accepted_slots) {
-    const Rank dst = m.slot(q).rank;
-    if (dst != me) ++record->routes_remote;
-    if (topology.NodeOf(dst) != topology.NodeOf(me)) ++record->routes_inter_node;
-  }
 }
 
 int StepTables::Add(const void* src, int64_t bytes) {

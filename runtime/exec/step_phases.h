@@ -58,9 +58,11 @@ void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& sou
                    absl::Span<const float> gate_of_position, int64_t routes, std::vector<int32_t>* row_of_route,
                    std::vector<float>* gates);
 
-// release: the route statistics of the record (attempted, accepted, dropped, remote, inter-node).
-void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me,
-                 absl::Span<const PhysicalSlotId> accepted_slots, int64_t attempted, StepRecord* record);
+// release: the route statistics of the record (attempted, accepted, dropped, remote, inter-node)
+// from the accepted routes per physical slot of `m` (the counts the agreement carried), in
+// O(slots) rather than O(routes).
+void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me, absl::Span<const int64_t> slot_counts,
+                 int64_t attempted, StepRecord* record);
 
 // The host tables a step's kernels read (index tables, gates), each at a 16-byte aligned offset
 // of one block that goes to kernel memory in one copy: with device kernels one host-to-device

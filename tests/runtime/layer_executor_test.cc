@@ -199,7 +199,9 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
         // One LocalLayer call does route, experts and combine: timed under experts alone.
         EXPECT_EQ(PhaseUs(result->record, StepPhase::kReturn), 0);
         EXPECT_EQ(PhaseUs(result->record, StepPhase::kCombine), 0);
-        if (tokens > 0) EXPECT_GT(PhaseUs(result->record, StepPhase::kExperts), 0);
+        if (tokens > 0) {
+          EXPECT_GT(PhaseUs(result->record, StepPhase::kExperts), 0);
+        }
       }
     }
   }

@@ -125,15 +125,24 @@ TEST(StepPhasesTest, ByteSplitsPerPeer) {
 TEST(StepPhasesTest, CountRoutesSplitsRemoteAndInterNode) {
   const Topology topology = fixture::FourRankTwoNode();
   const auto m = fixture::V17(topology);
-  const std::vector<PhysicalSlotId> accepted = {PhysicalSlotId(0), PhysicalSlotId(1), PhysicalSlotId(3),
-                                                PhysicalSlotId(5)};
+  // Routes accepted to slots 0, 1, 3 and 5, one each.
+  std::vector<int64_t> slot_counts(m->num_slots(), 0);
+  for (int q : {0, 1, 3, 5}) ++slot_counts[q];
   StepRecord rec;
-  CountRoutes(*m, topology, Rank(0), accepted, 6, &rec);
+  CountRoutes(*m, topology, Rank(0), slot_counts, 6, &rec);
   EXPECT_EQ(rec.routes_attempted, 6);
   EXPECT_EQ(rec.routes_accepted, 4);
   EXPECT_EQ(rec.routes_dropped, 2);
   EXPECT_EQ(rec.routes_remote, 3);      // slots 1 (rank 1), 3 (rank 2), 5 (rank 3)
   EXPECT_EQ(rec.routes_inter_node, 2);  // ranks 2 and 3 are on node 1
+  // Several routes to one slot count once each.
+  slot_counts[3] = 3;
+  StepRecord more;
+  CountRoutes(*m, topology, Rank(0), slot_counts, 7, &more);
+  EXPECT_EQ(more.routes_accepted, 6);
+  EXPECT_EQ(more.routes_dropped, 1);
+  EXPECT_EQ(more.routes_remote, 5);
+  EXPECT_EQ(more.routes_inter_node, 4);
 }
 
 TEST(StepPhasesTest, PhaseClockAddsUpConsecutivePhases) {
