@@ -5,6 +5,7 @@
 //          promote, rollback   (controller subcommands, see docs/cli.md)
 // Bad input prints one message naming the field and exits 2.
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -15,10 +16,13 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 
 #include "control/eplb_io.h"
 #include "control/json_util.h"
@@ -58,8 +62,13 @@ ABSL_FLAG(std::string, dtype, "BF16", "checkpoint synth --layers: weight dtype (
 ABSL_FLAG(int, top_k, 2, "checkpoint synth --layers: num_experts_per_tok");
 ABSL_FLAG(int, first_dense, 0, "checkpoint synth --layers: leading dense layers (deepseek first_k_dense_replace)");
 ABSL_FLAG(int64_t, shard_mb, 0, "checkpoint synth --layers: split the weights into shards of this many MB");
-ABSL_FLAG(std::string, controller, "", "controller subcommands: moe-controller address host:port");
-ABSL_FLAG(std::string, token_file, "", "controller subcommands: file holding the bearer token");
+ABSL_FLAG(std::string, controller, "",
+          "controller subcommands: moe-controller address host:port (default: $MOE_CONTROLLER)");
+ABSL_FLAG(std::string, token_file, "",
+          "controller subcommands: file holding the bearer token (default: $MOE_TOKEN_FILE)");
+ABSL_FLAG(int, timeout, 0,
+          "controller subcommands: deadline of each call, seconds (0: 10, or 600 for placement load, promote and "
+          "rollback, which print a progress line every 5 s)");
 ABSL_FLAG(std::string, request_id, "",
           "controller subcommands: idempotency key (random when empty; reuse it to retry)");
 ABSL_FLAG(std::string, digest, "", "release register: bundle digest");
@@ -131,10 +140,119 @@ constexpr char kUsage[] =
     "  moectl placement diff --from A --to B --world P (--checkpoint C | --expert_bytes N) [--budget_bytes B]\n"
     "                                                          (offline) the migration plan and its peak memory\n";
 
-// Logs a failure and returns its exit code (never called with OK).
+constexpr char kVersion[] = "moectl 0.1.0 (moe-runtime)";
+
+// moectl's exit codes, one table for every command (docs/cli.md):
+//   0 ok; 1 the operation was refused (a lifecycle rule, the promotion gate, a wrong token, a
+//   conflicting request id); 2 bad usage or input (flags, arguments, files, fields); 3
+//   unavailable (the controller or a rank could not be reached in time). The offline commands
+//   read nothing but their arguments and files, so every failure of theirs is 2.
+constexpr int kExitRefused = 1, kExitBadInput = 2, kExitUnavailable = 3;
+bool g_offline = false;  // an offline command is running
+int CliExitCode(const absl::Status& s) {
+  if (!s.ok() && g_offline) return kExitBadInput;
+  switch (s.code()) {
+    case absl::StatusCode::kOk:
+      return moe::kExitOk;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kOutOfRange:
+      return kExitBadInput;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return kExitUnavailable;
+    default:
+      return kExitRefused;
+  }
+}
+
+// Prints a failure as one line on stderr (and, with --json, as {"error": {code, message, exit}}
+// on stdout) and returns its exit code (never called with OK).
 int Fail(const absl::Status& s) {
-  spdlog::error("{}", std::string(s.message()));
-  return moe::ExitCode(s);
+  std::string message(s.message());
+  for (char& c : message) {
+    if (c == '\n') c = ' ';
+  }
+  const int code = CliExitCode(s);
+  std::fprintf(stderr, "moectl: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(), message.c_str());
+  if (absl::GetFlag(FLAGS_json)) {
+    moe::json::Json err;
+    err["error"] = {{"code", absl::StatusCodeToString(s.code())}, {"message", message}, {"exit", code}};
+    std::cout << err.dump() << "\n";
+  }
+  return code;
+}
+
+// The usage lines of the command in `words` (e.g. {"placement", "load"}): every line of kUsage
+// whose command starts with those words, with its continuation lines; all of kUsage for none.
+std::string CommandHelp(const std::vector<std::string>& words) {
+  std::string prefix = "  moectl";
+  for (const std::string& w : words) absl::StrAppend(&prefix, " ", w);
+  std::string out;
+  bool in = false;
+  for (absl::string_view line : absl::StrSplit(kUsage, '\n')) {
+    if (absl::StartsWith(line, "  moectl ")) {
+      in = absl::StartsWith(line, prefix) &&
+           (line.size() == prefix.size() || line[prefix.size()] == ' ' || line[prefix.size()] == '|');
+    } else if (!absl::StartsWith(line, "   ")) {
+      in = false;
+    }
+    if (in) absl::StrAppend(&out, line, "\n");
+  }
+  return out;
+}
+
+// What main does before absl parses the flags: `moectl --version` (alone) or `moectl version`,
+// -h / --help / help [COMMAND] (exit 0), and flags moectl does not have (exit 2, where absl
+// would exit 1). Returns -1 to go on.
+int PreParse(int argc, char** argv) {
+  std::vector<std::string> words;
+  bool help = false, version = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;
+    if (a == "-h" || a == "--help" || a == "-help" || (a == "help" && words.empty())) {
+      help = true;
+      continue;
+    }
+    if (a.size() > 1 && a[0] == '-') {
+      std::string name = a.substr(a.find_first_not_of('-'));
+      const bool has_value = name.find('=') != std::string::npos;
+      name = name.substr(0, name.find('='));
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+      if (flag == nullptr && absl::StartsWith(name, "no")) {
+        flag = absl::FindCommandLineFlag(name.substr(2));
+        if (flag != nullptr && !flag->IsOfType<bool>()) flag = nullptr;
+      }
+      if (flag == nullptr) {
+        std::fprintf(stderr, "moectl: unknown flag %s (moectl -h lists the commands, --helpfull every flag)\n",
+                     a.c_str());
+        return kExitBadInput;
+      }
+      if (name == "version" && !has_value && (i + 1 == argc || argv[i + 1][0] == '-')) version = true;
+      // A non-boolean flag given as `--flag value` takes the next argument (e.g. `--after -1`).
+      if (!has_value && !flag->IsOfType<bool>() && i + 1 < argc) ++i;
+      continue;
+    }
+    if (a == "version" && words.empty()) version = true;
+    words.push_back(a);
+  }
+  if (version && (words.empty() || words == std::vector<std::string>{"version"})) {
+    std::printf("%s\n", kVersion);
+    return moe::kExitOk;
+  }
+  if (!help) return -1;
+  // The command's words are the leading non-flag arguments that are not IDs: try the longest
+  // prefix that matches a usage line.
+  for (size_t n = std::min<size_t>(words.size(), 2); n > 0; --n) {
+    const std::string h = CommandHelp({words.begin(), words.begin() + n});
+    if (!h.empty()) {
+      std::printf("%s", h.c_str());
+      return moe::kExitOk;
+    }
+  }
+  std::printf("%s", kUsage);
+  return moe::kExitOk;
 }
 
 // The ranks' topology for every subcommand that needs one: the local cluster's two nodes.
@@ -425,9 +543,11 @@ int PlacementOffline(const std::string& verb) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  if (const int early = PreParse(argc, argv); early >= 0) return early;
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   moe::InitLogging("moectl", "info");
   std::vector<std::string> cmd(args.begin() + 1, args.end());
+  g_offline = !moe::IsRemoteCommand(cmd);
   if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
   if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
@@ -441,6 +561,10 @@ int main(int argc, char** argv) {
     moe::RemoteOptions o;
     o.controller = absl::GetFlag(FLAGS_controller);
     o.token_file = absl::GetFlag(FLAGS_token_file);
+    if (const char* env = std::getenv("MOE_CONTROLLER"); o.controller.empty() && env != nullptr) o.controller = env;
+    if (const char* env = std::getenv("MOE_TOKEN_FILE"); o.token_file.empty() && env != nullptr) o.token_file = env;
+    if (absl::GetFlag(FLAGS_timeout) < 0) return Fail(absl::InvalidArgumentError("--timeout: must be >= 0"));
+    o.rpc_timeout_s = absl::GetFlag(FLAGS_timeout);
     o.request_id = absl::GetFlag(FLAGS_request_id);
     o.json = absl::GetFlag(FLAGS_json);
     o.digest = absl::GetFlag(FLAGS_digest);
@@ -466,5 +590,5 @@ int main(int argc, char** argv) {
     return s.ok() ? moe::kExitOk : Fail(s);
   }
   std::fputs(kUsage, stderr);
-  return moe::kExitUsage;
+  return kExitBadInput;
 }

@@ -1,9 +1,11 @@
 #include "control/moectl_remote.h"
 
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
 #include "control/rebalance.h"
@@ -92,14 +95,35 @@ struct RemoteCall {
   std::string token;
   std::string request_id;
 
-  // A context for one unary RPC: the bearer token and a 10 s deadline.
-  std::unique_ptr<grpc::ClientContext> Context() const {
+  // A context for one unary RPC: the bearer token and the deadline: --timeout, else 10 s for a
+  // quick call and 600 s for a long one (a placement load, a promotion, a rollback).
+  std::unique_ptr<grpc::ClientContext> Context(bool long_op = false) const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->AddMetadata("authorization", "Bearer " + token);
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(Timeout(long_op)));
     return ctx;
   }
+  int Timeout(bool long_op) const { return o.rpc_timeout_s > 0 ? o.rpc_timeout_s : (long_op ? 600 : 10); }
 };
+
+// Runs `rpc` (a long unary call) while a thread prints a progress line on stderr every 5 s: what
+// is being waited for, for how long, and the deadline.
+template <typename Rpc>
+grpc::Status WithProgress(const RemoteCall& call, const std::string& what, Rpc&& rpc) {
+  absl::Notification done;
+  const absl::Time start = absl::Now();
+  const int timeout = call.Timeout(true);
+  std::thread ticker([&] {
+    while (!done.WaitForNotificationWithTimeout(absl::Seconds(5))) {
+      std::fprintf(stderr, "moectl: %s: waiting, %.0f s of at most %d s (--timeout)\n", what.c_str(),
+                   absl::ToDoubleSeconds(absl::Now() - start), timeout);
+    }
+  });
+  grpc::Status s = rpc();
+  done.Notify();
+  ticker.join();
+  return s;
+}
 
 absl::StatusOr<v1::Release> GetRelease(const RemoteCall& call, const std::string& release) {
   v1::GetReleaseRequest get;
@@ -417,8 +441,12 @@ absl::Status RunPromote(const RemoteCall& call) {
     *req.mutable_evidence() = *evidence;
   }
   v1::PromoteResponse resp;
-  auto ctx = call.Context();
-  if (auto s = FromGrpcStatus(call.stub->Promote(ctx.get(), req, &resp)); !s.ok()) return s;
+  auto ctx = call.Context(true);
+  if (auto s = FromGrpcStatus(WithProgress(call, absl::StrCat("promote ", call.cmd[1]),
+                                           [&] { return call.stub->Promote(ctx.get(), req, &resp); }));
+      !s.ok()) {
+    return s;
+  }
   if (o.json) {
     std::cout << Json(resp) << "\n";
   } else {
@@ -435,8 +463,12 @@ absl::Status RunRollback(const RemoteCall& call) {
   req.set_prior_release_id(call.o.prior);
   req.set_reason(call.o.reason);
   v1::RollbackResponse resp;
-  auto ctx = call.Context();
-  if (auto s = FromGrpcStatus(call.stub->Rollback(ctx.get(), req, &resp)); !s.ok()) return s;
+  auto ctx = call.Context(true);
+  if (auto s = FromGrpcStatus(WithProgress(call, absl::StrCat("rollback ", call.cmd[1]),
+                                           [&] { return call.stub->Rollback(ctx.get(), req, &resp); }));
+      !s.ok()) {
+    return s;
+  }
   if (call.o.json) {
     std::cout << Json(resp) << "\n";
   } else {
@@ -460,8 +492,12 @@ absl::Status RunPlacementLoad(const RemoteCall& call) {
     return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": ", s.ToString()));
   }
   v1::Release rel;
-  auto ctx = call.Context();
-  if (auto s = FromGrpcStatus(call.stub->LoadPlacement(ctx.get(), req, &rel)); !s.ok()) return s;
+  auto ctx = call.Context(true);
+  if (auto s = FromGrpcStatus(WithProgress(call, absl::StrCat("placement load ", call.cmd[2]),
+                                           [&] { return call.stub->LoadPlacement(ctx.get(), req, &rel); }));
+      !s.ok()) {
+    return s;
+  }
   std::cout << (o.json ? Json(rel)
                        : absl::StrCat(rel.release_id(), " ", StateName(rel.state()), " placement-v",
                                       rel.placement_version()))

@@ -36,6 +36,9 @@ struct RemoteOptions {
   int64_t after_seq = 0;
   int count = 0;
   int timeout_s = 0;
+  // Every unary call's deadline, seconds (moectl --timeout); 0: 10 s, 600 s for the long ones
+  // (placement load, promote, rollback), which print a progress line every 5 s meanwhile.
+  int rpc_timeout_s = 0;
   // rollout: wait for this many shadow samples / canary steps on every rank before moving on
   // (the controller's gate thresholds).
   int64_t min_shadow = 100, min_canary = 200;

@@ -105,9 +105,9 @@ $M placement synth --checkpoint "$work/model" --world "$RANKS" --placement_versi
 ctl release register release-v4 --digest sha256:v4 >/dev/null
 ctl release transition release-v4 VERIFIED --reason "bundle digests checked" >/dev/null
 echo "$(ts)  a 56-slot placement over the memory budget: $(ctl placement load release-v4 --manifest "$work/placement-v4.json" \
-  2>&1 | sed 's/.*moectl: //'); ranks now hold: $(ctl status | awk 'NR == 2 {print $4, $5, $6, $7}')"
+  2>&1 | sed 's/.*moectl: [A-Z_]*: //'); ranks now hold: $(ctl status | awk 'NR == 2 {print $4, $5, $6, $7}')"
 echo "$(ts)  stopping the serving release by hand is refused: $(ctl release transition release-v1 DRAINING \
-  --reason manual 2>&1 | sed 's/.*moectl: //')"
+  --reason manual 2>&1 | sed 's/.*moectl: [A-Z_]*: //')"
 echo "$(ts)  cluster after the rollback:"
 ctl status | sed 's/^/      /'
 grep -A20 "== local cluster summary" "$work/driver.log"

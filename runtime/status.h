@@ -33,8 +33,9 @@ inline void UpdateFirstError(absl::Status* first, const absl::Status& next) {
   if (first->ok() && !next.ok()) *first = next;
 }
 
-// The exit status of every moe-runtime binary (moe-rankd, moe-controller, moectl,
-// engine_driver, ...), so scripts tell a caller's mistake from a failure of the system:
+// The exit status of the moe-runtime daemons and tools (moe-rankd, moe-controller, engine_driver,
+// ...; moectl has its own four-way table, docs/cli.md), so scripts tell a caller's mistake from a
+// failure of the system:
 //   0 (kExitOk)      the status is OK;
 //   2 (kExitUsage)   the input was wrong: flags, files, arguments, or a request the other side
 //                    refused as such (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND,

@@ -26,6 +26,11 @@ C=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/token")
 W=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/wrong")
 
 check "wrong token: list" 1 "token rejected" -- "$MOECTL" "${W[@]}" releases list
+# $MOE_CONTROLLER and $MOE_TOKEN_FILE stand in for the flags; a failure with --json is a JSON
+# error object on stdout, with the exit code in it.
+check "environment defaults" 0 "RELEASE" -- env MOE_CONTROLLER="127.0.0.1:$(cat "$TMP/port")" \
+  MOE_TOKEN_FILE="$TMP/token" "$MOECTL" releases list
+check "json error object" 1 '"error":{"code":"UNAUTHENTICATED".*"exit":1' -- "$MOECTL" "${W[@]}" releases list --json
 check "wrong token: register" 1 "token rejected" -- "$MOECTL" "${W[@]}" release register release-v18 --digest sha256:18
 check "register needs a digest" 2 "bundle_digest" -- "$MOECTL" "${C[@]}" release register release-v18
 
@@ -43,10 +48,10 @@ walk() {  # walk RELEASE: register and take it to CANARY
   done
 }
 walk release-v18
-check "ACTIVE only through the gate" 2 "Promote" -- "$MOECTL" "${C[@]}" release transition release-v18 ACTIVE --reason skip
+check "ACTIVE only through the gate" 1 "Promote" -- "$MOECTL" "${C[@]}" release transition release-v18 ACTIVE --reason skip
 check "promote v18" 0 "release-v18 ACTIVE" -- "$MOECTL" "${C[@]}" promote release-v18 --evidence "$TMP/pass.json"
 walk release-v19
-check "gate names failing clauses" 2 "N_route_mismatch = 0, N_stale_accept = 0" -- \
+check "gate names failing clauses" 1 "N_route_mismatch = 0, N_stale_accept = 0" -- \
   "$MOECTL" "${C[@]}" promote release-v19 --evidence "$TMP/mismatch.json"
 check "promote v19 drains v18" 0 "release-v18 DRAINING" -- \
   "$MOECTL" "${C[@]}" promote release-v19 --evidence "$TMP/pass.json" --request_id promote-v19
@@ -55,7 +60,7 @@ check "promote retry is idempotent" 0 "release-v18 DRAINING" -- \
   "$MOECTL" "${C[@]}" promote release-v19 --evidence "$TMP/pass.json" --request_id promote-v19
 rows_after="$("$MOECTL" "${C[@]}" releases show release-v19 | grep -c ' -> ')"
 [ "$rows_before" = "$rows_after" ] && echo "ok   retry wrote nothing ($rows_after transitions)" || { echo "FAIL retry wrote rows"; fail=1; }
-check "request id reused for another request" 2 "request_id" -- \
+check "request id reused for another request" 1 "request_id" -- \
   "$MOECTL" "${C[@]}" release transition release-v19 DRAINING --reason x --request_id promote-v19
 check "rollback needs a DRAINING prior" 2 "prior_release_id" -- \
   "$MOECTL" "${C[@]}" rollback release-v19 --prior release-v19
@@ -91,7 +96,7 @@ done
 wait "$watcher"
 [ "$(grep -c '"releaseId": *"release-v20"' "$TMP/watch.jsonl")" = 3 ] && tail -1 "$TMP/watch.jsonl" | grep -q SHADOW &&
   echo "ok   watch streamed the 3 new transitions in order" || { echo "FAIL watch"; cat "$TMP/watch.jsonl"; fail=1; }
-check "drain refuses the serving release" 2 "ACTIVE" -- "$MOECTL" "${C[@]}" drain release-v18
+check "drain refuses the serving release" 1 "ACTIVE" -- "$MOECTL" "${C[@]}" drain release-v18
 check "drain a shadowed candidate" 0 "DRAINING -> RETIRED" -- "$MOECTL" "${C[@]}" drain release-v20 --reason abandoned
 check "watch rejects a negative seq" 2 "after" -- "$MOECTL" "${C[@]}" watch --after -1
 

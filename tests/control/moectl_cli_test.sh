@@ -40,6 +40,21 @@ echo '{"weight": [[4,2,1,1]], "num_replicas": 6, "num_groups": 2, "num_nodes": 2
 check "eplb non-divisible" 2 "num_replicas" -- "$MOECTL" eplb solve --input "$TMP/eplb.json"
 check "missing file" 2 "cannot open" -- "$MOECTL" plan --trace "$TMP/none.json"
 check "unknown command" 2 "moectl plan" -- "$MOECTL" frobnicate
+# One exit-code table: 0 ok, 1 refused, 2 bad usage or input, 3 unavailable (docs/cli.md).
+check "unknown flag" 2 "unknown flag --frobnicate" -- "$MOECTL" plan --frobnicate
+check "version" 0 "^moectl [0-9]" -- "$MOECTL" --version
+check "per-command help" 0 "moectl placement load ID --manifest FILE" -- "$MOECTL" placement load -h
+out="$("$MOECTL" placement load --help)"
+if grep -q "moectl plan --trace" <<<"$out"; then echo "FAIL per-command help lists other commands"; fail=1; else
+  echo "ok   per-command help lists only its command"; fi
+check "help for everything" 0 "moectl rollout ID" -- "$MOECTL" help
+check "error as JSON" 2 '"error":{"code":"INVALID_ARGUMENT","message":"--trace: required","exit":2}' -- \
+  "$MOECTL" plan --json
+start_s=$(date +%s)
+check "controller unreachable" 3 "UNAVAILABLE" -- env MOE_CONTROLLER=127.0.0.1:1 MOE_TOKEN_FILE="$EX/eplb-fixture.json" \
+  "$MOECTL" releases list --timeout 2
+[ $(($(date +%s) - start_s)) -le 10 ] && echo "ok   unreachable within --timeout" || { echo "FAIL --timeout"; fail=1; }
+check "negative timeout" 2 "--timeout" -- "$MOECTL" releases list --controller 127.0.0.1:1 --timeout -3
 
 # Placements offline: synth, show, the migration plan between two, the memory budget.
 "$MOECTL" checkpoint synth --experts 8 --d 64 --d_ff 128 --out "$TMP/c8.safetensors" >/dev/null

@@ -44,7 +44,7 @@ check "bootstrap release-v1" 0 "release-v1 ACTIVE" -- "$M" "${C[@]}" rollout rel
   --epoch 2 >"$work/v9.json"
 "$M" "${C[@]}" release register release-v9 --digest sha256:v9 >/dev/null
 "$M" "${C[@]}" release transition release-v9 VERIFIED --reason ok >/dev/null
-check "process-group epoch differs: load rejected" 2 "epoch" -- "$M" "${C[@]}" placement load release-v9 --manifest "$work/v9.json"
+check "process-group epoch differs: load rejected" 1 "epoch" -- "$M" "${C[@]}" placement load release-v9 --manifest "$work/v9.json"
 check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" releases list
 
 # Runner parity differs -> block canary.
@@ -53,7 +53,7 @@ check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" rele
 driver=$!
 for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
 "$M" placement synth --checkpoint "$work/model" --world 4 --placement_version 2 --extra_replicas 6 >"$work/v2.json"
-check "runner parity differs: canary blocked" 2 "blocked at SHADOW -> CANARY and drained: .*shadow mismatches" -- \
+check "runner parity differs: canary blocked" 1 "blocked at SHADOW -> CANARY and drained: .*shadow mismatches" -- \
   "$M" "${C[@]}" rollout release-v2 --manifest "$work/v2.json" --digest sha256:v2 --min_shadow 10 --min_canary 10
 check "the candidate is drained by the controller" 0 "release-v2 *DRAINING" -- "$M" "${C[@]}" releases list
 verdict() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
@@ -78,7 +78,7 @@ done
 grep -Eq '^moe_shadow_steps_total\{.*placement_generation="2".*result="mismatch".*\} [1-9]' "$work/scrape2.txt"
 verdict $? "rank 2 exports its shadow mismatches (moe_shadow_steps_total)"
 if command -v promtool >/dev/null; then promtool check metrics <"$work/scrape2.txt"; verdict $? "promtool check metrics"; fi
-check "a re-run of the rollout does not resurrect it" 2 "DRAINING" -- "$M" "${C[@]}" rollout release-v2 \
+check "a re-run of the rollout does not resurrect it" 1 "DRAINING" -- "$M" "${C[@]}" rollout release-v2 \
   --manifest "$work/v2.json" --min_shadow 10 --min_canary 10
 check "the blocked candidate is retired" 0 "DRAINING -> RETIRED" -- "$M" "${C[@]}" drain release-v2 \
   --reason "runner parity differs"
