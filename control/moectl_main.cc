@@ -66,6 +66,12 @@ ABSL_FLAG(std::string, controller, "",
           "controller subcommands: moe-controller address host:port (default: $MOE_CONTROLLER)");
 ABSL_FLAG(std::string, token_file, "",
           "controller subcommands: file holding the bearer token (default: $MOE_TOKEN_FILE)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "controller subcommands: mutual TLS: this client's certificate (PEM; default: $MOE_TLS_CERT)");
+ABSL_FLAG(std::string, tls_key, "", "controller subcommands: mutual TLS: its private key (default: $MOE_TLS_KEY)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "controller subcommands: mutual TLS: the CA the controller's certificate must chain to (default: "
+          "$MOE_TLS_CA)");
 ABSL_FLAG(int, timeout, 0,
           "controller subcommands: deadline of each call, seconds (0: 10, or 600 for placement load, promote and "
           "rollback, which print a progress line every 5 s)");
@@ -564,6 +570,13 @@ int main(int argc, char** argv) {
     if (const char* env = std::getenv("MOE_CONTROLLER"); o.controller.empty() && env != nullptr) o.controller = env;
     if (const char* env = std::getenv("MOE_TOKEN_FILE"); o.token_file.empty() && env != nullptr) o.token_file = env;
     if (absl::GetFlag(FLAGS_timeout) < 0) return Fail(absl::InvalidArgumentError("--timeout: must be >= 0"));
+    const auto flag_or_env = [](const std::string& flag, const char* env) {
+      const char* v = std::getenv(env);
+      return flag.empty() && v != nullptr ? std::string(v) : flag;
+    };
+    o.tls.cert = flag_or_env(absl::GetFlag(FLAGS_tls_cert), "MOE_TLS_CERT");
+    o.tls.key = flag_or_env(absl::GetFlag(FLAGS_tls_key), "MOE_TLS_KEY");
+    o.tls.ca = flag_or_env(absl::GetFlag(FLAGS_tls_ca), "MOE_TLS_CA");
     o.rpc_timeout_s = absl::GetFlag(FLAGS_timeout);
     o.request_id = absl::GetFlag(FLAGS_request_id);
     o.json = absl::GetFlag(FLAGS_json);

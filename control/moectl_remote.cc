@@ -739,14 +739,15 @@ bool IsRemoteCommand(const std::vector<std::string>& cmd) {
 absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions& o) {
   if (o.controller.empty()) return absl::InvalidArgumentError("--controller: required (host:port of moe-controller)");
   if (o.token_file.empty()) return absl::InvalidArgumentError("--token_file: required");
+  if (absl::Status s = CheckTlsFiles(o.tls); !s.ok()) return s;
   std::ifstream tf(o.token_file);
   std::string token;
   if (!tf || !std::getline(tf, token)) {
     return absl::InvalidArgumentError(absl::StrCat("--token_file ", o.token_file, ": cannot read"));
   }
-  RemoteCall call{
-      cmd, o, v1::ControlPlaneService::NewStub(grpc::CreateChannel(o.controller, grpc::InsecureChannelCredentials())),
-      std::string(absl::StripAsciiWhitespace(token)), o.request_id.empty() ? NewRequestId() : o.request_id};
+  RemoteCall call{cmd, o,
+                  v1::ControlPlaneService::NewStub(grpc::CreateChannel(o.controller, ChannelCredentials(o.tls))),
+                  std::string(absl::StripAsciiWhitespace(token)), o.request_id.empty() ? NewRequestId() : o.request_id};
   const Subcommand* sub = FindSubcommand(cmd);
   if (sub == nullptr) {
     return absl::InvalidArgumentError(

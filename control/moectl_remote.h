@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 
+#include "rpc/tls.h"
 #include "runtime/placement/topology.h"
 
 namespace moe {
@@ -39,6 +40,7 @@ struct RemoteOptions {
   // Every unary call's deadline, seconds (moectl --timeout); 0: 10 s, 600 s for the long ones
   // (placement load, promote, rollback), which print a progress line every 5 s meanwhile.
   int rpc_timeout_s = 0;
+  TlsFiles tls;  // --tls_cert / --tls_key / --tls_ca: mutual TLS to the controller (rpc/tls.h)
   // rollout: wait for this many shadow samples / canary steps on every rank before moving on
   // (the controller's gate thresholds).
   int64_t min_shadow = 100, min_canary = 200;

@@ -40,8 +40,17 @@ $M checkpoint synth --layers 4 --family qwen3_moe --experts 16 --d 128 --d_ff 25
   --out "$work/model" >/dev/null
 choose_backend "$RANKS"
 echo "$(ts)  $RANKS ranks: $BACKEND_NAME"
+# TLS=1: mutual TLS between moectl, the controller and the rank agents (and between the agents
+# that copy slots from each other), with a test CA (tools/make_test_ca.sh).
+TLS_FLAGS=()
+if [ "${TLS:-0}" = 1 ]; then
+  tools/make_test_ca.sh "$work/ca" >/dev/null
+  TLS_FLAGS=(--tls_cert "$work/ca/node.pem" --tls_key "$work/ca/node.key" --tls_ca "$work/ca/ca.pem")
+  export MOE_TLS_CERT="$work/ca/operator.pem" MOE_TLS_KEY="$work/ca/operator.key" MOE_TLS_CA="$work/ca/ca.pem"
+  echo "$(ts)  mutual TLS on the control plane and the rank agents (test CA in $work/ca)"
+fi
 start_ranks "$RANKD" "$work" "$RANKS" "$work/model" \
-  --agent_token_file "$work/agent_token"
+  --agent_token_file "$work/agent_token" ${TLS_FLAGS[@]+"${TLS_FLAGS[@]}"}
 ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
 # Expert weights: 3 x d x d_ff BF16 = 196608 bytes an expert in one layer, 786432 a slot with its
 # 4 layers; a migration may peak at 40 slots.
@@ -49,7 +58,7 @@ ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/
   --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
   --expert_bytes 196608 --migration_budget_bytes $((40 * 786432)) \
   --shadow_every 2 --canary_every 3 --min_shadow 10 --min_canary 10 --max_fallback_ratio 1 \
-  >"$work/controller.log" 2>&1 &
+  ${TLS_FLAGS[@]+"${TLS_FLAGS[@]}"} >"$work/controller.log" 2>&1 &
 ctl_pid=$!
 for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")

@@ -23,6 +23,11 @@ ABSL_FLAG(std::string, port_file, "", "write the chosen gRPC port here");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:0", "Prometheus exposer address");
 ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here");
 ABSL_FLAG(std::string, log_level, "info", "spdlog level");
+ABSL_FLAG(std::string, tls_cert, "",
+          "mutual TLS on the TCP port and the daemon's own TCP clients: this process's certificate chain (PEM); "
+          "with --tls_key and --tls_ca, re-read every 10 s");
+ABSL_FLAG(std::string, tls_key, "", "mutual TLS: the private key of --tls_cert (PEM)");
+ABSL_FLAG(std::string, tls_ca, "", "mutual TLS: the CA bundle peers' certificates must chain to (PEM)");
 
 namespace moe {
 
@@ -92,7 +97,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
   grpc::EnableDefaultHealthCheckService(o.health);
   grpc::ServerBuilder builder;
   *port = 0;
-  if (!o.listen.empty()) builder.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), port);
+  if (!o.listen.empty()) builder.AddListeningPort(o.listen, ServerCredentials(o.tls), port);
   // NOTE: with SO_REUSEPORT gRPC clones a port-0 listener once per poller, each clone on a port
   // of its own that nobody publishes: one socket per address only.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

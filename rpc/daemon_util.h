@@ -17,11 +17,16 @@
 #include "absl/status/statusor.h"
 #include "prometheus/exposer.h"
 
+#include "rpc/tls.h"
+
 ABSL_DECLARE_FLAG(std::string, listen);
 ABSL_DECLARE_FLAG(std::string, port_file);
 ABSL_DECLARE_FLAG(std::string, metrics_listen);
 ABSL_DECLARE_FLAG(std::string, metrics_port_file);
 ABSL_DECLARE_FLAG(std::string, log_level);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_ca);
 
 namespace moe {
 
@@ -43,6 +48,7 @@ struct GrpcServeOptions {
   std::string flag = "--listen";  // names `listen` in errors
   int max_message_bytes = 0;      // > 0: gRPC's send and receive limits
   bool health = true;             // grpc.health.v1.Health on this server
+  TlsFiles tls;                   // mutual TLS on `listen` (rpc/tls.h); none: plaintext
 };
 
 // Serves `services` (and health as asked) and sets *port to the bound TCP port (0 without one).

@@ -22,11 +22,13 @@ namespace moe {
 
 absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(const std::string& address,
                                                                               absl::Duration timeout,
-                                                                              const std::string& token) {
+                                                                              const std::string& token,
+                                                                              const TlsFiles& tls) {
+  if (absl::Status s = CheckTlsFiles(tls); !s.ok()) return s;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  auto channel = grpc::CreateCustomChannel(address, ChannelCredentials(tls), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)))) {
     return absl::UnavailableError(absl::StrCat(address, ": not reachable within ", absl::FormatDuration(timeout)));

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 
 #include "proto/moe/v1/expert_layer.grpc.pb.h"
+#include "rpc/tls.h"
 
 namespace moe {
 
@@ -116,9 +117,11 @@ class StepRing {
 class ExpertLayerClient {
  public:
   // `address`: a gRPC target, "unix:/path/to/engine.sock" (the rank's --engine_socket) or
-  // "host:port" (then `token` is the rank's --engine_token_file token).
+  // "host:port" (then `token` is the rank's --engine_token_file token, and `tls` this engine's
+  // certificate, key and the CA when the rank serves mutual TLS: --tls_*).
   static absl::StatusOr<std::unique_ptr<ExpertLayerClient>> Connect(const std::string& address, absl::Duration timeout,
-                                                                    const std::string& token = "");
+                                                                    const std::string& token = "",
+                                                                    const TlsFiles& tls = {});
   absl::StatusOr<StepAnswer> Execute(const StepCall& call, absl::Duration deadline = absl::Seconds(60));
   // A step ring on this rank (the client must be connected to the rank's Unix socket, and must
   // outlive the ring).

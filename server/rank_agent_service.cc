@@ -150,7 +150,11 @@ absl::Status CopyInMemory(const LocalExperts& src, size_t l_count, int li, int64
 // all the slots copied from it.
 class PeerAgents {
  public:
-  PeerAgents(const std::vector<std::string>& peers, const std::string& token) : peers_(peers), token_(token) {}
+  PeerAgents(const std::vector<std::string>& peers, const std::string& token,
+             std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : peers_(peers),
+        token_(token),
+        credentials_(credentials != nullptr ? std::move(credentials) : grpc::InsecureChannelCredentials()) {}
 
   // Layer `layer`'s copy of `step`'s source slot in placement `from` (the whole single expert
   // set when the checkpoint has no layers), fetched from the rank holding it.
@@ -187,13 +191,13 @@ class PeerAgents {
     if (stub == nullptr) {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(1 << 30);
-      stub = v1::RankAgentService::NewStub(
-          grpc::CreateCustomChannel(peers_.at(r), grpc::InsecureChannelCredentials(), args));
+      stub = v1::RankAgentService::NewStub(grpc::CreateCustomChannel(peers_.at(r), credentials_, args));
     }
     return *stub;
   }
 
   const std::vector<std::string>& peers_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
   const std::string& token_;
   std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
 };
@@ -283,7 +287,7 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
                                                       " holds"));
   }
   ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, to, sizes));
-  PeerAgents peer_agents(peers, c_.token);
+  PeerAgents peer_agents(peers, c_.token, c_.peer_credentials);
   Materialized out;
   out.experts.d = sizes.d;
   out.experts.d_ff = sizes.d_ff;

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/synchronization/mutex.h"
 
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
@@ -29,6 +31,8 @@ struct RankAgentContext {
   LayerExecutor* executor = nullptr;             // not owned
   const CheckpointReader* checkpoint = nullptr;  // not owned
   std::string token;                             // bearer token; must be non-empty
+  // How this agent dials its peers' agents (FetchSlotWeights): rpc/tls.h; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
 };
 
 class RankAgentServiceImpl final : public v1::RankAgentService::Service {

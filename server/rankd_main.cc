@@ -141,6 +141,7 @@ struct RankdOptions {
   DecodeRunner decode_runner = DecodeRunner::kKernels;
   bool trial_drift = false;  // --inject_fault=trial_drift
   std::string agent_token;   // empty: RankAgentService is off
+  TlsFiles tls;              // --tls_*: mutual TLS on the TCP port and toward the peers' agents
 
   bool UsesCudaBackend() const { return kernels == "cuda" || transport == "nccl"; }
 };
@@ -209,6 +210,8 @@ absl::StatusOr<RankdOptions> ParseRankdOptions() {
         absl::StrCat("--rank ", o.rank, " / --world ", o.world, ": rank must be in [0, world)"));
   }
   RETURN_IF_ERROR(ParseEngineApiFlags(&o));
+  o.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
+  RETURN_IF_ERROR(CheckTlsFiles(o.tls));
   RETURN_IF_ERROR(ParseExecutionFlags(&o));
   if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {
     ASSIGN_OR_RETURN(o.agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
@@ -419,8 +422,9 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     RETURN_IF_ERROR(s->engine->EnableStepRings(std::move(ro)));
   }
   if (!o.agent_token.empty()) {
-    s->agent = std::make_unique<RankAgentServiceImpl>(
-        RankAgentContext{Rank(o.rank), m.topology, m.group, registry, executor, m.checkpoint.get(), o.agent_token});
+    s->agent = std::make_unique<RankAgentServiceImpl>(RankAgentContext{Rank(o.rank), m.topology, m.group, registry,
+                                                                       executor, m.checkpoint.get(), o.agent_token,
+                                                                       ChannelCredentials(o.tls)});
   }
   // gRPC's message limit: the request bytes plus room for the top-k ids and gates (8 bytes a
   // route at most 64 routes a token) and framing.
@@ -435,6 +439,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     to.listen = absl::GetFlag(FLAGS_listen);
     to.max_message_bytes = static_cast<int>(message_limit);
     to.health = absl::GetFlag(FLAGS_tcp_health);
+    to.tls = o.tls;
     ASSIGN_OR_RETURN(s->tcp_server, ServeGrpc(tcp_services, to, &s->port));
   }
   GrpcServeOptions uo;

@@ -12,10 +12,12 @@
 
 namespace moe {
 
-AgentPool::AgentPool(std::vector<std::string> addresses, std::string token, absl::Duration rpc_timeout)
+AgentPool::AgentPool(std::vector<std::string> addresses, std::string token, absl::Duration rpc_timeout,
+                     std::shared_ptr<grpc::ChannelCredentials> credentials)
     : addresses_(std::move(addresses)), token_(std::move(token)), rpc_timeout_(rpc_timeout) {
+  if (credentials == nullptr) credentials = grpc::InsecureChannelCredentials();
   for (const std::string& a : addresses_) {
-    stubs_.push_back(v1::RankAgentService::NewStub(grpc::CreateChannel(a, grpc::InsecureChannelCredentials())));
+    stubs_.push_back(v1::RankAgentService::NewStub(grpc::CreateChannel(a, credentials)));
   }
 }
 

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
@@ -17,7 +19,9 @@ namespace moe {
 
 class AgentPool {
  public:
-  AgentPool(std::vector<std::string> addresses, std::string token, absl::Duration rpc_timeout = absl::Seconds(30));
+  // `credentials`: how the agents are dialed (rpc/tls.h); null: plaintext.
+  AgentPool(std::vector<std::string> addresses, std::string token, absl::Duration rpc_timeout = absl::Seconds(30),
+            std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
 
   bool empty() const { return addresses_.empty(); }
   const std::vector<std::string>& addresses() const { return addresses_; }

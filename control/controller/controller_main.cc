@@ -106,6 +106,7 @@ struct ControllerOptions {
   MigrationBudget migration;
   TrialPolicy trial;
   int reconcile_interval_s = 0;
+  TlsFiles tls;  // --tls_*: mutual TLS on the controller's port and toward the rank agents
 };
 
 // --token_file and --store (INVALID_ARGUMENT naming the flag).
@@ -113,6 +114,8 @@ absl::Status ParseRegistryFlags(ControllerOptions* o) {
   ASSIGN_OR_RETURN(o->token, ReadTokenFile(absl::GetFlag(FLAGS_token_file), "--token_file"));
   o->store_path = absl::GetFlag(FLAGS_store);
   if (o->store_path.empty()) return absl::InvalidArgumentError("--store: required");
+  o->tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
+  RETURN_IF_ERROR(CheckTlsFiles(o->tls));
   return absl::OkStatus();
 }
 
@@ -172,7 +175,7 @@ absl::StatusOr<Registry> OpenRegistry(const std::string& path) {
 // The rank agents of --ranks (null without).
 std::unique_ptr<AgentPool> ConnectAgents(const ControllerOptions& o) {
   if (!o.ranks_given) return nullptr;
-  return std::make_unique<AgentPool>(o.ranks, o.agent_token);
+  return std::make_unique<AgentPool>(o.ranks, o.agent_token, absl::Seconds(30), ChannelCredentials(o.tls));
 }
 
 // The agents' topology: the local cluster's two nodes, until the controller is told its ranks'.
@@ -226,6 +229,7 @@ int Main() {
   int port = 0;
   GrpcServeOptions serve;
   serve.listen = absl::GetFlag(FLAGS_listen);
+  serve.tls = o.tls;
   auto server = ServeGrpc({&service}, serve, &port);
   if (!server.ok()) return Fail(server.status(), kExitFailure);
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));

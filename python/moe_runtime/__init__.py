@@ -8,7 +8,7 @@
 
 docs/engine-integration.md is the contract (step ids, layers, retries, co-location, errors).
 """
-from moe_runtime.client import RankClient, StepInput, StepRecord, StepResult, StepStream, build_request
+from moe_runtime.client import RankClient, StepInput, StepRecord, StepResult, StepStream, TlsFiles, build_request
 from moe_runtime.errors import MoeError
 from moe_runtime.group import GroupStepError, RankGroup, StepIds
 from moe_runtime.tensors import bf16_to_float32, float32_to_bf16
@@ -23,6 +23,7 @@ __all__ = [
     "StepRecord",
     "StepResult",
     "StepStream",
+    "TlsFiles",
     "GroupStepError",
     "MoeError",
     "build_request",

@@ -33,6 +33,27 @@ STAGES = ("validate", "acquire", "plan", "agree", "dispatch", "experts", "return
 
 
 @dataclass
+class TlsFiles:
+    """Mutual TLS to a rank's TCP port (moe-rankd --tls_*): this engine's certificate chain and
+    key, and the CA the rank's certificate must chain to (PEM file paths)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str, what: str) -> bytes:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise ValueError(f"tls.{what}: {path}: {e.strerror}") from None
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca, "ca"), private_key=read(self.key, "key"),
+                                            certificate_chain=read(self.cert, "cert"))
+
+
+@dataclass
 class StepRecord:
     """What the rank reports about a step (``moe.v1.StepRecord``)."""
 
@@ -136,15 +157,19 @@ class RankClient:
         timeout: float = 60.0,
         rank: Optional[int] = None,
         channel: Optional[grpc.Channel] = None,
+        tls: Optional["TlsFiles"] = None,
     ):
         self.target = target
         self.rank = rank
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = channel or grpc.insecure_channel(
-            target,
-            options=[("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
-        )
+        options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        if channel is not None:
+            self._channel = channel
+        elif tls is not None:
+            self._channel = grpc.secure_channel(target, tls.credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.ExpertLayerServiceStub(self._channel)
         self._ring = None
         self._ring_lock = threading.Lock()

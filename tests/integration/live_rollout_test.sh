@@ -5,7 +5,8 @@
 # on every rank with the gate read from the ranks' counters, and v2 retired on every rank;
 # then a rank is killed and the next placement load stops at once, naming it, committing nothing.
 set -uo pipefail
-export RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4" SKIP_BUILD=1 KILL_RANK_CHECK=1
+# Over mutual TLS (TLS=1): moectl -> controller -> rank agents -> each other.
+export RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4" SKIP_BUILD=1 KILL_RANK_CHECK=1 TLS=1
 out="${TEST_TMPDIR:-/tmp}/rollout.out"
 deploy/live_rollout.sh >"$out" 2>&1
 rc=$?
@@ -13,6 +14,7 @@ cat "$out"
 fail=0
 check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 check $rc "live rollout: driver exit 0 (no failed step, no mismatch, no generation split)"
+grep -q "mutual TLS on the control plane and the rank agents" "$out"; check $? "the rollout ran over mutual TLS"
 grep -q "rank-steps .*(failed 0)" "$out"; check $? "no failed rank-step"
 grep -q "mismatches          0" "$out"; check $? "zero mismatches"
 grep -Eq "placement-v1: steps [0-9]+-[0-9]+  placement-v2: steps [0-9]+-[0-9]+  placement-v1: steps" "$out"

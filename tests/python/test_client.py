@@ -238,3 +238,53 @@ def test_the_package_installs_with_pip(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path).stdout
     assert out.startswith(str(target)), out
     assert (target / "moe_runtime/_proto/expert_layer_pb2_grpc.py").exists()
+
+
+def test_a_rank_over_tcp_with_a_token_and_mutual_tls(cluster, tmp_path):
+    """A one-rank group serving the engine API on TCP (--engine_token_file) with mutual TLS: the
+    client with the token, its certificate and the CA is served; without TLS, or trusting another
+    CA, it is Unavailable; with TLS but a wrong token, Unauthenticated."""
+    from moe_runtime import TlsFiles
+
+    root = Path(__file__).resolve().parents[2]
+    for ca in ("ca1", "ca2"):
+        subprocess.run([str(root / "tools/make_test_ca.sh"), str(tmp_path / ca)], check=True, stdout=subprocess.DEVNULL)
+    (tmp_path / "token").write_text("engine-token-0123456789abcdef\n")
+    (tmp_path / "rv").mkdir()
+    ca1 = tmp_path / "ca1"
+    proc = subprocess.Popen(
+        [os.environ["RANKD"], "--rank", "0", "--world", "1", "--rendezvous_dir", str(tmp_path / "rv"),
+         "--checkpoint", str(cluster.checkpoint), "--engine_socket", str(cluster.sockets / "tls.sock"),
+         "--engine_token_file", str(tmp_path / "token"), "--listen", "127.0.0.1:0",
+         "--port_file", str(tmp_path / "port"), "--metrics_port_file", str(tmp_path / "metrics"),
+         "--tls_cert", str(ca1 / "node.pem"), "--tls_key", str(ca1 / "node.key"), "--tls_ca", str(ca1 / "ca.pem")],
+        stdout=open(tmp_path / "rank.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        import time
+
+        for _ in range(300):
+            if (tmp_path / "port").exists() and (tmp_path / "port").read_text():
+                break
+            assert proc.poll() is None, (tmp_path / "rank.log").read_text()
+            time.sleep(0.05)
+        target = f"127.0.0.1:{(tmp_path / 'port').read_text().strip()}"
+        rng = np.random.default_rng(10)
+        x = random_step(rng, 3)
+        good = TlsFiles(str(ca1 / "operator.pem"), str(ca1 / "operator.key"), str(ca1 / "ca.pem"))
+        with RankClient(target, token="engine-token-0123456789abcdef", tls=good, timeout=10) as c:
+            res = c.step(5, 0, *x)
+            check_outputs(cluster, 0, [StepInput(*x)], [res])
+        with RankClient(target, token="engine-token-0123456789abcdef", timeout=3) as c:
+            with pytest.raises(errors.Unavailable):
+                c.step(6, 0, *x)
+        ca2 = tmp_path / "ca2"
+        other = TlsFiles(str(ca2 / "operator.pem"), str(ca2 / "operator.key"), str(ca2 / "ca.pem"))
+        with RankClient(target, token="engine-token-0123456789abcdef", tls=other, timeout=3) as c:
+            with pytest.raises(errors.Unavailable):
+                c.step(7, 0, *x)
+        with RankClient(target, token="not-the-token-0000000000", tls=good, timeout=10) as c:
+            with pytest.raises(errors.Unauthenticated):
+                c.step(8, 0, *x)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
