@@ -24,7 +24,7 @@ import numpy as np
 from moe_runtime import errors
 from moe_runtime._proto import expert_layer_pb2 as pb
 from moe_runtime.client import STAGES, RankClient, StepRecord, StepResult
-from moe_runtime.tensors import admitted_bytes, from_wire, routing_arrays, to_wire
+from moe_runtime.tensors import WireRows, admitted_bytes, from_wire, routing_arrays, to_wire
 
 MAGIC = 0x31474E4952454F4D  # "MOERING1"
 LAYOUT_VERSION = 1
@@ -160,6 +160,48 @@ class StepRing:
         dtype = str(getattr(hidden, "dtype", ""))
         bf16 = dtype in ("uint16", "torch.bfloat16")
         return bf16 and len(shape) == 2 and shape[0] <= self.max_tokens and shape[1] == self.d and 1 <= k <= self.k
+
+    def next_slot(self, tokens: int, k: Optional[int] = None) -> "dict[str, np.ndarray]":
+        """Views of the next step's slot, for an engine that builds its rows and routing in place
+        (no copy at submit): ``hidden`` ``[tokens, d]`` uint16 (BF16 bits), ``topk_ids``
+        ``[tokens, k]`` int32, ``topk_weights`` ``[tokens, k]`` float32, ``admitted`` ``[tokens, k]``
+        uint8. Fill them, then :meth:`submit_in_place`. The views stay valid until that slot is
+        submitted again."""
+        k = self.k if k is None else k
+        if not 0 <= tokens <= self.max_tokens or not 1 <= k <= self.k:
+            raise ValueError(f"tokens, k: {tokens} x {k} do not fit the ring's {self.max_tokens} x {self.k} slots")
+        if self._n_submitted - self._n_waited >= self.slots:
+            raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
+        seq = self._n_submitted & 0xFFFFFFFF
+        return {
+            "hidden": self._view(seq, "hidden", np.uint16, tokens * self.d).reshape(tokens, self.d),
+            "topk_ids": self._view(seq, "ids", np.int32, tokens * k).reshape(tokens, k),
+            "topk_weights": self._view(seq, "weights", np.float32, tokens * k).reshape(tokens, k),
+            "admitted": self._view(seq, "admitted", np.uint8, tokens * k).reshape(tokens, k),
+        }
+
+    def submit_in_place(self, step_id: int, layer: int, tokens: int, k: Optional[int] = None, *,
+                        decode: bool = False, admitted: bool = False, expected_generation: int = 0) -> None:
+        """Submits the step whose rows and routing were written into :meth:`next_slot`'s views
+        (``admitted``: the admitted table was filled too). :meth:`wait` returns its output as a
+        uint16 (BF16 bits) array."""
+        k = self.k if k is None else k
+        if not 0 <= tokens <= self.max_tokens or not 1 <= k <= self.k:
+            raise ValueError(f"tokens, k: {tokens} x {k} do not fit the ring's {self.max_tokens} x {self.k} slots")
+        if self._n_submitted - self._n_waited >= self.slots:
+            raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
+        if self._closed_word.value:
+            raise errors.Unavailable("step ring: the rank closed the ring", rank=self._client.rank)
+        seq = self._n_submitted & 0xFFFFFFFF
+        _DESCRIPTOR.pack_into(self._mm, self._slot(seq), seq, FLAG_ADMITTED if admitted else 0,
+                              pb.PHASE_DECODE if decode else pb.PHASE_PREFILL, k, int(step_id), int(layer), tokens,
+                              int(expected_generation))
+        rows = WireRows(pb.DTYPE_BF16, tokens, self.d, b"", "numpy", np.dtype(np.uint16))
+        self._pending.append((rows, time.perf_counter()))
+        self._n_submitted += 1
+        self._submitted.value = self._n_submitted & 0xFFFFFFFF
+        if self._rank_sleeping.value:
+            self._futex.wake(self._base + OFF_SUBMITTED)
 
     def submit(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
                decode: bool = False, admitted: Any = None, expected_generation: int = 0) -> None:

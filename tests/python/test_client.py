@@ -288,3 +288,33 @@ def test_a_rank_over_tcp_with_a_token_and_mutual_tls(cluster, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_ring_slots_written_in_place(cluster):
+    """An engine that builds its rows and routing in the ring's slot (no copy at submit) gets the
+    same output as through gRPC."""
+    rng = np.random.default_rng(11)
+    x0, x1 = random_step(rng, 5), random_step(rng, 2)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        want = group.step(1, [StepInput(*x0), StepInput(*x1)])
+    c0, c1 = RankClient(cluster.targets[0], rank=0), RankClient(cluster.targets[1], rank=1)
+    import concurrent.futures
+
+    try:
+        with c0.open_ring(max_tokens=8, d=D, k=K, slots=1, spin_us=200) as ring, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for step_id in (880001, 880002):
+                views = ring.next_slot(5)
+                views["hidden"][:] = x0[0]
+                views["topk_ids"][:] = x0[1]
+                views["topk_weights"][:] = x0[2]
+                other = pool.submit(c1.step, step_id, 1, *x1)
+                ring.submit_in_place(step_id, 1, 5)
+                got = ring.wait(timeout=30)
+                other.result()
+                assert got.via == "ring" and np.array_equal(got.output, want[0].output)
+            with pytest.raises(ValueError, match="tokens, k"):
+                ring.next_slot(9)
+    finally:
+        c0.close()
+        c1.close()
