@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
+#include "control/bundle.h"
 #include "control/eplb_io.h"
 #include "control/json_util.h"
 #include "control/moectl_remote.h"
@@ -103,6 +104,10 @@ ABSL_FLAG(int64_t, min_canary, 200, "rollout: canary steps every rank must count
 ABSL_FLAG(int64_t, after, 0, "watch: start after this transition seq (0: the whole history)");
 ABSL_FLAG(int, count, 0, "watch: stop after this many transitions (0: until interrupted)");
 ABSL_FLAG(int, timeout_s, 0, "watch: stop after this many seconds (0: never); drain: give up after (default 60)");
+ABSL_FLAG(std::string, release, "", "bundle make: the release the bundle describes");
+ABSL_FLAG(std::string, decode_runner, "kernels", "bundle make: the ranks' --decode_runner (kernels, padded, auto)");
+ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "bundle make: the ranks' --decode_bucket_tokens");
+ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "bundle make: the ranks' --decode_bucket_slot_routes");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
 
@@ -121,6 +126,12 @@ constexpr char kUsage[] =
     "rank\n"
     "  moectl checkpoint digest DIR --version V                record every expert's per-layer digest "
     "(moe_checkpoint.json)\n"
+    "  moectl bundle make --release ID --checkpoint DIR --manifest F --world P [--prior ID --decode_runner R\n"
+    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S] --out F\n"
+    "                                                          a release bundle: checkpoint digests, placement, "
+    "runtime, topology\n"
+    "  moectl bundle verify FILE                               its digest, every expert re-read and hashed, the "
+    "placement's digests\n"
     "Controller subcommands (need --controller HOST:PORT --token_file FILE; --json for scripts):\n"
     "  moectl releases list | releases show ID                 releases, states, transition history\n"
     "  moectl release register ID --digest D                   register a release bundle (BUILT)\n"
@@ -545,6 +556,39 @@ int PlacementOffline(const std::string& verb) {
   return moe::kExitOk;
 }
 
+int BundleMake() {
+  moe::BundleInputs in;
+  in.release_id = absl::GetFlag(FLAGS_release);
+  in.prior_release = absl::GetFlag(FLAGS_prior);
+  in.checkpoint_path = absl::GetFlag(FLAGS_checkpoint);
+  in.manifest_path = absl::GetFlag(FLAGS_manifest);
+  in.decode_runner = absl::GetFlag(FLAGS_decode_runner);
+  in.decode_bucket_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
+  in.decode_bucket_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
+  in.world = absl::GetFlag(FLAGS_world);
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));
+  auto bundle = moe::MakeBundle(in);
+  if (!bundle.ok()) return Fail(bundle.status());
+  std::ofstream f(out);
+  f << bundle->dump(2) << "\n";
+  if (!f) return Fail(absl::InvalidArgumentError(absl::StrCat("--out ", out, ": cannot write")));
+  std::cout << "wrote " << out << ": " << in.release_id << ", " << (*bundle)["digest"].get<std::string>() << "\n";
+  return moe::kExitOk;
+}
+
+int BundleVerify(const std::string& path) {
+  auto doc = moe::json::ParseFile(path);
+  if (!doc.ok()) return Fail(doc.status());
+  if (absl::Status s = moe::VerifyBundle(*doc, ClusterTopology); !s.ok()) {
+    return Fail(absl::Status(s.code(), absl::StrCat(path, ": ", s.message())));
+  }
+  std::cout << path << ": verified " << (*doc)["release_id"].get<std::string>() << " "
+            << (*doc)["digest"].get<std::string>() << " (every expert of " << (*doc)["checkpoint"]["digests"].size()
+            << " MoE layers re-read and hashed, the placement's digests match)\n";
+  return moe::kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -560,6 +604,8 @@ int main(int argc, char** argv) {
   if (cmd.size() == 3 && cmd[0] == "checkpoint" && cmd[1] == "inspect") return CheckpointInspect(cmd[2]);
   if (cmd.size() == 3 && cmd[0] == "checkpoint" && cmd[1] == "digest") return CheckpointDigest(cmd[2]);
   if (cmd.size() == 2 && cmd[0] == "placement" && cmd[1] == "synth") return PlacementSynth();
+  if (cmd.size() == 2 && cmd[0] == "bundle" && cmd[1] == "make") return BundleMake();
+  if (cmd.size() == 3 && cmd[0] == "bundle" && cmd[1] == "verify") return BundleVerify(cmd[2]);
   if (cmd.size() == 2 && cmd[0] == "placement" && (cmd[1] == "show" || cmd[1] == "diff")) {
     return PlacementOffline(cmd[1]);
   }

@@ -69,4 +69,48 @@ check "placement diff peak" 0 "peak during the overlap 589824 B" -- \
 check "placement diff over budget" 2 "over the budget of 500000" -- \
   "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152 --budget_bytes 500000
 check "placement show bad file" 2 "--manifest" -- "$MOECTL" placement show --manifest "$TMP/c8.safetensors" --world 4
+# Release bundles: made from a checkpoint with recorded digests and a placement, verified by
+# re-reading every expert; a bundle whose digest does not match its contents, a consistent bundle
+# with one wrong expert digest and a checkpoint changed under its bundle are each refused, naming
+# the field.
+"$MOECTL" checkpoint synth --layers 2 --family qwen3_moe --experts 8 --d 64 --d_ff 64 --seed 3 --version ck-b \
+  --out "$TMP/bm" >/dev/null
+"$MOECTL" placement synth --checkpoint "$TMP/bm" --world 2 --placement_version 2 --extra_replicas 2 >"$TMP/bp.json"
+check "bundle make" 0 "wrote .*rel-2, sha256:" -- "$MOECTL" bundle make --release rel-2 --prior rel-1 \
+  --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --out "$TMP/bundle.json"
+check "bundle verify" 0 "verified rel-2 sha256:" -- "$MOECTL" bundle verify "$TMP/bundle.json"
+python3 - "$TMP" <<'PY'
+import hashlib, json, sys
+d = sys.argv[1]
+b = json.load(open(f"{d}/bundle.json"))
+def digest(x):
+    body = {k: v for k, v in x.items() if k != "digest"}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+assert digest(b) == b["digest"], "canonical digest differs from the CLI's"
+t = json.loads(json.dumps(b)); t["runtime"]["decode_bucket_tokens"] = 16
+json.dump(t, open(f"{d}/tampered.json", "w"))
+w = json.loads(json.dumps(b)); layer = sorted(w["checkpoint"]["digests"])[-1]
+w["checkpoint"]["digests"][layer][5] = "0" * 64; w["digest"] = digest(w)
+json.dump(w, open(f"{d}/wrong_expert.json", "w"))
+print("ok   bundle digest is the canonical JSON's SHA-256 (python recomputes it)")
+open(f"{d}/wrong_layer", "w").write(layer)
+PY
+[ $? = 0 ] || fail=1
+check "bundle: contents changed after its digest" 2 "digest: the bundle says" -- "$MOECTL" bundle verify "$TMP/tampered.json"
+check "bundle: one wrong expert digest" 2 "checkpoint.digests\[\"$(cat "$TMP/wrong_layer")\"\]\[5\]" -- \
+  "$MOECTL" bundle verify "$TMP/wrong_expert.json"
+python3 - "$TMP/bm/model.safetensors" <<'PY'
+import sys
+p = sys.argv[1]
+data = bytearray(open(p, "rb").read())
+n = int.from_bytes(data[:8], "little")
+data[8 + n + 100] ^= 0x40  # one weight of the first tensor
+open(p, "wb").write(data)
+PY
+check "bundle: a checkpoint changed under its bundle" 2 "the checkpoint's expert hashes to" -- \
+  "$MOECTL" bundle verify "$TMP/bundle.json"
+cp -r "$TMP/bm" "$TMP/bm-nodigests" && rm -f "$TMP/bm-nodigests/moe_checkpoint.json"
+check "bundle make needs recorded digests" 2 "no digest recorded" -- "$MOECTL" bundle make --release r --checkpoint \
+  "$TMP/bm-nodigests" --manifest "$TMP/bp.json" --world 2 --out "$TMP/x.json"
 exit $fail

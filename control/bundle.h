@@ -1,0 +1,64 @@
+// Release bundles (spec 0x0C; docs/operations.md): one JSON document that binds a release's
+// coordinates together, with its own digest over all of them.
+//
+//   {
+//     "format": "moe.release.bundle/v1",
+//     "release_id": "release-v2", "prior_release": "release-v1",          (prior: optional)
+//     "checkpoint": {"path": "/models/m", "version": "checkpoint-0001",
+//                    "layers": [1, 2, 3], "experts": 16,
+//                    "digests": {"1": ["<expert 0's digest>", ...], ...}},   (per MoE layer)
+//     "placement": { PlacementManifest JSON },
+//     "runtime": {"decode_runner": "kernels", "decode_bucket_tokens": 8,
+//                 "decode_bucket_slot_routes": 16, "dtype": "BF16"},
+//     "topology": {"world": 4},
+//     "digest": "sha256:<hex>"
+//   }
+//
+// The digest is SHA-256 over the canonical JSON (keys sorted, no whitespace) of everything but
+// "digest". Verification recomputes it, re-reads every expert of every layer from the checkpoint
+// directory and compares each expert's digest, and checks that every slot of the placement
+// expects the digests the bundle records for its expert. Any difference is FAILED_PRECONDITION
+// naming the field (e.g. checkpoint.digests["2"][5]).
+#ifndef MOE_CONTROL_BUNDLE_H_
+#define MOE_CONTROL_BUNDLE_H_
+
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+#include "control/json_util.h"
+#include "runtime/placement/topology.h"
+
+namespace moe {
+
+inline constexpr char kBundleFormat[] = "moe.release.bundle/v1";
+
+struct BundleInputs {
+  std::string release_id;
+  std::string prior_release;    // "" when none
+  std::string checkpoint_path;  // a Hugging Face model directory with recorded digests
+  std::string manifest_path;    // PlacementManifest JSON (moectl placement synth / rebalance --out)
+  std::string decode_runner = "kernels";
+  int64_t decode_bucket_tokens = 8;
+  int64_t decode_bucket_slot_routes = 16;
+  int world = 0;
+};
+
+// A bundle with its digest. The checkpoint's digests are the ones recorded beside its weights
+// (moectl checkpoint digest); INVALID_ARGUMENT naming the input when one is missing or the
+// placement does not parse.
+absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in);
+
+// "sha256:<hex>" over the canonical JSON of `bundle` without its "digest" member.
+std::string BundleDigest(const json::Json& bundle);
+
+// Everything the bundle claims, checked: its format and fields (INVALID_ARGUMENT naming them), its
+// digest, the checkpoint's experts re-read and hashed, and the placement's slot digests
+// (FAILED_PRECONDITION naming the first difference). `topology(world)`: the ranks' topology the
+// placement is read against.
+absl::Status VerifyBundle(const json::Json& bundle, const std::function<Topology(int)>& topology);
+
+}  // namespace moe
+
+#endif  // MOE_CONTROL_BUNDLE_H_
