@@ -1,4 +1,4 @@
-// Release bundles (spec 0x0C; docs/operations.md): one JSON document that binds a release's
+// Release bundles (spec 0x0C; docs/cli.md "Release bundles"): one JSON document that binds a release's
 // coordinates together, with its own digest over all of them.
 //
 //   {

@@ -105,6 +105,8 @@ ABSL_FLAG(int64_t, after, 0, "watch: start after this transition seq (0: the who
 ABSL_FLAG(int, count, 0, "watch: stop after this many transitions (0: until interrupted)");
 ABSL_FLAG(int, timeout_s, 0, "watch: stop after this many seconds (0: never); drain: give up after (default 60)");
 ABSL_FLAG(std::string, release, "", "bundle make: the release the bundle describes");
+ABSL_FLAG(std::string, bundle, "",
+          "release register: a release bundle (moectl bundle make); the controller verifies it before VERIFIED");
 ABSL_FLAG(std::string, decode_runner, "kernels", "bundle make: the ranks' --decode_runner (kernels, padded, auto)");
 ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "bundle make: the ranks' --decode_bucket_tokens");
 ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "bundle make: the ranks' --decode_bucket_slot_routes");
@@ -134,7 +136,8 @@ constexpr char kUsage[] =
     "placement's digests\n"
     "Controller subcommands (need --controller HOST:PORT --token_file FILE; --json for scripts):\n"
     "  moectl releases list | releases show ID                 releases, states, transition history\n"
-    "  moectl release register ID --digest D                   register a release bundle (BUILT)\n"
+    "  moectl release register ID (--bundle F | --digest D)    register a release (BUILT); with a bundle, the\n"
+    "                                                          controller verifies it before VERIFIED\n"
     "  moectl release transition ID STATE --reason R           one lifecycle transition\n"
     "  moectl promote ID [--evidence FILE]                     CANARY -> ACTIVE through the promotion gate (inputs\n"
     "                                                          from FILE, or from the ranks' counters without it)\n"
@@ -627,6 +630,7 @@ int main(int argc, char** argv) {
     o.request_id = absl::GetFlag(FLAGS_request_id);
     o.json = absl::GetFlag(FLAGS_json);
     o.digest = absl::GetFlag(FLAGS_digest);
+    o.bundle = absl::GetFlag(FLAGS_bundle);
     o.reason = absl::GetFlag(FLAGS_reason);
     o.evidence = absl::GetFlag(FLAGS_evidence);
     o.prior = absl::GetFlag(FLAGS_prior);

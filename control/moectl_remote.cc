@@ -384,10 +384,20 @@ absl::Status RunReleaseRegister(const RemoteCall& call) {
   req.set_request_id(call.request_id);
   req.set_release_id(call.cmd[2]);
   req.set_bundle_digest(call.o.digest);
+  if (!call.o.bundle.empty()) {
+    std::ifstream in(call.o.bundle);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("--bundle ", call.o.bundle, ": cannot read"));
+    std::stringstream buf;
+    buf << in.rdbuf();
+    req.set_bundle_json(buf.str());
+  }
   v1::Release rel;
   auto ctx = call.Context();
   if (auto s = FromGrpcStatus(call.stub->RegisterRelease(ctx.get(), req, &rel)); !s.ok()) return s;
-  std::cout << (call.o.json ? Json(rel) : absl::StrCat(rel.release_id(), " ", StateName(rel.state()))) << "\n";
+  std::cout << (call.o.json ? Json(rel)
+                            : absl::StrCat(rel.release_id(), " ", StateName(rel.state()),
+                                           call.o.bundle.empty() ? "" : absl::StrCat(" ", rel.bundle_digest())))
+            << "\n";
   return absl::OkStatus();
 }
 

@@ -20,6 +20,7 @@ struct RemoteOptions {
   std::string request_id;  // generated when empty
   bool json = false;
   std::string digest;    // release register
+  std::string bundle;    // release register: a release bundle JSON file (its digest is the release's)
   std::string reason;    // release transition, rollback
   std::string evidence;  // promote: JSON file of PromotionEvidence fields
   std::string prior;     // rollback

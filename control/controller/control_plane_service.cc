@@ -109,7 +109,7 @@ grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) 
 grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                                       v1::Release* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  auto r = manager_->Register(req->request_id(), req->release_id(), req->bundle_digest());
+  auto r = manager_->Register(req->request_id(), req->release_id(), req->bundle_digest(), req->bundle_json());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
   return grpc::Status::OK;

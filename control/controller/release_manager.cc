@@ -9,9 +9,11 @@
 #include "absl/strings/str_join.h"
 #include "spdlog/spdlog.h"
 
+#include "control/bundle.h"
 #include "control/controller/agent_rollback.h"
 #include "rpc/counters_proto.h"
 #include "rpc/placement_proto.h"
+#include "runtime/placement/default_placement.h"
 #include "runtime/placement/migration.h"
 #include "runtime/status.h"
 
@@ -134,9 +136,47 @@ RankStatuses StoreReleaseManager::ClusterStatus() {
 
 absl::StatusOr<ReleaseRecord> StoreReleaseManager::Register(const std::string& request_id,
                                                             const std::string& release_id,
-                                                            const std::string& bundle_digest) {
+                                                            const std::string& bundle_digest,
+                                                            const std::string& bundle_json) {
+  std::string digest = bundle_digest;
+  std::string stored;
+  if (!bundle_json.empty()) {
+    ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_json, "bundle_json"));
+    if (!bundle.is_object() || !bundle.contains("release_id") || !bundle["release_id"].is_string() ||
+        bundle["release_id"].get<std::string>() != release_id) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bundle_json.release_id: the bundle does not describe release '", release_id, "'"));
+    }
+    const std::string computed = BundleDigest(bundle);
+    if (!digest.empty() && digest != computed) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bundle_digest: ", digest, " given, the bundle hashes to ", computed));
+    }
+    digest = computed;
+    stored = bundle.dump();
+  }
   absl::MutexLock lock(&write_mu_);
-  return store_->Register(request_id, release_id, bundle_digest);
+  return store_->Register(request_id, release_id, digest, stored);
+}
+
+absl::Status StoreReleaseManager::VerifyRegisteredBundle(const std::string& release_id) {
+  ASSIGN_OR_RETURN(const std::string text, store_->Bundle(release_id));
+  if (text.empty()) return absl::OkStatus();  // registered with a digest only: the operator's claim
+  ASSIGN_OR_RETURN(json::Json bundle, json::Parse(text, "bundle"));
+  const auto topology = [this](int world) {
+    return topology_.has_value() && topology_->num_ranks() == world ? *topology_ : TwoNodeTopology(world);
+  };
+  if (absl::Status s = VerifyBundle(bundle, topology); !s.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("to: VERIFIED refused for ", release_id, ": its bundle does not verify: ", s.message()));
+  }
+  if (agents_ != nullptr && !agents_->empty() &&
+      bundle["topology"]["world"].get<int64_t>() != static_cast<int64_t>(agents_->addresses().size())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "to: VERIFIED refused for ", release_id, ": bundle topology.world ", bundle["topology"]["world"].dump(),
+        ", the controller drives ", agents_->addresses().size(), " rank agents"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::string& request_id,
@@ -146,6 +186,13 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
     return absl::FailedPreconditionError("to: ACTIVE is reached through Promote (the 0x0DC gate)");
   }
   absl::MutexLock lock(&write_mu_);
+  if (to == ReleaseState::kVerified) {
+    // VERIFIED is the controller's own finding for a release with a bundle: its digest, every
+    // expert re-read from the checkpoint, the placement's digests (control/bundle.h). A retry
+    // of a committed transition is answered from the record.
+    ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
+    if (recorded.empty()) RETURN_IF_ERROR(VerifyRegisteredBundle(release_id));
+  }
   if (drives_ranks() && to == ReleaseState::kCanary) {
     // 0x0E: runner parity differs -> block canary. A candidate whose shadow outputs differ never
     // serves live steps: the transition is refused and the candidate drained.

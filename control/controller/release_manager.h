@@ -70,8 +70,10 @@ class ReleaseManager {
   virtual RankStatuses ClusterStatus() = 0;
 
   // A new release, BUILT (a retry with the same request id answers the same record).
+  // With `bundle_json` (a release bundle, control/bundle.h) the release's digest is the bundle's,
+  // computed here; a `bundle_digest` given beside it must equal it (INVALID_ARGUMENT otherwise).
   virtual absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
-                                                 const std::string& bundle_digest) = 0;
+                                                 const std::string& bundle_digest, const std::string& bundle_json) = 0;
   // One registry transition other than to ACTIVE (that is Promote's), driving the ranks' trials
   // after it commits; SHADOW -> CANARY is admitted only while runner parity holds.
   virtual absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
@@ -112,7 +114,7 @@ class StoreReleaseManager final : public ReleaseManager {
   absl::StatusOr<std::vector<StoredTransition>> History(const std::string& release_id, int64_t after_seq) override;
   RankStatuses ClusterStatus() override;
   absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
-                                         const std::string& bundle_digest) override;
+                                         const std::string& bundle_digest, const std::string& bundle_json) override;
   absl::StatusOr<StoredTransition> Transition(const std::string& request_id, const std::string& release_id,
                                               ReleaseState to, const std::string& reason) override;
   absl::StatusOr<Promotion> Promote(const std::string& request_id, const std::string& release_id,
@@ -125,6 +127,8 @@ class StoreReleaseManager final : public ReleaseManager {
   absl::Status Reconcile() override;
 
  private:
+  // The registered bundle's verification (none for a digest-only release), before VERIFIED.
+  absl::Status VerifyRegisteredBundle(const std::string& release_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   bool drives_ranks() const { return agents_ != nullptr && !agents_->empty(); }
   // SHADOW -> CANARY admission (under write_mu_): OK to go on; otherwise the refusal, with the
   // candidate committed DRAINING (request `<request_id>/blocked`) and trials stopped.

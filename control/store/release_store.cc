@@ -37,6 +37,10 @@ CREATE TABLE IF NOT EXISTS transitions (
   reason     TEXT NOT NULL,
   UNIQUE (request_id, part)
 );
+CREATE TABLE IF NOT EXISTS bundles (
+  release_id TEXT PRIMARY KEY REFERENCES releases(release_id),
+  bundle     TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS requests (
   request_id  TEXT PRIMARY KEY,
   fingerprint TEXT NOT NULL
@@ -252,7 +256,7 @@ absl::StatusOr<std::unique_ptr<ReleaseStore>> ReleaseStore::Open(const std::stri
 ReleaseStore::~ReleaseStore() { sqlite3_close(db_); }
 
 absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_id, const std::string& release_id,
-                                                     const std::string& bundle_digest) {
+                                                     const std::string& bundle_digest, const std::string& bundle) {
   if (absl::Status s = RequireRequestId(request_id); !s.ok()) return s;
   if (release_id.empty()) return absl::InvalidArgumentError("release_id: required");
   if (bundle_digest.empty()) return absl::InvalidArgumentError("bundle_digest: required");
@@ -276,11 +280,24 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
   Stmt ins(db_, "INSERT INTO releases(release_id, bundle_digest, state, revision) VALUES (?, ?, ?, 0)");
   ins.Bind(1, release_id).Bind(2, bundle_digest).Bind(3, std::string(ReleaseStateName(ReleaseState::kBuilt)));
   if (auto s = ins.Step(); !s.ok()) return s.status();
+  if (!bundle.empty()) {
+    Stmt bins(db_, "INSERT INTO bundles(release_id, bundle) VALUES (?, ?)");
+    bins.Bind(1, release_id).Bind(2, bundle);
+    if (auto s = bins.Step(); !s.ok()) return s.status();
+  }
   if (recorded->empty()) {
     if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
   }
   if (absl::Status s = txn.Commit(); !s.ok()) return s;
   return ReleaseRecord{release_id, bundle_digest, ReleaseState::kBuilt, 0};
+}
+
+absl::StatusOr<std::string> ReleaseStore::Bundle(const std::string& release_id) const {
+  Stmt q(db_, "SELECT bundle FROM bundles WHERE release_id = ?");
+  q.Bind(1, release_id);
+  auto row = q.Step();
+  if (!row.ok()) return row.status();
+  return *row ? q.Text(0) : std::string();
 }
 
 absl::StatusOr<StoredTransition> ReleaseStore::Transition(const std::string& request_id, const std::string& release_id,

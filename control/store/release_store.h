@@ -72,8 +72,11 @@ class ReleaseStore {
 
   // Adds a release in BUILT. INVALID_ARGUMENT for an empty id or digest; ALREADY_EXISTS for a known
   // release id registered with another digest (the same id and digest is an idempotent repeat).
+  // `bundle`: the release bundle's JSON, stored in the same commit (optional).
   absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
-                                         const std::string& bundle_digest);
+                                         const std::string& bundle_digest, const std::string& bundle = "");
+  // The bundle JSON registered with the release ("" when it was registered with a digest only).
+  absl::StatusOr<std::string> Bundle(const std::string& release_id) const;
 
   // Commits one transition, checked against the one legal-transition table and the stored state.
   // NOT_FOUND for an unknown release, FAILED_PRECONDITION for an illegal move; nothing is written

@@ -53,7 +53,7 @@ class FakeReleaseManager final : public ReleaseManager {
     return ranks;
   }
   absl::StatusOr<ReleaseRecord> Register(const std::string& request_id, const std::string& release_id,
-                                         const std::string& bundle_digest) override {
+                                         const std::string& bundle_digest, const std::string&) override {
     Record("Register", {request_id, release_id, bundle_digest});
     RETURN_IF_ERROR(error);
     return release;

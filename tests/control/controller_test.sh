@@ -106,4 +106,38 @@ grep -q 'moe_controller_releases{state="ACTIVE"} 1' "$TMP/scrape.txt" && grep -q
 if command -v promtool >/dev/null; then
   promtool check metrics <"$TMP/scrape.txt" && echo "ok   promtool check metrics" || { echo "FAIL promtool"; fail=1; }
 fi
+
+# Release bundles: the controller computes the digest of a registered bundle and verifies the
+# bundle itself before VERIFIED (every expert re-read from the checkpoint, the placement's
+# digests); one wrong expert digest in an otherwise consistent bundle never reaches VERIFIED.
+"$MOECTL" checkpoint synth --layers 2 --family qwen3_moe --experts 8 --d 64 --d_ff 64 --seed 5 --version ck-21 \
+  --out "$TMP/model" >/dev/null
+"$MOECTL" placement synth --checkpoint "$TMP/model" --world 4 --placement_version 3 >"$TMP/p3.json"
+"$MOECTL" bundle make --release release-v21 --prior release-v18 --checkpoint "$TMP/model" --manifest "$TMP/p3.json" \
+  --world 4 --out "$TMP/b21.json" >/dev/null
+digest21="$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['digest'])" "$TMP/b21.json")"
+check "register a bundle: its digest is the release's" 0 "release-v21 BUILT $digest21" -- \
+  "$MOECTL" "${C[@]}" release register release-v21 --bundle "$TMP/b21.json"
+check "a bundle with another digest beside it" 2 "bundle_digest" -- \
+  "$MOECTL" "${C[@]}" release register release-v21 --bundle "$TMP/b21.json" --digest sha256:other
+check "a bundle of another release" 2 "bundle_json.release_id" -- \
+  "$MOECTL" "${C[@]}" release register release-v99 --bundle "$TMP/b21.json"
+check "the controller verifies the bundle: VERIFIED" 0 "BUILT *-> VERIFIED" -- \
+  "$MOECTL" "${C[@]}" release transition release-v21 VERIFIED --reason "bundle verified by the controller"
+python3 - "$TMP/b21.json" "$TMP/b22.json" <<'PY'
+import hashlib, json, sys
+b = json.load(open(sys.argv[1]))
+b["release_id"] = "release-v22"
+layer = sorted(b["checkpoint"]["digests"])[0]
+b["checkpoint"]["digests"][layer][3] = "f" * 64
+body = {k: v for k, v in b.items() if k != "digest"}
+b["digest"] = "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+json.dump(b, open(sys.argv[2], "w"))
+open(sys.argv[2] + ".layer", "w").write(layer)
+PY
+check "register a bundle with one wrong expert digest" 0 "release-v22 BUILT" -- \
+  "$MOECTL" "${C[@]}" release register release-v22 --bundle "$TMP/b22.json"
+check "... it never reaches VERIFIED" 1 "VERIFIED refused for release-v22.*checkpoint.digests\[\"$(cat "$TMP/b22.json.layer")\"\]\[3\]" -- \
+  "$MOECTL" "${C[@]}" release transition release-v22 VERIFIED --reason "claimed"
+check "... and stays BUILT" 0 "release-v22 *BUILT" -- "$MOECTL" "${C[@]}" releases list
 exit $fail

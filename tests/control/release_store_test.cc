@@ -69,6 +69,21 @@ TEST(ReleaseStoreTest, PlacementIsRecordedWithItsTransition) {
   EXPECT_EQ(rec.state, ReleaseState::kShadow);
 }
 
+// A bundle is stored with its release in the same commit and survives a reopen; a release
+// registered with a digest only has none.
+TEST(ReleaseStoreTest, BundlesAreStoredWithTheirRelease) {
+  const std::string path = TempPath("bundles.db");
+  {
+    auto store = *ReleaseStore::Open(path);
+    ASSERT_TRUE(store->Register("r1", "release-v1", "sha256:b1", R"({"release_id":"release-v1"})").ok());
+    ASSERT_TRUE(store->Register("r2", "release-v2", "sha256:b2").ok());
+  }
+  auto store = *ReleaseStore::Open(path);
+  EXPECT_EQ(*store->Bundle("release-v1"), R"({"release_id":"release-v1"})");
+  EXPECT_EQ(*store->Bundle("release-v2"), "");
+  EXPECT_EQ(*store->Bundle("release-v9"), "");
+}
+
 TEST(ReleaseStoreTest, RequestIdsAreIdempotent) {
   auto store = *ReleaseStore::Open(TempPath("idempotent.db"));
   ASSERT_TRUE(store->Register("r1", "release-v19", "sha256:aa").ok());
