@@ -490,16 +490,18 @@ absl::Status RunRollback(const RemoteCall& call) {
 // `placement load ID --manifest FILE`.
 absl::Status RunPlacementLoad(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
-  if (o.manifest.empty()) return absl::InvalidArgumentError("--manifest: required (PlacementManifest JSON)");
-  std::ifstream in(o.manifest);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": cannot read"));
-  std::stringstream buf;
-  buf << in.rdbuf();
   v1::LoadPlacementRequest req;
   req.set_request_id(call.request_id);
   req.set_release_id(call.cmd[2]);
-  if (auto s = google::protobuf::util::JsonStringToMessage(buf.str(), req.mutable_manifest()); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": ", s.ToString()));
+  // Without --manifest the controller loads the placement of the release's bundle.
+  if (!o.manifest.empty()) {
+    std::ifstream in(o.manifest);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": cannot read"));
+    std::stringstream buf;
+    buf << in.rdbuf();
+    if (auto s = google::protobuf::util::JsonStringToMessage(buf.str(), req.mutable_manifest()); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--manifest ", o.manifest, ": ", s.ToString()));
+    }
   }
   v1::Release rel;
   auto ctx = call.Context(true);

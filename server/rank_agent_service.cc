@@ -239,6 +239,30 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
   if (!manifest.ok()) return ToGrpcStatus(manifest.status());
   const PlacementVersion v = (*manifest)->version();
   if (v.value() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest.version: must be positive");
+  if (req->has_runtime()) {
+    // 0x0CB: a release's coordinates are bound together; a rank running others refuses it.
+    const v1::RuntimeCoordinates& want = req->runtime();
+    const v1::RuntimeCoordinates& mine = c_.runtime;
+    const auto refuse = [&](const char* field, const std::string& theirs, const std::string& ours, const char* flag) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("runtime.", field, ": the release bundle says ", theirs, ", rank ",
+                                       c_.rank.value(), " runs ", ours, " (", flag, ")"));
+    };
+    if (want.decode_runner() != mine.decode_runner()) {
+      return refuse("decode_runner", want.decode_runner(), mine.decode_runner(), "--decode_runner");
+    }
+    if (want.decode_bucket_tokens() != mine.decode_bucket_tokens()) {
+      return refuse("decode_bucket_tokens", absl::StrCat(want.decode_bucket_tokens()),
+                    absl::StrCat(mine.decode_bucket_tokens()), "--decode_bucket_tokens");
+    }
+    if (want.decode_bucket_slot_routes() != mine.decode_bucket_slot_routes()) {
+      return refuse("decode_bucket_slot_routes", absl::StrCat(want.decode_bucket_slot_routes()),
+                    absl::StrCat(mine.decode_bucket_slot_routes()), "--decode_bucket_slot_routes");
+    }
+    if (!want.dtype().empty() && want.dtype() != mine.dtype()) {
+      return refuse("dtype", want.dtype(), mine.dtype(), "the rank's expert dtype");
+    }
+  }
   absl::MutexLock lock(&mu_);
   if (c_.registry->State(v).ok()) {
     for (const GenerationInfo& g : c_.registry->List()) {

@@ -33,6 +33,8 @@ struct RankAgentContext {
   std::string token;                             // bearer token; must be non-empty
   // How this agent dials its peers' agents (FetchSlotWeights): rpc/tls.h; null: plaintext.
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+  // The coordinates this rank runs (its flags), which a release bundle's must equal.
+  v1::RuntimeCoordinates runtime;
 };
 
 class RankAgentServiceImpl final : public v1::RankAgentService::Service {

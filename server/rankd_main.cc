@@ -422,9 +422,14 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     RETURN_IF_ERROR(s->engine->EnableStepRings(std::move(ro)));
   }
   if (!o.agent_token.empty()) {
-    s->agent = std::make_unique<RankAgentServiceImpl>(RankAgentContext{Rank(o.rank), m.topology, m.group, registry,
-                                                                       executor, m.checkpoint.get(), o.agent_token,
-                                                                       ChannelCredentials(o.tls)});
+    RankAgentContext ac{Rank(o.rank), m.topology,         m.group,       registry,
+                        executor,     m.checkpoint.get(), o.agent_token, ChannelCredentials(o.tls)};
+    // The coordinates a release bundle must name to be prepared here (0x0CB).
+    ac.runtime.set_decode_runner(absl::GetFlag(FLAGS_decode_runner));
+    ac.runtime.set_decode_bucket_tokens(absl::GetFlag(FLAGS_decode_bucket_tokens));
+    ac.runtime.set_decode_bucket_slot_routes(absl::GetFlag(FLAGS_decode_bucket_slot_routes));
+    ac.runtime.set_dtype("BF16");
+    s->agent = std::make_unique<RankAgentServiceImpl>(std::move(ac));
   }
   // gRPC's message limit: the request bytes plus room for the top-k ids and gates (8 bytes a
   // route at most 64 routes a token) and framing.

@@ -41,9 +41,10 @@ absl::Status AgentPool::OnEach(
   return absl::OkStatus();
 }
 
-absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest) {
+absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1::RuntimeCoordinates* runtime) {
   v1::PrepareGenerationRequest req;
   *req.mutable_manifest() = manifest;
+  if (runtime != nullptr) *req.mutable_runtime() = *runtime;
   // Every rank may copy slots from the others (0x08F network copies).
   for (const std::string& a : addresses_) req.add_peer_agents(a);
   return OnEach(absl::StrCat("prepare placement-v", manifest.version()),

@@ -26,7 +26,9 @@ class AgentPool {
   bool empty() const { return addresses_.empty(); }
   const std::vector<std::string>& addresses() const { return addresses_; }
 
-  absl::Status Prepare(const v1::PlacementManifest& manifest);
+  // `runtime`: the release bundle's coordinates, which every rank checks against its own (none:
+  // a release registered without a bundle).
+  absl::Status Prepare(const v1::PlacementManifest& manifest, const v1::RuntimeCoordinates* runtime = nullptr);
   absl::Status Activate(int64_t version);
   absl::Status Retire(int64_t version);
   // Trial steps of a PREPARED candidate on every rank (version 0 stops them).

@@ -154,7 +154,8 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
 grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req,
                                                     v1::Release* resp) {
   if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
-  if (!req->has_manifest()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest: required");
+  // No manifest: the placement of the release's bundle (INVALID_ARGUMENT from the manager when
+  // the release has none).
   auto r = manager_->LoadPlacement(req->request_id(), req->release_id(), req->manifest());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);

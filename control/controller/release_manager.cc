@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -473,8 +474,28 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
     }
     absl::StrAppend(&reason, ", migration peak ", peak, " bytes");
   }
+  // A release with a bundle loads the bundle's placement, and every rank checks the bundle's
+  // runtime coordinates against its own (0x0CB).
+  ASSIGN_OR_RETURN(const std::string bundle_text, store_->Bundle(release_id));
+  std::optional<v1::RuntimeCoordinates> runtime;
+  if (!bundle_text.empty()) {
+    ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_text, "bundle"));
+    v1::PlacementManifest placed;
+    if (!google::protobuf::util::JsonStringToMessage(bundle["placement"].dump(), &placed).ok() ||
+        !google::protobuf::util::MessageDifferencer::Equals(placed, manifest)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("manifest: differs from the placement in ", release_id, "'s bundle"));
+    }
+    const json::Json& r = bundle["runtime"];
+    runtime.emplace();
+    runtime->set_decode_runner(r.value("decode_runner", ""));
+    runtime->set_decode_bucket_tokens(r.value("decode_bucket_tokens", int64_t{0}));
+    runtime->set_decode_bucket_slot_routes(r.value("decode_bucket_slot_routes", int64_t{0}));
+    runtime->set_dtype(r.value("dtype", ""));
+    absl::StrAppend(&reason, ", bundle ", rec.bundle_digest.substr(0, 19), " runtime coordinates checked");
+  }
   // Every rank has the generation prepared before the release is recorded LOADED.
-  RETURN_IF_ERROR(agents_->Prepare(manifest));
+  RETURN_IF_ERROR(agents_->Prepare(manifest, runtime.has_value() ? &*runtime : nullptr));
   std::string manifest_json;
   (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
   return store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();
@@ -482,7 +503,18 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
 
 absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::string& request_id,
                                                                  const std::string& release_id,
-                                                                 const v1::PlacementManifest& manifest) {
+                                                                 const v1::PlacementManifest& given) {
+  // Without a manifest, a release with a bundle loads the bundle's placement.
+  v1::PlacementManifest manifest = given;
+  if (manifest.version() <= 0) {
+    ASSIGN_OR_RETURN(const std::string bundle_text, store_->Bundle(release_id));
+    if (!bundle_text.empty()) {
+      ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_text, "bundle"));
+      if (!google::protobuf::util::JsonStringToMessage(bundle["placement"].dump(), &manifest).ok()) {
+        return absl::InternalError(absl::StrCat(release_id, ": the stored bundle's placement does not parse"));
+      }
+    }
+  }
   if (manifest.version() <= 0) return absl::InvalidArgumentError("manifest.version: must be positive");
   if (!drives_ranks()) return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks");
   absl::MutexLock lock(&write_mu_);

@@ -43,7 +43,7 @@ check "unknown command" 2 "moectl plan" -- "$MOECTL" frobnicate
 # One exit-code table: 0 ok, 1 refused, 2 bad usage or input, 3 unavailable (docs/cli.md).
 check "unknown flag" 2 "unknown flag --frobnicate" -- "$MOECTL" plan --frobnicate
 check "version" 0 "^moectl [0-9]" -- "$MOECTL" --version
-check "per-command help" 0 "moectl placement load ID --manifest FILE" -- "$MOECTL" placement load -h
+check "per-command help" 0 "moectl placement load ID \[--manifest FILE\]" -- "$MOECTL" placement load -h
 out="$("$MOECTL" placement load --help)"
 if grep -q "moectl plan --trace" <<<"$out"; then echo "FAIL per-command help lists other commands"; fail=1; else
   echo "ok   per-command help lists only its command"; fi

@@ -2,6 +2,8 @@
 # Rows of the spec's fault table (0x0E) on real processes: four moe-rankd (UCX, rank agents on),
 # moe-controller driving them, the engine driver sending steps.
 #  - process-group generation differs   -> the placement load is rejected (nothing committed)
+#  - release coordinates differ (0x0CB: a bundle's decode bucket is not rank 1's) -> the rank
+#                                           refuses the placement load, naming the field
 #  - runner parity differs (rank 2's trial passes compute something else, --inject_fault
 #    trial_drift)                        -> shadow mismatches counted, the candidate blocked at
 #                                           SHADOW -> CANARY and drained by the controller (never
@@ -46,6 +48,17 @@ check "bootstrap release-v1" 0 "release-v1 ACTIVE" -- "$M" "${C[@]}" rollout rel
 "$M" "${C[@]}" release transition release-v9 VERIFIED --reason ok >/dev/null
 check "process-group epoch differs: load rejected" 1 "epoch" -- "$M" "${C[@]}" placement load release-v9 --manifest "$work/v9.json"
 check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" releases list
+
+# Release bundle coordinates differ (0x0CB): a bundle naming decode bucket 8 is refused by rank 1,
+# which runs --decode_bucket_tokens 4; nothing is committed for it.
+"$M" placement synth --checkpoint "$work/model" --world 4 --placement_version 7 --extra_replicas 2 >"$work/v7.json"
+"$M" bundle make --release release-v7 --checkpoint "$work/model" --manifest "$work/v7.json" --world 4 \
+  --decode_bucket_tokens 8 --out "$work/b7.json" >/dev/null
+"$M" "${C[@]}" release register release-v7 --bundle "$work/b7.json" >/dev/null
+check "bundle verified by the controller" 0 "-> VERIFIED" -- "$M" "${C[@]}" release transition release-v7 VERIFIED --reason "controller verifies"
+check "bundle runtime coordinates differ: a rank refuses" 1 "runtime.decode_bucket_tokens: the release bundle says 8, rank 1 runs 4" -- \
+  "$M" "${C[@]}" placement load release-v7
+check "nothing committed for the refused bundle" 0 "release-v7 *VERIFIED" -- "$M" "${C[@]}" releases list
 
 # Runner parity differs -> block canary.
 "$DRIVER" --port_dir "$work/ports" --world 4 --checkpoint "$work/model" --rounds 1 --until_file "$work/stop" \
