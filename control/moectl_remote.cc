@@ -303,7 +303,8 @@ absl::Status RolloutStep(Rollout& r, const v1::Release& rel) {
   const std::string& id = r.id;
   switch (rel.state()) {
     case v1::RELEASE_STATE_BUILT:
-      r.step.reason = "rollout: bundle digests checked";
+      r.step.reason =
+          r.call.o.bundle.empty() ? "rollout: bundle digests checked" : "rollout: bundle verified by the controller";
       return r.Run({"release", "transition", id, "VERIFIED"}, "verify");
     case v1::RELEASE_STATE_VERIFIED:
       return r.Run({"placement", "load", id}, "load");
@@ -327,14 +328,17 @@ absl::Status RolloutStep(Rollout& r, const v1::Release& rel) {
 absl::Status RunRollout(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
   const std::string& id = call.cmd[1];
-  if (o.manifest.empty())
-    return absl::InvalidArgumentError("--manifest: required (the release's PlacementManifest JSON)");
+  if (o.manifest.empty() && o.bundle.empty()) {
+    return absl::InvalidArgumentError("--manifest or --bundle: required (the release's placement)");
+  }
   Rollout r{call, id, o.request_id.empty() ? absl::StrCat("rollout-", id) : o.request_id, o, absl::InfiniteFuture()};
   r.step.json = false;
   r.deadline = absl::Now() + absl::Seconds(o.timeout_s > 0 ? o.timeout_s : 600);
   auto rel = GetRelease(call, id);
   if (rel.status().code() == absl::StatusCode::kNotFound) {
-    if (o.digest.empty()) return absl::InvalidArgumentError("--digest: required to register a new release");
+    if (o.digest.empty() && o.bundle.empty()) {
+      return absl::InvalidArgumentError("--digest or --bundle: required to register a new release");
+    }
     RETURN_IF_ERROR(r.Run({"release", "register", id}, "register"));
     rel = GetRelease(call, id);
   }

@@ -87,14 +87,20 @@ echo "$(ts)  engine driver running steps"
 echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dry_run):"
 ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/model" \
   --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
-# moectl rollout walks release-v2 under live traffic: register, verify, load on every rank, SHADOW
-# (every 2nd step also runs on placement-v2, its output compared with placement-v1's), CANARY
-# (every 3rd step also served by placement-v2), each trial until every rank counted enough, then
-# the promotion through the gate read from the ranks' counters (no evidence file).
-echo "$(ts)  moectl rollout release-v2:"
-ctl rollout release-v2 --manifest "$work/placement-v2.json" --min_shadow 20 --min_canary 12 \
-  --digest "sha256:$(sha256sum "$work/placement-v2.json" | cut -c1-16)" | sed 's/^/      /'
-echo "$(ts)  rollout done"
+# release-v2 is a release bundle (moectl bundle make): the checkpoint's per-layer expert digests,
+# the EPLB placement, the ranks' runtime coordinates and the topology under one digest. moectl
+# rollout walks it under live traffic: register the bundle, VERIFIED once the controller verified
+# it itself (every expert re-read, the placement's digests), load the bundle's placement on every
+# rank (each checks the bundle's runtime coordinates against its own), SHADOW (every 2nd step
+# also runs on placement-v2, its output compared with placement-v1's), CANARY (every 3rd step
+# also served by placement-v2), each trial until every rank counted enough, then the promotion
+# through the gate read from the ranks' counters (no evidence file).
+$M bundle make --release release-v2 --prior release-v1 --checkpoint "$work/model" \
+  --manifest "$work/placement-v2.json" --world "$RANKS" --out "$work/bundle-v2.json" | sed "s/^/$(ts)  /"
+echo "$(ts)  moectl rollout release-v2 --bundle:"
+ctl rollout release-v2 --bundle "$work/bundle-v2.json" --min_shadow 20 --min_canary 12 | sed 's/^/      /'
+echo "$(ts)  rollout done; what the registry recorded for the bundle:"
+ctl releases show release-v2 | grep -E "BUILT +-> VERIFIED|VERIFIED +-> LOADED" | sed 's/^/      /'
 sleep 2
 echo "$(ts)  cluster after the promotion:"
 ctl status | sed 's/^/      /'

@@ -15,6 +15,9 @@ fail=0
 check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 check $rc "live rollout: driver exit 0 (no failed step, no mismatch, no generation split)"
 grep -q "mutual TLS on the control plane and the rank agents" "$out"; check $? "the rollout ran over mutual TLS"
+grep -q "release-v2 *BUILT *-> VERIFIED .*rollout: bundle verified by the controller" "$out" &&
+  grep -q "bundle sha256:[0-9a-f]* runtime coordinates checked" "$out"
+check $? "release-v2 rolled out from a release bundle: verified by the controller, coordinates checked by every rank"
 grep -q "rank-steps .*(failed 0)" "$out"; check $? "no failed rank-step"
 grep -q "mismatches          0" "$out"; check $? "zero mismatches"
 grep -Eq "placement-v1: steps [0-9]+-[0-9]+  placement-v2: steps [0-9]+-[0-9]+  placement-v1: steps" "$out"
