@@ -506,13 +506,15 @@ absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::stri
                                                                  const v1::PlacementManifest& given) {
   // Without a manifest, a release with a bundle loads the bundle's placement.
   v1::PlacementManifest manifest = given;
-  if (manifest.version() <= 0) {
+  if (manifest.ByteSizeLong() == 0) {  // none given
     ASSIGN_OR_RETURN(const std::string bundle_text, store_->Bundle(release_id));
-    if (!bundle_text.empty()) {
-      ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_text, "bundle"));
-      if (!google::protobuf::util::JsonStringToMessage(bundle["placement"].dump(), &manifest).ok()) {
-        return absl::InternalError(absl::StrCat(release_id, ": the stored bundle's placement does not parse"));
-      }
+    if (bundle_text.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("manifest: required (", release_id, " was registered without a release bundle)"));
+    }
+    ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_text, "bundle"));
+    if (!google::protobuf::util::JsonStringToMessage(bundle["placement"].dump(), &manifest).ok()) {
+      return absl::InternalError(absl::StrCat(release_id, ": the stored bundle's placement does not parse"));
     }
   }
   if (manifest.version() <= 0) return absl::InvalidArgumentError("manifest.version: must be positive");
