@@ -192,11 +192,16 @@ class StepRing:
             raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
         if self._closed_word.value:
             raise errors.Unavailable("step ring: the rank closed the ring", rank=self._client.rank)
-        seq = self._n_submitted & 0xFFFFFFFF
-        _DESCRIPTOR.pack_into(self._mm, self._slot(seq), seq, FLAG_ADMITTED if admitted else 0,
-                              pb.PHASE_DECODE if decode else pb.PHASE_PREFILL, k, int(step_id), int(layer), tokens,
-                              int(expected_generation))
         rows = WireRows(pb.DTYPE_BF16, tokens, self.d, b"", "numpy", np.dtype(np.uint16))
+        self._publish(FLAG_ADMITTED if admitted else 0, decode, k, step_id, layer, tokens, expected_generation, rows)
+
+    def _publish(self, flags: int, decode: bool, k: int, step_id: int, layer: int, tokens: int,
+                 expected_generation: int, rows: WireRows) -> None:
+        """Writes the next slot's descriptor, bumps `submitted` (after the slot: x86-64 keeps store
+        order) and wakes the rank when it sleeps."""
+        seq = self._n_submitted & 0xFFFFFFFF
+        _DESCRIPTOR.pack_into(self._mm, self._slot(seq), seq, flags, pb.PHASE_DECODE if decode else pb.PHASE_PREFILL,
+                              k, int(step_id), int(layer), tokens, int(expected_generation))
         self._pending.append((rows, time.perf_counter()))
         self._n_submitted += 1
         self._submitted.value = self._n_submitted & 0xFFFFFFFF
@@ -226,13 +231,7 @@ class StepRing:
         if adm:
             self._view(seq, "admitted", np.uint8, t * k)[:] = np.frombuffer(adm, np.uint8)
             flags |= FLAG_ADMITTED
-        _DESCRIPTOR.pack_into(self._mm, self._slot(seq), seq, flags, pb.PHASE_DECODE if decode else pb.PHASE_PREFILL,
-                              k, int(step_id), int(layer), t, int(expected_generation))
-        self._pending.append((rows, time.perf_counter()))
-        self._n_submitted += 1
-        self._submitted.value = self._n_submitted & 0xFFFFFFFF  # after the slot: x86-64 keeps store order
-        if self._rank_sleeping.value:
-            self._futex.wake(self._base + OFF_SUBMITTED)
+        self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
 
     def wait(self, timeout: float = 60.0, rank: Optional[int] = None) -> StepResult:
         """The oldest outstanding step's answer (its error raised as a MoeError)."""
