@@ -101,7 +101,8 @@ absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in) {
   b["runtime"] = {{"decode_runner", in.decode_runner},
                   {"decode_bucket_tokens", in.decode_bucket_tokens},
                   {"decode_bucket_slot_routes", in.decode_bucket_slot_routes},
-                  {"dtype", "BF16"}};
+                  {"dtype", "BF16"},
+                  {"kernel_build", in.kernel_build}};
   b["topology"] = {{"world", in.world}};
   b["digest"] = BundleDigest(b);
   return b;

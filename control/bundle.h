@@ -9,7 +9,8 @@
 //                    "digests": {"1": ["<expert 0's digest>", ...], ...}},   (per MoE layer)
 //     "placement": { PlacementManifest JSON },
 //     "runtime": {"decode_runner": "kernels", "decode_bucket_tokens": 8,
-//                 "decode_bucket_slot_routes": 16, "dtype": "BF16"},
+//                 "decode_bucket_slot_routes": 16, "dtype": "BF16",
+//                 "kernel_build": "cuda:<16 hex>"},                       ("": any build)
 //     "topology": {"world": 4},
 //     "digest": "sha256:<hex>"
 //   }
@@ -42,6 +43,7 @@ struct BundleInputs {
   std::string decode_runner = "kernels";
   int64_t decode_bucket_tokens = 8;
   int64_t decode_bucket_slot_routes = 16;
+  std::string kernel_build;  // "" : any build (the ranks report theirs in moectl status)
   int world = 0;
 };
 

@@ -110,6 +110,9 @@ ABSL_FLAG(std::string, bundle, "",
 ABSL_FLAG(std::string, decode_runner, "kernels", "bundle make: the ranks' --decode_runner (kernels, padded, auto)");
 ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "bundle make: the ranks' --decode_bucket_tokens");
 ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "bundle make: the ranks' --decode_bucket_slot_routes");
+ABSL_FLAG(std::string, kernel_build, "",
+          "bundle make: the kernels build every rank must run (moectl status --json reports each rank's "
+          "kernelBuild; empty: any)");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
 
@@ -129,7 +132,7 @@ constexpr char kUsage[] =
     "  moectl checkpoint digest DIR --version V                record every expert's per-layer digest "
     "(moe_checkpoint.json)\n"
     "  moectl bundle make --release ID --checkpoint DIR --manifest F --world P [--prior ID --decode_runner R\n"
-    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S] --out F\n"
+    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S --kernel_build B] --out F\n"
     "                                                          a release bundle: checkpoint digests, placement, "
     "runtime, topology\n"
     "  moectl bundle verify FILE                               its digest, every expert re-read and hashed, the "
@@ -571,6 +574,7 @@ int BundleMake() {
   in.decode_runner = absl::GetFlag(FLAGS_decode_runner);
   in.decode_bucket_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   in.decode_bucket_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
+  in.kernel_build = absl::GetFlag(FLAGS_kernel_build);
   in.world = absl::GetFlag(FLAGS_world);
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));

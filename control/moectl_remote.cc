@@ -708,6 +708,7 @@ absl::Status RunStatus(const RemoteCall& call) {
                                  rep.error().empty() ? absl::StrCat("v", rep.status().active_version()) : "-",
                                  rep.error().empty() ? GenerationsLine(rep) : "unreachable: " + rep.error());
   }
+
   return absl::OkStatus();
 }
 

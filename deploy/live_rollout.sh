@@ -95,8 +95,11 @@ ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --chec
 # also runs on placement-v2, its output compared with placement-v1's), CANARY (every 3rd step
 # also served by placement-v2), each trial until every rank counted enough, then the promotion
 # through the gate read from the ranks' counters (no evidence file).
+kernel_build="$(ctl status --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["ranks"][0]["status"]["kernelBuild"])')"
+echo "$(ts)  the ranks' kernels build: $kernel_build (moectl status --json: ranks[].status.kernelBuild)"
 $M bundle make --release release-v2 --prior release-v1 --checkpoint "$work/model" \
-  --manifest "$work/placement-v2.json" --world "$RANKS" --out "$work/bundle-v2.json" | sed "s/^/$(ts)  /"
+  --manifest "$work/placement-v2.json" --world "$RANKS" --kernel_build "$kernel_build" \
+  --out "$work/bundle-v2.json" | sed "s/^/$(ts)  /"
 echo "$(ts)  moectl rollout release-v2 --bundle:"
 ctl rollout release-v2 --bundle "$work/bundle-v2.json" --min_shadow 20 --min_canary 12 | sed 's/^/      /'
 echo "$(ts)  rollout done; what the registry recorded for the bundle:"
@@ -121,6 +124,14 @@ ctl release register release-v4 --digest sha256:v4 >/dev/null
 ctl release transition release-v4 VERIFIED --reason "bundle digests checked" >/dev/null
 echo "$(ts)  a 56-slot placement over the memory budget: $(ctl placement load release-v4 --manifest "$work/placement-v4.json" \
   2>&1 | sed 's/.*moectl: [A-Z_]*: //'); ranks now hold: $(ctl status | awk 'NR == 2 {print $4, $5, $6, $7}')"
+# A bundle pinning another kernels build is refused by the ranks, nothing committed.
+$M placement synth --checkpoint "$work/model" --world "$RANKS" --placement_version 5 --extra_replicas 4 \
+  >"$work/placement-v5.json"
+$M bundle make --release release-v5 --checkpoint "$work/model" --manifest "$work/placement-v5.json" \
+  --world "$RANKS" --kernel_build "cpu:0000000000000000" --out "$work/bundle-v5.json" >/dev/null
+ctl release register release-v5 --bundle "$work/bundle-v5.json" >/dev/null
+ctl release transition release-v5 VERIFIED --reason "controller verifies" >/dev/null
+echo "$(ts)  a bundle pinning another kernels build: $(ctl placement load release-v5 2>&1 | sed 's/.*moectl: [A-Z_]*: //'); release-v5 is $(ctl releases list | awk '$1 == "release-v5" {print $2}')"
 echo "$(ts)  stopping the serving release by hand is refused: $(ctl release transition release-v1 DRAINING \
   --reason manual 2>&1 | sed 's/.*moectl: [A-Z_]*: //')"
 echo "$(ts)  cluster after the rollback:"

@@ -262,6 +262,9 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
     if (!want.dtype().empty() && want.dtype() != mine.dtype()) {
       return refuse("dtype", want.dtype(), mine.dtype(), "the rank's expert dtype");
     }
+    if (!want.kernel_build().empty() && want.kernel_build() != mine.kernel_build()) {
+      return refuse("kernel_build", want.kernel_build(), mine.kernel_build(), "the build of its kernels");
+    }
   }
   absl::MutexLock lock(&mu_);
   if (c_.registry->State(v).ok()) {
@@ -480,6 +483,7 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
   resp->set_rank(c_.rank.value());
   resp->set_active_version(c_.registry->ActiveVersion());
+  resp->set_kernel_build(c_.runtime.kernel_build());
   for (int64_t n : c_.executor->ExpertLoad()) resp->add_expert_routes(n);
   const LayerExecutor::TrialConfig t = c_.executor->Trial();
   resp->mutable_trial()->set_version(std::max<int64_t>(t.version, 0));

@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -31,6 +32,7 @@
 #include "rpc/unix_socket.h"
 #include "runtime/checkpoint/checkpoint_reader.h"
 #include "runtime/checkpoint/expert_loader.h"
+#include "runtime/checkpoint/sha256.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
@@ -405,6 +407,28 @@ absl::Status OpenEngineSocket(const RankdOptions& o, Serving* s) {
 
 // Step: the engine service and the agent, served on the Unix socket and, when there is something
 // to serve on it, on a TCP port (exit status 1 on failure).
+// The build of the code that runs this rank's experts, "<kernels>:<first 16 hex of SHA-256>":
+// the CUDA plugin for --kernels cuda, this executable otherwise (release bundles may pin it).
+std::string KernelBuild(const RankdOptions& o) {
+  std::string file = "/proc/self/exe";
+  if (o.kernels == "cuda") {
+    file = absl::GetFlag(FLAGS_cuda_backend);
+    if (file.empty()) {
+      char self[4096];
+      const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+      const std::string exe(self, n > 0 ? static_cast<size_t>(n) : 0);
+      file = exe.substr(0, exe.rfind('/') + 1) + "libmoe_cuda.so";
+    }
+  }
+  std::ifstream in(file, std::ios::binary);
+  Sha256Hex h;
+  std::vector<char> buf(1 << 20);
+  while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {
+    h.Update(buf.data(), static_cast<size_t>(in.gcount()));
+  }
+  return absl::StrCat(o.kernels, ":", h.Finish().substr(0, 16));
+}
+
 absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegistry* registry, LayerExecutor* executor,
                            RankMetrics* metrics, Serving* s) {
   EngineApiOptions api = o.api;
@@ -429,6 +453,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     ac.runtime.set_decode_bucket_tokens(absl::GetFlag(FLAGS_decode_bucket_tokens));
     ac.runtime.set_decode_bucket_slot_routes(absl::GetFlag(FLAGS_decode_bucket_slot_routes));
     ac.runtime.set_dtype("BF16");
+    ac.runtime.set_kernel_build(KernelBuild(o));
     s->agent = std::make_unique<RankAgentServiceImpl>(std::move(ac));
   }
   // gRPC's message limit: the request bytes plus room for the top-k ids and gates (8 bytes a

@@ -492,6 +492,7 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
     runtime->set_decode_bucket_tokens(r.value("decode_bucket_tokens", int64_t{0}));
     runtime->set_decode_bucket_slot_routes(r.value("decode_bucket_slot_routes", int64_t{0}));
     runtime->set_dtype(r.value("dtype", ""));
+    runtime->set_kernel_build(r.value("kernel_build", ""));
     absl::StrAppend(&reason, ", bundle ", rec.bundle_digest.substr(0, 19), " runtime coordinates checked");
   }
   // Every rank has the generation prepared before the release is recorded LOADED.

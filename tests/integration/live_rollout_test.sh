@@ -18,6 +18,9 @@ grep -q "mutual TLS on the control plane and the rank agents" "$out"; check $? "
 grep -q "release-v2 *BUILT *-> VERIFIED .*rollout: bundle verified by the controller" "$out" &&
   grep -q "bundle sha256:[0-9a-f]* runtime coordinates checked" "$out"
 check $? "release-v2 rolled out from a release bundle: verified by the controller, coordinates checked by every rank"
+grep -Eq "the ranks' kernels build: cpu:[0-9a-f]{16} " "$out" &&
+  grep -Eq "a bundle pinning another kernels build: .*runtime.kernel_build: the release bundle says cpu:0000000000000000, rank [0-9] runs cpu:[0-9a-f]{16}.*; release-v5 is VERIFIED$" "$out"
+check $? "the ranks report their kernels build, and refuse a bundle pinning another (nothing committed)"
 grep -q "rank-steps .*(failed 0)" "$out"; check $? "no failed rank-step"
 grep -q "mismatches          0" "$out"; check $? "zero mismatches"
 grep -Eq "placement-v1: steps [0-9]+-[0-9]+  placement-v2: steps [0-9]+-[0-9]+  placement-v1: steps" "$out"
