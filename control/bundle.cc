@@ -108,12 +108,35 @@ absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in) {
   return b;
 }
 
+absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& b) {
+  if (!b.is_object()) return absl::InvalidArgumentError("bundle: not a JSON object");
+  ASSIGN_OR_RETURN(const json::Json* r, json::Member(b, "bundle", "runtime"));
+  if (!r->is_object()) return absl::InvalidArgumentError("runtime: not an object");
+  BundleRuntime out;
+  ASSIGN_OR_RETURN(const json::Json* runner, json::Member(*r, "runtime", "decode_runner"));
+  ASSIGN_OR_RETURN(out.decode_runner, json::String(*runner, "runtime.decode_runner"));
+  ASSIGN_OR_RETURN(const json::Json* tokens, json::Member(*r, "runtime", "decode_bucket_tokens"));
+  ASSIGN_OR_RETURN(out.decode_bucket_tokens, json::Int(*tokens, "runtime.decode_bucket_tokens"));
+  ASSIGN_OR_RETURN(const json::Json* routes, json::Member(*r, "runtime", "decode_bucket_slot_routes"));
+  ASSIGN_OR_RETURN(out.decode_bucket_slot_routes, json::Int(*routes, "runtime.decode_bucket_slot_routes"));
+  ASSIGN_OR_RETURN(out.dtype, json::StringOr(*r, "runtime", "dtype", ""));
+  ASSIGN_OR_RETURN(out.kernel_build, json::StringOr(*r, "runtime", "kernel_build", ""));
+  if (out.decode_bucket_tokens <= 0 || out.decode_bucket_slot_routes <= 0) {
+    return absl::InvalidArgumentError(
+        "runtime.decode_bucket_tokens, runtime.decode_bucket_slot_routes: must be positive");
+  }
+  return out;
+}
+
 absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)>& topology) {
   if (!b.is_object()) return absl::InvalidArgumentError("bundle: not a JSON object");
   ASSIGN_OR_RETURN(const std::string format, json::StringOr(b, "bundle", "format", ""));
   if (format != kBundleFormat) {
     return absl::InvalidArgumentError(absl::StrCat("format: '", format, "', expected '", kBundleFormat, "'"));
   }
+  ASSIGN_OR_RETURN(const json::Json* release_field, json::Member(b, "bundle", "release_id"));
+  ASSIGN_OR_RETURN(const std::string release_id, json::String(*release_field, "release_id"));
+  if (release_id.empty()) return absl::InvalidArgumentError("release_id: empty");
   ASSIGN_OR_RETURN(const json::Json* digest_field, json::Member(b, "bundle", "digest"));
   ASSIGN_OR_RETURN(const std::string digest, json::String(*digest_field, "digest"));
   const std::string computed = BundleDigest(b);
@@ -133,6 +156,7 @@ absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)
   ASSIGN_OR_RETURN(const int64_t world, json::Int(*world_field, "topology.world"));
   if (world <= 0 || world > 4096) return absl::InvalidArgumentError("topology.world: must be in [1, 4096]");
   ASSIGN_OR_RETURN(const json::Json* placement, json::Member(b, "bundle", "placement"));
+  if (absl::Status s = ParseBundleRuntime(b).status(); !s.ok()) return s;
 
   // The checkpoint: every expert of every MoE layer re-read and hashed.
   std::unique_ptr<SafetensorsFile> storage;

@@ -52,6 +52,16 @@ struct BundleInputs {
 // placement does not parse.
 absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in);
 
+// The bundle's runtime coordinates, each field checked (INVALID_ARGUMENT naming it).
+struct BundleRuntime {
+  std::string decode_runner;
+  int64_t decode_bucket_tokens = 0;
+  int64_t decode_bucket_slot_routes = 0;
+  std::string dtype;
+  std::string kernel_build;  // "": any
+};
+absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& bundle);
+
 // "sha256:<hex>" over the canonical JSON of `bundle` without its "digest" member.
 std::string BundleDigest(const json::Json& bundle);
 

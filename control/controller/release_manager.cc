@@ -171,10 +171,11 @@ absl::Status StoreReleaseManager::VerifyRegisteredBundle(const std::string& rele
     return absl::FailedPreconditionError(
         absl::StrCat("to: VERIFIED refused for ", release_id, ": its bundle does not verify: ", s.message()));
   }
+  // VerifyBundle checked topology.world is an integer.
   if (agents_ != nullptr && !agents_->empty() &&
-      bundle["topology"]["world"].get<int64_t>() != static_cast<int64_t>(agents_->addresses().size())) {
+      bundle.at("topology").at("world").get<int64_t>() != static_cast<int64_t>(agents_->addresses().size())) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "to: VERIFIED refused for ", release_id, ": bundle topology.world ", bundle["topology"]["world"].dump(),
+        "to: VERIFIED refused for ", release_id, ": bundle topology.world ", bundle.at("topology").at("world").dump(),
         ", the controller drives ", agents_->addresses().size(), " rank agents"));
   }
   return absl::OkStatus();
@@ -479,20 +480,21 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
   ASSIGN_OR_RETURN(const std::string bundle_text, store_->Bundle(release_id));
   std::optional<v1::RuntimeCoordinates> runtime;
   if (!bundle_text.empty()) {
-    ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_text, "bundle"));
+    ASSIGN_OR_RETURN(const json::Json bundle, json::Parse(bundle_text, "bundle"));
     v1::PlacementManifest placed;
-    if (!google::protobuf::util::JsonStringToMessage(bundle["placement"].dump(), &placed).ok() ||
+    if (!bundle.contains("placement") ||
+        !google::protobuf::util::JsonStringToMessage(bundle.at("placement").dump(), &placed).ok() ||
         !google::protobuf::util::MessageDifferencer::Equals(placed, manifest)) {
       return absl::FailedPreconditionError(
           absl::StrCat("manifest: differs from the placement in ", release_id, "'s bundle"));
     }
-    const json::Json& r = bundle["runtime"];
+    ASSIGN_OR_RETURN(const BundleRuntime r, ParseBundleRuntime(bundle));
     runtime.emplace();
-    runtime->set_decode_runner(r.value("decode_runner", ""));
-    runtime->set_decode_bucket_tokens(r.value("decode_bucket_tokens", int64_t{0}));
-    runtime->set_decode_bucket_slot_routes(r.value("decode_bucket_slot_routes", int64_t{0}));
-    runtime->set_dtype(r.value("dtype", ""));
-    runtime->set_kernel_build(r.value("kernel_build", ""));
+    runtime->set_decode_runner(r.decode_runner);
+    runtime->set_decode_bucket_tokens(r.decode_bucket_tokens);
+    runtime->set_decode_bucket_slot_routes(r.decode_bucket_slot_routes);
+    runtime->set_dtype(r.dtype);
+    runtime->set_kernel_build(r.kernel_build);
     absl::StrAppend(&reason, ", bundle ", rec.bundle_digest.substr(0, 19), " runtime coordinates checked");
   }
   // Every rank has the generation prepared before the release is recorded LOADED.
@@ -513,8 +515,9 @@ absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::stri
       return absl::InvalidArgumentError(
           absl::StrCat("manifest: required (", release_id, " was registered without a release bundle)"));
     }
-    ASSIGN_OR_RETURN(json::Json bundle, json::Parse(bundle_text, "bundle"));
-    if (!google::protobuf::util::JsonStringToMessage(bundle["placement"].dump(), &manifest).ok()) {
+    ASSIGN_OR_RETURN(const json::Json bundle, json::Parse(bundle_text, "bundle"));
+    if (!bundle.contains("placement") ||
+        !google::protobuf::util::JsonStringToMessage(bundle.at("placement").dump(), &manifest).ok()) {
       return absl::InternalError(absl::StrCat(release_id, ": the stored bundle's placement does not parse"));
     }
   }

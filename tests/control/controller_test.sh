@@ -140,4 +140,19 @@ check "register a bundle with one wrong expert digest" 0 "release-v22 BUILT" -- 
 check "... it never reaches VERIFIED" 1 "VERIFIED refused for release-v22.*checkpoint.digests\[\"$(cat "$TMP/b22.json.layer")\"\]\[3\]" -- \
   "$MOECTL" "${C[@]}" release transition release-v22 VERIFIED --reason "claimed"
 check "... and stays BUILT" 0 "release-v22 *BUILT" -- "$MOECTL" "${C[@]}" releases list
+# A consistent bundle whose runtime field has the wrong type: refused naming it, the controller
+# serving on.
+python3 - "$TMP/b21.json" "$TMP/b23.json" <<'PY'
+import hashlib, json, sys
+b = json.load(open(sys.argv[1]))
+b["release_id"] = "release-v23"
+b["runtime"]["decode_bucket_tokens"] = "eight"
+body = {k: v for k, v in b.items() if k != "digest"}
+b["digest"] = "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+json.dump(b, open(sys.argv[2], "w"))
+PY
+"$MOECTL" "${C[@]}" release register release-v23 --bundle "$TMP/b23.json" >/dev/null
+check "a malformed runtime field never reaches VERIFIED" 1 "runtime.decode_bucket_tokens" -- \
+  "$MOECTL" "${C[@]}" release transition release-v23 VERIFIED --reason "claimed"
+check "... and the controller serves on" 0 "release-v23 *BUILT" -- "$MOECTL" "${C[@]}" releases list
 exit $fail
