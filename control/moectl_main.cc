@@ -621,15 +621,14 @@ int main(int argc, char** argv) {
   }
   if (moe::IsRemoteCommand(cmd)) {
     moe::RemoteOptions o;
-    o.controller = absl::GetFlag(FLAGS_controller);
-    o.token_file = absl::GetFlag(FLAGS_token_file);
-    if (const char* env = std::getenv("MOE_CONTROLLER"); o.controller.empty() && env != nullptr) o.controller = env;
-    if (const char* env = std::getenv("MOE_TOKEN_FILE"); o.token_file.empty() && env != nullptr) o.token_file = env;
-    if (absl::GetFlag(FLAGS_timeout) < 0) return Fail(absl::InvalidArgumentError("--timeout: must be >= 0"));
+    // A flag left empty takes its environment variable.
     const auto flag_or_env = [](const std::string& flag, const char* env) {
       const char* v = std::getenv(env);
       return flag.empty() && v != nullptr ? std::string(v) : flag;
     };
+    o.controller = flag_or_env(absl::GetFlag(FLAGS_controller), "MOE_CONTROLLER");
+    o.token_file = flag_or_env(absl::GetFlag(FLAGS_token_file), "MOE_TOKEN_FILE");
+    if (absl::GetFlag(FLAGS_timeout) < 0) return Fail(absl::InvalidArgumentError("--timeout: must be >= 0"));
     o.tls.cert = flag_or_env(absl::GetFlag(FLAGS_tls_cert), "MOE_TLS_CERT");
     o.tls.key = flag_or_env(absl::GetFlag(FLAGS_tls_key), "MOE_TLS_KEY");
     o.tls.ca = flag_or_env(absl::GetFlag(FLAGS_tls_ca), "MOE_TLS_CA");

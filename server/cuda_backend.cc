@@ -10,7 +10,7 @@
 namespace moe {
 namespace {
 
-std::string NextToExecutable(const char* name) {
+std::string NextToExecutableFile(const char* name) {
   char buf[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
   if (n <= 0) return name;
@@ -21,8 +21,12 @@ std::string NextToExecutable(const char* name) {
 
 }  // namespace
 
+std::string CudaBackendFile(const std::string& path) {
+  return path.empty() ? NextToExecutableFile("libmoe_cuda.so") : path;
+}
+
 absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path, const kernels::CudaTuning& tuning) {
-  const std::string file = path.empty() ? NextToExecutable("libmoe_cuda.so") : path;
+  const std::string file = CudaBackendFile(path);
   void* lib = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     return absl::FailedPreconditionError(

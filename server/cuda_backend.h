@@ -30,6 +30,10 @@ struct NcclBackendOptions {
   bool host_agreement = true;  // NcclOptions::host_agreement
 };
 
+// The plugin file CudaBackend::Load opens for `path`: libmoe_cuda.so next to this executable
+// when `path` is empty.
+std::string CudaBackendFile(const std::string& path);
+
 class CudaBackend {
  public:
   // Loads the plugin (`path`; empty: libmoe_cuda.so next to this executable) and hands it the

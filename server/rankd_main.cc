@@ -410,16 +410,8 @@ absl::Status OpenEngineSocket(const RankdOptions& o, Serving* s) {
 // The build of the code that runs this rank's experts, "<kernels>:<first 16 hex of SHA-256>":
 // the CUDA plugin for --kernels cuda, this executable otherwise (release bundles may pin it).
 std::string KernelBuild(const RankdOptions& o) {
-  std::string file = "/proc/self/exe";
-  if (o.kernels == "cuda") {
-    file = absl::GetFlag(FLAGS_cuda_backend);
-    if (file.empty()) {
-      char self[4096];
-      const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-      const std::string exe(self, n > 0 ? static_cast<size_t>(n) : 0);
-      file = exe.substr(0, exe.rfind('/') + 1) + "libmoe_cuda.so";
-    }
-  }
+  const std::string file =
+      o.kernels == "cuda" ? CudaBackendFile(absl::GetFlag(FLAGS_cuda_backend)) : std::string("/proc/self/exe");
   std::ifstream in(file, std::ios::binary);
   Sha256Hex h;
   std::vector<char> buf(1 << 20);

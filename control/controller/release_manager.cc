@@ -449,8 +449,28 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::Rollback(cons
   return transitions;
 }
 
+absl::StatusOr<std::optional<StoreReleaseManager::StoredBundle>> StoreReleaseManager::ReadStoredBundle(
+    const std::string& release_id) const {
+  ASSIGN_OR_RETURN(const std::string text, store_->Bundle(release_id));
+  if (text.empty()) return std::nullopt;
+  ASSIGN_OR_RETURN(const json::Json bundle, json::Parse(text, "bundle"));
+  StoredBundle out;
+  if (!bundle.contains("placement") ||
+      !google::protobuf::util::JsonStringToMessage(bundle.at("placement").dump(), &out.placement).ok()) {
+    return absl::InternalError(absl::StrCat(release_id, ": the stored bundle's placement does not parse"));
+  }
+  ASSIGN_OR_RETURN(const BundleRuntime r, ParseBundleRuntime(bundle));
+  out.runtime.set_decode_runner(r.decode_runner);
+  out.runtime.set_decode_bucket_tokens(r.decode_bucket_tokens);
+  out.runtime.set_decode_bucket_slot_routes(r.decode_bucket_slot_routes);
+  out.runtime.set_dtype(r.dtype);
+  out.runtime.set_kernel_build(r.kernel_build);
+  return out;
+}
+
 absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const std::string& release_id,
-                                          const v1::PlacementManifest& manifest) {
+                                          const v1::PlacementManifest& manifest,
+                                          const std::optional<StoredBundle>& bundle) {
   const int64_t version = manifest.version();
   ASSIGN_OR_RETURN(ReleaseRecord rec, store_->Get(release_id));
   if (rec.state != ReleaseState::kVerified) {
@@ -477,28 +497,15 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
   }
   // A release with a bundle loads the bundle's placement, and every rank checks the bundle's
   // runtime coordinates against its own (0x0CB).
-  ASSIGN_OR_RETURN(const std::string bundle_text, store_->Bundle(release_id));
-  std::optional<v1::RuntimeCoordinates> runtime;
-  if (!bundle_text.empty()) {
-    ASSIGN_OR_RETURN(const json::Json bundle, json::Parse(bundle_text, "bundle"));
-    v1::PlacementManifest placed;
-    if (!bundle.contains("placement") ||
-        !google::protobuf::util::JsonStringToMessage(bundle.at("placement").dump(), &placed).ok() ||
-        !google::protobuf::util::MessageDifferencer::Equals(placed, manifest)) {
+  if (bundle.has_value()) {
+    if (!google::protobuf::util::MessageDifferencer::Equals(bundle->placement, manifest)) {
       return absl::FailedPreconditionError(
           absl::StrCat("manifest: differs from the placement in ", release_id, "'s bundle"));
     }
-    ASSIGN_OR_RETURN(const BundleRuntime r, ParseBundleRuntime(bundle));
-    runtime.emplace();
-    runtime->set_decode_runner(r.decode_runner);
-    runtime->set_decode_bucket_tokens(r.decode_bucket_tokens);
-    runtime->set_decode_bucket_slot_routes(r.decode_bucket_slot_routes);
-    runtime->set_dtype(r.dtype);
-    runtime->set_kernel_build(r.kernel_build);
     absl::StrAppend(&reason, ", bundle ", rec.bundle_digest.substr(0, 19), " runtime coordinates checked");
   }
   // Every rank has the generation prepared before the release is recorded LOADED.
-  RETURN_IF_ERROR(agents_->Prepare(manifest, runtime.has_value() ? &*runtime : nullptr));
+  RETURN_IF_ERROR(agents_->Prepare(manifest, bundle.has_value() ? &bundle->runtime : nullptr));
   std::string manifest_json;
   (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
   return store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();
@@ -508,24 +515,20 @@ absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::stri
                                                                  const std::string& release_id,
                                                                  const v1::PlacementManifest& given) {
   // Without a manifest, a release with a bundle loads the bundle's placement.
+  ASSIGN_OR_RETURN(const std::optional<StoredBundle> bundle, ReadStoredBundle(release_id));
   v1::PlacementManifest manifest = given;
   if (manifest.ByteSizeLong() == 0) {  // none given
-    ASSIGN_OR_RETURN(const std::string bundle_text, store_->Bundle(release_id));
-    if (bundle_text.empty()) {
+    if (!bundle.has_value()) {
       return absl::InvalidArgumentError(
           absl::StrCat("manifest: required (", release_id, " was registered without a release bundle)"));
     }
-    ASSIGN_OR_RETURN(const json::Json bundle, json::Parse(bundle_text, "bundle"));
-    if (!bundle.contains("placement") ||
-        !google::protobuf::util::JsonStringToMessage(bundle.at("placement").dump(), &manifest).ok()) {
-      return absl::InternalError(absl::StrCat(release_id, ": the stored bundle's placement does not parse"));
-    }
+    manifest = bundle->placement;
   }
   if (manifest.version() <= 0) return absl::InvalidArgumentError("manifest.version: must be positive");
   if (!drives_ranks()) return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks");
   absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kLoaded));
-  if (applied.empty()) RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest));
+  if (applied.empty()) RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest, bundle));
   return store_->Get(release_id);
 }
 

@@ -153,9 +153,18 @@ class StoreReleaseManager final : public ReleaseManager {
                                                                const std::string& release_id,
                                                                const std::string& prior_release_id,
                                                                const std::string& reason);
+  // What a placement load takes from a release's stored bundle: its placement and the runtime
+  // coordinates every rank checks (0x0CB).
+  struct StoredBundle {
+    v1::PlacementManifest placement;
+    v1::RuntimeCoordinates runtime;
+  };
+  // The stored bundle of `release_id`, read and parsed once; nullopt for a release registered
+  // with a digest only.
+  absl::StatusOr<std::optional<StoredBundle>> ReadStoredBundle(const std::string& release_id) const;
   // LoadPlacement's checks, ranks and commit for a new request id (under write_mu_).
   absl::Status LoadNew(const std::string& request_id, const std::string& release_id,
-                       const v1::PlacementManifest& manifest);
+                       const v1::PlacementManifest& manifest, const std::optional<StoredBundle>& bundle);
   // Peak weight bytes of migrating from the ACTIVE release's placement to `to` (on the ranks'
   // topology).
   absl::StatusOr<int64_t> MigrationPeak(const std::vector<ReleaseRecord>& releases,
