@@ -87,7 +87,9 @@ ABSL_FLAG(std::string, manifest, "", "placement load: PlacementManifest JSON (mo
 ABSL_FLAG(int, world, 4, "placement synth: ranks in the expert-parallel group");
 ABSL_FLAG(int, extra_replicas, 2, "placement synth: extra replicas of the first experts");
 ABSL_FLAG(int64_t, placement_version, 2, "placement synth, rebalance --out: generation number");
-ABSL_FLAG(int64_t, epoch, 1, "placement synth: process-group epoch (moe-rankd --epoch)");
+ABSL_FLAG(int64_t, epoch, 0,
+          "placement synth: the process-group epoch the placement is for (0: none; the controller binds it to the "
+          "epoch its ranks serve when it is loaded)");
 ABSL_FLAG(std::string, checkpoint, "",
           "placement synth, rebalance --out: the checkpoint whose digests the slots carry");
 ABSL_FLAG(std::string, from, "", "placement diff: the current placement (PlacementManifest JSON)");

@@ -14,12 +14,14 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
 #include "control/rebalance.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
+#include "proto/moe/v1/process_group.grpc.pb.h"
 #include "rpc/grpc_status.h"
 #include "rpc/placement_proto.h"
 #include "runtime/checkpoint/checkpoint_reader.h"
@@ -712,6 +714,36 @@ absl::Status RunStatus(const RemoteCall& call) {
   return absl::OkStatus();
 }
 
+// `group status`: the process group the controller forms (--world): its state, the epoch
+// serving, each member's node and devices, and the epochs formed since the controller started.
+absl::Status RunGroupStatus(const RemoteCall& call) {
+  auto stub = v1::ProcessGroupService::NewStub(grpc::CreateChannel(call.o.controller, ChannelCredentials(call.o.tls)));
+  v1::GroupStatus st;
+  auto ctx = call.Context();
+  if (auto s = FromGrpcStatus(stub->Status(ctx.get(), {}, &st)); !s.ok()) return s;
+  if (call.o.json) {
+    std::cout << Json(st) << "\n";
+    return absl::OkStatus();
+  }
+  std::cout << "state " << st.state() << ", epoch " << st.view().epoch() << " (" << st.reason() << ")";
+  if (st.forming_epoch() > 0) std::cout << ", forming epoch " << st.forming_epoch();
+  std::cout << "\n";
+  std::cout << absl::StrFormat("%-4s %-5s %-24s %-22s %s\n", "RANK", "SLOT", "NODE", "AGENT", "DEVICES");
+  for (int i = 0; i < st.view().members_size(); ++i) {
+    const v1::GroupMember& m = st.view().members(i);
+    std::cout << absl::StrFormat("%-4d %-5d %-24s %-22s %s\n", m.rank(), i, m.node(), m.agent_address(),
+                                 absl::StrJoin(m.devices(), ","));
+  }
+  for (const v1::EpochRecord& e : st.epochs()) {
+    std::cout << absl::StrFormat(
+        "  epoch %d: %s; ranks [%s]%s\n", e.epoch(), e.reason(), absl::StrJoin(e.peers(), ","),
+        e.ready_unix_ms() > 0
+            ? absl::StrCat(", serving ", e.ready_unix_ms() - e.prepared_unix_ms(), " ms after it was prepared")
+            : std::string(", not served"));
+  }
+  return absl::OkStatus();
+}
+
 // A controller subcommand: `name` is cmd[0], `verb` cmd[1] when it names a verb (nullptr when
 // cmd[1] is an argument), and cmd has min_size..max_size words.
 struct Subcommand {
@@ -734,6 +766,7 @@ constexpr Subcommand kSubcommands[] = {
     {"placement", "load", 3, 3, RunPlacementLoad},
     {"rebalance", nullptr, 1, 1, RunRebalance},
     {"status", nullptr, 1, 1, RunStatus},
+    {"group", "status", 2, 2, RunGroupStatus},
 };
 
 const Subcommand* FindSubcommand(const std::vector<std::string>& cmd) {
@@ -750,6 +783,7 @@ bool IsRemoteCommand(const std::vector<std::string>& cmd) {
   if (cmd.empty()) return false;
   return cmd[0] == "releases" || cmd[0] == "release" || cmd[0] == "promote" || cmd[0] == "rollback" ||
          cmd[0] == "status" || cmd[0] == "watch" || cmd[0] == "drain" || cmd[0] == "rollout" || cmd[0] == "rebalance" ||
+         (cmd[0] == "group" && cmd.size() >= 2 && cmd[1] == "status") ||
          (cmd[0] == "placement" && cmd.size() >= 2 && cmd[1] == "load");
 }
 
@@ -769,7 +803,8 @@ absl::Status RunRemote(const std::vector<std::string>& cmd, const RemoteOptions&
   if (sub == nullptr) {
     return absl::InvalidArgumentError(
         "command: expected releases list | releases show ID | release register ID | "
-        "release transition ID STATE | placement load ID | promote ID | rollback ID | status | rebalance");
+        "release transition ID STATE | placement load ID | promote ID | rollback ID | status | group status | "
+        "rebalance");
   }
   return sub->run(call);
 }

@@ -101,6 +101,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
   // NOTE: with SO_REUSEPORT gRPC clones a port-0 listener once per poller, each clone on a port
   // of its own that nobody publishes: one socket per address only.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (o.keepalive) {
+    // Long-lived streams (the process group's Join): ping idle connections every 2 s, drop one
+    // that does not answer within 2 s (a host that went away), and accept the clients' pings.
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 2000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  }
   for (grpc::Service* s : services) builder.RegisterService(s);
   if (o.max_message_bytes > 0) {
     builder.SetMaxReceiveMessageSize(o.max_message_bytes);

@@ -49,6 +49,7 @@ struct GrpcServeOptions {
   int max_message_bytes = 0;      // > 0: gRPC's send and receive limits
   bool health = true;             // grpc.health.v1.Health on this server
   TlsFiles tls;                   // mutual TLS on `listen` (rpc/tls.h); none: plaintext
+  bool keepalive = false;         // HTTP/2 keepalive both ways (servers of long-lived streams)
 };
 
 // Serves `services` (and health as asked) and sets *port to the bound TCP port (0 without one).

@@ -134,24 +134,21 @@ class CanonicalHasher {
 
 }  // namespace
 
-std::string PlacementDigest(const PlacementManifest& m, const Topology& topology) {
+std::string PlacementDigest(const PlacementManifest& m) {
   CanonicalHasher h;
-  h.Str("moe.v1.PlacementManifest/1");  // the serialization's own version
+  h.Str("moe.v1.PlacementManifest/2");  // the serialization's own version
   h.Int(m.version().value());
   h.Str(m.process_group().value());
-  h.Int(m.epoch().value());
   h.Str(m.checkpoint().value());
   h.Int(m.num_experts());
   h.Int(m.num_slots());
-  const auto hash_slot = [&h, &topology](const SlotRecord& s) {
+  const auto hash_slot = [&h](const SlotRecord& s) {
     h.Int(s.slot.value());
     h.Str(s.name);
     h.Int(s.expert.value());
     h.Int(s.replica.value());
     h.Str(s.replica_name);
     h.Int(s.rank.value());
-    const int d = s.domain.value();
-    h.Str(d >= 0 && d < topology.num_nodes() ? topology.NodeName(s.domain) : absl::StrCat("domain-", d));
     h.Str(s.checkpoint.value());
     h.Str(s.parameter_digest.value());
   };

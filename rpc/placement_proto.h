@@ -17,13 +17,16 @@ v1::PlacementManifest ManifestToProto(const PlacementManifest& manifest, const T
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> ManifestFromProto(const v1::PlacementManifest& proto,
                                                                            const Topology& topology);
 
-// "sha256:<hex>" over a canonical serialization of the manifest: every field of the manifest and
-// of each slot in slot order (the fields ManifestToProto writes, topology domains by node name),
-// integers as 8-byte little-endian, strings prefixed by their length. The rank agents report it
-// for each generation they hold and the controller computes it over the manifest it recorded for
-// the release: equal digests mean the ranks verified their weights against the same slots and
-// parameter digests (the promotion gate's HashOK).
-std::string PlacementDigest(const PlacementManifest& manifest, const Topology& topology);
+// "sha256:<hex>" over a canonical serialization of the placement itself: version, process group
+// id, checkpoint and every slot in slot order (name, expert, replica, rank, checkpoint, digests;
+// per layer for layered generations), integers as 8-byte little-endian, strings prefixed by
+// their length. Not the generation's binding to a group epoch: the epoch and the slots' topology
+// domains change when the process group re-forms (PlacementManifest::Rebound) and the placement
+// stays the same one. The rank agents report it for each generation they hold and the controller
+// computes it over the manifest it recorded for the release: equal digests mean the ranks
+// verified their weights against the same slots and parameter digests (the promotion gate's
+// HashOK).
+std::string PlacementDigest(const PlacementManifest& manifest);
 
 }  // namespace moe
 

@@ -28,6 +28,9 @@ absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(co
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
+  // A rank that restarts (a replacement on the same socket) is reached again within a second.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto channel = grpc::CreateCustomChannel(address, ChannelCredentials(tls), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)))) {

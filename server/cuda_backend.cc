@@ -36,8 +36,10 @@ absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path, const ker
   b.kernels_ = reinterpret_cast<KernelsFactory>(dlsym(lib, "moe_cuda_create_kernels"));
   b.nccl_ = reinterpret_cast<NcclFactory>(dlsym(lib, "moe_cuda_create_nccl"));
   b.graphs_ = reinterpret_cast<GraphsFactory>(dlsym(lib, "moe_cuda_decode_graphs"));
+  b.unique_id_ = reinterpret_cast<UniqueIdMaker>(dlsym(lib, "moe_cuda_nccl_unique_id"));
   const auto set_tuning = reinterpret_cast<TuningSetter>(dlsym(lib, "moe_cuda_set_tuning"));
-  if (b.kernels_ == nullptr || b.nccl_ == nullptr || b.graphs_ == nullptr || set_tuning == nullptr) {
+  if (b.kernels_ == nullptr || b.nccl_ == nullptr || b.graphs_ == nullptr || b.unique_id_ == nullptr ||
+      set_tuning == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("cuda backend ", file, ": entry points missing"));
   }
   set_tuning(&tuning);
@@ -56,6 +58,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CudaBackend::CreateNccl(const NcclBac
   std::unique_ptr<Transport> t(nccl_(&options, &error));
   if (t == nullptr) return absl::UnavailableError(absl::StrCat("nccl: ", error));
   return t;
+}
+
+absl::StatusOr<std::string> CudaBackend::NcclUniqueId() const {
+  std::string id, error;
+  if (!unique_id_(&id, &error)) return absl::UnavailableError(absl::StrCat("nccl unique id: ", error));
+  return id;
 }
 
 DecodeGraphFactory CudaBackend::DecodeGraphs(Transport* nccl) const {

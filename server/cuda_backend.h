@@ -25,6 +25,7 @@ struct NcclBackendOptions {
   int slot = 0;
   int size = 1;
   int device = 0;
+  std::string unique_id;       // NcclOptions::unique_id (empty: through rendezvous_dir)
   std::string rendezvous_dir;  // member 0 publishes the NCCL unique id here
   int connect_timeout_ms = 60000;
   bool host_agreement = true;  // NcclOptions::host_agreement
@@ -44,6 +45,8 @@ class CudaBackend {
   // Makes `device` current and creates the CUDA kernels on it (every call binds it again).
   absl::StatusOr<std::unique_ptr<kernels::ExpertKernels>> CreateKernels(int device) const;
   absl::StatusOr<std::unique_ptr<Transport>> CreateNccl(const NcclBackendOptions& options) const;
+  // A new NCCL unique id (NewNcclUniqueId) for a group this rank is the first member of.
+  absl::StatusOr<std::string> NcclUniqueId() const;
   // Decode graphs over a transport from CreateNccl (which must outlive them).
   DecodeGraphFactory DecodeGraphs(Transport* nccl) const;
 
@@ -51,11 +54,13 @@ class CudaBackend {
   using NcclFactory = Transport* (*)(const NcclBackendOptions* options, std::string* error);
   using GraphsFactory = void (*)(Transport* nccl, DecodeGraphFactory* out);
   using TuningSetter = void (*)(const kernels::CudaTuning* tuning);
+  using UniqueIdMaker = bool (*)(std::string* id, std::string* error);
 
  private:
   KernelsFactory kernels_ = nullptr;
   NcclFactory nccl_ = nullptr;
   GraphsFactory graphs_ = nullptr;
+  UniqueIdMaker unique_id_ = nullptr;
 };
 
 }  // namespace moe
@@ -67,6 +72,7 @@ moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* er
 moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std::string* error);
 void moe_cuda_decode_graphs(moe::Transport* nccl, moe::DecodeGraphFactory* out);
 void moe_cuda_set_tuning(const moe::kernels::CudaTuning* tuning);
+bool moe_cuda_nccl_unique_id(std::string* id, std::string* error);
 }
 
 #endif  // MOE_SERVER_CUDA_BACKEND_H_

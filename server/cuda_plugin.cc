@@ -39,6 +39,7 @@ moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std
   o.slot = options->slot;
   o.size = options->size;
   o.device = options->device;
+  o.unique_id = options->unique_id;
   o.rendezvous_dir = options->rendezvous_dir;
   o.connect_timeout = absl::Milliseconds(options->connect_timeout_ms);
   o.host_agreement = options->host_agreement;
@@ -48,6 +49,16 @@ moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std
     return nullptr;
   }
   return t->release();
+}
+
+bool moe_cuda_nccl_unique_id(std::string* id, std::string* error) {
+  auto made = moe::NewNcclUniqueId();
+  if (!made.ok()) {
+    *error = std::string(made.status().message());
+    return false;
+  }
+  *id = *std::move(made);
+  return true;
 }
 
 void moe_cuda_decode_graphs(moe::Transport* nccl, moe::DecodeGraphFactory* out) { *out = moe::CudaDecodeGraphs(nccl); }

@@ -54,6 +54,11 @@ ABSL_FLAG(int, max_retries, 8,
 ABSL_FLAG(bool, ring, false,
           "submit steps through a step ring on each rank (ranks on this host, reached on their Unix socket); "
           "steps larger than --prefill_tokens and malformed ones still go through gRPC");
+ABSL_FLAG(bool, tolerate_faults, false,
+          "fault-injection runs (ranks killed and replaced): a step answered UNAVAILABLE, ABORTED or "
+          "DEADLINE_EXCEEDED by some rank counts as retryable, not failed (a wrong output still fails the run)");
+ABSL_FLAG(std::string, events_file, "",
+          "write one line per step: unix milliseconds and ok / retryable / failed (recovery measurements)");
 ABSL_FLAG(int, k, 4, "experts per token");
 ABSL_FLAG(int, prefill_tokens, 48, "tokens per rank in a prefill step");
 ABSL_FLAG(int, decode_tokens, 4, "tokens per rank in a decode step (the decode bucket)");
@@ -74,6 +79,7 @@ namespace {
 struct Stats {
   int64_t steps = 0, failed = 0, mismatches = 0, routes = 0, remote = 0, inter_node = 0, dropped = 0;
   int64_t replays = 0, decode_steps = 0, retried = 0, generation_splits = 0, canary_steps = 0;
+  int64_t retryable = 0;  // rank-steps answered with a retryable error (--tolerate_faults)
   std::vector<std::tuple<int64_t, uint64_t, uint64_t>> timeline;  // (generation, first step, last step)
   std::map<std::string, int64_t> fallbacks;
   std::map<std::string, std::vector<double>> latency_us;   // by phase
@@ -476,9 +482,16 @@ void RecordGeneration(const Answers& answers, uint64_t step, Stats* stats) {
 void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, const Unit& u, uint64_t step,
                   Reference& reference, Stats* stats) {
   const std::string phase = u.decode ? "decode" : "prefill";
+  const bool tolerate = absl::GetFlag(FLAGS_tolerate_faults);
   for (size_t r = 0; r < answers.size(); ++r) {
     ++stats->steps;
     if (!answers[r].ok()) {
+      const absl::StatusCode code = answers[r].status().code();
+      if (tolerate && (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kAborted ||
+                       code == absl::StatusCode::kDeadlineExceeded)) {
+        ++stats->retryable;
+        continue;
+      }
       ++stats->failed;
       spdlog::error("step {} rank {}: {}", step, r, std::string(answers[r].status().message()));
       continue;
@@ -508,6 +521,22 @@ void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, co
       stats->segment_latency_us.back()[phase].push_back(answers[r]->client_latency_us);
     }
   }
+}
+
+// One line per step for recovery measurements (--events_file): unix ms and the step's outcome.
+struct Outcomes {
+  int64_t bad = 0, retryable = 0;
+  explicit Outcomes(const Stats& s) : bad(s.failed + s.mismatches), retryable(s.retryable) {}
+};
+void RecordEvent(const Outcomes& before, const Outcomes& after) {
+  static std::ofstream* events = [] {
+    const std::string path = absl::GetFlag(FLAGS_events_file);
+    return path.empty() ? nullptr : new std::ofstream(path, std::ios::app);
+  }();
+  if (events == nullptr) return;
+  const char* outcome = after.bad > before.bad ? "failed" : after.retryable > before.retryable ? "retryable" : "ok";
+  *events << absl::ToUnixMillis(absl::Now()) << " " << outcome << "\n";
+  events->flush();
 }
 
 void PrintProgress(int round, int rounds, uint64_t step, const Unit& u, bool hot, const Stats& stats) {
@@ -550,7 +579,9 @@ Stats RunRounds(Clients& clients, Reference& reference, int d, int k) {
         }
         const Answers answers = ExecuteWithRetries(clients, calls, step, &stats);
         RecordGeneration(answers, step, &stats);
+        const Outcomes before(stats);
         CheckAnswers(answers, calls, u, step, reference, &stats);
+        RecordEvent(before, Outcomes(stats));
         PrintProgress(round, rounds, step, u, hot, stats);
         ++step;
       }
@@ -584,8 +615,8 @@ void PrintTimelineSegments(const Stats& stats) {
 void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts, int layers) {
   std::printf("\n\n== local cluster summary (%d ranks, k=%d, d=%d, d_ff=%d, %d experts x %d MoE layers)\n", p, k, d, f,
               experts, layers);
-  std::printf("  rank-steps          %lld (failed %lld)\n", static_cast<long long>(stats.steps),
-              static_cast<long long>(stats.failed));
+  std::printf("  rank-steps          %lld (failed %lld, retryable %lld)\n", static_cast<long long>(stats.steps),
+              static_cast<long long>(stats.failed), static_cast<long long>(stats.retryable));
   std::printf("  routes accepted     %lld (router-dropped %lld)\n", static_cast<long long>(stats.routes),
               static_cast<long long>(stats.dropped));
   std::printf("  remote fraction     %.3f\n", stats.routes ? static_cast<double>(stats.remote) / stats.routes : 0.0);

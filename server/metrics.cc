@@ -41,6 +41,15 @@ RankMetrics::RankMetrics(const std::string& release)
                     .Help("Layer steps being executed")
                     .Register(*registry_)
                     .Add({{"release", release_}});
+  epoch_ = &prometheus::BuildGauge()
+                .Name("moe_process_group_epoch")
+                .Help("Process-group epoch this rank serves (0 while the group re-forms)")
+                .Register(*registry_)
+                .Add({{"release", release_}});
+  epoch_changes_ = &prometheus::BuildHistogram()
+                        .Name("moe_process_group_rebuild_seconds")
+                        .Help("Time from a PREPARE of a new epoch to its transport bound (or failed), by outcome")
+                        .Register(*registry_);
   layer_routes_ = &prometheus::BuildCounter()
                        .Name("moe_layer_routes_total")
                        .Help("Accepted routes of served steps, per MoE layer (the per-layer load EPLB balances)")
@@ -174,6 +183,14 @@ void RankMetrics::Fallback(const std::string& reason) {
 
 void RankMetrics::BytesSent(int64_t bytes) { bytes_sent_->Increment(static_cast<double>(bytes)); }
 void RankMetrics::Generation(int64_t version) { generation_->Set(static_cast<double>(version)); }
+void RankMetrics::Epoch(int64_t epoch) { epoch_->Set(static_cast<double>(epoch)); }
+
+void RankMetrics::EpochChange(const std::string& outcome, double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5,
+                                                                   1,     2.5,  5,    10,  30};
+  epoch_changes_->Add({{"release", release_}, {"outcome", outcome}}, kBuckets).Observe(seconds);
+}
+
 void RankMetrics::InFlight(int64_t n) { in_flight_->Set(static_cast<double>(n)); }
 
 }  // namespace moe

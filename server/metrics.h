@@ -37,6 +37,10 @@ class RankMetrics {
   void BytesSent(int64_t bytes);
   void Generation(int64_t version);
   void InFlight(int64_t n);
+  // The process-group epoch served (0 while re-forming) and each epoch change, by outcome
+  // (bound: the epoch serves; failed: its transport or binding failed).
+  void Epoch(int64_t epoch);
+  void EpochChange(const std::string& outcome, double seconds);
   // Progress of the checkpoint load at start-up (runtime/checkpoint/expert_loader.h).
   void CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total, double seconds);
   // The wall time of each phase of an answered step (runtime/exec/step.h), `phase` prefill or decode.
@@ -54,6 +58,8 @@ class RankMetrics {
   prometheus::Counter* bytes_sent_;
   prometheus::Gauge* generation_;
   prometheus::Gauge* in_flight_;
+  prometheus::Gauge* epoch_;
+  prometheus::Family<prometheus::Histogram>* epoch_changes_;
   prometheus::Gauge* load_bytes_done_;
   prometheus::Gauge* load_bytes_total_;
   prometheus::Gauge* load_layers_done_;

@@ -100,8 +100,8 @@ struct MigrationSource {
   std::vector<std::map<int64_t, MigrationStep>> mine;  // [layer index]: target slot -> step
 };
 
-absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const PlacementManifest& to,
-                                               const SlotSizes& sizes) {
+absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const Topology& topology,
+                                               const PlacementManifest& to, const SlotSizes& sizes) {
   MigrationSource src;
   src.mine.resize(sizes.num_layers);
   const int64_t active = c.registry->ActiveVersion();
@@ -113,7 +113,7 @@ absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const 
   if (src.from != nullptr && src.weights != nullptr && src.from->layers() == to.layers() &&
       src.weights->layers == sizes.layers) {
     ASSIGN_OR_RETURN(LayeredMigrationPlan plan,
-                     PlanLayeredMigration(*src.from, to, c.topology, static_cast<int64_t>(sizes.gu1 + sizes.dn1) * 2));
+                     PlanLayeredMigration(*src.from, to, topology, static_cast<int64_t>(sizes.gu1 + sizes.dn1) * 2));
     for (int li = 0; li < sizes.num_layers; ++li) {
       for (const MigrationStep& st : plan.per_layer[li].steps) {
         if (st.target_rank == c.rank) src.mine[li][st.target_slot.value()] = st;
@@ -204,6 +204,15 @@ class PeerAgents {
 
 }  // namespace
 
+absl::StatusOr<std::pair<Topology, ProcessGroup>> RankAgentServiceImpl::Membership() const {
+  auto m = c_.executor->Membership();
+  if (!m.has_value()) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", c_.rank.value(), " is between process-group epochs (the group is re-forming)"));
+  }
+  return *std::move(m);
+}
+
 void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* out) const {
   out->set_version(g.version.value());
   out->set_state(ToProto(g.state));
@@ -211,7 +220,7 @@ void RankAgentServiceImpl::Fill(const GenerationInfo& g, v1::GenerationStatus* o
   out->set_local_slots(static_cast<int32_t>(g.manifest->LocalSlots(c_.rank).size()));
   // The digest of the manifest held here, which the controller checks against the one it
   // recorded (its slots' parameter digests are what PrepareGeneration verified the weights by).
-  if (g.state != GenerationState::kRetired) out->set_manifest_digest(PlacementDigest(*g.manifest, c_.topology));
+  if (g.state != GenerationState::kRetired) out->set_manifest_digest(PlacementDigest(*g.manifest));
   absl::MutexLock summary_lock(&summary_mu_);
   auto it = materialized_.find(g.version.value());
   if (it != materialized_.end()) {
@@ -235,7 +244,10 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
                                                      v1::GenerationStatus* resp) {
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
   if (!req->has_manifest()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest: required");
-  auto manifest = ManifestFromProto(req->manifest(), c_.topology);
+  auto membership = Membership();
+  if (!membership.ok()) return ToGrpcStatus(membership.status());
+  const auto& [topology, group] = *membership;
+  auto manifest = ManifestFromProto(req->manifest(), topology);
   if (!manifest.ok()) return ToGrpcStatus(manifest.status());
   const PlacementVersion v = (*manifest)->version();
   if (v.value() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "manifest.version: must be positive");
@@ -276,14 +288,13 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
   }
   // Verify and materialize everything before the registry sees the generation: a failure leaves
   // nothing.
-  if (absl::Status s = VerifyForPublish(**manifest, c_.group, c_.topology); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = VerifyForPublish(**manifest, group, topology); !s.ok()) return ToGrpcStatus(s);
   const std::vector<std::string> peers(req->peer_agents().begin(), req->peer_agents().end());
-  if (!peers.empty() && static_cast<int>(peers.size()) != c_.topology.num_ranks()) {
-    return grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("peer_agents: ", peers.size(), " addresses for ", c_.topology.num_ranks(), " ranks"));
+  if (!peers.empty() && static_cast<int>(peers.size()) != topology.num_ranks()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("peer_agents: ", peers.size(), " addresses for ", topology.num_ranks(), " ranks"));
   }
-  auto local = Materialize(**manifest, peers);
+  auto local = Materialize(**manifest, peers, topology);
   if (!local.ok()) return ToGrpcStatus(local.status());
   const std::array<int, 4> summary = {local->retained, local->duplicated, local->copied, local->loaded};
   if (absl::Status s = c_.executor->AddGeneration(v, std::make_shared<LocalExperts>(std::move(local->experts)));
@@ -306,14 +317,14 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
 }
 
 absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materialize(
-    const PlacementManifest& to, const std::vector<std::string>& peers) {
+    const PlacementManifest& to, const std::vector<std::string>& peers, const Topology& topology) {
   const SlotSizes sizes = CheckpointSlotSizes(*c_.checkpoint);
   if (to.layers() != sizes.layers) {
     return absl::FailedPreconditionError(absl::StrCat("manifest.layers: placement-v", to.version().value(),
                                                       " serves other layers than checkpoint ", c_.checkpoint->version(),
                                                       " holds"));
   }
-  ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, to, sizes));
+  ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, topology, to, sizes));
   PeerAgents peer_agents(peers, c_.token, c_.peer_credentials);
   Materialized out;
   out.experts.d = sizes.d;
@@ -484,6 +495,10 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   resp->set_rank(c_.rank.value());
   resp->set_active_version(c_.registry->ActiveVersion());
   resp->set_kernel_build(c_.runtime.kernel_build());
+  if (auto m = c_.executor->Membership(); m.has_value()) {
+    resp->set_process_group_epoch(m->second.epoch().value());
+    resp->set_node(m->first.NodeName(m->first.NodeOf(c_.rank)));
+  }
   for (int64_t n : c_.executor->ExpertLoad()) resp->add_expert_routes(n);
   const LayerExecutor::TrialConfig t = c_.executor->Trial();
   resp->mutable_trial()->set_version(std::max<int64_t>(t.version, 0));

@@ -25,8 +25,8 @@ namespace moe {
 
 struct RankAgentContext {
   Rank rank;
-  Topology topology;
-  ProcessGroup group;
+  // The topology and process group are the executor's bound epoch (LayerExecutor::Membership):
+  // while the group re-forms, lifecycle calls answer UNAVAILABLE.
   GenerationRegistry* registry = nullptr;        // not owned
   LayerExecutor* executor = nullptr;             // not owned
   const CheckpointReader* checkpoint = nullptr;  // not owned
@@ -56,6 +56,8 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
                       v1::AgentStatusResponse* resp) override;
 
  private:
+  // The executor's epoch; UNAVAILABLE naming the rank while it has none.
+  absl::StatusOr<std::pair<Topology, ProcessGroup>> Membership() const;
   grpc::Status Describe(PlacementVersion v, v1::GenerationStatus* out) const;
   void Fill(const GenerationInfo& g, v1::GenerationStatus* out) const;
   // Authenticates, validates the version, and applies `change` to a known generation under mu_.
@@ -67,7 +69,8 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
     LocalExperts experts;
     int retained = 0, duplicated = 0, copied = 0, loaded = 0;
   };
-  absl::StatusOr<Materialized> Materialize(const PlacementManifest& to, const std::vector<std::string>& peers);
+  absl::StatusOr<Materialized> Materialize(const PlacementManifest& to, const std::vector<std::string>& peers,
+                                           const Topology& topology);
 
   RankAgentContext c_;
   absl::Mutex mu_;  // one lifecycle change at a time

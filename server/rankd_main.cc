@@ -25,6 +25,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 #include "kernels/api.h"
@@ -37,10 +38,12 @@
 #include "runtime/logging.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/status.h"
+#include "runtime/transport/file_rendezvous.h"
 #include "runtime/transport/transport.h"
 #include "server/cuda_backend.h"
 #include "server/expert_layer_service.h"
 #include "server/generation_metrics.h"
+#include "server/group_member.h"
 #include "server/metrics.h"
 #include "server/rank_agent_service.h"
 
@@ -68,13 +71,19 @@ ABSL_FLAG(int64_t, ring_spin_us, 50, "how long a step ring's thread spins for th
 ABSL_FLAG(int, ring_check_threads, 8,
           "threads that check a ring step's rows for NaN/Inf beside the executor's first phases (0: in line)");
 ABSL_FLAG(std::string, shm_prefix, "/moe-", "shared-memory regions must have names starting with this");
-ABSL_FLAG(std::string, rendezvous_dir, "", "directory where ranks publish their UCX addresses");
+ABSL_FLAG(std::string, rendezvous_dir, "",
+          "without --controller: a directory where the ranks publish their UCX addresses (or the NCCL id) and node "
+          "names, and form one epoch (--epoch) for their lifetime (a test convenience)");
+ABSL_FLAG(std::string, controller, "",
+          "host:port of moe-controller: join its process group (rendezvous, topology and epochs; the rank "
+          "re-forms with its peers when one is lost or replaced); needs --agent_token_file");
+ABSL_FLAG(std::string, node, "", "the node (host) this rank declares to its group (empty: the host name)");
 ABSL_FLAG(std::string, checkpoint, "",
           "the experts: a Hugging Face model directory (config.json + safetensors shards), or the single-file "
           "synthetic checkpoint (moectl checkpoint synth writes either)");
 ABSL_FLAG(int, load_threads, 4, "threads reading the checkpoint at start-up");
 ABSL_FLAG(int, extra_replicas, 2, "extra replicas of the first experts in the default placement");
-ABSL_FLAG(int64_t, epoch, 1, "process-group epoch");
+ABSL_FLAG(int64_t, epoch, 1, "process-group epoch with --rendezvous_dir (the controller numbers its own)");
 ABSL_FLAG(int, timeout_ms, 10000, "collective timeout per step");
 ABSL_FLAG(std::string, release, "dev", "release label on every metric");
 ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "decode graph bucket: tokens per rank");
@@ -144,6 +153,8 @@ struct RankdOptions {
   bool trial_drift = false;  // --inject_fault=trial_drift
   std::string agent_token;   // empty: RankAgentService is off
   TlsFiles tls;              // --tls_*: mutual TLS on the TCP port and toward the peers' agents
+  std::string controller;    // --controller: join its process group; empty: --rendezvous_dir
+  std::string node;          // --node, or the host name
 
   bool UsesCudaBackend() const { return kernels == "cuda" || transport == "nccl"; }
 };
@@ -218,11 +229,27 @@ absl::StatusOr<RankdOptions> ParseRankdOptions() {
   if (!absl::GetFlag(FLAGS_agent_token_file).empty()) {
     ASSIGN_OR_RETURN(o.agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
   }
+  o.controller = absl::GetFlag(FLAGS_controller);
+  if (!o.controller.empty() && o.agent_token.empty()) {
+    return absl::InvalidArgumentError("--controller: needs --agent_token_file (the rank joins with that token)");
+  }
+  if (o.controller.empty() && absl::GetFlag(FLAGS_rendezvous_dir).empty() && o.world > 1) {
+    return absl::InvalidArgumentError("--controller or --rendezvous_dir: one is required with --world > 1");
+  }
+  o.node = absl::GetFlag(FLAGS_node);
+  if (o.node.empty()) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+      return absl::InvalidArgumentError("--node: empty, and the host name is unknown");
+    }
+    o.node = host;
+  }
   return o;
 }
 
-// What the rank serves as placement-v1: the checkpoint, the default placement over the local
-// cluster's topology and group, and this rank's experts of it.
+// What the rank serves as placement-v1: the checkpoint, the default placement and this rank's
+// experts of it. The placement is made over a provisional one-node topology and group of
+// `world` ranks: the real ones come with the first epoch, which rebinds it (LayerExecutor::Bind).
 struct Model {
   std::unique_ptr<SafetensorsFile> file;  // the single-file checkpoint's contents (else null)
   std::unique_ptr<CheckpointReader> checkpoint;
@@ -255,8 +282,8 @@ absl::StatusOr<Model> LoadModel(const RankdOptions& o, kernels::ExpertKernels* k
   model.checkpoint = *std::move(reader);
   const CheckpointReader& ckpt = *model.checkpoint;
   spdlog::info("checkpoint {}: {}", ckpt.version(), ckpt.Describe());
-  model.topology = TwoNodeTopology(o.world);
-  model.group = LocalClusterGroup(o.world, absl::GetFlag(FLAGS_epoch));
+  model.topology = Topology::SingleNode(o.world);
+  model.group = LocalClusterGroup(o.world, 0);
   auto manifest = DefaultPlacement(PlacementVersion(1), ckpt.shape().num_experts, absl::GetFlag(FLAGS_extra_replicas),
                                    model.topology, model.group, ckpt.Identity());
   if (!manifest.ok()) return Annotate(manifest.status(), "placement");
@@ -294,21 +321,6 @@ absl::StatusOr<Model> LoadModel(const RankdOptions& o, kernels::ExpertKernels* k
   return model;
 }
 
-// Publishes this rank's UCX listener, learns the peers' addresses and connects.
-absl::StatusOr<std::unique_ptr<Transport>> ConnectUcx(int rank, int world, const ProcessGroup& group) {
-  auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host), absl::GetFlag(FLAGS_ucx_net_devices));
-  if (!listener.ok()) return Annotate(listener.status(), "ucx");
-  auto addresses = RendezvousAddresses(absl::GetFlag(FLAGS_rendezvous_dir), rank, world, UcxListenerAddress(**listener),
-                                       absl::Seconds(60));
-  if (!addresses.ok()) return Annotate(addresses.status(), "rendezvous");
-  UcxOptions ucx;
-  ucx.slot = group.SlotOf(Rank(rank)).value();
-  ucx.addresses = *addresses;
-  auto transport = CreateUcxTransportWithListener(*std::move(listener), ucx);
-  if (!transport.ok()) return Annotate(transport.status(), "ucx");
-  return transport;
-}
-
 // Kernels and transport: CPU + UCX built in; CUDA + NCCL from the plugin (server/cuda_backend.h).
 // Members in this order so the transport goes before the kernels, and both before the plugin.
 struct Backend {
@@ -340,32 +352,172 @@ absl::Status CreateKernels(const RankdOptions& o, Backend* b) {
   return absl::OkStatus();
 }
 
-// Step: join the process group's transport (exit status 1 on failure).
-absl::Status JoinTransport(const RankdOptions& o, const ProcessGroup& group, Backend* b) {
-  if (o.transport == "nccl") {
-    NcclBackendOptions nccl;
-    nccl.slot = group.SlotOf(Rank(o.rank)).value();
-    nccl.size = o.world;
-    nccl.device = o.gpu;
-    nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
-    nccl.host_agreement = absl::GetFlag(FLAGS_nccl_host_agreement);
-    ASSIGN_OR_RETURN(b->transport, b->cuda->CreateNccl(nccl));
+// One process-group epoch as this rank joins it: the members in peer-slot order with their
+// endpoints, and every rank's node (the topology).
+struct EpochView {
+  int64_t epoch = 0;
+  std::vector<int32_t> peers;
+  std::vector<std::string> endpoints;  // per peer slot
+  std::vector<std::string> node_of_rank;
+};
+
+// The rank's data plane across epochs: Prepare leaves the epoch being served (steps answer
+// UNAVAILABLE naming the next one, the transport is interrupted and destroyed) and opens a fresh
+// endpoint; Connect joins the formed epoch's transport and binds the executor to it.
+class DataPlane {
+ public:
+  DataPlane(const RankdOptions& o, Backend* backend, LayerExecutor* executor, RankMetrics* metrics)
+      : o_(o), backend_(backend), executor_(executor), metrics_(metrics) {}
+
+  absl::StatusOr<std::string> Prepare(int64_t epoch, const std::vector<int32_t>& peers, const std::string& reason) {
+    prepared_at_ = absl::Now();
+    executor_->Unbind(absl::StrCat("rank ", o_.rank, ": the process group is re-forming as epoch ", epoch, " (", reason,
+                                   "); retry the step"));
+    metrics_->Epoch(0);
+    backend_->transport.reset();
+    listener_.reset();
+    if (o_.transport == "nccl") {
+      if (peers.empty() || peers.front() != o_.rank) return std::string();
+      return backend_->cuda->NcclUniqueId();  // this rank is peer slot 0: the group's bootstrap
+    }
+    auto listener = CreateUcxListener(absl::GetFlag(FLAGS_ucx_host), absl::GetFlag(FLAGS_ucx_net_devices));
+    if (!listener.ok()) return Annotate(listener.status(), "ucx");
+    listener_ = *std::move(listener);
+    return UcxListenerAddress(*listener_);
   }
-  if (b->transport == nullptr) {
-    ASSIGN_OR_RETURN(b->transport, ConnectUcx(o.rank, o.world, group));
+
+  absl::Status Connect(const EpochView& view) {
+    absl::Status s = ConnectOnce(view);
+    metrics_->EpochChange(s.ok() ? "bound" : "failed", absl::ToDoubleSeconds(absl::Now() - prepared_at_));
+    if (!s.ok()) {
+      backend_->transport.reset();
+      return s;
+    }
+    metrics_->Epoch(view.epoch);
+    spdlog::info("process group: epoch {} serving, peer slot {} of {} (ranks [{}]) in {:.3f} s", view.epoch,
+                 backend_->transport->slot(), view.peers.size(), absl::StrJoin(view.peers, ","),
+                 absl::ToDoubleSeconds(absl::Now() - prepared_at_));
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+
+ private:
+  absl::Status ConnectOnce(const EpochView& view) {
+    const auto me = std::find(view.peers.begin(), view.peers.end(), o_.rank);
+    if (me == view.peers.end()) return absl::FailedPreconditionError("epoch: this rank is not a member");
+    const int slot = static_cast<int>(me - view.peers.begin());
+    if (view.endpoints.size() != view.peers.size()) return absl::InvalidArgumentError("epoch: one endpoint per peer");
+    if (static_cast<int>(view.node_of_rank.size()) != o_.world) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("epoch: ", view.node_of_rank.size(), " nodes for a world of ", o_.world));
+    }
+    ASSIGN_OR_RETURN(Topology topology, Topology::FromNodeNames(view.node_of_rank));
+    std::vector<Rank> ranks;
+    for (int32_t r : view.peers) ranks.push_back(Rank(r));
+    ASSIGN_OR_RETURN(ProcessGroup group,
+                     ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(view.epoch), ranks));
+    if (o_.transport == "nccl") {
+      NcclBackendOptions nccl;
+      nccl.slot = slot;
+      nccl.size = static_cast<int>(view.peers.size());
+      nccl.device = o_.gpu;
+      nccl.unique_id = view.endpoints.front();
+      nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
+      nccl.host_agreement = absl::GetFlag(FLAGS_nccl_host_agreement);
+      ASSIGN_OR_RETURN(backend_->transport, backend_->cuda->CreateNccl(nccl));
+    } else {
+      if (listener_ == nullptr) return absl::FailedPreconditionError("ucx: no listener prepared for this epoch");
+      UcxOptions ucx;
+      ucx.slot = slot;
+      ucx.net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
+      ucx.addresses = view.endpoints;
+      auto transport = CreateUcxTransportWithListener(std::move(listener_), ucx);
+      if (!transport.ok()) return Annotate(transport.status(), "ucx");
+      backend_->transport = *std::move(transport);
+    }
+    DecodeGraphFactory graphs;
+    // Decode graphs where experts and rows live on the GPU and NCCL moves them; on the CPU
+    // backend admission still runs and each decode step reports why it ran eagerly.
+    if (o_.kernels == "cuda" && o_.transport == "nccl")
+      graphs = backend_->cuda->DecodeGraphs(backend_->transport.get());
+    return executor_->Bind(backend_->transport.get(), topology, group, std::move(graphs));
+  }
+
+  const RankdOptions& o_;
+  Backend* backend_;
+  LayerExecutor* executor_;
+  RankMetrics* metrics_;
+  UcxListener listener_;
+  absl::Time prepared_at_;
+};
+
+// Without a controller: the ranks meet in --rendezvous_dir (each publishes its endpoint and node)
+// and form one epoch (--epoch) for their lifetime. Stale files of an earlier run are the caller's
+// to clear.
+absl::Status JoinThroughFiles(const RankdOptions& o, DataPlane* plane) {
+  const int64_t epoch = absl::GetFlag(FLAGS_epoch);
+  std::vector<int32_t> peers(o.world);
+  for (int r = 0; r < o.world; ++r) peers[r] = r;
+  ASSIGN_OR_RETURN(std::string endpoint, plane->Prepare(epoch, peers, "start"));
+  EpochView view;
+  view.epoch = epoch;
+  view.peers = peers;
+  view.node_of_rank.assign(o.world, o.node);
+  view.endpoints.assign(o.world, endpoint);
+  if (o.world > 1) {
+    const std::string dir = absl::GetFlag(FLAGS_rendezvous_dir);
+    // One byte in front: a member without an endpoint (NCCL, slot > 0) still publishes a file.
+    RETURN_IF_ERROR(PublishFile(dir, absl::StrCat(o.rank, ".endpoint"), "E" + endpoint));
+    RETURN_IF_ERROR(PublishFile(dir, absl::StrCat(o.rank, ".node"), o.node));
+    std::vector<std::string> names;
+    for (int r = 0; r < o.world; ++r) names.push_back(absl::StrCat(r, ".endpoint"));
+    for (int r = 0; r < o.world; ++r) names.push_back(absl::StrCat(r, ".node"));
+    auto files = AwaitFiles(dir, names, absl::Seconds(60));
+    if (!files.ok()) return Annotate(files.status(), "rendezvous");
+    for (int r = 0; r < o.world; ++r) {
+      view.endpoints[r] = (*files)[r].substr(1);
+      view.node_of_rank[r] = (*files)[o.world + r];
+    }
+  }
+  return plane->Connect(view);
 }
 
-// Step: the layer executor over the backend, serving placement-v1 from `registry`.
-absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions& o, const Model& m,
-                                                             GenerationRegistry* registry, const Backend& b) {
+// With a controller: the group member whose PREPARE / FORMED drive `plane`.
+std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int agent_port, DataPlane* plane) {
+  GroupMemberOptions go;
+  go.controller = o.controller;
+  go.credentials = ChannelCredentials(o.tls);
+  go.token = o.agent_token;
+  go.join.set_rank(o.rank);
+  go.join.set_world(o.world);
+  go.join.set_node(o.node);
+  go.join.add_devices(o.UsesCudaBackend() ? absl::StrCat("cuda:", o.gpu) : "cpu");
+  go.join.set_agent_address(absl::StrCat(absl::GetFlag(FLAGS_ucx_host), ":", agent_port));
+  go.join.set_transport(o.transport);
+  go.prepare = [plane](const v1::PrepareEpoch& p) {
+    return plane->Prepare(p.epoch(), std::vector<int32_t>(p.peers().begin(), p.peers().end()), p.reason());
+  };
+  go.connect = [plane](const v1::GroupView& v) {
+    EpochView view;
+    view.epoch = v.epoch();
+    for (const v1::GroupMember& m : v.members()) {
+      view.peers.push_back(m.rank());
+      view.endpoints.push_back(m.endpoint());
+    }
+    view.node_of_rank.assign(v.node_of_rank().begin(), v.node_of_rank().end());
+    return plane->Connect(view);
+  };
+  auto member = std::make_unique<GroupMember>(std::move(go));
+  member->Start();
+  return member;
+}
+
+// Step: the layer executor over the kernels, serving placement-v1 from `registry`; unbound until
+// the group's first epoch (DataPlane::Connect).
+absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions& o, GenerationRegistry* registry,
+                                                             const Backend& b) {
   LayerExecutorOptions eo;
   eo.rank = Rank(o.rank);
-  eo.topology = m.topology;
-  eo.group = m.group;
   eo.registry = registry;
-  eo.transport = b.transport.get();
   eo.kernels = b.kernels.get();
   eo.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
@@ -375,9 +527,6 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
     eo.fault_trial_output_scale = 1.05f;
     spdlog::warn("fault injection: trial passes on this rank return outputs scaled by 1.05");
   }
-  // Decode graphs where experts and rows live on the GPU and NCCL moves them; on the CPU
-  // backend admission still runs and each decode step reports why it ran eagerly.
-  if (o.kernels == "cuda" && o.transport == "nccl") eo.decode_graphs = b.cuda->DecodeGraphs(b.transport.get());
   auto executor = LayerExecutor::Create(std::move(eo));
   if (!executor.ok()) return Annotate(executor.status(), "executor");
   return executor;
@@ -438,8 +587,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     RETURN_IF_ERROR(s->engine->EnableStepRings(std::move(ro)));
   }
   if (!o.agent_token.empty()) {
-    RankAgentContext ac{Rank(o.rank), m.topology,         m.group,       registry,
-                        executor,     m.checkpoint.get(), o.agent_token, ChannelCredentials(o.tls)};
+    RankAgentContext ac{Rank(o.rank), registry, executor, m.checkpoint.get(), o.agent_token, ChannelCredentials(o.tls)};
     // The coordinates a release bundle must name to be prepared here (0x0CB).
     ac.runtime.set_decode_runner(absl::GetFlag(FLAGS_decode_runner));
     ac.runtime.set_decode_bucket_tokens(absl::GetFlag(FLAGS_decode_bucket_tokens));
@@ -473,12 +621,17 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   return absl::OkStatus();
 }
 
-// Step: serve until SIGTERM or SIGINT (blocked in every thread), then drain: steps in flight
-// finish, new ones get UNAVAILABLE.
-void ServeUntilSignal(sigset_t signals, Serving* s) {
-  int sig = 0;
-  sigwait(&signals, &sig);
-  spdlog::info("signal {}: draining", sig);
+// Waits until the member serves its first epoch: true, or false when SIGTERM / SIGINT came first.
+bool AwaitFirstEpoch(const sigset_t& signals, const GroupMember& member) {
+  const timespec poll = {0, 100 * 1000 * 1000};
+  while (member.serving_epoch() == 0) {
+    if (sigtimedwait(&signals, nullptr, &poll) > 0) return false;
+  }
+  return true;
+}
+
+// Drains the servers: steps in flight finish (5 s at most), new ones get UNAVAILABLE.
+void ShutDown(Serving* s) {
   s->engine->Drain();
   s->unix_listener.reset();  // no new engine connections
   const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(5);
@@ -509,8 +662,7 @@ int Main() {
   GenerationRegistry registry;
   registry.Prepare(model->manifest).IgnoreError();
   registry.Activate(PlacementVersion(1)).IgnoreError();
-  if (absl::Status s = JoinTransport(o, model->group, &backend); !s.ok()) return Fail(s, kExitFailure);
-  auto executor = BuildExecutor(o, *model, &registry, backend);
+  auto executor = BuildExecutor(o, &registry, backend);
   if (!executor.ok()) return Fail(executor.status(), kExitFailure);
   if (absl::Status s =
           (*executor)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(model->local)));
@@ -519,10 +671,26 @@ int Main() {
   }
   auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
   (*exposer)->RegisterCollectable(generation_metrics);
+  DataPlane plane(o, &backend, executor->get(), &metrics);
 
   Serving serving;
   if (absl::Status s = OpenEngineSocket(o, &serving); !s.ok()) return Fail(s, kExitUsage);
   if (absl::Status s = StartServices(o, *model, &registry, executor->get(), &metrics, &serving); !s.ok()) {
+    return Fail(s, kExitFailure);
+  }
+  // The process group: through the controller (epochs for the daemon's lifetime), or one epoch
+  // through --rendezvous_dir. The port file is written once the first epoch serves.
+  std::unique_ptr<GroupMember> member;
+  if (!o.controller.empty()) {
+    member = JoinThroughController(o, serving.port, &plane);
+    spdlog::info("rank {} of {} on node {}: joining the process group of controller {}", o.rank, o.world, o.node,
+                 o.controller);
+    if (!AwaitFirstEpoch(signals, *member)) {
+      member->Stop();
+      ShutDown(&serving);
+      return kExitOk;
+    }
+  } else if (absl::Status s = JoinThroughFiles(o, &plane); !s.ok()) {
     return Fail(s, kExitFailure);
   }
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(serving.port));
@@ -534,7 +702,12 @@ int Main() {
       "slots",
       o.rank, o.world, serving.socket_path, serving.port, tcp, (*exposer)->GetListeningPorts().at(0),
       model->manifest->LocalSlots(Rank(o.rank)).size());
-  ServeUntilSignal(signals, &serving);
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("signal {}: draining", sig);
+  serving.engine->Drain();
+  if (member != nullptr) member->Stop();  // the controller re-forms the group without this rank
+  ShutDown(&serving);
   return kExitOk;
 }
 

@@ -4,31 +4,56 @@
 #ifndef MOE_CONTROL_CONTROLLER_AGENT_POOL_H_
 #define MOE_CONTROL_CONTROLLER_AGENT_POOL_H_
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <grpcpp/security/credentials.h>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
 
 namespace moe {
 
+// The process-group epoch the agents serve (control/controller/group_coordinator.h): manifests
+// sent to the ranks are bound to it (its epoch, each slot's node), and only its members are
+// driven.
+struct AgentGroup {
+  int64_t epoch = 0;
+  std::vector<std::string> addresses;     // per global rank; "" for ranks outside the epoch
+  std::vector<std::string> node_of_rank;  // per global rank
+};
+
 class AgentPool {
  public:
+  // A fixed list of agents, in rank order (--ranks); manifests are sent as recorded.
   // `credentials`: how the agents are dialed (rpc/tls.h); null: plaintext.
   AgentPool(std::vector<std::string> addresses, std::string token, absl::Duration rpc_timeout = absl::Seconds(30),
             std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
+  // The agents of a process group of `world` ranks, known once SetGroup is called (until then
+  // every operation answers UNAVAILABLE).
+  AgentPool(int world, std::string token, absl::Duration rpc_timeout,
+            std::shared_ptr<grpc::ChannelCredentials> credentials);
 
-  bool empty() const { return addresses_.empty(); }
-  const std::vector<std::string>& addresses() const { return addresses_; }
+  bool empty() const { return world_ == 0; }
+  // Per global rank ("" where unknown).
+  std::vector<std::string> addresses() const;
+  int world() const { return world_; }
+  // The epoch now served (group mode).
+  void SetGroup(AgentGroup group);
 
   // `runtime`: the release bundle's coordinates, which every rank checks against its own (none:
   // a release registered without a bundle).
-  absl::Status Prepare(const v1::PlacementManifest& manifest, const v1::RuntimeCoordinates* runtime = nullptr);
+  // The manifest is bound to the epoch the ranks serve (its number and the slots' nodes). A new
+  // placement (`rebind` false) must name that epoch or none (0); one the controller re-drives
+  // after the group re-formed (`rebind`) is re-materialized for the new epoch whatever it names.
+  absl::Status Prepare(const v1::PlacementManifest& manifest, const v1::RuntimeCoordinates* runtime = nullptr,
+                       bool rebind = false);
   absl::Status Activate(int64_t version);
   absl::Status Retire(int64_t version);
   // Trial steps of a PREPARED candidate on every rank (version 0 stops them).
@@ -40,6 +65,14 @@ class AgentPool {
   std::vector<std::pair<absl::StatusOr<v1::AgentStatusResponse>, std::string>> Status();
 
  private:
+  struct State {
+    std::vector<std::string> addresses;
+    std::vector<std::shared_ptr<v1::RankAgentService::Stub>> stubs;  // null: not driven
+    std::optional<AgentGroup> group;
+  };
+  std::shared_ptr<const State> Current() const;
+  // The epoch and nodes a fixed list of agents reports (UNAVAILABLE when they disagree).
+  absl::StatusOr<AgentGroup> ObservedGroup(const State& st);
   absl::Status OnEach(const std::string& what,
                       const std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>& call);
   using VersionRpc = grpc::Status (v1::RankAgentService::Stub::*)(grpc::ClientContext*, const v1::GenerationRequest&,
@@ -47,10 +80,13 @@ class AgentPool {
   absl::Status OnEachVersion(const char* verb, int64_t version, VersionRpc rpc);
   std::unique_ptr<grpc::ClientContext> Context() const;
 
-  std::vector<std::string> addresses_;
+  int world_ = 0;
+  bool group_mode_ = false;
   std::string token_;
   absl::Duration rpc_timeout_;
-  std::vector<std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const State> state_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace moe

@@ -20,6 +20,7 @@
 #include "spdlog/spdlog.h"
 
 #include "control/controller/control_plane_service.h"
+#include "control/controller/group_coordinator.h"
 #include "control/controller/release_manager.h"
 #include "control/store/release_store.h"
 #include "rpc/daemon_util.h"
@@ -36,7 +37,15 @@ ABSL_FLAG(double, max_fallback_ratio, 0.15, "promotion gate: fallback steps / st
 ABSL_FLAG(std::string, ranks, "",
           "comma-separated host:port of every moe-rankd's RankAgentService, in rank order "
           "(empty: the controller keeps the registry only)");
-ABSL_FLAG(std::string, agent_token_file, "", "bearer token for the rank agents (with --ranks)");
+ABSL_FLAG(int, world, 0,
+          "form the ranks' process group here: ranks join with --controller (rendezvous, topology from their "
+          "nodes, epochs re-formed when one is lost or replaced); N ranks (0: off; not with --ranks)");
+ABSL_FLAG(int, survivor_grace_s, 0,
+          "with --world: after a rank is lost and no replacement joined for this long, form an epoch over the "
+          "survivors (when the placement needs the lost rank's slots, the survivors refuse it and the group waits); "
+          "0: wait for a replacement");
+ABSL_FLAG(std::string, agent_token_file, "",
+          "bearer token for the rank agents (with --ranks or --world; the ranks join the group with it)");
 ABSL_FLAG(int, drain_timeout_s, 60, "rollback: how long the ranks may take to drain a candidate's handles");
 ABSL_FLAG(int64_t, migration_budget_bytes, 0,
           "placement load: refuse a placement whose migration from the active one peaks above this many bytes of "
@@ -101,7 +110,9 @@ struct ControllerOptions {
   PromotionThresholds thresholds;
   bool ranks_given = false;        // false: the controller keeps the registry only
   std::vector<std::string> ranks;  // --ranks (may still be empty: "," names no rank)
-  std::string agent_token;         // with --ranks
+  int world = 0;                   // --world: the process group formed here
+  absl::Duration survivor_grace;
+  std::string agent_token;  // with --ranks
   absl::Duration drain_timeout;
   MigrationBudget migration;
   TrialPolicy trial;
@@ -127,7 +138,12 @@ absl::Status ParseRankFlags(ControllerOptions* o) {
   o->thresholds.max_fallback_ratio = absl::GetFlag(FLAGS_max_fallback_ratio);
   o->ranks_given = !absl::GetFlag(FLAGS_ranks).empty();
   o->ranks = absl::StrSplit(absl::GetFlag(FLAGS_ranks), ',', absl::SkipEmpty());
-  if (o->ranks_given) {
+  o->world = absl::GetFlag(FLAGS_world);
+  if (o->world < 0 || o->world > 4096) return absl::InvalidArgumentError("--world: expected 0 .. 4096");
+  if (o->world > 0 && o->ranks_given) return absl::InvalidArgumentError("--world / --ranks: give one of them");
+  if (absl::GetFlag(FLAGS_survivor_grace_s) < 0) return absl::InvalidArgumentError("--survivor_grace_s: must be >= 0");
+  o->survivor_grace = absl::Seconds(absl::GetFlag(FLAGS_survivor_grace_s));
+  if (o->ranks_given || o->world > 0) {
     ASSIGN_OR_RETURN(o->agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
   }
   o->drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
@@ -172,16 +188,32 @@ absl::StatusOr<Registry> OpenRegistry(const std::string& path) {
   return registry;
 }
 
-// The rank agents of --ranks (null without).
+// The rank agents of --ranks, or of the group formed here (--world); null without either.
 std::unique_ptr<AgentPool> ConnectAgents(const ControllerOptions& o) {
+  if (o.world > 0) {
+    return std::make_unique<AgentPool>(o.world, o.agent_token, absl::Seconds(30), ChannelCredentials(o.tls));
+  }
   if (!o.ranks_given) return nullptr;
   return std::make_unique<AgentPool>(o.ranks, o.agent_token, absl::Seconds(30), ChannelCredentials(o.tls));
 }
 
-// The agents' topology: the local cluster's two nodes, until the controller is told its ranks'.
+// The topology the controller's placements are written in (slots' domains there are labels; the
+// pool binds each manifest to the nodes of the epoch the ranks serve before it is sent).
 std::optional<Topology> AgentTopology(const AgentPool* agents) {
   if (agents == nullptr || agents->empty()) return std::nullopt;
-  return TwoNodeTopology(static_cast<int>(agents->addresses().size()));
+  return TwoNodeTopology(agents->world());
+}
+
+// The agents of a formed epoch, as the pool drives them.
+AgentGroup GroupOfView(const v1::GroupView& view) {
+  AgentGroup g;
+  g.epoch = view.epoch();
+  g.addresses.assign(view.world(), "");
+  for (const v1::GroupMember& m : view.members()) {
+    if (m.rank() >= 0 && m.rank() < view.world()) g.addresses[m.rank()] = m.agent_address();
+  }
+  g.node_of_rank.assign(view.node_of_rank().begin(), view.node_of_rank().end());
+  return g;
 }
 
 // Periodic reconcile: a rank agent that restarted re-registers its generations here. Returns a
@@ -222,6 +254,30 @@ int Main() {
   StoreReleaseManager manager(registry->store.get(), o.thresholds, agents.get(), AgentTopology(agents.get()),
                               o.drain_timeout, o.migration, o.trial);
   ControlPlaneServiceImpl service(&manager, o.token);
+  // The process group formed here (--world): its own connection to the registry file records
+  // the epochs; each epoch that serves re-drives the ACTIVE placement onto its ranks.
+  std::unique_ptr<ReleaseStore> epoch_store;
+  std::unique_ptr<GroupCoordinator> group;
+  if (o.world > 0) {
+    auto store = ReleaseStore::Open(o.store_path);
+    if (!store.ok()) return Fail(store.status(), kExitFailure);
+    epoch_store = *std::move(store);
+    GroupCoordinatorOptions go;
+    go.world = o.world;
+    go.token = o.agent_token;
+    go.operator_token = o.token;
+    go.store = epoch_store.get();
+    go.survivor_grace = o.survivor_grace;
+    AgentPool* pool = agents.get();
+    go.on_ready = [pool, &manager](const v1::GroupView& view) {
+      pool->SetGroup(GroupOfView(view));
+      if (absl::Status s = manager.Reconcile(); !s.ok()) {
+        spdlog::warn("epoch {}: reconcile: {} (the periodic reconcile retries)", view.epoch(),
+                     std::string(s.message()));
+      }
+    };
+    group = std::make_unique<GroupCoordinator>(std::move(go));
+  }
   if (absl::Status s = manager.Reconcile(); !s.ok()) {
     spdlog::warn("reconcile with the rank agents: {} (the next promote / rollback retry re-drives them)",
                  std::string(s.message()));
@@ -230,7 +286,10 @@ int Main() {
   GrpcServeOptions serve;
   serve.listen = absl::GetFlag(FLAGS_listen);
   serve.tls = o.tls;
-  auto server = ServeGrpc({&service}, serve, &port);
+  serve.keepalive = group != nullptr;  // the ranks' Join streams
+  std::vector<grpc::Service*> services = {&service};
+  if (group != nullptr) services.push_back(group.get());
+  auto server = ServeGrpc(services, serve, &port);
   if (!server.ok()) return Fail(server.status(), kExitFailure);
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   auto releases = registry->store->List();
@@ -244,6 +303,7 @@ int Main() {
   spdlog::info("signal {}: shutting down", sig);
   stopping.Notify();
   if (reconciler.joinable()) reconciler.join();
+  if (group != nullptr) group->Shutdown();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return kExitOk;
 }

@@ -46,7 +46,7 @@ void ExpectRecordedManifest(const ReleaseRecord& candidate, const Topology& topo
       manifest = nullptr;
     }
   }
-  if (manifest != nullptr) expect->manifest_digest = PlacementDigest(*manifest, topology);
+  if (manifest != nullptr) expect->manifest_digest = PlacementDigest(*manifest);
 }
 
 // RollbackOK's subject: the release ACTIVE now, which promoting `candidate` would drain. Sets
@@ -566,6 +566,7 @@ absl::Status StoreReleaseManager::Reconcile() {
     // the manifest the store recorded, slots copied from its peers) and activated again.
     bool agree = true;
     for (auto& [status, address] : agents_->Status()) {
+      if (address.empty()) continue;  // not a member of the epoch served
       agree = agree && status.ok() && status->active_version() == r.placement_version;
     }
     if (agree) return absl::OkStatus();
@@ -574,7 +575,8 @@ absl::Status StoreReleaseManager::Reconcile() {
       if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
         return absl::DataLossError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
       }
-      RETURN_IF_ERROR(agents_->Prepare(proto));  // a no-op where the rank already holds it
+      // Bound to the epoch now served; a no-op where the rank already holds it.
+      RETURN_IF_ERROR(agents_->Prepare(proto, nullptr, /*rebind=*/true));
     }
     RETURN_IF_ERROR(agents_->Activate(r.placement_version));
     spdlog::info("reconcile: every rank serves placement-v{} of {} again", r.placement_version, r.release_id);

@@ -41,6 +41,12 @@ CREATE TABLE IF NOT EXISTS bundles (
   release_id TEXT PRIMARY KEY REFERENCES releases(release_id),
   bundle     TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS group_epochs (
+  epoch      INTEGER PRIMARY KEY,
+  reason     TEXT NOT NULL,
+  peers      TEXT NOT NULL,
+  created_ms INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS requests (
   request_id  TEXT PRIMARY KEY,
   fingerprint TEXT NOT NULL
@@ -290,6 +296,21 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
   }
   if (absl::Status s = txn.Commit(); !s.ok()) return s;
   return ReleaseRecord{release_id, bundle_digest, ReleaseState::kBuilt, 0};
+}
+
+absl::StatusOr<int64_t> ReleaseStore::LastEpoch() const {
+  Stmt q(db_, "SELECT COALESCE(MAX(epoch), 0) FROM group_epochs");
+  auto row = q.Step();
+  if (!row.ok()) return row.status();
+  return *row ? q.Int(0) : 0;
+}
+
+absl::Status ReleaseStore::RecordEpoch(int64_t epoch, const std::string& reason, const std::string& peers,
+                                       int64_t created_ms) {
+  Stmt q(db_, "INSERT INTO group_epochs (epoch, reason, peers, created_ms) VALUES (?, ?, ?, ?)");
+  q.Bind(1, epoch).Bind(2, reason).Bind(3, peers).Bind(4, created_ms);
+  auto row = q.Step();
+  return row.ok() ? absl::OkStatus() : row.status();
 }
 
 absl::StatusOr<std::string> ReleaseStore::Bundle(const std::string& release_id) const {

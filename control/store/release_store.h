@@ -110,6 +110,12 @@ class ReleaseStore {
   // BUILT ending in its stored state. INTERNAL naming the first inconsistency.
   absl::Status Verify() const;
 
+  // Process-group epochs (control/controller/group_coordinator.h): the highest recorded (0 when
+  // none), and a new one, so epochs never repeat across controller restarts. ALREADY_EXISTS-like
+  // INTERNAL when `epoch` was recorded before.
+  absl::StatusOr<int64_t> LastEpoch() const;
+  absl::Status RecordEpoch(int64_t epoch, const std::string& reason, const std::string& peers, int64_t created_ms);
+
  private:
   explicit ReleaseStore(sqlite3* db) : db_(db) {}
   sqlite3* db_;

@@ -17,27 +17,86 @@
 
 namespace moe {
 absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecutorOptions options) {
-  if (!options.topology || !options.group) return absl::InvalidArgumentError("executor: topology and group required");
-  if (options.registry == nullptr || options.transport == nullptr || options.kernels == nullptr) {
-    return absl::InvalidArgumentError("executor: registry, transport and kernels required");
+  if (options.registry == nullptr || options.kernels == nullptr) {
+    return absl::InvalidArgumentError("executor: registry and kernels required");
   }
-  if (!options.group->Contains(options.rank)) {
-    return absl::InvalidArgumentError(absl::StrCat("executor: rank ", options.rank.value(), " is not in the group"));
-  }
-  if (options.transport->slot() != options.group->SlotOf(options.rank).value() ||
-      options.transport->size() != options.group->size()) {
-    return absl::FailedPreconditionError("executor: transport slot / size disagree with the process group");
-  }
-  if (options.kernels->device_resident() && !options.transport->accepts_device_memory()) {
-    return absl::FailedPreconditionError(absl::StrCat("executor: kernels '", options.kernels->name(),
-                                                      "' keep rows in device memory, transport '",
-                                                      options.transport->name(), "' moves host memory only"));
-  }
+  const bool bound = options.transport != nullptr || options.topology.has_value() || options.group.has_value();
   std::unique_ptr<LayerExecutor> e(new LayerExecutor(std::move(options)));
   e->device_ = e->options_.kernels->device_resident();
   e->graphs_ = e->device_ && e->options_.decode_graphs != nullptr;
   e->selector_ = ReplicaSelector::Create(e->options_.selector);
+  if (bound) {
+    RETURN_IF_ERROR(e->CheckBinding(e->options_));
+  }
+  absl::MutexLock lock(&e->gate_mu_);
+  e->bound_ = bound;
+  e->unbound_why_ = absl::StrCat("rank ", e->options_.rank.value(), " has not joined its process group yet");
   return e;
+}
+
+absl::Status LayerExecutor::CheckBinding(const LayerExecutorOptions& o) const {
+  if (!o.topology || !o.group || o.transport == nullptr) {
+    return absl::InvalidArgumentError("executor: topology, group and transport go together");
+  }
+  if (!o.group->Contains(o.rank)) {
+    return absl::InvalidArgumentError(absl::StrCat("executor: rank ", o.rank.value(), " is not in the group"));
+  }
+  if (o.transport->slot() != o.group->SlotOf(o.rank).value() || o.transport->size() != o.group->size()) {
+    return absl::FailedPreconditionError("executor: transport slot / size disagree with the process group");
+  }
+  if (o.kernels->device_resident() && !o.transport->accepts_device_memory()) {
+    return absl::FailedPreconditionError(absl::StrCat("executor: kernels '", o.kernels->name(),
+                                                      "' keep rows in device memory, transport '", o.transport->name(),
+                                                      "' moves host memory only"));
+  }
+  return absl::OkStatus();
+}
+
+void LayerExecutor::Unbind(const std::string& why) {
+  Transport* transport = nullptr;
+  {
+    absl::MutexLock lock(&gate_mu_);
+    unbound_why_ = why;
+    if (!bound_) return;
+    bound_ = false;
+    transport = options_.transport;
+  }
+  if (transport != nullptr) transport->Interrupt();
+  gate_mu_.LockWhen(absl::Condition(
+      +[](int* n) { return *n == 0; }, &in_flight_));
+  gate_mu_.Unlock();
+  // The graphs captured the old communicator: they go before the transport does.
+  absl::MutexLock lock(&generations_mu_);
+  graphs_by_key_.clear();
+  layouts_.clear();
+}
+
+absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology, const ProcessGroup& group,
+                                 DecodeGraphFactory decode_graphs) {
+  LayerExecutorOptions next = options_;
+  next.transport = transport;
+  next.topology = topology;
+  next.group = group;
+  next.decode_graphs = std::move(decode_graphs);
+  RETURN_IF_ERROR(CheckBinding(next));
+  absl::MutexLock gate(&gate_mu_);
+  if (bound_ || in_flight_ > 0) return absl::FailedPreconditionError("executor: Bind while bound (Unbind first)");
+  RETURN_IF_ERROR(options_.registry->Rebind(group, topology));
+  {
+    absl::MutexLock lock(&generations_mu_);
+    graphs_by_key_.clear();
+    layouts_.clear();
+  }
+  options_ = std::move(next);
+  graphs_ = device_ && options_.decode_graphs != nullptr;
+  bound_ = true;
+  return absl::OkStatus();
+}
+
+std::optional<std::pair<Topology, ProcessGroup>> LayerExecutor::Membership() const {
+  absl::MutexLock lock(&gate_mu_);
+  if (!bound_) return std::nullopt;
+  return std::make_pair(*options_.topology, *options_.group);
 }
 
 // A generation's weights where the kernels read them: the host copy itself for host-memory
@@ -219,6 +278,18 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
 }
 
 absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status why) {
+  {
+    absl::MutexLock lock(&gate_mu_);
+    if (!bound_) return why;  // no group to tell
+    ++in_flight_;
+  }
+  struct Leave {
+    LayerExecutor* e;
+    ~Leave() {
+      absl::MutexLock lock(&e->gate_mu_);
+      --e->in_flight_;
+    }
+  } leave{this};
   const int64_t active = options_.registry->ActiveVersion();
   StepHeader h{step_id, layer, active, options_.group->epoch().value(), 1};
   const std::vector<int64_t> zeros(options_.group->size(), 0);
@@ -284,6 +355,18 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
 }
 
 absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in) {
+  {
+    absl::MutexLock lock(&gate_mu_);
+    if (!bound_) return absl::UnavailableError(unbound_why_);
+    ++in_flight_;
+  }
+  absl::StatusOr<LayerStepResult> r = ExecuteBound(in);
+  absl::MutexLock lock(&gate_mu_);
+  --in_flight_;
+  return r;
+}
+
+absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput& in) {
   TrialConfig t = Trial();
   if (t.version >= 0) {
     auto state = options_.registry->State(PlacementVersion(t.version));

@@ -76,6 +76,8 @@ struct LocalExperts {
 
 struct LayerExecutorOptions {
   Rank rank;
+  // The process group's membership and transport. All three, or none: an executor made without
+  // them is unbound (steps answer UNAVAILABLE) until Bind gives it the group's first epoch.
   std::optional<Topology> topology;
   std::optional<ProcessGroup> group;
   GenerationRegistry* registry = nullptr;     // not owned
@@ -151,6 +153,19 @@ class LayerExecutor {
   // Relative L2 difference above which a shadow output counts as a mismatch.
   static constexpr double kShadowTolerance = 1e-2;
 
+  // Process-group epochs (spec 0x07G). Unbind stops the data plane: new steps (and Reject)
+  // answer UNAVAILABLE with `why` (which names the epoch being left), the transport is
+  // interrupted so a step in flight ends at once, and Unbind returns once no step runs; the
+  // transport may then be destroyed. Bind serves a new epoch: `transport` (not owned) for
+  // `group`, whose member this rank is; every generation in the registry is rebound to the group
+  // (PlacementManifest::Rebound) and the plan layouts and decode graphs of the old one are
+  // dropped. On error the executor stays unbound.
+  void Unbind(const std::string& why);
+  absl::Status Bind(Transport* transport, const Topology& topology, const ProcessGroup& group,
+                    DecodeGraphFactory decode_graphs);
+  // The bound epoch's membership (none while unbound).
+  std::optional<std::pair<Topology, ProcessGroup>> Membership() const;
+
   // For a step this member cannot run (its request was rejected before Execute, e.g. at the RPC
   // edge): joins the step's agreement with the abort flag so every peer aborts at once, and
   // returns `why` unchanged.
@@ -166,6 +181,8 @@ class LayerExecutor {
   // One pass of a step (the served pass, or a shadow pass): what its phases hand each other.
   struct Pass;
   struct ResidentExperts;
+  absl::StatusOr<LayerStepResult> ExecuteBound(const LayerStepInput& input);
+  absl::Status CheckBinding(const LayerExecutorOptions& o) const;
   absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);
   // The phases in the order RunPass runs them (runtime/exec/step.h). Until the agreement, an
   // error is answered by Reject (every peer aborts too); after it, the step fails as it is.
@@ -201,6 +218,11 @@ class LayerExecutor {
                             const std::vector<float>& gates, uint16_t* out);
 
   LayerExecutorOptions options_;
+  // The epoch gate: steps run only while bound; Unbind waits for in_flight_ to reach zero.
+  mutable absl::Mutex gate_mu_;
+  bool bound_ ABSL_GUARDED_BY(gate_mu_) = false;
+  std::string unbound_why_ ABSL_GUARDED_BY(gate_mu_);
+  int in_flight_ ABSL_GUARDED_BY(gate_mu_) = 0;
   bool device_ = false;  // the kernels keep rows in device memory
   bool graphs_ = false;  // decode steps admitted to a bucket replay its graph
   // Captured decode graphs by (placement version, d, k), with the weights they read.

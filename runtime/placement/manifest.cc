@@ -121,6 +121,45 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
   return root;
 }
 
+absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Rebound(const ProcessGroup& group,
+                                                                                    const Topology& topology) const {
+  ManifestOptions options = options_;
+  options.process_group = group.id();
+  options.epoch = group.epoch();
+  const auto rebind = [&](const PlacementManifest& table) -> absl::StatusOr<std::vector<SlotRecord>> {
+    std::vector<SlotRecord> slots = table.slots();
+    std::vector<bool> served(table.num_experts(), false);
+    for (SlotRecord& s : slots) {
+      if (!topology.HasRank(s.rank)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(VersionName(), " slot ", s.name, ": rank ", s.rank.value(), " is not in the topology"));
+      }
+      s.domain = topology.NodeOf(s.rank);
+      if (group.Contains(s.rank)) served[s.expert.value()] = true;
+    }
+    // Slots on ranks outside the group stay (they are no route's destination: the replica
+    // selector takes compatible slots only), as long as every expert keeps a copy on a member.
+    for (int e = 0; e < table.num_experts(); ++e) {
+      if (served[e]) continue;
+      const std::string where = table.layers().size() == 1 ? absl::StrCat(" layer ", table.layers()[0]) : "";
+      return absl::FailedPreconditionError(
+          absl::StrCat(VersionName(), where, ": logical expert ", e, " has no replica on a member of process group ",
+                       group.id().value(), " epoch ", group.epoch().value(), " (its slots are on ranks outside it)"));
+    }
+    return slots;
+  };
+  if (!per_layer()) {
+    ASSIGN_OR_RETURN(std::vector<SlotRecord> slots, rebind(*this));
+    return Create(std::move(options), std::move(slots), topology);
+  }
+  std::vector<std::vector<SlotRecord>> tables;
+  for (const auto& table : layer_manifests_) {
+    ASSIGN_OR_RETURN(std::vector<SlotRecord> slots, rebind(*table));
+    tables.push_back(std::move(slots));
+  }
+  return CreateLayered(std::move(options), std::move(tables), topology);
+}
+
 std::shared_ptr<const PlacementManifest> PlacementManifest::ForLayer(int64_t layer) const {
   if (layer_manifests_.empty()) return shared_from_this();
   auto it = std::lower_bound(options_.layers.begin(), options_.layers.end(), layer);

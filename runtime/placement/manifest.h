@@ -59,6 +59,15 @@ class PlacementManifest : public std::enable_shared_from_this<PlacementManifest>
   static absl::StatusOr<std::shared_ptr<const PlacementManifest>> CreateLayered(
       ManifestOptions options, std::vector<std::vector<SlotRecord>> layer_slots, const Topology& topology);
 
+  // This generation bound to a re-formed process group (0x07G: a placement snapshot must not keep
+  // an old peer-slot map): the same version, slots, experts, ranks and digests, with the group's
+  // id and epoch and each slot's domain taken from `topology` (a rank may come back on another
+  // node). Slots on ranks outside `group` (lost, when it re-formed over the survivors) stay and
+  // are no route's destination; FAILED_PRECONDITION naming the expert (and layer) when some
+  // logical expert has no replica left on a member.
+  absl::StatusOr<std::shared_ptr<const PlacementManifest>> Rebound(const ProcessGroup& group,
+                                                                   const Topology& topology) const;
+
   // Whether the layers have slot tables of their own (CreateLayered).
   bool per_layer() const { return !layer_manifests_.empty(); }
   // The slot table a step of `layer` runs on: the layer's own in a per-layer generation, this

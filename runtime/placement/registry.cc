@@ -171,6 +171,24 @@ absl::Status GenerationRegistry::ReleaseLease(PlacementVersion v, HandleId handl
   return absl::OkStatus();
 }
 
+absl::Status GenerationRegistry::Rebind(const ProcessGroup& group, const Topology& topology) {
+  absl::MutexLock lock(&mu_);
+  std::map<int64_t, std::shared_ptr<const PlacementManifest>> bound;
+  for (const auto& [v, e] : generations_) {
+    if (!e.holders.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("placement-v", v, ": ", e.holders.size(),
+                                                        " dispatch handles still hold it; cannot rebind to epoch ",
+                                                        group.epoch().value()));
+    }
+    if (e.state == GenerationState::kRetired) continue;
+    absl::StatusOr<std::shared_ptr<const PlacementManifest>> m = e.manifest->Rebound(group, topology);
+    if (!m.ok()) return m.status();
+    bound[v] = *std::move(m);
+  }
+  for (auto& [v, m] : bound) generations_[v].manifest = std::move(m);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GenerationState> GenerationRegistry::State(PlacementVersion v) const {
   absl::MutexLock lock(&mu_);
   auto it = generations_.find(v.value());

@@ -94,6 +94,11 @@ class GenerationRegistry {
   // the step began. FAILED_PRECONDITION once RETIRED (which its lease prevents).
   absl::StatusOr<std::shared_ptr<const PlacementManifest>> RequireTrial(PlacementVersion v) const;
 
+  // Binds every generation that is not RETIRED to a re-formed process group
+  // (PlacementManifest::Rebound), all or nothing. FAILED_PRECONDITION while any lease is held
+  // (the caller has stopped steps first) or when a generation has a slot outside `group`.
+  absl::Status Rebind(const ProcessGroup& group, const Topology& topology);
+
   absl::StatusOr<GenerationState> State(PlacementVersion v) const;
   int64_t Refcount(PlacementVersion v) const;
   // -1 if none is active.

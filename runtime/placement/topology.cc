@@ -61,6 +61,25 @@ Topology Topology::SingleNode(int num_ranks) {
   return *std::move(t);
 }
 
+absl::StatusOr<Topology> Topology::FromNodeNames(const std::vector<std::string>& node_of_rank) {
+  std::vector<RankInfo> ranks;
+  std::vector<std::string> names;
+  std::vector<int32_t> next_local;
+  for (size_t r = 0; r < node_of_rank.size(); ++r) {
+    const std::string& name = node_of_rank[r];
+    if (name.empty()) return absl::InvalidArgumentError(absl::StrCat("topology.ranks[", r, "].node: empty"));
+    const auto it = std::find(names.begin(), names.end(), name);
+    const int node = static_cast<int>(it - names.begin());
+    if (it == names.end()) {
+      names.push_back(name);
+      next_local.push_back(0);
+    }
+    const int32_t local = next_local[node]++;
+    ranks.push_back(RankInfo{Rank(static_cast<int32_t>(r)), TopologyDomainId(node), local, "", local == 0});
+  }
+  return Create(std::move(ranks), std::move(names));
+}
+
 int Topology::FindNode(const std::string& name) const {
   for (size_t i = 0; i < node_names_.size(); ++i) {
     if (node_names_[i] == name) return static_cast<int>(i);

@@ -31,6 +31,11 @@ class Topology {
   static absl::StatusOr<Topology> Create(std::vector<RankInfo> ranks, std::vector<std::string> node_names);
   // One node, every rank on it (rank 0 relay).
   static Topology SingleNode(int num_ranks);
+  // The topology a process group forms from its members' declarations: rank r on the node named
+  // node_of_rank[r] (its host name, or what it was told). Nodes are numbered in the order they
+  // first appear by rank, GPU-local ranks count up by rank within a node, and each node's first
+  // rank is its relay. INVALID_ARGUMENT naming the rank for an empty name.
+  static absl::StatusOr<Topology> FromNodeNames(const std::vector<std::string>& node_of_rank);
 
   int num_ranks() const { return static_cast<int>(ranks_.size()); }
   int num_nodes() const { return static_cast<int>(node_names_.size()); }

@@ -65,6 +65,7 @@ class NcclTransport final : public Transport {
     for (uint8_t a : all) everyone = everyone && a == 1;
     if (everyone) {
       agree_ = std::move(*channel);
+      agree_->set_interrupted([this] { return interrupted(); });
       backlog_.from.assign(size(), {});
     }
     return absl::OkStatus();
@@ -214,6 +215,10 @@ class NcclTransport final : public Transport {
         return absl::UnavailableError(
             absl::StrCat("nccl: communicator error ", ncclGetErrorString(async), " (seq ", seq, ")"));
       }
+      if (interrupted()) {
+        Abandon();
+        return InterruptedError(seq);
+      }
       if (absl::Now() > deadline) {
         // NOTE: aborting releases this member from the collective; peers see their own timeout
         // or a communicator error. The communicator is unusable afterwards.
@@ -247,7 +252,13 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
   CUDART_RETURN_IF_ERROR(cudaSetDevice(options.device));
   // Member 0 makes the group's unique id and publishes it; the others read it.
   ncclUniqueId id;
-  if (options.slot == 0) {
+  if (!options.unique_id.empty()) {
+    if (options.unique_id.size() != sizeof(id.internal)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("nccl: unique id of ", options.unique_id.size(), " bytes, not an id's ", sizeof(id.internal)));
+    }
+    std::memcpy(id.internal, options.unique_id.data(), sizeof(id.internal));
+  } else if (options.slot == 0) {
     NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
     absl::Status s =
         PublishFile(options.rendezvous_dir, "nccl.id", absl::string_view(id.internal, sizeof(id.internal)));
@@ -274,6 +285,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
     RETURN_IF_ERROR(transport->SetUpHostAgreement(id.internal, sizeof(id.internal), options.connect_timeout));
   }
   return std::unique_ptr<Transport>(std::move(transport));
+}
+
+absl::StatusOr<std::string> NewNcclUniqueId() {
+  ncclUniqueId id;
+  NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof(id.internal));
 }
 
 NcclHandles NativeNcclHandles(Transport& transport) {

@@ -26,7 +26,10 @@ struct NcclOptions {
   int slot = 0;
   int size = 1;
   int device = 0;
-  // Member 0 writes the NCCL unique id here; the others wait for it.
+  // The group's NCCL unique id (NewNcclUniqueId of one member, handed to every member by the
+  // controller's rendezvous). Empty: member 0 makes one and writes it to `rendezvous_dir`, where
+  // the others wait for it.
+  std::string unique_id;
   std::string rendezvous_dir;
   absl::Duration connect_timeout = absl::Seconds(60);
   // The step agreement (StepGather) over a shared-memory channel when every member is on this
@@ -36,6 +39,10 @@ struct NcclOptions {
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& options);
+
+// A new NCCL unique id (ncclGetUniqueId: the bootstrap address of a group's first member), as
+// bytes for NcclOptions::unique_id.
+absl::StatusOr<std::string> NewNcclUniqueId();
 
 // The communicator (ncclComm_t) and stream (cudaStream_t) behind a transport made by
 // CreateNcclTransport, for NCCL calls captured into CUDA graphs next to kernels (fixed-size

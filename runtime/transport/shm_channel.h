@@ -15,6 +15,7 @@
 #define MOE_RUNTIME_TRANSPORT_SHM_CHANNEL_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -44,6 +45,9 @@ class ShmStepChannel final : public StepGatherChannel {
   absl::StatusOr<bool> Poll(int peer, StepGatherHeader* header, void* payload, int64_t capacity,
                             int64_t* bytes) override;
   void Idle() override;
+  bool Interrupted() const override { return interrupted_ != nullptr && interrupted_(); }
+  // What Interrupted() asks (the owning transport's Transport::interrupted).
+  void set_interrupted(std::function<bool()> f) { interrupted_ = std::move(f); }
 
   int me() const { return me_; }
   int size() const { return size_; }
@@ -57,6 +61,7 @@ class ShmStepChannel final : public StepGatherChannel {
   void* base_;
   size_t bytes_;
   int me_, size_;
+  std::function<bool()> interrupted_;
 };
 
 }  // namespace moe

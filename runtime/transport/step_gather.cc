@@ -67,6 +67,11 @@ class GatherAttempt {
         if (absl::Status s = ReadPeer(i, &moved); !s.ok()) return s;
       }
       if (missing_ == 0) break;
+      if (ch_.Interrupted()) {
+        Leave(ch_, me_, size_, step_, std::nullopt);
+        return absl::UnavailableError(
+            absl::StrCat("step_id ", step_, ": transport interrupted, the process group is being re-formed"));
+      }
       if (absl::Now() > deadline) {
         int first = -1;
         for (int i = 0; i < size_ && first < 0; ++i) {

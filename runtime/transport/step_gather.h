@@ -49,6 +49,8 @@ class StepGatherChannel {
                                     int64_t* bytes) = 0;
   // Lets messages move (progress) when a round of polls found nothing.
   virtual void Idle() = 0;
+  // Whether the transport was interrupted (Transport::Interrupt): the gather gives up at once.
+  virtual bool Interrupted() const { return false; }
 };
 
 // The largest record a StepGather carries (the executor's agreement record is at most ~7 KiB).

@@ -19,6 +19,7 @@
 #ifndef MOE_RUNTIME_TRANSPORT_TRANSPORT_H_
 #define MOE_RUNTIME_TRANSPORT_TRANSPORT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -26,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
@@ -59,6 +61,19 @@ class Transport {
   // order). Sizes must agree pairwise (the header exchange establishes them).
   virtual absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
                                  absl::Span<const int64_t> recv_bytes, absl::Duration timeout) = 0;
+
+  // Ends the call in progress and every later one with UNAVAILABLE, from any thread: the
+  // process group is being re-formed and this transport will be destroyed. Peers the member was
+  // exchanging with see their own failure or timeout. Idempotent.
+  void Interrupt() { interrupted_.store(true, std::memory_order_release); }
+  bool interrupted() const { return interrupted_.load(std::memory_order_acquire); }
+  static absl::Status InterruptedError(uint64_t seq) {
+    return absl::UnavailableError(
+        absl::StrCat("transport interrupted (seq ", seq, "): the process group is being re-formed"));
+  }
+
+ private:
+  std::atomic<bool> interrupted_{false};
 };
 
 // In-process transport for `size` members driven by different threads.

@@ -365,6 +365,7 @@ class UcxTransport final : public Transport {
     void Idle() override {
       if (ucp_worker_progress(t_->base_->worker) == 0) std::this_thread::yield();
     }
+    bool Interrupted() const override { return t_->interrupted(); }
 
    private:
     UcxTransport* t_;
@@ -575,6 +576,7 @@ class UcxTransport final : public Transport {
       send_off[i + 1] = send_off[i] + send_bytes[i];
       recv_off[i + 1] = recv_off[i] + recv_bytes[i];
     }
+    if (interrupted()) return InterruptedError(seq);
     if (absl::Status s = CheckPeersUp(); !s.ok()) return s;
     Pending p = PostExchange(kind, position, send, send_off, send_bytes, recv, recv_off, recv_bytes);
     const absl::Time deadline = absl::Now() + timeout;
@@ -587,6 +589,10 @@ class UcxTransport final : public Transport {
         all = all && p.Done(i);
       }
       if (all) return absl::OkStatus();
+      if (interrupted()) {
+        AbandonExchange(p, seq, timeout).IgnoreError();
+        return InterruptedError(seq);
+      }
       if (absl::Now() > deadline) return AbandonExchange(p, seq, timeout);
     }
   }

@@ -37,6 +37,11 @@ constexpr char kToken[] = "0123456789abcdef-token";
 // answers Status with counters the test sets.
 class FakeRank final : public v1::RankAgentService::Service {
  public:
+  // Serves process-group epoch 1 on `node` (the controller binds manifests to what ranks report).
+  explicit FakeRank(const std::string& node) {
+    status_.set_process_group_epoch(1);
+    status_.set_node(node);
+  }
   grpc::Status PrepareGeneration(grpc::ServerContext*, const v1::PrepareGenerationRequest* req,
                                  v1::GenerationStatus* resp) override {
     const Topology topology = TwoNodeTopology(kRanks);
@@ -48,7 +53,7 @@ class FakeRank final : public v1::RankAgentService::Service {
       g = status_.add_generations();
       g->set_version(req->manifest().version());
       g->set_state(v1::GENERATION_STATE_PREPARED);
-      g->set_manifest_digest(PlacementDigest(**m, topology));
+      g->set_manifest_digest(PlacementDigest(**m));
     }
     *resp = *g;
     return grpc::Status::OK;
@@ -154,7 +159,8 @@ class GateTest : public ::testing::Test {
   void SetUp() override {
     std::vector<std::string> addresses;
     for (int r = 0; r < kRanks; ++r) {
-      ranks_.push_back(std::make_unique<FakeRank>());
+      ranks_.push_back(
+          std::make_unique<FakeRank>(TwoNodeTopology(kRanks).NodeName(TwoNodeTopology(kRanks).NodeOf(Rank(r)))));
       grpc::ServerBuilder b;
       int port = 0;
       b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);

@@ -74,12 +74,12 @@ TEST(PlacementProtoTest, PerLayerTablesRoundTripAndAreDigested) {
   ASSERT_TRUE((*back)->per_layer());
   EXPECT_EQ((*back)->ForLayer(5)->slot(PhysicalSlotId(0)).expert.value(), 3);
   EXPECT_EQ((*back)->ForLayer(3)->slot(PhysicalSlotId(0)).expert.value(), 0);
-  EXPECT_EQ(PlacementDigest(**back, t), PlacementDigest(**m, t));
+  EXPECT_EQ(PlacementDigest(**back), PlacementDigest(**m));
   // Another expert in one layer's table: another digest.
   auto other =
       LayeredPlacementFromAssignment(PlacementVersion(9), 4, {a[0], {{3, 0}, {2, 1}, {0, 2}, {1, 3}}}, t, g, id);
   ASSERT_TRUE(other.ok());
-  EXPECT_NE(PlacementDigest(**other, t), PlacementDigest(**m, t));
+  EXPECT_NE(PlacementDigest(**other), PlacementDigest(**m));
   // A table labelled with another layer, or one table short.
   v1::PlacementManifest wrong = p;
   wrong.mutable_layer_slots(1)->set_layer(4);

@@ -29,7 +29,7 @@ class RankAgentTest : public testing::OneRankTest {
   void SetUp() override {
     SetUpRank(kExperts, kD, 32, 3);
     service_ = std::make_unique<RankAgentServiceImpl>(
-        RankAgentContext{Rank(0), topology_, group_, &registry_, executor_.get(), reader_.get(), kToken});
+        RankAgentContext{Rank(0), &registry_, executor_.get(), reader_.get(), kToken});
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);

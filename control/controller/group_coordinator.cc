@@ -1,0 +1,288 @@
+#include "control/controller/group_coordinator.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
+
+#include "rpc/bearer_auth.h"
+
+namespace moe {
+namespace {
+
+constexpr char kProcessGroup[] = "ep-group-0";
+constexpr size_t kMaxNameBytes = 253;       // a DNS name
+constexpr size_t kMaxEndpointBytes = 4096;  // a UCX address or an NCCL unique id (128 bytes)
+constexpr int kMaxDevices = 64;
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+grpc::Status Invalid(const std::string& msg) { return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, msg); }
+
+}  // namespace
+
+GroupCoordinator::GroupCoordinator(GroupCoordinatorOptions options) : options_(std::move(options)) {
+  node_of_rank_.assign(std::max(options_.world, 0), "");
+  if (options_.store != nullptr) {
+    if (auto last = options_.store->LastEpoch(); last.ok()) {
+      last_epoch_ = *last;
+    } else {
+      spdlog::error("process group: reading the last epoch: {}", std::string(last.status().message()));
+    }
+  }
+  ticker_ = std::thread([this] { Tick(); });
+}
+
+GroupCoordinator::~GroupCoordinator() {
+  Shutdown();
+  if (ticker_.joinable()) ticker_.join();
+}
+
+void GroupCoordinator::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  for (auto& [rank, m] : members_) m.ctx->TryCancel();
+}
+
+grpc::Status GroupCoordinator::Join(grpc::ServerContext* ctx, Stream* stream) {
+  if (grpc::Status s = CheckBearer(ctx, options_.token); !s.ok()) return s;
+  v1::MemberMessage first;
+  if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "stream ended before join");
+  if (!first.has_join()) return Invalid("join: the first message must be a JoinGroup");
+  const v1::JoinGroup decl = first.join();
+  {
+    absl::MutexLock lock(&mu_);
+    if (grpc::Status s = Admit(decl, ctx, stream); !s.ok()) return s;
+  }
+  v1::MemberMessage m;
+  while (stream->Read(&m)) {
+    absl::MutexLock lock(&mu_);
+    OnMessage(decl.rank(), decl.incarnation(), m);
+  }
+  absl::MutexLock lock(&mu_);
+  OnLost(decl.rank(), decl.incarnation());
+  return grpc::Status::OK;
+}
+
+grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerContext* ctx, Stream* stream) {
+  if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the controller is shutting down");
+  if (decl.world() != options_.world) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("join.world: ", decl.world(), ", the controller forms a group of ", options_.world,
+                                     " ranks (--world)"));
+  }
+  if (decl.rank() < 0 || decl.rank() >= options_.world) {
+    return Invalid(absl::StrCat("join.rank: ", decl.rank(), " outside [0, ", options_.world, ")"));
+  }
+  if (decl.node().empty() || decl.node().size() > kMaxNameBytes) {
+    return Invalid(absl::StrCat("join.node: must be 1..", kMaxNameBytes, " bytes"));
+  }
+  if (decl.devices_size() > kMaxDevices) return Invalid(absl::StrCat("join.devices: at most ", kMaxDevices));
+  for (const std::string& d : decl.devices()) {
+    if (d.empty() || d.size() > kMaxNameBytes) return Invalid("join.devices: each must be 1..253 bytes");
+  }
+  if (decl.agent_address().size() > kMaxNameBytes) return Invalid("join.agent_address: too long");
+  if (decl.transport() != "ucx" && decl.transport() != "nccl") {
+    return Invalid(absl::StrCat("join.transport: '", decl.transport(), "', expected ucx or nccl"));
+  }
+  for (const auto& [rank, m] : members_) {
+    if (rank != decl.rank() && m.decl.transport() != decl.transport()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("join.transport: ", decl.transport(), ", rank ", rank, " uses ",
+                                       m.decl.transport(), "; every member must use the same"));
+    }
+  }
+  auto it = members_.find(decl.rank());
+  if (it != members_.end()) {
+    if (it->second.decl.incarnation() == decl.incarnation()) {
+      return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                          absl::StrCat("join: rank ", decl.rank(), " is already joined by this process"));
+    }
+    // A replacement (same rank, new process) while the old one's stream is still open: the new
+    // process wins, the old stream ends.
+    spdlog::warn("process group: rank {} replaced by a new process (node {})", decl.rank(), decl.node());
+    it->second.ctx->TryCancel();
+    members_.erase(it);
+  }
+  members_[decl.rank()] = Member{decl, stream, ctx};
+  node_of_rank_[decl.rank()] = decl.node();
+  spdlog::info("process group: rank {} joined from node {} ({} of {} live)", decl.rank(), decl.node(), members_.size(),
+               options_.world);
+  Reform(absl::StrCat("rank ", decl.rank(), " joined (node ", decl.node(), ")"));
+  return grpc::Status::OK;
+}
+
+void GroupCoordinator::OnLost(int32_t rank, uint64_t incarnation) {
+  auto it = members_.find(rank);
+  if (it == members_.end() || it->second.decl.incarnation() != incarnation) return;  // replaced already
+  members_.erase(it);
+  if (stopping_) return;
+  spdlog::warn("process group: rank {} lost ({} of {} live)", rank, members_.size(), options_.world);
+  Reform(absl::StrCat("rank ", rank, " lost"));
+}
+
+void GroupCoordinator::Reform(const std::string& reason) {
+  std::vector<int32_t> peers;
+  for (const auto& [rank, m] : members_) peers.push_back(rank);
+  const int64_t epoch = last_epoch_ + 1;
+  if (options_.store != nullptr) {
+    if (absl::Status s = options_.store->RecordEpoch(epoch, reason, absl::StrJoin(peers, ","), NowMs()); !s.ok()) {
+      spdlog::error("process group: recording epoch {}: {}", epoch, std::string(s.message()));
+    }
+  }
+  last_epoch_ = epoch;
+  serving_.reset();
+  const bool full = static_cast<int>(peers.size()) == options_.world;
+  if (full) {
+    short_since_ = absl::InfinitePast();
+    survivors_refused_ = false;
+  } else if (short_since_ == absl::InfinitePast()) {
+    short_since_ = absl::Now();
+  }
+  Forming f;
+  f.epoch = epoch;
+  f.peers = peers;
+  f.reason = reason;
+  v1::EpochRecord rec;
+  rec.set_epoch(epoch);
+  rec.set_reason(reason);
+  rec.set_prepared_unix_ms(NowMs());
+  for (int32_t r : peers) rec.add_peers(r);
+  epochs_.push_back(rec);
+  if (epochs_.size() > 256) epochs_.erase(epochs_.begin());
+  f.record = epochs_.size() - 1;
+  forming_ = std::move(f);
+  reason_ = reason;
+  v1::GroupMessage m;
+  m.mutable_prepare()->set_epoch(epoch);
+  for (int32_t r : peers) m.mutable_prepare()->add_peers(r);
+  m.mutable_prepare()->set_reason(reason);
+  for (int32_t r : peers) Send(r, m);
+  spdlog::info("process group: preparing epoch {} over ranks [{}] ({})", epoch, absl::StrJoin(peers, ","), reason);
+}
+
+void GroupCoordinator::OnMessage(int32_t rank, uint64_t incarnation, const v1::MemberMessage& m) {
+  auto member = members_.find(rank);
+  if (member == members_.end() || member->second.decl.incarnation() != incarnation) return;
+  if (!forming_.has_value()) return;
+  Forming& f = *forming_;
+  const bool peer = std::find(f.peers.begin(), f.peers.end(), rank) != f.peers.end();
+  if (m.has_endpoint()) {
+    if (m.endpoint().epoch() != f.epoch || !peer || f.published) return;  // an older epoch's
+    if (m.endpoint().endpoint().size() > kMaxEndpointBytes) {
+      spdlog::warn("process group: rank {}'s endpoint of {} bytes refused", rank, m.endpoint().endpoint().size());
+      return;
+    }
+    f.endpoints[rank] = m.endpoint().endpoint();
+    MaybePublish();
+  } else if (m.has_ready()) {
+    if (m.ready().epoch() != f.epoch || !peer) return;
+    if (!m.ready().ok()) {
+      spdlog::warn("process group: rank {} could not serve epoch {}: {}", rank, f.epoch, m.ready().error());
+      if (static_cast<int>(f.peers.size()) < options_.world) survivors_refused_ = true;
+      Reform(absl::StrCat("rank ", rank, " could not serve epoch ", f.epoch, ": ", m.ready().error().substr(0, 200)));
+      return;
+    }
+    if (!f.published) return;
+    f.ready.insert(rank);
+    if (f.ready.size() < f.peers.size()) return;
+    epochs_[f.record].set_ready_unix_ms(NowMs());
+    serving_ = last_view_;
+    ready_pending_ = last_view_;
+    spdlog::info("process group: epoch {} serving over ranks [{}]", f.epoch, absl::StrJoin(f.peers, ","));
+    forming_.reset();
+  }
+}
+
+void GroupCoordinator::MaybePublish() {
+  if (!forming_.has_value() || forming_->published) return;
+  Forming& f = *forming_;
+  if (f.peers.empty() || f.endpoints.size() < f.peers.size()) return;
+  const bool full = static_cast<int>(f.peers.size()) == options_.world;
+  if (!full) {
+    const bool grace_over = options_.survivor_grace > absl::ZeroDuration() &&
+                            absl::Now() - short_since_ >= options_.survivor_grace && !survivors_refused_;
+    if (!grace_over) return;
+  }
+  v1::GroupView view;
+  view.set_epoch(f.epoch);
+  view.set_process_group(kProcessGroup);
+  view.set_world(options_.world);
+  view.set_transport(members_.at(f.peers.front()).decl.transport());
+  for (int32_t r : f.peers) {
+    const v1::JoinGroup& d = members_.at(r).decl;
+    v1::GroupMember* g = view.add_members();
+    g->set_rank(r);
+    g->set_node(d.node());
+    *g->mutable_devices() = d.devices();
+    g->set_agent_address(d.agent_address());
+    g->set_incarnation(d.incarnation());
+    g->set_endpoint(f.endpoints.at(r));
+  }
+  for (int r = 0; r < options_.world; ++r) {
+    view.add_node_of_rank(node_of_rank_[r].empty() ? absl::StrCat("unjoined-", r) : node_of_rank_[r]);
+  }
+  f.published = true;
+  epochs_[f.record].set_formed_unix_ms(NowMs());
+  last_view_ = view;
+  v1::GroupMessage m;
+  *m.mutable_formed() = view;
+  for (int32_t r : f.peers) Send(r, m);
+  spdlog::info("process group: epoch {} formed over ranks [{}]{}", f.epoch, absl::StrJoin(f.peers, ","),
+               full ? "" : " (survivors)");
+}
+
+void GroupCoordinator::Send(int32_t rank, const v1::GroupMessage& m) {
+  auto it = members_.find(rank);
+  if (it == members_.end()) return;
+  // A write to a stream whose peer is gone fails; its Read then ends and OnLost follows.
+  if (!it->second.stream->Write(m)) spdlog::warn("process group: write to rank {} failed", rank);
+}
+
+void GroupCoordinator::Tick() {
+  while (true) {
+    std::optional<v1::GroupView> ready;
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100))) return;
+      MaybePublish();  // the survivors' grace may have run out
+      ready.swap(ready_pending_);
+    }
+    if (ready.has_value() && options_.on_ready) options_.on_ready(*ready);
+  }
+}
+
+std::optional<v1::GroupView> GroupCoordinator::ServingView() const {
+  absl::MutexLock lock(&mu_);
+  return serving_;
+}
+
+v1::GroupStatus GroupCoordinator::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  v1::GroupStatus s;
+  if (serving_.has_value()) {
+    s.set_state("SERVING");
+  } else if (static_cast<int>(members_.size()) < options_.world) {
+    s.set_state("WAITING");
+  } else {
+    s.set_state("FORMING");
+  }
+  *s.mutable_view() = last_view_;
+  if (forming_.has_value()) s.set_forming_epoch(forming_->epoch);
+  for (const auto& [rank, m] : members_) s.add_live_ranks(rank);
+  s.set_reason(reason_);
+  for (const v1::EpochRecord& r : epochs_) *s.add_epochs() = r;
+  return s;
+}
+
+grpc::Status GroupCoordinator::Status(grpc::ServerContext* ctx, const v1::GroupStatusRequest*, v1::GroupStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, options_.token); !s.ok()) {
+    if (options_.operator_token.empty() || !CheckBearer(ctx, options_.operator_token).ok()) return s;
+  }
+  *resp = Snapshot();
+  return grpc::Status::OK;
+}
+
+}  // namespace moe

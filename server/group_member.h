@@ -1,0 +1,67 @@
+// moe-rankd's side of the controller's rendezvous (proto/moe/v1/process_group.proto): one Join
+// stream for the daemon's lifetime, on which the controller drives every process-group epoch.
+// PREPARE(E) runs `prepare` (stop serving the old epoch, tear its transport down, open a fresh
+// endpoint) and sends the endpoint back; FORMED(view) runs `connect` (the epoch's topology,
+// group and transport) and reports READY or the error. When the controller goes away the rank
+// keeps serving its epoch and reconnects; the controller then forms a new epoch.
+//
+// Thread-safety: Start/Stop from one thread; the callbacks run on the member's own thread.
+#ifndef MOE_SERVER_GROUP_MEMBER_H_
+#define MOE_SERVER_GROUP_MEMBER_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+#include "proto/moe/v1/process_group.grpc.pb.h"
+
+namespace moe {
+
+struct GroupMemberOptions {
+  std::string controller;                                 // host:port of moe-controller
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // rpc/tls.h; null: plaintext
+  std::string token;                                      // the rank agents' bearer token
+  v1::JoinGroup join;                                     // incarnation: set by the member
+  // Leaves the current epoch and returns this member's endpoint for the prepared one.
+  std::function<absl::StatusOr<std::string>(const v1::PrepareEpoch&)> prepare;
+  // Joins the formed epoch's transport and serves it.
+  std::function<absl::Status(const v1::GroupView&)> connect;
+  absl::Duration reconnect_backoff = absl::Milliseconds(500);
+};
+
+class GroupMember {
+ public:
+  explicit GroupMember(GroupMemberOptions options);
+  ~GroupMember();
+  GroupMember(const GroupMember&) = delete;
+  GroupMember& operator=(const GroupMember&) = delete;
+
+  void Start();
+  void Stop();
+  // The epoch this member serves (0: none).
+  int64_t serving_epoch() const { return serving_epoch_.load(); }
+
+ private:
+  void Run();
+  // One Join stream, until it ends. Returns why.
+  grpc::Status Session(v1::ProcessGroupService::Stub& stub);
+
+  GroupMemberOptions options_;
+  std::atomic<int64_t> serving_epoch_{0};
+  std::atomic<bool> stopping_{false};
+  absl::Mutex mu_;
+  grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;  // the open stream's (to cancel it)
+  std::thread thread_;
+};
+
+}  // namespace moe
+
+#endif  // MOE_SERVER_GROUP_MEMBER_H_
