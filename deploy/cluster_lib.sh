@@ -1,7 +1,9 @@
 # Shell functions to start and stop a local cluster of moe-rankd processes (sourced by
 # deploy/local_cluster.sh and tests/integration/local_cluster_test.sh).
 #   start_ranks RANKD WORK RANKS CHECKPOINT [extra rankd flags...]  -> fills RANK_PIDS
-#                (RANK<r>_FLAGS, when set, adds flags for rank r only)
+#                (RANK<r>_FLAGS, when set, adds flags for rank r only; with CONTROLLER_ADDR set the
+#                ranks join moe-controller's process group there, else they meet in $WORK/rendezvous)
+#   start_rank R -> (re)starts rank R with the flags start_ranks used (a replacement), RANK_PIDS[R]
 #   stop_ranks                                                       -> SIGTERM, wait
 #   choose_backend RANKS   -> RANKD, RANKD_FLAGS, BACKEND_NAME (cpu+ucx, or cuda+nccl)
 RANK_PIDS=()
@@ -33,29 +35,40 @@ choose_backend() {
 # directory of their own (a socket path has at most 107 characters) and each rank's target is
 # written to $work/ports/<r>.engine for the engine driver (--port_dir).
 RANK_SOCKET_DIR=""
+RANK_ARGS=()
 start_ranks() {
   local rankd="$1" work="$2" ranks="$3" checkpoint="$4"
   shift 4
   mkdir -p "$work/rendezvous" "$work/ports" "$work/metrics"
   [ -n "$RANK_SOCKET_DIR" ] || RANK_SOCKET_DIR="$(mktemp -d /tmp/moe-sock.XXXXXX)"
-  local r own
-  for ((r = 0; r < ranks; r++)); do
-    own="RANK${r}_FLAGS"
-    echo "unix:$RANK_SOCKET_DIR/$r.sock" >"$work/ports/$r.engine"
-    "$rankd" --rank "$r" --world "$ranks" --rendezvous_dir "$work/rendezvous" --checkpoint "$checkpoint" \
-      --engine_socket "$RANK_SOCKET_DIR/$r.sock" \
-      --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} \
-      ${!own:-} "$@" >"$work/rank$r.log" 2>&1 &
-    RANK_PIDS+=($!)
-  done
-  for ((r = 0; r < ranks; r++)); do
-    for _ in $(seq 600); do [ -s "$work/ports/$r.port" ] && break; sleep 0.1; done
-    if [ ! -s "$work/ports/$r.port" ]; then
-      echo "rank $r did not start:"
-      cat "$work/rank$r.log"
-      return 1
-    fi
-  done
+  RANK_ARGS=("$rankd" "$work" "$ranks" "$checkpoint" "$@")
+  local r
+  for ((r = 0; r < ranks; r++)); do start_rank "$r" nowait; done
+  for ((r = 0; r < ranks; r++)); do await_rank "$r" || return 1; done
+}
+
+# start_rank R [nowait]: starts rank R (again) with start_ranks' arguments; waits for its port file
+# (written once it serves its first epoch) unless nowait.
+start_rank() {
+  local r="$1" rankd="${RANK_ARGS[0]}" work="${RANK_ARGS[1]}" ranks="${RANK_ARGS[2]}" checkpoint="${RANK_ARGS[3]}"
+  local own="RANK${r}_FLAGS" group
+  if [ -n "${CONTROLLER_ADDR:-}" ]; then group=(--controller "$CONTROLLER_ADDR"); else group=(--rendezvous_dir "$work/rendezvous"); fi
+  echo "unix:$RANK_SOCKET_DIR/$r.sock" >"$work/ports/$r.engine"
+  rm -f "$work/ports/$r.port"
+  "$rankd" --rank "$r" --world "$ranks" "${group[@]}" --checkpoint "$checkpoint" \
+    --engine_socket "$RANK_SOCKET_DIR/$r.sock" \
+    --port_file "$work/ports/$r.port" --metrics_port_file "$work/metrics/$r.port" ${RANKD_FLAGS[@]+"${RANKD_FLAGS[@]}"} \
+    ${!own:-} "${RANK_ARGS[@]:4}" >>"$work/rank$r.log" 2>&1 &
+  RANK_PIDS[$r]=$!
+  [ "${2:-}" = nowait ] || await_rank "$r"
+}
+
+await_rank() {
+  local r="$1" work="${RANK_ARGS[1]}"
+  for _ in $(seq 600); do [ -s "$work/ports/$r.port" ] && return 0; sleep 0.1; done
+  echo "rank $r did not start:"
+  cat "$work/rank$r.log"
+  return 1
 }
 
 stop_ranks() {
