@@ -49,20 +49,24 @@ if [ "${TLS:-0}" = 1 ]; then
   export MOE_TLS_CERT="$work/ca/operator.pem" MOE_TLS_KEY="$work/ca/operator.key" MOE_TLS_CA="$work/ca/ca.pem"
   echo "$(ts)  mutual TLS on the control plane and the rank agents (test CA in $work/ca)"
 fi
-start_ranks "$RANKD" "$work" "$RANKS" "$work/model" \
-  --agent_token_file "$work/agent_token" ${TLS_FLAGS[@]+"${TLS_FLAGS[@]}"}
-ranks="$(for ((r = 0; r < RANKS; r++)); do printf '127.0.0.1:%s,' "$(cat "$work/ports/$r.port")"; done)"
 # Expert weights: 3 x d x d_ff BF16 = 196608 bytes an expert in one layer, 786432 a slot with its
-# 4 layers; a migration may peak at 40 slots.
+# 4 layers; a migration may peak at 40 slots. The controller forms the ranks' process group
+# (--world): the ranks join it with --controller, no shared directory.
 "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" \
-  --ranks "${ranks%,}" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
+  --world "$RANKS" --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" \
   --expert_bytes 196608 --migration_budget_bytes $((40 * 786432)) \
   --shadow_every 2 --canary_every 3 --min_shadow 10 --min_canary 10 --max_fallback_ratio 1 \
   ${TLS_FLAGS[@]+"${TLS_FLAGS[@]}"} >"$work/controller.log" 2>&1 &
 ctl_pid=$!
 for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
+CONTROLLER_ADDR="127.0.0.1:$(cat "$work/ctl.port")"
+start_ranks "$RANKD" "$work" "$RANKS" "$work/model" \
+  --agent_token_file "$work/agent_token" ${TLS_FLAGS[@]+"${TLS_FLAGS[@]}"}
 C=(--controller "127.0.0.1:$(cat "$work/ctl.port")" --token_file "$work/token")
 ctl() { $M "${C[@]}" "$@"; }
+# The ranks serve their first epoch; the controller drives their agents once it saw them ready.
+for _ in $(seq 100); do ctl status 2>/dev/null | grep -q unreachable || break; sleep 0.1; done
+echo "$(ts)  process group: $(ctl group status | head -1)"
 
 walk_and_load() {  # walk_and_load RELEASE MANIFEST_JSON: register, verify, prepare on every rank
   ctl release register "$1" --digest "sha256:$(sha256sum "$2" | cut -c1-16)" >/dev/null

@@ -4,11 +4,12 @@ The script gets the paths of `binaries` as arguments, in the order given; they, 
 cluster scripts' library travel with it.
 """
 
-def cluster_test(name, binaries, data = []):
+def cluster_test(name, binaries, data = [], tags = []):
     native.sh_test(
         name = name,
         size = "medium",
         srcs = [name + ".sh"],
         args = ["$(location %s)" % b for b in binaries],
         data = binaries + data,
+        tags = tags,
     )

@@ -13,6 +13,7 @@
 set -uo pipefail
 RANKD="$1" DRIVER="$2" MOECTL="$3" CONTROLLER="$4"
 work="$(mktemp -d "${TEST_TMPDIR:-/tmp}/netns.XXXXXX")"
+sock="$(mktemp -d /tmp/moe-sock.XXXXXX)"  # a socket path has at most 107 characters
 source tests/control/check_lib.sh
 tag="m$$"
 tag="${tag:0:8}"
@@ -24,7 +25,7 @@ cleanup() {
   for p in "${pids[@]}"; do { kill -9 "$p"; wait "$p"; } 2>/dev/null; done
   for i in 0 1 2; do ip netns del "$tag-$i" 2>/dev/null; ip link del "v$tag$i" 2>/dev/null; done
   ip link del "$bridge" 2>/dev/null
-  rm -rf "$work/sock"
+  rm -rf "$sock"
   true
 }
 trap cleanup EXIT
@@ -54,16 +55,16 @@ pids+=($!)
 for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
 ctl="$net.1:$(cat "$work/ctl.port")"
 C=(--controller "$ctl" --token_file "$work/token")
-mkdir -p "$work/ports" "$work/metrics" "$work/sock"
+mkdir -p "$work/ports" "$work/metrics"
 host_of=(0 0 1 2)
 for r in 0 1 2 3; do
   h="${host_of[$r]}"
   ip="$net.$((10 + h))"
-  echo "unix:$work/sock/$r.sock" >"$work/ports/$r.engine"
+  echo "unix:$sock/$r.sock" >"$work/ports/$r.engine"
   # A UTS namespace of its own with the host's name, inside the host's network namespace.
   ip netns exec "$tag-$h" unshare --uts -- sh -c "hostname ${hosts[$h]} && UCX_TLS=tcp exec \"\$@\"" rankd \
     "$RANKD" --rank "$r" --world 4 --controller "$ctl" --agent_token_file "$work/agent_token" \
-    --checkpoint "$work/model" --ucx_host "$ip" --listen "$ip:0" --engine_socket "$work/sock/$r.sock" \
+    --checkpoint "$work/model" --ucx_host "$ip" --listen "$ip:0" --engine_socket "$sock/$r.sock" \
     --metrics_listen "$ip:0" --metrics_port_file "$work/metrics/$r.port" --port_file "$work/ports/$r.port" \
     >"$work/rank$r.log" 2>&1 &
   pids+=($!)
