@@ -32,7 +32,7 @@ start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt" --timeout_ms 3000 || exit 1
   >"$work/driver.log" 2>&1
 check $? "driver: all scenarios served"
 grep -q "mismatches          0" "$work/driver.log"; check $? "driver: zero mismatches"
-grep -q "rank-steps          $((10 * RANKS)) (failed 0)" "$work/driver.log"
+grep -q "rank-steps          $((10 * RANKS)) (failed 0, retryable 0)" "$work/driver.log"
 check $? "driver: $((10 * RANKS)) rank-steps, none failed"
 grep -q "8 experts x 3 MoE layers" "$work/driver.log"; check $? "driver: steps over the model's 3 MoE layers"
 # The same scenarios submitted through step rings (shared memory + futex doorbell) on every rank.
