@@ -630,9 +630,12 @@ bool AwaitFirstEpoch(const sigset_t& signals, const GroupMember& member) {
   return true;
 }
 
-// Drains the servers: steps in flight finish (5 s at most), new ones get UNAVAILABLE.
-void ShutDown(Serving* s) {
+// Drains the servers: steps in flight finish (5 s at most), new ones get UNAVAILABLE; then the
+// rank leaves its process group (`member`, may be null: the controller re-forms it without this
+// rank) and the servers stop.
+void ShutDown(Serving* s, GroupMember* member) {
   s->engine->Drain();
+  if (member != nullptr) member->Stop();
   s->unix_listener.reset();  // no new engine connections
   const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(5);
   if (s->tcp_server != nullptr) s->tcp_server->Shutdown(grace);
@@ -686,8 +689,7 @@ int Main() {
     spdlog::info("rank {} of {} on node {}: joining the process group of controller {}", o.rank, o.world, o.node,
                  o.controller);
     if (!AwaitFirstEpoch(signals, *member)) {
-      member->Stop();
-      ShutDown(&serving);
+      ShutDown(&serving, member.get());
       return kExitOk;
     }
   } else if (absl::Status s = JoinThroughFiles(o, &plane); !s.ok()) {
@@ -705,9 +707,7 @@ int Main() {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining", sig);
-  serving.engine->Drain();
-  if (member != nullptr) member->Stop();  // the controller re-forms the group without this rank
-  ShutDown(&serving);
+  ShutDown(&serving, member.get());
   return kExitOk;
 }
 

@@ -98,7 +98,7 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1:
   std::optional<AgentGroup> group = st->group;
   if (!group.has_value()) {
     // A fixed list of agents: the epoch and nodes they report (every rank must be in the same).
-    absl::StatusOr<AgentGroup> observed = ObservedGroup(*st);
+    absl::StatusOr<AgentGroup> observed = ObservedGroup();
     if (!observed.ok()) return observed.status();
     group = *std::move(observed);
   }
@@ -131,26 +131,24 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1:
                 });
 }
 
-absl::StatusOr<AgentGroup> AgentPool::ObservedGroup(const State& st) {
+absl::StatusOr<AgentGroup> AgentPool::ObservedGroup() {
   AgentGroup g;
-  g.addresses = st.addresses;
-  g.node_of_rank.assign(st.addresses.size(), "");
-  for (size_t r = 0; r < st.stubs.size(); ++r) {
-    auto ctx = Context();
-    v1::AgentStatusResponse status;
-    absl::Status s = FromGrpcStatus(st.stubs[r]->Status(ctx.get(), {}, &status));
-    if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("status of rank ", r, " (", st.addresses[r], "): ", s.message()));
+  for (auto& [status, address] : Status()) {
+    const size_t r = g.addresses.size();
+    if (!status.ok()) {
+      return absl::Status(status.status().code(),
+                          absl::StrCat("status of rank ", r, " (", address, "): ", status.status().message()));
     }
-    if (status.process_group_epoch() <= 0) {
-      return absl::UnavailableError(absl::StrCat("rank ", r, " (", st.addresses[r], ") serves no process-group epoch"));
+    if (status->process_group_epoch() <= 0) {
+      return absl::UnavailableError(absl::StrCat("rank ", r, " (", address, ") serves no process-group epoch"));
     }
-    if (r > 0 && status.process_group_epoch() != g.epoch) {
+    if (r > 0 && status->process_group_epoch() != g.epoch) {
       return absl::UnavailableError(absl::StrCat("rank ", r, " serves process-group epoch ",
-                                                 status.process_group_epoch(), ", rank 0 epoch ", g.epoch));
+                                                 status->process_group_epoch(), ", rank 0 epoch ", g.epoch));
     }
-    g.epoch = status.process_group_epoch();
-    g.node_of_rank[r] = status.node();
+    g.epoch = status->process_group_epoch();
+    g.addresses.push_back(address);
+    g.node_of_rank.push_back(status->node());
   }
   return g;
 }

@@ -71,8 +71,9 @@ class AgentPool {
     std::optional<AgentGroup> group;
   };
   std::shared_ptr<const State> Current() const;
-  // The epoch and nodes a fixed list of agents reports (UNAVAILABLE when they disagree).
-  absl::StatusOr<AgentGroup> ObservedGroup(const State& st);
+  // The epoch and nodes a fixed list of agents reports through Status (UNAVAILABLE when they
+  // disagree).
+  absl::StatusOr<AgentGroup> ObservedGroup();
   absl::Status OnEach(const std::string& what,
                       const std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>& call);
   using VersionRpc = grpc::Status (v1::RankAgentService::Stub::*)(grpc::ClientContext*, const v1::GenerationRequest&,

@@ -81,7 +81,8 @@ grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerCont
   }
   if (decl.devices_size() > kMaxDevices) return Invalid(absl::StrCat("join.devices: at most ", kMaxDevices));
   for (const std::string& d : decl.devices()) {
-    if (d.empty() || d.size() > kMaxNameBytes) return Invalid("join.devices: each must be 1..253 bytes");
+    if (d.empty() || d.size() > kMaxNameBytes)
+      return Invalid(absl::StrCat("join.devices: each must be 1..", kMaxNameBytes, " bytes"));
   }
   if (decl.agent_address().size() > kMaxNameBytes) return Invalid("join.agent_address: too long");
   if (decl.transport() != "ucx" && decl.transport() != "nccl") {
