@@ -70,11 +70,23 @@ grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub) {
       m->ctx_ = nullptr;
     }
   } clear{this};
-  auto stream = stub.Join(&ctx);
+  std::unique_ptr<Stream> stream = stub.Join(&ctx);
+  {
+    absl::MutexLock lock(&write_mu_);
+    stream_ = stream.get();
+  }
+  // No writer may use the stream once it is finished.
+  auto finish = [&] {
+    {
+      absl::MutexLock lock(&write_mu_);
+      stream_ = nullptr;
+    }
+    return stream->Finish();
+  };
   v1::MemberMessage hello;
   *hello.mutable_join() = options_.join;
   hello.mutable_join()->set_serving_epoch(serving_epoch_.load());
-  if (!stream->Write(hello)) return stream->Finish();
+  if (!Write(hello)) return finish();
   v1::GroupMessage m;
   while (stream->Read(&m)) {
     if (m.has_prepare()) {
@@ -91,7 +103,7 @@ grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub) {
         out.mutable_ready()->set_ok(false);
         out.mutable_ready()->set_error(std::string(endpoint.status().message()));
       }
-      if (!stream->Write(out)) break;
+      if (!Write(out)) break;
     } else if (m.has_formed()) {
       const int64_t epoch = m.formed().epoch();
       const absl::Status s = options_.connect(m.formed());
@@ -104,10 +116,25 @@ grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub) {
         spdlog::error("process group: joining epoch {}: {}", epoch, std::string(s.message()));
         out.mutable_ready()->set_error(std::string(s.message()));
       }
-      if (!stream->Write(out)) break;
+      if (!Write(out)) break;
     }
   }
-  return stream->Finish();
+  return finish();
+}
+
+bool GroupMember::Write(const v1::MemberMessage& m) {
+  absl::MutexLock lock(&write_mu_);
+  return stream_ != nullptr && stream_->Write(m);
+}
+
+void GroupMember::ReportFault(int64_t epoch, const std::string& why) {
+  if (epoch == 0 || epoch != serving_epoch_.load()) return;
+  spdlog::warn("process group: epoch {}'s data plane failed ({}); asking the controller for a new epoch", epoch, why);
+  v1::MemberMessage out;
+  out.mutable_ready()->set_epoch(epoch);
+  out.mutable_ready()->set_ok(false);
+  out.mutable_ready()->set_error(absl::StrCat("data plane failed: ", why.substr(0, 400)));
+  if (!Write(out)) spdlog::warn("process group: the report of epoch {}'s failure did not reach the controller", epoch);
 }
 
 }  // namespace moe

@@ -48,17 +48,26 @@ class GroupMember {
   void Stop();
   // The epoch this member serves (0: none).
   int64_t serving_epoch() const { return serving_epoch_.load(); }
+  // The data plane of `epoch` failed for good (LayerExecutor::SetEpochFaultListener): tells the
+  // controller, which forms a new epoch. Ignored unless `epoch` is the one served. Any thread.
+  void ReportFault(int64_t epoch, const std::string& why);
 
  private:
   void Run();
   // One Join stream, until it ends. Returns why.
   grpc::Status Session(v1::ProcessGroupService::Stub& stub);
+  using Stream = grpc::ClientReaderWriter<v1::MemberMessage, v1::GroupMessage>;
+  // Writes on the open stream (false: none open, or it broke). Writers take turns.
+  bool Write(const v1::MemberMessage& m);
 
   GroupMemberOptions options_;
   std::atomic<int64_t> serving_epoch_{0};
   std::atomic<bool> stopping_{false};
   absl::Mutex mu_;
   grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;  // the open stream's (to cancel it)
+  // Separate from mu_: a write may block on flow control while Stop cancels the stream.
+  absl::Mutex write_mu_;
+  Stream* stream_ ABSL_GUARDED_BY(write_mu_) = nullptr;
   std::thread thread_;
 };
 

@@ -46,6 +46,13 @@ RankMetrics::RankMetrics(const std::string& release)
                 .Help("Process-group epoch this rank serves (0 while the group re-forms)")
                 .Register(*registry_)
                 .Add({{"release", release_}});
+  epoch_faults_ = &prometheus::BuildCounter()
+                       .Name("moe_process_group_faults_total")
+                       .Help(
+                           "Served epochs whose data plane failed on this rank (each reported to the controller, "
+                           "which forms a new epoch)")
+                       .Register(*registry_)
+                       .Add({{"release", release_}});
   epoch_changes_ = &prometheus::BuildHistogram()
                         .Name("moe_process_group_rebuild_seconds")
                         .Help("Time from a PREPARE of a new epoch to its transport bound (or failed), by outcome")
@@ -184,6 +191,8 @@ void RankMetrics::Fallback(const std::string& reason) {
 void RankMetrics::BytesSent(int64_t bytes) { bytes_sent_->Increment(static_cast<double>(bytes)); }
 void RankMetrics::Generation(int64_t version) { generation_->Set(static_cast<double>(version)); }
 void RankMetrics::Epoch(int64_t epoch) { epoch_->Set(static_cast<double>(epoch)); }
+
+void RankMetrics::EpochFault() { epoch_faults_->Increment(); }
 
 void RankMetrics::EpochChange(const std::string& outcome, double seconds) {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5,

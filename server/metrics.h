@@ -41,6 +41,8 @@ class RankMetrics {
   // (bound: the epoch serves; failed: its transport or binding failed).
   void Epoch(int64_t epoch);
   void EpochChange(const std::string& outcome, double seconds);
+  // A served epoch whose data plane failed on this rank (reported to the controller).
+  void EpochFault();
   // Progress of the checkpoint load at start-up (runtime/checkpoint/expert_loader.h).
   void CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total, double seconds);
   // The wall time of each phase of an answered step (runtime/exec/step.h), `phase` prefill or decode.
@@ -60,6 +62,7 @@ class RankMetrics {
   prometheus::Gauge* in_flight_;
   prometheus::Gauge* epoch_;
   prometheus::Family<prometheus::Histogram>* epoch_changes_;
+  prometheus::Counter* epoch_faults_;
   prometheus::Gauge* load_bytes_done_;
   prometheus::Gauge* load_bytes_total_;
   prometheus::Gauge* load_layers_done_;

@@ -482,7 +482,8 @@ absl::Status JoinThroughFiles(const RankdOptions& o, DataPlane* plane) {
 }
 
 // With a controller: the group member whose PREPARE / FORMED drive `plane`.
-std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int agent_port, DataPlane* plane) {
+std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int agent_port, DataPlane* plane,
+                                                   LayerExecutor* executor, RankMetrics* metrics) {
   GroupMemberOptions go;
   go.controller = o.controller;
   go.credentials = ChannelCredentials(o.tls);
@@ -507,6 +508,11 @@ std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int ag
     return plane->Connect(view);
   };
   auto member = std::make_unique<GroupMember>(std::move(go));
+  // A step that left the epoch's transport failed: only a new epoch heals it.
+  executor->SetEpochFaultListener([m = member.get(), metrics](int64_t epoch, const std::string& why) {
+    metrics->EpochFault();
+    m->ReportFault(epoch, why);
+  });
   member->Start();
   return member;
 }
@@ -685,15 +691,22 @@ int Main() {
   // through --rendezvous_dir. The port file is written once the first epoch serves.
   std::unique_ptr<GroupMember> member;
   if (!o.controller.empty()) {
-    member = JoinThroughController(o, serving.port, &plane);
+    member = JoinThroughController(o, serving.port, &plane, executor->get(), &metrics);
     spdlog::info("rank {} of {} on node {}: joining the process group of controller {}", o.rank, o.world, o.node,
                  o.controller);
     if (!AwaitFirstEpoch(signals, *member)) {
       ShutDown(&serving, member.get());
       return kExitOk;
     }
-  } else if (absl::Status s = JoinThroughFiles(o, &plane); !s.ok()) {
-    return Fail(s, kExitFailure);
+  } else {
+    (*executor)->SetEpochFaultListener([&metrics](int64_t epoch, const std::string& why) {
+      metrics.EpochFault();
+      spdlog::error(
+          "process group: epoch {}'s data plane failed ({}); without --controller only restarting the "
+          "group re-forms it",
+          epoch, why);
+    });
+    if (absl::Status s = JoinThroughFiles(o, &plane); !s.ok()) return Fail(s, kExitFailure);
   }
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(serving.port));
   const char* tcp = serving.agent == nullptr && !serving.engine_on_tcp

@@ -167,6 +167,15 @@ void GroupCoordinator::Reform(const std::string& reason) {
 void GroupCoordinator::OnMessage(int32_t rank, uint64_t incarnation, const v1::MemberMessage& m) {
   auto member = members_.find(rank);
   if (member == members_.end() || member->second.decl.incarnation() != incarnation) return;
+  // The data plane of the serving epoch failed on a member (a peer it can no longer reach in
+  // this epoch): only a new epoch heals that.
+  if (m.has_ready() && !m.ready().ok() && !forming_.has_value() && serving_.has_value() &&
+      m.ready().epoch() == serving_->epoch()) {
+    spdlog::warn("process group: rank {} reports epoch {} failed: {}", rank, serving_->epoch(), m.ready().error());
+    Reform(absl::StrCat("rank ", rank, " reports epoch ", serving_->epoch(),
+                        " failed: ", m.ready().error().substr(0, 200)));
+    return;
+  }
   if (!forming_.has_value()) return;
   Forming& f = *forming_;
   const bool peer = std::find(f.peers.begin(), f.peers.end(), rank) != f.peers.end();

@@ -90,7 +90,13 @@ absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology,
   options_ = std::move(next);
   graphs_ = device_ && options_.decode_graphs != nullptr;
   bound_ = true;
+  fault_reported_ = false;
   return absl::OkStatus();
+}
+
+void LayerExecutor::SetEpochFaultListener(EpochFaultListener listener) {
+  absl::MutexLock lock(&gate_mu_);
+  fault_listener_ = std::move(listener);
 }
 
 std::optional<std::pair<Topology, ProcessGroup>> LayerExecutor::Membership() const {
@@ -361,8 +367,20 @@ absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in)
     ++in_flight_;
   }
   absl::StatusOr<LayerStepResult> r = ExecuteBound(in);
-  absl::MutexLock lock(&gate_mu_);
-  --in_flight_;
+  // Still in flight, so the transport is the bound epoch's and this thread drives it.
+  const bool broken = !r.ok() && options_.transport->failed() && !options_.transport->interrupted();
+  EpochFaultListener report;
+  int64_t epoch = 0;
+  {
+    absl::MutexLock lock(&gate_mu_);
+    if (broken && !fault_reported_ && fault_listener_) {
+      fault_reported_ = true;
+      report = fault_listener_;
+      epoch = options_.group->epoch().value();
+    }
+    --in_flight_;
+  }
+  if (report) report(epoch, std::string(r.status().message()));
   return r;
 }
 

@@ -24,6 +24,7 @@
 #ifndef MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
 #define MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -165,6 +166,12 @@ class LayerExecutor {
                     DecodeGraphFactory decode_graphs);
   // The bound epoch's membership (none while unbound).
   std::optional<std::pair<Topology, ProcessGroup>> Membership() const;
+  // Called (on the failing step's thread, once per bound epoch) when a step failed and left the
+  // transport failed (Transport::failed: a peer it can no longer reach in this epoch, so every
+  // later step would fail too): the data plane's report that the epoch is broken, for the group
+  // to re-form. `why` is the step's error. Not called for steps a Unbind interrupted.
+  using EpochFaultListener = std::function<void(int64_t epoch, const std::string& why)>;
+  void SetEpochFaultListener(EpochFaultListener listener);
 
   // For a step this member cannot run (its request was rejected before Execute, e.g. at the RPC
   // edge): joins the step's agreement with the abort flag so every peer aborts at once, and
@@ -223,8 +230,10 @@ class LayerExecutor {
   bool bound_ ABSL_GUARDED_BY(gate_mu_) = false;
   std::string unbound_why_ ABSL_GUARDED_BY(gate_mu_);
   int in_flight_ ABSL_GUARDED_BY(gate_mu_) = 0;
-  bool device_ = false;  // the kernels keep rows in device memory
-  bool graphs_ = false;  // decode steps admitted to a bucket replay its graph
+  EpochFaultListener fault_listener_ ABSL_GUARDED_BY(gate_mu_);
+  bool fault_reported_ ABSL_GUARDED_BY(gate_mu_) = false;  // for the bound epoch
+  bool device_ = false;                                    // the kernels keep rows in device memory
+  bool graphs_ = false;                                    // decode steps admitted to a bucket replay its graph
   // Captured decode graphs by (placement version, d, k), with the weights they read.
   struct Graph {
     std::shared_ptr<const ResidentExperts> weights;

@@ -43,6 +43,7 @@ class NcclTransport final : public Transport {
   int slot() const override { return options_.slot; }
   int size() const override { return options_.size; }
   bool accepts_device_memory() const override { return true; }
+  bool failed() const override { return broken_; }
   NcclHandles handles() const { return {broken_ ? nullptr : comm_, stream_, options_.device}; }
 
   // The step agreement over shared memory when every member is on this host: member 0 creates the

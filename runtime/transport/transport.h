@@ -62,6 +62,13 @@ class Transport {
   virtual absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
                                  absl::Span<const int64_t> recv_bytes, absl::Duration timeout) = 0;
 
+  // Whether a peer of this transport is failed for good: a positional call timed out with it,
+  // its connection broke, or the communicator was aborted. Later calls with it answer
+  // UNAVAILABLE at once; only a new process-group epoch (a new transport) heals that, so the
+  // executor reports it to the group (LayerExecutor::SetEpochFaultListener). Asked by the thread
+  // that drives the transport.
+  virtual bool failed() const { return false; }
+
   // Ends the call in progress and every later one with UNAVAILABLE, from any thread: the
   // process group is being re-formed and this transport will be destroyed. Peers the member was
   // exchanging with see their own failure or timeout. Idempotent.

@@ -217,6 +217,12 @@ class UcxTransport final : public Transport {
   const char* name() const override { return "ucx"; }
   int slot() const override { return options_.slot; }
   int size() const override { return static_cast<int>(peers_.size()); }
+  bool failed() const override {
+    for (int i = 0; i < size(); ++i) {
+      if (i != slot() && peers_[i].failure != UCS_OK) return true;
+    }
+    return false;
+  }
 
   absl::Status Connect() {
     const absl::Time deadline = absl::Now() + options_.connect_timeout;

@@ -75,6 +75,13 @@ TEST(PlacementProtoTest, PerLayerTablesRoundTripAndAreDigested) {
   EXPECT_EQ((*back)->ForLayer(5)->slot(PhysicalSlotId(0)).expert.value(), 3);
   EXPECT_EQ((*back)->ForLayer(3)->slot(PhysicalSlotId(0)).expert.value(), 0);
   EXPECT_EQ(PlacementDigest(**back), PlacementDigest(**m));
+  // A new process-group epoch on other hosts (PlacementManifest::Rebound) is the same placement.
+  auto rebound = (*m)->Rebound(
+      *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(40), {Rank(3), Rank(1), Rank(0), Rank(2)}),
+      *Topology::FromNodeNames({"host-a", "host-b", "host-c", "host-d"}));
+  ASSERT_TRUE(rebound.ok()) << rebound.status();
+  EXPECT_EQ((*rebound)->epoch().value(), 40);
+  EXPECT_EQ(PlacementDigest(**rebound), PlacementDigest(**m));
   // Another expert in one layer's table: another digest.
   auto other =
       LayeredPlacementFromAssignment(PlacementVersion(9), 4, {a[0], {{3, 0}, {2, 1}, {0, 2}, {1, 3}}}, t, g, id);

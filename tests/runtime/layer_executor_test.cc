@@ -273,6 +273,93 @@ TEST_F(OneMemberTest, AnInputCheckIsAwaitedBeforeTheAgreementAndItsFailureReject
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
 }
 
+// A loopback endpoint (not owned) whose peers can be failed, as UCX fails a peer whose
+// positional call timed out (Transport::failed): every call then answers UNAVAILABLE.
+class BreakableTransport final : public Transport {
+ public:
+  explicit BreakableTransport(Transport* inner) : inner_(inner) {}
+  const char* name() const override { return "breakable"; }
+  int slot() const override { return inner_->slot(); }
+  int size() const override { return inner_->size(); }
+  bool failed() const override { return broken; }
+  absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    if (absl::Status s = Check(seq); !s.ok()) return s;
+    return inner_->AllGather(seq, in, bytes, out, timeout);
+  }
+  absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    if (absl::Status s = Check(step); !s.ok()) return s;
+    return inner_->StepGather(step, in, bytes, out, timeout);
+  }
+  absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                         absl::Span<const int64_t> recv_bytes, absl::Duration timeout) override {
+    if (absl::Status s = Check(seq); !s.ok()) return s;
+    return inner_->AllToAllV(seq, send, send_bytes, recv, recv_bytes, timeout);
+  }
+  bool broken = false;
+
+ private:
+  absl::Status Check(uint64_t seq) const {
+    if (interrupted()) return InterruptedError(seq);
+    if (broken) return absl::UnavailableError("breakable: peer slot 0 failed");
+    return absl::OkStatus();
+  }
+  Transport* inner_;
+};
+
+// Process-group epochs (spec 0x07G): an unbound executor answers UNAVAILABLE naming why; a
+// bound epoch serves; a step that leaves the transport failed reports the epoch to the listener
+// once (later failing steps of the same epoch do not), a new epoch reports afresh, and a step
+// ended by Unbind's interruption is no fault.
+TEST_F(OneMemberTest, AStepThatLeavesTheTransportFailedReportsItsEpochOnceAndTheNextEpochServes) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
+  std::vector<std::pair<int64_t, std::string>> reports;
+  executor_->SetEpochFaultListener(
+      [&reports](int64_t epoch, const std::string& why) { reports.emplace_back(epoch, why); });
+  std::mt19937 rng(21);
+  const RankInput input = RandomInput(rng, 5);
+  uint64_t step = 1;
+  auto bind = [&](BreakableTransport* t, int64_t epoch) {
+    executor_->Unbind(absl::StrCat("test: re-forming as epoch ", epoch));
+    auto unbound = executor_->Execute(input.Step(step++, 0, Phase::kPrefill));
+    EXPECT_EQ(unbound.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(std::string(unbound.status().message()), ::testing::HasSubstr(absl::StrCat("epoch ", epoch)));
+    EXPECT_FALSE(executor_->Membership().has_value());
+    auto group = ProcessGroup::Create(group_.id(), ProcessGroupEpoch(epoch), {Rank(0)});
+    ASSERT_TRUE(group.ok()) << group.status();
+    ASSERT_TRUE(executor_->Bind(t, topology_, *group, nullptr).ok());
+    ASSERT_TRUE(executor_->Membership().has_value());
+    EXPECT_EQ(executor_->Membership()->second.epoch().value(), epoch);
+    auto served = executor_->Execute(input.Step(step++, 0, Phase::kPrefill));
+    ASSERT_TRUE(served.ok()) << served.status();
+    EXPECT_LT(ErrorAgainstReference(ckpt_, input, served->output), 1e-2);
+  };
+  BreakableTransport e7(transport_.get()), e8(transport_.get()), e9(transport_.get());
+  bind(&e7, 7);
+  EXPECT_TRUE(reports.empty());
+  e7.broken = true;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(executor_->Execute(input.Step(step++, 0, Phase::kPrefill)).status().code(),
+              absl::StatusCode::kUnavailable);
+  }
+  ASSERT_EQ(reports.size(), 1u) << "one report per failed epoch";
+  EXPECT_EQ(reports[0].first, 7);
+  EXPECT_THAT(reports[0].second, ::testing::HasSubstr("peer slot 0 failed"));
+
+  bind(&e8, 8);
+  e8.broken = true;
+  EXPECT_FALSE(executor_->Execute(input.Step(step++, 0, Phase::kDecode)).ok());
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports[1].first, 8);
+
+  // Unbind's interruption ends the step: the epoch is being left anyway, nothing to report.
+  bind(&e9, 9);
+  e9.broken = true;
+  e9.Interrupt();
+  EXPECT_FALSE(executor_->Execute(input.Step(step++, 0, Phase::kPrefill)).ok());
+  EXPECT_EQ(reports.size(), 2u);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
                          [](const ::testing::TestParamInfo<DecodeRunner>& info) {
                            return std::string(info.param == DecodeRunner::kPadded ? "Padded" : "Kernels");

@@ -25,6 +25,56 @@ TEST(ManifestTest, ReplicaSetsAndLocalOrder) {
   EXPECT_TRUE(VerifyForPublish(*m, fixture::IdentityGroup(), t).ok());
 }
 
+// Topology as data (spec 0x07A): the group's node names, one per global rank, in the order the
+// nodes were first seen; each node's first rank is its relay.
+TEST(TopologyTest, FromNodeNamesGroupsRanksByTheirHosts) {
+  auto t = Topology::FromNodeNames({"host-b", "host-a", "host-b", "host-c"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->num_ranks(), 4);
+  EXPECT_EQ(t->num_nodes(), 3);
+  EXPECT_EQ(t->NodeName(t->NodeOf(Rank(0))), "host-b");
+  EXPECT_EQ(t->NodeOf(Rank(0)), t->NodeOf(Rank(2)));
+  EXPECT_NE(t->NodeOf(Rank(0)), t->NodeOf(Rank(1)));
+  EXPECT_NE(t->NodeOf(Rank(1)), t->NodeOf(Rank(3)));
+  EXPECT_THAT(t->MembersOf(t->NodeOf(Rank(2))), ElementsAre(Rank(0), Rank(2)));
+  EXPECT_EQ(t->info(Rank(2)).local_rank, 1);
+  EXPECT_EQ(t->RelayOf(t->NodeOf(Rank(2))), Rank(0));
+  EXPECT_EQ(t->FindNode("host-c"), t->NodeOf(Rank(3)).value());
+  auto empty = Topology::FromNodeNames({"host-a", ""});
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(empty.status().message()), HasSubstr("topology.ranks[1].node"));
+}
+
+// A new epoch rebinds a generation (PlacementManifest::Rebound): the epoch and every slot's node
+// follow the group; slots on a lost rank stay while each expert keeps a copy on a member, and an
+// expert left without one refuses the epoch, naming it.
+TEST(ManifestTest, ReboundFollowsTheEpochAndRefusesAnExpertLeftWithoutACopy) {
+  auto v17 = fixture::V17(fixture::FourRankTwoNode());
+  const Topology hosts = *Topology::FromNodeNames({"host-a", "host-b", "host-b", "host-c"});
+  auto all =
+      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), {Rank(0), Rank(1), Rank(2), Rank(3)});
+  auto r = v17->Rebound(*all, hosts);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->epoch().value(), 13);
+  EXPECT_EQ((*r)->slot(PhysicalSlotId(2)).domain, hosts.NodeOf(Rank(1)));  // rank 1 moved to host-b
+  EXPECT_EQ((*r)->slot(PhysicalSlotId(5)).domain, hosts.NodeOf(Rank(3)));
+
+  // Rank 1 lost: experts 0 and 1 keep their copies on ranks 0 and 2.
+  auto without1 =
+      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(14), {Rank(0), Rank(2), Rank(3)});
+  auto survivors = v17->Rebound(*without1, hosts);
+  ASSERT_TRUE(survivors.ok()) << survivors.status();
+  EXPECT_EQ((*survivors)->num_slots(), 6);
+
+  // Rank 3 lost: expert 3's only copy was there.
+  auto without3 =
+      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(15), {Rank(0), Rank(1), Rank(2)});
+  auto refused = v17->Rebound(*without3, hosts);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("logical expert 3 has no replica"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("epoch 15"));
+}
+
 TEST(ManifestTest, StructuralErrorsNameTheField) {
   Topology t = fixture::FourRankTwoNode();
   auto slots = fixture::V17Slots();

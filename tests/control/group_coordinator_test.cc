@@ -1,0 +1,284 @@
+// The controller's process-group coordinator (control/controller/group_coordinator.h) on a real
+// gRPC socket, with test members speaking the Join stream: an epoch forms over the whole world
+// with the members' node names and endpoints; a member's data-plane fault report re-forms the
+// serving epoch; a lost member re-forms over the survivors after the grace, a survivor's refusal
+// makes the group wait, and a replacement brings it back; bad joins are refused, naming the field.
+#include "control/controller/group_coordinator.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "agent-secret";
+
+class Server {
+ public:
+  explicit Server(GroupCoordinatorOptions o) : coordinator_(std::move(o)) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    b.RegisterService(&coordinator_);
+    server_ = b.BuildAndStart();
+    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials());
+  }
+  ~Server() {
+    coordinator_.Shutdown();
+    server_->Shutdown(std::chrono::system_clock::now());
+  }
+  GroupCoordinator& coordinator() { return coordinator_; }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+
+ private:
+  GroupCoordinator coordinator_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+// One rank's side of the Join stream, driven by the test.
+class Member {
+ public:
+  Member(Server& s, int rank, uint64_t incarnation, const std::string& node, const std::string& token = kToken) {
+    ctx_.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    stub_ = v1::ProcessGroupService::NewStub(s.channel());
+    stream_ = stub_->Join(&ctx_);
+    v1::MemberMessage hello;
+    hello.mutable_join()->set_rank(rank);
+    hello.mutable_join()->set_world(2);
+    hello.mutable_join()->set_node(node);
+    hello.mutable_join()->add_devices("cpu");
+    hello.mutable_join()->set_incarnation(incarnation);
+    hello.mutable_join()->set_transport("ucx");
+    EXPECT_TRUE(stream_->Write(hello));
+    rank_ = rank;
+  }
+  // The next PREPARE over `peers` members (older epochs' are skipped: members join one by one).
+  v1::PrepareEpoch NextPrepare(size_t peers) {
+    v1::GroupMessage m;
+    while (stream_->Read(&m)) {
+      if (m.has_prepare() && static_cast<size_t>(m.prepare().peers_size()) == peers) return m.prepare();
+    }
+    ADD_FAILURE() << "rank " << rank_ << ": the stream ended before a PREPARE over " << peers << " members";
+    return {};
+  }
+  v1::GroupView NextFormed() {
+    v1::GroupMessage m;
+    while (stream_->Read(&m)) {
+      if (m.has_formed()) return m.formed();
+    }
+    ADD_FAILURE() << "rank " << rank_ << ": the stream ended before a FORMED view";
+    return {};
+  }
+  void SendEndpoint(int64_t epoch) {
+    v1::MemberMessage out;
+    out.mutable_endpoint()->set_epoch(epoch);
+    out.mutable_endpoint()->set_endpoint(absl::StrCat("endpoint-of-", rank_, "-", epoch));
+    EXPECT_TRUE(stream_->Write(out));
+  }
+  void SendReady(int64_t epoch, bool ok, const std::string& error = "") {
+    v1::MemberMessage out;
+    out.mutable_ready()->set_epoch(epoch);
+    out.mutable_ready()->set_ok(ok);
+    out.mutable_ready()->set_error(error);
+    EXPECT_TRUE(stream_->Write(out));
+  }
+  ~Member() {
+    if (finished_) return;
+    ctx_.TryCancel();
+    (void)Finish();
+  }
+  grpc::Status Finish() {
+    finished_ = true;
+    stream_->WritesDone();
+    v1::GroupMessage m;
+    while (stream_->Read(&m)) {
+    }
+    return stream_->Finish();
+  }
+  void Die() { ctx_.TryCancel(); }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<v1::ProcessGroupService::Stub> stub_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::MemberMessage, v1::GroupMessage>> stream_;
+  int rank_ = -1;
+  bool finished_ = false;
+};
+
+// Polls the coordinator until `pred(status)` holds, or fails after 10 s.
+template <typename Pred>
+v1::GroupStatus AwaitStatus(GroupCoordinator& c, Pred pred, const std::string& what) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  v1::GroupStatus s = c.Snapshot();
+  while (!pred(s) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+    s = c.Snapshot();
+  }
+  EXPECT_TRUE(pred(s)) << what << "; status: " << s.ShortDebugString();
+  return s;
+}
+
+// Both members prepare, connect and report ready for the epoch over both; returns it.
+int64_t FormOverBoth(Server& s, Member& a, Member& b) {
+  const v1::PrepareEpoch pa = a.NextPrepare(2), pb = b.NextPrepare(2);
+  EXPECT_EQ(pa.epoch(), pb.epoch());
+  a.SendEndpoint(pa.epoch());
+  b.SendEndpoint(pb.epoch());
+  const v1::GroupView va = a.NextFormed(), vb = b.NextFormed();
+  EXPECT_EQ(va.epoch(), pa.epoch());
+  EXPECT_EQ(vb.SerializeAsString(), va.SerializeAsString());
+  a.SendReady(pa.epoch(), true);
+  b.SendReady(pa.epoch(), true);
+  AwaitStatus(
+      s.coordinator(),
+      [&](const v1::GroupStatus& st) { return st.state() == "SERVING" && st.view().epoch() == pa.epoch(); },
+      absl::StrCat("epoch ", pa.epoch(), " serving"));
+  return pa.epoch();
+}
+
+TEST(GroupCoordinatorTest, FormsTheWorldWithNodesAndReformsWhenADataPlaneReportsItsEpochFailed) {
+  absl::Mutex mu;
+  std::vector<int64_t> ready_epochs;
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.on_ready = [&](const v1::GroupView& v) {
+    absl::MutexLock lock(&mu);
+    ready_epochs.push_back(v.epoch());
+  };
+  Server s(o);
+  Member a(s, 0, 11, "host-a"), b(s, 1, 22, "host-b");
+  const v1::PrepareEpoch pa = a.NextPrepare(2), pb = b.NextPrepare(2);
+  EXPECT_THAT(std::vector<int32_t>(pa.peers().begin(), pa.peers().end()), ElementsAre(0, 1));
+  EXPECT_THAT(pb.reason(), HasSubstr("rank 1 joined"));
+  a.SendEndpoint(pa.epoch());
+  b.SendEndpoint(pa.epoch());
+  const v1::GroupView view = a.NextFormed();
+  EXPECT_EQ(view.epoch(), pa.epoch());
+  EXPECT_EQ(view.world(), 2);
+  EXPECT_EQ(view.transport(), "ucx");
+  EXPECT_THAT(std::vector<std::string>(view.node_of_rank().begin(), view.node_of_rank().end()),
+              ElementsAre("host-a", "host-b"));
+  ASSERT_EQ(view.members_size(), 2);
+  EXPECT_EQ(view.members(0).rank(), 0);
+  EXPECT_EQ(view.members(0).endpoint(), absl::StrCat("endpoint-of-0-", pa.epoch()));
+  EXPECT_EQ(view.members(1).endpoint(), absl::StrCat("endpoint-of-1-", pa.epoch()));
+  EXPECT_EQ(view.members(1).incarnation(), 22u);
+  EXPECT_FALSE(s.coordinator().ServingView().has_value()) << "serving before every member reported ready";
+  b.NextFormed();
+  a.SendReady(pa.epoch(), true);
+  b.SendReady(pa.epoch(), true);
+  AwaitStatus(
+      s.coordinator(), [&](const v1::GroupStatus& st) { return st.state() == "SERVING"; }, "the first epoch serving");
+  AwaitStatus(
+      s.coordinator(),
+      [&](const v1::GroupStatus&) {
+        absl::MutexLock lock(&mu);
+        return ready_epochs == std::vector<int64_t>{pa.epoch()};
+      },
+      "on_ready ran once for the epoch");
+
+  // A report for an epoch that is not served changes nothing.
+  b.SendReady(pa.epoch() - 1, false, "an old epoch's transport failed");
+  absl::SleepFor(absl::Milliseconds(300));
+  v1::GroupStatus st = s.coordinator().Snapshot();
+  EXPECT_EQ(st.state(), "SERVING");
+  EXPECT_EQ(st.forming_epoch(), 0);
+
+  // Rank 1's data plane reports the serving epoch failed: both are asked for the next one.
+  b.SendReady(pa.epoch(), false, "ucx: peer slot 0 failed");
+  const int64_t next = FormOverBoth(s, a, b);
+  EXPECT_EQ(next, pa.epoch() + 1);
+  st = s.coordinator().Snapshot();
+  EXPECT_THAT(st.reason(), HasSubstr(absl::StrCat("rank 1 reports epoch ", pa.epoch(), " failed")));
+  EXPECT_THAT(st.reason(), HasSubstr("peer slot 0 failed"));
+  a.Die();
+  b.Die();
+}
+
+TEST(GroupCoordinatorTest, SurvivorsFormAfterTheGraceRefuseWithoutACopyAndAReplacementBringsTheWorldBack) {
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.survivor_grace = absl::Milliseconds(200);
+  Server s(o);
+  Member a(s, 0, 11, "host-a");
+  auto b = std::make_unique<Member>(s, 1, 22, "host-b");
+  const int64_t first = FormOverBoth(s, a, *b);
+
+  b->Die();  // kill -9: its stream ends
+  const v1::PrepareEpoch survivors = a.NextPrepare(1);
+  EXPECT_GT(survivors.epoch(), first);
+  EXPECT_THAT(survivors.reason(), HasSubstr("rank 1 lost"));
+  a.SendEndpoint(survivors.epoch());
+  const v1::GroupView alone = a.NextFormed();  // after the grace
+  EXPECT_EQ(alone.epoch(), survivors.epoch());
+  ASSERT_EQ(alone.members_size(), 1);
+  // The survivor cannot serve the placement alone: the group waits for a replacement.
+  a.SendReady(alone.epoch(), false, "logical expert 3 has no replica on a member");
+  const v1::PrepareEpoch again = a.NextPrepare(1);
+  a.SendEndpoint(again.epoch());
+  absl::SleepFor(absl::Milliseconds(600));  // three graces
+  v1::GroupStatus st = s.coordinator().Snapshot();
+  EXPECT_EQ(st.state(), "WAITING") << st.ShortDebugString();
+  EXPECT_EQ(st.view().epoch(), alone.epoch()) << "formed over the survivors again after they refused";
+
+  Member replacement(s, 1, 33, "host-c");
+  const int64_t back = FormOverBoth(s, a, replacement);
+  EXPECT_GT(back, again.epoch());
+  st = s.coordinator().Snapshot();
+  EXPECT_THAT(std::vector<std::string>(st.view().node_of_rank().begin(), st.view().node_of_rank().end()),
+              ElementsAre("host-a", "host-c"));
+  EXPECT_EQ(st.view().members(1).incarnation(), 33u);
+  a.Die();
+  replacement.Die();
+}
+
+TEST(GroupCoordinatorTest, BadJoinsAreRefusedNamingTheField) {
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  Server s(o);
+  {
+    Member m(s, 0, 1, "host-a", "wrong-token");
+    EXPECT_EQ(m.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    Member m(s, 2, 1, "host-a");
+    const grpc::Status st = m.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("join.rank"));
+  }
+  {
+    Member m(s, 0, 1, "");
+    const grpc::Status st = m.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), HasSubstr("join.node"));
+  }
+  Member a(s, 0, 7, "host-a");
+  a.NextPrepare(1);
+  {
+    Member twin(s, 0, 7, "host-a");  // the same process joining twice
+    const grpc::Status st = twin.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  }
+  EXPECT_EQ(s.coordinator().Snapshot().live_ranks_size(), 1) << "a refused join changed the membership";
+  a.Die();
+}
+
+}  // namespace
+}  // namespace moe
