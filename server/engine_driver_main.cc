@@ -523,19 +523,30 @@ void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, co
   }
 }
 
-// One line per step for recovery measurements (--events_file): unix ms and the step's outcome.
+// One line per step for recovery measurements (--events_file): unix ms, the step's outcome and,
+// unless ok, the first rank's error.
 struct Outcomes {
   int64_t bad = 0, retryable = 0;
   explicit Outcomes(const Stats& s) : bad(s.failed + s.mismatches), retryable(s.retryable) {}
 };
-void RecordEvent(const Outcomes& before, const Outcomes& after) {
+void RecordEvent(const Outcomes& before, const Outcomes& after, const Answers& answers) {
   static std::ofstream* events = [] {
     const std::string path = absl::GetFlag(FLAGS_events_file);
     return path.empty() ? nullptr : new std::ofstream(path, std::ios::app);
   }();
   if (events == nullptr) return;
   const char* outcome = after.bad > before.bad ? "failed" : after.retryable > before.retryable ? "retryable" : "ok";
-  *events << absl::ToUnixMillis(absl::Now()) << " " << outcome << "\n";
+  *events << absl::ToUnixMillis(absl::Now()) << " " << outcome;
+  if (outcome[0] != 'o') {
+    for (size_t r = 0; r < answers.size(); ++r) {
+      if (answers[r].ok()) continue;
+      std::string why = answers[r].status().ToString().substr(0, 200);
+      std::replace(why.begin(), why.end(), '\n', ' ');
+      *events << " rank " << r << ": " << why;
+      break;
+    }
+  }
+  *events << "\n";
   events->flush();
 }
 
@@ -581,7 +592,7 @@ Stats RunRounds(Clients& clients, Reference& reference, int d, int k) {
         RecordGeneration(answers, step, &stats);
         const Outcomes before(stats);
         CheckAnswers(answers, calls, u, step, reference, &stats);
-        RecordEvent(before, Outcomes(stats));
+        RecordEvent(before, Outcomes(stats), answers);
         PrintProgress(round, rounds, step, u, hot, stats);
         ++step;
       }

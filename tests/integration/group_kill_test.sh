@@ -140,6 +140,9 @@ kill "$ctl_pid" 2>/dev/null
 wait "$ctl_pid" 2>/dev/null
 ctl_pid=""
 
+if [ "$WORLD" -lt 2 ]; then
+  echo "     (parts 2 and 3 need survivors: WORLD >= 2)"
+else
 # --- 2. no replacement, a placement that needs the lost rank: the group waits --------------------
 start_controller --reconcile_interval_s 1 --survivor_grace_s 1
 start_ranks "$RANKD" "$work" "$WORLD" "$work/model" --agent_token_file "$work/agent_token" --timeout_ms 3000
@@ -173,6 +176,7 @@ if e="$(await_serving "$epoch" "$victim" 15)"; then
 else
   bad "the survivors did not re-form"
   tail -5 "$work/controller.log"
+fi
 fi
 fails=$((fails + fail))
 [ "$fails" -eq 0 ] && echo "PASS" || { echo "$fails failures"; exit 1; }
