@@ -14,6 +14,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
 #include "spdlog/spdlog.h"
 
 #include "runtime/transport/file_rendezvous.h"
@@ -90,6 +92,30 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
   std::string token(absl::StripAsciiWhitespace(line));
   if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": token shorter than 16"));
   return token;
+}
+
+std::shared_ptr<prometheus::Registry> BuildInfoRegistry(const std::string& name,
+                                                        std::map<std::string, std::string> labels) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  labels["version"] = kRuntimeVersion;
+  prometheus::BuildGauge()
+      .Name(name)
+      .Help("Build of this process (value 1): release, and what it runs")
+      .Register(*registry)
+      .Add(labels)
+      .Set(1);
+  return registry;
+}
+
+void SetHealth(const std::vector<grpc::Server*>& servers, const std::string& service, bool serving) {
+  for (grpc::Server* s : servers) {
+    if (s == nullptr || s->GetHealthCheckService() == nullptr) continue;
+    if (service.empty()) {
+      s->GetHealthCheckService()->SetServingStatus(serving);
+    } else {
+      s->GetHealthCheckService()->SetServingStatus(service, serving);
+    }
+  }
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,

@@ -7,6 +7,7 @@
 
 #include <signal.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "prometheus/exposer.h"
+#include "prometheus/registry.h"
 
 #include "rpc/tls.h"
 
@@ -29,6 +31,19 @@ ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(std::string, tls_ca);
 
 namespace moe {
+
+// The project's release number (moectl --version, every daemon's moe_build_info).
+inline constexpr char kRuntimeVersion[] = "0.1.0";
+
+// Registers the gauge `name` with value 1 and the build's labels (Prometheus' *_build_info
+// idiom: one series a process, joined onto others with `* on(instance) group_left(...)`).
+// `labels` gets version = kRuntimeVersion added.
+std::shared_ptr<prometheus::Registry> BuildInfoRegistry(const std::string& name,
+                                                        std::map<std::string, std::string> labels);
+
+// Sets gRPC's health status of `service` ("" is the whole server) on each server that serves
+// health; null servers are skipped. Readiness of a daemon's API is its service name, liveness "".
+void SetHealth(const std::vector<grpc::Server*>& servers, const std::string& service, bool serving);
 
 // Writes `text` to `path` through a rename (runtime/transport's PublishFile), so a reader never
 // sees a partial file. No-op for ""; a failure is logged, not returned (best effort).

@@ -369,8 +369,12 @@ class DataPlane {
   DataPlane(const RankdOptions& o, Backend* backend, LayerExecutor* executor, RankMetrics* metrics)
       : o_(o), backend_(backend), executor_(executor), metrics_(metrics) {}
 
+  // Told whether the engine API can serve steps (an epoch is bound): its gRPC health.
+  void SetServingHook(std::function<void(bool)> hook) { serving_hook_ = std::move(hook); }
+
   absl::StatusOr<std::string> Prepare(int64_t epoch, const std::vector<int32_t>& peers, const std::string& reason) {
     prepared_at_ = absl::Now();
+    if (serving_hook_) serving_hook_(false);
     executor_->Unbind(absl::StrCat("rank ", o_.rank, ": the process group is re-forming as epoch ", epoch, " (", reason,
                                    "); retry the step"));
     metrics_->Epoch(0);
@@ -394,6 +398,7 @@ class DataPlane {
       return s;
     }
     metrics_->Epoch(view.epoch);
+    if (serving_hook_) serving_hook_(true);
     spdlog::info("process group: epoch {} serving, peer slot {} of {} (ranks [{}]) in {:.3f} s", view.epoch,
                  backend_->transport->slot(), view.peers.size(), absl::StrJoin(view.peers, ","),
                  absl::ToDoubleSeconds(absl::Now() - prepared_at_));
@@ -443,6 +448,7 @@ class DataPlane {
   }
 
   const RankdOptions& o_;
+  std::function<void(bool)> serving_hook_;
   Backend* backend_;
   LayerExecutor* executor_;
   RankMetrics* metrics_;
@@ -639,7 +645,16 @@ bool AwaitFirstEpoch(const sigset_t& signals, const GroupMember& member) {
 // Drains the servers: steps in flight finish (5 s at most), new ones get UNAVAILABLE; then the
 // rank leaves its process group (`member`, may be null: the controller re-forms it without this
 // rank) and the servers stop.
+// gRPC health of the engine API (readiness): SERVING only while an epoch is bound and the
+// rank is not draining. The whole server ("", liveness) stays SERVING until the drain.
+constexpr char kEngineService[] = "moe.v1.ExpertLayerService";
+void SetEngineHealth(Serving* s, bool serving) {
+  SetHealth({s->tcp_server.get(), s->unix_server.get()}, kEngineService, serving);
+}
+
 void ShutDown(Serving* s, GroupMember* member) {
+  SetEngineHealth(s, false);
+  SetHealth({s->tcp_server.get(), s->unix_server.get()}, "", false);
   s->engine->Drain();
   if (member != nullptr) member->Stop();
   s->unix_listener.reset();  // no new engine connections
@@ -659,6 +674,12 @@ int Main() {
   auto exposer = StartExposer(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_metrics_port_file));
   if (!exposer.ok()) return Fail(exposer.status(), kExitFailure);
   (*exposer)->RegisterCollectable(metrics.registry());
+  // The exposer holds collectables weakly.
+  const auto build_info = BuildInfoRegistry("moe_build_info", {{"component", "moe-rankd"},
+                                                               {"kernels", o.kernels},
+                                                               {"transport", o.transport},
+                                                               {"kernel_build", KernelBuild(o)}});
+  (*exposer)->RegisterCollectable(build_info);
 
   // Block the termination signals in every thread; the main thread waits for them below.
   sigset_t signals = BlockTerminationSignals();
@@ -687,6 +708,8 @@ int Main() {
   if (absl::Status s = StartServices(o, *model, &registry, executor->get(), &metrics, &serving); !s.ok()) {
     return Fail(s, kExitFailure);
   }
+  SetEngineHealth(&serving, false);  // until the first epoch binds
+  plane.SetServingHook([&serving](bool up) { SetEngineHealth(&serving, up); });
   // The process group: through the controller (epochs for the daemon's lifetime), or one epoch
   // through --rendezvous_dir. The port file is written once the first epoch serves.
   std::unique_ptr<GroupMember> member;

@@ -248,6 +248,8 @@ int Main() {
   if (!exposer.ok()) return Fail(exposer.status(), kExitFailure);
   auto collector = std::make_shared<StoreCollector>(registry->store.get());  // the exposer holds it weakly
   (*exposer)->RegisterCollectable(collector);
+  const auto build_info = BuildInfoRegistry("moe_build_info", {{"component", "moe-controller"}});
+  (*exposer)->RegisterCollectable(build_info);
   sigset_t signals = BlockTerminationSignals();
   if (absl::Status s = ParseRankFlags(&o); !s.ok()) return Fail(s, ExitCode(s));
   std::unique_ptr<AgentPool> agents = ConnectAgents(o);
@@ -301,6 +303,7 @@ int Main() {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);
+  SetHealth({server->get()}, "", false);
   stopping.Notify();
   if (reconciler.joinable()) reconciler.join();
   if (group != nullptr) group->Shutdown();

@@ -155,8 +155,14 @@ case "$state" in
   WAITING*"could not serve"*"no replica"*) echo "ok   survivors refuse an epoch without rank $victim's experts: $state" ;;
   *) bad "survivors without a replacement: $state" ;;
 esac
+# Readiness (gRPC health of the engine API) follows the epoch; liveness stays SERVING.
+engine_health() { /usr/bin/python3 tools/health_probe.py "$(cat "$work/ports/0.engine")" moe.v1.ExpertLayerService; }
+check "a survivor's engine API is NOT_SERVING while the group waits" 1 "^NOT_SERVING" -- engine_health
+check "its process is alive (health of the whole server)" 0 "^SERVING" -- /usr/bin/python3 tools/health_probe.py \
+  "$(cat "$work/ports/0.engine")"
 start_rank "$victim" nowait
 if e="$(await_serving "$epoch" "$WORLD" 30)"; then echo "ok   the replacement brings the group back: epoch $e"; else bad "no epoch after the replacement"; fi
+check "the engine API is SERVING again" 0 "^SERVING" -- engine_health
 stop_ranks
 kill "$ctl_pid" 2>/dev/null
 wait "$ctl_pid" 2>/dev/null
