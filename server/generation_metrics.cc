@@ -1,5 +1,7 @@
 #include "server/generation_metrics.h"
 
+#include <map>
+
 #include "absl/strings/str_cat.h"
 
 namespace moe {
@@ -32,7 +34,23 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
       add(shadow, version, "result", "failed", c.shadow_failures);
     }
   }
-  return {steps, shadow};
+  prometheus::MetricFamily states{"moe_placement_generations",
+                                  "placement generations this rank holds, by lifecycle state (PREPARED, ACTIVE, "
+                                  "DRAINING, RETIRED)",
+                                  prometheus::MetricType::Gauge,
+                                  {}};
+  std::map<GenerationState, int64_t> by_state = {{GenerationState::kPrepared, 0},
+                                                 {GenerationState::kActive, 0},
+                                                 {GenerationState::kDraining, 0},
+                                                 {GenerationState::kRetired, 0}};
+  for (const GenerationInfo& g : registry_->List()) ++by_state[g.state];
+  for (const auto& [state, n] : by_state) {
+    prometheus::ClientMetric m;
+    m.label = {{"release", release_}, {"state", GenerationStateName(state)}};
+    m.gauge.value = static_cast<double>(n);
+    states.metric.push_back(m);
+  }
+  return {steps, shadow, states};
 }
 
 }  // namespace moe

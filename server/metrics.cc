@@ -57,6 +57,12 @@ RankMetrics::RankMetrics(const std::string& release)
                         .Name("moe_process_group_rebuild_seconds")
                         .Help("Time from a PREPARE of a new epoch to its transport bound (or failed), by outcome")
                         .Register(*registry_);
+  layer_served_ = &prometheus::BuildCounter()
+                       .Name("moe_layer_routes_served_total")
+                       .Help(
+                           "Routes this rank's experts computed, per MoE layer, from every member's tokens (the "
+                           "per-rank expert load: balancedness is its mean over ranks divided by its max)")
+                       .Register(*registry_);
   layer_routes_ = &prometheus::BuildCounter()
                        .Name("moe_layer_routes_total")
                        .Help("Accepted routes of served steps, per MoE layer (the per-layer load EPLB balances)")
@@ -80,11 +86,14 @@ RankMetrics::RankMetrics(const std::string& release)
                        .Add({{"release", release_}});
 }
 
-void RankMetrics::LayerRoutes(int64_t layer, int64_t accepted) {
+void RankMetrics::LayerRoutes(int64_t layer, int64_t accepted, int64_t served) {
   std::lock_guard<std::mutex> lock(series_mu_);
   prometheus::Counter*& c = layer_series_[layer];
   if (c == nullptr) c = &layer_routes_->Add({{"release", release_}, {"layer", std::to_string(layer)}});
   c->Increment(static_cast<double>(accepted));
+  prometheus::Counter*& s = served_series_[layer];
+  if (s == nullptr) s = &layer_served_->Add({{"release", release_}, {"layer", std::to_string(layer)}});
+  s->Increment(static_cast<double>(served));
 }
 
 void RankMetrics::CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total,

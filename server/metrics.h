@@ -30,9 +30,11 @@ class RankMetrics {
 
   void Step(const std::string& phase, const std::string& path, const std::string& status, double seconds);
   void Routes(int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote, int64_t inter_node);
-  // Accepted routes of a served step of `layer` (label `layer`: bounded by the model's MoE
-  // layers, since steps of any other layer are refused before they count).
-  void LayerRoutes(int64_t layer, int64_t accepted);
+  // Accepted routes of a served step of `layer` (this rank's tokens), and the routes this rank's
+  // experts served in it (every member's tokens: the load balancedness compares across ranks).
+  // Label `layer`: bounded by the model's MoE layers (steps of any other layer are refused
+  // before they count).
+  void LayerRoutes(int64_t layer, int64_t accepted, int64_t served);
   void Fallback(const std::string& reason);
   void BytesSent(int64_t bytes);
   void Generation(int64_t version);
@@ -57,6 +59,7 @@ class RankMetrics {
   prometheus::Family<prometheus::Counter>* fallbacks_;
   prometheus::Family<prometheus::Histogram>* stage_latency_;
   prometheus::Family<prometheus::Counter>* layer_routes_;
+  prometheus::Family<prometheus::Counter>* layer_served_;
   prometheus::Counter* bytes_sent_;
   prometheus::Gauge* generation_;
   prometheus::Gauge* in_flight_;
@@ -90,6 +93,7 @@ class RankMetrics {
   std::unique_ptr<RouteSeries> route_series_;                                  // guarded by series_mu_
   std::vector<std::pair<std::string, prometheus::Counter*>> fallback_series_;  // guarded by series_mu_
   std::map<int64_t, prometheus::Counter*> layer_series_;                       // guarded by series_mu_
+  std::map<int64_t, prometheus::Counter*> served_series_;                      // guarded by series_mu_
   // Per step phase (prefill, decode) the histogram of each stage, made on first use.
   std::vector<std::pair<std::string, std::array<prometheus::Histogram*, kNumStepPhases>>>
       stage_series_;  // guarded by series_mu_

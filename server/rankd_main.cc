@@ -699,7 +699,8 @@ int Main() {
       !s.ok()) {
     return Fail(Annotate(s, "weights"), kExitUsage);
   }
-  auto generation_metrics = std::make_shared<GenerationCollector>(executor->get(), absl::GetFlag(FLAGS_release));
+  auto generation_metrics =
+      std::make_shared<GenerationCollector>(executor->get(), &registry, absl::GetFlag(FLAGS_release));
   (*exposer)->RegisterCollectable(generation_metrics);
   DataPlane plane(o, &backend, executor->get(), &metrics);
 

@@ -6,7 +6,7 @@ set -euo pipefail
 PKGS=(
   bazel-bootstrap bazel-rules-java
   build-essential pkg-config git python3
-  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-pip python3-setuptools
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-pip python3-setuptools python3-yaml
   protobuf-compiler libprotobuf-dev libprotoc-dev
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc
   libabsl-dev libspdlog-dev libfmt-dev

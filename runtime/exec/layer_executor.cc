@@ -916,6 +916,8 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   for (int i = 0; i < options_.group->size(); ++i) {
     if (i != me) rec.bytes_sent += pass.bytes.send[i] + pass.bytes.recv[i];
   }
+  // A lone member's decode step runs in one kernels call, without a dispatch plan.
+  rec.routes_served = options_.group->size() == 1 ? rec.routes_accepted : pass.n_recv;
   pass.clock.Stop();
   rec.execute_us = absl::ToDoubleMicroseconds(absl::Now() - pass.started);
   return absl::OkStatus();

@@ -72,9 +72,10 @@ struct StepRecord {
   int64_t routes_dropped = 0;
   int64_t routes_remote = 0;
   int64_t routes_inter_node = 0;
-  int64_t bytes_sent = 0;  // payload bytes to other ranks (dispatch + return)
-  double execute_us = 0;   // wall time inside Execute
-  bool canary = false;     // served by the candidate generation (a canary step)
+  int64_t bytes_sent = 0;     // payload bytes to other ranks (dispatch + return)
+  int64_t routes_served = 0;  // routes this rank's experts computed (from every member's tokens)
+  double execute_us = 0;      // wall time inside Execute
+  bool canary = false;        // served by the candidate generation (a canary step)
   // Wall time of each phase (index: StepPhase), microseconds. Work that one launch does for
   // several phases is timed under experts: a replayed decode graph (dispatch through combine)
   // and a lone member's decode step (route, experts and combine in one kernels call).

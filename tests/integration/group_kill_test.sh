@@ -43,7 +43,8 @@ bad() {
 start_controller() {  # start_controller EXTRA_FLAGS...
   rm -f "$work/ctl.port"
   "$CONTROLLER" --store "$work/registry.db" --token_file "$work/token" --world "$WORLD" \
-    --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" "$@" >>"$work/controller.log" 2>&1 &
+    --agent_token_file "$work/agent_token" --port_file "$work/ctl.port" --metrics_port_file "$work/ctl.metrics" \
+    "$@" >>"$work/controller.log" 2>&1 &
   ctl_pid=$!
   for _ in $(seq 100); do [ -s "$work/ctl.port" ] && break; sleep 0.1; done
   CONTROLLER_ADDR="127.0.0.1:$(cat "$work/ctl.port")"
@@ -135,6 +136,11 @@ print("     replacement start -> the engine driver's first correct step: min %d 
 if max(serving) > 10000:
     print("FAIL the group served a new epoch more than 10 s after a replacement started"); sys.exit(1)
 EOF
+# Every series the alert and recording rules read exists in live scrapes of a rank and the controller.
+curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/scrape_rank.txt"
+curl -s "http://127.0.0.1:$(cat "$work/ctl.metrics")/metrics" >"$work/scrape_controller.txt"
+check "the Prometheus rules read only series the daemons export" 0 "^ok" -- /usr/bin/python3 \
+  tools/check_rule_metrics.py deploy/prometheus/moe-rules.yml "$work/scrape_rank.txt" "$work/scrape_controller.txt"
 stop_ranks
 kill "$ctl_pid" 2>/dev/null
 wait "$ctl_pid" 2>/dev/null

@@ -153,8 +153,11 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
     for (int r = 0; r < kRanks; ++r)
       inputs.push_back(RandomInput(rng, r == 2 ? 0 : 1 + rng() % 24));  // rank 2: no tokens
     const auto results = RunStep(w, inputs, step, 3);
+    int64_t accepted = 0, served = 0;  // every accepted route is served by exactly one rank
     for (int r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+      accepted += results[r]->record.routes_accepted;
+      served += results[r]->record.routes_served;
       ASSERT_EQ(results[r]->output.size(), static_cast<size_t>(inputs[r].tokens) * kD);
       EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2)
           << "rank " << r << " step " << step;
@@ -170,6 +173,8 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
         EXPECT_GT(PhaseUs(rec, waits), 0) << StepPhaseName(waits);
       }
     }
+    EXPECT_EQ(served, accepted) << "step " << step;
+    EXPECT_GT(served, 0);
   }
 }
 
