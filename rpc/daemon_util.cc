@@ -2,16 +2,22 @@
 
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
 #include <fstream>
 
 #include <arpa/inet.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include "CivetServer.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "prometheus/gauge.h"
@@ -92,6 +98,48 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path, const std::st
   std::string token(absl::StripAsciiWhitespace(line));
   if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat(flag, " ", path, ": token shorter than 16"));
   return token;
+}
+
+void SdNotify(const std::string& socket_path, const std::string& state) {
+  if (socket_path.empty()) return;
+  static std::atomic<bool> warned{false};
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof(addr.sun_path)) {
+    if (!warned.exchange(true)) spdlog::warn("NOTIFY_SOCKET {}: path too long", socket_path);
+    return;
+  }
+  std::memcpy(addr.sun_path, socket_path.data(), socket_path.size());
+  if (addr.sun_path[0] == '@') addr.sun_path[0] = '\0';  // an abstract socket
+  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket_path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  const ssize_t n = ::sendto(fd, state.data(), state.size(), MSG_NOSIGNAL, reinterpret_cast<sockaddr*>(&addr), len);
+  if (n < 0 && !warned.exchange(true)) spdlog::warn("NOTIFY_SOCKET {}: {}", socket_path, std::strerror(errno));
+  ::close(fd);
+}
+
+SdWatchdog::SdWatchdog(std::string socket, absl::Duration interval)
+    : socket_(std::move(socket)), interval_(interval), thread_([this] {
+        do {
+          SdNotify(socket_, "WATCHDOG=1");
+        } while (!stop_.WaitForNotificationWithTimeout(interval_));
+      }) {}
+
+SdWatchdog::~SdWatchdog() {
+  stop_.Notify();
+  thread_.join();
+}
+
+absl::Duration SdWatchdogInterval(const char* watchdog_usec) {
+  int64_t us = 0;
+  if (watchdog_usec == nullptr || !absl::SimpleAtoi(watchdog_usec, &us) || us <= 0) return absl::ZeroDuration();
+  return absl::Microseconds(us) / 2;
+}
+
+std::unique_ptr<SdWatchdog> StartSdWatchdog(const std::string& socket, absl::Duration interval) {
+  if (socket.empty() || interval <= absl::ZeroDuration()) return nullptr;
+  return std::make_unique<SdWatchdog>(socket, interval);
 }
 
 std::shared_ptr<prometheus::Registry> BuildInfoRegistry(const std::string& name,

@@ -10,12 +10,15 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 
@@ -44,6 +47,32 @@ std::shared_ptr<prometheus::Registry> BuildInfoRegistry(const std::string& name,
 // Sets gRPC's health status of `service` ("" is the whole server) on each server that serves
 // health; null servers are skipped. Readiness of a daemon's API is its service name, liveness "".
 void SetHealth(const std::vector<grpc::Server*>& servers, const std::string& service, bool serving);
+
+// systemd's notification protocol (sd_notify(3)) without libsystemd: sends `state` ("READY=1",
+// "STOPPING=1", "WATCHDOG=1", "STATUS=...") as one datagram to `socket` (the NOTIFY_SOCKET the
+// service manager set; "@name" is an abstract socket). No-op for "". Best effort: a failure is
+// logged once, never returned.
+void SdNotify(const std::string& socket, const std::string& state);
+
+// While the returned object lives, sends WATCHDOG=1 to `socket` every `interval` (half the
+// WatchdogSec the manager set through WATCHDOG_USEC). Null for "" or a zero interval.
+class SdWatchdog;
+std::unique_ptr<SdWatchdog> StartSdWatchdog(const std::string& socket, absl::Duration interval);
+// Half the period in `watchdog_usec` (the WATCHDOG_USEC value; null or invalid: zero).
+absl::Duration SdWatchdogInterval(const char* watchdog_usec);
+class SdWatchdog {
+ public:
+  SdWatchdog(std::string socket, absl::Duration interval);
+  ~SdWatchdog();
+  SdWatchdog(const SdWatchdog&) = delete;
+  SdWatchdog& operator=(const SdWatchdog&) = delete;
+
+ private:
+  std::string socket_;
+  absl::Duration interval_;
+  absl::Notification stop_;
+  std::thread thread_;
+};
 
 // Writes `text` to `path` through a rename (runtime/transport's PublishFile), so a reader never
 // sees a partial file. No-op for ""; a failure is logged, not returned (best effort).

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -683,6 +684,10 @@ int Main() {
 
   // Block the termination signals in every thread; the main thread waits for them below.
   sigset_t signals = BlockTerminationSignals();
+  // Under systemd (Type=notify, deploy/systemd): READY once the first epoch serves, a watchdog.
+  const char* notify_env = std::getenv("NOTIFY_SOCKET");
+  const std::string notify = notify_env == nullptr ? "" : notify_env;
+  const auto watchdog = StartSdWatchdog(notify, SdWatchdogInterval(std::getenv("WATCHDOG_USEC")));
 
   Backend backend;
   if (absl::Status s = LoadCudaBackend(o, &backend); !s.ok()) return Fail(s, kExitUsage);
@@ -733,6 +738,7 @@ int Main() {
     if (absl::Status s = JoinThroughFiles(o, &plane); !s.ok()) return Fail(s, kExitFailure);
   }
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(serving.port));
+  SdNotify(notify, absl::StrCat("READY=1\nSTATUS=rank ", o.rank, " of ", o.world, " serving"));
   const char* tcp = serving.agent == nullptr && !serving.engine_on_tcp
                         ? "off"
                         : (serving.engine_on_tcp ? (serving.agent ? "agent + engine" : "engine") : "agent");
@@ -744,6 +750,7 @@ int Main() {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: draining", sig);
+  SdNotify(notify, "STOPPING=1");
   ShutDown(&serving, member.get());
   return kExitOk;
 }

@@ -14,7 +14,7 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev
   clang-format
-  prometheus curl openssl
+  prometheus curl openssl systemd
 )
 
 missing=()

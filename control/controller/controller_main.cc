@@ -3,6 +3,7 @@
 // in a SQLite file (WAL) before answering, and exports Prometheus metrics read from that file.
 #include <signal.h>
 
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -251,6 +252,10 @@ int Main() {
   const auto build_info = BuildInfoRegistry("moe_build_info", {{"component", "moe-controller"}});
   (*exposer)->RegisterCollectable(build_info);
   sigset_t signals = BlockTerminationSignals();
+  // Under systemd (Type=notify, deploy/systemd): READY once serving, a watchdog.
+  const char* notify_env = std::getenv("NOTIFY_SOCKET");
+  const std::string notify = notify_env == nullptr ? "" : notify_env;
+  const auto watchdog = StartSdWatchdog(notify, SdWatchdogInterval(std::getenv("WATCHDOG_USEC")));
   if (absl::Status s = ParseRankFlags(&o); !s.ok()) return Fail(s, ExitCode(s));
   std::unique_ptr<AgentPool> agents = ConnectAgents(o);
   StoreReleaseManager manager(registry->store.get(), o.thresholds, agents.get(), AgentTopology(agents.get()),
@@ -294,6 +299,7 @@ int Main() {
   auto server = ServeGrpc(services, serve, &port);
   if (!server.ok()) return Fail(server.status(), kExitFailure);
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
+  SdNotify(notify, absl::StrCat("READY=1\nSTATUS=serving on port ", port));
   auto releases = registry->store->List();
   spdlog::info("serving on port {} (metrics on {}), {} releases in {} (single writer: {}), {} rank agents", port,
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, o.store_path,
@@ -303,6 +309,7 @@ int Main() {
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);
+  SdNotify(notify, "STOPPING=1");
   SetHealth({server->get()}, "", false);
   stopping.Notify();
   if (reconciler.joinable()) reconciler.join();
