@@ -643,9 +643,6 @@ bool AwaitFirstEpoch(const sigset_t& signals, const GroupMember& member) {
   return true;
 }
 
-// Drains the servers: steps in flight finish (5 s at most), new ones get UNAVAILABLE; then the
-// rank leaves its process group (`member`, may be null: the controller re-forms it without this
-// rank) and the servers stop.
 // gRPC health of the engine API (readiness): SERVING only while an epoch is bound and the
 // rank is not draining. The whole server ("", liveness) stays SERVING until the drain.
 constexpr char kEngineService[] = "moe.v1.ExpertLayerService";
@@ -653,6 +650,9 @@ void SetEngineHealth(Serving* s, bool serving) {
   SetHealth({s->tcp_server.get(), s->unix_server.get()}, kEngineService, serving);
 }
 
+// Drains the servers: health turns NOT_SERVING, steps in flight finish (5 s at most), new ones
+// get UNAVAILABLE; then the rank leaves its process group (`member`, may be null: the controller
+// re-forms it without this rank) and the servers stop.
 void ShutDown(Serving* s, GroupMember* member) {
   SetEngineHealth(s, false);
   SetHealth({s->tcp_server.get(), s->unix_server.get()}, "", false);

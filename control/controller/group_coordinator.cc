@@ -171,7 +171,8 @@ void GroupCoordinator::OnMessage(int32_t rank, uint64_t incarnation, const v1::M
   // this epoch): only a new epoch heals that.
   if (m.has_ready() && !m.ready().ok() && !forming_.has_value() && serving_.has_value() &&
       m.ready().epoch() == serving_->epoch()) {
-    spdlog::warn("process group: rank {} reports epoch {} failed: {}", rank, serving_->epoch(), m.ready().error());
+    spdlog::warn("process group: rank {} reports epoch {} failed: {}", rank, serving_->epoch(),
+                 m.ready().error().substr(0, 200));
     Reform(absl::StrCat("rank ", rank, " reports epoch ", serving_->epoch(),
                         " failed: ", m.ready().error().substr(0, 200)));
     return;
