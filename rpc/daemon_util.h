@@ -44,8 +44,9 @@ inline constexpr char kRuntimeVersion[] = "0.1.0";
 std::shared_ptr<prometheus::Registry> BuildInfoRegistry(const std::string& name,
                                                         std::map<std::string, std::string> labels);
 
-// Sets gRPC's health status of `service` ("" is the whole server) on each server that serves
-// health; null servers are skipped. Readiness of a daemon's API is its service name, liveness "".
+// Sets gRPC's health status of `service` on each server that serves health (null servers are
+// skipped); "" sets every service's, the whole server's ("") included. Readiness of a daemon's
+// API is its service name, liveness "".
 void SetHealth(const std::vector<grpc::Server*>& servers, const std::string& service, bool serving);
 
 // systemd's notification protocol (sd_notify(3)) without libsystemd: sends `state` ("READY=1",

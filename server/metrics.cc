@@ -88,12 +88,14 @@ RankMetrics::RankMetrics(const std::string& release)
 
 void RankMetrics::LayerRoutes(int64_t layer, int64_t accepted, int64_t served) {
   std::lock_guard<std::mutex> lock(series_mu_);
-  prometheus::Counter*& c = layer_series_[layer];
-  if (c == nullptr) c = &layer_routes_->Add({{"release", release_}, {"layer", std::to_string(layer)}});
-  c->Increment(static_cast<double>(accepted));
-  prometheus::Counter*& s = served_series_[layer];
-  if (s == nullptr) s = &layer_served_->Add({{"release", release_}, {"layer", std::to_string(layer)}});
-  s->Increment(static_cast<double>(served));
+  LayerSeries& series = layer_series_[layer];
+  if (series.accepted == nullptr) {
+    const std::map<std::string, std::string> labels = {{"release", release_}, {"layer", std::to_string(layer)}};
+    series.accepted = &layer_routes_->Add(labels);
+    series.served = &layer_served_->Add(labels);
+  }
+  series.accepted->Increment(static_cast<double>(accepted));
+  series.served->Increment(static_cast<double>(served));
 }
 
 void RankMetrics::CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total,

@@ -92,8 +92,11 @@ class RankMetrics {
   std::vector<StepSeries> step_series_;                                        // guarded by series_mu_
   std::unique_ptr<RouteSeries> route_series_;                                  // guarded by series_mu_
   std::vector<std::pair<std::string, prometheus::Counter*>> fallback_series_;  // guarded by series_mu_
-  std::map<int64_t, prometheus::Counter*> layer_series_;                       // guarded by series_mu_
-  std::map<int64_t, prometheus::Counter*> served_series_;                      // guarded by series_mu_
+  struct LayerSeries {
+    prometheus::Counter* accepted = nullptr;  // moe_layer_routes_total
+    prometheus::Counter* served = nullptr;    // moe_layer_routes_served_total
+  };
+  std::map<int64_t, LayerSeries> layer_series_;  // guarded by series_mu_
   // Per step phase (prefill, decode) the histogram of each stage, made on first use.
   std::vector<std::pair<std::string, std::array<prometheus::Histogram*, kNumStepPhases>>>
       stage_series_;  // guarded by series_mu_

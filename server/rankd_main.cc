@@ -654,8 +654,7 @@ void SetEngineHealth(Serving* s, bool serving) {
 // get UNAVAILABLE; then the rank leaves its process group (`member`, may be null: the controller
 // re-forms it without this rank) and the servers stop.
 void ShutDown(Serving* s, GroupMember* member) {
-  SetEngineHealth(s, false);
-  SetHealth({s->tcp_server.get(), s->unix_server.get()}, "", false);
+  SetHealth({s->tcp_server.get(), s->unix_server.get()}, "", false);  // every service, the engine API's too
   s->engine->Drain();
   if (member != nullptr) member->Stop();
   s->unix_listener.reset();  // no new engine connections
