@@ -1,12 +1,13 @@
 #!/usr/bin/python3
 """Checks that every metric a rules file (or a Grafana dashboard) reads exists in live scrapes.
 
-  check_rule_metrics.py RULES_OR_DASHBOARD SCRAPE [SCRAPE...]
+  check_rule_metrics.py [--rules RULES] RULES_OR_DASHBOARD SCRAPE [SCRAPE...]
 
 RULES_OR_DASHBOARD: a Prometheus rules file (YAML: every rule's `expr`) or a Grafana dashboard
 (JSON: every target's `expr`). SCRAPE: text-format scrapes of the processes (moe-rankd,
-moe-controller). Names with a colon are recording rules (checked against the rules' own `record`
-names when the input is a rules file); `up` is Prometheus' own. A histogram's _bucket / _sum /
+moe-controller). Names with a colon are recording rules, checked against the `record` names of
+the rules file (the input itself, or --rules for a dashboard); `up` and `ALERTS` are Prometheus'
+own. A histogram's _bucket / _sum /
 _count series count as its family. Exits 1 naming each missing metric.
 """
 import json
@@ -78,17 +79,22 @@ def scraped(paths):
 
 
 def main(argv):
+    extra_records = set()
+    if len(argv) > 2 and argv[1] == "--rules":
+        extra_records = exprs_of(argv[2])[1]
+        argv = argv[:1] + argv[3:]
     if len(argv) < 3:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     exprs, records = exprs_of(argv[1])
+    records |= extra_records
     families, samples = scraped(argv[2:])
     missing = []
     wanted = set()
     for e in exprs:
         wanted |= metric_names(e)
     for name in sorted(wanted):
-        if name == "up" or name in records:
+        if name in ("up", "ALERTS") or name in records:
             continue
         if ":" in name:
             missing.append(name + " (a recording rule no rules file defines)")
@@ -104,7 +110,7 @@ def main(argv):
         for m in missing:
             print("missing from the scrapes: %s" % m)
         return 1
-    print("ok   %d metrics of %s exist in the scrapes" % (len(wanted - records - {"up"}), argv[1]))
+    print("ok   %d metrics of %s exist in the scrapes" % (len(wanted - records - {"up", "ALERTS"}), argv[1]))
     return 0
 
 

@@ -15,7 +15,7 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev
   clang-format
-  prometheus curl openssl systemd python3-venv
+  prometheus curl openssl systemd python3-venv python3-matplotlib
 )
 # kubectl renders deploy/kubernetes (`kubectl kustomize`): Debian's kubernetes-client unless a
 # kubectl is installed already.
