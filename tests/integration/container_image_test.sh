@@ -42,23 +42,27 @@ if set(stages) != {"build", "gpu", "runtime"}:
 m = re.search(r"apt-get install -y --no-install-recommends\s+(.*?)\s+&&", stages["runtime"], re.S)
 listed = set(m.group(1).split()) if m else set()
 in_base = {"libc6", "libgcc-s1", "libstdc++6"}  # essential in debian:12-slim
-def owner(lib):
-    for p in (lib, os.path.realpath(lib), lib[4:] if lib.startswith("/usr") else "/usr" + lib):
-        r = subprocess.run(["dpkg", "-S", p], capture_output=True, text=True)
-        if r.returncode == 0:
-            return r.stdout.split(":")[0]
-    return None
-needed = {}
+libs = {}  # library path -> the binaries linking it
 for b in binaries:
     for line in subprocess.run(["ldd", b], capture_output=True, text=True, check=True).stdout.splitlines():
         mm = re.search(r"=> (/\S+)", line)
-        if not mm:
-            continue
-        pkg = owner(mm.group(1))
-        if pkg is None:
-            bad("%s: %s belongs to no Debian package" % (os.path.basename(b), mm.group(1)))
-        elif pkg not in in_base:
-            needed.setdefault(pkg, set()).add(os.path.basename(b))
+        if mm:
+            libs.setdefault(mm.group(1), set()).add(os.path.basename(b))
+def variants(lib):  # merged /usr: dpkg knows a library under one of these names
+    return [lib, os.path.realpath(lib), lib[4:] if lib.startswith("/usr") else "/usr" + lib]
+# One dpkg -S for every name (it reads its whole database each call).
+r = subprocess.run(["dpkg", "-S"] + sorted({v for l in libs for v in variants(l)}), capture_output=True, text=True)
+owners = {}
+for line in r.stdout.splitlines():
+    pkgs, _, p = line.partition(": ")
+    owners[p] = pkgs.split(",")[0].split(":")[0].strip()
+needed = {}
+for lib, users in libs.items():
+    pkg = next((owners[v] for v in variants(lib) if v in owners), None)
+    if pkg is None:
+        bad("%s: %s belongs to no Debian package" % (", ".join(sorted(users)), lib))
+    elif pkg not in in_base:
+        needed.setdefault(pkg, set()).update(users)
 missing = sorted(set(needed) - listed)
 for p in missing:
     bad("runtime stage lacks %s (linked by %s)" % (p, ", ".join(sorted(needed[p]))))
