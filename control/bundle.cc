@@ -104,6 +104,10 @@ absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in) {
                   {"dtype", "BF16"},
                   {"kernel_build", in.kernel_build}};
   b["topology"] = {{"world", in.world}};
+  if (!in.nodes.empty()) b["topology"]["nodes"] = in.nodes;
+  if (absl::Status s = ParseBundleTopology(b).status(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--nodes: ", s.message()));
+  }
   b["digest"] = BundleDigest(b);
   return b;
 }
@@ -126,6 +130,43 @@ absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& b) {
         "runtime.decode_bucket_tokens, runtime.decode_bucket_slot_routes: must be positive");
   }
   return out;
+}
+
+absl::StatusOr<BundleTopology> ParseBundleTopology(const json::Json& b) {
+  if (!b.is_object()) return absl::InvalidArgumentError("bundle: not a JSON object");
+  ASSIGN_OR_RETURN(const json::Json* topo, json::Member(b, "bundle", "topology"));
+  if (!topo->is_object()) return absl::InvalidArgumentError("topology: not an object");
+  BundleTopology out;
+  ASSIGN_OR_RETURN(const json::Json* world_field, json::Member(*topo, "topology", "world"));
+  ASSIGN_OR_RETURN(out.world, json::Int(*world_field, "topology.world"));
+  if (out.world <= 0 || out.world > 4096) return absl::InvalidArgumentError("topology.world: must be in [1, 4096]");
+  auto nodes = topo->find("nodes");
+  if (nodes == topo->end()) return out;
+  if (!nodes->is_array() || static_cast<int64_t>(nodes->size()) != out.world) {
+    return absl::InvalidArgumentError(absl::StrCat("topology.nodes: not a list of ", out.world, " node names"));
+  }
+  for (size_t r = 0; r < nodes->size(); ++r) {
+    const std::string field = absl::StrCat("topology.nodes[", r, "]");
+    ASSIGN_OR_RETURN(std::string node, json::String((*nodes)[r], field));
+    if (node.empty() || node.size() > 253) return absl::InvalidArgumentError(field + ": must be 1 to 253 characters");
+    out.nodes.push_back(std::move(node));
+  }
+  return out;
+}
+
+absl::Status CheckBundleNodes(const BundleTopology& expected, const std::vector<std::string>& node_of_rank) {
+  if (static_cast<int64_t>(node_of_rank.size()) != expected.world) {
+    return absl::FailedPreconditionError(absl::StrCat("topology.world: the bundle expects ", expected.world,
+                                                      " ranks, the process group has ", node_of_rank.size()));
+  }
+  for (size_t r = 0; r < expected.nodes.size(); ++r) {
+    if (expected.nodes[r] != node_of_rank[r]) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("topology.nodes[", r, "]: the bundle expects node ", expected.nodes[r], ", rank ", r, " is on ",
+                       node_of_rank[r].empty() ? "no node (not in the group)" : node_of_rank[r]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)>& topology) {
@@ -151,10 +192,8 @@ absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)
   ASSIGN_OR_RETURN(const std::string version, json::String(*version_field, "checkpoint.version"));
   ASSIGN_OR_RETURN(const json::Json* digests, json::Member(*ck, "checkpoint", "digests"));
   if (!digests->is_object()) return absl::InvalidArgumentError("checkpoint.digests: not an object");
-  ASSIGN_OR_RETURN(const json::Json* topo, json::Member(b, "bundle", "topology"));
-  ASSIGN_OR_RETURN(const json::Json* world_field, json::Member(*topo, "topology", "world"));
-  ASSIGN_OR_RETURN(const int64_t world, json::Int(*world_field, "topology.world"));
-  if (world <= 0 || world > 4096) return absl::InvalidArgumentError("topology.world: must be in [1, 4096]");
+  ASSIGN_OR_RETURN(const BundleTopology expected, ParseBundleTopology(b));
+  const int64_t world = expected.world;
   ASSIGN_OR_RETURN(const json::Json* placement, json::Member(b, "bundle", "placement"));
   if (absl::Status s = ParseBundleRuntime(b).status(); !s.ok()) return s;
 

@@ -11,7 +11,8 @@
 //     "runtime": {"decode_runner": "kernels", "decode_bucket_tokens": 8,
 //                 "decode_bucket_slot_routes": 16, "dtype": "BF16",
 //                 "kernel_build": "cuda:<16 hex>"},                       ("": any build)
-//     "topology": {"world": 4},
+//     "topology": {"world": 4,
+//                  "nodes": ["host-a", "host-a", "host-b", "host-b"]},      (per rank; optional: any)
 //     "digest": "sha256:<hex>"
 //   }
 //
@@ -25,6 +26,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -45,6 +47,7 @@ struct BundleInputs {
   int64_t decode_bucket_slot_routes = 16;
   std::string kernel_build;  // "" : any build (the ranks report theirs in moectl status)
   int world = 0;
+  std::vector<std::string> nodes;  // per rank (moectl group status); empty: any node
 };
 
 // A bundle with its digest. The checkpoint's digests are the ones recorded beside its weights
@@ -61,6 +64,18 @@ struct BundleRuntime {
   std::string kernel_build;  // "": any
 };
 absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& bundle);
+
+// The topology the bundle expects: `world` ranks, and the node of each rank when `nodes` is not
+// empty (INVALID_ARGUMENT naming topology.world / topology.nodes[i]).
+struct BundleTopology {
+  int64_t world = 0;
+  std::vector<std::string> nodes;  // empty: any node
+};
+absl::StatusOr<BundleTopology> ParseBundleTopology(const json::Json& bundle);
+
+// `expected` against the nodes the ranks are on (`node_of_rank`, per global rank):
+// FAILED_PRECONDITION naming topology.world or the first topology.nodes[r] that differs.
+absl::Status CheckBundleNodes(const BundleTopology& expected, const std::vector<std::string>& node_of_rank);
 
 // "sha256:<hex>" over the canonical JSON of `bundle` without its "digest" member.
 std::string BundleDigest(const json::Json& bundle);

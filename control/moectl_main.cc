@@ -115,6 +115,9 @@ ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "bundle make: the ranks' --dec
 ABSL_FLAG(std::string, kernel_build, "",
           "bundle make: the kernels build every rank must run (moectl status --json reports each rank's "
           "kernelBuild; empty: any)");
+ABSL_FLAG(std::string, nodes, "",
+          "bundle make: comma-separated node of each rank, in rank order, as `moectl group status` shows them "
+          "(empty: any node); the controller and every rank refuse the bundle on other nodes");
 ABSL_FLAG(std::string, selector, "locality-first",
           "plan: replica selector for routes without physical_slot (locality-first, least-load, round-robin, hash)");
 
@@ -134,7 +137,8 @@ constexpr char kUsage[] =
     "  moectl checkpoint digest DIR --version V                record every expert's per-layer digest "
     "(moe_checkpoint.json)\n"
     "  moectl bundle make --release ID --checkpoint DIR --manifest F --world P [--prior ID --decode_runner R\n"
-    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S --kernel_build B] --out F\n"
+    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S --kernel_build B --nodes A,B,..]\n"
+    "                     --out F\n"
     "                                                          a release bundle: checkpoint digests, placement, "
     "runtime, topology\n"
     "  moectl bundle verify FILE                               its digest, every expert re-read and hashed, the "
@@ -578,6 +582,9 @@ int BundleMake() {
   in.decode_bucket_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
   in.kernel_build = absl::GetFlag(FLAGS_kernel_build);
   in.world = absl::GetFlag(FLAGS_world);
+  if (const std::string nodes = absl::GetFlag(FLAGS_nodes); !nodes.empty()) {
+    in.nodes = absl::StrSplit(nodes, ',');
+  }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));
   auto bundle = moe::MakeBundle(in);

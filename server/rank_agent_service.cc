@@ -277,6 +277,20 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
     if (!want.kernel_build().empty() && want.kernel_build() != mine.kernel_build()) {
       return refuse("kernel_build", want.kernel_build(), mine.kernel_build(), "the build of its kernels");
     }
+    if (want.nodes_size() > 0) {
+      if (want.nodes_size() != topology.num_ranks()) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("runtime.nodes: the release bundle names ", want.nodes_size(),
+                                         " ranks' nodes, ", "the process group has ", topology.num_ranks(), " ranks"));
+      }
+      const std::string& node = topology.NodeName(topology.NodeOf(c_.rank));
+      if (want.nodes(c_.rank.value()) != node) {
+        return grpc::Status(
+            grpc::StatusCode::FAILED_PRECONDITION,
+            absl::StrCat("runtime.nodes[", c_.rank.value(), "]: the release bundle expects node ",
+                         want.nodes(c_.rank.value()), ", rank ", c_.rank.value(), " is on ", node, " (--node)"));
+      }
+    }
   }
   absl::MutexLock lock(&mu_);
   if (c_.registry->State(v).ok()) {

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 
 #include "rpc/grpc_status.h"
+#include "runtime/status.h"
 
 namespace moe {
 
@@ -95,13 +96,8 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1:
   v1::PrepareGenerationRequest req;
   *req.mutable_manifest() = manifest;
   const std::shared_ptr<const State> st = Current();
-  std::optional<AgentGroup> group = st->group;
-  if (!group.has_value()) {
-    // A fixed list of agents: the epoch and nodes they report (every rank must be in the same).
-    absl::StatusOr<AgentGroup> observed = ObservedGroup();
-    if (!observed.ok()) return observed.status();
-    group = *std::move(observed);
-  }
+  ASSIGN_OR_RETURN(const AgentGroup serving, ServingGroup());
+  const AgentGroup* group = &serving;
   if (!rebind && manifest.process_group_epoch() != 0 && manifest.process_group_epoch() != group->epoch) {
     return absl::FailedPreconditionError(absl::StrCat("manifest.process_group_epoch: ", manifest.process_group_epoch(),
                                                       ", the ranks serve process-group epoch ", group->epoch,
@@ -129,6 +125,14 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1:
                   v1::GenerationStatus out;
                   return stub.PrepareGeneration(&ctx, req, &out);
                 });
+}
+
+absl::StatusOr<AgentGroup> AgentPool::ServingGroup() {
+  const std::shared_ptr<const State> st = Current();
+  if (st->group.has_value()) return *st->group;
+  if (group_mode_) return absl::UnavailableError("the ranks' process group has not formed yet");
+  // A fixed list of agents: the epoch and nodes they report (every rank must be in the same).
+  return ObservedGroup();
 }
 
 absl::StatusOr<AgentGroup> AgentPool::ObservedGroup() {

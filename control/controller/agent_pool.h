@@ -61,6 +61,10 @@ class AgentPool {
   // Polls until no rank holds a dispatch handle on `version` (or `timeout`: DEADLINE_EXCEEDED
   // naming the ranks that still hold some).
   absl::Status AwaitDrained(int64_t version, absl::Duration timeout);
+  // The epoch the ranks serve and each rank's node: the formed group (group mode; UNAVAILABLE
+  // before the first), or what a fixed list of agents reports (UNAVAILABLE when they disagree or
+  // one does not answer).
+  absl::StatusOr<AgentGroup> ServingGroup();
   // Every rank's status; a rank that does not answer has its error instead.
   std::vector<std::pair<absl::StatusOr<v1::AgentStatusResponse>, std::string>> Status();
 

@@ -171,12 +171,24 @@ absl::Status StoreReleaseManager::VerifyRegisteredBundle(const std::string& rele
     return absl::FailedPreconditionError(
         absl::StrCat("to: VERIFIED refused for ", release_id, ": its bundle does not verify: ", s.message()));
   }
-  // VerifyBundle checked topology.world is an integer.
-  if (agents_ != nullptr && !agents_->empty() &&
-      bundle.at("topology").at("world").get<int64_t>() != static_cast<int64_t>(agents_->addresses().size())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "to: VERIFIED refused for ", release_id, ": bundle topology.world ", bundle.at("topology").at("world").dump(),
-        ", the controller drives ", agents_->addresses().size(), " rank agents"));
+  ASSIGN_OR_RETURN(const BundleTopology expected, ParseBundleTopology(bundle));  // VerifyBundle parsed it
+  if (agents_ != nullptr && !agents_->empty() && expected.world != static_cast<int64_t>(agents_->world())) {
+    return absl::FailedPreconditionError(absl::StrCat("to: VERIFIED refused for ", release_id,
+                                                      ": bundle topology.world ", expected.world,
+                                                      ", the controller drives ", agents_->world(), " rank agents"));
+  }
+  // The nodes the bundle expects, against the ones the ranks serve on now (each rank checks its
+  // own again when the placement is prepared).
+  if (!expected.nodes.empty() && agents_ != nullptr && !agents_->empty()) {
+    auto group = agents_->ServingGroup();
+    if (!group.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "to: VERIFIED refused for ", release_id, ": topology.nodes cannot be checked: ", group.status().message()));
+    }
+    if (absl::Status s = CheckBundleNodes(expected, group->node_of_rank); !s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("to: VERIFIED refused for ", release_id, ": ", s.message(),
+                                                        " (process-group epoch ", group->epoch, ")"));
+    }
   }
   return absl::OkStatus();
 }
@@ -465,6 +477,8 @@ absl::StatusOr<std::optional<StoreReleaseManager::StoredBundle>> StoreReleaseMan
   out.runtime.set_decode_bucket_slot_routes(r.decode_bucket_slot_routes);
   out.runtime.set_dtype(r.dtype);
   out.runtime.set_kernel_build(r.kernel_build);
+  ASSIGN_OR_RETURN(const BundleTopology t, ParseBundleTopology(bundle));
+  for (const std::string& node : t.nodes) out.runtime.add_nodes(node);
   return out;
 }
 

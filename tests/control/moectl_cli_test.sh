@@ -79,6 +79,11 @@ check "placement show bad file" 2 "--manifest" -- "$MOECTL" placement show --man
 check "bundle make" 0 "wrote .*rel-2, sha256:" -- "$MOECTL" bundle make --release rel-2 --prior rel-1 \
   --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --out "$TMP/bundle.json"
 check "bundle verify" 0 "verified rel-2 sha256:" -- "$MOECTL" bundle verify "$TMP/bundle.json"
+check "bundle make --nodes: one node a rank" 2 "topology.nodes: not a list of 2 node names" -- "$MOECTL" bundle make \
+  --release rel-2 --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --nodes host-a --out "$TMP/x.json"
+check "bundle make --nodes" 0 "wrote" -- "$MOECTL" bundle make --release rel-2 --checkpoint "$TMP/bm" \
+  --manifest "$TMP/bp.json" --world 2 --nodes host-a,host-b --out "$TMP/bundle-nodes.json"
+check "bundle verify: the nodes are under its digest" 0 "verified rel-2" -- "$MOECTL" bundle verify "$TMP/bundle-nodes.json"
 python3 - "$TMP" <<'PY'
 import hashlib, json, sys
 d = sys.argv[1]

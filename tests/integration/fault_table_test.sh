@@ -52,8 +52,18 @@ check "nothing committed for it" 0 "release-v9 *VERIFIED" -- "$M" "${C[@]}" rele
 # Release bundle coordinates differ (0x0CB): a bundle naming decode bucket 8 is refused by rank 1,
 # which runs --decode_bucket_tokens 4; nothing is committed for it.
 "$M" placement synth --checkpoint "$work/model" --world 4 --placement_version 7 --extra_replicas 2 >"$work/v7.json"
+# The bundle names the node each rank is on (moectl status --json); a copy naming another node for
+# rank 2 never reaches VERIFIED.
+nodes="$("$M" "${C[@]}" status --json | python3 -c 'import json,sys; print(",".join(r["status"].get("node","") for r in json.load(sys.stdin)["ranks"]))')"
+"$M" bundle make --release release-v8 --checkpoint "$work/model" --manifest "$work/v7.json" --world 4 \
+  --decode_bucket_tokens 8 --nodes "$(echo "$nodes" | awk -F, -v OFS=, '{$3="host-elsewhere"; print}')" \
+  --out "$work/b8.json" >/dev/null
+"$M" "${C[@]}" release register release-v8 --bundle "$work/b8.json" >/dev/null
+check "bundle expecting rank 2 on another node: VERIFIED refused" 1 "topology.nodes\[2\]: the bundle expects node host-elsewhere, rank 2 is on" -- \
+  "$M" "${C[@]}" release transition release-v8 VERIFIED --reason "controller verifies"
+check "the refused bundle's release stays BUILT" 0 "release-v8 *BUILT" -- "$M" "${C[@]}" releases list
 "$M" bundle make --release release-v7 --checkpoint "$work/model" --manifest "$work/v7.json" --world 4 \
-  --decode_bucket_tokens 8 --out "$work/b7.json" >/dev/null
+  --decode_bucket_tokens 8 --nodes "$nodes" --out "$work/b7.json" >/dev/null
 "$M" "${C[@]}" release register release-v7 --bundle "$work/b7.json" >/dev/null
 check "bundle verified by the controller" 0 "-> VERIFIED" -- "$M" "${C[@]}" release transition release-v7 VERIFIED --reason "controller verifies"
 check "bundle runtime coordinates differ: a rank refuses" 1 "runtime.decode_bucket_tokens: the release bundle says 8, rank 1 runs 4" -- \

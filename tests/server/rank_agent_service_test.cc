@@ -144,6 +144,33 @@ TEST_F(RankAgentTest, BadManifestsLeaveNothingBehind) {
   EXPECT_EQ(StepGeneration(4), 1);
 }
 
+// A release bundle's topology.nodes (RuntimeCoordinates.nodes): the rank prepares the placement
+// only on the node the bundle expects it on, and refuses a list of another length; a refusal
+// leaves nothing behind.
+TEST_F(RankAgentTest, BundleNodesMustBeTheRanks) {
+  const std::string mine = topology_.NodeName(topology_.NodeOf(Rank(0)));
+  v1::GenerationStatus st;
+  v1::PrepareGenerationRequest req;
+  *req.mutable_manifest() = Manifest(5);
+  req.mutable_runtime()->add_nodes("elsewhere");
+  grpc::Status s = stub_->PrepareGeneration(Ctx().get(), req, &st);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("runtime.nodes[0]: the release bundle expects node elsewhere, rank 0 is on " + mine));
+  EXPECT_FALSE(registry_.State(PlacementVersion(5)).ok());
+  req.mutable_runtime()->clear_nodes();
+  req.mutable_runtime()->add_nodes(mine);
+  req.mutable_runtime()->add_nodes(mine);
+  s = stub_->PrepareGeneration(Ctx().get(), req, &st);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("runtime.nodes: the release bundle names 2 ranks' nodes"));
+  EXPECT_FALSE(registry_.State(PlacementVersion(5)).ok());
+  req.mutable_runtime()->clear_nodes();
+  req.mutable_runtime()->add_nodes(mine);
+  ASSERT_TRUE(stub_->PrepareGeneration(Ctx().get(), req, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
+}
+
 TEST_F(RankAgentTest, EveryRpcNeedsTheToken) {
   grpc::ClientContext a, b, c, d, e;
   v1::GenerationStatus st;
