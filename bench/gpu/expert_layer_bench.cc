@@ -6,6 +6,8 @@
 //
 // Usage: expert_layer_bench [--reps N] [--layout grouped|padded|block] [--quick] [--shape S] [--tokens T]
 //   [--decode-only] [--cold-l2] [--padded-decode (also the decode path's padded runner, T <= 128)]
+//   [--routing_out DIR (writes each cell's routing to DIR/<shape>-T<t>.bin: int32 top-k ids then
+//    float32 gates, T*k of each, for peers timed on the same routings: bench/gpu/vllm_compare.py)]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -185,7 +187,7 @@ double CopyTBps(cudaStream_t st, int reps) {
 int main(int argc, char** argv) {
   int reps = 20;
   bool quick = false, decode_only = false, padded_decode = false;
-  std::string only_shape;
+  std::string only_shape, routing_out;
   int64_t only_tokens = -1;
   moe::kernels::Layout layout = moe::kernels::Layout::kGrouped;
   for (int i = 1; i < argc; ++i) {
@@ -195,6 +197,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--decode-only")) decode_only = true;
     if (!std::strcmp(argv[i], "--cold-l2")) g_cold_l2 = true;
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
+    if (!std::strcmp(argv[i], "--routing_out") && i + 1 < argc) routing_out = argv[++i];
     if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_tokens = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--layout") && i + 1 < argc) {
       const std::string l = argv[++i];
@@ -261,6 +264,15 @@ int main(int argc, char** argv) {
           sum += gates[i * s.k + j];
         }
         for (int j = 0; j < s.k; ++j) gates[i * s.k + j] /= sum;
+      }
+      if (!routing_out.empty()) {
+        const std::string path = routing_out + "/" + s.name + "-T" + std::to_string(t) + ".bin";
+        std::FILE* f = std::fopen(path.c_str(), "wb");
+        if (f == nullptr || std::fwrite(topk.data(), sizeof(int32_t), topk.size(), f) != topk.size() ||
+            std::fwrite(gates.data(), sizeof(float), gates.size(), f) != gates.size() || std::fclose(f) != 0) {
+          std::fprintf(stderr, "--routing_out: cannot write %s\n", path.c_str());
+          return 1;
+        }
       }
       std::vector<bool> hit(s.e, false);
       for (int32_t id : topk) hit[id] = true;

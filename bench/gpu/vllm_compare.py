@@ -1,0 +1,313 @@
+"""vLLM's Triton fused-MoE kernel beside the project's expert layer: same GPU, same run, same
+routings (issue 19's comparison runner).
+
+The peer's code never enters the repository. `--vllm DIR` names a copy of vLLM's source kept
+outside it (a release wheel unpacked, e.g. .peers/vllm-0.33.0 by bench/gpu/vllm_compare.sh); this
+runner reads `fused_moe_kernel` and the @triton.jit helpers it calls, and `get_default_config`,
+out of DIR's vllm/model_executor/layers/fused_moe/fused_moe.py at run time, and vLLM's tuned
+configs for the GPU from DIR's configs/ folder, as vLLM picks them (the file for E, N = the
+intermediate size and the device name; the entry whose M is nearest the token count).
+
+What it times, per cell, the way vLLM's `fused_experts` runs one MoE layer in BF16: the gate/up
+kernel, SiLU-and-mul, the down kernel with the routed weights multiplied in, and the sum over the
+top-k. vLLM's CUDA alignment op (`moe_align_block_size`) is replaced by an equivalent written
+here in torch and left out of the time (as issue 19's table does); vLLM's small-batch rule that
+skips the alignment (each (token, expert) pair its own block when T*k*4 <= E) is followed.
+SiLU-and-mul (a CUDA op in vLLM) is a small Triton kernel of this runner's, the sum `torch.sum`
+(vLLM's `moe_sum` is one kernel too). T <= 128 is timed as CUDA-graph replay (vLLM's decode
+runs under graphs; the project's decode cells too), larger T eagerly; both are printed.
+
+Routings: the files expert_layer_bench --routing_out wrote for the same cells (int32 top-k ids,
+then float32 gates). Every cell's output is checked against an FP32 reference.
+
+  python3 bench/gpu/vllm_compare.py --vllm DIR --routing_dir R [--ours ours.jsonl] [--reps 40]
+      [--md report.md] > vllm.jsonl
+"""
+import argparse
+import ast
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+SHAPES = [
+    ("E128-k8-d2048-f768", 128, 8, 2048, 768, [1, 16, 128, 1024, 8192]),
+    ("E8-k2-d4096-f14336", 8, 2, 4096, 14336, [1, 128, 8192]),
+    ("E32-k8-d7168-f2048", 32, 8, 7168, 2048, [16, 1024, 4096]),
+]
+FUSED = "vllm/model_executor/layers/fused_moe"
+
+
+def load_peer(vllm_dir):
+    """The kernel module and get_default_config, read out of the peer's fused_moe.py."""
+    path = os.path.join(vllm_dir, FUSED, "fused_moe.py")
+    src = open(path).read()
+    tree = ast.parse(src)
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    if "fused_moe_kernel" not in funcs:
+        sys.exit("%s: no fused_moe_kernel" % path)
+    jitted = {name for name, n in funcs.items() if any("jit" in ast.unparse(d) for d in n.decorator_list)}
+    # fused_moe_kernel and every @triton.jit function it calls, transitively.
+    want, todo = [], ["fused_moe_kernel"]
+    while todo:
+        name = todo.pop()
+        if name in want:
+            continue
+        want.append(name)
+        for n in ast.walk(funcs[name]):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in jitted:
+                todo.append(n.func.id)
+    # Triton compiles from source files: the extracted functions go into a module of their own.
+    body = "import triton\nimport triton.language as tl\n\n" + "\n\n".join(
+        ast.get_source_segment(src, funcs[n]) if not funcs[n].decorator_list else
+        "\n".join("@" + ast.unparse(d) for d in funcs[n].decorator_list) + "\n" + ast.get_source_segment(src, funcs[n])
+        for n in reversed(want))
+    tmp = tempfile.mkdtemp(prefix="vllm_peer_")
+    mod_path = os.path.join(tmp, "vllm_peer_fused_moe.py")
+    open(mod_path, "w").write(body)
+    spec = importlib.util.spec_from_file_location("vllm_peer_fused_moe", mod_path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # get_default_config, with what it reads from vLLM's environment stubbed to a CUDA platform.
+    ns = {"envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False),
+          "current_platform": types.SimpleNamespace(is_rocm=lambda: False),
+          "should_moe_wna16_use_cuda": lambda *a, **k: False,
+          "next_power_of_2": lambda n: 1 << (max(int(n), 1) - 1).bit_length()}
+    exec(compile(ast.Module(body=[funcs["get_default_config"]], type_ignores=[]), path, "exec"), ns)
+    return mod.fused_moe_kernel, ns["get_default_config"], want
+
+
+def tuned_configs(vllm_dir, e, n, device_name):
+    name = "E=%d,N=%d,device_name=%s.json" % (e, n, device_name.replace(" ", "_"))
+    path = os.path.join(vllm_dir, FUSED, "configs", name)
+    if not os.path.exists(path):
+        return None, name
+    return {int(k): v for k, v in json.load(open(path)).items()}, name
+
+
+def align(topk, e, block_m):
+    """What vLLM's moe_align_block_size computes: route indices grouped by expert, each expert's
+    group padded to a multiple of block_m with the value T*k; the expert of each block; the
+    padded total."""
+    flat = topk.reshape(-1).long()
+    routes = flat.numel()
+    counts = torch.bincount(flat, minlength=e)
+    padded = (counts + block_m - 1) // block_m * block_m
+    cap = routes + e * (block_m - 1)
+    sorted_ids = torch.full((cap,), routes, dtype=torch.int32, device=topk.device)
+    order = torch.argsort(flat, stable=True)
+    start_sorted = torch.cumsum(counts, 0) - counts
+    start_padded = torch.cumsum(padded, 0) - padded
+    ex = flat[order]
+    dest = start_padded[ex] + (torch.arange(routes, device=topk.device) - start_sorted[ex])
+    sorted_ids[dest] = order.int()
+    expert_ids = torch.zeros((cap + block_m - 1) // block_m, dtype=torch.int32, device=topk.device)
+    per_block = torch.repeat_interleave(torch.arange(e, device=topk.device, dtype=torch.int32), padded // block_m)
+    expert_ids[: per_block.numel()] = per_block
+    post = padded.sum().reshape(1).int()
+    return sorted_ids, expert_ids, post
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=m).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=m).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16), mask=m)
+
+
+class VllmLayer:
+    """One MoE layer as vLLM's fused_experts runs it, with the alignment done ahead (untimed)."""
+
+    def __init__(self, kernel, config, x, w1, w2, topk, gates):
+        self.kernel, self.x, self.w1, self.w2 = kernel, x, w1, w2
+        t, k = topk.shape
+        e, f = w1.shape[0], w2.shape[2]
+        self.t, self.k, self.f, self.d = t, k, f, x.shape[1]
+        self.config = dict(config)
+        bm = self.config["BLOCK_SIZE_M"]
+        self.naive = t * k * 4 <= e  # vLLM's rule for skipping the alignment
+        if self.naive:
+            self.sorted_ids, self.expert_ids = None, topk.reshape(-1).contiguous()
+            self.post = torch.full((1,), t * k * bm, dtype=torch.int32, device=x.device)
+            self.em = t * k * bm
+        else:
+            self.sorted_ids, self.expert_ids, self.post = align(topk, e, bm)
+            self.em = self.sorted_ids.numel()
+            if t < bm:
+                self.em = min(self.em, t * k * bm)
+        self.gates = gates.contiguous()
+        self.c1 = torch.empty(t, k, 2 * f, dtype=torch.bfloat16, device=x.device)
+        self.c2 = torch.empty(t * k, f, dtype=torch.bfloat16, device=x.device)
+        self.c3 = torch.empty(t, k, self.d, dtype=torch.bfloat16, device=x.device)
+        self.out = torch.empty(t, self.d, dtype=torch.bfloat16, device=x.device)
+        self.params = set(kernel.arg_names)
+
+    def gemm(self, a, b, c, mul_routed_weight, top_k):
+        cfg = dict(self.config)
+        block_k = cfg.pop("BLOCK_SIZE_K")
+        cfg.pop("SPLIT_K", None)
+        args = dict(
+            a_ptr=a, b_ptr=b, c_ptr=c, b_bias_ptr=None, a_scale_ptr=None, b_scale_ptr=None,
+            topk_weights_ptr=self.gates if mul_routed_weight else None, sorted_token_ids_ptr=self.sorted_ids,
+            expert_ids_ptr=self.expert_ids, num_tokens_post_padded_ptr=self.post, N=b.shape[1], K=b.shape[2],
+            EM=self.em, num_valid_tokens=self.t * self.k, stride_am=a.stride(0), stride_ak=a.stride(1),
+            stride_be=b.stride(0), stride_bk=b.stride(2), stride_bn=b.stride(1), stride_cm=c.stride(1),
+            stride_cn=c.stride(2), stride_asm=0, stride_ask=0, stride_bse=0, stride_bsk=0, stride_bsn=0,
+            stride_bbe=0, stride_bbn=0, group_n=0, group_k=0, naive_block_assignment=self.naive,
+            BLOCK_SIZE_K=block_k, SPLIT_K=1, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+            compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+            per_channel_quant=False, HAS_BIAS=False, SWAP_AB=False, USE_TD=False)
+        missing = self.params - set(args) - set(cfg)
+        if missing:
+            sys.exit("the peer's fused_moe_kernel takes arguments this runner does not know: %s" % sorted(missing))
+        args = {k: v for k, v in args.items() if k in self.params}
+        em, n = self.em, b.shape[1]
+        grid = lambda meta: (triton.cdiv(em, meta["BLOCK_SIZE_M"]) * triton.cdiv(n, meta["BLOCK_SIZE_N"]),)
+        self.kernel[grid](**args, **cfg)
+
+    def __call__(self):
+        self.gemm(self.x, self.w1, self.c1, False, self.k)
+        rows = self.t * self.k
+        c1 = self.c1.view(rows, 2 * self.f)
+        silu_mul_kernel[(rows, triton.cdiv(self.f, 1024))](c1, self.c2, self.f, c1.stride(0), self.c2.stride(0),
+                                                          BLOCK=1024)
+        self.gemm(self.c2, self.w2, self.c3, True, 1)
+        torch.sum(self.c3, dim=1, out=self.out)
+        return self.out
+
+
+def reference(x, w1, w2, topk, gates):
+    t, k = topk.shape
+    f = w2.shape[2]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = topk.reshape(-1).long()
+    tok = torch.arange(t, device=x.device).repeat_interleave(k)
+    g = gates.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        sel = (flat == e).nonzero().squeeze(1)
+        h = x[tok[sel]].float() @ w1[e].float().t()
+        a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
+        out.index_add_(0, tok[sel], (a @ w2[e].float().t()) * g[sel, None])
+    return out
+
+
+def median_us(fn, reps):
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def ours_cells(path):
+    cells = {}
+    if not path:
+        return cells
+    for line in open(path):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        c = json.loads(line)
+        if c.get("kind") == "cell" and c.get("impl") == "moe-runtime":
+            cells[(c["shape"], c["T"], c["path"])] = c["us"]
+    return cells
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm", required=True)
+    ap.add_argument("--routing_dir", required=True)
+    ap.add_argument("--ours", default="")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--md", default="")
+    ap.add_argument("--shape", default="")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    device_name = torch.cuda.get_device_name(dev)
+    kernel, default_config, extracted = load_peer(a.vllm)
+    print(json.dumps({"kind": "peer", "impl": "vllm-triton", "source": os.path.abspath(a.vllm),
+                      "functions": extracted, "device": device_name, "triton": triton.__version__,
+                      "torch": torch.__version__}), flush=True)
+    ours = ours_cells(a.ours)
+    rows = []
+    bad = 0
+    for name, e, k, d, f, tokens in SHAPES:
+        if a.shape and a.shape != name:
+            continue
+        w1 = (torch.randn(e, 2 * f, d, device=dev) / math.sqrt(d)).to(torch.bfloat16)
+        w2 = (torch.randn(e, d, f, device=dev) / math.sqrt(f)).to(torch.bfloat16)
+        tuned, cfg_file = tuned_configs(a.vllm, e, f, device_name)
+        for t in tokens:
+            path = os.path.join(a.routing_dir, "%s-T%d.bin" % (name, t))
+            raw = open(path, "rb").read()
+            if len(raw) != t * k * 8:
+                sys.exit("%s: %d bytes, want %d" % (path, len(raw), t * k * 8))
+            topk = torch.frombuffer(bytearray(raw[: t * k * 4]), dtype=torch.int32).view(t, k).to(dev)
+            gates = torch.frombuffer(bytearray(raw[t * k * 4:]), dtype=torch.float32).view(t, k).to(dev)
+            x = torch.randn(t, d, device=dev).to(torch.bfloat16)
+            if tuned:
+                config, source = tuned[min(tuned, key=lambda m: abs(m - t))], "tuned " + cfg_file
+            else:
+                config, source = default_config(t, e, f, d, k, None), "vLLM default (no tuned file %s)" % cfg_file
+            layer = VllmLayer(kernel, config, x, w1, w2, topk, gates)
+            layer.out.fill_(float("nan"))
+            out = layer().float()
+            ref = reference(x, w1, w2, topk, gates)
+            rel = ((out - ref).norm() / ref.norm()).item()
+            ok = math.isfinite(rel) and rel < 2e-2
+            bad += not ok
+            for _ in range(3):
+                layer()
+            torch.cuda.synchronize()
+            eager = median_us(layer, a.reps)
+            graph = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                layer()
+                with torch.cuda.graph(graph, stream=s):
+                    layer()
+            torch.cuda.current_stream().wait_stream(s)
+            replay = median_us(graph.replay, a.reps)
+            us = replay if t <= 128 else eager
+            cell = {"kind": "cell", "impl": "vllm-triton", "shape": name, "T": t, "us": round(us, 1),
+                    "us_eager": round(eager, 1), "us_graph": round(replay, 1), "naive_blocks": layer.naive,
+                    "config": config, "config_source": source, "rel_l2": rel, "ok": ok}
+            print(json.dumps(cell), flush=True)
+            mine = ours.get((name, t, "decode-graph" if t <= 128 else "prefill"))
+            rows.append((name, t, mine, ours.get((name, t, "decode-padded-graph")), us, source))
+            del layer, graph
+            torch.cuda.empty_cache()
+    if a.md:
+        with open(a.md, "w") as md:
+            md.write("| shape | T | project µs | project padded runner µs | vLLM Triton µs | project ÷ vLLM | "
+                     "vLLM config |\n|---|---|---|---|---|---|---|\n")
+            for name, t, mine, padded, us, source in rows:
+                best = min(x for x in (mine, padded) if x) if (mine or padded) else None
+                md.write("| %s | %d | %s | %s | %.1f | %s | %s |\n" % (
+                    name, t, "%.1f" % mine if mine else "-", "%.1f" % padded if padded else "-", us,
+                    "%.2f" % (best / us) if best else "-", source.split(" (")[0]))
+    if bad:
+        print("%d cells of vLLM's kernel differ from the FP32 reference" % bad, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
