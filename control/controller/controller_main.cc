@@ -45,6 +45,9 @@ ABSL_FLAG(int, survivor_grace_s, 0,
           "with --world: after a rank is lost and no replacement joined for this long, form an epoch over the "
           "survivors (when the placement needs the lost rank's slots, the survivors refuse it and the group waits); "
           "0: wait for a replacement");
+ABSL_FLAG(int, adopt_grace_s, 10,
+          "with --world, after a restart: how long to wait for the ranks of the epoch they still serve to rejoin, "
+          "and adopt it without re-forming (0: always form a new epoch)");
 ABSL_FLAG(std::string, agent_token_file, "",
           "bearer token for the rank agents (with --ranks or --world; the ranks join the group with it)");
 ABSL_FLAG(int, drain_timeout_s, 60, "rollback: how long the ranks may take to drain a candidate's handles");
@@ -113,6 +116,7 @@ struct ControllerOptions {
   std::vector<std::string> ranks;  // --ranks (may still be empty: "," names no rank)
   int world = 0;                   // --world: the process group formed here
   absl::Duration survivor_grace;
+  absl::Duration adopt_grace;
   std::string agent_token;  // with --ranks
   absl::Duration drain_timeout;
   MigrationBudget migration;
@@ -144,6 +148,8 @@ absl::Status ParseRankFlags(ControllerOptions* o) {
   if (o->world > 0 && o->ranks_given) return absl::InvalidArgumentError("--world / --ranks: give one of them");
   if (absl::GetFlag(FLAGS_survivor_grace_s) < 0) return absl::InvalidArgumentError("--survivor_grace_s: must be >= 0");
   o->survivor_grace = absl::Seconds(absl::GetFlag(FLAGS_survivor_grace_s));
+  if (absl::GetFlag(FLAGS_adopt_grace_s) < 0) return absl::InvalidArgumentError("--adopt_grace_s: must be >= 0");
+  o->adopt_grace = absl::Seconds(absl::GetFlag(FLAGS_adopt_grace_s));
   if (o->ranks_given || o->world > 0) {
     ASSIGN_OR_RETURN(o->agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
   }
@@ -275,6 +281,7 @@ int Main() {
     go.operator_token = o.token;
     go.store = epoch_store.get();
     go.survivor_grace = o.survivor_grace;
+    go.adopt_grace = o.adopt_grace;
     AgentPool* pool = agents.get();
     go.on_ready = [pool, &manager](const v1::GroupView& view) {
       pool->SetGroup(GroupOfView(view));

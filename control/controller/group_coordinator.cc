@@ -2,8 +2,10 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
 
@@ -26,8 +28,24 @@ grpc::Status Invalid(const std::string& msg) { return grpc::Status(grpc::StatusC
 GroupCoordinator::GroupCoordinator(GroupCoordinatorOptions options) : options_(std::move(options)) {
   node_of_rank_.assign(std::max(options_.world, 0), "");
   if (options_.store != nullptr) {
-    if (auto last = options_.store->LastEpoch(); last.ok()) {
-      last_epoch_ = *last;
+    if (auto last = options_.store->LastEpochPeers(); last.ok()) {
+      last_epoch_ = last->first;
+      // The ranks may still serve the last recorded epoch: wait for them to rejoin and adopt it.
+      Adopting a;
+      a.epoch = last->first;
+      bool parsed = a.epoch > 0;
+      for (absl::string_view p : absl::StrSplit(last->second, ',', absl::SkipEmpty())) {
+        int32_t r = -1;
+        parsed = parsed && absl::SimpleAtoi(p, &r) && r >= 0 && r < options_.world;
+        a.peers.push_back(r);
+      }
+      if (parsed && !a.peers.empty() && options_.adopt_grace > absl::ZeroDuration()) {
+        a.deadline = absl::Now() + options_.adopt_grace;
+        reason_ = absl::StrCat("restarted: waiting up to ", absl::FormatDuration(options_.adopt_grace), " for epoch ",
+                               a.epoch, "'s ranks [", absl::StrJoin(a.peers, ","), "] to rejoin serving it");
+        spdlog::info("process group: {}", reason_);
+        adopting_ = std::move(a);
+      }
     } else {
       spdlog::error("process group: reading the last epoch: {}", std::string(last.status().message()));
     }
@@ -109,10 +127,49 @@ grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerCont
   }
   members_[decl.rank()] = Member{decl, stream, ctx};
   node_of_rank_[decl.rank()] = decl.node();
-  spdlog::info("process group: rank {} joined from node {} ({} of {} live)", decl.rank(), decl.node(), members_.size(),
-               options_.world);
+  spdlog::info("process group: rank {} joined from node {} ({} of {} live, serving epoch {})", decl.rank(), decl.node(),
+               members_.size(), options_.world, decl.serving_epoch());
+  if (adopting_.has_value()) {
+    const bool peer =
+        std::find(adopting_->peers.begin(), adopting_->peers.end(), decl.rank()) != adopting_->peers.end();
+    if (peer && decl.serving_epoch() == adopting_->epoch) {
+      MaybeAdopt();
+      return grpc::Status::OK;
+    }
+    spdlog::info("process group: rank {} serves epoch {}, not {} over [{}]: forming a new epoch", decl.rank(),
+                 decl.serving_epoch(), adopting_->epoch, absl::StrJoin(adopting_->peers, ","));
+    adopting_.reset();
+  }
   Reform(absl::StrCat("rank ", decl.rank(), " joined (node ", decl.node(), ")"));
   return grpc::Status::OK;
+}
+
+void GroupCoordinator::MaybeAdopt() {
+  if (!adopting_.has_value()) return;
+  for (int32_t r : adopting_->peers) {
+    auto it = members_.find(r);
+    if (it == members_.end() || it->second.decl.serving_epoch() != adopting_->epoch) return;
+  }
+  const Adopting a = *adopting_;
+  adopting_.reset();
+  const v1::GroupView view = ViewOf(a.epoch, a.peers, nullptr);
+  last_view_ = view;
+  serving_ = view;
+  ready_pending_ = view;
+  const bool full = static_cast<int>(a.peers.size()) == options_.world;
+  short_since_ = full ? absl::InfinitePast() : absl::Now();
+  survivors_refused_ = false;
+  reason_ = absl::StrCat("epoch ", a.epoch, " adopted after a controller restart: its ranks rejoined serving it");
+  v1::EpochRecord rec;
+  rec.set_epoch(a.epoch);
+  rec.set_reason(reason_);
+  rec.set_prepared_unix_ms(NowMs());
+  rec.set_formed_unix_ms(NowMs());
+  rec.set_ready_unix_ms(NowMs());
+  for (int32_t r : a.peers) rec.add_peers(r);
+  epochs_.push_back(rec);
+  if (epochs_.size() > 256) epochs_.erase(epochs_.begin());
+  spdlog::info("process group: {} ([{}])", reason_, absl::StrJoin(a.peers, ","));
 }
 
 void GroupCoordinator::OnLost(int32_t rank, uint64_t incarnation) {
@@ -121,6 +178,7 @@ void GroupCoordinator::OnLost(int32_t rank, uint64_t incarnation) {
   members_.erase(it);
   if (stopping_) return;
   spdlog::warn("process group: rank {} lost ({} of {} live)", rank, members_.size(), options_.world);
+  adopting_.reset();  // the epoch being adopted lost a member: only a new one serves
   Reform(absl::StrCat("rank ", rank, " lost"));
 }
 
@@ -217,24 +275,7 @@ void GroupCoordinator::MaybePublish() {
                             absl::Now() - short_since_ >= options_.survivor_grace && !survivors_refused_;
     if (!grace_over) return;
   }
-  v1::GroupView view;
-  view.set_epoch(f.epoch);
-  view.set_process_group(kProcessGroup);
-  view.set_world(options_.world);
-  view.set_transport(members_.at(f.peers.front()).decl.transport());
-  for (int32_t r : f.peers) {
-    const v1::JoinGroup& d = members_.at(r).decl;
-    v1::GroupMember* g = view.add_members();
-    g->set_rank(r);
-    g->set_node(d.node());
-    *g->mutable_devices() = d.devices();
-    g->set_agent_address(d.agent_address());
-    g->set_incarnation(d.incarnation());
-    g->set_endpoint(f.endpoints.at(r));
-  }
-  for (int r = 0; r < options_.world; ++r) {
-    view.add_node_of_rank(node_of_rank_[r].empty() ? absl::StrCat("unjoined-", r) : node_of_rank_[r]);
-  }
+  const v1::GroupView view = ViewOf(f.epoch, f.peers, &f.endpoints);
   f.published = true;
   epochs_[f.record].set_formed_unix_ms(NowMs());
   last_view_ = view;
@@ -243,6 +284,29 @@ void GroupCoordinator::MaybePublish() {
   for (int32_t r : f.peers) Send(r, m);
   spdlog::info("process group: epoch {} formed over ranks [{}]{}", f.epoch, absl::StrJoin(f.peers, ","),
                full ? "" : " (survivors)");
+}
+
+v1::GroupView GroupCoordinator::ViewOf(int64_t epoch, const std::vector<int32_t>& peers,
+                                       const std::map<int32_t, std::string>* endpoints) const {
+  v1::GroupView view;
+  view.set_epoch(epoch);
+  view.set_process_group(kProcessGroup);
+  view.set_world(options_.world);
+  view.set_transport(members_.at(peers.front()).decl.transport());
+  for (int32_t r : peers) {
+    const v1::JoinGroup& d = members_.at(r).decl;
+    v1::GroupMember* g = view.add_members();
+    g->set_rank(r);
+    g->set_node(d.node());
+    *g->mutable_devices() = d.devices();
+    g->set_agent_address(d.agent_address());
+    g->set_incarnation(d.incarnation());
+    if (endpoints != nullptr) g->set_endpoint(endpoints->at(r));
+  }
+  for (int r = 0; r < options_.world; ++r) {
+    view.add_node_of_rank(node_of_rank_[r].empty() ? absl::StrCat("unjoined-", r) : node_of_rank_[r]);
+  }
+  return view;
 }
 
 void GroupCoordinator::Send(int32_t rank, const v1::GroupMessage& m) {
@@ -259,6 +323,18 @@ void GroupCoordinator::Tick() {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100))) return;
       MaybePublish();  // the survivors' grace may have run out
+      if (adopting_.has_value() && absl::Now() >= adopting_->deadline) {
+        const std::string why =
+            absl::StrCat("epoch ", adopting_->epoch, "'s ranks did not all rejoin serving it within ",
+                         absl::FormatDuration(options_.adopt_grace), " of the restart");
+        spdlog::warn("process group: {}", why);
+        adopting_.reset();
+        if (!members_.empty()) {
+          Reform(why);
+        } else {
+          reason_ = why;
+        }
+      }
       ready.swap(ready_pending_);
     }
     if (ready.has_value() && options_.on_ready) options_.on_ready(*ready);

@@ -11,6 +11,13 @@
 // reports so, and the coordinator waits for a replacement instead). Epoch numbers are recorded
 // in the store before they are used, so they never repeat across controller restarts.
 //
+// After a restart, the ranks keep serving the epoch they are bound to and rejoin declaring it
+// (JoinGroup.serving_epoch). When that is the last epoch the store recorded and every one of its
+// peers rejoins declaring it within `adopt_grace`, the coordinator adopts it: SERVING at that
+// epoch with no PREPARE, so the data plane never stops. A member serving another epoch (or
+// none), a member outside the epoch, a lost member, or the grace running out forms a new epoch
+// as before.
+//
 // Thread-safety: gRPC calls Join and Status from its threads; everything is under one mutex.
 #ifndef MOE_CONTROL_CONTROLLER_GROUP_COORDINATOR_H_
 #define MOE_CONTROL_CONTROLLER_GROUP_COORDINATOR_H_
@@ -40,6 +47,9 @@ struct GroupCoordinatorOptions {
   ReleaseStore* store = nullptr;  // epochs are recorded here (not owned; its own connection)
   // 0: wait for a replacement as long as it takes; else form over the survivors after this long.
   absl::Duration survivor_grace = absl::ZeroDuration();
+  // After a restart: how long to wait for the last recorded epoch's members to rejoin serving it
+  // (adopted without re-forming); zero: always form a new epoch.
+  absl::Duration adopt_grace = absl::ZeroDuration();
   // Runs (on the coordinator's own thread) after every member of an epoch reported READY.
   std::function<void(const v1::GroupView&)> on_ready;
 };
@@ -68,6 +78,11 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
     Stream* stream = nullptr;
     grpc::ServerContext* ctx = nullptr;
   };
+  struct Adopting {
+    int64_t epoch = 0;
+    std::vector<int32_t> peers;
+    absl::Time deadline;
+  };
   struct Forming {
     int64_t epoch = 0;
     std::vector<int32_t> peers;
@@ -86,6 +101,11 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   void Reform(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the forming epoch when every peer sent its endpoint and the membership may serve.
   void MaybePublish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The view of `epoch` over `peers` (joined members), with their endpoints when given.
+  v1::GroupView ViewOf(int64_t epoch, const std::vector<int32_t>& peers,
+                       const std::map<int32_t, std::string>* endpoints) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adopts the epoch being adopted once every one of its peers rejoined serving it.
+  void MaybeAdopt() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Send(int32_t rank, const v1::GroupMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Tick();
 
@@ -95,6 +115,7 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   std::vector<std::string> node_of_rank_ ABSL_GUARDED_BY(mu_);  // last declared node per rank
   int64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<Forming> forming_ ABSL_GUARDED_BY(mu_);
+  std::optional<Adopting> adopting_ ABSL_GUARDED_BY(mu_);  // after a restart, until adopted or given up
   std::optional<v1::GroupView> serving_ ABSL_GUARDED_BY(mu_);
   v1::GroupView last_view_ ABSL_GUARDED_BY(mu_);
   std::string reason_ ABSL_GUARDED_BY(mu_);

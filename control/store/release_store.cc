@@ -305,6 +305,14 @@ absl::StatusOr<int64_t> ReleaseStore::LastEpoch() const {
   return *row ? q.Int(0) : 0;
 }
 
+absl::StatusOr<std::pair<int64_t, std::string>> ReleaseStore::LastEpochPeers() const {
+  Stmt q(db_, "SELECT epoch, peers FROM group_epochs ORDER BY epoch DESC LIMIT 1");
+  auto row = q.Step();
+  if (!row.ok()) return row.status();
+  if (!*row) return std::make_pair(int64_t{0}, std::string());
+  return std::make_pair(q.Int(0), q.Text(1));
+}
+
 absl::Status ReleaseStore::RecordEpoch(int64_t epoch, const std::string& reason, const std::string& peers,
                                        int64_t created_ms) {
   Stmt q(db_, "INSERT INTO group_epochs (epoch, reason, peers, created_ms) VALUES (?, ?, ?, ?)");

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -114,6 +115,8 @@ class ReleaseStore {
   // none), and a new one, so epochs never repeat across controller restarts. ALREADY_EXISTS-like
   // INTERNAL when `epoch` was recorded before.
   absl::StatusOr<int64_t> LastEpoch() const;
+  // The highest recorded epoch and its peers as recorded ("0,1,3"); {0, ""} when none.
+  absl::StatusOr<std::pair<int64_t, std::string>> LastEpochPeers() const;
   absl::Status RecordEpoch(int64_t epoch, const std::string& reason, const std::string& peers, int64_t created_ms);
 
  private:

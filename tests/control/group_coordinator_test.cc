@@ -2,7 +2,9 @@
 // gRPC socket, with test members speaking the Join stream: an epoch forms over the whole world
 // with the members' node names and endpoints; a member's data-plane fault report re-forms the
 // serving epoch; a lost member re-forms over the survivors after the grace, a survivor's refusal
-// makes the group wait, and a replacement brings it back; bad joins are refused, naming the field.
+// makes the group wait, and a replacement brings it back; bad joins are refused, naming the field;
+// after a restart, the epoch the ranks still serve is adopted without re-forming when all of its
+// ranks rejoin serving it, and a new one is formed otherwise.
 #include "control/controller/group_coordinator.h"
 
 #include <memory>
@@ -16,6 +18,8 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
+#include "control/store/release_store.h"
 
 namespace moe {
 namespace {
@@ -51,7 +55,8 @@ class Server {
 // One rank's side of the Join stream, driven by the test.
 class Member {
  public:
-  Member(Server& s, int rank, uint64_t incarnation, const std::string& node, const std::string& token = kToken) {
+  Member(Server& s, int rank, uint64_t incarnation, const std::string& node, const std::string& token = kToken,
+         int64_t serving_epoch = 0) {
     ctx_.AddMetadata("authorization", absl::StrCat("Bearer ", token));
     ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     stub_ = v1::ProcessGroupService::NewStub(s.channel());
@@ -63,6 +68,7 @@ class Member {
     hello.mutable_join()->add_devices("cpu");
     hello.mutable_join()->set_incarnation(incarnation);
     hello.mutable_join()->set_transport("ucx");
+    hello.mutable_join()->set_serving_epoch(serving_epoch);
     EXPECT_TRUE(stream_->Write(hello));
     rank_ = rank;
   }
@@ -277,6 +283,97 @@ TEST(GroupCoordinatorTest, BadJoinsAreRefusedNamingTheField) {
     EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS);
   }
   EXPECT_EQ(s.coordinator().Snapshot().live_ranks_size(), 1) << "a refused join changed the membership";
+  a.Die();
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// A registry whose last recorded epoch is 7 over ranks 0 and 1 (the controller's state before a
+// restart).
+std::unique_ptr<ReleaseStore> StoreWithEpoch7(const std::string& name) {
+  const std::string path = absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp", "/", name, ".db");
+  std::remove(path.c_str());
+  auto store = ReleaseStore::Open(path);
+  EXPECT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE((*store)->RecordEpoch(6, "rank 1 joined", "0,1", 1).ok());
+  EXPECT_TRUE((*store)->RecordEpoch(7, "rank 1 reports epoch 6 failed", "0,1", 2).ok());
+  return *std::move(store);
+}
+
+TEST(GroupCoordinatorTest, AfterARestartTheEpochItsRanksStillServeIsAdoptedWithoutReforming) {
+  auto store = StoreWithEpoch7("adopt");
+  absl::Mutex mu;
+  std::vector<int64_t> ready_epochs;
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.store = store.get();
+  o.adopt_grace = absl::Seconds(20);
+  o.on_ready = [&](const v1::GroupView& v) {
+    absl::MutexLock lock(&mu);
+    ready_epochs.push_back(v.epoch());
+  };
+  Server s(o);
+  Member a(s, 0, 11, "host-a", kToken, 7);
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_EQ(s.coordinator().Snapshot().state(), "WAITING") << "adopted before every rank of epoch 7 rejoined";
+  Member b(s, 1, 22, "host-b", kToken, 7);
+  v1::GroupStatus st = AwaitStatus(
+      s.coordinator(), [](const v1::GroupStatus& x) { return x.state() == "SERVING" && x.view().epoch() == 7; },
+      "epoch 7 adopted");
+  EXPECT_EQ(st.forming_epoch(), 0);
+  EXPECT_THAT(st.reason(), HasSubstr("epoch 7 adopted after a controller restart"));
+  EXPECT_THAT(std::vector<std::string>(st.view().node_of_rank().begin(), st.view().node_of_rank().end()),
+              ElementsAre("host-a", "host-b"));
+  ASSERT_EQ(st.view().members_size(), 2);
+  EXPECT_EQ(st.view().members(1).incarnation(), 22u);
+  AwaitStatus(
+      s.coordinator(),
+      [&](const v1::GroupStatus&) {
+        absl::MutexLock lock(&mu);
+        return ready_epochs == std::vector<int64_t>{7};
+      },
+      "on_ready ran for the adopted epoch (the controller re-drives its placement)");
+  // The adopted epoch is the serving one: a fault report for it forms epoch 8, the first PREPARE
+  // either member sees (none was sent when they rejoined).
+  b.SendReady(7, false, "ucx: peer slot 0 failed");
+  EXPECT_EQ(FormOverBoth(s, a, b), 8);
+  EXPECT_EQ(*store->LastEpoch(), 8);
+  a.Die();
+  b.Die();
+}
+
+TEST(GroupCoordinatorTest, AfterARestartARankServingAnotherEpochMakesANewOne) {
+  auto store = StoreWithEpoch7("adopt_other");
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.store = store.get();
+  o.adopt_grace = absl::Seconds(20);
+  Server s(o);
+  Member a(s, 0, 11, "host-a", kToken, 7);
+  Member b(s, 1, 22, "host-b", kToken, 0);  // a replacement: serves nothing yet
+  EXPECT_EQ(FormOverBoth(s, a, b), 8);
+  a.Die();
+  b.Die();
+}
+
+TEST(GroupCoordinatorTest, AfterARestartTheGraceRunningOutFormsANewEpochOverWhoRejoined) {
+  auto store = StoreWithEpoch7("adopt_grace");
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.store = store.get();
+  o.adopt_grace = absl::Milliseconds(300);
+  Server s(o);
+  Member a(s, 0, 11, "host-a", kToken, 7);
+  const v1::PrepareEpoch p = a.NextPrepare(1);
+  EXPECT_EQ(p.epoch(), 8);
+  EXPECT_THAT(p.reason(), HasSubstr("epoch 7's ranks did not all rejoin serving it"));
   a.Die();
 }
 

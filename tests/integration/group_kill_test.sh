@@ -12,6 +12,8 @@
 #      the group waits; the replacement brings it back.
 #   3. A placement with every expert on two ranks: a lost rank is re-formed around, and the three
 #      survivors serve steps correctly.
+#   4. moe-controller killed -9 and restarted under load: the ranks keep serving, the controller
+#      adopts their epoch (no re-form), and no step fails.
 #
 # WORLD (default 4) ranks; on a machine with WORLD GPUs and moe-rankd's CUDA backend beside it
 # (tools/gpu_bundle.sh; bench/gpu/group_recovery.sh) the ranks run CUDA kernels over NCCL, whose
@@ -189,6 +191,38 @@ else
   bad "the survivors did not re-form"
   tail -5 "$work/controller.log"
 fi
+fi
+
+# --- 4. a controller restart under load: the ranks keep serving, the controller adopts their epoch
+stop_ranks
+if [ -n "$ctl_pid" ]; then kill "$ctl_pid" 2>/dev/null; wait "$ctl_pid" 2>/dev/null; fi
+start_controller --reconcile_interval_s 1
+start_ranks "$RANKD" "$work" "$WORLD" "$work/model" --agent_token_file "$work/agent_token" --timeout_ms 3000
+epoch="$(await_serving 0 "$WORLD" 30)" || bad "the group did not form before the controller restart"
+"$DRIVER" --port_dir "$work/ports" --world "$WORLD" --checkpoint "$work/model" --rounds 1 --until_file "$work/stop4" \
+  >"$work/driver4.log" 2>&1 &
+driver=$!
+sleep 1
+kill -9 "$ctl_pid"
+wait "$ctl_pid" 2>/dev/null
+sleep 1  # steps go on with no controller
+start_controller --reconcile_interval_s 1 --listen "$CONTROLLER_ADDR"
+if e="$(await_serving $((epoch - 1)) "$WORLD" 30)" && [ "$e" = "$epoch" ]; then
+  echo "ok   controller killed and restarted: epoch $epoch adopted, no re-form ($(group_json | python3 -c 'import json,sys; print(json.load(sys.stdin)["reason"])'))"
+else
+  bad "after the controller restart the group serves epoch ${e:-none}, not the adopted $epoch"
+  tail -5 "$work/controller.log"
+fi
+sleep 1
+touch "$work/stop4"
+wait "$driver"
+rc=$?
+driver=""
+if [ "$rc" -eq 0 ]; then
+  echo "ok   no step failed across the controller restart ($(grep -E '^  rank-steps' "$work/driver4.log" | tr -s ' '))"
+else
+  bad "a step failed across the controller restart (driver rc $rc)"
+  tail -5 "$work/driver4.log"
 fi
 fails=$((fails + fail))
 [ "$fails" -eq 0 ] && echo "PASS" || { echo "$fails failures"; exit 1; }
