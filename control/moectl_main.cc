@@ -18,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -583,7 +584,7 @@ int BundleMake() {
   in.kernel_build = absl::GetFlag(FLAGS_kernel_build);
   in.world = absl::GetFlag(FLAGS_world);
   if (const std::string nodes = absl::GetFlag(FLAGS_nodes); !nodes.empty()) {
-    in.nodes = absl::StrSplit(nodes, ',');
+    for (absl::string_view n : absl::StrSplit(nodes, ',')) in.nodes.emplace_back(absl::StripAsciiWhitespace(n));
   }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));

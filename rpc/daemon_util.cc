@@ -9,7 +9,6 @@
 #include <fstream>
 
 #include <arpa/inet.h>
-#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -189,11 +188,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   }
   for (grpc::Service* s : services) builder.RegisterService(s);
-  // gRPC refuses to start a server with no method of its own (the health service is added at
-  // start): one with no services (--health_listen's) gets the generic callback service, which
-  // answers every method but health's UNIMPLEMENTED. Stateless; one such server a process.
-  static grpc::CallbackGenericService unimplemented;
-  if (services.empty()) builder.RegisterCallbackGenericService(&unimplemented);
+  if (o.generic != nullptr) builder.RegisterCallbackGenericService(o.generic);
   if (o.max_message_bytes > 0) {
     builder.SetMaxReceiveMessageSize(o.max_message_bytes);
     builder.SetMaxSendMessageSize(o.max_message_bytes);
@@ -206,13 +201,19 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
   return server;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> ServeHealthOnly(const std::string& listen) {
-  if (listen.empty()) return std::unique_ptr<grpc::Server>();
+absl::StatusOr<HealthOnlyServer> ServeHealthOnly(const std::string& listen) {
+  HealthOnlyServer h;
+  if (listen.empty()) return h;
+  h.unimplemented = std::make_unique<grpc::CallbackGenericService>();
   GrpcServeOptions o;
   o.listen = listen;
   o.flag = "--health_listen";
+  o.generic = h.unimplemented.get();
   int port = 0;
-  return ServeGrpc({}, o, &port);
+  auto server = ServeGrpc({}, o, &port);
+  if (!server.ok()) return server.status();
+  h.server = *std::move(server);
+  return h;
 }
 
 sigset_t BlockTerminationSignals() {

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/declare.h"
@@ -96,6 +97,8 @@ struct GrpcServeOptions {
   bool health = true;             // grpc.health.v1.Health on this server
   TlsFiles tls;                   // mutual TLS on `listen` (rpc/tls.h); none: plaintext
   bool keepalive = false;         // HTTP/2 keepalive both ways (servers of long-lived streams)
+  // Answers the methods no service has (not owned; must outlive the server). One server each.
+  grpc::CallbackGenericService* generic = nullptr;
 };
 
 // Serves `services` (and health as asked) and sets *port to the bound TCP port (0 without one).
@@ -107,11 +110,18 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> ServeGrpc(const std::vector<grpc::
                                                         const GrpcServeOptions& options, int* port);
 
 // A plaintext server with only grpc.health.v1 on `listen` (--health_listen), for probes that
-// cannot present a client certificate; null when `listen` is empty. The caller sets its statuses
-// with the other servers' (SetHealth). It serves no other service and reads nothing but the
-// service name, so it stays plaintext under mutual TLS. UNAVAILABLE naming the flag when the
-// address cannot be bound.
-absl::StatusOr<std::unique_ptr<grpc::Server>> ServeHealthOnly(const std::string& listen);
+// cannot present a client certificate; no server when `listen` is empty. The caller sets its
+// statuses with the other servers' (SetHealth). It serves no other service and reads nothing but
+// the service name, so it stays plaintext under mutual TLS. gRPC starts no server without a
+// method of its own: a generic service, owned here and outliving the server, answers every
+// method but health's UNIMPLEMENTED. UNAVAILABLE naming the flag when the address cannot be
+// bound.
+struct HealthOnlyServer {
+  std::unique_ptr<grpc::CallbackGenericService> unimplemented;
+  std::unique_ptr<grpc::Server> server;  // declared last: destroyed first
+  grpc::Server* get() const { return server.get(); }
+};
+absl::StatusOr<HealthOnlyServer> ServeHealthOnly(const std::string& listen);
 
 // Blocks SIGTERM and SIGINT in the calling thread (and every thread it starts later).
 sigset_t BlockTerminationSignals();

@@ -38,6 +38,11 @@ void GroupMember::Run() {
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // A restarted controller is reached within about a second (gRPC's default backoff grows to two
+  // minutes), well inside the controller's window for adopting the epoch the ranks serve.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto channel = grpc::CreateCustomChannel(options_.controller, options_.credentials, args);
   auto stub = v1::ProcessGroupService::NewStub(channel);
   std::string last;
@@ -128,7 +133,11 @@ bool GroupMember::Write(const v1::MemberMessage& m) {
 }
 
 void GroupMember::ReportFault(int64_t epoch, const std::string& why) {
-  if (epoch == 0 || epoch != serving_epoch_.load()) return;
+  // The epoch no longer serves here: a rejoin (after a controller restart, or if this report is
+  // lost with the stream) declares none, so the controller forms a new epoch instead of adopting
+  // this broken one.
+  int64_t expected = epoch;
+  if (epoch == 0 || !serving_epoch_.compare_exchange_strong(expected, 0)) return;
   spdlog::warn("process group: epoch {}'s data plane failed ({}); asking the controller for a new epoch", epoch, why);
   v1::MemberMessage out;
   out.mutable_ready()->set_epoch(epoch);

@@ -559,8 +559,8 @@ struct Serving {
   std::unique_ptr<RankAgentServiceImpl> agent;
   std::unique_ptr<grpc::Server> tcp_server;
   std::unique_ptr<grpc::Server> unix_server;
-  std::unique_ptr<grpc::Server> health_server;  // --health_listen: plaintext health for probes
-  int port = 0;                                 // the TCP port; 0 when there is no TCP server
+  HealthOnlyServer health_server;  // --health_listen: plaintext health for probes
+  int port = 0;                    // the TCP port; 0 when there is no TCP server
   bool engine_on_tcp = false;
 };
 
@@ -619,6 +619,8 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   // route at most 64 routes a token) and framing.
   const int64_t message_limit =
       std::min<int64_t>(api.max_request_bytes + api.max_step_tokens * 64 * 8 + (1 << 16), (int64_t{1} << 31) - 1);
+  // The probes' port first: nothing long-lived is open yet if it cannot be bound.
+  ASSIGN_OR_RETURN(s->health_server, ServeHealthOnly(absl::GetFlag(FLAGS_health_listen)));
   // A TCP server only with something to serve on it.
   std::vector<grpc::Service*> tcp_services;
   if (s->agent != nullptr) tcp_services.push_back(s->agent.get());
@@ -637,7 +639,6 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   int no_port = 0;
   ASSIGN_OR_RETURN(s->unix_server, ServeGrpc({s->engine.get()}, uo, &no_port));
   listener->Start(s->unix_server.get());
-  ASSIGN_OR_RETURN(s->health_server, ServeHealthOnly(absl::GetFlag(FLAGS_health_listen)));
   return absl::OkStatus();
 }
 
@@ -669,7 +670,7 @@ void ShutDown(Serving* s, GroupMember* member) {
   const auto grace = std::chrono::system_clock::now() + std::chrono::seconds(5);
   if (s->tcp_server != nullptr) s->tcp_server->Shutdown(grace);
   s->unix_server->Shutdown(grace);
-  if (s->health_server != nullptr) s->health_server->Shutdown(grace);
+  if (s->health_server.get() != nullptr) s->health_server.get()->Shutdown(grace);
   spdlog::info("drained, exiting");
 }
 

@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ver="${1:-0.33.0}"
 dest=".peers/vllm-$ver"
-grep -qx '/.peers/' .git/info/exclude 2>/dev/null || echo '/.peers/' >>.git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.peers/' "$exclude" 2>/dev/null || echo '/.peers/' >>"$exclude"
 if [ -f "$dest/vllm/model_executor/layers/fused_moe/fused_moe.py" ]; then echo "$dest: present"; exit 0; fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -15,11 +15,15 @@ PKGS=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   nlohmann-json3-dev
   clang-format
-  prometheus curl openssl systemd python3-venv python3-matplotlib
+  prometheus curl openssl systemd
 )
-# kubectl renders deploy/kubernetes (`kubectl kustomize`): Debian's kubernetes-client unless a
-# kubectl is installed already.
-command -v kubectl >/dev/null 2>&1 || PKGS+=(kubernetes-client)
+# The checks of deploy/ and the docs' dashboard picture (not the build): a venv for the PyPI
+# checkers, matplotlib, and kubectl to render deploy/kubernetes (`kubectl kustomize`): Debian's
+# kubernetes-client unless a kubectl is installed already. MOE_SETUP_TOOLS=0 leaves them out.
+if [ "${MOE_SETUP_TOOLS:-1}" != 0 ]; then
+  PKGS+=(python3-venv python3-matplotlib)
+  command -v kubectl >/dev/null 2>&1 || PKGS+=(kubernetes-client)
+fi
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -7,7 +7,7 @@
 # Results in $OUT (default gpu-out): ours.jsonl, vllm.jsonl, vllm_compare.md.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
-VLLM="${VLLM:-$(ls -d .peers/vllm-* | tail -1)}"
+VLLM="${VLLM:-$(ls -d .peers/vllm-* | sort -V | tail -1)}"
 REPS="${REPS:-40}"
 mkdir -p "$OUT" "$OUT/routing"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"

@@ -303,10 +303,11 @@ int Main() {
   serve.keepalive = group != nullptr;  // the ranks' Join streams
   std::vector<grpc::Service*> services = {&service};
   if (group != nullptr) services.push_back(group.get());
-  auto server = ServeGrpc(services, serve, &port);
-  if (!server.ok()) return Fail(server.status(), kExitFailure);
+  // The probes' port first: no rank's Join stream is open yet if it cannot be bound.
   auto health = ServeHealthOnly(absl::GetFlag(FLAGS_health_listen));
   if (!health.ok()) return Fail(health.status(), kExitFailure);
+  auto server = ServeGrpc(services, serve, &port);
+  if (!server.ok()) return Fail(server.status(), kExitFailure);
   WriteFileAtomically(absl::GetFlag(FLAGS_port_file), absl::StrCat(port));
   SdNotify(notify, absl::StrCat("READY=1\nSTATUS=serving on port ", port));
   auto releases = registry->store->List();
@@ -324,7 +325,7 @@ int Main() {
   if (reconciler.joinable()) reconciler.join();
   if (group != nullptr) group->Shutdown();
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  if (*health != nullptr) (*health)->Shutdown(std::chrono::system_clock::now());
+  if (health->get() != nullptr) health->get()->Shutdown(std::chrono::system_clock::now());
   return kExitOk;
 }
 

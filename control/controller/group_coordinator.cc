@@ -18,6 +18,7 @@ constexpr char kProcessGroup[] = "ep-group-0";
 constexpr size_t kMaxNameBytes = 253;       // a DNS name
 constexpr size_t kMaxEndpointBytes = 4096;  // a UCX address or an NCCL unique id (128 bytes)
 constexpr int kMaxDevices = 64;
+constexpr int64_t kMaxEpochJump = 1'000'000;
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
@@ -127,6 +128,12 @@ grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerCont
   }
   members_[decl.rank()] = Member{decl, stream, ctx};
   node_of_rank_[decl.rank()] = decl.node();
+  // An epoch a member serves was numbered by a controller before: never number another the same
+  // (should the registry have missed recording it). Bounded, so a member cannot run the numbers
+  // out.
+  if (decl.serving_epoch() > last_epoch_ && decl.serving_epoch() - last_epoch_ <= kMaxEpochJump) {
+    last_epoch_ = decl.serving_epoch();
+  }
   spdlog::info("process group: rank {} joined from node {} ({} of {} live, serving epoch {})", decl.rank(), decl.node(),
                members_.size(), options_.world, decl.serving_epoch());
   if (adopting_.has_value()) {
@@ -167,8 +174,7 @@ void GroupCoordinator::MaybeAdopt() {
   rec.set_formed_unix_ms(NowMs());
   rec.set_ready_unix_ms(NowMs());
   for (int32_t r : a.peers) rec.add_peers(r);
-  epochs_.push_back(rec);
-  if (epochs_.size() > 256) epochs_.erase(epochs_.begin());
+  PushEpochRecord(std::move(rec));
   spdlog::info("process group: {} ([{}])", reason_, absl::StrJoin(a.peers, ","));
 }
 
@@ -209,9 +215,7 @@ void GroupCoordinator::Reform(const std::string& reason) {
   rec.set_reason(reason);
   rec.set_prepared_unix_ms(NowMs());
   for (int32_t r : peers) rec.add_peers(r);
-  epochs_.push_back(rec);
-  if (epochs_.size() > 256) epochs_.erase(epochs_.begin());
-  f.record = epochs_.size() - 1;
+  f.record = PushEpochRecord(std::move(rec));
   forming_ = std::move(f);
   reason_ = reason;
   v1::GroupMessage m;
@@ -225,6 +229,13 @@ void GroupCoordinator::Reform(const std::string& reason) {
 void GroupCoordinator::OnMessage(int32_t rank, uint64_t incarnation, const v1::MemberMessage& m) {
   auto member = members_.find(rank);
   if (member == members_.end() || member->second.decl.incarnation() != incarnation) return;
+  // The epoch being adopted after a restart failed on a member: a new one is formed instead.
+  if (m.has_ready() && !m.ready().ok() && adopting_.has_value() && m.ready().epoch() == adopting_->epoch) {
+    const int64_t epoch = adopting_->epoch;
+    adopting_.reset();
+    Reform(absl::StrCat("rank ", rank, " reports epoch ", epoch, " failed: ", m.ready().error().substr(0, 200)));
+    return;
+  }
   // The data plane of the serving epoch failed on a member (a peer it can no longer reach in
   // this epoch): only a new epoch heals that.
   if (m.has_ready() && !m.ready().ok() && !forming_.has_value() && serving_.has_value() &&
@@ -284,6 +295,12 @@ void GroupCoordinator::MaybePublish() {
   for (int32_t r : f.peers) Send(r, m);
   spdlog::info("process group: epoch {} formed over ranks [{}]{}", f.epoch, absl::StrJoin(f.peers, ","),
                full ? "" : " (survivors)");
+}
+
+size_t GroupCoordinator::PushEpochRecord(v1::EpochRecord rec) {
+  epochs_.push_back(std::move(rec));
+  if (epochs_.size() > 256) epochs_.erase(epochs_.begin());
+  return epochs_.size() - 1;
 }
 
 v1::GroupView GroupCoordinator::ViewOf(int64_t epoch, const std::vector<int32_t>& peers,

@@ -104,6 +104,8 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   // The view of `epoch` over `peers` (joined members), with their endpoints when given.
   v1::GroupView ViewOf(int64_t epoch, const std::vector<int32_t>& peers,
                        const std::map<int32_t, std::string>* endpoints) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends to the recent epochs (256 at most); returns the record's index.
+  size_t PushEpochRecord(v1::EpochRecord rec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adopts the epoch being adopted once every one of its peers rejoined serving it.
   void MaybeAdopt() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Send(int32_t rank, const v1::GroupMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -299,10 +299,9 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
 }
 
 absl::StatusOr<int64_t> ReleaseStore::LastEpoch() const {
-  Stmt q(db_, "SELECT COALESCE(MAX(epoch), 0) FROM group_epochs");
-  auto row = q.Step();
-  if (!row.ok()) return row.status();
-  return *row ? q.Int(0) : 0;
+  auto last = LastEpochPeers();
+  if (!last.ok()) return last.status();
+  return last->first;
 }
 
 absl::StatusOr<std::pair<int64_t, std::string>> ReleaseStore::LastEpochPeers() const {

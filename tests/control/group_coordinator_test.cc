@@ -362,6 +362,49 @@ TEST(GroupCoordinatorTest, AfterARestartARankServingAnotherEpochMakesANewOne) {
   b.Die();
 }
 
+// The epoch being adopted reported failed by a rank before the others rejoined: a new epoch is
+// formed at once, not the broken one adopted. And an adopted epoch that loses a rank re-forms as
+// any serving epoch does.
+TEST(GroupCoordinatorTest, AfterARestartAFaultDuringTheAdoptionOrALossAfterItFormsANewEpoch) {
+  {
+    auto store = StoreWithEpoch7("adopt_fault");
+    GroupCoordinatorOptions o;
+    o.world = 2;
+    o.token = kToken;
+    o.store = store.get();
+    o.adopt_grace = absl::Seconds(20);
+    Server s(o);
+    Member a(s, 0, 11, "host-a", kToken, 7);
+    absl::SleepFor(absl::Milliseconds(100));
+    a.SendReady(7, false, "ucx: peer slot 1 failed");
+    const v1::PrepareEpoch p = a.NextPrepare(1);
+    EXPECT_EQ(p.epoch(), 8);
+    EXPECT_THAT(p.reason(), HasSubstr("rank 0 reports epoch 7 failed"));
+    a.Die();
+  }
+  {
+    auto store = StoreWithEpoch7("adopt_lost");
+    GroupCoordinatorOptions o;
+    o.world = 2;
+    o.token = kToken;
+    o.store = store.get();
+    o.adopt_grace = absl::Seconds(20);
+    Server s(o);
+    Member a(s, 0, 11, "host-a", kToken, 7);
+    {
+      Member b(s, 1, 22, "host-b", kToken, 7);
+      AwaitStatus(
+          s.coordinator(), [](const v1::GroupStatus& x) { return x.state() == "SERVING" && x.view().epoch() == 7; },
+          "epoch 7 adopted");
+      b.Die();
+    }
+    const v1::PrepareEpoch p = a.NextPrepare(1);
+    EXPECT_EQ(p.epoch(), 8);
+    EXPECT_THAT(p.reason(), HasSubstr("rank 1 lost"));
+    a.Die();
+  }
+}
+
 TEST(GroupCoordinatorTest, AfterARestartTheGraceRunningOutFormsANewEpochOverWhoRejoined) {
   auto store = StoreWithEpoch7("adopt_grace");
   GroupCoordinatorOptions o;

@@ -206,6 +206,7 @@ sleep 1
 kill -9 "$ctl_pid"
 wait "$ctl_pid" 2>/dev/null
 sleep 1  # steps go on with no controller
+# The same address (not port 0): the ranks hold it and reconnect there.
 start_controller --reconcile_interval_s 1 --listen "$CONTROLLER_ADDR"
 if e="$(await_serving $((epoch - 1)) "$WORLD" 30)" && [ "$e" = "$epoch" ]; then
   echo "ok   controller killed and restarted: epoch $epoch adopted, no re-form ($(group_json | python3 -c 'import json,sys; print(json.load(sys.stdin)["reason"])'))"

@@ -9,7 +9,8 @@
 #      error (/api/v1/rules);
 #   3. the Grafana dashboard (deploy/grafana/moe-runtime.json): every metric it reads exists in
 #      live scrapes, every query is valid PromQL and returns data (the alert table may be empty);
-#   4. a rank's readiness turns NOT_SERVING on SIGTERM while its liveness port still answers.
+#   4. a peer killed (-9): rank 0's readiness turns NOT_SERVING while the group re-forms, and its
+#      liveness (the whole server) stays SERVING.
 # PNG_OUT=/abs/path.png (with python3-matplotlib) also draws the dashboard's time-series panels
 # from Prometheus: `PNG_OUT=$PWD/docs/dashboard.png bazel run //tests/integration:observability_test`.
 set -uo pipefail

@@ -1,0 +1,60 @@
+// A release bundle's topology (control/bundle.h): ParseBundleTopology names the field it refuses;
+// CheckBundleNodes compares the nodes a bundle expects with the ones the ranks serve on.
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+#include "control/bundle.h"
+
+namespace moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+json::Json BundleWith(json::Json topology) {
+  json::Json b;
+  b["topology"] = std::move(topology);
+  return b;
+}
+
+TEST(BundleTopologyTest, ParsesTheWorldAndTheNodesNamingWhatItRefuses) {
+  auto t = ParseBundleTopology(BundleWith({{"world", 3}, {"nodes", {"a", "a", "b"}}}));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->world, 3);
+  EXPECT_THAT(t->nodes, testing::ElementsAre("a", "a", "b"));
+  auto any = ParseBundleTopology(BundleWith({{"world", 2}}));
+  ASSERT_TRUE(any.ok());
+  EXPECT_TRUE(any->nodes.empty());
+
+  const auto refused = [](json::Json topology) {
+    return ParseBundleTopology(BundleWith(std::move(topology))).status();
+  };
+  EXPECT_THAT(refused({{"world", 0}}).message(), HasSubstr("topology.world: must be in [1, 4096]"));
+  EXPECT_THAT(refused({{"world", 5000}}).message(), HasSubstr("topology.world"));
+  EXPECT_THAT(refused({{"world", 3}, {"nodes", {"a", "b"}}}).message(),
+              HasSubstr("topology.nodes: not a list of 3 node names"));
+  EXPECT_THAT(refused({{"world", 2}, {"nodes", "a,b"}}).message(), HasSubstr("topology.nodes"));
+  EXPECT_THAT(refused({{"world", 2}, {"nodes", {"a", ""}}}).message(), HasSubstr("topology.nodes[1]"));
+  EXPECT_THAT(refused({{"world", 2}, {"nodes", {"a", 7}}}).message(), HasSubstr("topology.nodes[1]"));
+  EXPECT_THAT(refused({{"world", 1}, {"nodes", {std::string(254, 'x')}}}).message(),
+              HasSubstr("topology.nodes[0]: must be 1 to 253 characters"));
+  EXPECT_EQ(ParseBundleTopology(json::Json::object()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BundleTopologyTest, NodesAreCheckedRankByRank) {
+  BundleTopology t;
+  t.world = 3;
+  t.nodes = {"a", "a", "b"};
+  EXPECT_TRUE(CheckBundleNodes(t, {"a", "a", "b"}).ok());
+  absl::Status s = CheckBundleNodes(t, {"a", "c", "b"});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("topology.nodes[1]: the bundle expects node a, rank 1 is on c"));
+  EXPECT_THAT(CheckBundleNodes(t, {"a", "a", ""}).message(), HasSubstr("rank 2 is on no node"));
+  EXPECT_THAT(CheckBundleNodes(t, {"a", "a"}).message(),
+              HasSubstr("topology.world: the bundle expects 3 ranks, the process group has 2"));
+  BundleTopology any;
+  any.world = 2;
+  EXPECT_TRUE(CheckBundleNodes(any, {"x", "y"}).ok());
+}
+
+}  // namespace
+}  // namespace moe
