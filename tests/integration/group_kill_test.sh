@@ -141,7 +141,10 @@ EOF
 # Every series the alert and recording rules read exists in live scrapes of a rank and the controller.
 curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/scrape_rank.txt"
 curl -s "http://127.0.0.1:$(cat "$work/ctl.metrics")/metrics" >"$work/scrape_controller.txt"
-check "the Prometheus rules read only series the daemons export" 0 "^ok" -- /usr/bin/python3 \
+# An interpreter with PyYAML: Debian's python3-yaml here, the image's python3 on the GPU machine.
+rules_py=/usr/bin/python3
+/usr/bin/python3 -c 'import yaml' 2>/dev/null || rules_py=python3
+check "the Prometheus rules read only series the daemons export" 0 "^ok" -- "$rules_py" \
   tools/check_rule_metrics.py deploy/prometheus/moe-rules.yml "$work/scrape_rank.txt" "$work/scrape_controller.txt"
 stop_ranks
 kill "$ctl_pid" 2>/dev/null
