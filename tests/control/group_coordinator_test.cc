@@ -69,7 +69,9 @@ class Member {
     hello.mutable_join()->set_incarnation(incarnation);
     hello.mutable_join()->set_transport("ucx");
     hello.mutable_join()->set_serving_epoch(serving_epoch);
-    EXPECT_TRUE(stream_->Write(hello));
+    // A join the coordinator refuses (a bad token) may find the stream closed before the hello
+    // is written; Finish's status says why. An admitted member's next read fails otherwise.
+    (void)stream_->Write(hello);
     rank_ = rank;
   }
   // The next PREPARE over `peers` members (older epochs' are skipped: members join one by one).
@@ -170,7 +172,7 @@ TEST(GroupCoordinatorTest, FormsTheWorldWithNodesAndReformsWhenADataPlaneReports
   Member a(s, 0, 11, "host-a"), b(s, 1, 22, "host-b");
   const v1::PrepareEpoch pa = a.NextPrepare(2), pb = b.NextPrepare(2);
   EXPECT_THAT(std::vector<int32_t>(pa.peers().begin(), pa.peers().end()), ElementsAre(0, 1));
-  EXPECT_THAT(pb.reason(), HasSubstr("rank 1 joined"));
+  EXPECT_THAT(pb.reason(), ::testing::ContainsRegex("rank [01] joined"));  // whichever joined second
   a.SendEndpoint(pa.epoch());
   b.SendEndpoint(pa.epoch());
   const v1::GroupView view = a.NextFormed();
@@ -356,6 +358,8 @@ TEST(GroupCoordinatorTest, AfterARestartARankServingAnotherEpochMakesANewOne) {
   o.adopt_grace = absl::Seconds(20);
   Server s(o);
   Member a(s, 0, 11, "host-a", kToken, 7);
+  AwaitStatus(
+      s.coordinator(), [](const v1::GroupStatus& x) { return x.live_ranks_size() == 1; }, "rank 0 rejoined");
   Member b(s, 1, 22, "host-b", kToken, 0);  // a replacement: serves nothing yet
   EXPECT_EQ(FormOverBoth(s, a, b), 8);
   a.Die();
