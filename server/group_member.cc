@@ -122,6 +122,8 @@ grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub) {
         out.mutable_ready()->set_error(std::string(s.message()));
       }
       if (!Write(out)) break;
+    } else if (m.has_serving()) {
+      if (m.serving().epoch() == serving_epoch_.load() && options_.serve) options_.serve(m.serving().epoch());
     }
   }
   return finish();

@@ -2,8 +2,10 @@
 // stream for the daemon's lifetime, on which the controller drives every process-group epoch.
 // PREPARE(E) runs `prepare` (stop serving the old epoch, tear its transport down, open a fresh
 // endpoint) and sends the endpoint back; FORMED(view) runs `connect` (the epoch's topology,
-// group and transport) and reports READY or the error. When the controller goes away the rank
-// keeps serving its epoch and reconnects; the controller then forms a new epoch.
+// group and transport, bound but not yet open for steps) and reports READY or the error;
+// SERVING(E), once every member is ready, runs `serve` (the epoch opens for steps). When the
+// controller goes away the rank keeps serving its epoch and reconnects, declaring it; the
+// controller adopts it (and sends SERVING again) or forms a new one.
 //
 // Thread-safety: Start/Stop from one thread; the callbacks run on the member's own thread.
 #ifndef MOE_SERVER_GROUP_MEMBER_H_
@@ -32,8 +34,10 @@ struct GroupMemberOptions {
   v1::JoinGroup join;                                     // incarnation: set by the member
   // Leaves the current epoch and returns this member's endpoint for the prepared one.
   std::function<absl::StatusOr<std::string>(const v1::PrepareEpoch&)> prepare;
-  // Joins the formed epoch's transport and serves it.
+  // Joins the formed epoch's transport (bound, not open for steps).
   std::function<absl::Status(const v1::GroupView&)> connect;
+  // Opens the epoch for steps: every member of it is bound.
+  std::function<void(int64_t epoch)> serve;
   absl::Duration reconnect_backoff = absl::Milliseconds(500);
 };
 

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -367,17 +368,21 @@ struct EpochView {
 
 // The rank's data plane across epochs: Prepare leaves the epoch being served (steps answer
 // UNAVAILABLE naming the next one, the transport is interrupted and destroyed) and opens a fresh
-// endpoint; Connect joins the formed epoch's transport and binds the executor to it.
+// endpoint; Connect joins the formed epoch's transport and binds the executor to it, open for
+// steps at once (`open`) or at Open, once every member has bound it (the controller's SERVING).
 class DataPlane {
  public:
   DataPlane(const RankdOptions& o, Backend* backend, LayerExecutor* executor, RankMetrics* metrics)
       : o_(o), backend_(backend), executor_(executor), metrics_(metrics) {}
 
-  // Told whether the engine API can serve steps (an epoch is bound): its gRPC health.
+  // Told whether the engine API can serve steps (an epoch is open): its gRPC health.
   void SetServingHook(std::function<void(bool)> hook) { serving_hook_ = std::move(hook); }
+  // The epoch open for steps (0: none).
+  int64_t serving_epoch() const { return serving_epoch_.load(); }
 
   absl::StatusOr<std::string> Prepare(int64_t epoch, const std::vector<int32_t>& peers, const std::string& reason) {
     prepared_at_ = absl::Now();
+    serving_epoch_ = 0;
     if (serving_hook_) serving_hook_(false);
     executor_->Unbind(absl::StrCat("rank ", o_.rank, ": the process group is re-forming as epoch ", epoch, " (", reason,
                                    "); retry the step"));
@@ -394,23 +399,35 @@ class DataPlane {
     return UcxListenerAddress(*listener_);
   }
 
-  absl::Status Connect(const EpochView& view) {
-    absl::Status s = ConnectOnce(view);
+  absl::Status Connect(const EpochView& view, bool open) {
+    absl::Status s = ConnectOnce(view, open);
     metrics_->EpochChange(s.ok() ? "bound" : "failed", absl::ToDoubleSeconds(absl::Now() - prepared_at_));
     if (!s.ok()) {
       backend_->transport.reset();
       return s;
     }
-    metrics_->Epoch(view.epoch);
-    if (serving_hook_) serving_hook_(true);
-    spdlog::info("process group: epoch {} serving, peer slot {} of {} (ranks [{}]) in {:.3f} s", view.epoch,
+    spdlog::info("process group: epoch {} bound, peer slot {} of {} (ranks [{}]) in {:.3f} s", view.epoch,
                  backend_->transport->slot(), view.peers.size(), absl::StrJoin(view.peers, ","),
                  absl::ToDoubleSeconds(absl::Now() - prepared_at_));
+    if (open) Serving(view.epoch);
     return absl::OkStatus();
   }
 
+  // Every member bound `epoch`: steps run from now on (a stale epoch's message does nothing).
+  void Open(int64_t epoch) {
+    if (executor_->Open(epoch)) Serving(epoch);
+  }
+
  private:
-  absl::Status ConnectOnce(const EpochView& view) {
+  void Serving(int64_t epoch) {
+    serving_epoch_ = epoch;
+    metrics_->Epoch(epoch);
+    if (serving_hook_) serving_hook_(true);
+    spdlog::info("process group: epoch {} serving, {:.3f} s after its PREPARE", epoch,
+                 absl::ToDoubleSeconds(absl::Now() - prepared_at_));
+  }
+
+  absl::Status ConnectOnce(const EpochView& view, bool open) {
     const auto me = std::find(view.peers.begin(), view.peers.end(), o_.rank);
     if (me == view.peers.end()) return absl::FailedPreconditionError("epoch: this rank is not a member");
     const int slot = static_cast<int>(me - view.peers.begin());
@@ -448,7 +465,7 @@ class DataPlane {
     // backend admission still runs and each decode step reports why it ran eagerly.
     if (o_.kernels == "cuda" && o_.transport == "nccl")
       graphs = backend_->cuda->DecodeGraphs(backend_->transport.get());
-    return executor_->Bind(backend_->transport.get(), topology, group, std::move(graphs));
+    return executor_->Bind(backend_->transport.get(), topology, group, std::move(graphs), open);
   }
 
   const RankdOptions& o_;
@@ -458,6 +475,7 @@ class DataPlane {
   RankMetrics* metrics_;
   UcxListener listener_;
   absl::Time prepared_at_;
+  std::atomic<int64_t> serving_epoch_{0};  // read by the main thread, written on the member's
 };
 
 // Without a controller: the ranks meet in --rendezvous_dir (each publishes its endpoint and node)
@@ -488,7 +506,7 @@ absl::Status JoinThroughFiles(const RankdOptions& o, DataPlane* plane) {
       view.node_of_rank[r] = (*files)[o.world + r];
     }
   }
-  return plane->Connect(view);
+  return plane->Connect(view, /*open=*/true);  // no one else to wait for: the files name every member
 }
 
 // With a controller: the group member whose PREPARE / FORMED drive `plane`.
@@ -517,8 +535,9 @@ std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int ag
       view.endpoints.push_back(m.endpoint());
     }
     view.node_of_rank.assign(v.node_of_rank().begin(), v.node_of_rank().end());
-    return plane->Connect(view);
+    return plane->Connect(view, /*open=*/false);  // opened by SERVING, once every member is bound
   };
+  go.serve = [plane](int64_t epoch) { plane->Open(epoch); };
   auto member = std::make_unique<GroupMember>(std::move(go));
   // A step that left the epoch's transport failed: only a new epoch heals it.
   executor->SetEpochFaultListener([m = member.get(), metrics](int64_t epoch, const std::string& why) {
@@ -642,10 +661,11 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
   return absl::OkStatus();
 }
 
-// Waits until the member serves its first epoch: true, or false when SIGTERM / SIGINT came first.
-bool AwaitFirstEpoch(const sigset_t& signals, const GroupMember& member) {
-  const timespec poll = {0, 100 * 1000 * 1000};
-  while (member.serving_epoch() == 0) {
+// Waits until the rank serves its first epoch (open for steps): true, or false when SIGTERM /
+// SIGINT came first.
+bool AwaitFirstEpoch(const sigset_t& signals, const DataPlane& plane) {
+  const timespec poll = {0, 20 * 1000 * 1000};
+  while (plane.serving_epoch() == 0) {
     if (sigtimedwait(&signals, nullptr, &poll) > 0) return false;
   }
   return true;
@@ -732,7 +752,7 @@ int Main() {
     member = JoinThroughController(o, serving.port, &plane, executor->get(), &metrics);
     spdlog::info("rank {} of {} on node {}: joining the process group of controller {}", o.rank, o.world, o.node,
                  o.controller);
-    if (!AwaitFirstEpoch(signals, *member)) {
+    if (!AwaitFirstEpoch(signals, plane)) {
       ShutDown(&serving, member.get());
       return kExitOk;
     }

@@ -176,6 +176,7 @@ void GroupCoordinator::MaybeAdopt() {
   for (int32_t r : a.peers) rec.add_peers(r);
   PushEpochRecord(std::move(rec));
   spdlog::info("process group: {} ([{}])", reason_, absl::StrJoin(a.peers, ","));
+  SendServing(a.epoch, a.peers);  // a member that had bound it but not opened it yet opens it now
 }
 
 void GroupCoordinator::OnLost(int32_t rank, uint64_t incarnation) {
@@ -272,6 +273,7 @@ void GroupCoordinator::OnMessage(int32_t rank, uint64_t incarnation, const v1::M
     serving_ = last_view_;
     ready_pending_ = last_view_;
     spdlog::info("process group: epoch {} serving over ranks [{}]", f.epoch, absl::StrJoin(f.peers, ","));
+    SendServing(f.epoch, f.peers);
     forming_.reset();
   }
 }
@@ -295,6 +297,12 @@ void GroupCoordinator::MaybePublish() {
   for (int32_t r : f.peers) Send(r, m);
   spdlog::info("process group: epoch {} formed over ranks [{}]{}", f.epoch, absl::StrJoin(f.peers, ","),
                full ? "" : " (survivors)");
+}
+
+void GroupCoordinator::SendServing(int64_t epoch, const std::vector<int32_t>& peers) {
+  v1::GroupMessage m;
+  m.mutable_serving()->set_epoch(epoch);
+  for (int32_t r : peers) Send(r, m);
 }
 
 size_t GroupCoordinator::PushEpochRecord(v1::EpochRecord rec) {

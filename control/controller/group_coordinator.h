@@ -4,12 +4,12 @@
 // peer order, endpoints), and re-forms when a member is lost or a replacement joins.
 //
 // Forming epoch E: PREPARE(E, peers) to every live member; each answers with a fresh endpoint;
-// once all have, FORMED(view) goes to each and they connect; once all report READY the epoch
-// serves and `on_ready` runs (the controller re-drives the ACTIVE placement onto the ranks). An
-// epoch is formed only over the whole world, or, after `survivor_grace` without a replacement,
-// over the survivors (when a survivor cannot serve the placement without the lost ranks it
-// reports so, and the coordinator waits for a replacement instead). Epoch numbers are recorded
-// in the store before they are used, so they never repeat across controller restarts.
+// once all have, FORMED(view) goes to each and they connect (bound, not open for steps); once
+// all report READY the epoch serves: SERVING(E) goes to each (they open it) and `on_ready` runs (the controller
+// re-drives the ACTIVE placement onto the ranks). An epoch is formed only over the whole world, or, after
+// `survivor_grace` without a replacement, over the survivors (when a survivor cannot serve the placement without the
+// lost ranks it reports so, and the coordinator waits for a replacement instead). Epoch numbers are recorded in the
+// store before they are used, so they never repeat across controller restarts.
 //
 // After a restart, the ranks keep serving the epoch they are bound to and rejoin declaring it
 // (JoinGroup.serving_epoch). When that is the last epoch the store recorded and every one of its
@@ -104,6 +104,8 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   // The view of `epoch` over `peers` (joined members), with their endpoints when given.
   v1::GroupView ViewOf(int64_t epoch, const std::vector<int32_t>& peers,
                        const std::map<int32_t, std::string>* endpoints) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SERVING(epoch) to each of `peers`: they open the epoch for steps.
+  void SendServing(int64_t epoch, const std::vector<int32_t>& peers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Appends to the recent epochs (256 at most); returns the record's index.
   size_t PushEpochRecord(v1::EpochRecord rec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adopts the epoch being adopted once every one of its peers rejoined serving it.

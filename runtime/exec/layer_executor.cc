@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
   }
   absl::MutexLock lock(&e->gate_mu_);
   e->bound_ = bound;
+  e->open_ = bound;
   e->unbound_why_ = absl::StrCat("rank ", e->options_.rank.value(), " has not joined its process group yet");
   return e;
 }
@@ -59,6 +60,7 @@ void LayerExecutor::Unbind(const std::string& why) {
     unbound_why_ = why;
     if (!bound_) return;
     bound_ = false;
+    open_ = false;
     transport = options_.transport;
   }
   if (transport != nullptr) transport->Interrupt();
@@ -72,7 +74,7 @@ void LayerExecutor::Unbind(const std::string& why) {
 }
 
 absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology, const ProcessGroup& group,
-                                 DecodeGraphFactory decode_graphs) {
+                                 DecodeGraphFactory decode_graphs, bool open) {
   LayerExecutorOptions next = options_;
   next.transport = transport;
   next.topology = topology;
@@ -90,8 +92,20 @@ absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology,
   options_ = std::move(next);
   graphs_ = device_ && options_.decode_graphs != nullptr;
   bound_ = true;
+  open_ = open;
+  if (!open) {
+    unbound_why_ = absl::StrCat("rank ", options_.rank.value(), ": epoch ", options_.group->epoch().value(),
+                                " is bound here, not yet on every member; retry the step");
+  }
   fault_reported_ = false;
   return absl::OkStatus();
+}
+
+bool LayerExecutor::Open(int64_t epoch) {
+  absl::MutexLock lock(&gate_mu_);
+  if (!bound_ || options_.group->epoch().value() != epoch) return false;
+  open_ = true;
+  return true;
 }
 
 void LayerExecutor::SetEpochFaultListener(EpochFaultListener listener) {
@@ -286,7 +300,11 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
 absl::Status LayerExecutor::Reject(uint64_t step_id, int64_t layer, absl::Status why) {
   {
     absl::MutexLock lock(&gate_mu_);
-    if (!bound_) return why;  // no group to tell
+    if (!open_) {
+      // Bound but not open: the members that opened the epoch drop the step at once.
+      if (bound_) options_.transport->AbandonStep(step_id);
+      return why;
+    }
     ++in_flight_;
   }
   struct Leave {
@@ -363,7 +381,11 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
 absl::StatusOr<LayerStepResult> LayerExecutor::Execute(const LayerStepInput& in) {
   {
     absl::MutexLock lock(&gate_mu_);
-    if (!bound_) return absl::UnavailableError(unbound_why_);
+    if (!open_) {
+      // Bound but not open: the members that opened the epoch drop the step at once.
+      if (bound_) options_.transport->AbandonStep(in.step_id);
+      return absl::UnavailableError(unbound_why_);
+    }
     ++in_flight_;
   }
   absl::StatusOr<LayerStepResult> r = ExecuteBound(in);

@@ -160,10 +160,16 @@ class LayerExecutor {
   // transport may then be destroyed. Bind serves a new epoch: `transport` (not owned) for
   // `group`, whose member this rank is; every generation in the registry is rebound to the group
   // (PlacementManifest::Rebound) and the plan layouts and decode graphs of the old one are
-  // dropped. On error the executor stays unbound.
+  // dropped. On error the executor stays unbound. With `open` false the epoch is bound but steps
+  // answer UNAVAILABLE until Open(epoch): a group opens an epoch once every member has bound it.
+  // Meanwhile each refused step is abandoned on the transport (Transport::AbandonStep), so that
+  // members that already opened the epoch abort it at once instead of waiting out the
+  // collective timeout for this one.
   void Unbind(const std::string& why);
   absl::Status Bind(Transport* transport, const Topology& topology, const ProcessGroup& group,
-                    DecodeGraphFactory decode_graphs);
+                    DecodeGraphFactory decode_graphs, bool open = true);
+  // Opens the bound epoch `epoch` for steps; false when another epoch (or none) is bound.
+  bool Open(int64_t epoch);
   // The bound epoch's membership (none while unbound).
   std::optional<std::pair<Topology, ProcessGroup>> Membership() const;
   // Called (on the failing step's thread, once per bound epoch) when a step failed and left the
@@ -228,6 +234,7 @@ class LayerExecutor {
   // The epoch gate: steps run only while bound; Unbind waits for in_flight_ to reach zero.
   mutable absl::Mutex gate_mu_;
   bool bound_ ABSL_GUARDED_BY(gate_mu_) = false;
+  bool open_ ABSL_GUARDED_BY(gate_mu_) = false;  // bound and open for steps
   std::string unbound_why_ ABSL_GUARDED_BY(gate_mu_);
   int in_flight_ ABSL_GUARDED_BY(gate_mu_) = 0;
   EpochFaultListener fault_listener_ ABSL_GUARDED_BY(gate_mu_);

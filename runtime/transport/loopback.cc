@@ -43,6 +43,10 @@ class LoopbackTransport final : public Transport {
     Channel channel(this);
     return RunStepGather(channel, backlog_, slot_, size_, step, in, bytes, out, timeout);
   }
+  void AbandonStep(uint64_t step) override {
+    Channel channel(this);
+    AbandonStepGather(channel, slot_, size_, step);
+  }
 
  private:
   class Channel final : public StepGatherChannel {

@@ -78,6 +78,9 @@ class NcclTransport final : public Transport {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
     return RunStepGather(*agree_, backlog_, slot(), size(), step, in, bytes, out, timeout);
   }
+  void AbandonStep(uint64_t step) override {
+    if (agree_ != nullptr && !broken_) AbandonStepGather(*agree_, slot(), size(), step);
+  }
   absl::Status WaitStream(uint64_t seq, absl::Duration timeout) {
     if (broken_) return absl::UnavailableError("nccl: communicator aborted by an earlier failure");
     return Wait(seq, timeout);

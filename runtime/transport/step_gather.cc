@@ -198,6 +198,10 @@ class GatherAttempt {
 
 }  // namespace
 
+void AbandonStepGather(StepGatherChannel& ch, int me, int size, uint64_t step) {
+  Leave(ch, me, size, step, std::nullopt);
+}
+
 absl::Status RunStepGather(StepGatherChannel& ch, StepGatherBacklog& backlog, int me, int size, uint64_t step,
                            const void* in, int64_t bytes, void* out, absl::Duration timeout) {
   if (bytes < 0 || bytes > kMaxStepGatherRecordBytes) {

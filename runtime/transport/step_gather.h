@@ -74,6 +74,10 @@ struct StepGatherBacklog {
 absl::Status RunStepGather(StepGatherChannel& channel, StepGatherBacklog& backlog, int me, int size, uint64_t step,
                            const void* in, int64_t bytes, void* out, absl::Duration timeout);
 
+// LEFT(step) to every peer, fire and forget (Transport::AbandonStep): this member gives up `step`
+// without having sent its record.
+void AbandonStepGather(StepGatherChannel& channel, int me, int size, uint64_t step);
+
 }  // namespace moe
 
 #endif  // MOE_RUNTIME_TRANSPORT_STEP_GATHER_H_

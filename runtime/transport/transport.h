@@ -56,6 +56,13 @@ class Transport {
     return AllGather(step, in, bytes, out, timeout);
   }
 
+  // Tells every peer, without waiting, that this member will not take part in `step` (the
+  // agreement's LEFT): peers in that step's StepGather answer ABORTED at once, and a peer that
+  // enters it later does too. For a member bound to an epoch it has not opened yet, so that the
+  // members that opened it do not wait out their timeout for it. Nothing where the agreement
+  // pairs by position (the default: NCCL without a host channel).
+  virtual void AbandonStep(uint64_t step) { (void)step; }
+
   // Variable all-to-all: send segment i (send_bytes[i] bytes, packed in peer order from `send`)
   // to peer slot i; receive recv_bytes[i] bytes from peer slot i into `recv` (packed in peer
   // order). Sizes must agree pairwise (the header exchange establishes them).

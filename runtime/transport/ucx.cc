@@ -306,6 +306,10 @@ class UcxTransport final : public Transport {
     AgreeChannel channel(this);
     return RunStepGather(channel, backlog_, slot(), size(), step, in, bytes, out, timeout);
   }
+  void AbandonStep(uint64_t step) override {
+    AgreeChannel channel(this);
+    AbandonStepGather(channel, slot(), size(), step);  // a failed peer is reported by the next call
+  }
 
  private:
   // The agreement streams: one receive posted per peer at a time (tag kAgree, the peer's slot),

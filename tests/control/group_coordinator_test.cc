@@ -91,6 +91,15 @@ class Member {
     ADD_FAILURE() << "rank " << rank_ << ": the stream ended before a FORMED view";
     return {};
   }
+  // The next SERVING's epoch (every member reported ready: open it for steps).
+  int64_t NextServing() {
+    v1::GroupMessage m;
+    while (stream_->Read(&m)) {
+      if (m.has_serving()) return m.serving().epoch();
+    }
+    ADD_FAILURE() << "rank " << rank_ << ": the stream ended before a SERVING";
+    return -1;
+  }
   void SendEndpoint(int64_t epoch) {
     v1::MemberMessage out;
     out.mutable_endpoint()->set_epoch(epoch);
@@ -190,6 +199,9 @@ TEST(GroupCoordinatorTest, FormsTheWorldWithNodesAndReformsWhenADataPlaneReports
   b.NextFormed();
   a.SendReady(pa.epoch(), true);
   b.SendReady(pa.epoch(), true);
+  // Every member is told to open the epoch for steps once all of them are ready.
+  EXPECT_EQ(a.NextServing(), pa.epoch());
+  EXPECT_EQ(b.NextServing(), pa.epoch());
   AwaitStatus(
       s.coordinator(), [&](const v1::GroupStatus& st) { return st.state() == "SERVING"; }, "the first epoch serving");
   AwaitStatus(
@@ -333,6 +345,9 @@ TEST(GroupCoordinatorTest, AfterARestartTheEpochItsRanksStillServeIsAdoptedWitho
               ElementsAre("host-a", "host-b"));
   ASSERT_EQ(st.view().members_size(), 2);
   EXPECT_EQ(st.view().members(1).incarnation(), 22u);
+  // SERVING again: a member that had bound epoch 7 but not opened it before the restart opens it.
+  EXPECT_EQ(a.NextServing(), 7);
+  EXPECT_EQ(b.NextServing(), 7);
   AwaitStatus(
       s.coordinator(),
       [&](const v1::GroupStatus&) {

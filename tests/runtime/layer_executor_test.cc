@@ -300,7 +300,9 @@ class BreakableTransport final : public Transport {
     if (absl::Status s = Check(seq); !s.ok()) return s;
     return inner_->AllToAllV(seq, send, send_bytes, recv, recv_bytes, timeout);
   }
+  void AbandonStep(uint64_t step) override { abandoned.push_back(step); }
   bool broken = false;
+  std::vector<uint64_t> abandoned;
 
  private:
   absl::Status Check(uint64_t seq) const {
@@ -363,6 +365,27 @@ TEST_F(OneMemberTest, AStepThatLeavesTheTransportFailedReportsItsEpochOnceAndThe
   EXPECT_FALSE(executor_->Execute(input.Step(step++, 0, Phase::kPrefill)).ok());
   EXPECT_EQ(reports.size(), 2u);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+
+  // An epoch bound closed (a group's member waiting for the others) answers UNAVAILABLE naming
+  // it until Open for that epoch; Open for another epoch does nothing.
+  executor_->Unbind("test: re-forming as epoch 10");
+  BreakableTransport e10(transport_.get());
+  auto group = ProcessGroup::Create(group_.id(), ProcessGroupEpoch(10), {Rank(0)});
+  ASSERT_TRUE(group.ok()) << group.status();
+  ASSERT_TRUE(executor_->Bind(&e10, topology_, *group, nullptr, /*open=*/false).ok());
+  EXPECT_TRUE(executor_->Membership().has_value()) << "bound, only not open";
+  auto closed = executor_->Execute(input.Step(step++, 0, Phase::kPrefill));
+  EXPECT_EQ(closed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(closed.status().message()), ::testing::HasSubstr("epoch 10 is bound here, not yet on every"));
+  EXPECT_EQ(e10.abandoned, std::vector<uint64_t>{step - 1}) << "the refused step is abandoned in the agreement";
+  EXPECT_FALSE(executor_->Open(9));
+  EXPECT_EQ(executor_->Execute(input.Step(step++, 0, Phase::kPrefill)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(executor_->Open(10));
+  auto opened = executor_->Execute(input.Step(step++, 0, Phase::kPrefill));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_LT(ErrorAgainstReference(ckpt_, input, opened->output), 1e-2);
+  EXPECT_EQ(e10.abandoned.size(), 2u) << "an open epoch abandons nothing";
+  EXPECT_EQ(reports.size(), 2u) << "refusals before Open are no faults";
 }
 
 INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),

@@ -1,6 +1,9 @@
+#include <atomic>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 #include "tests/transport/exchange_scenarios.h"
@@ -58,6 +61,32 @@ TEST(LoopbackTransportTest, SilentPeerTimesOut) {
     return testing::SilentPeerTimesOut(t, absl::Milliseconds(300));
   });
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
+}
+
+// A member that abandons a step (bound to an epoch it has not opened) makes the members in that
+// step's agreement abort at once instead of waiting out their timeout; its LEFT pairs with
+// nothing later: the next step agrees on every member.
+TEST(LoopbackTransportTest, AnAbandonedStepAbortsItsAgreementAtOnceAndNothingLater) {
+  std::atomic<int> answered{0};
+  auto results = RunMembers(3, [&answered](Transport& t) -> absl::Status {
+    const uint64_t word = 0x11;
+    std::vector<uint64_t> all(t.size());
+    if (t.slot() == 2) {
+      t.AbandonStep(41);
+    } else {
+      const absl::Time start = absl::Now();
+      absl::Status s = t.StepGather(41, &word, 8, all.data(), absl::Seconds(20));
+      if (s.code() != absl::StatusCode::kAborted || s.message().find("gave up step_id 41") == std::string::npos) {
+        return absl::InternalError(absl::StrCat("step 41: ", s.ToString()));
+      }
+      if (absl::Now() - start > absl::Seconds(5))
+        return absl::InternalError("step 41 waited for the abandoning member");
+    }
+    ++answered;  // the engine sends the next step once every rank answered this one
+    while (answered.load() < t.size()) absl::SleepFor(absl::Milliseconds(1));
+    return t.StepGather(42, &word, 8, all.data(), absl::Seconds(20));
+  });
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
 }
 
 }  // namespace
