@@ -19,6 +19,11 @@
 #include "server/step_ring_layout.h"
 
 namespace moe {
+namespace {
+
+constexpr std::chrono::milliseconds kReconnectGrace(1000);
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(const std::string& address,
                                                                               absl::Duration timeout,
@@ -36,7 +41,7 @@ absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(co
                                  std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)))) {
     return absl::UnavailableError(absl::StrCat(address, ": not reachable within ", absl::FormatDuration(timeout)));
   }
-  return std::unique_ptr<ExpertLayerClient>(new ExpertLayerClient(v1::ExpertLayerService::NewStub(channel), token));
+  return std::unique_ptr<ExpertLayerClient>(new ExpertLayerClient(channel, token));
 }
 
 absl::Status ExpertLayerClient::UseRing(const StepRingOptions& options) {
@@ -70,9 +75,17 @@ absl::StatusOr<StepAnswer> ExpertLayerClient::Execute(const StepCall& call, absl
   req.set_k(call.k);
   if (call.expected_generation > 0) req.set_expected_generation(call.expected_generation);
   if (!call.admitted.empty()) req.set_admitted(std::string(call.admitted.begin(), call.admitted.end()));
+  const auto until = std::chrono::system_clock::now() + std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline));
+  // A rank that restarted (a replacement on the same address) is reconnected before the step goes
+  // out: a call that failed here at once would never reach the rank, and its peers, which got the
+  // step, would wait out their collective timeout for it. At most kReconnectGrace (the channel's
+  // longest reconnect backoff); a rank that stays unreachable fails the call as before.
+  if (channel_->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_READY) {
+    channel_->WaitForConnected(std::min(until, std::chrono::system_clock::now() + kReconnectGrace));
+  }
   grpc::ClientContext ctx;
   if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline)));
+  ctx.set_deadline(until);
   v1::StepResponse resp;
   const absl::Time start = absl::Now();
   const grpc::Status s = stub_->Execute(&ctx, req, &resp);

@@ -133,8 +133,9 @@ class ExpertLayerClient {
   bool using_ring() const { return ring_ != nullptr; }
 
  private:
-  ExpertLayerClient(std::unique_ptr<v1::ExpertLayerService::Stub> stub, std::string token)
-      : stub_(std::move(stub)), token_(std::move(token)) {}
+  ExpertLayerClient(std::shared_ptr<grpc::Channel> channel, std::string token)
+      : channel_(channel), stub_(v1::ExpertLayerService::NewStub(channel)), token_(std::move(token)) {}
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ExpertLayerService::Stub> stub_;
   std::string token_;
   absl::Mutex ring_mu_;  // a ring has one driver at a time
