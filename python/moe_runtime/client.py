@@ -29,6 +29,9 @@ from moe_runtime._proto import expert_layer_pb2_grpc as pb_grpc
 from moe_runtime.tensors import WireRows, admitted_bytes, from_wire, routing_arrays, to_wire
 
 _MAX_MESSAGE = 1 << 30
+# How long a step waits for a rank's channel to reconnect after a step failed UNAVAILABLE (the
+# longest reconnect backoff the channel is given).
+RECONNECT_GRACE_S = 1.0
 STAGES = ("validate", "acquire", "plan", "agree", "dispatch", "experts", "return", "combine", "release")
 
 
@@ -163,7 +166,13 @@ class RankClient:
         self.rank = rank
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            # A rank that restarts (a replacement on the same address) is reached again within a second.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
+        ]
         if channel is not None:
             self._channel = channel
         elif tls is not None:
@@ -171,6 +180,10 @@ class RankClient:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.ExpertLayerServiceStub(self._channel)
+        # gRPC health (every rank serves it on its socket), called raw: no stubs needed.
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        self._reconnect = False  # the last step failed UNAVAILABLE: wait for the channel first
         self._ring = None
         self._ring_lock = threading.Lock()
 
@@ -223,12 +236,28 @@ class RankClient:
             step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
             expected_generation=expected_generation,
         )
+        self._await_connection()
         start = time.perf_counter()
         try:
             resp = self._stub.Execute(req, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
+            self._reconnect = e.code() == grpc.StatusCode.UNAVAILABLE
             raise errors.from_rpc_error(e, self.rank) from None
         return self._result(resp, rows, start)
+
+    def _await_connection(self) -> None:
+        """After a step failed UNAVAILABLE (the rank may have restarted: a replacement on the same
+        address), the channel is reconnected before the next step goes out, for at most
+        RECONNECT_GRACE_S: a step that failed at once here would never reach the rank, and its
+        peers, which got the step, would wait out their collective timeout for it. A rank that
+        stays unreachable fails the step as before."""
+        if not self._reconnect:
+            return
+        self._reconnect = False
+        try:
+            self._health(b"", timeout=RECONNECT_GRACE_S, wait_for_ready=True)
+        except grpc.RpcError:
+            pass  # any answer means connected; none within the grace: the step finds out
 
     def step_input(self, step_id: int, layer: int, x: StepInput, **kw: Any) -> StepResult:
         return self.step(step_id, layer, x.hidden, x.topk_ids, x.topk_weights, admitted=x.admitted, **kw)

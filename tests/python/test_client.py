@@ -318,3 +318,44 @@ def test_ring_slots_written_in_place(cluster):
     finally:
         c0.close()
         c1.close()
+
+
+def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(tmp_path):
+    """A rank that restarts (a replacement on the same socket) gets the next step: after a step
+    failed UNAVAILABLE the client waits for the channel to reconnect (at most a second) instead of
+    failing the next step at once, which would leave the rank's peers waiting out their
+    collective timeout for it. A stand-in server takes the rank's place 300 ms later."""
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+    from moe_runtime._proto import expert_layer_pb2 as pb
+    from moe_runtime._proto import expert_layer_pb2_grpc as pb_grpc
+
+    class Rank(pb_grpc.ExpertLayerServiceServicer):
+        def Execute(self, request, context):
+            return pb.StepResponse(step_id=request.step_id, output=request.hidden)
+
+    target = f"unix:{tmp_path}/rank.sock"
+    rng = np.random.default_rng(3)
+    hidden, ids, weights = random_step(rng, 2)
+    with RankClient(target, timeout=10) as client:
+        start = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            client.step(1, 0, hidden, ids, weights)  # nobody there: fails at once
+        assert time.monotonic() - start < 2
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_ExpertLayerServiceServicer_to_server(Rank(), server)
+        server.add_insecure_port(target)
+        timer = threading.Timer(0.3, server.start)
+        timer.start()
+        try:
+            start = time.monotonic()
+            res = client.step(2, 0, hidden, ids, weights)
+            waited = time.monotonic() - start
+        finally:
+            timer.join()
+            server.stop(0)
+        assert waited >= 0.25, f"answered after {waited:.3f} s, before the rank was there"
+        assert res.output.shape == hidden.shape
