@@ -50,8 +50,6 @@ class GroupMember {
 
   void Start();
   void Stop();
-  // The epoch this member serves (0: none).
-  int64_t serving_epoch() const { return serving_epoch_.load(); }
   // The data plane of `epoch` failed for good (LayerExecutor::SetEpochFaultListener): tells the
   // controller, which forms a new epoch. Ignored unless `epoch` is the one served. Any thread.
   void ReportFault(int64_t epoch, const std::string& why);

@@ -300,12 +300,6 @@ TEST(GroupCoordinatorTest, BadJoinsAreRefusedNamingTheField) {
   a.Die();
 }
 
-}  // namespace
-}  // namespace moe
-
-namespace moe {
-namespace {
-
 // A registry whose last recorded epoch is 7 over ranks 0 and 1 (the controller's state before a
 // restart).
 std::unique_ptr<ReleaseStore> StoreWithEpoch7(const std::string& name) {
@@ -318,15 +312,22 @@ std::unique_ptr<ReleaseStore> StoreWithEpoch7(const std::string& name) {
   return *std::move(store);
 }
 
+// The coordinator of a restarted controller over `store`: two ranks, waiting `grace` for the last
+// recorded epoch's ranks to rejoin serving it.
+GroupCoordinatorOptions RestartedOver(ReleaseStore* store, absl::Duration grace = absl::Seconds(20)) {
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.store = store;
+  o.adopt_grace = grace;
+  return o;
+}
+
 TEST(GroupCoordinatorTest, AfterARestartTheEpochItsRanksStillServeIsAdoptedWithoutReforming) {
   auto store = StoreWithEpoch7("adopt");
   absl::Mutex mu;
   std::vector<int64_t> ready_epochs;
-  GroupCoordinatorOptions o;
-  o.world = 2;
-  o.token = kToken;
-  o.store = store.get();
-  o.adopt_grace = absl::Seconds(20);
+  GroupCoordinatorOptions o = RestartedOver(store.get());
   o.on_ready = [&](const v1::GroupView& v) {
     absl::MutexLock lock(&mu);
     ready_epochs.push_back(v.epoch());
@@ -366,12 +367,7 @@ TEST(GroupCoordinatorTest, AfterARestartTheEpochItsRanksStillServeIsAdoptedWitho
 
 TEST(GroupCoordinatorTest, AfterARestartARankServingAnotherEpochMakesANewOne) {
   auto store = StoreWithEpoch7("adopt_other");
-  GroupCoordinatorOptions o;
-  o.world = 2;
-  o.token = kToken;
-  o.store = store.get();
-  o.adopt_grace = absl::Seconds(20);
-  Server s(o);
+  Server s(RestartedOver(store.get()));
   Member a(s, 0, 11, "host-a", kToken, 7);
   AwaitStatus(
       s.coordinator(), [](const v1::GroupStatus& x) { return x.live_ranks_size() == 1; }, "rank 0 rejoined");
@@ -387,12 +383,7 @@ TEST(GroupCoordinatorTest, AfterARestartARankServingAnotherEpochMakesANewOne) {
 TEST(GroupCoordinatorTest, AfterARestartAFaultDuringTheAdoptionOrALossAfterItFormsANewEpoch) {
   {
     auto store = StoreWithEpoch7("adopt_fault");
-    GroupCoordinatorOptions o;
-    o.world = 2;
-    o.token = kToken;
-    o.store = store.get();
-    o.adopt_grace = absl::Seconds(20);
-    Server s(o);
+    Server s(RestartedOver(store.get()));
     Member a(s, 0, 11, "host-a", kToken, 7);
     absl::SleepFor(absl::Milliseconds(100));
     a.SendReady(7, false, "ucx: peer slot 1 failed");
@@ -403,12 +394,7 @@ TEST(GroupCoordinatorTest, AfterARestartAFaultDuringTheAdoptionOrALossAfterItFor
   }
   {
     auto store = StoreWithEpoch7("adopt_lost");
-    GroupCoordinatorOptions o;
-    o.world = 2;
-    o.token = kToken;
-    o.store = store.get();
-    o.adopt_grace = absl::Seconds(20);
-    Server s(o);
+    Server s(RestartedOver(store.get()));
     Member a(s, 0, 11, "host-a", kToken, 7);
     {
       Member b(s, 1, 22, "host-b", kToken, 7);
@@ -426,12 +412,7 @@ TEST(GroupCoordinatorTest, AfterARestartAFaultDuringTheAdoptionOrALossAfterItFor
 
 TEST(GroupCoordinatorTest, AfterARestartTheGraceRunningOutFormsANewEpochOverWhoRejoined) {
   auto store = StoreWithEpoch7("adopt_grace");
-  GroupCoordinatorOptions o;
-  o.world = 2;
-  o.token = kToken;
-  o.store = store.get();
-  o.adopt_grace = absl::Milliseconds(300);
-  Server s(o);
+  Server s(RestartedOver(store.get(), absl::Milliseconds(300)));
   Member a(s, 0, 11, "host-a", kToken, 7);
   const v1::PrepareEpoch p = a.NextPrepare(1);
   EXPECT_EQ(p.epoch(), 8);
