@@ -271,8 +271,13 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
 // "gemm=auto|loop|grouped,chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1".
 struct CudaTuning {
-  enum class Gemm { kAuto, kLoop, kGrouped };
-  Gemm gemm = Gemm::kAuto;  // loop: one cuBLAS GEMM per expert; grouped: always grouped
+  // auto: the Hopper grouped kernels (grouped_sm90.cu) where the shape allows and segments
+  // average at most 512 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever
+  // the shape allows; cublas: cuBLAS only (chains or one grouped call by the work); loop: one
+  // cuBLAS GEMM per expert; grouped: always one grouped cuBLAS call.
+  enum class Gemm { kAuto, kSm90, kCublas, kLoop, kGrouped };
+  Gemm gemm = Gemm::kAuto;
+  int sm90_rows = 0;        // the Hopper kernels' row tile: 0 by the segments, else 64 or 128
   int chain_streams = 0;    // side streams for chained GEMMs; 0: the kernels' choice
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels

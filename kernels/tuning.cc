@@ -40,12 +40,22 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     if (key == "gemm") {
       if (value == "auto") {
         t.gemm = CudaTuning::Gemm::kAuto;
+      } else if (value == "sm90") {
+        t.gemm = CudaTuning::Gemm::kSm90;
+      } else if (value == "cublas") {
+        t.gemm = CudaTuning::Gemm::kCublas;
       } else if (value == "loop") {
         t.gemm = CudaTuning::Gemm::kLoop;
       } else if (value == "grouped") {
         t.gemm = CudaTuning::Gemm::kGrouped;
       } else {
-        s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: gemm=", value, ": want auto, loop or grouped"));
+        s = absl::InvalidArgumentError(
+            absl::StrCat("cuda tuning: gemm=", value, ": want auto, sm90, cublas, loop or grouped"));
+      }
+    } else if (key == "sm90_rows") {
+      s = ParseInt(key, value, 0, 128, &t.sm90_rows);
+      if (s.ok() && t.sm90_rows != 0 && t.sm90_rows != 64 && t.sm90_rows != 128) {
+        s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: sm90_rows=", value, ": want 0, 64 or 128"));
       }
     } else if (key == "chain_streams") {
       s = ParseInt(key, value, 0, 4, &t.chain_streams);
@@ -58,8 +68,8 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else {
-      s = absl::InvalidArgumentError(
-          absl::StrCat("cuda tuning: unknown key '", key, "' (gemm, chain_streams, fused_layer, pdl, mma_wide)"));
+      s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: unknown key '", key,
+                                                  "' (gemm, sm90_rows, chain_streams, fused_layer, pdl, mma_wide)"));
     }
     if (!s.ok()) return s;
   }

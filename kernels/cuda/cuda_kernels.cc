@@ -169,6 +169,9 @@ class CudaKernels final : public ExpertKernels {
         device_(device),
         loop_gemm_(tuning.gemm == CudaTuning::Gemm::kLoop),
         force_grouped_(tuning.gemm == CudaTuning::Gemm::kGrouped),
+        sm90_(tuning.gemm == CudaTuning::Gemm::kAuto || tuning.gemm == CudaTuning::Gemm::kSm90),
+        sm90_forced_(tuning.gemm == CudaTuning::Gemm::kSm90),
+        sm90_rows_(tuning.sm90_rows),
         chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
         fused_layer_(tuning.fused_layer) {
     for (int i = 0; i < kSideStreams; ++i) {
@@ -190,7 +193,10 @@ class CudaKernels final : public ExpertKernels {
     if (workspace_ != nullptr) cudaFree(workspace_);
   }
   const char* name() const override {
-    return loop_gemm_ ? "cuda(gemm: loop)" : (force_grouped_ ? "cuda(gemm: grouped)" : "cuda(gemm: auto)");
+    if (loop_gemm_) return "cuda(gemm: loop)";
+    if (force_grouped_) return "cuda(gemm: grouped)";
+    if (sm90_forced_) return "cuda(gemm: sm90)";
+    return sm90_ ? "cuda(gemm: auto)" : "cuda(gemm: cublas)";
   }
 
   bool device_resident() const override { return true; }
@@ -556,6 +562,10 @@ class CudaKernels final : public ExpertKernels {
     int64_t executed_total = 0;
     for (const Problem& q : up) executed_total += q.m;
     const int64_t avg_rows = executed_total / static_cast<int64_t>(up.size());
+    if (sm90_ && !uniform && (sm90_forced_ || avg_rows <= kSm90MaxAvgRows) &&
+        cuda::GroupedSm90Supported(e_count, d, f)) {
+      return Sm90Projections(p, executed, avg_rows, xe, a, ye, st);
+    }
     const bool chains = !uniform && !force_grouped_ && side_ok_ &&
                         (loop_gemm_ || up.size() <= 8 || avg_rows * 2 * f * static_cast<int64_t>(d) >= kChainWork);
     if (chains) {
@@ -573,6 +583,27 @@ class CudaKernels final : public ExpertKernels {
     if (!s.ok()) return s;
     CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
     return uniform ? StridedBatched(down, st) : Grouped(down, st);
+  }
+
+  // Both projections on the Hopper grouped kernels: the executed offsets go to the device in one
+  // copy; the gate/up kernel writes the activation (no h), the down kernel the rows.
+  absl::Status Sm90Projections(const SwigluParams& p, const std::vector<int64_t>& executed, int64_t avg_rows,
+                               const uint16_t* xe, uint16_t* a, uint16_t* ye, cudaStream_t st) {
+    const ExpertWeights& w = p.weights;
+    const int e_count = w.num_experts;
+    const size_t offset_bytes = static_cast<size_t>(e_count + 1) * sizeof(int64_t);
+    auto staged = offsets_in_.Acquire(offset_bytes);
+    if (!staged.ok()) return staged.status();
+    std::memcpy(*staged, executed.data(), offset_bytes);
+    auto offsets = offsets_scratch_.Get(offset_bytes);
+    if (!offsets.ok()) return offsets.status();
+    absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
+    if (!s.ok()) return s;
+    const int row_tile = sm90_rows_ != 0 ? sm90_rows_ : (avg_rows < kSm90SmallTileRows ? 64 : 128);
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(xe, executed[e_count], static_cast<const int64_t*>(*offsets),
+                                                       e_count, w.d, w.d_ff, w.w_gate_up, w.w_down, a, ye, row_tile,
+                                                       st));
+    return absl::OkStatus();
   }
 
   // Phase: only useful rows leave the runner.
@@ -701,6 +732,16 @@ class CudaKernels final : public ExpertKernels {
   int device_;  // the device current when the object was created; every call binds it
   bool loop_gemm_ = false;
   bool force_grouped_ = false;
+  bool sm90_ = true;          // the Hopper grouped kernels where supported (gemm=auto or sm90)
+  bool sm90_forced_ = false;  // gemm=sm90: also for long segments
+  int sm90_rows_ = 0;         // CudaTuning::sm90_rows
+  // Measured on an H200 (bench/RESULTS.md, issue 19): segments averaging fewer rows than this
+  // run faster with the 64-row tile (E128 T=128: 348 against 384 us a layer; E32 T=128: 735
+  // against 767), from 64 on the 128-row tile wins or ties; past 512 rows cuBLAS's grouped or
+  // chained GEMMs are 5-7% faster (E32 T=4096, E8 T=8192), at 512 the Hopper kernels are 1.8x
+  // faster (E128 T=8192).
+  static constexpr int64_t kSm90SmallTileRows = 64;
+  static constexpr int64_t kSm90MaxAvgRows = 512;
   // Segments whose gate+up GEMM has at least this many multiply-adds run as per-expert chains;
   // below it one grouped call wins (measured on the H200, bench/RESULTS.md).
   static constexpr int64_t kChainWork = 4'000'000'000;

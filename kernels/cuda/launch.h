@@ -67,6 +67,15 @@ cudaError_t LaunchSwigluActivationPadded(const uint16_t* h, const int64_t* offse
 cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, int num_experts, int64_t capacity, int d,
                                 int64_t rows, uint16_t* y, cudaStream_t stream);
 
+// The Hopper grouped kernels (grouped_sm90.cu): both projections of the experts over the
+// expert-major rows x [rows, d] with device offsets [num_experts + 1]; a [rows, f] receives the
+// activation (SwiGLU fused into the gate/up epilogue), y [rows, d] the down projection. Rows
+// outside every segment are not written. `row_tile` is 64 or 128.
+bool GroupedSm90Supported(int num_experts, int d, int f);
+cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
+                                    int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                                    int row_tile, cudaStream_t stream);
+
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`
 // (the layout's capacity) and the optional bound on any segment (0 = none) pick the chunk size.

@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 
 #include "kernels/api.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/numeric.h"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -137,6 +138,86 @@ TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
       const float worst = MaxAbsDiffBf16(dy.Host(), ref, &rel);
       EXPECT_LT(rel, 1e-2) << LayoutName(layout.layout) << " trial " << trial << " e=" << e << " d=" << d << " f=" << f;
       EXPECT_TRUE(std::isfinite(worst)) << "padding reached the output (" << LayoutName(layout.layout) << ")";
+    }
+  }
+}
+
+// The Hopper grouped kernels (TMA + wgmma), both row tiles, against the CPU reference: segments
+// of 0, 1, one below / at / above each tile and several tiles, weights and rows of several
+// column and K blocks. Rows before the first segment and after the last are never written, and
+// through the Swiglu API (gemm=auto, grouped and block layouts) the same holds as for cuBLAS.
+TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
+  struct Shape {
+    int d, f;
+  };
+  for (const Shape shape : {Shape{256, 128}, Shape{512, 384}, Shape{768, 256}}) {
+    const int d = shape.d, f = shape.f;
+    const std::vector<int64_t> counts = {0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 2, 257};
+    const int e = static_cast<int>(counts.size());
+    ASSERT_TRUE(cuda::GroupedSm90Supported(e, d, f));
+    std::vector<int64_t> offsets = Offsets(counts);
+    const int64_t lead = 5, tail = 7;  // rows outside every segment
+    for (int64_t& o : offsets) o += lead;
+    const int64_t rows = offsets.back() + tail;
+    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+    auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+    std::vector<uint16_t> ref(x.size(), 0);
+    {
+      SwigluParams p;
+      p.layout = LayoutParams{Layout::kGrouped, 0, 1, 128};
+      p.weights = {wgu.data(), wd.data(), e, d, f};
+      p.x = x.data() + lead * d;
+      p.rows = offsets.back() - lead;
+      const std::vector<int64_t> plain = Offsets(counts);
+      p.host_offsets = plain.data();
+      p.y = ref.data() + lead * d;
+      ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+    }
+    DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
+    DeviceVector<int64_t> doff(offsets);
+    const uint16_t sentinel = FloatToBf16(-12345.0f);
+    for (int tile : {64, 128}) {
+      DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(x.size(), sentinel);
+      ASSERT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
+                                              dy.get(), tile, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint16_t> got = dy.Host();
+      for (int64_t r = 0; r < rows; ++r) {
+        if (r >= lead && r < offsets.back()) continue;
+        for (int c = 0; c < d; ++c) {
+          ASSERT_EQ(got[r * d + c], sentinel)
+              << "row " << r << " outside every segment was written (tile " << tile << ")";
+        }
+      }
+      std::vector<uint16_t> got_rows(got.begin() + lead * d, got.begin() + offsets.back() * d);
+      std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
+      double rel = 0;
+      const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
+      EXPECT_LT(rel, 1e-2) << "tile " << tile << " d=" << d << " f=" << f;
+      EXPECT_LT(worst, 0.05f) << "tile " << tile << " d=" << d << " f=" << f;
+    }
+    // Through the API on the executed layouts (block-sparse rounds segments to 64 rows).
+    const std::vector<int64_t> plain = Offsets(counts);
+    const int64_t used = plain.back();
+    for (LayoutParams layout :
+         {LayoutParams{Layout::kGrouped, 0, 1, 128}, LayoutParams{Layout::kBlockSparse, 0, 1, 64}}) {
+      DeviceVector<uint16_t> dy(static_cast<size_t>(used) * d, sentinel);
+      SwigluParams p;
+      p.layout = layout;
+      p.weights = {dwgu.get(), dwd.get(), e, d, f};
+      p.x = dx.get() + lead * d;
+      p.rows = used;
+      p.host_offsets = plain.data();
+      p.y = dy.get();
+      ASSERT_TRUE(gpu_->Swiglu(p, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
+      double rel = 0;
+      const float worst = MaxAbsDiffBf16(dy.Host(), want_rows, &rel);
+      EXPECT_LT(rel, 1e-2) << LayoutName(layout.layout) << " d=" << d << " f=" << f;
+      EXPECT_LT(worst, 0.05f) << LayoutName(layout.layout) << " d=" << d << " f=" << f;
     }
   }
 }

@@ -1,0 +1,430 @@
+// Hopper grouped GEMMs for the experts' projections (sm_90a): TMA loads into a ring of
+// shared-memory stages, warpgroup MMAs (wgmma) reading both operands from shared memory, one
+// persistent CTA per SM walking the (expert, row tile, column tile) grid.
+//
+// Roles in a CTA of 384 threads: warpgroup 0 is the producer (one thread issues the TMA loads
+// of every stage; its registers go to the others through setmaxnreg), warpgroups 1 and 2 are
+// consumers (each owns a 64-row half of a 128-row tile, or a column half of a 64-row tile).
+// A stage holds a BM x 64 tile of the rows and the weight rows of the column tile, both
+// K-major with the 128-byte swizzle that TMA writes and wgmma reads. Barriers: `full[s]` (the
+// producer's expected bytes, completed by TMA) and `empty[s]` (one arrival per consumer warp
+// after its MMAs on the stage retired).
+//
+// Gate/up (kSwiglu): a column tile of BN activation columns loads BN gate rows and the BN up
+// rows of the same columns, so the epilogue applies SwiGLU in registers and writes only
+// a = bf16(silu(bf16(g)) * bf16(u)) — the rounding points of the unfused path (a BF16 h, then
+// the activation in FP32) without h ever reaching memory. Down: y = bf16(a Wd^T).
+//
+// Segments come from device offsets (expert-major rows, offsets[0..E]); a row tile never
+// crosses into the next expert's rows in the output (rows past the segment are computed from
+// whatever the load brought and not written). Rows past the operand's end are zero-filled by TMA.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace moe::kernels::cuda {
+namespace {
+
+constexpr int kBK = 64;  // K elements a stage: one 128-byte swizzle row of BF16
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+constexpr int kSmemBudget = 192 * 1024;       // stages; the rest: epilogue staging, barriers, tile prefix
+constexpr int kEpilogueWarpBytes = 16 * 128;  // a consumer warp's 16 rows x 64 BF16 columns
+constexpr int kMaxExperts = 4096;
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(SmemAddr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int32_t inner, int32_t outer,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(SmemAddr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile written by TMA with the 128-byte swizzle:
+// rows of 128 bytes, 8-row groups 1024 bytes apart (SBO), layout type 1 (128B swizzle).
+// Advancing K by 16 elements within the swizzle row adds 32 bytes to the start address.
+__device__ __forceinline__ uint64_t SmemDesc(const void* tile) {
+  const uint64_t addr = SmemAddr(tile);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+// Four 8x8 BF16 matrices from fragment registers to shared memory; lane l gives the address of
+// row l % 8 of matrix l / 8.
+__device__ __forceinline__ void StMatrixX4(void* row, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(SmemAddr(row)), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void Wgmma(float* d, uint64_t a, uint64_t b, int scale_d) {
+  if constexpr (N == 64) {
+    WgmmaM64N64K16(d, a, b, scale_d);
+  } else if constexpr (N == 128) {
+    WgmmaM64N128K16(d, a, b, scale_d);
+  } else {
+    static_assert(N == 256, "wgmma widths: 64, 128, 256");
+    WgmmaM64N256K16(d, a, b, scale_d);
+  }
+}
+
+__device__ __forceinline__ float Bf16Round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+struct GroupedArgs {
+  const int64_t* offsets;  // [num_experts + 1], expert-major rows of the A operand
+  int num_experts;
+  int k_blocks;       // K / kBK
+  int n_tiles;        // output columns / BN
+  int b_rows_expert;  // weight rows an expert (2f for gate/up, d for down)
+  int up_rows;        // kSwiglu: where an expert's up rows start (f)
+  uint16_t* out;      // [rows, ld_out] BF16
+  int64_t ld_out;
+};
+
+template <int BM, int BN, bool kSwiglu>
+struct Config {
+  static constexpr int kBRows = kSwiglu ? 2 * BN : BN;  // weight rows a stage
+  static constexpr int kABytes = BM * kBK * 2;
+  static constexpr int kBBytes = kBRows * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = kSmemBudget / kStageBytes;
+  // Per consumer warpgroup: 64 rows; all BN columns (BM 128) or half of them (BM 64).
+  static constexpr int kWgN = BM == 128 ? BN : BN / 2;
+  static constexpr int kAcc = (kSwiglu ? 2 : 1) * kWgN / 2;
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
+  static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
+  static_assert(kStages >= 2, "at least two stages");
+  static_assert(kWgN % 64 == 0, "the epilogue stages 64 columns at a time");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
+  static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
+};
+
+// The tile's expert and first row: `prefix[e]` row tiles come before expert e's.
+__device__ __forceinline__ int ExpertOfTile(const int32_t* prefix, int num_experts, int mt) {
+  int lo = 0, hi = num_experts;  // largest e with prefix[e] <= mt
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (prefix[mid] <= mt) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Tile t of the grid: experts in order; within an expert, bands of kBandRows row tiles walked
+// column tile by column tile, so the CTAs in flight share weight tiles (each read by up to
+// kBandRows CTAs at once) and row tiles (read by the band's column tiles) through L2.
+constexpr int kBandRows = 8;
+struct Tile {
+  int expert, row_tile, col_tile;
+};
+__device__ __forceinline__ Tile TileAt(const int32_t* prefix, int num_experts, int n_tiles, int t) {
+  Tile tile;
+  tile.expert = ExpertOfTile(prefix, num_experts, t / n_tiles);
+  const int local = t - prefix[tile.expert] * n_tiles;
+  const int m_tiles = prefix[tile.expert + 1] - prefix[tile.expert];
+  const int band = local / (kBandRows * n_tiles);
+  const int band_rows = min(kBandRows, m_tiles - band * kBandRows);
+  const int within = local - band * kBandRows * n_tiles;
+  tile.row_tile = band * kBandRows + within % band_rows;
+  tile.col_tile = within / band_rows;
+  return tile;
+}
+
+template <int BM, int BN, bool kSwiglu>
+__global__ void __launch_bounds__(kThreads, 1)
+    GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                      GroupedArgs args) {
+  using C = Config<BM, BN, kSwiglu>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* epilogue = smem + C::kStages * C::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + kConsumerWarps * kEpilogueWarpBytes);
+  uint64_t* empty = full + C::kStages;
+  int32_t* prefix = reinterpret_cast<int32_t*>(empty + C::kStages);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int E = args.num_experts;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      MbarInit(&full[s], 1);
+      MbarInit(&empty[s], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (warp == 1) {  // row tiles before each expert (inclusive warp scans, 32 experts at a time)
+    int carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      int v = 0;
+      if (e < E) v = static_cast<int>((args.offsets[e + 1] - args.offsets[e] + BM - 1) / BM);
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += n;
+      }
+      if (e < E) prefix[e + 1] = carry + v;
+      carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+    if (lane == 0) prefix[0] = 0;
+  }
+  __syncthreads();
+  const int total = prefix[E] * args.n_tiles;
+
+  if (warp < 4) {  // producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const Tile tile = TileAt(prefix, E, args.n_tiles, t);
+      const int a_row = static_cast<int>(args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM);
+      const int b_row = tile.expert * args.b_rows_expert + tile.col_tile * BN;
+      for (int kb = 0; kb < args.k_blocks; ++kb) {
+        MbarWait(&empty[stage], phase ^ 1);
+        uint8_t* a_tile = smem + stage * C::kStageBytes;
+        uint8_t* b_tile = a_tile + C::kABytes;
+        MbarExpectTx(&full[stage], C::kStageBytes);
+        TmaLoad2d(a_tile, &map_a, kb * kBK, a_row, &full[stage]);
+        TmaLoad2d(b_tile, &map_b, kb * kBK, b_row, &full[stage]);
+        if constexpr (kSwiglu) TmaLoad2d(b_tile + BN * 128, &map_b, kb * kBK, b_row + args.up_rows, &full[stage]);
+        if (++stage == C::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int cw = (warp - 4) / 4;  // consumer warpgroup 0 or 1
+  const int a_off = BM == 128 ? cw * 64 * 128 : 0;
+  const int b_off = BM == 128 ? 0 : cw * C::kWgN * 128;
+  float acc[C::kAcc];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = TileAt(prefix, E, args.n_tiles, t);
+    const int nt = tile.col_tile;
+    const int64_t m0 = args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM;
+    const int64_t m_end = args.offsets[tile.expert + 1];
+    // One group of MMAs in flight: a stage is released once the group after it was issued and
+    // its own retired (wait_group 1), the last one after the tile's final wait.
+    int prev = -1;
+    for (int kb = 0; kb < args.k_blocks; ++kb) {
+      MbarWait(&full[stage], phase);
+      const uint8_t* a_tile = smem + stage * C::kStageBytes;
+      const uint8_t* b_tile = a_tile + C::kABytes;
+      const uint64_t da = SmemDesc(a_tile + a_off);
+      const uint64_t db = SmemDesc(b_tile + b_off);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const int scale = (kb > 0 || kk > 0) ? 1 : 0;
+        Wgmma<C::kWgN>(acc, da + 2 * kk, db + 2 * kk, scale);
+        if constexpr (kSwiglu) {
+          const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
+          Wgmma<C::kWgN>(acc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
+        }
+      }
+      WgmmaCommit();
+      WgmmaWait<1>();
+      if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
+      prev = stage;
+      if (++stage == C::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    WgmmaWait<0>();
+    if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
+    // Epilogue, 64 columns at a time through the warp's 16-row staging tile: the fragments go
+    // in with stmatrix (16-byte chunks XOR-swizzled by row, so neither side conflicts), come
+    // back as whole 16-byte chunks and leave in 128-byte row pieces. Accumulator (row, column)
+    // of fragment j: rows lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1) of the warp's slice.
+    const int wl = (warp - 4) % 4;
+    const int64_t row0 = m0 + (BM == 128 ? cw * 64 : 0) + wl * 16;
+    const int64_t col0 = static_cast<int64_t>(nt) * BN + (BM == 128 ? 0 : cw * C::kWgN);
+    uint8_t* stage_tile = epilogue + (warp - 4) * kEpilogueWarpBytes;
+    // stmatrix: lane l addresses row l % 8 of matrix l / 8 (matrices: fragment j rows 0-7,
+    // rows 8-15, fragment j + 1 rows 0-7, rows 8-15).
+    const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1);
+    const int st_chunk = lane >> 4;
+#pragma unroll
+    for (int window = 0; window < C::kWgN / 64; ++window) {
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) {
+        uint32_t packed[4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = window * 8 + jp * 2 + h;
+          float v[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if constexpr (kSwiglu) {
+              const float g = Bf16Round(acc[4 * j + i]);
+              const float u = Bf16Round(acc[C::kWgN / 2 + 4 * j + i]);
+              v[i] = g / (1.0f + expf(-g)) * u;
+            } else {
+              v[i] = acc[4 * j + i];
+            }
+          }
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+          packed[2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
+          packed[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+        }
+        const int chunk = jp * 2 + st_chunk;
+        StMatrixX4(stage_tile + st_row * 128 + ((chunk ^ (st_row & 7)) << 4), packed);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage_tile + row * 128 + ((chunk ^ (row & 7)) << 4));
+        if (row0 + row < m_end) {
+          *reinterpret_cast<uint4*>(args.out + (row0 + row) * args.ld_out + col0 + window * 64 + chunk * 8) = v;
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn EncodeTiled() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// A row-major BF16 matrix [outer, inner] read in boxes of [box_outer, 64] with the 128-byte swizzle.
+cudaError_t MapRows(CUtensorMap* map, const void* base, int64_t inner, int64_t outer, int box_outer) {
+  EncodeTiledFn encode = EncodeTiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_outer)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult rc = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                             elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return rc == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+int SmCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) return 132;
+  return sms;
+}
+
+template <int BM, int BN, bool kSwiglu>
+cudaError_t Launch(const uint16_t* a, int64_t rows, int64_t k, const uint16_t* b, int64_t b_rows,
+                   const GroupedArgs& args, cudaStream_t stream) {
+  using C = Config<BM, BN, kSwiglu>;
+  static std::once_flag once;
+  static cudaError_t attr = cudaSuccess;
+  std::call_once(once, [] {
+    attr = cudaFuncSetAttribute(GroupedGemmKernel<BM, BN, kSwiglu>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                C::kSmemBytes);
+  });
+  if (attr != cudaSuccess) return attr;
+  CUtensorMap map_a, map_b;
+  cudaError_t err = MapRows(&map_a, a, k, rows, BM);
+  if (err != cudaSuccess) return err;
+  err = MapRows(&map_b, b, k, b_rows, BN);
+  if (err != cudaSuccess) return err;
+  // Row tiles: at most rows / BM + one partial tile an expert.
+  const int64_t tiles = (rows / BM + args.num_experts) * args.n_tiles;
+  const int grid = static_cast<int>(tiles < SmCount() ? tiles : SmCount());
+  GroupedGemmKernel<BM, BN, kSwiglu><<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool GroupedSm90Supported(int num_experts, int d, int f) {
+  if (num_experts < 1 || num_experts > kMaxExperts || d % 256 != 0 || f % 128 != 0) return false;
+  // Weight rows are addressed with 32-bit TMA coordinates.
+  return static_cast<int64_t>(num_experts) * 2 * f < (int64_t{1} << 31) &&
+         static_cast<int64_t>(num_experts) * d < (int64_t{1} << 31) && EncodeTiled() != nullptr;
+}
+
+cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
+                                    int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
+                                    int row_tile, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  GroupedArgs up{offsets, num_experts, d / kBK, f / 128, 2 * f, f, a, f};
+  GroupedArgs down{offsets, num_experts, f / kBK, d / 256, d, 0, y, d};
+  const int64_t wgu_rows = static_cast<int64_t>(num_experts) * 2 * f;
+  const int64_t wd_rows = static_cast<int64_t>(num_experts) * d;
+  cudaError_t err;
+  if (row_tile == 64) {
+    err = Launch<64, 128, true>(x, rows, d, w_gate_up, wgu_rows, up, stream);
+    if (err != cudaSuccess) return err;
+    return Launch<64, 256, false>(a, rows, f, w_down, wd_rows, down, stream);
+  }
+  err = Launch<128, 128, true>(x, rows, d, w_gate_up, wgu_rows, up, stream);
+  if (err != cudaSuccess) return err;
+  return Launch<128, 256, false>(a, rows, f, w_down, wd_rows, down, stream);
+}
+
+}  // namespace moe::kernels::cuda
