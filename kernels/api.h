@@ -277,7 +277,10 @@ struct CudaTuning {
   // cuBLAS GEMM per expert; grouped: always one grouped cuBLAS call.
   enum class Gemm { kAuto, kSm90, kCublas, kLoop, kGrouped };
   Gemm gemm = Gemm::kAuto;
-  int sm90_rows = 0;        // the Hopper kernels' row tile: 0 by the segments, else 64 or 128
+  // The Hopper kernels' schedule: auto (by the segments), rows64 / rows128 (cooperative tiles
+  // of 64 or 128 rows) or pingpong (128-row tiles, one per consumer warpgroup).
+  enum class Sm90Tile { kAuto, kRows64, kRows128, kPingPong };
+  Sm90Tile sm90_tile = Sm90Tile::kAuto;
   int chain_streams = 0;    // side streams for chained GEMMs; 0: the kernels' choice
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels

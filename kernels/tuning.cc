@@ -52,10 +52,18 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
         s = absl::InvalidArgumentError(
             absl::StrCat("cuda tuning: gemm=", value, ": want auto, sm90, cublas, loop or grouped"));
       }
-    } else if (key == "sm90_rows") {
-      s = ParseInt(key, value, 0, 128, &t.sm90_rows);
-      if (s.ok() && t.sm90_rows != 0 && t.sm90_rows != 64 && t.sm90_rows != 128) {
-        s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: sm90_rows=", value, ": want 0, 64 or 128"));
+    } else if (key == "sm90_tile") {
+      if (value == "auto") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kAuto;
+      } else if (value == "rows64") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kRows64;
+      } else if (value == "rows128") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kRows128;
+      } else if (value == "pingpong") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kPingPong;
+      } else {
+        s = absl::InvalidArgumentError(
+            absl::StrCat("cuda tuning: sm90_tile=", value, ": want auto, rows64, rows128 or pingpong"));
       }
     } else if (key == "chain_streams") {
       s = ParseInt(key, value, 0, 4, &t.chain_streams);
@@ -69,7 +77,7 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else {
       s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: unknown key '", key,
-                                                  "' (gemm, sm90_rows, chain_streams, fused_layer, pdl, mma_wide)"));
+                                                  "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide)"));
     }
     if (!s.ok()) return s;
   }

@@ -171,7 +171,7 @@ class CudaKernels final : public ExpertKernels {
         force_grouped_(tuning.gemm == CudaTuning::Gemm::kGrouped),
         sm90_(tuning.gemm == CudaTuning::Gemm::kAuto || tuning.gemm == CudaTuning::Gemm::kSm90),
         sm90_forced_(tuning.gemm == CudaTuning::Gemm::kSm90),
-        sm90_rows_(tuning.sm90_rows),
+        sm90_tile_(tuning.sm90_tile),
         chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
         fused_layer_(tuning.fused_layer) {
     for (int i = 0; i < kSideStreams; ++i) {
@@ -599,9 +599,13 @@ class CudaKernels final : public ExpertKernels {
     if (!offsets.ok()) return offsets.status();
     absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
     if (!s.ok()) return s;
-    const int row_tile = sm90_rows_ != 0 ? sm90_rows_ : (avg_rows < kSm90SmallTileRows ? 64 : 128);
+    cuda::Sm90Schedule schedule =
+        avg_rows < kSm90SmallTileRows ? cuda::Sm90Schedule::kRows64 : cuda::Sm90Schedule::kRows128;
+    if (sm90_tile_ == CudaTuning::Sm90Tile::kRows64) schedule = cuda::Sm90Schedule::kRows64;
+    if (sm90_tile_ == CudaTuning::Sm90Tile::kRows128) schedule = cuda::Sm90Schedule::kRows128;
+    if (sm90_tile_ == CudaTuning::Sm90Tile::kPingPong) schedule = cuda::Sm90Schedule::kPingPong;
     CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(xe, executed[e_count], static_cast<const int64_t*>(*offsets),
-                                                       e_count, w.d, w.d_ff, w.w_gate_up, w.w_down, a, ye, row_tile,
+                                                       e_count, w.d, w.d_ff, w.w_gate_up, w.w_down, a, ye, schedule,
                                                        st));
     return absl::OkStatus();
   }
@@ -732,9 +736,9 @@ class CudaKernels final : public ExpertKernels {
   int device_;  // the device current when the object was created; every call binds it
   bool loop_gemm_ = false;
   bool force_grouped_ = false;
-  bool sm90_ = true;          // the Hopper grouped kernels where supported (gemm=auto or sm90)
-  bool sm90_forced_ = false;  // gemm=sm90: also for long segments
-  int sm90_rows_ = 0;         // CudaTuning::sm90_rows
+  bool sm90_ = true;                // the Hopper grouped kernels where supported (gemm=auto or sm90)
+  bool sm90_forced_ = false;        // gemm=sm90: also for long segments
+  CudaTuning::Sm90Tile sm90_tile_;  // CudaTuning::sm90_tile
   // Measured on an H200 (bench/RESULTS.md, issue 19): segments averaging fewer rows than this
   // run faster with the 64-row tile (E128 T=128: 348 against 384 us a layer; E32 T=128: 735
   // against 767), from 64 on the 128-row tile wins or ties; past 512 rows cuBLAS's grouped or

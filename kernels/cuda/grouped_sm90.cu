@@ -124,19 +124,28 @@ struct GroupedArgs {
   int64_t ld_out;
 };
 
-template <int BM, int BN, bool kSwiglu>
+// Schedules. Cooperative: both consumer warpgroups work on one BM x BN tile (each 64 of its
+// rows when BM is 128, each half of its columns when BM is 64). Ping-pong: each consumer
+// warpgroup owns every other tile of the CTA (128 rows as two 64-row slices, BN columns), so
+// one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy; the stage
+// ring is shared in tile order.
+template <int BM, int BN, bool kSwiglu, bool kPingPong>
 struct Config {
   static constexpr int kBRows = kSwiglu ? 2 * BN : BN;  // weight rows a stage
   static constexpr int kABytes = BM * kBK * 2;
   static constexpr int kBBytes = kBRows * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = kSmemBudget / kStageBytes;
-  // Per consumer warpgroup: 64 rows; all BN columns (BM 128) or half of them (BM 64).
-  static constexpr int kWgN = BM == 128 ? BN : BN / 2;
-  static constexpr int kAcc = (kSwiglu ? 2 : 1) * kWgN / 2;
+  static constexpr int kSlices = kPingPong ? 2 : 1;                  // 64-row slices a consumer warpgroup computes
+  static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
+  static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
+  static constexpr int kAcc = kSlices * kSliceAcc;
+  static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
   static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
+      1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 2) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
+  static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
+  static_assert(kAcc <= 128, "accumulators of a thread");
   static_assert(kStages >= 2, "at least two stages");
   static_assert(kWgN % 64 == 0, "the epilogue stages 64 columns at a time");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
@@ -177,25 +186,79 @@ __device__ __forceinline__ Tile TileAt(const int32_t* prefix, int num_experts, i
   return tile;
 }
 
-template <int BM, int BN, bool kSwiglu>
+// The epilogue of one 64-row slice of a consumer warpgroup, 64 columns at a time through the
+// warp's 16-row staging tile: fragments go in with stmatrix (16-byte chunks XOR-swizzled by
+// row, so neither side conflicts), come back as whole chunks and leave in 128-byte row pieces.
+// Accumulator (row, column) of fragment j: rows lane / 4 (+ 8), columns 8 j + 2 (lane % 4)
+// (+ 1) of the warp's 16 rows; kSwiglu: gate fragments at acc[4 j], up at acc[kN / 2 + 4 j].
+template <bool kSwiglu, int kN>
+__device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, int lane, int64_t row0, int64_t col0,
+                                           int64_t m_end, uint16_t* out, int64_t ld_out) {
+  // stmatrix: lane l addresses row l % 8 of matrix l / 8 (matrices: fragment j rows 0-7,
+  // rows 8-15, fragment j + 1 rows 0-7, rows 8-15).
+  const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int st_chunk = lane >> 4;
+#pragma unroll
+  for (int window = 0; window < kN / 64; ++window) {
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = window * 8 + jp * 2 + h;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (kSwiglu) {
+            const float g = Bf16Round(acc[4 * j + i]);
+            const float u = Bf16Round(acc[kN / 2 + 4 * j + i]);
+            v[i] = g / (1.0f + expf(-g)) * u;
+          } else {
+            v[i] = acc[4 * j + i];
+          }
+        }
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+        packed[2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
+        packed[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+      }
+      const int chunk = jp * 2 + st_chunk;
+      StMatrixX4(staging + st_row * 128 + ((chunk ^ (st_row & 7)) << 4), packed);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
+      const uint4 v = *reinterpret_cast<const uint4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
+      if (row0 + row < m_end) {
+        *reinterpret_cast<uint4*>(out + (row0 + row) * ld_out + col0 + window * 64 + chunk * 8) = v;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+template <int BM, int BN, bool kSwiglu, bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       GroupedArgs args) {
-  using C = Config<BM, BN, kSwiglu>;
+  using C = Config<BM, BN, kSwiglu, kPingPong>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* epilogue = smem + C::kStages * C::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + kConsumerWarps * kEpilogueWarpBytes);
   uint64_t* empty = full + C::kStages;
-  int32_t* prefix = reinterpret_cast<int32_t*>(empty + C::kStages);
+  // Ping-pong: how many tiles of the CTA's sequence have had all their MMAs issued.
+  volatile int* issued = reinterpret_cast<volatile int*>(empty + C::kStages);
+  int32_t* prefix = reinterpret_cast<int32_t*>(empty + C::kStages) + 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = args.num_experts;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       MbarInit(&full[s], 1);
-      MbarInit(&empty[s], kConsumerWarps);
+      MbarInit(&empty[s], C::kEmptyArrivals);
     }
+    *issued = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (warp == 1) {  // row tiles before each expert (inclusive warp scans, 32 experts at a time)
@@ -217,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int total = prefix[E] * args.n_tiles;
 
-  if (warp < 4) {  // producer warpgroup
+  if (warp < 4) {  // producer warpgroup: one thread loads every stage in tile order
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x != 0) return;
     int stage = 0;
@@ -245,94 +308,73 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int cw = (warp - 4) / 4;  // consumer warpgroup 0 or 1
-  const int a_off = BM == 128 ? cw * 64 * 128 : 0;
-  const int b_off = BM == 128 ? 0 : cw * C::kWgN * 128;
+  const int wl = (warp - 4) % 4;  // warp within it
+  // Cooperative: where this warpgroup's rows and columns start within the tile.
+  const int a_off = !kPingPong && BM == 128 ? cw * 64 * 128 : 0;
+  const int b_off = !kPingPong && BM == 64 ? cw * C::kWgN * 128 : 0;
+  const int row_off = !kPingPong && BM == 128 ? cw * 64 : 0;
+  const int col_off = !kPingPong && BM == 64 ? cw * C::kWgN : 0;
+  const int tile_step = kPingPong ? 2 : 1;  // tiles of the CTA's sequence a warpgroup takes
+  uint8_t* staging = epilogue + (warp - 4) * kEpilogueWarpBytes;
   float acc[C::kAcc];
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  for (int j = kPingPong ? cw : 0;; j += tile_step) {
+    const int t = blockIdx.x + j * gridDim.x;
+    if (t >= total) break;
     const Tile tile = TileAt(prefix, E, args.n_tiles, t);
-    const int nt = tile.col_tile;
     const int64_t m0 = args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM;
     const int64_t m_end = args.offsets[tile.expert + 1];
+    // The ring position of the tile's first stage: every tile before it in the CTA's sequence
+    // used k_blocks stages.
+    const int64_t pos0 = static_cast<int64_t>(j) * args.k_blocks;
+    // Ping-pong: this tile's MMAs start once the previous tile's (the other warpgroup's) are all
+    // issued. Besides alternating the tensor cores between the warpgroups, this keeps a
+    // warpgroup within one phase of the stages it waits on (the barriers' parity is only
+    // unambiguous that close).
+    if constexpr (kPingPong) {
+      while (*issued < j) {
+      }
+    }
     // One group of MMAs in flight: a stage is released once the group after it was issued and
     // its own retired (wait_group 1), the last one after the tile's final wait.
     int prev = -1;
     for (int kb = 0; kb < args.k_blocks; ++kb) {
-      MbarWait(&full[stage], phase);
+      const int64_t pos = pos0 + kb;
+      const int stage = static_cast<int>(pos % C::kStages);
+      MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
       const uint8_t* a_tile = smem + stage * C::kStageBytes;
       const uint8_t* b_tile = a_tile + C::kABytes;
-      const uint64_t da = SmemDesc(a_tile + a_off);
       const uint64_t db = SmemDesc(b_tile + b_off);
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const int scale = (kb > 0 || kk > 0) ? 1 : 0;
-        Wgmma<C::kWgN>(acc, da + 2 * kk, db + 2 * kk, scale);
-        if constexpr (kSwiglu) {
-          const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
-          Wgmma<C::kWgN>(acc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
+#pragma unroll
+        for (int sl = 0; sl < C::kSlices; ++sl) {
+          const uint64_t da = SmemDesc(a_tile + a_off + sl * 64 * 128);
+          float* sacc = acc + sl * C::kSliceAcc;
+          Wgmma<C::kWgN>(sacc, da + 2 * kk, db + 2 * kk, scale);
+          if constexpr (kSwiglu) {
+            const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
+            Wgmma<C::kWgN>(sacc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
+          }
         }
       }
       WgmmaCommit();
       WgmmaWait<1>();
       if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
       prev = stage;
-      if (++stage == C::kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+    }
+    if constexpr (kPingPong) {
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");  // the warpgroup's four warps issued
+      if (wl == 0 && lane == 0) *issued = j + 1;
     }
     WgmmaWait<0>();
     if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
-    // Epilogue, 64 columns at a time through the warp's 16-row staging tile: the fragments go
-    // in with stmatrix (16-byte chunks XOR-swizzled by row, so neither side conflicts), come
-    // back as whole 16-byte chunks and leave in 128-byte row pieces. Accumulator (row, column)
-    // of fragment j: rows lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1) of the warp's slice.
-    const int wl = (warp - 4) % 4;
-    const int64_t row0 = m0 + (BM == 128 ? cw * 64 : 0) + wl * 16;
-    const int64_t col0 = static_cast<int64_t>(nt) * BN + (BM == 128 ? 0 : cw * C::kWgN);
-    uint8_t* stage_tile = epilogue + (warp - 4) * kEpilogueWarpBytes;
-    // stmatrix: lane l addresses row l % 8 of matrix l / 8 (matrices: fragment j rows 0-7,
-    // rows 8-15, fragment j + 1 rows 0-7, rows 8-15).
-    const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1);
-    const int st_chunk = lane >> 4;
+    const int64_t col0 = static_cast<int64_t>(tile.col_tile) * BN + col_off;
 #pragma unroll
-    for (int window = 0; window < C::kWgN / 64; ++window) {
-#pragma unroll
-      for (int jp = 0; jp < 4; ++jp) {
-        uint32_t packed[4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = window * 8 + jp * 2 + h;
-          float v[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if constexpr (kSwiglu) {
-              const float g = Bf16Round(acc[4 * j + i]);
-              const float u = Bf16Round(acc[C::kWgN / 2 + 4 * j + i]);
-              v[i] = g / (1.0f + expf(-g)) * u;
-            } else {
-              v[i] = acc[4 * j + i];
-            }
-          }
-          const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-          packed[2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
-          packed[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
-        }
-        const int chunk = jp * 2 + st_chunk;
-        StMatrixX4(stage_tile + st_row * 128 + ((chunk ^ (st_row & 7)) << 4), packed);
-      }
-      __syncwarp();
-#pragma unroll
-      for (int it = 0; it < 4; ++it) {
-        const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
-        const uint4 v = *reinterpret_cast<const uint4*>(stage_tile + row * 128 + ((chunk ^ (row & 7)) << 4));
-        if (row0 + row < m_end) {
-          *reinterpret_cast<uint4*>(args.out + (row0 + row) * args.ld_out + col0 + window * 64 + chunk * 8) = v;
-        }
-      }
-      __syncwarp();
+    for (int sl = 0; sl < C::kSlices; ++sl) {
+      StoreSlice<kSwiglu, C::kWgN>(acc + sl * C::kSliceAcc, staging, lane, m0 + row_off + sl * 64 + wl * 16, col0,
+                                   m_end, args.out, args.ld_out);
     }
   }
 }
@@ -375,15 +417,15 @@ int SmCount() {
   return sms;
 }
 
-template <int BM, int BN, bool kSwiglu>
+template <int BM, int BN, bool kSwiglu, bool kPingPong>
 cudaError_t Launch(const uint16_t* a, int64_t rows, int64_t k, const uint16_t* b, int64_t b_rows,
                    const GroupedArgs& args, cudaStream_t stream) {
-  using C = Config<BM, BN, kSwiglu>;
+  using C = Config<BM, BN, kSwiglu, kPingPong>;
   static std::once_flag once;
   static cudaError_t attr = cudaSuccess;
   std::call_once(once, [] {
-    attr = cudaFuncSetAttribute(GroupedGemmKernel<BM, BN, kSwiglu>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                C::kSmemBytes);
+    attr = cudaFuncSetAttribute(GroupedGemmKernel<BM, BN, kSwiglu, kPingPong>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   });
   if (attr != cudaSuccess) return attr;
   CUtensorMap map_a, map_b;
@@ -394,7 +436,7 @@ cudaError_t Launch(const uint16_t* a, int64_t rows, int64_t k, const uint16_t* b
   // Row tiles: at most rows / BM + one partial tile an expert.
   const int64_t tiles = (rows / BM + args.num_experts) * args.n_tiles;
   const int grid = static_cast<int>(tiles < SmCount() ? tiles : SmCount());
-  GroupedGemmKernel<BM, BN, kSwiglu><<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
+  GroupedGemmKernel<BM, BN, kSwiglu, kPingPong><<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
   return cudaGetLastError();
 }
 
@@ -409,22 +451,36 @@ bool GroupedSm90Supported(int num_experts, int d, int f) {
 
 cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                                    int row_tile, cudaStream_t stream) {
+                                    Sm90Schedule schedule, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  GroupedArgs up{offsets, num_experts, d / kBK, f / 128, 2 * f, f, a, f};
-  GroupedArgs down{offsets, num_experts, f / kBK, d / 256, d, 0, y, d};
   const int64_t wgu_rows = static_cast<int64_t>(num_experts) * 2 * f;
   const int64_t wd_rows = static_cast<int64_t>(num_experts) * d;
   cudaError_t err;
-  if (row_tile == 64) {
-    err = Launch<64, 128, true>(x, rows, d, w_gate_up, wgu_rows, up, stream);
-    if (err != cudaSuccess) return err;
-    return Launch<64, 256, false>(a, rows, f, w_down, wd_rows, down, stream);
+  switch (schedule) {
+    case Sm90Schedule::kRows64: {
+      const GroupedArgs up{offsets, num_experts, d / kBK, f / 128, 2 * f, f, a, f};
+      const GroupedArgs down{offsets, num_experts, f / kBK, d / 256, d, 0, y, d};
+      err = Launch<64, 128, true, false>(x, rows, d, w_gate_up, wgu_rows, up, stream);
+      if (err != cudaSuccess) return err;
+      return Launch<64, 256, false, false>(a, rows, f, w_down, wd_rows, down, stream);
+    }
+    case Sm90Schedule::kRows128: {
+      const GroupedArgs up{offsets, num_experts, d / kBK, f / 128, 2 * f, f, a, f};
+      const GroupedArgs down{offsets, num_experts, f / kBK, d / 256, d, 0, y, d};
+      err = Launch<128, 128, true, false>(x, rows, d, w_gate_up, wgu_rows, up, stream);
+      if (err != cudaSuccess) return err;
+      return Launch<128, 256, false, false>(a, rows, f, w_down, wd_rows, down, stream);
+    }
+    case Sm90Schedule::kPingPong: {
+      const GroupedArgs up{offsets, num_experts, d / kBK, f / 64, 2 * f, f, a, f};
+      const GroupedArgs down{offsets, num_experts, f / kBK, d / 128, d, 0, y, d};
+      err = Launch<128, 64, true, true>(x, rows, d, w_gate_up, wgu_rows, up, stream);
+      if (err != cudaSuccess) return err;
+      return Launch<128, 128, false, true>(a, rows, f, w_down, wd_rows, down, stream);
+    }
   }
-  err = Launch<128, 128, true>(x, rows, d, w_gate_up, wgu_rows, up, stream);
-  if (err != cudaSuccess) return err;
-  return Launch<128, 256, false>(a, rows, f, w_down, wd_rows, down, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace moe::kernels::cuda

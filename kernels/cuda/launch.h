@@ -70,11 +70,14 @@ cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, i
 // The Hopper grouped kernels (grouped_sm90.cu): both projections of the experts over the
 // expert-major rows x [rows, d] with device offsets [num_experts + 1]; a [rows, f] receives the
 // activation (SwiGLU fused into the gate/up epilogue), y [rows, d] the down projection. Rows
-// outside every segment are not written. `row_tile` is 64 or 128.
+// outside every segment are not written. Schedules: cooperative 64- or 128-row tiles (both
+// consumer warpgroups on one tile), or ping-pong 128-row tiles (one warpgroup's epilogue under
+// the other's MMAs).
+enum class Sm90Schedule { kRows64, kRows128, kPingPong };
 bool GroupedSm90Supported(int num_experts, int d, int f);
 cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                                    int row_tile, cudaStream_t stream);
+                                    Sm90Schedule schedule, cudaStream_t stream);
 
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`

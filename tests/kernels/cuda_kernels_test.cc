@@ -177,7 +177,8 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
     DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
     DeviceVector<int64_t> doff(offsets);
     const uint16_t sentinel = FloatToBf16(-12345.0f);
-    for (int tile : {64, 128}) {
+    for (cuda::Sm90Schedule tile :
+         {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128, cuda::Sm90Schedule::kPingPong}) {
       DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(x.size(), sentinel);
       ASSERT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
                                               dy.get(), tile, nullptr),
@@ -188,15 +189,15 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
         if (r >= lead && r < offsets.back()) continue;
         for (int c = 0; c < d; ++c) {
           ASSERT_EQ(got[r * d + c], sentinel)
-              << "row " << r << " outside every segment was written (tile " << tile << ")";
+              << "row " << r << " outside every segment was written (schedule " << static_cast<int>(tile) << ")";
         }
       }
       std::vector<uint16_t> got_rows(got.begin() + lead * d, got.begin() + offsets.back() * d);
       std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
       double rel = 0;
       const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
-      EXPECT_LT(rel, 1e-2) << "tile " << tile << " d=" << d << " f=" << f;
-      EXPECT_LT(worst, 0.05f) << "tile " << tile << " d=" << d << " f=" << f;
+      EXPECT_LT(rel, 1e-2) << "schedule " << static_cast<int>(tile) << " d=" << d << " f=" << f;
+      EXPECT_LT(worst, 0.05f) << "schedule " << static_cast<int>(tile) << " d=" << d << " f=" << f;
     }
     // Through the API on the executed layouts (block-sparse rounds segments to 64 rows).
     const std::vector<int64_t> plain = Offsets(counts);

@@ -18,23 +18,24 @@ TEST(CudaTuningTest, EmptyIsTheTunedDefaults) {
 }
 
 TEST(CudaTuningTest, EveryKey) {
-  auto t = ParseCudaTuning("gemm=loop, chain_streams=2,fused_layer=0,pdl=0,mma_wide=1,sm90_rows=64");
+  auto t = ParseCudaTuning("gemm=loop, chain_streams=2,fused_layer=0,pdl=0,mma_wide=1,sm90_tile=rows64");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->gemm, CudaTuning::Gemm::kLoop);
   EXPECT_EQ(t->chain_streams, 2);
   EXPECT_FALSE(t->fused_layer);
   EXPECT_FALSE(t->pdl);
   EXPECT_EQ(t->mma_wide, 1);
-  EXPECT_EQ(t->sm90_rows, 64);
+  EXPECT_EQ(t->sm90_tile, CudaTuning::Sm90Tile::kRows64);
   EXPECT_EQ(ParseCudaTuning("gemm=grouped")->gemm, CudaTuning::Gemm::kGrouped);
   EXPECT_EQ(ParseCudaTuning("gemm=sm90")->gemm, CudaTuning::Gemm::kSm90);
   EXPECT_EQ(ParseCudaTuning("gemm=cublas")->gemm, CudaTuning::Gemm::kCublas);
-  EXPECT_EQ(ParseCudaTuning("sm90_rows=128")->sm90_rows, 128);
-  EXPECT_EQ(ParseCudaTuning("")->sm90_rows, 0);
+  EXPECT_EQ(ParseCudaTuning("sm90_tile=rows128")->sm90_tile, CudaTuning::Sm90Tile::kRows128);
+  EXPECT_EQ(ParseCudaTuning("sm90_tile=pingpong")->sm90_tile, CudaTuning::Sm90Tile::kPingPong);
+  EXPECT_EQ(ParseCudaTuning("")->sm90_tile, CudaTuning::Sm90Tile::kAuto);
 }
 
 TEST(CudaTuningTest, BadInputNamesTheKey) {
-  for (const char* bad : {"pdl=2", "gemm=fast", "chain_streams=5", "sm90_rows=96", "sm90_rows=256", "mma_wide=-2",
+  for (const char* bad : {"pdl=2", "gemm=fast", "chain_streams=5", "sm90_tile=96", "sm90_tile=", "mma_wide=-2",
                           "fused_layer=", "speed=1", "pdl"}) {
     auto t = ParseCudaTuning(bad);
     ASSERT_FALSE(t.ok()) << bad;
