@@ -453,6 +453,23 @@ class CudaKernels final : public ExpertKernels {
     }
     if (p.rows == 0) return absl::OkStatus();
     if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
+    if (sm90_ && p.rows >= kSm90DecodeRowsPerExpert * e_count && cuda::GroupedSm90Supported(e_count, d, f)) {
+      // Enough rows an expert that reading its weights once per 64-row tile beats once per
+      // 8 or 16 rows: gather the rows (when an index is given), then the Hopper kernels.
+      const size_t x_bytes = p.x_row_index != nullptr ? (static_cast<size_t>(p.rows) * d * 2 + 255) & ~size_t{255} : 0;
+      auto base = scratch_.Get(x_bytes + static_cast<size_t>(p.rows) * f * 2);
+      if (!base.ok()) return base.status();
+      uint16_t* xe = reinterpret_cast<uint16_t*>(*base);
+      uint16_t* a = reinterpret_cast<uint16_t*>(static_cast<char*>(*base) + x_bytes);
+      if (p.x_row_index != nullptr) {
+        CUDA_RETURN_IF_ERROR(
+            cuda::LaunchGatherRows(p.x, p.x_rows, p.x_row_index, p.rows, static_cast<int64_t>(d) * 2, xe, 0, st));
+      }
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(p.x_row_index != nullptr ? xe : p.x, p.rows, p.device_offsets,
+                                                         e_count, d, f, w.w_gate_up, w.w_down, a, p.y,
+                                                         Sm90ScheduleFor(p.rows / e_count), st));
+      return absl::OkStatus();
+    }
     auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
     if (!a.ok()) return a.status();
     CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, p.x_row_index, p.device_offsets, e_count, d, f, w.w_gate_up,
@@ -585,6 +602,21 @@ class CudaKernels final : public ExpertKernels {
     return uniform ? StridedBatched(down, st) : Grouped(down, st);
   }
 
+  // The Hopper kernels' schedule for segments of `avg_rows` rows on average (sm90_tile forces one).
+  cuda::Sm90Schedule Sm90ScheduleFor(int64_t avg_rows) const {
+    switch (sm90_tile_) {
+      case CudaTuning::Sm90Tile::kRows64:
+        return cuda::Sm90Schedule::kRows64;
+      case CudaTuning::Sm90Tile::kRows128:
+        return cuda::Sm90Schedule::kRows128;
+      case CudaTuning::Sm90Tile::kPingPong:
+        return cuda::Sm90Schedule::kPingPong;
+      case CudaTuning::Sm90Tile::kAuto:
+        break;
+    }
+    return avg_rows < kSm90SmallTileRows ? cuda::Sm90Schedule::kRows64 : cuda::Sm90Schedule::kRows128;
+  }
+
   // Both projections on the Hopper grouped kernels: the executed offsets go to the device in one
   // copy; the gate/up kernel writes the activation (no h), the down kernel the rows.
   absl::Status Sm90Projections(const SwigluParams& p, const std::vector<int64_t>& executed, int64_t avg_rows,
@@ -599,14 +631,9 @@ class CudaKernels final : public ExpertKernels {
     if (!offsets.ok()) return offsets.status();
     absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
     if (!s.ok()) return s;
-    cuda::Sm90Schedule schedule =
-        avg_rows < kSm90SmallTileRows ? cuda::Sm90Schedule::kRows64 : cuda::Sm90Schedule::kRows128;
-    if (sm90_tile_ == CudaTuning::Sm90Tile::kRows64) schedule = cuda::Sm90Schedule::kRows64;
-    if (sm90_tile_ == CudaTuning::Sm90Tile::kRows128) schedule = cuda::Sm90Schedule::kRows128;
-    if (sm90_tile_ == CudaTuning::Sm90Tile::kPingPong) schedule = cuda::Sm90Schedule::kPingPong;
     CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(xe, executed[e_count], static_cast<const int64_t*>(*offsets),
-                                                       e_count, w.d, w.d_ff, w.w_gate_up, w.w_down, a, ye, schedule,
-                                                       st));
+                                                       e_count, w.d, w.d_ff, w.w_gate_up, w.w_down, a, ye,
+                                                       Sm90ScheduleFor(avg_rows), st));
     return absl::OkStatus();
   }
 
@@ -746,6 +773,11 @@ class CudaKernels final : public ExpertKernels {
   // faster (E128 T=8192).
   static constexpr int64_t kSm90SmallTileRows = 64;
   static constexpr int64_t kSm90MaxAvgRows = 512;
+  // The decode path (device offsets) takes the Hopper kernels from this many rows an expert on
+  // average (its capacity over the experts): E128 T=64 (4 an expert) 348 against 416 us a layer,
+  // E32 T=16 (4) 693 against 785, E8 T=128 (32) 717 against 2095; E128 T=16 (1) stays on the
+  // decode kernels (196 against 232).
+  static constexpr int64_t kSm90DecodeRowsPerExpert = 4;
   // Segments whose gate+up GEMM has at least this many multiply-adds run as per-expert chains;
   // below it one grouped call wins (measured on the H200, bench/RESULTS.md).
   static constexpr int64_t kChainWork = 4'000'000'000;

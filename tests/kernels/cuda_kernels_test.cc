@@ -294,6 +294,66 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
 // (ragged last passes of both widths): each row must also equal expert 0's row of the same
 // source, and the CPU within rounding. (MOE_CUDA_TUNING=mma_wide=0|1 in the environment forces one
 // width for all three calls.)
+// The decode path (device offsets) with segments averaging 4+ rows on a shape the Hopper
+// kernels take: gemm=auto runs them (rows gathered through the index first), gemm=cublas the
+// decode kernels; both match the CPU, and the gathered run equals the direct one bit for bit.
+TEST_F(CudaKernelsTest, DeviceOffsetSwigluOnHopperKernelsMatchesCpu) {
+  const int e = 8, d = 512, f = 256;
+  const std::vector<int64_t> counts = {0, 5, 40, 64, 65, 3, 0, 130};
+  const auto offsets = Offsets(counts);
+  const int64_t rows = offsets.back() + 3;  // capacity above the used rows
+  ASSERT_TRUE(cuda::GroupedSm90Supported(e, d, f));
+  auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+  std::vector<uint16_t> ref(x.size(), 0);
+  SwigluParams p;
+  p.weights = {wgu.data(), wd.data(), e, d, f};
+  p.x = x.data();
+  p.rows = rows;
+  p.device_offsets = offsets.data();
+  p.y = ref.data();
+  ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+  ref.resize(offsets.back() * d);
+  std::vector<int32_t> index(rows);
+  for (int64_t r = 0; r < rows; ++r) index[r] = static_cast<int32_t>(rows - 1 - r);
+  std::vector<uint16_t> source(x.size());
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(x.begin() + r * d, d, source.begin() + index[r] * d);
+  DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x), dsource(source);
+  DeviceVector<int64_t> doff(offsets);
+  DeviceVector<int32_t> dindex(index);
+  const CudaTuning saved = GetCudaTuning();
+  for (const char* spec : {"gemm=auto", "gemm=cublas"}) {
+    auto tuning = ParseCudaTuning(spec);
+    ASSERT_TRUE(tuning.ok());
+    SetCudaTuning(*tuning);
+    auto k = CreateCudaKernels();
+    ASSERT_TRUE(k.ok()) << k.status();
+    std::vector<std::vector<uint16_t>> outs;
+    for (bool gathered : {false, true}) {
+      DeviceVector<uint16_t> dy(x.size(), 0);
+      SwigluParams g;
+      g.weights = {dwgu.get(), dwd.get(), e, d, f};
+      g.x = gathered ? dsource.get() : dx.get();
+      g.x_row_index = gathered ? dindex.get() : nullptr;
+      g.x_rows = gathered ? rows : 0;
+      g.rows = rows;
+      g.device_offsets = doff.get();
+      g.y = dy.get();
+      ASSERT_TRUE((*k)->Swiglu(g, nullptr).ok()) << spec;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto got = dy.Host();
+      got.resize(offsets.back() * d);
+      double rel = 0;
+      EXPECT_LT(MaxAbsDiffBf16(got, ref, &rel), 0.05f) << spec << (gathered ? " gathered" : "");
+      EXPECT_LT(rel, 1e-2) << spec << (gathered ? " gathered" : "");
+      outs.push_back(std::move(got));
+    }
+    EXPECT_EQ(outs[0], outs[1]) << spec << ": the gathered rows differ from the direct ones";
+  }
+  SetCudaTuning(saved);
+}
+
 TEST_F(CudaKernelsTest, DeviceOffsetSwigluPassesOfEveryWidthAgree) {
   const int e = 5, d = 256, f = 160;
   const std::vector<int64_t> counts = {8, 13, 16, 0, 45};
