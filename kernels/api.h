@@ -218,6 +218,11 @@ class ExpertKernels {
   virtual absl::Status Quantize(const QuantizeParams& p, Stream stream) = 0;
   virtual absl::Status Dequantize(const DequantizeParams& p, Stream stream) = 0;
   virtual absl::Status LocalLayer(const LocalLayerParams& p, Stream stream) = 0;
+  // Whether these kernels' decode path (Swiglu with device offsets in the grouped layout) runs
+  // `routes` rows over the experts faster than the padded runner would, so that a caller choosing
+  // a runner (the layer executor's --decode_runner auto) need not ask PaddedDecodeCapacity. CUDA:
+  // where the Hopper grouped kernels take the step; the CPU reference: never.
+  virtual bool DecodeGemmBeatsPadded(int num_experts, int d, int d_ff, int64_t routes) const { return false; }
 
   // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
   // the CUDA implementation allocates device memory and copies on `stream` (a copy from

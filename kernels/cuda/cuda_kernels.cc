@@ -200,6 +200,9 @@ class CudaKernels final : public ExpertKernels {
   }
 
   bool device_resident() const override { return true; }
+  bool DecodeGemmBeatsPadded(int num_experts, int d, int d_ff, int64_t routes) const override {
+    return Sm90Decode(num_experts, d, d_ff, routes);
+  }
   int64_t AvailableBytes() override {
     size_t free = 0, total = 0;
     if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) return -1;
@@ -453,7 +456,7 @@ class CudaKernels final : public ExpertKernels {
     }
     if (p.rows == 0) return absl::OkStatus();
     if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
-    if (sm90_ && p.rows >= kSm90DecodeRowsPerExpert * e_count && cuda::GroupedSm90Supported(e_count, d, f)) {
+    if (Sm90Decode(e_count, d, f, p.rows)) {
       // Enough rows an expert that reading its weights once per 64-row tile beats once per
       // 8 or 16 rows: gather the rows (when an index is given), then the Hopper kernels.
       const size_t x_bytes = p.x_row_index != nullptr ? (static_cast<size_t>(p.rows) * d * 2 + 255) & ~size_t{255} : 0;
@@ -600,6 +603,12 @@ class CudaKernels final : public ExpertKernels {
     if (!s.ok()) return s;
     CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
     return uniform ? StridedBatched(down, st) : Grouped(down, st);
+  }
+
+  // Whether the decode path runs `rows` rows over the experts on the Hopper kernels.
+  bool Sm90Decode(int num_experts, int d, int d_ff, int64_t rows) const {
+    return sm90_ && num_experts > 0 && rows >= kSm90DecodeRowsPerExpert * num_experts &&
+           cuda::GroupedSm90Supported(num_experts, d, d_ff);
   }
 
   // The Hopper kernels' schedule for segments of `avg_rows` rows on average (sm90_tile forces one).

@@ -4,8 +4,10 @@
 
 namespace moe {
 
-bool ChoosePaddedRunner(DecodeRunner runner, int peers, int64_t rank_tokens, int k, int64_t total_slots) {
+bool ChoosePaddedRunner(DecodeRunner runner, int peers, int64_t rank_tokens, int k, int64_t total_slots,
+                        bool kernels_beat_padded) {
   if (runner != DecodeRunner::kAuto) return runner == DecodeRunner::kPadded;
+  if (kernels_beat_padded) return false;
   return total_slots > 0 && static_cast<int64_t>(peers) * rank_tokens * k >= 2 * total_slots;
 }
 

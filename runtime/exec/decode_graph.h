@@ -55,8 +55,10 @@ enum class DecodeRunner { kAuto, kKernels, kPadded };
 // padded runner reads every local slot's weights, hit or not, and the decode kernels only the hit
 // ones; with most slots hit the GEMMs' single pass wins (H200, bench/RESULTS.md: E=128 64
 // tokens 324 us against 420, E=32 16 tokens 692 against 816; with 1 row per expert expected,
-// E=128 16 tokens, 323 against 195).
-bool ChoosePaddedRunner(DecodeRunner runner, int peers, int64_t rank_tokens, int k, int64_t total_slots);
+// E=128 16 tokens, 323 against 195). `kernels_beat_padded` (ExpertKernels::DecodeGemmBeatsPadded
+// for the bucket's rows: CUDA's Hopper grouped kernels) keeps kAuto off the padded runner.
+bool ChoosePaddedRunner(DecodeRunner runner, int peers, int64_t rank_tokens, int k, int64_t total_slots,
+                        bool kernels_beat_padded = false);
 absl::StatusOr<DecodeRunner> ParseDecodeRunner(const std::string& name);
 
 // One step's tables, host memory. Row r of peer j's segment is at j * segment_rows + r.

@@ -228,7 +228,9 @@ absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
   shape.d = in.d;
   shape.d_ff = weights->host->d_ff;
   shape.k = in.k;
-  shape.padded_runner = ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots);
+  shape.padded_runner =
+      ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots,
+                         options_.kernels->DecodeGemmBeatsPadded(local_slots, in.d, shape.d_ff, p * tokens_cap * in.k));
   shape.w_gate_up = weights->LayerGateUp(layer_index);
   shape.w_down = weights->LayerDown(layer_index);
   shape.warmup_timeout = options_.timeout;
@@ -821,7 +823,12 @@ absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
       layer.padded_capacity = most;
       break;
     case DecodeRunner::kAuto:
-      layer.padded_capacity = kernels::PaddedDecodeCapacity(slot_routes, in.d, weights.host->d_ff);
+      // The kernels' own decode GEMMs where they beat the padded runner (CUDA's Hopper kernels
+      // from four rows an expert), else the padded runner where it pays.
+      if (!options_.kernels->DecodeGemmBeatsPadded(static_cast<int>(slot_routes.size()), in.d, weights.host->d_ff,
+                                                   in.tokens * in.k)) {
+        layer.padded_capacity = kernels::PaddedDecodeCapacity(slot_routes, in.d, weights.host->d_ff);
+      }
       break;
   }
   ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));

@@ -324,6 +324,12 @@ TEST(CpuKernelsTest, DotRowsBf16IsExactPerRowWhateverTheBatch) {
 
 // When the padded runner pays (kernels::PaddedDecodeCapacity): most experts hit, two rows or
 // more on average, padding within 8x the routes, 256 MB of expert weights or more.
+// The CPU reference has no decode GEMMs of its own: callers fall back to PaddedDecodeCapacity.
+TEST(CpuKernelsTest, NoDecodeGemmBeatsPadded) {
+  auto cpu = CreateCpuKernels();
+  EXPECT_FALSE(cpu->DecodeGemmBeatsPadded(8, 512, 256, 1024));
+}
+
 TEST(CpuKernelsTest, PaddedDecodeCapacityPicksTheRunner) {
   const int d = 2048, f = 768;
   std::vector<int64_t> four(128, 4);

@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -329,6 +330,11 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluOnHopperKernelsMatchesCpu) {
     SetCudaTuning(*tuning);
     auto k = CreateCudaKernels();
     ASSERT_TRUE(k.ok()) << k.status();
+    // What the executor's --decode_runner auto asks: here the Hopper kernels run (auto only).
+    const bool hopper = std::string(spec) == "gemm=auto";
+    EXPECT_EQ((*k)->DecodeGemmBeatsPadded(e, d, f, rows), hopper) << spec;
+    EXPECT_FALSE((*k)->DecodeGemmBeatsPadded(e, d, f, 4 * e - 1)) << spec << ": under four rows an expert";
+    EXPECT_FALSE((*k)->DecodeGemmBeatsPadded(e, d, 96, rows)) << spec << ": d_ff not a multiple of 128";
     std::vector<std::vector<uint16_t>> outs;
     for (bool gathered : {false, true}) {
       DeviceVector<uint16_t> dy(x.size(), 0);

@@ -115,6 +115,9 @@ TEST(DecodeRunnerTest, AutoTakesPaddedFromTwoRowsASlot) {
   EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kAuto, 1, 8, 8, 0));
   EXPECT_TRUE(ChoosePaddedRunner(DecodeRunner::kPadded, 1, 1, 1, 128));
   EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kKernels, 4, 64, 8, 8));
+  // Kernels whose own decode GEMMs beat the padded runner keep auto off it, not a forced choice.
+  EXPECT_FALSE(ChoosePaddedRunner(DecodeRunner::kAuto, 4, 8, 8, 64, /*kernels_beat_padded=*/true));
+  EXPECT_TRUE(ChoosePaddedRunner(DecodeRunner::kPadded, 4, 8, 8, 64, /*kernels_beat_padded=*/true));
   EXPECT_EQ(*ParseDecodeRunner("padded"), DecodeRunner::kPadded);
   EXPECT_EQ(*ParseDecodeRunner("kernels"), DecodeRunner::kKernels);
   EXPECT_EQ(*ParseDecodeRunner("auto"), DecodeRunner::kAuto);
