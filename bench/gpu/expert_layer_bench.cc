@@ -426,7 +426,9 @@ int main(int argc, char** argv) {
           report("prefill", us);
         }
       }
-      if (t <= 128) {
+      // The device-offset path past decode sizes too, where it runs the Hopper grouped kernels
+      // (no host round trip, so it captures into a graph at any T).
+      if (t <= 128 || kernels->DecodeGemmBeatsPadded(s.e, s.d, s.f, routes)) {
         report("decode", TimeMedianUs(reps, st, decode_layer));
         // The decode path has no host round trip, so the whole step captures into one CUDA
         // graph (stable buffers: the same device pointers every replay).
