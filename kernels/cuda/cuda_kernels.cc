@@ -315,9 +315,11 @@ class CudaKernels final : public ExpertKernels {
     // step against 36.5-37.4.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
+    // Not where the stages' experts run on the Hopper kernels: the fused path must give the
+    // stages' bits (a graph of the same step replays the stages).
     if (fused_layer_ && capture == cudaStreamCaptureStatusNone && p.padded_capacity == 0 &&
         cuda::FusedLocalLayerSupported(p.num_tokens, p.k, w.num_experts, w.d, w.d_ff) && aligned(p.x) &&
-        aligned(p.out_fp32) && aligned(p.out_bf16)) {
+        aligned(p.out_fp32) && aligned(p.out_bf16) && !Sm90Decode(w.num_experts, w.d, w.d_ff, p.num_tokens * p.k)) {
       // Decode-sized: two kernels route for themselves and the last block combines. The stages'
       // scratch is grown too, so that a capture after this warm-up allocates nothing.
       const int64_t routes = p.num_tokens * p.k;
@@ -606,8 +608,9 @@ class CudaKernels final : public ExpertKernels {
   }
 
   // Whether the decode path runs `rows` rows over the experts on the Hopper kernels.
+  // gemm=sm90 takes it at any rows an expert (side-by-side measurements of the rule).
   bool Sm90Decode(int num_experts, int d, int d_ff, int64_t rows) const {
-    return sm90_ && num_experts > 0 && rows >= kSm90DecodeRowsPerExpert * num_experts &&
+    return sm90_ && num_experts > 0 && (sm90_forced_ || rows >= kSm90DecodeRowsPerExpert * num_experts) &&
            cuda::GroupedSm90Supported(num_experts, d, d_ff);
   }
 

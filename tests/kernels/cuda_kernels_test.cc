@@ -592,6 +592,10 @@ TEST_F(CudaKernelsTest, LocalLayerFusedEqualsStagesAndMatchesCpu) {
       {64, 32, 256, 32, 1, {}},  // 32 routes: the most one warp routes
       {8, 2, 4096, 64, 1, {}},   // d above the fused combine's one round: the stages
       {32, 4, 256, 96, 5, {}},   // more tokens: the stages
+      // Four routes an expert (repeated ids): the stages' experts run on the Hopper kernels, so
+      // the eager call must take the stages too (the fused kernels would give other bits).
+      {8, 32, 512, 256, 1, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+                            0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7}},
   };
   for (const Case& tc : cases) {
     const int e = tc.e, k = tc.k, d = tc.d, f = tc.f;
