@@ -4,11 +4,11 @@
 //
 // Roles in a CTA of 384 threads: warpgroup 0 is the producer (one thread issues the TMA loads
 // of every stage; its registers go to the others through setmaxnreg), warpgroups 1 and 2 are
-// consumers (each owns a 64-row half of a 128-row tile, or a column half of a 64-row tile).
-// A stage holds a BM x 64 tile of the rows and the weight rows of the column tile, both
-// K-major with the 128-byte swizzle that TMA writes and wgmma reads. Barriers: `full[s]` (the
-// producer's expected bytes, completed by TMA) and `empty[s]` (one arrival per consumer warp
-// after its MMAs on the stage retired).
+// consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
+// 64-row tile; ping-pong: each owns every other 128-row tile, see Config). A stage holds a BM x 64 tile of the rows and
+// the weight rows of the column tile, both K-major with the 128-byte swizzle that TMA writes and wgmma reads. Barriers:
+// `full[s]` (the producer's expected bytes, completed by TMA) and `empty[s]` (one arrival per consumer warp after its
+// MMAs on the stage retired).
 //
 // Gate/up (kSwiglu): a column tile of BN activation columns loads BN gate rows and the BN up
 // rows of the same columns, so the epilogue applies SwiGLU in registers and writes only
@@ -142,7 +142,7 @@ struct Config {
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
   static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 2) * 4;
+      1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
   static_assert(kAcc <= 128, "accumulators of a thread");
@@ -247,9 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* epilogue = smem + C::kStages * C::kStageBytes;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + kConsumerWarps * kEpilogueWarpBytes);
   uint64_t* empty = full + C::kStages;
-  // Ping-pong: how many tiles of the CTA's sequence have had all their MMAs issued.
-  volatile int* issued = reinterpret_cast<volatile int*>(empty + C::kStages);
-  int32_t* prefix = reinterpret_cast<int32_t*>(empty + C::kStages) + 1;
+  int32_t* prefix = reinterpret_cast<int32_t*>(empty + C::kStages);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = args.num_experts;
 
@@ -258,7 +256,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       MbarInit(&full[s], 1);
       MbarInit(&empty[s], C::kEmptyArrivals);
     }
-    *issued = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (warp == 1) {  // row tiles before each expert (inclusive warp scans, 32 experts at a time)
@@ -327,12 +324,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     // used k_blocks stages.
     const int64_t pos0 = static_cast<int64_t>(j) * args.k_blocks;
     // Ping-pong: this tile's MMAs start once the previous tile's (the other warpgroup's) are all
-    // issued. Besides alternating the tensor cores between the warpgroups, this keeps a
+    // issued: named barrier 1 + cw, which the other warpgroup's 128 threads arrive on after their
+    // MMA loop. Besides alternating the tensor cores between the warpgroups, this keeps a
     // warpgroup within one phase of the stages it waits on (the barriers' parity is only
     // unambiguous that close).
     if constexpr (kPingPong) {
-      while (*issued < j) {
-      }
+      if (j > 0) asm volatile("bar.sync %0, 256;" ::"r"(1 + cw) : "memory");
     }
     // One group of MMAs in flight: a stage is released once the group after it was issued and
     // its own retired (wait_group 1), the last one after the tile's final wait.
@@ -365,8 +362,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       prev = stage;
     }
     if constexpr (kPingPong) {
-      asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");  // the warpgroup's four warps issued
-      if (wl == 0 && lane == 0) *issued = j + 1;
+      // The next tile of the sequence (the other warpgroup's) may start, if there is one: every
+      // arrival is matched by the other warpgroup's wait.
+      if (static_cast<int>(blockIdx.x + (j + 1) * gridDim.x) < total)
+        asm volatile("bar.arrive %0, 256;" ::"r"(1 + (cw ^ 1)) : "memory");
     }
     WgmmaWait<0>();
     if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
@@ -421,15 +420,25 @@ template <int BM, int BN, bool kSwiglu, bool kPingPong>
 cudaError_t Launch(const uint16_t* a, int64_t rows, int64_t k, const uint16_t* b, int64_t b_rows,
                    const GroupedArgs& args, cudaStream_t stream) {
   using C = Config<BM, BN, kSwiglu, kPingPong>;
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [] {
-    attr = cudaFuncSetAttribute(GroupedGemmKernel<BM, BN, kSwiglu, kPingPong>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  });
-  if (attr != cudaSuccess) return attr;
+  // The shared-memory opt-in is a property of the function on each device: set it once a device
+  // (a process may drive several GPUs).
+  static std::mutex mu;
+  static uint64_t prepared = 0;  // bit d: done on device d (devices past 63: every launch)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if ((prepared & bit) == 0 || bit == 0) {
+      err = cudaFuncSetAttribute(GroupedGemmKernel<BM, BN, kSwiglu, kPingPong>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+      if (err != cudaSuccess) return err;
+      prepared |= bit;
+    }
+  }
   CUtensorMap map_a, map_b;
-  cudaError_t err = MapRows(&map_a, a, k, rows, BM);
+  err = MapRows(&map_a, a, k, rows, BM);
   if (err != cudaSuccess) return err;
   err = MapRows(&map_b, b, k, b_rows, BN);
   if (err != cudaSuccess) return err;
