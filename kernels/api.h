@@ -135,6 +135,29 @@ struct SwigluParams {
   float padding_value = 0.0f;
 };
 
+// FP8 experts in DeepSeek-V3's checkpoint format: E4M3 weights with one FP32 scale per 128 x 128
+// block. The rows are quantized per (row, 128 values) on the fly (as Quantize does), and so is
+// the activation before the down projection. Products accumulate in FP32 and the gate and up
+// values round to BF16 as in Swiglu. Expert-major rows in the grouped layout; the segment
+// offsets are read where the kernels run (device memory on CUDA, host memory on the CPU).
+struct Fp8ExpertWeights {
+  const uint8_t* w_gate_up = nullptr;     // [E, 2 d_ff, d] E4M3, rows as in ExpertWeights
+  const float* gate_up_scales = nullptr;  // [E, 2 d_ff / 128, d / 128]
+  const uint8_t* w_down = nullptr;        // [E, d, d_ff] E4M3
+  const float* down_scales = nullptr;     // [E, d / 128, d_ff / 128]
+  int num_experts = 0;
+  int d = 0;     // a multiple of 128
+  int d_ff = 0;  // a multiple of 128
+};
+
+struct SwigluFp8Params {
+  Fp8ExpertWeights weights;
+  const uint16_t* x = nullptr;  // [rows, d] BF16
+  int64_t rows = 0;
+  const int64_t* offsets = nullptr;  // [E + 1], offsets[0] >= 0, monotone, offsets[E] <= rows
+  uint16_t* y = nullptr;             // [rows, d] BF16; rows outside every segment are left alone
+};
+
 // y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
 // row -1 (a dropped route) contributes nothing.
 struct CombineParams {
@@ -218,6 +241,9 @@ class ExpertKernels {
   virtual absl::Status Quantize(const QuantizeParams& p, Stream stream) = 0;
   virtual absl::Status Dequantize(const DequantizeParams& p, Stream stream) = 0;
   virtual absl::Status LocalLayer(const LocalLayerParams& p, Stream stream) = 0;
+  // FP8 experts (SwigluFp8Params). CUDA: the Hopper grouped kernels, UNIMPLEMENTED for shapes
+  // they do not take (d a multiple of 256, d_ff of 128).
+  virtual absl::Status SwigluFp8(const SwigluFp8Params& p, Stream stream) = 0;
   // Whether these kernels' decode path (Swiglu with device offsets in the grouped layout) runs
   // `routes` rows over the experts faster than the padded runner would, so that a caller choosing
   // a runner (the layer executor's --decode_runner auto) need not ask PaddedDecodeCapacity. CUDA:
@@ -303,6 +329,7 @@ absl::Status CheckGather(const GatherParams& p);
 absl::Status CheckHistogram(const HistogramParams& p);
 absl::Status CheckRouteRows(const RouteRowsParams& p);
 absl::Status CheckSwiglu(const SwigluParams& p);
+absl::Status CheckSwigluFp8(const SwigluFp8Params& p);  // what the host sees (not device offsets)
 absl::Status CheckCombine(const CombineParams& p);
 absl::Status CheckQuantize(const QuantizeParams& p);
 absl::Status CheckDequantize(const DequantizeParams& p);

@@ -140,6 +140,21 @@ absl::Status CheckSwiglu(const SwigluParams& p) {
   return ExecutedOffsets(p.layout, counts, &executed);
 }
 
+absl::Status CheckSwigluFp8(const SwigluFp8Params& p) {
+  const Fp8ExpertWeights& w = p.weights;
+  KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,
+                    "swiglu_fp8.weights: num_experts, d and d_ff must be positive");
+  KERNEL_INVALID_IF(w.d % 128 != 0 || w.d_ff % 128 != 0, "swiglu_fp8.weights: d (", w.d, ") and d_ff (", w.d_ff,
+                    ") must be multiples of 128, the scale blocks");
+  KERNEL_INVALID_IF(
+      w.w_gate_up == nullptr || w.gate_up_scales == nullptr || w.w_down == nullptr || w.down_scales == nullptr,
+      "swiglu_fp8.weights: null weights or scales");
+  KERNEL_INVALID_IF(p.rows < 0, "swiglu_fp8.rows: negative");
+  KERNEL_INVALID_IF(p.offsets == nullptr, "swiglu_fp8.offsets: null");
+  KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.y == nullptr), "swiglu_fp8: null x or y");
+  return absl::OkStatus();
+}
+
 absl::Status CheckCombine(const CombineParams& p) {
   KERNEL_INVALID_IF(p.d <= 0 || p.k <= 0, "combine: d and k must be positive");
   KERNEL_INVALID_IF(p.num_tokens < 0 || p.num_rows < 0, "combine: negative size");

@@ -1,25 +1,31 @@
 #!/usr/bin/env python3
 """Writes kernels/cuda/wgmma.cuh: inline-PTX wrappers of Hopper's warpgroup MMA
-(wgmma.mma_async m64nNk16, BF16 operands from shared-memory descriptors, FP32 accumulators in
-registers). One wrapper per N; each lists its N/2 accumulator registers, which is why the file
-is generated. Run from the repository root: tools/gen_wgmma.py > kernels/cuda/wgmma.cuh
+(wgmma.mma_async m64nNk16 with BF16 operands, m64nNk32 with FP8 E4M3 ones, both from
+shared-memory descriptors, FP32 accumulators in registers). One wrapper per N and type; each
+lists its N/2 accumulator registers, which is why the file is generated. Run from the repository root: tools/gen_wgmma.py > kernels/cuda/wgmma.cuh
 """
 
-WIDTHS = (64, 128, 256)
+# (N, operand type): BF16 wrappers (k16) for every width the kernels use, E4M3 ones (k32) for the
+# FP8 kernels' narrower tiles.
+WRAPPERS = ((64, "bf16"), (128, "bf16"), (256, "bf16"), (64, "e4m3"), (128, "e4m3"))
 
 
-def wrapper(n):
+def wrapper(n, dtype):
     regs = n // 2
-    names = ", ".join("%%%d" % i for i in range(regs))
+    k = 16 if dtype == "bf16" else 32
+    name = "WgmmaM64N%dK%d%s" % (n, k, "" if dtype == "bf16" else "E4m3")
+    # Transposition immediates exist only for 16-bit operands; both operands are K-major here.
+    tail = "p, 1, 1, 0, 0" if dtype == "bf16" else "p, 1, 1"
     lines = []
-    lines.append("// d[0..%d) += A(64 x 16, K-major, desc_a) * B(%d x 16, K-major, desc_b)^T; scale_d == 0" % (regs, n))
+    lines.append("// d[0..%d) += A(64 x %d, K-major, desc_a) * B(%d x %d, K-major, desc_b)^T, %s operands; scale_d == 0"
+                 % (regs, k, n, k, dtype.upper()))
     lines.append("// overwrites d instead of accumulating.")
-    lines.append("__device__ __forceinline__ void WgmmaM64N%dK16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {" % n)
+    lines.append("__device__ __forceinline__ void %s(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {" % name)
     lines.append("  asm volatile(")
     lines.append('      "{\\n"')
     lines.append('      ".reg .pred p;\\n"')
     lines.append('      "setp.ne.b32 p, %%%d, 0;\\n"' % (regs + 2))
-    lines.append('      "wgmma.mma_async.sync.aligned.m64n%dk16.f32.bf16.bf16 "' % n)
+    lines.append('      "wgmma.mma_async.sync.aligned.m64n%dk%d.f32.%s.%s "' % (n, k, dtype, dtype))
     chunk = []
     for i in range(regs):
         chunk.append("%%%d" % i)
@@ -32,7 +38,7 @@ def wrapper(n):
     for i, part in enumerate(text_lines):
         sep = ", " if i + 1 < len(text_lines) else ""
         lines.append('      "%s%s"' % (part, sep))
-    lines.append('      "}, %%%d, %%%d, p, 1, 1, 0, 0;\\n"' % (regs, regs + 1))
+    lines.append('      "}, %%%d, %%%d, %s;\\n"' % (regs, regs + 1, tail))
     lines.append('      "}\\n"')
     outs = ['"+f"(d[%d])' % i for i in range(regs)]
     lines.append("      : " + ", ".join(outs[0:8]) + ("," if regs > 8 else ""))
@@ -54,8 +60,8 @@ def main():
     print("namespace moe::kernels::cuda {")
     print()
     print("// clang-format off")
-    for n in WIDTHS:
-        print(wrapper(n))
+    for n, dtype in WRAPPERS:
+        print(wrapper(n, dtype))
         print()
     print("// clang-format on")
     print()

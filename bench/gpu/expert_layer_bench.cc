@@ -50,6 +50,34 @@ using moe::bench::Median;
     }                                                                                                    \
   } while (0)
 
+// An FP8 copy of a BF16 weight matrix [rows, cols] (cols a multiple of 128), made by the
+// kernels' Quantize (E4M3 per row and 128 values).
+struct Fp8Copy {
+  uint8_t* q = nullptr;
+  float* scales = nullptr;
+  static Fp8Copy Of(moe::kernels::ExpertKernels* k, const uint16_t* w, int64_t rows, int cols, cudaStream_t st) {
+    Fp8Copy c;
+    CHECK_CUDA(cudaMalloc(&c.q, rows * cols));
+    CHECK_CUDA(cudaMalloc(&c.scales, rows * (cols / 128) * sizeof(float)));
+    moe::kernels::QuantizeParams p;
+    p.x = w;
+    p.rows = rows;
+    p.d = cols;
+    p.granularity = moe::kernels::ScaleGranularity::kPerBlock128;
+    p.q = c.q;
+    p.scales = c.scales;
+    p.scale_count = rows * (cols / 128);
+    CHECK_OK(k->Quantize(p, st));
+    return c;
+  }
+  void Free() {
+    cudaFree(q);
+    cudaFree(scales);
+    q = nullptr;
+    scales = nullptr;
+  }
+};
+
 struct Shape {
   const char* name;
   int e, k, d, f;
@@ -247,6 +275,17 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&wd, wd_n * 2));
     CHECK_CUDA(moe::bench::FillRandomBf16(wgu, wgu_n, 11, 1.0f / std::sqrt(static_cast<float>(s.d)), st));
     CHECK_CUDA(moe::bench::FillRandomBf16(wd, wd_n, 12, 1.0f / std::sqrt(static_cast<float>(s.f)), st));
+    // FP8 copies of the weights for the FP8 cells (T >= 1024): E4M3 by Quantize per (row, 128
+    // values); the first of those scales stand in as the 128 x 128 block scales (timing only,
+    // the values are the BF16 weights' to within the blocks' spread).
+    Fp8Copy fp8_gu, fp8_d;
+    const bool fp8_cells =
+        !decode_only && std::any_of(s.tokens.begin(), s.tokens.end(), [](int64_t t) { return t >= 1024; });
+    if (fp8_cells) {
+      fp8_gu =
+          Fp8Copy::Of(kernels.get(), static_cast<const uint16_t*>(wgu), static_cast<int64_t>(s.e) * 2 * s.f, s.d, st);
+      fp8_d = Fp8Copy::Of(kernels.get(), static_cast<const uint16_t*>(wd), static_cast<int64_t>(s.e) * s.d, s.f, st);
+    }
     for (int64_t t : s.tokens) {
       if (only_tokens > 0 && t != only_tokens) continue;
       const int64_t routes = t * s.k;
@@ -483,6 +522,25 @@ int main(int argc, char** argv) {
         cudaGraphExecDestroy(exec);
       }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
+      if (fp8_cells && t >= 1024) {
+        // The experts alone, BF16 (the prefill path's Swiglu, host offsets, what gemm=auto picks)
+        // against FP8 (device offsets; its quantization of the rows and of the activation included).
+        moe::kernels::SwigluFp8Params q;
+        q.weights = {fp8_gu.q, fp8_gu.scales, fp8_d.q, fp8_d.scales, s.e, s.d, s.f};
+        q.x = static_cast<const uint16_t*>(packed);
+        q.rows = routes;
+        q.offsets = offsets;
+        q.y = static_cast<uint16_t*>(expert_out);
+        const absl::Status fp8_ok = kernels->SwigluFp8(q, st);
+        if (fp8_ok.ok()) {
+          const std::vector<double> side = TimeMediansUs(
+              reps, st, [&] { CHECK_OK(kernels->Swiglu(prefill, st)); }, [&] { CHECK_OK(kernels->SwigluFp8(q, st)); });
+          std::printf(
+              "{\"kind\": \"fp8\", \"shape\": \"%s\", \"T\": %lld, \"bf16_experts_us\": %.1f, \"fp8_experts_us\": "
+              "%.1f, \"fp8_speedup\": %.2f, \"fp8_tflops\": %.1f}\n",
+              s.name, static_cast<long long>(t), side[0], side[1], side[0] / side[1], flops / (side[1] * 1e-6) / 1e12);
+        }
+      }
       if (t <= 16) {
         decode_layer();
         breakdown("decode", decode, flops / (dense * 1e12) * 1e6);
@@ -499,6 +557,8 @@ int main(int argc, char** argv) {
       cudaFree(counts);
       cudaFree(offsets);
     }
+    fp8_gu.Free();
+    fp8_d.Free();
     cudaFree(wgu);
     cudaFree(wd);
   }

@@ -6,15 +6,39 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
 #include "kernels/api.h"
+#include "kernels/arg_checks.h"
 #include "kernels/cpu/dot_bf16.h"
 #include "kernels/numeric.h"
 
 namespace moe::kernels {
 namespace {
+
+// A BF16 row quantized as Quantize does per 128 values (E4M3, scale amax / 448) and read back.
+void QuantizedRow(const uint16_t* x, int n, float* out) {
+  for (int begin = 0; begin < n; begin += 128) {
+    const int end = std::min(n, begin + 128);
+    float amax = 0;
+    for (int c = begin; c < end; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
+    const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
+    for (int c = begin; c < end; ++c) out[c] = Fp8E4M3ToFloat(FloatToFp8E4M3(Bf16ToFloat(x[c]) / scale)) * scale;
+  }
+}
+
+// sum_k x[k] * w[k] * block_scales[k / 128] for a row of E4M3 weights.
+float Fp8Dot(const float* x, const uint8_t* w, const float* block_scales, int n) {
+  double sum = 0;
+  for (int begin = 0; begin < n; begin += 128) {
+    double part = 0;
+    for (int k = begin; k < begin + 128 && k < n; ++k) part += static_cast<double>(x[k]) * Fp8E4M3ToFloat(w[k]);
+    sum += part * block_scales[begin / 128];
+  }
+  return static_cast<float>(sum);
+}
 
 void ToFloat(const uint16_t* in, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
@@ -187,6 +211,44 @@ class CpuKernels final : public ExpertKernels {
 
   absl::Status LocalLayer(const LocalLayerParams& p, Stream stream) override {
     return RunLocalLayerInStages(this, p, &layer_stages_, stream);
+  }
+
+  // The FP8 reference: every E4M3 value and scale dequantized to FP32, sums in double, the
+  // rounding points of the CUDA kernels (BF16 gate and up, BF16 activation quantized per 128
+  // values, BF16 output).
+  absl::Status SwigluFp8(const SwigluFp8Params& p, Stream) override {
+    absl::Status s = CheckSwigluFp8(p);
+    if (!s.ok()) return s;
+    const Fp8ExpertWeights& w = p.weights;
+    const int64_t e_count = w.num_experts;
+    for (int64_t e = 0; e < e_count; ++e) {
+      KERNEL_INVALID_IF(p.offsets[e] < 0 || p.offsets[e + 1] < p.offsets[e] || p.offsets[e + 1] > p.rows,
+                        "swiglu_fp8.offsets[", e + 1, "]: ", p.offsets[e + 1],
+                        " breaks 0 <= offsets[e] <= offsets[e + 1] <= rows (", p.rows, ")");
+    }
+    const int d = w.d, f = w.d_ff, kd = d / 128, kf = f / 128;
+    std::vector<float> xq(d), h(2 * static_cast<size_t>(f)), a(f), aq(f);
+    std::vector<uint16_t> a16(f);
+    for (int64_t e = 0; e < e_count; ++e) {
+      for (int64_t r = p.offsets[e]; r < p.offsets[e + 1]; ++r) {
+        QuantizedRow(p.x + r * d, d, xq.data());
+        for (int64_t c = 0; c < 2 * f; ++c) {
+          const int64_t row = e * 2 * f + c;
+          h[c] = Bf16ToFloat(
+              FloatToBf16(Fp8Dot(xq.data(), w.w_gate_up + row * d, w.gate_up_scales + (row / 128) * kd, d)));
+        }
+        for (int c = 0; c < f; ++c) {
+          const float g = h[c], u = h[f + c];
+          a16[c] = FloatToBf16(g / (1.0f + std::exp(-g)) * u);
+        }
+        QuantizedRow(a16.data(), f, aq.data());
+        for (int64_t c = 0; c < d; ++c) {
+          const int64_t row = e * d + c;
+          p.y[r * d + c] = FloatToBf16(Fp8Dot(aq.data(), w.w_down + row * f, w.down_scales + (row / 128) * kf, f));
+        }
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Quantize(const QuantizeParams& p, Stream) override {

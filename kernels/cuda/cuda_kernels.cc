@@ -427,6 +427,38 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status SwigluFp8(const SwigluFp8Params& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    absl::Status s = CheckSwigluFp8(p);
+    if (!s.ok()) return s;
+    const Fp8ExpertWeights& w = p.weights;
+    const int d = w.d, f = w.d_ff;
+    if (!cuda::GroupedSm90Fp8Supported(w.num_experts, d, f)) {
+      return absl::UnimplementedError(absl::StrCat("swiglu_fp8: d=", d, ", d_ff=", f, ", E=", w.num_experts,
+                                                   " not supported (d a multiple of 256, d_ff of 128)"));
+    }
+    if (p.rows == 0) return absl::OkStatus();
+    // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales].
+    auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
+    const size_t rows = static_cast<size_t>(p.rows);
+    const size_t xq_bytes = align(rows * d), xs_bytes = align(rows * (d / 128) * 4);
+    const size_t a_bytes = align(rows * f * 2), aq_bytes = align(rows * f), as_bytes = align(rows * (f / 128) * 4);
+    auto base = scratch_.Get(xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes);
+    if (!base.ok()) return base.status();
+    char* ptr = static_cast<char*>(*base);
+    uint8_t* xq = reinterpret_cast<uint8_t*>(ptr);
+    float* xs = reinterpret_cast<float*>(ptr + xq_bytes);
+    uint16_t* a = reinterpret_cast<uint16_t*>(ptr + xq_bytes + xs_bytes);
+    uint8_t* aq = reinterpret_cast<uint8_t*>(ptr + xq_bytes + xs_bytes + a_bytes);
+    float* as = reinterpret_cast<float*>(ptr + xq_bytes + xs_bytes + a_bytes + aq_bytes);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    CUDA_RETURN_IF_ERROR(cuda::LaunchQuantizeFp8(p.x, p.rows, d, 128, xq, xs, st));
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xs, p.rows, p.offsets, w.num_experts, d, f, w.w_gate_up,
+                                                          w.gate_up_scales, w.w_down, w.down_scales, a, aq, as, p.y,
+                                                          st));
+    return absl::OkStatus();
+  }
+
   absl::Status Quantize(const QuantizeParams& p, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckQuantize(p);

@@ -122,6 +122,11 @@ struct GroupedArgs {
   int up_rows;        // kSwiglu: where an expert's up rows start (f)
   uint16_t* out;      // [rows, ld_out] BF16
   int64_t ld_out;
+  // FP8 only: the row operand's scales [a_rows, K / 128] (one per row and 128 values) and the
+  // weights' [E * b_rows_expert / 128, K / 128] (one per 128 x 128 block).
+  const float* a_scales = nullptr;
+  const float* b_scales = nullptr;
+  int64_t a_rows = 0;
 };
 
 // Schedules. Cooperative: both consumer warpgroups work on one BM x BN tile (each 64 of its
@@ -129,11 +134,17 @@ struct GroupedArgs {
 // warpgroup owns every other tile of the CTA (128 rows as two 64-row slices, BN columns), so
 // one warpgroup's epilogue runs while the other's MMAs keep the tensor cores busy; the stage
 // ring is shared in tile order.
-template <int BM, int BN, bool kSwiglu, bool kPingPong>
+//
+// FP8 (kFp8): E4M3 operands, 128 K values (128 bytes) a stage, the same swizzle; each stage's
+// MMAs go into a partial accumulator that is scaled by its row's and block's scales and added
+// to the tile's FP32 accumulator (the scales change every 128 K values). Cooperative 128-row
+// tiles only.
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
 struct Config {
+  static constexpr int kStageK = kFp8 ? 128 : kBK;      // K values a stage (128 bytes a row)
   static constexpr int kBRows = kSwiglu ? 2 * BN : BN;  // weight rows a stage
-  static constexpr int kABytes = BM * kBK * 2;
-  static constexpr int kBBytes = kBRows * kBK * 2;
+  static constexpr int kABytes = BM * 128;
+  static constexpr int kBBytes = kBRows * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = kSmemBudget / kStageBytes;
   static constexpr int kSlices = kPingPong ? 2 : 1;                  // 64-row slices a consumer warpgroup computes
@@ -145,7 +156,8 @@ struct Config {
       1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
-  static_assert(kAcc <= 128, "accumulators of a thread");
+  static_assert(kAcc * (kFp8 ? 2 : 1) <= 128, "accumulators of a thread (FP8: and the partial)");
+  static_assert(!kFp8 || (BM == 128 && !kPingPong), "FP8 runs cooperative 128-row tiles");
   static_assert(kStages >= 2, "at least two stages");
   static_assert(kWgN % 64 == 0, "the epilogue stages 64 columns at a time");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
@@ -237,11 +249,76 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
   }
 }
 
-template <int BM, int BN, bool kSwiglu, bool kPingPong>
+// The FP8 tile's main loop (cooperative, 128-row tiles): per stage, the MMAs of 128 K values
+// into `part` (E4M3 x E4M3, FP32), then acc += part x row scale x block scale. `row0` is the
+// thread's first accumulator row (its second is row0 + 8).
+template <typename C, int BN, bool kSwiglu>
+__device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0,
+                                            const GroupedArgs& args, const Tile& tile, int64_t row0, int a_off,
+                                            int lane, float* acc) {
+  constexpr int kN = C::kWgN;
+  float part[C::kAcc];
+#pragma unroll
+  for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
+  const int64_t last = args.a_rows - 1;  // rows past the operand (discarded) read the last row's scale
+  const float* sa0 = args.a_scales + (row0 < last ? row0 : last) * args.k_blocks;
+  const float* sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.k_blocks;
+  const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
+  const float* sb = args.b_scales + (b_row / 128) * args.k_blocks;
+  const float* sb_up = args.b_scales + ((b_row + args.up_rows) / 128) * args.k_blocks;
+  for (int kb = 0; kb < args.k_blocks; ++kb) {
+    const int64_t pos = pos0 + kb;
+    const int stage = static_cast<int>(pos % C::kStages);
+    // The stage's scales are loaded before the MMAs, so their latency hides under them.
+    const float s0 = sa0[kb], s1 = sa1[kb], b_scale = sb[kb];
+    const float b_scale_up = kSwiglu ? sb_up[kb] : 0.0f;
+    MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
+    const uint8_t* a_tile = smem + stage * C::kStageBytes;
+    const uint8_t* b_tile = a_tile + C::kABytes;
+    const uint64_t da = SmemDesc(a_tile + a_off);
+    const uint64_t db = SmemDesc(b_tile);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < 128 / 32; ++kk) {
+      if constexpr (kN == 64) {
+        WgmmaM64N64K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
+        if constexpr (kSwiglu) {
+          WgmmaM64N64K32E4m3(part + kN / 2, da + 2 * kk, SmemDesc(b_tile + BN * 128) + 2 * kk, kk > 0);
+        }
+      } else {
+        static_assert(kN == 128 && !kSwiglu, "FP8 tiles: 64-column gate/up, 128-column down");
+        WgmmaM64N128K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    if (lane == 0) MbarArrive(&empty[stage]);
+    const float g0 = s0 * b_scale, g1 = s1 * b_scale;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {  // fragment j: rows row0 (regs 0, 1) and row0 + 8 (2, 3)
+      acc[4 * j] += part[4 * j] * g0;
+      acc[4 * j + 1] += part[4 * j + 1] * g0;
+      acc[4 * j + 2] += part[4 * j + 2] * g1;
+      acc[4 * j + 3] += part[4 * j + 3] * g1;
+    }
+    if constexpr (kSwiglu) {
+      const float u0 = s0 * b_scale_up, u1 = s1 * b_scale_up;
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+        acc[kN / 2 + 4 * j] += part[kN / 2 + 4 * j] * u0;
+        acc[kN / 2 + 4 * j + 1] += part[kN / 2 + 4 * j + 1] * u0;
+        acc[kN / 2 + 4 * j + 2] += part[kN / 2 + 4 * j + 2] * u1;
+        acc[kN / 2 + 4 * j + 3] += part[kN / 2 + 4 * j + 3] * u1;
+      }
+    }
+  }
+}
+
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       GroupedArgs args) {
-  using C = Config<BM, BN, kSwiglu, kPingPong>;
+  using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* epilogue = smem + C::kStages * C::kStageBytes;
@@ -291,9 +368,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint8_t* a_tile = smem + stage * C::kStageBytes;
         uint8_t* b_tile = a_tile + C::kABytes;
         MbarExpectTx(&full[stage], C::kStageBytes);
-        TmaLoad2d(a_tile, &map_a, kb * kBK, a_row, &full[stage]);
-        TmaLoad2d(b_tile, &map_b, kb * kBK, b_row, &full[stage]);
-        if constexpr (kSwiglu) TmaLoad2d(b_tile + BN * 128, &map_b, kb * kBK, b_row + args.up_rows, &full[stage]);
+        TmaLoad2d(a_tile, &map_a, kb * C::kStageK, a_row, &full[stage]);
+        TmaLoad2d(b_tile, &map_b, kb * C::kStageK, b_row, &full[stage]);
+        if constexpr (kSwiglu) {
+          TmaLoad2d(b_tile + BN * 128, &map_b, kb * C::kStageK, b_row + args.up_rows, &full[stage]);
+        }
         if (++stage == C::kStages) {
           stage = 0;
           phase ^= 1;
@@ -333,8 +412,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // One group of MMAs in flight: a stage is released once the group after it was issued and
     // its own retired (wait_group 1), the last one after the tile's final wait.
+    if constexpr (kFp8) {
+      Fp8MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args, tile, m0 + row_off + wl * 16 + lane / 4, a_off, lane,
+                                  acc);
+    }
     int prev = -1;
-    for (int kb = 0; kb < args.k_blocks; ++kb) {
+    for (int kb = 0; kb < (kFp8 ? 0 : args.k_blocks); ++kb) {
       const int64_t pos = pos0 + kb;
       const int stage = static_cast<int>(pos % C::kStages);
       MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
@@ -395,17 +478,20 @@ EncodeTiledFn EncodeTiled() {
   return fn;
 }
 
-// A row-major BF16 matrix [outer, inner] read in boxes of [box_outer, 64] with the 128-byte swizzle.
-cudaError_t MapRows(CUtensorMap* map, const void* base, int64_t inner, int64_t outer, int box_outer) {
+// A row-major BF16 (or, `fp8`, one-byte) matrix [outer, inner] read in boxes of box_outer rows
+// by 128 bytes with the 128-byte swizzle.
+cudaError_t MapRows(CUtensorMap* map, const void* base, int64_t inner, int64_t outer, int box_outer, bool fp8) {
   EncodeTiledFn encode = EncodeTiled();
   if (encode == nullptr) return cudaErrorNotSupported;
+  const int elem_bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * elem_bytes};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_outer)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult rc = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                             elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult rc =
+      encode(map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
+             dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return rc == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -416,10 +502,11 @@ int SmCount() {
   return sms;
 }
 
-template <int BM, int BN, bool kSwiglu, bool kPingPong>
-cudaError_t Launch(const uint16_t* a, int64_t rows, int64_t k, const uint16_t* b, int64_t b_rows,
-                   const GroupedArgs& args, cudaStream_t stream) {
-  using C = Config<BM, BN, kSwiglu, kPingPong>;
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
+cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_t b_rows, const GroupedArgs& args,
+                   cudaStream_t stream) {
+  using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
+  auto* kernel = GroupedGemmKernel<BM, BN, kSwiglu, kPingPong, kFp8>;
   // The shared-memory opt-in is a property of the function on each device: set it once a device
   // (a process may drive several GPUs).
   static std::mutex mu;
@@ -431,21 +518,20 @@ cudaError_t Launch(const uint16_t* a, int64_t rows, int64_t k, const uint16_t* b
     std::lock_guard<std::mutex> lock(mu);
     const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
     if ((prepared & bit) == 0 || bit == 0) {
-      err = cudaFuncSetAttribute(GroupedGemmKernel<BM, BN, kSwiglu, kPingPong>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
       if (err != cudaSuccess) return err;
       prepared |= bit;
     }
   }
   CUtensorMap map_a, map_b;
-  err = MapRows(&map_a, a, k, rows, BM);
+  err = MapRows(&map_a, a, k, rows, BM, kFp8);
   if (err != cudaSuccess) return err;
-  err = MapRows(&map_b, b, k, b_rows, BN);
+  err = MapRows(&map_b, b, k, b_rows, BN, kFp8);
   if (err != cudaSuccess) return err;
   // Row tiles: at most rows / BM + one partial tile an expert.
   const int64_t tiles = (rows / BM + args.num_experts) * args.n_tiles;
   const int grid = static_cast<int>(tiles < SmCount() ? tiles : SmCount());
-  GroupedGemmKernel<BM, BN, kSwiglu, kPingPong><<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
+  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
   return cudaGetLastError();
 }
 
@@ -490,6 +576,36 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
     }
   }
   return cudaErrorInvalidValue;
+}
+
+}  // namespace moe::kernels::cuda
+
+namespace moe::kernels::cuda {
+
+bool GroupedSm90Fp8Supported(int num_experts, int d, int f) {
+  return GroupedSm90Supported(num_experts, d, f) && d % 128 == 0 && f % 128 == 0;
+}
+
+cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, const float* x_scales, int64_t rows, const int64_t* offsets,
+                                       int num_experts, int d, int f, const uint8_t* w_gate_up,
+                                       const float* gate_up_scales, const uint8_t* w_down, const float* down_scales,
+                                       uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  GroupedArgs up{offsets, num_experts, d / 128, f / 64, 2 * f, f, a, f};
+  up.a_scales = x_scales;
+  up.b_scales = gate_up_scales;
+  up.a_rows = rows;
+  cudaError_t err =
+      Launch<128, 64, true, false, true>(xq, rows, d, w_gate_up, static_cast<int64_t>(num_experts) * 2 * f, up, stream);
+  if (err != cudaSuccess) return err;
+  err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream);
+  if (err != cudaSuccess) return err;
+  GroupedArgs down{offsets, num_experts, f / 128, d / 128, d, 0, y, d};
+  down.a_scales = a_scales;
+  down.b_scales = down_scales;
+  down.a_rows = rows;
+  return Launch<128, 128, false, false, true>(aq, rows, f, w_down, static_cast<int64_t>(num_experts) * d, down, stream);
 }
 
 }  // namespace moe::kernels::cuda

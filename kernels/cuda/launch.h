@@ -79,6 +79,17 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                                     Sm90Schedule schedule, cudaStream_t stream);
 
+// FP8 (E4M3) experts on the Hopper kernels: x quantized per (row, 128 values) into xq /
+// x_scales [rows, d / 128]; weights with one FP32 scale per 128 x 128 block (gate_up_scales
+// [E, 2f / 128, d / 128], down_scales [E, d / 128, f / 128]). The activation a [rows, f] (BF16,
+// the gate/up kernel's SwiGLU epilogue) is quantized into aq / a_scales [rows, f / 128] for the
+// down kernel; y [rows, d] BF16. Scratch a, aq, a_scales belongs to the caller.
+bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
+cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, const float* x_scales, int64_t rows, const int64_t* offsets,
+                                       int num_experts, int d, int f, const uint8_t* w_gate_up,
+                                       const float* gate_up_scales, const uint8_t* w_down, const float* down_scales,
+                                       uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y, cudaStream_t stream);
+
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`
 // (the layout's capacity) and the optional bound on any segment (0 = none) pick the chunk size.

@@ -1,6 +1,8 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -324,6 +326,58 @@ TEST(CpuKernelsTest, DotRowsBf16IsExactPerRowWhateverTheBatch) {
 
 // When the padded runner pays (kernels::PaddedDecodeCapacity): most experts hit, two rows or
 // more on average, padding within 8x the routes, 256 MB of expert weights or more.
+// The FP8 reference against the BF16 layer on the dequantized weights: the only difference is
+// the activations' quantization (E4M3 per 128 values), a few percent; a mixed-up scale would be
+// far off. Bad shapes and offsets are refused naming the field.
+TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
+  std::mt19937 rng(77);
+  const int e = 3, d = 256, f = 128;
+  const std::vector<int64_t> counts = {5, 0, 9};
+  const auto offsets = testing::Offsets(counts);
+  const int64_t rows = offsets.back() + 2;
+  auto wgu = testing::RandomBf16(rng, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  auto wd = testing::RandomBf16(rng, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  auto x = testing::RandomBf16(rng, static_cast<size_t>(rows) * d, 1.0f);
+  const testing::Fp8Blocks qgu = testing::QuantizeBlocks(wgu, static_cast<int64_t>(e) * 2 * f, d);
+  const testing::Fp8Blocks qd = testing::QuantizeBlocks(wd, static_cast<int64_t>(e) * d, f);
+  auto cpu = CreateCpuKernels();
+  const uint16_t sentinel = FloatToBf16(-7.0f);
+  std::vector<uint16_t> y8(x.size(), sentinel), y16(x.size(), 0);
+  SwigluFp8Params p;
+  p.weights = {qgu.q.data(), qgu.scales.data(), qd.q.data(), qd.scales.data(), e, d, f};
+  p.x = x.data();
+  p.rows = rows;
+  p.offsets = offsets.data();
+  p.y = y8.data();
+  ASSERT_TRUE(cpu->SwigluFp8(p, nullptr).ok());
+  SwigluParams b;
+  b.weights = {qgu.dequant.data(), qd.dequant.data(), e, d, f};
+  b.x = x.data();
+  b.rows = offsets.back();
+  b.host_offsets = offsets.data();
+  b.y = y16.data();
+  ASSERT_TRUE(cpu->Swiglu(b, nullptr).ok());
+  std::vector<uint16_t> got(y8.begin(), y8.begin() + offsets.back() * d),
+      want(y16.begin(), y16.begin() + offsets.back() * d);
+  const double rel = RelativeL2Bf16(got, want);
+  EXPECT_LT(rel, 0.08);
+  EXPECT_GT(rel, 0.0);  // the activations really were quantized
+  for (int64_t i = offsets.back() * d; i < rows * d; ++i) ASSERT_EQ(y8[i], sentinel) << "row past the segments written";
+
+  SwigluFp8Params bad = p;
+  bad.weights.d = 192;
+  auto st = cpu->SwigluFp8(bad, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("d (192)"), std::string::npos) << st;
+  std::vector<int64_t> beyond = offsets;
+  beyond.back() = rows + 1;
+  bad = p;
+  bad.offsets = beyond.data();
+  st = cpu->SwigluFp8(bad, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("swiglu_fp8.offsets[3]"), std::string::npos) << st;
+}
+
 // The CPU reference has no decode GEMMs of its own: callers fall back to PaddedDecodeCapacity.
 TEST(CpuKernelsTest, NoDecodeGemmBeatsPadded) {
   auto cpu = CreateCpuKernels();

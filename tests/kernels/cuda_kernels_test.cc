@@ -229,6 +229,75 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
   }
 }
 
+// FP8 experts on the Hopper kernels against the CPU's FP8 reference (same quantization, same
+// rounding points: only the summation order differs) and, loosely, against the BF16 layer on
+// the dequantized weights. Rows outside the segments stay as they were.
+TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
+  for (const int f : {256, 384}) {
+    const int e = 6, d = 512;
+    const std::vector<int64_t> counts = {0, 1, 100, 129, 3, 200};
+    std::vector<int64_t> offsets = Offsets(counts);
+    const int64_t lead = 5, tail = 4;
+    for (int64_t& o : offsets) o += lead;
+    const int64_t rows = offsets.back() + tail;
+    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+    auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+    const testing::Fp8Blocks qgu = testing::QuantizeBlocks(wgu, static_cast<int64_t>(e) * 2 * f, d);
+    const testing::Fp8Blocks qd = testing::QuantizeBlocks(wd, static_cast<int64_t>(e) * d, f);
+    const uint16_t sentinel = FloatToBf16(-7.0f);
+    std::vector<uint16_t> ref(x.size(), sentinel);
+    SwigluFp8Params p;
+    p.weights = {qgu.q.data(), qgu.scales.data(), qd.q.data(), qd.scales.data(), e, d, f};
+    p.x = x.data();
+    p.rows = rows;
+    p.offsets = offsets.data();
+    p.y = ref.data();
+    ASSERT_TRUE(cpu_->SwigluFp8(p, nullptr).ok());
+    DeviceVector<uint8_t> dqgu(qgu.q), dqd(qd.q);
+    DeviceVector<float> dsgu(qgu.scales), dsd(qd.scales);
+    DeviceVector<uint16_t> dx(x), dy(x.size(), sentinel);
+    DeviceVector<int64_t> doff(offsets);
+    p.weights = {dqgu.get(), dsgu.get(), dqd.get(), dsd.get(), e, d, f};
+    p.x = dx.get();
+    p.offsets = doff.get();
+    p.y = dy.get();
+    ASSERT_TRUE(gpu_->SwigluFp8(p, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> got = dy.Host();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= lead && r < offsets.back()) continue;
+      for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], sentinel) << "row " << r << " outside the segments";
+    }
+    std::vector<uint16_t> got_rows(got.begin() + lead * d, got.begin() + offsets.back() * d);
+    std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
+    double rel = 0;
+    const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
+    EXPECT_LT(rel, 1e-2) << "f=" << f;
+    EXPECT_LT(worst, 0.1f) << "f=" << f;
+    // Against BF16 on the dequantized weights: the activations' quantization only.
+    SwigluParams b;
+    b.layout = LayoutParams{Layout::kGrouped, 0, 1, 128};
+    b.weights = {qgu.dequant.data(), qd.dequant.data(), e, d, f};
+    b.x = x.data() + lead * d;
+    b.rows = offsets.back() - lead;
+    const std::vector<int64_t> plain = Offsets(counts);
+    b.host_offsets = plain.data();
+    std::vector<uint16_t> bf16(static_cast<size_t>(b.rows) * d);
+    b.y = bf16.data();
+    ASSERT_TRUE(cpu_->Swiglu(b, nullptr).ok());
+    EXPECT_LT(RelativeL2Bf16(got_rows, bf16), 0.08) << "f=" << f;
+  }
+  // A shape the kernels do not take is refused, not approximated.
+  SwigluFp8Params odd;
+  std::vector<uint8_t> one(1);
+  std::vector<float> s1(1);
+  odd.weights = {one.data(), s1.data(), one.data(), s1.data(), 1, 384, 128};
+  std::vector<int64_t> off = {0, 0};
+  odd.offsets = off.data();
+  EXPECT_EQ(gpu_->SwigluFp8(odd, nullptr).code(), absl::StatusCode::kUnimplemented);
+}
+
 // Decode path: offsets read on the device, segments longer than one chunk included. The kernel
 // family follows the rows per expert and the dimensions: trials with a bound of one row
 // (trial % 3 == 1) take the streaming family, other trials with d and d_ff multiples of 32 the

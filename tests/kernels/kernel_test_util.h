@@ -2,6 +2,7 @@
 #ifndef MOE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
 #define MOE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -32,6 +33,39 @@ inline std::vector<int64_t> Offsets(const std::vector<int64_t>& counts) {
   std::vector<int64_t> o(counts.size() + 1, 0);
   for (size_t e = 0; e < counts.size(); ++e) o[e + 1] = o[e] + counts[e];
   return o;
+}
+
+// FP8 weights in DeepSeek-V3's format from BF16 ones: [matrices * rows, cols] E4M3 with one scale
+// per 128 x 128 block (rows and cols multiples of 128), and the BF16 matrix they stand for.
+struct Fp8Blocks {
+  std::vector<uint8_t> q;
+  std::vector<float> scales;      // [matrices * rows / 128, cols / 128]
+  std::vector<uint16_t> dequant;  // BF16 of q * scale
+};
+inline Fp8Blocks QuantizeBlocks(const std::vector<uint16_t>& w, int64_t rows, int64_t cols) {
+  Fp8Blocks b;
+  b.q.resize(w.size());
+  b.dequant.resize(w.size());
+  const int64_t rb = rows / 128, cb = cols / 128;
+  b.scales.resize(rb * cb);
+  for (int64_t i = 0; i < rb; ++i) {
+    for (int64_t j = 0; j < cb; ++j) {
+      float amax = 0;
+      for (int64_t r = i * 128; r < (i + 1) * 128; ++r) {
+        for (int64_t c = j * 128; c < (j + 1) * 128; ++c)
+          amax = std::max(amax, std::fabs(Bf16ToFloat(w[r * cols + c])));
+      }
+      const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
+      b.scales[i * cb + j] = scale;
+      for (int64_t r = i * 128; r < (i + 1) * 128; ++r) {
+        for (int64_t c = j * 128; c < (j + 1) * 128; ++c) {
+          b.q[r * cols + c] = FloatToFp8E4M3(Bf16ToFloat(w[r * cols + c]) / scale);
+          b.dequant[r * cols + c] = FloatToBf16(Fp8E4M3ToFloat(b.q[r * cols + c]) * scale);
+        }
+      }
+    }
+  }
+  return b;
 }
 
 // float64 SwiGLU of one expert row, from BF16 inputs (no intermediate rounding).
