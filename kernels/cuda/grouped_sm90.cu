@@ -249,6 +249,41 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
   }
 }
 
+// The BF16 tile's main loop: one group of MMAs in flight; a stage is released once the group
+// after it was issued and its own retired (wait_group 1). The last stage stays in *prev, for the
+// caller to release after the tile's final wait.
+template <typename C, int BN, bool kSwiglu>
+__device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0, int k_blocks,
+                                         int a_off, int b_off, int lane, float* acc, int* prev) {
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const int64_t pos = pos0 + kb;
+    const int stage = static_cast<int>(pos % C::kStages);
+    MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
+    const uint8_t* a_tile = smem + stage * C::kStageBytes;
+    const uint8_t* b_tile = a_tile + C::kABytes;
+    const uint64_t db = SmemDesc(b_tile + b_off);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      const int scale = (kb > 0 || kk > 0) ? 1 : 0;
+#pragma unroll
+      for (int sl = 0; sl < C::kSlices; ++sl) {
+        const uint64_t da = SmemDesc(a_tile + a_off + sl * 64 * 128);
+        float* sacc = acc + sl * C::kSliceAcc;
+        Wgmma<C::kWgN>(sacc, da + 2 * kk, db + 2 * kk, scale);
+        if constexpr (kSwiglu) {
+          const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
+          Wgmma<C::kWgN>(sacc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
+        }
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<1>();
+    if (*prev >= 0 && lane == 0) MbarArrive(&empty[*prev]);
+    *prev = stage;
+  }
+}
+
 // The FP8 tile's main loop (cooperative, 128-row tiles): per stage, the MMAs of 128 K values
 // into `part` (E4M3 x E4M3, FP32), then acc += part x row scale x block scale. `row0` is the
 // thread's first accumulator row (its second is row0 + 8).
@@ -410,39 +445,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kPingPong) {
       if (j > 0) asm volatile("bar.sync %0, 256;" ::"r"(1 + cw) : "memory");
     }
-    // One group of MMAs in flight: a stage is released once the group after it was issued and
-    // its own retired (wait_group 1), the last one after the tile's final wait.
+    int prev = -1;  // the stage whose MMAs may still run (released after them)
     if constexpr (kFp8) {
       Fp8MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args, tile, m0 + row_off + wl * 16 + lane / 4, a_off, lane,
                                   acc);
-    }
-    int prev = -1;
-    for (int kb = 0; kb < (kFp8 ? 0 : args.k_blocks); ++kb) {
-      const int64_t pos = pos0 + kb;
-      const int stage = static_cast<int>(pos % C::kStages);
-      MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
-      const uint8_t* a_tile = smem + stage * C::kStageBytes;
-      const uint8_t* b_tile = a_tile + C::kABytes;
-      const uint64_t db = SmemDesc(b_tile + b_off);
-      WgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const int scale = (kb > 0 || kk > 0) ? 1 : 0;
-#pragma unroll
-        for (int sl = 0; sl < C::kSlices; ++sl) {
-          const uint64_t da = SmemDesc(a_tile + a_off + sl * 64 * 128);
-          float* sacc = acc + sl * C::kSliceAcc;
-          Wgmma<C::kWgN>(sacc, da + 2 * kk, db + 2 * kk, scale);
-          if constexpr (kSwiglu) {
-            const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
-            Wgmma<C::kWgN>(sacc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
-          }
-        }
-      }
-      WgmmaCommit();
-      WgmmaWait<1>();
-      if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
-      prev = stage;
+    } else {
+      MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     }
     if constexpr (kPingPong) {
       // The next tile of the sequence (the other warpgroup's) may start, if there is one: every
