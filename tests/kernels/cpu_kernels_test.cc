@@ -335,9 +335,8 @@ TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
   const std::vector<int64_t> counts = {5, 0, 9};
   const auto offsets = testing::Offsets(counts);
   const int64_t rows = offsets.back() + 2;
-  auto wgu = testing::RandomBf16(rng, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
-  auto wd = testing::RandomBf16(rng, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
-  auto x = testing::RandomBf16(rng, static_cast<size_t>(rows) * d, 1.0f);
+  const testing::RandomLayer layer = testing::RandomExperts(rng, e, d, f, rows);
+  const std::vector<uint16_t>&wgu = layer.wgu, &wd = layer.wd, &x = layer.x;
   const testing::Fp8Blocks qgu = testing::QuantizeBlocks(wgu, static_cast<int64_t>(e) * 2 * f, d);
   const testing::Fp8Blocks qd = testing::QuantizeBlocks(wd, static_cast<int64_t>(e) * d, f);
   auto cpu = CreateCpuKernels();

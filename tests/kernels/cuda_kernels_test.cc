@@ -165,9 +165,8 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
     const int64_t lead = 5, tail = 7;  // rows outside every segment
     for (int64_t& o : offsets) o += lead;
     const int64_t rows = offsets.back() + tail;
-    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
-    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
-    auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, rows);
+    const std::vector<uint16_t>&wgu = layer.wgu, &wd = layer.wd, &x = layer.x;
     std::vector<uint16_t> ref(x.size(), 0);
     {
       SwigluParams p;
@@ -240,9 +239,8 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
     const int64_t lead = 5, tail = 4;
     for (int64_t& o : offsets) o += lead;
     const int64_t rows = offsets.back() + tail;
-    auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
-    auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
-    auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, rows);
+    const std::vector<uint16_t>&wgu = layer.wgu, &wd = layer.wd, &x = layer.x;
     const testing::Fp8Blocks qgu = testing::QuantizeBlocks(wgu, static_cast<int64_t>(e) * 2 * f, d);
     const testing::Fp8Blocks qd = testing::QuantizeBlocks(wd, static_cast<int64_t>(e) * d, f);
     const uint16_t sentinel = FloatToBf16(-7.0f);
@@ -378,9 +376,8 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluOnHopperKernelsMatchesCpu) {
   const auto offsets = Offsets(counts);
   const int64_t rows = offsets.back() + 3;  // capacity above the used rows
   ASSERT_TRUE(cuda::GroupedSm90Supported(e, d, f));
-  auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
-  auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
-  auto x = RandomBf16(rng_, static_cast<size_t>(rows) * d, 1.0f);
+  const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, rows);
+  const std::vector<uint16_t>&wgu = layer.wgu, &wd = layer.wd, &x = layer.x;
   std::vector<uint16_t> ref(x.size(), 0);
   SwigluParams p;
   p.weights = {wgu.data(), wd.data(), e, d, f};

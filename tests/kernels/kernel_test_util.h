@@ -19,6 +19,18 @@ inline std::vector<uint16_t> RandomBf16(std::mt19937& rng, size_t n, float scale
   return v;
 }
 
+// Random experts [E, 2f, d] / [E, d, f] scaled by 1/sqrt(fan-in), and rows [rows, d] of unit scale.
+struct RandomLayer {
+  std::vector<uint16_t> wgu, wd, x;
+};
+inline RandomLayer RandomExperts(std::mt19937& rng, int e, int d, int f, int64_t rows) {
+  RandomLayer l;
+  l.wgu = RandomBf16(rng, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  l.wd = RandomBf16(rng, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  l.x = RandomBf16(rng, static_cast<size_t>(rows) * d, 1.0f);
+  return l;
+}
+
 // Segment sizes with skew and empty experts.
 inline std::vector<int64_t> RandomCounts(std::mt19937& rng, int experts, int64_t max_rows) {
   std::vector<int64_t> c(experts);
