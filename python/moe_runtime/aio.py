@@ -11,7 +11,7 @@ from grpc import aio
 
 from moe_runtime import errors
 from moe_runtime._proto import expert_layer_pb2_grpc as pb_grpc
-from moe_runtime.client import StepInput, StepRecord, StepResult, build_request
+from moe_runtime.client import RECONNECT_GRACE_S, StepInput, StepRecord, StepResult, build_request
 from moe_runtime.group import GroupStepError, StepIds
 from moe_runtime.tensors import from_wire
 
@@ -26,9 +26,18 @@ class AsyncRankClient:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._channel = aio.insecure_channel(
             target,
-            options=[("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                # A rank that restarts (a replacement on the same address) is reached again within a second.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
+            ],
         )
         self._stub = pb_grpc.ExpertLayerServiceStub(self._channel)
+        self._health = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        self._reconnect = False  # the last step failed UNAVAILABLE: wait for the channel first
 
     async def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
                    decode: bool = False, admitted: Any = None, expected_generation: int = 0,
@@ -36,13 +45,27 @@ class AsyncRankClient:
         """As :meth:`moe_runtime.client.RankClient.step`."""
         req, rows = build_request(step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
                                   expected_generation=expected_generation)
+        await self._await_connection()
         start = time.perf_counter()
         try:
             resp = await self._stub.Execute(req, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
+            self._reconnect = e.code() == grpc.StatusCode.UNAVAILABLE
             raise errors.from_rpc_error(e, self.rank) from None
         out = from_wire(rows, resp.output.data, resp.output.rows, resp.output.cols)
         return StepResult(out, StepRecord.from_proto(resp.record), (time.perf_counter() - start) * 1e6)
+
+    async def _await_connection(self) -> None:
+        """As the sync client: after a step failed UNAVAILABLE, the next one first waits (at most
+        RECONNECT_GRACE_S) for the channel to reach the rank again, so that a replacement rank gets
+        it instead of its peers waiting out their collective timeout."""
+        if not self._reconnect:
+            return
+        self._reconnect = False
+        try:
+            await self._health(b"", timeout=RECONNECT_GRACE_S, wait_for_ready=True)
+        except grpc.RpcError:
+            pass  # any answer means connected; none within the grace: the step finds out
 
     async def close(self) -> None:
         await self._channel.close()

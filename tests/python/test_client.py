@@ -320,13 +320,8 @@ def test_ring_slots_written_in_place(cluster):
         c1.close()
 
 
-def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(tmp_path):
-    """A rank that restarts (a replacement on the same socket) gets the next step: after a step
-    failed UNAVAILABLE the client waits for the channel to reconnect (at most a second) instead of
-    failing the next step at once, which would leave the rank's peers waiting out their
-    collective timeout for it. A stand-in server takes the rank's place 300 ms later."""
-    import threading
-    import time
+def _stand_in_rank(target):
+    """A gRPC server (not started) on `target` whose Execute echoes the rows: a rank's stand-in."""
     from concurrent import futures
 
     import grpc
@@ -337,6 +332,20 @@ def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(t
         def Execute(self, request, context):
             return pb.StepResponse(step_id=request.step_id, output=request.hidden)
 
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_ExpertLayerServiceServicer_to_server(Rank(), server)
+    server.add_insecure_port(target)
+    return server
+
+
+def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(tmp_path):
+    """A rank that restarts (a replacement on the same socket) gets the next step: after a step
+    failed UNAVAILABLE the client waits for the channel to reconnect (at most a second) instead of
+    failing the next step at once, which would leave the rank's peers waiting out their
+    collective timeout for it. A stand-in server takes the rank's place 300 ms later."""
+    import threading
+    import time
+
     target = f"unix:{tmp_path}/rank.sock"
     rng = np.random.default_rng(3)
     hidden, ids, weights = random_step(rng, 2)
@@ -345,9 +354,7 @@ def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(t
         with pytest.raises(errors.Unavailable):
             client.step(1, 0, hidden, ids, weights)  # nobody there: fails at once
         assert time.monotonic() - start < 2
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        pb_grpc.add_ExpertLayerServiceServicer_to_server(Rank(), server)
-        server.add_insecure_port(target)
+        server = _stand_in_rank(target)
         timer = threading.Timer(0.3, server.start)
         timer.start()
         try:
@@ -359,3 +366,38 @@ def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(t
             server.stop(0)
         assert waited >= 0.25, f"answered after {waited:.3f} s, before the rank was there"
         assert res.output.shape == hidden.shape
+
+
+def test_the_asyncio_client_also_waits_for_a_restarted_rank(tmp_path):
+    """The same for moe_runtime.aio: after a step failed UNAVAILABLE, the next one waits for the
+    channel to reconnect; a stand-in server takes the rank's place 300 ms later."""
+    import asyncio
+    import threading
+    import time
+
+    from moe_runtime.aio import AsyncRankClient
+
+    target = f"unix:{tmp_path}/rank.sock"
+    rng = np.random.default_rng(4)
+    hidden, ids, weights = random_step(rng, 2)
+
+    async def run():
+        async with AsyncRankClient(target, timeout=10) as client:
+            start = time.monotonic()
+            with pytest.raises(errors.Unavailable):
+                await client.step(1, 0, hidden, ids, weights)  # nobody there: fails at once
+            assert time.monotonic() - start < 2
+            server = _stand_in_rank(target)
+            timer = threading.Timer(0.3, server.start)
+            timer.start()
+            try:
+                start = time.monotonic()
+                res = await client.step(2, 0, hidden, ids, weights)
+                waited = time.monotonic() - start
+            finally:
+                timer.join()
+                server.stop(0)
+            assert waited >= 0.25, f"answered after {waited:.3f} s, before the rank was there"
+            assert res.output.shape == hidden.shape
+
+    asyncio.run(run())
