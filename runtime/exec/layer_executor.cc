@@ -228,9 +228,11 @@ absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
   shape.d = in.d;
   shape.d_ff = weights->host->d_ff;
   shape.k = in.k;
-  shape.padded_runner =
-      ChoosePaddedRunner(options_.decode_runner, p, tokens_cap, in.k, total_slots,
-                         options_.kernels->DecodeGemmBeatsPadded(local_slots, in.d, shape.d_ff, p * tokens_cap * in.k));
+  // The graph's expert call covers local_slots x slot_routes rows (cuda_decode_graph.cc): the
+  // kernels decide on those, so the runner choice asks about the same.
+  shape.padded_runner = ChoosePaddedRunner(
+      options_.decode_runner, p, tokens_cap, in.k, total_slots,
+      options_.kernels->DecodeGemmBeatsPadded(local_slots, in.d, shape.d_ff, local_slots * shape.slot_routes));
   shape.w_gate_up = weights->LayerGateUp(layer_index);
   shape.w_down = weights->LayerDown(layer_index);
   shape.warmup_timeout = options_.timeout;
