@@ -154,8 +154,11 @@ struct SwigluFp8Params {
   Fp8ExpertWeights weights;
   const uint16_t* x = nullptr;  // [rows, d] BF16
   int64_t rows = 0;
-  const int64_t* offsets = nullptr;  // [E + 1], offsets[0] >= 0, monotone, offsets[E] <= rows
-  uint16_t* y = nullptr;             // [rows, d] BF16; rows outside every segment are left alone
+  // [E + 1], offsets[0] >= 0, monotone, offsets[E] <= rows. On CUDA they live in device memory
+  // and are not checked (as on the decode path): RouteRows and HistogramScan produce them so.
+  const int64_t* offsets = nullptr;
+  uint16_t* y = nullptr;  // [rows, d] BF16; rows outside every segment are left alone
+  // x, y and the weights 16-byte aligned (TMA and the kernels' 16-byte stores); rows < 2^31.
 };
 
 // y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
@@ -300,7 +303,8 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // before it creates kernels (kernels created earlier keep what they were made with; the launch
 // switches `pdl` and `mma_wide` apply from the next CreateCudaKernels on). The text form, what
 // mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
-// "gemm=auto|loop|grouped,chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1".
+// "gemm=auto|sm90|cublas|loop|grouped,sm90_tile=auto|rows64|rows128|pingpong,chain_streams=1..4,
+// fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1".
 struct CudaTuning {
   // auto: the Hopper grouped kernels (grouped_sm90.cu) where the shape allows and segments
   // average at most 512 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -149,7 +150,10 @@ absl::Status CheckSwigluFp8(const SwigluFp8Params& p) {
   KERNEL_INVALID_IF(
       w.w_gate_up == nullptr || w.gate_up_scales == nullptr || w.w_down == nullptr || w.down_scales == nullptr,
       "swiglu_fp8.weights: null weights or scales");
-  KERNEL_INVALID_IF(p.rows < 0, "swiglu_fp8.rows: negative");
+  KERNEL_INVALID_IF(p.rows < 0 || p.rows >= (int64_t{1} << 31), "swiglu_fp8.rows: ", p.rows, " outside [0, 2^31)");
+  auto misaligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) != 0; };
+  KERNEL_INVALID_IF(misaligned(w.w_gate_up) || misaligned(w.w_down), "swiglu_fp8.weights: not 16-byte aligned");
+  KERNEL_INVALID_IF(misaligned(p.x) || misaligned(p.y), "swiglu_fp8: x or y not 16-byte aligned");
   KERNEL_INVALID_IF(p.offsets == nullptr, "swiglu_fp8.offsets: null");
   KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.y == nullptr), "swiglu_fp8: null x or y");
   return absl::OkStatus();

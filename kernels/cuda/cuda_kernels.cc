@@ -7,8 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <vector>
 
@@ -435,7 +437,8 @@ class CudaKernels final : public ExpertKernels {
     const int d = w.d, f = w.d_ff;
     if (!cuda::GroupedSm90Fp8Supported(w.num_experts, d, f)) {
       return absl::UnimplementedError(absl::StrCat("swiglu_fp8: d=", d, ", d_ff=", f, ", E=", w.num_experts,
-                                                   " not supported (d a multiple of 256, d_ff of 128)"));
+                                                   " not taken by the Hopper kernels (d a multiple of 256, d_ff of "
+                                                   "128, at most 4096 experts, E x 2 d_ff and E x d below 2^31)"));
     }
     if (p.rows == 0) return absl::OkStatus();
     // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales].
@@ -490,7 +493,7 @@ class CudaKernels final : public ExpertKernels {
     }
     if (p.rows == 0) return absl::OkStatus();
     if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
-    if (Sm90Decode(e_count, d, f, p.rows)) {
+    if (Sm90Decode(e_count, d, f, p.rows) && Aligned16({p.x, p.y, w.w_gate_up, w.w_down})) {
       // Enough rows an expert that reading its weights once per 64-row tile beats once per
       // 8 or 16 rows: gather the rows (when an index is given), then the Hopper kernels.
       const size_t x_bytes = p.x_row_index != nullptr ? (static_cast<size_t>(p.rows) * d * 2 + 255) & ~size_t{255} : 0;
@@ -617,7 +620,7 @@ class CudaKernels final : public ExpertKernels {
     for (const Problem& q : up) executed_total += q.m;
     const int64_t avg_rows = executed_total / static_cast<int64_t>(up.size());
     if (sm90_ && !uniform && (sm90_forced_ || avg_rows <= kSm90MaxAvgRows) &&
-        cuda::GroupedSm90Supported(e_count, d, f)) {
+        cuda::GroupedSm90Supported(e_count, d, f) && Aligned16({xe, ye, w.w_gate_up, w.w_down})) {
       return Sm90Projections(p, executed, avg_rows, xe, a, ye, st);
     }
     const bool chains = !uniform && !force_grouped_ && side_ok_ &&
@@ -637,6 +640,15 @@ class CudaKernels final : public ExpertKernels {
     if (!s.ok()) return s;
     CUDA_RETURN_IF_ERROR(cuda::LaunchSwigluActivation(h, exec_rows, f, a, st));
     return uniform ? StridedBatched(down, st) : Grouped(down, st);
+  }
+
+  // TMA reads and the Hopper kernels' 16-byte stores need 16-byte aligned operands; others take
+  // cuBLAS or the decode kernels.
+  static bool Aligned16(std::initializer_list<const void*> ptrs) {
+    for (const void* p : ptrs) {
+      if ((reinterpret_cast<uintptr_t>(p) & 15) != 0) return false;
+    }
+    return true;
   }
 
   // Whether the decode path runs `rows` rows over the experts on the Hopper kernels.

@@ -83,6 +83,14 @@ __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// The accumulators as seen by the compiler: each is "written" here, so no read of them can be
+// moved above the wait that precedes this (the MMAs write them asynchronously).
+template <int N>
+__device__ __forceinline__ void FenceAccumulators(float* acc) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
 // Shared-memory matrix descriptor of a K-major tile written by TMA with the 128-byte swizzle:
 // rows of 128 bytes, 8-row groups 1024 bytes apart (SBO), layout type 1 (128B swizzle).
 // Advancing K by 16 elements within the swizzle row adds 32 bytes to the start address.
@@ -327,6 +335,7 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
     }
     WgmmaCommit();
     WgmmaWait<0>();
+    FenceAccumulators<C::kAcc>(part);
     if (lane == 0) MbarArrive(&empty[stage]);
     const float g0 = s0 * b_scale, g1 = s1 * b_scale;
 #pragma unroll
@@ -459,6 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("bar.arrive %0, 256;" ::"r"(1 + (cw ^ 1)) : "memory");
     }
     WgmmaWait<0>();
+    FenceAccumulators<C::kAcc>(acc);
     if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
     const int64_t col0 = static_cast<int64_t>(tile.col_tile) * BN + col_off;
 #pragma unroll
@@ -536,8 +546,10 @@ cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_
   if (err != cudaSuccess) return err;
   err = MapRows(&map_b, b, k, b_rows, BN, kFp8);
   if (err != cudaSuccess) return err;
-  // Row tiles: at most rows / BM + one partial tile an expert.
+  // Row tiles: at most rows / BM + one partial tile an expert. The kernel counts tiles and rows
+  // in 32 bits.
   const int64_t tiles = (rows / BM + args.num_experts) * args.n_tiles;
+  if (tiles >= (int64_t{1} << 31) || rows + BM >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles < SmCount() ? tiles : SmCount());
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
   return cudaGetLastError();

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -324,18 +325,35 @@ TEST(CpuKernelsTest, DotRowsBf16IsExactPerRowWhateverTheBatch) {
   }
 }
 
-// When the padded runner pays (kernels::PaddedDecodeCapacity): most experts hit, two rows or
-// more on average, padding within 8x the routes, 256 MB of expert weights or more.
+// Multiplies every 128 x 128 block of a [rows, cols] BF16 matrix by its own power of two in
+// [2^-3, 2^3] (exact in BF16), so that the blocks' scales differ by up to 64x.
+void SpreadBlocks(std::mt19937& rng, std::vector<uint16_t>* m, int64_t rows, int64_t cols, int64_t block_rows) {
+  for (int64_t i = 0; i < rows; i += block_rows) {
+    for (int64_t j = 0; j < cols; j += 128) {
+      const float factor = std::ldexp(1.0f, static_cast<int>(rng() % 7) - 3);
+      for (int64_t r = i; r < std::min(rows, i + block_rows); ++r) {
+        for (int64_t c = j; c < j + 128; ++c)
+          (*m)[r * cols + c] = FloatToBf16(Bf16ToFloat((*m)[r * cols + c]) * factor);
+      }
+    }
+  }
+}
+
 // The FP8 reference against the BF16 layer on the dequantized weights: the only difference is
-// the activations' quantization (E4M3 per 128 values), a few percent; a mixed-up scale would be
-// far off. Bad shapes and offsets are refused naming the field.
+// the activations' quantization (E4M3 per 128 values), a few percent. The weight blocks and the
+// rows' 128-value groups are scaled apart (up to 64x), so a mixed-up scale is far off: the test
+// swaps two blocks' scales and requires that to fail the bound. Bad shapes and offsets are
+// refused naming the field.
 TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
   std::mt19937 rng(77);
   const int e = 3, d = 256, f = 128;
   const std::vector<int64_t> counts = {5, 0, 9};
   const auto offsets = testing::Offsets(counts);
   const int64_t rows = offsets.back() + 2;
-  const testing::RandomLayer layer = testing::RandomExperts(rng, e, d, f, rows);
+  testing::RandomLayer layer = testing::RandomExperts(rng, e, d, f, rows);
+  SpreadBlocks(rng, &layer.wgu, static_cast<int64_t>(e) * 2 * f, d, 128);
+  SpreadBlocks(rng, &layer.wd, static_cast<int64_t>(e) * d, f, 128);
+  SpreadBlocks(rng, &layer.x, rows, d, 1);
   const std::vector<uint16_t>&wgu = layer.wgu, &wd = layer.wd, &x = layer.x;
   const testing::Fp8Blocks qgu = testing::QuantizeBlocks(wgu, static_cast<int64_t>(e) * 2 * f, d);
   const testing::Fp8Blocks qd = testing::QuantizeBlocks(wd, static_cast<int64_t>(e) * d, f);
@@ -360,8 +378,19 @@ TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
       want(y16.begin(), y16.begin() + offsets.back() * d);
   const double rel = RelativeL2Bf16(got, want);
   EXPECT_LT(rel, 0.08);
-  EXPECT_GT(rel, 0.0);  // the activations really were quantized
   for (int64_t i = offsets.back() * d; i < rows * d; ++i) ASSERT_EQ(y8[i], sentinel) << "row past the segments written";
+  // The bound catches a mixed-up scale: an expert's gate and up blocks exchange scales.
+  std::vector<float> swapped = qgu.scales;
+  const int64_t kd = d / 128, up_block = f / 128;  // expert 0's first gate and first up block rows
+  for (int64_t j = 0; j < kd; ++j) std::swap(swapped[j], swapped[up_block * kd + j]);
+  ASSERT_NE(swapped, qgu.scales) << "the blocks drew the same factor: pick another seed";
+  SwigluFp8Params mixed = p;
+  mixed.weights.gate_up_scales = swapped.data();
+  std::vector<uint16_t> y_mixed(x.size(), sentinel);
+  mixed.y = y_mixed.data();
+  ASSERT_TRUE(cpu->SwigluFp8(mixed, nullptr).ok());
+  std::vector<uint16_t> got_mixed(y_mixed.begin(), y_mixed.begin() + offsets.back() * d);
+  EXPECT_GT(RelativeL2Bf16(got_mixed, want), 0.08) << "a swapped gate/up scale went unnoticed";
 
   SwigluFp8Params bad = p;
   bad.weights.d = 192;
@@ -383,6 +412,8 @@ TEST(CpuKernelsTest, NoDecodeGemmBeatsPadded) {
   EXPECT_FALSE(cpu->DecodeGemmBeatsPadded(8, 512, 256, 1024));
 }
 
+// When the padded runner pays (kernels::PaddedDecodeCapacity): most experts hit, two rows or
+// more on average, padding within 8x the routes, 256 MB of expert weights or more.
 TEST(CpuKernelsTest, PaddedDecodeCapacityPicksTheRunner) {
   const int d = 2048, f = 768;
   std::vector<int64_t> four(128, 4);
