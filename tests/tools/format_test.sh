@@ -20,7 +20,7 @@ chmod -R u+w "$tmp"
 printf '%s\n' 'int  Unformatted( int a ){return a;}' >> "$tmp/runtime/status.cc"
 got="$("$format" --check "$tmp" 2>&1)"; rc=$?
 [ "$rc" -eq 1 ] || fail "an unformatted file passed (rc $rc)"
-echo "$got" | grep -qF "not formatted: runtime/status.cc" || fail "the unformatted file is not named:"$'\n'"$got"
+[[ "$got" == *"not formatted: runtime/status.cc"* ]] || fail "the unformatted file is not named:"$'\n'"$got"
 
 if [ "$fails" -ne 0 ]; then echo "$fails failure(s)"; exit 1; fi
 echo "format_test: all checks passed"

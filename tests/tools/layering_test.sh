@@ -10,7 +10,7 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 out="$("$check" "$runfiles" 2>&1)"; rc=$?
 echo "$out"
 [ "$rc" -eq 0 ] || fail "the tree itself violates the layering (rc $rc)"
-echo "$out" | grep -q 'layering holds' || fail "no 'layering holds' line on the tree"
+[[ "$out" == *"layering holds"* ]] || fail "no 'layering holds' line on the tree"
 n=$(echo "$out" | sed -nE 's/^check_layering: ([0-9]+) files.*/\1/p')
 [ "${n:-0}" -ge 100 ] || fail "only ${n:-0} files scanned: the filegroups do not reach the sources"
 
@@ -26,7 +26,9 @@ plant() {
   local got rc
   got="$("$check" "$tree" 2>&1)"; rc=$?
   if [ "$rc" -ne 1 ]; then fail "planted '$line' in $file: rc $rc, want 1"; fi
-  if ! echo "$got" | grep -qF "$file:" || ! echo "$got" | grep -qF "$expect"; then
+  # Matched in the shell, not through `echo | grep -q` under pipefail (grep may exit before echo
+  # has written, and the pipeline then fails on SIGPIPE: seen once in CI).
+  if [[ "$got" != *"$file:"* || "$got" != *"$expect"* ]]; then
     fail "planted '$line' in $file: output does not name the file and '$expect':"$'\n'"$got"
   fi
   rm -rf "$tree"
