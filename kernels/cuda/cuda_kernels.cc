@@ -518,6 +518,19 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  // Segment offsets [e_count + 1] from the host to the device scratch, in one staged copy on `st`.
+  absl::StatusOr<const int64_t*> OffsetsToDevice(const int64_t* host, int e_count, cudaStream_t st) {
+    const size_t offset_bytes = static_cast<size_t>(e_count + 1) * sizeof(int64_t);
+    auto staged = offsets_in_.Acquire(offset_bytes);
+    if (!staged.ok()) return staged.status();
+    std::memcpy(*staged, host, offset_bytes);
+    auto offsets = offsets_scratch_.Get(offset_bytes);
+    if (!offsets.ok()) return offsets.status();
+    absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
+    if (!s.ok()) return s;
+    return static_cast<const int64_t*>(*offsets);
+  }
+
   // Decode-sized segments of small experts: the offsets go to the device in one copy and
   // the decode-path kernels run both projections in two launches, instead of a GEMM or two
   // per expert (H200, 8 experts of 4 rows: ~190 us of the executor's eager step went to the
@@ -527,19 +540,12 @@ class CudaKernels final : public ExpertKernels {
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
     const int64_t used = p.host_offsets[e_count];
     if (used == 0) return absl::OkStatus();
-    const size_t offset_bytes = static_cast<size_t>(e_count + 1) * sizeof(int64_t);
-    auto staged = offsets_in_.Acquire(offset_bytes);
-    if (!staged.ok()) return staged.status();
-    std::memcpy(*staged, p.host_offsets, offset_bytes);
-    auto offsets = offsets_scratch_.Get(offset_bytes);
+    auto offsets = OffsetsToDevice(p.host_offsets, e_count, st);
     if (!offsets.ok()) return offsets.status();
-    absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
-    if (!s.ok()) return s;
     auto a = scratch_.Get(static_cast<size_t>(used) * f * 2);
     if (!a.ok()) return a.status();
-    CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, nullptr, static_cast<const int64_t*>(*offsets), e_count, d,
-                                                      f, w.w_gate_up, w.w_down, static_cast<uint16_t*>(*a), p.y, used,
-                                                      max_segment, st));
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwiglu(p.x, nullptr, *offsets, e_count, d, f, w.w_gate_up, w.w_down,
+                                                      static_cast<uint16_t*>(*a), p.y, used, max_segment, st));
     return absl::OkStatus();
   }
 
@@ -679,17 +685,10 @@ class CudaKernels final : public ExpertKernels {
                                const uint16_t* xe, uint16_t* a, uint16_t* ye, cudaStream_t st) {
     const ExpertWeights& w = p.weights;
     const int e_count = w.num_experts;
-    const size_t offset_bytes = static_cast<size_t>(e_count + 1) * sizeof(int64_t);
-    auto staged = offsets_in_.Acquire(offset_bytes);
-    if (!staged.ok()) return staged.status();
-    std::memcpy(*staged, executed.data(), offset_bytes);
-    auto offsets = offsets_scratch_.Get(offset_bytes);
+    auto offsets = OffsetsToDevice(executed.data(), e_count, st);
     if (!offsets.ok()) return offsets.status();
-    absl::Status s = offsets_in_.CopyTo(*offsets, offset_bytes, st);
-    if (!s.ok()) return s;
-    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(xe, executed[e_count], static_cast<const int64_t*>(*offsets),
-                                                       e_count, w.d, w.d_ff, w.w_gate_up, w.w_down, a, ye,
-                                                       Sm90ScheduleFor(avg_rows), st));
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(xe, executed[e_count], *offsets, e_count, w.d, w.d_ff,
+                                                       w.w_gate_up, w.w_down, a, ye, Sm90ScheduleFor(avg_rows), st));
     return absl::OkStatus();
   }
 

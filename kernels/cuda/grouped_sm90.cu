@@ -555,6 +555,29 @@ cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_
   return cudaGetLastError();
 }
 
+// The BF16 operands of both projections.
+struct Operands {
+  const uint16_t* x;
+  int64_t rows;
+  const int64_t* offsets;
+  int num_experts, d, f;
+  const uint16_t *w_gate_up, *w_down;
+  uint16_t *a, *y;
+};
+
+// Gate/up (SwiGLU epilogue, kUpN activation columns a tile) into a, then down (kDownN output
+// columns a tile) into y, both on BM-row tiles.
+template <int BM, int kUpN, int kDownN, bool kPingPong>
+cudaError_t UpThenDown(const Operands& o, cudaStream_t stream) {
+  const GroupedArgs up{o.offsets, o.num_experts, o.d / kBK, o.f / kUpN, 2 * o.f, o.f, o.a, o.f};
+  const GroupedArgs down{o.offsets, o.num_experts, o.f / kBK, o.d / kDownN, o.d, 0, o.y, o.d};
+  const cudaError_t err = Launch<BM, kUpN, true, kPingPong>(o.x, o.rows, o.d, o.w_gate_up,
+                                                            static_cast<int64_t>(o.num_experts) * 2 * o.f, up, stream);
+  if (err != cudaSuccess) return err;
+  return Launch<BM, kDownN, false, kPingPong>(o.a, o.rows, o.f, o.w_down, static_cast<int64_t>(o.num_experts) * o.d,
+                                              down, stream);
+}
+
 }  // namespace
 
 bool GroupedSm90Supported(int num_experts, int d, int f) {
@@ -569,38 +592,17 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
                                     Sm90Schedule schedule, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  const int64_t wgu_rows = static_cast<int64_t>(num_experts) * 2 * f;
-  const int64_t wd_rows = static_cast<int64_t>(num_experts) * d;
-  cudaError_t err;
+  const Operands o{x, rows, offsets, num_experts, d, f, w_gate_up, w_down, a, y};
   switch (schedule) {
-    case Sm90Schedule::kRows64: {
-      const GroupedArgs up{offsets, num_experts, d / kBK, f / 128, 2 * f, f, a, f};
-      const GroupedArgs down{offsets, num_experts, f / kBK, d / 256, d, 0, y, d};
-      err = Launch<64, 128, true, false>(x, rows, d, w_gate_up, wgu_rows, up, stream);
-      if (err != cudaSuccess) return err;
-      return Launch<64, 256, false, false>(a, rows, f, w_down, wd_rows, down, stream);
-    }
-    case Sm90Schedule::kRows128: {
-      const GroupedArgs up{offsets, num_experts, d / kBK, f / 128, 2 * f, f, a, f};
-      const GroupedArgs down{offsets, num_experts, f / kBK, d / 256, d, 0, y, d};
-      err = Launch<128, 128, true, false>(x, rows, d, w_gate_up, wgu_rows, up, stream);
-      if (err != cudaSuccess) return err;
-      return Launch<128, 256, false, false>(a, rows, f, w_down, wd_rows, down, stream);
-    }
-    case Sm90Schedule::kPingPong: {
-      const GroupedArgs up{offsets, num_experts, d / kBK, f / 64, 2 * f, f, a, f};
-      const GroupedArgs down{offsets, num_experts, f / kBK, d / 128, d, 0, y, d};
-      err = Launch<128, 64, true, true>(x, rows, d, w_gate_up, wgu_rows, up, stream);
-      if (err != cudaSuccess) return err;
-      return Launch<128, 128, false, true>(a, rows, f, w_down, wd_rows, down, stream);
-    }
+    case Sm90Schedule::kRows64:
+      return UpThenDown<64, 128, 256, false>(o, stream);
+    case Sm90Schedule::kRows128:
+      return UpThenDown<128, 128, 256, false>(o, stream);
+    case Sm90Schedule::kPingPong:
+      return UpThenDown<128, 64, 128, true>(o, stream);
   }
   return cudaErrorInvalidValue;
 }
-
-}  // namespace moe::kernels::cuda
-
-namespace moe::kernels::cuda {
 
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f) {
   return GroupedSm90Supported(num_experts, d, f) && d % 128 == 0 && f % 128 == 0;
