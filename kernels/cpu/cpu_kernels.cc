@@ -18,14 +18,22 @@
 namespace moe::kernels {
 namespace {
 
-// A BF16 row quantized as Quantize does per 128 values (E4M3, scale amax / 448) and read back.
+// One scale group of BF16 values in E4M3: q = x / scale, scale = amax / 448 (1 for all zeros).
+float QuantizeGroup(const uint16_t* x, int n, uint8_t* q) {
+  float amax = 0;
+  for (int c = 0; c < n; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
+  const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
+  for (int c = 0; c < n; ++c) q[c] = FloatToFp8E4M3(Bf16ToFloat(x[c]) / scale);
+  return scale;
+}
+
+// A BF16 row quantized as Quantize does per 128 values and read back.
 void QuantizedRow(const uint16_t* x, int n, float* out) {
+  uint8_t q[128];
   for (int begin = 0; begin < n; begin += 128) {
-    const int end = std::min(n, begin + 128);
-    float amax = 0;
-    for (int c = begin; c < end; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
-    const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
-    for (int c = begin; c < end; ++c) out[c] = Fp8E4M3ToFloat(FloatToFp8E4M3(Bf16ToFloat(x[c]) / scale)) * scale;
+    const int len = std::min(n - begin, 128);
+    const float scale = QuantizeGroup(x + begin, len, q);
+    for (int c = 0; c < len; ++c) out[begin + c] = Fp8E4M3ToFloat(q[c]) * scale;
   }
 }
 
@@ -259,11 +267,7 @@ class CpuKernels final : public ExpertKernels {
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t g = 0; g < per_row; ++g) {
         const int begin = static_cast<int>(g * group), end = std::min(p.d, begin + group);
-        float amax = 0;
-        for (int c = begin; c < end; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(p.x[r * p.d + c])));
-        const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
-        p.scales[r * per_row + g] = scale;
-        for (int c = begin; c < end; ++c) p.q[r * p.d + c] = FloatToFp8E4M3(Bf16ToFloat(p.x[r * p.d + c]) / scale);
+        p.scales[r * per_row + g] = QuantizeGroup(p.x + r * p.d + begin, end - begin, p.q + r * p.d + begin);
       }
     }
     return absl::OkStatus();
