@@ -338,66 +338,59 @@ def _stand_in_rank(target):
     return server
 
 
+def _waits_for_a_restarted_rank(target, step):
+    """`step(step_id, hidden, ids, weights)` runs one step through the client under test: a step
+    with nobody at `target` fails UNAVAILABLE at once; the next, with a stand-in rank starting
+    300 ms later, must wait for it and get its answer."""
+    import threading
+    import time
+
+    rng = np.random.default_rng(3)
+    hidden, ids, weights = random_step(rng, 2)
+    start = time.monotonic()
+    with pytest.raises(errors.Unavailable):
+        step(1, hidden, ids, weights)  # nobody there: fails at once
+    assert time.monotonic() - start < 2
+    server = _stand_in_rank(target)
+    timer = threading.Timer(0.3, server.start)
+    timer.start()
+    try:
+        start = time.monotonic()
+        res = step(2, hidden, ids, weights)
+        waited = time.monotonic() - start
+    finally:
+        timer.join()
+        server.stop(0)
+    assert waited >= 0.25, f"answered after {waited:.3f} s, before the rank was there"
+    assert res.output.shape == hidden.shape
+
+
 def test_after_an_unavailable_step_the_next_waits_for_the_rank_to_be_reachable(tmp_path):
     """A rank that restarts (a replacement on the same socket) gets the next step: after a step
     failed UNAVAILABLE the client waits for the channel to reconnect (at most a second) instead of
     failing the next step at once, which would leave the rank's peers waiting out their
-    collective timeout for it. A stand-in server takes the rank's place 300 ms later."""
-    import threading
-    import time
-
+    collective timeout for it."""
     target = f"unix:{tmp_path}/rank.sock"
-    rng = np.random.default_rng(3)
-    hidden, ids, weights = random_step(rng, 2)
     with RankClient(target, timeout=10) as client:
-        start = time.monotonic()
-        with pytest.raises(errors.Unavailable):
-            client.step(1, 0, hidden, ids, weights)  # nobody there: fails at once
-        assert time.monotonic() - start < 2
-        server = _stand_in_rank(target)
-        timer = threading.Timer(0.3, server.start)
-        timer.start()
-        try:
-            start = time.monotonic()
-            res = client.step(2, 0, hidden, ids, weights)
-            waited = time.monotonic() - start
-        finally:
-            timer.join()
-            server.stop(0)
-        assert waited >= 0.25, f"answered after {waited:.3f} s, before the rank was there"
-        assert res.output.shape == hidden.shape
+        _waits_for_a_restarted_rank(target, lambda sid, h, i, w: client.step(sid, 0, h, i, w))
 
 
 def test_the_asyncio_client_also_waits_for_a_restarted_rank(tmp_path):
-    """The same for moe_runtime.aio: after a step failed UNAVAILABLE, the next one waits for the
-    channel to reconnect; a stand-in server takes the rank's place 300 ms later."""
+    """The same for moe_runtime.aio's AsyncRankClient, on its own event loop."""
     import asyncio
-    import threading
-    import time
 
     from moe_runtime.aio import AsyncRankClient
 
     target = f"unix:{tmp_path}/rank.sock"
-    rng = np.random.default_rng(4)
-    hidden, ids, weights = random_step(rng, 2)
+    loop = asyncio.new_event_loop()
 
-    async def run():
-        async with AsyncRankClient(target, timeout=10) as client:
-            start = time.monotonic()
-            with pytest.raises(errors.Unavailable):
-                await client.step(1, 0, hidden, ids, weights)  # nobody there: fails at once
-            assert time.monotonic() - start < 2
-            server = _stand_in_rank(target)
-            timer = threading.Timer(0.3, server.start)
-            timer.start()
-            try:
-                start = time.monotonic()
-                res = await client.step(2, 0, hidden, ids, weights)
-                waited = time.monotonic() - start
-            finally:
-                timer.join()
-                server.stop(0)
-            assert waited >= 0.25, f"answered after {waited:.3f} s, before the rank was there"
-            assert res.output.shape == hidden.shape
+    async def make():
+        return AsyncRankClient(target, timeout=10)
 
-    asyncio.run(run())
+    client = loop.run_until_complete(make())
+    try:
+        _waits_for_a_restarted_rank(
+            target, lambda sid, h, i, w: loop.run_until_complete(client.step(sid, 0, h, i, w)))
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
