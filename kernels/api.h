@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -273,6 +274,22 @@ class ExpertKernels {
   virtual void UnregisterHostMemory(void* p) {}
   // Returns when all work enqueued on `stream` has finished (its errors surface here).
   virtual absl::Status Synchronize(Stream stream) { return absl::OkStatus(); }
+  // Copies between two places in kernel memory, ordered on `stream`.
+  virtual absl::Status CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream stream);
+  // The index of the first NaN or infinite value among `n` BF16 values in kernel memory, -1 when
+  // every value is finite. Returns once the answer is known (CUDA: after `stream`'s earlier work).
+  virtual absl::StatusOr<int64_t> FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream);
+
+  // Device memory that another process on this host exported (CUDA IPC: the 64 bytes of a
+  // cudaIpcMemHandle_t). The handle names a whole allocation; Open maps it into this process
+  // and returns its base and size, CloseIpcMemory(base) unmaps it. The CPU reference has no
+  // device memory: FAILED_PRECONDITION; a handle the driver refuses: INVALID_ARGUMENT.
+  struct IpcMapping {
+    void* base = nullptr;
+    int64_t bytes = 0;
+  };
+  virtual absl::StatusOr<IpcMapping> OpenIpcMemory(const std::string& handle);
+  virtual void CloseIpcMemory(void* base) {}
 };
 
 // Kernel memory that only grows, owned by one ExpertKernels object (which must outlive it).

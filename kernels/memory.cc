@@ -28,6 +28,23 @@ absl::Status ExpertKernels::CopyToHost(void* dst, const void* src, int64_t bytes
   return absl::OkStatus();
 }
 
+absl::Status ExpertKernels::CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream) {
+  if (bytes > 0) std::memmove(dst, src, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> ExpertKernels::FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream) {
+  for (int64_t i = 0; i < n; ++i) {
+    if ((x[i] & 0x7f80) == 0x7f80) return i;  // exponent all ones: NaN or infinity
+  }
+  return -1;
+}
+
+absl::StatusOr<ExpertKernels::IpcMapping> ExpertKernels::OpenIpcMemory(const std::string&) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("device memory from another process needs device kernels; this rank runs ", name()));
+}
+
 KernelBuffer::~KernelBuffer() {
   if (ptr_ != nullptr) kernels_->Free(ptr_);
 }

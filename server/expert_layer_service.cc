@@ -315,7 +315,8 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     // The rows' NaN/Inf check runs on the pool while the executor validates and plans; the
     // executor awaits it before the agreement.
     std::shared_ptr<FiniteCheckPool::Check> rows_check;
-    if (checked.ok()) rows_check = check_pool_->Start(step.hidden, desc.tokens * step.d, "hidden");
+    if (checked.ok() && !step.rows_on_device)
+      rows_check = check_pool_->Start(step.hidden, desc.tokens * step.d, "hidden");
     LayerStepInput in;
     in.step_id = desc.step_id;
     in.layer = desc.layer;
@@ -329,7 +330,16 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     in.admitted = step.admitted;
     in.expected_generation = desc.expected_generation > 0 ? desc.expected_generation : -1;
     in.output = step.output;
+    in.rows_on_device = step.rows_on_device;
     if (rows_check != nullptr) in.await_input_check = [&rows_check] { return rows_check->Await(); };
+    if (step.rows_on_device && desc.tokens > 0) {
+      // Rows on the GPU are checked there (one pass over them, on the step's stream).
+      in.await_input_check = [this, &step, &desc]() -> absl::Status {
+        ASSIGN_OR_RETURN(const int64_t first, executor_->FindNonFiniteOnDevice(step.hidden, desc.tokens * step.d));
+        if (first < 0) return absl::OkStatus();
+        return absl::InvalidArgumentError(absl::StrCat("hidden.data[", first, "]: not finite"));
+      };
+    }
     absl::StatusOr<LayerStepResult> r;
     {
       absl::MutexLock lock(&step_mu_);
@@ -390,14 +400,55 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
         absl::InvalidArgumentError(absl::StrCat("max_tokens: ", max_tokens, " rows of d = ", request->d(), " exceed ",
                                                 options_.max_request_bytes, " bytes (--max_request_bytes)")));
   }
-  auto opened = rings_->Open(*caller->uid, request->slots(), max_tokens, request->d(), request->k());
+  RingDeviceRows device_rows;
+  if (request->has_device_rows()) {
+    auto mapped = MapDeviceRows(*request);
+    if (!mapped.ok()) return ToGrpcStatus(mapped.status());
+    device_rows = std::move(*mapped);
+  }
+  auto opened =
+      rings_->Open(*caller->uid, request->slots(), max_tokens, request->d(), request->k(), std::move(device_rows));
   if (!opened.ok()) return ToGrpcStatus(opened.status());
+  response->set_device_rows(request->has_device_rows());
   response->set_ring_id(opened->id);
   response->set_ticket(opened->ticket);
   response->set_socket_path(rings_->socket_path());
   response->set_bytes(opened->bytes);
   response->set_layout_version(ring::kLayoutVersion);
   return grpc::Status::OK;
+}
+
+// The engine's GPU allocation for a ring's rows (OpenStepRingRequest.device_rows), mapped and
+// checked to hold every slot's hidden and output rows. The request's sizes are checked already.
+absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::OpenStepRingRequest& request) {
+  const v1::DeviceRows& dr = request.device_rows();
+  if (request.slots() < 1 || request.slots() > ring::kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("slots: ", request.slots(), " outside [1, ", ring::kMaxSlots, "]"));
+  }
+  if (request.d() % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("d: ", request.d(), " is not a multiple of 8 (device rows are read in 16-byte vectors)"));
+  }
+  if (dr.offset() % 256 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device_rows.offset: ", dr.offset(), " is not a multiple of 256"));
+  }
+  // max_tokens x d x 2 <= 2^30 (the request limit) and slots <= 16: no overflow below 2^36.
+  const uint64_t row_bytes = static_cast<uint64_t>(request.max_tokens()) * static_cast<uint64_t>(request.d()) * 2;
+  const uint64_t need = 2 * static_cast<uint64_t>(request.slots()) * row_bytes;
+  if (dr.offset() > (uint64_t{1} << 48)) {
+    return absl::InvalidArgumentError(absl::StrCat("device_rows.offset: ", dr.offset(), " is past any allocation"));
+  }
+  ASSIGN_OR_RETURN(kernels::ExpertKernels::IpcMapping m, executor_->OpenDeviceRows(dr.ipc_handle()));
+  if (m.bytes < 0 || static_cast<uint64_t>(m.bytes) < dr.offset() + need) {
+    executor_->CloseDeviceRows(m.base);
+    return absl::InvalidArgumentError(absl::StrCat("device_rows: the allocation holds ", m.bytes, " bytes; offset ",
+                                                   dr.offset(), " + ", request.slots(), " slots x 2 x ", row_bytes,
+                                                   " bytes of rows need ", dr.offset() + need));
+  }
+  RingDeviceRows rows;
+  rows.rows = static_cast<char*>(m.base) + dr.offset();
+  rows.release = [executor = executor_, base = m.base] { executor->CloseDeviceRows(base); };
+  return rows;
 }
 
 grpc::Status ExpertLayerServiceImpl::CloseStepRing(grpc::ServerContext* context,

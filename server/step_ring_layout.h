@@ -6,6 +6,11 @@
 //           | topk_ids [max_tokens, k] int32 | topk_weights [max_tokens, k] FP32
 //           | admitted [max_tokens, k] uint8          (each 256-byte aligned, slots 4 KiB aligned)
 //
+// A ring opened with device rows (OpenStepRingRequest.device_rows, header.flags has
+// kHeaderDeviceRows) leaves hidden and output out of the payload: slot s's rows are in the
+// engine's GPU allocation, hidden at offset + 2 s R and output at offset + (2 s + 1) R, with
+// R = max_tokens x d x 2 (Geometry::row_bytes).
+//
 // Protocol. Steps have sequence numbers 0, 1, 2, ... and step n uses slot n % slots. The engine
 // writes slot n's payload and descriptor (descriptor.seq = n), then stores submitted = n + 1 and,
 // if rank_sleeping is set, wakes the futex on `submitted`. The rank serves steps in order: it
@@ -41,7 +46,8 @@ inline constexpr uint32_t kLayoutVersion = 1;
 inline constexpr size_t kPage = 4096;
 inline constexpr size_t kAlign = 256;
 inline constexpr int kMaxSlots = 16;
-inline constexpr uint32_t kFlagAdmitted = 1;  // descriptor.flags: the admitted table is set
+inline constexpr uint32_t kFlagAdmitted = 1;      // descriptor.flags: the admitted table is set
+inline constexpr uint32_t kHeaderDeviceRows = 1;  // header.flags: rows in the engine's GPU memory
 
 // A 64-byte line per counter, so the engine's and the rank's stores do not share one.
 struct alignas(64) Counter {
@@ -59,6 +65,7 @@ struct Header {
   int64_t k;
   // Byte offsets inside a slot.
   uint64_t hidden_offset, output_offset, ids_offset, weights_offset, admitted_offset;
+  uint32_t flags;           // kHeader*
   Counter submitted;        // futex word: steps the engine submitted
   Counter rank_sleeping;    // 1 while the rank waits on `submitted`
   Counter completed;        // futex word: steps the rank completed
@@ -66,6 +73,7 @@ struct Header {
   Counter closed;           // 1 once the rank tore the ring down (no more steps are served)
 };
 static_assert(sizeof(Header) <= kPage);
+static_assert(offsetof(Header, flags) == 88 && offsetof(Header, submitted) == 128, "the Python client's offsets");
 
 // Engine -> rank, at the start of a slot.
 struct Descriptor {
@@ -101,16 +109,22 @@ static_assert(kResultOffset + sizeof(Result) <= kPage);
 inline constexpr uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 // The geometry both sides compute from (max_tokens, d, k, slots). False when a size overflows.
+// A ring whose rows are in the engine's GPU memory (`device_rows`) has no rows in its slots:
+// hidden_offset = output_offset = ids_offset.
 struct Geometry {
   uint64_t hidden_offset = 0, output_offset = 0, ids_offset = 0, weights_offset = 0, admitted_offset = 0;
   uint64_t slot_bytes = 0, total_bytes = 0;
+  uint64_t row_bytes = 0;  // max_tokens x d x 2: one slot's hidden (or output) rows
 };
-inline bool ComputeGeometry(int64_t max_tokens, int64_t d, int64_t k, int slots, Geometry* g) {
+inline bool ComputeGeometry(int64_t max_tokens, int64_t d, int64_t k, int slots, Geometry* g,
+                            bool device_rows = false) {
   if (max_tokens <= 0 || d <= 0 || k <= 0 || slots <= 0) return false;
   uint64_t rows = 0, routes = 0;
   if (__builtin_mul_overflow(static_cast<uint64_t>(max_tokens), static_cast<uint64_t>(d) * 2, &rows)) return false;
   if (__builtin_mul_overflow(static_cast<uint64_t>(max_tokens), static_cast<uint64_t>(k), &routes)) return false;
   if (rows > (uint64_t{1} << 50) || routes > (uint64_t{1} << 48)) return false;
+  g->row_bytes = rows;
+  if (device_rows) rows = 0;
   uint64_t at = kPage;
   g->hidden_offset = at;
   at = AlignUp(at + rows, kAlign);

@@ -39,6 +39,7 @@ bool SameTicket(const std::string& a, const char* b, size_t n) {
 
 struct StepRings::Ring {
   ~Ring() {
+    if (device_release) device_release();
     if (registered && unregister) unregister(base);
     if (base != nullptr) munmap(base, bytes);
     if (memfd >= 0) close(memfd);
@@ -57,6 +58,8 @@ struct StepRings::Ring {
   int slots = 0;
   int64_t max_tokens = 0, d = 0, k = 0;
   ring::Geometry geometry;
+  char* device_rows = nullptr;  // RingDeviceRows::rows
+  std::function<void()> device_release;
   std::atomic<bool> stop{false};
   std::thread thread;
   ring::Header* header() const { return reinterpret_cast<ring::Header*>(base); }
@@ -98,12 +101,21 @@ int StepRings::size() {
   return static_cast<int>(rings_.size());
 }
 
-absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k) {
+absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k,
+                                                  RingDeviceRows device_rows) {
+  // The mapping is released on every refusal below; a ring made here takes it over.
+  struct Release {
+    std::function<void()> f;
+    ~Release() {
+      if (f) f();
+    }
+  } release{std::move(device_rows.release)};
+  const bool on_device = device_rows.rows != nullptr;
   if (slots < 1 || slots > ring::kMaxSlots) {
     return absl::InvalidArgumentError(absl::StrCat("slots: ", slots, " outside [1, ", ring::kMaxSlots, "]"));
   }
   ring::Geometry g;
-  if (!ring::ComputeGeometry(max_tokens, d, k, slots, &g) || g.total_bytes > options_.max_ring_bytes) {
+  if (!ring::ComputeGeometry(max_tokens, d, k, slots, &g, on_device) || g.total_bytes > options_.max_ring_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens: a ring of ", slots, " slots of ", max_tokens,
                                                    " rows, d = ", d, ", k = ", k, " exceeds ", options_.max_ring_bytes,
                                                    " bytes (--max_ring_bytes)"));
@@ -118,6 +130,9 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
     }
   }
   auto r = std::make_shared<Ring>();
+  r->device_rows = device_rows.rows;
+  r->device_release = std::move(release.f);
+  release.f = nullptr;
   r->owner = caller;
   r->opened = absl::Now();
   r->slots = slots;
@@ -160,6 +175,7 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   h->ids_offset = g.ids_offset;
   h->weights_offset = g.weights_offset;
   h->admitted_offset = g.admitted_offset;
+  h->flags = on_device ? ring::kHeaderDeviceRows : 0;
   absl::MutexLock lock(&mu_);
   if (static_cast<int>(rings_.size()) >= options_.max_rings) {
     return absl::ResourceExhaustedError(
@@ -332,8 +348,15 @@ void StepRings::Serve(Ring* r) {
         std::memcpy(admitted.data(), slot + g.admitted_offset, routes);
         step.admitted = admitted.data();
       }
-      step.hidden = reinterpret_cast<const uint16_t*>(slot + g.hidden_offset);
-      step.output = reinterpret_cast<uint16_t*>(slot + g.output_offset);
+      if (r->device_rows != nullptr) {
+        char* rows = r->device_rows + 2 * (next % r->slots) * g.row_bytes;
+        step.hidden = reinterpret_cast<const uint16_t*>(rows);
+        step.output = reinterpret_cast<uint16_t*>(rows + g.row_bytes);
+        step.rows_on_device = true;
+      } else {
+        step.hidden = reinterpret_cast<const uint16_t*>(slot + g.hidden_offset);
+        step.output = reinterpret_cast<uint16_t*>(slot + g.output_offset);
+      }
     }
     ring::Result result{};
     serve_(step, &result);

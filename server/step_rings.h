@@ -52,8 +52,16 @@ struct StepRingsOptions {
   std::function<void(void* p)> unregister_memory;
 };
 
+// A ring's rows in the engine's GPU memory (OpenStepRingRequest.device_rows), already mapped:
+// slot s's hidden rows at rows + 2 s R, its output rows at rows + (2 s + 1) R, R =
+// Geometry::row_bytes. `release` unmaps them; it runs once the ring is torn down (or refused).
+struct RingDeviceRows {
+  char* rows = nullptr;
+  std::function<void()> release;
+};
+
 // One step read from a ring: the descriptor and routing tables are private copies, the rows are
-// the slot's (read and written in place).
+// the slot's, or the engine's GPU memory's (read and written in place).
 struct RingStep {
   absl::Status status;  // the descriptor checked against the ring; an error is still served (rejected)
   ring::Descriptor desc{};
@@ -63,6 +71,7 @@ struct RingStep {
   const int32_t* topk_ids = nullptr;
   const float* topk_weights = nullptr;
   const uint8_t* admitted = nullptr;  // null when the descriptor does not set kFlagAdmitted
+  bool rows_on_device = false;        // hidden and output are in the engine's GPU memory
 };
 using RingServe = std::function<void(const RingStep& step, ring::Result* result)>;
 
@@ -76,8 +85,11 @@ class StepRings {
     std::string ticket;  // 16 bytes
     uint64_t bytes = 0;
   };
-  // A ring for `caller` (the engine's uid). Sizes are checked with checked arithmetic.
-  absl::StatusOr<Opened> Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k);
+  // A ring for `caller` (the engine's uid). Sizes are checked with checked arithmetic. With
+  // device_rows.rows set, the slots carry no rows (the caller checked that the mapping holds
+  // 2 x slots x max_tokens x d x 2 bytes); its release runs whatever the outcome.
+  absl::StatusOr<Opened> Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k,
+                              RingDeviceRows device_rows = {});
   // Tears the ring down (its thread finishes the step it is serving first).
   absl::Status Close(uid_t caller, uint64_t id);
   int size();

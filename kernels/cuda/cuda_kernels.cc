@@ -3,6 +3,7 @@
 // activation is one fused elementwise kernel, the down projection a second GEMM. The grouped
 // and block-sparse layouts run as one cublasGemmGroupedBatchedEx call per projection; the padded
 // layout, whose segments are all C_exec rows, as one strided-batched GEMM.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -143,6 +144,33 @@ class BounceBuffers {
   bool pending_[2] = {false, false};
 };
 
+// The size of the device allocation that starts at `base` (the driver's cuMemGetAddressRange,
+// found through the runtime so this library links no libcuda).
+absl::StatusOr<int64_t> AddressRange(void* base) {
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetRange get_range = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  if (get_range == nullptr) return absl::InternalError("cuMemGetAddressRange: not found in the CUDA driver");
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  if (const CUresult r = get_range(&start, &size, reinterpret_cast<CUdeviceptr>(base)); r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuMemGetAddressRange: error ", static_cast<int>(r)));
+  }
+  if (start != reinterpret_cast<CUdeviceptr>(base)) {
+    return absl::InternalError("cuMemGetAddressRange: the mapping does not start its allocation");
+  }
+  return static_cast<int64_t>(size);
+}
+
 // Whether `p` is pageable host memory (not pinned, registered or device memory).
 bool Pageable(const void* p) {
   cudaPointerAttributes attr{};
@@ -191,6 +219,8 @@ class CudaKernels final : public ExpertKernels {
       if (side_[i] != nullptr) cudaStreamDestroy(side_[i]);
     }
     if (fork_ != nullptr) cudaEventDestroy(fork_);
+    if (find_first_ != nullptr) cudaFree(find_first_);
+    if (find_host_ != nullptr) cudaFreeHost(find_host_);
     cublasDestroy(handle_);
     if (workspace_ != nullptr) cudaFree(workspace_);
   }
@@ -258,6 +288,56 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
+  }
+  absl::Status CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bytes > 0) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
+                                           static_cast<cudaStream_t>(stream)));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int64_t> FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream) override {
+    if (n < 0) return absl::InvalidArgumentError(absl::StrCat("find_non_finite: ", n, " values"));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    std::lock_guard<std::mutex> lock(find_mu_);
+    if (find_first_ == nullptr) {
+      CUDA_RETURN_IF_ERROR(cudaMalloc(&find_first_, sizeof(unsigned long long)));
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&find_host_, sizeof(unsigned long long)));
+    }
+    auto st = static_cast<cudaStream_t>(stream);
+    CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(find_host_, find_first_, sizeof(unsigned long long), cudaMemcpyDeviceToHost, st));
+    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+    const unsigned long long first = *find_host_;
+    return first == ~0ull ? int64_t{-1} : static_cast<int64_t>(first);
+  }
+  absl::StatusOr<IpcMapping> OpenIpcMemory(const std::string& handle) override {
+    cudaIpcMemHandle_t h;
+    if (handle.size() != sizeof(h)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ipc_handle: ", handle.size(), " bytes, a CUDA IPC memory handle has ", sizeof(h)));
+    }
+    std::memcpy(&h, handle.data(), sizeof(h));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* base = nullptr;
+    if (const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat("ipc_handle: the driver refused it (", cudaGetErrorString(e),
+                                                     "); export it from a live allocation on this host"));
+    }
+    // The handle maps the exporter's whole allocation; its size bounds every access after this.
+    auto range = AddressRange(base);
+    if (!range.ok()) {
+      cudaIpcCloseMemHandle(base);
+      return range.status();
+    }
+    return IpcMapping{base, *range};
+  }
+  void CloseIpcMemory(void* base) override {
+    cudaSetDevice(device_);
+    if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();
   }
 
   absl::Status Gather(const GatherParams& p, Stream stream) override {
@@ -844,7 +924,10 @@ class CudaKernels final : public ExpertKernels {
   cudaEvent_t side_done_[kSideStreams] = {};
   cudaEvent_t fork_ = nullptr;
   void* workspace_ = nullptr;  // handle_'s cuBLAS workspace (the padded decode runner sets it)
-  std::mutex bounce_mu_;       // one large pageable copy at a time through bounce_
+  std::mutex find_mu_;         // FindNonFiniteBf16's result word
+  unsigned long long* find_first_ = nullptr;
+  unsigned long long* find_host_ = nullptr;
+  std::mutex bounce_mu_;  // one large pageable copy at a time through bounce_
   BounceBuffers bounce_;
   Scratch scratch_, ptr_scratch_, cursor_scratch_, offsets_scratch_;
   PinnedStaging map_in_, map_out_, ptr_staging_, offsets_in_;

@@ -2,6 +2,7 @@
 // where row sizes allow, grid-stride loops, no host round trips.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include <cub/block/block_reduce.cuh>
@@ -200,6 +201,33 @@ __global__ void ScatterPaddedKernel(const uint4* __restrict__ y_pad, const int64
     }
     const int64_t slot = r - offsets[lo];
     y[i] = slot < capacity ? y_pad[(lo * capacity + slot) * d8 + v] : make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+}
+
+// ---- row checks ------------------------------------------------------------------------------
+
+// The first NaN / infinity (exponent bits all ones) among n BF16 values: each thread scans 8
+// values a load (16-byte aligned input) and lowers *first with atomicMin; *first starts at ~0.
+__global__ void FindNonFiniteVec8Kernel(const uint4* __restrict__ x, int64_t n8, unsigned long long* first) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n8; i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 v = x[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if ((w[j] & 0x7f80u) == 0x7f80u) {
+        atomicMin(first, static_cast<unsigned long long>(i * 8 + 2 * j));
+      } else if ((w[j] & 0x7f800000u) == 0x7f800000u) {
+        atomicMin(first, static_cast<unsigned long long>(i * 8 + 2 * j + 1));
+      }
+    }
+  }
+}
+
+__global__ void FindNonFiniteKernel(const uint16_t* __restrict__ x, int64_t begin, int64_t n,
+                                    unsigned long long* first) {
+  for (int64_t i = begin + blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    if ((x[i] & 0x7f80u) == 0x7f80u) atomicMin(first, static_cast<unsigned long long>(i));
   }
 }
 
@@ -520,6 +548,24 @@ cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint1
   } else {
     SwigluActivationKernel<<<Blocks(rows * f), kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(h), rows,
                                                                       f, reinterpret_cast<__nv_bfloat16*>(a));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long long* first, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), stream);
+  if (e != cudaSuccess || n == 0) return e;
+  constexpr int kMaxBlocks = 1024;  // a grid-stride loop: enough blocks to fill the GPU
+  int64_t vec = 0;
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    vec = n / 8 * 8;
+    if (vec > 0) {
+      FindNonFiniteVec8Kernel<<<std::min(Blocks(vec / 8), kMaxBlocks), kThreads, 0, stream>>>(
+          reinterpret_cast<const uint4*>(x), vec / 8, first);
+    }
+  }
+  if (vec < n) {
+    FindNonFiniteKernel<<<std::min(Blocks(n - vec), kMaxBlocks), kThreads, 0, stream>>>(x, vec, n, first);
   }
   return cudaGetLastError();
 }

@@ -34,6 +34,9 @@ cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint1
 cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route, const float* gate,
                           int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16, cudaStream_t stream);
 
+// *first = the index of the first NaN / infinite value among n BF16 values, ~0 when none.
+cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long long* first, cudaStream_t stream);
+
 // FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block).
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
                               cudaStream_t stream);

@@ -31,6 +31,7 @@ LAYOUT_VERSION = 1
 PAGE = 4096
 ALIGN = 256
 FLAG_ADMITTED = 1
+HEADER_DEVICE_ROWS = 1  # header.flags (offset 88)
 # Header: counters each on their own 64-byte line.
 OFF_SUBMITTED, OFF_RANK_SLEEPING, OFF_COMPLETED, OFF_ENGINE_SLEEPING, OFF_CLOSED = 128, 192, 256, 320, 384
 RESULT_OFFSET = 64
@@ -47,9 +48,10 @@ def _align(v: int, a: int) -> int:
     return (v + a - 1) // a * a
 
 
-def geometry(max_tokens: int, d: int, k: int, slots: int) -> dict:
-    """Slot offsets and sizes, as ring::ComputeGeometry computes them."""
-    rows, routes = max_tokens * d * 2, max_tokens * k
+def geometry(max_tokens: int, d: int, k: int, slots: int, device_rows: bool = False) -> dict:
+    """Slot offsets and sizes, as ring::ComputeGeometry computes them (``device_rows``: the rows
+    live in the engine's GPU memory, not in the slots)."""
+    rows, routes = (0 if device_rows else max_tokens * d * 2), max_tokens * k
     at = PAGE
     g = {"hidden": at}
     at = _align(at + rows, ALIGN)
@@ -90,13 +92,30 @@ class StepRing:
         raise TypeError("use RankClient.open_ring")
 
     @classmethod
-    def open(cls, client: RankClient, *, max_tokens: int, d: int, k: int, slots: int = 2, spin_us: int = 50) -> "StepRing":
+    def open(cls, client: RankClient, *, max_tokens: int, d: int, k: int, slots: int = 2, spin_us: int = 50,
+             device: Any = None) -> "StepRing":
+        """``device`` (a torch device, e.g. ``"cuda:0"``): the rows stay on that GPU. The ring
+        allocates ``[slots, 2, max_tokens, d]`` BF16 there and hands the rank a CUDA IPC handle
+        for it; steps then take and return torch CUDA tensors and no row crosses the host. The
+        rank must run CUDA kernels on the same host."""
         if platform.machine() not in ("x86_64", "AMD64"):
             raise errors.FailedPrecondition(f"step rings from Python need x86-64 (this is {platform.machine()})")
-        resp = client._call(
-            client._stub.OpenStepRing, pb.OpenStepRingRequest(slots=slots, max_tokens=max_tokens, d=d, k=k), timeout=10
-        )
-        g = geometry(max_tokens, d, k, slots)
+        req = pb.OpenStepRingRequest(slots=slots, max_tokens=max_tokens, d=d, k=k)
+        rows_buf = None
+        if device is not None:
+            import torch
+
+            from moe_runtime import cuda_ipc
+
+            rows_buf = torch.empty((slots, 2, max_tokens, d), dtype=torch.bfloat16, device=device)
+            with torch.cuda.device(rows_buf.device):
+                exp = cuda_ipc.export(rows_buf.data_ptr())
+            req.device_rows.ipc_handle = exp.handle
+            req.device_rows.offset = exp.offset
+        resp = client._call(client._stub.OpenStepRing, req, timeout=10)
+        g = geometry(max_tokens, d, k, slots, device_rows=rows_buf is not None)
+        if resp.device_rows != (rows_buf is not None):
+            raise errors.FailedPrecondition("OpenStepRing: the rank did not take the ring's device rows")
         if resp.layout_version != LAYOUT_VERSION or resp.bytes != g["total_bytes"]:
             raise errors.FailedPrecondition(
                 f"OpenStepRing: the rank's ring layout {resp.layout_version} of {resp.bytes} bytes is not this "
@@ -126,7 +145,10 @@ class StepRing:
         finally:
             os.close(memfd)
         head = _HEADER.unpack_from(self._mm, 0)
-        if head[0] != MAGIC or head[3] != g["slot_bytes"] or head[7] != g["hidden"]:
+        (flags,) = struct.unpack_from("<I", self._mm, 88)
+        self._rows = rows_buf  # [slots, 2 (hidden, output), max_tokens, d] on the GPU, or None
+        if head[0] != MAGIC or head[3] != g["slot_bytes"] or head[7] != g["hidden"] or \
+                bool(flags & HEADER_DEVICE_ROWS) != (rows_buf is not None):
             self.close()
             raise errors.FailedPrecondition("step ring: the header does not match the layout this client expects")
         self.slots, self.max_tokens, self.d, self.k = slots, max_tokens, d, k
@@ -150,20 +172,29 @@ class StepRing:
     def _view(self, seq: int, part: str, dtype: Any, count: int) -> np.ndarray:
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._slot(seq) + self._g[part])
 
+    @property
+    def device_rows(self) -> bool:
+        """Whether this ring's rows stay in GPU memory (``open(device=...)``)."""
+        return self._rows is not None
+
     def fits(self, hidden: Any, topk_ids: Any) -> bool:
         """Whether a step can go through this ring: BF16 rows of this d, at most max_tokens rows
-        and k routes (other dtypes would need a lossy cast; they go through gRPC)."""
+        and k routes (other dtypes would need a lossy cast; they go through gRPC). A ring with
+        device rows takes torch BF16 tensors on its GPU only."""
         try:
             shape, k = tuple(hidden.shape), topk_ids.shape[1]
         except Exception:
             return False
         dtype = str(getattr(hidden, "dtype", ""))
+        if self._rows is not None and getattr(hidden, "device", None) != self._rows.device:
+            return False
         bf16 = dtype in ("uint16", "torch.bfloat16")
         return bf16 and len(shape) == 2 and shape[0] <= self.max_tokens and shape[1] == self.d and 1 <= k <= self.k
 
     def next_slot(self, tokens: int, k: Optional[int] = None) -> "dict[str, np.ndarray]":
         """Views of the next step's slot, for an engine that builds its rows and routing in place
-        (no copy at submit): ``hidden`` ``[tokens, d]`` uint16 (BF16 bits), ``topk_ids``
+        (no copy at submit): ``hidden`` ``[tokens, d]`` uint16 (BF16 bits; a torch BF16 CUDA
+        tensor on a ring with device rows), ``topk_ids``
         ``[tokens, k]`` int32, ``topk_weights`` ``[tokens, k]`` float32, ``admitted`` ``[tokens, k]``
         uint8. Fill them, then :meth:`submit_in_place`. The views stay valid until that slot is
         submitted again."""
@@ -173,8 +204,12 @@ class StepRing:
         if self._n_submitted - self._n_waited >= self.slots:
             raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
         seq = self._n_submitted & 0xFFFFFFFF
+        if self._rows is not None:
+            hidden = self._rows[seq % self.slots, 0, :tokens]
+        else:
+            hidden = self._view(seq, "hidden", np.uint16, tokens * self.d).reshape(tokens, self.d)
         return {
-            "hidden": self._view(seq, "hidden", np.uint16, tokens * self.d).reshape(tokens, self.d),
+            "hidden": hidden,
             "topk_ids": self._view(seq, "ids", np.int32, tokens * k).reshape(tokens, k),
             "topk_weights": self._view(seq, "weights", np.float32, tokens * k).reshape(tokens, k),
             "admitted": self._view(seq, "admitted", np.uint8, tokens * k).reshape(tokens, k),
@@ -193,7 +228,16 @@ class StepRing:
         if self._closed_word.value:
             raise errors.Unavailable("step ring: the rank closed the ring", rank=self._client.rank)
         rows = WireRows(pb.DTYPE_BF16, tokens, self.d, b"", "numpy", np.dtype(np.uint16))
+        self._rows_ready()
         self._publish(FLAG_ADMITTED if admitted else 0, decode, k, step_id, layer, tokens, expected_generation, rows)
+
+    def _rows_ready(self) -> None:
+        """Device rows: the rank reads them once the step is published, so the work that wrote
+        them (on the current stream) must be done by then."""
+        if self._rows is not None:
+            import torch
+
+            torch.cuda.current_stream(self._rows.device).synchronize()
 
     def _publish(self, flags: int, decode: bool, k: int, step_id: int, layer: int, tokens: int,
                  expected_generation: int, rows: WireRows) -> None:
@@ -214,6 +258,9 @@ class StepRing:
             raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
         if self._closed_word.value:
             raise errors.Unavailable("step ring: the rank closed the ring", rank=self._client.rank)
+        if self._rows is not None:
+            self._submit_device(step_id, layer, hidden, topk_ids, topk_weights, decode, admitted, expected_generation)
+            return
         rows = to_wire(hidden)
         if rows.dtype != pb.DTYPE_BF16 or rows.cols != self.d or rows.rows > self.max_tokens:
             raise ValueError(f"hidden: [{rows.rows}, {rows.cols}] of dtype {rows.np_dtype} does not fit the ring's "
@@ -231,6 +278,33 @@ class StepRing:
         if adm:
             self._view(seq, "admitted", np.uint8, t * k)[:] = np.frombuffer(adm, np.uint8)
             flags |= FLAG_ADMITTED
+        self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
+
+    def _submit_device(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, decode: bool,
+                       admitted: Any, expected_generation: int) -> None:
+        import torch
+
+        if not isinstance(hidden, torch.Tensor) or hidden.device != self._rows.device or \
+                hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or hidden.shape[1] != self.d or \
+                hidden.shape[0] > self.max_tokens:
+            raise ValueError(f"hidden: a ring with device rows takes BF16 [<= {self.max_tokens}, {self.d}] tensors "
+                             f"on {self._rows.device}, got {getattr(hidden, 'dtype', type(hidden))} "
+                             f"{tuple(getattr(hidden, 'shape', ()))} on {getattr(hidden, 'device', 'the host')}")
+        t = hidden.shape[0]
+        ids, w, k = routing_arrays(topk_ids, topk_weights, t)
+        if k > self.k:
+            raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
+        seq = self._n_submitted & 0xFFFFFFFF
+        self._rows[seq % self.slots, 0, :t].copy_(hidden)
+        self._view(seq, "ids", np.int32, t * k)[:] = ids.reshape(-1)
+        self._view(seq, "weights", np.float32, t * k)[:] = w.reshape(-1)
+        flags = 0
+        adm = admitted_bytes(admitted, ids.shape)
+        if adm:
+            self._view(seq, "admitted", np.uint8, t * k)[:] = np.frombuffer(adm, np.uint8)
+            flags |= FLAG_ADMITTED
+        rows = WireRows(pb.DTYPE_BF16, t, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16, self._rows.device)
+        self._rows_ready()
         self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
 
     def wait(self, timeout: float = 60.0, rank: Optional[int] = None) -> StepResult:
@@ -271,9 +345,12 @@ class StepRing:
             routes_remote=routes[3], routes_inter_node=routes[4], server_latency_us=server_us,
             compute_latency_us=compute_us, canary=bool(canary), stages_us=dict(zip(STAGES, stages)),
         )
-        out_bytes = bytes(self._view(seq, "output", np.uint8, rows.rows * rows.cols * 2))
-        return StepResult(from_wire(rows, out_bytes, rows.rows, rows.cols), record,
-                          (time.perf_counter() - submitted_at) * 1e6, via="ring")
+        if self._rows is not None:  # the rank wrote them on the GPU; a copy the slot's next step cannot touch
+            output = self._rows[seq % self.slots, 1, :rows.rows].clone()
+        else:
+            out_bytes = bytes(self._view(seq, "output", np.uint8, rows.rows * rows.cols * 2))
+            output = from_wire(rows, out_bytes, rows.rows, rows.cols)
+        return StepResult(output, record, (time.perf_counter() - submitted_at) * 1e6, via="ring")
 
     def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
              decode: bool = False, admitted: Any = None, expected_generation: int = 0,
@@ -295,6 +372,7 @@ class StepRing:
             if hasattr(self, name):
                 delattr(self, name)  # ctypes views must go before the mapping can close
         self._base = 0
+        self._rows = None  # the rank unmapped it with the ring
         try:
             self._mm.close()
         except (BufferError, AttributeError):

@@ -92,7 +92,7 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes,
                   routes = s_.rank_tokens * s_.k;
     char* h = static_cast<char*>(staging_);
-    std::memcpy(h + off_hidden_, t.hidden, t.tokens * s_.d * 2);
+    if (!t.rows_on_device) std::memcpy(h + off_hidden_, t.hidden, t.tokens * s_.d * 2);
     std::memcpy(h + off_send_index_, t.send_index, ps * 4);
     std::memcpy(h + off_expert_rows_, t.expert_rows, lay * 4);
     std::memcpy(h + off_layout_row_, t.layout_row, ps * 4);
@@ -101,11 +101,16 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     std::memcpy(h + off_offsets_, t.expert_offsets, (s_.local_slots + 1) * 8);
     auto stream = static_cast<cudaStream_t>(handles_.stream);
     CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
+    if (t.rows_on_device) {  // the engine's rows into the captured input, after the block that holds it
+      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(block_.data()) + off_hidden_, t.hidden,
+                                             t.tokens * s_.d * 2, cudaMemcpyDeviceToDevice, stream));
+    }
     CUDART_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream));
-    CUDART_RETURN_IF_ERROR(
-        cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
+    const cudaMemcpyKind out_kind = t.rows_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
+    CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(t.rows_on_device ? static_cast<void*>(out) : out_host_, out_.data(),
+                                           t.tokens * s_.d * 2, out_kind, stream));
     RETURN_IF_ERROR(WaitNcclStream(*transport_, seq, timeout));
-    std::memcpy(out, out_host_, t.tokens * s_.d * 2);
+    if (!t.rows_on_device) std::memcpy(out, out_host_, t.tokens * s_.d * 2);
     return absl::OkStatus();
   }
 

@@ -64,6 +64,7 @@ absl::StatusOr<DecodeRunner> ParseDecodeRunner(const std::string& name);
 // One step's tables, host memory. Row r of peer j's segment is at j * segment_rows + r.
 struct DecodeGraphTables {
   const uint16_t* hidden = nullptr;         // [tokens, d]
+  bool rows_on_device = false;              // hidden and the output rows are in device memory
   int64_t tokens = 0;                       // <= rank_tokens
   const int32_t* send_index = nullptr;      // [peers * segment_rows]: source token, -1 padding
   const int32_t* expert_rows = nullptr;     // [local_slots * slot_routes]: received row per layout row
@@ -76,7 +77,8 @@ struct DecodeGraphTables {
 class DecodeStepGraph {
  public:
   virtual ~DecodeStepGraph() = default;
-  // Writes [tables.tokens, d] BF16 rows to `out` (host). Every member of the group replays its
+  // Writes [tables.tokens, d] BF16 rows to `out` (host, or device memory with
+  // tables.rows_on_device). Every member of the group replays its
   // graph for the same step; a peer that does not turns into DEADLINE_EXCEEDED after `timeout`.
   virtual absl::Status Replay(uint64_t seq, const DecodeGraphTables& tables, uint16_t* out, absl::Duration timeout) = 0;
 };

@@ -185,6 +185,24 @@ void LayerExecutor::UnregisterHostMemory(void* p) {
   if (device_) options_.kernels->UnregisterHostMemory(p);
 }
 
+absl::StatusOr<kernels::ExpertKernels::IpcMapping> LayerExecutor::OpenDeviceRows(const std::string& ipc_handle) {
+  if (!device_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device_rows: rows in an engine's GPU memory need device kernels; rank ", options_.rank.value(),
+                     " runs ", options_.kernels->name()));
+  }
+  return options_.kernels->OpenIpcMemory(ipc_handle);
+}
+
+void LayerExecutor::CloseDeviceRows(void* base) {
+  if (device_) options_.kernels->CloseIpcMemory(base);
+}
+
+absl::StatusOr<int64_t> LayerExecutor::FindNonFiniteOnDevice(const uint16_t* x, int64_t n) {
+  if (!device_) return absl::FailedPreconditionError("find_non_finite: the rank's kernels are not device-resident");
+  return options_.kernels->FindNonFiniteBf16(x, n, nullptr);
+}
+
 void LayerExecutor::RecycleOutput(RowBuffer buffer) {
   absl::MutexLock lock(&generations_mu_);
   if (buffer.capacity() > spare_output_.capacity()) spare_output_ = std::move(buffer);
@@ -291,6 +309,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
   }
   DecodeGraphTables t;
   t.hidden = in.hidden;
+  t.rows_on_device = in.rows_on_device;
   t.tokens = in.tokens;
   t.send_index = b.g_send_index.data();
   t.expert_rows = b.g_expert_rows.data();
@@ -449,13 +468,28 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   sin.step_id = in.step_id + kShadowStepOffset;
   sin.output = nullptr;  // the shadow's rows are only compared, never handed out
   sin.expected_generation = -1;
+  RowBuffer host_rows;  // the engine's rows, when they are on the device: the shadow reads a host copy
+  if (in.rows_on_device && in.tokens > 0) {
+    host_rows.resize(static_cast<size_t>(in.tokens) * in.d);
+    if (!options_.kernels->CopyToHost(host_rows.data(), in.hidden, in.tokens * in.d * 2, nullptr).ok()) {
+      host_rows.clear();  // the pass below fails on the missing rows, counted as a shadow failure
+    }
+    sin.hidden = host_rows.empty() ? nullptr : host_rows.data();
+    sin.rows_on_device = false;
+  }
   PassOptions spo;
   spo.trial_version = shadow;
   spo.shadow_pass = true;
   auto s = RunPass(sin, spo, nullptr);
   // Outputs of different sizes give NaN, which is a mismatch too.
   absl::Span<const uint16_t> served;
-  if (in.output != nullptr) {
+  RowBuffer device_rows;  // the served rows, when they are on the device
+  if (in.output != nullptr && in.rows_on_device) {
+    device_rows.resize(static_cast<size_t>(in.tokens) * in.d);
+    if (r.ok() && options_.kernels->CopyToHost(device_rows.data(), in.output, in.tokens * in.d * 2, nullptr).ok()) {
+      served = device_rows;
+    }
+  } else if (in.output != nullptr) {
     served = absl::MakeConstSpan(in.output, static_cast<size_t>(in.tokens) * in.d);
   } else if (r.ok()) {
     served = r->output;
@@ -512,9 +546,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     absl::Status checked = in.await_input_check();
     if (before_agreement.ok()) before_agreement = std::move(checked);
   }
-  // A failed step answers its engine only once the staged rows' copy no longer reads its memory.
+  // A failed step answers its engine only once the staged rows' copy (or a kernel reading rows in
+  // the engine's device memory) no longer reads its memory.
   const auto settled = [&](absl::Status s) {
-    if (pass.rows_staged) options_.kernels->Synchronize(nullptr).IgnoreError();
+    if (pass.rows_staged || in.rows_on_device) options_.kernels->Synchronize(nullptr).IgnoreError();
     return s;
   };
   if (!before_agreement.ok()) {
@@ -549,6 +584,10 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
       pass.trial ? options_.registry->RequireTrial(pass.version) : options_.registry->RequireLive(pass.version);
   if (!manifest.ok()) return manifest.status();
   pass.num_experts = (*manifest)->num_experts();
+  if (in.rows_on_device && !device_) {
+    return absl::FailedPreconditionError(absl::StrCat("hidden: rows in device memory need device kernels; rank ",
+                                                      options_.rank.value(), " runs ", options_.kernels->name()));
+  }
   RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
   ASSIGN_OR_RETURN(FrozenHandoff frozen,
                    SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts), options_.topology->num_ranks()));
@@ -562,6 +601,10 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
 // in registered memory (a step ring's slot) copy asynchronously; pageable rows as before.
 absl::Status LayerExecutor::StageRows(Pass& pass) {
   const LayerStepInput& in = pass.in;
+  if (in.rows_on_device) {
+    pass.hidden = in.hidden;  // read in place
+    return absl::OkStatus();
+  }
   if (!device_ || in.tokens == 0 || in.phase != Phase::kPrefill) return absl::OkStatus();
   const int64_t bytes = in.tokens * static_cast<int64_t>(in.d) * 2;
   RETURN_IF_ERROR(buf_.hidden.Reserve(options_.kernels, bytes));
@@ -754,7 +797,7 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                       " number of local slots than placement-v", pass.version.value()));
   }
-  if (!pass.rows_staged) {
+  if (!pass.rows_staged && !in.rows_on_device) {
     pass.hidden = in.hidden;
     if (device_ && in.tokens > 0) {
       RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, in.tokens * row_bytes));
@@ -773,12 +816,14 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
 // Where the combined rows are written (kernel memory for device kernels, then copied out).
 absl::StatusOr<uint16_t*> LayerExecutor::OutputRows(Pass& pass) {
   if (!device_) return pass.host_out();
+  if (pass.in.rows_on_device) return pass.in.output;  // written in place
   RETURN_IF_ERROR(buf_.output.Reserve(options_.kernels, pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2));
   return buf_.output.as<uint16_t>();
 }
 
 absl::Status LayerExecutor::CopyOut(Pass& pass, const uint16_t* out) {
   if (!device_) return absl::OkStatus();
+  if (pass.in.rows_on_device) return options_.kernels->Synchronize(nullptr);  // the engine reads them next
   return options_.kernels->CopyToHost(pass.host_out(), out, pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2,
                                       nullptr);
 }
@@ -933,9 +978,20 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kRelease);
   LayerStepResult& result = pass.result;
   if (pass.trial && options_.fault_trial_output_scale != 1.0f) {
+    const int64_t n = pass.in.tokens * pass.in.d;
+    RowBuffer device_rows;
     uint16_t* rows = pass.host_out();
-    for (int64_t i = 0; i < pass.in.tokens * pass.in.d; ++i)
+    if (pass.in.rows_on_device) {  // scaled on the host and written back (a fault drill, not a fast path)
+      device_rows.resize(n);
+      RETURN_IF_ERROR(options_.kernels->CopyToHost(device_rows.data(), pass.in.output, n * 2, nullptr));
+      rows = device_rows.data();
+    }
+    for (int64_t i = 0; i < n; ++i)
       rows[i] = kernels::FloatToBf16(kernels::Bf16ToFloat(rows[i]) * options_.fault_trial_output_scale);
+    if (pass.in.rows_on_device) {
+      RETURN_IF_ERROR(options_.kernels->CopyToKernel(pass.in.output, rows, n * 2, nullptr));
+      RETURN_IF_ERROR(options_.kernels->Synchronize(nullptr));
+    }
   }
   RETURN_IF_ERROR(pass.handle->MarkOriginRowsReady());
   RETURN_IF_ERROR(pass.handle->Release());

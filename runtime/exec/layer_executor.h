@@ -128,6 +128,14 @@ class LayerExecutor {
   // The caller keeps it mapped until UnregisterHostMemory.
   absl::Status RegisterHostMemory(void* p, int64_t bytes);
   void UnregisterHostMemory(void* p);
+  // An engine's GPU allocation exported with CUDA IPC, for steps whose rows stay there
+  // (LayerStepInput::rows_on_device): mapped until CloseDeviceRows(base). FAILED_PRECONDITION
+  // when the rank's kernels are not device-resident.
+  absl::StatusOr<kernels::ExpertKernels::IpcMapping> OpenDeviceRows(const std::string& ipc_handle);
+  void CloseDeviceRows(void* base);
+  // The index of the first NaN / infinite value among `n` BF16 values in device memory, -1 when
+  // none (after the step stream's earlier work).
+  absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint16_t* x, int64_t n);
 
   // Hands a step's output buffer back once the caller is done with it: the next step writes its
   // rows there instead of allocating (and faulting in) a new one.

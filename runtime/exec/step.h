@@ -39,6 +39,11 @@ struct LayerStepInput {
   // Optional: host memory of [tokens, d] BF16 where the combined rows are written (a step ring's
   // slot); LayerStepResult::output then stays empty. Null: the result owns its rows.
   uint16_t* output = nullptr;
+  // The rows are in kernel memory (a co-located engine's GPU buffer, mapped through CUDA IPC):
+  // `hidden` is read there and the combined rows are written to `output`, which must be set and
+  // be kernel memory too. Only with device-resident kernels (FAILED_PRECONDITION otherwise). The
+  // step returns once the output rows are written.
+  bool rows_on_device = false;
   // Optional: a check of the input running beside the step's first phases (the service's NaN/Inf
   // scan of a prefill step's rows on worker threads). Awaited before the agreement, also when an
   // earlier phase failed (the rows must outlive it); a failure rejects the step into its

@@ -24,6 +24,9 @@ absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
   if (in.tokens > 0 && (in.hidden == nullptr || in.topk_ids == nullptr || in.topk_weights == nullptr)) {
     return absl::InvalidArgumentError("hidden / topk_ids / topk_weights: missing");
   }
+  if (in.rows_on_device && in.tokens > 0 && in.output == nullptr) {
+    return absl::InvalidArgumentError("output: rows on the device need an output buffer on the device");
+  }
   for (int64_t i = 0; i < in.tokens * in.k; ++i) {
     if (in.admitted != nullptr && in.admitted[i] == 0) continue;
     const int32_t e = in.topk_ids[i];

@@ -76,6 +76,28 @@ std::vector<uint16_t> RunSwiglu(ExpertKernels& k, const Experts& w, const std::v
 
 // The three layouts agree with each other and with a float64 reference on random shapes with
 // skewed and empty experts; NaN-poisoned padding / fringe rows never reach the output.
+// The reference NaN/Inf scan: the first value whose exponent bits are all ones, -1 for none;
+// and host kernels have no device memory to map from another process.
+TEST(CpuKernelsTest, FindNonFiniteAndNoIpcMemory) {
+  auto cpu = CreateCpuKernels();
+  std::vector<uint16_t> x(1000, 0x3f80);  // 1.0
+  x[3] = 0x7f7f;                          // the largest finite value
+  x[4] = 0xff7f;
+  auto none = cpu->FindNonFiniteBf16(x.data(), static_cast<int64_t>(x.size()), nullptr);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(*none, -1);
+  x[900] = 0x7f80;  // +infinity
+  x[901] = 0x7fc1;  // NaN
+  auto first = cpu->FindNonFiniteBf16(x.data(), static_cast<int64_t>(x.size()), nullptr);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(*first, 900);
+  x[10] = 0xffc0;
+  EXPECT_EQ(*cpu->FindNonFiniteBf16(x.data(), static_cast<int64_t>(x.size()), nullptr), 10);
+  EXPECT_EQ(*cpu->FindNonFiniteBf16(x.data(), 10, nullptr), -1);
+  const auto ipc = cpu->OpenIpcMemory(std::string(64, 'h'));
+  EXPECT_EQ(ipc.status().code(), absl::StatusCode::kFailedPrecondition) << ipc.status();
+}
+
 TEST(CpuKernelsTest, SwigluLayoutsAgreeAndMatchReference) {
   std::mt19937 rng(42);
   auto k = CreateCpuKernels();

@@ -855,5 +855,50 @@ TEST_F(CudaKernelsTest, HistogramScanStaysOnDevice) {
   EXPECT_EQ(doffsets.Host(), offsets);
 }
 
+// The device NaN/Inf scan answers what the CPU reference answers: the first bad index (in the
+// 16-byte vectors or in the tail, aligned or not), -1 for finite rows; a copy within kernel
+// memory moves every byte. A handle that names no allocation is refused, not mapped.
+TEST_F(CudaKernelsTest, FindNonFiniteMatchesCpuAndIpcRefusesABadHandle) {
+  const int64_t n = (int64_t{1} << 20) + 13;
+  std::vector<uint16_t> x = RandomBf16(rng_, n, 1.0f);
+  DeviceVector<uint16_t> dx(x.size() + 1);
+  auto scan = [&](const std::vector<uint16_t>& v, int64_t shift) {
+    EXPECT_EQ(cudaMemcpy(dx.get() + shift, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    auto got = gpu_->FindNonFiniteBf16(dx.get() + shift, static_cast<int64_t>(v.size()), nullptr);
+    auto want = cpu_->FindNonFiniteBf16(v.data(), static_cast<int64_t>(v.size()), nullptr);
+    EXPECT_TRUE(got.ok() && want.ok());
+    EXPECT_EQ(*got, *want) << "shift " << shift;
+    return got.ok() ? *got : -2;
+  };
+  for (int64_t shift : {0, 1}) {  // 16-byte aligned, then not
+    EXPECT_EQ(scan(x, shift), -1);
+    for (int64_t bad : {int64_t{0}, int64_t{7}, int64_t{777777}, n - 1}) {
+      std::vector<uint16_t> y = x;
+      y[bad] = 0x7fc0;                       // NaN
+      if (bad + 5 < n) y[bad + 5] = 0xff80;  // -infinity after it: the first one is reported
+      EXPECT_EQ(scan(y, shift), bad);
+    }
+  }
+  std::vector<uint16_t> inf = x;
+  inf[12345] = 0x7f80;
+  EXPECT_EQ(scan(inf, 0), 12345);
+  auto zero = gpu_->FindNonFiniteBf16(dx.get(), 0, nullptr);
+  ASSERT_TRUE(zero.ok());
+  EXPECT_EQ(*zero, -1);
+
+  DeviceVector<uint16_t> copy(x.size());
+  ASSERT_EQ(cudaMemcpy(dx.get(), x.data(), n * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE(gpu_->CopyWithinKernel(copy.get(), dx.get(), n * 2, nullptr).ok());
+  ASSERT_TRUE(gpu_->Synchronize(nullptr).ok());
+  EXPECT_EQ(copy.Host(), x);
+
+  EXPECT_EQ(gpu_->OpenIpcMemory(std::string(10, 'x')).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu_->OpenIpcMemory(std::string(64, '\0')).status().code(), absl::StatusCode::kInvalidArgument);
+  // The process stays usable after the refusals.
+  auto after = gpu_->FindNonFiniteBf16(dx.get(), n, nullptr);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, -1);
+}
+
 }  // namespace
 }  // namespace moe::kernels

@@ -662,5 +662,46 @@ TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
   EXPECT_EQ(tcp.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << tcp.error_message();
 }
 
+// A ring whose rows stay in the engine's GPU memory: its fields are checked before anything is
+// mapped, a rank on CPU kernels refuses it naming device_rows, and nothing is left open.
+TEST_F(RingTest, DeviceRowsAreCheckedAndNeedDeviceKernels) {
+  auto open = [&](int64_t d, uint64_t offset, const std::string& handle) {
+    v1::OpenStepRingRequest req;
+    req.set_slots(2);
+    req.set_max_tokens(8);
+    req.set_d(d);
+    req.set_k(kK);
+    req.mutable_device_rows()->set_ipc_handle(handle);
+    req.mutable_device_rows()->set_offset(offset);
+    v1::OpenStepRingResponse resp;
+    grpc::ClientContext ctx;
+    return stub_->OpenStepRing(&ctx, req, &resp);
+  };
+  const std::string handle(64, 'h');
+  grpc::Status s = open(kD + 4, 0, handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("d: 68 is not a multiple of 8"));
+  s = open(kD, 100, handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("device_rows.offset"));
+  s = open(kD, uint64_t{1} << 60, handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("device_rows.offset"));
+  s = open(kD, 256, handle);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("device_rows: rows in an engine's GPU memory need device kernels"));
+  EXPECT_EQ(service_->step_rings(), 0);
+  // Still serving rings and steps.
+  std::unique_ptr<StepRing> ring = Open();
+  ASSERT_NE(ring, nullptr);
+  v1::StepResponse want;
+  ASSERT_TRUE(Call(Request(40), &want).ok());
+  StepCall call = CallOf(Request(40));
+  call.step_id = 41;
+  auto got = ring->Execute(call);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(std::memcmp(got->output.data(), want.output().data().data(), want.output().data().size()), 0);
+}
+
 }  // namespace
 }  // namespace moe

@@ -13,19 +13,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moe/v1/expert_layer.proto\x12\x06moe.v1\"P\n\x06Tensor\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.moe.v1.DType\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0c\n\x04\x63ols\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"@\n\x0fSharedRegionRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"4\n\x15RegisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x18\n\x16RegisterRegionResponse\"\'\n\x17UnregisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1a\n\x18UnregisterRegionResponse\"N\n\x13OpenStepRingRequest\x12\r\n\x05slots\x18\x01 \x01(\x05\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\t\n\x01\x64\x18\x03 \x01(\x03\x12\t\n\x01k\x18\x04 \x01(\x05\"s\n\x14OpenStepRingResponse\x12\x0f\n\x07ring_id\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x13\n\x0bsocket_path\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x16\n\x0elayout_version\x18\x05 \x01(\r\"\'\n\x14\x43loseStepRingRequest\x12\x0f\n\x07ring_id\x18\x01 \x01(\x04\"\x17\n\x15\x43loseStepRingResponse\"\xad\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x03\x12\x1c\n\x05phase\x18\x03 \x01(\x0e\x32\r.moe.v1.Phase\x12\x1e\n\x06hidden\x18\x04 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\x10\n\x08topk_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctopk_weights\x18\x06 \x03(\x02\x12\t\n\x01k\x18\x07 \x01(\x05\x12\x10\n\x08\x61\x64mitted\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65xpected_generation\x18\t \x01(\x03\x12.\n\rhidden_region\x18\n \x01(\x0b\x32\x17.moe.v1.SharedRegionRef\x12.\n\routput_region\x18\x0b \x01(\x0b\x32\x17.moe.v1.SharedRegionRef\"\xdf\x02\n\nStepRecord\x12\x1c\n\x14placement_generation\x18\x01 \x01(\x03\x12#\n\x04path\x18\x02 \x01(\x0e\x32\x15.moe.v1.ExecutionPath\x12\x17\n\x0f\x66\x61llback_reason\x18\x03 \x01(\t\x12\x18\n\x10routes_attempted\x18\x04 \x01(\x03\x12\x17\n\x0froutes_accepted\x18\x05 \x01(\x03\x12\x16\n\x0eroutes_dropped\x18\x06 \x01(\x03\x12\x15\n\rroutes_remote\x18\x07 \x01(\x03\x12\x19\n\x11routes_inter_node\x18\x08 \x01(\x03\x12\x19\n\x11server_latency_us\x18\t \x01(\x01\x12\x1a\n\x12\x63ompute_latency_us\x18\n \x01(\x01\x12\x0e\n\x06\x63\x61nary\x18\x0b \x01(\x08\x12\"\n\x06stages\x18\x0c \x01(\x0b\x32\x12.moe.v1.StepStages\x12\r\n\x05layer\x18\r \x01(\x03\"\xbc\x01\n\nStepStages\x12\x13\n\x0bvalidate_us\x18\x01 \x01(\x01\x12\x12\n\nacquire_us\x18\x02 \x01(\x01\x12\x0f\n\x07plan_us\x18\x03 \x01(\x01\x12\x10\n\x08\x61gree_us\x18\x04 \x01(\x01\x12\x13\n\x0b\x64ispatch_us\x18\x05 \x01(\x01\x12\x12\n\nexperts_us\x18\x06 \x01(\x01\x12\x11\n\treturn_us\x18\x07 \x01(\x01\x12\x12\n\ncombine_us\x18\x08 \x01(\x01\x12\x12\n\nrelease_us\x18\t \x01(\x01\"c\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1e\n\x06output\x18\x02 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\"\n\x06record\x18\x03 \x01(\x0b\x32\x12.moe.v1.StepRecord*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*L\n\rExecutionPath\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0e\n\nPATH_EAGER\x10\x01\x12\x15\n\x11PATH_GRAPH_REPLAY\x10\x02\x32\xc2\x03\n\x12\x45xpertLayerService\x12\x34\n\x07\x45xecute\x12\x13.moe.v1.StepRequest\x1a\x14.moe.v1.StepResponse\x12\x35\n\x04Step\x12\x13.moe.v1.StepRequest\x1a\x14.moe.v1.StepResponse(\x01\x30\x01\x12O\n\x0eRegisterRegion\x12\x1d.moe.v1.RegisterRegionRequest\x1a\x1e.moe.v1.RegisterRegionResponse\x12U\n\x10UnregisterRegion\x12\x1f.moe.v1.UnregisterRegionRequest\x1a .moe.v1.UnregisterRegionResponse\x12I\n\x0cOpenStepRing\x12\x1b.moe.v1.OpenStepRingRequest\x1a\x1c.moe.v1.OpenStepRingResponse\x12L\n\rCloseStepRing\x12\x1c.moe.v1.CloseStepRingRequest\x1a\x1d.moe.v1.CloseStepRingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moe/v1/expert_layer.proto\x12\x06moe.v1\"P\n\x06Tensor\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.moe.v1.DType\x12\x0c\n\x04rows\x18\x02 \x01(\x03\x12\x0c\n\x04\x63ols\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"@\n\x0fSharedRegionRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"4\n\x15RegisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x18\n\x16RegisterRegionResponse\"\'\n\x17UnregisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1a\n\x18UnregisterRegionResponse\"w\n\x13OpenStepRingRequest\x12\r\n\x05slots\x18\x01 \x01(\x05\x12\x12\n\nmax_tokens\x18\x02 \x01(\x03\x12\t\n\x01\x64\x18\x03 \x01(\x03\x12\t\n\x01k\x18\x04 \x01(\x05\x12\'\n\x0b\x64\x65vice_rows\x18\x05 \x01(\x0b\x32\x12.moe.v1.DeviceRows\"0\n\nDeviceRows\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x88\x01\n\x14OpenStepRingResponse\x12\x0f\n\x07ring_id\x18\x01 \x01(\x04\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x13\n\x0bsocket_path\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x16\n\x0elayout_version\x18\x05 \x01(\r\x12\x13\n\x0b\x64\x65vice_rows\x18\x06 \x01(\x08\"\'\n\x14\x43loseStepRingRequest\x12\x0f\n\x07ring_id\x18\x01 \x01(\x04\"\x17\n\x15\x43loseStepRingResponse\"\xad\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x03\x12\x1c\n\x05phase\x18\x03 \x01(\x0e\x32\r.moe.v1.Phase\x12\x1e\n\x06hidden\x18\x04 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\x10\n\x08topk_ids\x18\x05 \x03(\x05\x12\x14\n\x0ctopk_weights\x18\x06 \x03(\x02\x12\t\n\x01k\x18\x07 \x01(\x05\x12\x10\n\x08\x61\x64mitted\x18\x08 \x01(\x0c\x12\x1b\n\x13\x65xpected_generation\x18\t \x01(\x03\x12.\n\rhidden_region\x18\n \x01(\x0b\x32\x17.moe.v1.SharedRegionRef\x12.\n\routput_region\x18\x0b \x01(\x0b\x32\x17.moe.v1.SharedRegionRef\"\xdf\x02\n\nStepRecord\x12\x1c\n\x14placement_generation\x18\x01 \x01(\x03\x12#\n\x04path\x18\x02 \x01(\x0e\x32\x15.moe.v1.ExecutionPath\x12\x17\n\x0f\x66\x61llback_reason\x18\x03 \x01(\t\x12\x18\n\x10routes_attempted\x18\x04 \x01(\x03\x12\x17\n\x0froutes_accepted\x18\x05 \x01(\x03\x12\x16\n\x0eroutes_dropped\x18\x06 \x01(\x03\x12\x15\n\rroutes_remote\x18\x07 \x01(\x03\x12\x19\n\x11routes_inter_node\x18\x08 \x01(\x03\x12\x19\n\x11server_latency_us\x18\t \x01(\x01\x12\x1a\n\x12\x63ompute_latency_us\x18\n \x01(\x01\x12\x0e\n\x06\x63\x61nary\x18\x0b \x01(\x08\x12\"\n\x06stages\x18\x0c \x01(\x0b\x32\x12.moe.v1.StepStages\x12\r\n\x05layer\x18\r \x01(\x03\"\xbc\x01\n\nStepStages\x12\x13\n\x0bvalidate_us\x18\x01 \x01(\x01\x12\x12\n\nacquire_us\x18\x02 \x01(\x01\x12\x0f\n\x07plan_us\x18\x03 \x01(\x01\x12\x10\n\x08\x61gree_us\x18\x04 \x01(\x01\x12\x13\n\x0b\x64ispatch_us\x18\x05 \x01(\x01\x12\x12\n\nexperts_us\x18\x06 \x01(\x01\x12\x11\n\treturn_us\x18\x07 \x01(\x01\x12\x12\n\ncombine_us\x18\x08 \x01(\x01\x12\x12\n\nrelease_us\x18\t \x01(\x01\"c\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1e\n\x06output\x18\x02 \x01(\x0b\x32\x0e.moe.v1.Tensor\x12\"\n\x06record\x18\x03 \x01(\x0b\x32\x12.moe.v1.StepRecord*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*L\n\rExecutionPath\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0e\n\nPATH_EAGER\x10\x01\x12\x15\n\x11PATH_GRAPH_REPLAY\x10\x02\x32\xc2\x03\n\x12\x45xpertLayerService\x12\x34\n\x07\x45xecute\x12\x13.moe.v1.StepRequest\x1a\x14.moe.v1.StepResponse\x12\x35\n\x04Step\x12\x13.moe.v1.StepRequest\x1a\x14.moe.v1.StepResponse(\x01\x30\x01\x12O\n\x0eRegisterRegion\x12\x1d.moe.v1.RegisterRegionRequest\x1a\x1e.moe.v1.RegisterRegionResponse\x12U\n\x10UnregisterRegion\x12\x1f.moe.v1.UnregisterRegionRequest\x1a .moe.v1.UnregisterRegionResponse\x12I\n\x0cOpenStepRing\x12\x1b.moe.v1.OpenStepRingRequest\x1a\x1c.moe.v1.OpenStepRingResponse\x12L\n\rCloseStepRing\x12\x1c.moe.v1.CloseStepRingRequest\x1a\x1d.moe.v1.CloseStepRingResponseb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe.v1.expert_layer_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  _DTYPE._serialized_start=1547
-  _DTYPE._serialized_end=1625
-  _PHASE._serialized_start=1627
-  _PHASE._serialized_end=1694
-  _EXECUTIONPATH._serialized_start=1696
-  _EXECUTIONPATH._serialized_end=1772
+  _DTYPE._serialized_start=1660
+  _DTYPE._serialized_end=1738
+  _PHASE._serialized_start=1740
+  _PHASE._serialized_end=1807
+  _EXECUTIONPATH._serialized_start=1809
+  _EXECUTIONPATH._serialized_end=1885
   _TENSOR._serialized_start=37
   _TENSOR._serialized_end=117
   _SHAREDREGIONREF._serialized_start=119
@@ -39,21 +39,23 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _UNREGISTERREGIONRESPONSE._serialized_start=306
   _UNREGISTERREGIONRESPONSE._serialized_end=332
   _OPENSTEPRINGREQUEST._serialized_start=334
-  _OPENSTEPRINGREQUEST._serialized_end=412
-  _OPENSTEPRINGRESPONSE._serialized_start=414
-  _OPENSTEPRINGRESPONSE._serialized_end=529
-  _CLOSESTEPRINGREQUEST._serialized_start=531
-  _CLOSESTEPRINGREQUEST._serialized_end=570
-  _CLOSESTEPRINGRESPONSE._serialized_start=572
-  _CLOSESTEPRINGRESPONSE._serialized_end=595
-  _STEPREQUEST._serialized_start=598
-  _STEPREQUEST._serialized_end=899
-  _STEPRECORD._serialized_start=902
-  _STEPRECORD._serialized_end=1253
-  _STEPSTAGES._serialized_start=1256
-  _STEPSTAGES._serialized_end=1444
-  _STEPRESPONSE._serialized_start=1446
-  _STEPRESPONSE._serialized_end=1545
-  _EXPERTLAYERSERVICE._serialized_start=1775
-  _EXPERTLAYERSERVICE._serialized_end=2225
+  _OPENSTEPRINGREQUEST._serialized_end=453
+  _DEVICEROWS._serialized_start=455
+  _DEVICEROWS._serialized_end=503
+  _OPENSTEPRINGRESPONSE._serialized_start=506
+  _OPENSTEPRINGRESPONSE._serialized_end=642
+  _CLOSESTEPRINGREQUEST._serialized_start=644
+  _CLOSESTEPRINGREQUEST._serialized_end=683
+  _CLOSESTEPRINGRESPONSE._serialized_start=685
+  _CLOSESTEPRINGRESPONSE._serialized_end=708
+  _STEPREQUEST._serialized_start=711
+  _STEPREQUEST._serialized_end=1012
+  _STEPRECORD._serialized_start=1015
+  _STEPRECORD._serialized_end=1366
+  _STEPSTAGES._serialized_start=1369
+  _STEPSTAGES._serialized_end=1557
+  _STEPRESPONSE._serialized_start=1559
+  _STEPRESPONSE._serialized_end=1658
+  _EXPERTLAYERSERVICE._serialized_start=1888
+  _EXPERTLAYERSERVICE._serialized_end=2338
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,136 @@
+"""A co-located engine's layer step with the rows on its GPU (issue 17), checked and timed.
+
+One running moe-rankd (CUDA kernels) on this host; this process is the engine, with its hidden
+rows in a torch CUDA tensor, as vLLM / SGLang / transformers hold them. Per cell, side by side:
+
+  host ring    the rows copied to the host, through a step ring's slot, and the output copied back
+               to the GPU (what an engine on a ring paid before device rows);
+  device ring  the rows stay on the GPU: the ring's slots carry routing only, and the rank reads
+               and writes the engine's memory through CUDA IPC (``open_ring(device=...)``).
+
+Checks (exit status 1 when one fails): both rings give the same output bit for bit, for every
+cell; a NaN in the device rows is refused naming ``hidden.data[i]`` and the ring serves on.
+
+Usage: device_rows.py --target unix:/path/0.sock [--cells decode:1,decode:8,prefill:2048]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from moe_runtime import RankClient, errors
+
+
+def make_step(t: int, d: int, k: int, experts: int, gen: torch.Generator):
+    hidden = (torch.randn(t, d, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    scores = torch.rand(t, experts, generator=gen, device="cuda")
+    w, ids = scores.topk(k, dim=1)
+    w = torch.softmax(w, dim=1)
+    return hidden, ids.to(torch.int32), w.float()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--cells", default="decode:1,decode:8,prefill:2048")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--layer", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--spin_us", type=int, default=5000)
+    args = ap.parse_args()
+    cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells.split(",")]
+    max_t = max(t for _, t in cells)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    failures = 0
+    client = RankClient(args.target, timeout=60)
+    client.wait_ready(60)
+    host_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us)
+    dev_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us, device="cuda")
+    step_id = 1
+
+    def run_host(hidden, ids, w, decode):
+        nonlocal step_id
+        step_id += 1
+        r = host_ring.step(step_id, args.layer, hidden.cpu(), ids, w, decode=decode)
+        return r.output.to("cuda"), r
+
+    def run_dev(hidden, ids, w, decode):
+        nonlocal step_id
+        step_id += 1
+        r = dev_ring.step(step_id, args.layer, hidden, ids, w, decode=decode)
+        return r.output, r
+
+    print(f"# E{args.experts} k{args.k} d{args.d}, one rank, {args.steps} steps a cell after {args.warmup}, "
+          f"ring spin {args.spin_us} us; engine-observed p50 / p99 (us), rank-side server p50")
+    print(f"{'cell':<14} {'host ring p50/p99':>20} {'device ring p50/p99':>22} {'host/device':>12} "
+          f"{'server host':>12} {'server dev':>11} {'equal':>6}")
+    for phase, t in cells:
+        decode = phase == "decode"
+        hidden, ids, w = make_step(t, args.d, args.k, args.experts, gen)
+        out_h, _ = run_host(hidden, ids, w, decode)
+        out_d, _ = run_dev(hidden, ids, w, decode)
+        equal = torch.equal(out_h, out_d)
+        if not equal:
+            diff = (out_h.float() - out_d.float()).abs().max().item()
+            print(f"MISMATCH {phase}:{t}: max |diff| {diff}")
+            failures += 1
+        # Routing moves through the host either way (the engine's top-k ids and weights); what
+        # differs is the rows. Timed per step, the engine waiting for its output on its GPU.
+        ids_host, w_host = ids.cpu(), w.cpu()
+        times = {"host": [], "dev": []}
+        server = {"host": [], "dev": []}
+        for i in range(args.warmup + args.steps):
+            for mode in ("host", "dev"):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                if mode == "host":
+                    _, r = run_host(hidden, ids_host, w_host, decode)
+                else:
+                    _, r = run_dev(hidden, ids_host, w_host, decode)
+                torch.cuda.current_stream().synchronize()
+                if i >= args.warmup:
+                    times[mode].append((time.perf_counter() - start) * 1e6)
+                    server[mode].append(r.record.server_latency_us)
+        p = {m: (statistics.median(v), sorted(v)[int(0.99 * (len(v) - 1))]) for m, v in times.items()}
+        print(f"{phase + ':' + str(t):<14} {p['host'][0]:>10.1f} / {p['host'][1]:>7.1f} "
+              f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['host'][0] / p['dev'][0]:>11.2f}x "
+              f"{statistics.median(server['host']):>12.1f} {statistics.median(server['dev']):>11.1f} "
+              f"{'yes' if equal else 'NO':>6}")
+
+    # A NaN in the device rows: refused naming the value, the ring serves on.
+    hidden, ids, w = make_step(4, args.d, args.k, args.experts, gen)
+    bad = hidden.clone()
+    bad[2, 5] = float("nan")
+    try:
+        run_dev(bad, ids, w, True)
+        print("FAIL: a NaN row was served")
+        failures += 1
+    except errors.InvalidArgument as e:
+        want = f"hidden.data[{2 * args.d + 5}]: not finite"
+        if want not in str(e):
+            print(f"FAIL: the refusal does not name {want}: {e}")
+            failures += 1
+        else:
+            print(f"nan row refused: {e}")
+    out_d, _ = run_dev(hidden, ids, w, True)
+    out_h, _ = run_host(hidden, ids, w, True)
+    if not torch.equal(out_d, out_h):
+        print("FAIL: after the refusal the device ring's output differs")
+        failures += 1
+    dev_ring.close()
+    host_ring.close()
+    client.close()
+    print(f"device_rows: {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
