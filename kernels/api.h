@@ -277,8 +277,16 @@ class ExpertKernels {
   // Copies between two places in kernel memory, ordered on `stream`.
   virtual absl::Status CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream stream);
   // The index of the first NaN or infinite value among `n` BF16 values in kernel memory, -1 when
-  // every value is finite. Returns once the answer is known (CUDA: after `stream`'s earlier work).
-  virtual absl::StatusOr<int64_t> FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream);
+  // every value is finite, in two halves: Start enqueues the scan on `stream` (after its earlier
+  // work) and returns; Finish waits for that scan and returns its answer. One scan at a time per
+  // kernels object: every Start is followed by one Finish before the next Start.
+  virtual absl::Status StartFindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream);
+  virtual absl::StatusOr<int64_t> FinishFindNonFiniteBf16();
+  // Both halves in one call.
+  absl::StatusOr<int64_t> FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream) {
+    if (absl::Status s = StartFindNonFiniteBf16(x, n, stream); !s.ok()) return s;
+    return FinishFindNonFiniteBf16();
+  }
 
   // Device memory that another process on this host exported (CUDA IPC: the 64 bytes of a
   // cudaIpcMemHandle_t). The handle names a whole allocation; Open maps it into this process
@@ -290,6 +298,9 @@ class ExpertKernels {
   };
   virtual absl::StatusOr<IpcMapping> OpenIpcMemory(const std::string& handle);
   virtual void CloseIpcMemory(void* base) {}
+
+ private:
+  int64_t host_first_non_finite_ = -1;  // the host default's StartFindNonFiniteBf16 answer
 };
 
 // Kernel memory that only grows, owned by one ExpertKernels object (which must outlive it).

@@ -33,12 +33,19 @@ absl::Status ExpertKernels::CopyWithinKernel(void* dst, const void* src, int64_t
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> ExpertKernels::FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream) {
+absl::Status ExpertKernels::StartFindNonFiniteBf16(const uint16_t* x, int64_t n, Stream) {
+  if (n < 0) return absl::InvalidArgumentError(absl::StrCat("find_non_finite: ", n, " values"));
+  host_first_non_finite_ = -1;
   for (int64_t i = 0; i < n; ++i) {
-    if ((x[i] & 0x7f80) == 0x7f80) return i;  // exponent all ones: NaN or infinity
+    if ((x[i] & 0x7f80) == 0x7f80) {  // exponent all ones: NaN or infinity
+      host_first_non_finite_ = i;
+      break;
+    }
   }
-  return -1;
+  return absl::OkStatus();
 }
+
+absl::StatusOr<int64_t> ExpertKernels::FinishFindNonFiniteBf16() { return host_first_non_finite_; }
 
 absl::StatusOr<ExpertKernels::IpcMapping> ExpertKernels::OpenIpcMemory(const std::string&) {
   return absl::FailedPreconditionError(

@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -332,18 +333,35 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     in.output = step.output;
     in.rows_on_device = step.rows_on_device;
     if (rows_check != nullptr) in.await_input_check = [&rows_check] { return rows_check->Await(); };
-    if (step.rows_on_device && desc.tokens > 0) {
-      // Rows on the GPU are checked there (one pass over them, on the step's stream).
-      in.await_input_check = [this, &step, &desc]() -> absl::Status {
-        ASSIGN_OR_RETURN(const int64_t first, executor_->FindNonFiniteOnDevice(step.hidden, desc.tokens * step.d));
-        if (first < 0) return absl::OkStatus();
-        return absl::InvalidArgumentError(absl::StrCat("hidden.data[", first, "]: not finite"));
+    // Rows on the GPU are checked there: one pass over them on the step's stream, started before
+    // the executor's host phases and awaited before its agreement (once; the answer is kept).
+    const bool device_check = checked.ok() && step.rows_on_device && desc.tokens > 0;
+    std::optional<absl::Status> device_checked;
+    if (device_check) {
+      in.await_input_check = [this, &device_checked]() -> absl::Status {
+        if (!device_checked.has_value()) {
+          absl::StatusOr<int64_t> first = executor_->FinishDeviceRowCheck();
+          if (!first.ok()) {
+            device_checked = first.status();
+          } else if (*first >= 0) {
+            device_checked = absl::InvalidArgumentError(absl::StrCat("hidden.data[", *first, "]: not finite"));
+          } else {
+            device_checked = absl::OkStatus();
+          }
+        }
+        return *device_checked;
       };
     }
     absl::StatusOr<LayerStepResult> r;
     {
       absl::MutexLock lock(&step_mu_);
+      if (device_check) {
+        if (absl::Status s = executor_->StartDeviceRowCheck(step.hidden, desc.tokens * step.d); !s.ok()) {
+          device_checked = std::move(s);
+        }
+      }
       r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
+      if (device_check) in.await_input_check().IgnoreError();  // every started scan is finished
     }
     if (rows_check != nullptr) rows_check->Await().IgnoreError();  // done already; the rows may be reused after this
     if (r.ok()) {

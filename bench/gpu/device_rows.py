@@ -87,23 +87,56 @@ def main() -> int:
         ids_host, w_host = ids.cpu(), w.cpu()
         times = {"host": [], "dev": []}
         server = {"host": [], "dev": []}
+        parts = {"host": [], "dev": []}  # (submit, wait, output-ready) per step
+        stages = {"host": [], "dev": []}
         for i in range(args.warmup + args.steps):
             for mode in ("host", "dev"):
+                sid = step_id + 1
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 if mode == "host":
-                    _, r = run_host(hidden, ids_host, w_host, decode)
+                    host_ring.submit(sid, args.layer, hidden.cpu(), ids_host, w_host, decode=decode)
+                    submitted = time.perf_counter()
+                    r = host_ring.wait(60)
+                    waited = time.perf_counter()
+                    r.output.to("cuda")
                 else:
-                    _, r = run_dev(hidden, ids_host, w_host, decode)
+                    dev_ring.submit(sid, args.layer, hidden, ids_host, w_host, decode=decode)
+                    submitted = time.perf_counter()
+                    r = dev_ring.wait(60)
+                    waited = time.perf_counter()
+                step_id = sid
                 torch.cuda.current_stream().synchronize()
+                done = time.perf_counter()
                 if i >= args.warmup:
-                    times[mode].append((time.perf_counter() - start) * 1e6)
+                    times[mode].append((done - start) * 1e6)
                     server[mode].append(r.record.server_latency_us)
+                    parts[mode].append(((submitted - start) * 1e6, (waited - submitted) * 1e6, (done - waited) * 1e6))
+                    stages[mode].append(r.record.stages_us)
+        # The engine's own GPU work of a device-ring step without the rank (the rows' copy into
+        # the slot and the output's clone, each waited for): what the engine pays alone.
+        alone = []
+        scratch = torch.empty_like(hidden)
+        for i in range(args.warmup + args.steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            scratch.copy_(hidden)
+            torch.cuda.current_stream().synchronize()
+            scratch.clone()
+            torch.cuda.current_stream().synchronize()
+            if i >= args.warmup:
+                alone.append((time.perf_counter() - start) * 1e6)
         p = {m: (statistics.median(v), sorted(v)[int(0.99 * (len(v) - 1))]) for m, v in times.items()}
         print(f"{phase + ':' + str(t):<14} {p['host'][0]:>10.1f} / {p['host'][1]:>7.1f} "
               f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['host'][0] / p['dev'][0]:>11.2f}x "
               f"{statistics.median(server['host']):>12.1f} {statistics.median(server['dev']):>11.1f} "
               f"{'yes' if equal else 'NO':>6}")
+        print(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
+        for mode in ("host", "dev"):
+            sub, wai, out = (statistics.median(x[j] for x in parts[mode]) for j in range(3))
+            st = {n: statistics.median(x[n] for x in stages[mode]) for n in stages[mode][0]}
+            print(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}, output ready {out:.1f}; rank stages: " +
+                  ", ".join(f"{n} {v:.1f}" for n, v in st.items()))
 
     # A NaN in the device rows: refused naming the value, the ring serves on.
     hidden, ids, w = make_step(4, args.d, args.k, args.experts, gen)

@@ -221,6 +221,7 @@ class CudaKernels final : public ExpertKernels {
     if (fork_ != nullptr) cudaEventDestroy(fork_);
     if (find_first_ != nullptr) cudaFree(find_first_);
     if (find_host_ != nullptr) cudaFreeHost(find_host_);
+    if (find_done_ != nullptr) cudaEventDestroy(find_done_);
     cublasDestroy(handle_);
     if (workspace_ != nullptr) cudaFree(workspace_);
   }
@@ -297,19 +298,27 @@ class CudaKernels final : public ExpertKernels {
     }
     return absl::OkStatus();
   }
-  absl::StatusOr<int64_t> FindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream) override {
+  absl::Status StartFindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream) override {
     if (n < 0) return absl::InvalidArgumentError(absl::StrCat("find_non_finite: ", n, " values"));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     std::lock_guard<std::mutex> lock(find_mu_);
     if (find_first_ == nullptr) {
       CUDA_RETURN_IF_ERROR(cudaMalloc(&find_first_, sizeof(unsigned long long)));
       CUDA_RETURN_IF_ERROR(cudaMallocHost(&find_host_, sizeof(unsigned long long)));
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&find_done_, cudaEventDisableTiming));
     }
     auto st = static_cast<cudaStream_t>(stream);
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(find_host_, find_first_, sizeof(unsigned long long), cudaMemcpyDeviceToHost, st));
-    CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(find_done_, st));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int64_t> FinishFindNonFiniteBf16() override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    std::lock_guard<std::mutex> lock(find_mu_);
+    if (find_done_ == nullptr) return absl::FailedPreconditionError("find_non_finite: no scan was started");
+    CUDA_RETURN_IF_ERROR(cudaEventSynchronize(find_done_));
     const unsigned long long first = *find_host_;
     return first == ~0ull ? int64_t{-1} : static_cast<int64_t>(first);
   }
@@ -924,9 +933,10 @@ class CudaKernels final : public ExpertKernels {
   cudaEvent_t side_done_[kSideStreams] = {};
   cudaEvent_t fork_ = nullptr;
   void* workspace_ = nullptr;  // handle_'s cuBLAS workspace (the padded decode runner sets it)
-  std::mutex find_mu_;         // FindNonFiniteBf16's result word
+  std::mutex find_mu_;         // the NaN/Inf scan's result word
   unsigned long long* find_first_ = nullptr;
   unsigned long long* find_host_ = nullptr;
+  cudaEvent_t find_done_ = nullptr;
   std::mutex bounce_mu_;  // one large pageable copy at a time through bounce_
   BounceBuffers bounce_;
   Scratch scratch_, ptr_scratch_, cursor_scratch_, offsets_scratch_;

@@ -198,9 +198,14 @@ void LayerExecutor::CloseDeviceRows(void* base) {
   if (device_) options_.kernels->CloseIpcMemory(base);
 }
 
-absl::StatusOr<int64_t> LayerExecutor::FindNonFiniteOnDevice(const uint16_t* x, int64_t n) {
-  if (!device_) return absl::FailedPreconditionError("find_non_finite: the rank's kernels are not device-resident");
-  return options_.kernels->FindNonFiniteBf16(x, n, nullptr);
+absl::Status LayerExecutor::StartDeviceRowCheck(const uint16_t* x, int64_t n) {
+  if (!device_) return absl::FailedPreconditionError("hidden: the rank's kernels are not device-resident");
+  return options_.kernels->StartFindNonFiniteBf16(x, n, nullptr);
+}
+
+absl::StatusOr<int64_t> LayerExecutor::FinishDeviceRowCheck() {
+  if (!device_) return absl::FailedPreconditionError("hidden: the rank's kernels are not device-resident");
+  return options_.kernels->FinishFindNonFiniteBf16();
 }
 
 void LayerExecutor::RecycleOutput(RowBuffer buffer) {

@@ -133,9 +133,11 @@ class LayerExecutor {
   // when the rank's kernels are not device-resident.
   absl::StatusOr<kernels::ExpertKernels::IpcMapping> OpenDeviceRows(const std::string& ipc_handle);
   void CloseDeviceRows(void* base);
-  // The index of the first NaN / infinite value among `n` BF16 values in device memory, -1 when
-  // none (after the step stream's earlier work).
-  absl::StatusOr<int64_t> FindNonFiniteOnDevice(const uint16_t* x, int64_t n);
+  // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
+  // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
+  // Callers serialize steps (one scan in flight).
+  absl::Status StartDeviceRowCheck(const uint16_t* x, int64_t n);
+  absl::StatusOr<int64_t> FinishDeviceRowCheck();
 
   // Hands a step's output buffer back once the caller is done with it: the next step writes its
   // rows there instead of allocating (and faulting in) a new one.
