@@ -456,7 +456,14 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   if (dr.offset() > (uint64_t{1} << 48)) {
     return absl::InvalidArgumentError(absl::StrCat("device_rows.offset: ", dr.offset(), " is past any allocation"));
   }
-  ASSIGN_OR_RETURN(kernels::ExpertKernels::IpcMapping m, executor_->OpenDeviceRows(dr.ipc_handle()));
+  absl::StatusOr<kernels::ExpertKernels::IpcMapping> opened = executor_->OpenDeviceRows(dr.ipc_handle());
+  if (!opened.ok()) {
+    const std::string_view why = opened.status().message();
+    // Named from the request's root ("device_rows.ipc_handle: ..."), whatever layer refused it.
+    return absl::Status(opened.status().code(),
+                        absl::StartsWith(why, "device_rows") ? std::string(why) : absl::StrCat("device_rows.", why));
+  }
+  const kernels::ExpertKernels::IpcMapping m = *opened;
   if (m.bytes < 0 || static_cast<uint64_t>(m.bytes) < dr.offset() + need) {
     executor_->CloseDeviceRows(m.base);
     return absl::InvalidArgumentError(absl::StrCat("device_rows: the allocation holds ", m.bytes, " bytes; offset ",
