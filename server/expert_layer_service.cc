@@ -458,7 +458,7 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   }
   absl::StatusOr<kernels::ExpertKernels::IpcMapping> opened = executor_->OpenDeviceRows(dr.ipc_handle());
   if (!opened.ok()) {
-    const std::string_view why = opened.status().message();
+    const absl::string_view why = opened.status().message();
     // Named from the request's root ("device_rows.ipc_handle: ..."), whatever layer refused it.
     return absl::Status(opened.status().code(),
                         absl::StartsWith(why, "device_rows") ? std::string(why) : absl::StrCat("device_rows.", why));
