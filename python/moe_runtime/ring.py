@@ -24,7 +24,7 @@ import numpy as np
 from moe_runtime import errors
 from moe_runtime._proto import expert_layer_pb2 as pb
 from moe_runtime.client import STAGES, RankClient, StepRecord, StepResult
-from moe_runtime.tensors import WireRows, admitted_bytes, from_wire, routing_arrays, to_wire
+from moe_runtime.tensors import WireRows, admitted_bytes, from_host_rows, host_rows, routing_arrays
 
 MAGIC = 0x31474E4952454F4D  # "MOERING1"
 LAYOUT_VERSION = 1
@@ -147,6 +147,8 @@ class StepRing:
         head = _HEADER.unpack_from(self._mm, 0)
         (flags,) = struct.unpack_from("<I", self._mm, 88)
         self._rows = rows_buf  # [slots, 2 (hidden, output), max_tokens, d] on the GPU, or None
+        self._dev_hidden = [rows_buf[s, 0] for s in range(slots)] if rows_buf is not None else []
+        self._dev_output = [rows_buf[s, 1] for s in range(slots)] if rows_buf is not None else []
         if head[0] != MAGIC or head[3] != g["slot_bytes"] or head[7] != g["hidden"] or \
                 bool(flags & HEADER_DEVICE_ROWS) != (rows_buf is not None):
             self.close()
@@ -161,6 +163,15 @@ class StepRing:
         self._engine_sleeping = ctypes.c_uint32.from_buffer(self._mm, OFF_ENGINE_SLEEPING)
         self._closed_word = ctypes.c_uint32.from_buffer(self._mm, OFF_CLOSED)
         self._futex = _Futex()
+        # Per-slot flat views of the payload, made once (np.frombuffer per step costs microseconds).
+        rows_n, routes_n = (0 if rows_buf is not None else max_tokens * d), max_tokens * k
+        view = lambda s, part, dt, n: np.frombuffer(self._mm, dtype=dt, count=n,  # noqa: E731
+                                                    offset=PAGE + s * g["slot_bytes"] + g[part])
+        self._hidden_views = [view(s, "hidden", np.uint16, rows_n) for s in range(slots)]
+        self._output_views = [view(s, "output", np.uint16, rows_n) for s in range(slots)]
+        self._ids_views = [view(s, "ids", np.int32, routes_n) for s in range(slots)]
+        self._weights_views = [view(s, "weights", np.float32, routes_n) for s in range(slots)]
+        self._admitted_views = [view(s, "admitted", np.uint8, routes_n) for s in range(slots)]
         self._n_submitted = self._n_waited = 0
         self._pending: list = []  # (rows meta, submit time) per outstanding step
         return self
@@ -205,7 +216,7 @@ class StepRing:
             raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
         seq = self._n_submitted & 0xFFFFFFFF
         if self._rows is not None:
-            hidden = self._rows[seq % self.slots, 0, :tokens]
+            hidden = self._dev_hidden[seq % self.slots][:tokens]
         else:
             hidden = self._view(seq, "hidden", np.uint16, tokens * self.d).reshape(tokens, self.d)
         return {
@@ -261,24 +272,28 @@ class StepRing:
         if self._rows is not None:
             self._submit_device(step_id, layer, hidden, topk_ids, topk_weights, decode, admitted, expected_generation)
             return
-        rows = to_wire(hidden)
+        rows, arr = host_rows(hidden)
         if rows.dtype != pb.DTYPE_BF16 or rows.cols != self.d or rows.rows > self.max_tokens:
             raise ValueError(f"hidden: [{rows.rows}, {rows.cols}] of dtype {rows.np_dtype} does not fit the ring's "
                              f"BF16 [{self.max_tokens}, {self.d}] slots")
         ids, w, k = routing_arrays(topk_ids, topk_weights, rows.rows)
         if k > self.k:
             raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
-        seq = self._n_submitted & 0xFFFFFFFF
+        s = (self._n_submitted & 0xFFFFFFFF) % self.slots
         t = rows.rows
-        self._view(seq, "hidden", np.uint8, len(rows.data))[:] = np.frombuffer(rows.data, np.uint8)
-        self._view(seq, "ids", np.int32, t * k)[:] = ids.reshape(-1)
-        self._view(seq, "weights", np.float32, t * k)[:] = w.reshape(-1)
-        flags = 0
-        adm = admitted_bytes(admitted, ids.shape)
-        if adm:
-            self._view(seq, "admitted", np.uint8, t * k)[:] = np.frombuffer(adm, np.uint8)
-            flags |= FLAG_ADMITTED
+        self._hidden_views[s][: t * self.d] = arr.reshape(-1)  # the one copy of the rows
+        flags = self._write_routing(s, t, k, ids, w, admitted)
         self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
+
+    def _write_routing(self, s: int, t: int, k: int, ids: np.ndarray, w: np.ndarray, admitted: Any) -> int:
+        """Slot s's routing tables; returns the descriptor's flags."""
+        self._ids_views[s][: t * k] = ids.reshape(-1)
+        self._weights_views[s][: t * k] = w.reshape(-1)
+        adm = admitted_bytes(admitted, ids.shape)
+        if not adm:
+            return 0
+        self._admitted_views[s][: t * k] = np.frombuffer(adm, np.uint8)
+        return FLAG_ADMITTED
 
     def _submit_device(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, decode: bool,
                        admitted: Any, expected_generation: int) -> None:
@@ -294,15 +309,9 @@ class StepRing:
         ids, w, k = routing_arrays(topk_ids, topk_weights, t)
         if k > self.k:
             raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
-        seq = self._n_submitted & 0xFFFFFFFF
-        self._rows[seq % self.slots, 0, :t].copy_(hidden)
-        self._view(seq, "ids", np.int32, t * k)[:] = ids.reshape(-1)
-        self._view(seq, "weights", np.float32, t * k)[:] = w.reshape(-1)
-        flags = 0
-        adm = admitted_bytes(admitted, ids.shape)
-        if adm:
-            self._view(seq, "admitted", np.uint8, t * k)[:] = np.frombuffer(adm, np.uint8)
-            flags |= FLAG_ADMITTED
+        s = (self._n_submitted & 0xFFFFFFFF) % self.slots
+        self._dev_hidden[s][:t].copy_(hidden)
+        flags = self._write_routing(s, t, k, ids, w, admitted)
         rows = WireRows(pb.DTYPE_BF16, t, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16, self._rows.device)
         self._rows_ready()
         self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
@@ -346,10 +355,10 @@ class StepRing:
             compute_latency_us=compute_us, canary=bool(canary), stages_us=dict(zip(STAGES, stages)),
         )
         if self._rows is not None:  # the rank wrote them on the GPU; a copy the slot's next step cannot touch
-            output = self._rows[seq % self.slots, 1, :rows.rows].clone()
+            output = self._dev_output[seq % self.slots][: rows.rows].clone()
         else:
-            out_bytes = bytes(self._view(seq, "output", np.uint8, rows.rows * rows.cols * 2))
-            output = from_wire(rows, out_bytes, rows.rows, rows.cols)
+            s = seq % self.slots
+            output = from_host_rows(rows, self._output_views[s][: rows.rows * rows.cols].reshape(rows.rows, rows.cols))
         return StepResult(output, record, (time.perf_counter() - submitted_at) * 1e6, via="ring")
 
     def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
@@ -368,11 +377,13 @@ class StepRing:
             self._client._call(self._client._stub.CloseStepRing, pb.CloseStepRingRequest(ring_id=self.id), timeout=5)
         except errors.MoeError:
             pass  # hanging up below tears the ring down as well
-        for name in ("_submitted", "_rank_sleeping", "_completed", "_engine_sleeping", "_closed_word"):
+        for name in ("_submitted", "_rank_sleeping", "_completed", "_engine_sleeping", "_closed_word", "_hidden_views",
+                     "_output_views", "_ids_views", "_weights_views", "_admitted_views"):
             if hasattr(self, name):
                 delattr(self, name)  # ctypes views must go before the mapping can close
         self._base = 0
         self._rows = None  # the rank unmapped it with the ring
+        self._dev_hidden = self._dev_output = []
         try:
             self._mm.close()
         except (BufferError, AttributeError):

@@ -53,6 +53,15 @@ _NP_WIRE = {np.dtype(np.uint16): pb.DTYPE_BF16, np.dtype(np.float16): pb.DTYPE_F
 
 def to_wire(hidden: Any, field: str = "hidden") -> WireRows:
     """``hidden`` as wire bytes; TypeError / ValueError naming ``field`` when it cannot be sent."""
+    rows, arr = host_rows(hidden, field)
+    rows.data = arr.tobytes()
+    return rows
+
+
+def host_rows(hidden: Any, field: str = "hidden") -> Tuple[WireRows, np.ndarray]:
+    """``hidden`` as a C-contiguous host array in its wire dtype (uint16 BF16 bits, float16 or
+    float32; no copy when it already is one) and the rows' description (``data`` left empty):
+    what a step ring copies into its slot."""
     if _is_torch(hidden):
         if hidden.dim() != 2:
             raise ValueError(f"{field}: expected [tokens, d], got shape {tuple(hidden.shape)}")
@@ -68,7 +77,7 @@ def to_wire(hidden: Any, field: str = "hidden") -> WireRows:
             wire = pb.DTYPE_FP32
         else:
             raise TypeError(f"{field}: torch dtype {t.dtype} (bfloat16, float16 or float32)")
-        return WireRows(wire, arr.shape[0], arr.shape[1], arr.tobytes(), "torch", arr.dtype, t.dtype, t.device)
+        return WireRows(wire, arr.shape[0], arr.shape[1], b"", "torch", arr.dtype, t.dtype, t.device), arr
     arr = np.asarray(hidden)
     if arr.ndim != 2:
         raise ValueError(f"{field}: expected [tokens, d], got shape {arr.shape}")
@@ -76,12 +85,17 @@ def to_wire(hidden: Any, field: str = "hidden") -> WireRows:
     if wire is None:
         raise TypeError(f"{field}: numpy dtype {arr.dtype} (uint16 BF16 bits, float16 or float32)")
     arr = np.ascontiguousarray(arr)
-    return WireRows(wire, arr.shape[0], arr.shape[1], arr.tobytes(), "numpy", arr.dtype)
+    return WireRows(wire, arr.shape[0], arr.shape[1], b"", "numpy", arr.dtype), arr
 
 
 def from_wire(like: WireRows, data: bytes, rows: int, cols: int) -> Any:
     """The answer's rows in the kind and dtype of the request's."""
-    arr = np.frombuffer(data, dtype=like.np_dtype).reshape(rows, cols)
+    return from_host_rows(like, np.frombuffer(data, dtype=like.np_dtype).reshape(rows, cols))
+
+
+def from_host_rows(like: WireRows, arr: np.ndarray) -> Any:
+    """The answer's rows (``arr``, in the wire dtype; copied, never kept) in the kind and dtype of
+    the request's."""
     if like.kind == "torch":
         if like.torch_dtype == torch.bfloat16:
             out = torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
@@ -99,11 +113,16 @@ def routing_arrays(topk_ids: Any, topk_weights: Any, tokens: int) -> Tuple[np.nd
         raise ValueError(f"topk_ids: expected [{tokens}, k], got shape {ids.shape}")
     if w.shape != ids.shape:
         raise ValueError(f"topk_weights: shape {w.shape} differs from topk_ids {ids.shape}")
-    if not np.issubdtype(ids.dtype, np.integer):
+    if ids.dtype.kind not in "iu":
         raise TypeError(f"topk_ids: integer dtype expected, got {ids.dtype}")
-    if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+    # Values only need a range check when the dtype is wider than int32.
+    if ids.dtype != _INT32 and ids.size and (ids.min() < _INT32_MIN or ids.max() > _INT32_MAX):
         raise ValueError("topk_ids: ids beyond int32")
     return np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32), ids.shape[1]
+
+
+_INT32 = np.dtype(np.int32)
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
 def admitted_bytes(admitted: Optional[Any], shape: Tuple[int, int]) -> bytes:

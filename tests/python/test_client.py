@@ -15,7 +15,7 @@ import pytest
 from conftest import D, K, WORLD, random_step, rel_l2
 from moe_runtime import GroupStepError, RankClient, RankGroup, StepInput, bf16_to_float32, errors
 from moe_runtime.aio import AsyncRankGroup
-from moe_runtime.tensors import float32_to_bf16
+from moe_runtime.tensors import float32_to_bf16, host_rows, routing_arrays
 
 TOL = 1e-2
 
@@ -394,3 +394,26 @@ def test_the_asyncio_client_also_waits_for_a_restarted_rank(tmp_path):
     finally:
         loop.run_until_complete(client.close())
         loop.close()
+
+
+def test_routing_and_rows_conversions_check_what_they_skip_copying():
+    """int32 ids pass as they are; wider ids are range-checked, float ids refused; rows already
+    contiguous in their wire dtype are not copied by host_rows."""
+    ids = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    w = np.full((2, 2), 0.5, dtype=np.float32)
+    got_ids, got_w, k = routing_arrays(ids, w, 2)
+    assert k == 2 and got_ids is ids and got_w is w
+    got_ids, _, _ = routing_arrays(ids.astype(np.int64), w, 2)
+    assert got_ids.dtype == np.int32 and np.array_equal(got_ids, ids)
+    with pytest.raises(ValueError, match="beyond int32"):
+        routing_arrays(np.array([[1, 2**31]], dtype=np.int64), w[:1], 1)
+    with pytest.raises(ValueError, match="beyond int32"):
+        routing_arrays(np.array([[-(2**31) - 1, 0]], dtype=np.int64), w[:1], 1)
+    with pytest.raises(TypeError, match="integer dtype"):
+        routing_arrays(ids.astype(np.float32), w, 2)
+    rows = float32_to_bf16(np.ones((3, D), dtype=np.float32))
+    meta, arr = host_rows(rows)
+    assert arr is rows and meta.rows == 3 and meta.cols == D and meta.data == b""
+    _, arr = host_rows(rows[:, ::2])  # a strided view is made contiguous
+    assert arr.flags["C_CONTIGUOUS"] and arr.shape == (3, D // 2)
+
