@@ -298,6 +298,13 @@ class ExpertKernels {
   };
   virtual absl::StatusOr<IpcMapping> OpenIpcMemory(const std::string& handle);
   virtual void CloseIpcMemory(void* base) {}
+  // An event another process on this host exported (CUDA IPC: the 64 bytes of a
+  // cudaIpcEventHandle_t, from an event created interprocess without timing), opened until
+  // CloseIpcEvent; WaitEvent makes `stream`'s later work wait for its latest record. The CPU
+  // reference: FAILED_PRECONDITION.
+  virtual absl::StatusOr<void*> OpenIpcEvent(const std::string& handle);
+  virtual void CloseIpcEvent(void* event) {}
+  virtual absl::Status WaitEvent(void* event, Stream stream);
 
  private:
   int64_t host_first_non_finite_ = -1;  // the host default's StartFindNonFiniteBf16 answer

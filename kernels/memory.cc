@@ -52,6 +52,15 @@ absl::StatusOr<ExpertKernels::IpcMapping> ExpertKernels::OpenIpcMemory(const std
       absl::StrCat("device memory from another process needs device kernels; this rank runs ", name()));
 }
 
+absl::StatusOr<void*> ExpertKernels::OpenIpcEvent(const std::string&) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("events from another process need device kernels; this rank runs ", name()));
+}
+
+absl::Status ExpertKernels::WaitEvent(void*, Stream) {
+  return absl::FailedPreconditionError(absl::StrCat("events need device kernels; this rank runs ", name()));
+}
+
 KernelBuffer::~KernelBuffer() {
   if (ptr_ != nullptr) kernels_->Free(ptr_);
 }

@@ -335,27 +335,30 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     if (rows_check != nullptr) in.await_input_check = [&rows_check] { return rows_check->Await(); };
     // Rows on the GPU are checked there: one pass over them on the step's stream, started before
     // the executor's host phases and awaited before its agreement (once; the answer is kept).
-    const bool device_check = checked.ok() && step.rows_on_device && desc.tokens > 0;
     std::optional<absl::Status> device_checked;
-    if (device_check) {
-      in.await_input_check = [this, &device_checked]() -> absl::Status {
-        if (!device_checked.has_value()) {
-          absl::StatusOr<int64_t> first = executor_->FinishDeviceRowCheck();
-          if (!first.ok()) {
-            device_checked = first.status();
-          } else if (*first >= 0) {
-            device_checked = absl::InvalidArgumentError(absl::StrCat("hidden.data[", *first, "]: not finite"));
-          } else {
-            device_checked = absl::OkStatus();
-          }
-        }
-        return *device_checked;
-      };
-    }
+    bool device_check = false;
     absl::StatusOr<LayerStepResult> r;
     {
       absl::MutexLock lock(&step_mu_);
+      // The engine's rows (and routing) are complete once its ready event fires; the step's
+      // work on the GPU waits for it, the host copy of device routing too.
+      if (checked.ok() && step.ready_event != nullptr) checked = executor_->WaitReadyEvent(step.ready_event);
+      if (checked.ok() && step.device_topk_ids != nullptr) checked = CopyDeviceRouting(step, &in);
+      device_check = checked.ok() && step.rows_on_device && desc.tokens > 0;
       if (device_check) {
+        in.await_input_check = [this, &device_checked]() -> absl::Status {
+          if (!device_checked.has_value()) {
+            absl::StatusOr<int64_t> first = executor_->FinishDeviceRowCheck();
+            if (!first.ok()) {
+              device_checked = first.status();
+            } else if (*first >= 0) {
+              device_checked = absl::InvalidArgumentError(absl::StrCat("hidden.data[", *first, "]: not finite"));
+            } else {
+              device_checked = absl::OkStatus();
+            }
+          }
+          return *device_checked;
+        };
         if (absl::Status s = executor_->StartDeviceRowCheck(step.hidden, desc.tokens * step.d); !s.ok()) {
           device_checked = std::move(s);
         }
@@ -436,6 +439,24 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
   return grpc::Status::OK;
 }
 
+// A ring step's routing from the engine's GPU memory (descriptor flag kFlagDeviceRouting): both
+// tables in one copy (they are adjacent in the device slot) into this thread's staging buffer,
+// which `in` then points at. Called with step_mu_ held (the copy runs on the step stream).
+absl::Status ExpertLayerServiceImpl::CopyDeviceRouting(const RingStep& step, LayerStepInput* in) {
+  thread_local std::vector<char> staging;
+  const int64_t routes = step.desc.tokens * step.desc.k;
+  const char* ids = reinterpret_cast<const char*>(step.device_topk_ids);
+  const char* weights_end = reinterpret_cast<const char*>(step.device_topk_weights) + routes * 4;
+  const int64_t bytes = weights_end - ids;
+  if (routes == 0) return absl::OkStatus();
+  staging.resize(static_cast<size_t>(bytes));
+  RETURN_IF_ERROR(executor_->CopyFromDevice(staging.data(), ids, bytes));
+  in->topk_ids = reinterpret_cast<const int32_t*>(staging.data());
+  in->topk_weights =
+      reinterpret_cast<const float*>(staging.data() + (reinterpret_cast<const char*>(step.device_topk_weights) - ids));
+  return absl::OkStatus();
+}
+
 // The engine's GPU allocation for a ring's rows (OpenStepRingRequest.device_rows), mapped and
 // checked to hold every slot's hidden and output rows. The request's sizes are checked already.
 absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::OpenStepRingRequest& request) {
@@ -450,9 +471,12 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   if (dr.offset() % 256 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("device_rows.offset: ", dr.offset(), " is not a multiple of 256"));
   }
-  // max_tokens x d x 2 <= 2^30 (the request limit) and slots <= 16: no overflow below 2^36.
-  const uint64_t row_bytes = static_cast<uint64_t>(request.max_tokens()) * static_cast<uint64_t>(request.d()) * 2;
-  const uint64_t need = 2 * static_cast<uint64_t>(request.slots()) * row_bytes;
+  ring::DeviceGeometry g;
+  if (!ring::ComputeDeviceGeometry(request.max_tokens(), request.d(), request.k(), request.slots(), &g) ||
+      g.total_bytes > (uint64_t{1} << 48)) {
+    return absl::InvalidArgumentError("max_tokens: the ring's device slots overflow");
+  }
+  const uint64_t need = g.total_bytes;
   if (dr.offset() > (uint64_t{1} << 48)) {
     return absl::InvalidArgumentError(absl::StrCat("device_rows.offset: ", dr.offset(), " is past any allocation"));
   }
@@ -467,12 +491,27 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   if (m.bytes < 0 || static_cast<uint64_t>(m.bytes) < dr.offset() + need) {
     executor_->CloseDeviceRows(m.base);
     return absl::InvalidArgumentError(absl::StrCat("device_rows: the allocation holds ", m.bytes, " bytes; offset ",
-                                                   dr.offset(), " + ", request.slots(), " slots x 2 x ", row_bytes,
-                                                   " bytes of rows need ", dr.offset() + need));
+                                                   dr.offset(), " + ", request.slots(), " device slots of ",
+                                                   g.slot_bytes, " bytes need ", dr.offset() + need));
+  }
+  void* event = nullptr;
+  if (!dr.ready_event().empty()) {
+    absl::StatusOr<void*> opened_event = executor_->OpenReadyEvent(dr.ready_event());
+    if (!opened_event.ok()) {
+      executor_->CloseDeviceRows(m.base);
+      const absl::string_view why = opened_event.status().message();
+      return absl::Status(opened_event.status().code(),
+                          absl::StartsWith(why, "device_rows") ? std::string(why) : absl::StrCat("device_rows.", why));
+    }
+    event = *opened_event;
   }
   RingDeviceRows rows;
   rows.rows = static_cast<char*>(m.base) + dr.offset();
-  rows.release = [executor = executor_, base = m.base] { executor->CloseDeviceRows(base); };
+  rows.ready_event = event;
+  rows.release = [executor = executor_, base = m.base, event] {
+    if (event != nullptr) executor->CloseReadyEvent(event);
+    executor->CloseDeviceRows(base);
+  };
   return rows;
 }
 

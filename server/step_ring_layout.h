@@ -8,8 +8,11 @@
 //
 // A ring opened with device rows (OpenStepRingRequest.device_rows, header.flags has
 // kHeaderDeviceRows) leaves hidden and output out of the payload: slot s's rows are in the
-// engine's GPU allocation, hidden at offset + 2 s R and output at offset + (2 s + 1) R, with
-// R = max_tokens x d x 2 (Geometry::row_bytes).
+// engine's GPU allocation, in a device slot at offset + s x DeviceGeometry::slot_bytes:
+//   [hidden [max_tokens, d] BF16][output [max_tokens, d] BF16][topk_ids [max_tokens, k] int32]
+//   [topk_weights [max_tokens, k] FP32]                       (each 256-byte aligned)
+// A descriptor with kFlagDeviceRouting takes its routing from the device slot instead of the
+// host slot (the admitted table, when set, stays in the host slot).
 //
 // Protocol. Steps have sequence numbers 0, 1, 2, ... and step n uses slot n % slots. The engine
 // writes slot n's payload and descriptor (descriptor.seq = n), then stores submitted = n + 1 and,
@@ -46,8 +49,9 @@ inline constexpr uint32_t kLayoutVersion = 1;
 inline constexpr size_t kPage = 4096;
 inline constexpr size_t kAlign = 256;
 inline constexpr int kMaxSlots = 16;
-inline constexpr uint32_t kFlagAdmitted = 1;      // descriptor.flags: the admitted table is set
-inline constexpr uint32_t kHeaderDeviceRows = 1;  // header.flags: rows in the engine's GPU memory
+inline constexpr uint32_t kFlagAdmitted = 1;       // descriptor.flags: the admitted table is set
+inline constexpr uint32_t kFlagDeviceRouting = 2;  // descriptor.flags: topk_ids / weights in the device slot
+inline constexpr uint32_t kHeaderDeviceRows = 1;   // header.flags: rows in the engine's GPU memory
 
 // A 64-byte line per counter, so the engine's and the rank's stores do not share one.
 struct alignas(64) Counter {
@@ -140,6 +144,24 @@ inline bool ComputeGeometry(int64_t max_tokens, int64_t d, int64_t k, int slots,
   if (__builtin_mul_overflow(at, static_cast<uint64_t>(slots), &g->total_bytes)) return false;
   g->total_bytes += kPage;
   return true;
+}
+
+// The device slot of a ring with device rows (offsets inside one slot, and its size). False when
+// a size overflows.
+struct DeviceGeometry {
+  uint64_t hidden_offset = 0, output_offset = 0, ids_offset = 0, weights_offset = 0;
+  uint64_t slot_bytes = 0, total_bytes = 0;  // total: every slot
+};
+inline bool ComputeDeviceGeometry(int64_t max_tokens, int64_t d, int64_t k, int slots, DeviceGeometry* g) {
+  Geometry host;
+  if (!ComputeGeometry(max_tokens, d, k, slots, &host)) return false;  // the same bounds on every size
+  const uint64_t rows = host.row_bytes, routes = static_cast<uint64_t>(max_tokens) * static_cast<uint64_t>(k);
+  g->hidden_offset = 0;
+  g->output_offset = AlignUp(rows, kAlign);
+  g->ids_offset = AlignUp(g->output_offset + rows, kAlign);
+  g->weights_offset = AlignUp(g->ids_offset + routes * 4, kAlign);
+  g->slot_bytes = AlignUp(g->weights_offset + routes * 4, kAlign);
+  return !__builtin_mul_overflow(g->slot_bytes, static_cast<uint64_t>(slots), &g->total_bytes);
 }
 
 // Waits while `word` holds `seen` (shared, not private: the ring is mapped by two processes),

@@ -59,6 +59,8 @@ struct StepRings::Ring {
   int64_t max_tokens = 0, d = 0, k = 0;
   ring::Geometry geometry;
   char* device_rows = nullptr;  // RingDeviceRows::rows
+  void* ready_event = nullptr;
+  ring::DeviceGeometry device_geometry;
   std::function<void()> device_release;
   std::atomic<bool> stop{false};
   std::thread thread;
@@ -131,6 +133,10 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   }
   auto r = std::make_shared<Ring>();
   r->device_rows = device_rows.rows;
+  r->ready_event = device_rows.ready_event;
+  if (on_device && !ring::ComputeDeviceGeometry(max_tokens, d, k, slots, &r->device_geometry)) {
+    return absl::InvalidArgumentError("max_tokens: the ring's device slots overflow");
+  }
   r->device_release = std::move(release.f);
   release.f = nullptr;
   r->owner = caller;
@@ -331,28 +337,38 @@ void StepRings::Serve(Ring* r) {
     } else if (desc.tokens < 0 || desc.tokens > r->max_tokens) {
       step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.tokens: ", desc.tokens, " outside [0, ",
                                                             r->max_tokens, "] (the ring's max_tokens)"));
-    } else if ((desc.flags & ~ring::kFlagAdmitted) != 0) {
+    } else if ((desc.flags & ~(ring::kFlagAdmitted | ring::kFlagDeviceRouting)) != 0) {
       step.status = absl::InvalidArgumentError(absl::StrCat("descriptor.flags: unknown bits ", desc.flags));
+    } else if ((desc.flags & ring::kFlagDeviceRouting) != 0 && r->device_rows == nullptr) {
+      step.status = absl::InvalidArgumentError(
+          "descriptor.flags: device routing on a ring without device rows (OpenStepRingRequest.device_rows)");
     } else {
       // Routing tables are copied once: the engine rewriting them during the step cannot make
       // this rank's checks and plan see different routes.
       const size_t routes = static_cast<size_t>(desc.tokens) * desc.k;
-      ids.resize(routes);
-      weights.resize(routes);
-      std::memcpy(ids.data(), slot + g.ids_offset, routes * 4);
-      std::memcpy(weights.data(), slot + g.weights_offset, routes * 4);
-      step.topk_ids = ids.data();
-      step.topk_weights = weights.data();
+      char* dslot =
+          r->device_rows == nullptr ? nullptr : r->device_rows + (next % r->slots) * r->device_geometry.slot_bytes;
+      if ((desc.flags & ring::kFlagDeviceRouting) != 0) {
+        step.device_topk_ids = reinterpret_cast<const int32_t*>(dslot + r->device_geometry.ids_offset);
+        step.device_topk_weights = reinterpret_cast<const float*>(dslot + r->device_geometry.weights_offset);
+      } else {
+        ids.resize(routes);
+        weights.resize(routes);
+        std::memcpy(ids.data(), slot + g.ids_offset, routes * 4);
+        std::memcpy(weights.data(), slot + g.weights_offset, routes * 4);
+        step.topk_ids = ids.data();
+        step.topk_weights = weights.data();
+      }
       if ((desc.flags & ring::kFlagAdmitted) != 0) {
         admitted.resize(routes);
         std::memcpy(admitted.data(), slot + g.admitted_offset, routes);
         step.admitted = admitted.data();
       }
-      if (r->device_rows != nullptr) {
-        char* rows = r->device_rows + 2 * (next % r->slots) * g.row_bytes;
-        step.hidden = reinterpret_cast<const uint16_t*>(rows);
-        step.output = reinterpret_cast<uint16_t*>(rows + g.row_bytes);
+      if (dslot != nullptr) {
+        step.hidden = reinterpret_cast<const uint16_t*>(dslot + r->device_geometry.hidden_offset);
+        step.output = reinterpret_cast<uint16_t*>(dslot + r->device_geometry.output_offset);
         step.rows_on_device = true;
+        step.ready_event = r->ready_event;
       } else {
         step.hidden = reinterpret_cast<const uint16_t*>(slot + g.hidden_offset);
         step.output = reinterpret_cast<uint16_t*>(slot + g.output_offset);

@@ -53,10 +53,12 @@ struct StepRingsOptions {
 };
 
 // A ring's rows in the engine's GPU memory (OpenStepRingRequest.device_rows), already mapped:
-// slot s's hidden rows at rows + 2 s R, its output rows at rows + (2 s + 1) R, R =
-// Geometry::row_bytes. `release` unmaps them; it runs once the ring is torn down (or refused).
+// device slot s at rows + s x DeviceGeometry::slot_bytes (server/step_ring_layout.h).
+// `ready_event`, when set, is the engine's (opaque here) event that steps wait for. `release`
+// unmaps both; it runs once the ring is torn down (or refused).
 struct RingDeviceRows {
   char* rows = nullptr;
+  void* ready_event = nullptr;
   std::function<void()> release;
 };
 
@@ -72,6 +74,11 @@ struct RingStep {
   const float* topk_weights = nullptr;
   const uint8_t* admitted = nullptr;  // null when the descriptor does not set kFlagAdmitted
   bool rows_on_device = false;        // hidden and output are in the engine's GPU memory
+  // kFlagDeviceRouting: topk_ids / topk_weights are still in the engine's GPU memory here (the
+  // server copies them out before the step); the host pointers above are null.
+  const int32_t* device_topk_ids = nullptr;
+  const float* device_topk_weights = nullptr;
+  void* ready_event = nullptr;  // RingDeviceRows::ready_event: the step's kernels wait for it first
 };
 using RingServe = std::function<void(const RingStep& step, ring::Result* result)>;
 

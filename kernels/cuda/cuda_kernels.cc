@@ -344,6 +344,31 @@ class CudaKernels final : public ExpertKernels {
     }
     return IpcMapping{base, *range};
   }
+  absl::StatusOr<void*> OpenIpcEvent(const std::string& handle) override {
+    cudaIpcEventHandle_t h;
+    if (handle.size() != sizeof(h)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ready_event: ", handle.size(), " bytes, a CUDA IPC event handle has ", sizeof(h)));
+    }
+    std::memcpy(&h, handle.data(), sizeof(h));
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    cudaEvent_t event = nullptr;
+    if (const cudaError_t e = cudaIpcOpenEventHandle(&event, h); e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat("ready_event: the driver refused it (", cudaGetErrorString(e),
+                                                     "); export an interprocess event without timing"));
+    }
+    return static_cast<void*>(event);
+  }
+  void CloseIpcEvent(void* event) override {
+    cudaSetDevice(device_);
+    if (cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) cudaGetLastError();
+  }
+  absl::Status WaitEvent(void* event, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+    return absl::OkStatus();
+  }
   void CloseIpcMemory(void* base) override {
     cudaSetDevice(device_);
     if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();

@@ -31,6 +31,7 @@ LAYOUT_VERSION = 1
 PAGE = 4096
 ALIGN = 256
 FLAG_ADMITTED = 1
+FLAG_DEVICE_ROUTING = 2  # descriptor.flags: topk_ids / topk_weights in the device slot
 HEADER_DEVICE_ROWS = 1  # header.flags (offset 88)
 # Header: counters each on their own 64-byte line.
 OFF_SUBMITTED, OFF_RANK_SLEEPING, OFF_COMPLETED, OFF_ENGINE_SLEEPING, OFF_CLOSED = 128, 192, 256, 320, 384
@@ -68,6 +69,18 @@ def geometry(max_tokens: int, d: int, k: int, slots: int, device_rows: bool = Fa
     return g
 
 
+def device_geometry(max_tokens: int, d: int, k: int, slots: int) -> dict:
+    """A device-rows ring's device slot, as ring::ComputeDeviceGeometry computes it: byte offsets
+    of hidden, output, ids and weights inside a slot, the slot's size and all slots' size."""
+    rows, routes = max_tokens * d * 2, max_tokens * k
+    g = {"hidden": 0, "output": _align(rows, ALIGN)}
+    g["ids"] = _align(g["output"] + rows, ALIGN)
+    g["weights"] = _align(g["ids"] + routes * 4, ALIGN)
+    g["slot_bytes"] = _align(g["weights"] + routes * 4, ALIGN)
+    g["total_bytes"] = g["slot_bytes"] * slots
+    return g
+
+
 class _Futex:
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
@@ -95,9 +108,11 @@ class StepRing:
     def open(cls, client: RankClient, *, max_tokens: int, d: int, k: int, slots: int = 2, spin_us: int = 50,
              device: Any = None) -> "StepRing":
         """``device`` (a torch device, e.g. ``"cuda:0"``): the rows stay on that GPU. The ring
-        allocates ``[slots, 2, max_tokens, d]`` BF16 there and hands the rank a CUDA IPC handle
-        for it; steps then take and return torch CUDA tensors and no row crosses the host. The
-        rank must run CUDA kernels on the same host."""
+        allocates its device slots there (rows, output and routing of every slot,
+        :func:`device_geometry`) and hands the rank a CUDA IPC handle for them and for an
+        interprocess event it records at each submit; steps then take and return torch CUDA
+        tensors, routing given as CUDA tensors stays on the GPU too, and the engine never waits
+        for its GPU to submit. The rank must run CUDA kernels on the same host."""
         if platform.machine() not in ("x86_64", "AMD64"):
             raise errors.FailedPrecondition(f"step rings from Python need x86-64 (this is {platform.machine()})")
         req = pb.OpenStepRingRequest(slots=slots, max_tokens=max_tokens, d=d, k=k)
@@ -107,11 +122,15 @@ class StepRing:
 
             from moe_runtime import cuda_ipc
 
-            rows_buf = torch.empty((slots, 2, max_tokens, d), dtype=torch.bfloat16, device=device)
+            dg = device_geometry(max_tokens, d, k, slots)
+            rows_buf = torch.empty(dg["total_bytes"], dtype=torch.uint8, device=device)
             with torch.cuda.device(rows_buf.device):
                 exp = cuda_ipc.export(rows_buf.data_ptr())
+                ready = torch.cuda.Event(interprocess=True)
+                ready.record()  # the handle of an event never recorded would name no device
             req.device_rows.ipc_handle = exp.handle
             req.device_rows.offset = exp.offset
+            req.device_rows.ready_event = bytes(ready.ipc_handle())
         resp = client._call(client._stub.OpenStepRing, req, timeout=10)
         g = geometry(max_tokens, d, k, slots, device_rows=rows_buf is not None)
         if resp.device_rows != (rows_buf is not None):
@@ -146,9 +165,19 @@ class StepRing:
             os.close(memfd)
         head = _HEADER.unpack_from(self._mm, 0)
         (flags,) = struct.unpack_from("<I", self._mm, 88)
-        self._rows = rows_buf  # [slots, 2 (hidden, output), max_tokens, d] on the GPU, or None
-        self._dev_hidden = [rows_buf[s, 0] for s in range(slots)] if rows_buf is not None else []
-        self._dev_output = [rows_buf[s, 1] for s in range(slots)] if rows_buf is not None else []
+        self._rows = rows_buf  # the device slots (uint8) on the GPU, or None
+        self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
+        if rows_buf is not None:
+            import torch
+
+            self._ready = ready
+            for s in range(slots):
+                at = s * dg["slot_bytes"]
+                part = lambda name, n, dt: rows_buf[at + dg[name]: at + dg[name] + n].view(dt)  # noqa: E731
+                self._dev_hidden.append(part("hidden", max_tokens * d * 2, torch.bfloat16).view(max_tokens, d))
+                self._dev_output.append(part("output", max_tokens * d * 2, torch.bfloat16).view(max_tokens, d))
+                self._dev_ids.append(part("ids", max_tokens * k * 4, torch.int32))
+                self._dev_weights.append(part("weights", max_tokens * k * 4, torch.float32))
         if head[0] != MAGIC or head[3] != g["slot_bytes"] or head[7] != g["hidden"] or \
                 bool(flags & HEADER_DEVICE_ROWS) != (rows_buf is not None):
             self.close()
@@ -184,6 +213,11 @@ class StepRing:
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._slot(seq) + self._g[part])
 
     @property
+    def device(self) -> Any:
+        """The GPU of a ring with device rows (None otherwise)."""
+        return None if self._rows is None else self._rows.device
+
+    @property
     def device_rows(self) -> bool:
         """Whether this ring's rows stay in GPU memory (``open(device=...)``)."""
         return self._rows is not None
@@ -197,7 +231,7 @@ class StepRing:
         except Exception:
             return False
         dtype = str(getattr(hidden, "dtype", ""))
-        if self._rows is not None and getattr(hidden, "device", None) != self._rows.device:
+        if self._rows is not None and getattr(hidden, "device", None) != self.device:
             return False
         bf16 = dtype in ("uint16", "torch.bfloat16")
         return bf16 and len(shape) == 2 and shape[0] <= self.max_tokens and shape[1] == self.d and 1 <= k <= self.k
@@ -219,18 +253,28 @@ class StepRing:
             hidden = self._dev_hidden[seq % self.slots][:tokens]
         else:
             hidden = self._view(seq, "hidden", np.uint16, tokens * self.d).reshape(tokens, self.d)
-        return {
+        views = {
             "hidden": hidden,
             "topk_ids": self._view(seq, "ids", np.int32, tokens * k).reshape(tokens, k),
             "topk_weights": self._view(seq, "weights", np.float32, tokens * k).reshape(tokens, k),
             "admitted": self._view(seq, "admitted", np.uint8, tokens * k).reshape(tokens, k),
         }
+        if self._rows is not None:
+            s = seq % self.slots
+            views["device_topk_ids"] = self._dev_ids[s][: tokens * k].view(tokens, k)
+            views["device_topk_weights"] = self._dev_weights[s][: tokens * k].view(tokens, k)
+        return views
 
     def submit_in_place(self, step_id: int, layer: int, tokens: int, k: Optional[int] = None, *,
-                        decode: bool = False, admitted: bool = False, expected_generation: int = 0) -> None:
+                        decode: bool = False, admitted: bool = False, expected_generation: int = 0,
+                        device_routing: bool = False) -> None:
         """Submits the step whose rows and routing were written into :meth:`next_slot`'s views
-        (``admitted``: the admitted table was filled too). :meth:`wait` returns its output as a
-        uint16 (BF16 bits) array."""
+        (``admitted``: the admitted table was filled too; ``device_routing``: the routing is in
+        the ``device_topk_ids`` / ``device_topk_weights`` views, on a ring with device rows).
+        :meth:`wait` returns its output as a uint16 (BF16 bits) array, or as a torch BF16 CUDA
+        tensor on a ring with device rows."""
+        if device_routing and self._rows is None:
+            raise ValueError("device_routing: this ring has no device rows")
         k = self.k if k is None else k
         if not 0 <= tokens <= self.max_tokens or not 1 <= k <= self.k:
             raise ValueError(f"tokens, k: {tokens} x {k} do not fit the ring's {self.max_tokens} x {self.k} slots")
@@ -238,17 +282,24 @@ class StepRing:
             raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
         if self._closed_word.value:
             raise errors.Unavailable("step ring: the rank closed the ring", rank=self._client.rank)
-        rows = WireRows(pb.DTYPE_BF16, tokens, self.d, b"", "numpy", np.dtype(np.uint16))
-        self._rows_ready()
-        self._publish(FLAG_ADMITTED if admitted else 0, decode, k, step_id, layer, tokens, expected_generation, rows)
-
-    def _rows_ready(self) -> None:
-        """Device rows: the rank reads them once the step is published, so the work that wrote
-        them (on the current stream) must be done by then."""
         if self._rows is not None:
             import torch
 
-            torch.cuda.current_stream(self._rows.device).synchronize()
+            rows = WireRows(pb.DTYPE_BF16, tokens, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16,
+                            self.device)
+        else:
+            rows = WireRows(pb.DTYPE_BF16, tokens, self.d, b"", "numpy", np.dtype(np.uint16))
+        self._rows_ready()
+        flags = (FLAG_ADMITTED if admitted else 0) | (FLAG_DEVICE_ROUTING if device_routing else 0)
+        self._publish(flags, decode, k, step_id, layer, tokens, expected_generation, rows)
+
+    def _rows_ready(self) -> None:
+        """Device rows: the rank's work on the step waits (on the GPU) for this event, recorded
+        after what the current stream has enqueued: the rows' (and routing's) writes."""
+        if self._rows is not None:
+            import torch
+
+            self._ready.record(torch.cuda.current_stream(self.device))
 
     def _publish(self, flags: int, decode: bool, k: int, step_id: int, layer: int, tokens: int,
                  expected_generation: int, rows: WireRows) -> None:
@@ -306,13 +357,40 @@ class StepRing:
                              f"on {self._rows.device}, got {getattr(hidden, 'dtype', type(hidden))} "
                              f"{tuple(getattr(hidden, 'shape', ()))} on {getattr(hidden, 'device', 'the host')}")
         t = hidden.shape[0]
-        ids, w, k = routing_arrays(topk_ids, topk_weights, t)
-        if k > self.k:
-            raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
         s = (self._n_submitted & 0xFFFFFFFF) % self.slots
+        on_gpu = lambda x: isinstance(x, torch.Tensor) and x.device == self.device  # noqa: E731
+        if on_gpu(topk_ids) and on_gpu(topk_weights):
+            # Routing stays on the GPU: into the device slot, on the engine's stream.
+            if topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+                raise ValueError(f"topk_ids: expected [{t}, k], got shape {tuple(topk_ids.shape)}")
+            if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+                raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} differs from topk_ids "
+                                 f"{tuple(topk_ids.shape)}")
+            if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+                raise TypeError(f"topk_ids: integer dtype expected, got {topk_ids.dtype}")
+            k = topk_ids.shape[1]
+            if not 1 <= k <= self.k:
+                raise ValueError(f"topk_ids: k = {k} outside [1, {self.k}] (the ring's k)")
+            ids = topk_ids
+            if ids.dtype != torch.int32:
+                # Ids beyond int32 become -2^31, which the rank refuses as outside [0, experts)
+                # (narrowing them would wrap them into range); no wait for the GPU.
+                fits = (ids >= -(2**31)) & (ids <= 2**31 - 1)
+                ids = torch.where(fits, ids, torch.full_like(ids, -(2**31))).to(torch.int32)
+            self._dev_ids[s][: t * k].view(t, k).copy_(ids)
+            self._dev_weights[s][: t * k].view(t, k).copy_(topk_weights)
+            flags = FLAG_DEVICE_ROUTING
+            adm = admitted_bytes(admitted, (t, k))
+            if adm:
+                self._admitted_views[s][: t * k] = np.frombuffer(adm, np.uint8)
+                flags |= FLAG_ADMITTED
+        else:
+            ids, w, k = routing_arrays(topk_ids, topk_weights, t)
+            if k > self.k:
+                raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
+            flags = self._write_routing(s, t, k, ids, w, admitted)
         self._dev_hidden[s][:t].copy_(hidden)
-        flags = self._write_routing(s, t, k, ids, w, admitted)
-        rows = WireRows(pb.DTYPE_BF16, t, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16, self._rows.device)
+        rows = WireRows(pb.DTYPE_BF16, t, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16, self.device)
         self._rows_ready()
         self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
 
@@ -383,7 +461,7 @@ class StepRing:
                 delattr(self, name)  # ctypes views must go before the mapping can close
         self._base = 0
         self._rows = None  # the rank unmapped it with the ring
-        self._dev_hidden = self._dev_output = []
+        self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
         try:
             self._mm.close()
         except (BufferError, AttributeError):

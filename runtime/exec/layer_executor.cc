@@ -198,6 +198,28 @@ void LayerExecutor::CloseDeviceRows(void* base) {
   if (device_) options_.kernels->CloseIpcMemory(base);
 }
 
+absl::StatusOr<void*> LayerExecutor::OpenReadyEvent(const std::string& ipc_handle) {
+  if (!device_) {
+    return absl::FailedPreconditionError(absl::StrCat("device_rows.ready_event: events need device kernels; rank ",
+                                                      options_.rank.value(), " runs ", options_.kernels->name()));
+  }
+  return options_.kernels->OpenIpcEvent(ipc_handle);
+}
+
+void LayerExecutor::CloseReadyEvent(void* event) {
+  if (device_) options_.kernels->CloseIpcEvent(event);
+}
+
+absl::Status LayerExecutor::WaitReadyEvent(void* event) {
+  if (!device_) return absl::FailedPreconditionError("ready_event: the rank's kernels are not device-resident");
+  return options_.kernels->WaitEvent(event, nullptr);
+}
+
+absl::Status LayerExecutor::CopyFromDevice(void* dst, const void* src, int64_t bytes) {
+  if (!device_) return absl::FailedPreconditionError("routing: the rank's kernels are not device-resident");
+  return options_.kernels->CopyToHost(dst, src, bytes, nullptr);
+}
+
 absl::Status LayerExecutor::StartDeviceRowCheck(const uint16_t* x, int64_t n) {
   if (!device_) return absl::FailedPreconditionError("hidden: the rank's kernels are not device-resident");
   return options_.kernels->StartFindNonFiniteBf16(x, n, nullptr);

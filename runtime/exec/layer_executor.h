@@ -133,6 +133,13 @@ class LayerExecutor {
   // when the rank's kernels are not device-resident.
   absl::StatusOr<kernels::ExpertKernels::IpcMapping> OpenDeviceRows(const std::string& ipc_handle);
   void CloseDeviceRows(void* base);
+  // The engine's interprocess event (CUDA IPC) that its steps' kernels wait for; and that wait,
+  // enqueued on the step stream. FAILED_PRECONDITION without device kernels.
+  absl::StatusOr<void*> OpenReadyEvent(const std::string& ipc_handle);
+  void CloseReadyEvent(void* event);
+  absl::Status WaitReadyEvent(void* event);
+  // Copies `bytes` of device memory (after the step stream's earlier work) to the host.
+  absl::Status CopyFromDevice(void* dst, const void* src, int64_t bytes);
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
   // Callers serialize steps (one scan in flight).

@@ -417,3 +417,13 @@ def test_routing_and_rows_conversions_check_what_they_skip_copying():
     _, arr = host_rows(rows[:, ::2])  # a strided view is made contiguous
     assert arr.flags["C_CONTIGUOUS"] and arr.shape == (3, D // 2)
 
+
+def test_device_slot_layout_matches_the_rank():
+    """ring.device_geometry is ring::ComputeDeviceGeometry (the same numbers as the C++
+    DeviceGeometryTest): hidden, output, ids and weights 256-byte aligned in each slot."""
+    from moe_runtime.ring import device_geometry
+
+    g = device_geometry(5, 24, 3, 2)
+    assert (g["hidden"], g["output"], g["ids"], g["weights"]) == (0, 256, 512, 768)
+    assert (g["slot_bytes"], g["total_bytes"]) == (1024, 2048)
+

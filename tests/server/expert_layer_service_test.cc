@@ -565,6 +565,8 @@ TEST_F(RingTest, BadSlotsAreAnsweredNamingTheFieldAndTheRingServesOn) {
   expect([](ring::Descriptor& d, char*) { d.tokens = 17; }, "descriptor.tokens");
   expect([](ring::Descriptor& d, char*) { d.tokens = -1; }, "descriptor.tokens");
   expect([](ring::Descriptor& d, char*) { d.flags = 6; }, "descriptor.flags");
+  expect([](ring::Descriptor& d, char*) { d.flags = ring::kFlagDeviceRouting; },
+         "descriptor.flags: device routing on a ring without device rows");
   expect([](ring::Descriptor& d, char*) { d.seq += 5; }, "descriptor.seq");
   expect([&](ring::Descriptor&, char* b) { reinterpret_cast<uint16_t*>(b + g.hidden_offset)[3] = 0x7fc0; },  // NaN
          "hidden");
@@ -664,6 +666,21 @@ TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
 
 // A ring whose rows stay in the engine's GPU memory: its fields are checked before anything is
 // mapped, a rank on CPU kernels refuses it naming device_rows, and nothing is left open.
+// The device slot layout both sides compute (python/moe_runtime/ring.py device_geometry checks
+// the same numbers): 256-byte aligned parts, sizes that overflow refused.
+TEST(DeviceGeometryTest, PartsAreAlignedAndOverflowIsRefused) {
+  ring::DeviceGeometry g;
+  ASSERT_TRUE(ring::ComputeDeviceGeometry(5, 24, 3, 2, &g));
+  EXPECT_EQ(g.hidden_offset, 0u);
+  EXPECT_EQ(g.output_offset, 256u);   // 5 x 24 x 2 = 240 bytes of rows
+  EXPECT_EQ(g.ids_offset, 512u);      // 256 + 240 = 496
+  EXPECT_EQ(g.weights_offset, 768u);  // 512 + 5 x 3 x 4 = 572
+  EXPECT_EQ(g.slot_bytes, 1024u);     // 768 + 60 = 828
+  EXPECT_EQ(g.total_bytes, 2048u);
+  EXPECT_FALSE(ring::ComputeDeviceGeometry(int64_t{1} << 40, 1 << 20, 8, 16, &g));
+  EXPECT_FALSE(ring::ComputeDeviceGeometry(0, 24, 3, 2, &g));
+}
+
 TEST_F(RingTest, DeviceRowsAreCheckedAndNeedDeviceKernels) {
   auto open = [&](int64_t d, uint64_t offset, const std::string& handle) {
     v1::OpenStepRingRequest req;
@@ -689,6 +706,7 @@ TEST_F(RingTest, DeviceRowsAreCheckedAndNeedDeviceKernels) {
   EXPECT_THAT(s.error_message(), HasSubstr("device_rows.offset"));
   s = open(kD, 256, handle);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("device_rows"));
   EXPECT_THAT(s.error_message(), HasSubstr("device_rows: rows in an engine's GPU memory need device kernels"));
   EXPECT_EQ(service_->step_rings(), 0);
   // Still serving rings and steps.
