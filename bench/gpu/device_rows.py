@@ -5,11 +5,15 @@ rows in a torch CUDA tensor, as vLLM / SGLang / transformers hold them. Per cell
 
   host ring    the rows copied to the host, through a step ring's slot, and the output copied back
                to the GPU (what an engine on a ring paid before device rows);
-  device ring  the rows stay on the GPU: the ring's slots carry routing only, and the rank reads
-               and writes the engine's memory through CUDA IPC (``open_ring(device=...)``).
+  device rows  the rows stay on the GPU: the ring's slots carry routing only (given as host
+               tensors), and the rank reads and writes the engine's memory through CUDA IPC
+               (``open_ring(device=...)``);
+  + routing    the same with the router's top-k left on the GPU (CUDA tensors): the engine does
+               not wait for its GPU at all to submit.
 
-Checks (exit status 1 when one fails): both rings give the same output bit for bit, for every
-cell; a NaN in the device rows is refused naming ``hidden.data[i]`` and the ring serves on.
+Checks (exit status 1 when one fails): the three give the same output bit for bit, for every
+cell; a NaN in the device rows is refused naming ``hidden.data[i]``, an expert id out of range or
+beyond int32 on the GPU naming ``topk_ids[t][j]``, and the ring serves on.
 
 Usage: device_rows.py --target unix:/path/0.sock [--cells decode:1,decode:8,prefill:2048]
 """
@@ -68,40 +72,48 @@ def main() -> int:
         r = dev_ring.step(step_id, args.layer, hidden, ids, w, decode=decode)
         return r.output, r
 
+    modes = ("host", "dev", "devr")  # devr: the routing stays on the GPU too
+
     print(f"# E{args.experts} k{args.k} d{args.d}, one rank, {args.steps} steps a cell after {args.warmup}, "
           f"ring spin {args.spin_us} us; engine-observed p50 / p99 (us), rank-side server p50")
-    print(f"{'cell':<14} {'host ring p50/p99':>20} {'device ring p50/p99':>22} {'host/device':>12} "
-          f"{'server host':>12} {'server dev':>11} {'equal':>6}")
+    print(f"{'cell':<14} {'host ring p50/p99':>20} {'device rows p50/p99':>22} {'+ routing p50/p99':>20} "
+          f"{'host/dev':>9} {'host/devr':>9} {'server host/dev/devr':>22} {'equal':>6}")
     for phase, t in cells:
         decode = phase == "decode"
         hidden, ids, w = make_step(t, args.d, args.k, args.experts, gen)
         out_h, _ = run_host(hidden, ids, w, decode)
-        out_d, _ = run_dev(hidden, ids, w, decode)
-        equal = torch.equal(out_h, out_d)
+        out_d, _ = run_dev(hidden, ids.cpu(), w.cpu(), decode)
+        out_r, _ = run_dev(hidden, ids, w, decode)
+        equal = torch.equal(out_h, out_d) and torch.equal(out_h, out_r)
         if not equal:
-            diff = (out_h.float() - out_d.float()).abs().max().item()
-            print(f"MISMATCH {phase}:{t}: max |diff| {diff}")
+            for name, out in (("device rows", out_d), ("device rows + routing", out_r)):
+                diff = (out_h.float() - out.float()).abs().max().item()
+                print(f"MISMATCH {phase}:{t} {name}: max |diff| {diff}")
             failures += 1
-        # Routing moves through the host either way (the engine's top-k ids and weights); what
-        # differs is the rows. Timed per step, the engine waiting for its output on its GPU.
-        ids_host, w_host = ids.cpu(), w.cpu()
-        times = {"host": [], "dev": []}
-        server = {"host": [], "dev": []}
-        parts = {"host": [], "dev": []}  # (submit, wait, output-ready) per step
-        stages = {"host": [], "dev": []}
+        # The router's top-k comes out on the GPU, as the rows do: the host ring and the device
+        # rows without device routing copy it to the host inside the timed step (as an engine
+        # would); "+ routing" hands the CUDA tensors over. Timed per step, the engine waiting for
+        # its output on its GPU.
+        times = {m: [] for m in modes}
+        server = {m: [] for m in modes}
+        parts = {m: [] for m in modes}  # (submit, wait, output-ready) per step
+        stages = {m: [] for m in modes}
         for i in range(args.warmup + args.steps):
-            for mode in ("host", "dev"):
+            for mode in modes:
                 sid = step_id + 1
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 if mode == "host":
-                    host_ring.submit(sid, args.layer, hidden.cpu(), ids_host, w_host, decode=decode)
+                    host_ring.submit(sid, args.layer, hidden.cpu(), ids.cpu(), w.cpu(), decode=decode)
                     submitted = time.perf_counter()
                     r = host_ring.wait(60)
                     waited = time.perf_counter()
                     r.output.to("cuda")
                 else:
-                    dev_ring.submit(sid, args.layer, hidden, ids_host, w_host, decode=decode)
+                    if mode == "dev":
+                        dev_ring.submit(sid, args.layer, hidden, ids.cpu(), w.cpu(), decode=decode)
+                    else:
+                        dev_ring.submit(sid, args.layer, hidden, ids, w, decode=decode)
                     submitted = time.perf_counter()
                     r = dev_ring.wait(60)
                     waited = time.perf_counter()
@@ -127,12 +139,13 @@ def main() -> int:
             if i >= args.warmup:
                 alone.append((time.perf_counter() - start) * 1e6)
         p = {m: (statistics.median(v), sorted(v)[int(0.99 * (len(v) - 1))]) for m, v in times.items()}
+        srv = " / ".join(f"{statistics.median(server[m]):.1f}" for m in modes)
         print(f"{phase + ':' + str(t):<14} {p['host'][0]:>10.1f} / {p['host'][1]:>7.1f} "
-              f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['host'][0] / p['dev'][0]:>11.2f}x "
-              f"{statistics.median(server['host']):>12.1f} {statistics.median(server['dev']):>11.1f} "
+              f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['devr'][0]:>10.1f} / {p['devr'][1]:>7.1f} "
+              f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
               f"{'yes' if equal else 'NO':>6}")
         print(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
-        for mode in ("host", "dev"):
+        for mode in modes:
             sub, wai, out = (statistics.median(x[j] for x in parts[mode]) for j in range(3))
             st = {n: statistics.median(x[n] for x in stages[mode]) for n in stages[mode][0]}
             print(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}, output ready {out:.1f}; rank stages: " +
@@ -153,10 +166,27 @@ def main() -> int:
             failures += 1
         else:
             print(f"nan row refused: {e}")
+    # Bad routing on the GPU: refused by the rank naming the route, never served.
+    bad_ids = ids.clone()
+    bad_ids[1, 3] = args.experts
+    wide = ids.to(torch.int64)
+    wide[3, 0] = 2**40 + 1  # would wrap into range if narrowed
+    for name, bid, want in (("an expert out of range", bad_ids, f"topk_ids[1][3]: expert {args.experts} outside"),
+                            ("an id beyond int32", wide, "topk_ids[3][0]: expert -2147483648 outside")):
+        try:
+            run_dev(hidden, bid, w, True)
+            print(f"FAIL: {name} on the GPU was served")
+            failures += 1
+        except errors.InvalidArgument as e:
+            if want not in str(e):
+                print(f"FAIL: the refusal of {name} does not name {want}: {e}")
+                failures += 1
+            else:
+                print(f"{name} refused: {e}")
     out_d, _ = run_dev(hidden, ids, w, True)
     out_h, _ = run_host(hidden, ids, w, True)
     if not torch.equal(out_d, out_h):
-        print("FAIL: after the refusal the device ring's output differs")
+        print("FAIL: after the refusals the device ring's output differs")
         failures += 1
     dev_ring.close()
     host_ring.close()
