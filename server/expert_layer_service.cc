@@ -343,7 +343,6 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
       // The engine's rows (and routing) are complete once its ready event fires; the step's
       // work on the GPU waits for it, the host copy of device routing too.
       if (checked.ok() && step.ready_event != nullptr) checked = executor_->WaitReadyEvent(step.ready_event);
-      if (checked.ok() && step.device_topk_ids != nullptr) checked = CopyDeviceRouting(step, &in);
       device_check = checked.ok() && step.rows_on_device && desc.tokens > 0;
       if (device_check) {
         in.await_input_check = [this, &device_checked]() -> absl::Status {
@@ -363,6 +362,8 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
           device_checked = std::move(s);
         }
       }
+      // After the scan on the same stream: the copy's wait covers the scan too (one wait, not two).
+      if (checked.ok() && step.device_topk_ids != nullptr) checked = CopyDeviceRouting(step, &in);
       r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
       if (device_check) in.await_input_check().IgnoreError();  // every started scan is finished
     }

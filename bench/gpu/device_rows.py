@@ -1,7 +1,8 @@
 """A co-located engine's layer step with the rows on its GPU (issue 17), checked and timed.
 
-One running moe-rankd (CUDA kernels) on this host; this process is the engine, with its hidden
-rows in a torch CUDA tensor, as vLLM / SGLang / transformers hold them. Per cell, side by side:
+Running moe-rankd processes (CUDA kernels, rank r on GPU r) on this host; one engine process per
+rank, with its hidden rows in torch CUDA tensors on its rank's GPU, as vLLM / SGLang /
+transformers hold them. Per cell, side by side:
 
   host ring    the rows copied to the host, through a step ring's slot, and the output copied back
                to the GPU (what an engine on a ring paid before device rows);
@@ -15,11 +16,13 @@ Checks (exit status 1 when one fails): the three give the same output bit for bi
 cell; a NaN in the device rows is refused naming ``hidden.data[i]``, an expert id out of range or
 beyond int32 on the GPU naming ``topk_ids[t][j]``, and the ring serves on.
 
-Usage: device_rows.py --target unix:/path/0.sock [--cells decode:1,decode:8,prefill:2048]
+Usage: device_rows.py --targets unix:/path/0.sock[,unix:/path/1.sock...] [--cells decode:1,prefill:2048]
+(one engine process per rank, on GPU r, when more than one target is given)
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -30,8 +33,8 @@ from moe_runtime import RankClient, errors
 
 
 def make_step(t: int, d: int, k: int, experts: int, gen: torch.Generator):
-    hidden = (torch.randn(t, d, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
-    scores = torch.rand(t, experts, generator=gen, device="cuda")
+    hidden = (torch.randn(t, d, generator=gen, device=gen.device) * 0.5).to(torch.bfloat16)
+    scores = torch.rand(t, experts, generator=gen, device=gen.device)
     w, ids = scores.topk(k, dim=1)
     w = torch.softmax(w, dim=1)
     return hidden, ids.to(torch.int32), w.float()
@@ -39,8 +42,8 @@ def make_step(t: int, d: int, k: int, experts: int, gen: torch.Generator):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--cells", default="decode:1,decode:8,prefill:2048")
+    ap.add_argument("--targets", required=True, help="each rank's engine target, comma-separated (rank order)")
+    ap.add_argument("--cells", default="decode:1,decode:8,prefill:2048", help="phase:tokens per rank")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--k", type=int, default=8)
@@ -49,22 +52,48 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--spin_us", type=int, default=5000)
     args = ap.parse_args()
+    targets = args.targets.split(",")
+    if len(targets) == 1:
+        return engine(0, targets, args, None)
+    # One engine process per rank, each on its rank's GPU (cuda:r), as a co-located engine is;
+    # every step goes to every rank with the same step id, so they run in lockstep.
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(len(targets))
+    procs = [ctx.Process(target=_engine_process, args=(r, targets, args, barrier)) for r in range(len(targets))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return 1 if any(p.exitcode != 0 for p in procs) else 0
+
+
+def _engine_process(rank: int, targets, args, barrier) -> None:
+    sys.exit(engine(rank, targets, args, barrier))
+
+
+def engine(rank: int, targets, args, barrier) -> int:
+    world = len(targets)
+    torch.cuda.set_device(rank)
+    say = print if rank == 0 else (lambda *a, **k: None)
     cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells.split(",")]
     max_t = max(t for _, t in cells)
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(7)
+    gen = torch.Generator(device=f"cuda:{rank}")
+    gen.manual_seed(7 + rank)
     failures = 0
-    client = RankClient(args.target, timeout=60)
+    client = RankClient(targets[rank], timeout=60, rank=rank)
     client.wait_ready(60)
     host_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us)
-    dev_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us, device="cuda")
+    dev_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us,
+                                device=f"cuda:{rank}")
+    if barrier is not None:
+        barrier.wait()
     step_id = 1
 
     def run_host(hidden, ids, w, decode):
         nonlocal step_id
         step_id += 1
         r = host_ring.step(step_id, args.layer, hidden.cpu(), ids, w, decode=decode)
-        return r.output.to("cuda"), r
+        return r.output.to(hidden.device), r
 
     def run_dev(hidden, ids, w, decode):
         nonlocal step_id
@@ -74,9 +103,10 @@ def main() -> int:
 
     modes = ("host", "dev", "devr")  # devr: the routing stays on the GPU too
 
-    print(f"# E{args.experts} k{args.k} d{args.d}, one rank, {args.steps} steps a cell after {args.warmup}, "
-          f"ring spin {args.spin_us} us; engine-observed p50 / p99 (us), rank-side server p50")
-    print(f"{'cell':<14} {'host ring p50/p99':>20} {'device rows p50/p99':>22} {'+ routing p50/p99':>20} "
+    say(f"# E{args.experts} k{args.k} d{args.d}, {world} rank(s), one engine process each, {args.steps} steps a "
+        f"cell after {args.warmup}, ring spin {args.spin_us} us; engine-observed p50 / p99 (us) and rank-side "
+        f"server p50 of rank 0 (every rank's p50 below with more than one)")
+    say(f"{'cell':<14} {'host ring p50/p99':>20} {'device rows p50/p99':>22} {'+ routing p50/p99':>20} "
           f"{'host/dev':>9} {'host/devr':>9} {'server host/dev/devr':>22} {'equal':>6}")
     for phase, t in cells:
         decode = phase == "decode"
@@ -88,7 +118,7 @@ def main() -> int:
         if not equal:
             for name, out in (("device rows", out_d), ("device rows + routing", out_r)):
                 diff = (out_h.float() - out.float()).abs().max().item()
-                print(f"MISMATCH {phase}:{t} {name}: max |diff| {diff}")
+                print(f"MISMATCH rank {rank} {phase}:{t} {name}: max |diff| {diff}")
             failures += 1
         # The router's top-k comes out on the GPU, as the rows do: the host ring and the device
         # rows without device routing copy it to the host inside the timed step (as an engine
@@ -140,58 +170,59 @@ def main() -> int:
                 alone.append((time.perf_counter() - start) * 1e6)
         p = {m: (statistics.median(v), sorted(v)[int(0.99 * (len(v) - 1))]) for m, v in times.items()}
         srv = " / ".join(f"{statistics.median(server[m]):.1f}" for m in modes)
-        print(f"{phase + ':' + str(t):<14} {p['host'][0]:>10.1f} / {p['host'][1]:>7.1f} "
+        say(f"{phase + ':' + str(t):<14} {p['host'][0]:>10.1f} / {p['host'][1]:>7.1f} "
               f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['devr'][0]:>10.1f} / {p['devr'][1]:>7.1f} "
               f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
               f"{'yes' if equal else 'NO':>6}")
-        print(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
+        say(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
+        if world > 1:
+            print(f"    rank {rank} p50: " + ", ".join(f"{m} {p[m][0]:.1f}" for m in modes), flush=True)
         for mode in modes:
             sub, wai, out = (statistics.median(x[j] for x in parts[mode]) for j in range(3))
             st = {n: statistics.median(x[n] for x in stages[mode]) for n in stages[mode][0]}
-            print(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}, output ready {out:.1f}; rank stages: " +
+            say(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}, output ready {out:.1f}; rank stages: " +
                   ", ".join(f"{n} {v:.1f}" for n, v in st.items()))
 
-    # A NaN in the device rows: refused naming the value, the ring serves on.
+    # Bad input on rank 0 (a NaN in the device rows, an expert id out of range or beyond int32 on
+    # the GPU): refused there naming the value, ABORTED on the other ranks (the refusal joins the
+    # step's agreement), and every ring serves on.
     hidden, ids, w = make_step(4, args.d, args.k, args.experts, gen)
     bad = hidden.clone()
     bad[2, 5] = float("nan")
-    try:
-        run_dev(bad, ids, w, True)
-        print("FAIL: a NaN row was served")
-        failures += 1
-    except errors.InvalidArgument as e:
-        want = f"hidden.data[{2 * args.d + 5}]: not finite"
-        if want not in str(e):
-            print(f"FAIL: the refusal does not name {want}: {e}")
-            failures += 1
-        else:
-            print(f"nan row refused: {e}")
-    # Bad routing on the GPU: refused by the rank naming the route, never served.
     bad_ids = ids.clone()
     bad_ids[1, 3] = args.experts
     wide = ids.to(torch.int64)
     wide[3, 0] = 2**40 + 1  # would wrap into range if narrowed
-    for name, bid, want in (("an expert out of range", bad_ids, f"topk_ids[1][3]: expert {args.experts} outside"),
-                            ("an id beyond int32", wide, "topk_ids[3][0]: expert -2147483648 outside")):
+    cases = (("a NaN row", bad, ids, f"hidden.data[{2 * args.d + 5}]: not finite"),
+             ("an expert out of range", hidden, bad_ids, f"topk_ids[1][3]: expert {args.experts} outside"),
+             ("an id beyond int32", hidden, wide, "topk_ids[3][0]: expert -2147483648 outside"))
+    for name, h, i, want in cases:
         try:
-            run_dev(hidden, bid, w, True)
-            print(f"FAIL: {name} on the GPU was served")
+            if rank == 0:
+                run_dev(h, i, w, True)
+            else:
+                run_dev(hidden, ids, w, True)
+            print(f"FAIL: rank {rank}: the step with {name} was served")
             failures += 1
         except errors.InvalidArgument as e:
-            if want not in str(e):
-                print(f"FAIL: the refusal of {name} does not name {want}: {e}")
+            if rank != 0 or want not in str(e):
+                print(f"FAIL: rank {rank}: the refusal of {name} does not name {want}: {e}")
                 failures += 1
             else:
-                print(f"{name} refused: {e}")
+                say(f"{name} refused: {e}")
+        except errors.Aborted as e:
+            if rank == 0:
+                print(f"FAIL: rank 0 got ABORTED for {name}: {e}")
+                failures += 1
     out_d, _ = run_dev(hidden, ids, w, True)
     out_h, _ = run_host(hidden, ids, w, True)
     if not torch.equal(out_d, out_h):
-        print("FAIL: after the refusals the device ring's output differs")
+        print(f"FAIL: rank {rank}: after the refusals the device ring's output differs")
         failures += 1
     dev_ring.close()
     host_ring.close()
     client.close()
-    print(f"device_rows: {failures} failure(s)")
+    print(f"device_rows rank {rank}: {failures} failure(s)", flush=True)
     return 1 if failures else 0
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 17's co-located path with the rows on the engine's GPU, one call on the GPU machine
-# (bench/RESULTS.md): the floor (expert_layer_bench, the layer's kernels alone in-process, graph
-# replay for decode) at each cell's T, then one moe-rankd (CUDA kernels) and a Python engine
-# holding its rows in torch CUDA tensors, stepping through a step ring with the rows through the
-# host and through one with the rows on the GPU (CUDA IPC), checked bit for bit
-# (bench/gpu/device_rows.py). Run from the repository root with dist/gpu (tools/gpu_bundle.sh);
+# (bench/RESULTS.md): the floor (expert_layer_bench, the layer's kernels alone in-process on one
+# GPU, graph replay for decode) at each cell's total T, then RANKS (default 1) moe-rankd (CUDA
+# kernels + NCCL, one GPU each) and one Python engine process per rank holding its rows in torch
+# CUDA tensors, stepping through a step ring with the rows through the host and through one with
+# the rows (and routing) on the GPU (CUDA IPC), checked bit for bit (bench/gpu/device_rows.py). Run from the repository root with dist/gpu (tools/gpu_bundle.sh);
 # dist/wheels may hold grpcio and protobuf wheels for a Python without them.
 #   LD_LIBRARY_PATH=$PWD/dist/gpu/lib:/usr/local/cuda/lib64 bench/gpu/device_rows.sh
 set -uo pipefail
@@ -18,10 +18,11 @@ if ! "$PY" -c "import grpc, google.protobuf" 2>/dev/null; then
   export PYTHONPATH="/tmp/moe-pydeps${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+RANKS="${RANKS:-1}"
 if [ "${FLOOR:-1}" != 0 ]; then
-  echo "== floor: expert_layer_bench E128-k8-d2048-f768"
+  echo "== floor: expert_layer_bench E128-k8-d2048-f768 at the cells' total tokens (x$RANKS)"
   for cell in ${CELLS//,/ }; do
-    "$B/expert_layer_bench" --shape E128-k8-d2048-f768 --tokens "${cell#*:}" 2>&1 | grep -v '^#'
+    "$B/expert_layer_bench" --shape E128-k8-d2048-f768 --tokens "$((${cell#*:} * RANKS))" 2>&1 | grep -v '^#'
   done
 fi
 work="$(mktemp -d /tmp/device-rows.XXXXXX)"
@@ -29,12 +30,13 @@ work="$(mktemp -d /tmp/device-rows.XXXXXX)"
   { echo "checkpoint synth failed"; exit 1; }
 RANKD="${RANKD:-$B/moe-rankd}"
 source deploy/cluster_lib.sh
-SKIP_BUILD=1 choose_backend 1
-echo "== one rank of $RANKD: $BACKEND_NAME, ring spin $SPIN us"
+SKIP_BUILD=1 choose_backend "$RANKS"
+echo "== $RANKS rank(s) of $RANKD: $BACKEND_NAME, ring spin $SPIN us"
 trap 'stop_ranks; rm -rf "$work"' EXIT
-start_ranks "$RANKD" "$work" 1 "$work/ckpt" --ring_spin_us "$SPIN" --max_step_tokens 16384 || exit 1
-"$PY" bench/gpu/device_rows.py --target "$(cat "$work/ports/0.engine")" --cells "$CELLS" --spin_us "$SPIN" \
-  --steps "${STEPS:-200}"
+start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt" --ring_spin_us "$SPIN" --max_step_tokens 16384 || exit 1
+targets="$(cat "$work/ports/0.engine")"
+for ((r = 1; r < RANKS; r++)); do targets="$targets,$(cat "$work/ports/$r.engine")"; done
+"$PY" bench/gpu/device_rows.py --targets "$targets" --cells "$CELLS" --spin_us "$SPIN" --steps "${STEPS:-200}"
 rc=$?
 [ "$rc" = 0 ] || tail -20 "$work/rank0.log"
 exit "$rc"
