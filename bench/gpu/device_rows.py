@@ -10,9 +10,11 @@ transformers hold them. Per cell, side by side:
                tensors), and the rank reads and writes the engine's memory through CUDA IPC
                (``open_ring(device=...)``);
   + routing    the same with the router's top-k left on the GPU (CUDA tensors): the engine does
-               not wait for its GPU at all to submit.
+               not wait for its GPU at all to submit;
+  in place     the same with the rows and routing already in the ring's device slot (an engine
+               whose layers write there: ``next_slot`` views), so a submit copies nothing.
 
-Checks (exit status 1 when one fails): the three give the same output bit for bit, for every
+Checks (exit status 1 when one fails): the four give the same output bit for bit, for every
 cell; a NaN in the device rows is refused naming ``hidden.data[i]``, an expert id out of range or
 beyond int32 on the GPU naming ``topk_ids[t][j]``, and the ring serves on.
 
@@ -101,7 +103,9 @@ def engine(rank: int, targets, args, barrier) -> int:
         r = dev_ring.step(step_id, args.layer, hidden, ids, w, decode=decode)
         return r.output, r
 
-    modes = ("host", "dev", "devr")  # devr: the routing stays on the GPU too
+    # devr: the routing stays on the GPU too; inplace: as devr, with the rows and routing already
+    # in the ring's device slot (an engine whose layers write there), so no copy at submit.
+    modes = ("host", "dev", "devr", "inplace")
 
     say(f"# E{args.experts} k{args.k} d{args.d}, {world} rank(s), one engine process each, {args.steps} steps a "
         f"cell after {args.warmup}, ring spin {args.spin_us} us; engine-observed p50 / p99 (us) and rank-side "
@@ -114,9 +118,12 @@ def engine(rank: int, targets, args, barrier) -> int:
         out_h, _ = run_host(hidden, ids, w, decode)
         out_d, _ = run_dev(hidden, ids.cpu(), w.cpu(), decode)
         out_r, _ = run_dev(hidden, ids, w, decode)
-        equal = torch.equal(out_h, out_d) and torch.equal(out_h, out_r)
+        step_id += 1
+        dev_ring.submit_in_place(step_id, args.layer, t, args.k, decode=decode, device_routing=True)
+        out_i = dev_ring.wait(60).output
+        equal = torch.equal(out_h, out_d) and torch.equal(out_h, out_r) and torch.equal(out_h, out_i)
         if not equal:
-            for name, out in (("device rows", out_d), ("device rows + routing", out_r)):
+            for name, out in (("device rows", out_d), ("device rows + routing", out_r), ("in place", out_i)):
                 diff = (out_h.float() - out.float()).abs().max().item()
                 print(f"MISMATCH rank {rank} {phase}:{t} {name}: max |diff| {diff}")
             failures += 1
@@ -142,8 +149,10 @@ def engine(rank: int, targets, args, barrier) -> int:
                 else:
                     if mode == "dev":
                         dev_ring.submit(sid, args.layer, hidden, ids.cpu(), w.cpu(), decode=decode)
-                    else:
+                    elif mode == "devr":
                         dev_ring.submit(sid, args.layer, hidden, ids, w, decode=decode)
+                    else:  # the slot holds this cell's rows and routing (written by devr just before)
+                        dev_ring.submit_in_place(sid, args.layer, t, args.k, decode=decode, device_routing=True)
                     submitted = time.perf_counter()
                     r = dev_ring.wait(60)
                     waited = time.perf_counter()
@@ -174,6 +183,8 @@ def engine(rank: int, targets, args, barrier) -> int:
               f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['devr'][0]:>10.1f} / {p['devr'][1]:>7.1f} "
               f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
               f"{'yes' if equal else 'NO':>6}")
+        say(f"    in place: p50 / p99 {p['inplace'][0]:.1f} / {p['inplace'][1]:.1f}, host / in place "
+            f"{p['host'][0] / p['inplace'][0]:.2f}x")
         say(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
         if world > 1:
             print(f"    rank {rank} p50: " + ", ".join(f"{m} {p[m][0]:.1f}" for m in modes), flush=True)
