@@ -274,8 +274,6 @@ class ExpertKernels {
   virtual void UnregisterHostMemory(void* p) {}
   // Returns when all work enqueued on `stream` has finished (its errors surface here).
   virtual absl::Status Synchronize(Stream stream) { return absl::OkStatus(); }
-  // Copies between two places in kernel memory, ordered on `stream`.
-  virtual absl::Status CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream stream);
   // The index of the first NaN or infinite value among `n` BF16 values in kernel memory, -1 when
   // every value is finite, in two halves: Start enqueues the scan on `stream` (after its earlier
   // work) and returns; Finish waits for that scan and returns its answer. One scan at a time per
@@ -300,11 +298,11 @@ class ExpertKernels {
   virtual void CloseIpcMemory(void* base) {}
   // An event another process on this host exported (CUDA IPC: the 64 bytes of a
   // cudaIpcEventHandle_t, from an event created interprocess without timing), opened until
-  // CloseIpcEvent; WaitEvent makes `stream`'s later work wait for its latest record. The CPU
-  // reference: FAILED_PRECONDITION.
+  // CloseIpcEvent. EventDone: whether the work before its latest record has finished (a query:
+  // it never blocks, so a caller can bound its wait). The CPU reference: FAILED_PRECONDITION.
   virtual absl::StatusOr<void*> OpenIpcEvent(const std::string& handle);
   virtual void CloseIpcEvent(void* event) {}
-  virtual absl::Status WaitEvent(void* event, Stream stream);
+  virtual absl::StatusOr<bool> EventDone(void* event);
 
  private:
   int64_t host_first_non_finite_ = -1;  // the host default's StartFindNonFiniteBf16 answer

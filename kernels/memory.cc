@@ -28,11 +28,6 @@ absl::Status ExpertKernels::CopyToHost(void* dst, const void* src, int64_t bytes
   return absl::OkStatus();
 }
 
-absl::Status ExpertKernels::CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream) {
-  if (bytes > 0) std::memmove(dst, src, static_cast<size_t>(bytes));
-  return absl::OkStatus();
-}
-
 absl::Status ExpertKernels::StartFindNonFiniteBf16(const uint16_t* x, int64_t n, Stream) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("find_non_finite: ", n, " values"));
   host_first_non_finite_ = -1;
@@ -57,7 +52,7 @@ absl::StatusOr<void*> ExpertKernels::OpenIpcEvent(const std::string&) {
       absl::StrCat("events from another process need device kernels; this rank runs ", name()));
 }
 
-absl::Status ExpertKernels::WaitEvent(void*, Stream) {
+absl::StatusOr<bool> ExpertKernels::EventDone(void*) {
   return absl::FailedPreconditionError(absl::StrCat("events need device kernels; this rank runs ", name()));
 }
 

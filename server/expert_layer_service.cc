@@ -340,8 +340,9 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     absl::StatusOr<LayerStepResult> r;
     {
       absl::MutexLock lock(&step_mu_);
-      // The engine's rows (and routing) are complete once its ready event fires; the step's
-      // work on the GPU waits for it, the host copy of device routing too.
+      // The engine's rows (and routing) are complete once its ready event fires: nothing of the
+      // step touches the engine's memory before (a bounded host wait, so an engine whose GPU
+      // work hangs gets DEADLINE_EXCEEDED instead of holding the rank).
       if (checked.ok() && step.ready_event != nullptr) checked = executor_->WaitReadyEvent(step.ready_event);
       device_check = checked.ok() && step.rows_on_device && desc.tokens > 0;
       if (device_check) {

@@ -94,7 +94,7 @@ class StepRings {
   };
   // A ring for `caller` (the engine's uid). Sizes are checked with checked arithmetic. With
   // device_rows.rows set, the slots carry no rows (the caller checked that the mapping holds
-  // 2 x slots x max_tokens x d x 2 bytes); its release runs whatever the outcome.
+  // slots x ring::DeviceGeometry::slot_bytes from there); its release runs whatever the outcome.
   absl::StatusOr<Opened> Open(uid_t caller, int slots, int64_t max_tokens, int64_t d, int64_t k,
                               RingDeviceRows device_rows = {});
   // Tears the ring down (its thread finishes the step it is serving first).

@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--spin_us", type=int, default=5000)
+    ap.add_argument("--ready_timeout_s", type=float, default=0,
+                    help="the rank's --timeout_ms in seconds: checks a hung engine's step (one rank only)")
     args = ap.parse_args()
     targets = args.targets.split(",")
     if len(targets) == 1:
@@ -230,6 +232,33 @@ def engine(rank: int, targets, args, barrier) -> int:
     if not torch.equal(out_d, out_h):
         print(f"FAIL: rank {rank}: after the refusals the device ring's output differs")
         failures += 1
+    # An engine whose GPU work hangs past the rank's timeout (--ready_timeout_s, the rank's
+    # --timeout_ms): the step is answered DEADLINE_EXCEEDED naming the ready event, the rank
+    # does not wait on, and once the engine's GPU is free again the ring serves on.
+    if world == 1 and args.ready_timeout_s > 0:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(100_000_000)  # calibration: ~50 ms of GPU spinning
+        torch.cuda.synchronize()
+        per_s = 100_000_000 / (time.perf_counter() - t0)
+        torch.cuda._sleep(int(per_s * (args.ready_timeout_s + 2)))  # the engine's GPU busy past the timeout
+        start = time.perf_counter()
+        try:
+            run_dev(hidden, ids, w, True)
+            print("FAIL: a step whose ready event had not fired was served")
+            failures += 1
+        except errors.DeadlineExceeded as e:
+            waited = time.perf_counter() - start
+            if "device_rows.ready_event" not in str(e) or waited > args.ready_timeout_s + 1.5:
+                print(f"FAIL: the hung engine's step: {e} after {waited:.1f} s")
+                failures += 1
+            else:
+                say(f"a hung engine's step answered after {waited:.1f} s: {e}")
+        torch.cuda.synchronize()
+        out_d, _ = run_dev(hidden, ids, w, True)
+        if not torch.equal(out_d, out_h):
+            print("FAIL: after the hung engine's step the device ring's output differs")
+            failures += 1
     dev_ring.close()
     host_ring.close()
     client.close()

@@ -290,22 +290,24 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
   }
-  absl::Status CopyWithinKernel(void* dst, const void* src, int64_t bytes, Stream stream) override {
-    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    if (bytes > 0) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
-                                           static_cast<cudaStream_t>(stream)));
-    }
-    return absl::OkStatus();
-  }
   absl::Status StartFindNonFiniteBf16(const uint16_t* x, int64_t n, Stream stream) override {
     if (n < 0) return absl::InvalidArgumentError(absl::StrCat("find_non_finite: ", n, " values"));
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     std::lock_guard<std::mutex> lock(find_mu_);
-    if (find_first_ == nullptr) {
-      CUDA_RETURN_IF_ERROR(cudaMalloc(&find_first_, sizeof(unsigned long long)));
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&find_host_, sizeof(unsigned long long)));
-      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&find_done_, cudaEventDisableTiming));
+    if (find_done_ == nullptr) {  // all three, or none (a failed setup is tried again next time)
+      unsigned long long *first = nullptr, *host = nullptr;
+      cudaEvent_t done = nullptr;
+      cudaError_t e = cudaMalloc(&first, sizeof(unsigned long long));
+      if (e == cudaSuccess) e = cudaMallocHost(&host, sizeof(unsigned long long));
+      if (e == cudaSuccess) e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+      if (e != cudaSuccess) {
+        if (first != nullptr) cudaFree(first);
+        if (host != nullptr) cudaFreeHost(host);
+        CUDA_RETURN_IF_ERROR(e);
+      }
+      find_first_ = first;
+      find_host_ = host;
+      find_done_ = done;
     }
     auto st = static_cast<cudaStream_t>(stream);
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
@@ -364,10 +366,15 @@ class CudaKernels final : public ExpertKernels {
     cudaSetDevice(device_);
     if (cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) cudaGetLastError();
   }
-  absl::Status WaitEvent(void* event, Stream stream) override {
+  absl::StatusOr<bool> EventDone(void* event) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
-    return absl::OkStatus();
+    const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (e == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    CUDA_RETURN_IF_ERROR(e);
+    return true;
   }
   void CloseIpcMemory(void* base) override {
     cudaSetDevice(device_);

@@ -81,6 +81,10 @@ def device_geometry(max_tokens: int, d: int, k: int, slots: int) -> dict:
     return g
 
 
+# Device rows of rings the rank did not confirm closing (StepRing.close).
+_UNRELEASED_DEVICE_ROWS: list = []
+
+
 class _Futex:
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
@@ -432,7 +436,9 @@ class StepRing:
             routes_remote=routes[3], routes_inter_node=routes[4], server_latency_us=server_us,
             compute_latency_us=compute_us, canary=bool(canary), stages_us=dict(zip(STAGES, stages)),
         )
-        if self._rows is not None:  # the rank wrote them on the GPU; a copy the slot's next step cannot touch
+        if self._rows is not None:
+            # The rank wrote them on the GPU; a copy the slot's next step cannot touch (the copy is
+            # on the current stream, where the next submit records the ready event after it).
             output = self._dev_output[seq % self.slots][: rows.rows].clone()
         else:
             s = seq % self.slots
@@ -451,8 +457,10 @@ class StepRing:
         """Closes the ring (``CloseStepRing``) and the claim connection."""
         if getattr(self, "_conn", None) is None:
             return
+        closed = False
         try:
             self._client._call(self._client._stub.CloseStepRing, pb.CloseStepRingRequest(ring_id=self.id), timeout=5)
+            closed = True  # answered once the rank's ring thread ended and the ring was released
         except errors.MoeError:
             pass  # hanging up below tears the ring down as well
         for name in ("_submitted", "_rank_sleeping", "_completed", "_engine_sleeping", "_closed_word", "_hidden_views",
@@ -460,7 +468,11 @@ class StepRing:
             if hasattr(self, name):
                 delattr(self, name)  # ctypes views must go before the mapping can close
         self._base = 0
-        self._rows = None  # the rank unmapped it with the ring
+        if self._rows is not None and not closed:
+            # The rank may still be in a step that writes into these rows: never hand their memory
+            # back to the allocator (a small leak instead of memory written behind our back).
+            _UNRELEASED_DEVICE_ROWS.append(self._rows)
+        self._rows = None
         self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
         try:
             self._mm.close()

@@ -101,16 +101,26 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     std::memcpy(h + off_offsets_, t.expert_offsets, (s_.local_slots + 1) * 8);
     auto stream = static_cast<cudaStream_t>(handles_.stream);
     CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(block_.data(), staging_, block_bytes_, cudaMemcpyHostToDevice, stream));
-    if (t.rows_on_device) {  // the engine's rows into the captured input, after the block that holds it
+    if (t.rows_on_device) {
+      // The engine's rows into the captured input, after the block that holds it. They are
+      // complete: the caller waited for the engine's ready event before the step began.
       CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<char*>(block_.data()) + off_hidden_, t.hidden,
                                              t.tokens * s_.d * 2, cudaMemcpyDeviceToDevice, stream));
     }
     CUDART_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream));
-    const cudaMemcpyKind out_kind = t.rows_on_device ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost;
-    CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(t.rows_on_device ? static_cast<void*>(out) : out_host_, out_.data(),
-                                           t.tokens * s_.d * 2, out_kind, stream));
+    if (!t.rows_on_device) {
+      CUDART_RETURN_IF_ERROR(
+          cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
+    }
     RETURN_IF_ERROR(WaitNcclStream(*transport_, seq, timeout));
-    if (!t.rows_on_device) std::memcpy(out, out_host_, t.tokens * s_.d * 2);
+    if (t.rows_on_device) {
+      // Only once the step succeeded: a step that timed out (its stream left to the abort) never
+      // writes into the engine's memory later.
+      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToDevice, stream));
+      CUDART_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    } else {
+      std::memcpy(out, out_host_, t.tokens * s_.d * 2);
+    }
     return absl::OkStatus();
   }
 

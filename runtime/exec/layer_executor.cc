@@ -212,7 +212,19 @@ void LayerExecutor::CloseReadyEvent(void* event) {
 
 absl::Status LayerExecutor::WaitReadyEvent(void* event) {
   if (!device_) return absl::FailedPreconditionError("ready_event: the rank's kernels are not device-resident");
-  return options_.kernels->WaitEvent(event, nullptr);
+  // The engine records the event before it submits, so it has nearly always fired by now: the
+  // first query answers. Otherwise spin briefly, then poll every 20 us up to the timeout.
+  const absl::Time start = absl::Now(), deadline = start + options_.timeout;
+  for (;;) {
+    ASSIGN_OR_RETURN(const bool done, options_.kernels->EventDone(event));
+    if (done) return absl::OkStatus();
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("device_rows.ready_event: the engine's GPU work before it did ",
+                                                      "not finish within ", absl::FormatDuration(options_.timeout)));
+    }
+    if (now - start > absl::Microseconds(200)) absl::SleepFor(absl::Microseconds(20));
+  }
 }
 
 absl::Status LayerExecutor::CopyFromDevice(void* dst, const void* src, int64_t bytes) {

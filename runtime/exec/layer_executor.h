@@ -133,8 +133,10 @@ class LayerExecutor {
   // when the rank's kernels are not device-resident.
   absl::StatusOr<kernels::ExpertKernels::IpcMapping> OpenDeviceRows(const std::string& ipc_handle);
   void CloseDeviceRows(void* base);
-  // The engine's interprocess event (CUDA IPC) that its steps' kernels wait for; and that wait,
-  // enqueued on the step stream. FAILED_PRECONDITION without device kernels.
+  // The engine's interprocess event (CUDA IPC) that a step waits for before it touches the
+  // engine's memory. WaitReadyEvent polls it from the host for at most the collective timeout
+  // (DEADLINE_EXCEEDED after that: an engine whose GPU work never finishes cannot hold the rank).
+  // FAILED_PRECONDITION without device kernels.
   absl::StatusOr<void*> OpenReadyEvent(const std::string& ipc_handle);
   void CloseReadyEvent(void* event);
   absl::Status WaitReadyEvent(void* event);
