@@ -1,0 +1,206 @@
+// StepRings with device rows, on the host: a host buffer stands in for the engine's GPU
+// allocation (the rank side never dereferences it here; the serve callback records what the
+// ring hands it). Checks the device slot arithmetic, the device-routing flag, and that the
+// mapping's release runs exactly once: when a ring is refused and when it is torn down.
+#include "server/step_rings.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+#include "server/step_ring_layout.h"
+
+namespace moe {
+namespace {
+
+constexpr int64_t kMaxTokens = 6, kD = 16, kK = 3;
+constexpr int kSlots = 2;
+
+struct Seen {
+  absl::Mutex mu;
+  std::vector<RingStep> steps;
+};
+
+class DeviceRowsRingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = "/tmp/moe-rings-XXXXXX";  // a short path: Unix socket paths have at most 107 characters
+    ASSERT_NE(mkdtemp(dir_.data()), nullptr);
+    StepRingsOptions o;
+    o.socket_path = dir_ + "/ring.sock";
+    o.spin_us = 0;
+    auto rings = StepRings::Create(o, [this](const RingStep& step, ring::Result* result) {
+      absl::MutexLock lock(&seen_.mu);
+      seen_.steps.push_back(step);
+      result->code = step.status.ok() ? 0 : static_cast<int32_t>(step.status.code());
+      std::snprintf(result->message, sizeof(result->message), "%s", std::string(step.status.message()).c_str());
+    });
+    ASSERT_TRUE(rings.ok()) << rings.status();
+    rings_ = *std::move(rings);
+  }
+  void TearDown() override {
+    rings_.reset();
+    rmdir(dir_.c_str());
+  }
+
+  // Claims ring `opened` as this process (the same uid) and maps it.
+  char* Claim(const StepRings::Opened& opened, int* conn) {
+    *conn = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, rings_->socket_path().c_str(), sizeof(addr.sun_path) - 1);
+    if (connect(*conn, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) return nullptr;
+    char msg[24];
+    std::memcpy(msg, &opened.id, 8);
+    std::memcpy(msg + 8, opened.ticket.data(), 16);
+    if (send(*conn, msg, sizeof(msg), 0) != 24) return nullptr;
+    char reply = 0;
+    int fd = -1;
+    if (!ring::ReceiveReply(*conn, &reply, &fd) || reply != 'K' || fd < 0) return nullptr;
+    void* base = mmap(nullptr, opened.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    return base == MAP_FAILED ? nullptr : static_cast<char*>(base);
+  }
+
+  // Submits step `seq` with `flags` and `tokens`, waits until the ring completed it.
+  void Submit(char* base, const ring::Geometry& g, uint32_t seq, uint32_t flags, int64_t tokens) {
+    auto* h = reinterpret_cast<ring::Header*>(base);
+    char* slot = base + ring::kPage + (seq % kSlots) * g.slot_bytes;
+    ring::Descriptor d{};
+    d.seq = seq;
+    d.flags = flags;
+    d.phase = 1;
+    d.k = kK;
+    d.step_id = 100 + seq;
+    d.tokens = tokens;
+    std::memcpy(slot, &d, sizeof(d));
+    h->submitted.value.store(seq + 1);
+    ring::FutexWake(&h->submitted.value);
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (h->completed.value.load() != seq + 1 && absl::Now() < until) absl::SleepFor(absl::Microseconds(50));
+    ASSERT_EQ(h->completed.value.load(), seq + 1);
+  }
+
+  std::string dir_;
+  Seen seen_;
+  std::unique_ptr<StepRings> rings_;
+};
+
+TEST_F(DeviceRowsRingTest, DeviceSlotsRoutingFlagAndOneRelease) {
+  ring::DeviceGeometry dg;
+  ASSERT_TRUE(ring::ComputeDeviceGeometry(kMaxTokens, kD, kK, kSlots, &dg));
+  std::vector<char> device(dg.total_bytes + 512);  // stands in for the engine's allocation
+  char* rows = device.data() + 256;                // the ring's offset inside it
+  std::atomic<int> released{0};
+  int marker = 0;
+  RingDeviceRows dr;
+  dr.rows = rows;
+  dr.ready_event = &marker;
+  dr.release = [&released] { ++released; };
+  auto opened = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK, std::move(dr));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ring::Geometry g;
+  ASSERT_TRUE(ring::ComputeGeometry(kMaxTokens, kD, kK, kSlots, &g, /*device_rows=*/true));
+  EXPECT_EQ(opened->bytes, g.total_bytes);  // no rows in the host slots
+  EXPECT_EQ(g.hidden_offset, g.ids_offset);
+
+  int conn = -1;
+  char* base = Claim(*opened, &conn);
+  ASSERT_NE(base, nullptr);
+  const auto* header = reinterpret_cast<const ring::Header*>(base);
+  EXPECT_EQ(header->flags, ring::kHeaderDeviceRows);
+  // Host routing in slot 0, then device routing in slot 1, then slot 0 again.
+  const int32_t ids[kMaxTokens * kK] = {1, 2, 3, 4, 5, 6};
+  std::memcpy(base + ring::kPage + g.ids_offset, ids, sizeof(ids));
+  Submit(base, g, 0, 0, 2);
+  Submit(base, g, 1, ring::kFlagDeviceRouting, 4);
+  Submit(base, g, 2, ring::kFlagDeviceRouting | ring::kFlagAdmitted, kMaxTokens);
+  Submit(base, g, 3, 8, 1);  // an unknown flag: refused, the ring serves on
+
+  std::vector<RingStep> steps;
+  {
+    absl::MutexLock lock(&seen_.mu);
+    steps = seen_.steps;
+  }
+  ASSERT_EQ(steps.size(), 4u);
+  const RingStep& host_routing = steps[0];
+  EXPECT_TRUE(host_routing.status.ok()) << host_routing.status;
+  EXPECT_TRUE(host_routing.rows_on_device);
+  EXPECT_EQ(host_routing.ready_event, &marker);
+  EXPECT_EQ(reinterpret_cast<const char*>(host_routing.hidden), rows + dg.hidden_offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(host_routing.output), rows + dg.output_offset);
+  ASSERT_NE(host_routing.topk_ids, nullptr);  // a private copy of the host slot's table
+  EXPECT_EQ(host_routing.topk_ids[5], 6);
+  EXPECT_EQ(host_routing.device_topk_ids, nullptr);
+
+  const RingStep& device_routing = steps[1];
+  EXPECT_TRUE(device_routing.status.ok()) << device_routing.status;
+  EXPECT_EQ(reinterpret_cast<const char*>(device_routing.hidden), rows + dg.slot_bytes + dg.hidden_offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(device_routing.output), rows + dg.slot_bytes + dg.output_offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(device_routing.device_topk_ids), rows + dg.slot_bytes + dg.ids_offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(device_routing.device_topk_weights),
+            rows + dg.slot_bytes + dg.weights_offset);
+  EXPECT_EQ(device_routing.topk_ids, nullptr);
+
+  const RingStep& full = steps[2];  // slot 0 again, every token, the admitted table from the host slot
+  EXPECT_TRUE(full.status.ok()) << full.status;
+  EXPECT_EQ(reinterpret_cast<const char*>(full.device_topk_ids), rows + dg.ids_offset);
+  EXPECT_NE(full.admitted, nullptr);
+  // The device slot's last table ends inside the mapping the rank checked.
+  EXPECT_LE(dg.weights_offset + static_cast<uint64_t>(full.desc.tokens * kK * 4), dg.slot_bytes);
+
+  EXPECT_FALSE(steps[3].status.ok());
+  EXPECT_NE(std::string(steps[3].status.message()).find("descriptor.flags"), std::string::npos);
+
+  EXPECT_EQ(released.load(), 0);
+  ASSERT_TRUE(rings_->Close(getuid(), opened->id).ok());
+  EXPECT_EQ(released.load(), 1);  // released with the ring, once
+  munmap(base, opened->bytes);
+  close(conn);
+}
+
+TEST_F(DeviceRowsRingTest, ARefusedRingReleasesTheMappingAndAHostRingRefusesDeviceRouting) {
+  std::atomic<int> released{0};
+  std::vector<char> device(1 << 16);
+  RingDeviceRows dr;
+  dr.rows = device.data();
+  dr.release = [&released] { ++released; };
+  auto refused = rings_->Open(getuid(), /*slots=*/0, kMaxTokens, kD, kK, std::move(dr));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_EQ(rings_->size(), 0);
+
+  auto host = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK);
+  ASSERT_TRUE(host.ok()) << host.status();
+  ring::Geometry g;
+  ASSERT_TRUE(ring::ComputeGeometry(kMaxTokens, kD, kK, kSlots, &g));
+  int conn = -1;
+  char* base = Claim(*host, &conn);
+  ASSERT_NE(base, nullptr);
+  EXPECT_EQ(reinterpret_cast<const ring::Header*>(base)->flags, 0u);
+  Submit(base, g, 0, ring::kFlagDeviceRouting, 1);
+  {
+    absl::MutexLock lock(&seen_.mu);
+    ASSERT_EQ(seen_.steps.size(), 1u);
+    EXPECT_FALSE(seen_.steps[0].status.ok());
+    EXPECT_NE(std::string(seen_.steps[0].status.message()).find("device routing on a ring without device rows"),
+              std::string::npos);
+    EXPECT_FALSE(seen_.steps[0].rows_on_device);
+  }
+  munmap(base, host->bytes);
+  close(conn);
+}
+
+}  // namespace
+}  // namespace moe
