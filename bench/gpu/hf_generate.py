@@ -91,8 +91,10 @@ def compare(a):
         moe_block(model.model.layers[idx]).experts = e
     group = RankGroup(a.targets.split(","), timeout=120)
     if a.rings:
+        # --device_rings: rank r's ring keeps its rows on GPU r (the rank's), shared by CUDA IPC.
+        devices = [f"cuda:{r}" for r in range(group.size)] if a.device_rings else None
         group.use_rings(max_tokens=a.prompts * a.prompt_len, d=model.config.hidden_size,
-                        k=model.config.num_experts_per_tok, spin_us=a.spin_us)
+                        k=model.config.num_experts_per_tok, spin_us=a.spin_us, devices=devices)
     originals = attach(model, group, parity=True)
     with torch.no_grad():
         logits_ranks = model(prompts).logits.float()
@@ -116,7 +118,7 @@ def compare(a):
         "logits_rel_l2_bf16_vs_fp32": rel(logits_alone, logits_fp32),
         "layer_rel_l2_max": {str(k): v for k, v in layer_errors.items()},
         "tokens_per_s_alone": tokens / t_alone, "tokens_per_s_ranks": tokens / t_ranks,
-        "rings": a.rings, "retried": group.retried,
+        "rings": a.rings, "device_rings": a.device_rings, "retried": group.retried,
     }))
     group.close()
 
@@ -132,6 +134,7 @@ def main():
     c.add_argument("--prompt_len", type=int, default=16)
     c.add_argument("--new_tokens", type=int, default=32)
     c.add_argument("--rings", type=int, default=1)
+    c.add_argument("--device_rings", type=int, default=0)
     c.add_argument("--spin_us", type=int, default=2000)
     c.add_argument("--seed", type=int, default=2)
     a = p.parse_args()

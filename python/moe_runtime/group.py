@@ -61,10 +61,21 @@ class RankGroup:
     def size(self) -> int:
         return len(self.clients)
 
-    def use_rings(self, *, max_tokens: int, d: int, k: int, spin_us: int = 50) -> None:
-        """Every rank's client sends the steps that fit through a step ring (ranks on this host)."""
-        for c in self.clients:
-            c.use_ring(max_tokens=max_tokens, d=d, k=k, spin_us=spin_us)
+    def use_rings(self, *, max_tokens: int, d: int, k: int, spin_us: int = 50,
+                  devices: Optional[Sequence[Any]] = None) -> None:
+        """Every rank's client sends the steps that fit through a step ring (ranks on this host).
+        ``devices[r]``: rank r's ring keeps its rows on that GPU (its rank's), shared by CUDA IPC;
+        then steps whose rows are torch BF16 CUDA tensors (on any GPU) never cross the host."""
+        if devices is not None and len(devices) != self.size:
+            raise ValueError(f"devices: {len(devices)} entries for {self.size} ranks")
+        for r, c in enumerate(self.clients):
+            c.use_ring(max_tokens=max_tokens, d=d, k=k, spin_us=spin_us,
+                       device=None if devices is None else devices[r])
+
+    @property
+    def device_rings(self) -> bool:
+        """Whether every rank's client has a ring with device rows (``use_rings(devices=...)``)."""
+        return all(c._ring is not None and c._ring.device_rows for c in self.clients)
 
     def step(self, layer: int, inputs: Sequence[StepInput], *, decode: bool = False,
              step_id: Optional[int] = None, timeout: Optional[float] = None) -> List[StepResult]:

@@ -68,10 +68,17 @@ class RankExperts(nn.Module):
         w = top_k_weights.reshape(x.shape[0], -1)
         p, t = self.group.size, x.shape[0]
         bounds = [t * r // p for r in range(p + 1)]
-        # One host copy of the step's tensors; each rank gets a view of its rows.
-        xh = x.detach().contiguous().cpu()
-        ih = ids.detach().to(torch.int32).cpu()
-        wh = w.detach().float().cpu()
+        if self.group.device_rings and x.is_cuda and x.dtype == torch.bfloat16:
+            # Rings with device rows: the rows and routing stay on the GPU (each rank's share is
+            # copied GPU to GPU into its ring's device slot).
+            xh = x.detach().contiguous()
+            ih = ids.detach().to(torch.int32)
+            wh = w.detach().float()
+        else:
+            # One host copy of the step's tensors; each rank gets a view of its rows.
+            xh = x.detach().contiguous().cpu()
+            ih = ids.detach().to(torch.int32).cpu()
+            wh = w.detach().float().cpu()
         inputs: List[StepInput] = [
             StepInput(xh[bounds[r] : bounds[r + 1]], ih[bounds[r] : bounds[r + 1]], wh[bounds[r] : bounds[r + 1]])
             for r in range(p)

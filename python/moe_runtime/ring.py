@@ -229,13 +229,14 @@ class StepRing:
     def fits(self, hidden: Any, topk_ids: Any) -> bool:
         """Whether a step can go through this ring: BF16 rows of this d, at most max_tokens rows
         and k routes (other dtypes would need a lossy cast; they go through gRPC). A ring with
-        device rows takes torch BF16 tensors on its GPU only."""
+        device rows takes torch BF16 CUDA tensors only (on any GPU: rows on another one are
+        copied GPU to GPU)."""
         try:
             shape, k = tuple(hidden.shape), topk_ids.shape[1]
         except Exception:
             return False
         dtype = str(getattr(hidden, "dtype", ""))
-        if self._rows is not None and getattr(hidden, "device", None) != self.device:
+        if self._rows is not None and not getattr(hidden, "is_cuda", False):
             return False
         bf16 = dtype in ("uint16", "torch.bfloat16")
         return bf16 and len(shape) == 2 and shape[0] <= self.max_tokens and shape[1] == self.d and 1 <= k <= self.k
@@ -354,15 +355,25 @@ class StepRing:
                        admitted: Any, expected_generation: int) -> None:
         import torch
 
-        if not isinstance(hidden, torch.Tensor) or hidden.device != self._rows.device or \
+        if not isinstance(hidden, torch.Tensor) or not hidden.is_cuda or \
                 hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or hidden.shape[1] != self.d or \
                 hidden.shape[0] > self.max_tokens:
-            raise ValueError(f"hidden: a ring with device rows takes BF16 [<= {self.max_tokens}, {self.d}] tensors "
-                             f"on {self._rows.device}, got {getattr(hidden, 'dtype', type(hidden))} "
+            raise ValueError(f"hidden: a ring with device rows takes BF16 [<= {self.max_tokens}, {self.d}] CUDA "
+                             f"tensors, got {getattr(hidden, 'dtype', type(hidden))} "
                              f"{tuple(getattr(hidden, 'shape', ()))} on {getattr(hidden, 'device', 'the host')}")
+        with torch.cuda.device(self.device):
+            # The copies into the device slot run on this GPU's current stream (torch orders a
+            # copy from another GPU after that GPU's current stream), where the event is recorded.
+            self._submit_device_here(step_id, layer, hidden, topk_ids, topk_weights, decode, admitted,
+                                     expected_generation)
+
+    def _submit_device_here(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any,
+                            decode: bool, admitted: Any, expected_generation: int) -> None:
+        import torch
+
         t = hidden.shape[0]
         s = (self._n_submitted & 0xFFFFFFFF) % self.slots
-        on_gpu = lambda x: isinstance(x, torch.Tensor) and x.device == self.device  # noqa: E731
+        on_gpu = lambda x: isinstance(x, torch.Tensor) and x.is_cuda  # noqa: E731
         if on_gpu(topk_ids) and on_gpu(topk_weights):
             # Routing stays on the GPU: into the device slot, on the engine's stream.
             if topk_ids.dim() != 2 or topk_ids.shape[0] != t:
@@ -394,7 +405,8 @@ class StepRing:
                 raise ValueError(f"topk_ids: k = {k} exceeds the ring's {self.k}")
             flags = self._write_routing(s, t, k, ids, w, admitted)
         self._dev_hidden[s][:t].copy_(hidden)
-        rows = WireRows(pb.DTYPE_BF16, t, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16, self.device)
+        # The output goes back to the rows' own GPU (wait()).
+        rows = WireRows(pb.DTYPE_BF16, t, self.d, b"", "torch", np.dtype(np.uint16), torch.bfloat16, hidden.device)
         self._rows_ready()
         self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
 
@@ -439,7 +451,8 @@ class StepRing:
         if self._rows is not None:
             # The rank wrote them on the GPU; a copy the slot's next step cannot touch (the copy is
             # on the current stream, where the next submit records the ready event after it).
-            output = self._dev_output[seq % self.slots][: rows.rows].clone()
+            output = self._dev_output[seq % self.slots][: rows.rows]
+            output = output.clone() if rows.device in (None, output.device) else output.to(rows.device)
         else:
             s = seq % self.slots
             output = from_host_rows(rows, self._output_views[s][: rows.rows * rows.cols].reshape(rows.rows, rows.cols))
