@@ -427,6 +427,18 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluOnHopperKernelsMatchesCpu) {
       outs.push_back(std::move(got));
     }
     EXPECT_EQ(outs[0], outs[1]) << spec << ": the gathered rows differ from the direct ones";
+    if (hopper) {
+      // The API call ran the Hopper kernels: its bits are those of a direct launch (64-row tiles
+      // at these segment sizes), not merely close to the reference.
+      DeviceVector<uint16_t> dy(x.size(), 0), da(static_cast<size_t>(rows) * f, 0);
+      ASSERT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
+                                              dy.get(), cuda::Sm90Schedule::kRows64, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto direct = dy.Host();
+      direct.resize(offsets.back() * d);
+      EXPECT_EQ(outs[0], direct) << "gemm=auto did not run the Hopper kernels";
+    }
   }
   SetCudaTuning(saved);
 }
