@@ -82,7 +82,6 @@ struct Stats {
   int64_t retryable = 0;  // rank-steps answered with a retryable error (--tolerate_faults)
   std::vector<std::tuple<int64_t, uint64_t, uint64_t>> timeline;  // (generation, first step, last step)
   std::map<std::string, int64_t> fallbacks;
-  int64_t local_decode = 0;
   std::map<std::string, std::vector<double>> latency_us;   // by phase
   std::map<std::string, std::vector<double>> executor_us;  // by phase: time inside the rank's layer executor
   std::map<std::string, std::vector<double>> server_us;    // by phase: time inside the rank's handler
@@ -510,13 +509,10 @@ void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, co
     stats->dropped += rec.routes_dropped();
     if (u.decode) {
       ++stats->decode_steps;
-      if (rec.path() == v1::PATH_GRAPH_REPLAY) {
+      if (rec.path() == v1::PATH_GRAPH_REPLAY)
         ++stats->replays;
-      } else if (rec.fallback_reason().empty()) {
-        ++stats->local_decode;  // a lone rank's one-call local layer: its decode path, not a fallback
-      } else {
-        ++stats->fallbacks[rec.fallback_reason()];
-      }
+      else
+        ++stats->fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
     }
     stats->latency_us[phase].push_back(answers[r]->client_latency_us);
     stats->executor_us[phase].push_back(rec.compute_latency_us());
@@ -640,10 +636,6 @@ void PrintSummary(const Stats& stats, int p, int k, int d, int f, int experts, i
   std::printf("  graph replay ratio  %.3f (%lld of %lld decode rank-steps)\n",
               stats.decode_steps ? static_cast<double>(stats.replays) / stats.decode_steps : 0.0,
               static_cast<long long>(stats.replays), static_cast<long long>(stats.decode_steps));
-  if (stats.local_decode > 0) {
-    std::printf("  one-call local layer %lld decode rank-steps (a lone rank)\n",
-                static_cast<long long>(stats.local_decode));
-  }
   for (const auto& [reason, n] : stats.fallbacks)
     std::printf("  fallback %-26s %lld\n", reason.c_str(), static_cast<long long>(n));
   for (const auto& [phase, v] : stats.latency_us) {

@@ -432,9 +432,7 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
   if (stale) ++c.stale_accepts;
   if (in.phase == Phase::kDecode) {
     ++c.decode_steps;
-    // A fallback is a decode step that an admission sent eager (it names why); a lone member's
-    // decode steps are not admitted at all (AgreePhase): the one-call local layer is their path.
-    if (!rec.graph_replay && !rec.fallback_reason.empty()) ++c.fallback_steps;
+    if (!rec.graph_replay) ++c.fallback_steps;
   }
   // The gate's drop ratio is about routes the runtime fails to deliver: routes the engine's router
   // dropped are its own choice, and an admitted route is never dropped here (a step that does not
@@ -777,10 +775,7 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
   ASSIGN_OR_RETURN(pass.agreement, AgreeOnStep(*options_.transport, header, buf_.source.send_splits, options_.timeout,
                                                slot_counts, &send_meta));
   if (agreed_shadow != nullptr) *agreed_shadow = pass.agreement.shadow_version;
-  // A lone member serves decode steps with the one-call local layer (LocalLayerPhase): no
-  // exchange to capture, and on one H200 its experts stage takes 41 us at T = 1 against 96-101
-  // for the exchange graph's replay (bench/RESULTS.md). Only groups of two or more admit graphs.
-  if (in.phase == Phase::kDecode && options_.group->size() > 1) AdmitDecode(pass);
+  if (in.phase == Phase::kDecode) AdmitDecode(pass);
   return absl::OkStatus();
 }
 
