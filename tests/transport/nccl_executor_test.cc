@@ -182,7 +182,9 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner) {
       // fits the bucket.
       const bool oversize = base > 8 && (tokens > 0 || size > 1);
       if (phase == Phase::kDecode && oversize && (r->record.graph_replay || r->record.fallback_reason.empty())) {
-        return fail(absl::InternalError(absl::StrCat(what, ": oversize decode step replayed or gave no reason")));
+        return fail(
+            absl::InternalError(absl::StrCat(what, ": oversize decode step replayed or gave no reason (replay ",
+                                             r->record.graph_replay, ", reason '", r->record.fallback_reason, "')")));
       }
     }
   }
