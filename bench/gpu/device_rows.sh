@@ -34,7 +34,7 @@ SKIP_BUILD=1 choose_backend "$RANKS"
 echo "== $RANKS rank(s) of $RANKD: $BACKEND_NAME, ring spin $SPIN us"
 trap 'stop_ranks; rm -rf "$work"' EXIT
 start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt" --ring_spin_us "$SPIN" --max_step_tokens 16384 \
-  --timeout_ms 3000 || exit 1
+  --timeout_ms 3000 ${RANKD_EXTRA:-} || exit 1
 targets="$(cat "$work/ports/0.engine")"
 for ((r = 1; r < RANKS; r++)); do targets="$targets,$(cat "$work/ports/$r.engine")"; done
 "$PY" bench/gpu/device_rows.py --targets "$targets" --cells "$CELLS" --spin_us "$SPIN" --steps "${STEPS:-200}" \
