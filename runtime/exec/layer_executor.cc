@@ -574,6 +574,18 @@ struct LayerExecutor::Pass {
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
                                                        int64_t* agreed_shadow) {
   Pass pass(in, po);
+  // However the pass ends, its handoff's columns go back for the next step to refill.
+  struct Recycle {
+    LayerExecutor* e;
+    Pass& pass;
+    ~Recycle() {
+      if (!pass.frozen.has_value()) return;
+      absl::MutexLock lock(&e->generations_mu_);
+      if (pass.frozen->routes.origin.capacity() > e->spare_handoff_.origin.capacity()) {
+        e->spare_handoff_ = std::move(pass.frozen->routes);
+      }
+    }
+  } recycle{this, pass};
   // A member that cannot run the step still joins the agreement with the abort flag set, so its
   // peers abort at once (they get ABORTED) instead of waiting out the timeout; the member itself
   // answers its engine with the original error.
@@ -628,8 +640,14 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
                                                       options_.rank.value(), " runs ", options_.kernels->name()));
   }
   RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
-  ASSIGN_OR_RETURN(FrozenHandoff frozen,
-                   SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts), options_.topology->num_ranks()));
+  SemanticHandoff columns;  // an earlier step's, when one was handed back (no allocation per step)
+  {
+    absl::MutexLock lock(&generations_mu_);
+    columns = std::move(spare_handoff_);
+    spare_handoff_ = SemanticHandoff();
+  }
+  ASSIGN_OR_RETURN(FrozenHandoff frozen, SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts),
+                                                    options_.topology->num_ranks(), &columns));
   pass.frozen.emplace(std::move(frozen));
   return absl::OkStatus();
 }

@@ -269,7 +269,8 @@ class LayerExecutor {
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);  // by layer
-  RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);                              // RecycleOutput's buffer
+  SemanticHandoff spare_handoff_ ABSL_GUARDED_BY(generations_mu_);  // a finished step's columns, refilled by the next
+  RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);         // RecycleOutput's buffer
   TrialConfig trial_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, GenerationCounters> counters_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const ResidentExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);

@@ -43,8 +43,17 @@ absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions) {
+absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions,
+                                         SemanticHandoff* reuse) {
   SemanticHandoff h;
+  if (reuse != nullptr) {
+    h.origin.swap(reuse->origin);
+    h.token.swap(reuse->token);
+    h.route_slot.swap(reuse->route_slot);
+    h.expert.swap(reuse->expert);
+    h.gate.swap(reuse->gate);
+    h.admitted.swap(reuse->admitted);
+  }
   h.scope = ExecutionScopeId(static_cast<int64_t>(in.step_id));
   h.num_experts = num_experts;
   h.top_k = in.k;

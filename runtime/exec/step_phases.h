@@ -30,8 +30,11 @@ namespace moe {
 absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts);
 
 // validate: the engine's routes as this rank's sealed semantic handoff, token-major; a route the
-// router dropped stays in it, unadmitted, with expert 0 and gate 0.
-absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions);
+// router dropped stays in it, unadmitted, with expert 0 and gate 0. `reuse`, when given, is an
+// earlier step's handoff whose columns are refilled (their memory kept: no allocation, and no
+// page faults, per step).
+absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions,
+                                         SemanticHandoff* reuse = nullptr);
 
 // plan: the admitted routes in semantic order (`ids`, indices into `routes`) with the slot
 // replica selection gave each (`accepted`).

@@ -69,6 +69,27 @@ TEST(StepPhasesTest, SealKeepsDroppedRoutesUnadmitted) {
   EXPECT_TRUE(VerifyFrozen(*frozen).ok());
 }
 
+// Refilling an earlier step's columns (longer, with other values) seals the same handoff as
+// fresh columns: every column, its length and the fingerprint.
+TEST(StepPhasesTest, SealIntoReusedColumnsEqualsAFreshSeal) {
+  TwoTokens t;
+  auto fresh = SealRoutes(t.Input(), Rank(1), 4, 2);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  SemanticHandoff old;
+  for (int i = 0; i < 9; ++i) old.Add(Rank(0), i, 0, LogicalExpertId(3), 0.5f, i % 2 == 0);
+  auto reused = SealRoutes(t.Input(), Rank(1), 4, 2, &old);
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  const SemanticHandoff &a = fresh->routes, &b = reused->routes;
+  EXPECT_EQ(a.origin, b.origin);
+  EXPECT_EQ(a.token, b.token);
+  EXPECT_EQ(a.route_slot, b.route_slot);
+  EXPECT_EQ(a.expert, b.expert);
+  EXPECT_EQ(a.gate, b.gate);
+  EXPECT_EQ(a.admitted, b.admitted);
+  EXPECT_EQ(fresh->fingerprint, reused->fingerprint);
+  EXPECT_GE(b.origin.capacity(), 9u);  // the old columns' memory, refilled
+}
+
 TEST(StepPhasesTest, AcceptKeepsAdmittedRoutesInSemanticOrder) {
   TwoTokens t;
   auto frozen = SealRoutes(t.Input(), Rank(0), 4, 2);
