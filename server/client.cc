@@ -45,6 +45,10 @@ absl::StatusOr<std::unique_ptr<ExpertLayerClient>> ExpertLayerClient::Connect(co
 }
 
 absl::Status ExpertLayerClient::UseRing(const StepRingOptions& options) {
+  if (options.device_rows.has_value()) {
+    return absl::InvalidArgumentError(
+        "device_rows: Execute copies host rows, so UseRing takes host rings; drive a device-rows ring from OpenRing");
+  }
   ASSIGN_OR_RETURN(ring_, OpenRing(options));
   return absl::OkStatus();
 }
@@ -150,14 +154,27 @@ absl::StatusOr<std::unique_ptr<StepRing>> ExpertLayerClient::OpenRing(const Step
   req.set_max_tokens(options.max_tokens);
   req.set_d(options.d);
   req.set_k(options.k);
+  const bool on_device = options.device_rows.has_value();
+  ring::DeviceGeometry dg;
+  if (on_device) {
+    if (!ring::ComputeDeviceGeometry(options.max_tokens, options.d, options.k, options.slots, &dg)) {
+      return absl::InvalidArgumentError("max_tokens: the ring's device slots overflow");
+    }
+    req.mutable_device_rows()->set_ipc_handle(options.device_rows->ipc_handle);
+    req.mutable_device_rows()->set_offset(options.device_rows->offset);
+    req.mutable_device_rows()->set_ready_event(options.device_rows->ready_event);
+  }
   v1::OpenStepRingResponse resp;
   grpc::ClientContext ctx;
   if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   if (grpc::Status s = stub_->OpenStepRing(&ctx, req, &resp); !s.ok()) return FromGrpcStatus(s);
   ring::Geometry g;
+  if (resp.device_rows() != on_device) {
+    return absl::FailedPreconditionError("OpenStepRing: the rank did not take the ring's device rows");
+  }
   if (resp.layout_version() != ring::kLayoutVersion ||
-      !ring::ComputeGeometry(options.max_tokens, options.d, options.k, options.slots, &g) ||
+      !ring::ComputeGeometry(options.max_tokens, options.d, options.k, options.slots, &g, on_device) ||
       g.total_bytes != resp.bytes()) {
     return absl::FailedPreconditionError(absl::StrCat("OpenStepRing: the rank's ring layout ", resp.layout_version(),
                                                       " of ", resp.bytes(), " bytes is not this client's ",
@@ -178,7 +195,8 @@ absl::StatusOr<std::unique_ptr<StepRing>> ExpertLayerClient::OpenRing(const Step
   r->base_ = static_cast<char*>(base);
   r->bytes_ = g.total_bytes;
   const auto* h = reinterpret_cast<const ring::Header*>(base);
-  if (h->magic != ring::kMagic || h->slot_bytes != g.slot_bytes || h->hidden_offset != g.hidden_offset) {
+  if (h->magic != ring::kMagic || h->slot_bytes != g.slot_bytes || h->hidden_offset != g.hidden_offset ||
+      ((h->flags & ring::kHeaderDeviceRows) != 0) != on_device) {
     return absl::FailedPreconditionError("step ring: the header does not match the layout this client expects");
   }
   r->slots_ = options.slots;
@@ -186,6 +204,8 @@ absl::StatusOr<std::unique_ptr<StepRing>> ExpertLayerClient::OpenRing(const Step
   r->d_ = options.d;
   r->k_ = options.k;
   r->spin_us_ = options.spin_us;
+  r->device_rows_ = on_device;
+  r->device_slot_bytes_ = dg.slot_bytes;
   r->slot_bytes_ = g.slot_bytes;
   r->hidden_off_ = g.hidden_offset;
   r->output_off_ = g.output_offset;
@@ -210,9 +230,12 @@ absl::StatusOr<StepRing::Slot> StepRing::NextSlot(absl::Duration deadline) {
   }
   (void)deadline;  // the slot after the last waited-for step is free: nothing to wait for
   char* s = slot(submitted_);
-  return Slot{reinterpret_cast<uint16_t*>(s + hidden_off_), reinterpret_cast<int32_t*>(s + ids_off_),
-              reinterpret_cast<float*>(s + weights_off_), reinterpret_cast<uint8_t*>(s + admitted_off_),
-              reinterpret_cast<const uint16_t*>(s + output_off_)};
+  return Slot{device_rows_ ? nullptr : reinterpret_cast<uint16_t*>(s + hidden_off_),
+              reinterpret_cast<int32_t*>(s + ids_off_),
+              reinterpret_cast<float*>(s + weights_off_),
+              reinterpret_cast<uint8_t*>(s + admitted_off_),
+              device_rows_ ? nullptr : reinterpret_cast<const uint16_t*>(s + output_off_),
+              device_rows_ ? (submitted_ % slots_) * device_slot_bytes_ : 0};
 }
 
 absl::Status StepRing::Submit(const StepMeta& meta) {
@@ -227,9 +250,12 @@ absl::Status StepRing::Submit(const StepMeta& meta) {
   if (h->closed.value.load(std::memory_order_acquire) != 0) {
     return absl::UnavailableError("step ring: the rank closed the ring");
   }
+  if (meta.device_routing && !device_rows_) {
+    return absl::InvalidArgumentError("device_routing: this ring has no device rows");
+  }
   ring::Descriptor d{};
   d.seq = submitted_;
-  d.flags = meta.admitted ? ring::kFlagAdmitted : 0;
+  d.flags = (meta.admitted ? ring::kFlagAdmitted : 0) | (meta.device_routing ? ring::kFlagDeviceRouting : 0);
   d.phase = meta.decode ? v1::PHASE_DECODE : v1::PHASE_PREFILL;
   d.k = meta.k;
   d.step_id = meta.step_id;
@@ -305,6 +331,10 @@ absl::StatusOr<v1::StepRecord> StepRing::Wait(absl::Duration deadline, const uin
 }
 
 absl::StatusOr<StepAnswer> StepRing::Execute(const StepCall& call, absl::Duration deadline) {
+  if (device_rows_) {
+    return absl::FailedPreconditionError(
+        "step ring: a ring with device rows takes steps written into its device slots (NextSlot, Submit)");
+  }
   const size_t rows = static_cast<size_t>(call.tokens) * call.d;
   const size_t routes = static_cast<size_t>(call.tokens) * call.k;
   if (call.d != d_ || call.hidden.size() != rows || call.topk_ids.size() != routes ||

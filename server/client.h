@@ -6,6 +6,7 @@
 #define MOE_SERVER_CLIENT_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,18 @@ struct StepRingOptions {
   int d = 0;                 // hidden columns (BF16)
   int k = 0;                 // routes per row
   int64_t spin_us = 50;      // how long Wait spins before it sleeps on the futex
+  // Rows in the engine's GPU memory (docs/api.md "Rows on the engine's GPU"): the CUDA IPC handle
+  // of the allocation that holds the ring's device slots, their byte offset in it, and the
+  // interprocess event the engine records after writing a step and before Submit (optional:
+  // without it the engine's writes must be complete at Submit). The engine writes each slot's
+  // rows (and, with StepMeta::device_routing, its routing) at the offsets of
+  // ring::ComputeDeviceGeometry; this client never touches device memory.
+  struct DeviceRows {
+    std::string ipc_handle;   // cudaIpcMemHandle_t, 64 bytes
+    uint64_t offset = 0;      // a multiple of 256
+    std::string ready_event;  // cudaIpcEventHandle_t, 64 bytes, or empty
+  };
+  std::optional<DeviceRows> device_rows;
 };
 
 // A step ring on the engine's co-located rank (docs/api.md "Step rings"; server/step_ring_layout.h):
@@ -59,11 +72,14 @@ class StepRing {
   ~StepRing();  // closes the ring and the claim connection (the rank tears it down)
 
   struct Slot {
-    uint16_t* hidden;        // [max_tokens, d] BF16: write the step's rows here
+    uint16_t* hidden;        // [max_tokens, d] BF16: write the step's rows here (null with device rows)
     int32_t* topk_ids;       // [max_tokens, k]: the step's [tokens, k] ids, row-major
     float* topk_weights;     // [max_tokens, k]
     uint8_t* admitted;       // [max_tokens, k]: read only when StepMeta::admitted is set
-    const uint16_t* output;  // [max_tokens, d] BF16: the step's output after Wait
+    const uint16_t* output;  // [max_tokens, d] BF16: the step's output after Wait (null with device rows)
+    // With device rows: the byte offset, from the ring's device_rows.offset in the engine's
+    // allocation, of this slot's device slot (ring::DeviceGeometry gives the parts inside it).
+    uint64_t device_slot_offset;
   };
   struct StepMeta {
     uint64_t step_id = 0;
@@ -73,6 +89,9 @@ class StepRing {
     int k = 0;
     bool admitted = false;
     int64_t expected_generation = 0;  // 0: any
+    // With device rows: the routing is in the device slot (topk_ids / topk_weights there), not
+    // in Slot::topk_ids / topk_weights.
+    bool device_routing = false;
   };
   // The slot the next Submit uses; waits (up to `deadline`) while every slot is in flight.
   absl::StatusOr<Slot> NextSlot(absl::Duration deadline = absl::Seconds(60));
@@ -86,6 +105,9 @@ class StepRing {
   // CloseStepRing through gRPC (the destructor only hangs up).
   absl::Status Close();
 
+  // Whether the ring's rows are in the engine's GPU memory (StepRingOptions::device_rows); then
+  // Execute, which copies host rows, is refused: write the device slots and Submit.
+  bool device_rows() const { return device_rows_; }
   int64_t max_tokens() const { return max_tokens_; }
   int d() const { return d_; }
   int k() const { return k_; }
@@ -108,6 +130,8 @@ class StepRing {
   int64_t max_tokens_ = 0;
   int d_ = 0, k_ = 0;
   int64_t spin_us_ = 50;
+  bool device_rows_ = false;
+  uint64_t device_slot_bytes_ = 0;
   uint64_t slot_bytes_ = 0, hidden_off_ = 0, output_off_ = 0, ids_off_ = 0, weights_off_ = 0, admitted_off_ = 0;
   uint32_t submitted_ = 0, waited_ = 0;
   std::vector<absl::Time> submit_times_;  // by slot

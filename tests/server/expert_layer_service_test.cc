@@ -709,6 +709,16 @@ TEST_F(RingTest, DeviceRowsAreCheckedAndNeedDeviceKernels) {
   EXPECT_THAT(s.error_message(), HasSubstr("device_rows"));
   EXPECT_THAT(s.error_message(), HasSubstr("device_rows: rows in an engine's GPU memory need device kernels"));
   EXPECT_EQ(service_->step_rings(), 0);
+  // The C++ client passes the same request and gets the same refusal; UseRing, which copies host
+  // rows, takes no device rows at all.
+  StepRingOptions device_ring{2, 8, kD, kK};
+  device_ring.device_rows = StepRingOptions::DeviceRows{handle, 256, std::string(64, 'e')};
+  const auto from_client = client_->OpenRing(device_ring);
+  EXPECT_EQ(from_client.status().code(), absl::StatusCode::kFailedPrecondition) << from_client.status();
+  EXPECT_THAT(std::string(from_client.status().message()), HasSubstr("device_rows"));
+  EXPECT_EQ(client_->UseRing(device_ring).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(client_->using_ring());
+  EXPECT_EQ(service_->step_rings(), 0);
   // Still serving rings and steps.
   std::unique_ptr<StepRing> ring = Open();
   ASSERT_NE(ring, nullptr);
