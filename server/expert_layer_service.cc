@@ -482,13 +482,15 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   if (dr.offset() > (uint64_t{1} << 48)) {
     return absl::InvalidArgumentError(absl::StrCat("device_rows.offset: ", dr.offset(), " is past any allocation"));
   }
-  absl::StatusOr<kernels::ExpertKernels::IpcMapping> opened = executor_->OpenDeviceRows(dr.ipc_handle());
-  if (!opened.ok()) {
-    const absl::string_view why = opened.status().message();
-    // Named from the request's root ("device_rows.ipc_handle: ..."), whatever layer refused it.
-    return absl::Status(opened.status().code(),
+  // A refusal is named from the request's root ("device_rows.ipc_handle: ..."), whatever layer
+  // refused it.
+  const auto named = [](const absl::Status& s) {
+    const absl::string_view why = s.message();
+    return absl::Status(s.code(),
                         absl::StartsWith(why, "device_rows") ? std::string(why) : absl::StrCat("device_rows.", why));
-  }
+  };
+  absl::StatusOr<kernels::ExpertKernels::IpcMapping> opened = executor_->OpenDeviceRows(dr.ipc_handle());
+  if (!opened.ok()) return named(opened.status());
   const kernels::ExpertKernels::IpcMapping m = *opened;
   if (m.bytes < 0 || static_cast<uint64_t>(m.bytes) < dr.offset() + need) {
     executor_->CloseDeviceRows(m.base);
@@ -501,9 +503,7 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
     absl::StatusOr<void*> opened_event = executor_->OpenReadyEvent(dr.ready_event());
     if (!opened_event.ok()) {
       executor_->CloseDeviceRows(m.base);
-      const absl::string_view why = opened_event.status().message();
-      return absl::Status(opened_event.status().code(),
-                          absl::StartsWith(why, "device_rows") ? std::string(why) : absl::StrCat("device_rows.", why));
+      return named(opened_event.status());
     }
     event = *opened_event;
   }

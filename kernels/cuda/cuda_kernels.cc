@@ -144,6 +144,19 @@ class BounceBuffers {
   bool pending_[2] = {false, false};
 };
 
+// A CUDA IPC handle (memory or event) from the bytes a request carries; INVALID_ARGUMENT naming
+// `field` when they are not one handle's size.
+template <typename Handle>
+absl::StatusOr<Handle> IpcHandle(const std::string& bytes, const char* field) {
+  Handle h;
+  if (bytes.size() != sizeof(h)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", bytes.size(), " bytes, a CUDA IPC handle has ", sizeof(h)));
+  }
+  std::memcpy(&h, bytes.data(), sizeof(h));
+  return h;
+}
+
 // The size of the device allocation that starts at `base` (the driver's cuMemGetAddressRange,
 // found through the runtime so this library links no libcuda).
 absl::StatusOr<int64_t> AddressRange(void* base) {
@@ -325,15 +338,11 @@ class CudaKernels final : public ExpertKernels {
     return first == ~0ull ? int64_t{-1} : static_cast<int64_t>(first);
   }
   absl::StatusOr<IpcMapping> OpenIpcMemory(const std::string& handle) override {
-    cudaIpcMemHandle_t h;
-    if (handle.size() != sizeof(h)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ipc_handle: ", handle.size(), " bytes, a CUDA IPC memory handle has ", sizeof(h)));
-    }
-    std::memcpy(&h, handle.data(), sizeof(h));
+    const absl::StatusOr<cudaIpcMemHandle_t> h = IpcHandle<cudaIpcMemHandle_t>(handle, "ipc_handle");
+    if (!h.ok()) return h.status();
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* base = nullptr;
-    if (const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+    if (const cudaError_t e = cudaIpcOpenMemHandle(&base, *h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
       cudaGetLastError();
       return absl::InvalidArgumentError(absl::StrCat("ipc_handle: the driver refused it (", cudaGetErrorString(e),
                                                      "); export it from a live allocation on this host"));
@@ -347,15 +356,11 @@ class CudaKernels final : public ExpertKernels {
     return IpcMapping{base, *range};
   }
   absl::StatusOr<void*> OpenIpcEvent(const std::string& handle) override {
-    cudaIpcEventHandle_t h;
-    if (handle.size() != sizeof(h)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ready_event: ", handle.size(), " bytes, a CUDA IPC event handle has ", sizeof(h)));
-    }
-    std::memcpy(&h, handle.data(), sizeof(h));
+    const absl::StatusOr<cudaIpcEventHandle_t> h = IpcHandle<cudaIpcEventHandle_t>(handle, "ready_event");
+    if (!h.ok()) return h.status();
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     cudaEvent_t event = nullptr;
-    if (const cudaError_t e = cudaIpcOpenEventHandle(&event, h); e != cudaSuccess) {
+    if (const cudaError_t e = cudaIpcOpenEventHandle(&event, *h); e != cudaSuccess) {
       cudaGetLastError();
       return absl::InvalidArgumentError(absl::StrCat("ready_event: the driver refused it (", cudaGetErrorString(e),
                                                      "); export an interprocess event without timing"));
