@@ -9,14 +9,10 @@
 #   LD_LIBRARY_PATH=$PWD/dist/gpu/lib:/usr/local/cuda/lib64 bench/gpu/device_rows.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
-PY="${PY:-/opt/torch/.venv/bin/python3}"
 B="${B:-dist/gpu/bin}"
 CELLS="${CELLS:-decode:1,decode:8,prefill:2048}"
 SPIN="${RING_SPIN_US:-5000}"
-if ! "$PY" -c "import grpc, google.protobuf" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/moe-pydeps dist/wheels/*.whl || exit 1
-  export PYTHONPATH="/tmp/moe-pydeps${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source bench/gpu/python_env.sh || exit 1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 RANKS="${RANKS:-1}"
 if [ "${FLOOR:-1}" != 0 ]; then

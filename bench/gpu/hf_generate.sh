@@ -8,13 +8,9 @@
 # and protobuf wheels for a Python without them (the GPU machine reaches no package index).
 set -uo pipefail
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64" NCCL_NVLS_ENABLE=0
-PY="${PY:-/opt/torch/.venv/bin/python3}"
 B=dist/gpu/bin
 RANKD="$B/moe-rankd"
-if ! "$PY" -c "import grpc, google.protobuf" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/moe-pydeps dist/wheels/*.whl || exit 1
-  export PYTHONPATH="/tmp/moe-pydeps${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source bench/gpu/python_env.sh || exit 1
 "$PY" -c "import grpc, google.protobuf, torch, transformers; print('grpcio', grpc.__version__, 'protobuf', google.protobuf.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 work="$(mktemp -d /tmp/hfgen.XXXXXX)"
 source deploy/cluster_lib.sh

@@ -213,8 +213,6 @@ class StepRing:
     def _slot(self, seq: int) -> int:
         return PAGE + (seq % self.slots) * self._g["slot_bytes"]
 
-    def _view(self, seq: int, part: str, dtype: Any, count: int) -> np.ndarray:
-        return np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._slot(seq) + self._g[part])
 
     @property
     def device(self) -> Any:
@@ -253,19 +251,18 @@ class StepRing:
             raise ValueError(f"tokens, k: {tokens} x {k} do not fit the ring's {self.max_tokens} x {self.k} slots")
         if self._n_submitted - self._n_waited >= self.slots:
             raise errors.FailedPrecondition(f"step ring: {self.slots} steps outstanding; wait for one first")
-        seq = self._n_submitted & 0xFFFFFFFF
+        s = (self._n_submitted & 0xFFFFFFFF) % self.slots
         if self._rows is not None:
-            hidden = self._dev_hidden[seq % self.slots][:tokens]
+            hidden = self._dev_hidden[s][:tokens]
         else:
-            hidden = self._view(seq, "hidden", np.uint16, tokens * self.d).reshape(tokens, self.d)
+            hidden = self._hidden_views[s][: tokens * self.d].reshape(tokens, self.d)
         views = {
             "hidden": hidden,
-            "topk_ids": self._view(seq, "ids", np.int32, tokens * k).reshape(tokens, k),
-            "topk_weights": self._view(seq, "weights", np.float32, tokens * k).reshape(tokens, k),
-            "admitted": self._view(seq, "admitted", np.uint8, tokens * k).reshape(tokens, k),
+            "topk_ids": self._ids_views[s][: tokens * k].reshape(tokens, k),
+            "topk_weights": self._weights_views[s][: tokens * k].reshape(tokens, k),
+            "admitted": self._admitted_views[s][: tokens * k].reshape(tokens, k),
         }
         if self._rows is not None:
-            s = seq % self.slots
             views["device_topk_ids"] = self._dev_ids[s][: tokens * k].view(tokens, k)
             views["device_topk_weights"] = self._dev_weights[s][: tokens * k].view(tokens, k)
         return views
@@ -345,7 +342,11 @@ class StepRing:
         """Slot s's routing tables; returns the descriptor's flags."""
         self._ids_views[s][: t * k] = ids.reshape(-1)
         self._weights_views[s][: t * k] = w.reshape(-1)
-        adm = admitted_bytes(admitted, ids.shape)
+        return self._write_admitted(s, t, k, admitted)
+
+    def _write_admitted(self, s: int, t: int, k: int, admitted: Any) -> int:
+        """Slot s's admitted table, when given; returns the descriptor's FLAG_ADMITTED or 0."""
+        adm = admitted_bytes(admitted, (t, k))
         if not adm:
             return 0
         self._admitted_views[s][: t * k] = np.frombuffer(adm, np.uint8)
@@ -394,11 +395,7 @@ class StepRing:
                 ids = torch.where(fits, ids, torch.full_like(ids, -(2**31))).to(torch.int32)
             self._dev_ids[s][: t * k].view(t, k).copy_(ids)
             self._dev_weights[s][: t * k].view(t, k).copy_(topk_weights)
-            flags = FLAG_DEVICE_ROUTING
-            adm = admitted_bytes(admitted, (t, k))
-            if adm:
-                self._admitted_views[s][: t * k] = np.frombuffer(adm, np.uint8)
-                flags |= FLAG_ADMITTED
+            flags = FLAG_DEVICE_ROUTING | self._write_admitted(s, t, k, admitted)
         else:
             ids, w, k = routing_arrays(topk_ids, topk_weights, t)
             if k > self.k:
