@@ -97,6 +97,51 @@ struct RouteRowsParams {
   int32_t* token_of_row = nullptr;  // [num_tokens * k] (only offsets[E] entries are written)
 };
 
+// Device-side route planning (the layer executor's device plan of prefill steps: spec 0x03B's
+// stable send order computed where the routing lives, so the host touches no per-route data).
+//
+// SealRoutes keys a rank's routes. For route i (token-major, i = t * k + j) that `admitted`
+// admits (null: every route): keys[i] = key_of_expert[ids[i]] and gates_out[i] = gates[i]; an
+// unadmitted route gets key -1 and gate 0. status[0] = the first admitted route whose id is
+// outside [0, num_experts) or whose gate is NaN, infinite or negative, status[1] = the first
+// admitted valid route whose expert has key -1 (no slot to take it); -1 when there is none.
+// Every pointer is kernel memory; status is written on `stream` like the rest.
+struct SealRoutesParams {
+  const int32_t* ids = nullptr;       // [routes]
+  const float* gates = nullptr;       // [routes]
+  const uint8_t* admitted = nullptr;  // [routes], or null
+  int64_t routes = 0;
+  int num_experts = 0;
+  const int32_t* key_of_expert = nullptr;  // [num_experts], -1: no key
+  int32_t* keys = nullptr;                 // [routes]
+  float* gates_out = nullptr;              // [routes]
+  int64_t* status = nullptr;               // [2]
+};
+
+// RankByKey is a stable counting sort. Element i's key is raw[i], or key_map[raw[i]] with a map
+// (raw -1: no key); elements without a key (< 0) are not placed. position[i] = the element's
+// place in the order (key, i) over the placed elements, -1 for the others; order[position[i]] =
+// i / order_divisor (optional); values[position[i]] = key_values[key] (optional, both or
+// neither). counts [num_keys] and offsets [num_keys + 1] (exclusive, with the total as
+// sentinel) are written too. status[0] = the first element whose key is >= num_keys, whose raw
+// value is outside [-1, map_size) or maps to -1 (-1: none); the other outputs are then
+// unspecified. Every pointer is kernel memory; n < 2^31.
+struct RankByKeyParams {
+  const int32_t* raw = nullptr;  // [n]
+  int64_t n = 0;
+  const int32_t* key_map = nullptr;  // optional [map_size]
+  int map_size = 0;
+  int num_keys = 0;
+  int32_t* position = nullptr;  // [n]
+  int32_t* order = nullptr;     // optional [placed]
+  int order_divisor = 1;
+  const int32_t* key_values = nullptr;  // optional [num_keys]
+  int32_t* values = nullptr;            // optional [placed]
+  int64_t* counts = nullptr;            // [num_keys]
+  int64_t* offsets = nullptr;           // [num_keys + 1]
+  int64_t* status = nullptr;            // [1]
+};
+
 // Expert parameters, BF16, nn.Linear layout ([out, in], row-major).
 struct ExpertWeights {
   const uint16_t* w_gate_up = nullptr;  // [E, 2 d_ff, d]: rows [0, d_ff) gate, [d_ff, 2 d_ff) up
@@ -253,6 +298,10 @@ class ExpertKernels {
   // a runner (the layer executor's --decode_runner auto) need not ask PaddedDecodeCapacity. CUDA:
   // where the Hopper grouped kernels take the step; the CPU reference: never.
   virtual bool DecodeGemmBeatsPadded(int num_experts, int d, int d_ff, int64_t routes) const { return false; }
+  // Route planning on the kernels' memory (SealRoutesParams, RankByKeyParams). The defaults are
+  // the CPU reference on host memory; CUDA runs them on `stream` without a host round trip.
+  virtual absl::Status SealRoutes(const SealRoutesParams& p, Stream stream);
+  virtual absl::Status RankByKey(const RankByKeyParams& p, Stream stream);
 
   // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
   // the CUDA implementation allocates device memory and copies on `stream` (a copy from
@@ -365,6 +414,8 @@ absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels();
 absl::Status CheckGather(const GatherParams& p);
 absl::Status CheckHistogram(const HistogramParams& p);
 absl::Status CheckRouteRows(const RouteRowsParams& p);
+absl::Status CheckSealRoutes(const SealRoutesParams& p);
+absl::Status CheckRankByKey(const RankByKeyParams& p);
 absl::Status CheckSwiglu(const SwigluParams& p);
 absl::Status CheckSwigluFp8(const SwigluFp8Params& p);  // what the host sees (not device offsets)
 absl::Status CheckCombine(const CombineParams& p);

@@ -117,6 +117,30 @@ absl::Status CheckRouteRows(const RouteRowsParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CheckSealRoutes(const SealRoutesParams& p) {
+  KERNEL_INVALID_IF(p.num_experts <= 0, "seal_routes.num_experts: must be positive");
+  KERNEL_INVALID_IF(p.routes < 0 || p.routes > std::numeric_limits<int32_t>::max(),
+                    "seal_routes.routes: outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.status == nullptr || p.key_of_expert == nullptr, "seal_routes: null status or key table");
+  KERNEL_INVALID_IF(
+      p.routes > 0 && (p.ids == nullptr || p.gates == nullptr || p.keys == nullptr || p.gates_out == nullptr),
+      "seal_routes: null buffer");
+  return absl::OkStatus();
+}
+
+absl::Status CheckRankByKey(const RankByKeyParams& p) {
+  KERNEL_INVALID_IF(p.num_keys <= 0, "rank_by_key.num_keys: must be positive");
+  KERNEL_INVALID_IF(p.n < 0 || p.n > std::numeric_limits<int32_t>::max(), "rank_by_key.n: outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.order_divisor <= 0, "rank_by_key.order_divisor: must be positive");
+  KERNEL_INVALID_IF(p.key_map != nullptr && p.map_size <= 0, "rank_by_key.map_size: must be positive with a map");
+  KERNEL_INVALID_IF((p.key_values == nullptr) != (p.values == nullptr),
+                    "rank_by_key: key_values and values go together");
+  KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr || p.status == nullptr,
+                    "rank_by_key: null counts, offsets or status");
+  KERNEL_INVALID_IF(p.n > 0 && (p.raw == nullptr || p.position == nullptr), "rank_by_key: null buffer");
+  return absl::OkStatus();
+}
+
 absl::Status CheckSwiglu(const SwigluParams& p) {
   const ExpertWeights& w = p.weights;
   KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,

@@ -430,6 +430,28 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status SealRoutes(const SealRoutesParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (absl::Status s = CheckSealRoutes(p); !s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchSealRoutes(p.ids, p.gates, p.admitted, p.routes, p.num_experts, p.key_of_expert,
+                                                p.keys, p.gates_out, p.status, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::Status RankByKey(const RankByKeyParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (absl::Status s = CheckRankByKey(p); !s.ok()) return s;
+    if (p.num_keys > cuda::kMaxRankKeys) {
+      return absl::InvalidArgumentError(absl::StrCat("rank_by_key.num_keys: at most ", cuda::kMaxRankKeys, " on CUDA"));
+    }
+    auto scratch = rank_scratch_.Get(static_cast<size_t>(cuda::RankByKeyScratchBytes(p.n, p.num_keys)));
+    if (!scratch.ok()) return scratch.status();
+    CUDA_RETURN_IF_ERROR(cuda::LaunchRankByKey(p.raw, p.n, p.key_map, p.map_size, p.num_keys, p.position, p.order,
+                                               p.order_divisor, p.key_values, p.values, p.counts, p.offsets, p.status,
+                                               static_cast<int32_t*>(*scratch), static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
   absl::Status LocalLayer(const LocalLayerParams& p, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckLocalLayer(p);
@@ -976,7 +998,7 @@ class CudaKernels final : public ExpertKernels {
   cudaEvent_t find_done_ = nullptr;
   std::mutex bounce_mu_;  // one large pageable copy at a time through bounce_
   BounceBuffers bounce_;
-  Scratch scratch_, ptr_scratch_, cursor_scratch_, offsets_scratch_;
+  Scratch scratch_, ptr_scratch_, cursor_scratch_, offsets_scratch_, rank_scratch_;
   PinnedStaging map_in_, map_out_, ptr_staging_, offsets_in_;
   std::vector<cublasOperation_t> trans_a_, trans_b_;
   std::vector<int> m_, n_, k_, lda_, ldb_, ldc_, ones_;

@@ -93,6 +93,134 @@ __global__ void ExclusiveScanKernel(const int64_t* __restrict__ counts, int num_
   if (threadIdx.x == 0) offsets[num_bins] = carry;
 }
 
+// ---- route planning -------------------------------------------------------------------------
+
+__global__ void SealRoutesKernel(const int32_t* __restrict__ ids, const float* __restrict__ gates,
+                                 const uint8_t* __restrict__ admitted, int64_t routes, int num_experts,
+                                 const int32_t* __restrict__ key_of_expert, int32_t* __restrict__ keys,
+                                 float* __restrict__ gates_out, unsigned long long* status) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < routes;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int32_t key = -1;
+    float g_out = 0.0f;
+    if (admitted == nullptr || admitted[i] != 0) {
+      const int32_t e = ids[i];
+      const float g = gates[i];
+      if (e < 0 || e >= num_experts || !isfinite(g) || g < 0.0f) {
+        atomicMin(&status[0], static_cast<unsigned long long>(i));
+      } else {
+        key = key_of_expert[e];
+        g_out = g;
+        if (key < 0) atomicMin(&status[1], static_cast<unsigned long long>(i));
+      }
+    }
+    keys[i] = key;
+    gates_out[i] = g_out;
+  }
+}
+
+constexpr int kRankTile = 256;  // elements per tile: one counting block, one scattering warp
+
+// Element i's key, or -1 (not placed); *bad when the input breaks the contract.
+__device__ __forceinline__ int32_t RankKeyOf(const int32_t* __restrict__ raw, int64_t i,
+                                             const int32_t* __restrict__ key_map, int map_size, int num_keys,
+                                             bool* bad) {
+  int32_t key = raw[i];
+  *bad = false;
+  if (key_map != nullptr) {
+    if (key >= 0) {
+      *bad = key >= map_size || key_map[key] < 0;
+      key = *bad ? -1 : key_map[key];
+    } else {
+      *bad = key != -1;
+    }
+  }
+  if (key >= num_keys) *bad = true;
+  return *bad ? -1 : key;
+}
+
+// Per tile: counts of each key, stored key-major (tile_counts[key * tiles + tile]).
+__global__ void RankCountKernel(const int32_t* __restrict__ raw, int64_t n, const int32_t* __restrict__ key_map,
+                                int map_size, int num_keys, int tiles, int32_t* __restrict__ tile_counts,
+                                unsigned long long* status) {
+  extern __shared__ int32_t counts[];
+  for (int k = threadIdx.x; k < num_keys; k += blockDim.x) counts[k] = 0;
+  __syncthreads();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kRankTile + threadIdx.x;
+  if (i < n) {
+    bool bad;
+    const int32_t key = RankKeyOf(raw, i, key_map, map_size, num_keys, &bad);
+    if (bad) atomicMin(status, static_cast<unsigned long long>(i));
+    if (key >= 0) atomicAdd(&counts[key], 1);
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < num_keys; k += blockDim.x) {
+    tile_counts[static_cast<int64_t>(k) * tiles + blockIdx.x] = counts[k];
+  }
+}
+
+// Exclusive scan of the key-major tile counts in place (each entry becomes where that tile's
+// elements of that key start), then the per-key counts and offsets. One block.
+constexpr int kRankScanThreads = 1024;
+__global__ void __launch_bounds__(kRankScanThreads)
+    RankScanKernel(int32_t* __restrict__ tile_counts, int num_keys, int tiles, int64_t* __restrict__ counts,
+                   int64_t* __restrict__ offsets) {
+  using Scan = cub::BlockScan<int64_t, kRankScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  const int64_t m = static_cast<int64_t>(num_keys) * tiles;
+  const int64_t per = (m + kRankScanThreads - 1) / kRankScanThreads;
+  const int64_t begin = min(m, per * threadIdx.x), end = min(m, begin + per);
+  int64_t sum = 0;
+  for (int64_t j = begin; j < end; ++j) sum += tile_counts[j];
+  int64_t base, total;
+  Scan(storage).ExclusiveSum(sum, base, total);
+  for (int64_t j = begin; j < end; ++j) {
+    const int32_t c = tile_counts[j];
+    tile_counts[j] = static_cast<int32_t>(base);
+    base += c;
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < num_keys; k += blockDim.x) offsets[k] = tile_counts[static_cast<int64_t>(k) * tiles];
+  if (threadIdx.x == 0) offsets[num_keys] = total;
+  __syncthreads();
+  for (int k = threadIdx.x; k < num_keys; k += blockDim.x) counts[k] = offsets[k + 1] - offsets[k];
+}
+
+// One warp per tile, 32 elements at a time in index order: an element's place is its tile's
+// start for its key, plus the elements of that key already placed in the tile, plus its rank
+// among the lanes of this round holding the same key. Stable by construction.
+__global__ void RankScatterKernel(const int32_t* __restrict__ raw, int64_t n, const int32_t* __restrict__ key_map,
+                                  int map_size, int num_keys, int tiles, const int32_t* __restrict__ tile_starts,
+                                  int32_t* __restrict__ position, int32_t* __restrict__ order, int order_divisor,
+                                  const int32_t* __restrict__ key_values, int32_t* __restrict__ values) {
+  extern __shared__ int32_t placed[];
+  const int lane = threadIdx.x;
+  for (int k = lane; k < num_keys; k += 32) placed[k] = 0;
+  __syncwarp();
+  const int64_t tile_begin = static_cast<int64_t>(blockIdx.x) * kRankTile;
+  for (int round = 0; round < kRankTile / 32; ++round) {
+    const int64_t i = tile_begin + round * 32 + lane;
+    int32_t key = -1;
+    if (i < n) {
+      bool bad;
+      key = RankKeyOf(raw, i, key_map, map_size, num_keys, &bad);
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0) {
+      const int rank = __popc(peers & ((1u << lane) - 1u));
+      const int32_t pos = tile_starts[static_cast<int64_t>(key) * tiles + blockIdx.x] + placed[key] + rank;
+      position[i] = pos;
+      if (order != nullptr) order[pos] = static_cast<int32_t>(i / order_divisor);
+      if (values != nullptr) values[pos] = key_values[key];
+    } else if (i < n) {
+      position[i] = -1;
+    }
+    __syncwarp();
+    if (key >= 0 && lane == __ffs(peers) - 1) placed[key] += __popc(peers);
+    __syncwarp();
+  }
+}
+
 // ---- SwiGLU activation ----------------------------------------------------------------------
 
 __global__ void SwigluActivationKernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int f,
@@ -511,6 +639,46 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
         keys, n, num_bins, reinterpret_cast<unsigned long long*>(counts));
   }
   ExclusiveScanKernel<<<1, kThreads, 0, stream>>>(counts, num_bins, offsets);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8_t* admitted, int64_t routes,
+                             int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
+                             int64_t* status, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(status, 0xff, 2 * sizeof(int64_t), stream);  // -1: none yet
+  if (e != cudaSuccess || routes == 0) return e;
+  SealRoutesKernel<<<Blocks(routes), kThreads, 0, stream>>>(ids, gates, admitted, routes, num_experts, key_of_expert,
+                                                            keys, gates_out,
+                                                            reinterpret_cast<unsigned long long*>(status));
+  return cudaGetLastError();
+}
+
+int64_t RankByKeyScratchBytes(int64_t n, int num_keys) {
+  const int64_t tiles = std::max<int64_t>(1, (n + kRankTile - 1) / kRankTile);
+  return tiles * num_keys * static_cast<int64_t>(sizeof(int32_t));
+}
+
+cudaError_t LaunchRankByKey(const int32_t* raw, int64_t n, const int32_t* key_map, int map_size, int num_keys,
+                            int32_t* position, int32_t* order, int order_divisor, const int32_t* key_values,
+                            int32_t* values, int64_t* counts, int64_t* offsets, int64_t* status, int32_t* scratch,
+                            cudaStream_t stream) {
+  if (num_keys <= 0 || num_keys > kMaxRankKeys) return cudaErrorInvalidValue;
+  cudaError_t e = cudaMemsetAsync(status, 0xff, sizeof(int64_t), stream);
+  if (e != cudaSuccess) return e;
+  const int tiles = static_cast<int>(std::max<int64_t>(1, (n + kRankTile - 1) / kRankTile));
+  const size_t shmem = static_cast<size_t>(num_keys) * sizeof(int32_t);
+  if (n == 0) {
+    e = cudaMemsetAsync(scratch, 0, static_cast<size_t>(num_keys) * sizeof(int32_t), stream);
+    if (e != cudaSuccess) return e;
+  } else {
+    RankCountKernel<<<tiles, kRankTile, shmem, stream>>>(raw, n, key_map, map_size, num_keys, tiles, scratch,
+                                                         reinterpret_cast<unsigned long long*>(status));
+  }
+  RankScanKernel<<<1, kRankScanThreads, 0, stream>>>(scratch, num_keys, tiles, counts, offsets);
+  if (n > 0) {
+    RankScatterKernel<<<tiles, 32, shmem, stream>>>(raw, n, key_map, map_size, num_keys, tiles, scratch, position,
+                                                    order, order_divisor, key_values, values);
+  }
   return cudaGetLastError();
 }
 

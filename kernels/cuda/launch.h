@@ -27,6 +27,18 @@ cudaError_t LaunchGatherScales(const float* in, int64_t in_rows, const int32_t* 
 cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, int64_t* counts, int64_t* offsets,
                                 cudaStream_t stream);
 
+// Route planning (kernels/api.h SealRoutesParams, RankByKeyParams), all on the device.
+cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8_t* admitted, int64_t routes,
+                             int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
+                             int64_t* status, cudaStream_t stream);
+// Scratch RankByKey needs (int32 per key and tile of 256 elements); num_keys <= kMaxRankKeys.
+constexpr int kMaxRankKeys = 12 * 1024;
+int64_t RankByKeyScratchBytes(int64_t n, int num_keys);
+cudaError_t LaunchRankByKey(const int32_t* raw, int64_t n, const int32_t* key_map, int map_size, int num_keys,
+                            int32_t* position, int32_t* order, int order_divisor, const int32_t* key_values,
+                            int32_t* values, int64_t* counts, int64_t* offsets, int64_t* status, int32_t* scratch,
+                            cudaStream_t stream);
+
 // a[r, c] = bf16(silu(h[r, c]) * h[r, f + c]) for h [rows, 2f] BF16.
 cudaError_t LaunchSwigluActivation(const uint16_t* h, int64_t rows, int f, uint16_t* a, cudaStream_t stream);
 

@@ -71,6 +71,7 @@ void LayerExecutor::Unbind(const std::string& why) {
   absl::MutexLock lock(&generations_mu_);
   graphs_by_key_.clear();
   layouts_.clear();
+  device_tables_.clear();
 }
 
 absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology, const ProcessGroup& group,
@@ -88,6 +89,7 @@ absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology,
     absl::MutexLock lock(&generations_mu_);
     graphs_by_key_.clear();
     layouts_.clear();
+    device_tables_.clear();
   }
   options_ = std::move(next);
   graphs_ = device_ && options_.decode_graphs != nullptr;
@@ -257,6 +259,9 @@ void LayerExecutor::DropGeneration(PlacementVersion version) {
   experts_.erase(version.value());
   for (auto it = layouts_.begin(); it != layouts_.end();) {
     it = it->first.first == version.value() ? layouts_.erase(it) : std::next(it);
+  }
+  for (auto it = device_tables_.begin(); it != device_tables_.end();) {
+    it = it->first.first == version.value() ? device_tables_.erase(it) : std::next(it);
   }
   for (auto it = graphs_by_key_.begin(); it != graphs_by_key_.end();) {
     it = std::get<0>(it->first) == version.value() ? graphs_by_key_.erase(it) : std::next(it);
@@ -564,9 +569,18 @@ struct LayerExecutor::Pass {
   int64_t n_recv = 0;       // dispatch
   ByteSplits bytes;
   StepTables tables;  // eager payload: the kernels' index tables
-  int t_send = -1, t_order = -1, t_position = -1, t_rows_of = -1, t_gates = -1;
-  const void* hidden = nullptr;  // the engine's rows where the kernels read them
-  bool rows_staged = false;      // ... copied (or being copied) to kernel memory by StageRows
+  // Where the kernels read the step's index tables: the host plan's uploaded tables or the
+  // device plan's (kernel memory either way).
+  const int32_t* pack_index = nullptr;       // send position -> origin token
+  const int32_t* expert_order = nullptr;     // expert position -> receive position
+  const int32_t* expert_position = nullptr;  // receive position -> expert position
+  const int32_t* row_of_route = nullptr;     // route (t, j) -> send position, -1: not sent
+  const float* gates = nullptr;              // route (t, j) -> gate, 0: not sent
+  bool device_plan = false;                  // planned by the kernels (validate decides)
+  std::shared_ptr<const DevicePlanTables> dtables;
+  const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
+  const void* hidden = nullptr;          // the engine's rows where the kernels read them
+  bool rows_staged = false;              // ... copied (or being copied) to kernel memory by StageRows
   // The step's combined rows on the host: the caller's (in.output) or the result's.
   uint16_t* host_out() { return in.output != nullptr ? in.output : result.output.data(); }
 };
@@ -639,6 +653,22 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("hidden: rows in device memory need device kernels; rank ",
                                                       options_.rank.value(), " runs ", options_.kernels->name()));
   }
+  pass.device_plan = options_.device_plan && in.phase == Phase::kPrefill && !pass.trial && !pass.po.shadow_pass &&
+                     in.tokens > 0 && (*manifest)->ServesLayer(in.layer) &&
+                     DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer)) != nullptr;
+  if (pass.device_plan) {
+    // The handoff's scalars are sealed here; its routes are keyed and checked by the kernels in
+    // the plan phase (SealRoutes), into kernel memory that only this step writes.
+    RETURN_IF_ERROR(ValidateStepShape(in));
+    SemanticHandoff scalars;
+    scalars.scope = ExecutionScopeId(static_cast<int64_t>(in.step_id));
+    scalars.num_experts = static_cast<int>(pass.num_experts);
+    scalars.top_k = in.k;
+    scalars.num_partitions = options_.topology->num_ranks();
+    ASSIGN_OR_RETURN(FrozenHandoff frozen, Freeze(std::move(scalars)));
+    pass.frozen.emplace(std::move(frozen));
+    return absl::OkStatus();
+  }
   RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
   SemanticHandoff columns;  // an earlier step's, when one was handed back (no allocation per step)
   {
@@ -705,7 +735,7 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden: d = ", pass.in.d, ", the experts have d = ", pass.weights->host->d));
   }
-  if (!pass.po.shadow_pass) {
+  if (!pass.po.shadow_pass && !pass.device_plan) {  // (the device plan counts per slot instead)
     // The load signal for rebalancing: routes this rank's tokens chose, per logical expert, per
     // layer. Counted once the layer is known to be served, so that the engine's layer values
     // cannot grow the table.
@@ -736,6 +766,7 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
 
 absl::Status LayerExecutor::PlanPhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kPlan);
+  if (pass.device_plan) return DevicePlanPhase(pass);
   const SemanticHandoff& routes = pass.frozen->routes;
   buf_.slots.resize(routes.size());
   RETURN_IF_ERROR(
@@ -751,9 +782,11 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
   const LayerStepInput& in = pass.in;
   const PlacementManifest& m = *pass.manifest;
   // Agreement before any payload moves: header, counts, tokens, routes per slot.
-  std::vector<int64_t>& slot_counts = buf_.slot_counts;
-  slot_counts.assign(m.num_slots(), 0);
-  for (PhysicalSlotId q : buf_.accepted_slots) ++slot_counts[q.value()];
+  std::vector<int64_t>& slot_counts = buf_.slot_counts;  // the device plan counted them
+  if (!pass.device_plan) {
+    slot_counts.assign(m.num_slots(), 0);
+    for (PhysicalSlotId q : buf_.accepted_slots) ++slot_counts[q.value()];
+  }
   // This member's graph manifest (bucket, whether it captures graphs, runner): members that
   // differ serve decode steps eagerly.
   const uint64_t manifest =
@@ -769,11 +802,14 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
                     static_cast<int64_t>(manifest)};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
+  // (The device plan's metadata is in kernel memory: it always goes in its own exchange.)
   std::vector<int32_t>& send_meta = buf_.send_meta;
-  send_meta.resize(pass.n_send);
-  for (int64_t pos = 0; pos < pass.n_send; ++pos) send_meta[pos] = buf_.source.send_slots[pos].value();
+  if (!pass.device_plan) {
+    send_meta.resize(pass.n_send);
+    for (int64_t pos = 0; pos < pass.n_send; ++pos) send_meta[pos] = buf_.source.send_slots[pos].value();
+  }
   ASSIGN_OR_RETURN(pass.agreement, AgreeOnStep(*options_.transport, header, buf_.source.send_splits, options_.timeout,
-                                               slot_counts, &send_meta));
+                                               slot_counts, pass.device_plan ? nullptr : &send_meta));
   if (agreed_shadow != nullptr) *agreed_shadow = pass.agreement.shadow_version;
   if (in.phase == Phase::kDecode) AdmitDecode(pass);
   return absl::OkStatus();
@@ -808,6 +844,7 @@ void LayerExecutor::AdmitDecode(Pass& pass) const {
 // with the agreement when it fitted); the receive-side plan and the combine's tables.
 absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kDispatch);
+  if (pass.device_plan) return DeviceDispatchPlan(pass);
   const LayerStepInput& in = pass.in;
   const SourcePlan& source = buf_.source;
   RETURN_IF_ERROR(pass.handle->BindPlan(InverseOf(pass.frozen->routes, buf_.accepted_ids, source, in.tokens)));
@@ -831,13 +868,232 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   RETURN_IF_ERROR(PlanDestination(*pass.layout, options_.rank, agreement.recv_counts, buf_.received, &buf_.dest));
   CombineTables(buf_.accepted_ids, source, pass.handle->inverse().gate, in.tokens * in.k, &buf_.row_of_route,
                 &buf_.gates);
-  // Every row is written by the combine (or copied out whole): a recycled buffer, not zeroed.
-  if (in.output != nullptr) return absl::OkStatus();  // the caller's memory
+  ReserveOutput(pass);
+  return absl::OkStatus();
+}
+
+// Every row is written by the combine (or copied out whole): a recycled buffer, not zeroed.
+void LayerExecutor::ReserveOutput(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  if (in.output != nullptr) return;  // the caller's memory
   {
     absl::MutexLock lock(&generations_mu_);
     if (spare_output_.capacity() > pass.result.output.capacity()) pass.result.output.swap(spare_output_);
   }
   pass.result.output.resize(static_cast<size_t>(in.tokens) * in.d);
+}
+
+// The device plan's tables of one (generation, layer): each logical expert's key (the send-order
+// key of its statically chosen slot), each key's slot and logical expert, and each slot's local
+// index on this rank (-1 elsewhere). The first three index arrays also live in kernel memory.
+struct LayerExecutor::DevicePlanTables {
+  int num_keys = 0;  // slots of the group's members, keyed in (peer, slot) order
+  std::vector<int32_t> key_of_expert, slot_of_key, expert_of_key, local_of_slot;
+  kernels::KernelBuffer device;  // key_of_expert, slot_of_key, local_of_slot
+  const int32_t* d_key_of_expert = nullptr;
+  const int32_t* d_slot_of_key = nullptr;
+  const int32_t* d_local_of_slot = nullptr;
+};
+
+std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTablesFor(
+    PlacementVersion version, int64_t layer, const std::shared_ptr<const PlacementManifest>& table) {
+  const std::pair<int64_t, int64_t> key(version.value(), layer);
+  {
+    absl::MutexLock lock(&generations_mu_);
+    auto it = device_tables_.find(key);
+    if (it != device_tables_.end()) return it->second;
+  }
+  std::shared_ptr<DevicePlanTables> t;
+  const std::optional<std::vector<int32_t>> choice =
+      table == nullptr
+          ? std::nullopt
+          : StaticSlotChoice(*table, *options_.group, *options_.topology, options_.rank, options_.selector);
+  absl::StatusOr<PlanLayout> layout = choice.has_value() ? PlanLayout::Create(table, *options_.group)
+                                                         : absl::StatusOr<PlanLayout>(absl::UnknownError(""));
+  if (layout.ok() && layout->PeerKeyBegin(layout->num_peers()) > 0) {
+    t = std::make_shared<DevicePlanTables>();
+    const PlacementManifest& m = *table;
+    t->num_keys = layout->PeerKeyBegin(layout->num_peers());
+    t->key_of_expert.assign(m.num_experts(), -1);
+    for (int e = 0; e < m.num_experts(); ++e) {
+      if ((*choice)[e] >= 0) t->key_of_expert[e] = layout->SlotKey(PhysicalSlotId((*choice)[e]));
+    }
+    t->slot_of_key.assign(t->num_keys, -1);
+    t->expert_of_key.assign(t->num_keys, -1);
+    t->local_of_slot.assign(m.num_slots(), -1);
+    for (int q = 0; q < m.num_slots(); ++q) {
+      const PhysicalSlotId slot(q);
+      const int32_t k = layout->SlotKey(slot);
+      if (k >= 0) {
+        t->slot_of_key[k] = q;
+        t->expert_of_key[k] = m.slot(slot).expert.value();
+      }
+      if (m.slot(slot).rank == options_.rank) t->local_of_slot[q] = m.LocalIndex(slot);
+    }
+    const int64_t e_bytes = 4 * static_cast<int64_t>(m.num_experts());
+    const int64_t k_bytes = 4 * static_cast<int64_t>(t->num_keys);
+    const int64_t q_bytes = 4 * static_cast<int64_t>(m.num_slots());
+    kernels::ExpertKernels& kern = *options_.kernels;
+    absl::Status s = t->device.Reserve(&kern, e_bytes + k_bytes + q_bytes);
+    auto* base = t->device.as<int32_t>();
+    if (s.ok()) s = kern.CopyToKernel(base, t->key_of_expert.data(), e_bytes, nullptr);
+    if (s.ok()) s = kern.CopyToKernel(base + m.num_experts(), t->slot_of_key.data(), k_bytes, nullptr);
+    if (s.ok()) s = kern.CopyToKernel(base + m.num_experts() + t->num_keys, t->local_of_slot.data(), q_bytes, nullptr);
+    if (s.ok()) s = kern.Synchronize(nullptr);
+    if (!s.ok()) {
+      t = nullptr;  // not uploaded (kernel memory exhausted): the host plan serves these steps
+    } else {
+      t->d_key_of_expert = base;
+      t->d_slot_of_key = base + m.num_experts();
+      t->d_local_of_slot = base + m.num_experts() + t->num_keys;
+    }
+  }
+  absl::MutexLock lock(&generations_mu_);
+  auto [it, inserted] = device_tables_.emplace(key, std::move(t));
+  return it->second;
+}
+
+// The send side on the kernels: routes keyed by their slot's (peer, slot) key and checked, then
+// ranked into the stable send order; the host reads back only the counts per key and the status.
+absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  const PlacementManifest& m = *pass.manifest;
+  pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
+  if (pass.dtables == nullptr) {
+    return absl::UnavailableError(absl::StrCat("step ", in.step_id, ": placement-v", pass.version.value(),
+                                               " became active during the step and its replica choice needs the",
+                                               " host plan; retry the step"));
+  }
+  const DevicePlanTables& t = *pass.dtables;
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const int64_t routes = in.tokens * in.k;
+  StepTables routing;  // the engine's routing to kernel memory, one copy
+  const int t_ids = routing.Add(in.topk_ids, routes * 4);
+  const int t_gates = routing.Add(in.topk_weights, routes * 4);
+  const int t_admitted = in.admitted != nullptr ? routing.Add(in.admitted, routes) : -1;
+  RETURN_IF_ERROR(routing.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
+  for (kernels::KernelBuffer* b :
+       {&buf_.d_keys, &buf_.d_gates, &buf_.d_row_of_route, &buf_.d_pack, &buf_.d_send_meta}) {
+    RETURN_IF_ERROR(b->Reserve(&kern, routes * 4));
+  }
+  const int q = t.num_keys;
+  const int64_t small_words = 2 * static_cast<int64_t>(q) + 4;  // counts, offsets, 3 status words
+  RETURN_IF_ERROR(buf_.d_small.Reserve(&kern, small_words * 8));
+  int64_t* small = buf_.d_small.as<int64_t>();
+  kernels::SealRoutesParams seal;
+  seal.ids = routing.Get<int32_t>(t_ids);
+  seal.gates = routing.Get<float>(t_gates);
+  seal.admitted = t_admitted >= 0 ? routing.Get<uint8_t>(t_admitted) : nullptr;
+  seal.routes = routes;
+  seal.num_experts = m.num_experts();
+  seal.key_of_expert = t.d_key_of_expert;
+  seal.keys = buf_.d_keys.as<int32_t>();
+  seal.gates_out = buf_.d_gates.as<float>();
+  seal.status = small + 2 * q + 1;
+  RETURN_IF_ERROR(kern.SealRoutes(seal, nullptr));
+  kernels::RankByKeyParams rank;
+  rank.raw = seal.keys;
+  rank.n = routes;
+  rank.num_keys = q;
+  rank.position = buf_.d_row_of_route.as<int32_t>();
+  rank.order = buf_.d_pack.as<int32_t>();
+  rank.order_divisor = in.k;
+  rank.key_values = t.d_slot_of_key;
+  rank.values = buf_.d_send_meta.as<int32_t>();
+  rank.counts = small;
+  rank.offsets = small + q;
+  rank.status = small + 2 * q + 3;
+  RETURN_IF_ERROR(kern.RankByKey(rank, nullptr));
+  std::vector<int64_t>& host = buf_.plan_small;
+  host.resize(small_words);
+  RETURN_IF_ERROR(kern.CopyToHost(host.data(), small, small_words * 8, nullptr));  // waits for the plan
+  const int64_t* counts = host.data();
+  const int64_t* offsets = counts + q;
+  const int64_t* status = offsets + q + 1;
+  if (status[0] >= 0) return RouteInputError(in, status[0], m.num_experts());
+  if (status[1] >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat("route ", status[1], ": no compatible slot holds logical expert ",
+                                                      in.topk_ids[status[1]], " in ", m.VersionName()));
+  }
+  if (status[2] >= 0) return absl::InternalError(absl::StrCat("device plan: route ", status[2], " has no valid key"));
+  // Counts per physical slot (the agreement's and the record's), the send splits, the load.
+  const PlanLayout& layout = *pass.layout;
+  buf_.slot_counts.assign(m.num_slots(), 0);
+  for (int k = 0; k < q; ++k) buf_.slot_counts[t.slot_of_key[k]] = counts[k];
+  SourcePlan& source = buf_.source;
+  const int peers = layout.num_peers();
+  source.send_splits.resize(peers);
+  source.send_offsets.resize(peers + 1);
+  for (int p = 0; p < peers; ++p) {
+    source.send_offsets[p] = offsets[layout.PeerKeyBegin(p)];
+    source.send_splits[p] = offsets[layout.PeerKeyBegin(p + 1)] - offsets[layout.PeerKeyBegin(p)];
+  }
+  source.send_offsets[peers] = offsets[q];
+  pass.n_send = offsets[q];
+  if (!pass.po.shadow_pass) {
+    absl::MutexLock lock(&generations_mu_);
+    std::vector<int64_t>& load = layer_load_[in.layer];
+    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
+    for (int k = 0; k < q; ++k) {
+      if (t.expert_of_key[k] < static_cast<int32_t>(load.size())) load[t.expert_of_key[k]] += counts[k];
+    }
+  }
+  pass.result.record.device_plan = true;
+  return absl::OkStatus();
+}
+
+// The receive side on the kernels: the slot metadata exchanged in kernel memory, the arrived
+// rows ranked by local slot (stable: (local slot, source peer, send position), as PlanDestination
+// orders them); the experts' offsets come from the agreed routes per slot.
+absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  kernels::ExpertKernels& kern = *options_.kernels;
+  RETURN_IF_ERROR(pass.handle->BindPlan(InverseCoordinates{{}, {}, in.tokens}));  // the inverse is on the device
+  const StepAgreement& agreement = pass.agreement;
+  for (int64_t c : agreement.recv_counts) pass.n_recv += c;
+  pass.bytes = SplitBytes(buf_.source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2);
+  RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
+  RETURN_IF_ERROR(buf_.d_recv_meta.Reserve(&kern, pass.n_recv * 4));
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, buf_.d_send_meta.data(), pass.bytes.send_meta,
+                                                buf_.d_recv_meta.data(), pass.bytes.recv_meta, options_.timeout));
+  const auto local = pass.manifest->LocalSlots(options_.rank);
+  const int l_count = static_cast<int>(local.size());
+  DestinationPlan& dest = buf_.dest;
+  dest.expert_counts.resize(l_count);
+  dest.expert_offsets.assign(l_count + 1, 0);
+  for (int l = 0; l < l_count; ++l) {
+    dest.expert_counts[l] = agreement.slot_routes[local[l].value()];
+    dest.expert_offsets[l + 1] = dest.expert_offsets[l] + dest.expert_counts[l];
+  }
+  if (dest.expert_offsets[l_count] != pass.n_recv) {
+    return absl::InternalError(absl::StrCat("device plan: the agreement gives rank ", options_.rank.value(),
+                                            "'s slots ", dest.expert_offsets[l_count], " routes, ", pass.n_recv,
+                                            " arrive"));
+  }
+  RETURN_IF_ERROR(buf_.d_expert_position.Reserve(&kern, pass.n_recv * 4));
+  RETURN_IF_ERROR(buf_.d_expert_order.Reserve(&kern, pass.n_recv * 4));
+  if (pass.n_recv > 0) {
+    int64_t* small = buf_.d_small.as<int64_t>();  // the send side's values were read back
+    kernels::RankByKeyParams rank;
+    rank.raw = buf_.d_recv_meta.as<int32_t>();
+    rank.n = pass.n_recv;
+    rank.key_map = pass.dtables->d_local_of_slot;
+    rank.map_size = pass.manifest->num_slots();
+    rank.num_keys = l_count;
+    rank.position = buf_.d_expert_position.as<int32_t>();
+    rank.order = buf_.d_expert_order.as<int32_t>();
+    rank.counts = small;
+    rank.offsets = small + l_count;
+    rank.status = small + 2 * l_count + 1;
+    RETURN_IF_ERROR(kern.RankByKey(rank, nullptr));
+    pass.recv_status = rank.status;  // read after the dispatch's synchronize
+  }
+  pass.pack_index = buf_.d_pack.as<int32_t>();
+  pass.row_of_route = buf_.d_row_of_route.as<int32_t>();
+  pass.gates = buf_.d_gates.as<float>();
+  pass.expert_order = buf_.d_expert_order.as<int32_t>();
+  pass.expert_position = buf_.d_expert_position.as<int32_t>();
+  ReserveOutput(pass);
   return absl::OkStatus();
 }
 
@@ -945,26 +1201,41 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
   const LayerStepInput& in = pass.in;
   kernels::ExpertKernels& kern = *options_.kernels;
   const int64_t row_bytes = static_cast<int64_t>(in.d) * 2, routes_n = in.tokens * in.k;
-  StepTables& tables = pass.tables;
-  pass.t_send = tables.Add(pass.handle->inverse().token.data(), pass.n_send * 4);
-  pass.t_order = tables.Add(buf_.dest.expert_order.data(), pass.n_recv * 4);
-  pass.t_position = tables.Add(buf_.dest.expert_position.data(), pass.n_recv * 4);
-  pass.t_rows_of = tables.Add(buf_.row_of_route.data(), routes_n * 4);
-  pass.t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
-  RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
+  if (!pass.device_plan) {
+    StepTables& tables = pass.tables;
+    const int t_send = tables.Add(pass.handle->inverse().token.data(), pass.n_send * 4);
+    const int t_order = tables.Add(buf_.dest.expert_order.data(), pass.n_recv * 4);
+    const int t_position = tables.Add(buf_.dest.expert_position.data(), pass.n_recv * 4);
+    const int t_rows_of = tables.Add(buf_.row_of_route.data(), routes_n * 4);
+    const int t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
+    RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
+    pass.pack_index = tables.Get<int32_t>(t_send);
+    pass.expert_order = tables.Get<int32_t>(t_order);
+    pass.expert_position = tables.Get<int32_t>(t_position);
+    pass.row_of_route = tables.Get<int32_t>(t_rows_of);
+    pass.gates = tables.Get<float>(t_gates);
+  }
   RETURN_IF_ERROR(buf_.send_rows.Reserve(&kern, pass.n_send * row_bytes));
   if (pass.n_send > 0) {
     kernels::GatherParams pack;
     pack.d = in.d;
     pack.in = pass.hidden;
     pack.in_rows = in.tokens;
-    pack.index = tables.Get<int32_t>(pass.t_send);
+    pack.index = pass.pack_index;
     pack.n = pass.n_send;
     pack.out = buf_.send_rows.data();
     RETURN_IF_ERROR(kern.Gather(pack, nullptr));
   }
   RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
   RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
+  if (pass.recv_status != nullptr) {           // the device plan's receive ranking, finished by now
+    int64_t bad = -1;
+    RETURN_IF_ERROR(kern.CopyToHost(&bad, pass.recv_status, sizeof(bad), nullptr));
+    if (bad >= 0) {
+      return absl::InternalError(absl::StrCat("received row ", bad, ": its slot metadata names no slot of rank ",
+                                              options_.rank.value(), " in placement-v", pass.version.value()));
+    }
+  }
   RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
                                                 buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
   return pass.handle->MarkExpertRowsReady();
@@ -985,7 +1256,7 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     repack.d = d;
     repack.in = buf_.recv_rows.data();
     repack.in_rows = n_recv;
-    repack.index = pass.tables.Get<int32_t>(pass.t_order);
+    repack.index = pass.expert_order;
     repack.n = n_recv;
     repack.out = buf_.expert_in.data();
     RETURN_IF_ERROR(kern.Gather(repack, nullptr));
@@ -1000,7 +1271,7 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
     kernels::GatherParams unpack = repack;
     unpack.in = buf_.expert_out.data();
-    unpack.index = pass.tables.Get<int32_t>(pass.t_position);
+    unpack.index = pass.expert_position;
     unpack.out = buf_.back_rows.data();
     RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
     RETURN_IF_ERROR(kern.Synchronize(nullptr));
@@ -1018,15 +1289,8 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   pass.clock.Enter(StepPhase::kCombine);
   if (in.tokens == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
-  kernels::CombineParams c{buf_.returned.as<uint16_t>(),
-                           pass.n_send,
-                           in.d,
-                           pass.tables.Get<int32_t>(pass.t_rows_of),
-                           pass.tables.Get<float>(pass.t_gates),
-                           in.tokens,
-                           in.k,
-                           nullptr,
-                           out};
+  kernels::CombineParams c{
+      buf_.returned.as<uint16_t>(), pass.n_send, in.d, pass.row_of_route, pass.gates, in.tokens, in.k, nullptr, out};
   RETURN_IF_ERROR(options_.kernels->Combine(c, nullptr));
   return CopyOut(pass, out);
 }

@@ -104,6 +104,14 @@ struct LayerExecutorOptions {
   // trial passes (shadow and canary steps of a candidate) are scaled by this factor on this rank,
   // as a candidate runner that computes something else would. 1 = off.
   float fault_trial_output_scale = 1.0f;
+  // Device planning of prefill steps: the routes are keyed, checked and ranked into the send
+  // order by the kernels (SealRoutes, RankByKey) where the rows are, and the receive side ranks
+  // the arrived slot metadata there too, so the host handles no per-route data: it reads back
+  // the counts per slot, agrees on them and sizes the exchanges. Steps where replica selection
+  // depends on the step (StaticSlotChoice: load-aware ties, hashing, round-robin), trial and
+  // shadow passes, and decode steps keep the host plan. Results and records are the host plan's;
+  // members may differ in this setting.
+  bool device_plan = false;
 };
 
 class LayerExecutor {
@@ -225,6 +233,15 @@ class LayerExecutor {
   absl::Status AgreePhase(Pass& pass, int64_t* agreed_shadow);
   void AdmitDecode(Pass& pass) const;
   absl::Status DispatchPlanPhase(Pass& pass);
+  // The device plan's halves of PlanPhase and DispatchPlanPhase (LayerExecutorOptions::device_plan).
+  absl::Status DevicePlanPhase(Pass& pass);
+  // The step's output buffer on the host when the caller gave none (recycled, not zeroed).
+  void ReserveOutput(Pass& pass);
+  absl::Status DeviceDispatchPlan(Pass& pass);
+  // A layout's static slot choice in kernel memory (null when the host plan must run).
+  struct DevicePlanTables;
+  std::shared_ptr<const DevicePlanTables> DeviceTablesFor(PlacementVersion version, int64_t layer,
+                                                          const std::shared_ptr<const PlacementManifest>& table);
   // The payload, eagerly: rows staged, then a lone member's decode step in one kernels call, or
   // dispatch, experts, return and combine as separate calls sized by this step.
   absl::Status EagerPayload(Pass& pass);
@@ -277,6 +294,9 @@ class LayerExecutor {
   // By (version, layer index): per-layer generations plan each layer on its own slot table
   // (index -1 for generations whose layers share one).
   std::map<std::pair<int64_t, int>, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
+  // By (version, layer): the device plan's tables, or null where the choice is not static.
+  std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const DevicePlanTables>> device_tables_
+      ABSL_GUARDED_BY(generations_mu_);
 
   // Step buffers, reused across steps: steady-state steps allocate (and page-fault) nothing.
   struct Buffers {
@@ -295,6 +315,12 @@ class LayerExecutor {
     std::vector<int64_t> slot_counts;
     SourcePlan source;
     DestinationPlan dest;
+    // The device plan's step tables (kernel memory): keyed routes, gates, each route's send
+    // position, the pack index and slot of each send position, the received slots, their
+    // expert positions and order, and the counts, offsets and status read back.
+    kernels::KernelBuffer d_keys, d_gates, d_row_of_route, d_pack, d_send_meta, d_recv_meta, d_expert_position,
+        d_expert_order, d_small;
+    std::vector<int64_t> plan_small;  // d_small on the host
   };
   Buffers buf_;
 };

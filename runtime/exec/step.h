@@ -81,6 +81,7 @@ struct StepRecord {
   int64_t routes_served = 0;  // routes this rank's experts computed (from every member's tokens)
   double execute_us = 0;      // wall time inside Execute
   bool canary = false;        // served by the candidate generation (a canary step)
+  bool device_plan = false;   // planned by the kernels (LayerExecutorOptions::device_plan)
   // Wall time of each phase (index: StepPhase), microseconds. Work that one launch does for
   // several phases is timed under experts: a replayed decode graph (dispatch through combine)
   // and a lone member's decode step (route, experts and combine in one kernels call).

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -17,7 +19,7 @@ const char* StepPhaseName(StepPhase phase) {
   return i >= 0 && i < kNumStepPhases ? kNames[i] : "unknown";
 }
 
-absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
+absl::Status ValidateStepShape(const LayerStepInput& in) {
   if (in.tokens < 0) return absl::InvalidArgumentError("hidden: negative token count");
   if (in.k <= 0) return absl::InvalidArgumentError("topk_ids: k must be positive");
   if (in.d <= 0) return absl::InvalidArgumentError("hidden: d must be positive");
@@ -27,20 +29,57 @@ absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
   if (in.rows_on_device && in.tokens > 0 && in.output == nullptr) {
     return absl::InvalidArgumentError("output: rows on the device need an output buffer on the device");
   }
+  return absl::OkStatus();
+}
+
+absl::Status RouteInputError(const LayerStepInput& in, int64_t i, int num_experts) {
+  const int32_t e = in.topk_ids[i];
+  if (e < 0 || e >= num_experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e, " outside [0, ", num_experts, ")"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", in.topk_weights[i],
+                                                 " is NaN, infinite or negative"));
+}
+
+absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {
+  RETURN_IF_ERROR(ValidateStepShape(in));
   for (int64_t i = 0; i < in.tokens * in.k; ++i) {
     if (in.admitted != nullptr && in.admitted[i] == 0) continue;
     const int32_t e = in.topk_ids[i];
-    if (e < 0 || e >= num_experts) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e, " outside [0, ", num_experts, ")"));
-    }
     const float g = in.topk_weights[i];
-    if (!std::isfinite(g) || g < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", g, " is NaN, infinite or negative"));
-    }
+    if (e < 0 || e >= num_experts || !std::isfinite(g) || g < 0) return RouteInputError(in, i, num_experts);
   }
   return absl::OkStatus();
+}
+
+std::optional<std::vector<int32_t>> StaticSlotChoice(const PlacementManifest& m, const ProcessGroup& group,
+                                                     const Topology& topology, Rank me, SelectorPolicy policy) {
+  // Round-robin keeps a cursor per expert across steps, which a step planned elsewhere would not
+  // advance.
+  if (policy == SelectorPolicy::kRoundRobin) return std::nullopt;
+  const int e_count = m.num_experts();
+  const int my_node = topology.HasRank(me) ? topology.NodeOf(me).value() : -1;
+  std::vector<int32_t> choice(e_count, -1);
+  for (int e = 0; e < e_count; ++e) {
+    int best = -1, best_class = 3, ties = 0, candidates = 0;
+    for (PhysicalSlotId q : m.SlotsOf(LogicalExpertId(e))) {
+      if (!Compatible(LogicalExpertId(e), q, m, group, topology)) continue;
+      ++candidates;
+      const Rank r = m.slot(q).rank;
+      const int cls = r == me ? 0 : (topology.NodeOf(r).value() == my_node ? 1 : 2);
+      if (cls < best_class) {
+        best = q.value();
+        best_class = cls;
+        ties = 1;
+      } else if (cls == best_class) {
+        ++ties;
+      }
+    }
+    if (candidates > 1 && (policy != SelectorPolicy::kLocalityFirst || ties > 1)) return std::nullopt;
+    choice[e] = best;
+  }
+  return choice;
 }
 
 absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions,

@@ -6,6 +6,7 @@
 #define MOE_RUNTIME_EXEC_STEP_PHASES_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -18,6 +19,7 @@
 #include "runtime/exec/step.h"
 #include "runtime/ids.h"
 #include "runtime/placement/manifest.h"
+#include "runtime/placement/replica_selector.h"
 #include "runtime/placement/topology.h"
 #include "runtime/plan/route_plan.h"
 #include "runtime/semantic.h"
@@ -28,6 +30,12 @@ namespace moe {
 // naming the field (and the token and choice) otherwise. Routes the router dropped are not
 // checked.
 absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts);
+// The same without the per-route checks (shapes, pointers): what a device-planned step checks on
+// the host; its routes are checked where they are keyed (kernels::SealRoutesParams).
+absl::Status ValidateStepShape(const LayerStepInput& in);
+// The error ValidateStepInput gives for route i (token-major) of `in` (an admitted route whose
+// expert or gate is out of range): the same message whichever side found it.
+absl::Status RouteInputError(const LayerStepInput& in, int64_t i, int num_experts);
 
 // validate: the engine's routes as this rank's sealed semantic handoff, token-major; a route the
 // router dropped stays in it, unadmitted, with expert 0 and gate 0. `reuse`, when given, is an
@@ -35,6 +43,15 @@ absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts);
 // page faults, per step).
 absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, int num_experts, int num_partitions,
                                          SemanticHandoff* reuse = nullptr);
+
+// plan (device): the slot each logical expert's routes from `me` take when replica selection
+// leaves the step no choice: under locality-first, every expert's compatible slots have one
+// best route class from `me`; under least-load, round-robin and hash, every expert has at most
+// one compatible slot. Entry e is that slot, or -1 when no compatible slot holds e (the step
+// fails as the selector would). nullopt: some expert's slot depends on the step's routes (the
+// load-aware tie-breaks, the hash of each route), so the host plan runs.
+std::optional<std::vector<int32_t>> StaticSlotChoice(const PlacementManifest& m, const ProcessGroup& group,
+                                                     const Topology& topology, Rank me, SelectorPolicy policy);
 
 // plan: the admitted routes in semantic order (`ids`, indices into `routes`) with the slot
 // replica selection gave each (`accepted`).

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -61,7 +62,8 @@ struct Rank4 {
     }
   }
 
-  Rank4() {
+  // `device_plan`: bit r set = rank r plans prefill steps on its kernels.
+  explicit Rank4(uint32_t device_plan = 0) {
     // Experts 0 and 1 replicated across nodes.
     manifest = TenSlots(17, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {0, 0, 1, 1, 2, 2, 3, 3, 3, 1});
     for (int r = 0; r < kRanks; ++r) {
@@ -77,6 +79,7 @@ struct Rank4 {
       o.transport = transport[r].get();
       o.kernels = kernels[r].get();
       o.timeout = absl::Seconds(5);
+      o.device_plan = (device_plan >> r & 1) != 0;
       exec[r] = *LayerExecutor::Create(std::move(o));
       auto local = LoadLocalExperts(checkpoint, *manifest, Rank(r));
       EXPECT_TRUE(local.ok()) << local.status();
@@ -410,6 +413,86 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
   inputs[1].ids[3] = 0;
   results = RunStep(w, inputs, 2, 0);
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+}
+
+// The device plan (the kernels key, check and rank the routes; here the CPU reference) gives
+// the host plan's outputs bit for bit and the same records, with some members planning on the
+// kernels and others on the host in the same steps. Ranks 2 and 3 (node 1) choose expert 1's
+// copy between two slots on node 0 by load, so they keep the host plan whatever the setting;
+// decode steps keep it too.
+TEST(LayerExecutorTest, DevicePlanGivesTheHostPlansOutputsAndRecords) {
+  for (uint32_t mask : {0b1111u, 0b0001u}) {
+    Rank4 host(0), mixed(mask);
+    std::mt19937 rng(33);
+    for (uint64_t step = 1; step <= 5; ++step) {
+      std::vector<RankInput> inputs;
+      for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, r == 0 && step == 2 ? 0 : 1 + rng() % 40));
+      const Phase phase = step == 4 ? Phase::kDecode : Phase::kPrefill;
+      std::vector<absl::StatusOr<LayerStepResult>> a(kRanks, absl::UnknownError("")), b = a;
+      std::vector<std::thread> threads;
+      for (int r = 0; r < kRanks; ++r) {
+        threads.emplace_back([&, r] { a[r] = host.exec[r]->Execute(inputs[r].Step(step, 3, phase)); });
+        threads.emplace_back([&, r] { b[r] = mixed.exec[r]->Execute(inputs[r].Step(step, 3, phase)); });
+      }
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < kRanks; ++r) {
+        ASSERT_TRUE(a[r].ok()) << a[r].status();
+        ASSERT_TRUE(b[r].ok()) << b[r].status();
+        EXPECT_EQ(a[r]->output, b[r]->output) << "mask " << mask << " step " << step << " rank " << r;
+        const StepRecord &x = a[r]->record, &y = b[r]->record;
+        EXPECT_FALSE(x.device_plan);
+        const bool expect_device = (mask >> r & 1) != 0 && r < 2 && phase == Phase::kPrefill && inputs[r].tokens > 0;
+        EXPECT_EQ(y.device_plan, expect_device) << "mask " << mask << " step " << step << " rank " << r;
+        EXPECT_EQ(x.routes_attempted, y.routes_attempted);
+        EXPECT_EQ(x.routes_accepted, y.routes_accepted);
+        EXPECT_EQ(x.routes_remote, y.routes_remote);
+        EXPECT_EQ(x.routes_inter_node, y.routes_inter_node);
+        EXPECT_EQ(x.routes_served, y.routes_served);
+        EXPECT_EQ(x.bytes_sent, y.bytes_sent);
+        EXPECT_LT(ErrorAgainstReference(host.checkpoint, inputs[r], b[r]->output), 1e-2);
+        EXPECT_EQ(mixed.registry[r].Refcount(PlacementVersion(17)), 0);
+      }
+    }
+    // The load signal counts the same routes per expert.
+    for (int r = 0; r < kRanks; ++r) EXPECT_EQ(host.exec[r]->ExpertLoad(), mixed.exec[r]->ExpertLoad()) << r;
+  }
+}
+
+// Bad routes found by the kernels are refused as the host plan refuses them (same code and
+// message), every peer aborts at once, and the next step serves.
+TEST(LayerExecutorTest, DevicePlanRefusesBadRoutesAsTheHostPlanDoes) {
+  for (const auto& [what, id, gate] : {std::tuple<const char*, int, float>{"id", kExperts + 5, 0.5f},
+                                       {"negative id", -1, 0.5f},
+                                       {"NaN gate", 0, std::nanf("")},
+                                       {"negative gate", 0, -0.25f}}) {
+    Rank4 host(0), device(0b1111);
+    std::mt19937 rng(5);
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 6));
+    inputs[1].ids[7] = id;
+    inputs[1].gates[7] = gate;
+    inputs[1].admitted[7] = 1;
+    inputs[1].ids[9] = kExperts + 7;  // a later bad route: the first one is named
+    inputs[1].admitted[9] = 1;
+    inputs[1].admitted[4] = 0;  // an unadmitted route is not checked
+    inputs[1].ids[4] = -100;
+    const auto a = RunStep(host, inputs, 1, 0);
+    const absl::Time start = absl::Now();
+    const auto b = RunStep(device, inputs, 1, 0);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << what;
+    EXPECT_EQ(b[1].status().code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_EQ(b[1].status().message(), a[1].status().message()) << what;
+    EXPECT_THAT(std::string(b[1].status().message()), ::testing::HasSubstr("[3][1]")) << what;
+    for (int r : {0, 2, 3}) EXPECT_EQ(b[r].status().code(), absl::StatusCode::kAborted) << what << " rank " << r;
+    inputs[1].ids[7] = 0;
+    inputs[1].gates[7] = 0.5f;
+    inputs[1].ids[9] = 1;
+    const auto c = RunStep(device, inputs, 2, 0);
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(c[r].ok()) << what << " rank " << r << ": " << c[r].status();
+      EXPECT_EQ(c[r]->record.device_plan, r < 2) << what << " rank " << r;  // 2 and 3: load-dependent choice
+    }
+  }
 }
 
 TEST(CheckpointTest, SafetensorsRoundTripAndDigestCheck) {

@@ -1,0 +1,71 @@
+// The CPU reference of the route-planning calls (kernels/api.h: SealRoutesParams,
+// RankByKeyParams), on host memory. The CUDA implementation must match it exactly.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/api.h"
+
+namespace moe::kernels {
+
+absl::Status ExpertKernels::SealRoutes(const SealRoutesParams& p, Stream) {
+  if (absl::Status s = CheckSealRoutes(p); !s.ok()) return s;
+  p.status[0] = -1;
+  p.status[1] = -1;
+  for (int64_t i = 0; i < p.routes; ++i) {
+    p.keys[i] = -1;
+    p.gates_out[i] = 0.0f;
+    if (p.admitted != nullptr && p.admitted[i] == 0) continue;
+    const int32_t e = p.ids[i];
+    const float g = p.gates[i];
+    if (e < 0 || e >= p.num_experts || !std::isfinite(g) || g < 0.0f) {
+      if (p.status[0] < 0) p.status[0] = i;
+      continue;
+    }
+    const int32_t key = p.key_of_expert[e];
+    if (key < 0 && p.status[1] < 0) p.status[1] = i;
+    p.keys[i] = key;
+    p.gates_out[i] = g;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertKernels::RankByKey(const RankByKeyParams& p, Stream) {
+  if (absl::Status s = CheckRankByKey(p); !s.ok()) return s;
+  p.status[0] = -1;
+  std::vector<int32_t> keys(static_cast<size_t>(p.n));
+  for (int64_t i = 0; i < p.num_keys; ++i) p.counts[i] = 0;
+  for (int64_t i = 0; i < p.n; ++i) {
+    int32_t key = p.raw[i];
+    bool bad = false;
+    if (p.key_map != nullptr && key >= 0) {
+      bad = key >= p.map_size || p.key_map[key] < 0;
+      key = bad ? -1 : p.key_map[key];
+    } else if (p.key_map != nullptr) {
+      bad = key != -1;
+    }
+    bad = bad || key >= p.num_keys;
+    if (bad) {
+      if (p.status[0] < 0) p.status[0] = i;
+      key = -1;
+    }
+    keys[i] = key;
+    if (key >= 0) ++p.counts[key];
+  }
+  p.offsets[0] = 0;
+  for (int k = 0; k < p.num_keys; ++k) p.offsets[k + 1] = p.offsets[k] + p.counts[k];
+  std::vector<int64_t> next(p.offsets, p.offsets + p.num_keys);
+  for (int64_t i = 0; i < p.n; ++i) {
+    if (keys[i] < 0) {
+      p.position[i] = -1;
+      continue;
+    }
+    const int64_t pos = next[keys[i]]++;
+    p.position[i] = static_cast<int32_t>(pos);
+    if (p.order != nullptr) p.order[pos] = static_cast<int32_t>(i / p.order_divisor);
+    if (p.values != nullptr) p.values[pos] = p.key_values[keys[i]];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe::kernels
