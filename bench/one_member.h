@@ -71,7 +71,7 @@ struct OneMemberRank {
 };
 
 inline absl::Status MakeOneMemberRank(OneMemberBackend& backend, int experts, int d, int f, DecodeRunner runner,
-                                      OneMemberRank* r) {
+                                      OneMemberRank* r, bool device_plan = false) {
   r->ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
   const Topology topology = TwoNodeTopology(1);
   const ProcessGroup group = LocalClusterGroup(1, 1);
@@ -86,6 +86,7 @@ inline absl::Status MakeOneMemberRank(OneMemberBackend& backend, int experts, in
   eo.transport = backend.transport.get();
   eo.kernels = backend.kernels.get();
   eo.decode_runner = runner;
+  eo.device_plan = device_plan;
   ASSIGN_OR_RETURN(r->executor, LayerExecutor::Create(std::move(eo)));
   ASSIGN_OR_RETURN(LocalExperts weights, LoadLocalExperts(r->ckpt, *manifest, Rank(0)));
   return r->executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(weights)));

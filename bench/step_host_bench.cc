@@ -29,6 +29,7 @@
 ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
 ABSL_FLAG(int, experts, 128, "logical experts");
 ABSL_FLAG(int, k, 8, "routes per token");
+ABSL_FLAG(bool, device_plan, false, "plan the steps on the kernels (LayerExecutorOptions::device_plan)");
 
 namespace moe {
 namespace {
@@ -50,13 +51,15 @@ int Main() {
   const int d = cuda ? 2048 : 64, f = cuda ? 768 : 16, experts = absl::GetFlag(FLAGS_experts),
             k = absl::GetFlag(FLAGS_k);
   bench::OneMemberRank rank;
-  if (absl::Status s = bench::MakeOneMemberRank(backend, experts, d, f, DecodeRunner::kKernels, &rank); !s.ok()) {
+  if (absl::Status s = bench::MakeOneMemberRank(backend, experts, d, f, DecodeRunner::kKernels, &rank,
+                                                absl::GetFlag(FLAGS_device_plan));
+      !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 1;
   }
   LayerExecutor* executor = rank.executor.get();
-  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, median of %d\n", kernels->name(), experts, k, d,
-              f, absl::GetFlag(FLAGS_reps));
+  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, %s plan, median of %d\n", kernels->name(),
+              experts, k, d, f, absl::GetFlag(FLAGS_device_plan) ? "device" : "host", absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");
   for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9s", StepPhaseName(static_cast<StepPhase>(p)));
   std::printf(" %10s %12s %13s %11s\n", "step_us", "non-expert", "ns/route", "cpu_us");
@@ -90,6 +93,11 @@ int Main() {
       const double cpu_us = (CpuSeconds() - cpu0) * 1e6;
       if (!r.ok()) {
         std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
+        return 1;
+      }
+      if (r->record.device_plan != absl::GetFlag(FLAGS_device_plan)) {
+        std::fprintf(stderr, "step planned on the %s, asked for the other\n",
+                     r->record.device_plan ? "device" : "host");
         return 1;
       }
       if (rep == 0) continue;  // warm-up

@@ -97,6 +97,9 @@ ABSL_FLAG(std::string, decode_runner, "kernels",
           "decode graph bucket's expert runner: kernels (decode kernels over compact segments), padded (GEMMs over "
           "slots padded to the bucket's routes per slot) or auto (padded when a full bucket gives each slot two "
           "rows or more); every rank must use the same (else decode steps serve eagerly)");
+ABSL_FLAG(bool, device_plan, true,
+          "plan prefill steps on the kernels (route keys, checks and the send and receive orders where the rows "
+          "are; the host reads back counts per slot) wherever replica choice does not depend on the step");
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
@@ -560,6 +563,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
   eo.decode_rank_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
   eo.decode_runner = o.decode_runner;
+  eo.device_plan = absl::GetFlag(FLAGS_device_plan);
   if (o.trial_drift) {
     eo.fault_trial_output_scale = 1.05f;
     spdlog::warn("fault injection: trial passes on this rank return outputs scaled by 1.05");

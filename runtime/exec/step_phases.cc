@@ -1,5 +1,6 @@
 #include "runtime/exec/step_phases.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -62,7 +63,10 @@ std::optional<std::vector<int32_t>> StaticSlotChoice(const PlacementManifest& m,
   const int my_node = topology.HasRank(me) ? topology.NodeOf(me).value() : -1;
   std::vector<int32_t> choice(e_count, -1);
   for (int e = 0; e < e_count; ++e) {
-    int best = -1, best_class = 3, ties = 0, candidates = 0;
+    // The best route class's candidates: the lowest slot id among them, unless they span ranks
+    // (then the selector breaks the tie by the step's running load per rank).
+    int best = -1, best_class = 3, best_rank = -1, candidates = 0;
+    bool spans_ranks = false;
     for (PhysicalSlotId q : m.SlotsOf(LogicalExpertId(e))) {
       if (!Compatible(LogicalExpertId(e), q, m, group, topology)) continue;
       ++candidates;
@@ -71,12 +75,14 @@ std::optional<std::vector<int32_t>> StaticSlotChoice(const PlacementManifest& m,
       if (cls < best_class) {
         best = q.value();
         best_class = cls;
-        ties = 1;
+        best_rank = r.value();
+        spans_ranks = false;
       } else if (cls == best_class) {
-        ++ties;
+        spans_ranks = spans_ranks || r.value() != best_rank;
+        best = std::min(best, q.value());
       }
     }
-    if (candidates > 1 && (policy != SelectorPolicy::kLocalityFirst || ties > 1)) return std::nullopt;
+    if (candidates > 1 && (policy != SelectorPolicy::kLocalityFirst || spans_ranks)) return std::nullopt;
     choice[e] = best;
   }
   return choice;

@@ -45,9 +45,10 @@ absl::StatusOr<FrozenHandoff> SealRoutes(const LayerStepInput& in, Rank rank, in
                                          SemanticHandoff* reuse = nullptr);
 
 // plan (device): the slot each logical expert's routes from `me` take when replica selection
-// leaves the step no choice: under locality-first, every expert's compatible slots have one
-// best route class from `me`; under least-load, round-robin and hash, every expert has at most
-// one compatible slot. Entry e is that slot, or -1 when no compatible slot holds e (the step
+// leaves the step no choice: under locality-first, every expert's compatible slots of the best
+// route class from `me` are on one rank (the lowest slot id wins the tie then); under least-load
+// and hash, every expert has at most one compatible slot (round-robin: never, its cursor lives
+// across steps). Entry e is that slot, or -1 when no compatible slot holds e (the step
 // fails as the selector would). nullopt: some expert's slot depends on the step's routes (the
 // load-aware tie-breaks, the hash of each route), so the host plan runs.
 std::optional<std::vector<int32_t>> StaticSlotChoice(const PlacementManifest& m, const ProcessGroup& group,

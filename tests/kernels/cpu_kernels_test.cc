@@ -535,5 +535,79 @@ TEST(CpuKernelsTest, CudaIsUnavailableOrReal) {
   }
 }
 
+// The device plan's reference: routes keyed through their expert and checked, then a stable
+// counting sort by key with the pack order and each key's value (numbers worked out by hand).
+TEST(CpuKernelsTest, RoutePlanningReference) {
+  auto k = kernels::CreateCpuKernels();
+  // Six routes (three tokens of k = 2) over four experts; expert 3 has no key.
+  const std::vector<int32_t> ids = {2, 0, 1, 2, 0, 9};
+  const std::vector<float> gates = {0.5f, 0.5f, 0.25f, 0.75f, 1.0f, 0.0f};
+  const std::vector<uint8_t> admitted = {1, 1, 1, 1, 1, 0};  // the bad id is not admitted
+  const std::vector<int32_t> key_of_expert = {1, 0, 1, -1};
+  std::vector<int32_t> keys(6);
+  std::vector<float> gates_out(6);
+  std::vector<int64_t> status(2);
+  kernels::SealRoutesParams seal{ids.data(),  gates.data(),     admitted.data(), 6, 4, key_of_expert.data(),
+                                 keys.data(), gates_out.data(), status.data()};
+  ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
+  EXPECT_EQ(keys, (std::vector<int32_t>{1, 1, 0, 1, 1, -1}));
+  EXPECT_EQ(gates_out, (std::vector<float>{0.5f, 0.5f, 0.25f, 0.75f, 1.0f, 0.0f}));
+  EXPECT_EQ(status, (std::vector<int64_t>{-1, -1}));
+  std::vector<int32_t> bad = ids;
+  bad[1] = 3;  // no key
+  bad[4] = 4;  // out of range
+  seal.ids = bad.data();
+  ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
+  EXPECT_EQ(status, (std::vector<int64_t>{4, 1}));
+  seal.ids = ids.data();
+  ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
+  // Keys {1, 1, 0, 1, 1, -1}: key 0 first (route 2), then key 1 in route order.
+  const std::vector<int32_t> slot_of_key = {10, 11};
+  std::vector<int32_t> position(6), order(5), values(5);
+  std::vector<int64_t> counts(2), offsets(3), st(1);
+  kernels::RankByKeyParams rank;
+  rank.raw = keys.data();
+  rank.n = 6;
+  rank.num_keys = 2;
+  rank.position = position.data();
+  rank.order = order.data();
+  rank.order_divisor = 2;
+  rank.key_values = slot_of_key.data();
+  rank.values = values.data();
+  rank.counts = counts.data();
+  rank.offsets = offsets.data();
+  rank.status = st.data();
+  ASSERT_TRUE(k->RankByKey(rank, nullptr).ok());
+  EXPECT_EQ(position, (std::vector<int32_t>{1, 2, 0, 3, 4, -1}));
+  EXPECT_EQ(order, (std::vector<int32_t>{1, 0, 0, 1, 2}));  // tokens
+  EXPECT_EQ(values, (std::vector<int32_t>{10, 11, 11, 11, 11}));
+  EXPECT_EQ(counts, (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(offsets, (std::vector<int64_t>{0, 1, 5}));
+  EXPECT_EQ(st[0], -1);
+  // Through a map (slot -> key): slot 5 maps to nothing, and a key past num_keys is refused.
+  const std::vector<int32_t> map = {-1, 1, 0, -1, 1, -1};
+  std::vector<int32_t> raw = {1, 2, -1, 4};
+  rank.raw = raw.data();
+  rank.n = 4;
+  rank.key_map = map.data();
+  rank.map_size = 6;
+  rank.order_divisor = 1;
+  ASSERT_TRUE(k->RankByKey(rank, nullptr).ok());
+  EXPECT_EQ(std::vector<int32_t>(position.begin(), position.begin() + 4), (std::vector<int32_t>{1, 0, -1, 2}));
+  EXPECT_EQ(st[0], -1);
+  raw = {1, 5, 6, 4};
+  ASSERT_TRUE(k->RankByKey(rank, nullptr).ok());
+  EXPECT_EQ(st[0], 1);
+  raw = {1, 2, -2, 4};
+  ASSERT_TRUE(k->RankByKey(rank, nullptr).ok());
+  EXPECT_EQ(st[0], 2);
+  rank.key_map = nullptr;
+  raw = {0, 1, 2, -3};
+  ASSERT_TRUE(k->RankByKey(rank, nullptr).ok());
+  EXPECT_EQ(st[0], 2);  // key 2 >= num_keys; -3 without a map is simply not placed
+  rank.num_keys = 0;
+  EXPECT_EQ(k->RankByKey(rank, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace moe::kernels

@@ -898,6 +898,117 @@ TEST_F(CudaKernelsTest, FindNonFiniteMatchesCpu) {
   EXPECT_EQ(*zero, -1);
 }
 
+// The device plan's calls equal the CPU reference element for element: keys, gates, positions
+// (a stable order), pack order, slot values, counts, offsets and the first bad element, over
+// tile boundaries (256), many keys, a key map, and inputs with bad routes.
+TEST_F(CudaKernelsTest, RoutePlanningMatchesCpu) {
+  for (int64_t routes : {int64_t{0}, int64_t{1}, int64_t{255}, int64_t{257}, int64_t{16384 + 3}, int64_t{65536}}) {
+    for (int num_keys : {1, 37, 300, 5000}) {
+      const int experts = num_keys + 3;  // three experts without a key
+      std::uniform_int_distribution<int> pick(0, experts - 1);
+      std::vector<int32_t> ids(routes), key_of_expert(experts), slot_of_key(num_keys);
+      std::vector<float> gates(routes);
+      std::vector<uint8_t> admitted(routes);
+      for (int e = 0; e < experts; ++e) key_of_expert[e] = e < num_keys ? (e * 7919) % num_keys : -1;
+      for (int k = 0; k < num_keys; ++k) slot_of_key[k] = 3 * k + 1;
+      for (int64_t i = 0; i < routes; ++i) {
+        ids[i] = pick(rng_) % std::max(1, num_keys);  // keyed experts only
+        gates[i] = static_cast<float>(i % 97) / 97.0f;
+        admitted[i] = i % 11 != 0;
+      }
+      auto seal_both = [&](const std::vector<int32_t>& id, const std::vector<float>& g) {
+        DeviceVector<int32_t> d_ids(id), d_key_of_expert(key_of_expert), d_keys(routes);
+        DeviceVector<float> d_gates(g), d_gates_out(routes);
+        DeviceVector<uint8_t> d_admitted(admitted);
+        DeviceVector<int64_t> d_status(2);
+        std::vector<int32_t> keys(routes);
+        std::vector<float> gates_out(routes);
+        std::vector<int64_t> status(2);
+        kernels::SealRoutesParams p{id.data(),   g.data(),         admitted.data(),
+                                    routes,      experts,          key_of_expert.data(),
+                                    keys.data(), gates_out.data(), status.data()};
+        EXPECT_TRUE(cpu_->SealRoutes(p, nullptr).ok());
+        p = {d_ids.get(),           d_gates.get(), d_admitted.get(),  routes,        experts,
+             d_key_of_expert.get(), d_keys.get(),  d_gates_out.get(), d_status.get()};
+        EXPECT_TRUE(gpu_->SealRoutes(p, nullptr).ok());
+        EXPECT_EQ(d_keys.Host(), keys);
+        EXPECT_EQ(d_gates_out.Host(), gates_out);
+        EXPECT_EQ(d_status.Host(), status);
+        return std::make_pair(keys, status);
+      };
+      auto [keys, status] = seal_both(ids, gates);
+      EXPECT_EQ(status, (std::vector<int64_t>{-1, -1}));
+      if (routes > 200) {
+        std::vector<int32_t> bad_ids = ids;
+        std::vector<float> bad_gates = gates;
+        bad_ids[150] = experts;          // out of range
+        bad_gates[170] = std::nanf("");  // NaN
+        bad_ids[121] = num_keys;         // valid expert without a key
+        bad_ids[110] = -5;               // unadmitted: not checked
+        admitted[110] = 0;
+        auto [k2, s2] = seal_both(bad_ids, bad_gates);
+        EXPECT_EQ(s2, (std::vector<int64_t>{150, 121}));
+        admitted[110] = 1;
+      }
+      // Rank the keys, with the pack order (routes of 2) and the slot values.
+      auto rank_both = [&](const std::vector<int32_t>& raw, const std::vector<int32_t>* map, int divisor) {
+        const int64_t n = static_cast<int64_t>(raw.size());
+        std::vector<int32_t> pos(n), order(n, -7), values(n, -7);
+        std::vector<int64_t> counts(num_keys), offsets(num_keys + 1), st(1);
+        kernels::RankByKeyParams p;
+        p.raw = raw.data();
+        p.n = n;
+        p.key_map = map != nullptr ? map->data() : nullptr;
+        p.map_size = map != nullptr ? static_cast<int>(map->size()) : 0;
+        p.num_keys = num_keys;
+        p.position = pos.data();
+        p.order = order.data();
+        p.order_divisor = divisor;
+        p.key_values = slot_of_key.data();
+        p.values = values.data();
+        p.counts = counts.data();
+        p.offsets = offsets.data();
+        p.status = st.data();
+        EXPECT_TRUE(cpu_->RankByKey(p, nullptr).ok());
+        DeviceVector<int32_t> d_raw(raw), d_pos(n), d_order(std::vector<int32_t>(n, -7)),
+            d_values(std::vector<int32_t>(n, -7)), d_slot_of_key(slot_of_key),
+            d_map(map != nullptr ? *map : std::vector<int32_t>{});
+        DeviceVector<int64_t> d_counts(num_keys), d_offsets(num_keys + 1), d_st(1);
+        p.raw = d_raw.get();
+        p.key_map = map != nullptr ? d_map.get() : nullptr;
+        p.position = d_pos.get();
+        p.order = d_order.get();
+        p.key_values = d_slot_of_key.get();
+        p.values = d_values.get();
+        p.counts = d_counts.get();
+        p.offsets = d_offsets.get();
+        p.status = d_st.get();
+        EXPECT_TRUE(gpu_->RankByKey(p, nullptr).ok());
+        EXPECT_EQ(d_st.Host(), st) << "routes " << routes << " keys " << num_keys;
+        if (st[0] < 0) {
+          EXPECT_EQ(d_pos.Host(), pos) << "routes " << routes << " keys " << num_keys;
+          EXPECT_EQ(d_order.Host(), order);
+          EXPECT_EQ(d_values.Host(), values);
+          EXPECT_EQ(d_counts.Host(), counts);
+          EXPECT_EQ(d_offsets.Host(), offsets);
+        }
+        return st[0];
+      };
+      EXPECT_EQ(rank_both(keys, nullptr, 2), -1);
+      // Through a map: raw slot ids 3k + 1 back to keys; -1 is "no key".
+      std::vector<int32_t> map(3 * num_keys + 2, -1), raw(keys.size());
+      for (int k = 0; k < num_keys; ++k) map[3 * k + 1] = k;
+      for (size_t i = 0; i < keys.size(); ++i) raw[i] = keys[i] < 0 ? -1 : 3 * keys[i] + 1;
+      EXPECT_EQ(rank_both(raw, &map, 1), -1);
+      if (routes > 200) {
+        raw[180] = 0;  // a slot the map does not hold
+        raw[199] = static_cast<int32_t>(map.size());
+        EXPECT_EQ(rank_both(raw, &map, 1), 180);
+      }
+    }
+  }
+}
+
 // A memory or event handle that names nothing is refused, not mapped, and the process stays
 // usable. (compute-sanitizer reports the refused driver calls as API errors: run it on the
 // other tests.)
