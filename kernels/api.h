@@ -121,8 +121,8 @@ struct SealRoutesParams {
 // RankByKey is a stable counting sort. Element i's key is raw[i], or key_map[raw[i]] with a map
 // (raw -1: no key); elements without a key (< 0) are not placed. position[i] = the element's
 // place in the order (key, i) over the placed elements, -1 for the others; order[position[i]] =
-// i / order_divisor (optional); values[position[i]] = key_values[key] (optional, both or
-// neither). counts [num_keys] and offsets [num_keys + 1] (exclusive, with the total as
+// i / order_divisor (optional); values[position[i]] = key_values[key] (optional; values needs
+// key_values). counts [num_keys] and offsets [num_keys + 1] (exclusive, with the total as
 // sentinel) are written too. status[0] = the first element whose key is >= num_keys, whose raw
 // value is outside [-1, map_size) or maps to -1 (-1: none); the other outputs are then
 // unspecified. Every pointer is kernel memory; n < 2^31.

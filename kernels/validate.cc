@@ -133,8 +133,7 @@ absl::Status CheckRankByKey(const RankByKeyParams& p) {
   KERNEL_INVALID_IF(p.n < 0 || p.n > std::numeric_limits<int32_t>::max(), "rank_by_key.n: outside [0, 2^31)");
   KERNEL_INVALID_IF(p.order_divisor <= 0, "rank_by_key.order_divisor: must be positive");
   KERNEL_INVALID_IF(p.key_map != nullptr && p.map_size <= 0, "rank_by_key.map_size: must be positive with a map");
-  KERNEL_INVALID_IF((p.key_values == nullptr) != (p.values == nullptr),
-                    "rank_by_key: key_values and values go together");
+  KERNEL_INVALID_IF(p.n > 0 && p.values != nullptr && p.key_values == nullptr, "rank_by_key.values: need key_values");
   KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr || p.status == nullptr,
                     "rank_by_key: null counts, offsets or status");
   KERNEL_INVALID_IF(p.n > 0 && (p.raw == nullptr || p.position == nullptr), "rank_by_key: null buffer");

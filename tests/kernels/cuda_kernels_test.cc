@@ -969,7 +969,8 @@ TEST_F(CudaKernelsTest, RoutePlanningMatchesCpu) {
         p.counts = counts.data();
         p.offsets = offsets.data();
         p.status = st.data();
-        EXPECT_TRUE(cpu_->RankByKey(p, nullptr).ok());
+        const absl::Status cpu_status = cpu_->RankByKey(p, nullptr);
+        EXPECT_TRUE(cpu_status.ok()) << cpu_status;
         DeviceVector<int32_t> d_raw(raw), d_pos(n), d_order(std::vector<int32_t>(n, -7)),
             d_values(std::vector<int32_t>(n, -7)), d_slot_of_key(slot_of_key),
             d_map(map != nullptr ? *map : std::vector<int32_t>{});
