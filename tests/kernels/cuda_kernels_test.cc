@@ -943,7 +943,7 @@ TEST_F(CudaKernelsTest, RoutePlanningMatchesCpu) {
         std::vector<float> bad_gates = gates;
         bad_ids[150] = experts;          // out of range
         bad_gates[170] = std::nanf("");  // NaN
-        bad_ids[121] = num_keys;         // valid expert without a key
+        bad_ids[122] = num_keys;         // a valid expert without a key (route 121 is unadmitted)
         bad_ids[110] = -5;               // unadmitted: not checked
         admitted[110] = 0;
         auto [k2, s2] = seal_both(bad_ids, bad_gates);
