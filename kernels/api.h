@@ -126,6 +126,7 @@ struct SealRoutesParams {
 // sentinel) are written too. status[0] = the first element whose key is >= num_keys, whose raw
 // value is outside [-1, map_size) or maps to -1 (-1: none); the other outputs are then
 // unspecified. Every pointer is kernel memory; n < 2^31.
+inline constexpr int kRankByKeyMaxKeys = 12 * 1024;  // CUDA keeps a count per key in shared memory
 struct RankByKeyParams {
   const int32_t* raw = nullptr;  // [n]
   int64_t n = 0;

@@ -32,7 +32,7 @@ cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8
                              int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
                              int64_t* status, cudaStream_t stream);
 // Scratch RankByKey needs (int32 per key and tile of 256 elements); num_keys <= kMaxRankKeys.
-constexpr int kMaxRankKeys = 12 * 1024;
+constexpr int kMaxRankKeys = 12 * 1024;  // kernels/api.h kRankByKeyMaxKeys
 int64_t RankByKeyScratchBytes(int64_t n, int num_keys);
 cudaError_t LaunchRankByKey(const int32_t* raw, int64_t n, const int32_t* key_map, int map_size, int num_keys,
                             int32_t* position, int32_t* order, int order_divisor, const int32_t* key_values,

@@ -910,10 +910,11 @@ std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTabl
           : StaticSlotChoice(*table, *options_.group, *options_.topology, options_.rank, options_.selector);
   absl::StatusOr<PlanLayout> layout = choice.has_value() ? PlanLayout::Create(table, *options_.group)
                                                          : absl::StatusOr<PlanLayout>(absl::UnknownError(""));
-  if (layout.ok() && layout->PeerKeyBegin(layout->num_peers()) > 0) {
+  const int num_keys = layout.ok() ? layout->PeerKeyBegin(layout->num_peers()) : 0;
+  if (num_keys > 0 && num_keys <= kernels::kRankByKeyMaxKeys) {
     t = std::make_shared<DevicePlanTables>();
     const PlacementManifest& m = *table;
-    t->num_keys = layout->PeerKeyBegin(layout->num_peers());
+    t->num_keys = num_keys;
     t->key_of_expert.assign(m.num_experts(), -1);
     for (int e = 0; e < m.num_experts(); ++e) {
       if ((*choice)[e] >= 0) t->key_of_expert[e] = layout->SlotKey(PhysicalSlotId((*choice)[e]));
