@@ -653,9 +653,11 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("hidden: rows in device memory need device kernels; rank ",
                                                       options_.rank.value(), " runs ", options_.kernels->name()));
   }
-  pass.device_plan = options_.device_plan && in.phase == Phase::kPrefill && !pass.trial && !pass.po.shadow_pass &&
-                     in.tokens > 0 && (*manifest)->ServesLayer(in.layer) &&
-                     DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer)) != nullptr;
+  if (options_.device_plan && in.phase == Phase::kPrefill && !pass.trial && !pass.po.shadow_pass && in.tokens > 0 &&
+      (*manifest)->ServesLayer(in.layer)) {
+    pass.dtables = DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer));
+  }
+  pass.device_plan = pass.dtables != nullptr;
   if (pass.device_plan) {
     // The handoff's scalars are sealed here; its routes are keyed and checked by the kernels in
     // the plan phase (SealRoutes), into kernel memory that only this step writes.
@@ -887,6 +889,7 @@ void LayerExecutor::ReserveOutput(Pass& pass) {
 // key of its statically chosen slot), each key's slot and logical expert, and each slot's local
 // index on this rank (-1 elsewhere). The first three index arrays also live in kernel memory.
 struct LayerExecutor::DevicePlanTables {
+  PlacementVersion version{0};
   int num_keys = 0;  // slots of the group's members, keyed in (peer, slot) order
   std::vector<int32_t> key_of_expert, slot_of_key, expert_of_key, local_of_slot;
   kernels::KernelBuffer device;  // key_of_expert, slot_of_key, local_of_slot
@@ -914,6 +917,7 @@ std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTabl
   if (num_keys > 0 && num_keys <= kernels::kRankByKeyMaxKeys) {
     t = std::make_shared<DevicePlanTables>();
     const PlacementManifest& m = *table;
+    t->version = version;
     t->num_keys = num_keys;
     t->key_of_expert.assign(m.num_experts(), -1);
     for (int e = 0; e < m.num_experts(); ++e) {
@@ -959,7 +963,9 @@ std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTabl
 absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   const LayerStepInput& in = pass.in;
   const PlacementManifest& m = *pass.manifest;
-  pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
+  if (pass.dtables->version != pass.version) {  // another generation became active since validate
+    pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
+  }
   if (pass.dtables == nullptr) {
     return absl::UnavailableError(absl::StrCat("step ", in.step_id, ": placement-v", pass.version.value(),
                                                " became active during the step and its replica choice needs the",
