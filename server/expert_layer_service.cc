@@ -363,8 +363,13 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
           device_checked = std::move(s);
         }
       }
-      // After the scan on the same stream: the copy's wait covers the scan too (one wait, not two).
-      if (checked.ok() && step.device_topk_ids != nullptr) checked = CopyDeviceRouting(step, &in);
+      // Routing in the engine's GPU memory: a step planned on the kernels reads it in place, any
+      // other step copies it to the host first (LayerStepInput::routing_on_device).
+      if (step.device_topk_ids != nullptr) {
+        in.topk_ids = step.device_topk_ids;
+        in.topk_weights = step.device_topk_weights;
+        in.routing_on_device = true;
+      }
       r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
       if (device_check) in.await_input_check().IgnoreError();  // every started scan is finished
     }
@@ -439,24 +444,6 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
   response->set_bytes(opened->bytes);
   response->set_layout_version(ring::kLayoutVersion);
   return grpc::Status::OK;
-}
-
-// A ring step's routing from the engine's GPU memory (descriptor flag kFlagDeviceRouting): both
-// tables in one copy (they are adjacent in the device slot) into this thread's staging buffer,
-// which `in` then points at. Called with step_mu_ held (the copy runs on the step stream).
-absl::Status ExpertLayerServiceImpl::CopyDeviceRouting(const RingStep& step, LayerStepInput* in) {
-  thread_local std::vector<char> staging;
-  const int64_t routes = step.desc.tokens * step.desc.k;
-  const char* ids = reinterpret_cast<const char*>(step.device_topk_ids);
-  const char* weights_end = reinterpret_cast<const char*>(step.device_topk_weights) + routes * 4;
-  const int64_t bytes = weights_end - ids;
-  if (routes == 0) return absl::OkStatus();
-  staging.resize(static_cast<size_t>(bytes));
-  RETURN_IF_ERROR(executor_->CopyFromDevice(staging.data(), ids, bytes));
-  in->topk_ids = reinterpret_cast<const int32_t*>(staging.data());
-  in->topk_weights =
-      reinterpret_cast<const float*>(staging.data() + (reinterpret_cast<const char*>(step.device_topk_weights) - ids));
-  return absl::OkStatus();
 }
 
 // The engine's GPU allocation for a ring's rows (OpenStepRingRequest.device_rows), mapped and

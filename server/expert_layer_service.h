@@ -83,7 +83,6 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   void EndStep();
   void ServeRingStep(const RingStep& step, ring::Result* result);
   absl::StatusOr<RingDeviceRows> MapDeviceRows(const v1::OpenStepRingRequest& request);
-  absl::Status CopyDeviceRouting(const RingStep& step, LayerStepInput* in) ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
 
   LayerExecutor* executor_;
   RankMetrics* metrics_;

@@ -74,8 +74,8 @@ struct RingStep {
   const float* topk_weights = nullptr;
   const uint8_t* admitted = nullptr;  // null when the descriptor does not set kFlagAdmitted
   bool rows_on_device = false;        // hidden and output are in the engine's GPU memory
-  // kFlagDeviceRouting: topk_ids / topk_weights are still in the engine's GPU memory here (the
-  // server copies them out before the step); the host pointers above are null.
+  // kFlagDeviceRouting: topk_ids / topk_weights are in the engine's GPU memory (the step reads
+  // them there: LayerStepInput::routing_on_device); the host pointers above are null.
   const int32_t* device_topk_ids = nullptr;
   const float* device_topk_weights = nullptr;
   void* ready_event = nullptr;  // RingDeviceRows::ready_event: the step's kernels wait for it first

@@ -229,11 +229,6 @@ absl::Status LayerExecutor::WaitReadyEvent(void* event) {
   }
 }
 
-absl::Status LayerExecutor::CopyFromDevice(void* dst, const void* src, int64_t bytes) {
-  if (!device_) return absl::FailedPreconditionError("routing: the rank's kernels are not device-resident");
-  return options_.kernels->CopyToHost(dst, src, bytes, nullptr);
-}
-
 absl::Status LayerExecutor::StartDeviceRowCheck(const uint16_t* x, int64_t n) {
   if (!device_) return absl::FailedPreconditionError("hidden: the rank's kernels are not device-resident");
   return options_.kernels->StartFindNonFiniteBf16(x, n, nullptr);
@@ -549,8 +544,19 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
 // What one pass's phases hand each other. Buffers reused across steps stay in buf_.
 struct LayerExecutor::Pass {
   Pass(const LayerStepInput& input, const PassOptions& options)
-      : in(input), po(options), trial(options.trial_version >= 0), clock(&result.record.phase_us) {}
-  const LayerStepInput& in;
+      : input_(input), po(options), trial(options.trial_version >= 0), clock(&result.record.phase_us) {}
+
+ private:
+  LayerStepInput input_;  // the caller's, but for routing copied to the host (HostRouting)
+
+ public:
+  const LayerStepInput& in = input_;
+  // The step's routing now read from these host tables instead of the caller's kernel memory.
+  void HostRouting(const int32_t* ids, const float* weights) {
+    input_.topk_ids = ids;
+    input_.topk_weights = weights;
+    input_.routing_on_device = false;
+  }
   const PassOptions& po;
   const bool trial;
   const absl::Time started = absl::Now();
@@ -614,7 +620,9 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   // A failed step answers its engine only once the staged rows' copy (or a kernel reading rows in
   // the engine's device memory) no longer reads its memory.
   const auto settled = [&](absl::Status s) {
-    if (pass.rows_staged || in.rows_on_device) options_.kernels->Synchronize(nullptr).IgnoreError();
+    if (pass.rows_staged || in.rows_on_device || in.routing_on_device) {
+      options_.kernels->Synchronize(nullptr).IgnoreError();
+    }
     return s;
   };
   if (!before_agreement.ok()) {
@@ -671,6 +679,7 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     pass.frozen.emplace(std::move(frozen));
     return absl::OkStatus();
   }
+  if (in.routing_on_device) RETURN_IF_ERROR(RoutingToHost(pass));
   RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
   SemanticHandoff columns;  // an earlier step's, when one was handed back (no allocation per step)
   {
@@ -681,6 +690,38 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   ASSIGN_OR_RETURN(FrozenHandoff frozen, SealRoutes(in, options_.rank, static_cast<int>(pass.num_experts),
                                                     options_.topology->num_ranks(), &columns));
   pass.frozen.emplace(std::move(frozen));
+  return absl::OkStatus();
+}
+
+// A step planned on the host whose routing is in kernel memory: the routing copied to buf_ (both
+// tables in one copy when they lie close together, as in a step ring's device slot), which the
+// pass then reads instead.
+absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  RETURN_IF_ERROR(ValidateStepShape(in));
+  int64_t routes = 0;
+  if (__builtin_mul_overflow(in.tokens, static_cast<int64_t>(in.k), &routes) || routes > (int64_t{1} << 36)) {
+    return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", in.tokens, " tokens x k = ", in.k, " is too large"));
+  }
+  if (routes == 0) {
+    pass.HostRouting(in.topk_ids, in.topk_weights);  // nothing to read
+    return absl::OkStatus();
+  }
+  const auto* ids = reinterpret_cast<const char*>(in.topk_ids);
+  const auto* weights = reinterpret_cast<const char*>(in.topk_weights);
+  const int64_t table = routes * 4;
+  const int64_t gap = weights - ids;  // weights after ids, close enough to copy the gap too
+  std::vector<int32_t>& host = buf_.routing_host;
+  if (weights > ids && gap % 4 == 0 && gap >= table && gap - table <= (int64_t{64} << 10)) {
+    host.resize(static_cast<size_t>((gap + table) / 4));
+    RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), ids, gap + table, nullptr));
+    pass.HostRouting(host.data(), reinterpret_cast<const float*>(host.data() + gap / 4));
+    return absl::OkStatus();
+  }
+  host.resize(static_cast<size_t>(2 * routes));
+  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), ids, table, nullptr));
+  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data() + routes, weights, table, nullptr));
+  pass.HostRouting(host.data(), reinterpret_cast<const float*>(host.data() + routes));
   return absl::OkStatus();
 }
 
@@ -974,9 +1015,12 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   const DevicePlanTables& t = *pass.dtables;
   kernels::ExpertKernels& kern = *options_.kernels;
   const int64_t routes = in.tokens * in.k;
-  StepTables routing;  // the engine's routing to kernel memory, one copy
-  const int t_ids = routing.Add(in.topk_ids, routes * 4);
-  const int t_gates = routing.Add(in.topk_weights, routes * 4);
+  // The engine's routing in kernel memory: read in place when it is there already, else
+  // uploaded with the admitted table in one copy.
+  StepTables routing;
+  const bool in_place = in.routing_on_device;
+  const int t_ids = in_place ? -1 : routing.Add(in.topk_ids, routes * 4);
+  const int t_gates = in_place ? -1 : routing.Add(in.topk_weights, routes * 4);
   const int t_admitted = in.admitted != nullptr ? routing.Add(in.admitted, routes) : -1;
   RETURN_IF_ERROR(routing.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
   for (kernels::KernelBuffer* b :
@@ -988,8 +1032,8 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   RETURN_IF_ERROR(buf_.d_small.Reserve(&kern, small_words * 8));
   int64_t* small = buf_.d_small.as<int64_t>();
   kernels::SealRoutesParams seal;
-  seal.ids = routing.Get<int32_t>(t_ids);
-  seal.gates = routing.Get<float>(t_gates);
+  seal.ids = in_place ? in.topk_ids : routing.Get<int32_t>(t_ids);
+  seal.gates = in_place ? in.topk_weights : routing.Get<float>(t_gates);
   seal.admitted = t_admitted >= 0 ? routing.Get<uint8_t>(t_admitted) : nullptr;
   seal.routes = routes;
   seal.num_experts = m.num_experts();
@@ -1017,10 +1061,22 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   const int64_t* counts = host.data();
   const int64_t* offsets = counts + q;
   const int64_t* status = offsets + q + 1;
-  if (status[0] >= 0) return RouteInputError(in, status[0], m.num_experts());
+  // A refused route's expert and gate, read where the routing is.
+  const auto route_at = [&](int64_t i) -> absl::StatusOr<std::pair<int32_t, float>> {
+    if (!in_place) return std::make_pair(in.topk_ids[i], in.topk_weights[i]);
+    std::pair<int32_t, float> r;
+    RETURN_IF_ERROR(kern.CopyToHost(&r.first, in.topk_ids + i, 4, nullptr));
+    RETURN_IF_ERROR(kern.CopyToHost(&r.second, in.topk_weights + i, 4, nullptr));
+    return r;
+  };
+  if (status[0] >= 0) {
+    ASSIGN_OR_RETURN(auto r, route_at(status[0]));
+    return RouteInputError(status[0], in.k, r.first, r.second, m.num_experts());
+  }
   if (status[1] >= 0) {
+    ASSIGN_OR_RETURN(auto r, route_at(status[1]));
     return absl::FailedPreconditionError(absl::StrCat("route ", status[1], ": no compatible slot holds logical expert ",
-                                                      in.topk_ids[status[1]], " in ", m.VersionName()));
+                                                      r.first, " in ", m.VersionName()));
   }
   if (status[2] >= 0) return absl::InternalError(absl::StrCat("device plan: route ", status[2], " has no valid key"));
   // Counts per physical slot (the agreement's and the record's), the send splits, the load.

@@ -148,8 +148,6 @@ class LayerExecutor {
   absl::StatusOr<void*> OpenReadyEvent(const std::string& ipc_handle);
   void CloseReadyEvent(void* event);
   absl::Status WaitReadyEvent(void* event);
-  // Copies `bytes` of device memory (after the step stream's earlier work) to the host.
-  absl::Status CopyFromDevice(void* dst, const void* src, int64_t bytes);
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
   // Callers serialize steps (one scan in flight).
@@ -228,6 +226,7 @@ class LayerExecutor {
   // error is answered by Reject (every peer aborts too); after it, the step fails as it is.
   absl::Status ValidatePhase(Pass& pass);
   absl::Status StageRows(Pass& pass);
+  absl::Status RoutingToHost(Pass& pass);
   absl::Status AcquirePhase(Pass& pass);
   absl::Status PlanPhase(Pass& pass);
   absl::Status AgreePhase(Pass& pass, int64_t* agreed_shadow);
@@ -320,7 +319,8 @@ class LayerExecutor {
     // expert positions and order, and the counts, offsets and status read back.
     kernels::KernelBuffer d_keys, d_gates, d_row_of_route, d_pack, d_send_meta, d_recv_meta, d_expert_position,
         d_expert_order, d_small;
-    std::vector<int64_t> plan_small;  // d_small on the host
+    std::vector<int64_t> plan_small;    // d_small on the host
+    std::vector<int32_t> routing_host;  // LayerStepInput::routing_on_device copied for the host plan
   };
   Buffers buf_;
 };

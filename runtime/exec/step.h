@@ -44,6 +44,11 @@ struct LayerStepInput {
   // be kernel memory too. Only with device-resident kernels (FAILED_PRECONDITION otherwise). The
   // step returns once the output rows are written.
   bool rows_on_device = false;
+  // topk_ids and topk_weights are in kernel memory (a co-located engine's GPU buffer; host memory
+  // for the CPU reference), `admitted` stays on the host. A step planned on the kernels reads the
+  // routing there in place; any other step copies it to the host first. The routing is read on
+  // the kernels' stream and the step returns once nothing reads it any more.
+  bool routing_on_device = false;
   // Optional: a check of the input running beside the step's first phases (the service's NaN/Inf
   // scan of a prefill step's rows on worker threads). Awaited before the agreement, also when an
   // earlier phase failed (the rows must outlive it); a failure rejects the step into its

@@ -33,14 +33,17 @@ absl::Status ValidateStepShape(const LayerStepInput& in) {
   return absl::OkStatus();
 }
 
-absl::Status RouteInputError(const LayerStepInput& in, int64_t i, int num_experts) {
-  const int32_t e = in.topk_ids[i];
+absl::Status RouteInputError(int64_t i, int k, int32_t e, float gate, int num_experts) {
   if (e < 0 || e >= num_experts) {
     return absl::InvalidArgumentError(
-        absl::StrCat("topk_ids[", i / in.k, "][", i % in.k, "]: expert ", e, " outside [0, ", num_experts, ")"));
+        absl::StrCat("topk_ids[", i / k, "][", i % k, "]: expert ", e, " outside [0, ", num_experts, ")"));
   }
-  return absl::InvalidArgumentError(absl::StrCat("topk_weights[", i / in.k, "][", i % in.k, "]: ", in.topk_weights[i],
-                                                 " is NaN, infinite or negative"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("topk_weights[", i / k, "][", i % k, "]: ", gate, " is NaN, infinite or negative"));
+}
+
+absl::Status RouteInputError(const LayerStepInput& in, int64_t i, int num_experts) {
+  return RouteInputError(i, in.k, in.topk_ids[i], in.topk_weights[i], num_experts);
 }
 
 absl::Status ValidateStepInput(const LayerStepInput& in, int num_experts) {

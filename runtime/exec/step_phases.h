@@ -36,6 +36,8 @@ absl::Status ValidateStepShape(const LayerStepInput& in);
 // The error ValidateStepInput gives for route i (token-major) of `in` (an admitted route whose
 // expert or gate is out of range): the same message whichever side found it.
 absl::Status RouteInputError(const LayerStepInput& in, int64_t i, int num_experts);
+// ... for route i (of k per token) whose expert is e and gate `gate` (read back from the kernels).
+absl::Status RouteInputError(int64_t i, int k, int32_t e, float gate, int num_experts);
 
 // validate: the engine's routes as this rank's sealed semantic handoff, token-major; a route the
 // router dropped stays in it, unadmitted, with expert 0 and gate 0. `reuse`, when given, is an

@@ -3,6 +3,7 @@
 #include "runtime/exec/layer_executor.h"
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -492,6 +493,80 @@ TEST(LayerExecutorTest, DevicePlanRefusesBadRoutesAsTheHostPlanDoes) {
       ASSERT_TRUE(c[r].ok()) << what << " rank " << r << ": " << c[r].status();
       EXPECT_EQ(c[r]->record.device_plan, r < 2) << what << " rank " << r;  // 2 and 3: load-dependent choice
     }
+  }
+}
+
+// Routing in kernel memory (LayerStepInput::routing_on_device; host memory for the CPU
+// reference): device-planned steps read it in place, host-planned ones (decode, load-dependent
+// choices) copy it first, with the tables adjacent as in a step ring's device slot or apart.
+// Outputs, records and the load signal are those of the same steps with host routing; a bad
+// route is named alike.
+TEST(LayerExecutorTest, RoutingInKernelMemoryGivesTheSameSteps) {
+  Rank4 host(0), mixed(0b0011);
+  std::mt19937 rng(41);
+  for (uint64_t step = 1; step <= 6; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 1 + rng() % 30));
+    const Phase phase = step % 3 == 0 ? Phase::kDecode : Phase::kPrefill;
+    // Steps 1, 3, 5: ids then weights in one block, 16 bytes apart; else two blocks.
+    std::vector<std::vector<int32_t>> blocks(kRanks);
+    std::vector<std::vector<float>> weights(kRanks);
+    std::vector<LayerStepInput> device_in(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      LayerStepInput& in = device_in[r];
+      in = inputs[r].Step(step, 3, phase);
+      const size_t n = inputs[r].ids.size();
+      if (step % 2 == 1) {
+        blocks[r].assign(2 * n + 4, -7);
+        std::memcpy(blocks[r].data(), inputs[r].ids.data(), n * 4);
+        std::memcpy(blocks[r].data() + n + 4, inputs[r].gates.data(), n * 4);
+        in.topk_ids = blocks[r].data();
+        in.topk_weights = reinterpret_cast<const float*>(blocks[r].data() + n + 4);
+      } else {
+        blocks[r] = inputs[r].ids;
+        weights[r] = inputs[r].gates;
+        in.topk_ids = blocks[r].data();
+        in.topk_weights = weights[r].data();
+      }
+      in.routing_on_device = true;
+    }
+    std::vector<absl::StatusOr<LayerStepResult>> a(kRanks, absl::UnknownError("")), b = a;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] { a[r] = host.exec[r]->Execute(inputs[r].Step(step, 3, phase)); });
+      threads.emplace_back([&, r] { b[r] = mixed.exec[r]->Execute(device_in[r]); });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(a[r].ok()) << a[r].status();
+      ASSERT_TRUE(b[r].ok()) << "step " << step << " rank " << r << ": " << b[r].status();
+      EXPECT_EQ(a[r]->output, b[r]->output) << "step " << step << " rank " << r;
+      EXPECT_EQ(b[r]->record.device_plan, r < 2 && phase == Phase::kPrefill) << "step " << step << " rank " << r;
+      EXPECT_EQ(a[r]->record.routes_accepted, b[r]->record.routes_accepted);
+      EXPECT_EQ(a[r]->record.bytes_sent, b[r]->record.bytes_sent);
+    }
+  }
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(host.exec[r]->ExpertLoad(), mixed.exec[r]->ExpertLoad()) << r;
+  // A bad route on a device-planned rank (0) and on a host-planned one (2), read back alike.
+  for (int bad : {0, 2}) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 6));
+    inputs[bad].ids[5] = kExperts + 3;
+    inputs[bad].admitted.assign(12, 1);
+    const auto a = RunStep(host, inputs, 20 + bad, 3);
+    std::vector<absl::StatusOr<LayerStepResult>> b(kRanks, absl::UnknownError(""));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        LayerStepInput in = inputs[r].Step(20 + bad, 3);
+        in.routing_on_device = true;
+        b[r] = mixed.exec[r]->Execute(in);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(b[bad].status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(b[bad].status().message(), a[bad].status().message()) << bad;
+    EXPECT_THAT(std::string(b[bad].status().message()), ::testing::HasSubstr("topk_ids[2][1]")) << bad;
   }
 }
 
