@@ -44,6 +44,12 @@ inline absl::Status MakeOneMemberBackend(OneMemberBackend* b) {
     return absl::OkStatus();
   }
 #ifdef MOE_BENCH_CUDA
+  // The kernels' switches (kernels/api.h CudaTuning), e.g. MOE_CUDA_TUNING=blocking_sync=1.
+  if (const char* spec = std::getenv("MOE_CUDA_TUNING"); spec != nullptr) {
+    auto tuning = kernels::ParseCudaTuning(spec);
+    if (!tuning.ok()) return tuning.status();
+    kernels::SetCudaTuning(*tuning);
+  }
   auto made = kernels::CreateCudaKernels();
   if (!made.ok())
     return absl::FailedPreconditionError(absl::StrCat("MOE_BENCH_KERNELS=cuda: ", made.status().message()));

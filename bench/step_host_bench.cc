@@ -3,16 +3,20 @@
 // MOE_BENCH_KERNELS=cuda on the CUDA kernels over a one-member NCCL transport (d 2048, d_ff 768:
 // the Qwen3-like layer). Prints, per token count, the median wall time of each phase of the step
 // (runtime/exec/step.h), of the whole step, and of the step without its experts phase, in
-// microseconds and per route, and the process's CPU time per step.
+// microseconds and per route, and the CPU time per step of the step's thread and of the process.
+// --in_place puts the rows, routing and output in kernel memory first (a co-located engine's GPU
+// buffers: LayerStepInput::rows_on_device and routing_on_device). On the GPU,
+// MOE_CUDA_TUNING=blocking_sync=1 makes waits for the GPU block instead of spin, so that the CPU
+// times count host work only.
 //
-//   bazel run -c opt //bench:step_host_bench [-- --reps 9 --experts 128 --k 8]
+//   bazel run -c opt //bench:step_host_bench [-- --reps 9 --experts 128 --k 8 --device_plan --in_place]
+#include <time.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <sys/resource.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -30,14 +34,17 @@ ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
 ABSL_FLAG(int, experts, 128, "logical experts");
 ABSL_FLAG(int, k, 8, "routes per token");
 ABSL_FLAG(bool, device_plan, false, "plan the steps on the kernels (LayerExecutorOptions::device_plan)");
+ABSL_FLAG(bool, in_place, false, "rows, routing and output in kernel memory (a co-located engine's GPU buffers)");
 
 namespace moe {
 namespace {
 
-double CpuSeconds() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+// CPU time of the process or of the calling thread (CLOCK_*_CPUTIME_ID: the scheduler's exact
+// runtime, not rusage's tick-sampled split).
+double CpuSeconds(clockid_t clock = CLOCK_PROCESS_CPUTIME_ID) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 int Main() {
@@ -58,11 +65,14 @@ int Main() {
     return 1;
   }
   LayerExecutor* executor = rank.executor.get();
-  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, %s plan, median of %d\n", kernels->name(),
-              experts, k, d, f, absl::GetFlag(FLAGS_device_plan) ? "device" : "host", absl::GetFlag(FLAGS_reps));
+  const bool in_place = absl::GetFlag(FLAGS_in_place);
+  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, %s plan, %s, median of %d\n", kernels->name(),
+              experts, k, d, f, absl::GetFlag(FLAGS_device_plan) ? "device" : "host",
+              in_place ? "rows and routing in kernel memory" : "rows and routing on the host",
+              absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");
   for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9s", StepPhaseName(static_cast<StepPhase>(p)));
-  std::printf(" %10s %12s %13s %11s\n", "step_us", "non-expert", "ns/route", "cpu_us");
+  std::printf(" %10s %12s %13s %11s %11s\n", "step_us", "non-expert", "ns/route", "thread_cpu", "process_cpu");
   std::mt19937 rng(1);
   uint64_t step = 1;
   for (int64_t tokens : {256, 1024, 2048, 4096, 8192}) {
@@ -76,8 +86,28 @@ int Main() {
       std::shuffle(perm.begin(), perm.end(), rng);
       for (int j = 0; j < k; ++j) ids[t * k + j] = perm[j];
     }
+    // In kernel memory: the rows, then the routing (ids and weights adjacent, as in a step
+    // ring's device slot), and the output.
+    kernels::KernelBuffer k_hidden, k_routing, k_out;
+    if (in_place) {
+      const int64_t row_bytes = tokens * d * 2, route_bytes = tokens * k * 4;
+      for (auto [b, bytes] : {std::pair{&k_hidden, row_bytes}, {&k_routing, 2 * route_bytes}, {&k_out, row_bytes}}) {
+        if (absl::Status s = b->Reserve(kernels.get(), bytes); !s.ok()) {
+          std::fprintf(stderr, "kernel memory: %s\n", s.ToString().c_str());
+          return 1;
+        }
+      }
+      absl::Status s = kernels->CopyToKernel(k_hidden.data(), hidden.data(), row_bytes, nullptr);
+      if (s.ok()) s = kernels->CopyToKernel(k_routing.data(), ids.data(), route_bytes, nullptr);
+      if (s.ok()) s = kernels->CopyToKernel(k_routing.as<char>() + route_bytes, gates.data(), route_bytes, nullptr);
+      if (s.ok()) s = kernels->Synchronize(nullptr);
+      if (!s.ok()) {
+        std::fprintf(stderr, "kernel memory: %s\n", s.ToString().c_str());
+        return 1;
+      }
+    }
     std::vector<std::vector<double>> phase(kNumStepPhases);
-    std::vector<double> host, total, cpu;
+    std::vector<double> host, total, cpu, thread_cpu;
     for (int rep = 0; rep < absl::GetFlag(FLAGS_reps) + 1; ++rep) {
       LayerStepInput in;
       in.step_id = step++;
@@ -88,8 +118,17 @@ int Main() {
       in.topk_ids = ids.data();
       in.topk_weights = gates.data();
       in.k = k;
-      const double cpu0 = CpuSeconds();
+      if (in_place) {
+        in.hidden = k_hidden.as<uint16_t>();
+        in.topk_ids = k_routing.as<int32_t>();
+        in.topk_weights = reinterpret_cast<const float*>(k_routing.as<int32_t>() + tokens * k);
+        in.output = k_out.as<uint16_t>();
+        in.rows_on_device = true;
+        in.routing_on_device = true;
+      }
+      const double cpu0 = CpuSeconds(), thread0 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
       auto r = executor->Execute(in);
+      const double thread_us = (CpuSeconds(CLOCK_THREAD_CPUTIME_ID) - thread0) * 1e6;
       const double cpu_us = (CpuSeconds() - cpu0) * 1e6;
       if (!r.ok()) {
         std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
@@ -109,12 +148,14 @@ int Main() {
       host.push_back(sum);
       total.push_back(r->record.execute_us);
       cpu.push_back(cpu_us);
+      thread_cpu.push_back(thread_us);
       executor->RecycleOutput(std::move(r->output));  // as the engine service does
     }
     std::printf("%8lld", static_cast<long long>(tokens));
     for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9.1f", bench::Median(phase[p]));
     const double h = bench::Median(host);
-    std::printf(" %10.1f %12.1f %13.1f %11.1f\n", bench::Median(total), h, h * 1e3 / (tokens * k), bench::Median(cpu));
+    std::printf(" %10.1f %12.1f %13.1f %11.1f %11.1f\n", bench::Median(total), h, h * 1e3 / (tokens * k),
+                bench::Median(thread_cpu), bench::Median(cpu));
   }
   return 0;
 }

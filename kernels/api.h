@@ -387,7 +387,7 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // switches `pdl` and `mma_wide` apply from the next CreateCudaKernels on). The text form, what
 // mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
 // "gemm=auto|sm90|cublas|loop|grouped,sm90_tile=auto|rows64|rows128|pingpong,chain_streams=1..4,
-// fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1".
+// fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,blocking_sync=0|1".
 struct CudaTuning {
   // auto: the Hopper grouped kernels (grouped_sm90.cu) where the shape allows and segments
   // average at most 512 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever
@@ -403,6 +403,11 @@ struct CudaTuning {
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
+  // Host threads waiting for the GPU block in the driver instead of spinning
+  // (cudaDeviceScheduleBlockingSync), so that the process's CPU time counts its host work only:
+  // for measuring host work (bench/step_host_bench.cc). Set before the process's first CUDA
+  // context; waits then cost a wake-up each.
+  bool blocking_sync = false;
 };
 // INVALID_ARGUMENT naming the key for an unknown key or a value out of range; "" is the defaults.
 absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec);

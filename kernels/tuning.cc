@@ -75,9 +75,13 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
       t.pdl = v == 1;
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
+    } else if (key == "blocking_sync") {
+      s = ParseInt(key, value, 0, 1, &v);
+      t.blocking_sync = v == 1;
     } else {
-      s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: unknown key '", key,
-                                                  "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide)"));
+      s = absl::InvalidArgumentError(
+          absl::StrCat("cuda tuning: unknown key '", key,
+                       "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, blocking_sync)"));
     }
     if (!s.ok()) return s;
   }

@@ -1020,9 +1020,14 @@ absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels() {
   }
   int device = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const CudaTuning tuning = GetCudaTuning();
+  if (tuning.blocking_sync && cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        "cuda tuning: blocking_sync=1 needs to be set before the device's context is made");
+  }
   cublasHandle_t handle;
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
-  const CudaTuning tuning = GetCudaTuning();
   cuda::SetLaunchSwitches(tuning.pdl, tuning.mma_wide);
   return std::unique_ptr<ExpertKernels>(new CudaKernels(handle, device, tuning));
 }
