@@ -206,15 +206,19 @@ def engine(rank: int, targets, args, barrier) -> int:
     bad_ids[1, 3] = args.experts
     wide = ids.to(torch.int64)
     wide[3, 0] = 2**40 + 1  # would wrap into range if narrowed
-    cases = (("a NaN row", bad, ids, f"hidden.data[{2 * args.d + 5}]: not finite"),
-             ("an expert out of range", hidden, bad_ids, f"topk_ids[1][3]: expert {args.experts} outside"),
-             ("an id beyond int32", hidden, wide, "topk_ids[3][0]: expert -2147483648 outside"))
-    for name, h, i, want in cases:
+    # (decode steps are planned on the host, which reads the routing back; prefill steps on the
+    # GPU, which reads it in place and reads back only the refused route)
+    cases = (("a NaN row", bad, ids, f"hidden.data[{2 * args.d + 5}]: not finite", True),
+             ("an expert out of range", hidden, bad_ids, f"topk_ids[1][3]: expert {args.experts} outside", True),
+             ("an expert out of range (prefill)", hidden, bad_ids,
+              f"topk_ids[1][3]: expert {args.experts} outside", False),
+             ("an id beyond int32", hidden, wide, "topk_ids[3][0]: expert -2147483648 outside", True))
+    for name, h, i, want, dec in cases:
         try:
             if rank == 0:
-                run_dev(h, i, w, True)
+                run_dev(h, i, w, dec)
             else:
-                run_dev(hidden, ids, w, True)
+                run_dev(hidden, ids, w, dec)
             print(f"FAIL: rank {rank}: the step with {name} was served")
             failures += 1
         except errors.InvalidArgument as e:
