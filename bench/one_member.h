@@ -58,6 +58,9 @@ inline absl::Status MakeOneMemberBackend(OneMemberBackend* b) {
   if (mkdtemp(dir) == nullptr) return absl::FailedPreconditionError("nccl: cannot make a rendezvous directory");
   NcclOptions no;
   no.rendezvous_dir = dir;
+  // MOE_BENCH_NCCL_WAIT_POLL_US: NcclOptions::wait_poll_us (sleep between polls; for measuring
+  // the host's own work with MOE_CUDA_TUNING=blocking_sync=1).
+  if (const char* poll = std::getenv("MOE_BENCH_NCCL_WAIT_POLL_US"); poll != nullptr) no.wait_poll_us = std::atoi(poll);
   auto nccl = CreateNcclTransport(no);
   if (!nccl.ok()) return absl::FailedPreconditionError(absl::StrCat("nccl: ", nccl.status().message()));
   b->transport = std::move(*nccl);

@@ -29,6 +29,7 @@ struct NcclBackendOptions {
   std::string rendezvous_dir;  // member 0 publishes the NCCL unique id here
   int connect_timeout_ms = 60000;
   bool host_agreement = true;  // NcclOptions::host_agreement
+  int wait_poll_us = 0;        // NcclOptions::wait_poll_us
 };
 
 // The plugin file CudaBackend::Load opens for `path`: libmoe_cuda.so next to this executable

@@ -43,6 +43,7 @@ moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std
   o.rendezvous_dir = options->rendezvous_dir;
   o.connect_timeout = absl::Milliseconds(options->connect_timeout_ms);
   o.host_agreement = options->host_agreement;
+  o.wait_poll_us = options->wait_poll_us;
   auto t = moe::CreateNcclTransport(o);
   if (!t.ok()) {
     *error = std::string(t.status().message());

@@ -113,6 +113,9 @@ ABSL_FLAG(std::string, inject_fault, "",
 ABSL_FLAG(bool, nccl_host_agreement, true,
           "with --transport nccl: agree on each step over shared memory when every rank is on this host (else, or "
           "when false, an NCCL all-gather)");
+ABSL_FLAG(int, nccl_wait_poll_us, 0,
+          "with --transport nccl: 0 polls NCCL work without pause (lowest latency, a core busy while rows move); "
+          "> 0 sleeps that many microseconds between polls (frees the core for an engine sharing it)");
 ABSL_FLAG(int, gpu, -1, "CUDA device of this rank (-1: the rank's index)");
 ABSL_FLAG(std::string, cuda_backend, "", "path of libmoe_cuda.so (empty: next to this executable)");
 ABSL_FLAG(std::string, cuda_tuning, "",
@@ -452,6 +455,7 @@ class DataPlane {
       nccl.unique_id = view.endpoints.front();
       nccl.rendezvous_dir = absl::GetFlag(FLAGS_rendezvous_dir);
       nccl.host_agreement = absl::GetFlag(FLAGS_nccl_host_agreement);
+      nccl.wait_poll_us = std::clamp(absl::GetFlag(FLAGS_nccl_wait_poll_us), 0, 100000);
       ASSIGN_OR_RETURN(backend_->transport, backend_->cuda->CreateNccl(nccl));
     } else {
       if (listener_ == nullptr) return absl::FailedPreconditionError("ucx: no listener prepared for this epoch");

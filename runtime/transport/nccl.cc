@@ -230,7 +230,11 @@ class NcclTransport final : public Transport {
         return absl::DeadlineExceededError(
             absl::StrCat("nccl: collective (seq ", seq, ") did not finish within ", absl::FormatDuration(timeout)));
       }
-      std::this_thread::yield();
+      if (options_.wait_poll_us > 0) {
+        absl::SleepFor(absl::Microseconds(options_.wait_poll_us));
+      } else {
+        std::this_thread::yield();
+      }
     }
   }
 

@@ -36,6 +36,11 @@ struct NcclOptions {
   // host (runtime/transport/shm_channel.h), with the step_gather.h protocol: members in different
   // steps abort at once. Otherwise, or when false, an NCCL all-gather of the record.
   bool host_agreement = true;
+  // How a member waits for its NCCL work: 0 polls the stream without pause (yielding the core
+  // between polls; the lowest latency, one core busy for the exchange's length); > 0 sleeps this
+  // many microseconds between polls, which frees the core (for an engine on the same cores, or to
+  // measure the host's own work) and adds up to about that much to each exchange.
+  int wait_poll_us = 0;
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& options);
