@@ -228,6 +228,7 @@ def main():
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--md", default="")
     ap.add_argument("--shape", default="")
+    ap.add_argument("--tokens", default="", help="comma-separated T instead of the shape's list (as the bench ran)")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -245,7 +246,7 @@ def main():
         w1 = (torch.randn(e, 2 * f, d, device=dev) / math.sqrt(d)).to(torch.bfloat16)
         w2 = (torch.randn(e, d, f, device=dev) / math.sqrt(f)).to(torch.bfloat16)
         tuned, cfg_file = tuned_configs(a.vllm, e, f, device_name)
-        for t in tokens:
+        for t in [int(x) for x in a.tokens.split(",")] if a.tokens else tokens:
             path = os.path.join(a.routing_dir, "%s-T%d.bin" % (name, t))
             raw = open(path, "rb").read()
             if len(raw) != t * k * 8:

@@ -4,6 +4,7 @@
 # (bench/gpu/vllm_compare.py), same GPU, same run, same shapes and routings.
 #   here:  tools/gpu_bundle.sh && tools/fetch_vllm.sh      (dist/gpu, .peers/vllm-<version>)
 #   there: bench/gpu/vllm_compare.sh                       (carry dist and .peers)
+# One shape or T: BENCH_ARGS="--shape S --tokens T" VLLM_ARGS="--shape S --tokens T".
 # Results in $OUT (default gpu-out): ours.jsonl, vllm.jsonl, vllm_compare.md.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -17,7 +18,7 @@ rc=$?
 echo "expert_layer_bench rc=$rc"
 [ "$rc" -eq 0 ] || { tail -5 "$OUT/ours.err"; exit 1; }
 python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --ours "$OUT/ours.jsonl" \
-  --reps "$REPS" --md "$OUT/vllm_compare.md" >"$OUT/vllm.jsonl" 2>"$OUT/vllm.err"
+  --reps "$REPS" --md "$OUT/vllm_compare.md" ${VLLM_ARGS:-} >"$OUT/vllm.jsonl" 2>"$OUT/vllm.err"
 rc=$?
 echo "vllm_compare rc=$rc"
 tail -3 "$OUT/vllm.err"
