@@ -585,8 +585,12 @@ struct LayerExecutor::Pass {
   bool device_plan = false;                  // planned by the kernels (validate decides)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
-  const void* hidden = nullptr;          // the engine's rows where the kernels read them
-  bool rows_staged = false;              // ... copied (or being copied) to kernel memory by StageRows
+  // Where the experts read the received rows and the combine the returned ones: the exchanges'
+  // buffers, or for a lone member the rows it would have sent itself (no exchange runs).
+  const void* received_rows = nullptr;
+  const void* returned_rows = nullptr;
+  const void* hidden = nullptr;  // the engine's rows where the kernels read them
+  bool rows_staged = false;      // ... copied (or being copied) to kernel memory by StageRows
   // The step's combined rows on the host: the caller's (in.output) or the result's.
   uint16_t* host_out() { return in.output != nullptr ? in.output : result.output.data(); }
 };
@@ -1289,9 +1293,14 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
     pack.out = buf_.send_rows.data();
     RETURN_IF_ERROR(kern.Gather(pack, nullptr));
   }
-  RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
-  RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
-  if (pass.recv_status != nullptr) {           // the device plan's receive ranking, finished by now
+  // A lone member sends every row to itself: the experts read the packed rows where they are,
+  // on the kernels' stream, instead of after a copy through the transport.
+  const bool lone = options_.group->size() == 1;
+  if (!lone) {
+    RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
+    RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
+  }
+  if (pass.recv_status != nullptr) {  // the device plan's receive ranking, finished by now (waits)
     int64_t bad = -1;
     RETURN_IF_ERROR(kern.CopyToHost(&bad, pass.recv_status, sizeof(bad), nullptr));
     if (bad >= 0) {
@@ -1299,8 +1308,13 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
                                               options_.rank.value(), " in placement-v", pass.version.value()));
     }
   }
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
-                                                buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
+  if (lone) {
+    pass.received_rows = buf_.send_rows.data();
+  } else {
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
+                                                  buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
+    pass.received_rows = buf_.recv_rows.data();
+  }
   return pass.handle->MarkExpertRowsReady();
 }
 
@@ -1313,11 +1327,12 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
-  RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
+  const bool lone = options_.group->size() == 1;  // returns its rows to itself: no exchange
+  if (!lone) RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
   if (n_recv > 0) {
     kernels::GatherParams repack;
     repack.d = d;
-    repack.in = buf_.recv_rows.data();
+    repack.in = pass.received_rows;
     repack.in_rows = n_recv;
     repack.index = pass.expert_order;
     repack.n = n_recv;
@@ -1337,7 +1352,8 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     unpack.index = pass.expert_position;
     unpack.out = buf_.back_rows.data();
     RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
-    RETURN_IF_ERROR(kern.Synchronize(nullptr));
+    // The transport reads them on its own stream; a lone member's combine follows on this one.
+    if (!lone) RETURN_IF_ERROR(kern.Synchronize(nullptr));
   }
   return pass.handle->MarkExpertOutputReady();
 }
@@ -1347,13 +1363,25 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   pass.clock.Enter(StepPhase::kReturn);
   const LayerStepInput& in = pass.in;
   RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, buf_.back_rows.data(), pass.bytes.recv,
-                                                buf_.returned.data(), pass.bytes.send, options_.timeout));
+  if (options_.group->size() == 1) {
+    pass.returned_rows = buf_.back_rows.data();
+  } else {
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, buf_.back_rows.data(), pass.bytes.recv,
+                                                  buf_.returned.data(), pass.bytes.send, options_.timeout));
+    pass.returned_rows = buf_.returned.data();
+  }
   pass.clock.Enter(StepPhase::kCombine);
   if (in.tokens == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
-  kernels::CombineParams c{
-      buf_.returned.as<uint16_t>(), pass.n_send, in.d, pass.row_of_route, pass.gates, in.tokens, in.k, nullptr, out};
+  kernels::CombineParams c{static_cast<const uint16_t*>(pass.returned_rows),
+                           pass.n_send,
+                           in.d,
+                           pass.row_of_route,
+                           pass.gates,
+                           in.tokens,
+                           in.k,
+                           nullptr,
+                           out};
   RETURN_IF_ERROR(options_.kernels->Combine(c, nullptr));
   return CopyOut(pass, out);
 }

@@ -570,6 +570,54 @@ TEST(LayerExecutorTest, RoutingInKernelMemoryGivesTheSameSteps) {
   }
 }
 
+// A lone member (a group of one rank holding every expert) sends every row to itself: it serves
+// prefill and decode steps without running the exchanges, on either plan, with the semantic
+// computation's outputs and nothing counted as sent.
+TEST(LayerExecutorTest, LoneMemberServesItsOwnRows) {
+  const Topology topology = Topology::SingleNode(1);
+  const ProcessGroup group = *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(0)});
+  const SafetensorsFile checkpoint = SyntheticCheckpoint({kExperts, kD, kFf}, 3, "checkpoint-0042");
+  std::vector<SlotRecord> slots;
+  for (int q = 0; q < kExperts; ++q) {
+    SlotRecord s = fixture::Slot(q, q, 0, 0, 0);
+    s.parameter_digest = ParameterDigest(checkpoint.metadata.at("digest." + std::to_string(q)));
+    slots.push_back(s);
+  }
+  const auto manifest = *PlacementManifest::Create(fixture::Options(5, kExperts), slots, topology);
+  for (const bool device_plan : {false, true}) {
+    LoopbackFabric fabric(1);
+    auto kern = kernels::CreateCpuKernels();
+    GenerationRegistry registry;
+    ASSERT_TRUE(registry.Prepare(manifest).ok());
+    ASSERT_TRUE(registry.Activate(PlacementVersion(5)).ok());
+    auto transport = fabric.Endpoint(0);
+    LayerExecutorOptions o;
+    o.rank = Rank(0);
+    o.topology = topology;
+    o.group = group;
+    o.registry = &registry;
+    o.transport = transport.get();
+    o.kernels = kern.get();
+    o.device_plan = device_plan;
+    auto exec = *LayerExecutor::Create(std::move(o));
+    auto local = LoadLocalExperts(checkpoint, *manifest, Rank(0));
+    ASSERT_TRUE(local.ok()) << local.status();
+    ASSERT_TRUE(exec->AddGeneration(PlacementVersion(5), std::make_shared<LocalExperts>(*local)).ok());
+    std::mt19937 rng(17);
+    for (uint64_t step = 1; step <= 6; ++step) {
+      const RankInput in = RandomInput(rng, step == 3 ? 0 : 1 + rng() % 50);
+      const Phase phase = step % 2 == 0 ? Phase::kDecode : Phase::kPrefill;
+      auto r = exec->Execute(in.Step(step, 0, phase));
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_LT(ErrorAgainstReference(checkpoint, in, r->output), 1e-2) << "plan " << device_plan << " step " << step;
+      EXPECT_EQ(r->record.device_plan, device_plan && phase == Phase::kPrefill && in.tokens > 0) << step;
+      EXPECT_EQ(r->record.bytes_sent, 0);
+      EXPECT_EQ(r->record.routes_served, r->record.routes_accepted);
+      EXPECT_EQ(r->record.routes_remote, 0);
+    }
+  }
+}
+
 TEST(CheckpointTest, SafetensorsRoundTripAndDigestCheck) {
   const SafetensorsFile f = SyntheticCheckpoint({3, 16, 8}, 9, "checkpoint-0001");
   const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/synthetic.safetensors";
