@@ -51,6 +51,7 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     const int64_t row = static_cast<int64_t>(s_.d) * 2;
     RETURN_IF_ERROR(block_.Reserve(kernels_.get(), block_bytes_));
     for (kernels::KernelBuffer* b : {&send_rows_, &recv_rows_, &back_rows_, &returned_}) {
+      if (s_.peers == 1 && (b == &recv_rows_ || b == &returned_)) continue;  // a lone member's: not used
       RETURN_IF_ERROR(b->Reserve(kernels_.get(), ps * row));
     }
     RETURN_IF_ERROR(expert_out_.Reserve(kernels_.get(), lay * row));
@@ -147,9 +148,12 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     return absl::OkStatus();
   }
 
-  // The whole step on the transport's stream (captured once, replayed every admitted step).
+  // The whole step on the transport's stream (captured once, replayed every admitted step). A
+  // lone member's segments go to itself: its experts read the packed rows and its combine the
+  // expert rows where they are, with no exchange in the graph.
   absl::Status Enqueue() {
     const kernels::Stream st = handles_.stream;
+    const bool lone = s_.peers == 1;
     const int64_t ps = s_.peers * s_.segment_rows, lay = s_.local_slots * s_.slot_routes;
     kernels::GatherParams pack;
     pack.d = s_.d;
@@ -159,10 +163,10 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     pack.n = ps;
     pack.out = send_rows_.data();
     RETURN_IF_ERROR(kernels_->Gather(pack, st));
-    RETURN_IF_ERROR(Exchange(send_rows_, recv_rows_));
+    if (!lone) RETURN_IF_ERROR(Exchange(send_rows_, recv_rows_));
     kernels::SwigluParams sw;
     sw.weights = {s_.w_gate_up, s_.w_down, s_.local_slots, s_.d, s_.d_ff};
-    sw.x = recv_rows_.as<uint16_t>();
+    sw.x = (lone ? send_rows_ : recv_rows_).as<uint16_t>();
     sw.x_rows = ps;
     sw.x_row_index = At<int32_t>(off_expert_rows_);
     sw.device_offsets = At<int64_t>(off_offsets_);
@@ -180,8 +184,8 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     unpack.n = ps;
     unpack.out = back_rows_.data();
     RETURN_IF_ERROR(kernels_->Gather(unpack, st));
-    RETURN_IF_ERROR(Exchange(back_rows_, returned_));
-    kernels::CombineParams c{returned_.as<uint16_t>(),
+    if (!lone) RETURN_IF_ERROR(Exchange(back_rows_, returned_));
+    kernels::CombineParams c{(lone ? back_rows_ : returned_).as<uint16_t>(),
                              ps,
                              s_.d,
                              At<int32_t>(off_row_of_route_),
