@@ -432,7 +432,7 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
   if (stale) ++c.stale_accepts;
   if (in.phase == Phase::kDecode) {
     ++c.decode_steps;
-    if (!rec.graph_replay) ++c.fallback_steps;
+    if (!rec.graph_replay && !rec.fallback_reason.empty()) ++c.fallback_steps;  // (not a lone member's local layer)
   }
   // The gate's drop ratio is about routes the runtime fails to deliver: routes the engine's router
   // dropped are its own choice, and an admitted route is never dropped here (a step that does not
@@ -858,7 +858,8 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
   ASSIGN_OR_RETURN(pass.agreement, AgreeOnStep(*options_.transport, header, buf_.source.send_splits, options_.timeout,
                                                slot_counts, pass.device_plan ? nullptr : &send_meta));
   if (agreed_shadow != nullptr) *agreed_shadow = pass.agreement.shadow_version;
-  if (in.phase == Phase::kDecode) AdmitDecode(pass);
+  const bool lone_local = options_.group->size() == 1 && !options_.lone_member_graphs;
+  if (in.phase == Phase::kDecode && !lone_local) AdmitDecode(pass);
   return absl::OkStatus();
 }
 

@@ -100,6 +100,12 @@ struct LayerExecutorOptions {
   // 764-955 us of executor time against 606-616 (unexplained, bench/RESULTS.md).
   DecodeRunner decode_runner = DecodeRunner::kKernels;
   DecodeGraphFactory decode_graphs;
+  // A lone member (a group of one rank) serves its decode steps with the one-call local layer
+  // (ExpertKernels::LocalLayer), whose fused one-token kernels run only eagerly and beat its
+  // graph: no admission runs, and such a step is neither a replay nor a fallback. True: lone
+  // members admit decode steps to the bucket's graph as a group does (tests of the graph on one
+  // GPU).
+  bool lone_member_graphs = false;
   // Fault injection (tests of the 0x0E "runner parity differs -> block canary" row): outputs of
   // trial passes (shadow and canary steps of a candidate) are scaled by this factor on this rank,
   // as a candidate runner that computes something else would. 1 = off.

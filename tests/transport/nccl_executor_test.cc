@@ -137,6 +137,7 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner) {
   eo.decode_slot_routes = 24;
   eo.decode_runner = runner;
   eo.decode_graphs = CudaDecodeGraphs(transport->get());
+  eo.lone_member_graphs = true;  // one GPU: the graph is tested by a lone member
   auto exec = LayerExecutor::Create(std::move(eo));
   if (!exec.ok()) return fail(exec.status());
   auto local = LoadLocalExperts(ckpt, **manifest, Rank(slot));
