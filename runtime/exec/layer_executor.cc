@@ -711,20 +711,21 @@ absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
     pass.HostRouting(in.topk_ids, in.topk_weights);  // nothing to read
     return absl::OkStatus();
   }
-  const auto* ids = reinterpret_cast<const char*>(in.topk_ids);
-  const auto* weights = reinterpret_cast<const char*>(in.topk_weights);
+  const uintptr_t ids = reinterpret_cast<uintptr_t>(in.topk_ids),
+                  weights = reinterpret_cast<uintptr_t>(in.topk_weights);
   const int64_t table = routes * 4;
-  const int64_t gap = weights - ids;  // weights after ids, close enough to copy the gap too
   std::vector<int32_t>& host = buf_.routing_host;
-  if (weights > ids && gap % 4 == 0 && gap >= table && gap - table <= (int64_t{64} << 10)) {
+  // Weights after ids and close enough to copy the gap between them too.
+  if (weights >= ids + table && weights - ids - table <= (uintptr_t{64} << 10) && (weights - ids) % 4 == 0) {
+    const int64_t gap = static_cast<int64_t>(weights - ids);
     host.resize(static_cast<size_t>((gap + table) / 4));
-    RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), ids, gap + table, nullptr));
+    RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), in.topk_ids, gap + table, nullptr));
     pass.HostRouting(host.data(), reinterpret_cast<const float*>(host.data() + gap / 4));
     return absl::OkStatus();
   }
   host.resize(static_cast<size_t>(2 * routes));
-  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), ids, table, nullptr));
-  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data() + routes, weights, table, nullptr));
+  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), in.topk_ids, table, nullptr));
+  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data() + routes, in.topk_weights, table, nullptr));
   pass.HostRouting(host.data(), reinterpret_cast<const float*>(host.data() + routes));
   return absl::OkStatus();
 }
@@ -858,7 +859,7 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
   ASSIGN_OR_RETURN(pass.agreement, AgreeOnStep(*options_.transport, header, buf_.source.send_splits, options_.timeout,
                                                slot_counts, pass.device_plan ? nullptr : &send_meta));
   if (agreed_shadow != nullptr) *agreed_shadow = pass.agreement.shadow_version;
-  const bool lone_local = options_.group->size() == 1 && !options_.lone_member_graphs;
+  const bool lone_local = LoneMember() && !options_.lone_member_graphs;
   if (in.phase == Phase::kDecode && !lone_local) AdmitDecode(pass);
   return absl::OkStatus();
 }
@@ -1188,7 +1189,7 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   }
   // A lone member holds every slot: a decode step's route, experts and combine are one kernels
   // call on the tokens as they are. Prefill steps keep the grouped GEMMs.
-  if (options_.group->size() == 1 && in.phase == Phase::kDecode) return LocalLayerPhase(pass);
+  if (LoneMember() && in.phase == Phase::kDecode) return LocalLayerPhase(pass);
   RETURN_IF_ERROR(DispatchRows(pass));
   RETURN_IF_ERROR(ExpertsPhase(pass));
   return ReturnAndCombine(pass);
@@ -1296,7 +1297,7 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
   }
   // A lone member sends every row to itself: the experts read the packed rows where they are,
   // on the kernels' stream, instead of after a copy through the transport.
-  const bool lone = options_.group->size() == 1;
+  const bool lone = LoneMember();
   if (!lone) {
     RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
     RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
@@ -1328,7 +1329,7 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
-  const bool lone = options_.group->size() == 1;  // returns its rows to itself: no exchange
+  const bool lone = LoneMember();  // returns its rows to itself: no exchange
   if (!lone) RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
   if (n_recv > 0) {
     kernels::GatherParams repack;
@@ -1364,7 +1365,7 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   pass.clock.Enter(StepPhase::kReturn);
   const LayerStepInput& in = pass.in;
   RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
-  if (options_.group->size() == 1) {
+  if (LoneMember()) {
     pass.returned_rows = buf_.back_rows.data();
   } else {
     RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, buf_.back_rows.data(), pass.bytes.recv,
@@ -1417,7 +1418,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
     if (i != me) rec.bytes_sent += pass.bytes.send[i] + pass.bytes.recv[i];
   }
   // A lone member's decode step runs in one kernels call, without a dispatch plan.
-  rec.routes_served = options_.group->size() == 1 ? rec.routes_accepted : pass.n_recv;
+  rec.routes_served = LoneMember() ? rec.routes_accepted : pass.n_recv;
   pass.clock.Stop();
   rec.execute_us = absl::ToDoubleMicroseconds(absl::Now() - pass.started);
   return absl::OkStatus();

@@ -233,6 +233,8 @@ class LayerExecutor {
   absl::Status ValidatePhase(Pass& pass);
   absl::Status StageRows(Pass& pass);
   absl::Status RoutingToHost(Pass& pass);
+  // A group of one rank: every row goes to itself, so its steps run no exchange of rows.
+  bool LoneMember() const { return options_.group->size() == 1; }
   absl::Status AcquirePhase(Pass& pass);
   absl::Status PlanPhase(Pass& pass);
   absl::Status AgreePhase(Pass& pass, int64_t* agreed_shadow);
