@@ -186,10 +186,14 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
 // staged path; both must equal the semantic computation, tokenless steps and dropped routes
 // included, and every handle must be released. Decode steps run the decode kernels, or the
 // padded runner at the largest slot's routes (forced: the executor counts them on the host).
-class OneMemberTest : public testing::OneRankTest, public ::testing::WithParamInterface<DecodeRunner> {};
+// A lone member sends every row to itself, so its steps run no exchange of rows and count none
+// as sent; prefill steps are planned on the host or on the kernels (the parameter's second half).
+class OneMemberTest : public testing::OneRankTest,
+                      public ::testing::WithParamInterface<std::tuple<DecodeRunner, bool>> {};
 
 TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
-  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, GetParam());  // the weights Reference() computes with
+  const auto [runner, device_plan] = GetParam();
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, runner, device_plan);  // the weights Reference() computes with
   std::mt19937 rng(5);
   uint64_t step = 1;
   for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
@@ -202,6 +206,10 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
         EXPECT_LT(ErrorAgainstReference(ckpt_, input, result->output), 1e-2) << "T=" << tokens;
       }
       EXPECT_EQ(result->record.routes_remote, 0);
+      EXPECT_EQ(result->record.bytes_sent, 0);
+      EXPECT_EQ(result->record.routes_served, result->record.routes_accepted);
+      EXPECT_EQ(result->record.device_plan, device_plan && phase == Phase::kPrefill && tokens > 0) << "T=" << tokens;
+      EXPECT_TRUE(result->record.fallback_reason.empty());  // a lone member's decode: not a fallback
       EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
       ExpectPhaseTimes(result->record);
       if (phase == Phase::kDecode) {
@@ -392,9 +400,12 @@ TEST_F(OneMemberTest, AStepThatLeavesTheTransportFailedReportsItsEpochOnceAndThe
   EXPECT_EQ(reports.size(), 2u) << "refusals before Open are no faults";
 }
 
-INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest, ::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
-                         [](const ::testing::TestParamInfo<DecodeRunner>& info) {
-                           return std::string(info.param == DecodeRunner::kPadded ? "Padded" : "Kernels");
+INSTANTIATE_TEST_SUITE_P(Runners, OneMemberTest,
+                         ::testing::Combine(::testing::Values(DecodeRunner::kKernels, DecodeRunner::kPadded),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<DecodeRunner, bool>>& info) {
+                           return std::string(std::get<0>(info.param) == DecodeRunner::kPadded ? "Padded" : "Kernels") +
+                                  (std::get<1>(info.param) ? "DevicePlan" : "HostPlan");
                          });
 
 TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContinues) {
@@ -567,54 +578,6 @@ TEST(LayerExecutorTest, RoutingInKernelMemoryGivesTheSameSteps) {
     EXPECT_EQ(b[bad].status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_EQ(b[bad].status().message(), a[bad].status().message()) << bad;
     EXPECT_THAT(std::string(b[bad].status().message()), ::testing::HasSubstr("topk_ids[2][1]")) << bad;
-  }
-}
-
-// A lone member (a group of one rank holding every expert) sends every row to itself: it serves
-// prefill and decode steps without running the exchanges, on either plan, with the semantic
-// computation's outputs and nothing counted as sent.
-TEST(LayerExecutorTest, LoneMemberServesItsOwnRows) {
-  const Topology topology = Topology::SingleNode(1);
-  const ProcessGroup group = *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(0)});
-  const SafetensorsFile checkpoint = SyntheticCheckpoint({kExperts, kD, kFf}, 3, "checkpoint-0042");
-  std::vector<SlotRecord> slots;
-  for (int q = 0; q < kExperts; ++q) {
-    SlotRecord s = fixture::Slot(q, q, 0, 0, 0);
-    s.parameter_digest = ParameterDigest(checkpoint.metadata.at("digest." + std::to_string(q)));
-    slots.push_back(s);
-  }
-  const auto manifest = *PlacementManifest::Create(fixture::Options(5, kExperts), slots, topology);
-  for (const bool device_plan : {false, true}) {
-    LoopbackFabric fabric(1);
-    auto kern = kernels::CreateCpuKernels();
-    GenerationRegistry registry;
-    ASSERT_TRUE(registry.Prepare(manifest).ok());
-    ASSERT_TRUE(registry.Activate(PlacementVersion(5)).ok());
-    auto transport = fabric.Endpoint(0);
-    LayerExecutorOptions o;
-    o.rank = Rank(0);
-    o.topology = topology;
-    o.group = group;
-    o.registry = &registry;
-    o.transport = transport.get();
-    o.kernels = kern.get();
-    o.device_plan = device_plan;
-    auto exec = *LayerExecutor::Create(std::move(o));
-    auto local = LoadLocalExperts(checkpoint, *manifest, Rank(0));
-    ASSERT_TRUE(local.ok()) << local.status();
-    ASSERT_TRUE(exec->AddGeneration(PlacementVersion(5), std::make_shared<LocalExperts>(*local)).ok());
-    std::mt19937 rng(17);
-    for (uint64_t step = 1; step <= 6; ++step) {
-      const RankInput in = RandomInput(rng, step == 3 ? 0 : 1 + rng() % 50);
-      const Phase phase = step % 2 == 0 ? Phase::kDecode : Phase::kPrefill;
-      auto r = exec->Execute(in.Step(step, 0, phase));
-      ASSERT_TRUE(r.ok()) << r.status();
-      EXPECT_LT(ErrorAgainstReference(checkpoint, in, r->output), 1e-2) << "plan " << device_plan << " step " << step;
-      EXPECT_EQ(r->record.device_plan, device_plan && phase == Phase::kPrefill && in.tokens > 0) << step;
-      EXPECT_EQ(r->record.bytes_sent, 0);
-      EXPECT_EQ(r->record.routes_served, r->record.routes_accepted);
-      EXPECT_EQ(r->record.routes_remote, 0);
-    }
   }
 }
 
