@@ -143,6 +143,18 @@ struct RankByKeyParams {
   int64_t* status = nullptr;            // [1]
 };
 
+// ComposeIndex: out[i] = a[b[i]] for i < n, index tables composed where they are (a lone
+// member gathers its rows straight into expert order and combines straight from the expert
+// rows). An entry of b outside [0, a_n) gives -1 (b's -1: not sent). Every pointer is kernel
+// memory; n and a_n < 2^31.
+struct ComposeIndexParams {
+  const int32_t* a = nullptr;  // [a_n]
+  int64_t a_n = 0;
+  const int32_t* b = nullptr;  // [n]
+  int64_t n = 0;
+  int32_t* out = nullptr;  // [n]
+};
+
 // Expert parameters, BF16, nn.Linear layout ([out, in], row-major).
 struct ExpertWeights {
   const uint16_t* w_gate_up = nullptr;  // [E, 2 d_ff, d]: rows [0, d_ff) gate, [d_ff, 2 d_ff) up
@@ -303,6 +315,7 @@ class ExpertKernels {
   // the CPU reference on host memory; CUDA runs them on `stream` without a host round trip.
   virtual absl::Status SealRoutes(const SealRoutesParams& p, Stream stream);
   virtual absl::Status RankByKey(const RankByKeyParams& p, Stream stream);
+  virtual absl::Status ComposeIndex(const ComposeIndexParams& p, Stream stream);
 
   // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
   // the CUDA implementation allocates device memory and copies on `stream` (a copy from
@@ -422,6 +435,7 @@ absl::Status CheckHistogram(const HistogramParams& p);
 absl::Status CheckRouteRows(const RouteRowsParams& p);
 absl::Status CheckSealRoutes(const SealRoutesParams& p);
 absl::Status CheckRankByKey(const RankByKeyParams& p);
+absl::Status CheckComposeIndex(const ComposeIndexParams& p);
 absl::Status CheckSwiglu(const SwigluParams& p);
 absl::Status CheckSwigluFp8(const SwigluFp8Params& p);  // what the host sees (not device offsets)
 absl::Status CheckCombine(const CombineParams& p);

@@ -1,5 +1,6 @@
 // The CPU reference of the route-planning calls (kernels/api.h: SealRoutesParams,
-// RankByKeyParams), on host memory. The CUDA implementation must match it exactly.
+// RankByKeyParams, ComposeIndexParams), on host memory. The CUDA implementation must match it
+// exactly.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -64,6 +65,15 @@ absl::Status ExpertKernels::RankByKey(const RankByKeyParams& p, Stream) {
     p.position[i] = static_cast<int32_t>(pos);
     if (p.order != nullptr) p.order[pos] = static_cast<int32_t>(i / p.order_divisor);
     if (p.values != nullptr) p.values[pos] = p.key_values[keys[i]];
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpertKernels::ComposeIndex(const ComposeIndexParams& p, Stream) {
+  if (absl::Status s = CheckComposeIndex(p); !s.ok()) return s;
+  for (int64_t i = 0; i < p.n; ++i) {
+    const int32_t j = p.b[i];
+    p.out[i] = j >= 0 && j < p.a_n ? p.a[j] : -1;
   }
   return absl::OkStatus();
 }

@@ -140,6 +140,14 @@ absl::Status CheckRankByKey(const RankByKeyParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CheckComposeIndex(const ComposeIndexParams& p) {
+  KERNEL_INVALID_IF(p.n < 0 || p.n > std::numeric_limits<int32_t>::max(), "compose_index.n: outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.a_n < 0 || p.a_n > std::numeric_limits<int32_t>::max(), "compose_index.a_n: outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.n > 0 && (p.b == nullptr || p.out == nullptr), "compose_index: null buffer");
+  KERNEL_INVALID_IF(p.a_n > 0 && p.a == nullptr, "compose_index: null a");
+  return absl::OkStatus();
+}
+
 absl::Status CheckSwiglu(const SwigluParams& p) {
   const ExpertWeights& w = p.weights;
   KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,

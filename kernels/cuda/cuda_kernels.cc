@@ -438,6 +438,13 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status ComposeIndex(const ComposeIndexParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (absl::Status s = CheckComposeIndex(p); !s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchComposeIndex(p.a, p.a_n, p.b, p.n, p.out, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
   absl::Status RankByKey(const RankByKeyParams& p, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (absl::Status s = CheckRankByKey(p); !s.ok()) return s;

@@ -95,6 +95,15 @@ __global__ void ExclusiveScanKernel(const int64_t* __restrict__ counts, int num_
 
 // ---- route planning -------------------------------------------------------------------------
 
+__global__ void ComposeIndexKernel(const int32_t* __restrict__ a, int64_t a_n, const int32_t* __restrict__ b, int64_t n,
+                                   int32_t* __restrict__ out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t j = b[i];
+    out[i] = j >= 0 && j < a_n ? a[j] : -1;
+  }
+}
+
 __global__ void SealRoutesKernel(const int32_t* __restrict__ ids, const float* __restrict__ gates,
                                  const uint8_t* __restrict__ admitted, int64_t routes, int num_experts,
                                  const int32_t* __restrict__ key_of_expert, int32_t* __restrict__ keys,
@@ -650,6 +659,13 @@ cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8
   SealRoutesKernel<<<Blocks(routes), kThreads, 0, stream>>>(ids, gates, admitted, routes, num_experts, key_of_expert,
                                                             keys, gates_out,
                                                             reinterpret_cast<unsigned long long*>(status));
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchComposeIndex(const int32_t* a, int64_t a_n, const int32_t* b, int64_t n, int32_t* out,
+                               cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  ComposeIndexKernel<<<Blocks(n), kThreads, 0, stream>>>(a, a_n, b, n, out);
   return cudaGetLastError();
 }
 

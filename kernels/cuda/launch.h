@@ -31,6 +31,9 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
 cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8_t* admitted, int64_t routes,
                              int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
                              int64_t* status, cudaStream_t stream);
+// out[i] = a[b[i]] (-1 where b[i] is outside [0, a_n)): kernels/api.h ComposeIndexParams.
+cudaError_t LaunchComposeIndex(const int32_t* a, int64_t a_n, const int32_t* b, int64_t n, int32_t* out,
+                               cudaStream_t stream);
 // Scratch RankByKey needs (int32 per key and tile of 256 elements); num_keys <= kMaxRankKeys.
 constexpr int kMaxRankKeys = 12 * 1024;  // kernels/api.h kRankByKeyMaxKeys
 int64_t RankByKeyScratchBytes(int64_t n, int num_keys);

@@ -585,12 +585,8 @@ struct LayerExecutor::Pass {
   bool device_plan = false;                  // planned by the kernels (validate decides)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
-  // Where the experts read the received rows and the combine the returned ones: the exchanges'
-  // buffers, or for a lone member the rows it would have sent itself (no exchange runs).
-  const void* received_rows = nullptr;
-  const void* returned_rows = nullptr;
-  const void* hidden = nullptr;  // the engine's rows where the kernels read them
-  bool rows_staged = false;      // ... copied (or being copied) to kernel memory by StageRows
+  const void* hidden = nullptr;          // the engine's rows where the kernels read them
+  bool rows_staged = false;              // ... copied (or being copied) to kernel memory by StageRows
   // The step's combined rows on the host: the caller's (in.output) or the result's.
   uint16_t* host_out() { return in.output != nullptr ? in.output : result.output.data(); }
 };
@@ -1284,6 +1280,27 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
     pass.row_of_route = tables.Get<int32_t>(t_rows_of);
     pass.gates = tables.Get<float>(t_gates);
   }
+  // The device plan's receive ranking is checked once it has finished (the copy waits for it).
+  const auto check_received = [&]() -> absl::Status {
+    if (pass.recv_status == nullptr) return absl::OkStatus();
+    int64_t bad = -1;
+    RETURN_IF_ERROR(kern.CopyToHost(&bad, pass.recv_status, sizeof(bad), nullptr));
+    if (bad >= 0) {
+      return absl::InternalError(absl::StrCat("received row ", bad, ": its slot metadata names no slot of rank ",
+                                              options_.rank.value(), " in placement-v", pass.version.value()));
+    }
+    return absl::OkStatus();
+  };
+  if (LoneMember()) {
+    // Every row goes to itself: nothing is packed or exchanged. The experts gather their rows
+    // straight from the engine's, through send position -> origin token composed with expert
+    // order -> send position, on the kernels' stream.
+    RETURN_IF_ERROR(buf_.d_lone_gather.Reserve(&kern, pass.n_recv * 4));
+    RETURN_IF_ERROR(kern.ComposeIndex(
+        {pass.pack_index, pass.n_send, pass.expert_order, pass.n_recv, buf_.d_lone_gather.as<int32_t>()}, nullptr));
+    RETURN_IF_ERROR(check_received());
+    return pass.handle->MarkExpertRowsReady();
+  }
   RETURN_IF_ERROR(buf_.send_rows.Reserve(&kern, pass.n_send * row_bytes));
   if (pass.n_send > 0) {
     kernels::GatherParams pack;
@@ -1295,28 +1312,11 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
     pack.out = buf_.send_rows.data();
     RETURN_IF_ERROR(kern.Gather(pack, nullptr));
   }
-  // A lone member sends every row to itself: the experts read the packed rows where they are,
-  // on the kernels' stream, instead of after a copy through the transport.
-  const bool lone = LoneMember();
-  if (!lone) {
-    RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
-    RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
-  }
-  if (pass.recv_status != nullptr) {  // the device plan's receive ranking, finished by now (waits)
-    int64_t bad = -1;
-    RETURN_IF_ERROR(kern.CopyToHost(&bad, pass.recv_status, sizeof(bad), nullptr));
-    if (bad >= 0) {
-      return absl::InternalError(absl::StrCat("received row ", bad, ": its slot metadata names no slot of rank ",
-                                              options_.rank.value(), " in placement-v", pass.version.value()));
-    }
-  }
-  if (lone) {
-    pass.received_rows = buf_.send_rows.data();
-  } else {
-    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
-                                                  buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
-    pass.received_rows = buf_.recv_rows.data();
-  }
+  RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
+  RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
+  RETURN_IF_ERROR(check_received());
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
+                                                buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
   return pass.handle->MarkExpertRowsReady();
 }
 
@@ -1326,17 +1326,21 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   kernels::ExpertKernels& kern = *options_.kernels;
   const int d = pass.in.d;
   const int64_t row_bytes = static_cast<int64_t>(d) * 2, n_recv = pass.n_recv;
+  // A lone member gathers from the engine's rows and leaves the expert rows where they are for
+  // its combine (DispatchRows, ReturnAndCombine).
+  const bool lone = LoneMember();
   RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
-  RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
-  const bool lone = LoneMember();  // returns its rows to itself: no exchange
-  if (!lone) RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
+  if (!lone) {
+    RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
+    RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
+  }
   if (n_recv > 0) {
     kernels::GatherParams repack;
     repack.d = d;
-    repack.in = pass.received_rows;
-    repack.in_rows = n_recv;
-    repack.index = pass.expert_order;
+    repack.in = lone ? pass.hidden : buf_.recv_rows.data();
+    repack.in_rows = lone ? pass.in.tokens : n_recv;
+    repack.index = lone ? buf_.d_lone_gather.as<int32_t>() : pass.expert_order;
     repack.n = n_recv;
     repack.out = buf_.expert_in.data();
     RETURN_IF_ERROR(kern.Gather(repack, nullptr));
@@ -1349,42 +1353,53 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     sw.host_offsets = buf_.dest.expert_offsets.data();
     sw.y = buf_.expert_out.as<uint16_t>();
     RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
-    kernels::GatherParams unpack = repack;
-    unpack.in = buf_.expert_out.data();
-    unpack.index = pass.expert_position;
-    unpack.out = buf_.back_rows.data();
-    RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
-    // The transport reads them on its own stream; a lone member's combine follows on this one.
-    if (!lone) RETURN_IF_ERROR(kern.Synchronize(nullptr));
+    if (!lone) {
+      kernels::GatherParams unpack = repack;
+      unpack.in = buf_.expert_out.data();
+      unpack.in_rows = n_recv;
+      unpack.index = pass.expert_position;
+      unpack.out = buf_.back_rows.data();
+      RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
+      RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads them on its own stream
+    }
   }
   return pass.handle->MarkExpertOutputReady();
 }
 
-// Return exchange (splits reversed), then the combine over the semantic key.
+// Return exchange (splits reversed), then the combine over the semantic key. A lone member
+// combines straight from the expert rows: route -> send position composed with receive (= send)
+// position -> expert position.
 absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   pass.clock.Enter(StepPhase::kReturn);
   const LayerStepInput& in = pass.in;
+  kernels::ExpertKernels& kern = *options_.kernels;
   RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
-  if (LoneMember()) {
-    pass.returned_rows = buf_.back_rows.data();
-  } else {
+  const bool lone = LoneMember();
+  if (!lone) {
     RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 3, buf_.back_rows.data(), pass.bytes.recv,
                                                   buf_.returned.data(), pass.bytes.send, options_.timeout));
-    pass.returned_rows = buf_.returned.data();
   }
   pass.clock.Enter(StepPhase::kCombine);
   if (in.tokens == 0) return absl::OkStatus();
+  const int64_t routes_n = in.tokens * in.k;
+  const int32_t* row_of_route = pass.row_of_route;
+  if (lone) {
+    RETURN_IF_ERROR(buf_.d_lone_combine.Reserve(&kern, routes_n * 4));
+    RETURN_IF_ERROR(kern.ComposeIndex(
+        {pass.expert_position, pass.n_recv, pass.row_of_route, routes_n, buf_.d_lone_combine.as<int32_t>()}, nullptr));
+    row_of_route = buf_.d_lone_combine.as<int32_t>();
+  }
   ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
-  kernels::CombineParams c{static_cast<const uint16_t*>(pass.returned_rows),
-                           pass.n_send,
+  kernels::CombineParams c{lone ? buf_.expert_out.as<uint16_t>() : buf_.returned.as<uint16_t>(),
+                           lone ? pass.n_recv : pass.n_send,
                            in.d,
-                           pass.row_of_route,
+                           row_of_route,
                            pass.gates,
                            in.tokens,
                            in.k,
                            nullptr,
                            out};
-  RETURN_IF_ERROR(options_.kernels->Combine(c, nullptr));
+  RETURN_IF_ERROR(kern.Combine(c, nullptr));
   return CopyOut(pass, out);
 }
 

@@ -609,5 +609,21 @@ TEST(CpuKernelsTest, RoutePlanningReference) {
   EXPECT_EQ(k->RankByKey(rank, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// out[i] = a[b[i]]; b's -1 (not sent) and entries past a give -1.
+TEST(CpuKernelsTest, ComposeIndexReference) {
+  auto k = kernels::CreateCpuKernels();
+  const std::vector<int32_t> a = {4, 0, 3, 1};
+  const std::vector<int32_t> b = {2, -1, 0, 3, 4, 1, -7};
+  std::vector<int32_t> out(b.size(), 99);
+  ComposeIndexParams p{a.data(), 4, b.data(), static_cast<int64_t>(b.size()), out.data()};
+  ASSERT_TRUE(k->ComposeIndex(p, nullptr).ok());
+  EXPECT_EQ(out, (std::vector<int32_t>{3, -1, 4, 1, -1, 0, -1}));
+  p.out = nullptr;
+  EXPECT_EQ(k->ComposeIndex(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  p.out = out.data();
+  p.n = -1;
+  EXPECT_EQ(k->ComposeIndex(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace moe::kernels

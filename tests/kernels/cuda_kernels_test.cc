@@ -901,6 +901,24 @@ TEST_F(CudaKernelsTest, FindNonFiniteMatchesCpu) {
 // The device plan's calls equal the CPU reference element for element: keys, gates, positions
 // (a stable order), pack order, slot values, counts, offsets and the first bad element, over
 // tile boundaries (256), many keys, a key map, and inputs with bad routes.
+// ComposeIndex on the GPU against the reference: permutations, -1 entries and entries past a.
+TEST_F(CudaKernelsTest, ComposeIndexMatchesCpu) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{300}, int64_t{65536 + 7}}) {
+    const int64_t a_n = n + 5;
+    std::vector<int32_t> a(a_n), b(n);
+    for (int64_t i = 0; i < a_n; ++i) a[i] = static_cast<int32_t>((i * 7919) % (a_n + 3)) - 1;
+    std::uniform_int_distribution<int64_t> pick(-2, a_n + 2);
+    for (int64_t i = 0; i < n; ++i) b[i] = static_cast<int32_t>(pick(rng_));
+    std::vector<int32_t> want(n, 99);
+    kernels::ComposeIndexParams p{a.data(), a_n, b.data(), n, want.data()};
+    ASSERT_TRUE(cpu_->ComposeIndex(p, nullptr).ok());
+    DeviceVector<int32_t> d_a(a), d_b(b), d_out(std::vector<int32_t>(n, 99));
+    p = {d_a.get(), a_n, d_b.get(), n, d_out.get()};
+    ASSERT_TRUE(gpu_->ComposeIndex(p, nullptr).ok());
+    EXPECT_EQ(d_out.Host(), want) << "n " << n;
+  }
+}
+
 TEST_F(CudaKernelsTest, RoutePlanningMatchesCpu) {
   for (int64_t routes : {int64_t{0}, int64_t{1}, int64_t{255}, int64_t{257}, int64_t{16384 + 3}, int64_t{65536}}) {
     for (int num_keys : {1, 37, 300, 5000}) {
