@@ -12,9 +12,11 @@ transformers hold them. Per cell, side by side:
   + routing    the same with the router's top-k left on the GPU (CUDA tensors): the engine does
                not wait for its GPU at all to submit;
   in place     the same with the rows and routing already in the ring's device slot (an engine
-               whose layers write there: ``next_slot`` views), so a submit copies nothing.
+               whose layers write there: ``next_slot`` views), so a submit copies nothing;
+  view         in place, with the output read as the slot's own view (``wait(copy=False)``), so
+               the wait launches no copy either.
 
-Checks (exit status 1 when one fails): the four give the same output bit for bit, for every
+Checks (exit status 1 when one fails): the five give the same output bit for bit, for every
 cell; a NaN in the device rows is refused naming ``hidden.data[i]``, an expert id out of range or
 beyond int32 on the GPU naming ``topk_ids[t][j]``, and the ring serves on.
 
@@ -107,7 +109,8 @@ def engine(rank: int, targets, args, barrier) -> int:
 
     # devr: the routing stays on the GPU too; inplace: as devr, with the rows and routing already
     # in the ring's device slot (an engine whose layers write there), so no copy at submit.
-    modes = ("host", "dev", "devr", "inplace")
+    # view: as inplace, the output read as the slot's own view (wait(copy=False)), no clone.
+    modes = ("host", "dev", "devr", "inplace", "view")
 
     say(f"# E{args.experts} k{args.k} d{args.d}, {world} rank(s), one engine process each, {args.steps} steps a "
         f"cell after {args.warmup}, ring spin {args.spin_us} us; engine-observed p50 / p99 (us) and rank-side "
@@ -123,9 +126,14 @@ def engine(rank: int, targets, args, barrier) -> int:
         step_id += 1
         dev_ring.submit_in_place(step_id, args.layer, t, args.k, decode=decode, device_routing=True)
         out_i = dev_ring.wait(60).output
-        equal = torch.equal(out_h, out_d) and torch.equal(out_h, out_r) and torch.equal(out_h, out_i)
+        step_id += 1
+        dev_ring.submit_in_place(step_id, args.layer, t, args.k, decode=decode, device_routing=True)
+        out_v = dev_ring.wait(60, copy=False).output  # read before the slot's next submit
+        equal = (torch.equal(out_h, out_d) and torch.equal(out_h, out_r) and torch.equal(out_h, out_i)
+                 and torch.equal(out_h, out_v))
         if not equal:
-            for name, out in (("device rows", out_d), ("device rows + routing", out_r), ("in place", out_i)):
+            for name, out in (("device rows", out_d), ("device rows + routing", out_r), ("in place", out_i),
+                              ("in place, view", out_v)):
                 diff = (out_h.float() - out.float()).abs().max().item()
                 print(f"MISMATCH rank {rank} {phase}:{t} {name}: max |diff| {diff}")
             failures += 1
@@ -156,7 +164,7 @@ def engine(rank: int, targets, args, barrier) -> int:
                     else:  # the slot holds this cell's rows and routing (written by devr just before)
                         dev_ring.submit_in_place(sid, args.layer, t, args.k, decode=decode, device_routing=True)
                     submitted = time.perf_counter()
-                    r = dev_ring.wait(60)
+                    r = dev_ring.wait(60, copy=mode != "view")
                     waited = time.perf_counter()
                 step_id = sid
                 torch.cuda.current_stream().synchronize()
@@ -186,7 +194,7 @@ def engine(rank: int, targets, args, barrier) -> int:
               f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
               f"{'yes' if equal else 'NO':>6}")
         say(f"    in place: p50 / p99 {p['inplace'][0]:.1f} / {p['inplace'][1]:.1f}, host / in place "
-            f"{p['host'][0] / p['inplace'][0]:.2f}x")
+            f"{p['host'][0] / p['inplace'][0]:.2f}x; output as the slot's view: {p['view'][0]:.1f} / {p['view'][1]:.1f}")
         say(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
         if world > 1:
             print(f"    rank {rank} p50: " + ", ".join(f"{m} {p[m][0]:.1f}" for m in modes), flush=True)

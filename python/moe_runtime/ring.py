@@ -407,8 +407,12 @@ class StepRing:
         self._rows_ready()
         self._publish(flags, decode, k, step_id, layer, t, expected_generation, rows)
 
-    def wait(self, timeout: float = 60.0, rank: Optional[int] = None) -> StepResult:
-        """The oldest outstanding step's answer (its error raised as a MoeError)."""
+    def wait(self, timeout: float = 60.0, rank: Optional[int] = None, *, copy: bool = True) -> StepResult:
+        """The oldest outstanding step's answer (its error raised as a MoeError). ``copy=False``:
+        the output is a view of the step's slot instead of a copy (a uint16 array of BF16 bits,
+        or the torch BF16 CUDA tensor of a ring with device rows), valid until that slot is
+        submitted again (``slots`` submits later): an engine that reads it before its next
+        submit saves a copy of every output (on a device ring, a launch inside the wait)."""
         if self._n_submitted == self._n_waited:
             raise errors.FailedPrecondition("step ring: no step outstanding")
         want = (self._n_waited + 1) & 0xFFFFFFFF
@@ -445,14 +449,17 @@ class StepRing:
             routes_remote=routes[3], routes_inter_node=routes[4], server_latency_us=server_us,
             compute_latency_us=compute_us, canary=bool(canary), stages_us=dict(zip(STAGES, stages)),
         )
+        s = seq % self.slots
         if self._rows is not None:
             # The rank wrote them on the GPU; a copy the slot's next step cannot touch (the copy is
             # on the current stream, where the next submit records the ready event after it).
-            output = self._dev_output[seq % self.slots][: rows.rows]
-            output = output.clone() if rows.device in (None, output.device) else output.to(rows.device)
-        else:
-            s = seq % self.slots
+            output = self._dev_output[s][: rows.rows]
+            if copy:
+                output = output.clone() if rows.device in (None, output.device) else output.to(rows.device)
+        elif copy:
             output = from_host_rows(rows, self._output_views[s][: rows.rows * rows.cols].reshape(rows.rows, rows.cols))
+        else:
+            output = self._output_views[s][: rows.rows * rows.cols].reshape(rows.rows, rows.cols)
         return StepResult(output, record, (time.perf_counter() - submitted_at) * 1e6, via="ring")
 
     def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,

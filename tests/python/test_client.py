@@ -313,6 +313,27 @@ def test_ring_slots_written_in_place(cluster):
                 got = ring.wait(timeout=30)
                 other.result()
                 assert got.via == "ring" and np.array_equal(got.output, want[0].output)
+            # Without the copy: the slot's own output rows, overwritten by the slot's next step.
+            views = ring.next_slot(5)
+            views["hidden"][:] = x0[0]
+            views["topk_ids"][:] = x0[1]
+            views["topk_weights"][:] = x0[2]
+            other = pool.submit(c1.step, 880003, 1, *x1)
+            ring.submit_in_place(880003, 1, 5)
+            view = ring.wait(timeout=30, copy=False).output
+            other.result()
+            assert view.dtype == np.uint16 and np.array_equal(view, want[0].output)
+            views = ring.next_slot(5)
+            views["hidden"][:] = 0  # zero rows give zero outputs
+            views["topk_ids"][:] = x0[1]
+            views["topk_weights"][:] = x0[2]
+            other = pool.submit(c1.step, 880004, 1, *x1)
+            ring.submit_in_place(880004, 1, 5)
+            ring.wait(timeout=30)
+            other.result()
+            from moe_runtime.tensors import bf16_to_float32
+
+            assert np.all(bf16_to_float32(view) == 0), "the view is the slot's: the next step's output replaced it"
             with pytest.raises(ValueError, match="tokens, k"):
                 ring.next_slot(9)
     finally:
