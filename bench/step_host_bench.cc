@@ -34,7 +34,8 @@ ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
 ABSL_FLAG(int, experts, 128, "logical experts");
 ABSL_FLAG(int, k, 8, "routes per token");
 ABSL_FLAG(bool, device_plan, false, "plan the steps on the kernels (LayerExecutorOptions::device_plan)");
-ABSL_FLAG(bool, in_place, false, "rows, routing and output in kernel memory (a co-located engine's GPU buffers)");
+ABSL_FLAG(bool, in_place, false,
+          "rows, routing and output in kernel memory (a co-located engine's GPU buffers; CUDA kernels only)");
 
 namespace moe {
 namespace {
