@@ -1118,9 +1118,14 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
   for (int64_t c : agreement.recv_counts) pass.n_recv += c;
   pass.bytes = SplitBytes(buf_.source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2);
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
-  RETURN_IF_ERROR(buf_.d_recv_meta.Reserve(&kern, pass.n_recv * 4));
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, buf_.d_send_meta.data(), pass.bytes.send_meta,
-                                                buf_.d_recv_meta.data(), pass.bytes.recv_meta, options_.timeout));
+  // A lone member's metadata is its own send side's: ranked where it is, not sent to itself.
+  const int32_t* recv_meta = buf_.d_send_meta.as<int32_t>();
+  if (!LoneMember()) {
+    RETURN_IF_ERROR(buf_.d_recv_meta.Reserve(&kern, pass.n_recv * 4));
+    RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, buf_.d_send_meta.data(), pass.bytes.send_meta,
+                                                  buf_.d_recv_meta.data(), pass.bytes.recv_meta, options_.timeout));
+    recv_meta = buf_.d_recv_meta.as<int32_t>();
+  }
   const auto local = pass.manifest->LocalSlots(options_.rank);
   const int l_count = static_cast<int>(local.size());
   DestinationPlan& dest = buf_.dest;
@@ -1140,7 +1145,7 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
   if (pass.n_recv > 0) {
     int64_t* small = buf_.d_small.as<int64_t>();  // the send side's values were read back
     kernels::RankByKeyParams rank;
-    rank.raw = buf_.d_recv_meta.as<int32_t>();
+    rank.raw = recv_meta;
     rank.n = pass.n_recv;
     rank.key_map = pass.dtables->d_local_of_slot;
     rank.map_size = pass.manifest->num_slots();
