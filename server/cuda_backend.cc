@@ -32,6 +32,18 @@ absl::StatusOr<CudaBackend> CudaBackend::Load(const std::string& path, const ker
     return absl::FailedPreconditionError(
         absl::StrCat("cuda backend ", file, ": ", dlerror(), " (build it with tools/gpu_bundle.sh or --config=gpu)"));
   }
+  // A plugin built from other sources would be called through stale vtables and struct layouts.
+  const auto abi = reinterpret_cast<AbiReporter>(dlsym(lib, "moe_cuda_abi"));
+  int tuning_bytes = 0, nccl_bytes = 0;
+  const int version = abi != nullptr ? abi(&tuning_bytes, &nccl_bytes) : 0;
+  if (version != kCudaPluginAbi || tuning_bytes != static_cast<int>(sizeof(kernels::CudaTuning)) ||
+      nccl_bytes != static_cast<int>(sizeof(NcclBackendOptions))) {
+    dlclose(lib);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda backend ", file, ": plugin interface ", version, " (", tuning_bytes, "/", nccl_bytes,
+        " bytes), this daemon's is ", kCudaPluginAbi, " (", sizeof(kernels::CudaTuning), "/",
+        sizeof(NcclBackendOptions), "): use the libmoe_cuda.so built with this moe-rankd (tools/gpu_bundle.sh)"));
+  }
   CudaBackend b;
   b.kernels_ = reinterpret_cast<KernelsFactory>(dlsym(lib, "moe_cuda_create_kernels"));
   b.nccl_ = reinterpret_cast<NcclFactory>(dlsym(lib, "moe_cuda_create_nccl"));

@@ -36,6 +36,13 @@ struct NcclBackendOptions {
 // when `path` is empty.
 std::string CudaBackendFile(const std::string& path);
 
+// The plugin interface's version, compiled into both sides: bump it whenever a type that
+// crosses the dlopen boundary changes (kernels::ExpertKernels' virtual methods, CudaTuning,
+// NcclBackendOptions, Transport, DecodeStepGraph), so that a daemon refuses a libmoe_cuda.so
+// built from other sources instead of calling through a stale vtable. The two structs' sizes are
+// compared as well.
+inline constexpr int kCudaPluginAbi = 2;
+
 class CudaBackend {
  public:
   // Loads the plugin (`path`; empty: libmoe_cuda.so next to this executable) and hands it the
@@ -56,6 +63,7 @@ class CudaBackend {
   using GraphsFactory = void (*)(Transport* nccl, DecodeGraphFactory* out);
   using TuningSetter = void (*)(const kernels::CudaTuning* tuning);
   using UniqueIdMaker = bool (*)(std::string* id, std::string* error);
+  using AbiReporter = int (*)(int* tuning_bytes, int* nccl_options_bytes);
 
  private:
   KernelsFactory kernels_ = nullptr;
@@ -74,6 +82,8 @@ moe::Transport* moe_cuda_create_nccl(const moe::NcclBackendOptions* options, std
 void moe_cuda_decode_graphs(moe::Transport* nccl, moe::DecodeGraphFactory* out);
 void moe_cuda_set_tuning(const moe::kernels::CudaTuning* tuning);
 bool moe_cuda_nccl_unique_id(std::string* id, std::string* error);
+// kCudaPluginAbi as the plugin was built, with sizeof(CudaTuning) and sizeof(NcclBackendOptions).
+int moe_cuda_abi(int* tuning_bytes, int* nccl_options_bytes);
 }
 
 #endif  // MOE_SERVER_CUDA_BACKEND_H_

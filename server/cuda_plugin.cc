@@ -10,6 +10,12 @@
 
 extern "C" {
 
+int moe_cuda_abi(int* tuning_bytes, int* nccl_options_bytes) {
+  *tuning_bytes = static_cast<int>(sizeof(moe::kernels::CudaTuning));
+  *nccl_options_bytes = static_cast<int>(sizeof(moe::NcclBackendOptions));
+  return moe::kCudaPluginAbi;
+}
+
 void moe_cuda_set_tuning(const moe::kernels::CudaTuning* tuning) { moe::kernels::SetCudaTuning(*tuning); }
 
 moe::kernels::ExpertKernels* moe_cuda_create_kernels(int device, std::string* error) {

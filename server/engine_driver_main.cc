@@ -509,10 +509,11 @@ void CheckAnswers(const Answers& answers, const std::vector<StepCall>& calls, co
     stats->dropped += rec.routes_dropped();
     if (u.decode) {
       ++stats->decode_steps;
-      if (rec.path() == v1::PATH_GRAPH_REPLAY)
+      if (rec.path() == v1::PATH_GRAPH_REPLAY) {
         ++stats->replays;
-      else
-        ++stats->fallbacks[rec.fallback_reason().empty() ? "unknown" : rec.fallback_reason()];
+      } else if (!rec.fallback_reason().empty()) {  // (a lone rank's local-layer decode is no fallback)
+        ++stats->fallbacks[rec.fallback_reason()];
+      }
     }
     stats->latency_us[phase].push_back(answers[r]->client_latency_us);
     stats->executor_us[phase].push_back(rec.compute_latency_us());

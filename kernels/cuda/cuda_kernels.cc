@@ -1028,10 +1028,15 @@ absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels() {
   int device = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   const CudaTuning tuning = GetCudaTuning();
-  if (tuning.blocking_sync && cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess) {
-    cudaGetLastError();
-    return absl::FailedPreconditionError(
-        "cuda tuning: blocking_sync=1 needs to be set before the device's context is made");
+  if (tuning.blocking_sync) {  // once a process: later kernels objects find it set
+    unsigned int flags = 0;
+    if (cudaGetDeviceFlags(&flags) != cudaSuccess ||
+        ((flags & cudaDeviceScheduleMask) != cudaDeviceScheduleBlockingSync &&
+         cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) != cudaSuccess)) {
+      const cudaError_t e = cudaGetLastError();
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda tuning: blocking_sync=1: the device's scheduling flags: ", cudaGetErrorString(e)));
+    }
   }
   cublasHandle_t handle;
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));

@@ -694,8 +694,8 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
 }
 
 // A step planned on the host whose routing is in kernel memory: the routing copied to buf_ (both
-// tables in one copy when they lie close together, as in a step ring's device slot), which the
-// pass then reads instead.
+// tables in one copy when the caller says they share an allocation and they lie close together,
+// as in a step ring's device slot), which the pass then reads instead.
 absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
   const LayerStepInput& in = pass.in;
   RETURN_IF_ERROR(ValidateStepShape(in));
@@ -711,8 +711,9 @@ absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
                   weights = reinterpret_cast<uintptr_t>(in.topk_weights);
   const int64_t table = routes * 4;
   std::vector<int32_t>& host = buf_.routing_host;
-  // Weights after ids and close enough to copy the gap between them too.
-  if (weights >= ids + table && weights - ids - table <= (uintptr_t{64} << 10) && (weights - ids) % 4 == 0) {
+  // Weights after ids in one allocation, close enough to copy the gap between them too.
+  if (in.routing_in_one_block && weights >= ids + table && weights - ids - table <= (uintptr_t{64} << 10) &&
+      (weights - ids) % 4 == 0) {
     const int64_t gap = static_cast<int64_t>(weights - ids);
     host.resize(static_cast<size_t>((gap + table) / 4));
     RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), in.topk_ids, gap + table, nullptr));
@@ -846,7 +847,8 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
                     static_cast<int64_t>(manifest)};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
-  // (The device plan's metadata is in kernel memory: it always goes in its own exchange.)
+  // (The device plan's metadata is in kernel memory: it goes in its own exchange, or none for a
+  // lone member.)
   std::vector<int32_t>& send_meta = buf_.send_meta;
   if (!pass.device_plan) {
     send_meta.resize(pass.n_send);
@@ -900,6 +902,8 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
   if (agreement.meta_received) {
     recv_meta.assign(agreement.recv_meta.begin(), agreement.recv_meta.end());
+  } else if (LoneMember()) {  // its own, not sent to itself
+    recv_meta.assign(buf_.send_meta.begin(), buf_.send_meta.end());
   } else {
     recv_meta.resize(pass.n_recv);
     RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 1, buf_.send_meta.data(), pass.bytes.send_meta,

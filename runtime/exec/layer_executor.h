@@ -87,9 +87,10 @@ struct LayerExecutorOptions {
   absl::Duration timeout = absl::Seconds(30);
   SelectorPolicy selector = SelectorPolicy::kLocalityFirst;
   // The decode bucket (graph manifest): tokens per rank and routes per physical slot a captured
-  // graph admits. Admission runs on every decode step; graphs are captured and replayed only
-  // where the kernels are device-resident and `decode_graphs` is set (CUDA + NCCL), elsewhere
-  // the step runs eagerly and reports why (stable_buffer_unavailable).
+  // graph admits. Admission runs on every decode step of a group of two or more (and of a lone
+  // member with lone_member_graphs); graphs are captured and replayed only where the kernels are
+  // device-resident and `decode_graphs` is set (CUDA + NCCL), elsewhere the step runs eagerly
+  // and reports why (stable_buffer_unavailable).
   int64_t decode_rank_tokens = 8;
   int64_t decode_slot_routes = 16;
   // The decode steps' expert runner (decode kernels or padded GEMMs): of the bucket's graph

@@ -49,6 +49,9 @@ struct LayerStepInput {
   // routing there in place; any other step copies it to the host first. The routing is read on
   // the kernels' stream and the step returns once nothing reads it any more.
   bool routing_on_device = false;
+  // With routing_on_device: both tables lie in one allocation, the weights after the ids (a step
+  // ring's device slot), so one copy may cover both and the bytes between them.
+  bool routing_in_one_block = false;
   // Optional: a check of the input running beside the step's first phases (the service's NaN/Inf
   // scan of a prefill step's rows on worker threads). Awaited before the agreement, also when an
   // earlier phase failed (the rows must outlive it); a failure rejects the step into its
@@ -76,7 +79,9 @@ struct StepRecord {
   int64_t placement_version = 0;
   int64_t layer = 0;  // the MoE layer whose experts served the step
   bool graph_replay = false;
-  std::string fallback_reason;  // decode steps served eagerly: the first failing admission clause
+  // Decode steps the graph did not admit: the first failing admission clause. Empty for replays
+  // and for a lone member's decode steps (the local layer by design, no admission).
+  std::string fallback_reason;
   int64_t routes_attempted = 0;
   int64_t routes_accepted = 0;
   int64_t routes_dropped = 0;

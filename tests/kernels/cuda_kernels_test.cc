@@ -898,9 +898,6 @@ TEST_F(CudaKernelsTest, FindNonFiniteMatchesCpu) {
   EXPECT_EQ(*zero, -1);
 }
 
-// The device plan's calls equal the CPU reference element for element: keys, gates, positions
-// (a stable order), pack order, slot values, counts, offsets and the first bad element, over
-// tile boundaries (256), many keys, a key map, and inputs with bad routes.
 // ComposeIndex on the GPU against the reference: permutations, -1 entries and entries past a.
 TEST_F(CudaKernelsTest, ComposeIndexMatchesCpu) {
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{300}, int64_t{65536 + 7}}) {
@@ -919,6 +916,9 @@ TEST_F(CudaKernelsTest, ComposeIndexMatchesCpu) {
   }
 }
 
+// The device plan's calls equal the CPU reference element for element: keys, gates, positions
+// (a stable order), pack order, slot values, counts, offsets and the first bad element, over
+// tile boundaries (256), many keys, a key map, and inputs with bad routes.
 TEST_F(CudaKernelsTest, RoutePlanningMatchesCpu) {
   for (int64_t routes : {int64_t{0}, int64_t{1}, int64_t{255}, int64_t{257}, int64_t{16384 + 3}, int64_t{65536}}) {
     for (int num_keys : {1, 37, 300, 5000}) {

@@ -16,6 +16,35 @@
 
 namespace moe::testing {
 
+// A transport that counts the exchanges (AllToAllV) made through the one it wraps. Interrupt is
+// not forwarded: for tests that do not re-form the group.
+class CountingTransport final : public Transport {
+ public:
+  explicit CountingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+  const char* name() const override { return inner_->name(); }
+  int slot() const override { return inner_->slot(); }
+  int size() const override { return inner_->size(); }
+  bool accepts_device_memory() const override { return inner_->accepts_device_memory(); }
+  absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    return inner_->AllGather(seq, in, bytes, out, timeout);
+  }
+  absl::Status StepGather(uint64_t step, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
+    return inner_->StepGather(step, in, bytes, out, timeout);
+  }
+  void AbandonStep(uint64_t step) override { inner_->AbandonStep(step); }
+  absl::Status AllToAllV(uint64_t seq, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                         absl::Span<const int64_t> recv_bytes, absl::Duration timeout) override {
+    ++exchanges_;
+    return inner_->AllToAllV(seq, send, send_bytes, recv, recv_bytes, timeout);
+  }
+  bool failed() const override { return inner_->failed(); }
+  int exchanges() const { return exchanges_; }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+  int exchanges_ = 0;
+};
+
 class OneRankTest : public ::testing::Test {
  protected:
   // `redundant` extra slots replicate experts (all on this rank).
@@ -29,6 +58,11 @@ class OneRankTest : public ::testing::Test {
     ASSERT_TRUE(registry_.Prepare(v1_).ok());
     ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
     transport_ = fabric_.Endpoint(0);
+    if (count_exchanges_) {
+      auto counting = std::make_unique<CountingTransport>(std::move(transport_));
+      counting_ = counting.get();
+      transport_ = std::move(counting);
+    }
     kernels_ = kernels::CreateCpuKernels();
     LayerExecutorOptions eo;
     eo.rank = Rank(0);
@@ -46,6 +80,8 @@ class OneRankTest : public ::testing::Test {
                     .ok());
   }
 
+  bool count_exchanges_ = false;           // set before SetUpRank: the transport is a CountingTransport
+  CountingTransport* counting_ = nullptr;  // then this one (owned by transport_)
   SafetensorsFile ckpt_;
   std::unique_ptr<CheckpointReader> reader_;  // over ckpt_
   Topology topology_ = TwoNodeTopology(1);
