@@ -432,7 +432,7 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
   if (stale) ++c.stale_accepts;
   if (in.phase == Phase::kDecode) {
     ++c.decode_steps;
-    if (!rec.graph_replay && !rec.fallback_reason.empty()) ++c.fallback_steps;  // (not a lone member's local layer)
+    if (!rec.fallback_reason.empty()) ++c.fallback_steps;  // set only where the graph did not admit it
   }
   // The gate's drop ratio is about routes the runtime fails to deliver: routes the engine's router
   // dropped are its own choice, and an admitted route is never dropped here (a step that does not
