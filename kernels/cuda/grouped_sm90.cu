@@ -160,6 +160,12 @@ struct Config {
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
+  // Gate/up where a consumer warpgroup computes all BN columns (128-row and ping-pong tiles):
+  // its gate rows and up rows lie next to each other in the stage, so one MMA of 2 BN columns
+  // covers both and reads the row operand from shared memory once. Cooperative 64-row tiles
+  // split the columns between the warpgroups and issue two MMAs (splitting their boxes instead
+  // costs a latency-bound small step more in loads than it saves).
+  static constexpr bool kJointGateUp = kSwiglu && kWgN == BN;
   static constexpr int kSmemBytes =
       1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
@@ -263,10 +269,10 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
 template <typename C, int BN, bool kSwiglu>
 __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0, int k_blocks,
                                          int a_off, int b_off, int lane, float* acc, int* prev) {
+  int stage = static_cast<int>(pos0 % C::kStages);
+  uint32_t phase = static_cast<uint32_t>((pos0 / C::kStages) & 1);
   for (int kb = 0; kb < k_blocks; ++kb) {
-    const int64_t pos = pos0 + kb;
-    const int stage = static_cast<int>(pos % C::kStages);
-    MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
+    MbarWait(&full[stage], phase);
     const uint8_t* a_tile = smem + stage * C::kStageBytes;
     const uint8_t* b_tile = a_tile + C::kABytes;
     const uint64_t db = SmemDesc(b_tile + b_off);
@@ -278,10 +284,15 @@ __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t
       for (int sl = 0; sl < C::kSlices; ++sl) {
         const uint64_t da = SmemDesc(a_tile + a_off + sl * 64 * 128);
         float* sacc = acc + sl * C::kSliceAcc;
-        Wgmma<C::kWgN>(sacc, da + 2 * kk, db + 2 * kk, scale);
-        if constexpr (kSwiglu) {
-          const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
-          Wgmma<C::kWgN>(sacc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
+        if constexpr (C::kJointGateUp) {
+          // The gate rows then the up rows: gate columns in sacc[0, kWgN / 2), up columns after.
+          Wgmma<2 * C::kWgN>(sacc, da + 2 * kk, db + 2 * kk, scale);
+        } else {
+          Wgmma<C::kWgN>(sacc, da + 2 * kk, db + 2 * kk, scale);
+          if constexpr (kSwiglu) {
+            const uint64_t du = SmemDesc(b_tile + BN * 128 + b_off);
+            Wgmma<C::kWgN>(sacc + C::kWgN / 2, da + 2 * kk, du + 2 * kk, scale);
+          }
         }
       }
     }
@@ -289,6 +300,10 @@ __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t
     WgmmaWait<1>();
     if (*prev >= 0 && lane == 0) MbarArrive(&empty[*prev]);
     *prev = stage;
+    if (++stage == C::kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
   }
 }
 
@@ -309,13 +324,22 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
   const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
   const float* sb = args.b_scales + (b_row / 128) * args.k_blocks;
   const float* sb_up = args.b_scales + ((b_row + args.up_rows) / 128) * args.k_blocks;
+  // The ring position: counted, not divided, a stage (the loop's issue slots are what the
+  // promotion competes for).
+  int stage = static_cast<int>(pos0 % C::kStages);
+  uint32_t phase = static_cast<uint32_t>((pos0 / C::kStages) & 1);
+  // Each stage's scales are loaded a stage ahead: their latency hides under the previous stage,
+  // and nothing between the MMAs' issue and their wait depends on a load from memory.
+  float next_s0 = sa0[0], next_s1 = sa1[0], next_b = sb[0], next_up = kSwiglu ? sb_up[0] : 0.0f;
   for (int kb = 0; kb < args.k_blocks; ++kb) {
-    const int64_t pos = pos0 + kb;
-    const int stage = static_cast<int>(pos % C::kStages);
-    // The stage's scales are loaded before the MMAs, so their latency hides under them.
-    const float s0 = sa0[kb], s1 = sa1[kb], b_scale = sb[kb];
-    const float b_scale_up = kSwiglu ? sb_up[kb] : 0.0f;
-    MbarWait(&full[stage], static_cast<uint32_t>((pos / C::kStages) & 1));
+    const float s0 = next_s0, s1 = next_s1, b_scale = next_b, b_scale_up = next_up;
+    if (kb + 1 < args.k_blocks) {
+      next_s0 = sa0[kb + 1];
+      next_s1 = sa1[kb + 1];
+      next_b = sb[kb + 1];
+      if constexpr (kSwiglu) next_up = sb_up[kb + 1];
+    }
+    MbarWait(&full[stage], phase);
     const uint8_t* a_tile = smem + stage * C::kStageBytes;
     const uint8_t* b_tile = a_tile + C::kABytes;
     const uint64_t da = SmemDesc(a_tile + a_off);
@@ -323,15 +347,9 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < 128 / 32; ++kk) {
-      if constexpr (kN == 64) {
-        WgmmaM64N64K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
-        if constexpr (kSwiglu) {
-          WgmmaM64N64K32E4m3(part + kN / 2, da + 2 * kk, SmemDesc(b_tile + BN * 128) + 2 * kk, kk > 0);
-        }
-      } else {
-        static_assert(kN == 128 && !kSwiglu, "FP8 tiles: 64-column gate/up, 128-column down");
-        WgmmaM64N128K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
-      }
+      // Gate/up: 64 gate rows then 64 up rows, one MMA of 128 columns (kJointGateUp).
+      static_assert((kSwiglu ? 2 : 1) * kN == 128, "FP8 tiles: 64-column gate/up, 128-column down");
+      WgmmaM64N128K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
     }
     WgmmaCommit();
     WgmmaWait<0>();
@@ -354,6 +372,10 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
         acc[kN / 2 + 4 * j + 2] += part[kN / 2 + 4 * j + 2] * u1;
         acc[kN / 2 + 4 * j + 3] += part[kN / 2 + 4 * j + 3] * u1;
       }
+    }
+    if (++stage == C::kStages) {
+      stage = 0;
+      phase ^= 1;
     }
   }
 }

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A/B of two (or more) builds of the expert kernels in one call: runs each build's
+# expert_layer_bench in turn, ROUNDS times, on the same shapes and routings, and prints the
+# medians side by side (bench/gpu/kernel_ab.py). Builds are named by their binaries:
+#
+#   BENCHES="dist/gpu/prev/expert_layer_bench dist/gpu/bin/expert_layer_bench" \
+#     ROUNDS=2 ARGS="--reps 20 --shape E128-k8-d2048-f768" bench/gpu/kernel_ab.sh
+#
+# Every JSON line of every run lands in $OUT/kernel_ab.jsonl with "build" and "round" added.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+: "${BENCHES:?space-separated expert_layer_bench binaries}"
+ROUNDS="${ROUNDS:-2}"
+ARGS="${ARGS:---reps 20}"
+OUT="${OUT:-/tmp/kernel_ab}"
+mkdir -p "$OUT"
+log="$OUT/kernel_ab.jsonl"
+: > "$log"
+for round in $(seq 1 "$ROUNDS"); do
+  for bench in $BENCHES; do
+    # shellcheck disable=SC2086
+    "$bench" $ARGS 2> "$OUT/kernel_ab.err" | python3 -c '
+import json, sys
+build, rnd = sys.argv[1], int(sys.argv[2])
+for line in sys.stdin:
+    line = line.strip()
+    if line.startswith("{"):
+        rec = json.loads(line)
+        rec["build"], rec["round"] = build, rnd
+        print(json.dumps(rec))
+' "$bench" "$round" >> "$log" || { echo "kernel_ab: $bench failed:"; tail -5 "$OUT/kernel_ab.err"; exit 1; }
+  done
+done
+python3 bench/gpu/kernel_ab.py "$log"
