@@ -146,7 +146,7 @@ struct GroupedArgs {
 // FP8 (kFp8): E4M3 operands, 128 K values (128 bytes) a stage, the same swizzle; each stage's
 // MMAs go into a partial accumulator that is scaled by its row's and block's scales and added
 // to the tile's FP32 accumulator (the scales change every 128 K values). Cooperative 128-row
-// tiles only.
+// tiles only, 256 columns a warpgroup (gate/up: 128 gate and 128 up columns; down: 256).
 template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
 struct Config {
   static constexpr int kStageK = kFp8 ? 128 : kBK;      // K values a stage (128 bytes a row)
@@ -160,6 +160,7 @@ struct Config {
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
+
   // Gate/up where a consumer warpgroup computes all BN columns (128-row and ping-pong tiles):
   // its gate rows and up rows lie next to each other in the stage, so one MMA of 2 BN columns
   // covers both and reads the row operand from shared memory once. Cooperative 64-row tiles
@@ -170,7 +171,7 @@ struct Config {
       1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
-  static_assert(kAcc * (kFp8 ? 2 : 1) <= 128, "accumulators of a thread (FP8: and the partial)");
+  static_assert(kAcc <= 128, "accumulators of a thread");
   static_assert(!kFp8 || (BM == 128 && !kPingPong), "FP8 runs cooperative 128-row tiles");
   static_assert(kStages >= 2, "at least two stages");
   static_assert(kWgN % 64 == 0, "the epilogue stages 64 columns at a time");
@@ -307,70 +308,76 @@ __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t
   }
 }
 
-// The FP8 tile's main loop (cooperative, 128-row tiles): per stage, the MMAs of 128 K values
-// into `part` (E4M3 x E4M3, FP32), then acc += part x row scale x block scale. `row0` is the
-// thread's first accumulator row (its second is row0 + 8).
+// The FP8 tile's main loop (cooperative, 128-row tiles). A consumer warpgroup's 64 rows x
+// kWgN columns (gate/up: BN gate then BN up columns) are computed in halves of 128 columns, one
+// weight block wide: per stage and half, the MMAs of 128 K values into a partial accumulator
+// (E4M3 x E4M3, FP32), then acc += partial x row scale x the half's block scale (the scales
+// change every 128 K values, and every 128 weight rows). `row0` is the thread's first
+// accumulator row (its second is row0 + 8).
 template <typename C, int BN, bool kSwiglu>
 __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0,
                                             const GroupedArgs& args, const Tile& tile, int64_t row0, int a_off,
                                             int lane, float* acc) {
-  constexpr int kN = C::kWgN;
-  float part[C::kAcc];
+  constexpr int kN = (kSwiglu ? 2 : 1) * C::kWgN;  // MMA columns of the warpgroup
+  constexpr int kHalves = kN / 128;
+  static_assert(kN % 128 == 0 && kHalves <= 2, "FP8 tiles: 128 or 256 columns a warpgroup");
+  float part[64];
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const int64_t last = args.a_rows - 1;  // rows past the operand (discarded) read the last row's scale
   const float* sa0 = args.a_scales + (row0 < last ? row0 : last) * args.k_blocks;
   const float* sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.k_blocks;
   const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
-  const float* sb = args.b_scales + (b_row / 128) * args.k_blocks;
-  const float* sb_up = args.b_scales + ((b_row + args.up_rows) / 128) * args.k_blocks;
+  // Half h's weight rows: gate/up, the gate then the up rows of the tile's columns; down, the
+  // tile's rows 128 at a time.
+  const float* sb[kHalves];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    const int64_t rows = kSwiglu ? b_row + h * args.up_rows : b_row + h * 128;
+    sb[h] = args.b_scales + (rows / 128) * args.k_blocks;
+  }
   // The ring position: counted, not divided, a stage (the loop's issue slots are what the
   // promotion competes for).
   int stage = static_cast<int>(pos0 % C::kStages);
   uint32_t phase = static_cast<uint32_t>((pos0 / C::kStages) & 1);
   // Each stage's scales are loaded a stage ahead: their latency hides under the previous stage,
   // and nothing between the MMAs' issue and their wait depends on a load from memory.
-  float next_s0 = sa0[0], next_s1 = sa1[0], next_b = sb[0], next_up = kSwiglu ? sb_up[0] : 0.0f;
+  float next_s0 = sa0[0], next_s1 = sa1[0], next_b[kHalves];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) next_b[h] = sb[h][0];
   for (int kb = 0; kb < args.k_blocks; ++kb) {
-    const float s0 = next_s0, s1 = next_s1, b_scale = next_b, b_scale_up = next_up;
+    const float s0 = next_s0, s1 = next_s1;
+    float b_scale[kHalves];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) b_scale[h] = next_b[h];
     if (kb + 1 < args.k_blocks) {
       next_s0 = sa0[kb + 1];
       next_s1 = sa1[kb + 1];
-      next_b = sb[kb + 1];
-      if constexpr (kSwiglu) next_up = sb_up[kb + 1];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) next_b[h] = sb[h][kb + 1];
     }
     MbarWait(&full[stage], phase);
     const uint8_t* a_tile = smem + stage * C::kStageBytes;
     const uint8_t* b_tile = a_tile + C::kABytes;
     const uint64_t da = SmemDesc(a_tile + a_off);
-    const uint64_t db = SmemDesc(b_tile);
-    WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < 128 / 32; ++kk) {
-      // Gate/up: 64 gate rows then 64 up rows, one MMA of 128 columns (kJointGateUp).
-      static_assert((kSwiglu ? 2 : 1) * kN == 128, "FP8 tiles: 64-column gate/up, 128-column down");
-      WgmmaM64N128K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
-    }
-    WgmmaCommit();
-    WgmmaWait<0>();
-    FenceAccumulators<C::kAcc>(part);
-    if (lane == 0) MbarArrive(&empty[stage]);
-    const float g0 = s0 * b_scale, g1 = s1 * b_scale;
+    for (int h = 0; h < kHalves; ++h) {
+      const uint64_t db = SmemDesc(b_tile + h * 128 * 128);
+      WgmmaFence();
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {  // fragment j: rows row0 (regs 0, 1) and row0 + 8 (2, 3)
-      acc[4 * j] += part[4 * j] * g0;
-      acc[4 * j + 1] += part[4 * j + 1] * g0;
-      acc[4 * j + 2] += part[4 * j + 2] * g1;
-      acc[4 * j + 3] += part[4 * j + 3] * g1;
-    }
-    if constexpr (kSwiglu) {
-      const float u0 = s0 * b_scale_up, u1 = s1 * b_scale_up;
+      for (int kk = 0; kk < 128 / 32; ++kk) WgmmaM64N128K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceAccumulators<64>(part);
+      if (h == kHalves - 1 && lane == 0) MbarArrive(&empty[stage]);
+      const float g0 = s0 * b_scale[h], g1 = s1 * b_scale[h];
+      float* out = acc + h * 64;
 #pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
-        acc[kN / 2 + 4 * j] += part[kN / 2 + 4 * j] * u0;
-        acc[kN / 2 + 4 * j + 1] += part[kN / 2 + 4 * j + 1] * u0;
-        acc[kN / 2 + 4 * j + 2] += part[kN / 2 + 4 * j + 2] * u1;
-        acc[kN / 2 + 4 * j + 3] += part[kN / 2 + 4 * j + 3] * u1;
+      for (int j = 0; j < 16; ++j) {  // fragment j: rows row0 (regs 0, 1) and row0 + 8 (2, 3)
+        out[4 * j] += part[4 * j] * g0;
+        out[4 * j + 1] += part[4 * j + 1] * g0;
+        out[4 * j + 2] += part[4 * j + 2] * g1;
+        out[4 * j + 3] += part[4 * j + 3] * g1;
       }
     }
     if (++stage == C::kStages) {
@@ -448,6 +455,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
+  // The consumers' code is compiled to this budget (the launch bound's 168 registers a thread
+  // hold until here): the FP8 tiles keep a 128-float accumulator and a 64-float partial.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int cw = (warp - 4) / 4;  // consumer warpgroup 0 or 1
   const int wl = (warp - 4) % 4;  // warp within it
@@ -636,20 +645,20 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, const float* x_scales,
                                        uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  GroupedArgs up{offsets, num_experts, d / 128, f / 64, 2 * f, f, a, f};
+  GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
   up.a_scales = x_scales;
   up.b_scales = gate_up_scales;
   up.a_rows = rows;
-  cudaError_t err =
-      Launch<128, 64, true, false, true>(xq, rows, d, w_gate_up, static_cast<int64_t>(num_experts) * 2 * f, up, stream);
+  cudaError_t err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
+                                                        static_cast<int64_t>(num_experts) * 2 * f, up, stream);
   if (err != cudaSuccess) return err;
   err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream);
   if (err != cudaSuccess) return err;
-  GroupedArgs down{offsets, num_experts, f / 128, d / 128, d, 0, y, d};
+  GroupedArgs down{offsets, num_experts, f / 128, d / 256, d, 0, y, d};
   down.a_scales = a_scales;
   down.b_scales = down_scales;
   down.a_rows = rows;
-  return Launch<128, 128, false, false, true>(aq, rows, f, w_down, static_cast<int64_t>(num_experts) * d, down, stream);
+  return Launch<128, 256, false, false, true>(aq, rows, f, w_down, static_cast<int64_t>(num_experts) * d, down, stream);
 }
 
 }  // namespace moe::kernels::cuda
