@@ -20,6 +20,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 
 #include "bench/one_member.h"
 #include "bench/stats.h"
@@ -34,6 +35,9 @@ ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
 ABSL_FLAG(int, experts, 128, "logical experts");
 ABSL_FLAG(int, k, 8, "routes per token");
 ABSL_FLAG(bool, device_plan, false, "plan the steps on the kernels (LayerExecutorOptions::device_plan)");
+ABSL_FLAG(std::vector<std::string>, tokens, std::vector<std::string>({"256", "1024", "2048", "4096", "8192"}),
+          "token counts a step");
+ABSL_FLAG(bool, decode, false, "decode steps instead of prefill");
 ABSL_FLAG(bool, in_place, false,
           "rows, routing and output in kernel memory (a co-located engine's GPU buffers; CUDA kernels only)");
 
@@ -67,8 +71,18 @@ int Main() {
   }
   LayerExecutor* executor = rank.executor.get();
   const bool in_place = absl::GetFlag(FLAGS_in_place);
-  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, prefill steps, %s plan, %s, median of %d\n", kernels->name(),
-              experts, k, d, f, absl::GetFlag(FLAGS_device_plan) ? "device" : "host",
+  const bool decode = absl::GetFlag(FLAGS_decode);
+  std::vector<int64_t> token_counts;
+  for (const std::string& t : absl::GetFlag(FLAGS_tokens)) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(t, &v) || v < 1 || v > (int64_t{1} << 20)) {
+      std::fprintf(stderr, "--tokens: '%s' is not a count in [1, 2^20]\n", t.c_str());
+      return 1;
+    }
+    token_counts.push_back(v);
+  }
+  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, %s steps, %s plan, %s, median of %d\n", kernels->name(), experts,
+              k, d, f, decode ? "decode" : "prefill", absl::GetFlag(FLAGS_device_plan) ? "device" : "host",
               in_place ? "rows and routing in kernel memory" : "rows and routing on the host",
               absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");
@@ -76,7 +90,7 @@ int Main() {
   std::printf(" %10s %12s %13s %11s %11s\n", "step_us", "non-expert", "ns/route", "thread_cpu", "process_cpu");
   std::mt19937 rng(1);
   uint64_t step = 1;
-  for (int64_t tokens : {256, 1024, 2048, 4096, 8192}) {
+  for (int64_t tokens : token_counts) {
     std::vector<uint16_t> hidden(tokens * d);
     for (auto& h : hidden) h = kernels::FloatToBf16(std::normal_distribution<float>(0, 1)(rng));
     std::vector<int32_t> ids(tokens * k);
@@ -112,7 +126,7 @@ int Main() {
     for (int rep = 0; rep < absl::GetFlag(FLAGS_reps) + 1; ++rep) {
       LayerStepInput in;
       in.step_id = step++;
-      in.phase = Phase::kPrefill;
+      in.phase = decode ? Phase::kDecode : Phase::kPrefill;
       in.hidden = hidden.data();
       in.tokens = tokens;
       in.d = d;
@@ -135,7 +149,7 @@ int Main() {
         std::fprintf(stderr, "step: %s\n", r.status().ToString().c_str());
         return 1;
       }
-      if (r->record.device_plan != absl::GetFlag(FLAGS_device_plan)) {
+      if (r->record.device_plan != (absl::GetFlag(FLAGS_device_plan) && !decode)) {  // decode: host-planned
         std::fprintf(stderr, "step planned on the %s, asked for the other\n",
                      r->record.device_plan ? "device" : "host");
         return 1;
