@@ -662,7 +662,7 @@ class CudaKernels final : public ExpertKernels {
       }
       CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(p.x_row_index != nullptr ? xe : p.x, p.rows, p.device_offsets,
                                                          e_count, d, f, w.w_gate_up, w.w_down, a, p.y,
-                                                         Sm90ScheduleFor(p.rows / e_count), st));
+                                                         Sm90ScheduleFor(p.rows / e_count, d, f), st));
       return absl::OkStatus();
     }
     auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
@@ -819,8 +819,13 @@ class CudaKernels final : public ExpertKernels {
            cuda::GroupedSm90Supported(num_experts, d, d_ff);
   }
 
-  // The Hopper kernels' schedule for segments of `avg_rows` rows on average (sm90_tile forces one).
-  cuda::Sm90Schedule Sm90ScheduleFor(int64_t avg_rows) const {
+  // The Hopper kernels' schedule for segments of `avg_rows` rows on average (sm90_tile forces one):
+  // 64-row tiles for short segments; for longer ones, ping-pong where the K loops are short
+  // (d <= 2048, d_ff <= 1024: each tile's epilogue is a large share of it, and ping-pong runs one
+  // warpgroup's epilogue under the other's MMAs), else cooperative 128-row tiles. One H200, prefill
+  // experts, µs: E128 d2048 f768 T = 8192 ping-pong 1088-1090 against 1125-1127 cooperative;
+  // E32 d7168 f2048 T = 1024 1457-1461 against 1419-1425 (bench/RESULTS.md).
+  cuda::Sm90Schedule Sm90ScheduleFor(int64_t avg_rows, int d, int d_ff) const {
     switch (sm90_tile_) {
       case CudaTuning::Sm90Tile::kRows64:
         return cuda::Sm90Schedule::kRows64;
@@ -831,7 +836,8 @@ class CudaKernels final : public ExpertKernels {
       case CudaTuning::Sm90Tile::kAuto:
         break;
     }
-    return avg_rows < kSm90SmallTileRows ? cuda::Sm90Schedule::kRows64 : cuda::Sm90Schedule::kRows128;
+    if (avg_rows < kSm90SmallTileRows) return cuda::Sm90Schedule::kRows64;
+    return d <= 2048 && d_ff <= 1024 ? cuda::Sm90Schedule::kPingPong : cuda::Sm90Schedule::kRows128;
   }
 
   // Both projections on the Hopper grouped kernels: the executed offsets go to the device in one
@@ -843,7 +849,8 @@ class CudaKernels final : public ExpertKernels {
     auto offsets = OffsetsToDevice(executed.data(), e_count, st);
     if (!offsets.ok()) return offsets.status();
     CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(xe, executed[e_count], *offsets, e_count, w.d, w.d_ff,
-                                                       w.w_gate_up, w.w_down, a, ye, Sm90ScheduleFor(avg_rows), st));
+                                                       w.w_gate_up, w.w_down, a, ye,
+                                                       Sm90ScheduleFor(avg_rows, w.d, w.d_ff), st));
     return absl::OkStatus();
   }
 
