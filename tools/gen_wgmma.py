@@ -5,9 +5,9 @@ shared-memory descriptors, FP32 accumulators in registers). One wrapper per N an
 lists its N/2 accumulator registers, which is why the file is generated. Run from the repository root: tools/gen_wgmma.py > kernels/cuda/wgmma.cuh
 """
 
-# (N, operand type): BF16 wrappers (k16) for every width the kernels use, E4M3 ones (k32) for the
-# FP8 kernels' narrower tiles.
-WRAPPERS = ((64, "bf16"), (128, "bf16"), (256, "bf16"), (64, "e4m3"), (128, "e4m3"))
+# (N, operand type): BF16 wrappers (k16) for every width the kernels use, the E4M3 one (k32) for
+# the FP8 kernels' 128-column halves.
+WRAPPERS = ((64, "bf16"), (128, "bf16"), (256, "bf16"), (128, "e4m3"))
 
 
 def wrapper(n, dtype):
