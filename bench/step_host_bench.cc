@@ -9,7 +9,12 @@
 // MOE_CUDA_TUNING=blocking_sync=1 makes waits for the GPU block instead of spin, so that the CPU
 // times count host work only.
 //
+// --tokens 1,8 --decode times decode steps instead (always planned on the host). A one-member
+// decode step runs the one-call local layer, whose host tables (the routes' local ids, uploaded)
+// are timed in its experts phase, so "non-expert" leaves them out there.
+//
 //   bazel run -c opt //bench:step_host_bench [-- --reps 9 --experts 128 --k 8 --device_plan --in_place]
+//   bazel run -c opt //bench:step_host_bench [-- --tokens 1,8 --decode --reps 201]
 #include <time.h>
 
 #include <cstdio>
@@ -82,7 +87,7 @@ int Main() {
     token_counts.push_back(v);
   }
   std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, %s steps, %s plan, %s, median of %d\n", kernels->name(), experts,
-              k, d, f, decode ? "decode" : "prefill", absl::GetFlag(FLAGS_device_plan) ? "device" : "host",
+              k, d, f, decode ? "decode" : "prefill", absl::GetFlag(FLAGS_device_plan) && !decode ? "device" : "host",
               in_place ? "rows and routing in kernel memory" : "rows and routing on the host",
               absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");

@@ -28,7 +28,7 @@ def main(path):
     print("shape | T | what | " + " | ".join(builds) + " | last ÷ first")
     for (shape, t, what), by in rows.items():
         meds = [statistics.median(by[b]) if by[b] else float("nan") for b in builds]
-        spread = ["/".join(f"{v:.1f}" for v in by[b]) for b in builds]
+        spread = ["/".join(f"{v:.1f}" for v in by[b]) for b in builds]  # in round order
         ratio = meds[-1] / meds[0] if meds[0] else float("nan")
         print(f"{shape} | {t} | {what} | " + " | ".join(spread) + f" | {ratio:.3f}")
 

@@ -7,6 +7,8 @@
 #     ROUNDS=2 ARGS="--reps 20 --shape E128-k8-d2048-f768" bench/gpu/kernel_ab.sh
 #
 # Every JSON line of every run lands in $OUT/kernel_ab.jsonl with "build" and "round" added.
+# Paths are relative to the repository root (the script runs there). Even rounds run the builds
+# in reverse order, so that neither always runs first after the other.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${BENCHES:?space-separated expert_layer_bench binaries}"
@@ -16,8 +18,11 @@ OUT="${OUT:-/tmp/kernel_ab}"
 mkdir -p "$OUT"
 log="$OUT/kernel_ab.jsonl"
 : > "$log"
+reversed="$(echo "$BENCHES" | tr ' ' '\n' | grep -v '^$' | tac | tr '\n' ' ')"
 for round in $(seq 1 "$ROUNDS"); do
-  for bench in $BENCHES; do
+  order="$BENCHES"
+  [ $((round % 2)) -eq 0 ] && order="$reversed"
+  for bench in $order; do
     # shellcheck disable=SC2086
     "$bench" $ARGS 2> "$OUT/kernel_ab.err" | python3 -c '
 import json, sys
@@ -28,7 +33,11 @@ for line in sys.stdin:
         rec = json.loads(line)
         rec["build"], rec["round"] = build, rnd
         print(json.dumps(rec))
-' "$bench" "$round" >> "$log" || { echo "kernel_ab: $bench failed:"; tail -5 "$OUT/kernel_ab.err"; exit 1; }
+' "$bench" "$round" >> "$log" || {
+      echo "kernel_ab: $bench or the line filter failed (its stderr, then the filter's above):" >&2
+      tail -5 "$OUT/kernel_ab.err" >&2
+      exit 1
+    }
   done
 done
 python3 bench/gpu/kernel_ab.py "$log"
