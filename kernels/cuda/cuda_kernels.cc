@@ -823,8 +823,8 @@ class CudaKernels final : public ExpertKernels {
   // 64-row tiles for short segments; for longer ones, ping-pong where the K loops are short
   // (d <= 2048, d_ff <= 1024: each tile's epilogue is a large share of it, and ping-pong runs one
   // warpgroup's epilogue under the other's MMAs), else cooperative 128-row tiles. One H200, prefill
-  // experts, µs: E128 d2048 f768 T = 8192 ping-pong 1088-1090 against 1125-1127 cooperative;
-  // E32 d7168 f2048 T = 1024 1457-1461 against 1419-1425 (bench/RESULTS.md).
+  // path, µs: E128 d2048 f768 T = 8192 experts, ping-pong 1088-1090 against 1125-1127
+  // cooperative; E32 d7168 f2048 T = 1024 a layer, 1457-1461 against 1419-1425 (bench/RESULTS.md).
   cuda::Sm90Schedule Sm90ScheduleFor(int64_t avg_rows, int d, int d_ff) const {
     switch (sm90_tile_) {
       case CudaTuning::Sm90Tile::kRows64:
