@@ -321,6 +321,7 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
   constexpr int kN = (kSwiglu ? 2 : 1) * C::kWgN;  // MMA columns of the warpgroup
   constexpr int kHalves = kN / 128;
   static_assert(kN % 128 == 0 && kHalves <= 2, "FP8 tiles: 128 or 256 columns a warpgroup");
+  static_assert(!kSwiglu || C::kJointGateUp, "gate/up halves: the gate rows, then the up rows, of one stage");
   float part[64];
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
