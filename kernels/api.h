@@ -71,6 +71,22 @@ struct GatherParams {
   float* out_scales = nullptr;
 };
 
+// Scatter, BF16 rows: out[dest[i * fanout + j], :] = in[i, :] for every i < in_rows and j <
+// fanout whose dest lies in [0, out_rows); other entries are skipped, and rows of out that no
+// entry names are left as they are. The inverse of a Gather whose index names each source row up
+// to `fanout` times (token -> the rows of its k routes in expert order): each source row is read
+// once instead of once a copy. Every pointer is kernel memory; in_rows * fanout and out_rows
+// < 2^31; destinations should be distinct (two entries naming one row: either row wins).
+struct ScatterParams {
+  int d = 0;
+  const uint16_t* in = nullptr;  // [in_rows, d]
+  int64_t in_rows = 0;
+  const int32_t* dest = nullptr;  // [in_rows, fanout]
+  int fanout = 0;
+  uint16_t* out = nullptr;  // [out_rows, d]
+  int64_t out_rows = 0;
+};
+
 // counts[b] = #{i : keys[i] == b}; offsets = exclusive prefix with sentinel. Keys < 0 (dropped
 // routes) are ignored. On CUDA both outputs are device memory and nothing returns to the host.
 struct HistogramParams {
@@ -316,6 +332,8 @@ class ExpertKernels {
   virtual absl::Status SealRoutes(const SealRoutesParams& p, Stream stream);
   virtual absl::Status RankByKey(const RankByKeyParams& p, Stream stream);
   virtual absl::Status ComposeIndex(const ComposeIndexParams& p, Stream stream);
+  // ScatterParams. The default: host memory (the CPU reference); CUDA on `stream`.
+  virtual absl::Status Scatter(const ScatterParams& p, Stream stream);
 
   // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
   // the CUDA implementation allocates device memory and copies on `stream` (a copy from
@@ -436,6 +454,7 @@ absl::Status CheckRouteRows(const RouteRowsParams& p);
 absl::Status CheckSealRoutes(const SealRoutesParams& p);
 absl::Status CheckRankByKey(const RankByKeyParams& p);
 absl::Status CheckComposeIndex(const ComposeIndexParams& p);
+absl::Status CheckScatter(const ScatterParams& p);
 absl::Status CheckSwiglu(const SwigluParams& p);
 absl::Status CheckSwigluFp8(const SwigluFp8Params& p);  // what the host sees (not device offsets)
 absl::Status CheckCombine(const CombineParams& p);
@@ -444,9 +463,12 @@ absl::Status CheckDequantize(const DequantizeParams& p);
 absl::Status CheckLocalLayer(const LocalLayerParams& p);
 
 // LocalLayer as its three stages (RouteRows, Swiglu on the decode path, Combine) on `kernels`,
-// with the routing tables and expert rows in `scratch` (kernel memory of that object).
+// with the routing tables and expert rows in `scratch` (kernel memory of that object). Where the
+// kernels' decode GEMMs take the step (DecodeGemmBeatsPadded: whole tiles of rows, which read a
+// gathered copy), the tokens' rows are scattered into expert order first (`expert_in`), each
+// read once; otherwise the experts read them through token_of_row.
 struct LocalLayerScratch {
-  KernelBuffer counts, offsets, row_of_route, token_of_row, rows;
+  KernelBuffer counts, offsets, row_of_route, token_of_row, rows, expert_in;
 };
 absl::Status RunLocalLayerInStages(ExpertKernels* kernels, const LocalLayerParams& p, LocalLayerScratch* scratch,
                                    Stream stream);

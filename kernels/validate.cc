@@ -148,6 +148,18 @@ absl::Status CheckComposeIndex(const ComposeIndexParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CheckScatter(const ScatterParams& p) {
+  KERNEL_INVALID_IF(p.d <= 0, "scatter.d: must be positive");
+  KERNEL_INVALID_IF(p.fanout <= 0, "scatter.fanout: must be positive");
+  KERNEL_INVALID_IF(p.in_rows < 0 || p.in_rows > std::numeric_limits<int32_t>::max() / p.fanout,
+                    "scatter.in_rows: ", p.in_rows, " x fanout ", p.fanout, " outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.out_rows < 0 || p.out_rows > std::numeric_limits<int32_t>::max(),
+                    "scatter.out_rows: outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.in_rows > 0 && (p.in == nullptr || p.dest == nullptr), "scatter: null in or dest");
+  KERNEL_INVALID_IF(p.out_rows > 0 && p.out == nullptr, "scatter: null out");
+  return absl::OkStatus();
+}
+
 absl::Status CheckSwiglu(const SwigluParams& p) {
   const ExpertWeights& w = p.weights;
   KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,

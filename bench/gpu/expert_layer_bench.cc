@@ -1,5 +1,5 @@
 // The local expert layer on one GPU: route rows (device histogram + scan + row assignment),
-// gather rows expert-major, SwiGLU experts (gate+up GEMM, activation, down GEMM), gate-weighted
+// scatter rows expert-major, SwiGLU experts (gate+up GEMM, activation, down GEMM), gate-weighted
 // combine, for the shapes; plus the two ceilings measured in the same run: cuBLAS BF16
 // 8192^3 and a device-to-device copy. Prints one JSON object per line (bench/gpu/report.py
 // joins them with the PyTorch reference).
@@ -341,13 +341,10 @@ int main(int argc, char** argv) {
       auto route = [&] {
         CHECK_OK(kernels->RouteRows({d_topk, t, s.k, s.e, counts, offsets, row_of_route, token_of_row}, st));
       };
-      moe::kernels::GatherParams gather;
-      gather.d = s.d;
-      gather.in = hidden;
-      gather.in_rows = t;
-      gather.index = token_of_row;
-      gather.n = routes;
-      gather.out = packed;
+      // The rows into expert order: each token's row scattered to its k routes' rows (read once;
+      // a gather through token_of_row would read it k times).
+      const moe::kernels::ScatterParams gather{s.d, static_cast<const uint16_t*>(hidden), t,     row_of_route,
+                                               s.k, static_cast<uint16_t*>(packed),       routes};
       moe::kernels::SwigluParams prefill;  // host offsets: the GEMM shapes
       prefill.weights = {static_cast<const uint16_t*>(wgu), static_cast<const uint16_t*>(wd), s.e, s.d, s.f};
       prefill.x = static_cast<const uint16_t*>(packed);
@@ -375,7 +372,7 @@ int main(int argc, char** argv) {
         // Prefill path: the GEMM shapes come back to the host once per step.
         CHECK_CUDA(cudaMemcpyAsync(host_offsets.data(), offsets, (s.e + 1) * 8, cudaMemcpyDeviceToHost, st));
         CHECK_CUDA(cudaStreamSynchronize(st));
-        CHECK_OK(kernels->Gather(gather, st));
+        CHECK_OK(kernels->Scatter(gather, st));
         prefill.layout = {layout, max_seg, 8, 128};
         CHECK_OK(kernels->Swiglu(prefill, st));
         CHECK_OK(kernels->Combine(combine, st));
@@ -395,7 +392,7 @@ int main(int argc, char** argv) {
       // Stage-alone medians (same inputs); `experts` is the given Swiglu variant.
       auto breakdown = [&](const char* path, const moe::kernels::SwigluParams& experts, double floor_us) {
         const double route_us = TimeMedianUs(reps, st, route);
-        const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Gather(gather, st)); });
+        const double gather_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Scatter(gather, st)); });
         const double experts_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Swiglu(experts, st)); });
         const double combine_us = TimeMedianUs(reps, st, [&] { CHECK_OK(kernels->Combine(combine, st)); });
         // Host time to enqueue each stage (the API call, its checks and launches), the stream

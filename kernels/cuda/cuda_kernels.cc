@@ -438,6 +438,14 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status Scatter(const ScatterParams& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (absl::Status s = CheckScatter(p); !s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchScatterRows(p.in, p.in_rows, p.d, p.dest, p.fanout, p.out_rows, p.out,
+                                                 static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
   absl::Status ComposeIndex(const ComposeIndexParams& p, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (absl::Status s = CheckComposeIndex(p); !s.ok()) return s;

@@ -31,6 +31,11 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
 cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8_t* admitted, int64_t routes,
                              int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
                              int64_t* status, cudaStream_t stream);
+// out[dest[i * fanout + j]] = in[i] (BF16 rows of d), entries outside [0, out_rows) skipped:
+// kernels/api.h ScatterParams.
+cudaError_t LaunchScatterRows(const uint16_t* in, int64_t in_rows, int d, const int32_t* dest, int fanout,
+                              int64_t out_rows, uint16_t* out, cudaStream_t stream);
+
 // out[i] = a[b[i]] (-1 where b[i] is outside [0, a_n)): kernels/api.h ComposeIndexParams.
 cudaError_t LaunchComposeIndex(const int32_t* a, int64_t a_n, const int32_t* b, int64_t n, int32_t* out,
                                cudaStream_t stream);

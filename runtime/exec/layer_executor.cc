@@ -1301,12 +1301,13 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
     return absl::OkStatus();
   };
   if (LoneMember()) {
-    // Every row goes to itself: nothing is packed or exchanged. The experts gather their rows
-    // straight from the engine's, through send position -> origin token composed with expert
-    // order -> send position, on the kernels' stream.
-    RETURN_IF_ERROR(buf_.d_lone_gather.Reserve(&kern, pass.n_recv * 4));
+    // Every row goes to itself: nothing is packed or exchanged. Route -> send position composed
+    // with send (= receive) position -> expert position gives each route's expert row, on the
+    // kernels' stream: the engine's rows are scattered there (each token's row read once,
+    // ExpertsPhase) and combined from there (ReturnAndCombine).
+    RETURN_IF_ERROR(buf_.d_lone_combine.Reserve(&kern, routes_n * 4));
     RETURN_IF_ERROR(kern.ComposeIndex(
-        {pass.pack_index, pass.n_send, pass.expert_order, pass.n_recv, buf_.d_lone_gather.as<int32_t>()}, nullptr));
+        {pass.expert_position, pass.n_recv, pass.row_of_route, routes_n, buf_.d_lone_combine.as<int32_t>()}, nullptr));
     RETURN_IF_ERROR(check_received());
     return pass.handle->MarkExpertRowsReady();
   }
@@ -1335,8 +1336,8 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   kernels::ExpertKernels& kern = *options_.kernels;
   const int d = pass.in.d;
   const int64_t row_bytes = static_cast<int64_t>(d) * 2, n_recv = pass.n_recv;
-  // A lone member gathers from the engine's rows and leaves the expert rows where they are for
-  // its combine (DispatchRows, ReturnAndCombine).
+  // A lone member scatters the engine's rows into expert order (every expert row is some route's)
+  // and leaves the expert rows where they are for its combine (DispatchRows, ReturnAndCombine).
   const bool lone = LoneMember();
   RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
@@ -1347,12 +1348,19 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   if (n_recv > 0) {
     kernels::GatherParams repack;
     repack.d = d;
-    repack.in = lone ? pass.hidden : buf_.recv_rows.data();
-    repack.in_rows = lone ? pass.in.tokens : n_recv;
-    repack.index = lone ? buf_.d_lone_gather.as<int32_t>() : pass.expert_order;
+    repack.in = buf_.recv_rows.data();
+    repack.in_rows = n_recv;
+    repack.index = pass.expert_order;
     repack.n = n_recv;
     repack.out = buf_.expert_in.data();
-    RETURN_IF_ERROR(kern.Gather(repack, nullptr));
+    if (lone) {
+      RETURN_IF_ERROR(
+          kern.Scatter({d, static_cast<const uint16_t*>(pass.hidden), pass.in.tokens, buf_.d_lone_combine.as<int32_t>(),
+                        pass.in.k, buf_.expert_in.as<uint16_t>(), n_recv},
+                       nullptr));
+    } else {
+      RETURN_IF_ERROR(kern.Gather(repack, nullptr));
+    }
     const ResidentExperts& weights = *pass.weights;
     kernels::SwigluParams sw;
     sw.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index),
@@ -1392,12 +1400,7 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   if (in.tokens == 0) return absl::OkStatus();
   const int64_t routes_n = in.tokens * in.k;
   const int32_t* row_of_route = pass.row_of_route;
-  if (lone) {
-    RETURN_IF_ERROR(buf_.d_lone_combine.Reserve(&kern, routes_n * 4));
-    RETURN_IF_ERROR(kern.ComposeIndex(
-        {pass.expert_position, pass.n_recv, pass.row_of_route, routes_n, buf_.d_lone_combine.as<int32_t>()}, nullptr));
-    row_of_route = buf_.d_lone_combine.as<int32_t>();
-  }
+  if (lone) row_of_route = buf_.d_lone_combine.as<int32_t>();  // composed in DispatchRows
   ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
   kernels::CombineParams c{lone ? buf_.expert_out.as<uint16_t>() : buf_.returned.as<uint16_t>(),
                            lone ? pass.n_recv : pass.n_send,

@@ -328,9 +328,9 @@ class LayerExecutor {
     // expert positions and order, and the counts, offsets and status read back.
     kernels::KernelBuffer d_keys, d_gates, d_row_of_route, d_pack, d_send_meta, d_recv_meta, d_expert_position,
         d_expert_order, d_small;
-    // A lone member's composed indices (kernel memory): expert position -> origin token, and
-    // route -> expert position.
-    kernels::KernelBuffer d_lone_gather, d_lone_combine;
+    // A lone member's composed index (kernel memory): route -> expert position, where its row is
+    // scattered and combined from.
+    kernels::KernelBuffer d_lone_combine;
     std::vector<int64_t> plan_small;    // d_small on the host
     std::vector<int32_t> routing_host;  // LayerStepInput::routing_on_device copied for the host plan
   };

@@ -625,5 +625,29 @@ TEST(CpuKernelsTest, ComposeIndexReference) {
   EXPECT_EQ(k->ComposeIndex(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// out[dest[i * fanout + j]] = in[i]; -1 and entries past out are skipped, rows no entry names
+// keep their contents; sizes are checked and named.
+TEST(CpuKernelsTest, ScatterReference) {
+  auto k = kernels::CreateCpuKernels();
+  const std::vector<uint16_t> in = {1, 2, 10, 20, 100, 200};  // three rows of d = 2
+  const std::vector<int32_t> dest = {3, 0, -1, 5, 1, 9};      // fanout 2
+  std::vector<uint16_t> out(6 * 2, 7);
+  ScatterParams p{2, in.data(), 3, dest.data(), 2, out.data(), 6};
+  ASSERT_TRUE(k->Scatter(p, nullptr).ok());
+  EXPECT_EQ(out, (std::vector<uint16_t>{1, 2, 100, 200, 7, 7, 1, 2, 7, 7, 10, 20}));
+  p.fanout = 0;
+  absl::Status s = k->Scatter(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("scatter.fanout"));
+  p.fanout = 2;
+  p.in_rows = int64_t{1} << 30;  // x fanout past 2^31
+  s = k->Scatter(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("scatter.in_rows"));
+  p.in_rows = 3;
+  p.out = nullptr;
+  EXPECT_EQ(k->Scatter(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace moe::kernels

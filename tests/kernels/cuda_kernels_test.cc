@@ -916,6 +916,31 @@ TEST_F(CudaKernelsTest, ComposeIndexMatchesCpu) {
   }
 }
 
+// Scatter equals the CPU reference: rows of whole 16-byte vectors (a warp a row, more than one
+// unrolled pass at d = 2056) and of odd sizes (an element a thread), fan-outs 1 to 8, destinations
+// -1 and past the output skipped, unnamed rows untouched.
+TEST_F(CudaKernelsTest, ScatterMatchesCpu) {
+  for (int d : {8, 2048, 2056, 7}) {
+    for (int fanout : {1, 2, 8}) {
+      const int64_t in_rows = 300, out_rows = in_rows * fanout - 5;
+      const auto in = RandomBf16(rng_, static_cast<size_t>(in_rows) * d, 1.0f);
+      // A permutation of the output rows over the entries, a few entries skipped.
+      std::vector<int32_t> dest(in_rows * fanout);
+      for (int64_t i = 0; i < in_rows * fanout; ++i) dest[i] = static_cast<int32_t>((i * 7919) % (in_rows * fanout));
+      std::shuffle(dest.begin(), dest.end(), rng_);
+      for (int64_t i = 3; i < in_rows * fanout; i += 17) dest[i] = i % 2 == 0 ? -1 : static_cast<int32_t>(out_rows + i);
+      std::vector<uint16_t> want(static_cast<size_t>(out_rows) * d, uint16_t{0x7fc0});
+      ScatterParams p{d, in.data(), in_rows, dest.data(), fanout, want.data(), out_rows};
+      ASSERT_TRUE(cpu_->Scatter(p, nullptr).ok());
+      DeviceVector<uint16_t> din(in), dout(want.size(), uint16_t{0x7fc0});
+      DeviceVector<int32_t> ddest(dest);
+      p = {d, din.get(), in_rows, ddest.get(), fanout, dout.get(), out_rows};
+      ASSERT_TRUE(gpu_->Scatter(p, nullptr).ok());
+      EXPECT_EQ(dout.Host(), want) << "d " << d << " fanout " << fanout;
+    }
+  }
+}
+
 // The device plan's calls equal the CPU reference element for element: keys, gates, positions
 // (a stable order), pack order, slot values, counts, offsets and the first bad element, over
 // tile boundaries (256), many keys, a key map, and inputs with bad routes.
