@@ -62,6 +62,59 @@ __device__ __forceinline__ void CombineVector(RowAt&& row_at, int64_t num_rows, 
   }
 }
 
+// CombineVector over V vectors of one token, columns c, c + stride, ..., c + (V - 1) stride: the
+// k row indices and gates read once, then all K_MAX x V expert-row vectors in flight (a combine
+// of few routes a token, k = 2, otherwise has two loads in flight a thread), then the sums in
+// the same order as CombineVector's (the same bits). k <= K_MAX.
+template <int K_MAX, int V, typename RowAt>
+__device__ __forceinline__ void CombineVectors(RowAt&& row_at, int64_t num_rows, int d8, const int32_t* row_of_route,
+                                               const float* __restrict__ gate, int64_t t, int64_t c, int64_t stride,
+                                               int k, float* __restrict__ out_fp32, uint4* __restrict__ out_bf16) {
+  int32_t row[K_MAX];
+  float g[K_MAX];
+#pragma unroll
+  for (int j = 0; j < K_MAX; ++j) {
+    const bool in = j < k;
+    row[j] = in ? row_of_route[t * k + j] : -1;
+    g[j] = in ? gate[t * k + j] : 0.0f;
+    if (row[j] >= num_rows) row[j] = -1;  // dropped routes add nothing
+  }
+  uint4 v[K_MAX][V];
+#pragma unroll
+  for (int j = 0; j < K_MAX; ++j) {
+#pragma unroll
+    for (int u = 0; u < V; ++u) v[j][u] = row[j] >= 0 ? row_at(row[j], c + u * stride) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < K_MAX; ++j) {
+      if (row[j] < 0) continue;
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[j][u]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 x = __bfloat1622float2(v2[q]);
+        acc[2 * q] += g[j] * x.x;
+        acc[2 * q + 1] += g[j] * x.y;
+      }
+    }
+    const int64_t cu = c + u * stride;
+    if (out_fp32 != nullptr) {
+      float4* o = reinterpret_cast<float4*>(out_fp32 + t * d8 * 8 + cu * 8);
+      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    if (out_bf16 != nullptr) {
+      uint4 ob;
+      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&ob);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+      out_bf16[t * d8 + cu] = ob;
+    }
+  }
+}
+
 }  // namespace moe::kernels::cuda
 
 #endif  // MOE_KERNELS_CUDA_COMBINE_CUH_

@@ -469,6 +469,24 @@ __global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_ro
   }
 }
 
+// A thread per (token, V vectors d8 / V apart), K_MAX >= k: CombineVectors (combine.cuh).
+template <int K_MAX, int V>
+__global__ void CombineVecsKernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
+                                  const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
+                                  int64_t num_tokens, int k, float* __restrict__ out_fp32,
+                                  uint4* __restrict__ out_bf16) {
+  WaitForPredecessor();  // the expert rows, routes and gates come from earlier kernels
+  ReleaseDependents();
+  const int64_t stride = d8 / V;
+  const int64_t total = num_tokens * stride;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / stride;
+    CombineVectors<K_MAX, V>([&](int32_t row, int64_t c) { return rows[static_cast<int64_t>(row) * d8 + c]; }, num_rows,
+                             d8, row_of_route, gate, t, i - t * stride, stride, k, out_fp32, out_bf16);
+  }
+}
+
 __global__ void CombineKernel(const __nv_bfloat16* __restrict__ rows, int64_t num_rows, int d,
                               const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
                               int64_t num_tokens, int k, float* __restrict__ out_fp32,
@@ -853,9 +871,20 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
   if (num_tokens == 0) return cudaSuccess;
   if (d % 8 == 0 && reinterpret_cast<uintptr_t>(rows) % 16 == 0 && reinterpret_cast<uintptr_t>(out_bf16) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(out_fp32) % 16 == 0) {
-    return LaunchDependent(CombineVec8Kernel<8>, dim3(Blocks(num_tokens * d / 8)), dim3(kThreads), 0, stream,
-                           reinterpret_cast<const uint4*>(rows), num_rows, d / 8, row_of_route, gate, num_tokens, k,
-                           out_fp32, reinterpret_cast<uint4*>(out_bf16));
+    // About eight expert-row loads in flight a thread: k = 2 combines four vectors of a token a
+    // thread. One H200, E8 k2 d4096 T=8192: see bench/RESULTS.md.
+    const int d8 = d / 8;
+    const auto* in = reinterpret_cast<const uint4*>(rows);
+    auto* out = reinterpret_cast<uint4*>(out_bf16);
+    auto launch = [&](auto kernel, int v) {
+      return LaunchDependent(kernel, dim3(Blocks(num_tokens * (d8 / v))), dim3(kThreads), 0, stream, in, num_rows, d8,
+                             row_of_route, gate, num_tokens, k, out_fp32, out);
+    };
+    if (k == 1 && d8 % 8 == 0) return launch(CombineVecsKernel<1, 8>, 8);
+    if (k <= 2 && d8 % 4 == 0) return launch(CombineVecsKernel<2, 4>, 4);
+    if (k <= 4 && d8 % 2 == 0) return launch(CombineVecsKernel<4, 2>, 2);
+    return LaunchDependent(CombineVec8Kernel<8>, dim3(Blocks(num_tokens * d8)), dim3(kThreads), 0, stream, in, num_rows,
+                           d8, row_of_route, gate, num_tokens, k, out_fp32, out);
   }
   return LaunchDependent(CombineKernel, dim3(Blocks(num_tokens * d)), dim3(kThreads), 0, stream,
                          reinterpret_cast<const __nv_bfloat16*>(rows), num_rows, d, row_of_route, gate, num_tokens, k,

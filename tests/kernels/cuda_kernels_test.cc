@@ -588,12 +588,15 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluPaddedRunnerMatchesCpu) {
 }
 
 TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
-  for (int trial = 0; trial < 6; ++trial) {
+  // k = 11: the combine takes a token's routes eight at a time (a second, partial batch); k = 1,
+  // 2 and 4 combine 8, 4 and 2 vectors a thread where d / 8 divides (even trials), one otherwise.
+  const int ks[] = {1, 11, 2, 4, 3, 8, 2, 1, 4};
+  for (int trial = 0; trial < 9; ++trial) {
     const int e = 1 + static_cast<int>(rng_() % 40);
-    // k = 11: the combine takes a token's routes eight at a time (a second, partial batch).
-    const int k = trial == 1 ? 11 : 1 + static_cast<int>(rng_() % 8);
+    const int k = ks[trial];
     const int64_t t = trial == 0 ? 5000 : static_cast<int64_t>(rng_() % 300);  // 40k routes: the multi-kernel path
-    const int d = 8 * (1 + static_cast<int>(rng_() % 40));
+    const int d =
+        trial % 2 == 0 ? 64 * (1 + static_cast<int>(rng_() % 8)) : 8 * (1 + 2 * static_cast<int>(rng_() % 20));
     std::vector<int32_t> topk(t * k);
     for (auto& id : topk) id = rng_() % 10 == 0 ? -1 : static_cast<int32_t>(rng_() % std::min(e, 3 + trial));  // skewed
     std::vector<int64_t> counts(e), offsets(e + 1);
@@ -653,6 +656,10 @@ TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
     ASSERT_TRUE(cpu_->Combine(cc, nullptr).ok());
     const auto got = dout.Host();
     for (size_t i = 0; i < out.size(); ++i) ASSERT_FLOAT_EQ(got[i], out[i]) << i;  // same order of FP32 adds
+    // The BF16 output is the FP32 one rounded, element for element.
+    std::vector<uint16_t> want16(got.size());
+    for (size_t i = 0; i < got.size(); ++i) want16[i] = FloatToBf16(got[i]);
+    EXPECT_EQ(dout16.Host(), want16) << "k " << k << " d " << d;
   }
 }
 
