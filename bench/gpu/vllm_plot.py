@@ -2,10 +2,11 @@
 experts' weights once at the measured copy ceiling, both as a fraction of vLLM's Triton time,
 with issue 19's goal (1 / 1.2) drawn across. Usage:
 
-    vllm_plot.py OURS.jsonl VLLM.jsonl OUT.png     (the files vllm_compare.sh leaves in $OUT)
+    vllm_plot.py VLLM.jsonl OUT.png     (the vllm.jsonl that vllm_compare.sh leaves in $OUT)
 
-The project's time is the faster of its eager prefill and graph-replayed decode paths, as in
-vllm_compare.py's table. Needs matplotlib (not a project dependency: install it where you plot).
+It draws vllm_compare.py's "compare" lines, which hold the project's figure that script chose
+(the faster of its eager prefill and graph-replayed decode paths) beside vLLM's. Needs
+matplotlib (not a project dependency: install it where you plot).
 """
 import json
 import sys
@@ -20,21 +21,13 @@ def load(path):
     return [json.loads(line) for line in open(path) if line.strip().startswith("{")]
 
 
-def main(ours_path, vllm_path, out_path):
-    ours, vllm = load(ours_path), load(vllm_path)
-    theirs = {(r["shape"], r["T"]): r["us"] for r in vllm if "us" in r and "shape" in r}
-    best, floor = {}, {}
-    for r in ours:
-        if r.get("kind") != "cell":
-            continue
-        key = (r["shape"], r["T"])
-        floor[key] = r["weight_read_us"]
-        if r["path"] in ("prefill", "decode-graph"):
-            best[key] = min(best.get(key, float("inf")), r["us"])
-    cells = [k for k in theirs if k in best]
-    labels = [f"{s.split('-')[0]} T={t}" for s, t in cells]
-    ratio = [best[k] / theirs[k] for k in cells]
-    read = [floor[k] / theirs[k] for k in cells]
+def main(vllm_path, out_path):
+    cells = [r for r in load(vllm_path) if r.get("kind") == "compare"]
+    if not cells:
+        sys.exit(f"{vllm_path}: no compare lines (vllm_compare.py run without --ours?)")
+    labels = [f"{r['shape'].split('-')[0]} T={r['T']}" for r in cells]
+    ratio = [r["project_us"] / r["vllm_us"] for r in cells]
+    read = [(r["weight_read_us"] or 0) / r["vllm_us"] for r in cells]
     fig, ax = plt.subplots(figsize=(10, 4.2))
     x = range(len(cells))
     ax.bar([i - 0.2 for i in x], ratio, width=0.4, label="project ÷ vLLM Triton (time)")
@@ -52,6 +45,6 @@ def main(ours_path, vllm_path, out_path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
+    if len(sys.argv) != 3:
         sys.exit(__doc__)
     main(*sys.argv[1:])
