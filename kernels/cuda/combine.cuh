@@ -12,6 +12,23 @@
 
 namespace moe::kernels::cuda {
 
+// Token t's output vector c from its FP32 sums: FP32 and / or BF16 (round to nearest even).
+__device__ __forceinline__ void StoreCombined(const float (&acc)[8], int d8, int64_t t, int64_t c,
+                                              float* __restrict__ out_fp32, uint4* __restrict__ out_bf16) {
+  if (out_fp32 != nullptr) {
+    float4* o = reinterpret_cast<float4*>(out_fp32 + t * d8 * 8 + c * 8);
+    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  }
+  if (out_bf16 != nullptr) {
+    uint4 ob;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&ob);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    out_bf16[t * d8 + c] = ob;
+  }
+}
+
 // out[t, 8c .. 8c + 8) = sum_j gate[t, j] * rows[row_of_route[t, j], 8c ..) in FP32, j = 0 .. k-1
 // in order; rows outside [0, num_rows) (dropped routes) add nothing. A token's k routes are read
 // together: first every row index and gate, then up to K_MAX expert-row vectors in flight
@@ -48,18 +65,7 @@ __device__ __forceinline__ void CombineVector(RowAt&& row_at, int64_t num_rows, 
       if (row[j] >= 0 && row[j] < num_rows) add(g[j], v[j]);  // dropped routes add nothing
     }
   }
-  if (out_fp32 != nullptr) {
-    float4* o = reinterpret_cast<float4*>(out_fp32 + t * d8 * 8 + c * 8);
-    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-  }
-  if (out_bf16 != nullptr) {
-    uint4 ob;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&ob);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    out_bf16[t * d8 + c] = ob;
-  }
+  StoreCombined(acc, d8, t, c, out_fp32, out_bf16);
 }
 
 // CombineVector over V vectors of one token, columns c, c + stride, ..., c + (V - 1) stride: the
@@ -99,19 +105,7 @@ __device__ __forceinline__ void CombineVectors(RowAt&& row_at, int64_t num_rows,
         acc[2 * q + 1] += g[j] * x.y;
       }
     }
-    const int64_t cu = c + u * stride;
-    if (out_fp32 != nullptr) {
-      float4* o = reinterpret_cast<float4*>(out_fp32 + t * d8 * 8 + cu * 8);
-      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-    }
-    if (out_bf16 != nullptr) {
-      uint4 ob;
-      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&ob);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) o2[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-      out_bf16[t * d8 + cu] = ob;
-    }
+    StoreCombined(acc, d8, t, c + u * stride, out_fp32, out_bf16);
   }
 }
 

@@ -40,7 +40,7 @@ __global__ void GatherRowsKernel(const V* __restrict__ in, int64_t in_rows, cons
   }
 }
 
-// 16-byte rows: a warp a row (grid-stride over rows), the index read once a row, kUnroll
+// 16-byte rows: a warp a row (grid-stride over rows), the index read once a row, kGatherUnroll
 // 16-byte loads a lane in flight before their stores. The rows are written with streaming
 // stores (evict-first): a gathered copy is read once, by the next kernel. One H200, E128 k8
 // d2048 T=8192 (65,536 rows of 4 KiB, expert order): 106 µs against 129 for a thread a vector
@@ -74,9 +74,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Scatter (kernels/api.h ScatterParams), 16-byte rows: a warp a source row, its kUnroll
-// vectors a lane loaded once and stored to each of the row's destinations (streaming stores, as
-// the gather's).
+// Scatter (kernels/api.h ScatterParams), 16-byte rows: a warp a source row, kGatherUnroll
+// vectors a lane at a time loaded once and stored to each of the row's destinations (streaming
+// stores, as the gather's).
 __global__ void __launch_bounds__(kThreads)
     ScatterRowsVec16Kernel(const uint4* __restrict__ in, int64_t in_rows, int64_t vecs_per_row,
                            const int32_t* __restrict__ dest, int fanout, int64_t out_rows, uint4* __restrict__ out) {
@@ -452,24 +452,8 @@ __global__ void FindNonFiniteKernel(const uint16_t* __restrict__ x, int64_t begi
 
 // ---- combine ---------------------------------------------------------------------------------
 
-// One thread per (token, 16-byte column vector): CombineVector (combine.cuh).
-template <int K_MAX>
-__global__ void CombineVec8Kernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
-                                  const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
-                                  int64_t num_tokens, int k, float* __restrict__ out_fp32,
-                                  uint4* __restrict__ out_bf16) {
-  WaitForPredecessor();  // the expert rows, routes and gates come from earlier kernels
-  ReleaseDependents();
-  const int64_t total = num_tokens * d8;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / d8;
-    CombineVector<K_MAX>([&](int32_t row, int64_t c) { return rows[static_cast<int64_t>(row) * d8 + c]; }, num_rows, d8,
-                         row_of_route, gate, t, i - t * d8, k, out_fp32, out_bf16);
-  }
-}
-
-// A thread per (token, V vectors d8 / V apart), K_MAX >= k: CombineVectors (combine.cuh).
+// A thread per (token, V vectors d8 / V apart): CombineVectors (combine.cuh), K_MAX >= k; V = 1:
+// CombineVector, any k (K_MAX routes at a time).
 template <int K_MAX, int V>
 __global__ void CombineVecsKernel(const uint4* __restrict__ rows, int64_t num_rows, int d8,
                                   const int32_t* __restrict__ row_of_route, const float* __restrict__ gate,
@@ -482,8 +466,13 @@ __global__ void CombineVecsKernel(const uint4* __restrict__ rows, int64_t num_ro
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / stride;
-    CombineVectors<K_MAX, V>([&](int32_t row, int64_t c) { return rows[static_cast<int64_t>(row) * d8 + c]; }, num_rows,
-                             d8, row_of_route, gate, t, i - t * stride, stride, k, out_fp32, out_bf16);
+    auto row_at = [&](int32_t row, int64_t c) { return rows[static_cast<int64_t>(row) * d8 + c]; };
+    if constexpr (V == 1) {
+      CombineVector<K_MAX>(row_at, num_rows, d8, row_of_route, gate, t, i - t * stride, k, out_fp32, out_bf16);
+    } else {
+      CombineVectors<K_MAX, V>(row_at, num_rows, d8, row_of_route, gate, t, i - t * stride, stride, k, out_fp32,
+                               out_bf16);
+    }
   }
 }
 
@@ -883,8 +872,7 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
     if (k == 1 && d8 % 8 == 0) return launch(CombineVecsKernel<1, 8>, 8);
     if (k <= 2 && d8 % 4 == 0) return launch(CombineVecsKernel<2, 4>, 4);
     if (k <= 4 && d8 % 2 == 0) return launch(CombineVecsKernel<4, 2>, 2);
-    return LaunchDependent(CombineVec8Kernel<8>, dim3(Blocks(num_tokens * d8)), dim3(kThreads), 0, stream, in, num_rows,
-                           d8, row_of_route, gate, num_tokens, k, out_fp32, out);
+    return launch(CombineVecsKernel<8, 1>, 1);
   }
   return LaunchDependent(CombineKernel, dim3(Blocks(num_tokens * d)), dim3(kThreads), 0, stream,
                          reinterpret_cast<const __nv_bfloat16*>(rows), num_rows, d, row_of_route, gate, num_tokens, k,

@@ -577,7 +577,6 @@ struct LayerExecutor::Pass {
   StepTables tables;  // eager payload: the kernels' index tables
   // Where the kernels read the step's index tables: the host plan's uploaded tables or the
   // device plan's (kernel memory either way).
-  const int32_t* pack_index = nullptr;       // send position -> origin token
   const int32_t* expert_order = nullptr;     // expert position -> receive position
   const int32_t* expert_position = nullptr;  // receive position -> expert position
   const int32_t* row_of_route = nullptr;     // route (t, j) -> send position, -1: not sent
@@ -1029,8 +1028,7 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   const int t_gates = in_place ? -1 : routing.Add(in.topk_weights, routes * 4);
   const int t_admitted = in.admitted != nullptr ? routing.Add(in.admitted, routes) : -1;
   RETURN_IF_ERROR(routing.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
-  for (kernels::KernelBuffer* b :
-       {&buf_.d_keys, &buf_.d_gates, &buf_.d_row_of_route, &buf_.d_pack, &buf_.d_send_meta}) {
+  for (kernels::KernelBuffer* b : {&buf_.d_keys, &buf_.d_gates, &buf_.d_row_of_route, &buf_.d_send_meta}) {
     RETURN_IF_ERROR(b->Reserve(&kern, routes * 4));
   }
   const int q = t.num_keys;
@@ -1052,9 +1050,7 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   rank.raw = seal.keys;
   rank.n = routes;
   rank.num_keys = q;
-  rank.position = buf_.d_row_of_route.as<int32_t>();
-  rank.order = buf_.d_pack.as<int32_t>();
-  rank.order_divisor = in.k;
+  rank.position = buf_.d_row_of_route.as<int32_t>();  // the rows are packed through it (Scatter)
   rank.key_values = t.d_slot_of_key;
   rank.values = buf_.d_send_meta.as<int32_t>();
   rank.counts = small;
@@ -1162,7 +1158,6 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
     RETURN_IF_ERROR(kern.RankByKey(rank, nullptr));
     pass.recv_status = rank.status;  // read after the dispatch's synchronize
   }
-  pass.pack_index = buf_.d_pack.as<int32_t>();
   pass.row_of_route = buf_.d_row_of_route.as<int32_t>();
   pass.gates = buf_.d_gates.as<float>();
   pass.expert_order = buf_.d_expert_order.as<int32_t>();
@@ -1277,13 +1272,11 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
   const int64_t row_bytes = static_cast<int64_t>(in.d) * 2, routes_n = in.tokens * in.k;
   if (!pass.device_plan) {
     StepTables& tables = pass.tables;
-    const int t_send = tables.Add(pass.handle->inverse().token.data(), pass.n_send * 4);
     const int t_order = tables.Add(buf_.dest.expert_order.data(), pass.n_recv * 4);
     const int t_position = tables.Add(buf_.dest.expert_position.data(), pass.n_recv * 4);
     const int t_rows_of = tables.Add(buf_.row_of_route.data(), routes_n * 4);
     const int t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
     RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
-    pass.pack_index = tables.Get<int32_t>(t_send);
     pass.expert_order = tables.Get<int32_t>(t_order);
     pass.expert_position = tables.Get<int32_t>(t_position);
     pass.row_of_route = tables.Get<int32_t>(t_rows_of);
@@ -1313,14 +1306,11 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
   }
   RETURN_IF_ERROR(buf_.send_rows.Reserve(&kern, pass.n_send * row_bytes));
   if (pass.n_send > 0) {
-    kernels::GatherParams pack;
-    pack.d = in.d;
-    pack.in = pass.hidden;
-    pack.in_rows = in.tokens;
-    pack.index = pass.pack_index;
-    pack.n = pass.n_send;
-    pack.out = buf_.send_rows.data();
-    RETURN_IF_ERROR(kern.Gather(pack, nullptr));
+    // Each sent route has its own send position (row_of_route): each token's row is read once
+    // and written to its routes' positions.
+    RETURN_IF_ERROR(kern.Scatter({in.d, static_cast<const uint16_t*>(pass.hidden), in.tokens, pass.row_of_route, in.k,
+                                  buf_.send_rows.as<uint16_t>(), pass.n_send},
+                                 nullptr));
   }
   RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
   RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream

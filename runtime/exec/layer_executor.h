@@ -324,10 +324,10 @@ class LayerExecutor {
     SourcePlan source;
     DestinationPlan dest;
     // The device plan's step tables (kernel memory): keyed routes, gates, each route's send
-    // position, the pack index and slot of each send position, the received slots, their
-    // expert positions and order, and the counts, offsets and status read back.
-    kernels::KernelBuffer d_keys, d_gates, d_row_of_route, d_pack, d_send_meta, d_recv_meta, d_expert_position,
-        d_expert_order, d_small;
+    // position (the rows are scattered through it), the slot of each send position, the received
+    // slots, their expert positions and order, and the counts, offsets and status read back.
+    kernels::KernelBuffer d_keys, d_gates, d_row_of_route, d_send_meta, d_recv_meta, d_expert_position, d_expert_order,
+        d_small;
     // A lone member's composed index (kernel memory): route -> expert position, where its row is
     // scattered and combined from.
     kernels::KernelBuffer d_lone_combine;
