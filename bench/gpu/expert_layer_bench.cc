@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -130,6 +131,36 @@ std::vector<double> TimeMediansUs(int reps, cudaStream_t st, F&&... bodies) {
 template <typename F>
 double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
   return TimeMediansUs(reps, st, body)[0];
+}
+
+// Medians over `reps` runs of the stages one after another, each stage's time between events
+// recorded on `st` before and after it (in place: each stage follows the one before, as in the
+// layer), after three warm-up runs.
+std::vector<double> InSituStagesUs(int reps, cudaStream_t st, const std::vector<std::function<void()>>& stages) {
+  std::vector<cudaEvent_t> ev(stages.size() + 1);
+  for (auto& e : ev) CHECK_CUDA(cudaEventCreate(&e));
+  for (int i = 0; i < 3; ++i) {
+    for (const auto& f : stages) f();
+  }
+  CHECK_CUDA(cudaStreamSynchronize(st));
+  std::vector<std::vector<double>> us(stages.size());
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(ev[0], st));
+    for (size_t j = 0; j < stages.size(); ++j) {
+      stages[j]();
+      CHECK_CUDA(cudaEventRecord(ev[j + 1], st));
+    }
+    CHECK_CUDA(cudaEventSynchronize(ev.back()));
+    for (size_t j = 0; j < stages.size(); ++j) {
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
+      us[j].push_back(ms * 1000.0);
+    }
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::vector<double> medians;
+  for (auto& v : us) medians.push_back(Median(v));
+  return medians;
 }
 
 // `body` captured into a CUDA graph after one eager run (which sizes every scratch buffer, so
@@ -519,6 +550,35 @@ int main(int argc, char** argv) {
         cudaGraphExecDestroy(exec);
       }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
+      if (t >= 4096 && !decode_only && kernels->DecodeGemmBeatsPadded(s.e, s.d, s.f, routes)) {
+        // Where a layer's time goes in place (events between its stages, one call after another),
+        // for the prefill path and for the stages LocalLayer runs on the decode path (experts on
+        // device offsets): stage-alone medians cannot show a difference that depends on what ran
+        // before. "offsets" is the prefill path's host round trip.
+        moe::kernels::SwigluParams scattered = decode;  // the decode path's experts, rows scattered first
+        scattered.x = static_cast<const uint16_t*>(packed);
+        scattered.x_row_index = nullptr;
+        scattered.x_rows = 0;
+        auto offsets_back = [&] {
+          CHECK_CUDA(cudaMemcpyAsync(host_offsets.data(), offsets, (s.e + 1) * 8, cudaMemcpyDeviceToHost, st));
+          CHECK_CUDA(cudaStreamSynchronize(st));
+        };
+        auto scatter = [&] { CHECK_OK(kernels->Scatter(gather, st)); };
+        auto combine_rows = [&] { CHECK_OK(kernels->Combine(combine, st)); };
+        const std::vector<std::function<void()>> prefill_stages = {
+            route, offsets_back, scatter, [&] { CHECK_OK(kernels->Swiglu(prefill, st)); }, combine_rows};
+        const std::vector<std::function<void()>> decode_stages = {
+            route, scatter, [&] { CHECK_OK(kernels->Swiglu(scattered, st)); }, combine_rows};
+        const std::vector<double> p_us = InSituStagesUs(reps, st, prefill_stages);
+        const std::vector<double> d_us = InSituStagesUs(reps, st, decode_stages);
+        std::printf(
+            "{\"kind\": \"in_situ\", \"shape\": \"%s\", \"T\": %lld, \"prefill\": {\"route_rows_us\": %.1f, "
+            "\"offsets_us\": %.1f, \"scatter_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f}, "
+            "\"decode_stages\": {\"route_rows_us\": %.1f, \"scatter_us\": %.1f, \"experts_us\": %.1f, "
+            "\"combine_us\": %.1f}}\n",
+            s.name, static_cast<long long>(t), p_us[0], p_us[1], p_us[2], p_us[3], p_us[4], d_us[0], d_us[1], d_us[2],
+            d_us[3]);
+      }
       if (fp8_cells && t >= 1024) {
         // The experts alone, BF16 (the prefill path's Swiglu, host offsets, what gemm=auto picks)
         // against FP8 (device offsets; its quantization of the rows and of the activation included).
