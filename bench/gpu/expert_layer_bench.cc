@@ -571,13 +571,19 @@ int main(int argc, char** argv) {
             route, scatter, [&] { CHECK_OK(kernels->Swiglu(scattered, st)); }, combine_rows};
         const std::vector<double> p_us = InSituStagesUs(reps, st, prefill_stages);
         const std::vector<double> d_us = InSituStagesUs(reps, st, decode_stages);
+        // The two layers and LocalLayer's stages as separate calls, taking turns (the same clocks
+        // and power state for all three; the cells above are timed one after another).
+        const std::vector<double> turns = TimeMediansUs(reps, st, layer, decode_layer, [&] {
+          for (const auto& f : decode_stages) f();
+        });
         std::printf(
             "{\"kind\": \"in_situ\", \"shape\": \"%s\", \"T\": %lld, \"prefill\": {\"route_rows_us\": %.1f, "
             "\"offsets_us\": %.1f, \"scatter_us\": %.1f, \"experts_us\": %.1f, \"combine_us\": %.1f}, "
             "\"decode_stages\": {\"route_rows_us\": %.1f, \"scatter_us\": %.1f, \"experts_us\": %.1f, "
-            "\"combine_us\": %.1f}}\n",
+            "\"combine_us\": %.1f}, \"in_turns\": {\"prefill_layer_us\": %.1f, \"local_layer_us\": %.1f, "
+            "\"decode_stages_us\": %.1f}}\n",
             s.name, static_cast<long long>(t), p_us[0], p_us[1], p_us[2], p_us[3], p_us[4], d_us[0], d_us[1], d_us[2],
-            d_us[3]);
+            d_us[3], turns[0], turns[1], turns[2]);
       }
       if (fp8_cells && t >= 1024) {
         // The experts alone, BF16 (the prefill path's Swiglu, host offsets, what gemm=auto picks)
