@@ -1140,8 +1140,11 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
                                             "'s slots ", dest.expert_offsets[l_count], " routes, ", pass.n_recv,
                                             " arrive"));
   }
+  // A lone member reads its expert rows through the expert positions alone (DispatchRows); the
+  // others' repack gathers them in expert order.
+  const bool order = !LoneMember();
   RETURN_IF_ERROR(buf_.d_expert_position.Reserve(&kern, pass.n_recv * 4));
-  RETURN_IF_ERROR(buf_.d_expert_order.Reserve(&kern, pass.n_recv * 4));
+  if (order) RETURN_IF_ERROR(buf_.d_expert_order.Reserve(&kern, pass.n_recv * 4));
   if (pass.n_recv > 0) {
     int64_t* small = buf_.d_small.as<int64_t>();  // the send side's values were read back
     kernels::RankByKeyParams rank;
@@ -1151,7 +1154,7 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
     rank.map_size = pass.manifest->num_slots();
     rank.num_keys = l_count;
     rank.position = buf_.d_expert_position.as<int32_t>();
-    rank.order = buf_.d_expert_order.as<int32_t>();
+    rank.order = order ? buf_.d_expert_order.as<int32_t>() : nullptr;
     rank.counts = small;
     rank.offsets = small + l_count;
     rank.status = small + 2 * l_count + 1;
@@ -1160,7 +1163,7 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
   }
   pass.row_of_route = buf_.d_row_of_route.as<int32_t>();
   pass.gates = buf_.d_gates.as<float>();
-  pass.expert_order = buf_.d_expert_order.as<int32_t>();
+  pass.expert_order = order ? buf_.d_expert_order.as<int32_t>() : nullptr;
   pass.expert_position = buf_.d_expert_position.as<int32_t>();
   ReserveOutput(pass);
   return absl::OkStatus();
@@ -1272,12 +1275,13 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
   const int64_t row_bytes = static_cast<int64_t>(in.d) * 2, routes_n = in.tokens * in.k;
   if (!pass.device_plan) {
     StepTables& tables = pass.tables;
-    const int t_order = tables.Add(buf_.dest.expert_order.data(), pass.n_recv * 4);
+    // A lone member needs no expert order (see DeviceDispatchPlan).
+    const int t_order = LoneMember() ? -1 : tables.Add(buf_.dest.expert_order.data(), pass.n_recv * 4);
     const int t_position = tables.Add(buf_.dest.expert_position.data(), pass.n_recv * 4);
     const int t_rows_of = tables.Add(buf_.row_of_route.data(), routes_n * 4);
     const int t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
     RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
-    pass.expert_order = tables.Get<int32_t>(t_order);
+    pass.expert_order = t_order >= 0 ? tables.Get<int32_t>(t_order) : nullptr;
     pass.expert_position = tables.Get<int32_t>(t_position);
     pass.row_of_route = tables.Get<int32_t>(t_rows_of);
     pass.gates = tables.Get<float>(t_gates);
@@ -1336,7 +1340,7 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
   }
   if (n_recv > 0) {
-    kernels::GatherParams repack;
+    kernels::GatherParams repack;  // received rows -> expert order; unpack: expert rows -> received order
     repack.d = d;
     repack.in = buf_.recv_rows.data();
     repack.in_rows = n_recv;
@@ -1388,7 +1392,6 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
   }
   pass.clock.Enter(StepPhase::kCombine);
   if (in.tokens == 0) return absl::OkStatus();
-  const int64_t routes_n = in.tokens * in.k;
   const int32_t* row_of_route = pass.row_of_route;
   if (lone) row_of_route = buf_.d_lone_combine.as<int32_t>();  // composed in DispatchRows
   ASSIGN_OR_RETURN(uint16_t * out, OutputRows(pass));
