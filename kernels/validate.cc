@@ -111,6 +111,8 @@ absl::Status CheckHistogram(const HistogramParams& p) {
 absl::Status CheckRouteRows(const RouteRowsParams& p) {
   KERNEL_INVALID_IF(p.num_experts <= 0 || p.k <= 0 || p.num_tokens < 0,
                     "route_rows: num_experts and k must be positive");
+  KERNEL_INVALID_IF(p.num_tokens > std::numeric_limits<int32_t>::max() / p.k,
+                    "route_rows.num_tokens: num_tokens x k must be below 2^31 (rows are 32-bit)");
   KERNEL_INVALID_IF(p.counts == nullptr || p.offsets == nullptr, "route_rows: null counts/offsets");
   KERNEL_INVALID_IF(p.num_tokens > 0 && (p.topk == nullptr || p.row_of_route == nullptr || p.token_of_row == nullptr),
                     "route_rows: null buffer");

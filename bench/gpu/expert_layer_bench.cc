@@ -483,32 +483,49 @@ int main(int argc, char** argv) {
             (weight_bytes + act_bytes) / (us * 1e-6) / 1e12, experts_hit, weight_read_us,
             flops / (us * 1e-6) / 1e12 / dense, interleaved_us, dense_here, here, g_cold_l2 ? 1 : 0);
       };
-      if (!decode_only) {
-        const double us = TimeMedianUs(reps, st, layer);
-        if (t >= 4096) {
-          DenseGemm gemm(h, st);
-          const std::vector<double> side = TimeMediansUs(reps, st, layer, [&] { gemm.Run(); });
-          report("prefill", us, side[0], DenseGemm::Tflops(side[1]));
-        } else {
-          report("prefill", us);
-        }
-      }
-      // The device-offset path past decode sizes too, where it runs the Hopper grouped kernels
-      // (no host round trip, so it captures into a graph at any T).
-      if (t <= 128 || kernels->DecodeGemmBeatsPadded(s.e, s.d, s.f, routes)) {
-        report("decode", TimeMedianUs(reps, st, decode_layer));
+      // The paths' cells take turns (one repetition of each, then again): each path's median under
+      // the same clocks and power state. Timed one after another, a later cell ran hotter (after
+      // the dense GEMM's interleave below, for one) and read up to 5% slower.
+      const bool decode_cells = t <= 128 || kernels->DecodeGemmBeatsPadded(s.e, s.d, s.f, routes);
+      cudaGraphExec_t decode_exec = nullptr;
+      if (decode_cells) {
         // The decode path has no host round trip, so the whole step captures into one CUDA
         // graph (stable buffers: the same device pointers every replay).
-        cudaGraphExec_t exec = CaptureGraph(st, decode_layer);
-        report("decode-graph", TimeMedianUs(reps, st, [&] { CHECK_CUDA(cudaGraphLaunch(exec, st)); }));
+        decode_exec = CaptureGraph(st, decode_layer);
         // Replay must reproduce the eager output bit for bit.
         std::vector<uint16_t> eager_out, graph_out;
-        EagerAndReplayOutputs(st, decode_layer, exec, out, t * s.d, &eager_out, &graph_out);
+        EagerAndReplayOutputs(st, decode_layer, decode_exec, out, t * s.d, &eager_out, &graph_out);
         if (eager_out != graph_out) {
           std::fprintf(stderr, "graph replay differs from eager at %s T=%lld\n", s.name, static_cast<long long>(t));
           return 1;
         }
-        cudaGraphExecDestroy(exec);
+      }
+      auto replay = [&] { CHECK_CUDA(cudaGraphLaunch(decode_exec, st)); };
+      std::vector<double> cells;  // prefill (unless --decode-only), then decode and decode-graph (where they run)
+      if (!decode_only && decode_cells) {
+        cells = TimeMediansUs(reps, st, layer, decode_layer, replay);
+      } else if (!decode_only) {
+        cells = TimeMediansUs(reps, st, layer);
+      } else if (decode_cells) {
+        cells = TimeMediansUs(reps, st, decode_layer, replay);
+      }
+      if (!decode_only) {
+        if (t >= 4096) {
+          // GEMM-bound cells: the dense rate under the cell's own clocks (after the cells above).
+          DenseGemm gemm(h, st);
+          const std::vector<double> side = TimeMediansUs(reps, st, layer, [&] { gemm.Run(); });
+          report("prefill", cells[0], side[0], DenseGemm::Tflops(side[1]));
+        } else {
+          report("prefill", cells[0]);
+        }
+      }
+      // The device-offset path past decode sizes too, where it runs the Hopper grouped kernels
+      // (no host round trip, so it captures into a graph at any T).
+      if (decode_cells) {
+        const size_t at = decode_only ? 0 : 1;
+        report("decode", cells[at]);
+        report("decode-graph", cells[at + 1]);
+        cudaGraphExecDestroy(decode_exec);
       }
       if (t <= 128 && padded_decode) {
         // The decode path's padded runner: route, experts at a fixed capacity per expert (this

@@ -1,6 +1,6 @@
 """Side-by-side medians of kernel_ab.sh's runs: one row a cell, one column a build (median over
-rounds of each run's median), for the layer's cells, the breakdown's experts stage and the FP8
-lines."""
+rounds of each run's median), for the layer's cells, the breakdown's route and experts stages and the
+FP8 lines."""
 import collections
 import json
 import statistics
@@ -18,7 +18,7 @@ def main(path):
         if kind == "cell":
             keys = [(f"{r['path']} layer", r["us"])]
         elif kind == "breakdown":
-            keys = [(f"{r['path']} experts", r["experts_us"])]
+            keys = [(f"{r['path']} route", r["route_rows_us"]), (f"{r['path']} experts", r["experts_us"])]
         elif kind == "fp8":
             keys = [("bf16 experts (fp8 pair)", r["bf16_experts_us"]), ("fp8 experts", r["fp8_experts_us"])]
         else:

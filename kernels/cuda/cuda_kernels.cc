@@ -421,12 +421,15 @@ class CudaKernels final : public ExpertKernels {
                                                       p.row_of_route, p.token_of_row, st));
       return absl::OkStatus();
     }
-    auto cursor = cursor_scratch_.Get(static_cast<size_t>(p.num_experts) * sizeof(int32_t));
-    if (!cursor.ok()) return cursor.status();
-    CUDA_RETURN_IF_ERROR(cuda::LaunchHistogramScan(p.topk, p.num_tokens * p.k, p.num_experts, p.counts, p.offsets, st));
-    CUDA_RETURN_IF_ERROR(cudaMemsetAsync(*cursor, 0, static_cast<size_t>(p.num_experts) * sizeof(int32_t), st));
-    CUDA_RETURN_IF_ERROR(cuda::LaunchAssignRows(p.topk, p.num_tokens, p.k, p.offsets, p.num_experts,
-                                                static_cast<int32_t*>(*cursor), p.row_of_route, p.token_of_row, st));
+    auto scratch =
+        route_scratch_.Get(static_cast<size_t>(cuda::RouteRowsScratchBytes(p.num_tokens * p.k, p.num_experts)));
+    if (!scratch.ok()) return scratch.status();
+    if (route_scratch_.allocations() != route_zeroed_) {  // new scratch: the kernels keep its ticket zero
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(*scratch, 0, 16, st));
+      route_zeroed_ = route_scratch_.allocations();
+    }
+    CUDA_RETURN_IF_ERROR(cuda::LaunchRouteRows(p.topk, p.num_tokens, p.k, p.num_experts, p.counts, p.offsets,
+                                               p.row_of_route, p.token_of_row, *scratch, st));
     return absl::OkStatus();
   }
 
@@ -1020,7 +1023,7 @@ class CudaKernels final : public ExpertKernels {
   cudaEvent_t find_done_ = nullptr;
   std::mutex bounce_mu_;  // one large pageable copy at a time through bounce_
   BounceBuffers bounce_;
-  Scratch scratch_, ptr_scratch_, cursor_scratch_, offsets_scratch_, rank_scratch_;
+  Scratch scratch_, ptr_scratch_, route_scratch_, offsets_scratch_, rank_scratch_;
   PinnedStaging map_in_, map_out_, ptr_staging_, offsets_in_;
   std::vector<cublasOperation_t> trans_a_, trans_b_;
   std::vector<int> m_, n_, k_, lda_, ldb_, ldc_, ones_;
@@ -1030,6 +1033,7 @@ class CudaKernels final : public ExpertKernels {
   bool fused_layer_ = true;
   Scratch layer_scratch_;
   uint64_t layer_zeroed_ = 0;  // the allocation of layer_scratch_ whose counter was zeroed
+  uint64_t route_zeroed_ = 0;  // the allocation of route_scratch_ whose ticket was zeroed
   LocalLayerScratch layer_stages_;
 };
 

@@ -595,22 +595,89 @@ __global__ void DequantizeFp8Vec8Kernel(const __nv_fp8_storage_t* __restrict__ q
 
 // ---- local-layer row assignment -------------------------------------------------------------
 
-__global__ void AssignRowsKernel(const int32_t* __restrict__ topk, int64_t num_tokens, int k,
-                                 const int64_t* __restrict__ offsets, int num_experts, int32_t* __restrict__ cursor,
-                                 int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
-  const int64_t total = num_tokens * k;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+// Larger steps in two launches (RouteRowsScratchBytes): each block counts its chunk of routes per
+// expert in shared memory and stores the counts; the last block to finish (a ticket) turns
+// them into each chunk's start within each expert's segment, scans the experts' totals into
+// counts and offsets, and returns the ticket to zero. Then each block places its chunk's routes
+// from those starts (shared-memory cursors: one global write a route, no global atomics). Rows
+// inside a segment are grouped by chunk, in atomic order within one.
+constexpr int kRouteThreads = 512;
+constexpr int kRouteChunk = kRouteThreads * 4;  // routes a block
+
+__global__ void __launch_bounds__(kRouteThreads)
+    RouteCountKernel(const int32_t* __restrict__ topk, int n, int num_experts, int32_t* __restrict__ chunk_counts,
+                     unsigned int* __restrict__ ticket, int64_t* __restrict__ counts, int64_t* __restrict__ offsets) {
+  using Scan = cub::BlockScan<int, kRouteThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ bool last;
+  __shared__ int carry;
+  extern __shared__ int hist[];  // [E]
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) hist[e] = 0;
+  __syncthreads();
+  const int begin = blockIdx.x * kRouteChunk, end = min(n, begin + kRouteChunk);
+  for (int i = begin + threadIdx.x; i < end; i += kRouteThreads) {
+    const int32_t e = topk[i];
+    if (e >= 0 && e < num_experts) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  int32_t* mine = chunk_counts + static_cast<int64_t>(blockIdx.x) * num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) mine[e] = hist[e];
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // Every chunk has counted: each chunk's start within each expert, and the experts' totals.
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) {
+    int run = 0;
+    for (int c = 0; c < gridDim.x; ++c) {
+      int32_t* p = chunk_counts + static_cast<int64_t>(c) * num_experts + e;
+      const int v = __ldcg(p);
+      *p = run;
+      run += v;
+    }
+    hist[e] = run;
+  }
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < num_experts; base += kRouteThreads) {
+    const int e = base + threadIdx.x;
+    const int v = e < num_experts ? hist[e] : 0;
+    int excl, total;
+    Scan(storage).ExclusiveSum(v, excl, total);
+    if (e < num_experts) {
+      counts[e] = v;
+      offsets[e] = carry + excl;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    offsets[num_experts] = carry;
+    *ticket = 0;  // every block has taken its ticket: the next launch starts from zero
+  }
+}
+
+__global__ void __launch_bounds__(kRouteThreads)
+    RouteAssignKernel(const int32_t* __restrict__ topk, int n, int k, int num_experts,
+                      const int32_t* __restrict__ chunk_starts, const int64_t* __restrict__ offsets,
+                      int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
+  extern __shared__ int cursor[];  // [E]
+  const int32_t* mine = chunk_starts + static_cast<int64_t>(blockIdx.x) * num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) cursor[e] = static_cast<int>(offsets[e]) + mine[e];
+  __syncthreads();
+  const int begin = blockIdx.x * kRouteChunk, end = min(n, begin + kRouteChunk);
+  for (int i = begin + threadIdx.x; i < end; i += kRouteThreads) {
     const int32_t e = topk[i];
     if (e < 0 || e >= num_experts) {
       row_of_route[i] = -1;
       continue;
     }
-    // NOTE: rows inside one expert's segment are assigned in atomic order; the combine sums
-    // over j per token, so results do not depend on that order.
-    const int32_t row = static_cast<int32_t>(offsets[e]) + atomicAdd(&cursor[e], 1);
+    const int row = atomicAdd(&cursor[e], 1);
     row_of_route[i] = row;
-    token_of_row[row] = static_cast<int32_t>(i / k);
+    token_of_row[row] = i / k;
   }
 }
 
@@ -697,6 +764,27 @@ cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k,
     RouteRowsSmallKernel<1024>
         <<<1, 1024, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
   }
+  return cudaGetLastError();
+}
+
+int64_t RouteRowsScratchBytes(int64_t routes, int num_experts) {
+  const int64_t chunks = std::max<int64_t>(1, (routes + kRouteChunk - 1) / kRouteChunk);
+  return 16 + chunks * num_experts * static_cast<int64_t>(sizeof(int32_t));
+}
+
+cudaError_t LaunchRouteRows(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
+                            int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, void* scratch,
+                            cudaStream_t stream) {
+  const int64_t n = num_tokens * k;
+  if (num_experts <= 0 || num_experts > kMaxRankKeys || n <= 0 || n > INT32_MAX) return cudaErrorInvalidValue;
+  const int chunks = static_cast<int>((n + kRouteChunk - 1) / kRouteChunk);
+  const size_t shmem = static_cast<size_t>(num_experts) * sizeof(int);
+  auto* ticket = static_cast<unsigned int*>(scratch);
+  auto* chunk_counts = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + 16);
+  RouteCountKernel<<<chunks, kRouteThreads, shmem, stream>>>(topk, static_cast<int>(n), num_experts, chunk_counts,
+                                                             ticket, counts, offsets);
+  RouteAssignKernel<<<chunks, kRouteThreads, shmem, stream>>>(topk, static_cast<int>(n), k, num_experts, chunk_counts,
+                                                              offsets, row_of_route, token_of_row);
   return cudaGetLastError();
 }
 
@@ -911,14 +999,6 @@ cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t r
   DequantizeFp8Kernel<<<Blocks(rows * d), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q), scales,
                                                                  rows, d, group, groups_per_row,
                                                                  reinterpret_cast<__nv_bfloat16*>(x));
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, const int64_t* offsets, int num_experts,
-                             int32_t* cursor, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream) {
-  if (num_tokens == 0) return cudaSuccess;
-  AssignRowsKernel<<<Blocks(num_tokens * k), kThreads, 0, stream>>>(topk, num_tokens, k, offsets, num_experts, cursor,
-                                                                    row_of_route, token_of_row);
   return cudaGetLastError();
 }
 

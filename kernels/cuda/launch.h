@@ -63,14 +63,17 @@ cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group,
 cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
                                 cudaStream_t stream);
 
-// Local-layer helpers: for routes (token t, slot j) with expert ids topk[t * k + j] and the
-// device offsets of an expert-major layout, assign each route a row inside its expert's
-// segment (`cursor` [E] must be zero on entry), record row_of_route[t * k + j] and the source
-// token of every row (token_of_row[row] = t).
-cudaError_t LaunchAssignRows(const int32_t* topk, int64_t num_tokens, int k, const int64_t* offsets, int num_experts,
-                             int32_t* cursor, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);
+// Local-layer row assignment (kernels/api.h RouteRowsParams): each route (token t, slot j) with
+// expert id topk[t * k + j] gets a row of its expert's segment of an expert-major layout
+// (row_of_route, -1 for ids outside [0, E)), token_of_row inverts it, counts and offsets (with
+// sentinel) stay on the device. Two launches, 1 <= routes < 2^31; `scratch` holds
+// RouteRowsScratchBytes(routes, E) bytes whose first 4 are zero on entry (and on return).
+int64_t RouteRowsScratchBytes(int64_t routes, int num_experts);
+cudaError_t LaunchRouteRows(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
+                            int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, void* scratch,
+                            cudaStream_t stream);
 
-// The same in one single-block launch, for decode-sized inputs (RouteRowsSmall says when).
+// The same in one single-block launch for decode-sized inputs (RouteRowsSmall says when).
 bool RouteRowsSmall(int64_t routes, int num_experts);
 cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
                                  int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream);

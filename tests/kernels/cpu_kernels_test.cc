@@ -218,6 +218,11 @@ TEST(CpuKernelsTest, RouteRowsIsAStableCountingSort) {
   EXPECT_THAT(offsets, ElementsAre(0, 1, 2, 5));
   EXPECT_THAT(row_of_route, ElementsAre(2, 0, 1, 3, -1, 4));
   EXPECT_THAT(token_of_row, ElementsAre(0, 1, 0, 1, 2, -7));
+  // Rows are 32-bit: a step of 2^31 routes or more is refused before anything is read.
+  p.num_tokens = int64_t{1} << 30;
+  const absl::Status big = k->RouteRows(p, nullptr);
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(big.message()), HasSubstr("route_rows.num_tokens"));
 }
 
 TEST(CpuKernelsTest, HistogramIgnoresDroppedKeys) {
