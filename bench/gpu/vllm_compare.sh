@@ -5,24 +5,54 @@
 #   here:  tools/gpu_bundle.sh && tools/fetch_vllm.sh      (dist/gpu, .peers/vllm-<version>)
 #   there: bench/gpu/vllm_compare.sh                       (carry dist and .peers)
 # One shape or T: BENCH_ARGS="--shape S --tokens T" VLLM_ARGS="--shape S --tokens T".
-# Results in $OUT (default gpu-out): ours.jsonl, vllm.jsonl, vllm_compare.md.
+# Results in $OUT (default gpu-out): ours_R.jsonl and vllm_R.jsonl a round, the merged vllm.jsonl
+# ("compare" lines: medians over the rounds) and vllm_compare.md.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 VLLM="${VLLM:-$(ls -d .peers/vllm-* | sort -V | tail -1)}"
 REPS="${REPS:-40}"
+# Rounds: the bench and vLLM's timing take turns (even rounds vLLM first), each cell's median
+# over the rounds is compared (a single call's figures move by 5-10% with the GPU's heat).
+ROUNDS="${ROUNDS:-2}"
 mkdir -p "$OUT" "$OUT/routing"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-dist/gpu/bin/expert_layer_bench --reps "$REPS" --routing_out "$OUT/routing" ${BENCH_ARGS:-} >"$OUT/ours.jsonl" 2>"$OUT/ours.err"
+ours() {  # round $1; the first writes the routings every round then reads
+  local extra=()
+  [ "$1" -eq 1 ] && extra=(--routing_out "$OUT/routing")
+  # shellcheck disable=SC2086
+  dist/gpu/bin/expert_layer_bench --reps "$REPS" "${extra[@]}" ${BENCH_ARGS:-} >"$OUT/ours_$1.jsonl" 2>"$OUT/ours_$1.err"
+  local rc=$?
+  echo "expert_layer_bench round $1 rc=$rc"
+  [ "$rc" -eq 0 ] || { tail -5 "$OUT/ours_$1.err"; return 1; }
+}
+peer() {
+  # shellcheck disable=SC2086
+  python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --reps "$REPS" ${VLLM_ARGS:-} \
+    >"$OUT/vllm_$1.jsonl" 2>"$OUT/vllm_$1.err"
+  local rc=$?
+  echo "vllm_compare round $1 rc=$rc"
+  [ "$rc" -eq 0 ] || { tail -3 "$OUT/vllm_$1.err"; return 1; }
+}
+ours 1 || exit 1
+peer 1 || exit 1
+for r in $(seq 2 "$ROUNDS"); do
+  if [ $((r % 2)) -eq 0 ]; then
+    peer "$r" && ours "$r" || exit 1
+  else
+    ours "$r" && peer "$r" || exit 1
+  fi
+done
+ours_files=() peer_files=()
+for r in $(seq 1 "$ROUNDS"); do
+  ours_files+=("$OUT/ours_$r.jsonl")
+  peer_files+=("$OUT/vllm_$r.jsonl")
+done
+python3 bench/gpu/vllm_compare.py --merge --ours "${ours_files[@]}" --peer "${peer_files[@]}" \
+  --md "$OUT/vllm_compare.md" >"$OUT/vllm.jsonl"
 rc=$?
-echo "expert_layer_bench rc=$rc"
-[ "$rc" -eq 0 ] || { tail -5 "$OUT/ours.err"; exit 1; }
-python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --ours "$OUT/ours.jsonl" \
-  --reps "$REPS" --md "$OUT/vllm_compare.md" ${VLLM_ARGS:-} >"$OUT/vllm.jsonl" 2>"$OUT/vllm.err"
-rc=$?
-echo "vllm_compare rc=$rc"
-tail -3 "$OUT/vllm.err"
-grep '"ceiling"' "$OUT/ours.jsonl"
+echo "merge rc=$rc ($ROUNDS rounds)"
+grep -h '"ceiling"' "$OUT"/ours_*.jsonl
 cat "$OUT/vllm_compare.md"
 rm -rf "$OUT/routing"
 exit "$rc"

@@ -24,7 +24,7 @@ def load(path):
 def main(vllm_path, out_path):
     cells = [r for r in load(vllm_path) if r.get("kind") == "compare"]
     if not cells:
-        sys.exit(f"{vllm_path}: no compare lines (vllm_compare.py run without --ours?)")
+        sys.exit(f"{vllm_path}: no compare lines (vllm_compare.py run without --ours, or not the merged file?)")
     labels = [f"{r['shape'].split('-')[0]} T={r['T']}" for r in cells]
     ratio = [r["project_us"] / r["vllm_us"] for r in cells]
     read = [(r["weight_read_us"] or 0) / r["vllm_us"] for r in cells]
