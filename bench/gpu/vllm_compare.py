@@ -24,14 +24,12 @@ Routings: the files expert_layer_bench --routing_out wrote for the same cells (i
 then float32 gates). Every cell's output is checked against an FP32 reference.
 
 Rounds: vllm_compare.sh runs the bench and this timing ROUNDS times, taking turns (so that
-neither side always runs on the GPU the other has just heated), then `--merge`, which needs no
-GPU, takes each cell's median over the rounds of both sides and writes the "compare" lines and
-the table from them.
+neither side always runs on the GPU the other has just heated), then compare_report.py, which
+needs no GPU, takes each cell's median over the rounds of both sides and writes the "compare"
+lines and the table from them.
 
-  python3 bench/gpu/vllm_compare.py --vllm DIR --routing_dir R [--ours ours.jsonl] [--reps 40]
+  python3 bench/gpu/vllm_compare.py --vllm DIR --routing_dir R [--ours ours.jsonl ...] [--reps 40]
       [--md report.md] > vllm.jsonl
-  python3 bench/gpu/vllm_compare.py --merge --ours ours_1.jsonl ours_2.jsonl \
-      --peer vllm_1.jsonl vllm_2.jsonl [--md report.md] > vllm.jsonl
 """
 import argparse
 import ast
@@ -47,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from compare_report import ours_cells, report  # the table and the compare lines (no GPU needed)
 from torch_reference import median_us  # events around each call, after 3 warm-up calls; the median
 
 SHAPES = [
@@ -213,88 +212,16 @@ def reference(x, w1, w2, topk, gates):
     return out
 
 
-def json_lines(path):
-    for line in open(path):
-        line = line.strip()
-        if line.startswith("{"):
-            yield json.loads(line)
-
-
-def ours_cells(paths):
-    """(shape, T, path) -> the project's times over the rounds (one file a round), and
-    (shape, T, "weight_read") -> [the weight-read time]."""
-    cells = {}
-    for path in paths:
-        for c in json_lines(path):
-            if c.get("kind") == "cell" and c.get("impl") == "moe-runtime":
-                cells.setdefault((c["shape"], c["T"], c["path"]), []).append(c["us"])
-                cells[(c["shape"], c["T"], "weight_read")] = [c["weight_read_us"]]
-    return cells
-
-
-def median(values):
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
-
-
-def report(ours, peer, md_path):
-    """The "compare" lines (the pair the table and vllm_plot.py show, decided here only) and the
-    table: each cell's median over the rounds, the project's figure the faster of its
-    graph-replayed device-offset path and its eager prefill path, where the bench ran both.
-    `peer`: (shape, T) -> vLLM's cell lines, one a round, in the order timed."""
-    rows = []
-    for (name, t), cells in peer.items():
-        us = median([c["us"] for c in cells])
-        paths = [(median(ours[(name, t, p)]), p) for p in ("decode-graph", "prefill") if (name, t, p) in ours]
-        mine, mine_path = min(paths) if paths else (None, "-")
-        if mine:
-            print(json.dumps({"kind": "compare", "shape": name, "T": t, "project_us": round(mine, 1),
-                              "project_path": mine_path, "vllm_us": round(us, 1),
-                              "weight_read_us": ours.get((name, t, "weight_read"), [None])[0],
-                              "project_over_vllm": round(mine / us, 3), "rounds": len(cells),
-                              "project_rounds_us": ours[(name, t, mine_path)],
-                              "vllm_rounds_us": [c["us"] for c in cells]}), flush=True)
-        padded = ours.get((name, t, "decode-padded-graph"))
-        rows.append((name, t, mine, mine_path, median(padded) if padded else None, us, cells[0]["config_source"]))
-    if md_path:
-        with open(md_path, "w") as md:
-            md.write("| shape | T | project µs | project path | project padded runner µs | vLLM Triton µs | "
-                     "project ÷ vLLM | vLLM config |\n|---|---|---|---|---|---|---|---|\n")
-            for name, t, mine, mine_path, padded, us, source in rows:
-                best = min(x for x in (mine, padded) if x) if (mine or padded) else None
-                md.write("| %s | %d | %s | %s | %s | %.1f | %s | %s |\n" % (
-                    name, t, "%.1f" % mine if mine else "-", mine_path, "%.1f" % padded if padded else "-", us,
-                    "%.2f" % (best / us) if best else "-", source.split(" (")[0]))
-
-
-def merge(a):
-    peer = {}
-    for path in a.peer:
-        for c in json_lines(path):
-            if c.get("kind") == "cell" and c.get("impl") == "vllm-triton":
-                peer.setdefault((c["shape"], c["T"]), []).append(c)
-    if not peer:
-        sys.exit("--merge: no vLLM cell lines in %s" % " ".join(a.peer))
-    report(ours_cells(a.ours), peer, a.md)
-    return 0
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--merge", action="store_true", help="medians over rounds of earlier runs' lines (no GPU)")
-    ap.add_argument("--peer", nargs="*", default=[], help="--merge: this script's outputs, one a round")
-    ap.add_argument("--vllm")
-    ap.add_argument("--routing_dir")
+    ap.add_argument("--vllm", required=True)
+    ap.add_argument("--routing_dir", required=True)
     ap.add_argument("--ours", nargs="*", default=[])
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--md", default="")
     ap.add_argument("--shape", default="")
     ap.add_argument("--tokens", default="", help="comma-separated T instead of the shape's list (as the bench ran)")
     a = ap.parse_args()
-    if a.merge:
-        return merge(a)
-    if not a.vllm or not a.routing_dir:
-        ap.error("--vllm and --routing_dir are required (unless --merge)")
     torch.manual_seed(0)
     dev = torch.device("cuda")
     device_name = torch.cuda.get_device_name(dev)

@@ -48,7 +48,7 @@ for r in $(seq 1 "$ROUNDS"); do
   ours_files+=("$OUT/ours_$r.jsonl")
   peer_files+=("$OUT/vllm_$r.jsonl")
 done
-python3 bench/gpu/vllm_compare.py --merge --ours "${ours_files[@]}" --peer "${peer_files[@]}" \
+python3 bench/gpu/compare_report.py --ours "${ours_files[@]}" --peer "${peer_files[@]}" \
   --md "$OUT/vllm_compare.md" >"$OUT/vllm.jsonl"
 rc=$?
 echo "merge rc=$rc ($ROUNDS rounds)"

@@ -421,6 +421,11 @@ class CudaKernels final : public ExpertKernels {
                                                       p.row_of_route, p.token_of_row, st));
       return absl::OkStatus();
     }
+    if (p.num_tokens == 0) {  // (more experts than one block's routing holds): empty segments
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.counts, 0, static_cast<size_t>(p.num_experts) * sizeof(int64_t), st));
+      CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.offsets, 0, static_cast<size_t>(p.num_experts + 1) * sizeof(int64_t), st));
+      return absl::OkStatus();
+    }
     auto scratch =
         route_scratch_.Get(static_cast<size_t>(cuda::RouteRowsScratchBytes(p.num_tokens * p.k, p.num_experts)));
     if (!scratch.ok()) return scratch.status();

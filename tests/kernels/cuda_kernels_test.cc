@@ -587,6 +587,19 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluPaddedRunnerMatchesCpu) {
   EXPECT_EQ(cpu_->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(CudaKernelsTest, RouteRowsOfAnEmptyStepWithManyExperts) {
+  // More experts than one block's routing holds (past the single-block path): an empty step
+  // still gives empty segments.
+  const int e = 6000;
+  DeviceVector<int64_t> dcounts(std::vector<int64_t>(e, 7)), doffsets(std::vector<int64_t>(e + 1, 7));
+  DeviceVector<int32_t> dtopk(std::vector<int32_t>(1, 0)), drow(std::vector<int32_t>(1, 0)),
+      dtok(std::vector<int32_t>(1, 0));
+  ASSERT_TRUE(
+      gpu_->RouteRows({dtopk.get(), 0, 8, e, dcounts.get(), doffsets.get(), drow.get(), dtok.get()}, nullptr).ok());
+  EXPECT_EQ(dcounts.Host(), std::vector<int64_t>(e, 0));
+  EXPECT_EQ(doffsets.Host(), std::vector<int64_t>(e + 1, 0));
+}
+
 TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
   // k = 11: the combine takes a token's routes eight at a time (a second, partial batch); k = 1,
   // 2 and 4 combine 8, 4 and 2 vectors a thread where d / 8 divides (even trials), one otherwise.
