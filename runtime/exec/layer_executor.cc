@@ -1339,21 +1339,25 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
     RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
   }
+  // The received rows <-> expert order, one way before the experts and back after them.
+  auto reorder = [&](const void* in, const int32_t* index, void* out) {
+    kernels::GatherParams g;
+    g.d = d;
+    g.in = in;
+    g.in_rows = n_recv;
+    g.index = index;
+    g.n = n_recv;
+    g.out = out;
+    return kern.Gather(g, nullptr);
+  };
   if (n_recv > 0) {
-    kernels::GatherParams repack;  // received rows -> expert order; unpack: expert rows -> received order
-    repack.d = d;
-    repack.in = buf_.recv_rows.data();
-    repack.in_rows = n_recv;
-    repack.index = pass.expert_order;
-    repack.n = n_recv;
-    repack.out = buf_.expert_in.data();
     if (lone) {
       RETURN_IF_ERROR(
           kern.Scatter({d, static_cast<const uint16_t*>(pass.hidden), pass.in.tokens, buf_.d_lone_combine.as<int32_t>(),
                         pass.in.k, buf_.expert_in.as<uint16_t>(), n_recv},
                        nullptr));
     } else {
-      RETURN_IF_ERROR(kern.Gather(repack, nullptr));
+      RETURN_IF_ERROR(reorder(buf_.recv_rows.data(), pass.expert_order, buf_.expert_in.data()));
     }
     const ResidentExperts& weights = *pass.weights;
     kernels::SwigluParams sw;
@@ -1365,12 +1369,7 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     sw.y = buf_.expert_out.as<uint16_t>();
     RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
     if (!lone) {
-      kernels::GatherParams unpack = repack;
-      unpack.in = buf_.expert_out.data();
-      unpack.in_rows = n_recv;
-      unpack.index = pass.expert_position;
-      unpack.out = buf_.back_rows.data();
-      RETURN_IF_ERROR(kern.Gather(unpack, nullptr));
+      RETURN_IF_ERROR(reorder(buf_.expert_out.data(), pass.expert_position, buf_.back_rows.data()));
       RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads them on its own stream
     }
   }
