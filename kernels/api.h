@@ -102,6 +102,7 @@ struct HistogramParams {
 // and the source token of each row (token_of_row, [offsets[E]] entries). On CUDA everything is
 // computed and kept on the device (no host round trip); rows within one expert's segment may
 // come in any order (the combine sums per token in slot order, so results do not depend on it).
+// num_tokens x k must be below 2^31 (rows are 32-bit; INVALID_ARGUMENT otherwise).
 struct RouteRowsParams {
   const int32_t* topk = nullptr;  // [num_tokens, k]
   int64_t num_tokens = 0;
