@@ -373,9 +373,11 @@ int Decode(moe::Transport& t, moe::kernels::ExpertKernels& k, int reps) {
     std::printf(
         "{\"kind\": \"decode\", \"impl\": \"moe-runtime nccl graph\", \"payload\": \"%s\", \"gpus\": %d, "
         "\"slot\": %d, \"tokens\": %d, \"bucket_rows_per_peer\": %lld, \"dispatch_us\": %.1f, "
-        "\"combine_us\": %.1f, \"remote_routes\": %lld, \"rel_error\": %.2e}\n",
+        "\"combine_us\": %.1f, \"dispatch_p99_us\": %.1f, \"combine_p99_us\": %.1f, \"samples\": %zu, "
+        "\"remote_routes\": %lld, \"rel_error\": %.2e}\n",
         fp8 ? "fp8" : "bf16", p, me, kDecodeTokens, static_cast<long long>(cap), Median(dv), Median(cv),
-        static_cast<long long>(remote_rows), rel);
+        moe::bench::Quantile(dv, 0.99), moe::bench::Quantile(cv, 0.99), dv.size(), static_cast<long long>(remote_rows),
+        rel);
     std::fflush(stdout);
     if (!(rel < (fp8 ? 0.08 : 0.01))) {
       std::fprintf(stderr, "decode %s: combined rows wrong\n", fp8 ? "fp8" : "bf16");

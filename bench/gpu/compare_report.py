@@ -13,10 +13,11 @@ import sys
 
 
 def json_lines(path):
-    for line in open(path):
-        line = line.strip()
-        if line.startswith("{"):
-            yield json.loads(line)
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                yield json.loads(line)
 
 
 def ours_cells(paths):

@@ -5,7 +5,8 @@
 #  1. a2a: the runtime's dispatch and combine (a2a_bench: NCCL transport and kernels, one process
 #     per GPU; prefill BF16 and FP8 at DeepEP's normal shape, decode 128 tokens per rank under
 #     graph replay, the NVLink one-direction ceiling of the same run) and the torch
-#     all_to_all_single peer moving the same splits (a2a_torch.py), ROUNDS rounds taking turns;
+#     all_to_all_single peer moving the same splits (a2a_torch.py), ROUNDS rounds taking turns,
+#     then the goals' table (bench/gpu/a2a_report.py: $OUT/a2a.md);
 #  2. local_cluster: deploy/local_cluster.sh on CUDA kernels + NCCL, 0 failures and mismatches;
 #  3. live_rollout: deploy/live_rollout.sh, a placement rollout and rollback under live traffic;
 #  4. group_recovery: a rank killed under load KILLS times (bench/gpu/group_recovery.sh);
@@ -54,6 +55,10 @@ if [ "${1:-}" = --a2a ]; then  # part 1 (run by part() below, under its timeout)
       fi
     done
   done
+  # Against issue 23's goals: the slowest member's median over the rounds (bench/gpu/a2a_report.py).
+  python3 bench/gpu/a2a_report.py --ours "$OUT"/a2a_ours_*.jsonl --torch "$OUT"/a2a_torch_*.jsonl \
+    --md "$OUT/a2a.md" >"$OUT/a2a_goals.jsonl" || exit 1
+  cat "$OUT/a2a.md"
   exit 0
 fi
 for p in ${PARTS:-1 2 3 4 5}; do

@@ -45,7 +45,11 @@ class CompareReportTest(unittest.TestCase):
         with redirect_stdout(out):
             rc = compare_report.main(["--ours"] + ours_files + ["--peer"] + peer_files + ["--md", md])
         lines = [json.loads(x) for x in out.getvalue().splitlines() if x.startswith("{")]
-        return rc, {r["T"]: r for r in lines}, open(md).read() if rc == 0 else ""
+        text = ""
+        if rc == 0:
+            with open(md) as f:
+                text = f.read()
+        return rc, {r["T"]: r for r in lines}, text
 
     def test_medians_over_rounds_and_the_faster_path(self):
         # T = 8192: decode graph 1250 / 1290 (median 1270), prefill 1300 / 1280 (1290): the graph.
