@@ -17,7 +17,7 @@ ROUNDS="${ROUNDS:-2}"
 mkdir -p "$OUT" "$OUT/routing"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-ours() {  # round $1; the first writes the routings every round then reads
+ours() {  # round $1 (round 1 writes the routings that every round of vLLM reads)
   local extra=()
   [ "$1" -eq 1 ] && extra=(--routing_out "$OUT/routing")
   # shellcheck disable=SC2086
