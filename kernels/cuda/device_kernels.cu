@@ -779,6 +779,15 @@ cudaError_t LaunchRouteRows(const int32_t* topk, int64_t num_tokens, int k, int 
   if (num_experts <= 0 || num_experts > kMaxRankKeys || n <= 0 || n > INT32_MAX) return cudaErrorInvalidValue;
   const int chunks = static_cast<int>((n + kRouteChunk - 1) / kRouteChunk);
   const size_t shmem = static_cast<size_t>(num_experts) * sizeof(int);
+  if (shmem > 32 * 1024) {
+    // Up to 48 KiB of counts beside the scan's static storage: past the default 48 KiB a block.
+    for (const void* f :
+         {reinterpret_cast<const void*>(RouteCountKernel), reinterpret_cast<const void*>(RouteAssignKernel)}) {
+      const cudaError_t e =
+          cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shmem));
+      if (e != cudaSuccess) return e;
+    }
+  }
   auto* ticket = static_cast<unsigned int*>(scratch);
   auto* chunk_counts = reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + 16);
   RouteCountKernel<<<chunks, kRouteThreads, shmem, stream>>>(topk, static_cast<int>(n), num_experts, chunk_counts,

@@ -587,17 +587,41 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluPaddedRunnerMatchesCpu) {
   EXPECT_EQ(cpu_->Swiglu(p, nullptr).code(), absl::StatusCode::kFailedPrecondition);
 }
 
-TEST_F(CudaKernelsTest, RouteRowsOfAnEmptyStepWithManyExperts) {
-  // More experts than one block's routing holds (past the single-block path): an empty step
-  // still gives empty segments.
-  const int e = 6000;
-  DeviceVector<int64_t> dcounts(std::vector<int64_t>(e, 7)), doffsets(std::vector<int64_t>(e + 1, 7));
-  DeviceVector<int32_t> dtopk(std::vector<int32_t>(1, 0)), drow(std::vector<int32_t>(1, 0)),
-      dtok(std::vector<int32_t>(1, 0));
-  ASSERT_TRUE(
-      gpu_->RouteRows({dtopk.get(), 0, 8, e, dcounts.get(), doffsets.get(), drow.get(), dtok.get()}, nullptr).ok());
-  EXPECT_EQ(dcounts.Host(), std::vector<int64_t>(e, 0));
-  EXPECT_EQ(doffsets.Host(), std::vector<int64_t>(e + 1, 0));
+TEST_F(CudaKernelsTest, RouteRowsWithManyExperts) {
+  // More experts than one block's routing holds (past the single-block path), up to the CUDA
+  // limit of 12288 (48 KiB of counts a block): an empty step gives empty segments, and a step
+  // of 2400 routes the CPU's counts and offsets.
+  for (const int e : {6000, 12288}) {
+    DeviceVector<int64_t> dcounts(std::vector<int64_t>(e, 7)), doffsets(std::vector<int64_t>(e + 1, 7));
+    DeviceVector<int32_t> dtopk(std::vector<int32_t>(1, 0)), drow(std::vector<int32_t>(1, 0)),
+        dtok(std::vector<int32_t>(1, 0));
+    ASSERT_TRUE(
+        gpu_->RouteRows({dtopk.get(), 0, 8, e, dcounts.get(), doffsets.get(), drow.get(), dtok.get()}, nullptr).ok())
+        << e;
+    EXPECT_EQ(dcounts.Host(), std::vector<int64_t>(e, 0)) << e;
+    EXPECT_EQ(doffsets.Host(), std::vector<int64_t>(e + 1, 0)) << e;
+    const int64_t t = 300;
+    const int k = 8;
+    std::vector<int32_t> topk(t * k);
+    for (auto& id : topk) id = static_cast<int32_t>(rng_() % e);
+    std::vector<int64_t> counts(e), offsets(e + 1);
+    std::vector<int32_t> row_of_route(t * k), token_of_row(t * k);
+    ASSERT_TRUE(
+        cpu_->RouteRows({topk.data(), t, k, e, counts.data(), offsets.data(), row_of_route.data(), token_of_row.data()},
+                        nullptr)
+            .ok());
+    DeviceVector<int32_t> gtopk(topk), grow(t * k, -9), gtok(t * k, -1);
+    ASSERT_TRUE(
+        gpu_->RouteRows({gtopk.get(), t, k, e, dcounts.get(), doffsets.get(), grow.get(), gtok.get()}, nullptr).ok())
+        << e;
+    EXPECT_EQ(dcounts.Host(), counts) << e;
+    EXPECT_EQ(doffsets.Host(), offsets) << e;
+    const auto rows = grow.Host();
+    for (int64_t i = 0; i < t * k; ++i) {
+      ASSERT_GE(rows[i], offsets[topk[i]]) << e;
+      ASSERT_LT(rows[i], offsets[topk[i] + 1]) << e;
+    }
+  }
 }
 
 TEST_F(CudaKernelsTest, RouteRowsGatherAndCombineMatchCpu) {
