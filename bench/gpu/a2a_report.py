@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+from compare_report import json_lines, median  # the same line reading and median (no GPU)
+
 DEEPEP_NORMAL_GBPS = {"dispatch": 153.0, "combine": 158.0}  # H800, EP8, 4096 tokens, hidden 7168, top-8
 DEEPEP_LL_US = {"dispatch": 77.0, "combine": 114.0}  # H800, EP8, 128 tokens
 TORCH_PEER_RATIO = 0.9
@@ -24,16 +26,7 @@ TORCH_PEER_RATIO = 0.9
 
 def lines(paths):
     for path in paths:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line.startswith("{"):
-                    yield json.loads(line)
-
-
-def median(values):
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
+        yield from json_lines(path)
 
 
 def per_member(records, key):

@@ -31,16 +31,8 @@ fi
 echo "many_gpu: $GPUS ranks, one GPU each"
 # The deploy scripts take the bundle's binaries (no Bazel on the GPU machine).
 export SKIP_BUILD=1 RANKD="$B/moe-rankd" DRIVER="$B/engine_driver" MOECTL="$B/moectl" CONTROLLER="$B/moe-controller"
-rc=0
-part() {  # part NAME TIMEOUT_S COMMAND...: output to $OUT/NAME.txt, the verdict on stdout
-  local name="$1" limit="$2"
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
-  local r=$?
-  echo "$name: rc=$r in $((SECONDS - start)) s"
-  [ "$r" = 0 ] || { rc=1; tail -5 "$OUT/$name.txt"; }
-}
+# shellcheck source=bench/gpu/parts.sh
+source "$(dirname "$0")/parts.sh"  # part NAME TIMEOUT_S COMMAND..., rc
 if [ "${1:-}" = --a2a ]; then  # part 1 (run by part() below, under its timeout)
   # The runtime and the torch peer in turns (the peer first in even rounds), on the first GPUS
   # GPUs (both use every GPU they see).

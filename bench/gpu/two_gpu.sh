@@ -14,16 +14,8 @@ set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
-rc=0
-part() {  # part NAME TIMEOUT_S COMMAND...: output to $OUT/NAME.txt, the verdict on stdout
-  local name="$1" limit="$2"
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
-  local r=$?
-  echo "$name: rc=$r in $((SECONDS - start)) s"
-  [ "$r" = 0 ] || { rc=1; tail -5 "$OUT/$name.txt"; }
-}
+# shellcheck source=bench/gpu/parts.sh
+source "$(dirname "$0")/parts.sh"  # part NAME TIMEOUT_S COMMAND..., rc
 for p in ${PARTS:-1 2 3 4}; do
   case "$p" in
     1) part group_recovery 300 env OUT="$OUT" WORLD=2 bench/gpu/group_recovery.sh ;;
