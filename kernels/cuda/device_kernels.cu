@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 
+#include <cub/block/block_load.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cub/block/block_store.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -18,6 +20,24 @@ namespace moe::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+
+// Exclusive sum of n values over a block, THREADS at a time: store(i, value, exclusive) for
+// each i < n; returns the total (every thread gets it). Storage is reused between chunks.
+template <int THREADS, typename T, typename Load, typename Store>
+__device__ T ChunkedExclusiveSum(typename cub::BlockScan<T, THREADS>::TempStorage& storage, int n, Load load,
+                                 Store store) {
+  T carry = 0;
+  for (int base = 0; base < n; base += THREADS) {
+    const int i = base + threadIdx.x;
+    const T v = i < n ? load(i) : T{0};
+    T excl, total;
+    cub::BlockScan<T, THREADS>(storage).ExclusiveSum(v, excl, total);
+    if (i < n) store(i, v, carry + excl);
+    carry += total;
+    __syncthreads();
+  }
+  return carry;
+}
 
 int Blocks(int64_t work, int per_block = kThreads) {
   const int64_t b = (work + per_block - 1) / per_block;
@@ -157,22 +177,10 @@ __global__ void HistogramKernel(const int32_t* __restrict__ keys, int64_t n, int
 }
 
 __global__ void ExclusiveScanKernel(const int64_t* __restrict__ counts, int num_bins, int64_t* __restrict__ offsets) {
-  using Scan = cub::BlockScan<int64_t, kThreads>;
-  __shared__ typename Scan::TempStorage storage;
-  __shared__ int64_t carry;
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int base = 0; base < num_bins; base += kThreads) {
-    const int b = base + threadIdx.x;
-    const int64_t v = b < num_bins ? counts[b] : 0;
-    int64_t excl, total;
-    Scan(storage).ExclusiveSum(v, excl, total);
-    if (b < num_bins) offsets[b] = carry + excl;
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) offsets[num_bins] = carry;
+  __shared__ typename cub::BlockScan<int64_t, kThreads>::TempStorage storage;
+  const int64_t total = ChunkedExclusiveSum<kThreads, int64_t>(
+      storage, num_bins, [&](int b) { return counts[b]; }, [&](int b, int64_t, int64_t excl) { offsets[b] = excl; });
+  if (threadIdx.x == 0) offsets[num_bins] = total;
 }
 
 // ---- route planning -------------------------------------------------------------------------
@@ -251,28 +259,49 @@ __global__ void RankCountKernel(const int32_t* __restrict__ raw, int64_t n, cons
 }
 
 // Exclusive scan of the key-major tile counts in place (each entry becomes where that tile's
-// elements of that key start), then the per-key counts and offsets. One block.
+// elements of that key start), then the per-key counts and offsets. One block, 8192 entries a
+// round: coalesced loads and stores transposed through shared memory, each thread scanning
+// eight consecutive entries.
 constexpr int kRankScanThreads = 1024;
+constexpr int kRankScanItems = 8;
 __global__ void __launch_bounds__(kRankScanThreads)
     RankScanKernel(int32_t* __restrict__ tile_counts, int num_keys, int tiles, int64_t* __restrict__ counts,
                    int64_t* __restrict__ offsets) {
+  using Load = cub::BlockLoad<int32_t, kRankScanThreads, kRankScanItems, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
+  using Store = cub::BlockStore<int32_t, kRankScanThreads, kRankScanItems, cub::BLOCK_STORE_WARP_TRANSPOSE>;
   using Scan = cub::BlockScan<int64_t, kRankScanThreads>;
-  __shared__ typename Scan::TempStorage storage;
+  __shared__ union {
+    typename Load::TempStorage load;
+    typename Store::TempStorage store;
+    typename Scan::TempStorage scan;
+  } storage;
+  constexpr int kRound = kRankScanThreads * kRankScanItems;
   const int64_t m = static_cast<int64_t>(num_keys) * tiles;
-  const int64_t per = (m + kRankScanThreads - 1) / kRankScanThreads;
-  const int64_t begin = min(m, per * threadIdx.x), end = min(m, begin + per);
-  int64_t sum = 0;
-  for (int64_t j = begin; j < end; ++j) sum += tile_counts[j];
-  int64_t base, total;
-  Scan(storage).ExclusiveSum(sum, base, total);
-  for (int64_t j = begin; j < end; ++j) {
-    const int32_t c = tile_counts[j];
-    tile_counts[j] = static_cast<int32_t>(base);
-    base += c;
+  int64_t carry = 0;
+  for (int64_t base = 0; base < m; base += kRound) {
+    const int valid = static_cast<int>(m - base < kRound ? m - base : kRound);
+    int32_t v[kRankScanItems];
+    Load(storage.load).Load(tile_counts + base, v, valid, 0);
+    int64_t sum = 0;
+#pragma unroll
+    for (int q = 0; q < kRankScanItems; ++q) sum += v[q];
+    __syncthreads();
+    int64_t run, total;
+    Scan(storage.scan).ExclusiveSum(sum, run, total);
+    run += carry;
+#pragma unroll
+    for (int q = 0; q < kRankScanItems; ++q) {
+      const int32_t c = v[q];
+      v[q] = static_cast<int32_t>(run);
+      run += c;
+    }
+    __syncthreads();
+    Store(storage.store).Store(tile_counts + base, v, valid);
+    carry += total;
+    __syncthreads();
   }
-  __syncthreads();
   for (int k = threadIdx.x; k < num_keys; k += blockDim.x) offsets[k] = tile_counts[static_cast<int64_t>(k) * tiles];
-  if (threadIdx.x == 0) offsets[num_keys] = total;
+  if (threadIdx.x == 0) offsets[num_keys] = carry;
   __syncthreads();
   for (int k = threadIdx.x; k < num_keys; k += blockDim.x) counts[k] = offsets[k + 1] - offsets[k];
 }
@@ -607,10 +636,8 @@ constexpr int kRouteChunk = kRouteThreads * 4;  // routes a block
 __global__ void __launch_bounds__(kRouteThreads)
     RouteCountKernel(const int32_t* __restrict__ topk, int n, int num_experts, int32_t* __restrict__ chunk_counts,
                      unsigned int* __restrict__ ticket, int64_t* __restrict__ counts, int64_t* __restrict__ offsets) {
-  using Scan = cub::BlockScan<int, kRouteThreads>;
-  __shared__ typename Scan::TempStorage storage;
+  __shared__ typename cub::BlockScan<int, kRouteThreads>::TempStorage storage;
   __shared__ bool last;
-  __shared__ int carry;
   extern __shared__ int hist[];  // [E]
   for (int e = threadIdx.x; e < num_experts; e += kRouteThreads) hist[e] = 0;
   __syncthreads();
@@ -639,23 +666,15 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     hist[e] = run;
   }
-  if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  for (int base = 0; base < num_experts; base += kRouteThreads) {
-    const int e = base + threadIdx.x;
-    const int v = e < num_experts ? hist[e] : 0;
-    int excl, total;
-    Scan(storage).ExclusiveSum(v, excl, total);
-    if (e < num_experts) {
-      counts[e] = v;
-      offsets[e] = carry + excl;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
+  const int total = ChunkedExclusiveSum<kRouteThreads, int>(
+      storage, num_experts, [&](int e) { return hist[e]; },
+      [&](int e, int v, int excl) {
+        counts[e] = v;
+        offsets[e] = excl;
+      });
   if (threadIdx.x == 0) {
-    offsets[num_experts] = carry;
+    offsets[num_experts] = total;
     *ticket = 0;  // every block has taken its ticket: the next launch starts from zero
   }
 }
@@ -690,9 +709,7 @@ __global__ void __launch_bounds__(THREADS)
     RouteRowsSmallKernel(const int32_t* __restrict__ topk, int64_t num_tokens, int k, int num_experts,
                          int64_t* __restrict__ counts, int64_t* __restrict__ offsets,
                          int32_t* __restrict__ row_of_route, int32_t* __restrict__ token_of_row) {
-  using Scan = cub::BlockScan<int, THREADS>;
-  __shared__ typename Scan::TempStorage storage;
-  __shared__ int carry;
+  __shared__ typename cub::BlockScan<int, THREADS>::TempStorage storage;
   extern __shared__ int shared[];
   int* count = shared;               // [E], then the cursor
   int* base = shared + num_experts;  // [E] exclusive offsets
@@ -707,28 +724,20 @@ __global__ void __launch_bounds__(THREADS)
     mine[q] = e >= 0 && e < num_experts ? e : -1;
   }
   for (int b = threadIdx.x; b < num_experts; b += THREADS) count[b] = 0;
-  if (threadIdx.x == 0) carry = 0;
   __syncthreads();
 #pragma unroll
   for (int q = 0; q < kRoutesPerThread; ++q) {
     if (mine[q] >= 0) atomicAdd(&count[mine[q]], 1);
   }
   __syncthreads();
-  for (int b0 = 0; b0 < num_experts; b0 += THREADS) {
-    const int b = b0 + threadIdx.x;
-    const int v = b < num_experts ? count[b] : 0;
-    int excl, total;
-    Scan(storage).ExclusiveSum(v, excl, total);
-    if (b < num_experts) {
-      base[b] = carry + excl;
-      counts[b] = v;
-      offsets[b] = carry + excl;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) carry += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) offsets[num_experts] = carry;
+  const int total = ChunkedExclusiveSum<THREADS, int>(
+      storage, num_experts, [&](int b) { return count[b]; },
+      [&](int b, int v, int excl) {
+        base[b] = excl;
+        counts[b] = v;
+        offsets[b] = excl;
+      });
+  if (threadIdx.x == 0) offsets[num_experts] = total;
   for (int b = threadIdx.x; b < num_experts; b += THREADS) count[b] = 0;  // reuse as cursor
   __syncthreads();
 #pragma unroll
