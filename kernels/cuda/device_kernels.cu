@@ -258,15 +258,15 @@ __global__ void RankCountKernel(const int32_t* __restrict__ raw, int64_t n, cons
   }
 }
 
-// Exclusive scan of the key-major tile counts in place (each entry becomes where that tile's
-// elements of that key start), then the per-key counts and offsets. One block, 8192 entries a
-// round: coalesced loads and stores transposed through shared memory, each thread scanning
-// eight consecutive entries.
-constexpr int kRankScanThreads = 1024;
+// Per key (one block each): an exclusive scan of its tile counts in place (each entry becomes
+// where that tile's elements of the key start within the key's segment) and the key's count.
+// 2048 entries a round: coalesced loads and stores transposed through shared memory, each
+// thread scanning eight consecutive entries. The keys' offsets are a second, one-block scan of
+// the counts (ExclusiveScanKernel).
+constexpr int kRankScanThreads = 256;
 constexpr int kRankScanItems = 8;
 __global__ void __launch_bounds__(kRankScanThreads)
-    RankScanKernel(int32_t* __restrict__ tile_counts, int num_keys, int tiles, int64_t* __restrict__ counts,
-                   int64_t* __restrict__ offsets) {
+    RankScanKernel(int32_t* __restrict__ tile_counts, int tiles, int64_t* __restrict__ counts) {
   using Load = cub::BlockLoad<int32_t, kRankScanThreads, kRankScanItems, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
   using Store = cub::BlockStore<int32_t, kRankScanThreads, kRankScanItems, cub::BLOCK_STORE_WARP_TRANSPOSE>;
   using Scan = cub::BlockScan<int64_t, kRankScanThreads>;
@@ -276,12 +276,12 @@ __global__ void __launch_bounds__(kRankScanThreads)
     typename Scan::TempStorage scan;
   } storage;
   constexpr int kRound = kRankScanThreads * kRankScanItems;
-  const int64_t m = static_cast<int64_t>(num_keys) * tiles;
+  int32_t* key_counts = tile_counts + static_cast<int64_t>(blockIdx.x) * tiles;
   int64_t carry = 0;
-  for (int64_t base = 0; base < m; base += kRound) {
-    const int valid = static_cast<int>(m - base < kRound ? m - base : kRound);
+  for (int base = 0; base < tiles; base += kRound) {
+    const int valid = tiles - base < kRound ? tiles - base : kRound;
     int32_t v[kRankScanItems];
-    Load(storage.load).Load(tile_counts + base, v, valid, 0);
+    Load(storage.load).Load(key_counts + base, v, valid, 0);
     int64_t sum = 0;
 #pragma unroll
     for (int q = 0; q < kRankScanItems; ++q) sum += v[q];
@@ -296,22 +296,21 @@ __global__ void __launch_bounds__(kRankScanThreads)
       run += c;
     }
     __syncthreads();
-    Store(storage.store).Store(tile_counts + base, v, valid);
+    Store(storage.store).Store(key_counts + base, v, valid);
     carry += total;
     __syncthreads();
   }
-  for (int k = threadIdx.x; k < num_keys; k += blockDim.x) offsets[k] = tile_counts[static_cast<int64_t>(k) * tiles];
-  if (threadIdx.x == 0) offsets[num_keys] = carry;
-  __syncthreads();
-  for (int k = threadIdx.x; k < num_keys; k += blockDim.x) counts[k] = offsets[k + 1] - offsets[k];
+  if (threadIdx.x == 0) counts[blockIdx.x] = carry;
 }
 
-// One warp per tile, 32 elements at a time in index order: an element's place is its tile's
-// start for its key, plus the elements of that key already placed in the tile, plus its rank
-// among the lanes of this round holding the same key. Stable by construction.
+// One warp per tile, 32 elements at a time in index order: an element's place is its key's
+// offset, plus its tile's start within the key, plus the elements of that key already placed in
+// the tile, plus its rank among the lanes of this round holding the same key. Stable by
+// construction.
 __global__ void RankScatterKernel(const int32_t* __restrict__ raw, int64_t n, const int32_t* __restrict__ key_map,
                                   int map_size, int num_keys, int tiles, const int32_t* __restrict__ tile_starts,
-                                  int32_t* __restrict__ position, int32_t* __restrict__ order, int order_divisor,
+                                  const int64_t* __restrict__ key_offsets, int32_t* __restrict__ position,
+                                  int32_t* __restrict__ order, int order_divisor,
                                   const int32_t* __restrict__ key_values, int32_t* __restrict__ values) {
   extern __shared__ int32_t placed[];
   const int lane = threadIdx.x;
@@ -328,7 +327,8 @@ __global__ void RankScatterKernel(const int32_t* __restrict__ raw, int64_t n, co
     const unsigned peers = __match_any_sync(0xffffffffu, key);
     if (key >= 0) {
       const int rank = __popc(peers & ((1u << lane) - 1u));
-      const int32_t pos = tile_starts[static_cast<int64_t>(key) * tiles + blockIdx.x] + placed[key] + rank;
+      const int32_t pos = static_cast<int32_t>(key_offsets[key]) +
+                          tile_starts[static_cast<int64_t>(key) * tiles + blockIdx.x] + placed[key] + rank;
       position[i] = pos;
       if (order != nullptr) order[pos] = static_cast<int32_t>(i / order_divisor);
       if (values != nullptr) values[pos] = key_values[key];
@@ -897,10 +897,11 @@ cudaError_t LaunchRankByKey(const int32_t* raw, int64_t n, const int32_t* key_ma
     RankCountKernel<<<tiles, kRankTile, shmem, stream>>>(raw, n, key_map, map_size, num_keys, tiles, scratch,
                                                          reinterpret_cast<unsigned long long*>(status));
   }
-  RankScanKernel<<<1, kRankScanThreads, 0, stream>>>(scratch, num_keys, tiles, counts, offsets);
+  RankScanKernel<<<num_keys, kRankScanThreads, 0, stream>>>(scratch, tiles, counts);
+  ExclusiveScanKernel<<<1, kThreads, 0, stream>>>(counts, num_keys, offsets);
   if (n > 0) {
-    RankScatterKernel<<<tiles, 32, shmem, stream>>>(raw, n, key_map, map_size, num_keys, tiles, scratch, position,
-                                                    order, order_divisor, key_values, values);
+    RankScatterKernel<<<tiles, 32, shmem, stream>>>(raw, n, key_map, map_size, num_keys, tiles, scratch, offsets,
+                                                    position, order, order_divisor, key_values, values);
   }
   return cudaGetLastError();
 }
