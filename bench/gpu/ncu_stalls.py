@@ -65,7 +65,8 @@ def categorize(body):
 
 
 def read_kernels(path):
-    """{kernel name: [(address, source, samples, {stall reason: samples}), ...]} in file order."""
+    """{kernel name: [page, ...]} in file order, a page being
+    [(address, source, samples, {stall reason: samples}), ...]."""
     kernels = OrderedDict()
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
