@@ -3,7 +3,8 @@
 // MOE_BENCH_KERNELS=cuda on the CUDA kernels over a one-member NCCL transport (d 2048, d_ff 768:
 // the Qwen3-like layer). Prints, per token count, the median wall time of each phase of the step
 // (runtime/exec/step.h), of the whole step, and of the step without its experts phase, in
-// microseconds and per route, and the CPU time per step of the step's thread and of the process.
+// microseconds and per route, the CPU time per step of the step's thread and of the process, and
+// the heap allocations the step's thread made during the step (this binary counts operator new).
 // --in_place puts the rows, routing and output in kernel memory first (a co-located engine's GPU
 // buffers: LayerStepInput::rows_on_device and routing_on_device). On the GPU,
 // MOE_CUDA_TUNING=blocking_sync=1 makes waits for the GPU block instead of spin, so that the CPU
@@ -19,6 +20,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -45,6 +47,44 @@ ABSL_FLAG(std::vector<std::string>, tokens, std::vector<std::string>({"256", "10
 ABSL_FLAG(bool, decode, false, "decode steps instead of prefill");
 ABSL_FLAG(bool, in_place, false,
           "rows, routing and output in kernel memory (a co-located engine's GPU buffers; CUDA kernels only)");
+
+// Heap allocations of the calling thread: every operator new of this binary counts (the
+// executor's and its libraries' alike), so a step's count is what its thread asked of the heap.
+namespace {
+thread_local int64_t t_allocations = 0;
+void* Allocate(std::size_t n) {
+  ++t_allocations;
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* AllocateAligned(std::size_t n, std::align_val_t a) {
+  ++t_allocations;
+  const std::size_t align = static_cast<std::size_t>(a);
+  if (void* p = std::aligned_alloc(align, (n + align - 1) / align * align)) return p;
+  throw std::bad_alloc();
+}
+}  // namespace
+
+void* operator new(std::size_t n) { return Allocate(n); }
+void* operator new[](std::size_t n) { return Allocate(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  ++t_allocations;
+  return std::malloc(n == 0 ? 1 : n);
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  ++t_allocations;
+  return std::malloc(n == 0 ? 1 : n);
+}
+void* operator new(std::size_t n, std::align_val_t a) { return AllocateAligned(n, a); }
+void* operator new[](std::size_t n, std::align_val_t a) { return AllocateAligned(n, a); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace moe {
 namespace {
@@ -92,7 +132,8 @@ int Main() {
               absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");
   for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9s", StepPhaseName(static_cast<StepPhase>(p)));
-  std::printf(" %10s %12s %13s %11s %11s\n", "step_us", "non-expert", "ns/route", "thread_cpu", "process_cpu");
+  std::printf(" %10s %12s %13s %11s %11s %7s\n", "step_us", "non-expert", "ns/route", "thread_cpu", "process_cpu",
+              "allocs");
   std::mt19937 rng(1);
   uint64_t step = 1;
   for (int64_t tokens : token_counts) {
@@ -127,7 +168,7 @@ int Main() {
       }
     }
     std::vector<std::vector<double>> phase(kNumStepPhases);
-    std::vector<double> host, total, cpu, thread_cpu;
+    std::vector<double> host, total, cpu, thread_cpu, allocs;
     for (int rep = 0; rep < absl::GetFlag(FLAGS_reps) + 1; ++rep) {
       LayerStepInput in;
       in.step_id = step++;
@@ -147,7 +188,9 @@ int Main() {
         in.routing_on_device = true;
       }
       const double cpu0 = CpuSeconds(), thread0 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
+      const int64_t allocations0 = t_allocations;
       auto r = executor->Execute(in);
+      const int64_t step_allocations = t_allocations - allocations0;
       const double thread_us = (CpuSeconds(CLOCK_THREAD_CPUTIME_ID) - thread0) * 1e6;
       const double cpu_us = (CpuSeconds() - cpu0) * 1e6;
       if (!r.ok()) {
@@ -169,13 +212,14 @@ int Main() {
       total.push_back(r->record.execute_us);
       cpu.push_back(cpu_us);
       thread_cpu.push_back(thread_us);
+      allocs.push_back(static_cast<double>(step_allocations));
       executor->RecycleOutput(std::move(r->output));  // as the engine service does
     }
     std::printf("%8lld", static_cast<long long>(tokens));
     for (int p = 0; p < kNumStepPhases; ++p) std::printf(" %9.1f", bench::Median(phase[p]));
     const double h = bench::Median(host);
-    std::printf(" %10.1f %12.1f %13.1f %11.1f %11.1f\n", bench::Median(total), h, h * 1e3 / (tokens * k),
-                bench::Median(thread_cpu), bench::Median(cpu));
+    std::printf(" %10.1f %12.1f %13.1f %11.1f %11.1f %7.0f\n", bench::Median(total), h, h * 1e3 / (tokens * k),
+                bench::Median(thread_cpu), bench::Median(cpu), bench::Median(allocs));
   }
   return 0;
 }

@@ -570,9 +570,10 @@ struct LayerExecutor::Pass {
   int layer_index = 0;  // the step's layer in `weights`
   std::shared_ptr<const PlanLayout> layout;
   const PlacementManifest* manifest = nullptr;
-  int64_t n_send = 0;       // plan
-  StepAgreement agreement;  // agree
-  int64_t n_recv = 0;       // dispatch
+  int64_t n_send = 0;                  // plan
+  StepAgreement agreement;             // agree
+  AgreementScratch agreement_scratch;  // ... its records
+  int64_t n_recv = 0;                  // dispatch
   ByteSplits bytes;
   StepTables tables;  // eager payload: the kernels' index tables
   // Where the kernels read the step's index tables: the host plan's uploaded tables or the
@@ -593,13 +594,23 @@ struct LayerExecutor::Pass {
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
                                                        int64_t* agreed_shadow) {
   Pass pass(in, po);
-  // However the pass ends, its handoff's columns go back for the next step to refill.
+  {  // the last pass's agreement, records and byte splits, to refill
+    absl::MutexLock lock(&generations_mu_);
+    pass.agreement = std::move(spare_pass_.agreement);
+    pass.agreement_scratch = std::move(spare_pass_.scratch);
+    pass.bytes = std::move(spare_pass_.bytes);
+  }
+  // However the pass ends, its handoff's columns, agreement, records and byte splits go back for
+  // the next step to refill.
   struct Recycle {
     LayerExecutor* e;
     Pass& pass;
     ~Recycle() {
-      if (!pass.frozen.has_value()) return;
       absl::MutexLock lock(&e->generations_mu_);
+      e->spare_pass_.agreement = std::move(pass.agreement);
+      e->spare_pass_.scratch = std::move(pass.agreement_scratch);
+      e->spare_pass_.bytes = std::move(pass.bytes);
+      if (!pass.frozen.has_value()) return;
       if (pass.frozen->routes.origin.capacity() > e->spare_handoff_.origin.capacity()) {
         e->spare_handoff_ = std::move(pass.frozen->routes);
       }
@@ -853,8 +864,8 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
     send_meta.resize(pass.n_send);
     for (int64_t pos = 0; pos < pass.n_send; ++pos) send_meta[pos] = buf_.source.send_slots[pos].value();
   }
-  ASSIGN_OR_RETURN(pass.agreement, AgreeOnStep(*options_.transport, header, buf_.source.send_splits, options_.timeout,
-                                               slot_counts, pass.device_plan ? nullptr : &send_meta));
+  RETURN_IF_ERROR(AgreeOnStepInto(*options_.transport, header, buf_.source.send_splits, options_.timeout, slot_counts,
+                                  pass.device_plan ? nullptr : &send_meta, &pass.agreement_scratch, &pass.agreement));
   if (agreed_shadow != nullptr) *agreed_shadow = pass.agreement.shadow_version;
   const bool lone_local = LoneMember() && !options_.lone_member_graphs;
   if (in.phase == Phase::kDecode && !lone_local) AdmitDecode(pass);
@@ -896,7 +907,7 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->BindPlan(InverseOf(pass.frozen->routes, buf_.accepted_ids, source, in.tokens)));
   const StepAgreement& agreement = pass.agreement;
   for (int64_t c : agreement.recv_counts) pass.n_recv += c;
-  pass.bytes = SplitBytes(source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2);
+  SplitBytes(source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, &pass.bytes);
   std::vector<int32_t>& recv_meta = buf_.recv_meta;
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
   if (agreement.meta_received) {
@@ -1116,7 +1127,7 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->BindPlan(InverseCoordinates{{}, {}, in.tokens}));  // the inverse is on the device
   const StepAgreement& agreement = pass.agreement;
   for (int64_t c : agreement.recv_counts) pass.n_recv += c;
-  pass.bytes = SplitBytes(buf_.source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2);
+  SplitBytes(buf_.source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, &pass.bytes);
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
   // A lone member's metadata is its own send side's: ranked where it is, not sent to itself.
   const int32_t* recv_meta = buf_.d_send_meta.as<int32_t>();

@@ -40,6 +40,8 @@
 #include "runtime/exec/decode_admission.h"
 #include "runtime/exec/decode_graph.h"
 #include "runtime/exec/step.h"
+#include "runtime/exec/step_exchange.h"
+#include "runtime/exec/step_phases.h"
 #include "runtime/placement/registry.h"
 #include "runtime/placement/replica_selector.h"
 #include "runtime/placement/topology.h"
@@ -295,7 +297,15 @@ class LayerExecutor {
   mutable absl::Mutex generations_mu_;
   std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);  // by layer
   SemanticHandoff spare_handoff_ ABSL_GUARDED_BY(generations_mu_);  // a finished step's columns, refilled by the next
-  RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);         // RecycleOutput's buffer
+  // A finished pass's agreement, its records and its byte splits, for the next pass to refill
+  // (a step of the same shape then allocates none of them).
+  struct PassSpares {
+    StepAgreement agreement;
+    AgreementScratch scratch;
+    ByteSplits bytes;
+  };
+  PassSpares spare_pass_ ABSL_GUARDED_BY(generations_mu_);
+  RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);  // RecycleOutput's buffer
   TrialConfig trial_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, GenerationCounters> counters_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::shared_ptr<const ResidentExperts>> experts_ ABSL_GUARDED_BY(generations_mu_);

@@ -51,10 +51,11 @@ struct RecordLayout {
   }
 };
 
-std::vector<int64_t> EncodeRecord(const RecordLayout& l, const StepHeader& header,
-                                  absl::Span<const int64_t> send_counts, absl::Span<const int64_t> slot_counts,
-                                  const std::vector<int32_t>* send_meta) {
-  std::vector<int64_t> mine(l.words, 0);
+void EncodeRecord(const RecordLayout& l, const StepHeader& header, absl::Span<const int64_t> send_counts,
+                  absl::Span<const int64_t> slot_counts, const std::vector<int32_t>* send_meta,
+                  std::vector<int64_t>* record) {
+  std::vector<int64_t>& mine = *record;
+  mine.assign(l.words, 0);
   mine[kStepId] = static_cast<int64_t>(header.step_id);
   mine[kLayer] = header.layer;
   mine[kGeneration] = header.placement_version;
@@ -70,7 +71,6 @@ std::vector<int64_t> EncodeRecord(const RecordLayout& l, const StepHeader& heade
   int64_t* inline_words = mine.data() + kHeaderWords + l.p;
   if (l.counts_inline && l.q > 0) std::memcpy(inline_words, slot_counts.data(), sizeof(int64_t) * l.q);
   if (l.meta_inline && l.n_meta > 0) std::memcpy(inline_words + l.q, send_meta->data(), sizeof(int32_t) * l.n_meta);
-  return mine;
 }
 
 // ABORTED when any member set the abort flag or any member's identity words differ from slot
@@ -135,7 +135,7 @@ absl::Status ReadAgreement(const RecordLayout& l, const std::vector<int64_t>& al
 // the slot counts did not fit them.
 absl::Status SumSlotRoutes(const RecordLayout& l, const std::vector<int64_t>& all, Transport& transport,
                            const StepHeader& header, absl::Span<const int64_t> slot_counts, absl::Duration timeout,
-                           StepAgreement* out) {
+                           std::vector<int64_t>* gathered, StepAgreement* out) {
   const int p = l.p;
   const int64_t q = l.q;
   out->slot_routes.assign(q, 0);
@@ -146,7 +146,8 @@ absl::Status SumSlotRoutes(const RecordLayout& l, const std::vector<int64_t>& al
     }
     return absl::OkStatus();
   }
-  std::vector<int64_t> slots(q * p);
+  std::vector<int64_t>& slots = *gathered;
+  slots.resize(q * p);
   absl::Status s = transport.AllGather(header.step_id, slot_counts.data(), q * 8, slots.data(), timeout);
   if (!s.ok()) return s;
   for (int i = 0; i < p; ++i) {
@@ -183,28 +184,44 @@ absl::Status ReadInlineMeta(const RecordLayout& l, const std::vector<int64_t>& a
 
 }  // namespace
 
-absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
-                                          absl::Span<const int64_t> send_counts, absl::Duration timeout,
-                                          absl::Span<const int64_t> slot_counts,
-                                          const std::vector<int32_t>* send_meta) {
+absl::Status AgreeOnStepInto(Transport& transport, const StepHeader& header, absl::Span<const int64_t> send_counts,
+                             absl::Duration timeout, absl::Span<const int64_t> slot_counts,
+                             const std::vector<int32_t>* send_meta, AgreementScratch* scratch, StepAgreement* out) {
   const int p = transport.size();
   if (static_cast<int>(send_counts.size()) != p) {
     return absl::InvalidArgumentError(absl::StrCat("send_counts: ", send_counts.size(), " entries for a group of ", p));
   }
+  out->shadow_version = -1;
+  out->graph_keys_agree = true;
+  out->meta_received = false;
+  out->recv_meta.clear();
   const RecordLayout layout(p, static_cast<int64_t>(slot_counts.size()), send_meta);
-  const std::vector<int64_t> mine = EncodeRecord(layout, header, send_counts, slot_counts, send_meta);
-  std::vector<int64_t> all(layout.words * p);
+  EncodeRecord(layout, header, send_counts, slot_counts, send_meta, &scratch->mine);
+  std::vector<int64_t>& all = scratch->all;
+  all.resize(layout.words * p);
   // Matched by step (Transport::StepGather): members in different steps abort at once.
-  absl::Status s = transport.StepGather(header.step_id, mine.data(), layout.words * 8, all.data(), timeout);
+  absl::Status s = transport.StepGather(header.step_id, scratch->mine.data(), layout.words * 8, all.data(), timeout);
   if (!s.ok()) return s;
   if (s = CheckHeaders(layout, all); !s.ok()) return s;
-  StepAgreement out;
-  if (s = ReadAgreement(layout, all, header.step_id, transport.slot(), &out); !s.ok()) return s;
-  if (s = SumSlotRoutes(layout, all, transport, header, slot_counts, timeout, &out); !s.ok()) return s;
+  if (s = ReadAgreement(layout, all, header.step_id, transport.slot(), out); !s.ok()) return s;
+  if (s = SumSlotRoutes(layout, all, transport, header, slot_counts, timeout, &scratch->slots, out); !s.ok()) return s;
   bool every_meta = send_meta != nullptr;
   for (int i = 0; i < p && every_meta; ++i) every_meta = layout.At(all, i, kMetaEntries) >= 0;
   if (every_meta) {
-    if (s = ReadInlineMeta(layout, all, transport.slot(), &out); !s.ok()) return s;
+    if (s = ReadInlineMeta(layout, all, transport.slot(), out); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader& header,
+                                          absl::Span<const int64_t> send_counts, absl::Duration timeout,
+                                          absl::Span<const int64_t> slot_counts,
+                                          const std::vector<int32_t>* send_meta) {
+  AgreementScratch scratch;
+  StepAgreement out;
+  if (absl::Status s = AgreeOnStepInto(transport, header, send_counts, timeout, slot_counts, send_meta, &scratch, &out);
+      !s.ok()) {
+    return s;
   }
   return out;
 }

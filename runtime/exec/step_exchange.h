@@ -73,6 +73,18 @@ absl::StatusOr<StepAgreement> AgreeOnStep(Transport& transport, const StepHeader
                                           absl::Span<const int64_t> slot_counts = {},
                                           const std::vector<int32_t>* send_meta = nullptr);
 
+// The records of an agreement (this member's, every member's, the slot counts when they take a
+// second all-gather), kept between steps so that their memory is reused.
+struct AgreementScratch {
+  std::vector<int64_t> mine, all, slots;
+};
+
+// AgreeOnStep into *out, whose vectors (and the scratch's) keep their memory from step to step:
+// a step of the same shape allocates nothing. On an error *out is unspecified.
+absl::Status AgreeOnStepInto(Transport& transport, const StepHeader& header, absl::Span<const int64_t> send_counts,
+                             absl::Duration timeout, absl::Span<const int64_t> slot_counts,
+                             const std::vector<int32_t>* send_meta, AgreementScratch* scratch, StepAgreement* out);
+
 }  // namespace moe
 
 #endif  // MOE_RUNTIME_EXEC_STEP_EXCHANGE_H_

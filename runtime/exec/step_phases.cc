@@ -162,16 +162,17 @@ InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int
   return inverse;
 }
 
-ByteSplits SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes) {
+void SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes,
+                ByteSplits* out) {
   const size_t p = send_counts.size();
-  ByteSplits b{std::vector<int64_t>(p), std::vector<int64_t>(p), std::vector<int64_t>(p), std::vector<int64_t>(p)};
+  ByteSplits& b = *out;
+  for (std::vector<int64_t>* v : {&b.send, &b.recv, &b.send_meta, &b.recv_meta}) v->resize(p);
   for (size_t i = 0; i < p; ++i) {
     b.send[i] = send_counts[i] * row_bytes;
     b.recv[i] = recv_counts[i] * row_bytes;
     b.send_meta[i] = send_counts[i] * 4;
     b.recv_meta[i] = recv_counts[i] * 4;
   }
-  return b;
 }
 
 void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source,

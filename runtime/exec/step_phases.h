@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -69,11 +70,13 @@ uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs
 InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids,
                              const SourcePlan& source, int64_t tokens);
 
-// dispatch: bytes to and from every peer slot for rows of `row_bytes` and 4-byte slot metadata.
+// dispatch: bytes to and from every peer slot for rows of `row_bytes` and 4-byte slot metadata,
+// into *out (its vectors keep their memory from step to step).
 struct ByteSplits {
   std::vector<int64_t> send, recv, send_meta, recv_meta;
 };
-ByteSplits SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes);
+void SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes,
+                ByteSplits* out);
 
 // combine: the token-major view of the handle's coordinates the combine kernel reads: route
 // (t, j) -> its send position (-1: not sent) and its gate (0 when not sent).
@@ -110,7 +113,7 @@ class StepTables {
     const void* src;
     int64_t bytes, offset;
   };
-  std::vector<Table> tables_;
+  absl::InlinedVector<Table, 8> tables_;  // a step adds at most a few: no heap
   int64_t total_ = 0;
   bool device_ = false;
   const uint8_t* base_ = nullptr;

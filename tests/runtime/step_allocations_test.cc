@@ -1,0 +1,117 @@
+// The step's host work keeps its memory between steps: the agreement (AgreeOnStepInto: its
+// records and result vectors) and the byte splits (SplitBytes) allocate nothing on a second step
+// of the same shape. This binary counts every operator new of the calling thread.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+#include "runtime/exec/step_exchange.h"
+#include "runtime/exec/step_phases.h"
+#include "runtime/transport/transport.h"
+
+namespace {
+thread_local long t_allocations = 0;
+void* Allocate(std::size_t n) {
+  ++t_allocations;
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+}  // namespace
+
+void* operator new(std::size_t n) { return Allocate(n); }
+void* operator new[](std::size_t n) { return Allocate(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace moe {
+namespace {
+
+// A group of one whose gathers copy in place and allocate nothing (the loopback transport's
+// rendezvous allocates; this test is about the agreement's own memory).
+class OneMemberFake : public Transport {
+ public:
+  const char* name() const override { return "one-member fake"; }
+  int slot() const override { return 0; }
+  int size() const override { return 1; }
+  absl::Status AllGather(uint64_t, const void* in, int64_t bytes, void* out, absl::Duration) override {
+    std::memcpy(out, in, bytes);
+    ++gathers;
+    return absl::OkStatus();
+  }
+  absl::Status AllToAllV(uint64_t, const void* send, absl::Span<const int64_t> send_bytes, void* recv,
+                         absl::Span<const int64_t>, absl::Duration) override {
+    std::memcpy(recv, send, send_bytes[0]);
+    return absl::OkStatus();
+  }
+  int gathers = 0;
+};
+
+TEST(StepAllocationsTest, AgreementRefilledWithoutAllocating) {
+  OneMemberFake t;
+  AgreementScratch scratch;
+  StepAgreement out;
+  const std::vector<int64_t> send = {5}, slots = {2, 0, 3};
+  const std::vector<int32_t> meta = {0, 2, 2, 2, 0};
+  StepHeader h{100, 3, 1, 0, 0, 5};
+  ASSERT_TRUE(AgreeOnStepInto(t, h, send, absl::Seconds(1), slots, &meta, &scratch, &out).ok());
+  EXPECT_EQ(out.recv_counts, (std::vector<int64_t>{5}));
+  EXPECT_EQ(out.slot_routes, (std::vector<int64_t>{2, 0, 3}));
+  EXPECT_TRUE(out.meta_received);
+  EXPECT_EQ(out.recv_meta, meta);
+  // A second step of the same shape: the same results, no allocation.
+  h.step_id = 101;
+  const std::vector<int64_t> send2 = {4}, slots2 = {1, 1, 2};
+  const std::vector<int32_t> meta2 = {1, 0, 2, 2};
+  const long before = t_allocations;
+  const absl::Status s = AgreeOnStepInto(t, h, send2, absl::Seconds(1), slots2, &meta2, &scratch, &out);
+  const long allocations = t_allocations - before;
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(allocations, 0);
+  EXPECT_EQ(out.recv_counts, (std::vector<int64_t>{4}));
+  EXPECT_EQ(out.slot_routes, (std::vector<int64_t>{1, 1, 2}));
+  EXPECT_EQ(out.rank_tokens, (std::vector<int64_t>{5}));
+  EXPECT_EQ(out.recv_meta, meta2);
+  // Without metadata this time: none received, and none left over from the last step.
+  ASSERT_TRUE(AgreeOnStepInto(t, h, send2, absl::Seconds(1), slots2, nullptr, &scratch, &out).ok());
+  EXPECT_FALSE(out.meta_received);
+  EXPECT_TRUE(out.recv_meta.empty());
+  EXPECT_EQ(t.gathers, 3);
+  // The value-returning form agrees with the refilled one.
+  auto fresh = AgreeOnStep(t, h, send2, absl::Seconds(1), slots2);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->count_matrix, out.count_matrix);
+  EXPECT_EQ(fresh->slot_routes, out.slot_routes);
+}
+
+TEST(StepAllocationsTest, ByteSplitsRefilledWithoutAllocating) {
+  ByteSplits b;
+  const std::vector<int64_t> send = {3, 0, 2, 7}, recv = {1, 4, 0, 2};
+  SplitBytes(send, recv, 4096, &b);
+  const long before = t_allocations;
+  SplitBytes(recv, send, 4096, &b);
+  EXPECT_EQ(t_allocations - before, 0);
+  EXPECT_EQ(b.send, (std::vector<int64_t>{4096, 4 * 4096, 0, 2 * 4096}));
+  EXPECT_EQ(b.recv_meta, (std::vector<int64_t>{12, 0, 8, 28}));
+}
+
+TEST(StepAllocationsTest, StepTablesOfAStepStayOffTheHeap) {
+  const std::vector<int32_t> a = {1, 2, 3}, b = {4, 5}, c = {6};
+  const long before = t_allocations;
+  StepTables tables;
+  const int ta = tables.Add(a.data(), 12), tb = tables.Add(b.data(), 8), tc = tables.Add(c.data(), 4);
+  const int td = tables.Add(a.data(), 4), te = tables.Add(b.data(), 4);
+  EXPECT_EQ(t_allocations - before, 0);
+  EXPECT_EQ(tables.Get<int32_t>(ta)[2], 3);  // host kernels read the tables in place
+  EXPECT_EQ(tables.Get<int32_t>(tb)[1], 5);
+  EXPECT_EQ(tables.Get<int32_t>(tc)[0], 6);
+  EXPECT_EQ(tables.Get<int32_t>(td)[0], 1);
+  EXPECT_EQ(tables.Get<int32_t>(te)[0], 4);
+}
+
+}  // namespace
+}  // namespace moe
