@@ -1,5 +1,7 @@
 #include "runtime/placement/registry.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace moe {
@@ -113,11 +115,25 @@ absl::Status GenerationRegistry::Retire(PlacementVersion v) {
   return absl::OkStatus();
 }
 
+bool GenerationRegistry::Entry::Hold(int64_t handle) {
+  if (std::find(holders.begin(), holders.end(), handle) != holders.end()) return false;
+  holders.push_back(handle);
+  return true;
+}
+
+bool GenerationRegistry::Entry::Release(int64_t handle) {
+  auto it = std::find(holders.begin(), holders.end(), handle);
+  if (it == holders.end()) return false;
+  *it = holders.back();
+  holders.pop_back();
+  return true;
+}
+
 absl::StatusOr<GenerationLease> GenerationRegistry::AcquireActive(HandleId handle) {
   absl::MutexLock lock(&mu_);
   if (active_ < 0) return absl::UnavailableError("no ACTIVE placement generation");
   Entry& e = generations_[active_];
-  if (!e.holders.insert(handle.value()).second) {
+  if (!e.Hold(handle.value())) {
     return absl::AlreadyExistsError(
         absl::StrCat("handle ", handle.value(), " already holds ", Name(e.manifest->version())));
   }
@@ -133,7 +149,7 @@ absl::StatusOr<GenerationLease> GenerationRegistry::AcquireTrial(PlacementVersio
     return absl::FailedPreconditionError(
         absl::StrCat(Name(v), " is ", GenerationStateName(e.state), "; trial steps run on a PREPARED candidate"));
   }
-  if (!e.holders.insert(handle.value()).second) {
+  if (!e.Hold(handle.value())) {
     return absl::AlreadyExistsError(absl::StrCat("handle ", handle.value(), " already holds ", Name(v)));
   }
   return GenerationLease(this, e.manifest, handle);
@@ -165,7 +181,7 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> GenerationRegistry::Req
 absl::Status GenerationRegistry::ReleaseLease(PlacementVersion v, HandleId handle) {
   absl::MutexLock lock(&mu_);
   auto it = generations_.find(v.value());
-  if (it == generations_.end() || it->second.holders.erase(handle.value()) == 0) {
+  if (it == generations_.end() || !it->second.Release(handle.value())) {
     return absl::FailedPreconditionError(absl::StrCat("handle ", handle.value(), " holds no reference on ", Name(v)));
   }
   return absl::OkStatus();

@@ -15,7 +15,6 @@
 
 #include <map>
 #include <memory>
-#include <set>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -110,7 +109,11 @@ class GenerationRegistry {
   struct Entry {
     std::shared_ptr<const PlacementManifest> manifest;
     GenerationState state = GenerationState::kPrepared;
-    std::set<int64_t> holders;  // handle ids holding a lease
+    // Handle ids holding a lease, unordered: a few at a time, and a vector keeps its memory, so
+    // a step's lease allocates nothing once the generation has served one.
+    std::vector<int64_t> holders;
+    bool Hold(int64_t handle);     // false: already held by that handle
+    bool Release(int64_t handle);  // false: not held by it
   };
   absl::Status ReleaseLease(PlacementVersion v, HandleId handle);
 
