@@ -16,6 +16,7 @@
 #define MOE_RUNTIME_EXEC_DISPATCH_HANDLE_H_
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -72,6 +73,9 @@ class DispatchHandle {
   uint64_t semantic_fingerprint() const { return fingerprint_; }
   const std::shared_ptr<const PlacementManifest>& manifest() const { return lease_.manifest(); }
   const InverseCoordinates& inverse() const { return inverse_; }
+  // The bound inverse coordinates moved out, for their memory to serve a later step; the handle
+  // keeps empty ones. For its owner once the step is over.
+  InverseCoordinates ReleaseInverse() { return std::exchange(inverse_, InverseCoordinates{}); }
 
   // 0 -> 1: binds the inverse coordinates of the planned dispatch.
   absl::Status BindPlan(InverseCoordinates inverse);

@@ -575,7 +575,8 @@ struct LayerExecutor::Pass {
   AgreementScratch agreement_scratch;  // ... its records
   int64_t n_recv = 0;                  // dispatch
   ByteSplits bytes;
-  StepTables tables;  // eager payload: the kernels' index tables
+  InverseCoordinates inverse;  // the host plan's, until bound into the handle
+  StepTables tables;           // eager payload: the kernels' index tables
   // Where the kernels read the step's index tables: the host plan's uploaded tables or the
   // device plan's (kernel memory either way).
   const int32_t* expert_order = nullptr;     // expert position -> receive position
@@ -599,6 +600,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     pass.agreement = std::move(spare_pass_.agreement);
     pass.agreement_scratch = std::move(spare_pass_.scratch);
     pass.bytes = std::move(spare_pass_.bytes);
+    pass.inverse = std::move(spare_pass_.inverse);
   }
   // However the pass ends, its handoff's columns, agreement, records and byte splits go back for
   // the next step to refill.
@@ -610,6 +612,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       e->spare_pass_.agreement = std::move(pass.agreement);
       e->spare_pass_.scratch = std::move(pass.agreement_scratch);
       e->spare_pass_.bytes = std::move(pass.bytes);
+      // The host plan's inverse coordinates went into the handle; a device-planned step bound
+      // empty ones, so the larger of the two is kept.
+      InverseCoordinates bound = pass.handle != nullptr ? pass.handle->ReleaseInverse() : InverseCoordinates{};
+      InverseCoordinates& keep = bound.token.capacity() >= pass.inverse.token.capacity() ? bound : pass.inverse;
+      e->spare_pass_.inverse = std::move(keep);
       if (!pass.frozen.has_value()) return;
       if (pass.frozen->routes.origin.capacity() > e->spare_handoff_.origin.capacity()) {
         e->spare_handoff_ = std::move(pass.frozen->routes);
@@ -904,7 +911,8 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   if (pass.device_plan) return DeviceDispatchPlan(pass);
   const LayerStepInput& in = pass.in;
   const SourcePlan& source = buf_.source;
-  RETURN_IF_ERROR(pass.handle->BindPlan(InverseOf(pass.frozen->routes, buf_.accepted_ids, source, in.tokens)));
+  InverseOf(pass.frozen->routes, buf_.accepted_ids, source, in.tokens, &pass.inverse);
+  RETURN_IF_ERROR(pass.handle->BindPlan(std::move(pass.inverse)));
   const StepAgreement& agreement = pass.agreement;
   for (int64_t c : agreement.recv_counts) pass.n_recv += c;
   SplitBytes(source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, &pass.bytes);

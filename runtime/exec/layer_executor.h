@@ -303,6 +303,7 @@ class LayerExecutor {
     StepAgreement agreement;
     AgreementScratch scratch;
     ByteSplits bytes;
+    InverseCoordinates inverse;  // the host plan's, back from the step's handle
   };
   PassSpares spare_pass_ ABSL_GUARDED_BY(generations_mu_);
   RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);  // RecycleOutput's buffer

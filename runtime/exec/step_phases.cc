@@ -147,10 +147,10 @@ uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs
   return SplitMix64(word ^ static_cast<uint64_t>(runner));
 }
 
-InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids,
-                             const SourcePlan& source, int64_t tokens) {
+void InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids, const SourcePlan& source,
+               int64_t tokens, InverseCoordinates* out) {
   const int64_t n_send = static_cast<int64_t>(accepted_ids.size());
-  InverseCoordinates inverse;
+  InverseCoordinates& inverse = *out;
   inverse.token.resize(n_send);
   inverse.gate.resize(n_send);
   inverse.num_tokens = tokens;
@@ -159,7 +159,6 @@ InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int
     inverse.token[pos] = routes.token[r];
     inverse.gate[pos] = routes.gate[r];
   }
-  return inverse;
 }
 
 void SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes,

@@ -66,9 +66,10 @@ void AcceptRoutes(const SemanticHandoff& routes, absl::Span<const PhysicalSlotId
 // word of the step header; members whose words differ serve decode steps eagerly.
 uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner);
 
-// dispatch: the origin token and gate of every send position (what the handle binds).
-InverseCoordinates InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids,
-                             const SourcePlan& source, int64_t tokens);
+// dispatch: the origin token and gate of every send position (what the handle binds), into
+// *out (its vectors keep their memory).
+void InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids, const SourcePlan& source,
+               int64_t tokens, InverseCoordinates* out);
 
 // dispatch: bytes to and from every peer slot for rows of `row_bytes` and 4-byte slot metadata,
 // into *out (its vectors keep their memory from step to step).

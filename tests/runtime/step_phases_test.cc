@@ -122,7 +122,8 @@ TEST(StepPhasesTest, InverseAndCombineTablesAgree) {
   SourcePlan source;
   source.send_order = {2, 0, 1};
   source.send_position = {1, 2, 0};
-  const InverseCoordinates inv = InverseOf(frozen->routes, accepted_ids, source, 2);
+  InverseCoordinates inv;
+  InverseOf(frozen->routes, accepted_ids, source, 2, &inv);
   EXPECT_EQ(inv.num_tokens, 2);
   EXPECT_EQ(inv.token, (std::vector<int32_t>{1, 0, 0}));
   EXPECT_EQ(inv.gate, (std::vector<float>{1.0f, 0.75f, 0.25f}));
@@ -131,6 +132,13 @@ TEST(StepPhasesTest, InverseAndCombineTablesAgree) {
   CombineTables(accepted_ids, source, inv.gate, 4, &row_of_route, &gates);
   EXPECT_EQ(row_of_route, (std::vector<int32_t>{1, 2, 0, -1}));
   EXPECT_EQ(gates, (std::vector<float>{0.75f, 0.25f, 1.0f, 0.0f}));
+  // Refilled for a step with fewer sends (the executor reuses the vectors): sized to it.
+  const std::vector<int32_t> fewer = {2, 0};
+  SourcePlan two;
+  two.send_order = {1, 0};
+  InverseOf(frozen->routes, fewer, two, 2, &inv);
+  EXPECT_EQ(inv.token, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(inv.gate, (std::vector<float>{0.75f, 1.0f}));
 }
 
 TEST(StepPhasesTest, ByteSplitsPerPeer) {
