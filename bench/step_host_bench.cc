@@ -20,7 +20,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +28,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 
+#include "bench/alloc_counter.h"
 #include "bench/one_member.h"
 #include "bench/stats.h"
 #include "kernels/api.h"
@@ -47,44 +47,6 @@ ABSL_FLAG(std::vector<std::string>, tokens, std::vector<std::string>({"256", "10
 ABSL_FLAG(bool, decode, false, "decode steps instead of prefill");
 ABSL_FLAG(bool, in_place, false,
           "rows, routing and output in kernel memory (a co-located engine's GPU buffers; CUDA kernels only)");
-
-// Heap allocations of the calling thread: every operator new of this binary counts (the
-// executor's and its libraries' alike), so a step's count is what its thread asked of the heap.
-namespace {
-thread_local int64_t t_allocations = 0;
-void* Allocate(std::size_t n) {
-  ++t_allocations;
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void* AllocateAligned(std::size_t n, std::align_val_t a) {
-  ++t_allocations;
-  const std::size_t align = static_cast<std::size_t>(a);
-  if (void* p = std::aligned_alloc(align, (n + align - 1) / align * align)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace
-
-void* operator new(std::size_t n) { return Allocate(n); }
-void* operator new[](std::size_t n) { return Allocate(n); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  ++t_allocations;
-  return std::malloc(n == 0 ? 1 : n);
-}
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  ++t_allocations;
-  return std::malloc(n == 0 ? 1 : n);
-}
-void* operator new(std::size_t n, std::align_val_t a) { return AllocateAligned(n, a); }
-void* operator new[](std::size_t n, std::align_val_t a) { return AllocateAligned(n, a); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace moe {
 namespace {
@@ -188,9 +150,9 @@ int Main() {
         in.routing_on_device = true;
       }
       const double cpu0 = CpuSeconds(), thread0 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
-      const int64_t allocations0 = t_allocations;
+      const int64_t allocations0 = bench::ThreadAllocations();
       auto r = executor->Execute(in);
-      const int64_t step_allocations = t_allocations - allocations0;
+      const int64_t step_allocations = bench::ThreadAllocations() - allocations0;
       const double thread_us = (CpuSeconds(CLOCK_THREAD_CPUTIME_ID) - thread0) * 1e6;
       const double cpu_us = (CpuSeconds() - cpu0) * 1e6;
       if (!r.ok()) {

@@ -1,32 +1,16 @@
 // The step's host work keeps its memory between steps: the agreement (AgreeOnStepInto: its
 // records and result vectors) and the byte splits (SplitBytes) allocate nothing on a second step
-// of the same shape. This binary counts every operator new of the calling thread.
-#include <cstdlib>
+// of the same shape. The binary counts every operator new of the calling thread
+// (//bench:alloc_counter).
 #include <cstring>
-#include <new>
 #include <vector>
 
 #include "gtest/gtest.h"
 
+#include "bench/alloc_counter.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/exec/step_phases.h"
 #include "runtime/transport/transport.h"
-
-namespace {
-thread_local long t_allocations = 0;
-void* Allocate(std::size_t n) {
-  ++t_allocations;
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace
-
-void* operator new(std::size_t n) { return Allocate(n); }
-void* operator new[](std::size_t n) { return Allocate(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace moe {
 namespace {
@@ -67,9 +51,9 @@ TEST(StepAllocationsTest, AgreementRefilledWithoutAllocating) {
   h.step_id = 101;
   const std::vector<int64_t> send2 = {4}, slots2 = {1, 1, 2};
   const std::vector<int32_t> meta2 = {1, 0, 2, 2};
-  const long before = t_allocations;
+  const int64_t before = bench::ThreadAllocations();
   const absl::Status s = AgreeOnStepInto(t, h, send2, absl::Seconds(1), slots2, &meta2, &scratch, &out);
-  const long allocations = t_allocations - before;
+  const int64_t allocations = bench::ThreadAllocations() - before;
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(allocations, 0);
   EXPECT_EQ(out.recv_counts, (std::vector<int64_t>{4}));
@@ -92,20 +76,20 @@ TEST(StepAllocationsTest, ByteSplitsRefilledWithoutAllocating) {
   ByteSplits b;
   const std::vector<int64_t> send = {3, 0, 2, 7}, recv = {1, 4, 0, 2};
   SplitBytes(send, recv, 4096, &b);
-  const long before = t_allocations;
+  const int64_t before = bench::ThreadAllocations();
   SplitBytes(recv, send, 4096, &b);
-  EXPECT_EQ(t_allocations - before, 0);
+  EXPECT_EQ(bench::ThreadAllocations() - before, 0);
   EXPECT_EQ(b.send, (std::vector<int64_t>{4096, 4 * 4096, 0, 2 * 4096}));
   EXPECT_EQ(b.recv_meta, (std::vector<int64_t>{12, 0, 8, 28}));
 }
 
 TEST(StepAllocationsTest, StepTablesOfAStepStayOffTheHeap) {
   const std::vector<int32_t> a = {1, 2, 3}, b = {4, 5}, c = {6};
-  const long before = t_allocations;
+  const int64_t before = bench::ThreadAllocations();
   StepTables tables;
   const int ta = tables.Add(a.data(), 12), tb = tables.Add(b.data(), 8), tc = tables.Add(c.data(), 4);
   const int td = tables.Add(a.data(), 4), te = tables.Add(b.data(), 4);
-  EXPECT_EQ(t_allocations - before, 0);
+  EXPECT_EQ(bench::ThreadAllocations() - before, 0);
   EXPECT_EQ(tables.Get<int32_t>(ta)[2], 3);  // host kernels read the tables in place
   EXPECT_EQ(tables.Get<int32_t>(tb)[1], 5);
   EXPECT_EQ(tables.Get<int32_t>(tc)[0], 6);

@@ -1,0 +1,16 @@
+// Heap allocations of the calling thread, for a binary that links //bench:alloc_counter: the
+// library replaces the global operator new and delete (every form), so every allocation of the
+// binary counts, the executor's and its libraries' alike.
+#ifndef MOE_BENCH_ALLOC_COUNTER_H_
+#define MOE_BENCH_ALLOC_COUNTER_H_
+
+#include <cstdint>
+
+namespace moe::bench {
+
+// operator new calls this thread has made so far.
+int64_t ThreadAllocations();
+
+}  // namespace moe::bench
+
+#endif  // MOE_BENCH_ALLOC_COUNTER_H_
