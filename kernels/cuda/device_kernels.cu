@@ -317,18 +317,33 @@ __global__ void RankScatterKernel(const int32_t* __restrict__ raw, int64_t n, co
   for (int k = lane; k < num_keys; k += 32) placed[k] = 0;
   __syncwarp();
   const int64_t tile_begin = static_cast<int64_t>(blockIdx.x) * kRankTile;
-  for (int round = 0; round < kRankTile / 32; ++round) {
+  // Every round's key and start first (their loads in flight together), then the rounds.
+  constexpr int kRounds = kRankTile / 32;
+  int32_t keys[kRounds], starts[kRounds];
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
     const int64_t i = tile_begin + round * 32 + lane;
-    int32_t key = -1;
+    keys[round] = -1;
     if (i < n) {
       bool bad;
-      key = RankKeyOf(raw, i, key_map, map_size, num_keys, &bad);
+      keys[round] = RankKeyOf(raw, i, key_map, map_size, num_keys, &bad);
     }
+  }
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    const int32_t key = keys[round];
+    starts[round] =
+        key < 0 ? 0
+                : static_cast<int32_t>(key_offsets[key]) + tile_starts[static_cast<int64_t>(key) * tiles + blockIdx.x];
+  }
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round) {
+    const int64_t i = tile_begin + round * 32 + lane;
+    const int32_t key = keys[round];
     const unsigned peers = __match_any_sync(0xffffffffu, key);
     if (key >= 0) {
       const int rank = __popc(peers & ((1u << lane) - 1u));
-      const int32_t pos = static_cast<int32_t>(key_offsets[key]) +
-                          tile_starts[static_cast<int64_t>(key) * tiles + blockIdx.x] + placed[key] + rank;
+      const int32_t pos = starts[round] + placed[key] + rank;
       position[i] = pos;
       if (order != nullptr) order[pos] = static_cast<int32_t>(i / order_divisor);
       if (values != nullptr) values[pos] = key_values[key];
