@@ -11,6 +11,11 @@ namespace moe::bench {
 // operator new calls this thread has made so far.
 int64_t ThreadAllocations();
 
+// While on, each operator new of this thread writes its size and the call stack to stderr
+// (raw frames, `binary(+offset)`, for addr2line; names where the binary exports them): where a
+// step's allocations come from.
+void TraceThreadAllocations(bool on);
+
 }  // namespace moe::bench
 
 #endif  // MOE_BENCH_ALLOC_COUNTER_H_

@@ -45,6 +45,8 @@ ABSL_FLAG(bool, device_plan, false, "plan the steps on the kernels (LayerExecuto
 ABSL_FLAG(std::vector<std::string>, tokens, std::vector<std::string>({"256", "1024", "2048", "4096", "8192"}),
           "token counts a step");
 ABSL_FLAG(bool, decode, false, "decode steps instead of prefill");
+ABSL_FLAG(bool, trace_allocs, false,
+          "write each heap allocation of the last step of each token count to stderr, with its call stack");
 ABSL_FLAG(bool, in_place, false,
           "rows, routing and output in kernel memory (a co-located engine's GPU buffers; CUDA kernels only)");
 
@@ -150,8 +152,12 @@ int Main() {
         in.routing_on_device = true;
       }
       const double cpu0 = CpuSeconds(), thread0 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
+      const bool trace = absl::GetFlag(FLAGS_trace_allocs) && rep == absl::GetFlag(FLAGS_reps);
+      if (trace) std::fprintf(stderr, "step of %lld tokens: allocations\n", static_cast<long long>(tokens));
       const int64_t allocations0 = bench::ThreadAllocations();
+      bench::TraceThreadAllocations(trace);
       auto r = executor->Execute(in);
+      bench::TraceThreadAllocations(false);
       const int64_t step_allocations = bench::ThreadAllocations() - allocations0;
       const double thread_us = (CpuSeconds(CLOCK_THREAD_CPUTIME_ID) - thread0) * 1e6;
       const double cpu_us = (CpuSeconds() - cpu0) * 1e6;
