@@ -47,6 +47,8 @@ struct LayoutParams {
 // Executed segment offsets [E + 1] of a layout for useful segment sizes `counts`.
 // FAILED_PRECONDITION when a segment exceeds the padded capacity (never a silent drop).
 absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> counts, std::vector<int64_t>* out);
+// The same checks for the segments of monotone `offsets` (E + 1 entries), computing nothing.
+absl::Status CheckExecutedLayout(const LayoutParams& p, absl::Span<const int64_t> offsets);
 
 // Checks segment offsets: E + 1 entries, offsets[0] == 0, monotone, offsets[E] == rows.
 absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, const char* field);

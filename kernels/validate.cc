@@ -57,8 +57,12 @@ absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, co
   return absl::OkStatus();
 }
 
-absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> counts, std::vector<int64_t>* out) {
-  out->assign(counts.size() + 1, 0);
+namespace {
+
+// The executed layout of useful segment sizes count(0) .. count(n - 1): emit(e, executed rows of
+// segment e) in order, or the first error.
+template <typename Count, typename Emit>
+absl::Status WalkExecuted(const LayoutParams& p, size_t n, Count count, Emit emit) {
   int64_t c_exec = 0;
   if (p.layout == Layout::kPaddedDense) {
     KERNEL_INVALID_IF(p.capacity <= 0, "capacity: must be positive for the padded layout");
@@ -66,21 +70,37 @@ absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> co
     c_exec = p.alignment * ((p.capacity + p.alignment - 1) / p.alignment);
   }
   KERNEL_INVALID_IF(p.layout == Layout::kBlockSparse && p.block_rows <= 0, "block_rows: must be positive");
-  for (size_t e = 0; e < counts.size(); ++e) {
-    KERNEL_INVALID_IF(counts[e] < 0, "counts[", e, "]: negative");
-    int64_t executed = counts[e];
+  for (size_t e = 0; e < n; ++e) {
+    const int64_t c = count(e);
+    KERNEL_INVALID_IF(c < 0, "counts[", e, "]: negative");
+    int64_t executed = c;
     if (p.layout == Layout::kPaddedDense) {
-      if (counts[e] > p.capacity) {
+      if (c > p.capacity) {
         return absl::FailedPreconditionError(
-            absl::StrCat("segment ", e, " has ", counts[e], " rows, above the padded capacity ", p.capacity));
+            absl::StrCat("segment ", e, " has ", c, " rows, above the padded capacity ", p.capacity));
       }
       executed = c_exec;
     } else if (p.layout == Layout::kBlockSparse) {
-      executed = p.block_rows * ((counts[e] + p.block_rows - 1) / p.block_rows);
+      executed = p.block_rows * ((c + p.block_rows - 1) / p.block_rows);
     }
-    (*out)[e + 1] = (*out)[e] + executed;
+    emit(e, executed);
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ExecutedOffsets(const LayoutParams& p, absl::Span<const int64_t> counts, std::vector<int64_t>* out) {
+  out->assign(counts.size() + 1, 0);  // keeps a reused vector's capacity: no allocation a step
+  return WalkExecuted(
+      p, counts.size(), [&](size_t e) { return counts[e]; },
+      [&](size_t e, int64_t executed) { (*out)[e + 1] = (*out)[e] + executed; });
+}
+
+absl::Status CheckExecutedLayout(const LayoutParams& p, absl::Span<const int64_t> offsets) {
+  if (offsets.empty()) return absl::OkStatus();
+  return WalkExecuted(
+      p, offsets.size() - 1, [&](size_t e) { return offsets[e + 1] - offsets[e]; }, [](size_t, int64_t) {});
 }
 
 absl::Status CheckGather(const GatherParams& p) {
@@ -181,9 +201,7 @@ absl::Status CheckSwiglu(const SwigluParams& p) {
   absl::Status s =
       ValidateOffsets(absl::MakeConstSpan(p.host_offsets, w.num_experts + 1), p.rows, "swiglu.host_offsets");
   if (!s.ok()) return s;
-  std::vector<int64_t> counts(w.num_experts), executed;
-  for (int e = 0; e < w.num_experts; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
-  return ExecutedOffsets(p.layout, counts, &executed);
+  return CheckExecutedLayout(p.layout, absl::MakeConstSpan(p.host_offsets, w.num_experts + 1));
 }
 
 absl::Status CheckSwigluFp8(const SwigluFp8Params& p) {

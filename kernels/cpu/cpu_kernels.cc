@@ -58,6 +58,9 @@ class CpuKernels final : public ExpertKernels {
   // One expert's rows widened to FP32 and its intermediate products, kept between calls (fresh
   // allocations every call came back from the OS page by page).
   std::vector<float> x_f32_, h_, a_, y_f32_;
+  // Host tables of RouteRows, Swiglu and Combine, kept between calls the same way.
+  std::vector<int64_t> next_, counts_, executed_;
+  std::vector<float> acc_;
 
  public:
   const char* name() const override { return "cpu"; }
@@ -113,7 +116,8 @@ class CpuKernels final : public ExpertKernels {
     }
     p.offsets[0] = 0;
     for (int e = 0; e < p.num_experts; ++e) p.offsets[e + 1] = p.offsets[e] + p.counts[e];
-    std::vector<int64_t> next(p.offsets, p.offsets + p.num_experts);
+    std::vector<int64_t>& next = next_;
+    next.assign(p.offsets, p.offsets + p.num_experts);
     for (int64_t i = 0; i < n; ++i) {
       const int32_t e = p.topk[i];
       if (e < 0 || e >= p.num_experts) {
@@ -158,9 +162,10 @@ class CpuKernels final : public ExpertKernels {
     }
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
-    std::vector<int64_t> counts(e_count), executed;
+    std::vector<int64_t>& counts = counts_;  // reused from call to call, as the buffers below
+    counts.resize(e_count);
     for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
-    s = ExecutedOffsets(p.layout, counts, &executed);
+    s = ExecutedOffsets(p.layout, counts, &executed_);
     if (!s.ok()) return s;
     for (int e = 0; e < e_count; ++e) {
       // The layouts differ only in the padding rows they execute (checked above: a padded
@@ -199,7 +204,8 @@ class CpuKernels final : public ExpertKernels {
             absl::StrCat("combine.row_of_route[", i, "]: ", p.row_of_route[i], " >= ", p.num_rows, " rows"));
       }
     }
-    std::vector<float> acc(p.d);
+    std::vector<float>& acc = acc_;
+    acc.resize(p.d);
     for (int64_t t = 0; t < p.num_tokens; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int j = 0; j < p.k; ++j) {

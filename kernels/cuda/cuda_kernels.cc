@@ -525,7 +525,8 @@ class CudaKernels final : public ExpertKernels {
     if (p.host_offsets == nullptr) return SwigluDeviceOffsets(p, st);
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
-    std::vector<int64_t> counts(e_count);
+    std::vector<int64_t>& counts = counts_;  // host tables reused from call to call: no allocation a step
+    counts.resize(e_count);
     int64_t max_segment = 0;
     for (int e = 0; e < e_count; ++e) {
       counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
@@ -565,7 +566,10 @@ class CudaKernels final : public ExpertKernels {
     uint16_t* a = reinterpret_cast<uint16_t*>(ptr + 2 * x_bytes + h_bytes);
     CUDA_RETURN_IF_ERROR(cuda::LaunchGatherPadded(p.x, p.x_row_index, p.device_offsets, e_count, cap, d, xp, st));
     CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle_, st));
-    std::vector<Problem> up(e_count), down(e_count);
+    std::vector<Problem>& up = up_;
+    std::vector<Problem>& down = down_;
+    up.resize(e_count);
+    down.resize(e_count);
     for (int e = 0; e < e_count; ++e) {
       up[e] = {static_cast<int>(cap), 2 * f, d, xp + e * cap * d, w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d,
                h + e * cap * 2 * f};
@@ -725,7 +729,7 @@ class CudaKernels final : public ExpertKernels {
   absl::Status SwigluExecuted(const SwigluParams& p, const std::vector<int64_t>& counts, cudaStream_t st) {
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
-    std::vector<int64_t> executed;
+    std::vector<int64_t>& executed = executed_;
     absl::Status s = ExecutedOffsets(p.layout, counts, &executed);
     if (!s.ok()) return s;
     const int64_t exec_rows = executed[e_count];
@@ -783,7 +787,19 @@ class CudaKernels final : public ExpertKernels {
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
     const int64_t exec_rows = executed[e_count];
     CUBLAS_RETURN_IF_ERROR(cublasSetStream(handle_, st));
-    std::vector<Problem> up, down;
+    int64_t segments = 0;  // experts with rows (exec_rows > 0: at least one)
+    for (int e = 0; e < e_count; ++e) segments += executed[e + 1] > executed[e] ? 1 : 0;
+    const bool uniform = p.layout.layout == Layout::kPaddedDense;
+    const int64_t avg_rows = exec_rows / segments;
+    if (sm90_ && !uniform && (sm90_forced_ || avg_rows <= kSm90MaxAvgRows) &&
+        cuda::GroupedSm90Supported(e_count, d, f) && Aligned16({xe, ye, w.w_gate_up, w.w_down})) {
+      return Sm90Projections(p, executed, avg_rows, xe, a, ye, st);
+    }
+    // cuBLAS: a GEMM problem a segment (the lists reused from call to call).
+    std::vector<Problem>& up = up_;
+    std::vector<Problem>& down = down_;
+    up.clear();
+    down.clear();
     for (int e = 0; e < e_count; ++e) {
       const int64_t m = executed[e + 1] - executed[e];
       if (m == 0) continue;
@@ -791,14 +807,6 @@ class CudaKernels final : public ExpertKernels {
                     w.w_gate_up + static_cast<int64_t>(e) * 2 * f * d, h + executed[e] * 2 * f});
       down.push_back({static_cast<int>(m), d, f, a + executed[e] * f, w.w_down + static_cast<int64_t>(e) * d * f,
                       ye + executed[e] * d});
-    }
-    const bool uniform = p.layout.layout == Layout::kPaddedDense;
-    int64_t executed_total = 0;
-    for (const Problem& q : up) executed_total += q.m;
-    const int64_t avg_rows = executed_total / static_cast<int64_t>(up.size());
-    if (sm90_ && !uniform && (sm90_forced_ || avg_rows <= kSm90MaxAvgRows) &&
-        cuda::GroupedSm90Supported(e_count, d, f) && Aligned16({xe, ye, w.w_gate_up, w.w_down})) {
-      return Sm90Projections(p, executed, avg_rows, xe, a, ye, st);
     }
     const bool chains = !uniform && !force_grouped_ && side_ok_ &&
                         (loop_gemm_ || up.size() <= 8 || avg_rows * 2 * f * static_cast<int64_t>(d) >= kChainWork);
@@ -1023,6 +1031,10 @@ class CudaKernels final : public ExpertKernels {
   cudaEvent_t fork_ = nullptr;
   void* workspace_ = nullptr;  // handle_'s cuBLAS workspace (the padded decode runner sets it)
   std::mutex find_mu_;         // the NaN/Inf scan's result word
+  // Swiglu's host tables, kept from call to call (the calls on one object are serial, as the
+  // scratch above assumes): segment sizes, executed offsets, cuBLAS's problem lists.
+  std::vector<int64_t> counts_, executed_;
+  std::vector<Problem> up_, down_;
   unsigned long long* find_first_ = nullptr;
   unsigned long long* find_host_ = nullptr;
   cudaEvent_t find_done_ = nullptr;

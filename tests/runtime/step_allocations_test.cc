@@ -1,6 +1,7 @@
 // The step's host work keeps its memory between steps: the agreement (AgreeOnStepInto: its
 // records and result vectors) and the byte splits (SplitBytes) allocate nothing on a second step
-// of the same shape. The binary counts every operator new of the calling thread
+// of the same shape, and neither do the CPU kernels' host tables (RouteRows, Swiglu, Combine) on
+// a second call. The binary counts every operator new of the calling thread
 // (//bench:alloc_counter).
 #include <cstring>
 #include <vector>
@@ -8,6 +9,8 @@
 #include "gtest/gtest.h"
 
 #include "bench/alloc_counter.h"
+#include "kernels/api.h"
+#include "kernels/numeric.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/exec/step_phases.h"
 #include "runtime/transport/transport.h"
@@ -95,6 +98,64 @@ TEST(StepAllocationsTest, StepTablesOfAStepStayOffTheHeap) {
   EXPECT_EQ(tables.Get<int32_t>(tc)[0], 6);
   EXPECT_EQ(tables.Get<int32_t>(td)[0], 1);
   EXPECT_EQ(tables.Get<int32_t>(te)[0], 4);
+}
+
+// A layer's kernels on the CPU (E 4, k 2, d 8, f 4, 6 tokens): the second call of each with the
+// same shapes allocates nothing, and the results are still right (the routes land on their
+// experts' rows; the combine of all-ones rows with gates summing to 1 gives ones).
+TEST(StepAllocationsTest, CpuKernelsKeepTheirHostTables) {
+  std::unique_ptr<kernels::ExpertKernels> k = kernels::CreateCpuKernels();
+  constexpr int E = 4, K = 2, D = 8, F = 4, T = 6;
+  const std::vector<int32_t> topk = {0, 1, 2, 3, 1, 0, 3, 2, 0, 2, 1, 3};
+  std::vector<int64_t> counts(E), offsets(E + 1);
+  std::vector<int32_t> row_of_route(T * K), token_of_row(T * K);
+  kernels::RouteRowsParams rr;
+  rr.topk = topk.data();
+  rr.num_tokens = T;
+  rr.k = K;
+  rr.num_experts = E;
+  rr.counts = counts.data();
+  rr.offsets = offsets.data();
+  rr.row_of_route = row_of_route.data();
+  rr.token_of_row = token_of_row.data();
+
+  std::vector<uint16_t> w_gate_up(E * 2 * F * D, kernels::FloatToBf16(0.01f)),
+      w_down(E * D * F, kernels::FloatToBf16(0.02f)), x(T * K * D, kernels::FloatToBf16(1.0f)), y(T * K * D);
+  kernels::SwigluParams sw;
+  sw.weights = {w_gate_up.data(), w_down.data(), E, D, F};
+  sw.x = x.data();
+  sw.rows = T * K;
+  sw.host_offsets = offsets.data();
+  sw.y = y.data();
+
+  const std::vector<uint16_t> ones(T * K * D, kernels::FloatToBf16(1.0f));
+  const std::vector<float> gate(T * K, 0.5f);
+  std::vector<float> out(T * D);
+  kernels::CombineParams cb;
+  cb.rows = ones.data();
+  cb.num_rows = T * K;
+  cb.d = D;
+  cb.row_of_route = row_of_route.data();
+  cb.gate = gate.data();
+  cb.num_tokens = T;
+  cb.k = K;
+  cb.out_fp32 = out.data();
+
+  for (int call = 0; call < 2; ++call) {
+    const int64_t before = bench::ThreadAllocations();
+    ASSERT_TRUE(k->RouteRows(rr, nullptr).ok());
+    ASSERT_TRUE(kernels::CheckSwiglu(sw).ok());
+    ASSERT_TRUE(k->Swiglu(sw, nullptr).ok());
+    ASSERT_TRUE(k->Combine(cb, nullptr).ok());
+    if (call == 1) EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+  }
+  EXPECT_EQ(counts, (std::vector<int64_t>{3, 3, 3, 3}));
+  EXPECT_EQ(offsets, (std::vector<int64_t>{0, 3, 6, 9, 12}));
+  for (int i = 0; i < T * K; ++i) {
+    EXPECT_TRUE(offsets[topk[i]] <= row_of_route[i] && row_of_route[i] < offsets[topk[i] + 1]) << "route " << i;
+  }
+  for (float v : out) EXPECT_FLOAT_EQ(v, 1.0f);
+  EXPECT_NE(kernels::Bf16ToFloat(y[0]), 0.0f);
 }
 
 }  // namespace
