@@ -236,7 +236,12 @@ struct SwigluFp8Params {
   // and are not checked (as on the decode path): RouteRows and HistogramScan produce them so.
   const int64_t* offsets = nullptr;
   uint16_t* y = nullptr;  // [rows, d] BF16; rows outside every segment are left alone
-  // x, y and the weights 16-byte aligned (TMA and the kernels' 16-byte stores); rows < 2^31.
+  // Or, instead of x, the rows already in E4M3 with one FP32 scale per 128 values, as Quantize
+  // writes them ([rows, d] and [rows, d / 128]): an FP8 dispatch's payload, quantized once a
+  // token on its sender instead of once a route here. x is then null.
+  const uint8_t* xq = nullptr;
+  const float* x_scales = nullptr;
+  // x (or xq), y and the weights 16-byte aligned (TMA and the kernels' 16-byte stores); rows < 2^31.
 };
 
 // y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
@@ -288,8 +293,9 @@ struct LocalLayerParams {
 // took 175-210 us of executor time padded against 160-185 with the decode kernels).
 int64_t PaddedDecodeCapacity(absl::Span<const int64_t> counts, int d, int d_ff);
 
-// FP8 E4M3 with FP32 scales: scale = amax / 448 over the row or the 128-value block (1 when the
-// amax is 0), q = satfinite_rne(x / scale).
+// FP8 E4M3 with FP32 scales over the row or the 128-value block: scale = a / 448 and
+// q = satfinite_rne(x * (448 / a)), a = max(amax, kFp8MinAmax); scale 1 when the amax is 0
+// (DeepSeek-V3's multiply by the inverse scale; kernels/numeric.h).
 struct QuantizeParams {
   const uint16_t* x = nullptr;  // [rows, d] BF16
   int64_t rows = 0;

@@ -32,6 +32,11 @@ inline float Bf16ToFloat(uint16_t b) {
 inline float RoundBf16(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 
 constexpr float kFp8E4M3Max = 448.0f;
+// Activations in E4M3 (Quantize): a group of amax > 0 gets scale = a / 448 and q = x * (448 / a),
+// a = max(amax, kFp8MinAmax) (so that 448 / a stays finite); an all-zero group scale 1. DeepSeek-V3's
+// convention (a multiply by the inverse scale, not a division per value). Weights in 128 x 128
+// blocks are quantized by division (hf_writer, the checkpoints' format).
+constexpr float kFp8MinAmax = 0x1p-100f;
 
 float Fp8E4M3ToFloat(uint8_t v);
 uint8_t FloatToFp8E4M3(float f);  // round to nearest even, saturating

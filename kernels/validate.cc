@@ -216,9 +216,14 @@ absl::Status CheckSwigluFp8(const SwigluFp8Params& p) {
   KERNEL_INVALID_IF(p.rows < 0 || p.rows >= (int64_t{1} << 31), "swiglu_fp8.rows: ", p.rows, " outside [0, 2^31)");
   auto misaligned = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) != 0; };
   KERNEL_INVALID_IF(misaligned(w.w_gate_up) || misaligned(w.w_down), "swiglu_fp8.weights: not 16-byte aligned");
-  KERNEL_INVALID_IF(misaligned(p.x) || misaligned(p.y), "swiglu_fp8: x or y not 16-byte aligned");
+  KERNEL_INVALID_IF(misaligned(p.x) || misaligned(p.xq) || misaligned(p.y),
+                    "swiglu_fp8: x, xq or y not 16-byte aligned");
   KERNEL_INVALID_IF(p.offsets == nullptr, "swiglu_fp8.offsets: null");
-  KERNEL_INVALID_IF(p.rows > 0 && (p.x == nullptr || p.y == nullptr), "swiglu_fp8: null x or y");
+  KERNEL_INVALID_IF(p.x != nullptr && p.xq != nullptr, "swiglu_fp8.xq: given with x (one of the two)");
+  KERNEL_INVALID_IF((p.xq == nullptr) != (p.x_scales == nullptr),
+                    "swiglu_fp8.x_scales: ", p.xq == nullptr ? "given without xq" : "null with xq");
+  KERNEL_INVALID_IF(p.rows > 0 && ((p.x == nullptr && p.xq == nullptr) || p.y == nullptr),
+                    "swiglu_fp8: null x (or xq) or y");
   return absl::OkStatus();
 }
 

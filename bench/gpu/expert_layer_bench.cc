@@ -613,12 +613,37 @@ int main(int argc, char** argv) {
         q.y = static_cast<uint16_t*>(expert_out);
         const absl::Status fp8_ok = kernels->SwigluFp8(q, st);
         if (fp8_ok.ok()) {
+          // The same rows quantized before the call (an FP8 dispatch's payload: Quantize per 128
+          // values, once a token on the sender), and that per-token quantization of the step's
+          // T hidden rows, timed on its own.
+          uint8_t *xq = nullptr, *hq = nullptr;
+          float *xs = nullptr, *hs = nullptr;
+          CHECK_CUDA(cudaMalloc(&xq, routes * s.d));
+          CHECK_CUDA(cudaMalloc(&xs, routes * (s.d / 128) * sizeof(float)));
+          CHECK_CUDA(cudaMalloc(&hq, t * s.d));
+          CHECK_CUDA(cudaMalloc(&hs, t * (s.d / 128) * sizeof(float)));
+          const moe::kernels::ScaleGranularity g128 = moe::kernels::ScaleGranularity::kPerBlock128;
+          CHECK_OK(kernels->Quantize(
+              {static_cast<const uint16_t*>(packed), routes, s.d, g128, xq, xs, routes * (s.d / 128)}, st));
+          moe::kernels::SwigluFp8Params pre = q;
+          pre.x = nullptr;
+          pre.xq = xq;
+          pre.x_scales = xs;
+          const moe::kernels::QuantizeParams tokens{
+              static_cast<const uint16_t*>(hidden), t, s.d, g128, hq, hs, t * (s.d / 128)};
           const std::vector<double> side = TimeMediansUs(
-              reps, st, [&] { CHECK_OK(kernels->Swiglu(prefill, st)); }, [&] { CHECK_OK(kernels->SwigluFp8(q, st)); });
+              reps, st, [&] { CHECK_OK(kernels->Swiglu(prefill, st)); }, [&] { CHECK_OK(kernels->SwigluFp8(q, st)); },
+              [&] { CHECK_OK(kernels->SwigluFp8(pre, st)); }, [&] { CHECK_OK(kernels->Quantize(tokens, st)); });
           std::printf(
               "{\"kind\": \"fp8\", \"shape\": \"%s\", \"T\": %lld, \"bf16_experts_us\": %.1f, \"fp8_experts_us\": "
-              "%.1f, \"fp8_speedup\": %.2f, \"fp8_tflops\": %.1f}\n",
-              s.name, static_cast<long long>(t), side[0], side[1], side[0] / side[1], flops / (side[1] * 1e-6) / 1e12);
+              "%.1f, \"fp8_speedup\": %.2f, \"fp8_tflops\": %.1f, \"fp8_rows_us\": %.1f, \"fp8_rows_speedup\": %.2f, "
+              "\"token_quantize_us\": %.1f}\n",
+              s.name, static_cast<long long>(t), side[0], side[1], side[0] / side[1], flops / (side[1] * 1e-6) / 1e12,
+              side[2], side[0] / side[2], side[3]);
+          for (void* ptr :
+               {static_cast<void*>(xq), static_cast<void*>(xs), static_cast<void*>(hq), static_cast<void*>(hs)}) {
+            CHECK_CUDA(cudaFree(ptr));
+          }
         }
       }
       if (t <= 16) {

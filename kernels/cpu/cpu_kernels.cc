@@ -18,12 +18,19 @@
 namespace moe::kernels {
 namespace {
 
-// One scale group of BF16 values in E4M3: q = x / scale, scale = amax / 448 (1 for all zeros).
+// One scale group of BF16 values in E4M3 (kernels/numeric.h): scale = a / 448, q = x * (448 / a),
+// a = max(amax, kFp8MinAmax); scale 1 for all zeros. The CUDA kernels compute the same two
+// divisions and one multiply a value, bit for bit.
 float QuantizeGroup(const uint16_t* x, int n, uint8_t* q) {
   float amax = 0;
   for (int c = 0; c < n; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
-  const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
-  for (int c = 0; c < n; ++c) q[c] = FloatToFp8E4M3(Bf16ToFloat(x[c]) / scale);
+  float scale = 1.0f, inv = 1.0f;
+  if (amax > 0) {
+    const float a = std::max(amax, kFp8MinAmax);
+    scale = a / kFp8E4M3Max;
+    inv = kFp8E4M3Max / a;
+  }
+  for (int c = 0; c < n; ++c) q[c] = FloatToFp8E4M3(Bf16ToFloat(x[c]) * inv);
   return scale;
 }
 
@@ -245,7 +252,11 @@ class CpuKernels final : public ExpertKernels {
     std::vector<uint16_t> a16(f);
     for (int64_t e = 0; e < e_count; ++e) {
       for (int64_t r = p.offsets[e]; r < p.offsets[e + 1]; ++r) {
-        QuantizedRow(p.x + r * d, d, xq.data());
+        if (p.xq != nullptr) {  // quantized by the caller (Quantize's format)
+          for (int c = 0; c < d; ++c) xq[c] = Fp8E4M3ToFloat(p.xq[r * d + c]) * p.x_scales[r * kd + c / 128];
+        } else {
+          QuantizedRow(p.x + r * d, d, xq.data());
+        }
         for (int64_t c = 0; c < 2 * f; ++c) {
           const int64_t row = e * 2 * f + c;
           h[c] = Bf16ToFloat(

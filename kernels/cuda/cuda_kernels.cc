@@ -616,21 +616,26 @@ class CudaKernels final : public ExpertKernels {
                                                    "128, at most 4096 experts, E x 2 d_ff and E x d below 2^31)"));
     }
     if (p.rows == 0) return absl::OkStatus();
-    // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales].
+    // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales];
+    // no xq and x scales when the caller quantized the rows.
     auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
     const size_t rows = static_cast<size_t>(p.rows);
-    const size_t xq_bytes = align(rows * d), xs_bytes = align(rows * (d / 128) * 4);
+    const bool quantized = p.xq != nullptr;
+    const size_t xq_bytes = quantized ? 0 : align(rows * d), xs_bytes = quantized ? 0 : align(rows * (d / 128) * 4);
     const size_t a_bytes = align(rows * f * 2), aq_bytes = align(rows * f), as_bytes = align(rows * (f / 128) * 4);
     auto base = scratch_.Get(xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes);
     if (!base.ok()) return base.status();
     char* ptr = static_cast<char*>(*base);
-    uint8_t* xq = reinterpret_cast<uint8_t*>(ptr);
-    float* xs = reinterpret_cast<float*>(ptr + xq_bytes);
+    const uint8_t* xq = quantized ? p.xq : reinterpret_cast<uint8_t*>(ptr);
+    const float* xs = quantized ? p.x_scales : reinterpret_cast<float*>(ptr + xq_bytes);
     uint16_t* a = reinterpret_cast<uint16_t*>(ptr + xq_bytes + xs_bytes);
     uint8_t* aq = reinterpret_cast<uint8_t*>(ptr + xq_bytes + xs_bytes + a_bytes);
     float* as = reinterpret_cast<float*>(ptr + xq_bytes + xs_bytes + a_bytes + aq_bytes);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
-    CUDA_RETURN_IF_ERROR(cuda::LaunchQuantizeFp8(p.x, p.rows, d, 128, xq, xs, st));
+    if (!quantized) {
+      CUDA_RETURN_IF_ERROR(cuda::LaunchQuantizeFp8(p.x, p.rows, d, 128, reinterpret_cast<uint8_t*>(ptr),
+                                                   reinterpret_cast<float*>(ptr + xq_bytes), st));
+    }
     CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xs, p.rows, p.offsets, w.num_experts, d, f, w.w_gate_up,
                                                           w.gate_up_scales, w.w_down, w.down_scales, a, aq, as, p.y,
                                                           st));

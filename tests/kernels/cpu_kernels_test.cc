@@ -419,6 +419,33 @@ TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
   std::vector<uint16_t> got_mixed(y_mixed.begin(), y_mixed.begin() + offsets.back() * d);
   EXPECT_GT(RelativeL2Bf16(got_mixed, want), 0.08) << "a swapped gate/up scale went unnoticed";
 
+  // The rows quantized by the caller (Quantize per 128 values, as an FP8 dispatch carries them):
+  // the same bits as quantizing inside.
+  std::vector<uint8_t> xq(x.size());
+  std::vector<float> xs(x.size() / 128);
+  ASSERT_TRUE(cpu->Quantize({x.data(), rows, d, ScaleGranularity::kPerBlock128, xq.data(), xs.data(),
+                             static_cast<int64_t>(xs.size())},
+                            nullptr)
+                  .ok());
+  SwigluFp8Params pre = p;
+  pre.x = nullptr;
+  pre.xq = xq.data();
+  pre.x_scales = xs.data();
+  std::vector<uint16_t> y_pre(x.size(), sentinel);
+  pre.y = y_pre.data();
+  ASSERT_TRUE(cpu->SwigluFp8(pre, nullptr).ok());
+  EXPECT_EQ(y_pre, y8);
+  SwigluFp8Params both = pre;
+  both.x = x.data();
+  auto both_st = cpu->SwigluFp8(both, nullptr);
+  EXPECT_EQ(both_st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(both_st.message().find("swiglu_fp8.xq"), std::string::npos) << both_st;
+  SwigluFp8Params unscaled = pre;
+  unscaled.x_scales = nullptr;
+  both_st = cpu->SwigluFp8(unscaled, nullptr);
+  EXPECT_EQ(both_st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(both_st.message().find("swiglu_fp8.x_scales"), std::string::npos) << both_st;
+
   SwigluFp8Params bad = p;
   bad.weights.d = 192;
   auto st = cpu->SwigluFp8(bad, nullptr);
@@ -469,6 +496,9 @@ TEST(CpuKernelsTest, Fp8RoundTripWithinFormatBound) {
   std::vector<uint16_t> x = RandomBf16(rng, rows * d, 3.0f);
   x[5] = FloatToBf16(0.0f);
   for (int c = 0; c < d; ++c) x[3 * d + c] = 0;  // an all-zero row (scale 1)
+  // Rows near the ends of FP32: amax below kFp8MinAmax (the inverse scale kept finite) and ~1e37.
+  for (int c = 0; c < d; ++c) x[6 * d + c] = FloatToBf16(Bf16ToFloat(x[6 * d + c]) * 1e-32f);
+  for (int c = 0; c < d; ++c) x[4 * d + c] = FloatToBf16(Bf16ToFloat(x[4 * d + c]) * 1e37f);
   for (ScaleGranularity g : {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128}) {
     const int64_t n_scales = ScaleCount(g, rows, d);
     EXPECT_EQ(n_scales, g == ScaleGranularity::kPerRow ? 7 : 21);

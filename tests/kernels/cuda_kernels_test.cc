@@ -263,6 +263,23 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
     ASSERT_TRUE(gpu_->SwigluFp8(p, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<uint16_t> got = dy.Host();
+    {  // The rows quantized first (Quantize, as an FP8 dispatch carries them): the same bits.
+      DeviceVector<uint8_t> dxq(x.size());
+      DeviceVector<float> dxs(x.size() / 128);
+      ASSERT_TRUE(gpu_->Quantize({dx.get(), rows, d, ScaleGranularity::kPerBlock128, dxq.get(), dxs.get(),
+                                  static_cast<int64_t>(x.size() / 128)},
+                                 nullptr)
+                      .ok());
+      DeviceVector<uint16_t> dy_pre(x.size(), sentinel);
+      SwigluFp8Params pre = p;
+      pre.x = nullptr;
+      pre.xq = dxq.get();
+      pre.x_scales = dxs.get();
+      pre.y = dy_pre.get();
+      ASSERT_TRUE(gpu_->SwigluFp8(pre, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(dy_pre.Host(), got) << "f=" << f;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       if (r >= lead && r < offsets.back()) continue;
       for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], sentinel) << "row " << r << " outside the segments";
@@ -875,6 +892,14 @@ TEST_F(CudaKernelsTest, Fp8MatchesCpuBitForBit) {
     const int64_t rows = 37;
     const int d = 7168;
     auto x = RandomBf16(rng_, rows * d, 2.0f);
+    // Edge rows: all zero (scale 1), an amax below kFp8MinAmax (inverse scale kept finite), ~1e37,
+    // a 128-value group of zeros inside a row.
+    for (int c = 0; c < d; ++c) {
+      x[c] = 0;
+      x[d + c] = FloatToBf16(Bf16ToFloat(x[d + c]) * 1e-32f);
+      x[2 * d + c] = FloatToBf16(Bf16ToFloat(x[2 * d + c]) * 1e37f);
+    }
+    for (int c = 256; c < 384; ++c) x[3 * d + c] = 0;
     const int64_t ns = ScaleCount(gr, rows, d);
     std::vector<uint8_t> q(rows * d);
     std::vector<float> scales(ns);
