@@ -31,31 +31,41 @@ const char* HandleStateName(HandleState s) {
 
 absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::Acquire(HandleId id, const FrozenHandoff& handoff,
                                                                         GenerationRegistry* registry,
-                                                                        const ProcessGroup& group) {
+                                                                        const ProcessGroup& group,
+                                                                        std::unique_ptr<DispatchHandle> spare) {
   RETURN_IF_ERROR(VerifyFrozen(handoff));
   ASSIGN_OR_RETURN(GenerationLease lease, registry->AcquireActive(id));
-  return FromLease(id, handoff, group, std::move(lease), false);
+  return FromLease(id, handoff, group, std::move(lease), false, std::move(spare));
 }
 
 absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::AcquireTrial(HandleId id, const FrozenHandoff& handoff,
                                                                              GenerationRegistry* registry,
                                                                              const ProcessGroup& group,
-                                                                             PlacementVersion candidate) {
+                                                                             PlacementVersion candidate,
+                                                                             std::unique_ptr<DispatchHandle> spare) {
   RETURN_IF_ERROR(VerifyFrozen(handoff));
   ASSIGN_OR_RETURN(GenerationLease lease, registry->AcquireTrial(candidate, id));
-  return FromLease(id, handoff, group, std::move(lease), true);
+  return FromLease(id, handoff, group, std::move(lease), true, std::move(spare));
 }
+
+void DispatchHandle::Reset() { *this = DispatchHandle(); }
 
 absl::StatusOr<std::unique_ptr<DispatchHandle>> DispatchHandle::FromLease(HandleId id, const FrozenHandoff& handoff,
                                                                           const ProcessGroup& group,
-                                                                          GenerationLease lease, bool trial) {
+                                                                          GenerationLease lease, bool trial,
+                                                                          std::unique_ptr<DispatchHandle> spare) {
   const PlacementManifest& m = *lease.manifest();
   if (m.process_group() != group.id() || m.epoch() != group.epoch()) {
     return absl::FailedPreconditionError(
         absl::StrCat("active ", m.VersionName(), " is bound to ", m.process_group().value(), " epoch ",
                      m.epoch().value(), ", the step runs on ", group.id().value(), " epoch ", group.epoch().value()));
   }
-  std::unique_ptr<DispatchHandle> h(new DispatchHandle());
+  std::unique_ptr<DispatchHandle> h = std::move(spare);
+  if (h == nullptr) {
+    h.reset(new DispatchHandle());
+  } else {
+    h->Reset();  // a spare that was not reset holds no lease past here either
+  }
   h->id_ = id;
   h->version_ = m.version();
   h->checkpoint_ = m.checkpoint();

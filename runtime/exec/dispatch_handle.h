@@ -50,16 +50,23 @@ struct InverseCoordinates {
 class DispatchHandle {
  public:
   // Acquires a reference on the registry's ACTIVE generation (state 0). The generation must be
-  // bound to `group` (same id and epoch). The registry must outlive the handle.
+  // bound to `group` (same id and epoch). The registry must outlive the handle. `spare`, a
+  // finished step's handle after Reset(), is filled instead of a new one (no allocation a step);
+  // on an error it is dropped.
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> Acquire(HandleId id, const FrozenHandoff& handoff,
                                                                  GenerationRegistry* registry,
-                                                                 const ProcessGroup& group);
+                                                                 const ProcessGroup& group,
+                                                                 std::unique_ptr<DispatchHandle> spare = nullptr);
   // The same on a PREPARED candidate generation, for its shadow and canary steps; the handle's
   // combine then requires the candidate still resident (a promotion mid-step is fine).
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> AcquireTrial(HandleId id, const FrozenHandoff& handoff,
                                                                       GenerationRegistry* registry,
                                                                       const ProcessGroup& group,
-                                                                      PlacementVersion candidate);
+                                                                      PlacementVersion candidate,
+                                                                      std::unique_ptr<DispatchHandle> spare = nullptr);
+  // Back to a fresh handle's state for reuse: the generation lease released (as destroying the
+  // handle would), the inverse coordinates dropped (ReleaseInverse first to keep them).
+  void Reset();
   bool trial() const { return trial_; }
 
   HandleId id() const { return id_; }
@@ -101,7 +108,7 @@ class DispatchHandle {
   HandleId id_;
   static absl::StatusOr<std::unique_ptr<DispatchHandle>> FromLease(HandleId id, const FrozenHandoff& handoff,
                                                                    const ProcessGroup& group, GenerationLease lease,
-                                                                   bool trial);
+                                                                   bool trial, std::unique_ptr<DispatchHandle> spare);
 
   HandleState state_ = HandleState::kRouterOutput;
   bool trial_ = false;

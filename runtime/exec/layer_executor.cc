@@ -563,8 +563,9 @@ struct LayerExecutor::Pass {
   LayerStepResult result;
   PhaseClock clock;  // after `result`, whose record it writes
   int64_t num_experts = 0;
-  std::optional<FrozenHandoff> frozen;     // validate
-  std::unique_ptr<DispatchHandle> handle;  // acquire
+  std::optional<FrozenHandoff> frozen;           // validate
+  std::unique_ptr<DispatchHandle> handle;        // acquire
+  std::unique_ptr<DispatchHandle> spare_handle;  // the last pass's, Reset, for acquire to refill
   PlacementVersion version{0};
   std::shared_ptr<const ResidentExperts> weights;
   int layer_index = 0;  // the step's layer in `weights`
@@ -601,6 +602,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     pass.agreement_scratch = std::move(spare_pass_.scratch);
     pass.bytes = std::move(spare_pass_.bytes);
     pass.inverse = std::move(spare_pass_.inverse);
+    pass.spare_handle = std::move(spare_pass_.handle);
   }
   // However the pass ends, its handoff's columns, agreement, records and byte splits go back for
   // the next step to refill.
@@ -617,6 +619,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       InverseCoordinates bound = pass.handle != nullptr ? pass.handle->ReleaseInverse() : InverseCoordinates{};
       InverseCoordinates& keep = bound.token.capacity() >= pass.inverse.token.capacity() ? bound : pass.inverse;
       e->spare_pass_.inverse = std::move(keep);
+      if (pass.handle != nullptr) {  // its lease released now, as its destruction would have
+        pass.handle->Reset();
+        e->spare_pass_.handle = std::move(pass.handle);
+      }
       if (!pass.frozen.has_value()) return;
       if (pass.frozen->routes.origin.capacity() > e->spare_handoff_.origin.capacity()) {
         e->spare_handoff_ = std::move(pass.frozen->routes);
@@ -766,10 +772,11 @@ absl::Status LayerExecutor::StageRows(Pass& pass) {
 absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kAcquire);
   const HandleId id(static_cast<int64_t>(pass.in.step_id));
-  ASSIGN_OR_RETURN(
-      pass.handle,
-      pass.trial ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group, pass.version)
-                 : DispatchHandle::Acquire(id, *pass.frozen, options_.registry, *options_.group));
+  ASSIGN_OR_RETURN(pass.handle, pass.trial
+                                    ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group,
+                                                                   pass.version, std::move(pass.spare_handle))
+                                    : DispatchHandle::Acquire(id, *pass.frozen, options_.registry, *options_.group,
+                                                              std::move(pass.spare_handle)));
   const PlacementVersion version = pass.handle->placement_version();
   pass.version = version;
   if (!pass.trial && pass.in.expected_generation >= 0 && pass.in.expected_generation != version.value()) {

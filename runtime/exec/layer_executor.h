@@ -303,7 +303,8 @@ class LayerExecutor {
     StepAgreement agreement;
     AgreementScratch scratch;
     ByteSplits bytes;
-    InverseCoordinates inverse;  // the host plan's, back from the step's handle
+    InverseCoordinates inverse;              // the host plan's, back from the step's handle
+    std::unique_ptr<DispatchHandle> handle;  // the step's handle, Reset (its lease released)
   };
   PassSpares spare_pass_ ABSL_GUARDED_BY(generations_mu_);
   RowBuffer spare_output_ ABSL_GUARDED_BY(generations_mu_);  // RecycleOutput's buffer

@@ -211,6 +211,39 @@ TEST(DispatchHandleTest, LifetimeIsEnforced) {
   EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);
 }
 
+// A finished step's handle, Reset, is refilled by the next Acquire (the executor keeps one as a
+// spare: no allocation a step): Reset releases its generation reference, and the refilled
+// handle starts over (state, id, version, no inverse) on the generation active now.
+TEST(DispatchHandleTest, ResetHandleIsRefilledByTheNextAcquire) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  FrozenHandoff handoff = *Freeze(fixture::EightRoutes());
+  auto h = *DispatchHandle::Acquire(HandleId(1), handoff, &registry, fixture::IdentityGroup());
+  ASSERT_TRUE(DriveToExpertOutput(h.get()).ok());
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 1);
+  h->Reset();  // a step that ended without its combine: the reference goes with the reset
+  EXPECT_EQ(registry.Refcount(PlacementVersion(17)), 0);
+  EXPECT_EQ(h->state(), HandleState::kRouterOutput);
+  EXPECT_TRUE(h->inverse().token.empty());
+  ASSERT_TRUE(registry.Prepare(Version(18)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(18)).ok());
+  const DispatchHandle* object = h.get();
+  auto again = DispatchHandle::Acquire(HandleId(2), handoff, &registry, fixture::IdentityGroup(), std::move(h));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->get(), object);
+  EXPECT_EQ((*again)->id(), HandleId(2));
+  EXPECT_EQ((*again)->placement_version(), PlacementVersion(18));
+  EXPECT_EQ((*again)->state(), HandleState::kRouterOutput);
+  EXPECT_EQ(registry.Refcount(PlacementVersion(18)), 1);
+  EXPECT_TRUE(registry.CanRetire(PlacementVersion(17)));
+  // A spare that was not reset loses its old reference when refilled.
+  auto third = DispatchHandle::Acquire(HandleId(3), handoff, &registry, fixture::IdentityGroup(), std::move(*again));
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(registry.Refcount(PlacementVersion(18)), 1);
+  EXPECT_EQ((*third)->id(), HandleId(3));
+}
+
 TEST(DispatchHandleTest, RejectsMutatedHandoffAndForeignEpoch) {
   GenerationRegistry registry;
   ASSERT_TRUE(registry.Prepare(Version(17)).ok());
