@@ -4,7 +4,9 @@
 // the Qwen3-like layer). Prints, per token count, the median wall time of each phase of the step
 // (runtime/exec/step.h), of the whole step, and of the step without its experts phase, in
 // microseconds and per route, the CPU time per step of the step's thread and of the process, and
-// the heap allocations the step's thread made during the step (this binary counts operator new).
+// the heap allocations the step's thread made during the step (this binary counts operator new;
+// --trace_allocs writes each allocation of a token count's last step to stderr with its call
+// stack).
 // --in_place puts the rows, routing and output in kernel memory first (a co-located engine's GPU
 // buffers: LayerStepInput::rows_on_device and routing_on_device). On the GPU,
 // MOE_CUDA_TUNING=blocking_sync=1 makes waits for the GPU block instead of spin, so that the CPU
