@@ -610,19 +610,18 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     LayerExecutor* e;
     Pass& pass;
     ~Recycle() {
+      // The host plan's inverse coordinates went into the handle; a device-planned step bound
+      // empty ones, so the larger of the two is kept. The handle's lease is released here, where
+      // its destruction released it, outside the executor's lock (the registry takes its own).
+      InverseCoordinates bound = pass.handle != nullptr ? pass.handle->ReleaseInverse() : InverseCoordinates{};
+      if (pass.handle != nullptr) pass.handle->Reset();
       absl::MutexLock lock(&e->generations_mu_);
       e->spare_pass_.agreement = std::move(pass.agreement);
       e->spare_pass_.scratch = std::move(pass.agreement_scratch);
       e->spare_pass_.bytes = std::move(pass.bytes);
-      // The host plan's inverse coordinates went into the handle; a device-planned step bound
-      // empty ones, so the larger of the two is kept.
-      InverseCoordinates bound = pass.handle != nullptr ? pass.handle->ReleaseInverse() : InverseCoordinates{};
       InverseCoordinates& keep = bound.token.capacity() >= pass.inverse.token.capacity() ? bound : pass.inverse;
       e->spare_pass_.inverse = std::move(keep);
-      if (pass.handle != nullptr) {  // its lease released now, as its destruction would have
-        pass.handle->Reset();
-        e->spare_pass_.handle = std::move(pass.handle);
-      }
+      if (pass.handle != nullptr) e->spare_pass_.handle = std::move(pass.handle);
       if (!pass.frozen.has_value()) return;
       if (pass.frozen->routes.origin.capacity() > e->spare_handoff_.origin.capacity()) {
         e->spare_handoff_ = std::move(pass.frozen->routes);
