@@ -6,6 +6,9 @@
 #   KERNELS='regex:GroupedGemm' SKIP=2 COUNT=2 bench/gpu/profile_kernels.sh \
 #     dist/gpu/bin/expert_layer_bench --reps 2 --shape E128-k8-d2048-f768 --tokens 8192
 #
+# KERNELS matches ncu's demangled names, whose template arguments read "(int)128, (bool)1":
+# the FP8 kernels (last argument true) are 'regex:GroupedGemmKernel<.*\(bool\)1>'.
+#
 # Writes $OUT/profile/{ncu.log,details.txt,sass.csv,stalls.txt}; prints stalls.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
