@@ -38,10 +38,13 @@ class GatherAttempt {
         step_(step),
         bytes_(bytes),
         out_(static_cast<char*>(out)),
-        have_(size, false),
-        pending_(size),
-        missing_(size - 1),
-        scratch_(new char[kMaxStepGatherRecordBytes]) {
+        have_(backlog.have),
+        pending_(backlog.pending),
+        missing_(size - 1) {
+    have_.assign(size, false);  // the backlog's vectors keep their capacity: nothing allocated
+    pending_.assign(size, std::nullopt);
+    if (backlog.scratch == nullptr) backlog.scratch.reset(new char[kMaxStepGatherRecordBytes]);
+    scratch_ = backlog.scratch.get();
     have_[me] = true;
   }
 
@@ -114,10 +117,10 @@ class GatherAttempt {
   // The next message from peer i: the backlog first, then the channel.
   absl::StatusOr<bool> Next(int i, StepGatherHeader* h, int64_t* got) {
     auto& q = backlog_.from[i];
-    if (q.empty()) return ch_.Poll(i, h, scratch_.get(), kMaxStepGatherRecordBytes, got);
+    if (q.empty()) return ch_.Poll(i, h, scratch_, kMaxStepGatherRecordBytes, got);
     *h = q.front().header;
     *got = std::min<int64_t>(kMaxStepGatherRecordBytes, static_cast<int64_t>(q.front().payload.size()));
-    if (*got > 0) std::memcpy(scratch_.get(), q.front().payload.data(), *got);
+    if (*got > 0) std::memcpy(scratch_, q.front().payload.data(), *got);
     q.pop_front();
     return true;
   }
@@ -153,7 +156,7 @@ class GatherAttempt {
         return Fail(absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " sent a ",
                                                     got, "-byte agreement record, this member ", bytes_)));
       }
-      std::memcpy(out_ + i * bytes_, scratch_.get(), bytes_);
+      std::memcpy(out_ + i * bytes_, scratch_, bytes_);
       have_[i] = true;
       --missing_;
     } else if (h.type == StepGatherHeader::kLeft) {
@@ -176,9 +179,9 @@ class GatherAttempt {
     while (true) {
       StepGatherBacklog::Message m;
       int64_t got = 0;
-      auto polled = ch_.Poll(i, &m.header, scratch_.get(), kMaxStepGatherRecordBytes, &got);
+      auto polled = ch_.Poll(i, &m.header, scratch_, kMaxStepGatherRecordBytes, &got);
       if (!polled.ok() || !*polled) break;
-      m.payload.assign(scratch_.get(), static_cast<size_t>(got));
+      m.payload.assign(scratch_, static_cast<size_t>(got));
       backlog_.from[i].push_back(std::move(m));
     }
   }
@@ -190,10 +193,10 @@ class GatherAttempt {
   const uint64_t step_;
   const int64_t bytes_;
   char* const out_;
-  std::vector<bool> have_;
-  std::vector<std::optional<uint64_t>> pending_;
+  std::vector<bool>& have_;                        // the backlog's, refilled
+  std::vector<std::optional<uint64_t>>& pending_;  // the backlog's, refilled
   int missing_;
-  std::unique_ptr<char[]> scratch_;  // one message's payload, read whole (not zero-filled)
+  char* scratch_ = nullptr;  // the backlog's: one message's payload, read whole (not zero-filled)
 };
 
 }  // namespace

@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,6 +68,12 @@ struct StepGatherBacklog {
     std::string payload;
   };
   std::vector<std::deque<Message>> from;  // per peer slot
+  // A call's working state, kept between calls so that a step allocates nothing: which peers'
+  // records of the step have arrived, each peer's record of another step, and one message's
+  // payload (kMaxStepGatherRecordBytes).
+  std::vector<bool> have;
+  std::vector<std::optional<uint64_t>> pending;
+  std::unique_ptr<char[]> scratch;
 };
 
 // out[i * bytes, (i + 1) * bytes) = peer i's payload for `step` (this member's included). Before

@@ -3,6 +3,7 @@
 // of the same shape, and neither do the CPU kernels' host tables (RouteRows, Swiglu, Combine) on
 // a second call. The binary counts every operator new of the calling thread
 // (//bench:alloc_counter).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "kernels/numeric.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/exec/step_phases.h"
+#include "runtime/transport/step_gather.h"
 #include "runtime/transport/transport.h"
 
 namespace moe {
@@ -98,6 +100,52 @@ TEST(StepAllocationsTest, StepTablesOfAStepStayOffTheHeap) {
   EXPECT_EQ(tables.Get<int32_t>(tc)[0], 6);
   EXPECT_EQ(tables.Get<int32_t>(td)[0], 1);
   EXPECT_EQ(tables.Get<int32_t>(te)[0], 4);
+}
+
+// Member 0 of a group of two over a channel whose peer (slot 1) has sent RECORD(ready) of
+// `record` when `ready` is set; sends go nowhere. Nothing here allocates.
+class TwoMemberChannel : public StepGatherChannel {
+ public:
+  absl::Status Send(int, const StepGatherHeader&, const void*, int64_t) override {
+    ++sends;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> Poll(int peer, StepGatherHeader* header, void* payload, int64_t capacity,
+                            int64_t* bytes) override {
+    if (peer != 1 || ready == 0) return false;
+    header->type = StepGatherHeader::kRecord;
+    header->step = ready;
+    *bytes = std::min<int64_t>(capacity, sizeof(record));
+    std::memcpy(payload, record, *bytes);
+    ready = 0;
+    return true;
+  }
+  void Idle() override {}
+  uint64_t ready = 0;
+  char record[24] = "the peer's record";
+  int sends = 0;
+};
+
+// The step agreement's gather over tag-matched transports (UCX, NCCL's shared-memory channel)
+// keeps its working state in the transport's backlog: a second step allocates nothing (it made
+// three allocations a step, one of 64 KiB), and a peer in another step still aborts it.
+TEST(StepAllocationsTest, StepGatherKeepsItsStateBetweenSteps) {
+  TwoMemberChannel ch;
+  StepGatherBacklog backlog;
+  char in[24] = "this member's record", out[48] = {};
+  ch.ready = 1;
+  ASSERT_TRUE(RunStepGather(ch, backlog, 0, 2, 1, in, 24, out, absl::Seconds(1)).ok());
+  ch.ready = 2;
+  const int64_t before = bench::ThreadAllocations();
+  const absl::Status second = RunStepGather(ch, backlog, 0, 2, 2, in, 24, out, absl::Seconds(1));
+  EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+  ASSERT_TRUE(second.ok()) << second;
+  EXPECT_EQ(std::memcmp(out, in, 24), 0);
+  EXPECT_EQ(std::memcmp(out + 24, ch.record, 24), 0);
+  EXPECT_EQ(ch.sends, 2);
+  ch.ready = 4;  // the peer is in step 4, this member in 3
+  const absl::Status mismatch = RunStepGather(ch, backlog, 0, 2, 3, in, 24, out, absl::Seconds(1));
+  EXPECT_EQ(mismatch.code(), absl::StatusCode::kAborted) << mismatch;
 }
 
 // A layer's kernels on the CPU (E 4, k 2, d 8, f 4, 6 tokens): the second call of each with the
