@@ -222,6 +222,7 @@ absl::Status CheckSwigluFp8(const SwigluFp8Params& p) {
   KERNEL_INVALID_IF(p.x != nullptr && p.xq != nullptr, "swiglu_fp8.xq: given with x (one of the two)");
   KERNEL_INVALID_IF((p.xq == nullptr) != (p.x_scales == nullptr),
                     "swiglu_fp8.x_scales: ", p.xq == nullptr ? "given without xq" : "null with xq");
+  KERNEL_INVALID_IF((reinterpret_cast<uintptr_t>(p.x_scales) & 3) != 0, "swiglu_fp8.x_scales: not 4-byte aligned");
   KERNEL_INVALID_IF(p.rows > 0 && ((p.x == nullptr && p.xq == nullptr) || p.y == nullptr),
                     "swiglu_fp8: null x (or xq) or y");
   return absl::OkStatus();

@@ -445,6 +445,11 @@ TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
   both_st = cpu->SwigluFp8(unscaled, nullptr);
   EXPECT_EQ(both_st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(both_st.message().find("swiglu_fp8.x_scales"), std::string::npos) << both_st;
+  SwigluFp8Params skewed = pre;
+  skewed.x_scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(xs.data()) + 2);
+  both_st = cpu->SwigluFp8(skewed, nullptr);
+  EXPECT_EQ(both_st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(both_st.message().find("x_scales: not 4-byte aligned"), std::string::npos) << both_st;
 
   SwigluFp8Params bad = p;
   bad.weights.d = 192;
