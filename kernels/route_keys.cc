@@ -33,38 +33,43 @@ absl::Status ExpertKernels::SealRoutes(const SealRoutesParams& p, Stream) {
 
 absl::Status ExpertKernels::RankByKey(const RankByKeyParams& p, Stream) {
   if (absl::Status s = CheckRankByKey(p); !s.ok()) return s;
+  // A route's key (-1 for a dropped or bad one, `*bad` set for a bad one), computed in both
+  // passes instead of kept: the reference allocates nothing.
+  auto key_of = [&](int64_t i, bool* bad) {
+    int32_t key = p.raw[i];
+    *bad = false;
+    if (p.key_map != nullptr && key >= 0) {
+      *bad = key >= p.map_size || p.key_map[key] < 0;
+      key = *bad ? -1 : p.key_map[key];
+    } else if (p.key_map != nullptr) {
+      *bad = key != -1;
+    }
+    *bad = *bad || key >= p.num_keys;
+    return *bad ? -1 : key;
+  };
   p.status[0] = -1;
-  std::vector<int32_t> keys(static_cast<size_t>(p.n));
   for (int64_t i = 0; i < p.num_keys; ++i) p.counts[i] = 0;
   for (int64_t i = 0; i < p.n; ++i) {
-    int32_t key = p.raw[i];
-    bool bad = false;
-    if (p.key_map != nullptr && key >= 0) {
-      bad = key >= p.map_size || p.key_map[key] < 0;
-      key = bad ? -1 : p.key_map[key];
-    } else if (p.key_map != nullptr) {
-      bad = key != -1;
-    }
-    bad = bad || key >= p.num_keys;
-    if (bad) {
-      if (p.status[0] < 0) p.status[0] = i;
-      key = -1;
-    }
-    keys[i] = key;
+    bool bad;
+    const int32_t key = key_of(i, &bad);
+    if (bad && p.status[0] < 0) p.status[0] = i;
     if (key >= 0) ++p.counts[key];
   }
   p.offsets[0] = 0;
   for (int k = 0; k < p.num_keys; ++k) p.offsets[k + 1] = p.offsets[k] + p.counts[k];
-  std::vector<int64_t> next(p.offsets, p.offsets + p.num_keys);
+  // The counts again, as each key's cursor: they end where the first pass left them.
+  for (int64_t k = 0; k < p.num_keys; ++k) p.counts[k] = 0;
   for (int64_t i = 0; i < p.n; ++i) {
-    if (keys[i] < 0) {
+    bool bad;
+    const int32_t key = key_of(i, &bad);
+    if (key < 0) {
       p.position[i] = -1;
       continue;
     }
-    const int64_t pos = next[keys[i]]++;
+    const int64_t pos = p.offsets[key] + p.counts[key]++;
     p.position[i] = static_cast<int32_t>(pos);
     if (p.order != nullptr) p.order[pos] = static_cast<int32_t>(i / p.order_divisor);
-    if (p.values != nullptr) p.values[pos] = p.key_values[keys[i]];
+    if (p.values != nullptr) p.values[pos] = p.key_values[key];
   }
   return absl::OkStatus();
 }

@@ -149,8 +149,8 @@ TEST(StepAllocationsTest, StepGatherKeepsItsStateBetweenSteps) {
 }
 
 // A layer's kernels on the CPU (E 4, k 2, d 8, f 4, 6 tokens): the second call of each with the
-// same shapes allocates nothing, and the results are still right (the routes land on their
-// experts' rows; the combine of all-ones rows with gates summing to 1 gives ones).
+// same shapes (RankByKey, RouteRows, CheckSwiglu, Swiglu, Combine) allocates nothing, and the results are still right
+// (the routes land on their experts' rows; the combine of all-ones rows with gates summing to 1 gives ones).
 TEST(StepAllocationsTest, CpuKernelsKeepTheirHostTables) {
   std::unique_ptr<kernels::ExpertKernels> k = kernels::CreateCpuKernels();
   constexpr int E = 4, K = 2, D = 8, F = 4, T = 6;
@@ -189,8 +189,23 @@ TEST(StepAllocationsTest, CpuKernelsKeepTheirHostTables) {
   cb.k = K;
   cb.out_fp32 = out.data();
 
+  // The device plan's ranking (the CPU reference): the routes by expert, with a token order.
+  std::vector<int32_t> position(T * K), order(T * K);
+  std::vector<int64_t> rank_counts(E), rank_offsets(E + 1), rank_status(1);
+  kernels::RankByKeyParams rk;
+  rk.raw = topk.data();
+  rk.n = T * K;
+  rk.num_keys = E;
+  rk.position = position.data();
+  rk.order = order.data();
+  rk.order_divisor = K;
+  rk.counts = rank_counts.data();
+  rk.offsets = rank_offsets.data();
+  rk.status = rank_status.data();
+
   for (int call = 0; call < 2; ++call) {
     const int64_t before = bench::ThreadAllocations();
+    ASSERT_TRUE(k->RankByKey(rk, nullptr).ok());
     ASSERT_TRUE(k->RouteRows(rr, nullptr).ok());
     ASSERT_TRUE(kernels::CheckSwiglu(sw).ok());
     ASSERT_TRUE(k->Swiglu(sw, nullptr).ok());
@@ -198,6 +213,10 @@ TEST(StepAllocationsTest, CpuKernelsKeepTheirHostTables) {
     if (call == 1) EXPECT_EQ(bench::ThreadAllocations() - before, 0);
   }
   EXPECT_EQ(counts, (std::vector<int64_t>{3, 3, 3, 3}));
+  EXPECT_EQ(rank_counts, counts);
+  EXPECT_EQ(rank_offsets, offsets);
+  EXPECT_EQ(position, row_of_route);  // both stable by route index within an expert
+  EXPECT_EQ(order, token_of_row);
   EXPECT_EQ(offsets, (std::vector<int64_t>{0, 3, 6, 9, 12}));
   for (int i = 0; i < T * K; ++i) {
     EXPECT_TRUE(offsets[topk[i]] <= row_of_route[i] && row_of_route[i] < offsets[topk[i] + 1]) << "route " << i;
