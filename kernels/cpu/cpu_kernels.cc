@@ -65,8 +65,7 @@ class CpuKernels final : public ExpertKernels {
   // One expert's rows widened to FP32 and its intermediate products, kept between calls (fresh
   // allocations every call came back from the OS page by page).
   std::vector<float> x_f32_, h_, a_, y_f32_;
-  // Host tables of RouteRows, Swiglu and Combine, kept between calls the same way.
-  std::vector<int64_t> next_, counts_, executed_;
+  // Combine's accumulator row, kept between calls the same way.
   std::vector<float> acc_;
 
  public:
@@ -112,30 +111,23 @@ class CpuKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
-  absl::Status RouteRows(const RouteRowsParams& p, Stream) override {
+  absl::Status RouteRows(const RouteRowsParams& p, Stream stream) override {
     absl::Status s = CheckRouteRows(p);
     if (!s.ok()) return s;
-    // A stable counting sort: rows of one expert keep (token, slot) order.
-    std::fill(p.counts, p.counts + p.num_experts, 0);
-    const int64_t n = p.num_tokens * p.k;
-    for (int64_t i = 0; i < n; ++i) {
-      if (p.topk[i] >= 0 && p.topk[i] < p.num_experts) ++p.counts[p.topk[i]];
-    }
-    p.offsets[0] = 0;
-    for (int e = 0; e < p.num_experts; ++e) p.offsets[e + 1] = p.offsets[e] + p.counts[e];
-    std::vector<int64_t>& next = next_;
-    next.assign(p.offsets, p.offsets + p.num_experts);
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t e = p.topk[i];
-      if (e < 0 || e >= p.num_experts) {
-        p.row_of_route[i] = -1;
-        continue;
-      }
-      const int64_t row = next[e]++;
-      p.row_of_route[i] = static_cast<int32_t>(row);
-      p.token_of_row[row] = static_cast<int32_t>(i / p.k);
-    }
-    return absl::OkStatus();
+    // A stable counting sort (rows of one expert keep (token, slot) order): the reference
+    // RankByKey with the expert id as the key; an id outside [0, E) gets row -1.
+    int64_t status = -1;
+    RankByKeyParams r;
+    r.raw = p.topk;
+    r.n = p.num_tokens * p.k;
+    r.num_keys = p.num_experts;
+    r.position = p.row_of_route;
+    r.order = p.token_of_row;
+    r.order_divisor = p.k;
+    r.counts = p.counts;
+    r.offsets = p.offsets;
+    r.status = &status;
+    return RankByKey(r, stream);
   }
 
   absl::Status Swiglu(const SwigluParams& p_in, Stream) override {
@@ -169,16 +161,12 @@ class CpuKernels final : public ExpertKernels {
     }
     const ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff, e_count = w.num_experts;
-    std::vector<int64_t>& counts = counts_;  // reused from call to call, as the buffers below
-    counts.resize(e_count);
-    for (int e = 0; e < e_count; ++e) counts[e] = p.host_offsets[e + 1] - p.host_offsets[e];
-    s = ExecutedOffsets(p.layout, counts, &executed_);
-    if (!s.ok()) return s;
     for (int e = 0; e < e_count; ++e) {
-      // The layouts differ only in the padding rows they execute (checked above: a padded
-      // capacity holds every segment), and a row's result does not depend on the rows beside it
-      // (DotRowsBf16): the useful rows alone are computed, with the same bits in every layout.
-      const int64_t m = counts[e];
+      // The layouts differ only in the padding rows they execute (CheckSwiglu above checked that a
+      // padded capacity holds every segment), and a row's result does not depend on the rows
+      // beside it (DotRowsBf16): the useful rows alone are computed, with the same bits in every
+      // layout.
+      const int64_t m = p.host_offsets[e + 1] - p.host_offsets[e];
       if (m == 0) continue;
       x_f32_.resize(static_cast<size_t>(m) * d);
       h_.resize(static_cast<size_t>(m) * 2 * f);
