@@ -53,7 +53,10 @@ absl::Status CheckExecutedLayout(const LayoutParams& p, absl::Span<const int64_t
 // Checks segment offsets: E + 1 entries, offsets[0] == 0, monotone, offsets[E] == rows.
 absl::Status ValidateOffsets(absl::Span<const int64_t> offsets, int64_t rows, const char* field);
 
-enum class ScaleGranularity { kNone, kPerRow, kPerBlock128 };
+// kPerBlock128: one scale per row and 128 values (activations, dispatch payloads);
+// kBlock128x128: one per 128 x 128 block, [ceil(rows / 128), ceil(d / 128)] row-major (weights,
+// as DeepSeek-V3's checkpoints and Fp8ExpertWeights carry them; Quantize and Dequantize only).
+enum class ScaleGranularity { kNone, kPerRow, kPerBlock128, kBlock128x128 };
 // Number of FP32 scales a [rows, d] FP8 payload carries.
 int64_t ScaleCount(ScaleGranularity g, int64_t rows, int d);
 

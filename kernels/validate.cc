@@ -41,6 +41,8 @@ int64_t ScaleCount(ScaleGranularity g, int64_t rows, int d) {
       return rows;
     case ScaleGranularity::kPerBlock128:
       return rows * ((d + 127) / 128);
+    case ScaleGranularity::kBlock128x128:
+      return ((rows + 127) / 128) * ((d + 127) / 128);
   }
   return 0;
 }
@@ -108,6 +110,8 @@ absl::Status CheckGather(const GatherParams& p) {
   KERNEL_INVALID_IF(p.n < 0 || p.in_rows < 0, "gather: negative row count");
   KERNEL_INVALID_IF(p.n > 0 && (p.index == nullptr || p.out == nullptr || (p.in_rows > 0 && p.in == nullptr)),
                     "gather: null buffer");
+  KERNEL_INVALID_IF(p.scales == ScaleGranularity::kBlock128x128,
+                    "gather.scales: 128 x 128 block scales are for weights, not row payloads");
   if (p.scales != ScaleGranularity::kNone) {
     KERNEL_INVALID_IF(p.dtype != DType::kFP8E4M3, "gather.scales: only FP8 payloads carry scales");
     const int64_t want = ScaleCount(p.scales, p.in_rows, p.d);

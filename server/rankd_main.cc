@@ -97,6 +97,10 @@ ABSL_FLAG(std::string, decode_runner, "kernels",
           "decode graph bucket's expert runner: kernels (decode kernels over compact segments), padded (GEMMs over "
           "slots padded to the bucket's routes per slot) or auto (padded when a full bucket gives each slot two "
           "rows or more); every rank must use the same (else decode steps serve eagerly)");
+ABSL_FLAG(std::string, expert_dtype, "bf16",
+          "precision of the experts' weights and arithmetic: bf16, or fp8 (E4M3 weights in 128 x 128 blocks, "
+          "quantized when a generation is loaded; rows quantized per 128 values; half the weights' device memory). "
+          "Release bundles name it as runtime.dtype (BF16 / FP8)");
 ABSL_FLAG(bool, device_plan, true,
           "plan prefill steps on the kernels (route keys, checks and the send and receive orders where the rows "
           "are; the host reads back counts per slot) wherever replica choice does not depend on the step");
@@ -161,6 +165,7 @@ struct RankdOptions {
   int gpu = 0;
   kernels::CudaTuning cuda_tuning;  // parsed only when the CUDA backend is loaded
   DecodeRunner decode_runner = DecodeRunner::kKernels;
+  ExpertDtype expert_dtype = ExpertDtype::kBf16;
   bool trial_drift = false;  // --inject_fault=trial_drift
   std::string agent_token;   // empty: RankAgentService is off
   TlsFiles tls;              // --tls_*: mutual TLS on the TCP port and toward the peers' agents
@@ -196,7 +201,7 @@ absl::Status ParseEngineApiFlags(RankdOptions* o) {
   return absl::OkStatus();
 }
 
-// --kernels, --transport, --gpu, --cuda_tuning, --decode_runner, --inject_fault.
+// --kernels, --transport, --gpu, --cuda_tuning, --decode_runner, --expert_dtype, --inject_fault.
 absl::Status ParseExecutionFlags(RankdOptions* o) {
   o->kernels = absl::GetFlag(FLAGS_kernels);
   o->transport = absl::GetFlag(FLAGS_transport);
@@ -215,6 +220,9 @@ absl::Status ParseExecutionFlags(RankdOptions* o) {
   auto runner = ParseDecodeRunner(absl::GetFlag(FLAGS_decode_runner));
   if (!runner.ok()) return absl::InvalidArgumentError(absl::StrCat("--", runner.status().message()));
   o->decode_runner = *runner;
+  auto dtype = ParseExpertDtype(absl::GetFlag(FLAGS_expert_dtype), "--expert_dtype");
+  if (!dtype.ok()) return dtype.status();
+  o->expert_dtype = *dtype;
   const std::string fault = absl::GetFlag(FLAGS_inject_fault);
   if (!fault.empty() && fault != "trial_drift") {
     return absl::InvalidArgumentError(absl::StrCat("--inject_fault=", fault, ": expected trial_drift"));
@@ -568,6 +576,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
   eo.decode_runner = o.decode_runner;
   eo.device_plan = absl::GetFlag(FLAGS_device_plan);
+  eo.expert_dtype = o.expert_dtype;
   if (o.trial_drift) {
     eo.fault_trial_output_scale = 1.05f;
     spdlog::warn("fault injection: trial passes on this rank return outputs scaled by 1.05");
@@ -638,7 +647,7 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     ac.runtime.set_decode_runner(absl::GetFlag(FLAGS_decode_runner));
     ac.runtime.set_decode_bucket_tokens(absl::GetFlag(FLAGS_decode_bucket_tokens));
     ac.runtime.set_decode_bucket_slot_routes(absl::GetFlag(FLAGS_decode_bucket_slot_routes));
-    ac.runtime.set_dtype("BF16");
+    ac.runtime.set_dtype(o.expert_dtype == ExpertDtype::kFp8 ? "FP8" : "BF16");
     ac.runtime.set_kernel_build(KernelBuild(o));
     s->agent = std::make_unique<RankAgentServiceImpl>(std::move(ac));
   }

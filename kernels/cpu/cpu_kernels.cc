@@ -21,15 +21,19 @@ namespace {
 // One scale group of BF16 values in E4M3 (kernels/numeric.h): scale = a / 448, q = x * (448 / a),
 // a = max(amax, kFp8MinAmax); scale 1 for all zeros. The CUDA kernels compute the same two
 // divisions and one multiply a value, bit for bit.
+float GroupScale(float amax, float* inv) {
+  *inv = 1.0f;
+  if (!(amax > 0)) return 1.0f;  // zero (or NaN): scale 1, as the CUDA kernels
+  const float a = std::max(amax, kFp8MinAmax);
+  *inv = kFp8E4M3Max / a;
+  return a / kFp8E4M3Max;
+}
+
 float QuantizeGroup(const uint16_t* x, int n, uint8_t* q) {
   float amax = 0;
   for (int c = 0; c < n; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
-  float scale = 1.0f, inv = 1.0f;
-  if (amax > 0) {
-    const float a = std::max(amax, kFp8MinAmax);
-    scale = a / kFp8E4M3Max;
-    inv = kFp8E4M3Max / a;
-  }
+  float inv;
+  const float scale = GroupScale(amax, &inv);
   for (int c = 0; c < n; ++c) q[c] = FloatToFp8E4M3(Bf16ToFloat(x[c]) * inv);
   return scale;
 }
@@ -41,6 +45,27 @@ void QuantizedRow(const uint16_t* x, int n, float* out) {
     const int len = std::min(n - begin, 128);
     const float scale = QuantizeGroup(x + begin, len, q);
     for (int c = 0; c < len; ++c) out[begin + c] = Fp8E4M3ToFloat(q[c]) * scale;
+  }
+}
+
+// Quantize's 128 x 128 blocks (weights): QuantizeGroup's scale over each block's amax, the
+// same multiply a value.
+void QuantizeBlocks(const QuantizeParams& p) {
+  const int64_t block_cols = (p.d + 127) / 128;
+  for (int64_t r0 = 0; r0 < p.rows; r0 += 128) {
+    const int64_t r1 = std::min(p.rows, r0 + 128);
+    for (int64_t b = 0; b < block_cols; ++b) {
+      const int c0 = static_cast<int>(b * 128), c1 = std::min(p.d, c0 + 128);
+      float amax = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(p.x[r * p.d + c])));
+      }
+      float inv;
+      p.scales[(r0 / 128) * block_cols + b] = GroupScale(amax, &inv);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int c = c0; c < c1; ++c) p.q[r * p.d + c] = FloatToFp8E4M3(Bf16ToFloat(p.x[r * p.d + c]) * inv);
+      }
+    }
   }
 }
 
@@ -267,6 +292,10 @@ class CpuKernels final : public ExpertKernels {
   absl::Status Quantize(const QuantizeParams& p, Stream) override {
     absl::Status s = CheckQuantize(p);
     if (!s.ok()) return s;
+    if (p.granularity == ScaleGranularity::kBlock128x128) {
+      QuantizeBlocks(p);
+      return absl::OkStatus();
+    }
     const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
     const int64_t per_row = ScaleCount(p.granularity, 1, p.d);
     for (int64_t r = 0; r < p.rows; ++r) {
@@ -281,11 +310,13 @@ class CpuKernels final : public ExpertKernels {
   absl::Status Dequantize(const DequantizeParams& p, Stream) override {
     absl::Status s = CheckDequantize(p);
     if (!s.ok()) return s;
+    const bool blocks = p.granularity == ScaleGranularity::kBlock128x128;
     const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
-    const int64_t per_row = ScaleCount(p.granularity, 1, p.d);
+    const int64_t per_row = blocks ? (p.d + 127) / 128 : ScaleCount(p.granularity, 1, p.d);
     for (int64_t r = 0; r < p.rows; ++r) {
+      const int64_t scale_row = blocks ? r / 128 : r;
       for (int c = 0; c < p.d; ++c) {
-        const float scale = p.scales[r * per_row + c / group];
+        const float scale = p.scales[scale_row * per_row + c / group];
         p.x[r * p.d + c] = FloatToBf16(Fp8E4M3ToFloat(p.q[r * p.d + c]) * scale);
       }
     }

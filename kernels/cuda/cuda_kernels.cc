@@ -647,8 +647,9 @@ class CudaKernels final : public ExpertKernels {
     absl::Status s = CheckQuantize(p);
     if (!s.ok()) return s;
     const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
+    const int block_rows = p.granularity == ScaleGranularity::kBlock128x128 ? 128 : 1;
     CUDA_RETURN_IF_ERROR(
-        cuda::LaunchQuantizeFp8(p.x, p.rows, p.d, group, p.q, p.scales, static_cast<cudaStream_t>(stream)));
+        cuda::LaunchQuantizeFp8(p.x, p.rows, p.d, group, p.q, p.scales, static_cast<cudaStream_t>(stream), block_rows));
     return absl::OkStatus();
   }
 
@@ -657,8 +658,9 @@ class CudaKernels final : public ExpertKernels {
     absl::Status s = CheckDequantize(p);
     if (!s.ok()) return s;
     const int group = p.granularity == ScaleGranularity::kPerRow ? p.d : 128;
-    CUDA_RETURN_IF_ERROR(
-        cuda::LaunchDequantizeFp8(p.q, p.scales, p.rows, p.d, group, p.x, static_cast<cudaStream_t>(stream)));
+    const int block_rows = p.granularity == ScaleGranularity::kBlock128x128 ? 128 : 1;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchDequantizeFp8(p.q, p.scales, p.rows, p.d, group, p.x,
+                                                   static_cast<cudaStream_t>(stream), block_rows));
     return absl::OkStatus();
   }
 

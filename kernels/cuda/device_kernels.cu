@@ -588,8 +588,42 @@ __global__ void QuantizeFp8Kernel(const __nv_bfloat16* __restrict__ x, int d, in
   }
 }
 
+// One block per 128 x 128 weight block (Quantize's kBlock128x128): the block's amax, then its
+// values, each thread over whole 128-byte rows' worth of columns.
+__global__ void QuantizeFp8BlockKernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int d, int block_cols,
+                                       __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  __shared__ float inv_shared;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x / block_cols) * 128;
+  const int c0 = static_cast<int>(blockIdx.x % block_cols) * 128;
+  const int n_rows = static_cast<int>(rows - r0 < 128 ? rows - r0 : 128), n_cols = min(128, d - c0);
+  float amax = 0;
+  for (int i = threadIdx.x; i < n_rows * 128; i += blockDim.x) {
+    const int r = i / 128, c = i % 128;
+    if (c < n_cols) amax = fmaxf(amax, fabsf(__bfloat162float(x[(r0 + r) * d + c0 + c])));
+  }
+  amax = Reduce(storage).Reduce(amax, MaxOp());
+  if (threadIdx.x == 0) {
+    float scale, inv;
+    GroupScales(amax, &scale, &inv);
+    scales[blockIdx.x] = scale;
+    inv_shared = inv;
+  }
+  __syncthreads();
+  const float inv = inv_shared;
+  for (int i = threadIdx.x; i < n_rows * 128; i += blockDim.x) {
+    const int r = i / 128, c = i % 128;
+    if (c < n_cols) {
+      const int64_t at = (r0 + r) * d + c0 + c;
+      q[at] = __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x[at]), inv), __NV_SATFINITE, __NV_E4M3);
+    }
+  }
+}
+
 __global__ void DequantizeFp8Kernel(const __nv_fp8_storage_t* __restrict__ q, const float* __restrict__ scales,
-                                    int64_t rows, int d, int group, int groups_per_row, __nv_bfloat16* __restrict__ x) {
+                                    int64_t rows, int d, int group, int groups_per_row, int block_rows,
+                                    __nv_bfloat16* __restrict__ x) {
   const int64_t total = rows * d;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -597,7 +631,7 @@ __global__ void DequantizeFp8Kernel(const __nv_fp8_storage_t* __restrict__ q, co
     const int c = static_cast<int>(i - r * d);
     const __half_raw hr = __nv_cvt_fp8_to_halfraw(q[i], __NV_E4M3);
     const float v = __half2float(__half(hr));
-    x[i] = __float2bfloat16_rn(v * scales[r * groups_per_row + c / group]);
+    x[i] = __float2bfloat16_rn(v * scales[(r / block_rows) * groups_per_row + c / group]);
   }
 }
 
@@ -652,14 +686,14 @@ __global__ void QuantizeFp8Group128Kernel(const __nv_bfloat16* __restrict__ x, i
 // Eight values a thread (d and the group a multiple of 8, so they share one scale): one 8-byte
 // load, pairwise FP8 -> half conversion, one 16-byte store.
 __global__ void DequantizeFp8Vec8Kernel(const __nv_fp8_storage_t* __restrict__ q, const float* __restrict__ scales,
-                                        int64_t vecs, int d, int group, int groups_per_row,
+                                        int64_t vecs, int d, int group, int groups_per_row, int block_rows,
                                         __nv_bfloat16* __restrict__ x) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vecs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e = i * 8;
     const int64_t r = e / d;
     const int c = static_cast<int>(e - r * d);
-    const float scale = scales[r * groups_per_row + c / group];
+    const float scale = scales[(r / block_rows) * groups_per_row + c / group];
     const uint2 raw = reinterpret_cast<const uint2*>(q)[i];
     const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&raw);
     uint4 out;
@@ -1039,9 +1073,18 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
 }
 
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, int block_rows) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
+  if (block_rows != 1) {
+    if (block_rows != 128 || group != 128) return cudaErrorInvalidValue;
+    const int64_t blocks = (rows + 127) / 128 * groups_per_row;
+    if (blocks >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+    QuantizeFp8BlockKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x), rows, d, groups_per_row, reinterpret_cast<__nv_fp8_storage_t*>(q),
+        scales);
+    return cudaGetLastError();
+  }
   if (group == 128 && d % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(q) % 16 == 0) {
     const int64_t groups = rows * groups_per_row;
@@ -1056,19 +1099,19 @@ cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group,
 }
 
 cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int block_rows) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
   if (d % 8 == 0 && group % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0 &&
       reinterpret_cast<uintptr_t>(x) % 16 == 0) {
     const int64_t vecs = rows * d / 8;
     DequantizeFp8Vec8Kernel<<<Blocks(vecs), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q),
-                                                                   scales, vecs, d, group, groups_per_row,
+                                                                   scales, vecs, d, group, groups_per_row, block_rows,
                                                                    reinterpret_cast<__nv_bfloat16*>(x));
     return cudaGetLastError();
   }
   DequantizeFp8Kernel<<<Blocks(rows * d), kThreads, 0, stream>>>(reinterpret_cast<const __nv_fp8_storage_t*>(q), scales,
-                                                                 rows, d, group, groups_per_row,
+                                                                 rows, d, group, groups_per_row, block_rows,
                                                                  reinterpret_cast<__nv_bfloat16*>(x));
   return cudaGetLastError();
 }

@@ -57,11 +57,12 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
 // *first = the index of the first NaN / infinite value among n BF16 values, ~0 when none.
 cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long long* first, cudaStream_t stream);
 
-// FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block).
+// FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block);
+// block_rows 128 (with group 128): one scale per 128 x 128 block (weights), 1: per row.
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
-                              cudaStream_t stream);
+                              cudaStream_t stream, int block_rows = 1);
 cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
-                                cudaStream_t stream);
+                                cudaStream_t stream, int block_rows = 1);
 
 // Local-layer row assignment (kernels/api.h RouteRowsParams): each route (token t, slot j) with
 // expert id topk[t * k + j] gets a row of its expert's segment of an expert-major layout

@@ -55,6 +55,7 @@ class CudaDecodeGraph final : public DecodeStepGraph {
       RETURN_IF_ERROR(b->Reserve(kernels_.get(), ps * row));
     }
     RETURN_IF_ERROR(expert_out_.Reserve(kernels_.get(), lay * row));
+    if (fp8()) RETURN_IF_ERROR(expert_in_.Reserve(kernels_.get(), lay * row));
     RETURN_IF_ERROR(out_.Reserve(kernels_.get(), s_.rank_tokens * row));
 
     // Warm-up: the pipeline once, eagerly, with empty tables (every member does it at this
@@ -148,6 +149,24 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     return absl::OkStatus();
   }
 
+  bool fp8() const { return s_.fp8_gate_up != nullptr; }
+
+  // The BF16 experts straight from the packed rows (the gather fused into the operand load).
+  absl::Status Bf16Experts(bool lone, int64_t ps, int64_t lay, kernels::Stream st) {
+    kernels::SwigluParams sw;
+    sw.weights = {s_.w_gate_up, s_.w_down, s_.local_slots, s_.d, s_.d_ff};
+    sw.x = (lone ? send_rows_ : recv_rows_).as<uint16_t>();
+    sw.x_rows = ps;
+    sw.x_row_index = At<int32_t>(off_expert_rows_);
+    sw.device_offsets = At<int64_t>(off_offsets_);
+    sw.rows = lay;
+    sw.max_segment_rows = s_.slot_routes;
+    // Admission holds every slot's routes to slot_routes: the padded runner's capacity.
+    if (s_.padded_runner) sw.layout = {kernels::Layout::kPaddedDense, s_.slot_routes, 16, 128};
+    sw.y = expert_out_.as<uint16_t>();
+    return kernels_->Swiglu(sw, st);
+  }
+
   // The whole step on the transport's stream (captured once, replayed every admitted step). A
   // lone member's segments go to itself: its experts read the packed rows and its combine the
   // expert rows where they are, with no exchange in the graph.
@@ -164,18 +183,28 @@ class CudaDecodeGraph final : public DecodeStepGraph {
     pack.out = send_rows_.data();
     RETURN_IF_ERROR(kernels_->Gather(pack, st));
     if (!lone) RETURN_IF_ERROR(Exchange(send_rows_, recv_rows_));
-    kernels::SwigluParams sw;
-    sw.weights = {s_.w_gate_up, s_.w_down, s_.local_slots, s_.d, s_.d_ff};
-    sw.x = (lone ? send_rows_ : recv_rows_).as<uint16_t>();
-    sw.x_rows = ps;
-    sw.x_row_index = At<int32_t>(off_expert_rows_);
-    sw.device_offsets = At<int64_t>(off_offsets_);
-    sw.rows = lay;
-    sw.max_segment_rows = s_.slot_routes;
-    // Admission holds every slot's routes to slot_routes: the padded runner's capacity.
-    if (s_.padded_runner) sw.layout = {kernels::Layout::kPaddedDense, s_.slot_routes, 16, 128};
-    sw.y = expert_out_.as<uint16_t>();
-    RETURN_IF_ERROR(kernels_->Swiglu(sw, st));
+    if (fp8()) {
+      // FP8 experts take expert-major rows: the layout's rows gathered first (padding rows,
+      // index -1, as zeros), then SwigluFp8 over the grouped layout's offsets.
+      kernels::GatherParams in;
+      in.d = s_.d;
+      in.in = (lone ? send_rows_ : recv_rows_).data();
+      in.in_rows = ps;
+      in.index = At<int32_t>(off_expert_rows_);
+      in.n = lay;
+      in.out = expert_in_.data();
+      RETURN_IF_ERROR(kernels_->Gather(in, st));
+      kernels::SwigluFp8Params q;
+      q.weights = {s_.fp8_gate_up, s_.fp8_gate_up_scales, s_.fp8_down, s_.fp8_down_scales, s_.local_slots, s_.d,
+                   s_.d_ff};
+      q.x = expert_in_.as<uint16_t>();
+      q.rows = lay;
+      q.offsets = At<int64_t>(off_offsets_);
+      q.y = expert_out_.as<uint16_t>();
+      RETURN_IF_ERROR(kernels_->SwigluFp8(q, st));
+    } else {
+      RETURN_IF_ERROR(Bf16Experts(lone, ps, lay, st));
+    }
     kernels::GatherParams unpack;
     unpack.d = s_.d;
     unpack.in = expert_out_.data();
@@ -201,7 +230,7 @@ class CudaDecodeGraph final : public DecodeStepGraph {
   DecodeGraphShape s_;
   NcclHandles handles_;
   std::unique_ptr<kernels::ExpertKernels> kernels_;
-  kernels::KernelBuffer block_, send_rows_, recv_rows_, expert_out_, back_rows_, returned_, out_;
+  kernels::KernelBuffer block_, send_rows_, recv_rows_, expert_in_, expert_out_, back_rows_, returned_, out_;
   void* staging_ = nullptr;
   void* out_host_ = nullptr;
   int64_t block_bytes_ = 0, off_hidden_ = 0, off_send_index_ = 0, off_expert_rows_ = 0, off_layout_row_ = 0,

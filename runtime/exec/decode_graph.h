@@ -44,6 +44,13 @@ struct DecodeGraphShape {
   // outlive the graph.
   const uint16_t* w_gate_up = nullptr;
   const uint16_t* w_down = nullptr;
+  // FP8 experts instead (LayerExecutorOptions::expert_dtype): E4M3 weights with their 128 x 128
+  // block scales, all four set or none (kernels::Fp8ExpertWeights); the BF16 pointers are then
+  // null and the runner is the decode kernels' grouped layout.
+  const uint8_t* fp8_gate_up = nullptr;
+  const float* fp8_gate_up_scales = nullptr;
+  const uint8_t* fp8_down = nullptr;
+  const float* fp8_down_scales = nullptr;
   // Capture first runs the pipeline once eagerly with every peer (connections, scratch).
   absl::Duration warmup_timeout = absl::Seconds(30);
 };

@@ -126,12 +126,110 @@ std::optional<std::pair<Topology, ProcessGroup>> LayerExecutor::Membership() con
 struct LayerExecutor::ResidentExperts {
   std::shared_ptr<const LocalExperts> host;
   kernels::KernelBuffer gate_up, down;
-  const uint16_t* w_gate_up = nullptr;  // every layer's slots, layer after layer
+  const uint16_t* w_gate_up = nullptr;  // every layer's slots, layer after layer (null: FP8 only)
   const uint16_t* w_down = nullptr;
+  // ExpertDtype::kFp8: every layer's E4M3 weights and 128 x 128 block scales, layer after layer,
+  // where the kernels read them.
+  bool fp8 = false;
+  kernels::KernelBuffer q_gate_up, q_down, s_gate_up, s_down;
   // Layer `index`'s weights (LocalExperts::LayerIndex).
   const uint16_t* LayerGateUp(int index) const { return w_gate_up + index * host->layer_gate_up_elems(); }
   const uint16_t* LayerDown(int index) const { return w_down + index * host->layer_down_elems(); }
+  int slots() const { return static_cast<int>(host->layer_down_elems() / (static_cast<size_t>(host->d) * host->d_ff)); }
+  // Scales of one layer's gate_up ([slots * 2 d_ff / 128, d / 128]) and down ([slots * d / 128,
+  // d_ff / 128]).
+  int64_t gate_up_scales() const { return static_cast<int64_t>(slots()) * (2 * host->d_ff / 128) * (host->d / 128); }
+  int64_t down_scales() const { return static_cast<int64_t>(slots()) * (host->d / 128) * (host->d_ff / 128); }
+  kernels::Fp8ExpertWeights Fp8Layer(int index) const {
+    kernels::Fp8ExpertWeights w;
+    w.w_gate_up = q_gate_up.as<uint8_t>() + index * host->layer_gate_up_elems();
+    w.gate_up_scales = s_gate_up.as<float>() + index * gate_up_scales();
+    w.w_down = q_down.as<uint8_t>() + index * host->layer_down_elems();
+    w.down_scales = s_down.as<float>() + index * down_scales();
+    w.num_experts = slots();
+    w.d = host->d;
+    w.d_ff = host->d_ff;
+    return w;
+  }
 };
+
+absl::StatusOr<ExpertDtype> ParseExpertDtype(const std::string& text, const char* field) {
+  if (text == "bf16") return ExpertDtype::kBf16;
+  if (text == "fp8") return ExpertDtype::kFp8;
+  return absl::InvalidArgumentError(absl::StrCat(field, ": '", text, "' is not an expert precision (bf16, fp8)"));
+}
+
+const char* ExpertDtypeName(ExpertDtype dtype) { return dtype == ExpertDtype::kFp8 ? "fp8" : "bf16"; }
+
+// The FP8 copy of a generation's weights (LayerExecutorOptions::expert_dtype): each layer's
+// gate/up and down matrices quantized in 128 x 128 blocks by the kernels, from BF16 staged
+// through a bounded buffer (128-row multiples: blocks never straddle a chunk or an expert,
+// whose 2 d_ff and d rows are multiples of 128).
+absl::Status LayerExecutor::QuantizeGeneration(PlacementVersion version, ResidentExperts* r) {
+  kernels::ExpertKernels* kern = options_.kernels;
+  const LocalExperts& host = *r->host;
+  const int d = host.d, f = host.d_ff;
+  if (d <= 0 || f <= 0 || d % 128 != 0 || f % 128 != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("expert_dtype fp8: placement-v", version.value(),
+                                                      "'s experts (d=", d, ", d_ff=", f,
+                                                      ") need d and d_ff multiples of 128"));
+  }
+  const int layers = host.num_layers();
+  const int64_t gu = static_cast<int64_t>(host.layer_gate_up_elems()),
+                dn = static_cast<int64_t>(host.layer_down_elems());
+  const int64_t gu_s = r->gate_up_scales(), dn_s = r->down_scales();
+  const int64_t widest = std::max(d, f);
+  const int64_t chunk_rows = std::max<int64_t>(128, ((int64_t{64} << 20) / (widest * 2)) / 128 * 128);
+  const int64_t staging = std::min<int64_t>(chunk_rows, std::max(gu / d, dn / f)) * widest * 2;
+  const int64_t need = layers * (gu + dn + 4 * (gu_s + dn_s)) + staging;
+  if (const int64_t free = kern->AvailableBytes(); free >= 0 && need > free) {
+    return absl::ResourceExhaustedError(absl::StrCat("placement-v", version.value(), ": the FP8 experts need ", need,
+                                                     " bytes of kernel memory, ", free, " are free on ", kern->name()));
+  }
+  RETURN_IF_ERROR(r->q_gate_up.Reserve(kern, layers * gu));
+  RETURN_IF_ERROR(r->q_down.Reserve(kern, layers * dn));
+  RETURN_IF_ERROR(r->s_gate_up.Reserve(kern, layers * gu_s * 4));
+  RETURN_IF_ERROR(r->s_down.Reserve(kern, layers * dn_s * 4));
+  kernels::KernelBuffer stage;
+  RETURN_IF_ERROR(stage.Reserve(kern, staging));
+  // [rows, cols] BF16 at `src` (host) -> E4M3 at `q`, block scales at `scales`.
+  auto quantize = [&](const uint16_t* src, int64_t rows, int cols, uint8_t* q, float* scales) -> absl::Status {
+    const int64_t block_cols = cols / 128;
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, rows - r0);
+      RETURN_IF_ERROR(kern->CopyToKernel(stage.data(), src + r0 * cols, n * cols * 2, nullptr));
+      kernels::QuantizeParams p;
+      p.x = stage.as<uint16_t>();
+      p.rows = n;
+      p.d = cols;
+      p.granularity = kernels::ScaleGranularity::kBlock128x128;
+      p.q = q + r0 * cols;
+      p.scales = scales + (r0 / 128) * block_cols;
+      p.scale_count = kernels::ScaleCount(p.granularity, n, cols);
+      RETURN_IF_ERROR(kern->Quantize(p, nullptr));
+      RETURN_IF_ERROR(kern->Synchronize(nullptr));  // the staging buffer is refilled next
+    }
+    return absl::OkStatus();
+  };
+  for (int l = 0; l < layers; ++l) {
+    RETURN_IF_ERROR(quantize(host.w_gate_up.data() + l * gu, gu / d, d, r->q_gate_up.as<uint8_t>() + l * gu,
+                             r->s_gate_up.as<float>() + l * gu_s));
+    RETURN_IF_ERROR(quantize(host.w_down.data() + l * dn, dn / f, f, r->q_down.as<uint8_t>() + l * dn,
+                             r->s_down.as<float>() + l * dn_s));
+  }
+  r->fp8 = true;
+  // Whether these kernels take the shape: a call with no rows is checked as a step's would be
+  // (CUDA: the Hopper kernels' d and d_ff), before the generation can serve.
+  const std::vector<int64_t> offsets(r->slots() + 1, 0);
+  kernels::SwigluFp8Params probe;
+  probe.weights = r->Fp8Layer(0);
+  probe.offsets = offsets.data();
+  if (absl::Status s = kern->SwigluFp8(probe, nullptr); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("expert_dtype fp8: placement-v", version.value(), ": ",
+                                                      kern->name(), " cannot run these FP8 experts: ", s.message()));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_ptr<const LocalExperts> experts) {
   if (experts == nullptr) return absl::InvalidArgumentError("experts: null");
@@ -139,7 +237,13 @@ absl::Status LayerExecutor::AddGeneration(PlacementVersion version, std::shared_
   resident->host = experts;
   resident->w_gate_up = experts->w_gate_up.data();
   resident->w_down = experts->w_down.data();
-  if (device_) {
+  if (options_.expert_dtype == ExpertDtype::kFp8) {
+    RETURN_IF_ERROR(QuantizeGeneration(version, resident.get()));
+    if (device_) {  // the BF16 copy stays on the host only
+      resident->w_gate_up = nullptr;
+      resident->w_down = nullptr;
+    }
+  } else if (device_) {
     kernels::ExpertKernels* kern = options_.kernels;
     const int64_t gu = static_cast<int64_t>(experts->w_gate_up.size()) * 2,
                   dn = static_cast<int64_t>(experts->w_down.size()) * 2;
@@ -287,11 +391,19 @@ absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(
   shape.k = in.k;
   // The graph's expert call covers local_slots x slot_routes rows (cuda_decode_graph.cc): the
   // kernels decide on those, so the runner choice asks about the same.
-  shape.padded_runner = ChoosePaddedRunner(
-      options_.decode_runner, p, tokens_cap, in.k, total_slots,
-      options_.kernels->DecodeGemmBeatsPadded(local_slots, in.d, shape.d_ff, local_slots * shape.slot_routes));
-  shape.w_gate_up = weights->LayerGateUp(layer_index);
-  shape.w_down = weights->LayerDown(layer_index);
+  if (weights->fp8) {  // the grouped layout (SwigluFp8 has no padded runner)
+    const kernels::Fp8ExpertWeights w = weights->Fp8Layer(layer_index);
+    shape.fp8_gate_up = w.w_gate_up;
+    shape.fp8_gate_up_scales = w.gate_up_scales;
+    shape.fp8_down = w.w_down;
+    shape.fp8_down_scales = w.down_scales;
+  } else {
+    shape.padded_runner = ChoosePaddedRunner(
+        options_.decode_runner, p, tokens_cap, in.k, total_slots,
+        options_.kernels->DecodeGemmBeatsPadded(local_slots, in.d, shape.d_ff, local_slots * shape.slot_routes));
+    shape.w_gate_up = weights->LayerGateUp(layer_index);
+    shape.w_down = weights->LayerDown(layer_index);
+  }
   shape.warmup_timeout = options_.timeout;
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeStepGraph> made, options_.decode_graphs(shape));
   std::shared_ptr<DecodeStepGraph> graph = std::move(made);
@@ -584,6 +696,7 @@ struct LayerExecutor::Pass {
   const int32_t* expert_position = nullptr;  // receive position -> expert position
   const int32_t* row_of_route = nullptr;     // route (t, j) -> send position, -1: not sent
   const float* gates = nullptr;              // route (t, j) -> gate, 0: not sent
+  const int64_t* expert_offsets = nullptr;   // FP8 experts: the local slots' offsets in kernel memory
   bool device_plan = false;                  // planned by the kernels (validate decides)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
@@ -1184,7 +1297,8 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
     rank.offsets = small + l_count;
     rank.status = small + 2 * l_count + 1;
     RETURN_IF_ERROR(kern.RankByKey(rank, nullptr));
-    pass.recv_status = rank.status;  // read after the dispatch's synchronize
+    pass.recv_status = rank.status;      // read after the dispatch's synchronize
+    pass.expert_offsets = rank.offsets;  // the agreed offsets (checked above), in kernel memory
   }
   pass.row_of_route = buf_.d_row_of_route.as<int32_t>();
   pass.gates = buf_.d_gates.as<float>();
@@ -1217,7 +1331,7 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   }
   // A lone member holds every slot: a decode step's route, experts and combine are one kernels
   // call on the tokens as they are. Prefill steps keep the grouped GEMMs.
-  if (LoneMember() && in.phase == Phase::kDecode) return LocalLayerPhase(pass);
+  if (LoneMember() && in.phase == Phase::kDecode && !pass.weights->fp8) return LocalLayerPhase(pass);
   RETURN_IF_ERROR(DispatchRows(pass));
   RETURN_IF_ERROR(ExpertsPhase(pass));
   return ReturnAndCombine(pass);
@@ -1305,7 +1419,12 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
     const int t_position = tables.Add(buf_.dest.expert_position.data(), pass.n_recv * 4);
     const int t_rows_of = tables.Add(buf_.row_of_route.data(), routes_n * 4);
     const int t_gates = tables.Add(buf_.gates.data(), routes_n * 4);
+    // The FP8 experts read their offsets where they run (SwigluFp8Params::offsets).
+    const int t_offsets = pass.weights->fp8 ? tables.Add(buf_.dest.expert_offsets.data(),
+                                                         static_cast<int64_t>(buf_.dest.expert_offsets.size()) * 8)
+                                            : -1;
     RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
+    if (t_offsets >= 0) pass.expert_offsets = tables.Get<int64_t>(t_offsets);
     pass.expert_order = t_order >= 0 ? tables.Get<int32_t>(t_order) : nullptr;
     pass.expert_position = tables.Get<int32_t>(t_position);
     pass.row_of_route = tables.Get<int32_t>(t_rows_of);
@@ -1385,14 +1504,25 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
       RETURN_IF_ERROR(reorder(buf_.recv_rows.data(), pass.expert_order, buf_.expert_in.data()));
     }
     const ResidentExperts& weights = *pass.weights;
-    kernels::SwigluParams sw;
-    sw.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index),
-                  static_cast<int>(buf_.dest.expert_counts.size()), d, weights.host->d_ff};
-    sw.x = buf_.expert_in.as<uint16_t>();
-    sw.rows = n_recv;
-    sw.host_offsets = buf_.dest.expert_offsets.data();
-    sw.y = buf_.expert_out.as<uint16_t>();
-    RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
+    if (weights.fp8) {
+      kernels::SwigluFp8Params sw;
+      sw.weights = weights.Fp8Layer(pass.layer_index);
+      sw.x = buf_.expert_in.as<uint16_t>();
+      sw.rows = n_recv;
+      sw.offsets = device_ ? pass.expert_offsets : buf_.dest.expert_offsets.data();
+      sw.y = buf_.expert_out.as<uint16_t>();
+      if (sw.offsets == nullptr) return absl::InternalError("fp8 experts: no offsets in kernel memory");
+      RETURN_IF_ERROR(kern.SwigluFp8(sw, nullptr));
+    } else {
+      kernels::SwigluParams sw;
+      sw.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index),
+                    static_cast<int>(buf_.dest.expert_counts.size()), d, weights.host->d_ff};
+      sw.x = buf_.expert_in.as<uint16_t>();
+      sw.rows = n_recv;
+      sw.host_offsets = buf_.dest.expert_offsets.data();
+      sw.y = buf_.expert_out.as<uint16_t>();
+      RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
+    }
     if (!lone) {
       RETURN_IF_ERROR(reorder(buf_.expert_out.data(), pass.expert_position, buf_.back_rows.data()));
       RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads them on its own stream

@@ -77,6 +77,11 @@ struct LocalExperts {
   size_t layer_down_elems() const { return w_down.size() / num_layers(); }
 };
 
+enum class ExpertDtype { kBf16, kFp8 };
+// "bf16" / "fp8" (flags); INVALID_ARGUMENT naming `field` otherwise.
+absl::StatusOr<ExpertDtype> ParseExpertDtype(const std::string& text, const char* field);
+const char* ExpertDtypeName(ExpertDtype dtype);
+
 struct LayerExecutorOptions {
   Rank rank;
   // The process group's membership and transport. All three, or none: an executor made without
@@ -121,6 +126,16 @@ struct LayerExecutorOptions {
   // shadow passes, and decode steps keep the host plan. Results and records are the host plan's;
   // members may differ in this setting.
   bool device_plan = false;
+  // The precision the experts run in. kFp8: each generation's weights are quantized when it is
+  // added (E4M3, one FP32 scale per 128 x 128 block: DeepSeek-V3's checkpoint format; an FP8
+  // checkpoint's weights come back to the same bytes, see docs/kernels.md) and only the FP8
+  // copy is kept where the kernels run (half the BF16 bytes); the experts are
+  // ExpertKernels::SwigluFp8 (rows quantized per 128 values on the fly). The host copy stays
+  // BF16 (migration, digests). Needs d and d_ff multiples of 128 (and what the kernels take:
+  // CUDA's Hopper kernels, d a multiple of 256), checked when a generation is added. Decode
+  // graphs gather the rows, then run SwigluFp8 (no padded runner); a lone member's decode
+  // steps take the eager path of prefill (LocalLayer is BF16).
+  ExpertDtype expert_dtype = ExpertDtype::kBf16;
 };
 
 class LayerExecutor {
@@ -228,6 +243,7 @@ class LayerExecutor {
   // One pass of a step (the served pass, or a shadow pass): what its phases hand each other.
   struct Pass;
   struct ResidentExperts;
+  absl::Status QuantizeGeneration(PlacementVersion version, ResidentExperts* r);
   absl::StatusOr<LayerStepResult> ExecuteBound(const LayerStepInput& input);
   absl::Status CheckBinding(const LayerExecutorOptions& o) const;
   absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);

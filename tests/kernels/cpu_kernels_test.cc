@@ -504,9 +504,10 @@ TEST(CpuKernelsTest, Fp8RoundTripWithinFormatBound) {
   // Rows near the ends of FP32: amax below kFp8MinAmax (the inverse scale kept finite) and ~1e37.
   for (int c = 0; c < d; ++c) x[6 * d + c] = FloatToBf16(Bf16ToFloat(x[6 * d + c]) * 1e-32f);
   for (int c = 0; c < d; ++c) x[4 * d + c] = FloatToBf16(Bf16ToFloat(x[4 * d + c]) * 1e37f);
-  for (ScaleGranularity g : {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128}) {
+  for (ScaleGranularity g :
+       {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128, ScaleGranularity::kBlock128x128}) {
     const int64_t n_scales = ScaleCount(g, rows, d);
-    EXPECT_EQ(n_scales, g == ScaleGranularity::kPerRow ? 7 : 21);
+    EXPECT_EQ(n_scales, g == ScaleGranularity::kPerRow ? 7 : g == ScaleGranularity::kPerBlock128 ? 21 : 3);
     std::vector<uint8_t> q(rows * d);
     std::vector<float> scales(n_scales);
     std::vector<uint16_t> back(rows * d);
@@ -516,7 +517,8 @@ TEST(CpuKernelsTest, Fp8RoundTripWithinFormatBound) {
     for (int r = 0; r < rows; ++r) {
       for (int c = 0; c < d; ++c) {
         const float v = Bf16ToFloat(x[r * d + c]);
-        const float s = scales[r * (n_scales / rows) + c / group];
+        const float s =
+            g == ScaleGranularity::kBlock128x128 ? scales[c / 128] : scales[r * (n_scales / rows) + c / group];
         // One FP8 rounding (2^-4 relative or 2^-10 absolute in scaled units) plus the BF16
         // rounding of the dequantized value (2^-8 relative).
         const float bound = std::fabs(v) * (0.0625f + 0.0040f) + s * std::ldexp(1.0f, -10);
@@ -524,6 +526,55 @@ TEST(CpuKernelsTest, Fp8RoundTripWithinFormatBound) {
       }
     }
   }
+}
+
+// Weights in 128 x 128 blocks: each block's scale is its amax / 448 (a partial block's too), every
+// value is quantized with its block's scale, and a block of zeros keeps scale 1.
+TEST(CpuKernelsTest, Fp8BlockScalesCoverEach128By128Block) {
+  std::mt19937 rng(11);
+  auto k = CreateCpuKernels();
+  const int64_t rows = 300;
+  const int d = 384;
+  std::vector<uint16_t> x = RandomBf16(rng, rows * d, 1.0f);
+  for (int64_t r = 128; r < 256; ++r) {
+    for (int c = 128; c < 256; ++c) x[r * d + c] = 0;  // block (1, 1)
+  }
+  x[299 * d + 383] = FloatToBf16(40.0f);  // the last, partial block's amax
+  const int64_t n = ScaleCount(ScaleGranularity::kBlock128x128, rows, d);
+  ASSERT_EQ(n, 9);
+  std::vector<uint8_t> q(rows * d);
+  std::vector<float> scales(n);
+  ASSERT_TRUE(
+      k->Quantize({x.data(), rows, d, ScaleGranularity::kBlock128x128, q.data(), scales.data(), n}, nullptr).ok());
+  for (int64_t br = 0; br < 3; ++br) {
+    for (int bc = 0; bc < 3; ++bc) {
+      float amax = 0;
+      for (int64_t r = br * 128; r < std::min<int64_t>(rows, br * 128 + 128); ++r) {
+        for (int c = bc * 128; c < bc * 128 + 128; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[r * d + c])));
+      }
+      EXPECT_EQ(scales[br * 3 + bc], amax > 0 ? amax / 448.0f : 1.0f) << br << "," << bc;
+      for (int64_t r = br * 128; r < std::min<int64_t>(rows, br * 128 + 128); ++r) {
+        for (int c = bc * 128; c < bc * 128 + 128; ++c) {
+          const float v = Bf16ToFloat(x[r * d + c]), inv = amax > 0 ? 448.0f / amax : 1.0f;
+          ASSERT_EQ(q[r * d + c], FloatToFp8E4M3(v * inv)) << r << "," << c;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(scales[2 * 3 + 2], 40.0f / 448.0f);
+  // A per-row scale count is refused for block scales, and block scales in a row payload's gather.
+  EXPECT_EQ(
+      k->Quantize({x.data(), rows, d, ScaleGranularity::kBlock128x128, q.data(), scales.data(), rows}, nullptr).code(),
+      absl::StatusCode::kInvalidArgument);
+  GatherParams g;
+  g.dtype = DType::kFP8E4M3;
+  g.d = d;
+  g.in = q.data();
+  g.in_rows = rows;
+  g.scales = ScaleGranularity::kBlock128x128;
+  g.in_scales = scales.data();
+  g.in_scale_count = n;
+  EXPECT_THAT(std::string(k->Gather(g, nullptr).message()), HasSubstr("gather.scales"));
 }
 
 // 0x0E: an FP8 scale count that disagrees with the payload is rejected before expert compute.

@@ -888,8 +888,10 @@ TEST_F(CudaKernelsTest, LocalLayerRejectsBadParamsBeforeLaunch) {
 }
 
 TEST_F(CudaKernelsTest, Fp8MatchesCpuBitForBit) {
-  for (ScaleGranularity gr : {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128}) {
-    const int64_t rows = 37;
+  for (ScaleGranularity gr :
+       {ScaleGranularity::kPerRow, ScaleGranularity::kPerBlock128, ScaleGranularity::kBlock128x128}) {
+    // Block scales: three block rows, the last partial.
+    const int64_t rows = gr == ScaleGranularity::kBlock128x128 ? 300 : 37;
     const int d = 7168;
     auto x = RandomBf16(rng_, rows * d, 2.0f);
     // Edge rows: all zero (scale 1), an amax below kFp8MinAmax (inverse scale kept finite), ~1e37,

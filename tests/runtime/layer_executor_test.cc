@@ -27,7 +27,7 @@ struct Rank4 {
   Topology topology = fixture::FourRankTwoNode();
   ProcessGroup group = fixture::PeerOrderGroup();
   std::shared_ptr<const PlacementManifest> manifest;
-  SafetensorsFile checkpoint = SyntheticCheckpoint({kExperts, kD, kFf}, 3, "checkpoint-0042");
+  SafetensorsFile checkpoint;
   LoopbackFabric fabric{kRanks};
   std::unique_ptr<kernels::ExpertKernels> kernels[kRanks];
   GenerationRegistry registry[kRanks];
@@ -63,8 +63,10 @@ struct Rank4 {
     }
   }
 
-  // `device_plan`: bit r set = rank r plans prefill steps on its kernels.
-  explicit Rank4(uint32_t device_plan = 0) {
+  // `device_plan`: bit r set = rank r plans prefill steps on its kernels. `dtype`, `d`, `f`: the
+  // experts' precision and widths (FP8 needs multiples of 128).
+  explicit Rank4(uint32_t device_plan = 0, ExpertDtype dtype = ExpertDtype::kBf16, int d = kD, int f = kFf)
+      : checkpoint(SyntheticCheckpoint({kExperts, d, f}, 3, "checkpoint-0042")) {
     // Experts 0 and 1 replicated across nodes.
     manifest = TenSlots(17, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {0, 0, 1, 1, 2, 2, 3, 3, 3, 1});
     for (int r = 0; r < kRanks; ++r) {
@@ -81,6 +83,7 @@ struct Rank4 {
       o.kernels = kernels[r].get();
       o.timeout = absl::Seconds(5);
       o.device_plan = (device_plan >> r & 1) != 0;
+      o.expert_dtype = dtype;
       exec[r] = *LayerExecutor::Create(std::move(o));
       auto local = LoadLocalExperts(checkpoint, *manifest, Rank(r));
       EXPECT_TRUE(local.ok()) << local.status();
@@ -470,6 +473,126 @@ TEST(LayerExecutorTest, DevicePlanGivesTheHostPlansOutputsAndRecords) {
     // The load signal counts the same routes per expert.
     for (int r = 0; r < kRanks; ++r) EXPECT_EQ(host.exec[r]->ExpertLoad(), mixed.exec[r]->ExpertLoad()) << r;
   }
+}
+
+// FP8 experts (LayerExecutorOptions::expert_dtype): each rank's weights are quantized in
+// 128 x 128 blocks when the generation is added, and every step's output equals, bit for bit,
+// the semantic computation with the FP8 reference kernel (SwigluFp8 a route at a time on the
+// block-quantized weights, the CPU Combine) on every rank: prefill planned on the host and on
+// the kernels, and decode. The outputs are near the BF16 experts' and not equal to them.
+constexpr int kD8 = 256, kFf8 = 128;
+
+std::vector<uint16_t> Fp8Reference(const RankInput& in) {
+  auto k = kernels::CreateCpuKernels();
+  std::vector<uint16_t> rows(in.tokens * kK * kD8, 0);
+  std::vector<int32_t> row_of_route(in.tokens * kK, -1);
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    for (int j = 0; j < kK; ++j) {
+      if (!in.admitted[t * kK + j]) continue;
+      std::vector<uint16_t> gu, dn;
+      SyntheticExpert(in.ids[t * kK + j], {kExperts, kD8, kFf8}, 3, &gu, &dn);
+      std::vector<uint8_t> qgu(gu.size()), qdn(dn.size());
+      std::vector<float> sgu(2 * kFf8 / 128 * kD8 / 128), sdn(kD8 / 128 * kFf8 / 128);
+      const auto g = kernels::ScaleGranularity::kBlock128x128;
+      EXPECT_TRUE(
+          k->Quantize({gu.data(), 2 * kFf8, kD8, g, qgu.data(), sgu.data(), int64_t(sgu.size())}, nullptr).ok());
+      EXPECT_TRUE(k->Quantize({dn.data(), kD8, kFf8, g, qdn.data(), sdn.data(), int64_t(sdn.size())}, nullptr).ok());
+      const int64_t offsets[2] = {0, 1};
+      kernels::SwigluFp8Params p;
+      p.weights = {qgu.data(), sgu.data(), qdn.data(), sdn.data(), 1, kD8, kFf8};
+      p.x = in.hidden.data() + t * kD8;
+      p.rows = 1;
+      p.offsets = offsets;
+      p.y = rows.data() + (t * kK + j) * kD8;
+      EXPECT_TRUE(k->SwigluFp8(p, nullptr).ok());
+      row_of_route[t * kK + j] = static_cast<int32_t>(t * kK + j);
+    }
+  }
+  std::vector<uint16_t> out(in.tokens * kD8);
+  if (in.tokens == 0) return out;
+  kernels::CombineParams c{rows.data(), in.tokens * kK, kD8,       row_of_route.data(), in.gates.data(), in.tokens,
+                           kK,          nullptr,        out.data()};
+  EXPECT_TRUE(k->Combine(c, nullptr).ok());
+  return out;
+}
+
+template <typename Rows>
+std::vector<uint16_t> Plain(const Rows& rows) {
+  return std::vector<uint16_t>(rows.begin(), rows.end());
+}
+
+TEST(LayerExecutorTest, Fp8ExpertsEqualTheFp8ReferenceOnEveryRank) {
+  Rank4 fp8(0b0011, ExpertDtype::kFp8, kD8, kFf8), bf16(0, ExpertDtype::kBf16, kD8, kFf8);
+  std::mt19937 rng(8);
+  bool any_differs = false;
+  for (uint64_t step = 1; step <= 4; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < kRanks; ++r) {
+      inputs.push_back(testing::RandomTwoRouteInput(rng, r == 3 && step == 2 ? 0 : 1 + rng() % 20, kD8, kExperts,
+                                                    /*drop_some=*/true));
+    }
+    const Phase phase = step == 3 ? Phase::kDecode : Phase::kPrefill;
+    std::vector<absl::StatusOr<LayerStepResult>> a(kRanks, absl::UnknownError("")), b = a;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] { a[r] = fp8.exec[r]->Execute(inputs[r].Step(step, 3, phase)); });
+      threads.emplace_back([&, r] { b[r] = bf16.exec[r]->Execute(inputs[r].Step(step, 3, phase)); });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(a[r].ok()) << "rank " << r << ": " << a[r].status();
+      ASSERT_TRUE(b[r].ok()) << "rank " << r << ": " << b[r].status();
+      EXPECT_EQ(Plain(a[r]->output), Fp8Reference(inputs[r])) << "step " << step << " rank " << r;
+      EXPECT_EQ(a[r]->record.device_plan, r < 2 && phase == Phase::kPrefill && inputs[r].tokens > 0);
+      if (inputs[r].tokens == 0) continue;
+      std::vector<float> want(b[r]->output.size());
+      for (size_t i = 0; i < want.size(); ++i) want[i] = kernels::Bf16ToFloat(b[r]->output[i]);
+      const double err = kernels::RelativeL2Bf16(a[r]->output, want);
+      EXPECT_LT(err, 0.1) << "step " << step << " rank " << r;  // E4M3 weights and rows
+      any_differs |= a[r]->output != b[r]->output;
+      EXPECT_EQ(fp8.registry[r].Refcount(PlacementVersion(17)), 0);
+    }
+  }
+  EXPECT_TRUE(any_differs);  // the FP8 path ran, not the BF16 one
+}
+
+// A lone member's FP8 decode steps take the staged path (LocalLayer is BF16) and equal the FP8
+// reference too.
+class Fp8OneMemberTest : public testing::OneRankTest {};
+
+TEST_F(Fp8OneMemberTest, DecodeAndPrefillEqualTheFp8Reference) {
+  SetUpRank(kExperts, kD8, kFf8, 3, 0, DecodeRunner::kKernels, /*device_plan=*/true, ExpertDtype::kFp8);
+  std::mt19937 rng(12);
+  uint64_t step = 1;
+  for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
+    for (int64_t tokens : {1, 0, 9}) {
+      const RankInput input = testing::RandomTwoRouteInput(rng, tokens, kD8, kExperts, /*drop_some=*/true);
+      auto result = executor_->Execute(input.Step(step++, 0, phase));
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_EQ(Plain(result->output), Fp8Reference(input)) << "T=" << tokens;
+    }
+  }
+}
+
+// FP8 experts need widths in whole 128 x 128 blocks: refused when the generation is added,
+// naming the setting, and nothing is served from it.
+TEST(LayerExecutorTest, Fp8ExpertsRefuseWidthsOutsideTheBlocks) {
+  Rank4 w(0, ExpertDtype::kBf16, kD, kFf);  // d = 32, d_ff = 48
+  LayerExecutorOptions o;
+  o.rank = Rank(0);
+  o.registry = &w.registry[0];
+  o.kernels = w.kernels[0].get();
+  o.expert_dtype = ExpertDtype::kFp8;
+  auto exec = LayerExecutor::Create(std::move(o));
+  ASSERT_TRUE(exec.ok());
+  auto local = LoadLocalExperts(w.checkpoint, *w.manifest, Rank(0));
+  ASSERT_TRUE(local.ok());
+  const absl::Status s = (*exec)->AddGeneration(PlacementVersion(17), std::make_shared<LocalExperts>(*local));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("expert_dtype fp8"));
+  EXPECT_EQ((*exec)->HostWeights(PlacementVersion(17)), nullptr);
+  EXPECT_EQ(ParseExpertDtype("fp16", "--expert_dtype").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParseExpertDtype("fp8", "--expert_dtype"), ExpertDtype::kFp8);
 }
 
 // Bad routes found by the kernels are refused as the host plan refuses them (same code and

@@ -51,7 +51,8 @@ class OneRankTest : public ::testing::Test {
   // `runner`: the decode steps' expert runner (LayerExecutorOptions::decode_runner);
   // `device_plan`: LayerExecutorOptions::device_plan.
   void SetUpRank(int experts, int d, int d_ff, uint64_t seed, int redundant = 0,
-                 DecodeRunner runner = DecodeRunner::kKernels, bool device_plan = false) {
+                 DecodeRunner runner = DecodeRunner::kKernels, bool device_plan = false,
+                 ExpertDtype dtype = ExpertDtype::kBf16) {
     ckpt_ = SyntheticCheckpoint({experts, d, d_ff}, seed, "checkpoint-0001");
     reader_ = *SingleFileReader(ckpt_);
     v1_ = *DefaultPlacement(PlacementVersion(1), experts, redundant, topology_, group_, ckpt_.metadata);
@@ -73,6 +74,7 @@ class OneRankTest : public ::testing::Test {
     eo.kernels = kernels_.get();
     eo.decode_runner = runner;
     eo.device_plan = device_plan;
+    eo.expert_dtype = dtype;
     executor_ = *LayerExecutor::Create(std::move(eo));
     ASSERT_TRUE(executor_
                     ->AddGeneration(PlacementVersion(1),
