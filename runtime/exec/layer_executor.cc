@@ -1477,7 +1477,12 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   // A lone member scatters the engine's rows into expert order (every expert row is some route's)
   // and leaves the expert rows where they are for its combine (DispatchRows, ReturnAndCombine).
   const bool lone = LoneMember();
-  RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
+  const ResidentExperts& weights = *pass.weights;
+  // A lone member's FP8 experts read rows quantized once a token (per 128 values, as SwigluFp8
+  // quantizes them: the same bits) and scattered as bytes: a token's k routes share it, and the
+  // scatter moves half the bytes.
+  const bool lone_fp8 = lone && weights.fp8;
+  if (!lone_fp8) RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
   RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
   if (!lone) {
     RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
@@ -1494,20 +1499,27 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     g.out = out;
     return kern.Gather(g, nullptr);
   };
+  const uint8_t* xq = nullptr;
+  const float* x_scales = nullptr;
+  if (n_recv > 0 && lone_fp8) RETURN_IF_ERROR(QuantizeLoneRows(pass, &xq, &x_scales));
   if (n_recv > 0) {
-    if (lone) {
+    if (lone && !lone_fp8) {
       RETURN_IF_ERROR(
           kern.Scatter({d, static_cast<const uint16_t*>(pass.hidden), pass.in.tokens, buf_.d_lone_combine.as<int32_t>(),
                         pass.in.k, buf_.expert_in.as<uint16_t>(), n_recv},
                        nullptr));
-    } else {
+    } else if (!lone) {
       RETURN_IF_ERROR(reorder(buf_.recv_rows.data(), pass.expert_order, buf_.expert_in.data()));
     }
-    const ResidentExperts& weights = *pass.weights;
     if (weights.fp8) {
       kernels::SwigluFp8Params sw;
       sw.weights = weights.Fp8Layer(pass.layer_index);
-      sw.x = buf_.expert_in.as<uint16_t>();
+      if (lone_fp8) {
+        sw.xq = xq;
+        sw.x_scales = x_scales;
+      } else {
+        sw.x = buf_.expert_in.as<uint16_t>();
+      }
       sw.rows = n_recv;
       sw.offsets = device_ ? pass.expert_offsets : buf_.dest.expert_offsets.data();
       sw.y = buf_.expert_out.as<uint16_t>();
@@ -1529,6 +1541,38 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     }
   }
   return pass.handle->MarkExpertOutputReady();
+}
+
+// The lone member's tokens in E4M3 (Quantize per 128 values), scattered into expert order as
+// 2-byte words: a row's d bytes are d / 2 words, its d / 128 scales d / 64.
+absl::Status LayerExecutor::QuantizeLoneRows(Pass& pass, const uint8_t** xq, const float** x_scales) {
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const int d = pass.in.d;
+  const int64_t tokens = pass.in.tokens, n = pass.n_recv, groups = d / 128;
+  auto at = [](int64_t rows, int d) { return (rows * d + 255) / 256 * 256; };  // the scales' offset
+  RETURN_IF_ERROR(buf_.fp8_tokens.Reserve(&kern, at(tokens, d) + tokens * groups * 4));
+  RETURN_IF_ERROR(buf_.fp8_rows.Reserve(&kern, at(n, d) + n * groups * 4));
+  uint8_t* tq = buf_.fp8_tokens.as<uint8_t>();
+  uint8_t* rq = buf_.fp8_rows.as<uint8_t>();
+  kernels::QuantizeParams q;
+  q.x = static_cast<const uint16_t*>(pass.hidden);
+  q.rows = tokens;
+  q.d = d;
+  q.granularity = kernels::ScaleGranularity::kPerBlock128;
+  q.q = tq;
+  q.scales = reinterpret_cast<float*>(tq + at(tokens, d));
+  q.scale_count = tokens * groups;
+  RETURN_IF_ERROR(kern.Quantize(q, nullptr));
+  const int32_t* dest = buf_.d_lone_combine.as<int32_t>();
+  RETURN_IF_ERROR(kern.Scatter(
+      {d / 2, reinterpret_cast<const uint16_t*>(tq), tokens, dest, pass.in.k, reinterpret_cast<uint16_t*>(rq), n},
+      nullptr));
+  RETURN_IF_ERROR(kern.Scatter({static_cast<int>(groups * 2), reinterpret_cast<const uint16_t*>(q.scales), tokens, dest,
+                                pass.in.k, reinterpret_cast<uint16_t*>(rq + at(n, d)), n},
+                               nullptr));
+  *xq = rq;
+  *x_scales = reinterpret_cast<const float*>(rq + at(n, d));
+  return absl::OkStatus();
 }
 
 // Return exchange (splits reversed), then the combine over the semantic key. A lone member
