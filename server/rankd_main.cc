@@ -101,6 +101,9 @@ ABSL_FLAG(std::string, expert_dtype, "bf16",
           "precision of the experts' weights and arithmetic: bf16, or fp8 (E4M3 weights in 128 x 128 blocks, "
           "quantized when a generation is loaded; rows quantized per 128 values; half the weights' device memory). "
           "Release bundles name it as runtime.dtype (BF16 / FP8)");
+ABSL_FLAG(bool, lone_member_graphs, false,
+          "a rank alone in its group serves decode steps through the decode bucket's CUDA graph, as a group does "
+          "(default: the one-call local layer, eager)");
 ABSL_FLAG(bool, device_plan, true,
           "plan prefill steps on the kernels (route keys, checks and the send and receive orders where the rows "
           "are; the host reads back counts per slot) wherever replica choice does not depend on the step");
@@ -576,6 +579,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
   eo.decode_runner = o.decode_runner;
   eo.device_plan = absl::GetFlag(FLAGS_device_plan);
+  eo.lone_member_graphs = absl::GetFlag(FLAGS_lone_member_graphs);
   eo.expert_dtype = o.expert_dtype;
   if (o.trial_drift) {
     eo.fault_trial_output_scale = 1.05f;

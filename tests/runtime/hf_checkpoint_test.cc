@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
+#include "kernels/api.h"
 #include "kernels/numeric.h"
 #include "runtime/checkpoint/hf_writer.h"
 #include "runtime/checkpoint/mapped_safetensors.h"
@@ -177,6 +178,53 @@ TEST(HfCheckpointTest, Fp8BlockScaledWeightsDequantizeAsTheReferenceSays) {
   const absl::Status st = (*c2)->ReadExpert(1, 0, gu.data(), dn.data());
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(st.message().find("down_proj.weight_scale_inv"), std::string::npos) << st;
+}
+
+// What an FP8 checkpoint's weights become under --expert_dtype fp8: the loader dequantizes them
+// to BF16 (q x scale, rounded), and the executor requantizes those in 128 x 128 blocks. With the
+// checkpoint's scales at amax / 448 (DeepSeek-V3's), every requantized byte is the stored one
+// (a BF16 rounding moves a value by at most 2^-9, well inside E4M3's 2^-4 spacing) and every
+// scale is within 2^-8 of the stored one.
+TEST(HfCheckpointTest, Fp8CheckpointRequantizesToItsOwnBytes) {
+  HfModelSpec spec;
+  spec.family = HfFamily::kDeepseekV3;
+  spec.dtype = "F8_E4M3";
+  spec.fp8_block = 128;
+  spec.hidden_size = 256;
+  spec.moe_intermediate_size = 128;
+  spec.num_experts = 2;
+  spec.num_hidden_layers = 2;
+  spec.first_k_dense_replace = 1;
+  const std::string dir = TempDir("fp8-requant");
+  ASSERT_TRUE(WriteHfModel(dir, spec, SyntheticExpertSource(spec.hidden_size, spec.moe_intermediate_size, 9)).ok());
+  auto c = HfCheckpoint::Open(dir);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto file = MappedSafetensors::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok());
+  auto cpu = kernels::CreateCpuKernels();
+  const int d = 256, f = 128;
+  for (int e = 0; e < 2; ++e) {
+    const Expert got = Read(**c, 1, e);
+    std::vector<uint8_t> q(got.gu.size());
+    std::vector<float> scales(2 * 2);  // [2 f / 128, d / 128]
+    ASSERT_TRUE(
+        cpu->Quantize({got.gu.data(), 2 * f, d, kernels::ScaleGranularity::kBlock128x128, q.data(), scales.data(), 4},
+                      nullptr)
+            .ok());
+    for (int half = 0; half < 2; ++half) {  // gate_proj: rows [0, f) of gate_up; up_proj: [f, 2 f)
+      const std::string name = absl::StrCat("model.layers.1.mlp.experts.", e, half == 0 ? ".gate_proj" : ".up_proj");
+      const TensorRef* w = (*file)->Find(name + ".weight");
+      const TensorRef* s = (*file)->Find(name + ".weight_scale_inv");
+      ASSERT_NE(w, nullptr);
+      ASSERT_NE(s, nullptr);
+      for (int i = 0; i < f * d; ++i) ASSERT_EQ(q[half * f * d + i], w->data[i]) << name << " byte " << i;
+      for (int b = 0; b < 2; ++b) {
+        float stored;
+        std::memcpy(&stored, s->data + 4 * b, 4);
+        EXPECT_NEAR(scales[half * 2 + b], stored, stored * std::ldexp(1.0f, -8)) << name << " block " << b;
+      }
+    }
+  }
 }
 
 TEST(HfConfigTest, MoeLayersPerFamily) {
