@@ -980,7 +980,8 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
                     in.tokens,
                     pass.po.shadow_version,
                     pass.po.shadow_every,
-                    static_cast<int64_t>(manifest)};
+                    static_cast<int64_t>(manifest),
+                    pass.weights->fp8 ? 1 : 0};
   // The slot of every send position (for the expert ranks' receive plans) goes with the
   // agreement when it fits the agreement's record (decode-sized steps): one collective.
   // (The device plan's metadata is in kernel memory: it goes in its own exchange, or none for a

@@ -15,7 +15,7 @@ namespace {
 // (different Q) disagree on the header and abort together, never in a size mismatch. Only
 // when Q exceeds the record do the slot counts take a second all-gather (every member then
 // has the same Q).
-constexpr int kHeaderWords = 11;
+constexpr int kHeaderWords = 12;
 enum Word {
   kStepId,
   kLayer,
@@ -27,7 +27,8 @@ enum Word {
   kShadowVersion,
   kShadowEvery,
   kGraphKey,
-  kMetaEntries
+  kMetaEntries,
+  kExpertDtype
 };
 
 struct RecordLayout {
@@ -67,6 +68,7 @@ void EncodeRecord(const RecordLayout& l, const StepHeader& header, absl::Span<co
   mine[kShadowEvery] = header.shadow_every;
   mine[kGraphKey] = header.graph_key;
   mine[kMetaEntries] = l.meta_inline ? l.n_meta : -1;
+  mine[kExpertDtype] = header.expert_dtype;
   std::memcpy(mine.data() + kHeaderWords, send_counts.data(), sizeof(int64_t) * l.p);
   int64_t* inline_words = mine.data() + kHeaderWords + l.p;
   if (l.counts_inline && l.q > 0) std::memcpy(inline_words, slot_counts.data(), sizeof(int64_t) * l.q);
@@ -83,12 +85,16 @@ absl::Status CheckHeaders(const RecordLayout& l, const std::vector<int64_t>& all
     }
   }
   static constexpr const char* kField[kHeaderWords] = {
-      "step_id", "layer", "placement_generation", "process_group_epoch", "", "", "slot_count_length", "", "", "", ""};
+      "step_id", "layer", "placement_generation", "process_group_epoch", "", "", "slot_count_length", "", "",
+      "",        "",      "expert_dtype"};
   for (int i = 1; i < l.p; ++i) {
-    for (int f : {kStepId, kLayer, kGeneration, kEpoch, kSlotCount}) {
+    for (int f : {kStepId, kLayer, kGeneration, kEpoch, kSlotCount, kExpertDtype}) {
       if (l.At(all, i, f) != all[f]) {
         // The step id is unsigned on the wire (shadow passes add 2^56).
-        auto shown = [&](int64_t v) { return f == kStepId ? absl::StrCat(static_cast<uint64_t>(v)) : absl::StrCat(v); };
+        auto shown = [&](int64_t v) {
+          if (f == kExpertDtype) return std::string(v == 1 ? "fp8" : v == 0 ? "bf16" : "unknown");
+          return f == kStepId ? absl::StrCat(static_cast<uint64_t>(v)) : absl::StrCat(v);
+        };
         return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " has ",
                                                kField[f], " ", shown(l.At(all, i, f)), ", peer slot 0 has ",
                                                shown(all[f])));

@@ -39,6 +39,10 @@ struct StepHeader {
   // reason to abort: when members differ, every member serves the step eagerly (0x0E "graph key
   // differs -> explicit eager fallback"), so no member replays a graph its peers do not.
   int64_t graph_key = 0;
+  // The precision of the experts serving the step (0 BF16, 1 FP8; LayerExecutorOptions::
+  // expert_dtype). Members that differ abort the step: a token's routes would be computed in
+  // different precisions depending on where their experts live.
+  int64_t expert_dtype = 0;
 };
 
 struct StepAgreement {

@@ -63,9 +63,9 @@ struct Rank4 {
     }
   }
 
-  // `device_plan`: bit r set = rank r plans prefill steps on its kernels. `dtype`, `d`, `f`: the
-  // experts' precision and widths (FP8 needs multiples of 128).
-  explicit Rank4(uint32_t device_plan = 0, ExpertDtype dtype = ExpertDtype::kBf16, int d = kD, int f = kFf)
+  // `device_plan`: bit r set = rank r plans prefill steps on its kernels; `fp8_ranks`: bit r set =
+  // rank r's experts are FP8. `d`, `f`: the experts' widths (FP8 needs multiples of 128).
+  explicit Rank4(uint32_t device_plan = 0, uint32_t fp8_ranks = 0, int d = kD, int f = kFf)
       : checkpoint(SyntheticCheckpoint({kExperts, d, f}, 3, "checkpoint-0042")) {
     // Experts 0 and 1 replicated across nodes.
     manifest = TenSlots(17, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {0, 0, 1, 1, 2, 2, 3, 3, 3, 1});
@@ -83,7 +83,7 @@ struct Rank4 {
       o.kernels = kernels[r].get();
       o.timeout = absl::Seconds(5);
       o.device_plan = (device_plan >> r & 1) != 0;
-      o.expert_dtype = dtype;
+      o.expert_dtype = (fp8_ranks >> r & 1) != 0 ? ExpertDtype::kFp8 : ExpertDtype::kBf16;
       exec[r] = *LayerExecutor::Create(std::move(o));
       auto local = LoadLocalExperts(checkpoint, *manifest, Rank(r));
       EXPECT_TRUE(local.ok()) << local.status();
@@ -522,7 +522,7 @@ std::vector<uint16_t> Plain(const Rows& rows) {
 }
 
 TEST(LayerExecutorTest, Fp8ExpertsEqualTheFp8ReferenceOnEveryRank) {
-  Rank4 fp8(0b0011, ExpertDtype::kFp8, kD8, kFf8), bf16(0, ExpertDtype::kBf16, kD8, kFf8);
+  Rank4 fp8(0b0011, 0b1111, kD8, kFf8), bf16(0, 0, kD8, kFf8);
   std::mt19937 rng(8);
   bool any_differs = false;
   for (uint64_t step = 1; step <= 4; ++step) {
@@ -574,10 +574,31 @@ TEST_F(Fp8OneMemberTest, DecodeAndPrefillEqualTheFp8Reference) {
   }
 }
 
+// A group whose members run the experts in different precisions aborts every step on every
+// member before payload moves, naming expert_dtype (a token's routes would otherwise get BF16 or
+// FP8 experts depending on where they land).
+TEST(LayerExecutorTest, MembersWithDifferentExpertDtypesAbortTheStep) {
+  Rank4 w(0, 0b0100, kD8, kFf8);
+  std::mt19937 rng(3);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) {
+    inputs.push_back(testing::RandomTwoRouteInput(rng, 5, kD8, kExperts, /*drop_some=*/false));
+  }
+  const auto results = RunStep(w, inputs, 1, 0);
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(results[r].status().code(), absl::StatusCode::kAborted) << "rank " << r;
+    const std::string why(results[r].status().message());
+    EXPECT_THAT(why, ::testing::HasSubstr("has expert_dtype")) << "rank " << r;
+    EXPECT_THAT(why, ::testing::HasSubstr("fp8")) << "rank " << r;
+    EXPECT_THAT(why, ::testing::HasSubstr("bf16")) << "rank " << r;
+    EXPECT_EQ(w.registry[r].Refcount(PlacementVersion(17)), 0);
+  }
+}
+
 // FP8 experts need widths in whole 128 x 128 blocks: refused when the generation is added,
 // naming the setting, and nothing is served from it.
 TEST(LayerExecutorTest, Fp8ExpertsRefuseWidthsOutsideTheBlocks) {
-  Rank4 w(0, ExpertDtype::kBf16, kD, kFf);  // d = 32, d_ff = 48
+  Rank4 w(0, 0, kD, kFf);  // d = 32, d_ff = 48
   LayerExecutorOptions o;
   o.rank = Rank(0);
   o.registry = &w.registry[0];
