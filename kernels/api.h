@@ -90,6 +90,9 @@ struct ScatterParams {
   int fanout = 0;
   uint16_t* out = nullptr;  // [out_rows, d]
   int64_t out_rows = 0;
+  // Words between output rows (0: d): rows written into a wider packed row (an FP8 row's bytes
+  // and scales side by side, each scattered as 2-byte words).
+  int64_t out_ld = 0;
 };
 
 // counts[b] = #{i : keys[i] == b}; offsets = exclusive prefix with sentinel. Keys < 0 (dropped
@@ -244,8 +247,17 @@ struct SwigluFp8Params {
   // token on its sender instead of once a route here. x is then null.
   const uint8_t* xq = nullptr;
   const float* x_scales = nullptr;
+  // With xq: bytes between rows of xq (0: d; else at least d and a multiple of 16) and floats
+  // between rows of x_scales (0: d / 128): packed rows that carry a row's scales after its bytes
+  // (an FP8 dispatch's payload, kernels/api.h Fp8PackedRowBytes).
+  int64_t xq_ld = 0;
+  int64_t x_scales_ld = 0;
   // x (or xq), y and the weights 16-byte aligned (TMA and the kernels' 16-byte stores); rows < 2^31.
 };
+
+// Bytes of a packed FP8 row of d values (d a multiple of 128): the d E4M3 bytes, then the d / 128
+// FP32 scales, padded to 16 bytes (TMA's row stride).
+inline int64_t Fp8PackedRowBytes(int d) { return (static_cast<int64_t>(d) + 4 * (d / 128) + 15) / 16 * 16; }
 
 // y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
 // row -1 (a dropped route) contributes nothing.

@@ -265,8 +265,9 @@ class CpuKernels final : public ExpertKernels {
     std::vector<uint16_t> a16(f);
     for (int64_t e = 0; e < e_count; ++e) {
       for (int64_t r = p.offsets[e]; r < p.offsets[e + 1]; ++r) {
-        if (p.xq != nullptr) {  // quantized by the caller (Quantize's format)
-          for (int c = 0; c < d; ++c) xq[c] = Fp8E4M3ToFloat(p.xq[r * d + c]) * p.x_scales[r * kd + c / 128];
+        if (p.xq != nullptr) {  // quantized by the caller (Quantize's format, rows maybe packed)
+          const int64_t ld = p.xq_ld > 0 ? p.xq_ld : d, sld = p.x_scales_ld > 0 ? p.x_scales_ld : kd;
+          for (int c = 0; c < d; ++c) xq[c] = Fp8E4M3ToFloat(p.xq[r * ld + c]) * p.x_scales[r * sld + c / 128];
         } else {
           QuantizedRow(p.x + r * d, d, xq.data());
         }

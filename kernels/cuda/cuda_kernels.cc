@@ -449,7 +449,7 @@ class CudaKernels final : public ExpertKernels {
   absl::Status Scatter(const ScatterParams& p, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (absl::Status s = CheckScatter(p); !s.ok()) return s;
-    CUDA_RETURN_IF_ERROR(cuda::LaunchScatterRows(p.in, p.in_rows, p.d, p.dest, p.fanout, p.out_rows, p.out,
+    CUDA_RETURN_IF_ERROR(cuda::LaunchScatterRows(p.in, p.in_rows, p.d, p.out_ld, p.dest, p.fanout, p.out_rows, p.out,
                                                  static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
   }
@@ -636,9 +636,11 @@ class CudaKernels final : public ExpertKernels {
       CUDA_RETURN_IF_ERROR(cuda::LaunchQuantizeFp8(p.x, p.rows, d, 128, reinterpret_cast<uint8_t*>(ptr),
                                                    reinterpret_cast<float*>(ptr + xq_bytes), st));
     }
-    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xs, p.rows, p.offsets, w.num_experts, d, f, w.w_gate_up,
-                                                          w.gate_up_scales, w.w_down, w.down_scales, a, aq, as, p.y,
-                                                          st));
+    const int64_t xq_ld = quantized && p.xq_ld > 0 ? p.xq_ld : d;
+    const int64_t xs_ld = quantized && p.x_scales_ld > 0 ? p.x_scales_ld : d / 128;
+    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d, f,
+                                                          w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales, a, aq,
+                                                          as, p.y, st));
     return absl::OkStatus();
   }
 

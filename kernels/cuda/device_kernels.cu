@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
 // vectors a lane at a time loaded once and stored to each of the row's destinations (streaming
 // stores, as the gather's).
 __global__ void __launch_bounds__(kThreads)
-    ScatterRowsVec16Kernel(const uint4* __restrict__ in, int64_t in_rows, int64_t vecs_per_row,
+    ScatterRowsVec16Kernel(const uint4* __restrict__ in, int64_t in_rows, int64_t vecs_per_row, int64_t out_vecs,
                            const int32_t* __restrict__ dest, int fanout, int64_t out_rows, uint4* __restrict__ out) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kGatherWarps;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < fanout; ++j) {
         const int32_t to = __ldg(to_rows + j);
         if (to < 0 || to >= out_rows) continue;  // the same for the whole warp
-        uint4* row_out = out + static_cast<int64_t>(to) * vecs_per_row;
+        uint4* row_out = out + static_cast<int64_t>(to) * out_vecs;
 #pragma unroll
         for (int u = 0; u < kGatherUnroll; ++u) {
           const int64_t v = v0 + u * 32 + lane;
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Scatter of 2-byte elements (rows that are not whole 16-byte vectors): a thread an element.
-__global__ void ScatterRowsKernel(const uint16_t* __restrict__ in, int64_t in_rows, int64_t per_row,
+__global__ void ScatterRowsKernel(const uint16_t* __restrict__ in, int64_t in_rows, int64_t per_row, int64_t out_ld,
                                   const int32_t* __restrict__ dest, int fanout, int64_t out_rows,
                                   uint16_t* __restrict__ out) {
   const int64_t total = in_rows * per_row;
@@ -137,7 +137,7 @@ __global__ void ScatterRowsKernel(const uint16_t* __restrict__ in, int64_t in_ro
     const uint16_t v = in[i];
     for (int j = 0; j < fanout; ++j) {
       const int32_t to = dest[row * fanout + j];
-      if (to >= 0 && to < out_rows) out[static_cast<int64_t>(to) * per_row + c] = v;
+      if (to >= 0 && to < out_rows) out[static_cast<int64_t>(to) * out_ld + c] = v;
     }
   }
 }
@@ -912,14 +912,18 @@ cudaError_t LaunchGatherRows(const void* in, int64_t in_rows, const int32_t* ind
   return cudaGetLastError();
 }
 
-cudaError_t LaunchScatterRows(const uint16_t* in, int64_t in_rows, int d, const int32_t* dest, int fanout,
-                              int64_t out_rows, uint16_t* out, cudaStream_t stream) {
+cudaError_t LaunchScatterRows(const uint16_t* in, int64_t in_rows, int d, int64_t out_ld, const int32_t* dest,
+                              int fanout, int64_t out_rows, uint16_t* out, cudaStream_t stream) {
   if (in_rows == 0 || out_rows == 0) return cudaSuccess;
-  if (d % 8 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+  if (out_ld <= 0) out_ld = d;
+  if (d % 8 == 0 && out_ld % 8 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(out) % 16 == 0) {
     ScatterRowsVec16Kernel<<<Blocks(in_rows, kGatherWarps), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(in), in_rows, d / 8, dest, fanout, out_rows, reinterpret_cast<uint4*>(out));
+        reinterpret_cast<const uint4*>(in), in_rows, d / 8, out_ld / 8, dest, fanout, out_rows,
+        reinterpret_cast<uint4*>(out));
   } else {
-    ScatterRowsKernel<<<Blocks(in_rows * d), kThreads, 0, stream>>>(in, in_rows, d, dest, fanout, out_rows, out);
+    ScatterRowsKernel<<<Blocks(in_rows * d), kThreads, 0, stream>>>(in, in_rows, d, out_ld, dest, fanout, out_rows,
+                                                                    out);
   }
   return cudaGetLastError();
 }

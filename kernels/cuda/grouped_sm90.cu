@@ -135,6 +135,7 @@ struct GroupedArgs {
   const float* a_scales = nullptr;
   const float* b_scales = nullptr;
   int64_t a_rows = 0;
+  int64_t a_scale_ld = 0;  // floats between rows of a_scales (at least k_blocks)
 };
 
 // Schedules. Cooperative: both consumer warpgroups work on one BM x BN tile (each 64 of its
@@ -326,8 +327,8 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const int64_t last = args.a_rows - 1;  // rows past the operand (discarded) read the last row's scale
-  const float* sa0 = args.a_scales + (row0 < last ? row0 : last) * args.k_blocks;
-  const float* sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.k_blocks;
+  const float* sa0 = args.a_scales + (row0 < last ? row0 : last) * args.a_scale_ld;
+  const float* sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.a_scale_ld;
   const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
   // Half h's weight rows: gate/up, the gate then the up rows of the tile's columns; down, the
   // tile's rows 128 at a time.
@@ -529,13 +530,14 @@ EncodeTiledFn EncodeTiled() {
 }
 
 // A row-major BF16 (or, `fp8`, one-byte) matrix [outer, inner] read in boxes of box_outer rows
-// by 128 bytes with the 128-byte swizzle.
-cudaError_t MapRows(CUtensorMap* map, const void* base, int64_t inner, int64_t outer, int box_outer, bool fp8) {
+// by 128 bytes with the 128-byte swizzle; rows `ld_bytes` apart (0: inner's bytes).
+cudaError_t MapRows(CUtensorMap* map, const void* base, int64_t inner, int64_t outer, int box_outer, bool fp8,
+                    int64_t ld_bytes = 0) {
   EncodeTiledFn encode = EncodeTiled();
   if (encode == nullptr) return cudaErrorNotSupported;
   const int elem_bytes = fp8 ? 1 : 2;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * elem_bytes};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld_bytes > 0 ? ld_bytes : inner * elem_bytes)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_outer)};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult rc =
@@ -554,7 +556,7 @@ int SmCount() {
 
 template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
 cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_t b_rows, const GroupedArgs& args,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, int64_t a_ld_bytes = 0) {
   using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
   auto* kernel = GroupedGemmKernel<BM, BN, kSwiglu, kPingPong, kFp8>;
   // The shared-memory opt-in is a property of the function on each device: set it once a device
@@ -574,7 +576,7 @@ cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_
     }
   }
   CUtensorMap map_a, map_b;
-  err = MapRows(&map_a, a, k, rows, BM, kFp8);
+  err = MapRows(&map_a, a, k, rows, BM, kFp8, a_ld_bytes);
   if (err != cudaSuccess) return err;
   err = MapRows(&map_b, b, k, b_rows, BN, kFp8);
   if (err != cudaSuccess) return err;
@@ -640,23 +642,26 @@ bool GroupedSm90Fp8Supported(int num_experts, int d, int f) {
   return GroupedSm90Supported(num_experts, d, f) && d % 128 == 0 && f % 128 == 0;
 }
 
-cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, const float* x_scales, int64_t rows, const int64_t* offsets,
-                                       int num_experts, int d, int f, const uint8_t* w_gate_up,
-                                       const float* gate_up_scales, const uint8_t* w_down, const float* down_scales,
-                                       uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y, cudaStream_t stream) {
+cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const float* x_scales, int64_t x_scales_ld,
+                                       int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
+                                       const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
+                                       const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
+                                       cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  if (rows >= (int64_t{1} << 31) || xq_ld < d || xq_ld % 16 != 0 || x_scales_ld < d / 128) return cudaErrorInvalidValue;
   GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
   up.a_scales = x_scales;
+  up.a_scale_ld = x_scales_ld;
   up.b_scales = gate_up_scales;
   up.a_rows = rows;
   cudaError_t err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
-                                                        static_cast<int64_t>(num_experts) * 2 * f, up, stream);
+                                                        static_cast<int64_t>(num_experts) * 2 * f, up, stream, xq_ld);
   if (err != cudaSuccess) return err;
   err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream);
   if (err != cudaSuccess) return err;
   GroupedArgs down{offsets, num_experts, f / 128, d / 256, d, 0, y, d};
   down.a_scales = a_scales;
+  down.a_scale_ld = f / 128;
   down.b_scales = down_scales;
   down.a_rows = rows;
   return Launch<128, 256, false, false, true>(aq, rows, f, w_down, static_cast<int64_t>(num_experts) * d, down, stream);

@@ -33,8 +33,8 @@ cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8
                              int64_t* status, cudaStream_t stream);
 // out[dest[i * fanout + j]] = in[i] (BF16 rows of d), entries outside [0, out_rows) skipped:
 // kernels/api.h ScatterParams.
-cudaError_t LaunchScatterRows(const uint16_t* in, int64_t in_rows, int d, const int32_t* dest, int fanout,
-                              int64_t out_rows, uint16_t* out, cudaStream_t stream);
+cudaError_t LaunchScatterRows(const uint16_t* in, int64_t in_rows, int d, int64_t out_ld, const int32_t* dest,
+                              int fanout, int64_t out_rows, uint16_t* out, cudaStream_t stream);
 
 // out[i] = a[b[i]] (-1 where b[i] is outside [0, a_n)): kernels/api.h ComposeIndexParams.
 cudaError_t LaunchComposeIndex(const int32_t* a, int64_t a_n, const int32_t* b, int64_t n, int32_t* out,
@@ -112,10 +112,13 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 // the gate/up kernel's SwiGLU epilogue) is quantized into aq / a_scales [rows, f / 128] for the
 // down kernel; y [rows, d] BF16. Scratch a, aq, a_scales belongs to the caller.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
-cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, const float* x_scales, int64_t rows, const int64_t* offsets,
-                                       int num_experts, int d, int f, const uint8_t* w_gate_up,
-                                       const float* gate_up_scales, const uint8_t* w_down, const float* down_scales,
-                                       uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y, cudaStream_t stream);
+// xq_ld: bytes between rows of xq (a multiple of 16, >= d); x_scales_ld: floats between rows of
+// x_scales (>= d / 128).
+cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const float* x_scales, int64_t x_scales_ld,
+                                       int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
+                                       const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
+                                       const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
+                                       cudaStream_t stream);
 
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`

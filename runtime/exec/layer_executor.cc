@@ -1035,7 +1035,8 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->BindPlan(std::move(pass.inverse)));
   const StepAgreement& agreement = pass.agreement;
   for (int64_t c : agreement.recv_counts) pass.n_recv += c;
-  SplitBytes(source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, &pass.bytes);
+  SplitBytes(source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, DispatchRowBytes(pass),
+             &pass.bytes);
   std::vector<int32_t>& recv_meta = buf_.recv_meta;
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
   if (agreement.meta_received) {
@@ -1255,7 +1256,8 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->BindPlan(InverseCoordinates{{}, {}, in.tokens}));  // the inverse is on the device
   const StepAgreement& agreement = pass.agreement;
   for (int64_t c : agreement.recv_counts) pass.n_recv += c;
-  SplitBytes(buf_.source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, &pass.bytes);
+  SplitBytes(buf_.source.send_splits, agreement.recv_counts, static_cast<int64_t>(in.d) * 2, DispatchRowBytes(pass),
+             &pass.bytes);
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
   // A lone member's metadata is its own send side's: ranked where it is, not sent to itself.
   const int32_t* recv_meta = buf_.d_send_meta.as<int32_t>();
@@ -1453,19 +1455,25 @@ absl::Status LayerExecutor::DispatchRows(Pass& pass) {
     RETURN_IF_ERROR(check_received());
     return pass.handle->MarkExpertRowsReady();
   }
-  RETURN_IF_ERROR(buf_.send_rows.Reserve(&kern, pass.n_send * row_bytes));
-  if (pass.n_send > 0) {
-    // Each sent route has its own send position (row_of_route): each token's row is read once
-    // and written to its routes' positions.
-    RETURN_IF_ERROR(kern.Scatter({in.d, static_cast<const uint16_t*>(pass.hidden), in.tokens, pass.row_of_route, in.k,
-                                  buf_.send_rows.as<uint16_t>(), pass.n_send},
-                                 nullptr));
+  // FP8 experts: the rows go as packed FP8 rows (quantized once a token), half the bytes.
+  const int64_t payload = DispatchRowBytes(pass);
+  if (payload != row_bytes) {
+    RETURN_IF_ERROR(PackFp8Rows(pass, pass.row_of_route, pass.n_send, buf_.send_rows));
+  } else {
+    RETURN_IF_ERROR(buf_.send_rows.Reserve(&kern, pass.n_send * row_bytes));
+    if (pass.n_send > 0) {
+      // Each sent route has its own send position (row_of_route): each token's row is read once
+      // and written to its routes' positions.
+      RETURN_IF_ERROR(kern.Scatter({in.d, static_cast<const uint16_t*>(pass.hidden), in.tokens, pass.row_of_route, in.k,
+                                    buf_.send_rows.as<uint16_t>(), pass.n_send},
+                                   nullptr));
+    }
   }
-  RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * row_bytes));
+  RETURN_IF_ERROR(buf_.recv_rows.Reserve(&kern, pass.n_recv * payload));
   RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads the packed rows on its own stream
   RETURN_IF_ERROR(check_received());
-  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.send,
-                                                buf_.recv_rows.data(), pass.bytes.recv, options_.timeout));
+  RETURN_IF_ERROR(options_.transport->AllToAllV(in.step_id * 4 + 2, buf_.send_rows.data(), pass.bytes.dispatch_send,
+                                                buf_.recv_rows.data(), pass.bytes.dispatch_recv, options_.timeout));
   return pass.handle->MarkExpertRowsReady();
 }
 
@@ -1483,16 +1491,17 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   // quantizes them: the same bits) and scattered as bytes: a token's k routes share it, and the
   // scatter moves half the bytes.
   const bool lone_fp8 = lone && weights.fp8;
-  if (!lone_fp8) RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * row_bytes));
+  const int64_t packed = kernels::Fp8PackedRowBytes(d);  // FP8: the rows as they arrive (or are packed)
+  if (!lone_fp8) RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * (weights.fp8 ? packed : row_bytes)));
   RETURN_IF_ERROR(buf_.expert_out.Reserve(&kern, n_recv * row_bytes));
   if (!lone) {
     RETURN_IF_ERROR(buf_.back_rows.Reserve(&kern, n_recv * row_bytes));
     RETURN_IF_ERROR(buf_.returned.Reserve(&kern, pass.n_send * row_bytes));
   }
   // The received rows <-> expert order, one way before the experts and back after them.
-  auto reorder = [&](const void* in, const int32_t* index, void* out) {
+  auto reorder = [&](const void* in, const int32_t* index, void* out, int64_t bytes) {
     kernels::GatherParams g;
-    g.d = d;
+    g.d = static_cast<int>(bytes / 2);  // as 2-byte words
     g.in = in;
     g.in_rows = n_recv;
     g.index = index;
@@ -1500,9 +1509,8 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     g.out = out;
     return kern.Gather(g, nullptr);
   };
-  const uint8_t* xq = nullptr;
-  const float* x_scales = nullptr;
-  if (n_recv > 0 && lone_fp8) RETURN_IF_ERROR(QuantizeLoneRows(pass, &xq, &x_scales));
+  if (n_recv > 0 && lone_fp8)
+    RETURN_IF_ERROR(PackFp8Rows(pass, buf_.d_lone_combine.as<int32_t>(), n_recv, buf_.fp8_rows));
   if (n_recv > 0) {
     if (lone && !lone_fp8) {
       RETURN_IF_ERROR(
@@ -1510,17 +1518,18 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
                         pass.in.k, buf_.expert_in.as<uint16_t>(), n_recv},
                        nullptr));
     } else if (!lone) {
-      RETURN_IF_ERROR(reorder(buf_.recv_rows.data(), pass.expert_order, buf_.expert_in.data()));
+      RETURN_IF_ERROR(
+          reorder(buf_.recv_rows.data(), pass.expert_order, buf_.expert_in.data(), weights.fp8 ? packed : row_bytes));
     }
     if (weights.fp8) {
       kernels::SwigluFp8Params sw;
       sw.weights = weights.Fp8Layer(pass.layer_index);
-      if (lone_fp8) {
-        sw.xq = xq;
-        sw.x_scales = x_scales;
-      } else {
-        sw.x = buf_.expert_in.as<uint16_t>();
-      }
+      // Packed FP8 rows: a row's d bytes, then its d / 128 scales.
+      const uint8_t* rows = (lone_fp8 ? buf_.fp8_rows : buf_.expert_in).as<uint8_t>();
+      sw.xq = rows;
+      sw.xq_ld = packed;
+      sw.x_scales = reinterpret_cast<const float*>(rows + d);
+      sw.x_scales_ld = packed / 4;
       sw.rows = n_recv;
       sw.offsets = device_ ? pass.expert_offsets : buf_.dest.expert_offsets.data();
       sw.y = buf_.expert_out.as<uint16_t>();
@@ -1537,43 +1546,48 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
       RETURN_IF_ERROR(kern.Swiglu(sw, nullptr));
     }
     if (!lone) {
-      RETURN_IF_ERROR(reorder(buf_.expert_out.data(), pass.expert_position, buf_.back_rows.data()));
+      RETURN_IF_ERROR(reorder(buf_.expert_out.data(), pass.expert_position, buf_.back_rows.data(), row_bytes));
       RETURN_IF_ERROR(kern.Synchronize(nullptr));  // the transport reads them on its own stream
     }
   }
   return pass.handle->MarkExpertOutputReady();
 }
 
-// The lone member's tokens in E4M3 (Quantize per 128 values), scattered into expert order as
-// 2-byte words: a row's d bytes are d / 2 words, its d / 128 scales d / 64.
-absl::Status LayerExecutor::QuantizeLoneRows(Pass& pass, const uint8_t** xq, const float** x_scales) {
+// The step's tokens in E4M3 (Quantize per 128 values, once a token), scattered as packed rows
+// (kernels::Fp8PackedRowBytes: a row's d bytes, then its d / 128 scales) to the positions `dest`
+// gives each route ([tokens, k], -1: none) in `out` ([n, packed]). Both parts move as 2-byte words.
+absl::Status LayerExecutor::PackFp8Rows(Pass& pass, const int32_t* dest, int64_t n, kernels::KernelBuffer& out) {
   kernels::ExpertKernels& kern = *options_.kernels;
   const int d = pass.in.d;
-  const int64_t tokens = pass.in.tokens, n = pass.n_recv, groups = d / 128;
-  auto at = [](int64_t rows, int d) { return (rows * d + 255) / 256 * 256; };  // the scales' offset
-  RETURN_IF_ERROR(buf_.fp8_tokens.Reserve(&kern, at(tokens, d) + tokens * groups * 4));
-  RETURN_IF_ERROR(buf_.fp8_rows.Reserve(&kern, at(n, d) + n * groups * 4));
+  const int64_t tokens = pass.in.tokens, groups = d / 128, packed = kernels::Fp8PackedRowBytes(d);
+  const int64_t scales_at = (tokens * d + 255) / 256 * 256;
+  RETURN_IF_ERROR(buf_.fp8_tokens.Reserve(&kern, scales_at + tokens * groups * 4));
+  RETURN_IF_ERROR(out.Reserve(&kern, n * packed));
+  if (n == 0 || tokens == 0) return absl::OkStatus();
   uint8_t* tq = buf_.fp8_tokens.as<uint8_t>();
-  uint8_t* rq = buf_.fp8_rows.as<uint8_t>();
   kernels::QuantizeParams q;
   q.x = static_cast<const uint16_t*>(pass.hidden);
   q.rows = tokens;
   q.d = d;
   q.granularity = kernels::ScaleGranularity::kPerBlock128;
   q.q = tq;
-  q.scales = reinterpret_cast<float*>(tq + at(tokens, d));
+  q.scales = reinterpret_cast<float*>(tq + scales_at);
   q.scale_count = tokens * groups;
   RETURN_IF_ERROR(kern.Quantize(q, nullptr));
-  const int32_t* dest = buf_.d_lone_combine.as<int32_t>();
-  RETURN_IF_ERROR(kern.Scatter(
-      {d / 2, reinterpret_cast<const uint16_t*>(tq), tokens, dest, pass.in.k, reinterpret_cast<uint16_t*>(rq), n},
-      nullptr));
-  RETURN_IF_ERROR(kern.Scatter({static_cast<int>(groups * 2), reinterpret_cast<const uint16_t*>(q.scales), tokens, dest,
-                                pass.in.k, reinterpret_cast<uint16_t*>(rq + at(n, d)), n},
-                               nullptr));
-  *xq = rq;
-  *x_scales = reinterpret_cast<const float*>(rq + at(n, d));
-  return absl::OkStatus();
+  uint16_t* rows = out.as<uint16_t>();
+  kernels::ScatterParams sc{d / 2, reinterpret_cast<const uint16_t*>(tq), tokens, dest, pass.in.k, rows, n, packed / 2};
+  RETURN_IF_ERROR(kern.Scatter(sc, nullptr));
+  sc.d = static_cast<int>(groups * 2);
+  sc.in = reinterpret_cast<const uint16_t*>(q.scales);
+  sc.out = rows + d / 2;
+  return kern.Scatter(sc, nullptr);
+}
+
+// The bytes of a dispatched row: BF16, or a packed FP8 row for FP8 experts (not in a replayed
+// decode graph, which moves BF16 rows).
+int64_t LayerExecutor::DispatchRowBytes(const Pass& pass) const {
+  if (pass.weights->fp8 && !pass.result.record.graph_replay) return kernels::Fp8PackedRowBytes(pass.in.d);
+  return static_cast<int64_t>(pass.in.d) * 2;
 }
 
 // Return exchange (splits reversed), then the combine over the semantic key. A lone member
@@ -1634,7 +1648,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   CountRoutes(*pass.manifest, *options_.topology, options_.rank, buf_.slot_counts, pass.in.tokens * pass.in.k, &rec);
   const int me = options_.group->SlotOf(options_.rank).value();
   for (int i = 0; i < options_.group->size(); ++i) {
-    if (i != me) rec.bytes_sent += pass.bytes.send[i] + pass.bytes.recv[i];
+    if (i != me) rec.bytes_sent += pass.bytes.dispatch_send[i] + pass.bytes.recv[i];
   }
   // A lone member's decode step runs in one kernels call, without a dispatch plan.
   rec.routes_served = LoneMember() ? rec.routes_accepted : pass.n_recv;

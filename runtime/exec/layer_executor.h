@@ -244,7 +244,8 @@ class LayerExecutor {
   struct Pass;
   struct ResidentExperts;
   absl::Status QuantizeGeneration(PlacementVersion version, ResidentExperts* r);
-  absl::Status QuantizeLoneRows(Pass& pass, const uint8_t** xq, const float** x_scales);
+  absl::Status PackFp8Rows(Pass& pass, const int32_t* dest, int64_t n, kernels::KernelBuffer& out);
+  int64_t DispatchRowBytes(const Pass& pass) const;
   absl::StatusOr<LayerStepResult> ExecuteBound(const LayerStepInput& input);
   absl::Status CheckBinding(const LayerExecutorOptions& o) const;
   absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);
@@ -360,8 +361,8 @@ class LayerExecutor {
     // A lone member's composed index (kernel memory): route -> expert position, where its row is
     // scattered and combined from.
     kernels::KernelBuffer d_lone_combine;
-    // A lone member's FP8 experts: its tokens' rows in E4M3 with a scale per 128 values, and
-    // those rows scattered into expert order (bytes, then the scales at fp8_scales_at).
+    // FP8 experts: the step's tokens in E4M3 with a scale per 128 values, and (a lone member)
+    // their packed rows in expert order (PackFp8Rows).
     kernels::KernelBuffer fp8_tokens, fp8_rows;
     std::vector<int64_t> plan_small;    // d_small on the host
     std::vector<int32_t> routing_host;  // LayerStepInput::routing_on_device copied for the host plan

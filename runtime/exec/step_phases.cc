@@ -162,13 +162,17 @@ void InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted
 }
 
 void SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes,
-                ByteSplits* out) {
+                int64_t dispatch_row_bytes, ByteSplits* out) {
   const size_t p = send_counts.size();
   ByteSplits& b = *out;
-  for (std::vector<int64_t>* v : {&b.send, &b.recv, &b.send_meta, &b.recv_meta}) v->resize(p);
+  for (std::vector<int64_t>* v : {&b.send, &b.recv, &b.dispatch_send, &b.dispatch_recv, &b.send_meta, &b.recv_meta}) {
+    v->resize(p);
+  }
   for (size_t i = 0; i < p; ++i) {
     b.send[i] = send_counts[i] * row_bytes;
     b.recv[i] = recv_counts[i] * row_bytes;
+    b.dispatch_send[i] = send_counts[i] * dispatch_row_bytes;
+    b.dispatch_recv[i] = recv_counts[i] * dispatch_row_bytes;
     b.send_meta[i] = send_counts[i] * 4;
     b.recv_meta[i] = recv_counts[i] * 4;
   }

@@ -73,11 +73,13 @@ void InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted
 
 // dispatch: bytes to and from every peer slot for rows of `row_bytes` and 4-byte slot metadata,
 // into *out (its vectors keep their memory from step to step).
+// Per peer: the BF16 rows sent and received (the return exchange runs them reversed), the
+// dispatch's payload (the same rows, or packed FP8 rows of `dispatch_row_bytes`), slot metadata.
 struct ByteSplits {
-  std::vector<int64_t> send, recv, send_meta, recv_meta;
+  std::vector<int64_t> send, recv, dispatch_send, dispatch_recv, send_meta, recv_meta;
 };
 void SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes,
-                ByteSplits* out);
+                int64_t dispatch_row_bytes, ByteSplits* out);
 
 // combine: the token-major view of the handle's coordinates the combine kernel reads: route
 // (t, j) -> its send position (-1: not sent) and its gate (0 when not sent).

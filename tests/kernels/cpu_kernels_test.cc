@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -435,6 +436,33 @@ TEST(CpuKernelsTest, SwigluFp8NearTheDequantizedBf16Layer) {
   pre.y = y_pre.data();
   ASSERT_TRUE(cpu->SwigluFp8(pre, nullptr).ok());
   EXPECT_EQ(y_pre, y8);
+  // The same rows packed (an FP8 dispatch's payload: a row's bytes, then its scales, padded to
+  // 16 bytes): row strides xq_ld and x_scales_ld.
+  const int64_t packed = Fp8PackedRowBytes(d);
+  std::vector<uint8_t> rows_packed(rows * packed, 0xee);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(rows_packed.data() + r * packed, xq.data() + r * d, d);
+    std::memcpy(rows_packed.data() + r * packed + d, xs.data() + r * (d / 128), 4 * (d / 128));
+  }
+  SwigluFp8Params packed_p = pre;
+  packed_p.xq = rows_packed.data();
+  packed_p.xq_ld = packed;
+  packed_p.x_scales = reinterpret_cast<const float*>(rows_packed.data() + d);
+  packed_p.x_scales_ld = packed / 4;
+  std::vector<uint16_t> y_packed(x.size(), sentinel);
+  packed_p.y = y_packed.data();
+  ASSERT_TRUE(cpu->SwigluFp8(packed_p, nullptr).ok());
+  EXPECT_EQ(y_packed, y8);
+  for (int64_t bad_ld : {packed - 8, int64_t{d} - 16}) {
+    SwigluFp8Params bad = packed_p;
+    bad.xq_ld = bad_ld;
+    const absl::Status st = cpu->SwigluFp8(bad, nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad_ld;
+    EXPECT_NE(st.message().find("swiglu_fp8.xq_ld"), std::string::npos) << st;
+  }
+  SwigluFp8Params strided_bf16 = p;
+  strided_bf16.xq_ld = packed;
+  EXPECT_EQ(cpu->SwigluFp8(strided_bf16, nullptr).code(), absl::StatusCode::kInvalidArgument);
   SwigluFp8Params both = pre;
   both.x = x.data();
   auto both_st = cpu->SwigluFp8(both, nullptr);
@@ -738,6 +766,16 @@ TEST(CpuKernelsTest, ScatterReference) {
   p.in_rows = 3;
   p.out = nullptr;
   EXPECT_EQ(k->Scatter(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  // Into wider rows (out_ld 3 words): the third word of each row is left alone.
+  std::vector<uint16_t> wide(6 * 3, 7);
+  p.out = wide.data();
+  p.out_ld = 3;
+  ASSERT_TRUE(k->Scatter(p, nullptr).ok());
+  EXPECT_EQ(wide, (std::vector<uint16_t>{1, 2, 7, 100, 200, 7, 7, 7, 7, 1, 2, 7, 7, 7, 7, 10, 20, 7}));
+  p.out_ld = 1;  // narrower than a row
+  s = k->Scatter(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("scatter.out_ld"));
 }
 
 }  // namespace

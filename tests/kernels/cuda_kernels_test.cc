@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
@@ -279,6 +280,26 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
       ASSERT_TRUE(gpu_->SwigluFp8(pre, nullptr).ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       EXPECT_EQ(dy_pre.Host(), got) << "f=" << f;
+      // Packed rows (a row's bytes, then its scales; the FP8 dispatch's payload): the same bits.
+      const int64_t packed = Fp8PackedRowBytes(d);
+      const std::vector<uint8_t> hq = dxq.Host();
+      const std::vector<float> hs = dxs.Host();
+      std::vector<uint8_t> rows_packed(rows * packed, 0xee);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(rows_packed.data() + r * packed, hq.data() + r * d, d);
+        std::memcpy(rows_packed.data() + r * packed + d, hs.data() + r * (d / 128), 4 * (d / 128));
+      }
+      DeviceVector<uint8_t> dpacked(rows_packed);
+      DeviceVector<uint16_t> dy_packed(x.size(), sentinel);
+      SwigluFp8Params pk = pre;
+      pk.xq = dpacked.get();
+      pk.xq_ld = packed;
+      pk.x_scales = reinterpret_cast<const float*>(dpacked.get() + d);
+      pk.x_scales_ld = packed / 4;
+      pk.y = dy_packed.get();
+      ASSERT_TRUE(gpu_->SwigluFp8(pk, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(dy_packed.Host(), got) << "f=" << f << " packed rows";
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (r >= lead && r < offsets.back()) continue;
@@ -1008,6 +1029,16 @@ TEST_F(CudaKernelsTest, ScatterMatchesCpu) {
       p = {d, din.get(), in_rows, ddest.get(), fanout, dout.get(), out_rows};
       ASSERT_TRUE(gpu_->Scatter(p, nullptr).ok());
       EXPECT_EQ(dout.Host(), want) << "d " << d << " fanout " << fanout;
+      // Into wider rows (out_ld: 8 more words, or 1 more), the rest of each row left alone.
+      for (int64_t ld : {int64_t{d} + 8, int64_t{d} + 1}) {
+        std::vector<uint16_t> wide(static_cast<size_t>(out_rows) * ld, uint16_t{0x7fc0});
+        ScatterParams w{d, in.data(), in_rows, dest.data(), fanout, wide.data(), out_rows, ld};
+        ASSERT_TRUE(cpu_->Scatter(w, nullptr).ok());
+        DeviceVector<uint16_t> dwide(wide.size(), uint16_t{0x7fc0});
+        w = {d, din.get(), in_rows, ddest.get(), fanout, dwide.get(), out_rows, ld};
+        ASSERT_TRUE(gpu_->Scatter(w, nullptr).ok());
+        EXPECT_EQ(dwide.Host(), wide) << "d " << d << " fanout " << fanout << " out_ld " << ld;
+      }
     }
   }
 }

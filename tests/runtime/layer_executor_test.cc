@@ -524,7 +524,7 @@ std::vector<uint16_t> Plain(const Rows& rows) {
 TEST(LayerExecutorTest, Fp8ExpertsEqualTheFp8ReferenceOnEveryRank) {
   Rank4 fp8(0b0011, 0b1111, kD8, kFf8), bf16(0, 0, kD8, kFf8);
   std::mt19937 rng(8);
-  bool any_differs = false;
+  bool any_differs = false, fewer_bytes = false;
   for (uint64_t step = 1; step <= 4; ++step) {
     std::vector<RankInput> inputs;
     for (int r = 0; r < kRanks; ++r) {
@@ -550,10 +550,18 @@ TEST(LayerExecutorTest, Fp8ExpertsEqualTheFp8ReferenceOnEveryRank) {
       const double err = kernels::RelativeL2Bf16(a[r]->output, want);
       EXPECT_LT(err, 0.1) << "step " << step << " rank " << r;  // E4M3 weights and rows
       any_differs |= a[r]->output != b[r]->output;
+      // The dispatch moves packed FP8 rows (d + 4 d / 128 bytes, padded to 16: 272) instead of
+      // BF16 rows (512) to the peers; the return stays BF16.
+      const StepRecord &x = a[r]->record, &y = b[r]->record;
+      EXPECT_EQ(x.routes_remote, y.routes_remote);
+      EXPECT_EQ(x.bytes_sent, y.bytes_sent - x.routes_remote * (2 * kD8 - kernels::Fp8PackedRowBytes(kD8)))
+          << "step " << step << " rank " << r;
+      fewer_bytes |= x.bytes_sent < y.bytes_sent;
       EXPECT_EQ(fp8.registry[r].Refcount(PlacementVersion(17)), 0);
     }
   }
   EXPECT_TRUE(any_differs);  // the FP8 path ran, not the BF16 one
+  EXPECT_TRUE(fewer_bytes);
 }
 
 // A lone member's FP8 decode steps take the staged path (LocalLayer is BF16) and equal the FP8

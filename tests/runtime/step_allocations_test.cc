@@ -80,9 +80,9 @@ TEST(StepAllocationsTest, AgreementRefilledWithoutAllocating) {
 TEST(StepAllocationsTest, ByteSplitsRefilledWithoutAllocating) {
   ByteSplits b;
   const std::vector<int64_t> send = {3, 0, 2, 7}, recv = {1, 4, 0, 2};
-  SplitBytes(send, recv, 4096, &b);
+  SplitBytes(send, recv, 4096, 2112, &b);
   const int64_t before = bench::ThreadAllocations();
-  SplitBytes(recv, send, 4096, &b);
+  SplitBytes(recv, send, 4096, 2112, &b);
   EXPECT_EQ(bench::ThreadAllocations() - before, 0);
   EXPECT_EQ(b.send, (std::vector<int64_t>{4096, 4 * 4096, 0, 2 * 4096}));
   EXPECT_EQ(b.recv_meta, (std::vector<int64_t>{12, 0, 8, 28}));

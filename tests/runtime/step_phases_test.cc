@@ -144,15 +144,18 @@ TEST(StepPhasesTest, InverseAndCombineTablesAgree) {
 TEST(StepPhasesTest, ByteSplitsPerPeer) {
   const std::vector<int64_t> send = {3, 0, 2}, recv = {1, 4, 0};
   ByteSplits b;
-  SplitBytes(send, recv, 8192, &b);
+  SplitBytes(send, recv, 8192, 4224, &b);  // d = 4096: BF16 rows, packed FP8 dispatch rows
   EXPECT_EQ(b.send, (std::vector<int64_t>{3 * 8192, 0, 2 * 8192}));
   EXPECT_EQ(b.recv, (std::vector<int64_t>{8192, 4 * 8192, 0}));
+  EXPECT_EQ(b.dispatch_send, (std::vector<int64_t>{3 * 4224, 0, 2 * 4224}));
+  EXPECT_EQ(b.dispatch_recv, (std::vector<int64_t>{4224, 4 * 4224, 0}));
   EXPECT_EQ(b.send_meta, (std::vector<int64_t>{12, 0, 8}));
   EXPECT_EQ(b.recv_meta, (std::vector<int64_t>{4, 16, 0}));
   // Reused for a smaller group: sized to it, nothing left over from the last call.
   const std::vector<int64_t> send2 = {5, 1}, recv2 = {2, 7};
-  SplitBytes(send2, recv2, 16, &b);
+  SplitBytes(send2, recv2, 16, 16, &b);
   EXPECT_EQ(b.send, (std::vector<int64_t>{80, 16}));
+  EXPECT_EQ(b.dispatch_send, b.send);
   EXPECT_EQ(b.recv, (std::vector<int64_t>{32, 112}));
   EXPECT_EQ(b.send_meta, (std::vector<int64_t>{20, 4}));
   EXPECT_EQ(b.recv_meta, (std::vector<int64_t>{8, 28}));
