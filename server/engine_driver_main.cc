@@ -72,6 +72,9 @@ ABSL_FLAG(std::string, parity, "",
           "parity mode: a safetensors file of steps recorded from a Hugging Face transformers MoE block "
           "(bench/gpu/hf_parity.py); every layer's tokens are split across the ranks and their outputs compared");
 ABSL_FLAG(double, parity_tolerance, 2e-2, "parity mode: the largest relative L2 error that passes");
+ABSL_FLAG(std::string, expert_dtype, "bf16",
+          "the ranks' --expert_dtype: fp8 checks outputs against the FP8 reference (the checkpoint's experts "
+          "quantized in 128 x 128 blocks, rows per 128 values)");
 
 namespace moe {
 namespace {
@@ -99,8 +102,9 @@ double Percentile(std::vector<double> v, double q) {
 // through the same CheckpointReader the ranks load from (small models: all held in memory).
 class Reference {
  public:
-  static absl::StatusOr<Reference> Load(const CheckpointReader& ckpt) {
+  static absl::StatusOr<Reference> Load(const CheckpointReader& ckpt, bool fp8) {
     Reference r;
+    r.fp8_ = fp8;
     const ExpertShape s = ckpt.shape();
     r.d_ = s.d;
     r.f_ = s.d_ff;
@@ -116,6 +120,7 @@ class Reference {
       }
     }
     r.kernels_ = kernels::CreateCpuKernels();
+    if (fp8) RETURN_IF_ERROR(r.QuantizeExperts());
     return r;
   }
   // The layer of a step: the model's MoE layers in turn (0, 1, 2 in turn for a single-layer
@@ -139,13 +144,24 @@ class Reference {
         const int64_t i = t * c.k + j;
         if (!c.admitted.empty() && c.admitted[i] == 0) continue;
         const int e = c.topk_ids[i];
-        kernels::SwigluParams p;
-        p.weights = {gate_up_[li][e].data(), down_[li][e].data(), 1, d_, f_};
-        p.x = c.hidden.data() + t * d_;
-        p.rows = 1;
-        p.host_offsets = offsets;
-        p.y = out.data();
-        if (!kernels_->Swiglu(p, nullptr).ok()) std::abort();
+        if (fp8_) {
+          const Fp8Expert& q = fp8_experts_[li][e];
+          kernels::SwigluFp8Params p;
+          p.weights = {q.gu.data(), q.gu_scales.data(), q.dn.data(), q.dn_scales.data(), 1, d_, f_};
+          p.x = c.hidden.data() + t * d_;
+          p.rows = 1;
+          p.offsets = offsets;
+          p.y = out.data();
+          if (!kernels_->SwigluFp8(p, nullptr).ok()) std::abort();
+        } else {
+          kernels::SwigluParams p;
+          p.weights = {gate_up_[li][e].data(), down_[li][e].data(), 1, d_, f_};
+          p.x = c.hidden.data() + t * d_;
+          p.rows = 1;
+          p.host_offsets = offsets;
+          p.y = out.data();
+          if (!kernels_->Swiglu(p, nullptr).ok()) std::abort();
+        }
         for (int col = 0; col < d_; ++col) y[t * d_ + col] += c.topk_weights[i] * kernels::Bf16ToFloat(out[col]);
       }
     }
@@ -158,6 +174,39 @@ class Reference {
   std::vector<int64_t> layers_;
   std::unique_ptr<kernels::ExpertKernels> kernels_;
   std::vector<std::vector<std::vector<uint16_t>>> gate_up_, down_;  // [layer][expert]
+  // --expert_dtype fp8: each expert as the ranks hold it (LayerExecutorOptions::expert_dtype).
+  struct Fp8Expert {
+    std::vector<uint8_t> gu, dn;
+    std::vector<float> gu_scales, dn_scales;
+  };
+  bool fp8_ = false;
+  std::vector<std::vector<Fp8Expert>> fp8_experts_;
+
+  absl::Status QuantizeExperts() {
+    if (d_ % 128 != 0 || f_ % 128 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--expert_dtype fp8: the checkpoint's d (", d_, ") and d_ff (", f_,
+                                                     ") must be multiples of 128"));
+    }
+    const auto g = kernels::ScaleGranularity::kBlock128x128;
+    for (size_t li = 0; li < gate_up_.size(); ++li) {
+      fp8_experts_.emplace_back();
+      for (size_t e = 0; e < gate_up_[li].size(); ++e) {
+        Fp8Expert q;
+        q.gu.resize(gate_up_[li][e].size());
+        q.dn.resize(down_[li][e].size());
+        q.gu_scales.resize(kernels::ScaleCount(g, 2 * f_, d_));
+        q.dn_scales.resize(kernels::ScaleCount(g, d_, f_));
+        RETURN_IF_ERROR(kernels_->Quantize({gate_up_[li][e].data(), 2 * f_, d_, g, q.gu.data(), q.gu_scales.data(),
+                                            static_cast<int64_t>(q.gu_scales.size())},
+                                           nullptr));
+        RETURN_IF_ERROR(kernels_->Quantize(
+            {down_[li][e].data(), d_, f_, g, q.dn.data(), q.dn_scales.data(), static_cast<int64_t>(q.dn_scales.size())},
+            nullptr));
+        fp8_experts_.back().push_back(std::move(q));
+      }
+    }
+    return absl::OkStatus();
+  }
 };
 
 StepCall MakeCall(std::mt19937& rng, uint64_t step, bool decode, int64_t tokens, int d, int k,
@@ -684,7 +733,13 @@ absl::StatusOr<Clients> ConnectClients(const std::vector<std::string>& addresses
 int Main() {
   std::unique_ptr<SafetensorsFile> file;
   auto ckpt = OpenCheckpoint(absl::GetFlag(FLAGS_checkpoint), &file);
-  absl::StatusOr<Reference> loaded = ckpt.ok() ? Reference::Load(**ckpt) : absl::StatusOr<Reference>(ckpt.status());
+  const std::string dtype = absl::GetFlag(FLAGS_expert_dtype);
+  if (dtype != "bf16" && dtype != "fp8") {
+    spdlog::error("--expert_dtype={}: expected bf16 or fp8", dtype);
+    return kExitUsage;
+  }
+  absl::StatusOr<Reference> loaded =
+      ckpt.ok() ? Reference::Load(**ckpt, dtype == "fp8") : absl::StatusOr<Reference>(ckpt.status());
   if (!loaded.ok()) {
     spdlog::error("--checkpoint: {}", std::string(loaded.status().message()));
     return kExitUsage;

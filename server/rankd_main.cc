@@ -303,7 +303,7 @@ absl::StatusOr<Model> LoadModel(const RankdOptions& o, kernels::ExpertKernels* k
   if (!reader.ok()) return Annotate(reader.status(), "--checkpoint");
   model.checkpoint = *std::move(reader);
   const CheckpointReader& ckpt = *model.checkpoint;
-  spdlog::info("checkpoint {}: {}", ckpt.version(), ckpt.Describe());
+  spdlog::info("checkpoint {}: {}; experts in {}", ckpt.version(), ckpt.Describe(), ExpertDtypeName(o.expert_dtype));
   model.topology = Topology::SingleNode(o.world);
   model.group = LocalClusterGroup(o.world, 0);
   auto manifest = DefaultPlacement(PlacementVersion(1), ckpt.shape().num_experts, absl::GetFlag(FLAGS_extra_replicas),
@@ -317,11 +317,15 @@ absl::StatusOr<Model> LoadModel(const RankdOptions& o, kernels::ExpertKernels* k
   lo.threads = std::max(1, absl::GetFlag(FLAGS_load_threads));
   lo.max_bytes = AvailableHostBytes();
   if (kernels != nullptr && kernels->device_resident()) {
-    ASSIGN_OR_RETURN(const int64_t need, LocalExpertBytes(ckpt, *model.manifest, Rank(o.rank)));
+    ASSIGN_OR_RETURN(int64_t need, LocalExpertBytes(ckpt, *model.manifest, Rank(o.rank)));
+    if (o.expert_dtype == ExpertDtype::kFp8) {
+      // E4M3 (half the BF16 bytes), a 4-byte scale per 128 x 128 block, the 64 MB staging buffer.
+      need = need / 2 + need / 2 / 4096 + (int64_t{64} << 20);
+    }
     if (const int64_t free = kernels->AvailableBytes(); free >= 0 && need > free) {
-      return absl::ResourceExhaustedError(absl::StrCat("weights: rank ", o.rank, " would hold ", need,
-                                                       " bytes of experts on ", kernels->name(), ", ", free,
-                                                       " bytes of device memory are free"));
+      return absl::ResourceExhaustedError(absl::StrCat("weights: rank ", o.rank, " would hold ", need, " bytes of ",
+                                                       ExpertDtypeName(o.expert_dtype), " experts on ", kernels->name(),
+                                                       ", ", free, " bytes of device memory are free"));
     }
   }
   if (ckpt.layers().size() > 0 && ckpt.RecordedDigest(ckpt.layers().front(), 0).empty()) {

@@ -218,6 +218,7 @@ absl::Status LayerExecutor::QuantizeGeneration(PlacementVersion version, Residen
                              r->s_down.as<float>() + l * dn_s));
   }
   r->fp8 = true;
+  if (r->slots() == 0) return absl::OkStatus();  // a rank holding no slot runs no expert
   // Whether these kernels take the shape: a call with no rows is checked as a step's would be
   // (CUDA: the Hopper kernels' d and d_ff), before the generation can serve.
   const std::vector<int64_t> offsets(r->slots() + 1, 0);
@@ -1487,9 +1488,9 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   // and leaves the expert rows where they are for its combine (DispatchRows, ReturnAndCombine).
   const bool lone = LoneMember();
   const ResidentExperts& weights = *pass.weights;
-  // A lone member's FP8 experts read rows quantized once a token (per 128 values, as SwigluFp8
-  // quantizes them: the same bits) and scattered as bytes: a token's k routes share it, and the
-  // scatter moves half the bytes.
+  // FP8 experts read packed FP8 rows (PackFp8Rows: quantized once a token, per 128 values, as
+  // SwigluFp8 would quantize each route: the same bits): received so from the peers, or, on a
+  // lone member, packed here straight into expert order.
   const bool lone_fp8 = lone && weights.fp8;
   const int64_t packed = kernels::Fp8PackedRowBytes(d);  // FP8: the rows as they arrive (or are packed)
   if (!lone_fp8) RETURN_IF_ERROR(buf_.expert_in.Reserve(&kern, n_recv * (weights.fp8 ? packed : row_bytes)));
