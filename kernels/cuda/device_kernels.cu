@@ -561,12 +561,30 @@ __device__ __forceinline__ void GroupScales(float amax, float* scale, float* inv
   }
 }
 
-// One block per (row, group): block-wide amax, then quantize the group.
-__global__ void QuantizeFp8Kernel(const __nv_bfloat16* __restrict__ x, int d, int group, int groups_per_row,
-                                  __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
+// The block's amax (each thread's `amax` reduced), its scale stored at *scale by thread 0, and the
+// inverse scale every thread of the block multiplies by (GroupScales).
+__device__ __forceinline__ float BlockInverseScale(float amax, float* scale) {
   using Reduce = cub::BlockReduce<float, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
   __shared__ float inv_shared;
+  amax = Reduce(storage).Reduce(amax, MaxOp());
+  if (threadIdx.x == 0) {
+    float s, inv;
+    GroupScales(amax, &s, &inv);
+    *scale = s;
+    inv_shared = inv;
+  }
+  __syncthreads();
+  return inv_shared;
+}
+
+__device__ __forceinline__ __nv_fp8_storage_t QuantizeValue(__nv_bfloat16 x, float inv) {
+  return __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x), inv), __NV_SATFINITE, __NV_E4M3);
+}
+
+// One block per (row, group): block-wide amax, then quantize the group.
+__global__ void QuantizeFp8Kernel(const __nv_bfloat16* __restrict__ x, int d, int group, int groups_per_row,
+                                  __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
   const int64_t row = blockIdx.x / groups_per_row;
   const int g = blockIdx.x % groups_per_row;
   const int begin = g * group;
@@ -574,27 +592,14 @@ __global__ void QuantizeFp8Kernel(const __nv_bfloat16* __restrict__ x, int d, in
   float amax = 0;
   for (int c = begin + threadIdx.x; c < end; c += blockDim.x)
     amax = fmaxf(amax, fabsf(__bfloat162float(x[row * d + c])));
-  amax = Reduce(storage).Reduce(amax, MaxOp());
-  if (threadIdx.x == 0) {
-    float scale, inv;
-    GroupScales(amax, &scale, &inv);
-    scales[blockIdx.x] = scale;
-    inv_shared = inv;
-  }
-  __syncthreads();
-  const float inv = inv_shared;
-  for (int c = begin + threadIdx.x; c < end; c += blockDim.x) {
-    q[row * d + c] = __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x[row * d + c]), inv), __NV_SATFINITE, __NV_E4M3);
-  }
+  const float inv = BlockInverseScale(amax, &scales[blockIdx.x]);
+  for (int c = begin + threadIdx.x; c < end; c += blockDim.x) q[row * d + c] = QuantizeValue(x[row * d + c], inv);
 }
 
 // One block per 128 x 128 weight block (Quantize's kBlock128x128): the block's amax, then its
 // values, each thread over whole 128-byte rows' worth of columns.
 __global__ void QuantizeFp8BlockKernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int d, int block_cols,
                                        __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
-  using Reduce = cub::BlockReduce<float, kThreads>;
-  __shared__ typename Reduce::TempStorage storage;
-  __shared__ float inv_shared;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x / block_cols) * 128;
   const int c0 = static_cast<int>(blockIdx.x % block_cols) * 128;
   const int n_rows = static_cast<int>(rows - r0 < 128 ? rows - r0 : 128), n_cols = min(128, d - c0);
@@ -603,21 +608,10 @@ __global__ void QuantizeFp8BlockKernel(const __nv_bfloat16* __restrict__ x, int6
     const int r = i / 128, c = i % 128;
     if (c < n_cols) amax = fmaxf(amax, fabsf(__bfloat162float(x[(r0 + r) * d + c0 + c])));
   }
-  amax = Reduce(storage).Reduce(amax, MaxOp());
-  if (threadIdx.x == 0) {
-    float scale, inv;
-    GroupScales(amax, &scale, &inv);
-    scales[blockIdx.x] = scale;
-    inv_shared = inv;
-  }
-  __syncthreads();
-  const float inv = inv_shared;
+  const float inv = BlockInverseScale(amax, &scales[blockIdx.x]);
   for (int i = threadIdx.x; i < n_rows * 128; i += blockDim.x) {
     const int r = i / 128, c = i % 128;
-    if (c < n_cols) {
-      const int64_t at = (r0 + r) * d + c0 + c;
-      q[at] = __nv_cvt_float_to_fp8(__fmul_rn(__bfloat162float(x[at]), inv), __NV_SATFINITE, __NV_E4M3);
-    }
+    if (c < n_cols) q[(r0 + r) * d + c0 + c] = QuantizeValue(x[(r0 + r) * d + c0 + c], inv);
   }
 }
 

@@ -6,7 +6,8 @@
 #  - every output equals the FP8 reference (the checkpoint's experts in 128 x 128 blocks, rows per
 #    128 values; engine_driver --expert_dtype fp8): 0 mismatches, over gRPC and over step rings;
 #  - the BF16 reference does not accept those outputs (the check can tell the precisions apart);
-#  - ranks started with different --expert_dtype abort every step, naming expert_dtype;
+#  - ranks started with different --expert_dtype abort every step, naming expert_dtype (two
+#    ranks or more);
 #  - an unknown --expert_dtype is refused at start-up, naming the flag.
 set -uo pipefail
 RANKD="$1" DRIVER="$2" MOECTL="$3"
@@ -40,6 +41,9 @@ check $? "the BF16 reference finds the FP8 outputs different"
 stop_ranks
 
 # Rank 0 with BF16 experts, the others FP8: every step aborts on every rank, naming the setting.
+if [ "$RANKS" -lt 2 ]; then
+  echo "n/a  different --expert_dtype across ranks: needs two ranks"
+else
 # (A rank's own flags come before the common ones, and the last of a flag wins: none in common.)
 for ((r = 1; r < RANKS; r++)); do export "RANK${r}_FLAGS=--expert_dtype fp8"; done
 start_ranks "$RANKD" "$work/mixed" "$RANKS" "$work/ckpt" --timeout_ms 3000 || exit 1
@@ -51,6 +55,7 @@ check $? "rank 0 in BF16, rank 1 in FP8"
 [ $? != 0 ] && grep -q "expert_dtype" "$work/mixed.log"
 check $? "different --expert_dtype across ranks: steps refused naming expert_dtype"
 stop_ranks
+fi
 
 "$RANKD" --rank 0 --world 1 --checkpoint "$work/ckpt" --expert_dtype fp16 >"$work/bad.log" 2>&1
 rc=$?
