@@ -58,6 +58,9 @@ absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in) {
   if (in.decode_bucket_tokens <= 0 || in.decode_bucket_slot_routes <= 0) {
     return absl::InvalidArgumentError("--decode_bucket_tokens, --decode_bucket_slot_routes: must be positive");
   }
+  if (in.dtype != "BF16" && in.dtype != "FP8") {
+    return absl::InvalidArgumentError(absl::StrCat("--expert_dtype: '", in.dtype, "' (bf16 or fp8)"));
+  }
   if (in.decode_runner != "kernels" && in.decode_runner != "padded" && in.decode_runner != "auto") {
     return absl::InvalidArgumentError(
         absl::StrCat("--decode_runner: '", in.decode_runner, "' (kernels, padded, auto)"));
@@ -101,7 +104,7 @@ absl::StatusOr<json::Json> MakeBundle(const BundleInputs& in) {
   b["runtime"] = {{"decode_runner", in.decode_runner},
                   {"decode_bucket_tokens", in.decode_bucket_tokens},
                   {"decode_bucket_slot_routes", in.decode_bucket_slot_routes},
-                  {"dtype", "BF16"},
+                  {"dtype", in.dtype},
                   {"kernel_build", in.kernel_build}};
   b["topology"] = {{"world", in.world}};
   if (!in.nodes.empty()) b["topology"]["nodes"] = in.nodes;
@@ -124,6 +127,10 @@ absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& b) {
   ASSIGN_OR_RETURN(const json::Json* routes, json::Member(*r, "runtime", "decode_bucket_slot_routes"));
   ASSIGN_OR_RETURN(out.decode_bucket_slot_routes, json::Int(*routes, "runtime.decode_bucket_slot_routes"));
   ASSIGN_OR_RETURN(out.dtype, json::StringOr(*r, "runtime", "dtype", ""));
+  if (!out.dtype.empty() && out.dtype != "BF16" && out.dtype != "FP8") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("runtime.dtype: '", out.dtype, "' is not an expert precision (BF16, FP8)"));
+  }
   ASSIGN_OR_RETURN(out.kernel_build, json::StringOr(*r, "runtime", "kernel_build", ""));
   if (out.decode_bucket_tokens <= 0 || out.decode_bucket_slot_routes <= 0) {
     return absl::InvalidArgumentError(

@@ -45,7 +45,8 @@ struct BundleInputs {
   std::string decode_runner = "kernels";
   int64_t decode_bucket_tokens = 8;
   int64_t decode_bucket_slot_routes = 16;
-  std::string kernel_build;  // "" : any build (the ranks report theirs in moectl status)
+  std::string dtype = "BF16";  // the ranks' expert precision: BF16, or FP8 (moe-rankd --expert_dtype fp8)
+  std::string kernel_build;    // "" : any build (the ranks report theirs in moectl status)
   int world = 0;
   std::vector<std::string> nodes;  // per rank (moectl group status); empty: any node
 };
@@ -60,7 +61,7 @@ struct BundleRuntime {
   std::string decode_runner;
   int64_t decode_bucket_tokens = 0;
   int64_t decode_bucket_slot_routes = 0;
-  std::string dtype;
+  std::string dtype;         // BF16 or FP8 ("": any)
   std::string kernel_build;  // "": any
 };
 absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& bundle);

@@ -111,6 +111,7 @@ ABSL_FLAG(std::string, release, "", "bundle make: the release the bundle describ
 ABSL_FLAG(std::string, bundle, "",
           "release register: a release bundle (moectl bundle make); the controller verifies it before VERIFIED");
 ABSL_FLAG(std::string, decode_runner, "kernels", "bundle make: the ranks' --decode_runner (kernels, padded, auto)");
+ABSL_FLAG(std::string, expert_dtype, "bf16", "bundle make: the ranks' --expert_dtype (bf16, fp8)");
 ABSL_FLAG(int64_t, decode_bucket_tokens, 8, "bundle make: the ranks' --decode_bucket_tokens");
 ABSL_FLAG(int64_t, decode_bucket_slot_routes, 16, "bundle make: the ranks' --decode_bucket_slot_routes");
 ABSL_FLAG(std::string, kernel_build, "",
@@ -138,7 +139,8 @@ constexpr char kUsage[] =
     "  moectl checkpoint digest DIR --version V                record every expert's per-layer digest "
     "(moe_checkpoint.json)\n"
     "  moectl bundle make --release ID --checkpoint DIR --manifest F --world P [--prior ID --decode_runner R\n"
-    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S --kernel_build B --nodes A,B,..]\n"
+    "                     --decode_bucket_tokens N --decode_bucket_slot_routes S --expert_dtype bf16|fp8\n"
+    "                     --kernel_build B --nodes A,B,..]\n"
     "                     --out F\n"
     "                                                          a release bundle: checkpoint digests, placement, "
     "runtime, topology\n"
@@ -579,6 +581,7 @@ int BundleMake() {
   in.checkpoint_path = absl::GetFlag(FLAGS_checkpoint);
   in.manifest_path = absl::GetFlag(FLAGS_manifest);
   in.decode_runner = absl::GetFlag(FLAGS_decode_runner);
+  in.dtype = absl::AsciiStrToUpper(absl::GetFlag(FLAGS_expert_dtype));
   in.decode_bucket_tokens = absl::GetFlag(FLAGS_decode_bucket_tokens);
   in.decode_bucket_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
   in.kernel_build = absl::GetFlag(FLAGS_kernel_build);

@@ -40,6 +40,22 @@ TEST(BundleTopologyTest, ParsesTheWorldAndTheNodesNamingWhatItRefuses) {
   EXPECT_EQ(ParseBundleTopology(json::Json::object()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The runtime's expert precision: BF16, FP8 or unstated (any); anything else is named.
+TEST(BundleRuntimeTest, DtypeIsBf16OrFp8) {
+  const auto runtime = [](const char* dtype) {
+    json::Json b;
+    b["runtime"] = {{"decode_runner", "kernels"}, {"decode_bucket_tokens", 8}, {"decode_bucket_slot_routes", 16}};
+    if (dtype != nullptr) b["runtime"]["dtype"] = dtype;
+    return ParseBundleRuntime(b);
+  };
+  ASSERT_TRUE(runtime("FP8").ok());
+  EXPECT_EQ(runtime("FP8")->dtype, "FP8");
+  EXPECT_EQ(runtime("BF16")->dtype, "BF16");
+  EXPECT_EQ(runtime(nullptr)->dtype, "");
+  EXPECT_EQ(runtime("INT4").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(runtime("fp8").status().message(), HasSubstr("runtime.dtype: 'fp8'"));
+}
+
 TEST(BundleTopologyTest, NodesAreCheckedRankByRank) {
   BundleTopology t;
   t.world = 3;

@@ -79,6 +79,15 @@ check "placement show bad file" 2 "--manifest" -- "$MOECTL" placement show --man
 check "bundle make" 0 "wrote .*rel-2, sha256:" -- "$MOECTL" bundle make --release rel-2 --prior rel-1 \
   --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --out "$TMP/bundle.json"
 check "bundle verify" 0 "verified rel-2 sha256:" -- "$MOECTL" bundle verify "$TMP/bundle.json"
+check "bundle make --expert_dtype fp8" 0 "wrote" -- "$MOECTL" bundle make --release rel-2 --checkpoint "$TMP/bm" \
+  --manifest "$TMP/bp.json" --world 2 --expert_dtype fp8 --out "$TMP/bundle-fp8.json"
+check "bundle make --expert_dtype int4" 2 "--expert_dtype: 'INT4'" -- "$MOECTL" bundle make \
+  --release rel-2 --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --expert_dtype int4 --out "$TMP/x.json"
+grep -q '"dtype": "FP8"' "$TMP/bundle-fp8.json" && grep -q '"dtype": "BF16"' "$TMP/bundle.json"
+[ $? = 0 ] && echo "ok   bundles name the experts' precision (runtime.dtype FP8 / BF16)" || {
+  echo "FAIL bundles name the experts' precision"
+  fail=1
+}
 check "bundle make --nodes: one node a rank" 2 "topology.nodes: not a list of 2 node names" -- "$MOECTL" bundle make \
   --release rel-2 --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --nodes host-a --out "$TMP/x.json"
 check "bundle make --nodes" 0 "wrote" -- "$MOECTL" bundle make --release rel-2 --checkpoint "$TMP/bm" \
