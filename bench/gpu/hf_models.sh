@@ -7,6 +7,9 @@
 #     transformers experts module computes on the same rows and routing (engine_driver --parity);
 #  2. a >= 20 GB checkpoint directory loaded by one rank of two (checkpoint_load_bench) against
 #     `cat` of the same files, page cache dropped before each (posix_fadvise), then warm.
+# RANKD_EXTRA / DRIVER_EXTRA add flags to the ranks / the driver (FP8 experts: RANKD_EXTRA=
+# "--expert_dtype fp8" DRIVER_EXTRA="--expert_dtype fp8 --parity_tolerance 0.1"); SKIP_LOAD=1
+# leaves out part 2.
 set -euo pipefail
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64" NCCL_NVLS_ENABLE=0
 PY="${PY:-/opt/torch/.venv/bin/python3}"
@@ -22,14 +25,17 @@ for fam in ${FAMILIES:-mixtral qwen2_moe qwen3_moe deepseek_v2 deepseek_v3}; do
   "$B/moectl" checkpoint inspect "$work/$fam/model" --world 2 | sed -n 2,6p
   for ranks in 2 1; do
     [ "$ranks" = 2 ] && BACKEND=cpu choose_backend 2 || choose_backend 1
-    start_ranks "$RANKD" "$work/$fam/r$ranks" "$ranks" "$work/$fam/model"
-    echo "-- $ranks rank(s), $BACKEND_NAME"
+    # shellcheck disable=SC2086
+    start_ranks "$RANKD" "$work/$fam/r$ranks" "$ranks" "$work/$fam/model" ${RANKD_EXTRA:-}
+    echo "-- $ranks rank(s), $BACKEND_NAME ${RANKD_EXTRA:-}"
+    # shellcheck disable=SC2086
     "$B/engine_driver" --port_dir "$work/$fam/r$ranks/ports" --world "$ranks" --checkpoint "$work/$fam/model" \
-      --parity "$work/$fam/steps.safetensors" || echo "PARITY FAILED: $fam, $ranks rank(s)"
+      --parity "$work/$fam/steps.safetensors" ${DRIVER_EXTRA:-} || echo "PARITY FAILED: $fam, $ranks rank(s)"
     stop_ranks
   done
 done
 
+[ "${SKIP_LOAD:-0}" = 1 ] && exit 0
 echo "== load: a >= 20 GB checkpoint directory"
 big="$work/big"
 "$PY" - "$big" <<'PYEOF'
