@@ -80,7 +80,8 @@ struct OneMemberRank {
 };
 
 inline absl::Status MakeOneMemberRank(OneMemberBackend& backend, int experts, int d, int f, DecodeRunner runner,
-                                      OneMemberRank* r, bool device_plan = false) {
+                                      OneMemberRank* r, bool device_plan = false,
+                                      ExpertDtype dtype = ExpertDtype::kBf16) {
   r->ckpt = SyntheticCheckpoint({experts, d, f}, 1, "checkpoint-0001");
   const Topology topology = TwoNodeTopology(1);
   const ProcessGroup group = LocalClusterGroup(1, 1);
@@ -96,6 +97,7 @@ inline absl::Status MakeOneMemberRank(OneMemberBackend& backend, int experts, in
   eo.kernels = backend.kernels.get();
   eo.decode_runner = runner;
   eo.device_plan = device_plan;
+  eo.expert_dtype = dtype;
   ASSIGN_OR_RETURN(r->executor, LayerExecutor::Create(std::move(eo)));
   ASSIGN_OR_RETURN(LocalExperts weights, LoadLocalExperts(r->ckpt, *manifest, Rank(0)));
   return r->executor->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(std::move(weights)));

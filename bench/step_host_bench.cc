@@ -44,6 +44,9 @@ ABSL_FLAG(int, reps, 9, "steps per token count (the median is reported)");
 ABSL_FLAG(int, experts, 128, "logical experts");
 ABSL_FLAG(int, k, 8, "routes per token");
 ABSL_FLAG(bool, device_plan, false, "plan the steps on the kernels (LayerExecutorOptions::device_plan)");
+ABSL_FLAG(std::string, expert_dtype, "bf16",
+          "the experts' precision (LayerExecutorOptions::expert_dtype: bf16, fp8; fp8 on the CPU kernels: d = d_ff "
+          "= 128)");
 ABSL_FLAG(std::vector<std::string>, tokens, std::vector<std::string>({"256", "1024", "2048", "4096", "8192"}),
           "token counts a step");
 ABSL_FLAG(bool, decode, false, "decode steps instead of prefill");
@@ -71,11 +74,22 @@ int Main() {
   }
   std::unique_ptr<kernels::ExpertKernels>& kernels = backend.kernels;
   const bool cuda = backend.cuda;
-  const int d = cuda ? 2048 : 64, f = cuda ? 768 : 16, experts = absl::GetFlag(FLAGS_experts),
-            k = absl::GetFlag(FLAGS_k);
+  auto dtype = ParseExpertDtype(absl::GetFlag(FLAGS_expert_dtype), "--expert_dtype");
+  if (!dtype.ok()) {
+    std::fprintf(stderr, "%s\n", dtype.status().ToString().c_str());
+    return 1;
+  }
+  const bool fp8 = *dtype == ExpertDtype::kFp8;
+  const int d = cuda  ? 2048
+                : fp8 ? 128
+                      : 64,
+            f = cuda  ? 768
+                : fp8 ? 128
+                      : 16,
+            experts = absl::GetFlag(FLAGS_experts), k = absl::GetFlag(FLAGS_k);
   bench::OneMemberRank rank;
   if (absl::Status s = bench::MakeOneMemberRank(backend, experts, d, f, DecodeRunner::kKernels, &rank,
-                                                absl::GetFlag(FLAGS_device_plan));
+                                                absl::GetFlag(FLAGS_device_plan), *dtype);
       !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 1;
@@ -92,8 +106,9 @@ int Main() {
     }
     token_counts.push_back(v);
   }
-  std::printf("one member, %s, E=%d k=%d d=%d d_ff=%d, %s steps, %s plan, %s, median of %d\n", kernels->name(), experts,
-              k, d, f, decode ? "decode" : "prefill", absl::GetFlag(FLAGS_device_plan) && !decode ? "device" : "host",
+  std::printf("one member, %s, %s experts, E=%d k=%d d=%d d_ff=%d, %s steps, %s plan, %s, median of %d\n",
+              kernels->name(), fp8 ? "FP8" : "BF16", experts, k, d, f, decode ? "decode" : "prefill",
+              absl::GetFlag(FLAGS_device_plan) && !decode ? "device" : "host",
               in_place ? "rows and routing in kernel memory" : "rows and routing on the host",
               absl::GetFlag(FLAGS_reps));
   std::printf("%8s", "tokens");

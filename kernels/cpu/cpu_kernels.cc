@@ -4,6 +4,7 @@
 // CUDA path: the gate/up product is rounded to BF16, the SwiGLU activation is computed in FP32
 // from those BF16 values and rounded to BF16, the down product is rounded to BF16.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -38,13 +39,23 @@ float QuantizeGroup(const uint16_t* x, int n, uint8_t* q) {
   return scale;
 }
 
+// Every E4M3 code's value (Fp8E4M3ToFloat's), decoded once for the reference's inner loops.
+const float* Fp8Values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int v = 0; v < 256; ++v) t[v] = Fp8E4M3ToFloat(static_cast<uint8_t>(v));
+    return t;
+  }();
+  return table.data();
+}
+
 // A BF16 row quantized as Quantize does per 128 values and read back.
 void QuantizedRow(const uint16_t* x, int n, float* out) {
   uint8_t q[128];
   for (int begin = 0; begin < n; begin += 128) {
     const int len = std::min(n - begin, 128);
     const float scale = QuantizeGroup(x + begin, len, q);
-    for (int c = 0; c < len; ++c) out[begin + c] = Fp8E4M3ToFloat(q[c]) * scale;
+    for (int c = 0; c < len; ++c) out[begin + c] = Fp8Values()[q[c]] * scale;
   }
 }
 
@@ -74,7 +85,8 @@ float Fp8Dot(const float* x, const uint8_t* w, const float* block_scales, int n)
   double sum = 0;
   for (int begin = 0; begin < n; begin += 128) {
     double part = 0;
-    for (int k = begin; k < begin + 128 && k < n; ++k) part += static_cast<double>(x[k]) * Fp8E4M3ToFloat(w[k]);
+    const float* values = Fp8Values();
+    for (int k = begin; k < begin + 128 && k < n; ++k) part += static_cast<double>(x[k]) * values[w[k]];
     sum += part * block_scales[begin / 128];
   }
   return static_cast<float>(sum);
@@ -261,13 +273,18 @@ class CpuKernels final : public ExpertKernels {
                         " breaks 0 <= offsets[e] <= offsets[e + 1] <= rows (", p.rows, ")");
     }
     const int d = w.d, f = w.d_ff, kd = d / 128, kf = f / 128;
-    std::vector<float> xq(d), h(2 * static_cast<size_t>(f)), a(f), aq(f);
-    std::vector<uint16_t> a16(f);
+    // Kept between calls (no allocation once they have grown).
+    std::vector<float>&xq = fp8_.xq, &h = fp8_.h, &aq = fp8_.aq;
+    std::vector<uint16_t>& a16 = fp8_.a16;
+    xq.resize(d);
+    h.resize(2 * static_cast<size_t>(f));
+    aq.resize(f);
+    a16.resize(f);
     for (int64_t e = 0; e < e_count; ++e) {
       for (int64_t r = p.offsets[e]; r < p.offsets[e + 1]; ++r) {
         if (p.xq != nullptr) {  // quantized by the caller (Quantize's format, rows maybe packed)
           const int64_t ld = p.xq_ld > 0 ? p.xq_ld : d, sld = p.x_scales_ld > 0 ? p.x_scales_ld : kd;
-          for (int c = 0; c < d; ++c) xq[c] = Fp8E4M3ToFloat(p.xq[r * ld + c]) * p.x_scales[r * sld + c / 128];
+          for (int c = 0; c < d; ++c) xq[c] = Fp8Values()[p.xq[r * ld + c]] * p.x_scales[r * sld + c / 128];
         } else {
           QuantizedRow(p.x + r * d, d, xq.data());
         }
@@ -326,6 +343,10 @@ class CpuKernels final : public ExpertKernels {
 
  private:
   LocalLayerScratch layer_stages_;
+  struct Fp8Rows {  // SwigluFp8's per-row values
+    std::vector<float> xq, h, aq;
+    std::vector<uint16_t> a16;
+  } fp8_;
 };
 
 }  // namespace

@@ -225,5 +225,30 @@ TEST(StepAllocationsTest, CpuKernelsKeepTheirHostTables) {
   EXPECT_NE(kernels::Bf16ToFloat(y[0]), 0.0f);
 }
 
+// The FP8 experts on the CPU (SwigluFp8, E 2, d 128, d_ff 128, 5 rows): the second call with the
+// same shapes allocates nothing (the per-row values are kept), and gives the first call's rows.
+TEST(StepAllocationsTest, CpuFp8ExpertsKeepTheirRowValues) {
+  std::unique_ptr<kernels::ExpertKernels> k = kernels::CreateCpuKernels();
+  constexpr int E = 2, D = 128, F = 128, R = 5;
+  std::vector<uint8_t> wgu(E * 2 * F * D, 0x30), wd(E * D * F, 0x28);  // E4M3 0.5 and 0.25
+  std::vector<float> sgu(E * 2 * (F / 128) * (D / 128), 0.01f), sd(E * (D / 128) * (F / 128), 0.02f);
+  std::vector<uint16_t> x(R * D, kernels::FloatToBf16(1.0f)), y(R * D), first;
+  const std::vector<int64_t> offsets = {0, 2, R};
+  kernels::SwigluFp8Params p;
+  p.weights = {wgu.data(), sgu.data(), wd.data(), sd.data(), E, D, F};
+  p.x = x.data();
+  p.rows = R;
+  p.offsets = offsets.data();
+  p.y = y.data();
+  for (int call = 0; call < 2; ++call) {
+    const int64_t before = bench::ThreadAllocations();
+    ASSERT_TRUE(k->SwigluFp8(p, nullptr).ok());
+    if (call == 1) EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+    if (call == 0) first = y;
+  }
+  EXPECT_EQ(y, first);
+  EXPECT_GT(kernels::Bf16ToFloat(y[0]), 0.0f);
+}
+
 }  // namespace
 }  // namespace moe
