@@ -272,7 +272,7 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
                     absl::StrCat(mine.decode_bucket_slot_routes()), "--decode_bucket_slot_routes");
     }
     if (!want.dtype().empty() && want.dtype() != mine.dtype()) {
-      return refuse("dtype", want.dtype(), mine.dtype(), "the rank's expert dtype");
+      return refuse("dtype", want.dtype(), mine.dtype(), "--expert_dtype");
     }
     if (!want.kernel_build().empty() && want.kernel_build() != mine.kernel_build()) {
       return refuse("kernel_build", want.kernel_build(), mine.kernel_build(), "the build of its kernels");

@@ -28,8 +28,9 @@ class RankAgentTest : public testing::OneRankTest {
  protected:
   void SetUp() override {
     SetUpRank(kExperts, kD, 32, 3);
-    service_ = std::make_unique<RankAgentServiceImpl>(
-        RankAgentContext{Rank(0), &registry_, executor_.get(), reader_.get(), kToken});
+    RankAgentContext c{Rank(0), &registry_, executor_.get(), reader_.get(), kToken};
+    c.runtime.set_dtype("BF16");  // as moe-rankd reports --expert_dtype bf16
+    service_ = std::make_unique<RankAgentServiceImpl>(std::move(c));
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -167,6 +168,23 @@ TEST_F(RankAgentTest, BundleNodesMustBeTheRanks) {
   EXPECT_FALSE(registry_.State(PlacementVersion(5)).ok());
   req.mutable_runtime()->clear_nodes();
   req.mutable_runtime()->add_nodes(mine);
+  ASSERT_TRUE(stub_->PrepareGeneration(Ctx().get(), req, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
+}
+
+// A release bundle's runtime.dtype must be the rank's --expert_dtype: an FP8 release is refused
+// by a BF16 rank, naming the field and the flag, and leaves nothing behind.
+TEST_F(RankAgentTest, BundleDtypeMustBeTheRanks) {
+  v1::GenerationStatus st;
+  v1::PrepareGenerationRequest req;
+  *req.mutable_manifest() = Manifest(5);
+  req.mutable_runtime()->set_dtype("FP8");
+  grpc::Status s = stub_->PrepareGeneration(Ctx().get(), req, &st);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("runtime.dtype: the release bundle says FP8, rank 0 runs BF16 (--expert_dtype)"));
+  EXPECT_FALSE(registry_.State(PlacementVersion(5)).ok());
+  req.mutable_runtime()->set_dtype("BF16");
   ASSERT_TRUE(stub_->PrepareGeneration(Ctx().get(), req, &st).ok());
   EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
 }
