@@ -733,7 +733,8 @@ int Main() {
   const auto build_info = BuildInfoRegistry("moe_build_info", {{"component", "moe-rankd"},
                                                                {"kernels", o.kernels},
                                                                {"transport", o.transport},
-                                                               {"kernel_build", KernelBuild(o)}});
+                                                               {"kernel_build", KernelBuild(o)},
+                                                               {"expert_dtype", ExpertDtypeName(o.expert_dtype)}});
   (*exposer)->RegisterCollectable(build_info);
 
   // Block the termination signals in every thread; the main thread waits for them below.
