@@ -10,11 +10,12 @@
 #  2. local_cluster: deploy/local_cluster.sh on CUDA kernels + NCCL, 0 failures and mismatches;
 #  3. live_rollout: deploy/live_rollout.sh, a placement rollout and rollback under live traffic;
 #  4. group_recovery: a rank killed under load KILLS times (bench/gpu/group_recovery.sh);
-#  5. cluster_latency: client-observed layer-step latency with the floor (bench/gpu/cluster_latency.sh).
+#  5. cluster_latency: client-observed layer-step latency with the floor (bench/gpu/cluster_latency.sh);
+#  6. fp8_group: FP8 experts on every GPU, packed FP8 rows over NCCL (bench/gpu/fp8_group.sh).
 # From the repository root with the whole dist/gpu (tools/gpu_bundle.sh; carry dist), where
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0):
 #   LD_LIBRARY_PATH=$PWD/dist/gpu/lib:/usr/local/cuda/lib64 bench/gpu/many_gpu.sh
-# PARTS="1 2 3 4 5" picks parts; GPUS the rank count (default: every GPU of the host). A device
+# PARTS="1 2 3 4 5 6" picks parts; GPUS the rank count (default: every GPU of the host). A device
 # call runs at most 600 s: split the parts over calls (e.g. PARTS="1 2 3", then PARTS="4 5").
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -53,7 +54,7 @@ if [ "${1:-}" = --a2a ]; then  # part 1 (run by part() below, under its timeout)
   cat "$OUT/a2a.md"
   exit 0
 fi
-for p in ${PARTS:-1 2 3 4 5}; do
+for p in ${PARTS:-1 2 3 4 5 6}; do
   case "$p" in
     1) part a2a 300 "$0" --a2a ;;
     2) part local_cluster 300 env RANKS="$GPUS" deploy/local_cluster.sh ;;
@@ -61,6 +62,7 @@ for p in ${PARTS:-1 2 3 4 5}; do
     4) part group_recovery 400 env OUT="$OUT" WORLD="$GPUS" KILLS="${KILLS:-20}" bench/gpu/group_recovery.sh ;;
     5) part cluster_latency 240 env RANKS="$GPUS" CELLS="decode:1,decode:8,decode:128,prefill:2048" STEPS=100 \
       bench/gpu/cluster_latency.sh ;;
+    6) part fp8_group 400 env RANKS="$GPUS" CELLS="decode:8,prefill:2048" bench/gpu/fp8_group.sh ;;
     *) echo "many_gpu: unknown part $p"; rc=1 ;;
   esac
 done
