@@ -183,7 +183,8 @@ absl::Status CheckScatter(const ScatterParams& p) {
                     "scatter.out_rows: outside [0, 2^31)");
   KERNEL_INVALID_IF(p.in_rows > 0 && (p.in == nullptr || p.dest == nullptr), "scatter: null in or dest");
   KERNEL_INVALID_IF(p.out_rows > 0 && p.out == nullptr, "scatter: null out");
-  KERNEL_INVALID_IF(p.out_ld != 0 && p.out_ld < p.d, "scatter.out_ld: ", p.out_ld, " is below d (", p.d, ")");
+  KERNEL_INVALID_IF(p.out_ld != 0 && (p.out_ld < p.d || p.out_ld >= (int64_t{1} << 31)), "scatter.out_ld: ", p.out_ld,
+                    " outside [d (", p.d, "), 2^31)");
   return absl::OkStatus();
 }
 
@@ -230,10 +231,10 @@ absl::Status CheckSwigluFp8(const SwigluFp8Params& p) {
   KERNEL_INVALID_IF((reinterpret_cast<uintptr_t>(p.x_scales) & 3) != 0, "swiglu_fp8.x_scales: not 4-byte aligned");
   KERNEL_INVALID_IF((p.xq_ld != 0 || p.x_scales_ld != 0) && p.xq == nullptr,
                     "swiglu_fp8.xq_ld: row strides are for xq (quantized rows)");
-  KERNEL_INVALID_IF(p.xq_ld != 0 && (p.xq_ld < w.d || p.xq_ld % 16 != 0), "swiglu_fp8.xq_ld: ", p.xq_ld,
-                    " must be at least d (", w.d, ") and a multiple of 16");
-  KERNEL_INVALID_IF(p.x_scales_ld != 0 && p.x_scales_ld < w.d / 128, "swiglu_fp8.x_scales_ld: ", p.x_scales_ld,
-                    " is below d / 128 (", w.d / 128, ")");
+  KERNEL_INVALID_IF(p.xq_ld != 0 && (p.xq_ld < w.d || p.xq_ld % 16 != 0 || p.xq_ld >= (int64_t{1} << 31)),
+                    "swiglu_fp8.xq_ld: ", p.xq_ld, " must be a multiple of 16 in [d (", w.d, "), 2^31)");
+  KERNEL_INVALID_IF(p.x_scales_ld != 0 && (p.x_scales_ld < w.d / 128 || p.x_scales_ld >= (int64_t{1} << 31)),
+                    "swiglu_fp8.x_scales_ld: ", p.x_scales_ld, " outside [d / 128 (", w.d / 128, "), 2^31)");
   KERNEL_INVALID_IF(p.rows > 0 && ((p.x == nullptr && p.xq == nullptr) || p.y == nullptr),
                     "swiglu_fp8: null x (or xq) or y");
   return absl::OkStatus();
