@@ -25,7 +25,8 @@ check() { if [ "$1" = 0 ]; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi;
 check $? "an FP8 checkpoint (F8_E4M3, 128 x 128 block scales)"
 start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt" --timeout_ms 3000 --expert_dtype fp8 || exit 1
 grep -q "experts in fp8" "$work/rank0.log"; check $? "rank 0 serves its experts in FP8"
-curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" | grep -q '^moe_build_info{.*expert_dtype="fp8"'
+curl -s "http://127.0.0.1:$(cat "$work/metrics/0.port")/metrics" >"$work/scrape.txt"
+grep -q '^moe_build_info{.*expert_dtype="fp8"' "$work/scrape.txt"
 check $? "metrics: moe_build_info names expert_dtype fp8"
 
 drive() { "$DRIVER" --port_dir "$work/ports" --world "$RANKS" --checkpoint "$work/ckpt" --rounds 1 --prefill_tokens 24 "$@"; }
