@@ -1510,15 +1510,15 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
     g.out = out;
     return kern.Gather(g, nullptr);
   };
-  if (n_recv > 0 && lone_fp8)
-    RETURN_IF_ERROR(PackFp8Rows(pass, buf_.d_lone_combine.as<int32_t>(), n_recv, buf_.fp8_rows));
   if (n_recv > 0) {
-    if (lone && !lone_fp8) {
+    if (lone_fp8) {
+      RETURN_IF_ERROR(PackFp8Rows(pass, buf_.d_lone_combine.as<int32_t>(), n_recv, buf_.fp8_rows));
+    } else if (lone) {
       RETURN_IF_ERROR(
           kern.Scatter({d, static_cast<const uint16_t*>(pass.hidden), pass.in.tokens, buf_.d_lone_combine.as<int32_t>(),
                         pass.in.k, buf_.expert_in.as<uint16_t>(), n_recv},
                        nullptr));
-    } else if (!lone) {
+    } else {
       RETURN_IF_ERROR(
           reorder(buf_.recv_rows.data(), pass.expert_order, buf_.expert_in.data(), weights.fp8 ? packed : row_bytes));
     }
