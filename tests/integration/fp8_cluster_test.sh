@@ -5,6 +5,7 @@
 # between them as packed FP8 rows:
 #  - every output equals the FP8 reference (the checkpoint's experts in 128 x 128 blocks, rows per
 #    128 values; engine_driver --expert_dtype fp8): 0 mismatches, over gRPC and over step rings;
+#  - a malformed request on one rank leaves every rank serving the next FP8 step (two ranks or more);
 #  - the BF16 reference does not accept those outputs (the check can tell the precisions apart);
 #  - ranks started with different --expert_dtype abort every step, naming expert_dtype (two
 #    ranks or more);
@@ -38,6 +39,12 @@ check $? "driver: $((10 * RANKS)) rank-steps, none failed"
 drive --expert_dtype fp8 --ring >"$work/ring.log" 2>&1
 check $? "driver over step rings: all scenarios served"
 grep -q "mismatches          0" "$work/ring.log"; check $? "driver over step rings: zero mismatches"
+if [ "$RANKS" -ge 2 ]; then
+  drive --expert_dtype fp8 --fault bad_input >"$work/bad.log" 2>&1
+  check $? "malformed request: INVALID_ARGUMENT on its rank, ABORTED on the others, next FP8 step served"
+else
+  echo "n/a  malformed request seen from another rank: needs two ranks"
+fi
 drive --expert_dtype bf16 >"$work/bf16.log" 2>&1
 [ $? != 0 ] && ! grep -q "mismatches          0" "$work/bf16.log"
 check $? "the BF16 reference finds the FP8 outputs different"
