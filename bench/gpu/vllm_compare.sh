@@ -52,7 +52,7 @@ python3 bench/gpu/compare_report.py --ours "${ours_files[@]}" --peer "${peer_fil
   --md "$OUT/vllm_compare.md" >"$OUT/vllm.jsonl"
 rc=$?
 echo "merge rc=$rc ($ROUNDS rounds)"
-grep -h '"ceiling"' "$OUT"/ours_*.jsonl
+grep -h '"ceiling"' "$OUT"/ours_*.jsonl "$OUT"/vllm_*.jsonl
 cat "$OUT/vllm_compare.md"
 rm -rf "$OUT/routing"
 exit "$rc"

@@ -22,7 +22,7 @@ def load(path):
 
 
 def main(vllm_path, out_path):
-    cells = [r for r in load(vllm_path) if r.get("kind") == "compare"]
+    cells = [r for r in load(vllm_path) if r.get("kind") == "compare" and r.get("precision", "bf16") == "bf16"]
     if not cells:
         sys.exit(f"{vllm_path}: no compare lines (vllm_compare.py run without --ours, or not the merged file?)")
     labels = [f"{r['shape'].split('-')[0]} T={r['T']}" for r in cells]

@@ -610,7 +610,10 @@ class CudaKernels final : public ExpertKernels {
     if (!s.ok()) return s;
     const Fp8ExpertWeights& w = p.weights;
     const int d = w.d, f = w.d_ff;
-    if (!cuda::GroupedSm90Fp8Supported(w.num_experts, d, f)) {
+    // Decode-sized steps (a few rows an expert) on the tensor-core GEMVs, unless gemm=sm90 forces
+    // the Hopper kernels (side-by-side runs).
+    const bool small = !sm90_forced_ && cuda::SmallBatchFp8Takes(p.rows, w.num_experts);
+    if (!small && !cuda::GroupedSm90Fp8Supported(w.num_experts, d, f)) {
       return absl::UnimplementedError(absl::StrCat("swiglu_fp8: d=", d, ", d_ff=", f, ", E=", w.num_experts,
                                                    " not taken by the Hopper kernels (d a multiple of 256, d_ff of "
                                                    "128, at most 4096 experts, E x 2 d_ff and E x d below 2^31)"));
@@ -638,9 +641,9 @@ class CudaKernels final : public ExpertKernels {
     }
     const int64_t xq_ld = quantized && p.xq_ld > 0 ? p.xq_ld : d;
     const int64_t xs_ld = quantized && p.x_scales_ld > 0 ? p.x_scales_ld : d / 128;
-    CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d, f,
-                                                          w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales, a, aq,
-                                                          as, p.y, st));
+    auto launch = small ? cuda::LaunchSmallBatchSwigluFp8 : cuda::LaunchGroupedSm90SwigluFp8;
+    CUDA_RETURN_IF_ERROR(launch(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d, f, w.w_gate_up,
+                                w.gate_up_scales, w.w_down, w.down_scales, a, aq, as, p.y, st));
     return absl::OkStatus();
   }
 

@@ -120,6 +120,18 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
                                        const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
                                        cudaStream_t stream);
 
+// Decode-sized FP8 experts (small_batch_fp8.cu): tensor-core GEMVs over device-side segment
+// offsets with the operands of LaunchGroupedSm90SwigluFp8 (d and f multiples of 128; xq, the
+// weights and the scratch 16-byte aligned). Any segment size is correct; SmallBatchFp8Takes says
+// whether a step of `rows` rows is decode-sized (a few rows an expert), where these beat the
+// Hopper kernels' 128-row tiles.
+bool SmallBatchFp8Takes(int64_t rows, int num_experts);
+cudaError_t LaunchSmallBatchSwigluFp8(const uint8_t* xq, int64_t xq_ld, const float* x_scales, int64_t x_scales_ld,
+                                      int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
+                                      const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
+                                      const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
+                                      cudaStream_t stream);
+
 // Decode-sized SwiGLU over device-side segment offsets (small_batch.cu): any segment size is
 // correct; it is fast while segments are a few rows. `a` is scratch of [rows, f] BF16; `rows`
 // (the layout's capacity) and the optional bound on any segment (0 = none) pick the chunk size.

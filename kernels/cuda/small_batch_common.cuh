@@ -318,6 +318,74 @@ __device__ __forceinline__ void StoreRows(const float (&acc)[NW][ROWS], int rows
   if (lane == SumLane<V>(idx) && r < rows && o0 + j < d) y[(r0 + r) * d + o0 + j] = __float2bfloat16_rn(sum);
 }
 
+// The tensor-core families (small_batch_mma.cu, small_batch_fp8.cu): a unit of work is (active
+// expert, a tile of weight rows); each block takes a balanced contiguous share of the units, and
+// its warps split the k-chunks.
+constexpr int kRowsPerMma = 8;  // activation rows (the mma's n)
+
+// The activation rows of a chunk [r0, r0 + rows) this lane feeds its NT mmas: row g of each
+// group of 8 (clamped to the chunk; `valid` false past it), as layout rows.
+template <int NT>
+__device__ __forceinline__ void ChunkLanes(int64_t r0, int rows, int g, int64_t (&layout_row)[NT], bool (&valid)[NT]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int r = n * kRowsPerMma + g;
+    valid[n] = r < rows;
+    layout_row[n] = r0 + (r < rows ? r : rows - 1);
+  }
+}
+
+// Each warp's tiles c[n] (its k-chunks' share) summed through shared memory into warp 0's c.
+template <int NT>
+__device__ __forceinline__ void SumTilesOverWarps(float (*partial)[32][4 * NT], float (&c)[NT][4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) partial[warp][lane][4 * n + q] = c[n][q];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) c[n][q] += partial[w][lane][4 * n + q];
+  }
+  __syncthreads();  // partials free for the next tile
+}
+
+// This warp's k-chunks of `chunks`, split evenly over the block's warps.
+__device__ __forceinline__ void WarpChunks(int chunks, int* c0, int* c1) {
+  const int warp = threadIdx.x >> 5;
+  const int per = (chunks + kWarps - 1) / kWarps;
+  *c0 = warp * per < chunks ? warp * per : chunks;
+  *c1 = *c0 + per < chunks ? *c0 + per : chunks;
+}
+
+// A block's walk over its balanced, contiguous share of the (active slot, group) units, `groups`
+// tiles an expert, and this warp's k-chunks of `chunks` (split evenly over the block's warps).
+struct TileWalk {
+  __device__ TileWalk(const ActiveExperts& act, int groups, int chunks) : groups(groups) {
+    const int64_t units = static_cast<int64_t>(act.count) * groups;
+    unit = units * blockIdx.x / gridDim.x;
+    end = units * (blockIdx.x + 1) / gridDim.x;
+    slot = static_cast<int>(unit / groups);
+    grp = static_cast<int>(unit - static_cast<int64_t>(slot) * groups);
+    WarpChunks(chunks, &chunk0, &chunk1);
+  }
+  __device__ bool More() const { return unit < end; }
+  __device__ void Next() {
+    ++unit;
+    if (++grp == groups) {
+      grp = 0;
+      ++slot;
+    }
+  }
+  int64_t unit, end;
+  int groups, slot, grp, chunk0, chunk1;
+};
+
 // The staged family (small_batch_staged.cu), for chunks of four or eight rows.
 cudaError_t LaunchStagedSwiglu(int rows_cap, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
                                int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,

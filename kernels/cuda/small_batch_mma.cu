@@ -33,7 +33,6 @@ namespace moe::kernels::cuda::small_batch {
 namespace {
 
 constexpr int kBlocksPerSm = 3;
-constexpr int kRowsPerMma = 8;  // activation rows (the mma's n)
 // 32-k chunks whose loads are in flight together: 128 weight bytes a lane. With two groups of
 // activation rows a pass (wide) the batch is halved to stay within the register budget of
 // three blocks an SM.
@@ -69,7 +68,7 @@ __device__ __forceinline__ void TileProduct(const uint4* lo, const uint4* hi, co
                                             const bool (&x_valid)[NT], int chunk0, int chunk1,
                                             float (*partial)[32][4 * NT], float (&c)[NT][4]) {
   constexpr int kBatch = KBatchChunks<NT>();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int t = threadIdx.x & 3;
 #pragma unroll
   for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
   for (int k = chunk0; k < chunk1; k += kBatch) {
@@ -88,64 +87,8 @@ __device__ __forceinline__ void TileProduct(const uint4* lo, const uint4* hi, co
 #pragma unroll
       for (int n = 0; n < NT; ++n) MmaChunk(c[n], wl[b], wh[b], xv[n][b]);
   }
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) partial[warp][lane][4 * n + q] = c[n][q];
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) c[n][q] += partial[w][lane][4 * n + q];
-  }
-  __syncthreads();  // partials free for the next tile
+  SumTilesOverWarps<NT>(partial, c);
 }
-
-// The activation rows of a chunk [r0, r0 + rows) this lane feeds its NT mmas: row g of each
-// group of 8 (clamped to the chunk; `valid` false past it), as layout rows.
-template <int NT>
-__device__ __forceinline__ void ChunkLanes(int64_t r0, int rows, int g, int64_t (&layout_row)[NT], bool (&valid)[NT]) {
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int r = n * kRowsPerMma + g;
-    valid[n] = r < rows;
-    layout_row[n] = r0 + (r < rows ? r : rows - 1);
-  }
-}
-
-// This warp's k-chunks of `chunks`, split evenly over the block's warps.
-__device__ __forceinline__ void WarpChunks(int chunks, int* c0, int* c1) {
-  const int warp = threadIdx.x >> 5;
-  const int per = (chunks + kWarps - 1) / kWarps;
-  *c0 = warp * per < chunks ? warp * per : chunks;
-  *c1 = *c0 + per < chunks ? *c0 + per : chunks;
-}
-
-// A block's walk over its balanced, contiguous share of the (active slot, group) units, `groups`
-// tiles an expert, and this warp's k-chunks of `chunks` (split evenly over the block's warps).
-struct TileWalk {
-  __device__ TileWalk(const ActiveExperts& act, int groups, int chunks) : groups(groups) {
-    const int64_t units = static_cast<int64_t>(act.count) * groups;
-    unit = units * blockIdx.x / gridDim.x;
-    end = units * (blockIdx.x + 1) / gridDim.x;
-    slot = static_cast<int>(unit / groups);
-    grp = static_cast<int>(unit - static_cast<int64_t>(slot) * groups);
-    WarpChunks(chunks, &chunk0, &chunk1);
-  }
-  __device__ bool More() const { return unit < end; }
-  __device__ void Next() {
-    ++unit;
-    if (++grp == groups) {
-      grp = 0;
-      ++slot;
-    }
-  }
-  int64_t unit, end;
-  int groups, slot, grp, chunk0, chunk1;
-};
 
 template <int NT>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)

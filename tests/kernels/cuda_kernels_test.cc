@@ -324,14 +324,123 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
     ASSERT_TRUE(cpu_->Swiglu(b, nullptr).ok());
     EXPECT_LT(RelativeL2Bf16(got_rows, bf16), 0.08) << "f=" << f;
   }
-  // A shape the kernels do not take is refused, not approximated.
+  // A shape the Hopper kernels do not take (d not a multiple of 256) is refused past decode
+  // sizes, not approximated (decode-sized steps take the tensor-core GEMVs: the next test).
   SwigluFp8Params odd;
-  std::vector<uint8_t> one(1);
-  std::vector<float> s1(1);
-  odd.weights = {one.data(), s1.data(), one.data(), s1.data(), 1, 384, 128};
-  std::vector<int64_t> off = {0, 0};
+  alignas(16) static uint8_t one[16];
+  alignas(16) static float s1[4];
+  alignas(16) static uint16_t rows16[8];
+  odd.weights = {one, s1, one, s1, 1, 384, 128};
+  std::vector<int64_t> off = {0, 100};
   odd.offsets = off.data();
+  odd.rows = 100;
+  odd.x = rows16;
+  odd.y = rows16;
   EXPECT_EQ(gpu_->SwigluFp8(odd, nullptr).code(), absl::StatusCode::kUnimplemented);
+}
+
+// Decode-sized FP8 steps (fewer than 4 rows an expert on average) run the tensor-core GEMVs
+// (small_batch_fp8.cu): against the CPU's FP8 reference, with a row or two an expert and with
+// hot experts (segments of 9 and 20 rows: more than one pass of 8), for d not a multiple of 256
+// too; packed rows give the same bits, rows outside the segments stay as they were, and a
+// replayed CUDA graph gives the eager bits.
+TEST_F(CudaKernelsTest, SwigluFp8DecodeMatchesCpu) {
+  const std::vector<std::vector<int64_t>> trials = {{0, 1, 0, 2, 1, 0, 3, 1, 0, 0, 1, 2, 0, 1, 0, 4},
+                                                    {20, 0, 1, 3, 0, 9, 1, 0, 2, 0, 0, 1, 0, 2, 0, 1}};
+  for (const int d : {384, 512}) {
+    for (const int f : {256, 384}) {
+      for (size_t trial = 0; trial < trials.size(); ++trial) {
+        const std::vector<int64_t>& counts = trials[trial];
+        const int e = static_cast<int>(counts.size());
+        std::vector<int64_t> offsets = Offsets(counts);
+        const int64_t lead = 3, tail = 2;
+        for (int64_t& o : offsets) o += lead;
+        const int64_t rows = offsets.back() + tail;
+        const std::string what =
+            "d=" + std::to_string(d) + " f=" + std::to_string(f) + " trial " + std::to_string(trial);
+        const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, rows);
+        const testing::Fp8Blocks qgu = testing::QuantizeBlocks(layer.wgu, static_cast<int64_t>(e) * 2 * f, d);
+        const testing::Fp8Blocks qd = testing::QuantizeBlocks(layer.wd, static_cast<int64_t>(e) * d, f);
+        const uint16_t sentinel = FloatToBf16(-7.0f);
+        std::vector<uint16_t> ref(layer.x.size(), sentinel);
+        SwigluFp8Params p;
+        p.weights = {qgu.q.data(), qgu.scales.data(), qd.q.data(), qd.scales.data(), e, d, f};
+        p.x = layer.x.data();
+        p.rows = rows;
+        p.offsets = offsets.data();
+        p.y = ref.data();
+        ASSERT_TRUE(cpu_->SwigluFp8(p, nullptr).ok());
+        DeviceVector<uint8_t> dqgu(qgu.q), dqd(qd.q);
+        DeviceVector<float> dsgu(qgu.scales), dsd(qd.scales);
+        DeviceVector<uint16_t> dx(layer.x), dy(layer.x.size(), sentinel);
+        DeviceVector<int64_t> doff(offsets);
+        p.weights = {dqgu.get(), dsgu.get(), dqd.get(), dsd.get(), e, d, f};
+        p.x = dx.get();
+        p.offsets = doff.get();
+        p.y = dy.get();
+        ASSERT_TRUE(gpu_->SwigluFp8(p, nullptr).ok()) << what;
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+        const std::vector<uint16_t> got = dy.Host();
+        for (int64_t r = 0; r < rows; ++r) {
+          if (r >= lead && r < offsets.back()) continue;
+          for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], sentinel) << what << " row " << r;
+        }
+        std::vector<uint16_t> got_rows(got.begin() + lead * d, got.begin() + offsets.back() * d);
+        std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
+        double rel = 0;
+        const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
+        EXPECT_LT(rel, 1e-2) << what;
+        EXPECT_LT(worst, 0.1f) << what;
+        // Packed rows (bytes, then scales, padded to 16 bytes), eager and replayed.
+        const int64_t packed = Fp8PackedRowBytes(d);
+        DeviceVector<uint8_t> dxq(layer.x.size());
+        DeviceVector<float> dxs(layer.x.size() / 128);
+        ASSERT_TRUE(gpu_->Quantize({dx.get(), rows, d, ScaleGranularity::kPerBlock128, dxq.get(), dxs.get(),
+                                    static_cast<int64_t>(layer.x.size() / 128)},
+                                   nullptr)
+                        .ok());
+        const std::vector<uint8_t> hq = dxq.Host();
+        const std::vector<float> hs = dxs.Host();
+        std::vector<uint8_t> rows_packed(rows * packed, 0xee);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(rows_packed.data() + r * packed, hq.data() + r * d, d);
+          std::memcpy(rows_packed.data() + r * packed + d, hs.data() + r * (d / 128), 4 * (d / 128));
+        }
+        DeviceVector<uint8_t> dpacked(rows_packed);
+        DeviceVector<uint16_t> dy_packed(layer.x.size(), sentinel);
+        SwigluFp8Params pk = p;
+        pk.x = nullptr;
+        pk.xq = dpacked.get();
+        pk.xq_ld = packed;
+        pk.x_scales = reinterpret_cast<const float*>(dpacked.get() + d);
+        pk.x_scales_ld = packed / 4;
+        pk.y = dy_packed.get();
+        ASSERT_TRUE(gpu_->SwigluFp8(pk, nullptr).ok()) << what;
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(dy_packed.Host(), got) << what << " packed rows";
+        cudaStream_t st;
+        ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        ASSERT_TRUE(gpu_->SwigluFp8(pk, st).ok()) << what;
+        ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        ASSERT_EQ(cudaMemset(dy_packed.get(), 0, layer.x.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+        std::vector<uint16_t> replayed = dy_packed.Host();
+        for (int64_t r = 0; r < rows; ++r) {  // the memset's zeros outside the segments
+          if (r >= lead && r < offsets.back()) continue;
+          for (int c = 0; c < d; ++c) replayed[r * d + c] = sentinel;
+        }
+        EXPECT_EQ(replayed, got) << what << " graph replay";
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        cudaStreamDestroy(st);
+      }
+    }
+  }
 }
 
 // Decode path: offsets read on the device, segments longer than one chunk included. The kernel

@@ -24,11 +24,11 @@ def ours(path, cells):
                                 "weight_read_us": 17.8 if t == 1 else 284.1}) + "\n")
 
 
-def peer(path, cells):
+def peer(path, cells, impl="vllm-triton"):
     with open(path, "w") as f:
         f.write('{"kind": "peer", "impl": "vllm-triton"}\n')
         for t, us in cells:
-            f.write(json.dumps({"kind": "cell", "impl": "vllm-triton", "shape": SHAPE, "T": t, "us": us,
+            f.write(json.dumps({"kind": "cell", "impl": impl, "shape": SHAPE, "T": t, "us": us,
                                 "config_source": "tuned E=128,N=768,device_name=NVIDIA_H200.json"}) + "\n")
 
 
@@ -92,6 +92,44 @@ class CompareReportTest(unittest.TestCase):
         self.assertEqual(rows[8192]["project_path"], "prefill")
         self.assertEqual(rows[8192]["project_us"], 1305.0)
         self.assertEqual(rows[8192]["vllm_us"], 1490.0)
+
+    def test_fp8_cells_pair_with_the_fp8_layer(self):
+        # The FP8 peer's cells are compared with the project's FP8 layer only ("fp8", "fp8-graph"),
+        # never with its BF16 paths, and get a table of their own; BF16 cells are unchanged.
+        ours(self.path("o1"), [(8192, "prefill", 1300.0), (8192, "fp8", 1000.0), (8192, "fp8-graph", 990.0),
+                               (1, "decode-graph", 20.0), (1, "fp8-graph", 25.0)])
+        ours(self.path("o2"), [(8192, "prefill", 1310.0), (8192, "fp8", 1010.0), (8192, "fp8-graph", 1030.0),
+                               (1, "decode-graph", 22.0), (1, "fp8-graph", 27.0)])
+        peer(self.path("p1"), [(8192, 1480.0)])
+        peer(self.path("p2"), [(8192, 1500.0)])
+        with open(self.path("p1"), "a") as f1, open(self.path("p2"), "a") as f2:
+            for f, (big, one) in ((f1, (900.0, 30.0)), (f2, (920.0, 32.0))):
+                for t, us in ((8192, big), (1, one)):
+                    f.write(json.dumps({"kind": "cell", "impl": "vllm-triton-fp8", "shape": SHAPE, "T": t, "us": us,
+                                        "config_source": "tuned E=128,N=768,device_name=NVIDIA_H200,"
+                                                         "dtype=fp8_w8a8,block_shape=[128,128].json"}) + "\n")
+        out = io.StringIO()
+        md = self.path("table.md")
+        with redirect_stdout(out):
+            rc = compare_report.main(["--ours", self.path("o1"), self.path("o2"), "--peer", self.path("p1"),
+                                      self.path("p2"), "--md", md])
+        self.assertEqual(rc, 0)
+        lines = [json.loads(x) for x in out.getvalue().splitlines() if x.startswith("{")]
+        by = {(r["precision"], r["T"]): r for r in lines}
+        self.assertEqual(sorted(by), [("bf16", 8192), ("fp8", 1), ("fp8", 8192)])
+        self.assertEqual(by[("bf16", 8192)]["project_us"], 1305.0)
+        self.assertEqual(by[("bf16", 8192)]["project_path"], "prefill")
+        # fp8: eager 1000 / 1010 (1005), graph 990 / 1030 (1010): the eager path; vLLM 910.
+        self.assertEqual(by[("fp8", 8192)]["project_path"], "fp8")
+        self.assertEqual(by[("fp8", 8192)]["project_us"], 1005.0)
+        self.assertEqual(by[("fp8", 8192)]["vllm_us"], 910.0)
+        self.assertEqual(by[("fp8", 1)]["project_us"], 26.0)  # not the BF16 decode graph's 21
+        with open(md) as f:
+            text = f.read()
+        bf16_part, fp8_part = text.split("FP8 experts")
+        self.assertIn("| %s | 8192 | 1305.0 | prefill | - | 1490.0 | 0.88 |" % SHAPE, bf16_part)
+        self.assertIn("| %s | 8192 | 1005.0 | fp8 | - | 910.0 | 1.10 |" % SHAPE, fp8_part)
+        self.assertIn("| %s | 1 | 26.0 | fp8-graph | - | 31.0 | 0.84 |" % SHAPE, fp8_part)
 
     def test_no_vllm_lines_is_refused(self):
         ours(self.path("o1"), [(8192, "prefill", 1300.0)])
