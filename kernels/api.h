@@ -259,6 +259,23 @@ struct SwigluFp8Params {
 // FP32 scales, padded to 16 bytes (TMA's row stride).
 inline int64_t Fp8PackedRowBytes(int d) { return (static_cast<int64_t>(d) + 4 * (d / 128) + 15) / 16 * 16; }
 
+// An FP8 dispatch's payload in one pass: each of `tokens` BF16 rows quantized per 128 values
+// (Quantize's kPerBlock128: the same bytes and scales) and written as a packed row of
+// Fp8PackedRowBytes(d) bytes (the d E4M3 bytes, the d / 128 FP32 scales, zeros to the 16-byte
+// boundary) to out row dest[t * k + j], for every j < k whose dest lies in [0, out_rows); rows of
+// out that no entry names are left as they are. What Quantize and two Scatters (bytes, scales)
+// compute, without the intermediate rows, and with the padding written. d a multiple of 128;
+// tokens * k and out_rows < 2^31; every pointer kernel memory, out 16-byte aligned.
+struct PackFp8Params {
+  const uint16_t* x = nullptr;  // [tokens, d] BF16
+  int64_t tokens = 0;
+  int d = 0;
+  const int32_t* dest = nullptr;  // [tokens, k]
+  int k = 0;
+  uint8_t* out = nullptr;  // [out_rows, Fp8PackedRowBytes(d)]
+  int64_t out_rows = 0;
+};
+
 // y[t, :] = sum_j gate[t, j] * rows[row_of_route[t, j], :] in FP32, j in order (deterministic);
 // row -1 (a dropped route) contributes nothing.
 struct CombineParams {
@@ -358,6 +375,8 @@ class ExpertKernels {
   virtual absl::Status ComposeIndex(const ComposeIndexParams& p, Stream stream);
   // ScatterParams. The default: host memory (the CPU reference); CUDA on `stream`.
   virtual absl::Status Scatter(const ScatterParams& p, Stream stream);
+  // PackFp8Params. The default: host memory (the CPU reference); CUDA on `stream`.
+  virtual absl::Status PackFp8Rows(const PackFp8Params& p, Stream stream);
 
   // Memory the kernels read and write. The defaults are host memory (the CPU implementation);
   // the CUDA implementation allocates device memory and copies on `stream` (a copy from
@@ -479,6 +498,7 @@ absl::Status CheckSealRoutes(const SealRoutesParams& p);
 absl::Status CheckRankByKey(const RankByKeyParams& p);
 absl::Status CheckComposeIndex(const ComposeIndexParams& p);
 absl::Status CheckScatter(const ScatterParams& p);
+absl::Status CheckPackFp8(const PackFp8Params& p);
 absl::Status CheckSwiglu(const SwigluParams& p);
 absl::Status CheckSwigluFp8(const SwigluFp8Params& p);  // what the host sees (not device offsets)
 absl::Status CheckCombine(const CombineParams& p);

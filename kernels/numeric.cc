@@ -1,5 +1,6 @@
 #include "kernels/numeric.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace moe::kernels {
@@ -71,6 +72,23 @@ uint8_t FloatToFp8E4M3(float f) {
   }
   if (a == vhi) code = hi;
   return sign | static_cast<uint8_t>(code);
+}
+
+float Fp8GroupScale(float amax, float* inv) {
+  *inv = 1.0f;
+  if (!(amax > 0)) return 1.0f;  // zero (or NaN): scale 1, as the CUDA kernels
+  const float a = std::max(amax, kFp8MinAmax);
+  *inv = kFp8E4M3Max / a;
+  return a / kFp8E4M3Max;
+}
+
+float QuantizeFp8Group(const uint16_t* x, int n, uint8_t* q) {
+  float amax = 0;
+  for (int c = 0; c < n; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
+  float inv;
+  const float scale = Fp8GroupScale(amax, &inv);
+  for (int c = 0; c < n; ++c) q[c] = FloatToFp8E4M3(Bf16ToFloat(x[c]) * inv);
+  return scale;
 }
 
 }  // namespace moe::kernels

@@ -41,6 +41,13 @@ constexpr float kFp8MinAmax = 0x1p-100f;
 float Fp8E4M3ToFloat(uint8_t v);
 uint8_t FloatToFp8E4M3(float f);  // round to nearest even, saturating
 
+// One scale group by the rule above: returns the scale and sets *inv = 448 / a (1 and 1 for an
+// all-zero or NaN amax). The CUDA kernels compute the same two divisions, bit for bit.
+float Fp8GroupScale(float amax, float* inv);
+// n BF16 values into E4M3 bytes q by their group's scale (returned): q = x * inv, rounded to
+// nearest even, saturating.
+float QuantizeFp8Group(const uint16_t* x, int n, uint8_t* q);
+
 // Relative L2 error ||got - want|| / ||want||, the check every comparison of a result with its
 // reference uses (tests, benches, drivers), summed in double one element at a time.
 // Zero rule: when ||want|| is 0 the value is the absolute error ||got - want|| (0 when got is zero

@@ -188,6 +188,19 @@ absl::Status CheckScatter(const ScatterParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status CheckPackFp8(const PackFp8Params& p) {
+  KERNEL_INVALID_IF(p.d <= 0 || p.d % 128 != 0, "pack_fp8.d: ", p.d, " must be a positive multiple of 128");
+  KERNEL_INVALID_IF(p.k <= 0, "pack_fp8.k: must be positive");
+  KERNEL_INVALID_IF(p.tokens < 0 || p.tokens > std::numeric_limits<int32_t>::max() / p.k, "pack_fp8.tokens: ", p.tokens,
+                    " x k ", p.k, " outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.out_rows < 0 || p.out_rows > std::numeric_limits<int32_t>::max(),
+                    "pack_fp8.out_rows: outside [0, 2^31)");
+  KERNEL_INVALID_IF(p.tokens > 0 && (p.x == nullptr || p.dest == nullptr), "pack_fp8: null x or dest");
+  KERNEL_INVALID_IF(p.out_rows > 0 && p.out == nullptr, "pack_fp8: null out");
+  KERNEL_INVALID_IF((reinterpret_cast<uintptr_t>(p.out) & 15) != 0, "pack_fp8.out: not 16-byte aligned");
+  return absl::OkStatus();
+}
+
 absl::Status CheckSwiglu(const SwigluParams& p) {
   const ExpertWeights& w = p.weights;
   KERNEL_INVALID_IF(w.num_experts <= 0 || w.d <= 0 || w.d_ff <= 0,

@@ -567,31 +567,21 @@ int main(int argc, char** argv) {
       }
       if (fp8_cells) {
         // The layer with FP8 experts as a lone moe-rankd --expert_dtype fp8 runs it (LayerExecutor's
-        // PackFp8Rows, then the experts): route, the T tokens quantized once (E4M3 per 128 values),
-        // their bytes and scales scattered side by side into packed rows in expert order
-        // (kernels::Fp8PackedRowBytes), the FP8 experts on device offsets, combine. No host round
+        // PackFp8Rows, then the experts): route, the T tokens quantized once (E4M3 per 128 values)
+        // into packed rows in expert order (PackFp8Rows: bytes, scales, padding), the FP8 experts
+        // on device offsets, combine. No host round
         // trip, so eager ("fp8") and as a replayed graph ("fp8-graph"), taking turns.
-        const int groups = s.d / 128;
         const int64_t row_bytes = moe::kernels::Fp8PackedRowBytes(s.d);
-        uint8_t *tq = nullptr, *rows8 = nullptr;
-        float* ts = nullptr;
-        CHECK_CUDA(cudaMalloc(&tq, t * s.d));
-        CHECK_CUDA(cudaMalloc(&ts, t * groups * sizeof(float)));
+        uint8_t* rows8 = nullptr;
         CHECK_CUDA(cudaMalloc(&rows8, routes * row_bytes));
-        const moe::kernels::QuantizeParams token_q{static_cast<const uint16_t*>(hidden),
-                                                   t,
-                                                   s.d,
-                                                   moe::kernels::ScaleGranularity::kPerBlock128,
-                                                   tq,
-                                                   ts,
-                                                   t * groups};
-        const moe::kernels::ScatterParams bytes_sc{
-            s.d / 2, reinterpret_cast<const uint16_t*>(tq), t,      row_of_route,
-            s.k,     reinterpret_cast<uint16_t*>(rows8),    routes, row_bytes / 2};
-        moe::kernels::ScatterParams scales_sc = bytes_sc;
-        scales_sc.d = groups * 2;
-        scales_sc.in = reinterpret_cast<const uint16_t*>(ts);
-        scales_sc.out = reinterpret_cast<uint16_t*>(rows8 + s.d);
+        moe::kernels::PackFp8Params pack;
+        pack.x = static_cast<const uint16_t*>(hidden);
+        pack.tokens = t;
+        pack.d = s.d;
+        pack.dest = row_of_route;
+        pack.k = s.k;
+        pack.out = rows8;
+        pack.out_rows = routes;
         moe::kernels::SwigluFp8Params experts8;
         experts8.weights = {fp8_gu.q, fp8_gu.scales, fp8_d.q, fp8_d.scales, s.e, s.d, s.f};
         experts8.rows = routes;
@@ -603,9 +593,7 @@ int main(int argc, char** argv) {
         experts8.x_scales_ld = row_bytes / 4;
         auto fp8_layer = [&] {
           route();
-          CHECK_OK(kernels->Quantize(token_q, st));
-          CHECK_OK(kernels->Scatter(bytes_sc, st));
-          CHECK_OK(kernels->Scatter(scales_sc, st));
+          CHECK_OK(kernels->PackFp8Rows(pack, st));
           CHECK_OK(kernels->SwigluFp8(experts8, st));
           CHECK_OK(kernels->Combine(combine, st));
         };
@@ -629,9 +617,7 @@ int main(int argc, char** argv) {
         std::printf("{\"kind\": \"fp8_layer\", \"shape\": \"%s\", \"T\": %lld, \"rel_l2_vs_bf16\": %.4f}\n", s.name,
                     static_cast<long long>(t), rel8);
         cudaGraphExecDestroy(fp8_exec);
-        for (void* ptr : {static_cast<void*>(tq), static_cast<void*>(ts), static_cast<void*>(rows8)}) {
-          CHECK_CUDA(cudaFree(ptr));
-        }
+        CHECK_CUDA(cudaFree(rows8));
       }
       if (t >= 4096 && !decode_only) breakdown("prefill", prefill, flops / (dense * 1e12) * 1e6);
       if (t >= 4096 && !decode_only && kernels->DecodeGemmBeatsPadded(s.e, s.d, s.f, routes)) {

@@ -19,26 +19,6 @@
 namespace moe::kernels {
 namespace {
 
-// One scale group of BF16 values in E4M3 (kernels/numeric.h): scale = a / 448, q = x * (448 / a),
-// a = max(amax, kFp8MinAmax); scale 1 for all zeros. The CUDA kernels compute the same two
-// divisions and one multiply a value, bit for bit.
-float GroupScale(float amax, float* inv) {
-  *inv = 1.0f;
-  if (!(amax > 0)) return 1.0f;  // zero (or NaN): scale 1, as the CUDA kernels
-  const float a = std::max(amax, kFp8MinAmax);
-  *inv = kFp8E4M3Max / a;
-  return a / kFp8E4M3Max;
-}
-
-float QuantizeGroup(const uint16_t* x, int n, uint8_t* q) {
-  float amax = 0;
-  for (int c = 0; c < n; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(x[c])));
-  float inv;
-  const float scale = GroupScale(amax, &inv);
-  for (int c = 0; c < n; ++c) q[c] = FloatToFp8E4M3(Bf16ToFloat(x[c]) * inv);
-  return scale;
-}
-
 // Every E4M3 code's value (Fp8E4M3ToFloat's), decoded once for the reference's inner loops.
 const float* Fp8Values() {
   static const std::array<float, 256> table = [] {
@@ -54,7 +34,7 @@ void QuantizedRow(const uint16_t* x, int n, float* out) {
   uint8_t q[128];
   for (int begin = 0; begin < n; begin += 128) {
     const int len = std::min(n - begin, 128);
-    const float scale = QuantizeGroup(x + begin, len, q);
+    const float scale = QuantizeFp8Group(x + begin, len, q);
     for (int c = 0; c < len; ++c) out[begin + c] = Fp8Values()[q[c]] * scale;
   }
 }
@@ -72,7 +52,7 @@ void QuantizeBlocks(const QuantizeParams& p) {
         for (int c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(p.x[r * p.d + c])));
       }
       float inv;
-      p.scales[(r0 / 128) * block_cols + b] = GroupScale(amax, &inv);
+      p.scales[(r0 / 128) * block_cols + b] = Fp8GroupScale(amax, &inv);
       for (int64_t r = r0; r < r1; ++r) {
         for (int c = c0; c < c1; ++c) p.q[r * p.d + c] = FloatToFp8E4M3(Bf16ToFloat(p.x[r * p.d + c]) * inv);
       }
@@ -319,7 +299,7 @@ class CpuKernels final : public ExpertKernels {
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t g = 0; g < per_row; ++g) {
         const int begin = static_cast<int>(g * group), end = std::min(p.d, begin + group);
-        p.scales[r * per_row + g] = QuantizeGroup(p.x + r * p.d + begin, end - begin, p.q + r * p.d + begin);
+        p.scales[r * per_row + g] = QuantizeFp8Group(p.x + r * p.d + begin, end - begin, p.q + r * p.d + begin);
       }
     }
     return absl::OkStatus();

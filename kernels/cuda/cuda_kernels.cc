@@ -647,6 +647,14 @@ class CudaKernels final : public ExpertKernels {
     return absl::OkStatus();
   }
 
+  absl::Status PackFp8Rows(const PackFp8Params& p, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (absl::Status s = CheckPackFp8(p); !s.ok()) return s;
+    CUDA_RETURN_IF_ERROR(
+        cuda::LaunchPackFp8(p.x, p.tokens, p.d, p.dest, p.k, p.out_rows, p.out, static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
+
   absl::Status Quantize(const QuantizeParams& p, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     absl::Status s = CheckQuantize(p);

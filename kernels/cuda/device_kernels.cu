@@ -629,6 +629,21 @@ __global__ void DequantizeFp8Kernel(const __nv_fp8_storage_t* __restrict__ q, co
   }
 }
 
+// Sixteen values times `inv` in E4M3 (round to nearest even, saturating), in order.
+__device__ __forceinline__ uint4 Fp8Bytes16(const float (&v)[16], float inv) {
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * i], inv), __fmul_rn(v[4 * i + 1], inv)),
+                                                 __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * i + 2], inv), __fmul_rn(v[4 * i + 3], inv)), __NV_SATFINITE, __NV_E4M3);
+    o[i] = lo | hi << 16;
+  }
+  return out;
+}
+
 // Per-128 groups of a row-major [rows, d] payload with d % 128 == 0 are contiguous: group g is
 // values [128 g, 128 g + 128) and owns scale g. Eight lanes a group, four groups a warp at a
 // time: two 16-byte loads and one 16-byte store a lane, the amax in three shuffles, one multiply
@@ -663,17 +678,65 @@ __global__ void QuantizeFp8Group128Kernel(const __nv_bfloat16* __restrict__ x, i
     GroupScales(amax, &scale, &inv);
     if (!live) continue;
     if (part == 0) scales[g] = scale;
-    uint4 out;
-    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+    *reinterpret_cast<uint4*>(q + g * 128 + part * 16) = Fp8Bytes16(v, inv);
+  }
+}
+
+// PackFp8Rows (kernels/api.h): QuantizeFp8Group128Kernel's groups (eight lanes a group, four
+// groups a warp), each group's 128 bytes and scale written into the packed rows of its token's k
+// routes, the last group's lanes also zeroing the rows' padding. x needs only 2-byte alignment
+// (kAligned: 16-byte loads); out rows are 16-byte aligned (ld a multiple of 16).
+template <bool kAligned>
+__global__ void PackFp8Kernel(const __nv_bfloat16* __restrict__ x, int64_t groups, int groups_per_row,
+                              const int32_t* __restrict__ dest, int k, int64_t out_rows, int64_t ld,
+                              uint8_t* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int d = groups_per_row * 128;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5; w * 4 < groups; w += warps) {
+    const int64_t g = w * 4 + (lane >> 3);
+    const int part = lane & 7;
+    const bool live = g < groups;
+    float v[16];
+    float amax = 0.0f;
+    if (kAligned) {
+      uint4 raw[2] = {};
+      if (live) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + g * 128 + part * 16);
+        raw[0] = src[0];
+        raw[1] = src[1];
+      }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * i], inv), __fmul_rn(v[4 * i + 1], inv)),
-                                                   __NV_SATFINITE, __NV_E4M3);
-      const uint32_t hi = __nv_cvt_float2_to_fp8x2(
-          make_float2(__fmul_rn(v[4 * i + 2], inv), __fmul_rn(v[4 * i + 3], inv)), __NV_SATFINITE, __NV_E4M3);
-      o[i] = lo | hi << 16;
+      for (int i = 0; i < 8; ++i) {
+        const __nv_bfloat162 pair = reinterpret_cast<const __nv_bfloat162*>(raw)[i];
+        v[2 * i] = __low2float(pair);
+        v[2 * i + 1] = __high2float(pair);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = live ? __bfloat162float(x[g * 128 + part * 16 + i]) : 0.0f;
     }
-    *reinterpret_cast<uint4*>(q + g * 128 + part * 16) = out;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float scale, inv;
+    GroupScales(amax, &scale, &inv);
+    if (!live) continue;
+    const uint4 bytes = Fp8Bytes16(v, inv);
+    const int64_t token = g / groups_per_row;
+    const int gc = static_cast<int>(g - token * groups_per_row);
+    for (int j = 0; j < k; ++j) {
+      const int32_t to = __ldg(dest + token * k + j);
+      if (to < 0 || to >= out_rows) continue;
+      uint8_t* row = out + static_cast<int64_t>(to) * ld;
+      *reinterpret_cast<uint4*>(row + gc * 128 + part * 16) = bytes;
+      if (part == 0) *reinterpret_cast<float*>(row + d + 4 * gc) = scale;
+      if (part == 1 && gc == groups_per_row - 1) {
+        for (int64_t b = d + 4 * static_cast<int64_t>(groups_per_row); b < ld; b += 4) {
+          *reinterpret_cast<uint32_t*>(row + b) = 0u;
+        }
+      }
+    }
   }
 }
 
@@ -1068,6 +1131,23 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
   return LaunchDependent(CombineKernel, dim3(Blocks(num_tokens * d)), dim3(kThreads), 0, stream,
                          reinterpret_cast<const __nv_bfloat16*>(rows), num_rows, d, row_of_route, gate, num_tokens, k,
                          out_fp32, reinterpret_cast<__nv_bfloat16*>(out_bf16));
+}
+
+cudaError_t LaunchPackFp8(const uint16_t* x, int64_t tokens, int d, const int32_t* dest, int k, int64_t out_rows,
+                          uint8_t* out, cudaStream_t stream) {
+  if (tokens == 0 || out_rows == 0) return cudaSuccess;
+  if (d % 128 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) return cudaErrorInvalidValue;
+  const int groups_per_row = d / 128;
+  const int64_t groups = tokens * groups_per_row;
+  const int64_t ld = (static_cast<int64_t>(d) + 4 * groups_per_row + 15) / 16 * 16;
+  const auto* xb = reinterpret_cast<const __nv_bfloat16*>(x);
+  const unsigned blocks = Blocks((groups + 3) / 4 * 32);
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    PackFp8Kernel<true><<<blocks, kThreads, 0, stream>>>(xb, groups, groups_per_row, dest, k, out_rows, ld, out);
+  } else {
+    PackFp8Kernel<false><<<blocks, kThreads, 0, stream>>>(xb, groups, groups_per_row, dest, k, out_rows, ld, out);
+  }
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,

@@ -59,6 +59,9 @@ cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long 
 
 // FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block);
 // block_rows 128 (with group 128): one scale per 128 x 128 block (weights), 1: per row.
+// PackFp8Rows (kernels/api.h: PackFp8Params); out 16-byte aligned.
+cudaError_t LaunchPackFp8(const uint16_t* x, int64_t tokens, int d, const int32_t* dest, int k, int64_t out_rows,
+                          uint8_t* out, cudaStream_t stream);
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
                               cudaStream_t stream, int block_rows = 1);
 cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,

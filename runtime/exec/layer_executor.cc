@@ -1554,34 +1554,23 @@ absl::Status LayerExecutor::ExpertsPhase(Pass& pass) {
   return pass.handle->MarkExpertOutputReady();
 }
 
-// The step's tokens in E4M3 (Quantize per 128 values, once a token), scattered as packed rows
-// (kernels::Fp8PackedRowBytes: a row's d bytes, then its d / 128 scales) to the positions `dest`
-// gives each route ([tokens, k], -1: none) in `out` ([n, packed]). Both parts move as 2-byte words.
+// The step's tokens in E4M3 (per 128 values, once a token) as packed rows (kernels::
+// Fp8PackedRowBytes: a row's d bytes, then its d / 128 scales, zero padding) at the positions
+// `dest` gives each route ([tokens, k], -1: none) in `out` ([n, packed]): one PackFp8Rows pass.
 absl::Status LayerExecutor::PackFp8Rows(Pass& pass, const int32_t* dest, int64_t n, kernels::KernelBuffer& out) {
   kernels::ExpertKernels& kern = *options_.kernels;
   const int d = pass.in.d;
-  const int64_t tokens = pass.in.tokens, groups = d / 128, packed = kernels::Fp8PackedRowBytes(d);
-  const int64_t scales_at = (tokens * d + 255) / 256 * 256;
-  RETURN_IF_ERROR(buf_.fp8_tokens.Reserve(&kern, scales_at + tokens * groups * 4));
-  RETURN_IF_ERROR(out.Reserve(&kern, n * packed));
-  if (n == 0 || tokens == 0) return absl::OkStatus();
-  uint8_t* tq = buf_.fp8_tokens.as<uint8_t>();
-  kernels::QuantizeParams q;
-  q.x = static_cast<const uint16_t*>(pass.hidden);
-  q.rows = tokens;
-  q.d = d;
-  q.granularity = kernels::ScaleGranularity::kPerBlock128;
-  q.q = tq;
-  q.scales = reinterpret_cast<float*>(tq + scales_at);
-  q.scale_count = tokens * groups;
-  RETURN_IF_ERROR(kern.Quantize(q, nullptr));
-  uint16_t* rows = out.as<uint16_t>();
-  kernels::ScatterParams sc{d / 2, reinterpret_cast<const uint16_t*>(tq), tokens, dest, pass.in.k, rows, n, packed / 2};
-  RETURN_IF_ERROR(kern.Scatter(sc, nullptr));
-  sc.d = static_cast<int>(groups * 2);
-  sc.in = reinterpret_cast<const uint16_t*>(q.scales);
-  sc.out = rows + d / 2;
-  return kern.Scatter(sc, nullptr);
+  RETURN_IF_ERROR(out.Reserve(&kern, n * kernels::Fp8PackedRowBytes(d)));
+  if (n == 0 || pass.in.tokens == 0) return absl::OkStatus();
+  kernels::PackFp8Params pk;
+  pk.x = static_cast<const uint16_t*>(pass.hidden);
+  pk.tokens = pass.in.tokens;
+  pk.d = d;
+  pk.dest = dest;
+  pk.k = pass.in.k;
+  pk.out = out.as<uint8_t>();
+  pk.out_rows = n;
+  return kern.PackFp8Rows(pk, nullptr);
 }
 
 // The bytes of a dispatched row: BF16, or a packed FP8 row for FP8 experts (not in a replayed

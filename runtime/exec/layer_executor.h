@@ -361,9 +361,9 @@ class LayerExecutor {
     // A lone member's composed index (kernel memory): route -> expert position, where its row is
     // scattered and combined from.
     kernels::KernelBuffer d_lone_combine;
-    // FP8 experts: the step's tokens in E4M3 with a scale per 128 values, and (a lone member)
-    // their packed rows in expert order (PackFp8Rows).
-    kernels::KernelBuffer fp8_tokens, fp8_rows;
+    // FP8 experts on a lone member: the step's tokens as packed rows in expert order
+    // (PackFp8Rows).
+    kernels::KernelBuffer fp8_rows;
     std::vector<int64_t> plan_small;    // d_small on the host
     std::vector<int32_t> routing_host;  // LayerStepInput::routing_on_device copied for the host plan
   };

@@ -778,5 +778,55 @@ TEST(CpuKernelsTest, ScatterReference) {
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("scatter.out_ld"));
 }
 
+// PackFp8Rows: each token's bytes and scales as Quantize (kPerBlock128) gives them, at each of its
+// routes' rows, then zero padding; rows no route names and routes outside [0, out_rows) are left
+// alone; bad sizes are refused naming the field.
+TEST(CpuKernelsTest, PackFp8RowsIsQuantizeThenScatter) {
+  auto k = kernels::CreateCpuKernels();
+  std::mt19937 rng(5);
+  const int d = 384, tokens = 3, fanout = 2;  // 3 groups: 384 + 12 bytes, padded to 400
+  const int64_t packed = Fp8PackedRowBytes(d);
+  ASSERT_EQ(packed, 400);
+  const std::vector<uint16_t> x = RandomBf16(rng, tokens * d, 3.0f);
+  std::vector<uint8_t> q(tokens * d);
+  std::vector<float> scales(tokens * 3);
+  ASSERT_TRUE(
+      k->Quantize({x.data(), tokens, d, ScaleGranularity::kPerBlock128, q.data(), scales.data(), tokens * 3}, nullptr)
+          .ok());
+  const std::vector<int32_t> dest = {4, 0, -1, 2, 1, 7};  // token 2's second route: past out_rows
+  std::vector<uint8_t> out(5 * packed, 0xee);
+  PackFp8Params p{x.data(), tokens, d, dest.data(), fanout, out.data(), 5};
+  ASSERT_TRUE(k->PackFp8Rows(p, nullptr).ok());
+  const int token_of_row[5] = {0, 2, 1, -1, 0};
+  for (int r = 0; r < 5; ++r) {
+    const uint8_t* row = out.data() + r * packed;
+    const int t = token_of_row[r];
+    if (t < 0) {
+      for (int64_t b = 0; b < packed; ++b) ASSERT_EQ(row[b], 0xee) << "row " << r << " is named by no route";
+      continue;
+    }
+    EXPECT_EQ(std::vector<uint8_t>(row, row + d), std::vector<uint8_t>(q.begin() + t * d, q.begin() + (t + 1) * d))
+        << "row " << r;
+    std::vector<float> got(3);
+    std::memcpy(got.data(), row + d, 12);
+    EXPECT_EQ(got, std::vector<float>(scales.begin() + t * 3, scales.begin() + (t + 1) * 3)) << "row " << r;
+    EXPECT_EQ(std::vector<uint8_t>(row + d + 12, row + packed), std::vector<uint8_t>(4, 0)) << "row " << r;
+  }
+  p.d = 200;
+  absl::Status s = k->PackFp8Rows(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("pack_fp8.d"));
+  p.d = d;
+  p.tokens = int64_t{1} << 31;
+  s = k->PackFp8Rows(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("pack_fp8.tokens"));
+  p.tokens = tokens;
+  p.out = out.data() + 1;
+  s = k->PackFp8Rows(p, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("pack_fp8.out"));
+}
+
 }  // namespace
 }  // namespace moe::kernels

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 
@@ -1015,6 +1016,37 @@ TEST_F(CudaKernelsTest, LocalLayerRejectsBadParamsBeforeLaunch) {
   LocalLayerParams p;
   p.weights = {nullptr, nullptr, 8, 64, 32};
   EXPECT_EQ(gpu_->LocalLayer(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// PackFp8Rows on the GPU gives the CPU reference's bytes, scales and zero padding, from rows at
+// any 2-byte offset (the unaligned loads) and from 16-byte aligned ones; rows no route names stay.
+TEST_F(CudaKernelsTest, PackFp8RowsMatchesCpuBitForBit) {
+  for (const int d : {384, 2048, 7168}) {
+    for (const int shift : {0, 1}) {  // x at a 16-byte boundary, or 2 bytes past one
+      const int64_t tokens = 37, fanout = 3, out_rows = tokens * fanout + 5;
+      const int64_t packed = Fp8PackedRowBytes(d);
+      std::vector<uint16_t> x = RandomBf16(rng_, (tokens + 1) * d, 2.0f);
+      for (int c = 0; c < d; ++c) x[shift + c] = 0;  // an all-zero token: scale 1
+      // Distinct destinations (two routes naming one row: either may win), some negative and some
+      // past out_rows (skipped).
+      std::vector<int32_t> dest(out_rows + 4);
+      std::iota(dest.begin(), dest.end(), -2);
+      std::shuffle(dest.begin(), dest.end(), rng_);
+      dest.resize(tokens * fanout);
+      std::vector<uint8_t> want(out_rows * packed, 0xee);
+      PackFp8Params p{x.data() + shift, tokens, d, dest.data(), static_cast<int>(fanout), want.data(), out_rows};
+      ASSERT_TRUE(cpu_->PackFp8Rows(p, nullptr).ok());
+      DeviceVector<uint16_t> dx(x);
+      DeviceVector<int32_t> ddest(dest);
+      DeviceVector<uint8_t> dout(want.size(), 0xee);
+      p.x = dx.get() + shift;
+      p.dest = ddest.get();
+      p.out = dout.get();
+      ASSERT_TRUE(gpu_->PackFp8Rows(p, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(dout.Host(), want) << "d=" << d << " shift " << shift;
+    }
+  }
 }
 
 TEST_F(CudaKernelsTest, Fp8MatchesCpuBitForBit) {
