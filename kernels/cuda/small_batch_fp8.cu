@@ -47,8 +47,9 @@ constexpr int kNT = 1;                      // groups of 8 activation rows a pas
 // activation row's two chunks). Short k loops a warp (E = 128, d = 2048: 2 blocks of gate/up,
 // 1 of down): one at a time, three blocks an SM (more warps in flight); long ones (d_ff = 14336:
 // 14 a warp) two at a time, two blocks an SM (the registers for them). One H200, the layer
-// replayed: E = 128 one token 34-35 µs against 37-38 two at a time, 16 tokens 150-157 against
-// 162-168; E = 8, d = 4096, d_ff = 14336 one token 140-146 against 112-114.
+// replayed, one block at a time on three blocks an SM against two at a time on two: E = 128 one
+// token 34-35 µs against 37-38, 16 tokens 150-157 against 162-168; E = 8, d = 4096,
+// d_ff = 14336 one token 140-146 against 112-114.
 template <int B>
 constexpr int BlocksPerSm() {
   return B == 1 ? 3 : 2;
@@ -160,6 +161,32 @@ __device__ __forceinline__ void PassRows(const uint8_t* __restrict__ xq, int64_t
   }
 }
 
+// A unit's passes of 8 activation rows over its segment [seg_begin, seg_end) (rows from xq /
+// xs): the tile's product over the walk's scale blocks, then, in warp 0, store(layout row, sum
+// for weight row g, sum for weight row g + 8) for each of the pass's rows.
+template <int B, typename Store>
+__device__ __forceinline__ void Passes(Fp8Tile<kNT>& tile, int64_t seg_begin, int64_t seg_end,
+                                       const uint8_t* __restrict__ xq, int64_t xq_ld, const float* __restrict__ xs,
+                                       int64_t xs_ld, const TileWalk& w, float (*partial)[32][4 * kNT], Store&& store) {
+  const int t = threadIdx.x & 3;
+  for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kNT * kRowsPerMma) {
+    const int rows = static_cast<int>(seg_end - r0 < kNT * kRowsPerMma ? seg_end - r0 : kNT * kRowsPerMma);
+    PassRows<kNT>(xq, xq_ld, xs, xs_ld, r0, rows, tile);
+    float c[kNT][4];
+    Fp8TileProduct<kNT, B>(tile, w.chunk0, w.chunk1, partial, c);  // the walk's "chunks": scale blocks
+    if (threadIdx.x < 32) {
+#pragma unroll
+      for (int n = 0; n < kNT; ++n) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int r = n * kRowsPerMma + 2 * t + j;
+          if (r < rows) store(r0 + r, c[n][j], c[n][2 + j]);
+        }
+      }
+    }
+  }
+}
+
 template <int B>
 __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
     GateUpFp8Kernel(const uint8_t* __restrict__ xq, int64_t xq_ld, const float* __restrict__ xs, int64_t xs_ld,
@@ -170,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
   WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
   ReleaseDependents();
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int g = (threadIdx.x & 31) >> 2;
   const int kd = d / 128;
   for (TileWalk w(act, f / 8, kd); w.More(); w.Next()) {
     const int e = act.ids != nullptr ? act.ids[w.slot] : w.slot;
@@ -182,27 +209,12 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
     tile.hi = reinterpret_cast<const uint4*>(w_gate_up + up_row * d);
     tile.lo_scales = gate_up_scales + (gate_row / 128) * kd;
     tile.hi_scales = gate_up_scales + (up_row / 128) * kd;
-    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kNT * kRowsPerMma) {
-      const int rows = static_cast<int>(seg_end - r0 < kNT * kRowsPerMma ? seg_end - r0 : kNT * kRowsPerMma);
-      PassRows<kNT>(xq, xq_ld, xs, xs_ld, r0, rows, tile);
-      float c[kNT][4];
-      Fp8TileProduct<kNT, B>(tile, w.chunk0, w.chunk1, partial, c);  // the walk's "chunks": scale blocks
-      if (threadIdx.x < 32) {
-#pragma unroll
-        for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int r = n * kRowsPerMma + 2 * t + j;
-            if (r < rows) {
-              // Gate and up rounded to BF16 as the reference does, then the activation.
-              const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
-              const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
-              a[(r0 + r) * f + col] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
-            }
-          }
-        }
-      }
-    }
+    Passes<B>(tile, seg_begin, seg_end, xq, xq_ld, xs, xs_ld, w, partial, [&](int64_t row, float gate, float up) {
+      // Gate and up rounded to BF16 as the reference does, then the activation.
+      const float gs = __bfloat162float(__float2bfloat16_rn(gate));
+      const float us = __bfloat162float(__float2bfloat16_rn(up));
+      a[row * f + col] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+    });
   }
 }
 
@@ -217,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
   WaitForPredecessor();
   ReleaseDependents();
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int g = (threadIdx.x & 31) >> 2;
   const int kf = f / 128;
   for (TileWalk w(act, d / 16, kf); w.More(); w.Next()) {
     const int e = act.ids != nullptr ? act.ids[w.slot] : w.slot;
@@ -228,25 +240,10 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
     tile.lo = reinterpret_cast<const uint4*>(w_down + row * f);
     tile.hi = reinterpret_cast<const uint4*>(w_down + (row + 8) * f);
     tile.lo_scales = tile.hi_scales = down_scales + (row / 128) * kf;
-    for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kNT * kRowsPerMma) {
-      const int rows = static_cast<int>(seg_end - r0 < kNT * kRowsPerMma ? seg_end - r0 : kNT * kRowsPerMma);
-      PassRows<kNT>(aq, f, as, kf, r0, rows, tile);
-      float c[kNT][4];
-      Fp8TileProduct<kNT, B>(tile, w.chunk0, w.chunk1, partial, c);  // the walk's "chunks": scale blocks
-      if (threadIdx.x < 32) {
-#pragma unroll
-        for (int n = 0; n < kNT; ++n) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int r = n * kRowsPerMma + 2 * t + j;
-            if (r < rows) {
-              y[(r0 + r) * d + o] = __float2bfloat16_rn(c[n][j]);
-              y[(r0 + r) * d + o + 8] = __float2bfloat16_rn(c[n][2 + j]);
-            }
-          }
-        }
-      }
-    }
+    Passes<B>(tile, seg_begin, seg_end, aq, f, as, kf, w, partial, [&](int64_t r, float lo, float hi) {
+      y[r * d + o] = __float2bfloat16_rn(lo);
+      y[r * d + o + 8] = __float2bfloat16_rn(hi);
+    });
   }
 }
 

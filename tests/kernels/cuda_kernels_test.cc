@@ -230,6 +230,19 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
   }
 }
 
+// Rows as Quantize gives them (bytes [rows, d], scales [rows, d / 128]) laid out as packed rows, the
+// FP8 dispatch's payload: each row's bytes, then its scales, Fp8PackedRowBytes(d) apart (0xee in
+// the padding, which the experts must not read).
+std::vector<uint8_t> PackedRows(const std::vector<uint8_t>& q, const std::vector<float>& scales, int64_t rows, int d) {
+  const int64_t packed = Fp8PackedRowBytes(d);
+  std::vector<uint8_t> out(rows * packed, 0xee);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(out.data() + r * packed, q.data() + r * d, d);
+    std::memcpy(out.data() + r * packed + d, scales.data() + r * (d / 128), 4 * (d / 128));
+  }
+  return out;
+}
+
 // FP8 experts on the Hopper kernels against the CPU's FP8 reference (same quantization, same
 // rounding points: only the summation order differs) and, loosely, against the BF16 layer on
 // the dequantized weights. Rows outside the segments stay as they were.
@@ -283,14 +296,7 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
       EXPECT_EQ(dy_pre.Host(), got) << "f=" << f;
       // Packed rows (a row's bytes, then its scales; the FP8 dispatch's payload): the same bits.
       const int64_t packed = Fp8PackedRowBytes(d);
-      const std::vector<uint8_t> hq = dxq.Host();
-      const std::vector<float> hs = dxs.Host();
-      std::vector<uint8_t> rows_packed(rows * packed, 0xee);
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(rows_packed.data() + r * packed, hq.data() + r * d, d);
-        std::memcpy(rows_packed.data() + r * packed + d, hs.data() + r * (d / 128), 4 * (d / 128));
-      }
-      DeviceVector<uint8_t> dpacked(rows_packed);
+      DeviceVector<uint8_t> dpacked(PackedRows(dxq.Host(), dxs.Host(), rows, d));
       DeviceVector<uint16_t> dy_packed(x.size(), sentinel);
       SwigluFp8Params pk = pre;
       pk.xq = dpacked.get();
@@ -400,14 +406,7 @@ TEST_F(CudaKernelsTest, SwigluFp8DecodeMatchesCpu) {
                                     static_cast<int64_t>(layer.x.size() / 128)},
                                    nullptr)
                         .ok());
-        const std::vector<uint8_t> hq = dxq.Host();
-        const std::vector<float> hs = dxs.Host();
-        std::vector<uint8_t> rows_packed(rows * packed, 0xee);
-        for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(rows_packed.data() + r * packed, hq.data() + r * d, d);
-          std::memcpy(rows_packed.data() + r * packed + d, hs.data() + r * (d / 128), 4 * (d / 128));
-        }
-        DeviceVector<uint8_t> dpacked(rows_packed);
+        DeviceVector<uint8_t> dpacked(PackedRows(dxq.Host(), dxs.Host(), rows, d));
         DeviceVector<uint16_t> dy_packed(layer.x.size(), sentinel);
         SwigluFp8Params pk = p;
         pk.x = nullptr;
