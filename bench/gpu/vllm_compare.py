@@ -28,7 +28,7 @@ with vLLM's tuned H200 file for block FP8 where it has one (the "...,dtype=fp8_w
 [128,128].json" of E and N) and get_default_config's block-FP8 rule otherwise, and the swap-AB
 choice vLLM makes on Hopper (enable_swap_ab, read out of DIR's fused_moe/utils.py). The two
 quantizations are one Triton kernel of this runner's (the down one fused with SiLU-and-mul: one
-pass fewer than vLLM's, in the peer's favour); vLLM's are per_token_group_quant_fp8 (a CUDA op).
+pass fewer than vLLM's, in the peer's favour); vLLM calls per_token_group_quant_fp8 for both.
 Its lines are "vllm-triton-fp8"; the project's side is expert_layer_bench's FP8 layer ("fp8",
 "fp8-graph": the tokens quantized once and packed, the FP8 experts, combine), as
 moe-rankd --expert_dtype fp8 runs it. Both are checked against the FP32 layer with the
