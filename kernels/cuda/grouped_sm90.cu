@@ -648,7 +648,7 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
                                        const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
                                        cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows >= (int64_t{1} << 31) || xq_ld < d || xq_ld % 16 != 0 || x_scales_ld < d / 128) return cudaErrorInvalidValue;
+  if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales_ld)) return cudaErrorInvalidValue;
   GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
   up.a_scales = x_scales;
   up.a_scale_ld = x_scales_ld;

@@ -115,6 +115,11 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 // the gate/up kernel's SwiGLU epilogue) is quantized into aq / a_scales [rows, f / 128] for the
 // down kernel; y [rows, d] BF16. Scratch a, aq, a_scales belongs to the caller.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
+// The FP8 launchers' row operands: fewer than 2^31 rows, xq rows at least d bytes apart on
+// 16-byte boundaries, x_scales rows at least d / 128 floats apart.
+inline bool Fp8RowOperandsValid(int64_t rows, int d, int64_t xq_ld, int64_t x_scales_ld) {
+  return rows < (int64_t{1} << 31) && xq_ld >= d && xq_ld % 16 == 0 && x_scales_ld >= d / 128;
+}
 // xq_ld: bytes between rows of xq (a multiple of 16, >= d); x_scales_ld: floats between rows of
 // x_scales (>= d / 128).
 cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const float* x_scales, int64_t x_scales_ld,

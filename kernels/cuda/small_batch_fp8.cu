@@ -74,17 +74,17 @@ __device__ __forceinline__ void MmaChunkFp8(float (&c)[4], const uint4& lo, cons
 }
 
 // A tile's operands for this lane: weight rows g (lo) and g + 8 (hi) with their block-scale rows
-// (one float per 128 k), and for each group n of 8 activation rows the bytes of row g (xrow,
-// x_valid) and the scale rows of rows 2t and 2t + 1 (the rows of this lane's sums).
-template <int NT>
+// (one float per 128 k), and for the pass's 8 activation rows the bytes of row g (xrow, x_valid)
+// and the scale rows of rows 2t and 2t + 1 (the rows of this lane's sums). Arrays of kNT groups,
+// as ChunkLanes and SumTilesOverWarps (shared with the BF16 family) take them.
 struct Fp8Tile {
   const uint4* lo;
   const uint4* hi;
   const float* lo_scales;
   const float* hi_scales;
-  const uint4* xrow[NT];
-  bool x_valid[NT];
-  const float* x_scales[NT][2];
+  const uint4* xrow[kNT];
+  bool x_valid[kNT];
+  const float* x_scales[kNT][2];
 };
 
 // The tile's product over this warp's scale blocks [block0, block1) of k, summed over the block's
@@ -92,17 +92,17 @@ struct Fp8Tile {
 // c[n][2], c[n][3]: weight row g + 8). A scale block at a time: its two chunks' bytes and its
 // scales are loaded together (the scales are not a second round trip after the bytes), four
 // mmas into a partial tile, which the scales take into the sums.
-template <int NT, int B>
-__device__ __forceinline__ void Fp8TileProduct(const Fp8Tile<NT>& tile, int block0, int block1,
-                                               float (*partial)[32][4 * NT], float (&c)[NT][4]) {
+template <int B>
+__device__ __forceinline__ void Fp8TileProduct(const Fp8Tile& tile, int block0, int block1,
+                                               float (*partial)[32][4 * kNT], float (&c)[kNT][4]) {
   const int t = threadIdx.x & 3;
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
+  for (int n = 0; n < kNT; ++n)
 #pragma unroll
     for (int q = 0; q < 4; ++q) c[n][q] = 0.0f;
   for (int kb0 = block0; kb0 < block1; kb0 += B) {
-    uint4 wl[B][kBlockChunks], wh[B][kBlockChunks], xv[B][NT][kBlockChunks];
-    float sl[B], sh[B], sx[B][NT][2];
+    uint4 wl[B][kBlockChunks], wh[B][kBlockChunks], xv[B][kNT][kBlockChunks];
+    float sl[B], sh[B], sx[B][kNT][2];
 #pragma unroll
     for (int u = 0; u < B; ++u) {
       const int kb = kb0 + u < block1 ? kb0 + u : block1 - 1;  // past the end: loaded, not used
@@ -112,14 +112,14 @@ __device__ __forceinline__ void Fp8TileProduct(const Fp8Tile<NT>& tile, int bloc
         wl[u][b] = LoadStreaming(tile.lo + i);
         wh[u][b] = LoadStreaming(tile.hi + i);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int n = 0; n < kNT; ++n) {
           xv[u][n][b] = tile.x_valid[n] ? __ldg(tile.xrow[n] + i) : make_uint4(0, 0, 0, 0);
         }
       }
       sl[u] = __ldg(tile.lo_scales + kb);
       sh[u] = __ldg(tile.hi_scales + kb);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < kNT; ++n) {
         sx[u][n][0] = __ldg(tile.x_scales[n][0] + kb);
         sx[u][n][1] = __ldg(tile.x_scales[n][1] + kb);
       }
@@ -128,7 +128,7 @@ __device__ __forceinline__ void Fp8TileProduct(const Fp8Tile<NT>& tile, int bloc
     for (int u = 0; u < B; ++u) {
       if (kb0 + u >= block1) break;
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
+      for (int n = 0; n < kNT; ++n) {
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int b = 0; b < kBlockChunks; ++b) MmaChunkFp8(part, wl[u][b], wh[u][b], xv[u][n][b]);
@@ -139,19 +139,18 @@ __device__ __forceinline__ void Fp8TileProduct(const Fp8Tile<NT>& tile, int bloc
       }
     }
   }
-  SumTilesOverWarps<NT>(partial, c);
+  SumTilesOverWarps<kNT>(partial, c);
 }
 
 // The activation rows of a pass: this lane's row g of each group (bytes, from xq with row stride
 // xq_ld) and the scale rows of its rows 2t and 2t + 1 (clamped to the pass like ChunkLanes).
-template <int NT>
 __device__ __forceinline__ void PassRows(const uint8_t* __restrict__ xq, int64_t xq_ld, const float* __restrict__ xs,
-                                         int64_t xs_ld, int64_t r0, int rows, Fp8Tile<NT>& tile) {
+                                         int64_t xs_ld, int64_t r0, int rows, Fp8Tile& tile) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  int64_t layout_row[NT];
-  ChunkLanes<NT>(r0, rows, g, layout_row, tile.x_valid);
+  int64_t layout_row[kNT];
+  ChunkLanes<kNT>(r0, rows, g, layout_row, tile.x_valid);
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
+  for (int n = 0; n < kNT; ++n) {
     tile.xrow[n] = reinterpret_cast<const uint4*>(xq + layout_row[n] * xq_ld);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -165,15 +164,15 @@ __device__ __forceinline__ void PassRows(const uint8_t* __restrict__ xq, int64_t
 // xs): the tile's product over the walk's scale blocks, then, in warp 0, store(layout row, sum
 // for weight row g, sum for weight row g + 8) for each of the pass's rows.
 template <int B, typename Store>
-__device__ __forceinline__ void Passes(Fp8Tile<kNT>& tile, int64_t seg_begin, int64_t seg_end,
+__device__ __forceinline__ void Passes(Fp8Tile& tile, int64_t seg_begin, int64_t seg_end,
                                        const uint8_t* __restrict__ xq, int64_t xq_ld, const float* __restrict__ xs,
                                        int64_t xs_ld, const TileWalk& w, float (*partial)[32][4 * kNT], Store&& store) {
   const int t = threadIdx.x & 3;
   for (int64_t r0 = seg_begin; r0 < seg_end; r0 += kNT * kRowsPerMma) {
     const int rows = static_cast<int>(seg_end - r0 < kNT * kRowsPerMma ? seg_end - r0 : kNT * kRowsPerMma);
-    PassRows<kNT>(xq, xq_ld, xs, xs_ld, r0, rows, tile);
+    PassRows(xq, xq_ld, xs, xs_ld, r0, rows, tile);
     float c[kNT][4];
-    Fp8TileProduct<kNT, B>(tile, w.chunk0, w.chunk1, partial, c);  // the walk's "chunks": scale blocks
+    Fp8TileProduct<B>(tile, w.chunk0, w.chunk1, partial, c);  // the walk's "chunks": scale blocks
     if (threadIdx.x < 32) {
 #pragma unroll
       for (int n = 0; n < kNT; ++n) {
@@ -204,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
     const int col = w.grp * 8 + g;
     const int64_t gate_row = static_cast<int64_t>(e) * 2 * f + col, up_row = gate_row + f;
-    Fp8Tile<kNT> tile;
+    Fp8Tile tile;
     tile.lo = reinterpret_cast<const uint4*>(w_gate_up + gate_row * d);
     tile.hi = reinterpret_cast<const uint4*>(w_gate_up + up_row * d);
     tile.lo_scales = gate_up_scales + (gate_row / 128) * kd;
@@ -236,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
     const int o = w.grp * 16 + g;
     const int64_t row = static_cast<int64_t>(e) * d + o;  // rows o and o + 8 share a 128-row block
-    Fp8Tile<kNT> tile;
+    Fp8Tile tile;
     tile.lo = reinterpret_cast<const uint4*>(w_down + row * f);
     tile.hi = reinterpret_cast<const uint4*>(w_down + (row + 8) * f);
     tile.lo_scales = tile.hi_scales = down_scales + (row / 128) * kf;
@@ -290,10 +289,7 @@ cudaError_t LaunchSmallBatchSwigluFp8(const uint8_t* xq, int64_t xq_ld, const fl
                                       const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
                                       cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows >= (int64_t{1} << 31) || d % 128 != 0 || f % 128 != 0 || xq_ld < d || xq_ld % 16 != 0 ||
-      x_scales_ld < d / 128) {
-    return cudaErrorInvalidValue;
-  }
+  if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales_ld) || d % 128 != 0 || f % 128 != 0) return cudaErrorInvalidValue;
   // Each kernel's k loop a warp: d / 128 (gate/up) and d_ff / 128 (down) scale blocks over the
   // block's warps.
   const bool long_up = d / 128 >= kLongWarpBlocks * kWarps, long_down = f / 128 >= kLongWarpBlocks * kWarps;
