@@ -230,17 +230,110 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
   }
 }
 
-// Rows as Quantize gives them (bytes [rows, d], scales [rows, d / 128]) laid out as packed rows, the
-// FP8 dispatch's payload: each row's bytes, then its scales, Fp8PackedRowBytes(d) apart (0xee in
-// the padding, which the experts must not read).
-std::vector<uint8_t> PackedRows(const std::vector<uint8_t>& q, const std::vector<float>& scales, int64_t rows, int d) {
-  const int64_t packed = Fp8PackedRowBytes(d);
-  std::vector<uint8_t> out(rows * packed, 0xee);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(out.data() + r * packed, q.data() + r * d, d);
-    std::memcpy(out.data() + r * packed + d, scales.data() + r * (d / 128), 4 * (d / 128));
+// A SwigluFp8 case: a random layer with block-quantized FP8 weights, `lead` rows before the
+// segments of `counts` and `tail` after them; `ref` is the CPU reference's output on the BF16
+// rows (kFp8Sentinel outside the segments), and the operands are copied to the device for the
+// GPU's calls (Device(): x BF16, offsets and weights on the device, y = dy).
+constexpr uint16_t kFp8Sentinel = 0xc0e0;  // BF16 -7.0
+struct Fp8Case {
+  Fp8Case(std::mt19937& rng, ExpertKernels& cpu, int e_, int d_, int f_, const std::vector<int64_t>& counts_,
+          int64_t lead_, int64_t tail)
+      : e(e_),
+        d(d_),
+        f(f_),
+        lead(lead_),
+        counts(counts_),
+        offsets(Shifted(Offsets(counts_), lead_)),
+        rows(offsets.back() + tail),
+        layer(testing::RandomExperts(rng, e, d, f, rows)),
+        qgu(testing::QuantizeBlocks(layer.wgu, static_cast<int64_t>(e) * 2 * f, d)),
+        qd(testing::QuantizeBlocks(layer.wd, static_cast<int64_t>(e) * d, f)),
+        ref(layer.x.size(), kFp8Sentinel),
+        dqgu(qgu.q),
+        dqd(qd.q),
+        dsgu(qgu.scales),
+        dsd(qd.scales),
+        dx(layer.x),
+        dy(layer.x.size(), kFp8Sentinel),
+        doff(offsets) {
+    SwigluFp8Params p;
+    p.weights = {qgu.q.data(), qgu.scales.data(), qd.q.data(), qd.scales.data(), e, d, f};
+    p.x = layer.x.data();
+    p.rows = rows;
+    p.offsets = offsets.data();
+    p.y = ref.data();
+    reference = cpu.SwigluFp8(p, nullptr);
   }
-  return out;
+  static std::vector<int64_t> Shifted(std::vector<int64_t> o, int64_t by) {
+    for (int64_t& v : o) v += by;
+    return o;
+  }
+  SwigluFp8Params Device() {
+    SwigluFp8Params p;
+    p.weights = {dqgu.get(), dsgu.get(), dqd.get(), dsd.get(), e, d, f};
+    p.x = dx.get();
+    p.rows = rows;
+    p.offsets = doff.get();
+    p.y = dy.get();
+    return p;
+  }
+  // The rows x quantized on the GPU (Quantize per 128 values) into dxq / dxs, and those laid out
+  // as packed rows (the FP8 dispatch's payload): each row's bytes, then its scales,
+  // Fp8PackedRowBytes(d) apart, 0xee in the padding (which the experts must not read).
+  std::vector<uint8_t> QuantizeRows(ExpertKernels& gpu, DeviceVector<uint8_t>& dxq, DeviceVector<float>& dxs) {
+    const int64_t groups = rows * (d / 128);
+    EXPECT_TRUE(
+        gpu.Quantize({dx.get(), rows, d, ScaleGranularity::kPerBlock128, dxq.get(), dxs.get(), groups}, nullptr).ok());
+    const std::vector<uint8_t> q = dxq.Host();
+    const std::vector<float> scales = dxs.Host();
+    const int64_t packed = Fp8PackedRowBytes(d);
+    std::vector<uint8_t> out(rows * packed, 0xee);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out.data() + r * packed, q.data() + r * d, d);
+      std::memcpy(out.data() + r * packed + d, scales.data() + r * (d / 128), 4 * (d / 128));
+    }
+    return out;
+  }
+  // `got` (the GPU's output for every row): rows outside the segments untouched, and the
+  // segments within 1e-2 relative L2 and 0.1 of the CPU reference (the order of FP32 additions).
+  void ExpectMatchesReference(const std::vector<uint16_t>& got, const std::string& what) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= lead && r < offsets.back()) continue;
+      for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], kFp8Sentinel) << what << " row " << r;
+    }
+    const std::vector<uint16_t> got_rows = Segments(got), want_rows = Segments(ref);
+    double rel = 0;
+    const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
+    EXPECT_LT(rel, 1e-2) << what;
+    EXPECT_LT(worst, 0.1f) << what;
+  }
+  std::vector<uint16_t> Segments(const std::vector<uint16_t>& y) const {
+    return std::vector<uint16_t>(y.begin() + lead * d, y.begin() + offsets.back() * d);
+  }
+
+  const int e, d, f;
+  const int64_t lead;
+  const std::vector<int64_t> counts, offsets;
+  const int64_t rows;
+  const testing::RandomLayer layer;
+  const testing::Fp8Blocks qgu, qd;
+  std::vector<uint16_t> ref;
+  absl::Status reference;
+  DeviceVector<uint8_t> dqgu, dqd;
+  DeviceVector<float> dsgu, dsd;
+  DeviceVector<uint16_t> dx, dy;
+  DeviceVector<int64_t> doff;
+};
+
+// SwigluFp8 from packed rows (`packed`: QuantizeRows' layout) into a fresh output.
+SwigluFp8Params PackedParams(SwigluFp8Params p, DeviceVector<uint8_t>& packed, DeviceVector<uint16_t>& y, int d) {
+  p.x = nullptr;
+  p.xq = packed.get();
+  p.xq_ld = Fp8PackedRowBytes(d);
+  p.x_scales = reinterpret_cast<const float*>(packed.get() + d);
+  p.x_scales_ld = Fp8PackedRowBytes(d) / 4;
+  p.y = y.get();
+  return p;
 }
 
 // FP8 experts on the Hopper kernels against the CPU's FP8 reference (same quantization, same
@@ -249,43 +342,17 @@ std::vector<uint8_t> PackedRows(const std::vector<uint8_t>& q, const std::vector
 TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
   for (const int f : {256, 384}) {
     const int e = 6, d = 512;
-    const std::vector<int64_t> counts = {0, 1, 100, 129, 3, 200};
-    std::vector<int64_t> offsets = Offsets(counts);
-    const int64_t lead = 5, tail = 4;
-    for (int64_t& o : offsets) o += lead;
-    const int64_t rows = offsets.back() + tail;
-    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, rows);
-    const std::vector<uint16_t>&wgu = layer.wgu, &wd = layer.wd, &x = layer.x;
-    const testing::Fp8Blocks qgu = testing::QuantizeBlocks(wgu, static_cast<int64_t>(e) * 2 * f, d);
-    const testing::Fp8Blocks qd = testing::QuantizeBlocks(wd, static_cast<int64_t>(e) * d, f);
-    const uint16_t sentinel = FloatToBf16(-7.0f);
-    std::vector<uint16_t> ref(x.size(), sentinel);
-    SwigluFp8Params p;
-    p.weights = {qgu.q.data(), qgu.scales.data(), qd.q.data(), qd.scales.data(), e, d, f};
-    p.x = x.data();
-    p.rows = rows;
-    p.offsets = offsets.data();
-    p.y = ref.data();
-    ASSERT_TRUE(cpu_->SwigluFp8(p, nullptr).ok());
-    DeviceVector<uint8_t> dqgu(qgu.q), dqd(qd.q);
-    DeviceVector<float> dsgu(qgu.scales), dsd(qd.scales);
-    DeviceVector<uint16_t> dx(x), dy(x.size(), sentinel);
-    DeviceVector<int64_t> doff(offsets);
-    p.weights = {dqgu.get(), dsgu.get(), dqd.get(), dsd.get(), e, d, f};
-    p.x = dx.get();
-    p.offsets = doff.get();
-    p.y = dy.get();
+    Fp8Case c(rng_, *cpu_, e, d, f, {0, 1, 100, 129, 3, 200}, 5, 4);
+    ASSERT_TRUE(c.reference.ok()) << c.reference;
+    const SwigluFp8Params p = c.Device();
     ASSERT_TRUE(gpu_->SwigluFp8(p, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<uint16_t> got = dy.Host();
+    const std::vector<uint16_t> got = c.dy.Host();
     {  // The rows quantized first (Quantize, as an FP8 dispatch carries them): the same bits.
-      DeviceVector<uint8_t> dxq(x.size());
-      DeviceVector<float> dxs(x.size() / 128);
-      ASSERT_TRUE(gpu_->Quantize({dx.get(), rows, d, ScaleGranularity::kPerBlock128, dxq.get(), dxs.get(),
-                                  static_cast<int64_t>(x.size() / 128)},
-                                 nullptr)
-                      .ok());
-      DeviceVector<uint16_t> dy_pre(x.size(), sentinel);
+      DeviceVector<uint8_t> dxq(c.layer.x.size());
+      DeviceVector<float> dxs(c.layer.x.size() / 128);
+      DeviceVector<uint8_t> dpacked(c.QuantizeRows(*gpu_, dxq, dxs));
+      DeviceVector<uint16_t> dy_pre(c.layer.x.size(), kFp8Sentinel);
       SwigluFp8Params pre = p;
       pre.x = nullptr;
       pre.xq = dxq.get();
@@ -295,41 +362,24 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       EXPECT_EQ(dy_pre.Host(), got) << "f=" << f;
       // Packed rows (a row's bytes, then its scales; the FP8 dispatch's payload): the same bits.
-      const int64_t packed = Fp8PackedRowBytes(d);
-      DeviceVector<uint8_t> dpacked(PackedRows(dxq.Host(), dxs.Host(), rows, d));
-      DeviceVector<uint16_t> dy_packed(x.size(), sentinel);
-      SwigluFp8Params pk = pre;
-      pk.xq = dpacked.get();
-      pk.xq_ld = packed;
-      pk.x_scales = reinterpret_cast<const float*>(dpacked.get() + d);
-      pk.x_scales_ld = packed / 4;
-      pk.y = dy_packed.get();
-      ASSERT_TRUE(gpu_->SwigluFp8(pk, nullptr).ok());
+      DeviceVector<uint16_t> dy_packed(c.layer.x.size(), kFp8Sentinel);
+      ASSERT_TRUE(gpu_->SwigluFp8(PackedParams(p, dpacked, dy_packed, d), nullptr).ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       EXPECT_EQ(dy_packed.Host(), got) << "f=" << f << " packed rows";
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      if (r >= lead && r < offsets.back()) continue;
-      for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], sentinel) << "row " << r << " outside the segments";
-    }
-    std::vector<uint16_t> got_rows(got.begin() + lead * d, got.begin() + offsets.back() * d);
-    std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
-    double rel = 0;
-    const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
-    EXPECT_LT(rel, 1e-2) << "f=" << f;
-    EXPECT_LT(worst, 0.1f) << "f=" << f;
+    ASSERT_NO_FATAL_FAILURE(c.ExpectMatchesReference(got, "f=" + std::to_string(f)));
     // Against BF16 on the dequantized weights: the activations' quantization only.
     SwigluParams b;
     b.layout = LayoutParams{Layout::kGrouped, 0, 1, 128};
-    b.weights = {qgu.dequant.data(), qd.dequant.data(), e, d, f};
-    b.x = x.data() + lead * d;
-    b.rows = offsets.back() - lead;
-    const std::vector<int64_t> plain = Offsets(counts);
+    b.weights = {c.qgu.dequant.data(), c.qd.dequant.data(), e, d, f};
+    b.x = c.layer.x.data() + c.lead * d;
+    b.rows = c.offsets.back() - c.lead;
+    const std::vector<int64_t> plain = Offsets(c.counts);
     b.host_offsets = plain.data();
     std::vector<uint16_t> bf16(static_cast<size_t>(b.rows) * d);
     b.y = bf16.data();
     ASSERT_TRUE(cpu_->Swiglu(b, nullptr).ok());
-    EXPECT_LT(RelativeL2Bf16(got_rows, bf16), 0.08) << "f=" << f;
+    EXPECT_LT(RelativeL2Bf16(c.Segments(got), bf16), 0.08) << "f=" << f;
   }
   // A shape the Hopper kernels do not take (d not a multiple of 256) is refused past decode
   // sizes, not approximated (decode-sized steps take the tensor-core GEMVs: the next test).
@@ -358,63 +408,21 @@ TEST_F(CudaKernelsTest, SwigluFp8DecodeMatchesCpu) {
     for (const int f : {256, 384}) {
       for (size_t trial = 0; trial < trials.size(); ++trial) {
         const std::vector<int64_t>& counts = trials[trial];
-        const int e = static_cast<int>(counts.size());
-        std::vector<int64_t> offsets = Offsets(counts);
-        const int64_t lead = 3, tail = 2;
-        for (int64_t& o : offsets) o += lead;
-        const int64_t rows = offsets.back() + tail;
         const std::string what =
             "d=" + std::to_string(d) + " f=" + std::to_string(f) + " trial " + std::to_string(trial);
-        const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, rows);
-        const testing::Fp8Blocks qgu = testing::QuantizeBlocks(layer.wgu, static_cast<int64_t>(e) * 2 * f, d);
-        const testing::Fp8Blocks qd = testing::QuantizeBlocks(layer.wd, static_cast<int64_t>(e) * d, f);
-        const uint16_t sentinel = FloatToBf16(-7.0f);
-        std::vector<uint16_t> ref(layer.x.size(), sentinel);
-        SwigluFp8Params p;
-        p.weights = {qgu.q.data(), qgu.scales.data(), qd.q.data(), qd.scales.data(), e, d, f};
-        p.x = layer.x.data();
-        p.rows = rows;
-        p.offsets = offsets.data();
-        p.y = ref.data();
-        ASSERT_TRUE(cpu_->SwigluFp8(p, nullptr).ok());
-        DeviceVector<uint8_t> dqgu(qgu.q), dqd(qd.q);
-        DeviceVector<float> dsgu(qgu.scales), dsd(qd.scales);
-        DeviceVector<uint16_t> dx(layer.x), dy(layer.x.size(), sentinel);
-        DeviceVector<int64_t> doff(offsets);
-        p.weights = {dqgu.get(), dsgu.get(), dqd.get(), dsd.get(), e, d, f};
-        p.x = dx.get();
-        p.offsets = doff.get();
-        p.y = dy.get();
+        Fp8Case c(rng_, *cpu_, static_cast<int>(counts.size()), d, f, counts, 3, 2);
+        ASSERT_TRUE(c.reference.ok()) << c.reference;
+        const SwigluFp8Params p = c.Device();
         ASSERT_TRUE(gpu_->SwigluFp8(p, nullptr).ok()) << what;
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-        const std::vector<uint16_t> got = dy.Host();
-        for (int64_t r = 0; r < rows; ++r) {
-          if (r >= lead && r < offsets.back()) continue;
-          for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], sentinel) << what << " row " << r;
-        }
-        std::vector<uint16_t> got_rows(got.begin() + lead * d, got.begin() + offsets.back() * d);
-        std::vector<uint16_t> want_rows(ref.begin() + lead * d, ref.begin() + offsets.back() * d);
-        double rel = 0;
-        const float worst = MaxAbsDiffBf16(got_rows, want_rows, &rel);
-        EXPECT_LT(rel, 1e-2) << what;
-        EXPECT_LT(worst, 0.1f) << what;
+        const std::vector<uint16_t> got = c.dy.Host();
+        ASSERT_NO_FATAL_FAILURE(c.ExpectMatchesReference(got, what));
         // Packed rows (bytes, then scales, padded to 16 bytes), eager and replayed.
-        const int64_t packed = Fp8PackedRowBytes(d);
-        DeviceVector<uint8_t> dxq(layer.x.size());
-        DeviceVector<float> dxs(layer.x.size() / 128);
-        ASSERT_TRUE(gpu_->Quantize({dx.get(), rows, d, ScaleGranularity::kPerBlock128, dxq.get(), dxs.get(),
-                                    static_cast<int64_t>(layer.x.size() / 128)},
-                                   nullptr)
-                        .ok());
-        DeviceVector<uint8_t> dpacked(PackedRows(dxq.Host(), dxs.Host(), rows, d));
-        DeviceVector<uint16_t> dy_packed(layer.x.size(), sentinel);
-        SwigluFp8Params pk = p;
-        pk.x = nullptr;
-        pk.xq = dpacked.get();
-        pk.xq_ld = packed;
-        pk.x_scales = reinterpret_cast<const float*>(dpacked.get() + d);
-        pk.x_scales_ld = packed / 4;
-        pk.y = dy_packed.get();
+        DeviceVector<uint8_t> dxq(c.layer.x.size());
+        DeviceVector<float> dxs(c.layer.x.size() / 128);
+        DeviceVector<uint8_t> dpacked(c.QuantizeRows(*gpu_, dxq, dxs));
+        DeviceVector<uint16_t> dy_packed(c.layer.x.size(), kFp8Sentinel);
+        const SwigluFp8Params pk = PackedParams(p, dpacked, dy_packed, d);
         ASSERT_TRUE(gpu_->SwigluFp8(pk, nullptr).ok()) << what;
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         EXPECT_EQ(dy_packed.Host(), got) << what << " packed rows";
@@ -426,13 +434,13 @@ TEST_F(CudaKernelsTest, SwigluFp8DecodeMatchesCpu) {
         ASSERT_TRUE(gpu_->SwigluFp8(pk, st).ok()) << what;
         ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
         ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-        ASSERT_EQ(cudaMemset(dy_packed.get(), 0, layer.x.size() * 2), cudaSuccess);
+        ASSERT_EQ(cudaMemset(dy_packed.get(), 0, c.layer.x.size() * 2), cudaSuccess);
         ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
         ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
         std::vector<uint16_t> replayed = dy_packed.Host();
-        for (int64_t r = 0; r < rows; ++r) {  // the memset's zeros outside the segments
-          if (r >= lead && r < offsets.back()) continue;
-          for (int c = 0; c < d; ++c) replayed[r * d + c] = sentinel;
+        for (int64_t r = 0; r < c.rows; ++r) {  // the memset's zeros outside the segments
+          if (r >= c.lead && r < c.offsets.back()) continue;
+          for (int col = 0; col < d; ++col) replayed[r * d + col] = kFp8Sentinel;
         }
         EXPECT_EQ(replayed, got) << what << " graph replay";
         cudaGraphExecDestroy(exec);
