@@ -427,6 +427,12 @@ class ExpertKernels {
   virtual absl::StatusOr<void*> OpenIpcEvent(const std::string& handle);
   virtual void CloseIpcEvent(void* event) {}
   virtual absl::StatusOr<bool> EventDone(void* event);
+  // An event of this process's for another process on this host to wait on: created
+  // interprocess without timing; `handle` receives the 64 bytes of its cudaIpcEventHandle_t.
+  // Destroyed with CloseIpcEvent. RecordEvent records an event (this process's or an opened one)
+  // on `stream`, after the work enqueued there. The CPU reference: FAILED_PRECONDITION.
+  virtual absl::StatusOr<void*> CreateIpcEvent(std::string* handle);
+  virtual absl::Status RecordEvent(void* event, Stream stream);
 
  private:
   int64_t host_first_non_finite_ = -1;  // the host default's StartFindNonFiniteBf16 answer

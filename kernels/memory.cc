@@ -56,6 +56,15 @@ absl::StatusOr<bool> ExpertKernels::EventDone(void*) {
   return absl::FailedPreconditionError(absl::StrCat("events need device kernels; this rank runs ", name()));
 }
 
+absl::StatusOr<void*> ExpertKernels::CreateIpcEvent(std::string*) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("events for another process need device kernels; this rank runs ", name()));
+}
+
+absl::Status ExpertKernels::RecordEvent(void*, Stream) {
+  return absl::FailedPreconditionError(absl::StrCat("events need device kernels; this rank runs ", name()));
+}
+
 KernelBuffer::~KernelBuffer() {
   if (ptr_ != nullptr) kernels_->Free(ptr_);
 }

@@ -332,6 +332,7 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     in.expected_generation = desc.expected_generation > 0 ? desc.expected_generation : -1;
     in.output = step.output;
     in.rows_on_device = step.rows_on_device;
+    in.done_event = step.done_event;  // with done events: answered once enqueued
     if (rows_check != nullptr) in.await_input_check = [&rows_check] { return rows_check->Await(); };
     // Rows on the GPU are checked there: one pass over them on the step's stream, started before
     // the executor's host phases and awaited before its agreement (once; the answer is kept).
@@ -430,8 +431,9 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
                                                 options_.max_request_bytes, " bytes (--max_request_bytes)")));
   }
   RingDeviceRows device_rows;
+  std::vector<std::string> done_handles;
   if (request->has_device_rows()) {
-    auto mapped = MapDeviceRows(*request);
+    auto mapped = MapDeviceRows(*request, &done_handles);
     if (!mapped.ok()) return ToGrpcStatus(mapped.status());
     device_rows = std::move(*mapped);
   }
@@ -444,12 +446,15 @@ grpc::Status ExpertLayerServiceImpl::OpenStepRing(grpc::ServerContext* context, 
   response->set_socket_path(rings_->socket_path());
   response->set_bytes(opened->bytes);
   response->set_layout_version(ring::kLayoutVersion);
+  for (std::string& h : done_handles) response->add_done_events(std::move(h));
   return grpc::Status::OK;
 }
 
 // The engine's GPU allocation for a ring's rows (OpenStepRingRequest.device_rows), mapped and
-// checked to hold every slot's hidden and output rows. The request's sizes are checked already.
-absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::OpenStepRingRequest& request) {
+// checked to hold every slot's hidden and output rows, and the rank's done events when asked for
+// (their IPC handles in `done_handles`). The request's sizes are checked already.
+absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::OpenStepRingRequest& request,
+                                                                     std::vector<std::string>* done_handles) {
   const v1::DeviceRows& dr = request.device_rows();
   if (request.slots() < 1 || request.slots() > ring::kMaxSlots) {
     return absl::InvalidArgumentError(absl::StrCat("slots: ", request.slots(), " outside [1, ", ring::kMaxSlots, "]"));
@@ -498,10 +503,24 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   RingDeviceRows rows;
   rows.rows = static_cast<char*>(m.base) + dr.offset();
   rows.ready_event = event;
-  rows.release = [executor = executor_, base = m.base, event] {
+  auto done = std::make_shared<std::vector<void*>>();  // closed by the release, with the rest
+  rows.release = [executor = executor_, base = m.base, event, done] {
+    for (void* e : *done) executor->CloseReadyEvent(e);
     if (event != nullptr) executor->CloseReadyEvent(event);
     executor->CloseDeviceRows(base);
   };
+  for (int s = 0; dr.done_events() && s < request.slots(); ++s) {
+    std::string handle;
+    absl::StatusOr<void*> made = executor_->CreateDoneEvent(&handle);
+    if (!made.ok()) {
+      done_handles->clear();
+      rows.release();  // unmaps the rows, closes the events made so far
+      return named(made.status());
+    }
+    done->push_back(*made);
+    done_handles->push_back(std::move(handle));
+  }
+  rows.done_events = *done;
   return rows;
 }
 

@@ -82,7 +82,8 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   absl::Status BeginStep();  // counted in flight, or UNAVAILABLE while draining
   void EndStep();
   void ServeRingStep(const RingStep& step, ring::Result* result);
-  absl::StatusOr<RingDeviceRows> MapDeviceRows(const v1::OpenStepRingRequest& request);
+  absl::StatusOr<RingDeviceRows> MapDeviceRows(const v1::OpenStepRingRequest& request,
+                                               std::vector<std::string>* done_handles);
 
   LayerExecutor* executor_;
   RankMetrics* metrics_;

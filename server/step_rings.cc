@@ -60,6 +60,7 @@ struct StepRings::Ring {
   ring::Geometry geometry;
   char* device_rows = nullptr;  // RingDeviceRows::rows
   void* ready_event = nullptr;
+  std::vector<void*> done_events;  // one per slot, or none
   ring::DeviceGeometry device_geometry;
   std::function<void()> device_release;
   std::atomic<bool> stop{false};
@@ -134,6 +135,10 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   auto r = std::make_shared<Ring>();
   r->device_rows = device_rows.rows;
   r->ready_event = device_rows.ready_event;
+  if (!device_rows.done_events.empty() && static_cast<int>(device_rows.done_events.size()) != slots) {
+    return absl::InternalError("device_rows.done_events: not one event per slot");
+  }
+  r->done_events = std::move(device_rows.done_events);
   if (on_device && !ring::ComputeDeviceGeometry(max_tokens, d, k, slots, &r->device_geometry)) {
     return absl::InvalidArgumentError("max_tokens: the ring's device slots overflow");
   }
@@ -369,6 +374,7 @@ void StepRings::Serve(Ring* r) {
         step.output = reinterpret_cast<uint16_t*>(dslot + r->device_geometry.output_offset);
         step.rows_on_device = true;
         step.ready_event = r->ready_event;
+        if (!r->done_events.empty()) step.done_event = r->done_events[next % r->slots];
       } else {
         step.hidden = reinterpret_cast<const uint16_t*>(slot + g.hidden_offset);
         step.output = reinterpret_cast<uint16_t*>(slot + g.output_offset);

@@ -59,6 +59,8 @@ struct StepRingsOptions {
 struct RingDeviceRows {
   char* rows = nullptr;
   void* ready_event = nullptr;
+  // DeviceRows.done_events: one event of the rank's per slot, recorded after each step's GPU work.
+  std::vector<void*> done_events;
   std::function<void()> release;
 };
 
@@ -79,6 +81,7 @@ struct RingStep {
   const int32_t* device_topk_ids = nullptr;
   const float* device_topk_weights = nullptr;
   void* ready_event = nullptr;  // RingDeviceRows::ready_event: the step's kernels wait for it first
+  void* done_event = nullptr;   // RingDeviceRows::done_events[slot]: recorded after the step's GPU work
 };
 using RingServe = std::function<void(const RingStep& step, ring::Result* result)>;
 

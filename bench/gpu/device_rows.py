@@ -91,6 +91,13 @@ def engine(rank: int, targets, args, barrier) -> int:
     host_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us)
     dev_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us,
                                 device=f"cuda:{rank}")
+    # The same without done events: the rank answers once the output is written, not once its
+    # work is enqueued (the "sync" mode below).
+    sync_ring = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=1, spin_us=args.spin_us,
+                                 device=f"cuda:{rank}", done_events=False)
+    if not dev_ring._done or sync_ring._done:
+        print(f"FAIL: rank {rank}: done events {len(dev_ring._done)} / {len(sync_ring._done)} (want 1 / 0)")
+        failures += 1
     if barrier is not None:
         barrier.wait()
     step_id = 1
@@ -110,7 +117,8 @@ def engine(rank: int, targets, args, barrier) -> int:
     # devr: the routing stays on the GPU too; inplace: as devr, with the rows and routing already
     # in the ring's device slot (an engine whose layers write there), so no copy at submit.
     # view: as inplace, the output read as the slot's own view (wait(copy=False)), no clone.
-    modes = ("host", "dev", "devr", "inplace", "view")
+    # sync: as inplace, on the ring without done events (answered once the output is written).
+    modes = ("host", "dev", "devr", "inplace", "view", "sync")
 
     say(f"# E{args.experts} k{args.k} d{args.d}, {world} rank(s), one engine process each, {args.steps} steps a "
         f"cell after {args.warmup}, ring spin {args.spin_us} us; engine-observed p50 / p99 (us) and rank-side "
@@ -129,11 +137,13 @@ def engine(rank: int, targets, args, barrier) -> int:
         step_id += 1
         dev_ring.submit_in_place(step_id, args.layer, t, args.k, decode=decode, device_routing=True)
         out_v = dev_ring.wait(60, copy=False).output  # read before the slot's next submit
+        step_id += 1
+        out_s = sync_ring.step(step_id, args.layer, hidden, ids, w, decode=decode).output  # fills its slot
         equal = (torch.equal(out_h, out_d) and torch.equal(out_h, out_r) and torch.equal(out_h, out_i)
-                 and torch.equal(out_h, out_v))
+                 and torch.equal(out_h, out_v) and torch.equal(out_h, out_s))
         if not equal:
             for name, out in (("device rows", out_d), ("device rows + routing", out_r), ("in place", out_i),
-                              ("in place, view", out_v)):
+                              ("in place, view", out_v), ("no done events", out_s)):
                 diff = (out_h.float() - out.float()).abs().max().item()
                 print(f"MISMATCH rank {rank} {phase}:{t} {name}: max |diff| {diff}")
             failures += 1
@@ -162,9 +172,10 @@ def engine(rank: int, targets, args, barrier) -> int:
                     elif mode == "devr":
                         dev_ring.submit(sid, args.layer, hidden, ids, w, decode=decode)
                     else:  # the slot holds this cell's rows and routing (written by devr just before)
-                        dev_ring.submit_in_place(sid, args.layer, t, args.k, decode=decode, device_routing=True)
+                        ring = sync_ring if mode == "sync" else dev_ring
+                        ring.submit_in_place(sid, args.layer, t, args.k, decode=decode, device_routing=True)
                     submitted = time.perf_counter()
-                    r = dev_ring.wait(60, copy=mode != "view")
+                    r = (sync_ring if mode == "sync" else dev_ring).wait(60, copy=mode != "view")
                     waited = time.perf_counter()
                 step_id = sid
                 torch.cuda.current_stream().synchronize()
@@ -194,7 +205,8 @@ def engine(rank: int, targets, args, barrier) -> int:
               f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
               f"{'yes' if equal else 'NO':>6}")
         say(f"    in place: p50 / p99 {p['inplace'][0]:.1f} / {p['inplace'][1]:.1f}, host / in place "
-            f"{p['host'][0] / p['inplace'][0]:.2f}x; output as the slot's view: {p['view'][0]:.1f} / {p['view'][1]:.1f}")
+            f"{p['host'][0] / p['inplace'][0]:.2f}x; output as the slot's view: {p['view'][0]:.1f} / {p['view'][1]:.1f}; "
+            f"in place without done events: {p['sync'][0]:.1f} / {p['sync'][1]:.1f}")
         say(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
         if world > 1:
             print(f"    rank {rank} p50: " + ", ".join(f"{m} {p[m][0]:.1f}" for m in modes), flush=True)
@@ -203,6 +215,28 @@ def engine(rank: int, targets, args, barrier) -> int:
             st = {n: statistics.median(x[n] for x in stages[mode]) for n in stages[mode][0]}
             say(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}, output ready {out:.1f}; rank stages: " +
                   ", ".join(f"{n} {v:.1f}" for n, v in st.items()))
+
+    # Two steps in flight on a two-slot ring with done events, each output read (cloned on the
+    # current stream) right after its wait: each slot's event must order its own step's output.
+    pipe = client.open_ring(max_tokens=max_t, d=args.d, k=args.k, slots=2, spin_us=args.spin_us,
+                            device=f"cuda:{rank}")
+    t_pipe = max_t
+    steps_in = [make_step(t_pipe, args.d, args.k, args.experts, gen) for _ in range(2)]
+    want = [run_host(h, i, w, False)[0] for h, i, w in steps_in]
+    bad_pipe = 0
+    for _ in range(10):
+        for h, i, w in steps_in:
+            step_id += 1
+            pipe.submit(step_id, args.layer, h, i, w)
+        for j in range(2):
+            if not torch.equal(pipe.wait(60).output, want[j]):
+                bad_pipe += 1
+    pipe.close()
+    if bad_pipe:
+        print(f"FAIL: rank {rank}: {bad_pipe} of 20 pipelined outputs differ from the host ring's")
+        failures += 1
+    else:
+        say(f"pipelined: 20 outputs of {t_pipe} rows, two in flight, equal to the host ring's")
 
     # Bad input on rank 0 (a NaN in the device rows, an expert id out of range or beyond int32 on
     # the GPU): refused there naming the value, ABORTED on the other ranks (the refusal joins the
@@ -272,6 +306,7 @@ def engine(rank: int, targets, args, barrier) -> int:
             print("FAIL: after the hung engine's step the device ring's output differs")
             failures += 1
     dev_ring.close()
+    sync_ring.close()
     host_ring.close()
     client.close()
     print(f"device_rows rank {rank}: {failures} failure(s)", flush=True)

@@ -381,6 +381,25 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(e);
     return true;
   }
+  absl::StatusOr<void*> CreateIpcEvent(std::string* handle) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    cudaEvent_t event = nullptr;
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventInterprocess));
+    cudaIpcEventHandle_t h;
+    if (const cudaError_t e = cudaIpcGetEventHandle(&h, event); e != cudaSuccess) {
+      cudaEventDestroy(event);
+      cudaGetLastError();
+      return absl::FailedPreconditionError(
+          absl::StrCat("exporting an interprocess event failed: ", cudaGetErrorString(e)));
+    }
+    handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+    return static_cast<void*>(event);
+  }
+  absl::Status RecordEvent(void* event, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+    return absl::OkStatus();
+  }
   void CloseIpcMemory(void* base) override {
     cudaSetDevice(device_);
     if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();

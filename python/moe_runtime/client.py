@@ -273,19 +273,23 @@ class RankClient:
 
     # -- shared memory -----------------------------------------------------------------------
     def open_ring(self, *, max_tokens: int, d: int, k: int, slots: int = 2, spin_us: int = 50,
-                  device: Any = None) -> "Any":
+                  device: Any = None, done_events: bool = True) -> "Any":
         """A step ring on this rank (the client must be on the rank's host, on its Unix socket):
         steps written into shared memory, a futex doorbell, no gRPC call per step. ``device`` (a
-        torch CUDA device): the rows stay in that GPU's memory, shared with the rank by CUDA IPC."""
+        torch CUDA device): the rows stay in that GPU's memory, shared with the rank by CUDA IPC;
+        ``done_events``: outputs ready in the current stream's order (``StepRing.open``)."""
         from moe_runtime.ring import StepRing
 
-        return StepRing.open(self, max_tokens=max_tokens, d=d, k=k, slots=slots, spin_us=spin_us, device=device)
+        return StepRing.open(self, max_tokens=max_tokens, d=d, k=k, slots=slots, spin_us=spin_us, device=device,
+                             done_events=done_events)
 
-    def use_ring(self, *, max_tokens: int, d: int, k: int, spin_us: int = 50, device: Any = None) -> None:
+    def use_ring(self, *, max_tokens: int, d: int, k: int, spin_us: int = 50, device: Any = None,
+                 done_events: bool = True) -> None:
         """From now on :meth:`step` sends steps that fit through a ring of its own (one at a time);
-        larger ones and other dtypes keep going through gRPC. ``device``: as :meth:`open_ring`
-        (then only torch BF16 tensors on that GPU fit the ring)."""
-        ring = self.open_ring(max_tokens=max_tokens, d=d, k=k, slots=1, spin_us=spin_us, device=device)
+        larger ones and other dtypes keep going through gRPC. ``device``, ``done_events``: as
+        :meth:`open_ring` (then only torch BF16 tensors on that GPU fit the ring)."""
+        ring = self.open_ring(max_tokens=max_tokens, d=d, k=k, slots=1, spin_us=spin_us, device=device,
+                              done_events=done_events)
         old, self._ring = self._ring, ring
         if old is not None:
             old.close()

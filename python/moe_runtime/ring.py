@@ -110,13 +110,19 @@ class StepRing:
 
     @classmethod
     def open(cls, client: RankClient, *, max_tokens: int, d: int, k: int, slots: int = 2, spin_us: int = 50,
-             device: Any = None) -> "StepRing":
+             device: Any = None, done_events: bool = True) -> "StepRing":
         """``device`` (a torch device, e.g. ``"cuda:0"``): the rows stay on that GPU. The ring
         allocates its device slots there (rows, output and routing of every slot,
         :func:`device_geometry`) and hands the rank a CUDA IPC handle for them and for an
         interprocess event it records at each submit; steps then take and return torch CUDA
         tensors, routing given as CUDA tensors stays on the GPU too, and the engine never waits
-        for its GPU to submit. The rank must run CUDA kernels on the same host."""
+        for its GPU to submit. The rank must run CUDA kernels on the same host.
+
+        ``done_events`` (device rows): the rank answers a step once its GPU work is enqueued, and
+        :meth:`wait` makes the device's current stream wait on the rank's event for that slot,
+        so the output is ready in stream order, as a torch operation's would be (the engine
+        never waits for the rank's GPU work on the host). A rank without them answers once the
+        output is written. False: always the latter."""
         if platform.machine() not in ("x86_64", "AMD64"):
             raise errors.FailedPrecondition(f"step rings from Python need x86-64 (this is {platform.machine()})")
         req = pb.OpenStepRingRequest(slots=slots, max_tokens=max_tokens, d=d, k=k)
@@ -135,7 +141,16 @@ class StepRing:
             req.device_rows.ipc_handle = exp.handle
             req.device_rows.offset = exp.offset
             req.device_rows.ready_event = bytes(ready.ipc_handle())
+            req.device_rows.done_events = bool(done_events)
         resp = client._call(client._stub.OpenStepRing, req, timeout=10)
+        done = []
+        if resp.done_events:
+            import torch
+
+            if rows_buf is None or not done_events or len(resp.done_events) != slots:
+                raise errors.FailedPrecondition(
+                    f"OpenStepRing: the rank sent {len(resp.done_events)} done events for {slots} slots")
+            done = [torch.cuda.Event.from_ipc_handle(rows_buf.device, bytes(h)) for h in resp.done_events]
         g = geometry(max_tokens, d, k, slots, device_rows=rows_buf is not None)
         if resp.device_rows != (rows_buf is not None):
             raise errors.FailedPrecondition("OpenStepRing: the rank did not take the ring's device rows")
@@ -170,6 +185,7 @@ class StepRing:
         head = _HEADER.unpack_from(self._mm, 0)
         (flags,) = struct.unpack_from("<I", self._mm, 88)
         self._rows = rows_buf  # the device slots (uint8) on the GPU, or None
+        self._done = done  # the rank's event per slot (done_events), or []
         self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
         if rows_buf is not None:
             import torch
@@ -451,6 +467,12 @@ class StepRing:
         )
         s = seq % self.slots
         if self._rows is not None:
+            import torch
+
+            if self._done:
+                # The rank answered once its work was enqueued: the device's current stream (where
+                # the output is read and the slot written next) waits for that work on the GPU.
+                torch.cuda.current_stream(self.device).wait_event(self._done[s])
             # The rank wrote them on the GPU; a copy the slot's next step cannot touch (the copy is
             # on the current stream, where the next submit records the ready event after it).
             output = self._dev_output[s][: rows.rows]

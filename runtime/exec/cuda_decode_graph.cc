@@ -119,7 +119,11 @@ class CudaDecodeGraph final : public DecodeStepGraph {
       // Only once the step succeeded: a step that timed out (its stream left to the abort) never
       // writes into the engine's memory later.
       CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToDevice, stream));
-      CUDART_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+      if (t.done_event != nullptr) {
+        CUDART_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(t.done_event), stream));
+      } else {
+        CUDART_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+      }
     } else {
       std::memcpy(out, out_host_, t.tokens * s_.d * 2);
     }

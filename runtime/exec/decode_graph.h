@@ -70,8 +70,11 @@ absl::StatusOr<DecodeRunner> ParseDecodeRunner(const std::string& name);
 
 // One step's tables, host memory. Row r of peer j's segment is at j * segment_rows + r.
 struct DecodeGraphTables {
-  const uint16_t* hidden = nullptr;         // [tokens, d]
-  bool rows_on_device = false;              // hidden and the output rows are in device memory
+  const uint16_t* hidden = nullptr;  // [tokens, d]
+  bool rows_on_device = false;       // hidden and the output rows are in device memory
+  // With rows_on_device, optional: recorded after the output rows' copy instead of waiting for it
+  // (LayerStepInput::done_event).
+  void* done_event = nullptr;
   int64_t tokens = 0;                       // <= rank_tokens
   const int32_t* send_index = nullptr;      // [peers * segment_rows]: source token, -1 padding
   const int32_t* expert_rows = nullptr;     // [local_slots * slot_routes]: received row per layout row

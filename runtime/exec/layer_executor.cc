@@ -334,6 +334,14 @@ absl::Status LayerExecutor::WaitReadyEvent(void* event) {
   }
 }
 
+absl::StatusOr<void*> LayerExecutor::CreateDoneEvent(std::string* handle) {
+  if (!device_) {
+    return absl::FailedPreconditionError(absl::StrCat("device_rows.done_events: events need device kernels; rank ",
+                                                      options_.rank.value(), " runs ", options_.kernels->name()));
+  }
+  return options_.kernels->CreateIpcEvent(handle);
+}
+
 absl::Status LayerExecutor::StartDeviceRowCheck(const uint16_t* x, int64_t n) {
   if (!device_) return absl::FailedPreconditionError("hidden: the rank's kernels are not device-resident");
   return options_.kernels->StartFindNonFiniteBf16(x, n, nullptr);
@@ -462,6 +470,7 @@ absl::Status LayerExecutor::ReplayDecode(const LayerStepInput& in, PlacementVers
   DecodeGraphTables t;
   t.hidden = in.hidden;
   t.rows_on_device = in.rows_on_device;
+  t.done_event = in.rows_on_device ? in.done_event : nullptr;
   t.tokens = in.tokens;
   t.send_index = b.g_send_index.data();
   t.expert_rows = b.g_expert_rows.data();
@@ -621,6 +630,10 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   sin.output = nullptr;  // the shadow's rows are only compared, never handed out
   sin.expected_generation = -1;
   RowBuffer host_rows;  // the engine's rows, when they are on the device: the shadow reads a host copy
+  if (in.rows_on_device && in.done_event != nullptr && r.ok()) {
+    // The served rows may still be in flight (on a graph's stream): read them once written.
+    if (!WaitReadyEvent(in.done_event).ok()) return;  // not compared; the engine's answer stands
+  }
   if (in.rows_on_device && in.tokens > 0) {
     host_rows.resize(static_cast<size_t>(in.tokens) * in.d);
     if (!options_.kernels->CopyToHost(host_rows.data(), in.hidden, in.tokens * in.d * 2, nullptr).ok()) {
@@ -1351,7 +1364,11 @@ absl::StatusOr<uint16_t*> LayerExecutor::OutputRows(Pass& pass) {
 
 absl::Status LayerExecutor::CopyOut(Pass& pass, const uint16_t* out) {
   if (!device_) return absl::OkStatus();
-  if (pass.in.rows_on_device) return options_.kernels->Synchronize(nullptr);  // the engine reads them next
+  if (pass.in.rows_on_device) {
+    // The engine reads them next: once its stream waited on the done event, or once this returns.
+    if (pass.in.done_event != nullptr) return options_.kernels->RecordEvent(pass.in.done_event, nullptr);
+    return options_.kernels->Synchronize(nullptr);
+  }
   return options_.kernels->CopyToHost(pass.host_out(), out, pass.in.tokens * static_cast<int64_t>(pass.in.d) * 2,
                                       nullptr);
 }
@@ -1619,6 +1636,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
     RowBuffer device_rows;
     uint16_t* rows = pass.host_out();
     if (pass.in.rows_on_device) {  // scaled on the host and written back (a fault drill, not a fast path)
+      if (pass.in.done_event != nullptr) RETURN_IF_ERROR(WaitReadyEvent(pass.in.done_event));
       device_rows.resize(n);
       RETURN_IF_ERROR(options_.kernels->CopyToHost(device_rows.data(), pass.in.output, n * 2, nullptr));
       rows = device_rows.data();

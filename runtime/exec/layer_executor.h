@@ -172,6 +172,10 @@ class LayerExecutor {
   absl::StatusOr<void*> OpenReadyEvent(const std::string& ipc_handle);
   void CloseReadyEvent(void* event);
   absl::Status WaitReadyEvent(void* event);
+  // An interprocess event of the rank's for an engine to wait on (LayerStepInput::done_event),
+  // its 64-byte CUDA IPC handle in `handle`; destroyed with CloseReadyEvent.
+  // FAILED_PRECONDITION without device kernels.
+  absl::StatusOr<void*> CreateDoneEvent(std::string* handle);
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
   // Callers serialize steps (one scan in flight).

@@ -52,6 +52,12 @@ struct LayerStepInput {
   // With routing_on_device: both tables lie in one allocation, the weights after the ids (a step
   // ring's device slot), so one copy may cover both and the bytes between them.
   bool routing_in_one_block = false;
+  // Optional, with rows_on_device: an event of the kernels' (ExpertKernels::CreateIpcEvent) that
+  // the step records after its last GPU work on the engine's memory. The step then returns once
+  // that work is enqueued instead of once the output rows are written; the engine's GPU work
+  // waits on the event. A step that fails still returns only after its work settled (the event
+  // may then be left unrecorded: its latest record is an earlier step's).
+  void* done_event = nullptr;
   // Optional: a check of the input running beside the step's first phases (the service's NaN/Inf
   // scan of a prefill step's rows on worker threads). Awaited before the agreement, also when an
   // earlier phase failed (the rows must outlive it); a failure rejects the step into its

@@ -1319,5 +1319,33 @@ TEST_F(CudaKernelsTest, IpcRefusesBadHandles) {
   EXPECT_EQ(*after, 4000);
 }
 
+// The rank's done events: exported interprocess, recorded after the stream's work, done once it is.
+TEST_F(CudaKernelsTest, IpcEventsAreExportedAndRecordedOnTheStream) {
+  std::string handle;
+  absl::StatusOr<void*> event = gpu_->CreateIpcEvent(&handle);
+  ASSERT_TRUE(event.ok()) << event.status();
+  EXPECT_EQ(handle.size(), 64u);
+  std::vector<uint16_t> x(1 << 20, 0x3f80);
+  DeviceVector<uint16_t> dx(x);
+  ASSERT_TRUE(gpu_->StartFindNonFiniteBf16(dx.get(), static_cast<int64_t>(x.size()), nullptr).ok());
+  ASSERT_TRUE(gpu_->RecordEvent(*event, nullptr).ok());
+  auto first = gpu_->FinishFindNonFiniteBf16();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(*first, -1);
+  ASSERT_TRUE(gpu_->Synchronize(nullptr).ok());
+  auto done = gpu_->EventDone(*event);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(*done);
+  // A second event has a handle of its own.
+  std::string other;
+  absl::StatusOr<void*> second = gpu_->CreateIpcEvent(&other);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(other, handle);
+  gpu_->CloseIpcEvent(*second);
+  gpu_->CloseIpcEvent(*event);
+  std::string none;
+  EXPECT_EQ(cpu_->CreateIpcEvent(&none).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace moe::kernels

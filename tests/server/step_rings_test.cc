@@ -107,6 +107,8 @@ TEST_F(DeviceRowsRingTest, DeviceSlotsRoutingFlagAndOneRelease) {
   RingDeviceRows dr;
   dr.rows = rows;
   dr.ready_event = &marker;
+  int done[kSlots] = {};  // stand in for the rank's done events, one per slot
+  for (int& e : done) dr.done_events.push_back(&e);
   dr.release = [&released] { ++released; };
   auto opened = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK, std::move(dr));
   ASSERT_TRUE(opened.ok()) << opened.status();
@@ -138,6 +140,7 @@ TEST_F(DeviceRowsRingTest, DeviceSlotsRoutingFlagAndOneRelease) {
   EXPECT_TRUE(host_routing.status.ok()) << host_routing.status;
   EXPECT_TRUE(host_routing.rows_on_device);
   EXPECT_EQ(host_routing.ready_event, &marker);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(steps[i].done_event, &done[i % kSlots]) << "step " << i;
   EXPECT_EQ(reinterpret_cast<const char*>(host_routing.hidden), rows + dg.hidden_offset);
   EXPECT_EQ(reinterpret_cast<const char*>(host_routing.output), rows + dg.output_offset);
   ASSERT_NE(host_routing.topk_ids, nullptr);  // a private copy of the host slot's table
@@ -179,6 +182,16 @@ TEST_F(DeviceRowsRingTest, ARefusedRingReleasesTheMappingAndAHostRingRefusesDevi
   auto refused = rings_->Open(getuid(), /*slots=*/0, kMaxTokens, kD, kK, std::move(dr));
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
   EXPECT_EQ(released.load(), 1);
+  EXPECT_EQ(rings_->size(), 0);
+  RingDeviceRows short_of_events;  // done events, but not one per slot
+  short_of_events.rows = device.data();
+  int one_event = 0;
+  short_of_events.done_events = {&one_event};
+  short_of_events.release = [&released] { ++released; };
+  refused = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK, std::move(short_of_events));
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(std::string(refused.status().message()).find("done_events"), std::string::npos) << refused.status();
+  EXPECT_EQ(released.load(), 2);
   EXPECT_EQ(rings_->size(), 0);
 
   auto host = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK);
