@@ -390,6 +390,10 @@ class ExpertKernels {
   virtual void Free(void* p);
   virtual absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream);
   virtual absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream);
+  // A copy to host memory ordered on `stream` that may return before the data arrives: complete
+  // once Synchronize(stream) returns. `dst` should be registered (RegisterHostMemory), so several
+  // small copies cost one wait instead of one each. The host default copies at once.
+  virtual absl::Status CopyToHostAsync(void* dst, const void* src, int64_t bytes, Stream stream);
   // Makes host memory [p, p + bytes) that the caller keeps mapped until UnregisterHostMemory
   // reachable by the copies without staging (CUDA: page-locked and registered, so copies from
   // and to it are DMA; a copy from it returns before the data has left, ordered on `stream`).
@@ -457,6 +461,29 @@ class KernelBuffer {
   ExpertKernels* kernels_ = nullptr;
   void* ptr_ = nullptr;
   int64_t size_ = 0;
+};
+
+// Host memory registered with one ExpertKernels object (page-locked for CUDA, so copies to and
+// from it are DMA instead of the driver's staging) that only grows; contents are not kept when
+// it grows. Where registering fails it stays plain host memory, which the copies still take.
+class RegisteredHostBuffer {
+ public:
+  RegisteredHostBuffer() = default;
+  RegisteredHostBuffer(const RegisteredHostBuffer&) = delete;
+  RegisteredHostBuffer& operator=(const RegisteredHostBuffer&) = delete;
+  ~RegisteredHostBuffer();
+  absl::Status Reserve(ExpertKernels* kernels, int64_t bytes);
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void Release();
+  ExpertKernels* kernels_ = nullptr;
+  void* ptr_ = nullptr;
+  int64_t size_ = 0;
+  bool registered_ = false;
 };
 
 std::unique_ptr<ExpertKernels> CreateCpuKernels();

@@ -1,4 +1,4 @@
-// Host-memory defaults of ExpertKernels' memory calls, and KernelBuffer.
+// Host-memory defaults of ExpertKernels' memory calls, KernelBuffer and RegisteredHostBuffer.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -63,6 +63,41 @@ absl::StatusOr<void*> ExpertKernels::CreateIpcEvent(std::string*) {
 
 absl::Status ExpertKernels::RecordEvent(void*, Stream) {
   return absl::FailedPreconditionError(absl::StrCat("events need device kernels; this rank runs ", name()));
+}
+
+RegisteredHostBuffer::~RegisteredHostBuffer() { Release(); }
+
+void RegisteredHostBuffer::Release() {
+  if (ptr_ == nullptr) return;
+  if (registered_) kernels_->UnregisterHostMemory(ptr_);
+  std::free(ptr_);
+  ptr_ = nullptr;
+  size_ = 0;
+  registered_ = false;
+}
+
+absl::Status RegisteredHostBuffer::Reserve(ExpertKernels* kernels, int64_t bytes) {
+  if (ptr_ != nullptr && kernels != kernels_) {
+    return absl::InternalError("registered host buffer: reserved through a different kernels object");
+  }
+  kernels_ = kernels;
+  if (bytes < 0 || bytes > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(absl::StrCat("registered host buffer: ", bytes, " bytes"));
+  }
+  if (bytes <= size_ && ptr_ != nullptr) return absl::OkStatus();
+  constexpr int64_t kPage = 4096;
+  // Grow by at least half again (registering costs far more than a step), whole pages.
+  const int64_t want = (std::max<int64_t>({bytes, size_ + size_ / 2, kPage}) + kPage - 1) / kPage * kPage;
+  Release();
+  ptr_ = std::aligned_alloc(kPage, static_cast<size_t>(want));
+  if (ptr_ == nullptr) return absl::ResourceExhaustedError(absl::StrCat("registered host buffer: ", want, " bytes"));
+  size_ = want;
+  registered_ = kernels_->RegisterHostMemory(ptr_, want).ok();
+  return absl::OkStatus();
+}
+
+absl::Status ExpertKernels::CopyToHostAsync(void* dst, const void* src, int64_t bytes, Stream stream) {
+  return CopyToHost(dst, src, bytes, stream);
 }
 
 KernelBuffer::~KernelBuffer() {

@@ -370,7 +370,6 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
         in.topk_ids = step.device_topk_ids;
         in.topk_weights = step.device_topk_weights;
         in.routing_on_device = true;
-        in.routing_in_one_block = true;  // both in the ring's device slot
       }
       r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
       if (device_check) in.await_input_check().IgnoreError();  // every started scan is finished

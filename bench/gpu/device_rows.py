@@ -155,6 +155,7 @@ def engine(rank: int, targets, args, barrier) -> int:
         server = {m: [] for m in modes}
         parts = {m: [] for m in modes}  # (submit, wait, output-ready) per step
         stages = {m: [] for m in modes}
+        seen = {m: [] for m in modes}  # device rings: submit to the answer seen (the rest of the wait: the client)
         for i in range(args.warmup + args.steps):
             for mode in modes:
                 sid = step_id + 1
@@ -175,8 +176,10 @@ def engine(rank: int, targets, args, barrier) -> int:
                         ring = sync_ring if mode == "sync" else dev_ring
                         ring.submit_in_place(sid, args.layer, t, args.k, decode=decode, device_routing=True)
                     submitted = time.perf_counter()
-                    r = (sync_ring if mode == "sync" else dev_ring).wait(60, copy=mode != "view")
+                    ring = sync_ring if mode == "sync" else dev_ring
+                    r = ring.wait(60, copy=mode != "view")
                     waited = time.perf_counter()
+                    seen[mode].append((ring._completed_at - submitted) * 1e6)
                 step_id = sid
                 torch.cuda.current_stream().synchronize()
                 done = time.perf_counter()
@@ -205,15 +208,17 @@ def engine(rank: int, targets, args, barrier) -> int:
               f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
               f"{'yes' if equal else 'NO':>6}")
         say(f"    in place: p50 / p99 {p['inplace'][0]:.1f} / {p['inplace'][1]:.1f}, host / in place "
-            f"{p['host'][0] / p['inplace'][0]:.2f}x; output as the slot's view: {p['view'][0]:.1f} / {p['view'][1]:.1f}; "
-            f"in place without done events: {p['sync'][0]:.1f} / {p['sync'][1]:.1f}")
+            f"{p['host'][0] / p['inplace'][0]:.2f}x; output as the slot's view: {p['view'][0]:.1f} / "
+            f"{p['view'][1]:.1f}; in place without done events: {p['sync'][0]:.1f} / {p['sync'][1]:.1f}")
         say(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
         if world > 1:
             print(f"    rank {rank} p50: " + ", ".join(f"{m} {p[m][0]:.1f}" for m in modes), flush=True)
         for mode in modes:
             sub, wai, out = (statistics.median(x[j] for x in parts[mode]) for j in range(3))
             st = {n: statistics.median(x[n] for x in stages[mode]) for n in stages[mode][0]}
-            say(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}, output ready {out:.1f}; rank stages: " +
+            seen_at = f" (answer seen at {statistics.median(seen[mode]):.1f})" if seen[mode] else ""
+            say(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}{seen_at}, output ready {out:.1f}; "
+                "rank stages: " +
                   ", ".join(f"{n} {v:.1f}" for n, v in st.items()))
 
     # Two steps in flight on a two-slot ring with done events, each output read (cloned on the

@@ -289,6 +289,14 @@ class CudaKernels final : public ExpertKernels {
     cudaSetDevice(device_);
     if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
   }
+  absl::Status CopyToHostAsync(void* dst, const void* src, int64_t bytes, Stream stream) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bytes > 0) {
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
+                                           static_cast<cudaStream_t>(stream)));
+    }
+    return absl::OkStatus();
+  }
   absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (bytes > 0) {

@@ -31,6 +31,8 @@ def _lib() -> ctypes.CDLL:
         lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcMemHandle), ctypes.c_uint64]
         lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
                                                 ctypes.c_uint64]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         _driver = lib
     return _driver
 
@@ -58,3 +60,21 @@ def export(ptr: int) -> Export:
             f"cuIpcGetMemHandle: error {r}; the allocation cannot be exported (expandable segments or a memory "
             "pool allocator?)")
     return Export(ctypes.string_at(ctypes.addressof(h), 64), ptr - base.value, size.value)
+
+
+def record_event(event: int, stream: int) -> None:
+    """``cuEventRecord``: ``event`` (a ``torch.cuda.Event``'s ``cuda_event``) after the work
+    enqueued on ``stream`` (a raw stream pointer). One driver call: a ring's per-step records
+    cost ~1.5 us this way against ~6.5 us through ``Event.record()``, which looks the current
+    stream up as an object."""
+    r = _lib().cuEventRecord(event, stream)
+    if r != 0:
+        raise errors.Internal(f"cuEventRecord: error {r}")
+
+
+def stream_wait_event(stream: int, event: int) -> None:
+    """``cuStreamWaitEvent``: work enqueued on ``stream`` after this waits for ``event``'s
+    latest record (an event of another process's, opened from its IPC handle, included)."""
+    r = _lib().cuStreamWaitEvent(stream, event, 0)
+    if r != 0:
+        raise errors.Internal(f"cuStreamWaitEvent: error {r}")

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from moe_runtime import errors
+from moe_runtime import cuda_ipc, errors
 from moe_runtime._proto import expert_layer_pb2 as pb
 from moe_runtime.client import STAGES, RankClient, StepRecord, StepResult
 from moe_runtime.tensors import WireRows, admitted_bytes, from_host_rows, host_rows, routing_arrays
@@ -130,8 +130,6 @@ class StepRing:
         if device is not None:
             import torch
 
-            from moe_runtime import cuda_ipc
-
             dg = device_geometry(max_tokens, d, k, slots)
             rows_buf = torch.empty(dg["total_bytes"], dtype=torch.uint8, device=device)
             with torch.cuda.device(rows_buf.device):
@@ -186,6 +184,12 @@ class StepRing:
         (flags,) = struct.unpack_from("<I", self._mm, 88)
         self._rows = rows_buf  # the device slots (uint8) on the GPU, or None
         self._done = done  # the rank's event per slot (done_events), or []
+        if rows_buf is not None:
+            import torch
+
+            self._device_index = rows_buf.device.index
+            # The device's current stream as a raw pointer: one call, no stream object per step.
+            self._raw_stream = torch._C._cuda_getCurrentRawStream
         self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
         if rows_buf is not None:
             import torch
@@ -315,9 +319,23 @@ class StepRing:
         """Device rows: the rank's work on the step waits (on the GPU) for this event, recorded
         after what the current stream has enqueued: the rows' (and routing's) writes."""
         if self._rows is not None:
-            import torch
+            self._stream_call(cuda_ipc.record_event, self._ready.cuda_event, stream_first=False)
 
-            self._ready.record(torch.cuda.current_stream(self.device))
+    def _stream_call(self, f: Any, event: int, *, stream_first: bool) -> None:
+        """f(stream, event) or f(event, stream) on the ring device's current stream, as one
+        driver call. The raw pointer of a default stream (0) names the current context's, so the
+        ring's device is made current first when another one is."""
+        import torch
+
+        if torch._C._cuda_getDevice() != self._device_index:
+            with torch.cuda.device(self._device_index):
+                self._stream_call(f, event, stream_first=stream_first)
+            return
+        stream = self._raw_stream(self._device_index)
+        if stream_first:
+            f(stream, event)
+        else:
+            f(event, stream)
 
     def _publish(self, flags: int, decode: bool, k: int, step_id: int, layer: int, tokens: int,
                  expected_generation: int, rows: WireRows) -> None:
@@ -448,6 +466,7 @@ class StepRing:
             if ((seen - want) & 0xFFFFFFFF) >= 0x80000000:
                 self._futex.wait(self._base + OFF_COMPLETED, seen, min(until - now, 0.1))
             self._engine_sleeping.value = 0
+        self._completed_at = time.perf_counter()  # when the answer was seen (benchmarks read it)
         seq = self._n_waited & 0xFFFFFFFF
         rows, submitted_at = self._pending.pop(0)
         res = self._slot(seq) + RESULT_OFFSET
@@ -467,12 +486,10 @@ class StepRing:
         )
         s = seq % self.slots
         if self._rows is not None:
-            import torch
-
             if self._done:
                 # The rank answered once its work was enqueued: the device's current stream (where
                 # the output is read and the slot written next) waits for that work on the GPU.
-                torch.cuda.current_stream(self.device).wait_event(self._done[s])
+                self._stream_call(cuda_ipc.stream_wait_event, self._done[s].cuda_event, stream_first=True)
             # The rank wrote them on the GPU; a copy the slot's next step cannot touch (the copy is
             # on the current stream, where the next submit records the ready event after it).
             output = self._dev_output[s][: rows.rows]

@@ -842,9 +842,8 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   return absl::OkStatus();
 }
 
-// A step planned on the host whose routing is in kernel memory: the routing copied to buf_ (both
-// tables in one copy when the caller says they share an allocation and they lie close together,
-// as in a step ring's device slot), which the pass then reads instead.
+// A step planned on the host whose routing is in kernel memory: the routing copied to buf_'s
+// registered host memory (both tables, one wait), which the pass then reads instead.
 absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
   const LayerStepInput& in = pass.in;
   RETURN_IF_ERROR(ValidateStepShape(in));
@@ -859,20 +858,14 @@ absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
   const uintptr_t ids = reinterpret_cast<uintptr_t>(in.topk_ids),
                   weights = reinterpret_cast<uintptr_t>(in.topk_weights);
   const int64_t table = routes * 4;
-  std::vector<int32_t>& host = buf_.routing_host;
-  // Weights after ids in one allocation, close enough to copy the gap between them too.
-  if (in.routing_in_one_block && weights >= ids + table && weights - ids - table <= (uintptr_t{64} << 10) &&
-      (weights - ids) % 4 == 0) {
-    const int64_t gap = static_cast<int64_t>(weights - ids);
-    host.resize(static_cast<size_t>((gap + table) / 4));
-    RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), in.topk_ids, gap + table, nullptr));
-    pass.HostRouting(host.data(), reinterpret_cast<const float*>(host.data() + gap / 4));
-    return absl::OkStatus();
-  }
-  host.resize(static_cast<size_t>(2 * routes));
-  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data(), in.topk_ids, table, nullptr));
-  RETURN_IF_ERROR(options_.kernels->CopyToHost(host.data() + routes, in.topk_weights, table, nullptr));
-  pass.HostRouting(host.data(), reinterpret_cast<const float*>(host.data() + routes));
+  // Both tables into registered host memory, ordered on the kernels' stream, one wait for both.
+  kernels::ExpertKernels& kern = *options_.kernels;
+  RETURN_IF_ERROR(buf_.routing_host.Reserve(&kern, 2 * table));
+  int32_t* host = buf_.routing_host.as<int32_t>();
+  RETURN_IF_ERROR(kern.CopyToHostAsync(host, in.topk_ids, table, nullptr));
+  RETURN_IF_ERROR(kern.CopyToHostAsync(host + routes, in.topk_weights, table, nullptr));
+  RETURN_IF_ERROR(kern.Synchronize(nullptr));
+  pass.HostRouting(host, reinterpret_cast<const float*>(host + routes));
   return absl::OkStatus();
 }
 

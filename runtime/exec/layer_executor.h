@@ -368,8 +368,8 @@ class LayerExecutor {
     // FP8 experts on a lone member: the step's tokens as packed rows in expert order
     // (PackFp8Rows).
     kernels::KernelBuffer fp8_rows;
-    std::vector<int64_t> plan_small;    // d_small on the host
-    std::vector<int32_t> routing_host;  // LayerStepInput::routing_on_device copied for the host plan
+    std::vector<int64_t> plan_small;             // d_small on the host
+    kernels::RegisteredHostBuffer routing_host;  // LayerStepInput::routing_on_device copied for the host plan
   };
   Buffers buf_;
 };

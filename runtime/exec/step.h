@@ -49,9 +49,6 @@ struct LayerStepInput {
   // routing there in place; any other step copies it to the host first. The routing is read on
   // the kernels' stream and the step returns once nothing reads it any more.
   bool routing_on_device = false;
-  // With routing_on_device: both tables lie in one allocation, the weights after the ids (a step
-  // ring's device slot), so one copy may cover both and the bytes between them.
-  bool routing_in_one_block = false;
   // Optional, with rows_on_device: an event of the kernels' (ExpertKernels::CreateIpcEvent) that
   // the step records after its last GPU work on the engine's memory. The step then returns once
   // that work is enqueued instead of once the output rows are written; the engine's GPU work

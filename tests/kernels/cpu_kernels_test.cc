@@ -828,5 +828,26 @@ TEST(CpuKernelsTest, PackFp8RowsIsQuantizeThenScatter) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("pack_fp8.out"));
 }
 
+// Registered host memory: page-aligned, grows (by half again at least), keeps its memory when a
+// smaller size is asked for; CopyToHostAsync on host kernels has copied when it returns.
+TEST(CpuKernelsTest, RegisteredHostBufferGrowsAndTakesCopies) {
+  auto cpu = CreateCpuKernels();
+  RegisteredHostBuffer buf;
+  ASSERT_TRUE(buf.Reserve(cpu.get(), 10).ok());
+  int32_t* first = buf.as<int32_t>();
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 4096, 0u);
+  ASSERT_TRUE(buf.Reserve(cpu.get(), 4096).ok());
+  EXPECT_EQ(buf.as<int32_t>(), first);  // a page was taken at least
+  ASSERT_TRUE(buf.Reserve(cpu.get(), 3 * 4096 + 1).ok());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buf.as<int32_t>()) % 4096, 0u);
+  const std::vector<int32_t> src = {5, -1, 7, 1 << 30};
+  ASSERT_TRUE(cpu->CopyToHostAsync(buf.as<int32_t>() + 3000, src.data(), 16, nullptr).ok());
+  EXPECT_EQ(std::vector<int32_t>(buf.as<int32_t>() + 3000, buf.as<int32_t>() + 3004), src);
+  EXPECT_EQ(buf.Reserve(cpu.get(), -1).code(), absl::StatusCode::kInvalidArgument);
+  auto other = CreateCpuKernels();
+  EXPECT_EQ(buf.Reserve(other.get(), 8).code(), absl::StatusCode::kInternal);
+}
+
 }  // namespace
 }  // namespace moe::kernels

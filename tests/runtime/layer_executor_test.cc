@@ -687,7 +687,6 @@ TEST(LayerExecutorTest, RoutingInKernelMemoryGivesTheSameSteps) {
         std::memcpy(blocks[r].data() + n + 4, inputs[r].gates.data(), n * 4);
         in.topk_ids = blocks[r].data();
         in.topk_weights = reinterpret_cast<const float*>(blocks[r].data() + n + 4);
-        in.routing_in_one_block = true;
       } else {
         blocks[r] = inputs[r].ids;
         weights[r] = inputs[r].gates;
