@@ -39,6 +39,7 @@ RESULT_OFFSET = 64
 _HEADER = struct.Struct("<QIIQqqqQQQQQ")  # magic .. admitted_offset
 _DESCRIPTOR = struct.Struct("<IIiiQqqq")  # seq, flags, phase, k, step_id, layer, tokens, expected_generation
 _RESULT_HEAD = struct.Struct("<Ii")  # seq, code; message[512] follows
+_PATH_GRAPH_REPLAY = pb.PATH_GRAPH_REPLAY
 _RESULT_REST = struct.Struct("<qqii64s5qdd9d")  # at +520
 
 _SYS_FUTEX = 202  # x86-64
@@ -191,6 +192,7 @@ class StepRing:
             # The device's current stream as a raw pointer: one call, no stream object per step.
             self._raw_stream = torch._C._cuda_getCurrentRawStream
         self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
+        self._out_cache = [(-1, None)] * slots  # per slot: (rows, its output view)
         if rows_buf is not None:
             import torch
 
@@ -475,15 +477,13 @@ class StepRing:
         if code != 0:
             message = bytes(self._mm[res + 8 : res + 520]).split(b"\0", 1)[0].decode(errors="replace")
             raise errors.from_status_code(code, message, rank)
-        gen, layer, path, canary, fallback, *rest = _RESULT_REST.unpack_from(self._mm, res + 520)
-        routes, server_us, compute_us, stages = rest[:5], rest[5], rest[6], rest[7:]
-        record = StepRecord(
-            placement_generation=gen, layer=layer, path="graph_replay" if path == pb.PATH_GRAPH_REPLAY else "eager",
-            fallback_reason=fallback.split(b"\0", 1)[0].decode(errors="replace"),
-            routes_attempted=routes[0], routes_accepted=routes[1], routes_dropped=routes[2],
-            routes_remote=routes[3], routes_inter_node=routes[4], server_latency_us=server_us,
-            compute_latency_us=compute_us, canary=bool(canary), stages_us=dict(zip(STAGES, stages)),
-        )
+        v = _RESULT_REST.unpack_from(self._mm, res + 520)
+        # gen, layer, path, canary, fallback, 5 route counts, server / compute us, the stages;
+        # StepRecord's fields in order (positional: a step's record is on the engine's path).
+        fallback = v[4]
+        record = StepRecord(v[0], v[1], "graph_replay" if v[2] == _PATH_GRAPH_REPLAY else "eager",
+                            "" if fallback[:1] == b"\0" else fallback.split(b"\0", 1)[0].decode(errors="replace"),
+                            v[5], v[6], v[7], v[8], v[9], v[10], v[11], bool(v[3]), dict(zip(STAGES, v[12:])))
         s = seq % self.slots
         if self._rows is not None:
             if self._done:
@@ -492,7 +492,10 @@ class StepRing:
                 self._stream_call(cuda_ipc.stream_wait_event, self._done[s].cuda_event, stream_first=True)
             # The rank wrote them on the GPU; a copy the slot's next step cannot touch (the copy is
             # on the current stream, where the next submit records the ready event after it).
-            output = self._dev_output[s][: rows.rows]
+            cached = self._out_cache[s]  # the slot's last view: a slice costs microseconds
+            if cached[0] != rows.rows:
+                cached = self._out_cache[s] = (rows.rows, self._dev_output[s][: rows.rows])
+            output = cached[1]
             if copy:
                 output = output.clone() if rows.device in (None, output.device) else output.to(rows.device)
         elif copy:
@@ -530,6 +533,7 @@ class StepRing:
             _UNRELEASED_DEVICE_ROWS.append(self._rows)
         self._rows = None
         self._dev_hidden, self._dev_output, self._dev_ids, self._dev_weights = [], [], [], []
+        self._out_cache = []
         try:
             self._mm.close()
         except (BufferError, AttributeError):

@@ -73,7 +73,13 @@ def test_rings_answer_as_grpc_does(cluster):
             for g, w in zip(got, want):
                 assert g.via == "ring"
                 assert np.array_equal(g.output, w.output)
-                assert g.record.routes_attempted == w.record.routes_attempted
+                # The slot's record reads as the gRPC response's, field for field.
+                for f in ("placement_generation", "layer", "path", "fallback_reason", "routes_attempted",
+                          "routes_accepted", "routes_dropped", "routes_remote", "routes_inter_node", "canary"):
+                    assert getattr(g.record, f) == getattr(w.record, f), f
+                assert g.record.routes_remote > 0
+                assert set(g.record.stages_us) == set(w.record.stages_us)
+                assert 0 < g.record.compute_latency_us <= g.record.server_latency_us
         # A step larger than the rings' slots still goes through gRPC.
         big = [StepInput(*random_step(rng, t)) for t in (20, 1)]
         res = group.step(0, big)
