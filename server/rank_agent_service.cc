@@ -197,8 +197,8 @@ class PeerAgents {
   }
 
   const std::vector<std::string>& peers_;
-  std::shared_ptr<grpc::ChannelCredentials> credentials_;
   const std::string& token_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
 };
 
