@@ -712,6 +712,7 @@ struct LayerExecutor::Pass {
   const float* gates = nullptr;              // route (t, j) -> gate, 0: not sent
   const int64_t* expert_offsets = nullptr;   // FP8 experts: the local slots' offsets in kernel memory
   bool device_plan = false;                  // planned by the kernels (validate decides)
+  bool lone_decode = false;                  // ... as a lone member's decode step (LoneDecodePhase)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
   const void* hidden = nullptr;          // the engine's rows where the kernels read them
@@ -761,11 +762,6 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   absl::Status before_agreement = ValidatePhase(pass);
   if (before_agreement.ok()) before_agreement = StageRows(pass);
   if (before_agreement.ok()) before_agreement = AcquirePhase(pass);
-  if (before_agreement.ok()) before_agreement = PlanPhase(pass);
-  if (in.await_input_check) {
-    absl::Status checked = in.await_input_check();
-    if (before_agreement.ok()) before_agreement = std::move(checked);
-  }
   // A failed step answers its engine only once the staged rows' copy (or a kernel reading rows in
   // the engine's device memory) no longer reads its memory.
   const auto settled = [&](absl::Status s) {
@@ -774,6 +770,22 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     }
     return s;
   };
+  if (before_agreement.ok() && pass.lone_decode) {
+    // Its GPU work is enqueued before the step's checks come back; a step they refuse is
+    // rejected once that work has settled, as any step refused before its agreement.
+    before_agreement = LoneDecodePhase(pass);
+    if (!before_agreement.ok()) {
+      settled(absl::OkStatus()).IgnoreError();
+      return Reject(in.step_id, in.layer, std::move(before_agreement));
+    }
+    RETURN_IF_ERROR(ReleasePhase(pass));
+    return std::move(pass.result);
+  }
+  if (before_agreement.ok()) before_agreement = PlanPhase(pass);
+  if (in.await_input_check) {
+    absl::Status checked = in.await_input_check();
+    if (before_agreement.ok()) before_agreement = std::move(checked);
+  }
   if (!before_agreement.ok()) {
     settled(absl::OkStatus()).IgnoreError();
     return Reject(in.step_id, in.layer, std::move(before_agreement));
@@ -810,11 +822,17 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("hidden: rows in device memory need device kernels; rank ",
                                                       options_.rank.value(), " runs ", options_.kernels->name()));
   }
-  if (options_.device_plan && in.phase == Phase::kPrefill && !pass.trial && !pass.po.shadow_pass && in.tokens > 0 &&
-      (*manifest)->ServesLayer(in.layer)) {
+  // A lone member's BF16 decode step with its routing in kernel memory is planned there too,
+  // with no shadow sampled (LoneDecodePhase).
+  const bool lone_decode = in.phase == Phase::kDecode && LoneMember() && in.routing_on_device &&
+                           !options_.lone_member_graphs && options_.expert_dtype == ExpertDtype::kBf16 &&
+                           pass.po.shadow_version < 0;
+  if (options_.device_plan && (in.phase == Phase::kPrefill || lone_decode) && !pass.trial && !pass.po.shadow_pass &&
+      in.tokens > 0 && (*manifest)->ServesLayer(in.layer)) {
     pass.dtables = DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer));
   }
   pass.device_plan = pass.dtables != nullptr;
+  pass.lone_decode = pass.device_plan && in.phase == Phase::kDecode;
   if (pass.device_plan) {
     // The handoff's scalars are sealed here; its routes are keyed and checked by the kernels in
     // the plan phase (SealRoutes), into kernel memory that only this step writes.
@@ -855,8 +873,6 @@ absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
     pass.HostRouting(in.topk_ids, in.topk_weights);  // nothing to read
     return absl::OkStatus();
   }
-  const uintptr_t ids = reinterpret_cast<uintptr_t>(in.topk_ids),
-                  weights = reinterpret_cast<uintptr_t>(in.topk_weights);
   const int64_t table = routes * 4;
   // Both tables into registered host memory, ordered on the kernels' stream, one wait for both.
   kernels::ExpertKernels& kern = *options_.kernels;
@@ -1084,11 +1100,12 @@ void LayerExecutor::ReserveOutput(Pass& pass) {
 struct LayerExecutor::DevicePlanTables {
   PlacementVersion version{0};
   int num_keys = 0;  // slots of the group's members, keyed in (peer, slot) order
-  std::vector<int32_t> key_of_expert, slot_of_key, expert_of_key, local_of_slot;
-  kernels::KernelBuffer device;  // key_of_expert, slot_of_key, local_of_slot
+  std::vector<int32_t> key_of_expert, slot_of_key, expert_of_key, local_of_slot, local_of_key;
+  kernels::KernelBuffer device;  // key_of_expert, slot_of_key, local_of_slot, local_of_key
   const int32_t* d_key_of_expert = nullptr;
   const int32_t* d_slot_of_key = nullptr;
   const int32_t* d_local_of_slot = nullptr;
+  const int32_t* d_local_of_key = nullptr;  // the key's slot's local index here, -1 elsewhere
 };
 
 std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTablesFor(
@@ -1128,22 +1145,31 @@ std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTabl
       }
       if (m.slot(slot).rank == options_.rank) t->local_of_slot[q] = m.LocalIndex(slot);
     }
+    t->local_of_key.assign(t->num_keys, -1);
+    for (int k = 0; k < t->num_keys; ++k) {
+      if (t->slot_of_key[k] >= 0) t->local_of_key[k] = t->local_of_slot[t->slot_of_key[k]];
+    }
     const int64_t e_bytes = 4 * static_cast<int64_t>(m.num_experts());
     const int64_t k_bytes = 4 * static_cast<int64_t>(t->num_keys);
     const int64_t q_bytes = 4 * static_cast<int64_t>(m.num_slots());
     kernels::ExpertKernels& kern = *options_.kernels;
-    absl::Status s = t->device.Reserve(&kern, e_bytes + k_bytes + q_bytes);
+    absl::Status s = t->device.Reserve(&kern, e_bytes + 2 * k_bytes + q_bytes);
     auto* base = t->device.as<int32_t>();
+    int32_t* const slot_of_key = base + m.num_experts();
+    int32_t* const local_of_slot = slot_of_key + t->num_keys;
+    int32_t* const local_of_key = local_of_slot + m.num_slots();
     if (s.ok()) s = kern.CopyToKernel(base, t->key_of_expert.data(), e_bytes, nullptr);
-    if (s.ok()) s = kern.CopyToKernel(base + m.num_experts(), t->slot_of_key.data(), k_bytes, nullptr);
-    if (s.ok()) s = kern.CopyToKernel(base + m.num_experts() + t->num_keys, t->local_of_slot.data(), q_bytes, nullptr);
+    if (s.ok()) s = kern.CopyToKernel(slot_of_key, t->slot_of_key.data(), k_bytes, nullptr);
+    if (s.ok()) s = kern.CopyToKernel(local_of_slot, t->local_of_slot.data(), q_bytes, nullptr);
+    if (s.ok()) s = kern.CopyToKernel(local_of_key, t->local_of_key.data(), k_bytes, nullptr);
     if (s.ok()) s = kern.Synchronize(nullptr);
     if (!s.ok()) {
       t = nullptr;  // not uploaded (kernel memory exhausted): the host plan serves these steps
     } else {
       t->d_key_of_expert = base;
-      t->d_slot_of_key = base + m.num_experts();
-      t->d_local_of_slot = base + m.num_experts() + t->num_keys;
+      t->d_slot_of_key = slot_of_key;
+      t->d_local_of_slot = local_of_slot;
+      t->d_local_of_key = local_of_key;
     }
   }
   absl::MutexLock lock(&generations_mu_);
@@ -1419,6 +1445,182 @@ absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
   ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));
   RETURN_IF_ERROR(options_.kernels->LocalLayer(layer, nullptr));
   return CopyOut(pass, layer.out_bf16);
+}
+
+// A lone member's BF16 decode step with its routing in kernel memory. The kernels key and check
+// its routes (SealRoutes, the static replica choice of the device plan) and map them to local
+// slots (ComposeIndex); the copies of the checks' answer and of the routing to the host are
+// enqueued, then the fused local layer, and only then does the host wait for the answer: the GPU
+// runs the layer while the host checks the step and counts its routes. Where the padded runner
+// might pay (its capacity needs the counts) the answer is awaited before the layer instead. A
+// refused route, or rows that fail the caller's input check, fail the step (the caller settles the
+// enqueued work before it answers): their output rows may then have been written.
+absl::Status LayerExecutor::LoneDecodePhase(Pass& pass) {
+  absl::Status s = LoneDecodeSteps(pass);
+  if (pass.in.await_input_check) {  // awaited on every path: the rows must outlive the scan
+    absl::Status checked = pass.in.await_input_check();
+    if (s.ok()) s = std::move(checked);
+  }
+  return s;
+}
+
+// Until the read-back enqueued before the layer has arrived (the kernels' stream up to it).
+absl::Status LayerExecutor::AwaitLoneChecks() {
+  if (!device_) return options_.kernels->Synchronize(nullptr);
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  for (;;) {
+    ASSIGN_OR_RETURN(const bool done, options_.kernels->EventDone(checks_event_.event));
+    if (done) return absl::OkStatus();
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("decode step: the kernels' checks did not finish within ",
+                                                      absl::FormatDuration(options_.timeout)));
+    }
+  }
+}
+
+absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
+  pass.clock.Enter(StepPhase::kPlan);
+  const LayerStepInput& in = pass.in;
+  const PlacementManifest& m = *pass.manifest;
+  if (pass.dtables->version != pass.version) {  // another generation became active since validate
+    pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
+  }
+  if (pass.dtables == nullptr) {
+    return absl::UnavailableError(absl::StrCat("step ", in.step_id, ": placement-v", pass.version.value(),
+                                               " became active during the step and its replica choice needs the",
+                                               " host plan; retry the step"));
+  }
+  const DevicePlanTables& t = *pass.dtables;
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const LocalExperts& host = *pass.weights->host;
+  int local_slots = 0;
+  for (int32_t local : t.local_of_slot) local_slots = std::max(local_slots, local + 1);
+  if (static_cast<int64_t>(host.layer_down_elems()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
+                                                      " number of local slots than placement-v", pass.version.value()));
+  }
+  const int64_t routes = in.tokens * in.k;
+  StepTables tables;  // the admitted table, when the engine gave one (host memory)
+  const int t_admitted = in.admitted != nullptr ? tables.Add(in.admitted, routes) : -1;
+  RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
+  for (kernels::KernelBuffer* b : {&buf_.d_keys, &buf_.d_gates, &buf_.d_row_of_route}) {
+    RETURN_IF_ERROR(b->Reserve(&kern, routes * 4));
+  }
+  RETURN_IF_ERROR(buf_.d_small.Reserve(&kern, 2 * 8));
+  kernels::SealRoutesParams seal;
+  seal.ids = in.topk_ids;
+  seal.gates = in.topk_weights;
+  seal.admitted = t_admitted >= 0 ? tables.Get<uint8_t>(t_admitted) : nullptr;
+  seal.routes = routes;
+  seal.num_experts = m.num_experts();
+  seal.key_of_expert = t.d_key_of_expert;
+  seal.keys = buf_.d_keys.as<int32_t>();
+  seal.gates_out = buf_.d_gates.as<float>();
+  seal.status = buf_.d_small.as<int64_t>();
+  RETURN_IF_ERROR(kern.SealRoutes(seal, nullptr));
+  int32_t* const local_ids = buf_.d_row_of_route.as<int32_t>();  // -1: dropped, or no slot here
+  RETURN_IF_ERROR(kern.ComposeIndex({t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids}, nullptr));
+  // The read-back: status, keys, and the routing itself (a refused route's expert and gate, the
+  // expert load), in registered host memory.
+  RETURN_IF_ERROR(buf_.lone_host.Reserve(&kern, 16 + 3 * routes * 4));
+  int64_t* const status = buf_.lone_host.as<int64_t>();
+  int32_t* const keys = reinterpret_cast<int32_t*>(status + 2);
+  int32_t* const ids = keys + routes;
+  float* const gates = reinterpret_cast<float*>(ids + routes);
+  RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, 16, nullptr));
+  RETURN_IF_ERROR(kern.CopyToHostAsync(keys, seal.keys, routes * 4, nullptr));
+  RETURN_IF_ERROR(kern.CopyToHostAsync(ids, in.topk_ids, routes * 4, nullptr));
+  RETURN_IF_ERROR(kern.CopyToHostAsync(gates, in.topk_weights, routes * 4, nullptr));
+  if (device_) {
+    if (checks_event_.event == nullptr) {
+      std::string unused;
+      ASSIGN_OR_RETURN(checks_event_.event, kern.CreateIpcEvent(&unused));
+      checks_event_.kernels = &kern;
+    }
+    RETURN_IF_ERROR(kern.RecordEvent(checks_event_.event, nullptr));
+  }
+  // The runner: the decode kernels unless the padded one may pay, which needs the counts first
+  // (LocalLayerPhase's choice, from the same counts).
+  const bool padded_may_pay =
+      options_.decode_runner == DecodeRunner::kPadded ||
+      (options_.decode_runner == DecodeRunner::kAuto &&
+       !kern.DecodeGemmBeatsPadded(local_slots, in.d, host.d_ff, routes) && routes >= 2 * int64_t{local_slots});
+  // The answer read back: the routes checked, then counted per slot, key and expert.
+  const auto read_back = [&]() -> absl::Status {
+    RETURN_IF_ERROR(AwaitLoneChecks());
+    if (status[0] >= 0 && status[0] < routes) {
+      return RouteInputError(status[0], in.k, ids[status[0]], gates[status[0]], m.num_experts());
+    }
+    if (status[1] >= 0 && status[1] < routes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "route ", status[1], ": no compatible slot holds logical expert ", ids[status[1]], " in ", m.VersionName()));
+    }
+    if (status[0] >= 0 || status[1] >= 0)
+      return absl::InternalError("decode step: the kernels' status is out of range");
+    buf_.slot_counts.assign(m.num_slots(), 0);
+    pass.n_send = 0;
+    for (int64_t i = 0; i < routes; ++i) {
+      if (keys[i] < 0) continue;
+      if (keys[i] >= t.num_keys)
+        return absl::InternalError(absl::StrCat("decode step: route ", i, " has no valid key"));
+      ++buf_.slot_counts[t.slot_of_key[keys[i]]];
+      ++pass.n_send;
+    }
+    absl::MutexLock lock(&generations_mu_);
+    std::vector<int64_t>& load = layer_load_[in.layer];
+    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
+    for (int64_t i = 0; i < routes; ++i) {
+      if (keys[i] >= 0) ++load[t.expert_of_key[keys[i]]];
+    }
+    return absl::OkStatus();
+  };
+  kernels::LocalLayerParams layer;
+  if (padded_may_pay) {
+    pass.clock.Enter(StepPhase::kValidate);
+    RETURN_IF_ERROR(read_back());
+    std::vector<int64_t>& per_local = buf_.local_slot_routes;
+    per_local.assign(local_slots, 0);
+    for (int q = 0; q < m.num_slots(); ++q) {
+      if (t.local_of_slot[q] >= 0) per_local[t.local_of_slot[q]] += buf_.slot_counts[q];
+    }
+    const int64_t most = per_local.empty() ? 0 : *std::max_element(per_local.begin(), per_local.end());
+    layer.padded_capacity = options_.decode_runner == DecodeRunner::kPadded
+                                ? most
+                                : kernels::PaddedDecodeCapacity(per_local, in.d, host.d_ff);
+  }
+  pass.clock.Enter(StepPhase::kExperts);
+  RETURN_IF_ERROR(pass.handle->BindPlan(InverseCoordinates{{}, {}, in.tokens}));  // the inverse is on the device
+  RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
+  RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
+  RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
+  RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+  if (!pass.rows_staged && !in.rows_on_device) {  // rows on the host (as EagerPayload stages them)
+    pass.hidden = in.hidden;
+    if (device_) {
+      const int64_t bytes = in.tokens * static_cast<int64_t>(in.d) * 2;
+      RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, bytes));
+      RETURN_IF_ERROR(kern.CopyToKernel(buf_.hidden.data(), in.hidden, bytes, nullptr));
+      pass.hidden = buf_.hidden.data();
+    }
+  }
+  const ResidentExperts& weights = *pass.weights;
+  layer.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index), local_slots, in.d,
+                   host.d_ff};
+  layer.x = static_cast<const uint16_t*>(pass.hidden);
+  ReserveOutput(pass);
+  layer.topk = local_ids;
+  layer.gate = seal.gates_out;
+  layer.num_tokens = in.tokens;
+  layer.k = in.k;
+  ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));
+  RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
+  RETURN_IF_ERROR(CopyOut(pass, layer.out_bf16));
+  if (!padded_may_pay) {
+    pass.clock.Enter(StepPhase::kValidate);
+    RETURN_IF_ERROR(read_back());
+  }
+  pass.result.record.device_plan = true;
+  return absl::OkStatus();
 }
 
 // Dispatch: the step's tables to kernel memory, rows packed in send order and exchanged.

@@ -278,6 +278,11 @@ class LayerExecutor {
   // dispatch, experts, return and combine as separate calls sized by this step.
   absl::Status EagerPayload(Pass& pass);
   absl::Status LocalLayerPhase(Pass& pass);
+  // A lone member's BF16 decode step with its routing in kernel memory, planned by the kernels
+  // (the static replica choice) and enqueued before its checks come back (validate chose it).
+  absl::Status LoneDecodePhase(Pass& pass);
+  absl::Status LoneDecodeSteps(Pass& pass);
+  absl::Status AwaitLoneChecks();
   absl::Status DispatchRows(Pass& pass);
   absl::Status ExpertsPhase(Pass& pass);
   absl::Status ReturnAndCombine(Pass& pass);
@@ -370,8 +375,22 @@ class LayerExecutor {
     kernels::KernelBuffer fp8_rows;
     std::vector<int64_t> plan_small;             // d_small on the host
     kernels::RegisteredHostBuffer routing_host;  // LayerStepInput::routing_on_device copied for the host plan
+    // LoneDecodePhase's read-back: status [2] (int64), then keys, ids and gates [routes] each.
+    kernels::RegisteredHostBuffer lone_host;
   };
   Buffers buf_;
+  // Recorded after LoneDecodePhase's read-back, before its layer (device kernels; made once).
+  struct OwnedEvent {
+    kernels::ExpertKernels* kernels = nullptr;
+    void* event = nullptr;
+    OwnedEvent() = default;
+    OwnedEvent(const OwnedEvent&) = delete;
+    OwnedEvent& operator=(const OwnedEvent&) = delete;
+    ~OwnedEvent() {
+      if (event != nullptr) kernels->CloseIpcEvent(event);
+    }
+  };
+  OwnedEvent checks_event_;
 };
 
 }  // namespace moe

@@ -5,10 +5,13 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <random>
 #include <thread>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -227,6 +230,87 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
   }
   // Nothing went through the transport but the agreements: no rows, no slot metadata.
   EXPECT_EQ(counting_->exchanges(), 0);
+}
+
+// A lone member's decode steps with their routing in kernel memory are planned by the kernels
+// (with the device plan on), their layer enqueued before the checks come back: the same output
+// bits, counts and expert load as the same step planned on the host; bad routes and a failed input
+// check refuse the step naming the value; the next step is served and every handle released.
+TEST_P(OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
+  const auto [runner, device_plan] = GetParam();
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, runner, device_plan);
+  std::mt19937 rng(17);
+  uint64_t step = 1;
+  for (int64_t tokens : {1, 3, 17, 40}) {
+    const RankInput input = RandomInput(rng, tokens);  // some first routes dropped by the router
+    const auto load_before = executor_->LayerExpertLoad();
+    auto host = executor_->Execute(input.Step(step++, 0, Phase::kDecode));
+    ASSERT_TRUE(host.ok()) << host.status();
+    const auto load_host = executor_->LayerExpertLoad();
+    LayerStepInput in = input.Step(step++, 0, Phase::kDecode);
+    in.routing_on_device = true;  // the CPU kernels' memory is host memory
+    auto device = executor_->Execute(in);
+    ASSERT_TRUE(device.ok()) << device.status();
+    EXPECT_EQ(device->output, host->output) << "T=" << tokens;
+    EXPECT_EQ(device->record.device_plan, device_plan) << "T=" << tokens;
+    EXPECT_FALSE(host->record.device_plan);
+    EXPECT_EQ(device->record.routes_accepted, host->record.routes_accepted);
+    EXPECT_EQ(device->record.routes_attempted, host->record.routes_attempted);
+    EXPECT_EQ(device->record.routes_served, host->record.routes_served);
+    EXPECT_GT(PhaseUs(device->record, StepPhase::kExperts), 0);
+    // The expert load grew by the same counts on both plans.
+    const auto load_device = executor_->LayerExpertLoad();
+    const std::vector<int64_t> zero(kExperts, 0);
+    const auto at = [&](const std::map<int64_t, std::vector<int64_t>>& m) {
+      auto it = m.find(0);
+      return it == m.end() ? zero : it->second;
+    };
+    for (int e = 0; e < kExperts; ++e) {
+      EXPECT_EQ(at(load_device)[e] - at(load_host)[e], at(load_host)[e] - at(load_before)[e]) << "expert " << e;
+    }
+    EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+  }
+  // Refusals: an expert out of range, a NaN gate (both named), and a failed input check.
+  RankInput bad = RandomInput(rng, 5);
+  bad.admitted.clear();
+  bad.ids[7] = kExperts + 3;
+  LayerStepInput in = bad.Step(step++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  int awaited = 0;
+  in.await_input_check = [&awaited] {
+    ++awaited;
+    return absl::OkStatus();
+  };
+  auto refused = executor_->Execute(in);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr(absl::StrCat("topk_ids[3][1]: expert ", kExperts + 3, " outside")));
+  EXPECT_EQ(awaited, 1);
+  bad.ids[7] = 1;
+  bad.gates[4] = std::numeric_limits<float>::quiet_NaN();
+  in = bad.Step(step++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  refused = executor_->Execute(in);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("topk_weights[2][0]"));
+  bad.gates[4] = 0.5f;
+  in = bad.Step(step++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  in.await_input_check = [&awaited] {
+    ++awaited;
+    return absl::InvalidArgumentError("hidden.data[9]: not finite");
+  };
+  refused = executor_->Execute(in);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("hidden.data[9]"));
+  EXPECT_EQ(awaited, 2);
+  const RankInput good = RandomInput(rng, 5);  // the next step is served
+  in = good.Step(step++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  auto served = executor_->Execute(in);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_LT(ErrorAgainstReference(ckpt_, good, served->output), 1e-2);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
 }
 
 // A lone member's canary steps count their routes under the candidate (the promotion gate's
