@@ -107,6 +107,9 @@ ABSL_FLAG(bool, lone_member_graphs, false,
 ABSL_FLAG(bool, device_plan, true,
           "plan prefill steps on the kernels (route keys, checks and the send and receive orders where the rows "
           "are; the host reads back counts per slot) wherever replica choice does not depend on the step");
+ABSL_FLAG(bool, lone_decode_on_kernels, true,
+          "with --device_plan, a rank alone in its group plans its decode steps whose routing is on the GPU there "
+          "too, and enqueues their layer before it reads the checks back (false: it copies the routing to the host)");
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
@@ -583,6 +586,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
   eo.decode_slot_routes = absl::GetFlag(FLAGS_decode_bucket_slot_routes);
   eo.decode_runner = o.decode_runner;
   eo.device_plan = absl::GetFlag(FLAGS_device_plan);
+  eo.lone_decode_on_kernels = absl::GetFlag(FLAGS_lone_decode_on_kernels);
   eo.lone_member_graphs = absl::GetFlag(FLAGS_lone_member_graphs);
   eo.expert_dtype = o.expert_dtype;
   if (o.trial_drift) {

@@ -824,9 +824,9 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   }
   // A lone member's BF16 decode step with its routing in kernel memory is planned there too,
   // with no shadow sampled (LoneDecodePhase).
-  const bool lone_decode = in.phase == Phase::kDecode && LoneMember() && in.routing_on_device &&
-                           !options_.lone_member_graphs && options_.expert_dtype == ExpertDtype::kBf16 &&
-                           pass.po.shadow_version < 0;
+  const bool lone_decode = options_.lone_decode_on_kernels && in.phase == Phase::kDecode && LoneMember() &&
+                           in.routing_on_device && !options_.lone_member_graphs &&
+                           options_.expert_dtype == ExpertDtype::kBf16 && pass.po.shadow_version < 0;
   if (options_.device_plan && (in.phase == Phase::kPrefill || lone_decode) && !pass.trial && !pass.po.shadow_pass &&
       in.tokens > 0 && (*manifest)->ServesLayer(in.layer)) {
     pass.dtables = DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer));
@@ -1503,10 +1503,12 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   StepTables tables;  // the admitted table, when the engine gave one (host memory)
   const int t_admitted = in.admitted != nullptr ? tables.Add(in.admitted, routes) : -1;
   RETURN_IF_ERROR(tables.Upload(device_, kern, buf_.tables, buf_.tables_host, nullptr));
-  for (kernels::KernelBuffer* b : {&buf_.d_keys, &buf_.d_gates, &buf_.d_row_of_route}) {
+  for (kernels::KernelBuffer* b : {&buf_.d_gates, &buf_.d_row_of_route}) {
     RETURN_IF_ERROR(b->Reserve(&kern, routes * 4));
   }
-  RETURN_IF_ERROR(buf_.d_small.Reserve(&kern, 2 * 8));
+  // The status words and the keys side by side, read back in one copy.
+  const int64_t back_bytes = 16 + routes * 4;
+  RETURN_IF_ERROR(buf_.d_small.Reserve(&kern, back_bytes));
   kernels::SealRoutesParams seal;
   seal.ids = in.topk_ids;
   seal.gates = in.topk_weights;
@@ -1514,23 +1516,18 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   seal.routes = routes;
   seal.num_experts = m.num_experts();
   seal.key_of_expert = t.d_key_of_expert;
-  seal.keys = buf_.d_keys.as<int32_t>();
-  seal.gates_out = buf_.d_gates.as<float>();
   seal.status = buf_.d_small.as<int64_t>();
+  seal.keys = reinterpret_cast<int32_t*>(seal.status + 2);
+  seal.gates_out = buf_.d_gates.as<float>();
   RETURN_IF_ERROR(kern.SealRoutes(seal, nullptr));
   int32_t* const local_ids = buf_.d_row_of_route.as<int32_t>();  // -1: dropped, or no slot here
   RETURN_IF_ERROR(kern.ComposeIndex({t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids}, nullptr));
-  // The read-back: status, keys, and the routing itself (a refused route's expert and gate, the
-  // expert load), in registered host memory.
-  RETURN_IF_ERROR(buf_.lone_host.Reserve(&kern, 16 + 3 * routes * 4));
+  // The read-back (the status and the keys: the counts and the expert load) into registered host
+  // memory; a refused route's expert and gate are read where they are, once refused.
+  RETURN_IF_ERROR(buf_.lone_host.Reserve(&kern, back_bytes));
   int64_t* const status = buf_.lone_host.as<int64_t>();
   int32_t* const keys = reinterpret_cast<int32_t*>(status + 2);
-  int32_t* const ids = keys + routes;
-  float* const gates = reinterpret_cast<float*>(ids + routes);
-  RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, 16, nullptr));
-  RETURN_IF_ERROR(kern.CopyToHostAsync(keys, seal.keys, routes * 4, nullptr));
-  RETURN_IF_ERROR(kern.CopyToHostAsync(ids, in.topk_ids, routes * 4, nullptr));
-  RETURN_IF_ERROR(kern.CopyToHostAsync(gates, in.topk_weights, routes * 4, nullptr));
+  RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, nullptr));
   if (device_) {
     if (checks_event_.event == nullptr) {
       std::string unused;
@@ -1548,12 +1545,20 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   // The answer read back: the routes checked, then counted per slot, key and expert.
   const auto read_back = [&]() -> absl::Status {
     RETURN_IF_ERROR(AwaitLoneChecks());
+    const auto route_at = [&](int64_t i) -> absl::StatusOr<std::pair<int32_t, float>> {
+      std::pair<int32_t, float> r;
+      RETURN_IF_ERROR(kern.CopyToHost(&r.first, in.topk_ids + i, 4, nullptr));
+      RETURN_IF_ERROR(kern.CopyToHost(&r.second, in.topk_weights + i, 4, nullptr));
+      return r;
+    };
     if (status[0] >= 0 && status[0] < routes) {
-      return RouteInputError(status[0], in.k, ids[status[0]], gates[status[0]], m.num_experts());
+      ASSIGN_OR_RETURN(auto r, route_at(status[0]));
+      return RouteInputError(status[0], in.k, r.first, r.second, m.num_experts());
     }
     if (status[1] >= 0 && status[1] < routes) {
+      ASSIGN_OR_RETURN(auto r, route_at(status[1]));
       return absl::FailedPreconditionError(absl::StrCat(
-          "route ", status[1], ": no compatible slot holds logical expert ", ids[status[1]], " in ", m.VersionName()));
+          "route ", status[1], ": no compatible slot holds logical expert ", r.first, " in ", m.VersionName()));
     }
     if (status[0] >= 0 || status[1] >= 0)
       return absl::InternalError("decode step: the kernels' status is out of range");

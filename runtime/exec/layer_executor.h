@@ -123,9 +123,13 @@ struct LayerExecutorOptions {
   // the arrived slot metadata there too, so the host handles no per-route data: it reads back
   // the counts per slot, agrees on them and sizes the exchanges. Steps where replica selection
   // depends on the step (StaticSlotChoice: load-aware ties, hashing, round-robin), trial and
-  // shadow passes, and decode steps keep the host plan. Results and records are the host plan's;
-  // members may differ in this setting.
+  // shadow passes, and decode steps keep the host plan (but see lone_decode_on_kernels). Results
+  // and records are the host plan's; members may differ in this setting.
   bool device_plan = false;
+  // With device_plan: a lone member's BF16 decode steps whose routing is in kernel memory are
+  // planned there too, their fused layer enqueued before the host reads the checks back
+  // (LoneDecodePhase). False: such steps copy their routing to the host and plan there.
+  bool lone_decode_on_kernels = true;
   // The precision the experts run in. kFp8: each generation's weights are quantized when it is
   // added (E4M3, one FP32 scale per 128 x 128 block: DeepSeek-V3's checkpoint format; an FP8
   // checkpoint's weights come back to the same bytes, see docs/kernels.md) and only the FP8
@@ -375,7 +379,7 @@ class LayerExecutor {
     kernels::KernelBuffer fp8_rows;
     std::vector<int64_t> plan_small;             // d_small on the host
     kernels::RegisteredHostBuffer routing_host;  // LayerStepInput::routing_on_device copied for the host plan
-    // LoneDecodePhase's read-back: status [2] (int64), then keys, ids and gates [routes] each.
+    // LoneDecodePhase's read-back: status [2] (int64), then the keys [routes], as in d_small.
     kernels::RegisteredHostBuffer lone_host;
   };
   Buffers buf_;

@@ -313,6 +313,21 @@ TEST_P(OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
 }
 
+// lone_decode_on_kernels = false: a lone member's decode step with its routing in kernel memory
+// copies the routing and is planned on the host.
+TEST_F(OneMemberTest, DecodeStepsCanKeepTheHostPlan) {
+  lone_decode_on_kernels_ = false;
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, DecodeRunner::kKernels, /*device_plan=*/true);
+  std::mt19937 rng(23);
+  const RankInput input = RandomInput(rng, 4);
+  LayerStepInput in = input.Step(1, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  auto r = executor_->Execute(in);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->record.device_plan);
+  EXPECT_LT(ErrorAgainstReference(ckpt_, input, r->output), 1e-2);
+}
+
 // A lone member's canary steps count their routes under the candidate (the promotion gate's
 // r_drop denominator), decode and prefill alike.
 TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {

@@ -74,6 +74,7 @@ class OneRankTest : public ::testing::Test {
     eo.kernels = kernels_.get();
     eo.decode_runner = runner;
     eo.device_plan = device_plan;
+    eo.lone_decode_on_kernels = lone_decode_on_kernels_;
     eo.expert_dtype = dtype;
     executor_ = *LayerExecutor::Create(std::move(eo));
     ASSERT_TRUE(executor_
@@ -82,6 +83,7 @@ class OneRankTest : public ::testing::Test {
                     .ok());
   }
 
+  bool lone_decode_on_kernels_ = true;     // set before SetUpRank: LayerExecutorOptions::lone_decode_on_kernels
   bool count_exchanges_ = false;           // set before SetUpRank: the transport is a CountingTransport
   CountingTransport* counting_ = nullptr;  // then this one (owned by transport_)
   SafetensorsFile ckpt_;
