@@ -299,8 +299,24 @@ grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const v1::StepRequest*
   return ToGrpcStatus(s);
 }
 
+// A ring step's metrics, kept by ServeRingStep for FinishRingStep on the same ring thread, which
+// runs once the answer is published.
+namespace {
+struct PendingRingMetrics {
+  bool pending = false;
+  bool counted = false;  // the step ran: its record is counted
+  bool decode = false;
+  const char* path = "eager";
+  absl::StatusCode code = absl::StatusCode::kOk;
+  double seconds = 0;
+  StepRecord record;
+};
+thread_local PendingRingMetrics pending_ring_metrics;
+}  // namespace
+
 // A step from a ring, as Run + RunStep do for a gRPC request: checked (a step refused here still
-// joins its agreement), run with the rows read and written in the ring's slot, counted.
+// joins its agreement), run with the rows read and written in the ring's slot, counted (after the
+// answer is published: FinishRingStep).
 void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* result) {
   const absl::Time start = absl::Now();
   const ring::Descriptor& desc = step.desc;
@@ -375,10 +391,12 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
       if (device_check) in.await_input_check().IgnoreError();  // every started scan is finished
     }
     if (rows_check != nullptr) rows_check->Await().IgnoreError();  // done already; the rows may be reused after this
+    PendingRingMetrics& m = pending_ring_metrics;
+    m.counted = r.ok();
     if (r.ok()) {
       path = r->record.graph_replay ? "graph_replay" : "eager";
-      CountRecord(r->record, decode, metrics_);
       RingRecord(r->record, decode, result);
+      m.record = std::move(r->record);  // counted once the answer is out
     }
     status = r.status();
     EndStep();
@@ -387,16 +405,31 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
   std::snprintf(result->message, sizeof(result->message), "%s", std::string(status.message()).c_str());
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (status.ok()) result->server_latency_us = seconds * 1e6;
-  metrics_->Step(decode ? "decode" : "prefill", path, StatusLabel(status.code()), seconds);
+  PendingRingMetrics& m = pending_ring_metrics;
+  m.pending = true;
+  m.decode = decode;
+  m.path = path;
+  m.code = status.code();
+  m.seconds = seconds;
+}
+
+void ExpertLayerServiceImpl::FinishRingStep() {
+  PendingRingMetrics& m = pending_ring_metrics;
+  if (!m.pending) return;
+  m.pending = false;
+  if (m.counted) CountRecord(m.record, m.decode, metrics_);
+  m.counted = false;
+  metrics_->Step(m.decode ? "decode" : "prefill", m.path, StatusLabel(m.code), m.seconds);
 }
 
 absl::Status ExpertLayerServiceImpl::EnableStepRings(StepRingsOptions options) {
   options.register_memory = [this](void* p, int64_t bytes) { return executor_->RegisterHostMemory(p, bytes); };
   options.unregister_memory = [this](void* p) { executor_->UnregisterHostMemory(p); };
   check_pool_ = std::make_unique<FiniteCheckPool>(std::max(0, options.check_threads));
-  ASSIGN_OR_RETURN(rings_, StepRings::Create(std::move(options), [this](const RingStep& step, ring::Result* result) {
-                     ServeRingStep(step, result);
-                   }));
+  ASSIGN_OR_RETURN(rings_, StepRings::Create(
+                               std::move(options),
+                               [this](const RingStep& step, ring::Result* result) { ServeRingStep(step, result); },
+                               [this] { FinishRingStep(); }));
   return absl::OkStatus();
 }
 

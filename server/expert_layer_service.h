@@ -82,6 +82,7 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   absl::Status BeginStep();  // counted in flight, or UNAVAILABLE while draining
   void EndStep();
   void ServeRingStep(const RingStep& step, ring::Result* result);
+  void FinishRingStep();  // ServeRingStep's metrics, once the ring published the answer
   absl::StatusOr<RingDeviceRows> MapDeviceRows(const v1::OpenStepRingRequest& request,
                                                std::vector<std::string>* done_handles);
 

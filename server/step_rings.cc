@@ -69,19 +69,20 @@ struct StepRings::Ring {
   char* slot(uint32_t seq) const { return base + ring::kPage + (seq % slots) * geometry.slot_bytes; }
 };
 
-absl::StatusOr<std::unique_ptr<StepRings>> StepRings::Create(StepRingsOptions options, RingServe serve) {
+absl::StatusOr<std::unique_ptr<StepRings>> StepRings::Create(StepRingsOptions options, RingServe serve,
+                                                             RingAfter after) {
   // Open to every local user: a ring is handed only to the uid that opened it through the
   // engine socket (whose credential check is the gate), and only with its ticket.
   absl::StatusOr<int> listening = ListenUnixSocket(options.socket_path, /*only_owner=*/false, "ring socket");
   if (!listening.ok()) return listening.status();
   const int fd = *listening;
-  auto rings = std::unique_ptr<StepRings>(new StepRings(std::move(options), std::move(serve), fd));
+  auto rings = std::unique_ptr<StepRings>(new StepRings(std::move(options), std::move(serve), std::move(after), fd));
   rings->claim_thread_ = std::thread([r = rings.get()] { r->ClaimLoop(); });
   return rings;
 }
 
-StepRings::StepRings(StepRingsOptions options, RingServe serve, int listen_fd)
-    : options_(std::move(options)), serve_(std::move(serve)), listen_fd_(listen_fd) {
+StepRings::StepRings(StepRingsOptions options, RingServe serve, RingAfter after, int listen_fd)
+    : options_(std::move(options)), serve_(std::move(serve)), after_(std::move(after)), listen_fd_(listen_fd) {
   if (pipe2(wake_, O_CLOEXEC) != 0) wake_[0] = wake_[1] = -1;
 }
 
@@ -387,6 +388,7 @@ void StepRings::Serve(Ring* r) {
     ++next;
     h->completed.value.store(next, std::memory_order_seq_cst);
     if (h->engine_sleeping.value.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&h->completed.value);
+    if (after_) after_();
   }
   h->closed.value.store(1, std::memory_order_seq_cst);
   ring::FutexWake(&h->completed.value);

@@ -84,10 +84,14 @@ struct RingStep {
   void* done_event = nullptr;   // RingDeviceRows::done_events[slot]: recorded after the step's GPU work
 };
 using RingServe = std::function<void(const RingStep& step, ring::Result* result)>;
+// Runs on the ring's thread right after a step's answer is published: the serving side's
+// bookkeeping (metrics) off the engine's path.
+using RingAfter = std::function<void()>;
 
 class StepRings {
  public:
-  static absl::StatusOr<std::unique_ptr<StepRings>> Create(StepRingsOptions options, RingServe serve);
+  static absl::StatusOr<std::unique_ptr<StepRings>> Create(StepRingsOptions options, RingServe serve,
+                                                           RingAfter after = nullptr);
   ~StepRings();  // tears every ring down, removes the socket
 
   struct Opened {
@@ -107,7 +111,7 @@ class StepRings {
 
  private:
   struct Ring;
-  StepRings(StepRingsOptions options, RingServe serve, int listen_fd);
+  StepRings(StepRingsOptions options, RingServe serve, RingAfter after, int listen_fd);
   void ClaimLoop();
   void Claim(int conn);
   void Serve(Ring* ring);
@@ -115,6 +119,7 @@ class StepRings {
 
   const StepRingsOptions options_;
   const RingServe serve_;
+  const RingAfter after_;
   const int listen_fd_;
   int wake_[2] = {-1, -1};
   std::thread claim_thread_;

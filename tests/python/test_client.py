@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import tempfile
+import time
 import os
 from pathlib import Path
 
@@ -61,11 +62,21 @@ def test_float32_rows_and_dropped_routes(cluster):
         check_outputs(cluster, 0, inputs, results)
 
 
+def steps_counted(cluster, rank: int) -> float:
+    """The rank's moe_steps_total, summed over its series (its Prometheus endpoint)."""
+    import urllib.request
+
+    port = (cluster.work / f"{rank}.metrics").read_text().strip()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("moe_steps_total{"))
+
+
 def test_rings_answer_as_grpc_does(cluster):
     rng = np.random.default_rng(3)
     inputs = [StepInput(*random_step(rng, t)) for t in (6, 4)]
     with RankGroup(cluster.targets, timeout=30) as grpc_group:
         want = grpc_group.step(1, inputs)
+    counted = [steps_counted(cluster, r) for r in range(WORLD)]
     with RankGroup(cluster.targets, timeout=30) as group:
         group.use_rings(max_tokens=16, d=D, k=K, spin_us=200)
         for _ in range(3):
@@ -80,6 +91,11 @@ def test_rings_answer_as_grpc_does(cluster):
                 assert g.record.routes_remote > 0
                 assert set(g.record.stages_us) == set(w.record.stages_us)
                 assert 0 < g.record.compute_latency_us <= g.record.server_latency_us
+        # Ring steps are counted in the rank's metrics (once their answer is out).
+        deadline = time.time() + 5
+        while any(steps_counted(cluster, r) < counted[r] + 3 for r in range(WORLD)) and time.time() < deadline:
+            time.sleep(0.02)
+        assert [steps_counted(cluster, r) - counted[r] for r in range(WORLD)] == [3] * WORLD
         # A step larger than the rings' slots still goes through gRPC.
         big = [StepInput(*random_step(rng, t)) for t in (20, 1)]
         res = group.step(0, big)
