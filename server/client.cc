@@ -163,6 +163,7 @@ absl::StatusOr<std::unique_ptr<StepRing>> ExpertLayerClient::OpenRing(const Step
     req.mutable_device_rows()->set_ipc_handle(options.device_rows->ipc_handle);
     req.mutable_device_rows()->set_offset(options.device_rows->offset);
     req.mutable_device_rows()->set_ready_event(options.device_rows->ready_event);
+    req.mutable_device_rows()->set_done_events(options.device_rows->done_events);
   }
   v1::OpenStepRingResponse resp;
   grpc::ClientContext ctx;
@@ -172,6 +173,11 @@ absl::StatusOr<std::unique_ptr<StepRing>> ExpertLayerClient::OpenRing(const Step
   ring::Geometry g;
   if (resp.device_rows() != on_device) {
     return absl::FailedPreconditionError("OpenStepRing: the rank did not take the ring's device rows");
+  }
+  if (resp.done_events_size() != 0 &&
+      (!on_device || !options.device_rows->done_events || resp.done_events_size() != options.slots)) {
+    return absl::FailedPreconditionError(absl::StrCat("OpenStepRing: the rank sent ", resp.done_events_size(),
+                                                      " done events for ", options.slots, " slots"));
   }
   if (resp.layout_version() != ring::kLayoutVersion ||
       !ring::ComputeGeometry(options.max_tokens, options.d, options.k, options.slots, &g, on_device) ||
@@ -213,6 +219,7 @@ absl::StatusOr<std::unique_ptr<StepRing>> ExpertLayerClient::OpenRing(const Step
   r->weights_off_ = g.weights_offset;
   r->admitted_off_ = g.admitted_offset;
   r->submit_times_.resize(options.slots);
+  r->done_events_.assign(resp.done_events().begin(), resp.done_events().end());
   return r;
 }
 

@@ -56,6 +56,11 @@ struct StepRingOptions {
     std::string ipc_handle;   // cudaIpcMemHandle_t, 64 bytes
     uint64_t offset = 0;      // a multiple of 256
     std::string ready_event;  // cudaIpcEventHandle_t, 64 bytes, or empty
+    // Ask for the rank's done events (docs/api.md "Completion"): steps are answered once their
+    // GPU work is enqueued, and the engine's stream waits on StepRing::done_events()[slot]
+    // (cudaIpcOpenEventHandle once, cudaStreamWaitEvent after each Wait) before it reads the
+    // output or writes that slot again.
+    bool done_events = false;
   };
   std::optional<DeviceRows> device_rows;
 };
@@ -113,6 +118,12 @@ class StepRing {
   int k() const { return k_; }
   uint64_t id() const { return id_; }
   int outstanding() const { return static_cast<int>(submitted_ - waited_); }
+  // With DeviceRows::done_events, the rank's event handles (cudaIpcEventHandle_t, 64 bytes), one
+  // per slot; empty without them (or from a rank that does not offer them: its answers then mean
+  // the output rows are written). Steps take the slots in turn: the step the last Wait returned
+  // used slot last_slot().
+  const std::vector<std::string>& done_events() const { return done_events_; }
+  int last_slot() const { return waited_ == 0 ? -1 : static_cast<int>((waited_ - 1) % slots_); }
   // Submit to completion of the step the last Wait returned, microseconds.
   double last_client_us() const { return last_client_us_; }
 
@@ -135,6 +146,7 @@ class StepRing {
   uint64_t slot_bytes_ = 0, hidden_off_ = 0, output_off_ = 0, ids_off_ = 0, weights_off_ = 0, admitted_off_ = 0;
   uint32_t submitted_ = 0, waited_ = 0;
   std::vector<absl::Time> submit_times_;  // by slot
+  std::vector<std::string> done_events_;
   double last_client_us_ = 0;
 };
 

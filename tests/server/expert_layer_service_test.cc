@@ -712,16 +712,18 @@ TEST_F(RingTest, DeviceRowsAreCheckedAndNeedDeviceKernels) {
   // The C++ client passes the same request and gets the same refusal; UseRing, which copies host
   // rows, takes no device rows at all.
   StepRingOptions device_ring{2, 8, kD, kK};
-  device_ring.device_rows = StepRingOptions::DeviceRows{handle, 256, std::string(64, 'e')};
+  device_ring.device_rows = StepRingOptions::DeviceRows{handle, 256, std::string(64, 'e'), /*done_events=*/true};
   const auto from_client = client_->OpenRing(device_ring);
   EXPECT_EQ(from_client.status().code(), absl::StatusCode::kFailedPrecondition) << from_client.status();
   EXPECT_THAT(std::string(from_client.status().message()), HasSubstr("device_rows"));
   EXPECT_EQ(client_->UseRing(device_ring).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(client_->using_ring());
   EXPECT_EQ(service_->step_rings(), 0);
-  // Still serving rings and steps.
+  // Still serving rings and steps; a host ring has no done events.
   std::unique_ptr<StepRing> ring = Open();
   ASSERT_NE(ring, nullptr);
+  EXPECT_TRUE(ring->done_events().empty());
+  EXPECT_EQ(ring->last_slot(), -1);
   v1::StepResponse want;
   ASSERT_TRUE(Call(Request(40), &want).ok());
   StepCall call = CallOf(Request(40));
@@ -729,6 +731,13 @@ TEST_F(RingTest, DeviceRowsAreCheckedAndNeedDeviceKernels) {
   auto got = ring->Execute(call);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(std::memcmp(got->output.data(), want.output().data().data(), want.output().data().size()), 0);
+  EXPECT_EQ(ring->last_slot(), 0);  // the slots in turn
+  call.step_id = 42;
+  ASSERT_TRUE(ring->Execute(call).ok());
+  EXPECT_EQ(ring->last_slot(), 1);
+  call.step_id = 43;
+  ASSERT_TRUE(ring->Execute(call).ok());
+  EXPECT_EQ(ring->last_slot(), 0);
 }
 
 }  // namespace
