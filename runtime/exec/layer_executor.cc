@@ -1177,12 +1177,11 @@ std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTabl
   return it->second;
 }
 
-// The send side on the kernels: routes keyed by their slot's (peer, slot) key and checked, then
-// ranked into the stable send order; the host reads back only the counts per key and the status.
-absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
+// The device plan's tables of the step's generation: another may have become active since
+// validate chose them (then its own, or UNAVAILABLE where its replica choice needs the host plan).
+absl::Status LayerExecutor::RefreshDeviceTables(Pass& pass) {
   const LayerStepInput& in = pass.in;
-  const PlacementManifest& m = *pass.manifest;
-  if (pass.dtables->version != pass.version) {  // another generation became active since validate
+  if (pass.dtables->version != pass.version) {
     pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
   }
   if (pass.dtables == nullptr) {
@@ -1190,6 +1189,15 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
                                                " became active during the step and its replica choice needs the",
                                                " host plan; retry the step"));
   }
+  return absl::OkStatus();
+}
+
+// The send side on the kernels: routes keyed by their slot's (peer, slot) key and checked, then
+// ranked into the stable send order; the host reads back only the counts per key and the status.
+absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  const PlacementManifest& m = *pass.manifest;
+  RETURN_IF_ERROR(RefreshDeviceTables(pass));
   const DevicePlanTables& t = *pass.dtables;
   kernels::ExpertKernels& kern = *options_.kernels;
   const int64_t routes = in.tokens * in.k;
@@ -1482,14 +1490,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   pass.clock.Enter(StepPhase::kPlan);
   const LayerStepInput& in = pass.in;
   const PlacementManifest& m = *pass.manifest;
-  if (pass.dtables->version != pass.version) {  // another generation became active since validate
-    pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
-  }
-  if (pass.dtables == nullptr) {
-    return absl::UnavailableError(absl::StrCat("step ", in.step_id, ": placement-v", pass.version.value(),
-                                               " became active during the step and its replica choice needs the",
-                                               " host plan; retry the step"));
-  }
+  RETURN_IF_ERROR(RefreshDeviceTables(pass));
   const DevicePlanTables& t = *pass.dtables;
   kernels::ExpertKernels& kern = *options_.kernels;
   const LocalExperts& host = *pass.weights->host;

@@ -271,6 +271,7 @@ class LayerExecutor {
   absl::Status DispatchPlanPhase(Pass& pass);
   // The device plan's halves of PlanPhase and DispatchPlanPhase (LayerExecutorOptions::device_plan).
   absl::Status DevicePlanPhase(Pass& pass);
+  absl::Status RefreshDeviceTables(Pass& pass);
   // The step's output buffer on the host when the caller gave none (recycled, not zeroed).
   void ReserveOutput(Pass& pass);
   absl::Status DeviceDispatchPlan(Pass& pass);
