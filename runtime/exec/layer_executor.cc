@@ -319,16 +319,20 @@ void LayerExecutor::CloseReadyEvent(void* event) {
 
 absl::Status LayerExecutor::WaitReadyEvent(void* event) {
   if (!device_) return absl::FailedPreconditionError("ready_event: the rank's kernels are not device-resident");
-  // The engine records the event before it submits, so it has nearly always fired by now: the
-  // first query answers. Otherwise spin briefly, then poll every 20 us up to the timeout.
+  return WaitEvent(event, "device_rows.ready_event: the engine's GPU work before it");
+}
+
+// The engine records its ready event before it submits, so it has nearly always fired by now:
+// the first query answers. Otherwise spin briefly, then poll every 20 us up to the timeout.
+absl::Status LayerExecutor::WaitEvent(void* event, absl::string_view work) {
   const absl::Time start = absl::Now(), deadline = start + options_.timeout;
   for (;;) {
     ASSIGN_OR_RETURN(const bool done, options_.kernels->EventDone(event));
     if (done) return absl::OkStatus();
     const absl::Time now = absl::Now();
     if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("device_rows.ready_event: the engine's GPU work before it did ",
-                                                      "not finish within ", absl::FormatDuration(options_.timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat(work, " did not finish within ", absl::FormatDuration(options_.timeout)));
     }
     if (now - start > absl::Microseconds(200)) absl::SleepFor(absl::Microseconds(20));
   }
@@ -632,7 +636,7 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   RowBuffer host_rows;  // the engine's rows, when they are on the device: the shadow reads a host copy
   if (in.rows_on_device && in.done_event != nullptr && r.ok()) {
     // The served rows may still be in flight (on a graph's stream): read them once written.
-    if (!WaitReadyEvent(in.done_event).ok()) return;  // not compared; the engine's answer stands
+    if (!WaitEvent(in.done_event, "the step's GPU work").ok()) return;  // not compared; the answer stands
   }
   if (in.rows_on_device && in.tokens > 0) {
     host_rows.resize(static_cast<size_t>(in.tokens) * in.d);
@@ -1192,6 +1196,26 @@ absl::Status LayerExecutor::RefreshDeviceTables(Pass& pass) {
   return absl::OkStatus();
 }
 
+// SealRoutes' answer (status[0]: the first bad route, status[1]: the first without a slot) as the
+// host plan words it, the refused route's expert and gate read where the routing is.
+absl::Status LayerExecutor::SealedRoutesStatus(const LayerStepInput& in, const int64_t* status,
+                                               const PlacementManifest& m) {
+  const int64_t routes = in.tokens * in.k;
+  if (status[0] < 0 && status[1] < 0) return absl::OkStatus();
+  const int64_t i = status[0] >= 0 ? status[0] : status[1];
+  if (i >= routes) return absl::InternalError(absl::StrCat("seal routes: status names route ", i, " of ", routes));
+  std::pair<int32_t, float> r;
+  if (in.routing_on_device) {
+    RETURN_IF_ERROR(options_.kernels->CopyToHost(&r.first, in.topk_ids + i, 4, nullptr));
+    RETURN_IF_ERROR(options_.kernels->CopyToHost(&r.second, in.topk_weights + i, 4, nullptr));
+  } else {
+    r = {in.topk_ids[i], in.topk_weights[i]};
+  }
+  if (status[0] >= 0) return RouteInputError(i, in.k, r.first, r.second, m.num_experts());
+  return absl::FailedPreconditionError(
+      absl::StrCat("route ", i, ": no compatible slot holds logical expert ", r.first, " in ", m.VersionName()));
+}
+
 // The send side on the kernels: routes keyed by their slot's (peer, slot) key and checked, then
 // ranked into the stable send order; the host reads back only the counts per key and the status.
 absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
@@ -1244,23 +1268,7 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   const int64_t* counts = host.data();
   const int64_t* offsets = counts + q;
   const int64_t* status = offsets + q + 1;
-  // A refused route's expert and gate, read where the routing is.
-  const auto route_at = [&](int64_t i) -> absl::StatusOr<std::pair<int32_t, float>> {
-    if (!in_place) return std::make_pair(in.topk_ids[i], in.topk_weights[i]);
-    std::pair<int32_t, float> r;
-    RETURN_IF_ERROR(kern.CopyToHost(&r.first, in.topk_ids + i, 4, nullptr));
-    RETURN_IF_ERROR(kern.CopyToHost(&r.second, in.topk_weights + i, 4, nullptr));
-    return r;
-  };
-  if (status[0] >= 0) {
-    ASSIGN_OR_RETURN(auto r, route_at(status[0]));
-    return RouteInputError(status[0], in.k, r.first, r.second, m.num_experts());
-  }
-  if (status[1] >= 0) {
-    ASSIGN_OR_RETURN(auto r, route_at(status[1]));
-    return absl::FailedPreconditionError(absl::StrCat("route ", status[1], ": no compatible slot holds logical expert ",
-                                                      r.first, " in ", m.VersionName()));
-  }
+  RETURN_IF_ERROR(SealedRoutesStatus(in, status, m));
   if (status[2] >= 0) return absl::InternalError(absl::StrCat("device plan: route ", status[2], " has no valid key"));
   // Counts per physical slot (the agreement's and the record's), the send splits, the load.
   const PlanLayout& layout = *pass.layout;
@@ -1356,8 +1364,6 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
 // transport moves directly); plans and slot metadata stay on the host.
 absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   const LayerStepInput& in = pass.in;
-  kernels::ExpertKernels& kern = *options_.kernels;
-  const int64_t row_bytes = static_cast<int64_t>(in.d) * 2;
   const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
   const LocalExperts& host = *pass.weights->host;
   if (pass.n_recv > 0 &&
@@ -1365,20 +1371,28 @@ absl::Status LayerExecutor::EagerPayload(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
                                                       " number of local slots than placement-v", pass.version.value()));
   }
-  if (!pass.rows_staged && !in.rows_on_device) {
-    pass.hidden = in.hidden;
-    if (device_ && in.tokens > 0) {
-      RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, in.tokens * row_bytes));
-      RETURN_IF_ERROR(kern.CopyToKernel(buf_.hidden.data(), in.hidden, in.tokens * row_bytes, nullptr));
-      pass.hidden = buf_.hidden.data();
-    }
-  }
+  RETURN_IF_ERROR(RowsForKernels(pass));
   // A lone member holds every slot: a decode step's route, experts and combine are one kernels
   // call on the tokens as they are. Prefill steps keep the grouped GEMMs.
   if (LoneMember() && in.phase == Phase::kDecode && !pass.weights->fp8) return LocalLayerPhase(pass);
   RETURN_IF_ERROR(DispatchRows(pass));
   RETURN_IF_ERROR(ExpertsPhase(pass));
   return ReturnAndCombine(pass);
+}
+
+// The step's rows where the kernels read them: staged or in place already, else the host rows
+// (copied to kernel memory for device kernels).
+absl::Status LayerExecutor::RowsForKernels(Pass& pass) {
+  const LayerStepInput& in = pass.in;
+  if (pass.rows_staged || in.rows_on_device) return absl::OkStatus();
+  pass.hidden = in.hidden;
+  if (device_ && in.tokens > 0) {
+    const int64_t bytes = in.tokens * static_cast<int64_t>(in.d) * 2;
+    RETURN_IF_ERROR(buf_.hidden.Reserve(options_.kernels, bytes));
+    RETURN_IF_ERROR(options_.kernels->CopyToKernel(buf_.hidden.data(), in.hidden, bytes, nullptr));
+    pass.hidden = buf_.hidden.data();
+  }
+  return absl::OkStatus();
 }
 
 // Where the combined rows are written (kernel memory for device kernels, then copied out).
@@ -1472,20 +1486,6 @@ absl::Status LayerExecutor::LoneDecodePhase(Pass& pass) {
   return s;
 }
 
-// Until the read-back enqueued before the layer has arrived (the kernels' stream up to it).
-absl::Status LayerExecutor::AwaitLoneChecks() {
-  if (!device_) return options_.kernels->Synchronize(nullptr);
-  const absl::Time deadline = absl::Now() + options_.timeout;
-  for (;;) {
-    ASSIGN_OR_RETURN(const bool done, options_.kernels->EventDone(checks_event_.event));
-    if (done) return absl::OkStatus();
-    if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("decode step: the kernels' checks did not finish within ",
-                                                      absl::FormatDuration(options_.timeout)));
-    }
-  }
-}
-
 absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   pass.clock.Enter(StepPhase::kPlan);
   const LayerStepInput& in = pass.in;
@@ -1545,24 +1545,10 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
        !kern.DecodeGemmBeatsPadded(local_slots, in.d, host.d_ff, routes) && routes >= 2 * int64_t{local_slots});
   // The answer read back: the routes checked, then counted per slot, key and expert.
   const auto read_back = [&]() -> absl::Status {
-    RETURN_IF_ERROR(AwaitLoneChecks());
-    const auto route_at = [&](int64_t i) -> absl::StatusOr<std::pair<int32_t, float>> {
-      std::pair<int32_t, float> r;
-      RETURN_IF_ERROR(kern.CopyToHost(&r.first, in.topk_ids + i, 4, nullptr));
-      RETURN_IF_ERROR(kern.CopyToHost(&r.second, in.topk_weights + i, 4, nullptr));
-      return r;
-    };
-    if (status[0] >= 0 && status[0] < routes) {
-      ASSIGN_OR_RETURN(auto r, route_at(status[0]));
-      return RouteInputError(status[0], in.k, r.first, r.second, m.num_experts());
-    }
-    if (status[1] >= 0 && status[1] < routes) {
-      ASSIGN_OR_RETURN(auto r, route_at(status[1]));
-      return absl::FailedPreconditionError(absl::StrCat(
-          "route ", status[1], ": no compatible slot holds logical expert ", r.first, " in ", m.VersionName()));
-    }
-    if (status[0] >= 0 || status[1] >= 0)
-      return absl::InternalError("decode step: the kernels' status is out of range");
+    // Until the read-back enqueued before the layer has arrived (the kernels' stream up to it).
+    RETURN_IF_ERROR(device_ ? WaitEvent(checks_event_.event, "decode step: the kernels' checks")
+                            : kern.Synchronize(nullptr));
+    RETURN_IF_ERROR(SealedRoutesStatus(in, status, m));
     buf_.slot_counts.assign(m.num_slots(), 0);
     pass.n_send = 0;
     for (int64_t i = 0; i < routes; ++i) {
@@ -1600,15 +1586,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
   RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
   RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
-  if (!pass.rows_staged && !in.rows_on_device) {  // rows on the host (as EagerPayload stages them)
-    pass.hidden = in.hidden;
-    if (device_) {
-      const int64_t bytes = in.tokens * static_cast<int64_t>(in.d) * 2;
-      RETURN_IF_ERROR(buf_.hidden.Reserve(&kern, bytes));
-      RETURN_IF_ERROR(kern.CopyToKernel(buf_.hidden.data(), in.hidden, bytes, nullptr));
-      pass.hidden = buf_.hidden.data();
-    }
-  }
+  RETURN_IF_ERROR(RowsForKernels(pass));
   const ResidentExperts& weights = *pass.weights;
   layer.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index), local_slots, in.d,
                    host.d_ff};
@@ -1837,7 +1815,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
     RowBuffer device_rows;
     uint16_t* rows = pass.host_out();
     if (pass.in.rows_on_device) {  // scaled on the host and written back (a fault drill, not a fast path)
-      if (pass.in.done_event != nullptr) RETURN_IF_ERROR(WaitReadyEvent(pass.in.done_event));
+      if (pass.in.done_event != nullptr) RETURN_IF_ERROR(WaitEvent(pass.in.done_event, "the step's GPU work"));
       device_rows.resize(n);
       RETURN_IF_ERROR(options_.kernels->CopyToHost(device_rows.data(), pass.in.output, n * 2, nullptr));
       rows = device_rows.data();

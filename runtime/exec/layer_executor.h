@@ -272,6 +272,10 @@ class LayerExecutor {
   // The device plan's halves of PlanPhase and DispatchPlanPhase (LayerExecutorOptions::device_plan).
   absl::Status DevicePlanPhase(Pass& pass);
   absl::Status RefreshDeviceTables(Pass& pass);
+  absl::Status SealedRoutesStatus(const LayerStepInput& in, const int64_t* status, const PlacementManifest& m);
+  // Polls `event` from the host for at most the collective timeout; DEADLINE_EXCEEDED names `work`.
+  absl::Status WaitEvent(void* event, absl::string_view work);
+  absl::Status RowsForKernels(Pass& pass);
   // The step's output buffer on the host when the caller gave none (recycled, not zeroed).
   void ReserveOutput(Pass& pass);
   absl::Status DeviceDispatchPlan(Pass& pass);
@@ -287,7 +291,6 @@ class LayerExecutor {
   // (the static replica choice) and enqueued before its checks come back (validate chose it).
   absl::Status LoneDecodePhase(Pass& pass);
   absl::Status LoneDecodeSteps(Pass& pass);
-  absl::Status AwaitLoneChecks();
   absl::Status DispatchRows(Pass& pass);
   absl::Status ExpertsPhase(Pass& pass);
   absl::Status ReturnAndCombine(Pass& pass);
