@@ -438,6 +438,21 @@ class ExpertKernels {
   virtual absl::StatusOr<void*> CreateIpcEvent(std::string* handle);
   virtual absl::Status RecordEvent(void* event, Stream stream);
 
+  // Work recorded once and launched again (a CUDA graph on CUDA): BeginCapture returns a stream;
+  // the calls given that stream until EndCapture(stream) are recorded instead of run (their
+  // argument checks still run), and EndCapture returns the work (or, when a call cannot be
+  // recorded, an error: nothing was run, and the stream is free again). LaunchCaptured runs the
+  // work on `stream`, after the work enqueued there, with the pointers and sizes it was recorded
+  // with, and returns true; it runs nothing and returns false once this object has freed or
+  // replaced kernel memory (Free, its own scratch) since the recording, which the work may name.
+  // DropCaptured releases the work. One capture at a time per kernels object, from the thread
+  // that began it; a recorded call must allocate nothing (run it once eagerly first). The CPU
+  // reference records nothing: BeginCapture returns UNIMPLEMENTED.
+  virtual absl::StatusOr<Stream> BeginCapture();
+  virtual absl::StatusOr<void*> EndCapture(Stream capture);
+  virtual absl::StatusOr<bool> LaunchCaptured(void* work, Stream stream);
+  virtual void DropCaptured(void* work) {}
+
  private:
   int64_t host_first_non_finite_ = -1;  // the host default's StartFindNonFiniteBf16 answer
 };

@@ -65,6 +65,18 @@ absl::Status ExpertKernels::RecordEvent(void*, Stream) {
   return absl::FailedPreconditionError(absl::StrCat("events need device kernels; this rank runs ", name()));
 }
 
+absl::StatusOr<Stream> ExpertKernels::BeginCapture() {
+  return absl::UnimplementedError(absl::StrCat("recorded work needs device kernels; this rank runs ", name()));
+}
+
+absl::StatusOr<void*> ExpertKernels::EndCapture(Stream) {
+  return absl::FailedPreconditionError("end_capture: no capture was begun");
+}
+
+absl::StatusOr<bool> ExpertKernels::LaunchCaptured(void*, Stream) {
+  return absl::FailedPreconditionError(absl::StrCat("recorded work needs device kernels; this rank runs ", name()));
+}
+
 RegisteredHostBuffer::~RegisteredHostBuffer() { Release(); }
 
 void RegisteredHostBuffer::Release() {

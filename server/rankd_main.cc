@@ -110,6 +110,10 @@ ABSL_FLAG(bool, device_plan, true,
 ABSL_FLAG(bool, lone_decode_on_kernels, true,
           "with --device_plan, a rank alone in its group plans its decode steps whose routing is on the GPU there "
           "too, and enqueues their layer before it reads the checks back (false: it copies the routing to the host)");
+ABSL_FLAG(bool, lone_decode_graphs, true,
+          "with --lone_decode_on_kernels: such a step's GPU work (the checks, their read-back, the layer) is "
+          "recorded once per step shape and buffers as a CUDA graph and launched again in one call (a key's first "
+          "step runs eagerly; false: every step enqueues its calls one by one");
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
@@ -587,6 +591,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
   eo.decode_runner = o.decode_runner;
   eo.device_plan = absl::GetFlag(FLAGS_device_plan);
   eo.lone_decode_on_kernels = absl::GetFlag(FLAGS_lone_decode_on_kernels);
+  eo.lone_decode_graphs = absl::GetFlag(FLAGS_lone_decode_graphs);
   eo.lone_member_graphs = absl::GetFlag(FLAGS_lone_member_graphs);
   eo.expert_dtype = o.expert_dtype;
   if (o.trial_drift) {

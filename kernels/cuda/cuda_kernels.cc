@@ -88,6 +88,12 @@ class PinnedStaging {
   }
   // Copies `bytes` of the acquired buffer to `dst` on `stream` and fences the buffer.
   absl::Status CopyTo(void* dst, size_t bytes, cudaStream_t stream) {
+    // Recorded work would copy whatever the buffer holds when it runs, not these bytes.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) {
+      return absl::FailedPreconditionError("a host table staged for a copy cannot be recorded");
+    }
     CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, host_, bytes, cudaMemcpyHostToDevice, stream));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, stream));
     pending_ = true;
@@ -232,6 +238,7 @@ class CudaKernels final : public ExpertKernels {
       if (side_[i] != nullptr) cudaStreamDestroy(side_[i]);
     }
     if (fork_ != nullptr) cudaEventDestroy(fork_);
+    if (capture_stream_ != nullptr) cudaStreamDestroy(capture_stream_);
     if (find_first_ != nullptr) cudaFree(find_first_);
     if (find_host_ != nullptr) cudaFreeHost(find_host_);
     if (find_done_ != nullptr) cudaEventDestroy(find_done_);
@@ -264,6 +271,7 @@ class CudaKernels final : public ExpertKernels {
   void Free(void* p) override {
     cudaSetDevice(device_);
     cudaFree(p);
+    ++freed_;  // recorded work may name it (LaunchCaptured)
   }
   absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -405,8 +413,73 @@ class CudaKernels final : public ExpertKernels {
   }
   absl::Status RecordEvent(void* event, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+    auto st = static_cast<cudaStream_t>(stream);
+    if (st != nullptr && st == capture_stream_ && capturing_) {
+      // A node of the recorded work that records the event each time the work runs.
+      CUDA_RETURN_IF_ERROR(cudaEventRecordWithFlags(static_cast<cudaEvent_t>(event), st, cudaEventRecordExternal));
+      return absl::OkStatus();
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event), st));
     return absl::OkStatus();
+  }
+
+  // Recorded work: a CUDA graph captured on a stream of its own (thread-local capture mode, so a
+  // call that cannot be captured fails instead of synchronizing), instantiated once, with the
+  // memory epoch it was recorded in.
+  struct CapturedGraph {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t epoch = 0;
+  };
+  absl::StatusOr<Stream> BeginCapture() override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (capturing_) return absl::FailedPreconditionError("begin_capture: a capture is already under way");
+    if (capture_stream_ == nullptr) {
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
+    }
+    CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
+    capturing_ = true;
+    capture_epoch_ = MemoryEpoch();
+    return static_cast<Stream>(capture_stream_);
+  }
+  absl::StatusOr<void*> EndCapture(Stream capture) override {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (!capturing_ || capture != static_cast<Stream>(capture_stream_)) {
+      return absl::FailedPreconditionError("end_capture: not the stream of the capture under way");
+    }
+    capturing_ = false;
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(capture_stream_, &graph);
+    if (e == cudaSuccess && MemoryEpoch() != capture_epoch_) {
+      // A recorded call replaced scratch: whatever it enqueued there (a zeroed ticket) never ran.
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      route_zeroed_ = layer_zeroed_ = ~uint64_t{0};
+      return absl::FailedPreconditionError(
+          "end_capture: a recorded call allocated kernel memory (run it eagerly first)");
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      route_zeroed_ = layer_zeroed_ = ~uint64_t{0};
+      return absl::FailedPreconditionError(absl::StrCat("end_capture: ", cudaGetErrorString(e)));
+    }
+    return static_cast<void*>(new CapturedGraph{exec, capture_epoch_});
+  }
+  absl::StatusOr<bool> LaunchCaptured(void* work, Stream stream) override {
+    if (work == nullptr) return absl::InvalidArgumentError("launch_captured: no work");
+    auto* g = static_cast<CapturedGraph*>(work);
+    if (g->epoch != MemoryEpoch()) return false;
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    CUDA_RETURN_IF_ERROR(cudaGraphLaunch(g->exec, static_cast<cudaStream_t>(stream)));
+    return true;
+  }
+  void DropCaptured(void* work) override {
+    auto* g = static_cast<CapturedGraph*>(work);
+    if (g == nullptr) return;
+    cudaSetDevice(device_);
+    if (g->exec != nullptr && cudaGraphExecDestroy(g->exec) != cudaSuccess) cudaGetLastError();
+    delete g;
   }
   void CloseIpcMemory(void* base) override {
     cudaSetDevice(device_);
@@ -1099,6 +1172,16 @@ class CudaKernels final : public ExpertKernels {
   uint64_t layer_zeroed_ = 0;  // the allocation of layer_scratch_ whose counter was zeroed
   uint64_t route_zeroed_ = 0;  // the allocation of route_scratch_ whose ticket was zeroed
   LocalLayerScratch layer_stages_;
+  // Recorded work (BeginCapture): its stream, and the memory epoch, which moves whenever kernel
+  // memory that recorded work may name is freed or replaced.
+  cudaStream_t capture_stream_ = nullptr;
+  bool capturing_ = false;
+  uint64_t capture_epoch_ = 0;
+  uint64_t freed_ = 0;
+  uint64_t MemoryEpoch() const {
+    return freed_ + scratch_.allocations() + ptr_scratch_.allocations() + route_scratch_.allocations() +
+           offsets_scratch_.allocations() + rank_scratch_.allocations() + layer_scratch_.allocations();
+  }
 };
 
 }  // namespace

@@ -1471,9 +1471,11 @@ absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
 
 // A lone member's BF16 decode step with its routing in kernel memory. The kernels key and check
 // its routes (SealRoutes, the static replica choice of the device plan) and map them to local
-// slots (ComposeIndex); the copies of the checks' answer and of the routing to the host are
-// enqueued, then the fused local layer, and only then does the host wait for the answer: the GPU
-// runs the layer while the host checks the step and counts its routes. Where the padded runner
+// slots (ComposeIndex); the copy of the checks' answer to the host is enqueued, then the local
+// layer, and only then does the host wait for the answer: the GPU runs the layer while the host
+// checks the step and counts its routes. On device kernels that record work, those calls are one
+// launch of a recording made once per step shape and buffers (lone_decode_graphs, RecordedWork;
+// the layer in stages there, which give the fused kernels' bits). Where the padded runner
 // might pay (its capacity needs the counts) the answer is awaited before the layer instead. A
 // refused route, or rows that fail the caller's input check, fail the step (the caller settles the
 // enqueued work before it answers): their output rows may then have been written.
@@ -1520,23 +1522,26 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   seal.status = buf_.d_small.as<int64_t>();
   seal.keys = reinterpret_cast<int32_t*>(seal.status + 2);
   seal.gates_out = buf_.d_gates.as<float>();
-  RETURN_IF_ERROR(kern.SealRoutes(seal, nullptr));
   int32_t* const local_ids = buf_.d_row_of_route.as<int32_t>();  // -1: dropped, or no slot here
-  RETURN_IF_ERROR(kern.ComposeIndex({t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids}, nullptr));
   // The read-back (the status and the keys: the counts and the expert load) into registered host
   // memory; a refused route's expert and gate are read where they are, once refused.
   RETURN_IF_ERROR(buf_.lone_host.Reserve(&kern, back_bytes));
   int64_t* const status = buf_.lone_host.as<int64_t>();
   int32_t* const keys = reinterpret_cast<int32_t*>(status + 2);
-  RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, nullptr));
-  if (device_) {
-    if (checks_event_.event == nullptr) {
-      std::string unused;
-      ASSIGN_OR_RETURN(checks_event_.event, kern.CreateIpcEvent(&unused));
-      checks_event_.kernels = &kern;
-    }
-    RETURN_IF_ERROR(kern.RecordEvent(checks_event_.event, nullptr));
+  if (device_ && checks_event_.event == nullptr) {
+    std::string unused;
+    ASSIGN_OR_RETURN(checks_event_.event, kern.CreateIpcEvent(&unused));
+    checks_event_.kernels = &kern;
   }
+  const kernels::ComposeIndexParams compose{t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids};
+  // The checks and their read-back, with the event the host waits on after them.
+  const auto enqueue_checks = [&](kernels::Stream st) -> absl::Status {
+    RETURN_IF_ERROR(kern.SealRoutes(seal, st));
+    RETURN_IF_ERROR(kern.ComposeIndex(compose, st));
+    RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, st));
+    if (device_) RETURN_IF_ERROR(kern.RecordEvent(checks_event_.event, st));
+    return absl::OkStatus();
+  };
   // The runner: the decode kernels unless the padded one may pay, which needs the counts first
   // (LocalLayerPhase's choice, from the same counts).
   const bool padded_may_pay =
@@ -1568,6 +1573,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   };
   kernels::LocalLayerParams layer;
   if (padded_may_pay) {
+    RETURN_IF_ERROR(enqueue_checks(nullptr));
     pass.clock.Enter(StepPhase::kValidate);
     RETURN_IF_ERROR(read_back());
     std::vector<int64_t>& per_local = buf_.local_slot_routes;
@@ -1597,7 +1603,44 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   layer.num_tokens = in.tokens;
   layer.k = in.k;
   ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));
-  RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
+  if (padded_may_pay) {
+    RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
+  } else if (!device_ || !options_.lone_decode_graphs) {
+    RETURN_IF_ERROR(enqueue_checks(nullptr));
+    RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
+  } else {
+    // The checks, their read-back and the layer as one recorded launch, keyed by everything the
+    // calls are given (RecordedWork).
+    const auto word = [](const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); };
+    const RecordedWork::Key key{static_cast<uint64_t>(in.tokens),
+                                static_cast<uint64_t>(in.k),
+                                word(seal.ids),
+                                word(seal.gates),
+                                word(seal.admitted),
+                                static_cast<uint64_t>(seal.num_experts),
+                                word(seal.key_of_expert),
+                                word(seal.status),
+                                word(seal.gates_out),
+                                word(compose.a),
+                                static_cast<uint64_t>(compose.a_n),
+                                word(local_ids),
+                                word(status),
+                                static_cast<uint64_t>(back_bytes),
+                                word(checks_event_.event),
+                                word(layer.weights.w_gate_up),
+                                word(layer.weights.w_down),
+                                static_cast<uint64_t>(local_slots),
+                                static_cast<uint64_t>(in.d),
+                                static_cast<uint64_t>(host.d_ff),
+                                word(layer.x),
+                                word(layer.out_bf16),
+                                word(layer.out_fp32),
+                                static_cast<uint64_t>(layer.padded_capacity)};
+    RETURN_IF_ERROR(lone_recorded_.Run(key, [&](kernels::Stream st) -> absl::Status {
+      RETURN_IF_ERROR(enqueue_checks(st));
+      return kern.LocalLayer(layer, st);
+    }));
+  }
   RETURN_IF_ERROR(CopyOut(pass, layer.out_bf16));
   if (!padded_may_pay) {
     pass.clock.Enter(StepPhase::kValidate);

@@ -39,6 +39,7 @@
 #include "kernels/api.h"
 #include "runtime/exec/decode_admission.h"
 #include "runtime/exec/decode_graph.h"
+#include "runtime/exec/recorded_work.h"
 #include "runtime/exec/step.h"
 #include "runtime/exec/step_exchange.h"
 #include "runtime/exec/step_phases.h"
@@ -130,6 +131,11 @@ struct LayerExecutorOptions {
   // planned there too, their fused layer enqueued before the host reads the checks back
   // (LoneDecodePhase). False: such steps copy their routing to the host and plan there.
   bool lone_decode_on_kernels = true;
+  // Such steps' GPU work (the checks, their read-back, the layer in stages) recorded once per
+  // step shape and buffers and launched again in one call where the kernels record work (CUDA
+  // graphs; RecordedWork): a key's first step runs eagerly, its second is recorded. False: every
+  // step enqueues its calls one by one.
+  bool lone_decode_graphs = true;
   // The precision the experts run in. kFp8: each generation's weights are quantized when it is
   // added (E4M3, one FP32 scale per 128 x 128 block: DeepSeek-V3's checkpoint format; an FP8
   // checkpoint's weights come back to the same bytes, see docs/kernels.md) and only the FP8
@@ -158,6 +164,9 @@ class LayerExecutor {
   // summed over the layers, and per layer (the layer index the steps named).
   std::vector<int64_t> ExpertLoad() const;
   std::map<int64_t, std::vector<int64_t>> LayerExpertLoad() const;
+  // The lone decode steps' recorded work (LayerExecutorOptions::lone_decode_graphs). Read between
+  // steps (Execute's callers serialize them).
+  const RecordedWork::Stats& LoneDecodeRecordings() const { return lone_recorded_.stats(); }
 
   // Host memory that steps' rows will be read from and written to (a step ring): made reachable
   // by the kernels' copies without staging where they are device-resident (a no-op elsewhere).
@@ -399,6 +408,10 @@ class LayerExecutor {
     }
   };
   OwnedEvent checks_event_;
+  // LoneDecodePhase's recorded work by step shape and buffers; before checks_event_ in
+  // destruction (its recordings name that event).
+  RecordedWork lone_recorded_{options_.kernels, kLoneRecordings};
+  static constexpr int kLoneRecordings = 64;
 };
 
 }  // namespace moe

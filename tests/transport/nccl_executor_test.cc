@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "absl/strings/str_cat.h"
@@ -289,6 +290,179 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner, Expe
     return fail(s);
   if (registry.Refcount(PlacementVersion(1)) != 0) return fail(absl::InternalError("a handle was not released"));
   return 0;
+}
+
+// A lone member's decode steps with rows and routing in device memory, planned on the kernels
+// (device_plan, lone_decode_on_kernels): with lone_decode_graphs a key's first step runs eagerly,
+// its second is recorded as a CUDA graph and later ones launch it. Every output equals, bit for
+// bit, the same step on an executor that enqueues each call (no recordings), and the CPU
+// reference; a refused step through a recording names the same route; memory the kernels free
+// makes the recordings stale and they are made again.
+int LoneRecordedMember(const std::string& dir) {
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  auto fail = [](const absl::Status& s) {
+    std::fprintf(stderr, "lone recorded: %s\n", std::string(s.message()).c_str());
+    return 1;
+  };
+  if (cudaSetDevice(0) != cudaSuccess) return fail(absl::UnavailableError("cudaSetDevice"));
+  auto gpu = kernels::CreateCudaKernels();
+  if (!gpu.ok()) return fail(gpu.status());
+  auto cpu = kernels::CreateCpuKernels();
+  const ReferenceExperts reference(*cpu);
+  const SafetensorsFile ckpt = SyntheticCheckpoint({kExperts, kD, kFf}, 5, "checkpoint-gpu");
+  const Topology topology = TwoNodeTopology(1);
+  const ProcessGroup group = LocalClusterGroup(1, 1);
+  auto manifest = DefaultPlacement(PlacementVersion(1), kExperts, 2, topology, group, ckpt.metadata);
+  if (!manifest.ok()) return fail(manifest.status());
+  GenerationRegistry registry;
+  if (absl::Status s = registry.Prepare(*manifest); !s.ok()) return fail(s);
+  if (absl::Status s = registry.Activate(PlacementVersion(1)); !s.ok()) return fail(s);
+  // Two executors on the same kernels, each over a one-member NCCL group of its own.
+  std::vector<std::unique_ptr<Transport>> transports;
+  std::vector<std::unique_ptr<LayerExecutor>> execs;
+  for (bool recorded : {true, false}) {
+    NcclOptions o;
+    o.rendezvous_dir = absl::StrCat(dir, recorded ? "/recorded" : "/eager");
+    if (mkdir(o.rendezvous_dir.c_str(), 0700) != 0) return fail(absl::InternalError("mkdir"));
+    auto transport = CreateNcclTransport(o);
+    if (!transport.ok()) return fail(transport.status());
+    LayerExecutorOptions eo;
+    eo.rank = Rank(0);
+    eo.topology = topology;
+    eo.group = group;
+    eo.registry = &registry;
+    eo.transport = transport->get();
+    eo.kernels = gpu->get();
+    eo.timeout = absl::Seconds(20);
+    eo.device_plan = true;
+    eo.lone_decode_graphs = recorded;
+    auto exec = LayerExecutor::Create(std::move(eo));
+    if (!exec.ok()) return fail(exec.status());
+    auto local = LoadLocalExperts(ckpt, **manifest, Rank(0));
+    if (!local.ok()) return fail(local.status());
+    if (absl::Status s = (*exec)->AddGeneration(PlacementVersion(1), std::make_shared<LocalExperts>(*std::move(local)));
+        !s.ok()) {
+      return fail(s);
+    }
+    transports.push_back(*std::move(transport));
+    execs.push_back(*std::move(exec));
+  }
+  LayerExecutor& recorded = *execs[0];
+  LayerExecutor& eager = *execs[1];
+  // The engine's buffers: fixed addresses, so each token count keeps its key.
+  constexpr int64_t kMaxTokens = 8;
+  void *hidden = nullptr, *ids = nullptr, *gates = nullptr, *out_recorded = nullptr, *out_eager = nullptr;
+  for (auto [ptr, bytes] : {std::pair{&hidden, kMaxTokens * kD * 2}, std::pair{&ids, kMaxTokens * kK * 4},
+                            std::pair{&gates, kMaxTokens * kK * 4}, std::pair{&out_recorded, kMaxTokens * kD * 2},
+                            std::pair{&out_eager, kMaxTokens * kD * 2}}) {
+    if (cudaMalloc(ptr, static_cast<size_t>(bytes)) != cudaSuccess) return fail(absl::InternalError("cudaMalloc"));
+  }
+  std::string unused;
+  auto done = recorded.CreateDoneEvent(&unused);
+  if (!done.ok()) return fail(done.status());
+  uint64_t step = 0;
+  // Runs `in` on both executors; the outputs must be equal and match the reference.
+  auto run_both = [&](const Input& in, const char* what) -> absl::StatusOr<std::vector<uint16_t>> {
+    if (cudaMemcpy(hidden, in.hidden.data(), in.hidden.size() * 2, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(ids, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(gates, in.gates.data(), in.gates.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess) {
+      return absl::InternalError("cudaMemcpy");
+    }
+    std::vector<uint16_t> got[2];
+    for (int e = 0; e < 2; ++e) {
+      LayerStepInput si;
+      si.step_id = ++step;
+      si.layer = 2;
+      si.phase = Phase::kDecode;
+      si.hidden = static_cast<const uint16_t*>(hidden);
+      si.tokens = in.tokens;
+      si.d = kD;
+      si.topk_ids = static_cast<const int32_t*>(ids);
+      si.topk_weights = static_cast<const float*>(gates);
+      si.k = kK;
+      si.admitted = in.admitted.data();
+      si.rows_on_device = true;
+      si.routing_on_device = true;
+      si.output = static_cast<uint16_t*>(e == 0 ? out_recorded : out_eager);
+      si.done_event = e == 0 ? *done : nullptr;
+      auto r = (e == 0 ? recorded : eager).Execute(si);
+      if (!r.ok()) return r.status();
+      if (!r->record.device_plan) return absl::InternalError(absl::StrCat(what, ": not planned on the kernels"));
+      if (e == 0 && cudaEventSynchronize(static_cast<cudaEvent_t>(*done)) != cudaSuccess) {
+        return absl::InternalError("done event");
+      }
+      got[e].resize(in.tokens * kD);
+      if (cudaMemcpy(got[e].data(), si.output, got[e].size() * 2, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        return absl::InternalError("cudaMemcpy out");
+      }
+    }
+    if (got[0] != got[1]) return absl::InternalError(absl::StrCat(what, ": recorded and eager outputs differ"));
+    if (absl::Status s = CheckAgainstReference(in, got[0], *cpu, reference, false, what); !s.ok()) return s;
+    return got[0];
+  };
+  // The largest step first: the executors' buffers and the kernels' scratch reach their size
+  // (a buffer that grows frees the old one, which makes recordings stale and moves keys).
+  {
+    std::mt19937 rng(8999);
+    if (auto r = run_both(MakeInput(rng, kMaxTokens, true), "warm-up"); !r.ok()) return fail(r.status());
+  }
+  for (int rep = 0; rep < 4; ++rep) {
+    for (int64_t tokens : {1, 3, 8}) {
+      std::mt19937 rng(9000 + 10 * rep + tokens);
+      const Input in = MakeInput(rng, tokens, rep % 2 == 1);
+      const std::string what = absl::StrCat("rep ", rep, " T=", tokens);
+      if (auto r = run_both(in, what.c_str()); !r.ok()) return fail(r.status());
+    }
+  }
+  RecordedWork::Stats st = recorded.LoneDecodeRecordings();
+  std::fprintf(stderr, "lone recorded: %lld launches, %lld recorded, %lld eager, %lld failed (%s)\n",
+               static_cast<long long>(st.launches), static_cast<long long>(st.recorded),
+               static_cast<long long>(st.eager), static_cast<long long>(st.failed), st.last_failure.c_str());
+  // Each token count: one eager step, then its recording and launches (T = 8 was seen first).
+  if (st.recorded != 3 || st.launches != 10 || st.eager != 3 || st.failed != 0 || st.stale != 0) {
+    return fail(absl::InternalError("each token count: one eager step, then a recording and its launches expected"));
+  }
+  if (eager.LoneDecodeRecordings().launches != 0) return fail(absl::InternalError("the eager executor launched"));
+  // A refused route through a recording: the same error as eager, and the next step serves.
+  {
+    std::mt19937 rng(31);
+    Input bad = MakeInput(rng, 3, false);
+    bad.ids[13] = kExperts + 2;
+    bad.admitted[13] = 1;
+    auto r = run_both(bad, "bad id");
+    if (r.ok() || r.status().code() != absl::StatusCode::kInvalidArgument ||
+        r.status().message().find("topk_ids[1][5]: expert") == std::string::npos) {
+      return fail(absl::InternalError(absl::StrCat("bad id through a recording: ", r.status().ToString())));
+    }
+    if (recorded.LoneDecodeRecordings().launches != 11) return fail(absl::InternalError("not refused by a launch"));
+    Input good = MakeInput(rng, 3, false);
+    if (auto ok = run_both(good, "after the refusal"); !ok.ok()) return fail(ok.status());
+  }
+  // Memory the kernels free: the recordings are stale; the step runs eagerly, the next records.
+  {
+    auto p = (*gpu)->Allocate(4096);
+    if (!p.ok()) return fail(p.status());
+    (*gpu)->Free(*p);
+    std::mt19937 rng(41);
+    for (int i = 0; i < 2; ++i) {
+      if (auto r = run_both(MakeInput(rng, 8, false), "after a free"); !r.ok()) return fail(r.status());
+    }
+    st = recorded.LoneDecodeRecordings();
+    if (st.stale != 1 || st.recorded != 4) {
+      return fail(absl::InternalError(absl::StrCat("after a free: ", st.stale, " stale, ", st.recorded, " recorded")));
+    }
+  }
+  recorded.CloseReadyEvent(*done);
+  for (void* p : {hidden, ids, gates, out_recorded, out_eager}) cudaFree(p);
+  if (registry.Refcount(PlacementVersion(1)) != 0) return fail(absl::InternalError("a handle was not released"));
+  return 0;
+}
+
+TEST(NcclExecutorLoneTest, LoneDecodeStepsAreRecordedOnceAndEqualTheEagerSteps) {
+  ASSERT_GE(Devices(), 1) << "no GPU";
+  const auto codes =
+      testing::ForkMembers(1, "nccl-lone", [](int, const std::string& dir) { return LoneRecordedMember(dir); });
+  EXPECT_EQ(codes[0], 0);
 }
 
 // Every step through both runners of the decode bucket's graph: the decode kernels over compact
