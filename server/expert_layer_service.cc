@@ -272,7 +272,7 @@ absl::Status ExpertLayerServiceImpl::RunStep(const v1::StepRequest& req, v1::Ste
   if (!result.ok()) return result.status();
   RETURN_IF_ERROR(EncodeOutput(req, step.checked, result->output, regions_, resp));
   executor_->RecycleOutput(std::move(result->output));  // the next step's rows go there
-  *path = result->record.graph_replay ? "graph_replay" : "eager";
+  *path = result->record.graph_replay ? "graph_replay" : result->record.recorded ? "recorded" : "eager";
   CountRecord(result->record, step.checked.decode, metrics_);
   EncodeRecord(result->record, step.checked.decode, resp->mutable_record());
   return absl::OkStatus();
@@ -350,8 +350,9 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     in.rows_on_device = step.rows_on_device;
     in.done_event = step.done_event;  // with done events: answered once enqueued
     if (rows_check != nullptr) in.await_input_check = [&rows_check] { return rows_check->Await(); };
-    // Rows on the GPU are checked there: one pass over them on the step's stream, started before
-    // the executor's host phases and awaited before its agreement (once; the answer is kept).
+    // Rows on the GPU are checked there: one pass over them on the step's stream, started by the
+    // executor as its pass begins (or inside a lone decode step's recorded work) and awaited
+    // before its agreement (once; the answer is kept).
     std::optional<absl::Status> device_checked;
     bool device_check = false;
     absl::StatusOr<LayerStepResult> r;
@@ -376,9 +377,10 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
           }
           return *device_checked;
         };
-        if (absl::Status s = executor_->StartDeviceRowCheck(step.hidden, desc.tokens * step.d); !s.ok()) {
-          device_checked = std::move(s);
-        }
+        // Started by the executor: inside a lone decode step's recorded work where it records one.
+        in.start_input_check = [this, x = step.hidden, n = desc.tokens * step.d](void* stream) {
+          return executor_->StartDeviceRowCheck(x, n, stream);
+        };
       }
       // Routing in the engine's GPU memory: a step planned on the kernels reads it in place, any
       // other step copies it to the host first (LayerStepInput::routing_on_device).
@@ -394,7 +396,7 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     PendingRingMetrics& m = pending_ring_metrics;
     m.counted = r.ok();
     if (r.ok()) {
-      path = r->record.graph_replay ? "graph_replay" : "eager";
+      path = r->record.graph_replay ? "graph_replay" : r->record.recorded ? "recorded" : "eager";
       RingRecord(r->record, decode, result);
       m.record = std::move(r->record);  // counted once the answer is out
     }

@@ -1,5 +1,5 @@
 // Prometheus metrics of moe-rankd (spec 0x0DB). Labels come only from bounded sets: phase
-// (prefill, decode), path (eager, graph_replay), status (ok, invalid_argument, aborted, ...),
+// (prefill, decode), path (eager, graph_replay, recorded), status (ok, invalid_argument, aborted, ...),
 // fallback reason (the five of 0x05D), route kind, stage (the nine phases of a step,
 // runtime/exec/step.h); never request or token ids.
 #ifndef MOE_SERVER_METRICS_H_

@@ -37,4 +37,9 @@ for ((r = 1; r < RANKS; r++)); do targets="$targets,$(cat "$work/ports/$r.engine
   --ready_timeout_s 3
 rc=$?
 [ "$rc" = 0 ] || tail -20 "$work/rank0.log"
+# Decode steps by path (eager, recorded: launched from a lone rank's recorded CUDA graph, ...).
+echo "== rank 0's decode steps by path"
+"$PY" -c 'import sys, urllib.request
+print(urllib.request.urlopen("http://127.0.0.1:%s/metrics" % open(sys.argv[1]).read().strip()).read().decode())' \
+  "$work/metrics/0.port" | grep '^moe_steps_total{.*phase="decode"' || echo "(no scrape)"
 exit "$rc"

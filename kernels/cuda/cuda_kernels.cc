@@ -342,7 +342,10 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(find_host_, find_first_, sizeof(unsigned long long), cudaMemcpyDeviceToHost, st));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(find_done_, st));
+    // In recorded work, a node that records the event each time the work runs.
+    CUDA_RETURN_IF_ERROR(st != nullptr && st == capture_stream_ && capturing_
+                             ? cudaEventRecordWithFlags(find_done_, st, cudaEventRecordExternal)
+                             : cudaEventRecord(find_done_, st));
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> FinishFindNonFiniteBf16() override {

@@ -346,9 +346,9 @@ absl::StatusOr<void*> LayerExecutor::CreateDoneEvent(std::string* handle) {
   return options_.kernels->CreateIpcEvent(handle);
 }
 
-absl::Status LayerExecutor::StartDeviceRowCheck(const uint16_t* x, int64_t n) {
+absl::Status LayerExecutor::StartDeviceRowCheck(const uint16_t* x, int64_t n, kernels::Stream stream) {
   if (!device_) return absl::FailedPreconditionError("hidden: the rank's kernels are not device-resident");
-  return options_.kernels->StartFindNonFiniteBf16(x, n, nullptr);
+  return options_.kernels->StartFindNonFiniteBf16(x, n, stream);
 }
 
 absl::StatusOr<int64_t> LayerExecutor::FinishDeviceRowCheck() {
@@ -633,7 +633,8 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   sin.step_id = in.step_id + kShadowStepOffset;
   sin.output = nullptr;  // the shadow's rows are only compared, never handed out
   sin.expected_generation = -1;
-  RowBuffer host_rows;  // the engine's rows, when they are on the device: the shadow reads a host copy
+  sin.start_input_check = nullptr;  // started by the served pass; the shadow awaits its answer
+  RowBuffer host_rows;              // the engine's rows, when they are on the device: the shadow reads a host copy
   if (in.rows_on_device && in.done_event != nullptr && r.ok()) {
     // The served rows may still be in flight (on a graph's stream): read them once written.
     if (!WaitEvent(in.done_event, "the step's GPU work").ok()) return;  // not compared; the answer stands
@@ -717,6 +718,7 @@ struct LayerExecutor::Pass {
   const int64_t* expert_offsets = nullptr;   // FP8 experts: the local slots' offsets in kernel memory
   bool device_plan = false;                  // planned by the kernels (validate decides)
   bool lone_decode = false;                  // ... as a lone member's decode step (LoneDecodePhase)
+  bool check_in_recording = false;           // LoneDecodeSteps starts the caller's input check (start_input_check)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
   const void* hidden = nullptr;          // the engine's rows where the kernels read them
@@ -763,7 +765,17 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   // A member that cannot run the step still joins the agreement with the abort flag set, so its
   // peers abort at once (they get ABORTED) instead of waiting out the timeout; the member itself
   // answers its engine with the original error.
+  // The caller's input check starts as the pass does, unless the step may be a lone decode step
+  // whose recorded work takes it in (LoneDecodeSteps).
+  const bool check_may_be_recorded = in.start_input_check && device_ && options_.lone_decode_graphs &&
+                                     options_.device_plan && LoneDecodeEligible(in, po) && !pass.trial &&
+                                     !po.shadow_pass;
+  absl::Status check_started = absl::OkStatus();
+  if (in.start_input_check && !check_may_be_recorded) check_started = in.start_input_check(nullptr);
   absl::Status before_agreement = ValidatePhase(pass);
+  pass.check_in_recording = check_may_be_recorded && pass.lone_decode;
+  if (check_may_be_recorded && !pass.check_in_recording) check_started = in.start_input_check(nullptr);
+  if (before_agreement.ok()) before_agreement = std::move(check_started);
   if (before_agreement.ok()) before_agreement = StageRows(pass);
   if (before_agreement.ok()) before_agreement = AcquirePhase(pass);
   // A failed step answers its engine only once the staged rows' copy (or a kernel reading rows in
@@ -812,6 +824,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   return std::move(pass.result);
 }
 
+bool LayerExecutor::LoneDecodeEligible(const LayerStepInput& in, const PassOptions& po) const {
+  return options_.lone_decode_on_kernels && in.phase == Phase::kDecode && LoneMember() && in.routing_on_device &&
+         !options_.lone_member_graphs && options_.expert_dtype == ExpertDtype::kBf16 && po.shadow_version < 0;
+}
+
 absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kValidate);
   const LayerStepInput& in = pass.in;
@@ -828,9 +845,7 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   }
   // A lone member's BF16 decode step with its routing in kernel memory is planned there too,
   // with no shadow sampled (LoneDecodePhase).
-  const bool lone_decode = options_.lone_decode_on_kernels && in.phase == Phase::kDecode && LoneMember() &&
-                           in.routing_on_device && !options_.lone_member_graphs &&
-                           options_.expert_dtype == ExpertDtype::kBf16 && pass.po.shadow_version < 0;
+  const bool lone_decode = LoneDecodeEligible(in, pass.po);
   if (options_.device_plan && (in.phase == Phase::kPrefill || lone_decode) && !pass.trial && !pass.po.shadow_pass &&
       in.tokens > 0 && (*manifest)->ServesLayer(in.layer)) {
     pass.dtables = DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer));
@@ -1536,6 +1551,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   const kernels::ComposeIndexParams compose{t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids};
   // The checks and their read-back, with the event the host waits on after them.
   const auto enqueue_checks = [&](kernels::Stream st) -> absl::Status {
+    if (pass.check_in_recording) RETURN_IF_ERROR(in.start_input_check(st));  // the caller's, first
     RETURN_IF_ERROR(kern.SealRoutes(seal, st));
     RETURN_IF_ERROR(kern.ComposeIndex(compose, st));
     RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, st));
@@ -1635,11 +1651,15 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
                                 word(layer.x),
                                 word(layer.out_bf16),
                                 word(layer.out_fp32),
-                                static_cast<uint64_t>(layer.padded_capacity)};
-    RETURN_IF_ERROR(lone_recorded_.Run(key, [&](kernels::Stream st) -> absl::Status {
-      RETURN_IF_ERROR(enqueue_checks(st));
-      return kern.LocalLayer(layer, st);
-    }));
+                                static_cast<uint64_t>(layer.padded_capacity),
+                                static_cast<uint64_t>(pass.check_in_recording)};
+    RETURN_IF_ERROR(lone_recorded_.Run(
+        key,
+        [&](kernels::Stream st) -> absl::Status {
+          RETURN_IF_ERROR(enqueue_checks(st));
+          return kern.LocalLayer(layer, st);
+        },
+        &pass.result.record.recorded));
   }
   RETURN_IF_ERROR(CopyOut(pass, layer.out_bf16));
   if (!padded_may_pay) {

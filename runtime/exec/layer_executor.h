@@ -192,7 +192,7 @@ class LayerExecutor {
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
   // Callers serialize steps (one scan in flight).
-  absl::Status StartDeviceRowCheck(const uint16_t* x, int64_t n);
+  absl::Status StartDeviceRowCheck(const uint16_t* x, int64_t n, kernels::Stream stream = nullptr);
   absl::StatusOr<int64_t> FinishDeviceRowCheck();
 
   // Hands a step's output buffer back once the caller is done with it: the next step writes its
@@ -299,6 +299,8 @@ class LayerExecutor {
   // A lone member's BF16 decode step with its routing in kernel memory, planned by the kernels
   // (the static replica choice) and enqueued before its checks come back (validate chose it).
   absl::Status LoneDecodePhase(Pass& pass);
+  // Whether `in` may become such a step with its GPU work recorded (ValidatePhase decides).
+  bool LoneDecodeEligible(const LayerStepInput& in, const PassOptions& po) const;
   absl::Status LoneDecodeSteps(Pass& pass);
   absl::Status DispatchRows(Pass& pass);
   absl::Status ExpertsPhase(Pass& pass);

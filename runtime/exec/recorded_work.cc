@@ -25,7 +25,11 @@ absl::Status RecordedWork::Eager(absl::FunctionRef<absl::Status(kernels::Stream)
   return enqueue(nullptr);
 }
 
-absl::Status RecordedWork::Run(const Key& key, absl::FunctionRef<absl::Status(kernels::Stream)> enqueue) {
+absl::Status RecordedWork::Run(const Key& key, absl::FunctionRef<absl::Status(kernels::Stream)> enqueue,
+                               bool* launched) {
+  bool unused = false;
+  bool& ran_recording = launched != nullptr ? *launched : unused;
+  ran_recording = false;
   if (!supported_) return Eager(enqueue);
   auto it = entries_.find(key);
   if (it == entries_.end()) {
@@ -47,6 +51,7 @@ absl::Status RecordedWork::Run(const Key& key, absl::FunctionRef<absl::Status(ke
     if (!ran.ok()) return ran.status();
     if (*ran) {
       ++stats_.launches;
+      ran_recording = true;
       return absl::OkStatus();
     }
     ++stats_.stale;  // memory it may name was freed: start again from an eager step
@@ -85,6 +90,7 @@ absl::Status RecordedWork::Run(const Key& key, absl::FunctionRef<absl::Status(ke
     return Eager(enqueue);
   }
   ++stats_.launches;
+  ran_recording = true;
   return absl::OkStatus();
 }
 

@@ -27,7 +27,7 @@ namespace moe {
 
 class RecordedWork {
  public:
-  static constexpr int kKeyWords = 24;
+  static constexpr int kKeyWords = 28;  // unused words stay zero
   using Key = std::array<uint64_t, kKeyWords>;
 
   struct Stats {
@@ -49,7 +49,8 @@ class RecordedWork {
   // Runs `enqueue` for `key`'s step on the kernels' default stream (the null stream), eagerly
   // or as a recording of it. `enqueue` enqueues only on the stream it is given and must do the
   // same thing each time it is called with the same key.
-  absl::Status Run(const Key& key, absl::FunctionRef<absl::Status(kernels::Stream)> enqueue);
+  // `*launched` (when given): whether the step ran as a launch of a recording.
+  absl::Status Run(const Key& key, absl::FunctionRef<absl::Status(kernels::Stream)> enqueue, bool* launched = nullptr);
 
   const Stats& stats() const { return stats_; }
   int size() const { return static_cast<int>(entries_.size()); }

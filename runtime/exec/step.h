@@ -60,6 +60,12 @@ struct LayerStepInput {
   // earlier phase failed (the rows must outlive it); a failure rejects the step into its
   // agreement like any other invalid input. Must be idempotent (a shadow pass awaits it again).
   std::function<absl::Status()> await_input_check;
+  // Optional, with await_input_check: starts that check on the kernels' stream it is given (the
+  // service's NaN/Inf scan of rows in device memory, LayerExecutor::StartDeviceRowCheck). The
+  // executor calls it once a pass before anything awaits the check: inside a lone decode step's
+  // recorded work where it records one (LayerExecutorOptions::lone_decode_graphs), else on the
+  // null stream as the pass starts. A failure to start fails the step with that status.
+  std::function<absl::Status(void* stream)> start_input_check;
 };
 
 // The phases of a step, in the order they run.
@@ -82,6 +88,9 @@ struct StepRecord {
   int64_t placement_version = 0;
   int64_t layer = 0;  // the MoE layer whose experts served the step
   bool graph_replay = false;
+  // A lone member's decode step whose GPU work was one launch of a recording
+  // (LayerExecutorOptions::lone_decode_graphs); not a decode-graph replay (its path stays eager).
+  bool recorded = false;
   // Decode steps the graph did not admit: the first failing admission clause. Empty for replays
   // and for a lone member's decode steps (the local layer by design, no admission).
   std::string fallback_reason;

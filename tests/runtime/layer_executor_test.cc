@@ -394,6 +394,59 @@ TEST_F(OneMemberTest, AnInputCheckIsAwaitedBeforeTheAgreementAndItsFailureReject
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
 }
 
+// start_input_check: called once a pass, on the null stream where nothing is recorded (the CPU
+// kernels), before its check is awaited; for decode steps planned on the kernels too. A check
+// that cannot start fails the step with that status, and the next step serves.
+TEST_F(OneMemberTest, AnInputCheckIsStartedOnceBeforeItIsAwaited) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, DecodeRunner::kKernels, /*device_plan=*/true);
+  std::mt19937 rng(29);
+  std::vector<std::string> calls;
+  const auto instrument = [&calls](LayerStepInput& in, absl::Status start) {
+    in.start_input_check = [&calls, start](void* stream) {
+      calls.push_back(stream == nullptr ? "start" : "start on a stream");
+      return start;
+    };
+    in.await_input_check = [&calls] {
+      calls.push_back("await");
+      return absl::OkStatus();
+    };
+  };
+  uint64_t step = 1;
+  for (Phase phase : {Phase::kPrefill, Phase::kDecode}) {
+    for (bool routing_on_device : {false, true}) {
+      const RankInput input = RandomInput(rng, 5);
+      LayerStepInput in = input.Step(step++, 0, phase);
+      in.routing_on_device = routing_on_device;
+      instrument(in, absl::OkStatus());
+      calls.clear();
+      auto r = executor_->Execute(in);
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_GE(calls.size(), 2u);
+      EXPECT_EQ(calls[0], "start");
+      EXPECT_EQ(std::count(calls.begin(), calls.end(), "start"), 1);
+      EXPECT_EQ(std::count(calls.begin(), calls.end(), "start on a stream"), 0);
+      EXPECT_EQ(r->record.device_plan, routing_on_device || phase == Phase::kPrefill);
+      EXPECT_LT(ErrorAgainstReference(ckpt_, input, r->output), 1e-2);
+    }
+  }
+  for (bool routing_on_device : {false, true}) {
+    const RankInput input = RandomInput(rng, 3);
+    LayerStepInput in = input.Step(step++, 0, Phase::kDecode);
+    in.routing_on_device = routing_on_device;
+    instrument(in, absl::ResourceExhaustedError("find_non_finite: no scratch"));
+    auto refused = executor_->Execute(in);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("find_non_finite"));
+    in = input.Step(step++, 0, Phase::kDecode);
+    in.routing_on_device = routing_on_device;
+    instrument(in, absl::OkStatus());
+    auto served = executor_->Execute(in);
+    ASSERT_TRUE(served.ok()) << served.status();
+    EXPECT_LT(ErrorAgainstReference(ckpt_, input, served->output), 1e-2);
+  }
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
 // A loopback endpoint (not owned) whose peers can be failed, as UCX fails a peer whose
 // positional call timed out (Transport::failed): every call then answers UNAVAILABLE.
 class BreakableTransport final : public Transport {

@@ -92,10 +92,13 @@ TEST(RecordedWorkTest, FirstStepEagerThenRecordedThenLaunched) {
   };
   {
     RecordedWork work(&fake, 8);
-    ASSERT_TRUE(work.Run(KeyOf(1), enqueue).ok());
+    bool launched = true;
+    ASSERT_TRUE(work.Run(KeyOf(1), enqueue, &launched).ok());
+    EXPECT_FALSE(launched);
     EXPECT_EQ(c.eager, 1);
     EXPECT_EQ(fake.launches, 0);
-    ASSERT_TRUE(work.Run(KeyOf(1), enqueue).ok());
+    ASSERT_TRUE(work.Run(KeyOf(1), enqueue, &launched).ok());
+    EXPECT_TRUE(launched);
     EXPECT_EQ(c.recorded, 1);     // recorded once...
     EXPECT_EQ(fake.launches, 1);  // ...and launched for this step
     EXPECT_EQ(c.eager, 1);
@@ -126,7 +129,9 @@ TEST(RecordedWorkTest, StaleRecordingStartsAgainFromAnEagerStep) {
   ASSERT_TRUE(work.Run(KeyOf(7), enqueue).ok());
   ASSERT_EQ(fake.launches, 1);
   ++fake.epoch;  // the kernels freed memory
-  ASSERT_TRUE(work.Run(KeyOf(7), enqueue).ok());
+  bool launched = true;
+  ASSERT_TRUE(work.Run(KeyOf(7), enqueue, &launched).ok());
+  EXPECT_FALSE(launched);
   EXPECT_EQ(work.stats().stale, 1);
   EXPECT_EQ(fake.drops, 1);
   EXPECT_EQ(c.eager, 2);  // this step ran eagerly, not the stale recording

@@ -362,6 +362,7 @@ int LoneRecordedMember(const std::string& dir) {
   if (!done.ok()) return fail(done.status());
   uint64_t step = 0;
   // Runs `in` on both executors; the outputs must be equal and match the reference.
+  const void* const hidden_rows = hidden;
   auto run_both = [&](const Input& in, const char* what) -> absl::StatusOr<std::vector<uint16_t>> {
     if (cudaMemcpy(hidden, in.hidden.data(), in.hidden.size() * 2, cudaMemcpyHostToDevice) != cudaSuccess ||
         cudaMemcpy(ids, in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice) != cudaSuccess ||
@@ -385,7 +386,20 @@ int LoneRecordedMember(const std::string& dir) {
       si.routing_on_device = true;
       si.output = static_cast<uint16_t*>(e == 0 ? out_recorded : out_eager);
       si.done_event = e == 0 ? *done : nullptr;
-      auto r = (e == 0 ? recorded : eager).Execute(si);
+      // The rows' NaN/Inf scan as moe-rankd runs it: started by the executor (in the recording
+      // on the recorded executor), its answer awaited.
+      LayerExecutor& ex = e == 0 ? recorded : eager;
+      const int64_t n = in.tokens * kD;
+      si.start_input_check = [&ex, n, hidden_rows](void* stream) {
+        return ex.StartDeviceRowCheck(static_cast<const uint16_t*>(hidden_rows), n, stream);
+      };
+      si.await_input_check = [&ex]() -> absl::Status {
+        absl::StatusOr<int64_t> first = ex.FinishDeviceRowCheck();
+        if (!first.ok()) return first.status();
+        if (*first >= 0) return absl::InvalidArgumentError(absl::StrCat("hidden.data[", *first, "]: not finite"));
+        return absl::OkStatus();
+      };
+      auto r = ex.Execute(si);
       if (!r.ok()) return r.status();
       if (!r->record.device_plan) return absl::InternalError(absl::StrCat(what, ": not planned on the kernels"));
       if (e == 0 && cudaEventSynchronize(static_cast<cudaEvent_t>(*done)) != cudaSuccess) {
@@ -437,6 +451,16 @@ int LoneRecordedMember(const std::string& dir) {
     if (recorded.LoneDecodeRecordings().launches != 11) return fail(absl::InternalError("not refused by a launch"));
     Input good = MakeInput(rng, 3, false);
     if (auto ok = run_both(good, "after the refusal"); !ok.ok()) return fail(ok.status());
+    // A NaN in the rows: refused by the scan inside the recording.
+    Input nan_rows = MakeInput(rng, 3, false);
+    nan_rows.hidden[kD + 17] = 0x7fc0;
+    auto n = run_both(nan_rows, "NaN row");
+    if (n.ok() || n.status().code() != absl::StatusCode::kInvalidArgument ||
+        n.status().message().find(absl::StrCat("hidden.data[", kD + 17, "]: not finite")) == std::string::npos) {
+      return fail(absl::InternalError(absl::StrCat("NaN row through a recording: ", n.status().ToString())));
+    }
+    if (recorded.LoneDecodeRecordings().launches != 13) return fail(absl::InternalError("NaN: not a launch"));
+    if (auto ok = run_both(MakeInput(rng, 3, false), "after the NaN"); !ok.ok()) return fail(ok.status());
   }
   // Memory the kernels free: the recordings are stale; the step runs eagerly, the next records.
   {
