@@ -239,6 +239,9 @@ class CudaKernels final : public ExpertKernels {
     }
     if (fork_ != nullptr) cudaEventDestroy(fork_);
     if (capture_stream_ != nullptr) cudaStreamDestroy(capture_stream_);
+    if (capture_side_ != nullptr) cudaStreamDestroy(capture_side_);
+    if (capture_fork_ != nullptr) cudaEventDestroy(capture_fork_);
+    if (capture_join_ != nullptr) cudaEventDestroy(capture_join_);
     if (find_first_ != nullptr) cudaFree(find_first_);
     if (find_host_ != nullptr) cudaFreeHost(find_host_);
     if (find_done_ != nullptr) cudaEventDestroy(find_done_);
@@ -339,13 +342,21 @@ class CudaKernels final : public ExpertKernels {
       find_done_ = done;
     }
     auto st = static_cast<cudaStream_t>(stream);
+    const bool recorded = st != nullptr && st == capture_stream_ && capturing_;
+    if (recorded) {
+      // In recorded work the scan is a branch of its own from this point (nothing after it on
+      // `stream` waits for it), joined at the recording's end; its event is recorded each time
+      // the work runs.
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(capture_fork_, st));
+      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(capture_side_, capture_fork_, 0));
+      st = capture_side_;
+      side_pending_ = true;
+    }
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(find_host_, find_first_, sizeof(unsigned long long), cudaMemcpyDeviceToHost, st));
-    // In recorded work, a node that records the event each time the work runs.
-    CUDA_RETURN_IF_ERROR(st != nullptr && st == capture_stream_ && capturing_
-                             ? cudaEventRecordWithFlags(find_done_, st, cudaEventRecordExternal)
-                             : cudaEventRecord(find_done_, st));
+    CUDA_RETURN_IF_ERROR(recorded ? cudaEventRecordWithFlags(find_done_, st, cudaEventRecordExternal)
+                                  : cudaEventRecord(find_done_, st));
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> FinishFindNonFiniteBf16() override {
@@ -436,7 +447,10 @@ class CudaKernels final : public ExpertKernels {
   absl::StatusOr<Stream> BeginCapture() override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (capturing_) return absl::FailedPreconditionError("begin_capture: a capture is already under way");
-    if (capture_stream_ == nullptr) {
+    if (capture_stream_ == nullptr) {  // all three, made before any capture
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture_side_, cudaStreamNonBlocking));
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&capture_fork_, cudaEventDisableTiming));
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&capture_join_, cudaEventDisableTiming));
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
     }
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
@@ -450,8 +464,15 @@ class CudaKernels final : public ExpertKernels {
       return absl::FailedPreconditionError("end_capture: not the stream of the capture under way");
     }
     capturing_ = false;
+    cudaError_t e = cudaSuccess;
+    if (side_pending_) {  // the branch joins the recording's end
+      side_pending_ = false;
+      e = cudaEventRecord(capture_join_, capture_side_);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(capture_stream_, capture_join_, 0);
+    }
     cudaGraph_t graph = nullptr;
-    cudaError_t e = cudaStreamEndCapture(capture_stream_, &graph);
+    const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
+    if (e == cudaSuccess) e = ended;
     if (e == cudaSuccess && MemoryEpoch() != capture_epoch_) {
       // A recorded call replaced scratch: whatever it enqueued there (a zeroed ticket) never ran.
       if (graph != nullptr) cudaGraphDestroy(graph);
@@ -1178,6 +1199,10 @@ class CudaKernels final : public ExpertKernels {
   // Recorded work (BeginCapture): its stream, and the memory epoch, which moves whenever kernel
   // memory that recorded work may name is freed or replaced.
   cudaStream_t capture_stream_ = nullptr;
+  // A branch of the recording (the NaN/Inf scan), forked and joined through the two events.
+  cudaStream_t capture_side_ = nullptr;
+  cudaEvent_t capture_fork_ = nullptr, capture_join_ = nullptr;
+  bool side_pending_ = false;
   bool capturing_ = false;
   uint64_t capture_epoch_ = 0;
   uint64_t freed_ = 0;
