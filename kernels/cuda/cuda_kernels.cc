@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -274,7 +275,7 @@ class CudaKernels final : public ExpertKernels {
   void Free(void* p) override {
     cudaSetDevice(device_);
     cudaFree(p);
-    ++freed_;  // recorded work may name it (LaunchCaptured)
+    freed_.fetch_add(1, std::memory_order_release);  // recorded work may name it (LaunchCaptured)
   }
   absl::Status CopyToKernel(void* dst, const void* src, int64_t bytes, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -1205,10 +1206,11 @@ class CudaKernels final : public ExpertKernels {
   bool side_pending_ = false;
   bool capturing_ = false;
   uint64_t capture_epoch_ = 0;
-  uint64_t freed_ = 0;
+  std::atomic<uint64_t> freed_{0};  // Free may be called from a thread other than the steps'
   uint64_t MemoryEpoch() const {
-    return freed_ + scratch_.allocations() + ptr_scratch_.allocations() + route_scratch_.allocations() +
-           offsets_scratch_.allocations() + rank_scratch_.allocations() + layer_scratch_.allocations();
+    return freed_.load(std::memory_order_acquire) + scratch_.allocations() + ptr_scratch_.allocations() +
+           route_scratch_.allocations() + offsets_scratch_.allocations() + rank_scratch_.allocations() +
+           layer_scratch_.allocations();
   }
 };
 

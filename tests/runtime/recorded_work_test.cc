@@ -79,17 +79,21 @@ RecordedWork::Key KeyOf(uint64_t v) {
   return k;
 }
 
+// Steps run eagerly (the null stream) and recordings (the capture stream) of an enqueue callback.
 struct Counts {
   int eager = 0, recorded = 0;
+  auto Enqueue() {
+    return [this](Stream s) {
+      (s == nullptr ? eager : recorded)++;
+      return absl::OkStatus();
+    };
+  }
 };
 
 TEST(RecordedWorkTest, FirstStepEagerThenRecordedThenLaunched) {
   FakeRecorder fake;
   Counts c;
-  auto enqueue = [&](Stream s) {
-    (s == nullptr ? c.eager : c.recorded)++;
-    return absl::OkStatus();
-  };
+  auto enqueue = c.Enqueue();
   {
     RecordedWork work(&fake, 8);
     bool launched = true;
@@ -120,10 +124,7 @@ TEST(RecordedWorkTest, FirstStepEagerThenRecordedThenLaunched) {
 TEST(RecordedWorkTest, StaleRecordingStartsAgainFromAnEagerStep) {
   FakeRecorder fake;
   Counts c;
-  auto enqueue = [&](Stream s) {
-    (s == nullptr ? c.eager : c.recorded)++;
-    return absl::OkStatus();
-  };
+  auto enqueue = c.Enqueue();
   RecordedWork work(&fake, 8);
   ASSERT_TRUE(work.Run(KeyOf(7), enqueue).ok());
   ASSERT_TRUE(work.Run(KeyOf(7), enqueue).ok());
@@ -144,10 +145,7 @@ TEST(RecordedWorkTest, StaleRecordingStartsAgainFromAnEagerStep) {
 TEST(RecordedWorkTest, FailedRecordingsRunEagerlyAndTwoKeepTheKeyEager) {
   FakeRecorder fake;
   Counts c;
-  auto enqueue = [&](Stream s) {
-    (s == nullptr ? c.eager : c.recorded)++;
-    return absl::OkStatus();
-  };
+  auto enqueue = c.Enqueue();
   RecordedWork work(&fake, 8);
   fake.fail_end = true;
   for (int i = 0; i < 6; ++i) ASSERT_TRUE(work.Run(KeyOf(3), enqueue).ok());
@@ -195,10 +193,7 @@ TEST(RecordedWorkTest, KernelsThatRecordNothingRunEveryStepEagerly) {
   FakeRecorder fake;
   fake.records = false;
   Counts c;
-  auto enqueue = [&](Stream s) {
-    (s == nullptr ? c.eager : c.recorded)++;
-    return absl::OkStatus();
-  };
+  auto enqueue = c.Enqueue();
   RecordedWork work(&fake, 8);
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(work.Run(KeyOf(1), enqueue).ok());
   EXPECT_EQ(c.eager, 5);

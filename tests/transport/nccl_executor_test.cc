@@ -146,6 +146,21 @@ absl::Status CheckAgainstReference(const Input& in, absl::Span<const uint16_t> g
   return absl::OkStatus();
 }
 
+// An executor of `slot` on the GPU's kernels over `transport` (the options both members share).
+LayerExecutorOptions GpuExecutorOptions(int slot, const Topology& topology, const ProcessGroup& group,
+                                        GenerationRegistry* registry, Transport* transport,
+                                        kernels::ExpertKernels* gpu) {
+  LayerExecutorOptions eo;
+  eo.rank = Rank(slot);
+  eo.topology = topology;
+  eo.group = group;
+  eo.registry = registry;
+  eo.transport = transport;
+  eo.kernels = gpu;
+  eo.timeout = absl::Seconds(20);
+  return eo;
+}
+
 int Member(int slot, int size, const std::string& dir, DecodeRunner runner, ExpertDtype dtype) {
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   auto fail = [slot](const absl::Status& s) {
@@ -174,14 +189,7 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner, Expe
   GenerationRegistry registry;
   if (absl::Status s = registry.Prepare(*manifest); !s.ok()) return fail(s);
   if (absl::Status s = registry.Activate(PlacementVersion(1)); !s.ok()) return fail(s);
-  LayerExecutorOptions eo;
-  eo.rank = Rank(slot);
-  eo.topology = topology;
-  eo.group = group;
-  eo.registry = &registry;
-  eo.transport = transport->get();
-  eo.kernels = gpu->get();
-  eo.timeout = absl::Seconds(20);
+  LayerExecutorOptions eo = GpuExecutorOptions(slot, topology, group, &registry, transport->get(), gpu->get());
   eo.decode_rank_tokens = 8;
   eo.decode_slot_routes = 24;
   eo.decode_runner = runner;
@@ -326,14 +334,7 @@ int LoneRecordedMember(const std::string& dir) {
     if (mkdir(o.rendezvous_dir.c_str(), 0700) != 0) return fail(absl::InternalError("mkdir"));
     auto transport = CreateNcclTransport(o);
     if (!transport.ok()) return fail(transport.status());
-    LayerExecutorOptions eo;
-    eo.rank = Rank(0);
-    eo.topology = topology;
-    eo.group = group;
-    eo.registry = &registry;
-    eo.transport = transport->get();
-    eo.kernels = gpu->get();
-    eo.timeout = absl::Seconds(20);
+    LayerExecutorOptions eo = GpuExecutorOptions(0, topology, group, &registry, transport->get(), gpu->get());
     eo.device_plan = true;
     eo.lone_decode_graphs = recorded;
     auto exec = LayerExecutor::Create(std::move(eo));
