@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGETS=(//tests/kernels:cuda_kernels_test //tests/transport:nccl_transport_test //tests/transport:nccl_executor_test
-  //bench/gpu:expert_layer_bench //bench/gpu:a2a_bench //bench:eplb_bench //bench:api_overhead_bench
+  //bench/gpu:expert_layer_bench //bench/gpu:a2a_bench //bench/gpu:cpp_device_rows //bench:eplb_bench //bench:api_overhead_bench
   //bench:checkpoint_load_bench //bench:step_host_bench //bench:cluster_step_bench //server:moe-rankd //server:libmoe_cuda.so //server:engine_driver //control:moectl //control/controller:moe-controller)
 bazel build --config=gpu "${TARGETS[@]}"
 out=dist/gpu
