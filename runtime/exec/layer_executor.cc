@@ -1549,9 +1549,9 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
     checks_event_.kernels = &kern;
   }
   const kernels::ComposeIndexParams compose{t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids};
-  // The checks and their read-back, with the event the host waits on after them.
-  // The caller's input check first: in a recording the CUDA kernels run it on a branch of its
-  // own beside the routes' checks and the layer, which do not read its answer.
+  // The checks and their read-back, with the event the host waits on after them; the caller's
+  // input check first (in a recording the CUDA kernels run it on a branch of its own beside the
+  // routes' checks and the layer, which do not read its answer).
   const auto enqueue_checks = [&](kernels::Stream st) -> absl::Status {
     if (pass.check_in_recording) RETURN_IF_ERROR(in.start_input_check(st));
     RETURN_IF_ERROR(kern.SealRoutes(seal, st));
