@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
 
 #include "rpc/bearer_auth.h"
 #include "rpc/grpc_status.h"
@@ -391,6 +392,7 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
       }
       r = checked.ok() ? executor_->Execute(in) : executor_->Reject(in.step_id, in.layer, std::move(checked));
       if (device_check) in.await_input_check().IgnoreError();  // every started scan is finished
+      NoteRecordedWork();
     }
     if (rows_check != nullptr) rows_check->Await().IgnoreError();  // done already; the rows may be reused after this
     PendingRingMetrics& m = pending_ring_metrics;
@@ -413,6 +415,19 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
   m.path = path;
   m.code = status.code();
   m.seconds = seconds;
+}
+
+void ExpertLayerServiceImpl::NoteRecordedWork() {
+  const RecordedWork::Stats& w = executor_->LoneDecodeRecordings();
+  const int64_t total = w.recorded + w.stale + w.failed + w.evicted;
+  if (total == recorded_counted_) return;
+  recorded_counted_ = total;
+  if (metrics_ != nullptr) metrics_->RecordedWork(w.recorded, w.stale, w.failed, w.evicted);
+  if (w.failed > failures_logged_) {
+    failures_logged_ = w.failed;
+    spdlog::warn("a lone decode step could not be recorded as a CUDA graph and ran call by call ({} so far): {}",
+                 w.failed, w.last_failure);
+  }
 }
 
 void ExpertLayerServiceImpl::FinishRingStep() {

@@ -91,6 +91,11 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   const EngineApiOptions options_;
   SharedRegions regions_;
   absl::Mutex step_mu_;  // one layer step at a time: collectives run in arrival order
+  // The executor's recordings of lone decode steps (LayerExecutor::LoneDecodeRecordings): counted
+  // in the metrics when they change, and each failed one logged.
+  void NoteRecordedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  int64_t recorded_counted_ ABSL_GUARDED_BY(step_mu_) = 0;
+  int64_t failures_logged_ ABSL_GUARDED_BY(step_mu_) = 0;
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include <algorithm>
+
 namespace moe {
 
 RankMetrics::RankMetrics(const std::string& release)
@@ -53,6 +55,17 @@ RankMetrics::RankMetrics(const std::string& release)
                            "which forms a new epoch)")
                        .Register(*registry_)
                        .Add({{"release", release_}});
+  auto& recorded = prometheus::BuildCounter()
+                       .Name("moe_recorded_work_total")
+                       .Help(
+                           "Recordings of a lone rank's decode steps as CUDA graphs (--lone_decode_graphs), by "
+                           "outcome: recorded, stale (dropped after the kernels freed memory), failed (the step ran "
+                           "call by call), evicted (64 step shapes kept)")
+                       .Register(*registry_);
+  int i = 0;
+  for (const char* outcome : {"recorded", "stale", "failed", "evicted"}) {
+    recorded_work_[i++] = &recorded.Add({{"release", release_}, {"outcome", outcome}});
+  }
   epoch_changes_ = &prometheus::BuildHistogram()
                         .Name("moe_process_group_rebuild_seconds")
                         .Help("Time from a PREPARE of a new epoch to its transport bound (or failed), by outcome")
@@ -204,6 +217,15 @@ void RankMetrics::Generation(int64_t version) { generation_->Set(static_cast<dou
 void RankMetrics::Epoch(int64_t epoch) { epoch_->Set(static_cast<double>(epoch)); }
 
 void RankMetrics::EpochFault() { epoch_faults_->Increment(); }
+
+void RankMetrics::RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted) {
+  const std::array<int64_t, 4> now{recorded, stale, failed, evicted};
+  std::lock_guard<std::mutex> lock(recorded_mu_);
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (now[i] > recorded_seen_[i]) recorded_work_[i]->Increment(static_cast<double>(now[i] - recorded_seen_[i]));
+    recorded_seen_[i] = std::max(recorded_seen_[i], now[i]);
+  }
+}
 
 void RankMetrics::EpochChange(const std::string& outcome, double seconds) {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5,

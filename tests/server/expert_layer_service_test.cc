@@ -9,7 +9,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
+#include <string>
 
 #include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
@@ -662,6 +664,24 @@ TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
   ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
   const grpc::Status tcp = tcp_stub_->OpenStepRing(&ctx, req, &opened);
   EXPECT_EQ(tcp.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << tcp.error_message();
+}
+
+// moe_recorded_work_total counts the growth of the executor's running totals, by outcome.
+TEST(RankMetricsTest, RecordedWorkCountsTheTotalsGrowth) {
+  RankMetrics metrics("test");
+  metrics.RecordedWork(3, 0, 1, 0);
+  metrics.RecordedWork(3, 0, 1, 0);  // unchanged: nothing counted
+  metrics.RecordedWork(5, 1, 1, 2);
+  std::map<std::string, double> got;
+  for (const auto& family : metrics.registry()->Collect()) {
+    if (family.name != "moe_recorded_work_total") continue;
+    for (const auto& m : family.metric) {
+      for (const auto& label : m.label) {
+        if (label.name == "outcome") got[label.value] = m.counter.value;
+      }
+    }
+  }
+  EXPECT_EQ(got, (std::map<std::string, double>{{"recorded", 5}, {"stale", 1}, {"failed", 1}, {"evicted", 2}}));
 }
 
 // A ring whose rows stay in the engine's GPU memory: its fields are checked before anything is
