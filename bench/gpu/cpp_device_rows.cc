@@ -6,6 +6,7 @@
 // stream: "ready" is the submit to that point, the time until the engine's next GPU work could
 // read the output. Every ring's output rows are compared bit for bit with the gRPC answer.
 //   cpp_device_rows --target unix:/run/moe/0.sock --cells decode:1,decode:8 --steps 300
+// (ENGINE=cpp bench/gpu/device_rows.sh starts a rank under test and runs it.)
 // Prints one JSON line a cell and mode; exits non-zero on any failed step or mismatch.
 #include <cuda_runtime.h>
 

@@ -5,7 +5,8 @@
 # kernels + NCCL, one GPU each) and one Python engine process per rank holding its rows in torch
 # CUDA tensors, stepping through a step ring with the rows through the host and through one with
 # the rows (and routing) on the GPU (CUDA IPC), checked bit for bit (bench/gpu/device_rows.py). Run from the repository root with dist/gpu (tools/gpu_bundle.sh);
-# dist/wheels may hold grpcio and protobuf wheels for a Python without them.
+# dist/wheels may hold grpcio and protobuf wheels for a Python without them. ENGINE=cpp: a C++
+# engine (bench/gpu/cpp_device_rows) instead of the Python one, on one rank.
 #   LD_LIBRARY_PATH=$PWD/dist/gpu/lib:/usr/local/cuda/lib64 bench/gpu/device_rows.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -33,8 +34,15 @@ start_ranks "$RANKD" "$work" "$RANKS" "$work/ckpt" --ring_spin_us "$SPIN" --max_
   --timeout_ms 3000 ${RANKD_EXTRA:-} || exit 1
 targets="$(cat "$work/ports/0.engine")"
 for ((r = 1; r < RANKS; r++)); do targets="$targets,$(cat "$work/ports/$r.engine")"; done
-"$PY" bench/gpu/device_rows.py --targets "$targets" --cells "$CELLS" --spin_us "$SPIN" --steps "${STEPS:-200}" \
-  --ready_timeout_s 3
+if [ "${ENGINE:-python}" = cpp ]; then
+  # A C++ engine instead (bench/gpu/cpp_device_rows.cc: the C++ client's ring, done events and
+  # not in turns, against gRPC), one rank.
+  [ "$RANKS" = 1 ] || { echo "ENGINE=cpp drives one rank"; exit 2; }
+  "$B/cpp_device_rows" --target "$targets" --cells "$CELLS" --steps "${STEPS:-300}"
+else
+  "$PY" bench/gpu/device_rows.py --targets "$targets" --cells "$CELLS" --spin_us "$SPIN" --steps "${STEPS:-200}" \
+    --ready_timeout_s 3
+fi
 rc=$?
 [ "$rc" = 0 ] || tail -20 "$work/rank0.log"
 # Decode steps by path (eager, recorded: launched from a lone rank's recorded CUDA graph, ...).
