@@ -343,7 +343,7 @@ class CudaKernels final : public ExpertKernels {
       find_done_ = done;
     }
     auto st = static_cast<cudaStream_t>(stream);
-    const bool recorded = st != nullptr && st == capture_stream_ && capturing_;
+    const bool recorded = Recording(st);
     if (recorded) {
       // In recorded work the scan is a branch of its own from this point (nothing after it on
       // `stream` waits for it), joined at the recording's end; its event is recorded each time
@@ -356,8 +356,7 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
     CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(find_host_, find_first_, sizeof(unsigned long long), cudaMemcpyDeviceToHost, st));
-    CUDA_RETURN_IF_ERROR(recorded ? cudaEventRecordWithFlags(find_done_, st, cudaEventRecordExternal)
-                                  : cudaEventRecord(find_done_, st));
+    CUDA_RETURN_IF_ERROR(Record(find_done_, st, recorded));
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> FinishFindNonFiniteBf16() override {
@@ -428,14 +427,16 @@ class CudaKernels final : public ExpertKernels {
   }
   absl::Status RecordEvent(void* event, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    auto st = static_cast<cudaStream_t>(stream);
-    if (st != nullptr && st == capture_stream_ && capturing_) {
-      // A node of the recorded work that records the event each time the work runs.
-      CUDA_RETURN_IF_ERROR(cudaEventRecordWithFlags(static_cast<cudaEvent_t>(event), st, cudaEventRecordExternal));
-      return absl::OkStatus();
-    }
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(event), st));
+    CUDA_RETURN_IF_ERROR(Record(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
+  }
+  // Whether calls on `st` are being recorded (BeginCapture's stream, during the capture).
+  bool Recording(cudaStream_t st) const { return st != nullptr && st == capture_stream_ && capturing_; }
+  // Records `event` on `st`; on a recording stream, as a node that records it each time the
+  // recorded work runs (`recorded` for a branch of the recording).
+  cudaError_t Record(cudaEvent_t event, cudaStream_t st, bool recorded = false) const {
+    return recorded || Recording(st) ? cudaEventRecordWithFlags(event, st, cudaEventRecordExternal)
+                                     : cudaEventRecord(event, st);
   }
 
   // Recorded work: a CUDA graph captured on a stream of its own (thread-local capture mode, so a
@@ -474,20 +475,18 @@ class CudaKernels final : public ExpertKernels {
     cudaGraph_t graph = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
     if (e == cudaSuccess) e = ended;
-    if (e == cudaSuccess && MemoryEpoch() != capture_epoch_) {
-      // A recorded call replaced scratch: whatever it enqueued there (a zeroed ticket) never ran.
-      if (graph != nullptr) cudaGraphDestroy(graph);
-      route_zeroed_ = layer_zeroed_ = ~uint64_t{0};
-      return absl::FailedPreconditionError(
-          "end_capture: a recorded call allocated kernel memory (run it eagerly first)");
-    }
+    const bool allocated = e == cudaSuccess && MemoryEpoch() != capture_epoch_;
     cudaGraphExec_t exec = nullptr;
-    if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (e == cudaSuccess && !allocated) e = cudaGraphInstantiate(&exec, graph, 0);
     if (graph != nullptr) cudaGraphDestroy(graph);
-    if (e != cudaSuccess) {
+    if (e != cudaSuccess || allocated) {
+      // Nothing recorded ran, so what a recorded call enqueued after the kernels' own bookkeeping
+      // (a new scratch buffer's zeroed ticket) is zeroed again by the next call.
       cudaGetLastError();
       route_zeroed_ = layer_zeroed_ = ~uint64_t{0};
-      return absl::FailedPreconditionError(absl::StrCat("end_capture: ", cudaGetErrorString(e)));
+      return absl::FailedPreconditionError(
+          allocated ? "end_capture: a recorded call allocated kernel memory (run it eagerly first)"
+                    : absl::StrCat("end_capture: ", cudaGetErrorString(e)));
     }
     return static_cast<void*>(new CapturedGraph{exec, capture_epoch_});
   }

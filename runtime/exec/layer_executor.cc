@@ -811,9 +811,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   if (pass.result.record.graph_replay) {
     // Replay (admitted decode step): the bucket's captured graph does dispatch through combine.
     pass.clock.Enter(StepPhase::kExperts);
-    RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
-    RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
-    RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+    RETURN_IF_ERROR(HandleThroughOneCall(pass));
     RETURN_IF_ERROR(ReplayDecode(in, pass.version, pass.manifest->num_slots(), pass.weights, pass.layer_index,
                                  buf_.source, buf_.dest, pass.handle->inverse().token, buf_.row_of_route, buf_.gates,
                                  pass.host_out()));
@@ -1429,13 +1427,20 @@ absl::Status LayerExecutor::CopyOut(Pass& pass, const uint16_t* out) {
                                       nullptr);
 }
 
+// The step's handle through work that dispatches, computes and combines in one call (a replayed
+// decode graph, the local layer): its expert rows and output ready, its combine begun under the
+// step's generation.
+absl::Status LayerExecutor::HandleThroughOneCall(Pass& pass) {
+  RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
+  RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
+  return pass.handle->BeginCombine(*options_.registry, pass.version);
+}
+
 // LocalLayer: the decode kernels (at one token fused), with no exchange, packs or repacks.
 absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kExperts);
   const LayerStepInput& in = pass.in;
-  RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
-  RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
-  RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+  RETURN_IF_ERROR(HandleThroughOneCall(pass));
   if (in.tokens == 0) return absl::OkStatus();
   const int64_t routes_n = in.tokens * in.k;
   const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
@@ -1607,9 +1612,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   pass.clock.Enter(StepPhase::kExperts);
   RETURN_IF_ERROR(pass.handle->BindPlan(InverseCoordinates{{}, {}, in.tokens}));  // the inverse is on the device
   RETURN_IF_ERROR(pass.handle->MarkDispatchInFlight());
-  RETURN_IF_ERROR(pass.handle->MarkExpertRowsReady());
-  RETURN_IF_ERROR(pass.handle->MarkExpertOutputReady());
-  RETURN_IF_ERROR(pass.handle->BeginCombine(*options_.registry, pass.version));
+  RETURN_IF_ERROR(HandleThroughOneCall(pass));
   RETURN_IF_ERROR(RowsForKernels(pass));
   const ResidentExperts& weights = *pass.weights;
   layer.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index), local_slots, in.d,
@@ -1628,7 +1631,8 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
     RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
   } else {
     // The checks, their read-back and the layer as one recorded launch, keyed by everything the
-    // calls are given (RecordedWork).
+    // calls are given that can change (RecordedWork; the read-back's size follows from tokens
+    // and k, and this branch has no padded capacity and no FP32 output).
     const auto word = [](const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); };
     const RecordedWork::Key key{static_cast<uint64_t>(in.tokens),
                                 static_cast<uint64_t>(in.k),
@@ -1643,7 +1647,6 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
                                 static_cast<uint64_t>(compose.a_n),
                                 word(local_ids),
                                 word(status),
-                                static_cast<uint64_t>(back_bytes),
                                 word(checks_event_.event),
                                 word(layer.weights.w_gate_up),
                                 word(layer.weights.w_down),
@@ -1652,8 +1655,6 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
                                 static_cast<uint64_t>(host.d_ff),
                                 word(layer.x),
                                 word(layer.out_bf16),
-                                word(layer.out_fp32),
-                                static_cast<uint64_t>(layer.padded_capacity),
                                 static_cast<uint64_t>(pass.check_in_recording)};
     RETURN_IF_ERROR(lone_recorded_.Run(
         key,

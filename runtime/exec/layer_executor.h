@@ -296,6 +296,7 @@ class LayerExecutor {
   // dispatch, experts, return and combine as separate calls sized by this step.
   absl::Status EagerPayload(Pass& pass);
   absl::Status LocalLayerPhase(Pass& pass);
+  absl::Status HandleThroughOneCall(Pass& pass);
   // A lone member's BF16 decode step with its routing in kernel memory, planned by the kernels
   // (the static replica choice) and enqueued before its checks come back (validate chose it).
   absl::Status LoneDecodePhase(Pass& pass);
