@@ -448,7 +448,14 @@ class ExpertKernels {
   // DropCaptured releases the work. One capture at a time per kernels object, from the thread
   // that began it; a recorded call must allocate nothing (run it once eagerly first). The CPU
   // reference records nothing: BeginCapture returns UNIMPLEMENTED.
+  //
+  // ForkCapture(stream), while `stream` is the capture's (or one of its branches): a branch of the
+  // recording, a stream whose recorded calls run after what `stream` had recorded so far and beside
+  // what it records next; EndCapture waits for every branch. Elsewhere, or when the kernels keep
+  // no branch free (CUDA: `capture_branches` in CudaTuning), it returns `stream` itself, so the
+  // calls run in order on it.
   virtual absl::StatusOr<Stream> BeginCapture();
+  virtual absl::StatusOr<Stream> ForkCapture(Stream stream) { return stream; }
   virtual absl::StatusOr<void*> EndCapture(Stream capture);
   virtual absl::StatusOr<bool> LaunchCaptured(void* work, Stream stream);
   virtual void DropCaptured(void* work) {}
@@ -525,6 +532,10 @@ struct CudaTuning {
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
+  // Branches a recording may fork (ExpertKernels::ForkCapture); past them, forked calls run in
+  // order on the stream they were forked from. The NaN/Inf scan forks first, a lone decode step's
+  // read-back second.
+  int capture_branches = 2;
   // Host threads waiting for the GPU block in the driver instead of spinning
   // (cudaDeviceScheduleBlockingSync), so that the process's CPU time counts its host work only:
   // for measuring host work (bench/step_host_bench.cc). Set before the process's first CUDA

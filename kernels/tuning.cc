@@ -73,15 +73,17 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     } else if (key == "pdl") {
       s = ParseInt(key, value, 0, 1, &v);
       t.pdl = v == 1;
+    } else if (key == "capture_branches") {
+      s = ParseInt(key, value, 0, 4, &t.capture_branches);
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else if (key == "blocking_sync") {
       s = ParseInt(key, value, 0, 1, &v);
       t.blocking_sync = v == 1;
     } else {
-      s = absl::InvalidArgumentError(
-          absl::StrCat("cuda tuning: unknown key '", key,
-                       "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, blocking_sync)"));
+      s = absl::InvalidArgumentError(absl::StrCat(
+          "cuda tuning: unknown key '", key,
+          "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, capture_branches, blocking_sync)"));
     }
     if (!s.ok()) return s;
   }

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -223,7 +224,8 @@ class CudaKernels final : public ExpertKernels {
         sm90_forced_(tuning.gemm == CudaTuning::Gemm::kSm90),
         sm90_tile_(tuning.sm90_tile),
         chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
-        fused_layer_(tuning.fused_layer) {
+        fused_layer_(tuning.fused_layer),
+        capture_branches_(std::clamp(tuning.capture_branches, 0, kCaptureBranches)) {
     for (int i = 0; i < kSideStreams; ++i) {
       side_ok_ = side_ok_ && cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking) == cudaSuccess &&
                  cublasCreate(&side_handle_[i]) == CUBLAS_STATUS_SUCCESS &&
@@ -240,9 +242,11 @@ class CudaKernels final : public ExpertKernels {
     }
     if (fork_ != nullptr) cudaEventDestroy(fork_);
     if (capture_stream_ != nullptr) cudaStreamDestroy(capture_stream_);
-    if (capture_side_ != nullptr) cudaStreamDestroy(capture_side_);
-    if (capture_fork_ != nullptr) cudaEventDestroy(capture_fork_);
-    if (capture_join_ != nullptr) cudaEventDestroy(capture_join_);
+    for (CaptureBranch& b : branches_) {
+      if (b.stream != nullptr) cudaStreamDestroy(b.stream);
+      if (b.fork != nullptr) cudaEventDestroy(b.fork);
+      if (b.join != nullptr) cudaEventDestroy(b.join);
+    }
     if (find_first_ != nullptr) cudaFree(find_first_);
     if (find_host_ != nullptr) cudaFreeHost(find_host_);
     if (find_done_ != nullptr) cudaEventDestroy(find_done_);
@@ -294,7 +298,9 @@ class CudaKernels final : public ExpertKernels {
   }
   absl::Status RegisterHostMemory(void* p, int64_t bytes) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    CUDA_RETURN_IF_ERROR(cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterPortable));
+    // Mapped too, so that recorded work may write it with the GPU's threads (CopyToHostOn).
+    CUDA_RETURN_IF_ERROR(
+        cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterPortable | cudaHostRegisterMapped));
     return absl::OkStatus();
   }
   void UnregisterHostMemory(void* p) override {
@@ -303,11 +309,24 @@ class CudaKernels final : public ExpertKernels {
   }
   absl::Status CopyToHostAsync(void* dst, const void* src, int64_t bytes, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    if (bytes > 0) {
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
-                                           static_cast<cudaStream_t>(stream)));
-    }
+    if (bytes > 0)
+      CUDA_RETURN_IF_ERROR(CopyToHostOn(dst, src, static_cast<size_t>(bytes), static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
+  }
+  // A copy to page-locked host memory on `st`. In recorded work, where the memory is mapped into
+  // the device's address space and the copy is small, the GPU's threads write it (a kernel node:
+  // the recording's launch costs the host ~2 us less than with a copy node, and the copy engine
+  // is not involved); otherwise a copy.
+  cudaError_t CopyToHostOn(void* dst, const void* src, size_t bytes, cudaStream_t st) {
+    constexpr size_t kThreadCopyBytes = size_t{1} << 20;
+    if (Recording(st) && bytes <= kThreadCopyBytes) {
+      void* mapped = nullptr;
+      if (cudaHostGetDevicePointer(&mapped, dst, 0) == cudaSuccess && mapped != nullptr) {
+        return cuda::LaunchCopyBytes(mapped, src, static_cast<int64_t>(bytes), st);
+      }
+      cudaGetLastError();  // not mapped: copied below
+    }
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, st);
   }
   absl::Status CopyToHost(void* dst, const void* src, int64_t bytes, Stream stream) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -343,20 +362,17 @@ class CudaKernels final : public ExpertKernels {
       find_done_ = done;
     }
     auto st = static_cast<cudaStream_t>(stream);
-    const bool recorded = Recording(st);
-    if (recorded) {
-      // In recorded work the scan is a branch of its own from this point (nothing after it on
-      // `stream` waits for it), joined at the recording's end; its event is recorded each time
-      // the work runs.
-      CUDA_RETURN_IF_ERROR(cudaEventRecord(capture_fork_, st));
-      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(capture_side_, capture_fork_, 0));
-      st = capture_side_;
-      side_pending_ = true;
+    // In recorded work the scan is a branch of its own from this point where one is free (nothing
+    // after it on `stream` waits for it), joined at the recording's end; its event is recorded
+    // each time the work runs.
+    if (Recording(st)) {
+      absl::StatusOr<Stream> branch = ForkCapture(stream);
+      if (!branch.ok()) return branch.status();
+      st = static_cast<cudaStream_t>(*branch);
     }
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
-    CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(find_host_, find_first_, sizeof(unsigned long long), cudaMemcpyDeviceToHost, st));
-    CUDA_RETURN_IF_ERROR(Record(find_done_, st, recorded));
+    CUDA_RETURN_IF_ERROR(CopyToHostOn(find_host_, find_first_, sizeof(unsigned long long), st));
+    CUDA_RETURN_IF_ERROR(Record(find_done_, st));
     return absl::OkStatus();
   }
   absl::StatusOr<int64_t> FinishFindNonFiniteBf16() override {
@@ -430,13 +446,20 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(Record(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
   }
-  // Whether calls on `st` are being recorded (BeginCapture's stream, during the capture).
-  bool Recording(cudaStream_t st) const { return st != nullptr && st == capture_stream_ && capturing_; }
+  // Whether calls on `st` are being recorded (BeginCapture's stream or a branch forked from it,
+  // during the capture).
+  bool Recording(cudaStream_t st) const {
+    if (st == nullptr || !capturing_) return false;
+    if (st == capture_stream_) return true;
+    for (const CaptureBranch& b : branches_) {
+      if (b.pending && st == b.stream) return true;
+    }
+    return false;
+  }
   // Records `event` on `st`; on a recording stream, as a node that records it each time the
-  // recorded work runs (`recorded` for a branch of the recording).
-  cudaError_t Record(cudaEvent_t event, cudaStream_t st, bool recorded = false) const {
-    return recorded || Recording(st) ? cudaEventRecordWithFlags(event, st, cudaEventRecordExternal)
-                                     : cudaEventRecord(event, st);
+  // recorded work runs.
+  cudaError_t Record(cudaEvent_t event, cudaStream_t st) const {
+    return Recording(st) ? cudaEventRecordWithFlags(event, st, cudaEventRecordExternal) : cudaEventRecord(event, st);
   }
 
   // Recorded work: a CUDA graph captured on a stream of its own (thread-local capture mode, so a
@@ -449,16 +472,32 @@ class CudaKernels final : public ExpertKernels {
   absl::StatusOr<Stream> BeginCapture() override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (capturing_) return absl::FailedPreconditionError("begin_capture: a capture is already under way");
-    if (capture_stream_ == nullptr) {  // all three, made before any capture
-      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture_side_, cudaStreamNonBlocking));
-      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&capture_fork_, cudaEventDisableTiming));
-      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&capture_join_, cudaEventDisableTiming));
+    if (capture_stream_ == nullptr) {  // the branches' streams and events first, made before any capture
+      for (int i = 0; i < capture_branches_; ++i) {
+        CaptureBranch& b = branches_[i];
+        if (b.stream == nullptr) CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
+        if (b.fork == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.fork, cudaEventDisableTiming));
+        if (b.join == nullptr) CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&b.join, cudaEventDisableTiming));
+      }
       CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
     }
     CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
     capturing_ = true;
     capture_epoch_ = MemoryEpoch();
     return static_cast<Stream>(capture_stream_);
+  }
+  absl::StatusOr<Stream> ForkCapture(Stream stream) override {
+    auto st = static_cast<cudaStream_t>(stream);
+    if (!Recording(st)) return stream;
+    for (int i = 0; i < capture_branches_; ++i) {
+      CaptureBranch& b = branches_[i];
+      if (b.pending) continue;
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(b.fork, st));
+      CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(b.stream, b.fork, 0));
+      b.pending = true;
+      return static_cast<Stream>(b.stream);
+    }
+    return stream;  // no branch free: in order on `stream`
   }
   absl::StatusOr<void*> EndCapture(Stream capture) override {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -467,10 +506,11 @@ class CudaKernels final : public ExpertKernels {
     }
     capturing_ = false;
     cudaError_t e = cudaSuccess;
-    if (side_pending_) {  // the branch joins the recording's end
-      side_pending_ = false;
-      e = cudaEventRecord(capture_join_, capture_side_);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(capture_stream_, capture_join_, 0);
+    for (CaptureBranch& b : branches_) {  // the branches join the recording's end
+      if (!b.pending) continue;
+      b.pending = false;
+      if (e == cudaSuccess) e = cudaEventRecord(b.join, b.stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(capture_stream_, b.join, 0);
     }
     cudaGraph_t graph = nullptr;
     const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
@@ -1199,10 +1239,16 @@ class CudaKernels final : public ExpertKernels {
   // Recorded work (BeginCapture): its stream, and the memory epoch, which moves whenever kernel
   // memory that recorded work may name is freed or replaced.
   cudaStream_t capture_stream_ = nullptr;
-  // A branch of the recording (the NaN/Inf scan), forked and joined through the two events.
-  cudaStream_t capture_side_ = nullptr;
-  cudaEvent_t capture_fork_ = nullptr, capture_join_ = nullptr;
-  bool side_pending_ = false;
+  // Branches of the recording (ForkCapture: the NaN/Inf scan, a lone decode step's read-back),
+  // each forked and joined through its two events; CudaTuning::capture_branches of them.
+  struct CaptureBranch {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
+    bool pending = false;  // forked in the capture under way
+  };
+  static constexpr int kCaptureBranches = 4;
+  std::array<CaptureBranch, kCaptureBranches> branches_{};
+  int capture_branches_ = kCaptureBranches;
   bool capturing_ = false;
   uint64_t capture_epoch_ = 0;
   std::atomic<uint64_t> freed_{0};  // Free may be called from a thread other than the steps'

@@ -55,6 +55,9 @@ cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const i
                           int64_t num_tokens, int k, float* out_fp32, uint16_t* out_bf16, cudaStream_t stream);
 
 // *first = the index of the first NaN / infinite value among n BF16 values, ~0 when none.
+// `bytes` from `src` to `dst` (device memory, or host memory mapped into the device's address
+// space) by the GPU's threads.
+cudaError_t LaunchCopyBytes(void* dst, const void* src, int64_t bytes, cudaStream_t stream);
 cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long long* first, cudaStream_t stream);
 
 // FP8 E4M3 quantize / dequantize with `group` values per scale (d for per-row, 128 per block);

@@ -1555,14 +1555,16 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   }
   const kernels::ComposeIndexParams compose{t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids};
   // The checks and their read-back, with the event the host waits on after them; the caller's
-  // input check first (in a recording the CUDA kernels run it on a branch of its own beside the
-  // routes' checks and the layer, which do not read its answer).
+  // input check first. In a recording the CUDA kernels run the input check on a branch of its
+  // own beside the routes' checks and the layer, which do not read its answer, and the read-back
+  // on another (ForkCapture), so that the layer does not wait for the copy to the host.
   const auto enqueue_checks = [&](kernels::Stream st) -> absl::Status {
     if (pass.check_in_recording) RETURN_IF_ERROR(in.start_input_check(st));
     RETURN_IF_ERROR(kern.SealRoutes(seal, st));
     RETURN_IF_ERROR(kern.ComposeIndex(compose, st));
-    RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, st));
-    if (device_) RETURN_IF_ERROR(kern.RecordEvent(checks_event_.event, st));
+    ASSIGN_OR_RETURN(kernels::Stream back, kern.ForkCapture(st));
+    RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, back));
+    if (device_) RETURN_IF_ERROR(kern.RecordEvent(checks_event_.event, back));
     return absl::OkStatus();
   };
   // The runner: the decode kernels unless the padded one may pay, which needs the counts first
