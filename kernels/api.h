@@ -130,7 +130,9 @@ struct RouteRowsParams {
 // unadmitted route gets key -1 and gate 0. status[0] = the first admitted route whose id is
 // outside [0, num_experts) or whose gate is NaN, infinite or negative, status[1] = the first
 // admitted valid route whose expert has key -1 (no slot to take it); -1 when there is none.
-// Every pointer is kernel memory; status is written on `stream` like the rest.
+// Every pointer is kernel memory; status is written on `stream` like the rest. With `local`, the
+// same pass also composes each route's local index (ComposeIndex of local_of_key and keys):
+// local[i] = local_of_key[keys[i]] where keys[i] is in [0, num_keys), else -1.
 struct SealRoutesParams {
   const int32_t* ids = nullptr;       // [routes]
   const float* gates = nullptr;       // [routes]
@@ -141,6 +143,9 @@ struct SealRoutesParams {
   int32_t* keys = nullptr;                 // [routes]
   float* gates_out = nullptr;              // [routes]
   int64_t* status = nullptr;               // [2]
+  const int32_t* local_of_key = nullptr;   // [num_keys], with `local`
+  int num_keys = 0;
+  int32_t* local = nullptr;  // [routes], or null
 };
 
 // RankByKey is a stable counting sort. Element i's key is raw[i], or key_map[raw[i]] with a map

@@ -16,6 +16,7 @@ absl::Status ExpertKernels::SealRoutes(const SealRoutesParams& p, Stream) {
   for (int64_t i = 0; i < p.routes; ++i) {
     p.keys[i] = -1;
     p.gates_out[i] = 0.0f;
+    if (p.local != nullptr) p.local[i] = -1;
     if (p.admitted != nullptr && p.admitted[i] == 0) continue;
     const int32_t e = p.ids[i];
     const float g = p.gates[i];
@@ -27,6 +28,7 @@ absl::Status ExpertKernels::SealRoutes(const SealRoutesParams& p, Stream) {
     if (key < 0 && p.status[1] < 0) p.status[1] = i;
     p.keys[i] = key;
     p.gates_out[i] = g;
+    if (p.local != nullptr && key >= 0 && key < p.num_keys) p.local[i] = p.local_of_key[key];
   }
   return absl::OkStatus();
 }

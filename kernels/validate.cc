@@ -151,6 +151,9 @@ absl::Status CheckSealRoutes(const SealRoutesParams& p) {
   KERNEL_INVALID_IF(
       p.routes > 0 && (p.ids == nullptr || p.gates == nullptr || p.keys == nullptr || p.gates_out == nullptr),
       "seal_routes: null buffer");
+  KERNEL_INVALID_IF(p.num_keys < 0, "seal_routes.num_keys: negative");
+  KERNEL_INVALID_IF(p.local != nullptr && p.num_keys > 0 && p.local_of_key == nullptr,
+                    "seal_routes.local_of_key: null with local");
   return absl::OkStatus();
 }
 

@@ -606,7 +606,8 @@ class CudaKernels final : public ExpertKernels {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (absl::Status s = CheckSealRoutes(p); !s.ok()) return s;
     CUDA_RETURN_IF_ERROR(cuda::LaunchSealRoutes(p.ids, p.gates, p.admitted, p.routes, p.num_experts, p.key_of_expert,
-                                                p.keys, p.gates_out, p.status, static_cast<cudaStream_t>(stream)));
+                                                p.keys, p.gates_out, p.local_of_key, p.num_keys, p.local, p.status,
+                                                static_cast<cudaStream_t>(stream)));
     return absl::OkStatus();
   }
 

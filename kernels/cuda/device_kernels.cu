@@ -194,10 +194,22 @@ __global__ void ComposeIndexKernel(const int32_t* __restrict__ a, int64_t a_n, c
   }
 }
 
+// kOneBlock: the whole grid is one block, which keeps the status in shared memory and writes it
+// at its end (no reset of `status` before the kernel: a decode step's seal is one launch).
+// Otherwise `status` holds ~0 (none) on entry.
+template <bool kOneBlock>
 __global__ void SealRoutesKernel(const int32_t* __restrict__ ids, const float* __restrict__ gates,
                                  const uint8_t* __restrict__ admitted, int64_t routes, int num_experts,
                                  const int32_t* __restrict__ key_of_expert, int32_t* __restrict__ keys,
-                                 float* __restrict__ gates_out, unsigned long long* status) {
+                                 float* __restrict__ gates_out, const int32_t* __restrict__ local_of_key, int num_keys,
+                                 int32_t* __restrict__ local, unsigned long long* status) {
+  __shared__ unsigned long long block_status[2];
+  unsigned long long* st = status;
+  if constexpr (kOneBlock) {
+    if (threadIdx.x < 2) block_status[threadIdx.x] = ~0ull;
+    __syncthreads();
+    st = block_status;
+  }
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < routes;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int32_t key = -1;
@@ -206,15 +218,20 @@ __global__ void SealRoutesKernel(const int32_t* __restrict__ ids, const float* _
       const int32_t e = ids[i];
       const float g = gates[i];
       if (e < 0 || e >= num_experts || !isfinite(g) || g < 0.0f) {
-        atomicMin(&status[0], static_cast<unsigned long long>(i));
+        atomicMin(&st[0], static_cast<unsigned long long>(i));
       } else {
         key = key_of_expert[e];
         g_out = g;
-        if (key < 0) atomicMin(&status[1], static_cast<unsigned long long>(i));
+        if (key < 0) atomicMin(&st[1], static_cast<unsigned long long>(i));
       }
     }
     keys[i] = key;
     gates_out[i] = g_out;
+    if (local != nullptr) local[i] = key >= 0 && key < num_keys ? local_of_key[key] : -1;
+  }
+  if constexpr (kOneBlock) {
+    __syncthreads();
+    if (threadIdx.x < 2) status[threadIdx.x] = block_status[threadIdx.x];
   }
 }
 
@@ -907,16 +924,15 @@ bool RouteRowsSmall(int64_t routes, int num_experts) {
 cudaError_t LaunchRouteRowsSmall(const int32_t* topk, int64_t num_tokens, int k, int num_experts, int64_t* counts,
                                  int64_t* offsets, int32_t* row_of_route, int32_t* token_of_row, cudaStream_t stream) {
   // A small block for decode steps (fewer warps in the scan and the barriers), 1024 threads up
-  // to the single-block limit.
+  // to the single-block limit. A programmatic dependent of the work before it (a lone decode
+  // step's SealRoutes), as the expert kernels after it are of it.
   const size_t smem = static_cast<size_t>(num_experts) * 2 * sizeof(int);
   if (num_tokens * k <= 256 * kRoutesPerThread) {
-    RouteRowsSmallKernel<256>
-        <<<1, 256, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
-  } else {
-    RouteRowsSmallKernel<1024>
-        <<<1, 1024, smem, stream>>>(topk, num_tokens, k, num_experts, counts, offsets, row_of_route, token_of_row);
+    return LaunchDependent(RouteRowsSmallKernel<256>, dim3(1), dim3(256), smem, stream, topk, num_tokens, k,
+                           num_experts, counts, offsets, row_of_route, token_of_row);
   }
-  return cudaGetLastError();
+  return LaunchDependent(RouteRowsSmallKernel<1024>, dim3(1), dim3(1024), smem, stream, topk, num_tokens, k,
+                         num_experts, counts, offsets, row_of_route, token_of_row);
 }
 
 int64_t RouteRowsScratchBytes(int64_t routes, int num_experts) {
@@ -1007,12 +1023,20 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
 
 cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8_t* admitted, int64_t routes,
                              int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
-                             int64_t* status, cudaStream_t stream) {
+                             const int32_t* local_of_key, int num_keys, int32_t* local, int64_t* status,
+                             cudaStream_t stream) {
+  auto* st = reinterpret_cast<unsigned long long*>(status);
+  constexpr int kOneBlockRoutes = 1024;  // a decode step's routes (128 tokens of k = 8)
+  if (routes <= kOneBlockRoutes) {       // no reset first: one launch
+    const int threads = routes <= kThreads ? kThreads : kOneBlockRoutes;
+    SealRoutesKernel<true><<<1, threads, 0, stream>>>(ids, gates, admitted, routes, num_experts, key_of_expert, keys,
+                                                      gates_out, local_of_key, num_keys, local, st);
+    return cudaGetLastError();
+  }
   cudaError_t e = cudaMemsetAsync(status, 0xff, 2 * sizeof(int64_t), stream);  // -1: none yet
-  if (e != cudaSuccess || routes == 0) return e;
-  SealRoutesKernel<<<Blocks(routes), kThreads, 0, stream>>>(ids, gates, admitted, routes, num_experts, key_of_expert,
-                                                            keys, gates_out,
-                                                            reinterpret_cast<unsigned long long*>(status));
+  if (e != cudaSuccess) return e;
+  SealRoutesKernel<false><<<Blocks(routes), kThreads, 0, stream>>>(
+      ids, gates, admitted, routes, num_experts, key_of_expert, keys, gates_out, local_of_key, num_keys, local, st);
   return cudaGetLastError();
 }
 

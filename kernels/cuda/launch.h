@@ -30,7 +30,8 @@ cudaError_t LaunchHistogramScan(const int32_t* keys, int64_t n, int num_bins, in
 // Route planning (kernels/api.h SealRoutesParams, RankByKeyParams), all on the device.
 cudaError_t LaunchSealRoutes(const int32_t* ids, const float* gates, const uint8_t* admitted, int64_t routes,
                              int num_experts, const int32_t* key_of_expert, int32_t* keys, float* gates_out,
-                             int64_t* status, cudaStream_t stream);
+                             const int32_t* local_of_key, int num_keys, int32_t* local, int64_t* status,
+                             cudaStream_t stream);
 // out[dest[i * fanout + j]] = in[i] (BF16 rows of d), entries outside [0, out_rows) skipped:
 // kernels/api.h ScatterParams.
 cudaError_t LaunchScatterRows(const uint16_t* in, int64_t in_rows, int d, int64_t out_ld, const int32_t* dest,

@@ -1491,7 +1491,7 @@ absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
 
 // A lone member's BF16 decode step with its routing in kernel memory. The kernels key and check
 // its routes (SealRoutes, the static replica choice of the device plan) and map them to local
-// slots (ComposeIndex); the copy of the checks' answer to the host is enqueued, then the local
+// slots in the same pass; the copy of the checks' answer to the host is enqueued, then the local
 // layer, and only then does the host wait for the answer: the GPU runs the layer while the host
 // checks the step and counts its routes. On device kernels that record work, those calls are one
 // launch of a recording made once per step shape and buffers (lone_decode_graphs, RecordedWork;
@@ -1542,7 +1542,11 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   seal.status = buf_.d_small.as<int64_t>();
   seal.keys = reinterpret_cast<int32_t*>(seal.status + 2);
   seal.gates_out = buf_.d_gates.as<float>();
-  int32_t* const local_ids = buf_.d_row_of_route.as<int32_t>();  // -1: dropped, or no slot here
+  // Each route's local slot, composed in the same pass (-1: dropped, or no slot here).
+  seal.local_of_key = t.d_local_of_key;
+  seal.num_keys = t.num_keys;
+  seal.local = buf_.d_row_of_route.as<int32_t>();
+  int32_t* const local_ids = seal.local;
   // The read-back (the status and the keys: the counts and the expert load) into registered host
   // memory; a refused route's expert and gate are read where they are, once refused.
   RETURN_IF_ERROR(buf_.lone_host.Reserve(&kern, back_bytes));
@@ -1553,7 +1557,6 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
     ASSIGN_OR_RETURN(checks_event_.event, kern.CreateIpcEvent(&unused));
     checks_event_.kernels = &kern;
   }
-  const kernels::ComposeIndexParams compose{t.d_local_of_key, t.num_keys, seal.keys, routes, local_ids};
   // The checks and their read-back, with the event the host waits on after them; the caller's
   // input check first. In a recording the CUDA kernels run the input check on a branch of its
   // own beside the routes' checks and the layer, which do not read its answer, and the read-back
@@ -1561,7 +1564,6 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   const auto enqueue_checks = [&](kernels::Stream st) -> absl::Status {
     if (pass.check_in_recording) RETURN_IF_ERROR(in.start_input_check(st));
     RETURN_IF_ERROR(kern.SealRoutes(seal, st));
-    RETURN_IF_ERROR(kern.ComposeIndex(compose, st));
     ASSIGN_OR_RETURN(kernels::Stream back, kern.ForkCapture(st));
     RETURN_IF_ERROR(kern.CopyToHostAsync(status, seal.status, back_bytes, back));
     if (device_) RETURN_IF_ERROR(kern.RecordEvent(checks_event_.event, back));
@@ -1645,8 +1647,8 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
                                 word(seal.key_of_expert),
                                 word(seal.status),
                                 word(seal.gates_out),
-                                word(compose.a),
-                                static_cast<uint64_t>(compose.a_n),
+                                word(seal.local_of_key),
+                                static_cast<uint64_t>(seal.num_keys),
                                 word(local_ids),
                                 word(status),
                                 word(checks_event_.event),

@@ -678,7 +678,21 @@ TEST(CpuKernelsTest, RoutePlanningReference) {
   seal.ids = bad.data();
   ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
   EXPECT_EQ(status, (std::vector<int64_t>{4, 1}));
+  // The local slots composed in the same pass: -1 for unkeyed and refused routes.
+  const std::vector<int32_t> local_of_key = {7, 3};
+  std::vector<int32_t> local(6, 99);
+  seal.local_of_key = local_of_key.data();
+  seal.num_keys = 2;
+  seal.local = local.data();
+  ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
+  EXPECT_EQ(local, (std::vector<int32_t>{3, -1, 7, 3, -1, -1}));  // route 1 has no key, route 4 is refused
   seal.ids = ids.data();
+  ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
+  EXPECT_EQ(local, (std::vector<int32_t>{3, 3, 7, 3, 3, -1}));
+  seal.local_of_key = nullptr;
+  EXPECT_EQ(k->SealRoutes(seal, nullptr).code(), absl::StatusCode::kInvalidArgument);
+  seal.local = nullptr;
+  seal.num_keys = 0;
   ASSERT_TRUE(k->SealRoutes(seal, nullptr).ok());
   // Keys {1, 1, 0, 1, 1, -1}: key 0 first (route 2), then key 1 in route order.
   const std::vector<int32_t> slot_of_key = {10, 11};

@@ -40,6 +40,10 @@ class DeviceVector {
   explicit DeviceVector(size_t n, T fill = T()) : DeviceVector(std::vector<T>(n, fill)) {}
   ~DeviceVector() { cudaFree(ptr_); }
   T* get() { return ptr_; }
+  void Upload(const std::vector<T>& host) {  // as many elements as the vector holds
+    ASSERT_EQ(host.size(), n_);
+    if (n_ > 0) EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
   std::vector<T> Host() const {
     std::vector<T> out(n_);
     if (n_ > 0) {
@@ -1209,23 +1213,42 @@ TEST_F(CudaKernelsTest, RoutePlanningMatchesCpu) {
         gates[i] = static_cast<float>(i % 97) / 97.0f;
         admitted[i] = i % 11 != 0;
       }
+      // Each key's local slot (every third key has none), composed in the seal's pass.
+      std::vector<int32_t> local_of_key(num_keys);
+      for (int k = 0; k < num_keys; ++k) local_of_key[k] = k % 3 == 2 ? -1 : k / 3;
       auto seal_both = [&](const std::vector<int32_t>& id, const std::vector<float>& g) {
-        DeviceVector<int32_t> d_ids(id), d_key_of_expert(key_of_expert), d_keys(routes);
+        DeviceVector<int32_t> d_ids(id), d_key_of_expert(key_of_expert), d_keys(routes), d_local_of_key(local_of_key),
+            d_local(routes);
         DeviceVector<float> d_gates(g), d_gates_out(routes);
         DeviceVector<uint8_t> d_admitted(admitted);
         DeviceVector<int64_t> d_status(2);
-        std::vector<int32_t> keys(routes);
+        std::vector<int32_t> keys(routes), local(routes);
         std::vector<float> gates_out(routes);
         std::vector<int64_t> status(2);
         kernels::SealRoutesParams p{id.data(),   g.data(),         admitted.data(),
                                     routes,      experts,          key_of_expert.data(),
                                     keys.data(), gates_out.data(), status.data()};
         EXPECT_TRUE(cpu_->SealRoutes(p, nullptr).ok());
+        // The status starts as garbage on the GPU: the one-block seal must not need a reset.
+        std::vector<int64_t> garbage = {5, 7};
+        d_status.Upload(garbage);
         p = {d_ids.get(),           d_gates.get(), d_admitted.get(),  routes,        experts,
              d_key_of_expert.get(), d_keys.get(),  d_gates_out.get(), d_status.get()};
         EXPECT_TRUE(gpu_->SealRoutes(p, nullptr).ok());
         EXPECT_EQ(d_keys.Host(), keys);
         EXPECT_EQ(d_gates_out.Host(), gates_out);
+        EXPECT_EQ(d_status.Host(), status);
+        // With the local slots: the same keys, gates and status, and ComposeIndex's local slots.
+        p.local_of_key = d_local_of_key.get();
+        p.num_keys = num_keys;
+        p.local = d_local.get();
+        d_status.Upload(garbage);
+        EXPECT_TRUE(gpu_->SealRoutes(p, nullptr).ok());
+        for (int64_t i = 0; i < routes; ++i) {
+          local[i] = keys[i] >= 0 && keys[i] < num_keys ? local_of_key[keys[i]] : -1;
+        }
+        EXPECT_EQ(d_local.Host(), local);
+        EXPECT_EQ(d_keys.Host(), keys);
         EXPECT_EQ(d_status.Host(), status);
         return std::make_pair(keys, status);
       };
