@@ -824,7 +824,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
 
 bool LayerExecutor::LoneDecodeEligible(const LayerStepInput& in, const PassOptions& po) const {
   return options_.lone_decode_on_kernels && in.phase == Phase::kDecode && LoneMember() && in.routing_on_device &&
-         !options_.lone_member_graphs && options_.expert_dtype == ExpertDtype::kBf16 && po.shadow_version < 0;
+         !options_.lone_member_graphs && po.shadow_version < 0;
 }
 
 absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
@@ -841,8 +841,8 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     return absl::FailedPreconditionError(absl::StrCat("hidden: rows in device memory need device kernels; rank ",
                                                       options_.rank.value(), " runs ", options_.kernels->name()));
   }
-  // A lone member's BF16 decode step with its routing in kernel memory is planned there too,
-  // with no shadow sampled (LoneDecodePhase).
+  // A lone member's decode step with its routing in kernel memory is planned there too, with no
+  // shadow sampled (LoneDecodePhase).
   const bool lone_decode = LoneDecodeEligible(in, pass.po);
   if (options_.device_plan && (in.phase == Phase::kPrefill || lone_decode) && !pass.trial && !pass.po.shadow_pass &&
       in.tokens > 0 && (*manifest)->ServesLayer(in.layer)) {
@@ -1489,7 +1489,7 @@ absl::Status LayerExecutor::LocalLayerPhase(Pass& pass) {
   return CopyOut(pass, layer.out_bf16);
 }
 
-// A lone member's BF16 decode step with its routing in kernel memory. The kernels key and check
+// A lone member's decode step with its routing in kernel memory. The kernels key and check
 // its routes (SealRoutes, the static replica choice of the device plan) and map them to local
 // slots in the same pass; the copy of the checks' answer to the host is enqueued, then the local
 // layer, and only then does the host wait for the answer: the GPU runs the layer while the host
@@ -1571,10 +1571,11 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   };
   // The runner: the decode kernels unless the padded one may pay, which needs the counts first
   // (LocalLayerPhase's choice, from the same counts).
-  const bool padded_may_pay =
-      options_.decode_runner == DecodeRunner::kPadded ||
-      (options_.decode_runner == DecodeRunner::kAuto &&
-       !kern.DecodeGemmBeatsPadded(local_slots, in.d, host.d_ff, routes) && routes >= 2 * int64_t{local_slots});
+  const bool fp8 = pass.weights->fp8;  // FP8 experts have no padded runner
+  const bool padded_may_pay = !fp8 && (options_.decode_runner == DecodeRunner::kPadded ||
+                                       (options_.decode_runner == DecodeRunner::kAuto &&
+                                        !kern.DecodeGemmBeatsPadded(local_slots, in.d, host.d_ff, routes) &&
+                                        routes >= 2 * int64_t{local_slots}));
   // The answer read back: the routes checked, then counted per slot, key and expert.
   const auto read_back = [&]() -> absl::Status {
     // Until the read-back enqueued before the layer has arrived (the kernels' stream up to it).
@@ -1619,8 +1620,10 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   RETURN_IF_ERROR(HandleThroughOneCall(pass));
   RETURN_IF_ERROR(RowsForKernels(pass));
   const ResidentExperts& weights = *pass.weights;
-  layer.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index), local_slots, in.d,
-                   host.d_ff};
+  if (!fp8) {
+    layer.weights = {weights.LayerGateUp(pass.layer_index), weights.LayerDown(pass.layer_index), local_slots, in.d,
+                     host.d_ff};
+  }
   layer.x = static_cast<const uint16_t*>(pass.hidden);
   ReserveOutput(pass);
   layer.topk = local_ids;
@@ -1628,11 +1631,23 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   layer.num_tokens = in.tokens;
   layer.k = in.k;
   ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));
+  // FP8 experts: the layer in its stages (LocalLayer is BF16): the routes' rows by local slot, the
+  // tokens packed in E4M3 once each into those rows, the experts on the offsets where they are
+  // computed, the combine; the host plan's bits (every row is computed on its own).
+  FP8LoneLayer f8;
+  if (fp8) RETURN_IF_ERROR(PrepareFp8LoneLayer(pass, layer, local_slots, &f8));
+  const auto enqueue_layer = [&](kernels::Stream st) -> absl::Status {
+    if (!fp8) return kern.LocalLayer(layer, st);
+    RETURN_IF_ERROR(kern.RouteRows(f8.route, st));
+    RETURN_IF_ERROR(kern.PackFp8Rows(f8.pack, st));
+    RETURN_IF_ERROR(kern.SwigluFp8(f8.experts, st));
+    return kern.Combine(f8.combine, st);
+  };
   if (padded_may_pay) {
     RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
   } else if (!device_ || !options_.lone_decode_graphs) {
     RETURN_IF_ERROR(enqueue_checks(nullptr));
-    RETURN_IF_ERROR(kern.LocalLayer(layer, nullptr));
+    RETURN_IF_ERROR(enqueue_layer(nullptr));
   } else {
     // The checks, their read-back and the layer as one recorded launch, keyed by everything the
     // calls are given that can change (RecordedWork; the read-back's size follows from tokens
@@ -1652,8 +1667,13 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
                                 word(local_ids),
                                 word(status),
                                 word(checks_event_.event),
-                                word(layer.weights.w_gate_up),
-                                word(layer.weights.w_down),
+                                word(fp8 ? static_cast<const void*>(f8.experts.weights.w_gate_up)
+                                         : static_cast<const void*>(layer.weights.w_gate_up)),
+                                word(fp8 ? static_cast<const void*>(f8.experts.weights.w_down)
+                                         : static_cast<const void*>(layer.weights.w_down)),
+                                word(f8.experts.weights.gate_up_scales),
+                                word(f8.experts.weights.down_scales),
+                                word(fp8 ? buf_.lone_fp8.data() : nullptr),
                                 static_cast<uint64_t>(local_slots),
                                 static_cast<uint64_t>(in.d),
                                 static_cast<uint64_t>(host.d_ff),
@@ -1664,7 +1684,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
         key,
         [&](kernels::Stream st) -> absl::Status {
           RETURN_IF_ERROR(enqueue_checks(st));
-          return kern.LocalLayer(layer, st);
+          return enqueue_layer(st);
         },
         &pass.result.record.recorded));
   }
@@ -1674,6 +1694,49 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
     RETURN_IF_ERROR(read_back());
   }
   pass.result.record.device_plan = true;
+  return absl::OkStatus();
+}
+
+// The FP8 lone decode layer's calls over one allocation (reserved here, before any recording):
+// [local_slots] counts, [local_slots + 1] offsets, each route's expert row and each row's token
+// ([routes] each), the packed E4M3 rows and the experts' BF16 output rows ([routes] each: a
+// bound, the dropped routes take none).
+absl::Status LayerExecutor::PrepareFp8LoneLayer(Pass& pass, const kernels::LocalLayerParams& layer, int local_slots,
+                                                FP8LoneLayer* f8) {
+  const LayerStepInput& in = pass.in;
+  kernels::ExpertKernels& kern = *options_.kernels;
+  const int64_t routes = in.tokens * in.k;  // bounded by ValidateStepShape
+  const int64_t packed = kernels::Fp8PackedRowBytes(in.d);
+  const auto region = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const int64_t counts_at = 0, offsets_at = region(int64_t{local_slots} * 8);
+  const int64_t rows_at = offsets_at + region((int64_t{local_slots} + 1) * 8);
+  const int64_t tokens_at = rows_at + region(routes * 4);
+  const int64_t packed_at = tokens_at + region(routes * 4);
+  const int64_t out_at = packed_at + region(routes * packed);
+  RETURN_IF_ERROR(buf_.lone_fp8.Reserve(&kern, out_at + region(routes * int64_t{in.d} * 2)));
+  char* base = buf_.lone_fp8.as<char>();
+  auto* const row_of_route = reinterpret_cast<int32_t*>(base + rows_at);
+  auto* const rows = reinterpret_cast<uint8_t*>(base + packed_at);
+  auto* const out_rows = reinterpret_cast<uint16_t*>(base + out_at);
+  f8->route = {layer.topk,
+               in.tokens,
+               in.k,
+               local_slots,
+               reinterpret_cast<int64_t*>(base + counts_at),
+               reinterpret_cast<int64_t*>(base + offsets_at),
+               row_of_route,
+               reinterpret_cast<int32_t*>(base + tokens_at)};
+  f8->pack = {layer.x, in.tokens, in.d, row_of_route, in.k, rows, routes};
+  kernels::SwigluFp8Params& sw = f8->experts;
+  sw.weights = pass.weights->Fp8Layer(pass.layer_index);
+  sw.xq = rows;  // packed rows: a row's d bytes, then its d / 128 scales
+  sw.xq_ld = packed;
+  sw.x_scales = reinterpret_cast<const float*>(rows + in.d);
+  sw.x_scales_ld = packed / 4;
+  sw.rows = routes;
+  sw.offsets = f8->route.offsets;
+  sw.y = out_rows;
+  f8->combine = {out_rows, routes, in.d, row_of_route, layer.gate, in.tokens, in.k, nullptr, layer.out_bf16};
   return absl::OkStatus();
 }
 

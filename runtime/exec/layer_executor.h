@@ -297,9 +297,19 @@ class LayerExecutor {
   absl::Status EagerPayload(Pass& pass);
   absl::Status LocalLayerPhase(Pass& pass);
   absl::Status HandleThroughOneCall(Pass& pass);
-  // A lone member's BF16 decode step with its routing in kernel memory, planned by the kernels
-  // (the static replica choice) and enqueued before its checks come back (validate chose it).
+  // A lone member's decode step with its routing in kernel memory, planned by the kernels (the
+  // static replica choice) and enqueued before its checks come back (validate chose it).
   absl::Status LoneDecodePhase(Pass& pass);
+  // Such a step's FP8 layer in stages (LocalLayer is BF16): the calls' parameters, over
+  // buf_.lone_fp8, for the routes' local slots and gates LocalLayerParams names.
+  struct FP8LoneLayer {
+    kernels::RouteRowsParams route;
+    kernels::PackFp8Params pack;
+    kernels::SwigluFp8Params experts;
+    kernels::CombineParams combine;
+  };
+  absl::Status PrepareFp8LoneLayer(Pass& pass, const kernels::LocalLayerParams& layer, int local_slots,
+                                   FP8LoneLayer* f8);
   // Whether `in` may become such a step with its GPU work recorded (ValidatePhase decides).
   bool LoneDecodeEligible(const LayerStepInput& in, const PassOptions& po) const;
   absl::Status LoneDecodeSteps(Pass& pass);
@@ -393,6 +403,10 @@ class LayerExecutor {
     // FP8 experts on a lone member: the step's tokens as packed rows in expert order
     // (PackFp8Rows).
     kernels::KernelBuffer fp8_rows;
+    // A lone member's FP8 decode step planned on the kernels (LoneDecodeSteps): the local slots'
+    // counts and offsets, each route's expert row, each row's token, the packed rows and the
+    // experts' output rows, in one allocation.
+    kernels::KernelBuffer lone_fp8;
     std::vector<int64_t> plan_small;             // d_small on the host
     kernels::RegisteredHostBuffer routing_host;  // LayerStepInput::routing_on_device copied for the host plan
     // LoneDecodePhase's read-back: status [2] (int64), then the keys [routes], as in d_small.

@@ -734,6 +734,54 @@ TEST_F(Fp8OneMemberTest, DecodeAndPrefillEqualTheFp8Reference) {
   }
 }
 
+// A lone member's FP8 decode steps with their routing in kernel memory are planned by the kernels
+// too (SealRoutes, then RouteRows, PackFp8Rows, SwigluFp8 and Combine on the local slots): the
+// host plan's output bits and expert load, and the FP8 reference; a bad route refuses the step
+// naming it, and the next one is served.
+TEST_F(Fp8OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
+  SetUpRank(kExperts, kD8, kFf8, 3, 0, DecodeRunner::kKernels, /*device_plan=*/true, ExpertDtype::kFp8);
+  std::mt19937 rng(31);
+  uint64_t step = 1;
+  for (int64_t tokens : {1, 3, 9}) {
+    const RankInput input = testing::RandomTwoRouteInput(rng, tokens, kD8, kExperts, /*drop_some=*/true);
+    const auto load_before = executor_->LayerExpertLoad();
+    auto host = executor_->Execute(input.Step(step++, 0, Phase::kDecode));
+    ASSERT_TRUE(host.ok()) << host.status();
+    const auto load_host = executor_->LayerExpertLoad();
+    LayerStepInput in = input.Step(step++, 0, Phase::kDecode);
+    in.routing_on_device = true;  // the CPU kernels' memory is host memory
+    auto device = executor_->Execute(in);
+    ASSERT_TRUE(device.ok()) << device.status();
+    EXPECT_TRUE(device->record.device_plan) << "T=" << tokens;
+    EXPECT_FALSE(host->record.device_plan);
+    EXPECT_EQ(device->output, host->output) << "T=" << tokens;
+    EXPECT_EQ(Plain(device->output), Fp8Reference(input)) << "T=" << tokens;
+    EXPECT_EQ(device->record.routes_served, host->record.routes_served);
+    const auto load_device = executor_->LayerExpertLoad();
+    const auto at = [&](const std::map<int64_t, std::vector<int64_t>>& m, int e) -> int64_t {
+      auto it = m.find(0);
+      return it == m.end() ? 0 : it->second[e];
+    };
+    for (int e = 0; e < kExperts; ++e) {
+      EXPECT_EQ(at(load_device, e) - at(load_host, e), at(load_host, e) - at(load_before, e)) << "expert " << e;
+    }
+  }
+  RankInput bad = testing::RandomTwoRouteInput(rng, 4, kD8, kExperts, /*drop_some=*/true);
+  bad.ids[5] = kExperts;  // token 2's second route, always admitted
+  LayerStepInput in = bad.Step(step++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  auto refused = executor_->Execute(in);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("topk_ids[2][1]"));
+  const RankInput good = testing::RandomTwoRouteInput(rng, 2, kD8, kExperts, /*drop_some=*/true);
+  in = good.Step(step++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  auto served = executor_->Execute(in);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(Plain(served->output), Fp8Reference(good));
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
 // A group whose members run the experts in different precisions aborts every step on every
 // member before payload moves, naming expert_dtype (a token's routes would otherwise get BF16 or
 // FP8 experts depending on where they land).

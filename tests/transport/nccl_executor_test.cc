@@ -305,8 +305,10 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner, Expe
 // its second is recorded as a CUDA graph and later ones launch it. Every output equals, bit for
 // bit, the same step on an executor that enqueues each call (no recordings), and the CPU
 // reference; a refused step through a recording names the same route; memory the kernels free
-// makes the recordings stale and they are made again.
-int LoneRecordedMember(const std::string& dir) {
+// makes the recordings stale and they are made again. With FP8 experts the layer runs in its
+// stages (RouteRows on the local slots, PackFp8Rows, SwigluFp8, Combine) inside the recording.
+int LoneRecordedMember(const std::string& dir, ExpertDtype dtype) {
+  const bool fp8 = dtype == ExpertDtype::kFp8;
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   auto fail = [](const absl::Status& s) {
     std::fprintf(stderr, "lone recorded: %s\n", std::string(s.message()).c_str());
@@ -337,6 +339,7 @@ int LoneRecordedMember(const std::string& dir) {
     LayerExecutorOptions eo = GpuExecutorOptions(0, topology, group, &registry, transport->get(), gpu->get());
     eo.device_plan = true;
     eo.lone_decode_graphs = recorded;
+    eo.expert_dtype = dtype;
     auto exec = LayerExecutor::Create(std::move(eo));
     if (!exec.ok()) return fail(exec.status());
     auto local = LoadLocalExperts(ckpt, **manifest, Rank(0));
@@ -412,7 +415,7 @@ int LoneRecordedMember(const std::string& dir) {
       }
     }
     if (got[0] != got[1]) return absl::InternalError(absl::StrCat(what, ": recorded and eager outputs differ"));
-    if (absl::Status s = CheckAgainstReference(in, got[0], *cpu, reference, false, what); !s.ok()) return s;
+    if (absl::Status s = CheckAgainstReference(in, got[0], *cpu, reference, fp8, what); !s.ok()) return s;
     return got[0];
   };
   // The largest step first: the executors' buffers and the kernels' scratch reach their size
@@ -483,12 +486,20 @@ int LoneRecordedMember(const std::string& dir) {
   return 0;
 }
 
-TEST(NcclExecutorLoneTest, LoneDecodeStepsAreRecordedOnceAndEqualTheEagerSteps) {
+class NcclExecutorLoneTest : public ::testing::TestWithParam<ExpertDtype> {};
+
+TEST_P(NcclExecutorLoneTest, LoneDecodeStepsAreRecordedOnceAndEqualTheEagerSteps) {
   ASSERT_GE(Devices(), 1) << "no GPU";
-  const auto codes =
-      testing::ForkMembers(1, "nccl-lone", [](int, const std::string& dir) { return LoneRecordedMember(dir); });
+  const ExpertDtype dtype = GetParam();
+  const auto codes = testing::ForkMembers(
+      1, "nccl-lone", [dtype](int, const std::string& dir) { return LoneRecordedMember(dir, dtype); });
   EXPECT_EQ(codes[0], 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, NcclExecutorLoneTest, ::testing::Values(ExpertDtype::kBf16, ExpertDtype::kFp8),
+                         [](const ::testing::TestParamInfo<ExpertDtype>& info) {
+                           return std::string(info.param == ExpertDtype::kFp8 ? "Fp8" : "Bf16");
+                         });
 
 // Every step through both runners of the decode bucket's graph: the decode kernels over compact
 // segments, and GEMMs over slots padded to the bucket's 24 routes; and with FP8 experts (whose
