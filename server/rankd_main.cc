@@ -114,6 +114,9 @@ ABSL_FLAG(bool, lone_decode_graphs, true,
           "with --lone_decode_on_kernels: such a step's GPU work (the checks, their read-back, the layer) is "
           "recorded once per step shape and buffers as a CUDA graph and launched again in one call (a key's first "
           "step runs eagerly; false: every step enqueues its calls one by one");
+ABSL_FLAG(int32_t, lone_decode_recordings, 1024,
+          "with --lone_decode_graphs: how many recordings are kept, least recently used first out (one per MoE "
+          "layer, token count and engine ring slot; in [1, 65536])");
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");
@@ -592,6 +595,7 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> BuildExecutor(const RankdOptions&
   eo.device_plan = absl::GetFlag(FLAGS_device_plan);
   eo.lone_decode_on_kernels = absl::GetFlag(FLAGS_lone_decode_on_kernels);
   eo.lone_decode_graphs = absl::GetFlag(FLAGS_lone_decode_graphs);
+  eo.lone_decode_recordings = absl::GetFlag(FLAGS_lone_decode_recordings);
   eo.lone_member_graphs = absl::GetFlag(FLAGS_lone_member_graphs);
   eo.expert_dtype = o.expert_dtype;
   if (o.trial_drift) {

@@ -6,13 +6,16 @@
 // one of those. Run it plain and under bench/gpu/with_mps.sh (a co-located engine's setting).
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o graph_launch bench/gpu/graph_launch.cu
 //   ./graph_launch            (one JSON line per variant: host µs of the launch call and of the
-//                              launch through the GPU's completion, medians of 2000)
+//                              launch through the GPU's completion, medians of 2000; then what
+//                              1024 instantiated recordings of the 14-node shape hold in device
+//                              and host memory: the cost of keeping many, --lone_decode_recordings)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <vector>
 
@@ -39,6 +42,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double Us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
+// The process's resident set, in KiB (/proc/self/statm, pages of 4 KiB).
+long ResidentKiB() {
+  std::ifstream statm("/proc/self/statm");
+  long size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * 4;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -147,6 +158,34 @@ int main() {
       std::fflush(stdout);
     }
     CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+  }
+  // Many recordings of the step's shape kept at once, each launched once (as a kept recording is).
+  {
+    const Shape& s = shapes[3];
+    cudaGraph_t graph;
+    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    Enqueue(s, st, side, fork, join, d, host, checks, true);
+    CHECK(cudaStreamEndCapture(st, &graph));
+    CHECK(cudaDeviceSynchronize());
+    size_t free_before = 0, total = 0, free_after = 0;
+    CHECK(cudaMemGetInfo(&free_before, &total));
+    const long rss_before = ResidentKiB();
+    constexpr int kKept = 1024;
+    std::vector<cudaGraphExec_t> kept(kKept);
+    const auto t0 = Clock::now();
+    for (cudaGraphExec_t& e : kept) CHECK(cudaGraphInstantiate(&e, graph, 0));
+    const auto t1 = Clock::now();
+    for (cudaGraphExec_t e : kept) CHECK(cudaGraphLaunch(e, st));
+    CHECK(cudaStreamSynchronize(st));
+    CHECK(cudaMemGetInfo(&free_after, &total));
+    const long rss_after = ResidentKiB();
+    std::printf(
+        "{\"kind\": \"graph_memory\", \"shape\": \"%s\", \"recordings\": %d, \"device_kib_each\": %.1f, "
+        "\"host_kib_each\": %.1f, \"instantiate_us_each\": %.1f}\n",
+        s.name, kKept, (static_cast<double>(free_before) - static_cast<double>(free_after)) / 1024.0 / kKept,
+        static_cast<double>(rss_after - rss_before) / kKept, Us(t0, t1) / kKept);
+    for (cudaGraphExec_t e : kept) CHECK(cudaGraphExecDestroy(e));
     CHECK(cudaGraphDestroy(graph));
   }
   return 0;

@@ -20,6 +20,10 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
   if (options.registry == nullptr || options.kernels == nullptr) {
     return absl::InvalidArgumentError("executor: registry and kernels required");
   }
+  if (options.lone_decode_recordings < 1 || options.lone_decode_recordings > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("executor: lone_decode_recordings ", options.lone_decode_recordings, " outside [1, 65536]"));
+  }
   const bool bound = options.transport != nullptr || options.topology.has_value() || options.group.has_value();
   std::unique_ptr<LayerExecutor> e(new LayerExecutor(std::move(options)));
   e->device_ = e->options_.kernels->device_resident();

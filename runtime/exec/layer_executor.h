@@ -136,6 +136,11 @@ struct LayerExecutorOptions {
   // graphs; RecordedWork): a key's first step runs eagerly, its second is recorded. False: every
   // step enqueues its calls one by one.
   bool lone_decode_graphs = true;
+  // How many such recordings are kept (least recently used first out): one per layer, token count
+  // and engine slot (every pointer the step's calls are given is in its key), so a model of L MoE
+  // layers whose engine cycles S ring slots over B token counts needs L * S * B to keep them all.
+  // In [1, 65536].
+  int lone_decode_recordings = 1024;
   // The precision the experts run in. kFp8: each generation's weights are quantized when it is
   // added (E4M3, one FP32 scale per 128 x 128 block: DeepSeek-V3's checkpoint format; an FP8
   // checkpoint's weights come back to the same bytes, see docs/kernels.md) and only the FP8
@@ -427,8 +432,7 @@ class LayerExecutor {
   OwnedEvent checks_event_;
   // LoneDecodePhase's recorded work by step shape and buffers; before checks_event_ in
   // destruction (its recordings name that event).
-  RecordedWork lone_recorded_{options_.kernels, kLoneRecordings};
-  static constexpr int kLoneRecordings = 64;
+  RecordedWork lone_recorded_{options_.kernels, options_.lone_decode_recordings};
 };
 
 }  // namespace moe

@@ -824,6 +824,27 @@ TEST(LayerExecutorTest, Fp8ExpertsRefuseWidthsOutsideTheBlocks) {
   EXPECT_EQ(*ParseExpertDtype("fp8", "--expert_dtype"), ExpertDtype::kFp8);
 }
 
+// The recordings' capacity is bounded: 0 and more than 65536 are refused naming the option.
+TEST(LayerExecutorTest, LoneDecodeRecordingsOutsideTheirRangeAreRefused) {
+  Rank4 w(0, 0, kD, kFf);
+  for (int bad : {0, -3, 65537}) {
+    LayerExecutorOptions o;
+    o.registry = &w.registry[0];
+    o.kernels = w.kernels[0].get();
+    o.lone_decode_recordings = bad;
+    auto exec = LayerExecutor::Create(std::move(o));
+    EXPECT_EQ(exec.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(exec.status().message()), ::testing::HasSubstr("lone_decode_recordings")) << bad;
+  }
+  for (int good : {1, 65536}) {
+    LayerExecutorOptions o;
+    o.registry = &w.registry[0];
+    o.kernels = w.kernels[0].get();
+    o.lone_decode_recordings = good;
+    EXPECT_TRUE(LayerExecutor::Create(std::move(o)).ok()) << good;
+  }
+}
+
 // Bad routes found by the kernels are refused as the host plan refuses them (same code and
 // message), every peer aborts at once, and the next step serves.
 TEST(LayerExecutorTest, DevicePlanRefusesBadRoutesAsTheHostPlanDoes) {
