@@ -19,14 +19,7 @@
 #include <functional>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.h"  // CHECK
 
 __global__ void Tiny(int* p) {
 #if __CUDA_ARCH__ >= 900

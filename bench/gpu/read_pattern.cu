@@ -13,14 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.h"  // CHECK
 
 constexpr int kE = 128, kD = 2048, kF = 768, kHit = 8;
 constexpr int kD8 = kD / 8;

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -236,6 +237,36 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
 // (with the device plan on), their layer enqueued before the checks come back: the same output
 // bits, counts and expert load as the same step planned on the host; bad routes and a failed input
 // check refuse the step naming the value; the next step is served and every handle released.
+//
+// PlanBothWays: a decode step planned on the host, then the same step with its routing in kernel
+// memory (the CPU kernels' memory is host memory), and how much each grew layer 0's expert load.
+struct PlannedBothWays {
+  absl::StatusOr<LayerStepResult> host, device;
+  std::vector<int64_t> host_load, device_load;  // per expert
+};
+PlannedBothWays PlanBothWays(LayerExecutor& exec, const RankInput& input, uint64_t* step, int experts) {
+  const auto load = [&exec, experts] {
+    const auto m = exec.LayerExpertLoad();
+    auto it = m.find(0);
+    return it == m.end() ? std::vector<int64_t>(experts, 0) : it->second;
+  };
+  const auto grown = [](const std::vector<int64_t>& after, const std::vector<int64_t>& before) {
+    std::vector<int64_t> d(after.size());
+    for (size_t e = 0; e < after.size(); ++e) d[e] = after[e] - (e < before.size() ? before[e] : 0);
+    return d;
+  };
+  PlannedBothWays r;
+  const auto before = load();
+  r.host = exec.Execute(input.Step((*step)++, 0, Phase::kDecode));
+  const auto after_host = load();
+  LayerStepInput in = input.Step((*step)++, 0, Phase::kDecode);
+  in.routing_on_device = true;
+  r.device = exec.Execute(in);
+  r.host_load = grown(after_host, before);
+  r.device_load = grown(load(), after_host);
+  return r;
+}
+
 TEST_P(OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
   const auto [runner, device_plan] = GetParam();
   SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, runner, device_plan);
@@ -243,14 +274,11 @@ TEST_P(OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
   uint64_t step = 1;
   for (int64_t tokens : {1, 3, 17, 40}) {
     const RankInput input = RandomInput(rng, tokens);  // some first routes dropped by the router
-    const auto load_before = executor_->LayerExpertLoad();
-    auto host = executor_->Execute(input.Step(step++, 0, Phase::kDecode));
-    ASSERT_TRUE(host.ok()) << host.status();
-    const auto load_host = executor_->LayerExpertLoad();
-    LayerStepInput in = input.Step(step++, 0, Phase::kDecode);
-    in.routing_on_device = true;  // the CPU kernels' memory is host memory
-    auto device = executor_->Execute(in);
-    ASSERT_TRUE(device.ok()) << device.status();
+    PlannedBothWays both = PlanBothWays(*executor_, input, &step, kExperts);
+    ASSERT_TRUE(both.host.ok()) << both.host.status();
+    ASSERT_TRUE(both.device.ok()) << both.device.status();
+    const auto& host = both.host;
+    const auto& device = both.device;
     EXPECT_EQ(device->output, host->output) << "T=" << tokens;
     EXPECT_EQ(device->record.device_plan, device_plan) << "T=" << tokens;
     EXPECT_FALSE(host->record.device_plan);
@@ -258,16 +286,7 @@ TEST_P(OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
     EXPECT_EQ(device->record.routes_attempted, host->record.routes_attempted);
     EXPECT_EQ(device->record.routes_served, host->record.routes_served);
     EXPECT_GT(PhaseUs(device->record, StepPhase::kExperts), 0);
-    // The expert load grew by the same counts on both plans.
-    const auto load_device = executor_->LayerExpertLoad();
-    const std::vector<int64_t> zero(kExperts, 0);
-    const auto at = [&](const std::map<int64_t, std::vector<int64_t>>& m) {
-      auto it = m.find(0);
-      return it == m.end() ? zero : it->second;
-    };
-    for (int e = 0; e < kExperts; ++e) {
-      EXPECT_EQ(at(load_device)[e] - at(load_host)[e], at(load_host)[e] - at(load_before)[e]) << "expert " << e;
-    }
+    EXPECT_EQ(both.device_load, both.host_load);  // the expert load grew by the same counts
     EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
   }
   // Refusals: an expert out of range, a NaN gate (both named), and a failed input check.
@@ -744,27 +763,16 @@ TEST_F(Fp8OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
   uint64_t step = 1;
   for (int64_t tokens : {1, 3, 9}) {
     const RankInput input = testing::RandomTwoRouteInput(rng, tokens, kD8, kExperts, /*drop_some=*/true);
-    const auto load_before = executor_->LayerExpertLoad();
-    auto host = executor_->Execute(input.Step(step++, 0, Phase::kDecode));
-    ASSERT_TRUE(host.ok()) << host.status();
-    const auto load_host = executor_->LayerExpertLoad();
-    LayerStepInput in = input.Step(step++, 0, Phase::kDecode);
-    in.routing_on_device = true;  // the CPU kernels' memory is host memory
-    auto device = executor_->Execute(in);
-    ASSERT_TRUE(device.ok()) << device.status();
-    EXPECT_TRUE(device->record.device_plan) << "T=" << tokens;
-    EXPECT_FALSE(host->record.device_plan);
-    EXPECT_EQ(device->output, host->output) << "T=" << tokens;
-    EXPECT_EQ(Plain(device->output), Fp8Reference(input)) << "T=" << tokens;
-    EXPECT_EQ(device->record.routes_served, host->record.routes_served);
-    const auto load_device = executor_->LayerExpertLoad();
-    const auto at = [&](const std::map<int64_t, std::vector<int64_t>>& m, int e) -> int64_t {
-      auto it = m.find(0);
-      return it == m.end() ? 0 : it->second[e];
-    };
-    for (int e = 0; e < kExperts; ++e) {
-      EXPECT_EQ(at(load_device, e) - at(load_host, e), at(load_host, e) - at(load_before, e)) << "expert " << e;
-    }
+    PlannedBothWays both = PlanBothWays(*executor_, input, &step, kExperts);
+    ASSERT_TRUE(both.host.ok()) << both.host.status();
+    ASSERT_TRUE(both.device.ok()) << both.device.status();
+    EXPECT_TRUE(both.device->record.device_plan) << "T=" << tokens;
+    EXPECT_FALSE(both.host->record.device_plan);
+    EXPECT_EQ(both.device->output, both.host->output) << "T=" << tokens;
+    EXPECT_EQ(Plain(both.device->output), Fp8Reference(input)) << "T=" << tokens;
+    EXPECT_EQ(both.device->record.routes_served, both.host->record.routes_served);
+    EXPECT_EQ(both.device_load, both.host_load);
+    EXPECT_GT(std::accumulate(both.host_load.begin(), both.host_load.end(), int64_t{0}), 0);
   }
   RankInput bad = testing::RandomTwoRouteInput(rng, 4, kD8, kExperts, /*drop_some=*/true);
   bad.ids[5] = kExperts;  // token 2's second route, always admitted
