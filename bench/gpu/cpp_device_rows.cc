@@ -6,7 +6,9 @@
 // stream: "ready" is the submit to that point, the time until the engine's next GPU work could
 // read the output. Every ring's output rows are compared bit for bit with the gRPC answer.
 //   cpp_device_rows --target unix:/run/moe/0.sock --cells decode:1,decode:8 --steps 300
-// (ENGINE=cpp bench/gpu/device_rows.sh starts a rank under test and runs it.)
+// (ENGINE=cpp bench/gpu/device_rows.sh starts a rank under test and runs it.) With --layers L,
+// step i names MoE layer --layer + i % L, as a model's decode steps walk its layers (every layer's
+// output is compared with that layer's gRPC answer).
 // Prints one JSON line a cell and mode; exits non-zero on any failed step or mismatch.
 #include <cuda_runtime.h>
 
@@ -36,7 +38,8 @@ ABSL_FLAG(int, steps, 300, "timed steps a cell and mode (after 20 untimed)");
 ABSL_FLAG(int, d, 2048, "hidden width the rank serves");
 ABSL_FLAG(int, k, 8, "experts per token");
 ABSL_FLAG(int, experts, 128, "logical experts of the checkpoint");
-ABSL_FLAG(int64_t, layer, 0, "the MoE layer the steps name");
+ABSL_FLAG(int64_t, layer, 0, "the (first) MoE layer the steps name");
+ABSL_FLAG(int, layers, 1, "the steps walk this many MoE layers from --layer, one a step");
 
 namespace moe {
 namespace {
@@ -119,9 +122,10 @@ struct Timing {
   std::vector<double> ready_us, answer_us;
 };
 
-// One step on `r` with the call's rows (already in every device slot): ready event, submit,
-// wait, the done event's stream wait, synchronize. Checks the output against `want` when asked.
-int RingStep(DeviceRing& r, const StepCall& call, cudaStream_t stream, uint64_t step_id,
+// One step on `r` with the call's rows (already in every device slot) for `layer`: ready event,
+// submit, wait, the done event's stream wait, synchronize. Checks the output against `want` when
+// asked.
+int RingStep(DeviceRing& r, const StepCall& call, int64_t layer, cudaStream_t stream, uint64_t step_id,
              const std::vector<uint16_t>* want, Timing* t) {
   auto slot = r.ring->NextSlot();
   if (!slot.ok()) {
@@ -130,7 +134,7 @@ int RingStep(DeviceRing& r, const StepCall& call, cudaStream_t stream, uint64_t 
   }
   StepRing::StepMeta meta;
   meta.step_id = step_id;
-  meta.layer = call.layer;
+  meta.layer = layer;
   meta.decode = call.decode;
   meta.tokens = call.tokens;
   meta.k = call.k;
@@ -169,7 +173,12 @@ int RingStep(DeviceRing& r, const StepCall& call, cudaStream_t stream, uint64_t 
 
 int Run() {
   const int d = absl::GetFlag(FLAGS_d), k = absl::GetFlag(FLAGS_k), experts = absl::GetFlag(FLAGS_experts);
-  const int steps = absl::GetFlag(FLAGS_steps);
+  const int steps = absl::GetFlag(FLAGS_steps), layers = absl::GetFlag(FLAGS_layers);
+  const int64_t first_layer = absl::GetFlag(FLAGS_layer);
+  if (layers < 1 || layers > 4096) {
+    std::fprintf(stderr, "--layers: %d outside [1, 4096]\n", layers);
+    return 2;
+  }
   std::vector<Cell> cells;
   for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_cells), ',')) {
     std::vector<std::string> parts = absl::StrSplit(c, ':');
@@ -217,18 +226,20 @@ int Run() {
         call.topk_weights.push_back(std::uniform_real_distribution<float>(0.05f, 1.0f)(rng));
       }
     }
-    // The gRPC answer (host rows), the reference every ring output must equal.
+    // Each layer's gRPC answer (host rows), the reference every ring output must equal.
     std::vector<double> grpc_us;
-    std::vector<uint16_t> want;
-    for (int i = 0; i < 40; ++i) {
+    std::vector<std::vector<uint16_t>> want(layers);
+    for (int i = 0; i < std::max(40, 2 * layers); ++i) {
       call.step_id = step_id++;
+      call.layer = first_layer + i % layers;
       auto a = (*client)->Execute(call);
       if (!a.ok()) {
-        std::fprintf(stderr, "gRPC step: %s\n", a.status().ToString().c_str());
+        std::fprintf(stderr, "gRPC step (layer %lld): %s\n", static_cast<long long>(call.layer),
+                     a.status().ToString().c_str());
         return 1;
       }
-      if (i == 0) want = a->output;
-      if (a->output != want) ++failures;
+      if (i < layers) want[i] = a->output;
+      if (a->output != want[i % layers]) ++failures;
       grpc_us.push_back(a->client_latency_us);
     }
     // The rows and routing into every device slot of both rings, once.
@@ -244,23 +255,25 @@ int Run() {
       }
     }
     Timing timing[2];
-    for (int i = 0; i < 20 + steps; ++i) {  // in turns; the first 20 untimed
-      const bool timed = i >= 20, check = i < 4 || i % 50 == 0;
+    // In turns; the first 20 (and every layer's first two) untimed.
+    const int warm = std::max(20, 2 * layers);
+    for (int i = 0; i < warm + steps; ++i) {
+      const bool timed = i >= warm, check = i < std::max(4, 2 * layers) || i % 50 == 0;
+      const int64_t layer = first_layer + i % layers;
       for (int m = 0; m < 2; ++m) {
         DeviceRing& r = m == 0 ? with_events : without_events;
-        if (RingStep(r, call, stream, step_id++, check ? &want : nullptr, timed ? &timing[m] : nullptr) != 0) {
-          return 1;
-        }
+        const std::vector<uint16_t>* w = check ? &want[i % layers] : nullptr;
+        if (RingStep(r, call, layer, stream, step_id++, w, timed ? &timing[m] : nullptr) != 0) return 1;
       }
     }
     const char* phase = cell.decode ? "decode" : "prefill";
     for (int m = 0; m < 2; ++m) {
       std::printf(
           "{\"kind\": \"cpp_device_rows\", \"cell\": \"%s:%lld\", \"mode\": \"%s\", \"ready_p50_us\": %.1f, "
-          "\"ready_p99_us\": %.1f, \"answer_p50_us\": %.1f, \"steps\": %zu}\n",
+          "\"ready_p99_us\": %.1f, \"answer_p50_us\": %.1f, \"steps\": %zu, \"layers\": %d}\n",
           phase, static_cast<long long>(cell.tokens), m == 0 ? "done_events" : "sync",
           bench::Median(timing[m].ready_us), bench::Quantile(timing[m].ready_us, 0.99),
-          bench::Median(timing[m].answer_us), timing[m].ready_us.size());
+          bench::Median(timing[m].answer_us), timing[m].ready_us.size(), layers);
     }
     std::printf(
         "{\"kind\": \"cpp_device_rows\", \"cell\": \"%s:%lld\", \"mode\": \"grpc_host_rows\", "

@@ -6,7 +6,8 @@
 # CUDA tensors, stepping through a step ring with the rows through the host and through one with
 # the rows (and routing) on the GPU (CUDA IPC), checked bit for bit (bench/gpu/device_rows.py). Run from the repository root with dist/gpu (tools/gpu_bundle.sh);
 # dist/wheels may hold grpcio and protobuf wheels for a Python without them. ENGINE=cpp: a C++
-# engine (bench/gpu/cpp_device_rows) instead of the Python one, on one rank.
+# engine (bench/gpu/cpp_device_rows) instead of the Python one, on one rank; LAYERS=L with it: a
+# checkpoint of L MoE layers in Hugging Face layout, the C++ engine's steps walking them.
 #   LD_LIBRARY_PATH=$PWD/dist/gpu/lib:/usr/local/cuda/lib64 bench/gpu/device_rows.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -23,8 +24,11 @@ if [ "${FLOOR:-1}" != 0 ]; then
   done
 fi
 work="$(mktemp -d /tmp/device-rows.XXXXXX)"
-"$B/moectl" checkpoint synth --experts 128 --d 2048 --d_ff 768 --seed 5 --version rows-1 --out "$work/ckpt" >/dev/null ||
-  { echo "checkpoint synth failed"; exit 1; }
+LAYERS="${LAYERS:-1}"
+layer_args=()
+[ "$LAYERS" = 1 ] || layer_args=(--layers "$LAYERS")
+"$B/moectl" checkpoint synth --experts 128 --d 2048 --d_ff 768 --seed 5 --version rows-1 "${layer_args[@]}" \
+  --out "$work/ckpt" >/dev/null || { echo "checkpoint synth failed"; exit 1; }
 RANKD="${RANKD:-$B/moe-rankd}"
 source deploy/cluster_lib.sh
 SKIP_BUILD=1 choose_backend "$RANKS"
@@ -38,7 +42,7 @@ if [ "${ENGINE:-python}" = cpp ]; then
   # A C++ engine instead (bench/gpu/cpp_device_rows.cc: the C++ client's ring, done events and
   # not in turns, against gRPC), one rank.
   [ "$RANKS" = 1 ] || { echo "ENGINE=cpp drives one rank"; exit 2; }
-  "$B/cpp_device_rows" --target "$targets" --cells "$CELLS" --steps "${STEPS:-300}"
+  "$B/cpp_device_rows" --target "$targets" --cells "$CELLS" --steps "${STEPS:-300}" "${layer_args[@]}"
 else
   "$PY" bench/gpu/device_rows.py --targets "$targets" --cells "$CELLS" --spin_us "$SPIN" --steps "${STEPS:-200}" \
     --ready_timeout_s 3
