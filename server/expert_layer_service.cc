@@ -419,10 +419,10 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
 
 void ExpertLayerServiceImpl::NoteRecordedWork() {
   const RecordedWork::Stats& w = executor_->LoneDecodeRecordings();
-  const int64_t total = w.recorded + w.stale + w.failed + w.evicted;
+  const int64_t total = w.recorded + w.stale + w.failed + w.evicted + w.full;
   if (total == recorded_counted_) return;
   recorded_counted_ = total;
-  if (metrics_ != nullptr) metrics_->RecordedWork(w.recorded, w.stale, w.failed, w.evicted);
+  if (metrics_ != nullptr) metrics_->RecordedWork(w.recorded, w.stale, w.failed, w.evicted, w.full);
   if (w.failed > failures_logged_) {
     failures_logged_ = w.failed;
     spdlog::warn("a lone decode step could not be recorded as a CUDA graph and ran call by call ({} so far): {}",

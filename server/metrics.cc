@@ -60,10 +60,11 @@ RankMetrics::RankMetrics(const std::string& release)
                        .Help(
                            "Recordings of a lone rank's decode steps as CUDA graphs (--lone_decode_graphs), by "
                            "outcome: recorded, stale (dropped after the kernels freed memory), failed (the step ran "
-                           "call by call), evicted (64 step shapes kept)")
+                           "call by call), evicted (an idle one dropped for another, --lone_decode_recordings kept), "
+                           "full (a step run call by call because every kept one ran recently)")
                        .Register(*registry_);
   int i = 0;
-  for (const char* outcome : {"recorded", "stale", "failed", "evicted"}) {
+  for (const char* outcome : {"recorded", "stale", "failed", "evicted", "full"}) {
     recorded_work_[i++] = &recorded.Add({{"release", release_}, {"outcome", outcome}});
   }
   epoch_changes_ = &prometheus::BuildHistogram()
@@ -218,8 +219,8 @@ void RankMetrics::Epoch(int64_t epoch) { epoch_->Set(static_cast<double>(epoch))
 
 void RankMetrics::EpochFault() { epoch_faults_->Increment(); }
 
-void RankMetrics::RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted) {
-  const std::array<int64_t, 4> now{recorded, stale, failed, evicted};
+void RankMetrics::RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted, int64_t full) {
+  const std::array<int64_t, 5> now{recorded, stale, failed, evicted, full};
   std::lock_guard<std::mutex> lock(recorded_mu_);
   for (size_t i = 0; i < now.size(); ++i) {
     if (now[i] > recorded_seen_[i]) recorded_work_[i]->Increment(static_cast<double>(now[i] - recorded_seen_[i]));

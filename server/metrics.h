@@ -46,9 +46,10 @@ class RankMetrics {
   // A served epoch whose data plane failed on this rank (reported to the controller).
   void EpochFault();
   // Recordings of a lone rank's decode steps (runtime/exec/recorded_work.h), by outcome
-  // (recorded, stale, failed, evicted), from the executor's running totals: each call counts
-  // their growth since the last.
-  void RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted);
+  // (recorded, stale, failed, evicted, and full: steps run call by call because every kept
+  // recording ran recently), from the executor's running totals: each call counts their growth
+  // since the last.
+  void RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted, int64_t full);
   // Progress of the checkpoint load at start-up (runtime/checkpoint/expert_loader.h).
   void CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total, double seconds);
   // The wall time of each phase of an answered step (runtime/exec/step.h), `phase` prefill or decode.
@@ -70,9 +71,9 @@ class RankMetrics {
   prometheus::Gauge* epoch_;
   prometheus::Family<prometheus::Histogram>* epoch_changes_;
   prometheus::Counter* epoch_faults_;
-  std::array<prometheus::Counter*, 4> recorded_work_{};  // recorded, stale, failed, evicted
+  std::array<prometheus::Counter*, 5> recorded_work_{};  // recorded, stale, failed, evicted, full
   std::mutex recorded_mu_;
-  std::array<int64_t, 4> recorded_seen_{};  // the totals last counted
+  std::array<int64_t, 5> recorded_seen_{};  // the totals last counted
   prometheus::Gauge* load_bytes_done_;
   prometheus::Gauge* load_bytes_total_;
   prometheus::Gauge* load_layers_done_;

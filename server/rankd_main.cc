@@ -115,8 +115,9 @@ ABSL_FLAG(bool, lone_decode_graphs, true,
           "recorded once per step shape and buffers as a CUDA graph and launched again in one call (a key's first "
           "step runs eagerly; false: every step enqueues its calls one by one");
 ABSL_FLAG(int32_t, lone_decode_recordings, 1024,
-          "with --lone_decode_graphs: how many recordings are kept, least recently used first out (one per MoE "
-          "layer, token count and engine ring slot; in [1, 65536])");
+          "with --lone_decode_graphs: how many recordings are kept (one per MoE layer, token count and engine "
+          "ring slot; ~250 KiB of GPU memory each on H200; in [1, 65536]); a new one replaces the least recently "
+          "used only once that has been idle for twice this many steps");
 ABSL_FLAG(std::string, agent_token_file, "",
           "serve RankAgentService (generation prepare/activate/stop/retire) to callers holding this bearer token; "
           "empty: the agent API is off and the rank serves placement-v1 only");

@@ -136,7 +136,7 @@ struct LayerExecutorOptions {
   // graphs; RecordedWork): a key's first step runs eagerly, its second is recorded. False: every
   // step enqueues its calls one by one.
   bool lone_decode_graphs = true;
-  // How many such recordings are kept (least recently used first out): one per layer, token count
+  // How many such recordings are kept (RecordedWork's policy): one per layer, token count
   // and engine slot (every pointer the step's calls are given is in its key), so a model of L MoE
   // layers whose engine cycles S ring slots over B token counts needs L * S * B to keep them all.
   // In [1, 65536].

@@ -31,12 +31,17 @@ absl::Status RecordedWork::Run(const Key& key, absl::FunctionRef<absl::Status(ke
   bool& ran_recording = launched != nullptr ? *launched : unused;
   ran_recording = false;
   if (!supported_) return Eager(enqueue);
+  const uint64_t now = ++clock_;
   auto it = entries_.find(key);
   if (it == entries_.end()) {
     if (static_cast<int>(entries_.size()) >= capacity_) {
       auto oldest = entries_.begin();
       for (auto i = entries_.begin(); i != entries_.end(); ++i) {
         if (i->second.used < oldest->second.used) oldest = i;
+      }
+      if (now - oldest->second.used <= 2 * static_cast<uint64_t>(capacity_)) {
+        ++stats_.full;  // every kept key ran recently: keep them, run this one eagerly
+        return Eager(enqueue);
       }
       if (oldest->second.work != nullptr) ++stats_.evicted;
       Drop(oldest->second);
@@ -45,7 +50,7 @@ absl::Status RecordedWork::Run(const Key& key, absl::FunctionRef<absl::Status(ke
     it = entries_.emplace(key, Entry{}).first;
   }
   Entry& e = it->second;
-  e.used = ++clock_;
+  e.used = now;
   if (e.work != nullptr) {
     absl::StatusOr<bool> ran = kernels_->LaunchCaptured(e.work, nullptr);
     if (!ran.ok()) return ran.status();

@@ -10,6 +10,12 @@
 // recording is dropped and the key starts again with an eager step. A recording that fails
 // (a call that cannot be captured) runs the step eagerly; after two failures a key stays eager.
 // Kernels that record nothing (the CPU reference) run every step eagerly.
+//
+// At most `capacity` keys are kept. A new key takes the place of the least recently used one only
+// when that one has not run for 2 x capacity steps; otherwise the new key's step runs eagerly and
+// nothing is dropped. So an engine cycling through more keys than are kept gets the kept ones
+// launched and the rest eager (least recently used eviction would drop each key just before its
+// turn comes again, and nothing would ever launch), and keys that stopped being used make room.
 #ifndef MOE_RUNTIME_EXEC_RECORDED_WORK_H_
 #define MOE_RUNTIME_EXEC_RECORDED_WORK_H_
 
@@ -37,10 +43,11 @@ class RecordedWork {
     int64_t stale = 0;     // recordings dropped because the kernels' memory changed
     int64_t failed = 0;    // recordings that failed (the step then ran eagerly)
     int64_t evicted = 0;   // recordings dropped to make room for another key
+    int64_t full = 0;      // steps run eagerly because every kept key had run recently
     std::string last_failure;
   };
 
-  // At most `capacity` keys (the least recently used goes first). `kernels` must outlive this.
+  // At most `capacity` keys (see above). `kernels` must outlive this.
   RecordedWork(kernels::ExpertKernels* kernels, int capacity);
   ~RecordedWork();
   RecordedWork(const RecordedWork&) = delete;

@@ -2,7 +2,8 @@
 // graphs themselves run in nccl_executor_test on the GPU): a key's first step eager, its second
 // recorded and launched, then launches; a recording made stale by freed memory starts again; a
 // failed recording runs the step eagerly and a key that fails twice stays eager; the least
-// recently used key makes room; kernels that record nothing run everything eagerly.
+// recently used key makes room once idle for twice the capacity, and keys cycled beyond the
+// capacity leave the kept ones launching; kernels that record nothing run everything eagerly.
 #include "runtime/exec/recorded_work.h"
 
 #include <string>
@@ -172,13 +173,17 @@ TEST(RecordedWorkTest, FailedRecordingsRunEagerlyAndTwoKeepTheKeyEager) {
   EXPECT_EQ(fake.launches, 0);
 }
 
-TEST(RecordedWorkTest, TheLeastRecentlyUsedKeyMakesRoom) {
+TEST(RecordedWorkTest, AKeyIdleForTwiceTheCapacityMakesRoom) {
   FakeRecorder fake;
   auto enqueue = [&](Stream) { return absl::OkStatus(); };
   RecordedWork work(&fake, 2);
   for (uint64_t k : {1, 1, 2, 2}) ASSERT_TRUE(work.Run(KeyOf(k), enqueue).ok());  // both recorded
-  ASSERT_TRUE(work.Run(KeyOf(1), enqueue).ok());                                  // 1 used last
-  ASSERT_TRUE(work.Run(KeyOf(3), enqueue).ok());                                  // evicts 2
+  ASSERT_TRUE(work.Run(KeyOf(3), enqueue).ok());  // key 2 ran a step ago: 3 runs eagerly, nothing dropped
+  EXPECT_EQ(work.stats().full, 1);
+  EXPECT_EQ(work.stats().evicted, 0);
+  EXPECT_EQ(fake.drops, 0);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(work.Run(KeyOf(1), enqueue).ok());  // key 2 idle for 5 steps > 2 x 2
+  ASSERT_TRUE(work.Run(KeyOf(3), enqueue).ok());                              // evicts 2
   EXPECT_EQ(work.size(), 2);
   EXPECT_EQ(work.stats().evicted, 1);
   EXPECT_EQ(fake.drops, 1);
@@ -187,6 +192,26 @@ TEST(RecordedWorkTest, TheLeastRecentlyUsedKeyMakesRoom) {
   const int before = fake.launches;
   ASSERT_TRUE(work.Run(KeyOf(1), enqueue).ok());
   EXPECT_EQ(fake.launches, before + 1);  // key 1 still launches its recording
+}
+
+// An engine cycling through more keys than are kept: the kept keys are recorded once and
+// launched every turn after, the others run eagerly, and nothing is dropped or recorded again
+// (least recently used eviction would have dropped each key just before its turn came).
+TEST(RecordedWorkTest, KeysCycledBeyondTheCapacityKeepTheFirstOnesLaunching) {
+  FakeRecorder fake;
+  auto enqueue = [&](Stream) { return absl::OkStatus(); };
+  RecordedWork work(&fake, 3);
+  for (int turn = 0; turn < 10; ++turn) {
+    for (uint64_t k : {1, 2, 3, 4, 5}) ASSERT_TRUE(work.Run(KeyOf(k), enqueue).ok());
+  }
+  const RecordedWork::Stats& st = work.stats();
+  EXPECT_EQ(st.recorded, 3);        // keys 1-3, on their second turn
+  EXPECT_EQ(st.launches, 3 * 9);    // then every turn
+  EXPECT_EQ(st.eager, 3 + 2 * 10);  // keys 1-3's first turn, keys 4 and 5 always
+  EXPECT_EQ(st.full, 2 * 10);
+  EXPECT_EQ(st.evicted, 0);
+  EXPECT_EQ(fake.drops, 0);
+  EXPECT_EQ(work.size(), 3);
 }
 
 TEST(RecordedWorkTest, KernelsThatRecordNothingRunEveryStepEagerly) {

@@ -669,9 +669,9 @@ TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
 // moe_recorded_work_total counts the growth of the executor's running totals, by outcome.
 TEST(RankMetricsTest, RecordedWorkCountsTheTotalsGrowth) {
   RankMetrics metrics("test");
-  metrics.RecordedWork(3, 0, 1, 0);
-  metrics.RecordedWork(3, 0, 1, 0);  // unchanged: nothing counted
-  metrics.RecordedWork(5, 1, 1, 2);
+  metrics.RecordedWork(3, 0, 1, 0, 4);
+  metrics.RecordedWork(3, 0, 1, 0, 4);  // unchanged: nothing counted
+  metrics.RecordedWork(5, 1, 1, 2, 9);
   std::map<std::string, double> got;
   for (const auto& family : metrics.registry()->Collect()) {
     if (family.name != "moe_recorded_work_total") continue;
@@ -681,7 +681,8 @@ TEST(RankMetricsTest, RecordedWorkCountsTheTotalsGrowth) {
       }
     }
   }
-  EXPECT_EQ(got, (std::map<std::string, double>{{"recorded", 5}, {"stale", 1}, {"failed", 1}, {"evicted", 2}}));
+  EXPECT_EQ(got,
+            (std::map<std::string, double>{{"recorded", 5}, {"stale", 1}, {"failed", 1}, {"evicted", 2}, {"full", 9}}));
 }
 
 // A ring whose rows stay in the engine's GPU memory: its fields are checked before anything is
