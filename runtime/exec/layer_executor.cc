@@ -1637,7 +1637,9 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   ASSIGN_OR_RETURN(layer.out_bf16, OutputRows(pass));
   // FP8 experts: the layer in its stages (LocalLayer is BF16): the routes' rows by local slot, the
   // tokens packed in E4M3 once each into those rows, the experts on the offsets where they are
-  // computed, the combine; the host plan's bits (every row is computed on its own).
+  // computed, the combine; the host plan's bits (every row is computed on its own), except that
+  // SwigluFp8 is sized by every route here and by the admitted ones there, which may pick the
+  // other kernel family for a step with dropped routes near the GEMV / tile boundary.
   FP8LoneLayer f8;
   if (fp8) RETURN_IF_ERROR(PrepareFp8LoneLayer(pass, layer, local_slots, &f8));
   const auto enqueue_layer = [&](kernels::Stream st) -> absl::Status {
