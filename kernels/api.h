@@ -537,9 +537,10 @@ struct CudaTuning {
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
-  // Branches a recording may fork (ExpertKernels::ForkCapture); past them, forked calls run in
-  // order on the stream they were forked from. The NaN/Inf scan forks first, a lone decode step's
-  // read-back second.
+  // Branches a recording may fork (ExpertKernels::ForkCapture), at most kMaxCaptureBranches; past
+  // them, forked calls run in order on the stream they were forked from. The NaN/Inf scan forks
+  // first, a lone decode step's read-back second.
+  static constexpr int kMaxCaptureBranches = 4;
   int capture_branches = 2;
   // Host threads waiting for the GPU block in the driver instead of spinning
   // (cudaDeviceScheduleBlockingSync), so that the process's CPU time counts its host work only:

@@ -74,7 +74,7 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
       s = ParseInt(key, value, 0, 1, &v);
       t.pdl = v == 1;
     } else if (key == "capture_branches") {
-      s = ParseInt(key, value, 0, 4, &t.capture_branches);
+      s = ParseInt(key, value, 0, CudaTuning::kMaxCaptureBranches, &t.capture_branches);
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else if (key == "blocking_sync") {

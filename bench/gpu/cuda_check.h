@@ -1,5 +1,6 @@
-// CHECK(x): exits with the file, line, call and CUDA's message when a runtime call fails. For the
-// standalone nvcc probes (read_pattern.cu, graph_launch.cu), which have no status types.
+// CHECK_CUDA(x): exits with the file, line, call and CUDA's message when a runtime call fails. For the
+// benchmarks without status types to return (expert_layer_bench, and the standalone nvcc probes
+// read_pattern.cu and graph_launch.cu).
 #ifndef MOE_BENCH_GPU_CUDA_CHECK_H_
 #define MOE_BENCH_GPU_CUDA_CHECK_H_
 
@@ -8,7 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(x)                                                                              \
+#define CHECK_CUDA(x)                                                                         \
   do {                                                                                        \
     cudaError_t e_ = (x);                                                                     \
     if (e_ != cudaSuccess) {                                                                  \

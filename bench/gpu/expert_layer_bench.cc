@@ -24,6 +24,7 @@
 
 #include <cublas_v2.h>
 
+#include "bench/gpu/cuda_check.h"
 #include "bench/gpu/fill.h"
 #include "bench/stats.h"
 #include "kernels/api.h"
@@ -32,15 +33,6 @@
 namespace {
 
 using moe::bench::Median;
-
-#define CHECK_CUDA(x)                                                                         \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 #define CHECK_OK(x)                                                                                      \
   do {                                                                                                   \

@@ -19,7 +19,7 @@
 #include <functional>
 #include <vector>
 
-#include "cuda_check.h"  // CHECK
+#include "cuda_check.h"  // CHECK_CUDA
 
 __global__ void Tiny(int* p) {
 #if __CUDA_ARCH__ >= 900
@@ -60,15 +60,16 @@ void Enqueue(const Shape& s, cudaStream_t st, cudaStream_t side, cudaEvent_t for
     if (i == 2 && (s.copy_branch || s.event_branch)) {  // after the checks' kernels, as the step
       cudaStream_t b = st;
       if (recording) {
-        CHECK(cudaEventRecord(fork, st));
-        CHECK(cudaStreamWaitEvent(side, fork, 0));
+        CHECK_CUDA(cudaEventRecord(fork, st));
+        CHECK_CUDA(cudaStreamWaitEvent(side, fork, 0));
         b = side;
       }
-      if (s.copy_branch) CHECK(cudaMemcpyAsync(host, d, 64, cudaMemcpyDeviceToHost, b));
+      if (s.copy_branch) CHECK_CUDA(cudaMemcpyAsync(host, d, 64, cudaMemcpyDeviceToHost, b));
       if (s.event_branch) {
-        CHECK(recording ? cudaEventRecordWithFlags(checks, b, cudaEventRecordExternal) : cudaEventRecord(checks, b));
+        CHECK_CUDA(recording ? cudaEventRecordWithFlags(checks, b, cudaEventRecordExternal)
+                             : cudaEventRecord(checks, b));
       }
-      if (recording) CHECK(cudaEventRecord(join, b));
+      if (recording) CHECK_CUDA(cudaEventRecord(join, b));
     }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(132);
@@ -79,27 +80,27 @@ void Enqueue(const Shape& s, cudaStream_t st, cudaStream_t side, cudaEvent_t for
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = s.pdl && i > 0 ? 1 : 0;
-    CHECK(cudaLaunchKernelEx(&cfg, Tiny, d));
+    CHECK_CUDA(cudaLaunchKernelEx(&cfg, Tiny, d));
   }
-  if (recording && (s.copy_branch || s.event_branch)) CHECK(cudaStreamWaitEvent(st, join, 0));
+  if (recording && (s.copy_branch || s.event_branch)) CHECK_CUDA(cudaStreamWaitEvent(st, join, 0));
 }
 
 }  // namespace
 
 int main() {
-  CHECK(cudaSetDevice(0));
+  CHECK_CUDA(cudaSetDevice(0));
   cudaStream_t st, side;
-  CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   cudaEvent_t fork, join, checks, ready, done;
-  for (cudaEvent_t* e : {&fork, &join, &checks}) CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  for (cudaEvent_t* e : {&fork, &join, &checks}) CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   // The engine's ready event and the rank's done event are interprocess events, as in a ring.
-  CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming | cudaEventInterprocess));
-  CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming | cudaEventInterprocess));
+  CHECK_CUDA(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming | cudaEventInterprocess));
+  CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming | cudaEventInterprocess));
   int* d = nullptr;
   int* host = nullptr;
-  CHECK(cudaMalloc(&d, 4096));
-  CHECK(cudaMallocHost(&host, 4096));
+  CHECK_CUDA(cudaMalloc(&d, 4096));
+  CHECK_CUDA(cudaMallocHost(&host, 4096));
   const Shape shapes[] = {
       {"1 kernel", 1, false, false, false},
       {"12 kernels", 12, false, false, false},
@@ -111,32 +112,32 @@ int main() {
   const int reps = 2000;
   for (const Shape& s : shapes) {
     cudaGraph_t graph;
-    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     Enqueue(s, st, side, fork, join, d, host, checks, true);
-    CHECK(cudaStreamEndCapture(st, &graph));
+    CHECK_CUDA(cudaStreamEndCapture(st, &graph));
     cudaGraphExec_t exec;
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CHECK(cudaGraphUpload(exec, st));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphUpload(exec, st));
     size_t nodes = 0;
-    CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    CHECK_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
     for (int ipc = 0; ipc < 2; ++ipc) {
       std::vector<double> launch, eager, total_graph, total_eager;
       for (int r = 0; r < reps + 50; ++r) {
         for (int mode = 0; mode < 2; ++mode) {  // in turns: the recording, then call by call
-          CHECK(cudaStreamSynchronize(st));
+          CHECK_CUDA(cudaStreamSynchronize(st));
           const auto t0 = Clock::now();
           if (ipc) {
-            CHECK(cudaEventRecord(ready, st));  // the engine's side, not timed apart
-            CHECK(cudaStreamWaitEvent(st, ready, 0));
+            CHECK_CUDA(cudaEventRecord(ready, st));  // the engine's side, not timed apart
+            CHECK_CUDA(cudaStreamWaitEvent(st, ready, 0));
           }
           if (mode == 0) {
-            CHECK(cudaGraphLaunch(exec, st));
+            CHECK_CUDA(cudaGraphLaunch(exec, st));
           } else {
             Enqueue(s, st, side, fork, join, d, host, checks, false);
           }
-          if (ipc) CHECK(cudaEventRecord(done, st));
+          if (ipc) CHECK_CUDA(cudaEventRecord(done, st));
           const auto t1 = Clock::now();
-          CHECK(cudaStreamSynchronize(st));
+          CHECK_CUDA(cudaStreamSynchronize(st));
           const auto t2 = Clock::now();
           if (r < 50) continue;
           (mode == 0 ? launch : eager).push_back(Us(t0, t1));
@@ -150,36 +151,36 @@ int main() {
           s.name, nodes, ipc, Median(launch), Median(total_graph), Median(eager), Median(total_eager));
       std::fflush(stdout);
     }
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
   }
   // Many recordings of the step's shape kept at once, each launched once (as a kept recording is).
   {
     const Shape& s = shapes[3];
     cudaGraph_t graph;
-    CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    CHECK_CUDA(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     Enqueue(s, st, side, fork, join, d, host, checks, true);
-    CHECK(cudaStreamEndCapture(st, &graph));
-    CHECK(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaStreamEndCapture(st, &graph));
+    CHECK_CUDA(cudaDeviceSynchronize());
     size_t free_before = 0, total = 0, free_after = 0;
-    CHECK(cudaMemGetInfo(&free_before, &total));
+    CHECK_CUDA(cudaMemGetInfo(&free_before, &total));
     const long rss_before = ResidentKiB();
     constexpr int kKept = 1024;
     std::vector<cudaGraphExec_t> kept(kKept);
     const auto t0 = Clock::now();
-    for (cudaGraphExec_t& e : kept) CHECK(cudaGraphInstantiate(&e, graph, 0));
+    for (cudaGraphExec_t& e : kept) CHECK_CUDA(cudaGraphInstantiate(&e, graph, 0));
     const auto t1 = Clock::now();
-    for (cudaGraphExec_t e : kept) CHECK(cudaGraphLaunch(e, st));
-    CHECK(cudaStreamSynchronize(st));
-    CHECK(cudaMemGetInfo(&free_after, &total));
+    for (cudaGraphExec_t e : kept) CHECK_CUDA(cudaGraphLaunch(e, st));
+    CHECK_CUDA(cudaStreamSynchronize(st));
+    CHECK_CUDA(cudaMemGetInfo(&free_after, &total));
     const long rss_after = ResidentKiB();
     std::printf(
         "{\"kind\": \"graph_memory\", \"shape\": \"%s\", \"recordings\": %d, \"device_kib_each\": %.1f, "
         "\"host_kib_each\": %.1f, \"instantiate_us_each\": %.1f}\n",
         s.name, kKept, (static_cast<double>(free_before) - static_cast<double>(free_after)) / 1024.0 / kKept,
         static_cast<double>(rss_after - rss_before) / kKept, Us(t0, t1) / kKept);
-    for (cudaGraphExec_t e : kept) CHECK(cudaGraphExecDestroy(e));
-    CHECK(cudaGraphDestroy(graph));
+    for (cudaGraphExec_t e : kept) CHECK_CUDA(cudaGraphExecDestroy(e));
+    CHECK_CUDA(cudaGraphDestroy(graph));
   }
   return 0;
 }

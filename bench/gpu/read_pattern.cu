@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda_check.h"  // CHECK
+#include "cuda_check.h"  // CHECK_CUDA
 
 constexpr int kE = 128, kD = 2048, kF = 768, kHit = 8;
 constexpr int kD8 = kD / 8;
@@ -171,31 +171,31 @@ __global__ void Flush(const uint4* p, int64_t n, unsigned* sink) {
 
 int main() {
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t wbytes = static_cast<size_t>(kE) * 2 * kF * kD * 2;
   const size_t fbytes = size_t{256} << 20;
   uint4 *w, *flush;
   unsigned* sink;
-  CHECK(cudaMalloc(&w, wbytes));
-  CHECK(cudaMalloc(&flush, fbytes));
-  CHECK(cudaMalloc(&sink, 4));
-  CHECK(cudaMemset(w, 1, wbytes));
-  CHECK(cudaMemset(flush, 2, fbytes));
+  CHECK_CUDA(cudaMalloc(&w, wbytes));
+  CHECK_CUDA(cudaMalloc(&flush, fbytes));
+  CHECK_CUDA(cudaMalloc(&sink, 4));
+  CHECK_CUDA(cudaMemset(w, 1, wbytes));
+  CHECK_CUDA(cudaMemset(flush, 2, fbytes));
   Hit hit = {{3, 17, 29, 44, 58, 77, 96, 120}};
   cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
   auto time = [&](const char* name, int blocks_per_sm, auto launch,
                   double bytes = static_cast<double>(kHit) * 2 * kF * kD * 2) {
     std::vector<float> ms;
     for (int rep = 0; rep < 33; ++rep) {
       Flush<<<sms * 4, 256>>>(flush, static_cast<int64_t>(fbytes / 16), sink);
-      CHECK(cudaEventRecord(a));
+      CHECK_CUDA(cudaEventRecord(a));
       launch(sms * blocks_per_sm);
-      CHECK(cudaEventRecord(b));
-      CHECK(cudaEventSynchronize(b));
+      CHECK_CUDA(cudaEventRecord(b));
+      CHECK_CUDA(cudaEventSynchronize(b));
       float t = 0;
-      CHECK(cudaEventElapsedTime(&t, a, b));
+      CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
       if (rep >= 3) ms.push_back(t);
     }
     std::sort(ms.begin(), ms.end());
@@ -215,13 +215,13 @@ int main() {
   }
   // All weights of the experts a decode step hits: 8 (one token, k = 8) and 79 (16 tokens).
   uint4* wd;
-  CHECK(cudaMalloc(&wd, static_cast<size_t>(kE) * kD * kF * 2));
-  CHECK(cudaMemset(wd, 3, static_cast<size_t>(kE) * kD * kF * 2));
+  CHECK_CUDA(cudaMalloc(&wd, static_cast<size_t>(kE) * kD * kF * 2));
+  CHECK_CUDA(cudaMemset(wd, 3, static_cast<size_t>(kE) * kD * kF * 2));
   int* ids;
-  CHECK(cudaMalloc(&ids, kE * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&ids, kE * sizeof(int)));
   std::vector<int> all(kE);
   for (int e = 0; e < kE; ++e) all[e] = (e * 37) % kE;
-  CHECK(cudaMemcpy(ids, all.data(), kE * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(ids, all.data(), kE * sizeof(int), cudaMemcpyHostToDevice));
   for (int n : {8, 79}) {
     const double b = static_cast<double>(n) * 3 * kF * kD * 2;
     char name[64];
@@ -238,15 +238,16 @@ int main() {
   {
     const int64_t down_total = static_cast<int64_t>(kHit) * kD * kF * 2;
     const int64_t share = ((down_total + sms - 1) / sms + 15) / 16 * 16;
-    CHECK(cudaFuncSetAttribute(DownToShared, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(share)));
+    CHECK_CUDA(
+        cudaFuncSetAttribute(DownToShared, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(share)));
     const char* wd_bytes = reinterpret_cast<const char*>(wd);
     cudaStream_t s1, s2;
     cudaEvent_t fork, j1, j2;
-    CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-    CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-    CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    CHECK(cudaEventCreateWithFlags(&j1, cudaEventDisableTiming));
-    CHECK(cudaEventCreateWithFlags(&j2, cudaEventDisableTiming));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventCreateWithFlags(&j1, cudaEventDisableTiming));
+    CHECK_CUDA(cudaEventCreateWithFlags(&j2, cudaEventDisableTiming));
     const double gu = static_cast<double>(kHit) * 2 * kF * kD * 2, dn = static_cast<double>(down_total);
     time(
         "down-to-shared-alone", 1, [&](int) { DownToShared<<<sms, 256, share>>>(wd_bytes, hit, share, sink); }, dn);
@@ -262,18 +263,18 @@ int main() {
     time(
         "units-2rows-b4-beside-down-to-shared", 2,
         [&](int g) {
-          CHECK(cudaEventRecord(fork, 0));
-          CHECK(cudaStreamWaitEvent(s1, fork));
-          CHECK(cudaStreamWaitEvent(s2, fork));
+          CHECK_CUDA(cudaEventRecord(fork, 0));
+          CHECK_CUDA(cudaStreamWaitEvent(s1, fork));
+          CHECK_CUDA(cudaStreamWaitEvent(s2, fork));
           DownToShared<<<sms, 256, share, s1>>>(wd_bytes, hit, share, sink);
           Units<4, false><<<g, 256, 0, s2>>>(w, hit, sink);
-          CHECK(cudaEventRecord(j1, s1));
-          CHECK(cudaEventRecord(j2, s2));
-          CHECK(cudaStreamWaitEvent(0, j1));
-          CHECK(cudaStreamWaitEvent(0, j2));
+          CHECK_CUDA(cudaEventRecord(j1, s1));
+          CHECK_CUDA(cudaEventRecord(j2, s2));
+          CHECK_CUDA(cudaStreamWaitEvent(0, j1));
+          CHECK_CUDA(cudaStreamWaitEvent(0, j2));
         },
         gu + dn);
   }
-  CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
   return 0;
 }

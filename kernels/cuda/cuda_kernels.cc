@@ -225,7 +225,7 @@ class CudaKernels final : public ExpertKernels {
         sm90_tile_(tuning.sm90_tile),
         chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
         fused_layer_(tuning.fused_layer),
-        capture_branches_(std::clamp(tuning.capture_branches, 0, kCaptureBranches)) {
+        capture_branches_(std::clamp(tuning.capture_branches, 0, CudaTuning::kMaxCaptureBranches)) {
     for (int i = 0; i < kSideStreams; ++i) {
       side_ok_ = side_ok_ && cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking) == cudaSuccess &&
                  cublasCreate(&side_handle_[i]) == CUBLAS_STATUS_SUCCESS &&
@@ -361,15 +361,12 @@ class CudaKernels final : public ExpertKernels {
       find_host_ = host;
       find_done_ = done;
     }
-    auto st = static_cast<cudaStream_t>(stream);
     // In recorded work the scan is a branch of its own from this point where one is free (nothing
     // after it on `stream` waits for it), joined at the recording's end; its event is recorded
-    // each time the work runs.
-    if (Recording(st)) {
-      absl::StatusOr<Stream> branch = ForkCapture(stream);
-      if (!branch.ok()) return branch.status();
-      st = static_cast<cudaStream_t>(*branch);
-    }
+    // each time the work runs. Elsewhere ForkCapture gives `stream` back.
+    absl::StatusOr<Stream> branch = ForkCapture(stream);
+    if (!branch.ok()) return branch.status();
+    auto st = static_cast<cudaStream_t>(*branch);
     CUDA_RETURN_IF_ERROR(cuda::LaunchFindNonFiniteBf16(x, n, find_first_, st));
     CUDA_RETURN_IF_ERROR(CopyToHostOn(find_host_, find_first_, sizeof(unsigned long long), st));
     CUDA_RETURN_IF_ERROR(Record(find_done_, st));
@@ -1247,9 +1244,8 @@ class CudaKernels final : public ExpertKernels {
     cudaEvent_t fork = nullptr, join = nullptr;
     bool pending = false;  // forked in the capture under way
   };
-  static constexpr int kCaptureBranches = 4;
-  std::array<CaptureBranch, kCaptureBranches> branches_{};
-  int capture_branches_ = kCaptureBranches;
+  std::array<CaptureBranch, CudaTuning::kMaxCaptureBranches> branches_{};
+  int capture_branches_ = CudaTuning::kMaxCaptureBranches;
   bool capturing_ = false;
   uint64_t capture_epoch_ = 0;
   std::atomic<uint64_t> freed_{0};  // Free may be called from a thread other than the steps'

@@ -1135,30 +1135,28 @@ cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long 
 
 // Bytes copied by the GPU's threads (to host memory mapped into the device's address space): in
 // recorded work a kernel node, which costs the launch less than a copy node (bench/gpu/graph_launch.cu).
-__global__ void CopyWordsKernel(const uint32_t* __restrict__ src, uint32_t* __restrict__ dst, int64_t words) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = src[i];
-  }
-}
-__global__ void CopyBytesKernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, int64_t bytes) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < bytes;
+template <typename T>
+__global__ void CopyKernel(const T* __restrict__ src, T* __restrict__ dst, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     dst[i] = src[i];
   }
 }
 
+template <typename T>
+cudaError_t LaunchCopy(const void* src, void* dst, int64_t n, cudaStream_t stream) {
+  constexpr int kMaxBlocks = 64;  // small copies (a step's read-back): a few blocks
+  CopyKernel<T>
+      <<<std::min(Blocks(n), kMaxBlocks), kThreads, 0, stream>>>(static_cast<const T*>(src), static_cast<T*>(dst), n);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchCopyBytes(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
   if (bytes <= 0) return cudaSuccess;
-  constexpr int kMaxBlocks = 64;  // small copies (a step's read-back): a few blocks
   if (reinterpret_cast<uintptr_t>(dst) % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 && bytes % 4 == 0) {
-    CopyWordsKernel<<<std::min(Blocks(bytes / 4), kMaxBlocks), kThreads, 0, stream>>>(
-        static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst), bytes / 4);
-  } else {
-    CopyBytesKernel<<<std::min(Blocks(bytes), kMaxBlocks), kThreads, 0, stream>>>(static_cast<const uint8_t*>(src),
-                                                                                  static_cast<uint8_t*>(dst), bytes);
+    return LaunchCopy<uint32_t>(src, dst, bytes / 4, stream);  // as 4-byte words
   }
-  return cudaGetLastError();
+  return LaunchCopy<uint8_t>(src, dst, bytes, stream);
 }
 
 cudaError_t LaunchCombine(const uint16_t* rows, int64_t num_rows, int d, const int32_t* row_of_route, const float* gate,
