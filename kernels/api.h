@@ -537,6 +537,9 @@ struct CudaTuning {
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
+  // FP8 experts on the Hopper kernels: the activation quantized in the gate/up kernel's epilogue
+  // (false: written in BF16 and quantized by a kernel of its own; the same bytes, for A/B runs).
+  bool fp8_epilogue_quant = true;
   // Branches a recording may fork (ExpertKernels::ForkCapture), at most kMaxCaptureBranches; past
   // them, forked calls run in order on the stream they were forked from. The NaN/Inf scan forks
   // first, a lone decode step's read-back second.

@@ -75,6 +75,9 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
       t.pdl = v == 1;
     } else if (key == "capture_branches") {
       s = ParseInt(key, value, 0, CudaTuning::kMaxCaptureBranches, &t.capture_branches);
+    } else if (key == "fp8_epilogue_quant") {
+      s = ParseInt(key, value, 0, 1, &v);
+      t.fp8_epilogue_quant = v == 1;
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else if (key == "blocking_sync") {
@@ -83,7 +86,8 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     } else {
       s = absl::InvalidArgumentError(absl::StrCat(
           "cuda tuning: unknown key '", key,
-          "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, capture_branches, blocking_sync)"));
+          "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, fp8_epilogue_quant, capture_branches, "
+          "blocking_sync)"));
     }
     if (!s.ok()) return s;
   }

@@ -225,6 +225,7 @@ class CudaKernels final : public ExpertKernels {
         sm90_tile_(tuning.sm90_tile),
         chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
         fused_layer_(tuning.fused_layer),
+        fp8_epilogue_quant_(tuning.fp8_epilogue_quant),
         capture_branches_(std::clamp(tuning.capture_branches, 0, CudaTuning::kMaxCaptureBranches)) {
     for (int i = 0; i < kSideStreams; ++i) {
       side_ok_ = side_ok_ && cudaStreamCreateWithFlags(&side_[i], cudaStreamNonBlocking) == cudaSuccess &&
@@ -787,13 +788,17 @@ class CudaKernels final : public ExpertKernels {
     const size_t rows = static_cast<size_t>(p.rows);
     const bool quantized = p.xq != nullptr;
     const size_t xq_bytes = quantized ? 0 : align(rows * d), xs_bytes = quantized ? 0 : align(rows * (d / 128) * 4);
-    const size_t a_bytes = align(rows * f * 2), aq_bytes = align(rows * f), as_bytes = align(rows * (f / 128) * 4);
+    // The BF16 activation only where a kernel reads it back (the GEMVs, or the Hopper kernels with
+    // fp8_epilogue_quant=0).
+    const bool bf16_activation = small || !fp8_epilogue_quant_;
+    const size_t a_bytes = bf16_activation ? align(rows * f * 2) : 0, aq_bytes = align(rows * f),
+                 as_bytes = align(rows * (f / 128) * 4);
     auto base = scratch_.Get(xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes);
     if (!base.ok()) return base.status();
     char* ptr = static_cast<char*>(*base);
     const uint8_t* xq = quantized ? p.xq : reinterpret_cast<uint8_t*>(ptr);
     const float* xs = quantized ? p.x_scales : reinterpret_cast<float*>(ptr + xq_bytes);
-    uint16_t* a = reinterpret_cast<uint16_t*>(ptr + xq_bytes + xs_bytes);
+    uint16_t* a = bf16_activation ? reinterpret_cast<uint16_t*>(ptr + xq_bytes + xs_bytes) : nullptr;
     uint8_t* aq = reinterpret_cast<uint8_t*>(ptr + xq_bytes + xs_bytes + a_bytes);
     float* as = reinterpret_cast<float*>(ptr + xq_bytes + xs_bytes + a_bytes + aq_bytes);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -803,9 +808,15 @@ class CudaKernels final : public ExpertKernels {
     }
     const int64_t xq_ld = quantized && p.xq_ld > 0 ? p.xq_ld : d;
     const int64_t xs_ld = quantized && p.x_scales_ld > 0 ? p.x_scales_ld : d / 128;
-    auto launch = small ? cuda::LaunchSmallBatchSwigluFp8 : cuda::LaunchGroupedSm90SwigluFp8;
-    CUDA_RETURN_IF_ERROR(launch(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d, f, w.w_gate_up,
-                                w.gate_up_scales, w.w_down, w.down_scales, a, aq, as, p.y, st));
+    if (small) {
+      CUDA_RETURN_IF_ERROR(cuda::LaunchSmallBatchSwigluFp8(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d, f,
+                                                           w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales, a,
+                                                           aq, as, p.y, st));
+    } else {
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d,
+                                                            f, w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales,
+                                                            a, aq, as, p.y, st, fp8_epilogue_quant_));
+    }
     return absl::OkStatus();
   }
 
@@ -1230,6 +1241,9 @@ class CudaKernels final : public ExpertKernels {
   // LocalLayer: the fused kernels' scratch ([done counter][a][y]); CudaTuning::fused_layer =
   // false runs every step in stages (side-by-side measurements). Last, so its buffers go first.
   bool fused_layer_ = true;
+  // SwigluFp8 on the Hopper kernels: the activation quantized in the gate/up epilogue
+  // (CudaTuning::fp8_epilogue_quant; false: written in BF16 and quantized by a kernel after).
+  bool fp8_epilogue_quant_ = true;
   Scratch layer_scratch_;
   uint64_t layer_zeroed_ = 0;  // the allocation of layer_scratch_ whose counter was zeroed
   uint64_t route_zeroed_ = 0;  // the allocation of route_scratch_ whose ticket was zeroed

@@ -13,6 +13,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/cuda/combine.cuh"
+#include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -565,19 +566,6 @@ struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
 
-// A group's scale and inverse scale from its amax, as the CPU's QuantizeGroup computes them
-// (kernels/numeric.h): q = x * inv, bit for bit the same on both.
-constexpr float kMinAmax = 0x1p-100f;  // kFp8MinAmax
-__device__ __forceinline__ void GroupScales(float amax, float* scale, float* inv) {
-  *scale = 1.0f;
-  *inv = 1.0f;
-  if (amax > 0) {
-    const float a = fmaxf(amax, kMinAmax);
-    *scale = __fdiv_rn(a, 448.0f);
-    *inv = __fdiv_rn(448.0f, a);
-  }
-}
-
 // The block's amax (each thread's `amax` reduced), its scale stored at *scale by thread 0, and the
 // inverse scale every thread of the block multiplies by (GroupScales).
 __device__ __forceinline__ float BlockInverseScale(float amax, float* scale) {
@@ -652,11 +640,7 @@ __device__ __forceinline__ uint4 Fp8Bytes16(const float (&v)[16], float inv) {
   uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[4 * i], inv), __fmul_rn(v[4 * i + 1], inv)),
-                                                 __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(v[4 * i + 2], inv), __fmul_rn(v[4 * i + 3], inv)), __NV_SATFINITE, __NV_E4M3);
-    o[i] = lo | hi << 16;
+    o[i] = Fp8Pair(v[4 * i], v[4 * i + 1], inv) | static_cast<uint32_t>(Fp8Pair(v[4 * i + 2], v[4 * i + 3], inv)) << 16;
   }
   return out;
 }

@@ -26,6 +26,7 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/wgmma.cuh"
 
@@ -136,6 +137,11 @@ struct GroupedArgs {
   const float* b_scales = nullptr;
   int64_t a_rows = 0;
   int64_t a_scale_ld = 0;  // floats between rows of a_scales (at least k_blocks)
+  // FP8 gate/up only, when set: the activation leaves quantized (E4M3 [rows, ld_out], one scale
+  // per row and 128 columns in out_q_scales [rows, out_q_scale_ld]) instead of as BF16 in `out`.
+  uint8_t* out_q = nullptr;
+  float* out_q_scales = nullptr;
+  int64_t out_q_scale_ld = 0;
 };
 
 // Schedules. Cooperative: both consumer warpgroups work on one BM x BN tile (each 64 of its
@@ -263,6 +269,64 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
     }
     __syncwarp();
   }
+}
+
+// The FP8 gate/up epilogue of one consumer warp's 16 rows (quantized activation out): the
+// tile's 128 activation columns (col0 a multiple of 128) are exactly one quantization group a
+// row, held by the row's quad of lanes, so each row's group is quantized in registers by the rule
+// of the quantization kernel that would otherwise read the BF16 activation back (fp8.cuh): the
+// same BF16 values a = bf16(silu(bf16(g)) * bf16(u)), their amax (a max is the same in any
+// order), the same scale and products, hence the same bytes. The bytes go through the warp's
+// staging tile (16 rows x 128 bytes, 16-byte chunks XOR-swizzled by row: conflict-free both
+// ways) and leave in 16-byte pieces; lane t = 0 of each quad writes its rows' scales.
+// Accumulators as in StoreSlice (kN = 128): gate acc[4 j + i], up acc[64 + 4 j + i].
+__device__ __forceinline__ void StoreSliceQuantized(float* acc, uint8_t* staging, int lane, int64_t row0, int64_t col0,
+                                                    int64_t m_end, uint8_t* q, int64_t ld_q, float* scales,
+                                                    int64_t scale_ld) {
+  const int g = lane >> 2, t = lane & 3;
+  float amax[2] = {0.0f, 0.0f};  // rows g and g + 8
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float gate = Bf16Round(acc[4 * j + i]);
+      const float up = Bf16Round(acc[64 + 4 * j + i]);
+      const float v = Bf16Round(gate / (1.0f + expf(-gate)) * up);
+      acc[4 * j + i] = v;
+      amax[i >> 1] = fmaxf(amax[i >> 1], fabsf(v));
+    }
+  }
+  float scale[2], inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+    amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+    GroupScales(amax[h], &scale[h], &inv[h]);
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    // Columns 8 j + 2 t, + 1: chunk j / 2 of the row, byte 8 (j % 2) + 2 t within it.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + 8 * h;
+      const uint16_t pair = Fp8Pair(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], inv[h]);
+      *reinterpret_cast<uint16_t*>(staging + row * 128 + (((j >> 1) ^ (row & 7)) << 4) + (j & 1) * 8 + 2 * t) = pair;
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
+    if (row0 + row < m_end) *reinterpret_cast<uint4*>(q + (row0 + row) * ld_q + col0 + chunk * 16) = v;
+  }
+  if (t == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row0 + g + 8 * h < m_end) scales[(row0 + g + 8 * h) * scale_ld + col0 / 128] = scale[h];
+    }
+  }
+  __syncwarp();
 }
 
 // The BF16 tile's main loop: one group of MMAs in flight; a stage is released once the group
@@ -504,6 +568,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     FenceAccumulators<C::kAcc>(acc);
     if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
     const int64_t col0 = static_cast<int64_t>(tile.col_tile) * BN + col_off;
+    if constexpr (kFp8 && kSwiglu) {
+      static_assert(C::kSlices == 1 && C::kWgN == 128, "FP8 gate/up: one 128-column group a row and warp");
+      if (args.out_q != nullptr) {
+        StoreSliceQuantized(acc, staging, lane, m0 + row_off + wl * 16, col0, m_end, args.out_q, args.ld_out,
+                            args.out_q_scales, args.out_q_scale_ld);
+        continue;
+      }
+    }
 #pragma unroll
     for (int sl = 0; sl < C::kSlices; ++sl) {
       StoreSlice<kSwiglu, C::kWgN>(acc + sl * C::kSliceAcc, staging, lane, m0 + row_off + sl * 64 + wl * 16, col0,
@@ -646,19 +718,27 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
                                        int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
                                        const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
                                        const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
-                                       cudaStream_t stream) {
+                                       cudaStream_t stream, bool quantize_in_epilogue) {
   if (rows <= 0) return cudaSuccess;
   if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales_ld)) return cudaErrorInvalidValue;
+  if (!quantize_in_epilogue && a == nullptr) return cudaErrorInvalidValue;
   GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
   up.a_scales = x_scales;
   up.a_scale_ld = x_scales_ld;
   up.b_scales = gate_up_scales;
   up.a_rows = rows;
+  if (quantize_in_epilogue) {
+    up.out_q = aq;
+    up.out_q_scales = a_scales;
+    up.out_q_scale_ld = f / 128;
+  }
   cudaError_t err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
                                                         static_cast<int64_t>(num_experts) * 2 * f, up, stream, xq_ld);
   if (err != cudaSuccess) return err;
-  err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream);
-  if (err != cudaSuccess) return err;
+  if (!quantize_in_epilogue) {
+    err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream);
+    if (err != cudaSuccess) return err;
+  }
   GroupedArgs down{offsets, num_experts, f / 128, d / 256, d, 0, y, d};
   down.a_scales = a_scales;
   down.a_scale_ld = f / 128;

@@ -115,9 +115,12 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 
 // FP8 (E4M3) experts on the Hopper kernels: x quantized per (row, 128 values) into xq /
 // x_scales [rows, d / 128]; weights with one FP32 scale per 128 x 128 block (gate_up_scales
-// [E, 2f / 128, d / 128], down_scales [E, d / 128, f / 128]). The activation a [rows, f] (BF16,
-// the gate/up kernel's SwiGLU epilogue) is quantized into aq / a_scales [rows, f / 128] for the
-// down kernel; y [rows, d] BF16. Scratch a, aq, a_scales belongs to the caller.
+// [E, 2f / 128, d / 128], down_scales [E, d / 128, f / 128]). The activation [rows, f] reaches
+// the down kernel quantized per (row, 128 values) in aq / a_scales [rows, f / 128]: with
+// `quantize_in_epilogue` the gate/up kernel's SwiGLU epilogue quantizes it in registers and `a`
+// is not touched (may be null); without, the epilogue writes it to a (BF16) and a quantization
+// kernel reads it back. The same bytes either way. y [rows, d] BF16. Scratch a, aq, a_scales
+// belongs to the caller.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
 // The FP8 launchers' row operands: fewer than 2^31 rows, xq rows at least d bytes apart on
 // 16-byte boundaries, x_scales rows at least d / 128 floats apart.
@@ -130,7 +133,7 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
                                        int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
                                        const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
                                        const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
-                                       cudaStream_t stream);
+                                       cudaStream_t stream, bool quantize_in_epilogue = true);
 
 // Decode-sized FP8 experts (small_batch_fp8.cu): tensor-core GEMVs over device-side segment
 // offsets with the operands of LaunchGroupedSm90SwigluFp8 (d and f multiples of 128; xq, the

@@ -400,6 +400,87 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
   EXPECT_EQ(gpu_->SwigluFp8(odd, nullptr).code(), absl::StatusCode::kUnimplemented);
 }
 
+// The FP8 gate/up kernel's epilogue quantizes the activation in registers (the default): its
+// bytes and scales are those of the BF16 activation quantized by the quantization kernel after
+// the gate/up kernel (fp8_epilogue_quant=0), bit for bit, on every segment row, and so is the
+// down kernel's output; rows outside the segments are left alone. d_ff of three 128-column groups,
+// segments of every length against the 128-row tiles, and a row of zeros (scale 1). Through the
+// API both settings give the same output too.
+TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
+  const int e = 5, d = 512, f = 384;
+  Fp8Case c(rng_, *cpu_, e, d, f, {1, 127, 0, 129, 300}, 3, 5);
+  ASSERT_TRUE(c.reference.ok()) << c.reference;
+  ASSERT_TRUE(cuda::GroupedSm90Fp8Supported(e, d, f));
+  // A row of zeros (its activation all zero), on both sides.
+  std::vector<uint16_t> x = c.layer.x;
+  std::fill_n(x.begin() + (c.lead + 40) * d, d, uint16_t{0});
+  c.dx.Upload(x);
+  std::fill(c.ref.begin(), c.ref.end(), kFp8Sentinel);
+  SwigluFp8Params host;
+  host.weights = {c.qgu.q.data(), c.qgu.scales.data(), c.qd.q.data(), c.qd.scales.data(), e, d, f};
+  host.x = x.data();
+  host.rows = c.rows;
+  host.offsets = c.offsets.data();
+  host.y = c.ref.data();
+  ASSERT_TRUE(cpu_->SwigluFp8(host, nullptr).ok());
+  DeviceVector<uint8_t> dxq(x.size());
+  DeviceVector<float> dxs(x.size() / 128);
+  c.QuantizeRows(*gpu_, dxq, dxs);
+  const int64_t rows = c.rows, lo = c.lead, hi = c.offsets.back();
+  constexpr uint8_t kByte = 0x5a;
+  std::vector<std::vector<uint8_t>> q(2);
+  std::vector<std::vector<float>> scales(2);
+  std::vector<std::vector<uint16_t>> y(2);
+  for (int fused = 0; fused < 2; ++fused) {
+    DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(static_cast<size_t>(rows) * d, kFp8Sentinel);
+    DeviceVector<uint8_t> daq(std::vector<uint8_t>(static_cast<size_t>(rows) * f, kByte));
+    DeviceVector<float> das(std::vector<float>(static_cast<size_t>(rows) * (f / 128), -3.0f));
+    ASSERT_EQ(
+        cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, rows, c.doff.get(), e, d, f, c.dqgu.get(),
+                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), fused ? nullptr : da.get(), daq.get(),
+                                         das.get(), dy.get(), nullptr, fused == 1),
+        cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    q[fused] = daq.Host();
+    scales[fused] = das.Host();
+    y[fused] = dy.Host();
+    if (fused == 1) {  // rows outside the segments: not written
+      for (int64_t r = 0; r < rows; ++r) {
+        if (r >= lo && r < hi) continue;
+        for (int col = 0; col < f; ++col) ASSERT_EQ(q[1][r * f + col], kByte) << "row " << r;
+        for (int g = 0; g < f / 128; ++g) ASSERT_EQ(scales[1][r * (f / 128) + g], -3.0f) << "row " << r;
+      }
+    }
+  }
+  auto segment = [&](const auto& v, int64_t width) {
+    return std::vector<std::decay_t<decltype(v[0])>>(v.begin() + lo * width, v.begin() + hi * width);
+  };
+  EXPECT_EQ(segment(q[1], f), segment(q[0], f)) << "quantized activation";
+  EXPECT_EQ(segment(scales[1], f / 128), segment(scales[0], f / 128)) << "activation scales";
+  EXPECT_EQ(segment(y[1], d), segment(y[0], d)) << "down output";
+  for (int g = 0; g < f / 128; ++g) EXPECT_EQ(scales[1][(lo + 40) * (f / 128) + g], 1.0f) << "the zero row's scale";
+  ASSERT_NO_FATAL_FAILURE(c.ExpectMatchesReference(y[1], "epilogue quantization"));
+  // Through the API: the other setting, in a kernels object of its own, gives the same output.
+  const CudaTuning saved = GetCudaTuning();
+  CudaTuning other = saved;
+  other.fp8_epilogue_quant = !saved.fp8_epilogue_quant;
+  SetCudaTuning(other);
+  auto k = CreateCudaKernels();
+  SetCudaTuning(saved);
+  ASSERT_TRUE(k.ok()) << k.status();
+  std::vector<std::vector<uint16_t>> api(2);
+  for (int i = 0; i < 2; ++i) {
+    SwigluFp8Params p = c.Device();
+    DeviceVector<uint16_t> dy(static_cast<size_t>(rows) * d, kFp8Sentinel);
+    p.y = dy.get();
+    ASSERT_TRUE((i == 0 ? *gpu_ : **k).SwigluFp8(p, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    api[i] = dy.Host();
+  }
+  EXPECT_EQ(api[0], api[1]) << "fp8_epilogue_quant=0 and 1 through SwigluFp8";
+  EXPECT_EQ(segment(api[0], d), segment(y[1], d)) << "SwigluFp8 against the direct launch";
+}
+
 // Decode-sized FP8 steps (fewer than 4 rows an expert on average) run the tensor-core GEMVs
 // (small_batch_fp8.cu): against the CPU's FP8 reference, with a row or two an expert and with
 // hot experts (segments of 9 and 20 rows: more than one pass of 8), for d not a multiple of 256
