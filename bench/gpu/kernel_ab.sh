@@ -6,12 +6,24 @@
 #   BENCHES="dist/gpu/prev/expert_layer_bench dist/gpu/bin/expert_layer_bench" \
 #     ROUNDS=2 ARGS="--reps 20 --shape E128-k8-d2048-f768" bench/gpu/kernel_ab.sh
 #
+# Or one build under several CudaTuning settings (MOE_CUDA_TUNING, kernels/api.h), "-" for the
+# defaults; each setting is a variant named "tuning:<spec>":
+#
+#   BENCHES=dist/gpu/bin/expert_layer_bench TUNINGS="- fp8_epilogue_quant=0" ROUNDS=4 \
+#     ARGS="--reps 10 --shape E128-k8-d2048-f768 --tokens 8192" bench/gpu/kernel_ab.sh
+#
 # Every JSON line of every run lands in $OUT/kernel_ab.jsonl with "build" and "round" added.
 # Paths are relative to the repository root (the script runs there). Even rounds run the builds
 # in reverse order, so that neither always runs first after the other.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${BENCHES:?space-separated expert_layer_bench binaries}"
+TUNINGS="${TUNINGS:-}"
+if [ -n "$TUNINGS" ]; then  # variants of the first binary, one a setting
+  bin="${BENCHES%% *}"
+  BENCHES=""
+  for spec in $TUNINGS; do BENCHES="$BENCHES tuning:$spec"; done
+fi
 ROUNDS="${ROUNDS:-2}"
 ARGS="${ARGS:---reps 20}"
 OUT="${OUT:-/tmp/kernel_ab}"
@@ -23,8 +35,13 @@ for round in $(seq 1 "$ROUNDS"); do
   order="$BENCHES"
   [ $((round % 2)) -eq 0 ] && order="$reversed"
   for bench in $order; do
+    cmd=("$bench") tuning="${MOE_CUDA_TUNING:-}"
+    if [ "${bench#tuning:}" != "$bench" ]; then
+      cmd=("$bin") tuning="${bench#tuning:}"
+      [ "$tuning" = - ] && tuning=""
+    fi
     # shellcheck disable=SC2086
-    "$bench" $ARGS 2> "$OUT/kernel_ab.err" | python3 -c '
+    MOE_CUDA_TUNING="$tuning" "${cmd[@]}" $ARGS 2> "$OUT/kernel_ab.err" | python3 -c '
 import json, sys
 build, rnd = sys.argv[1], int(sys.argv[2])
 for line in sys.stdin:
