@@ -6,6 +6,9 @@
 //
 // Usage: expert_layer_bench [--reps N] [--layout grouped|padded|block] [--quick] [--shape S] [--tokens T]
 //   [--decode-only] [--cold-l2] [--padded-decode (also the decode path's padded runner, T <= 128)]
+//   [--sustain_ms MS (with the "fp8" lines, T >= 1024: the BF16 experts, then the FP8 experts from
+//    quantized rows, each run back to back for MS ms: "sustained" lines with their wall-clock
+//    windows, for a clock and power sampler beside the run: bench/gpu/sustained.sh)]
 //   [--routing_out DIR (writes each cell's routing to DIR/<shape>-T<t>.bin: int32 top-k ids then
 //    float32 gates, T*k of each, for peers timed on the same routings: bench/gpu/vllm_compare.py)]
 #include <cuda_runtime.h>
@@ -126,6 +129,31 @@ double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
   return TimeMediansUs(reps, st, body)[0];
 }
 
+// --sustain_ms: `body` called back to back for `ms` milliseconds (the GPU kept busy, as a serving
+// rank keeps it), each call timed between events; prints one "sustained" line with the wall-clock
+// window (Unix ms, to match a clock / power sampler run beside it) and the calls' median.
+template <typename F>
+void Sustain(const char* what, const char* shape, int64_t t, int ms, cudaStream_t st, F&& body) {
+  using Clock = std::chrono::system_clock;
+  auto unix_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  };
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<double> us;
+  const long long start = unix_ms();
+  while (unix_ms() - start < ms) us.push_back(TimeOnceUs(st, a, b, body));
+  const long long end = unix_ms();
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::printf(
+      "{\"kind\": \"sustained\", \"what\": \"%s\", \"shape\": \"%s\", \"T\": %lld, \"start_unix_ms\": %lld, "
+      "\"end_unix_ms\": %lld, \"calls\": %zu, \"median_us\": %.1f}\n",
+      what, shape, static_cast<long long>(t), start, end, us.size(), Median(us));
+  std::fflush(stdout);
+}
+
 // Medians over `reps` runs of the stages one after another, each stage's time between events
 // recorded on `st` before and after it (in place: each stage follows the one before, as in the
 // layer), after three warm-up runs.
@@ -241,6 +269,7 @@ int main(int argc, char** argv) {
   bool quick = false, decode_only = false, padded_decode = false;
   std::string only_shape, routing_out;
   int64_t only_tokens = -1;
+  int sustain_ms = 0;  // > 0: the "fp8" cells' BF16 and FP8 experts also run back to back that long each
   moe::kernels::Layout layout = moe::kernels::Layout::kGrouped;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
@@ -251,6 +280,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only_shape = argv[++i];
     if (!std::strcmp(argv[i], "--routing_out") && i + 1 < argc) routing_out = argv[++i];
     if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_tokens = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--sustain_ms") && i + 1 < argc) sustain_ms = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--layout") && i + 1 < argc) {
       const std::string l = argv[++i];
       layout = l == "padded" ? moe::kernels::Layout::kPaddedDense
@@ -685,6 +715,10 @@ int main(int argc, char** argv) {
               "\"token_quantize_us\": %.1f}\n",
               s.name, static_cast<long long>(t), side[0], side[1], side[0] / side[1], flops / (side[1] * 1e-6) / 1e12,
               side[2], side[0] / side[2], side[3]);
+          if (sustain_ms > 0) {
+            Sustain("bf16_experts", s.name, t, sustain_ms, st, [&] { CHECK_OK(kernels->Swiglu(prefill, st)); });
+            Sustain("fp8_experts_from_rows", s.name, t, sustain_ms, st, [&] { CHECK_OK(kernels->SwigluFp8(pre, st)); });
+          }
           for (void* ptr :
                {static_cast<void*>(xq), static_cast<void*>(xs), static_cast<void*>(hq), static_cast<void*>(hs)}) {
             CHECK_CUDA(cudaFree(ptr));

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The BF16 and FP8 experts each run back to back for a few seconds (expert_layer_bench
+# --sustain_ms) with the GPU's SM clock and board power sampled beside them (nvidia-smi every
+# 50 ms), so that a kernel's sustained time can be read against the clock it ran at. Prints each
+# window's median call time and the mean clock and power over its samples (the window's first
+# 500 ms left out, while the clock settles).
+#   there: bench/gpu/sustained.sh      (carry dist; CELLS="E128-k8-d2048-f768:8192 ...", MS=4000)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/sustained}"
+MS="${MS:-4000}"
+CELLS="${CELLS:-E128-k8-d2048-f768:8192 E32-k8-d7168-f2048:4096 E8-k2-d4096-f14336:8192}"
+export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:$PWD/dist/gpu/bin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 |
+  while read -r line; do echo "$(date +%s%3N), $line"; done >"$OUT/samples.csv" &
+sampler=$!
+trap 'kill $sampler 2>/dev/null || true; pkill -f "nvidia-smi --query-gpu=clocks.sm" 2>/dev/null || true' EXIT
+: >"$OUT/sustained.jsonl"
+for cell in $CELLS; do
+  dist/gpu/bin/expert_layer_bench --reps 5 --shape "${cell%%:*}" --tokens "${cell##*:}" --sustain_ms "$MS" |
+    grep '"sustained"' >>"$OUT/sustained.jsonl"
+done
+sleep 0.2
+python3 - "$OUT/sustained.jsonl" "$OUT/samples.csv" <<'PY'
+import json, sys
+samples = []
+for line in open(sys.argv[2]):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        samples.append((int(parts[0]), float(parts[1]), float(parts[2])))
+    except (ValueError, IndexError):
+        pass
+print("shape | T | what | median µs | calls | SM MHz (mean) | W (mean) | samples")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    inside = [s for s in samples if r["start_unix_ms"] + 500 <= s[0] <= r["end_unix_ms"]]
+    mhz = sum(s[1] for s in inside) / len(inside) if inside else float("nan")
+    watts = sum(s[2] for s in inside) / len(inside) if inside else float("nan")
+    print(f"{r['shape']} | {r['T']} | {r['what']} | {r['median_us']:.1f} | {r['calls']} | {mhz:.0f} | {watts:.0f} | {len(inside)}")
+PY
