@@ -220,6 +220,27 @@ __device__ __forceinline__ Tile TileAt(const int32_t* prefix, int num_experts, i
   return tile;
 }
 
+// SwiGLU of one (gate, up) accumulator pair at the unfused path's rounding points: gate and up
+// rounded to BF16, then silu(gate) * up in FP32 (the caller rounds it to BF16). Both gate/up
+// epilogues call it, so the BF16 and the quantized activation come from the same values.
+__device__ __forceinline__ float SiluMul(float gate_acc, float up_acc) {
+  const float g = Bf16Round(gate_acc), u = Bf16Round(up_acc);
+  return g / (1.0f + expf(-g)) * u;
+}
+
+// A consumer warp's staging tile (16 rows x 128 bytes, 16-byte chunks XOR-swizzled by row) out to
+// memory in 16-byte pieces: chunk c of row r (row0 + r < m_end) to dst(row0 + r, c).
+template <typename Dst>
+__device__ __forceinline__ void StagingToGlobal(const uint8_t* staging, int lane, int64_t row0, int64_t m_end,
+                                                Dst&& dst) {
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
+    if (row0 + row < m_end) *reinterpret_cast<uint4*>(dst(row0 + row, chunk)) = v;
+  }
+}
+
 // The epilogue of one 64-row slice of a consumer warpgroup, 64 columns at a time through the
 // warp's 16-row staging tile: fragments go in with stmatrix (16-byte chunks XOR-swizzled by
 // row, so neither side conflicts), come back as whole chunks and leave in 128-byte row pieces.
@@ -244,9 +265,7 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           if constexpr (kSwiglu) {
-            const float g = Bf16Round(acc[4 * j + i]);
-            const float u = Bf16Round(acc[kN / 2 + 4 * j + i]);
-            v[i] = g / (1.0f + expf(-g)) * u;
+            v[i] = SiluMul(acc[4 * j + i], acc[kN / 2 + 4 * j + i]);
           } else {
             v[i] = acc[4 * j + i];
           }
@@ -259,14 +278,8 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
       StMatrixX4(staging + st_row * 128 + ((chunk ^ (st_row & 7)) << 4), packed);
     }
     __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
-      const uint4 v = *reinterpret_cast<const uint4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
-      if (row0 + row < m_end) {
-        *reinterpret_cast<uint4*>(out + (row0 + row) * ld_out + col0 + window * 64 + chunk * 8) = v;
-      }
-    }
+    StagingToGlobal(staging, lane, row0, m_end,
+                    [&](int64_t row, int chunk) { return out + row * ld_out + col0 + window * 64 + chunk * 8; });
     __syncwarp();
   }
 }
@@ -289,9 +302,7 @@ __device__ __forceinline__ void StoreSliceQuantized(float* acc, uint8_t* staging
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float gate = Bf16Round(acc[4 * j + i]);
-      const float up = Bf16Round(acc[64 + 4 * j + i]);
-      const float v = Bf16Round(gate / (1.0f + expf(-gate)) * up);
+      const float v = Bf16Round(SiluMul(acc[4 * j + i], acc[64 + 4 * j + i]));
       acc[4 * j + i] = v;
       amax[i >> 1] = fmaxf(amax[i >> 1], fabsf(v));
     }
@@ -314,12 +325,8 @@ __device__ __forceinline__ void StoreSliceQuantized(float* acc, uint8_t* staging
     }
   }
   __syncwarp();
-#pragma unroll
-  for (int it = 0; it < 4; ++it) {
-    const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
-    const uint4 v = *reinterpret_cast<const uint4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
-    if (row0 + row < m_end) *reinterpret_cast<uint4*>(q + (row0 + row) * ld_q + col0 + chunk * 16) = v;
-  }
+  StagingToGlobal(staging, lane, row0, m_end,
+                  [&](int64_t row, int chunk) { return q + row * ld_q + col0 + chunk * 16; });
   if (t == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

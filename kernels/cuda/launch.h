@@ -133,7 +133,7 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
                                        int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
                                        const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
                                        const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
-                                       cudaStream_t stream, bool quantize_in_epilogue = true);
+                                       cudaStream_t stream, bool quantize_in_epilogue);
 
 // Decode-sized FP8 experts (small_batch_fp8.cu): tensor-core GEMVs over device-side segment
 // offsets with the operands of LaunchGroupedSm90SwigluFp8 (d and f multiples of 128; xq, the
