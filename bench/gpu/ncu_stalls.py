@@ -21,7 +21,8 @@ categories:
     mma issue       samples on HGMMA / QGMMA / WARPGROUP.ARRIVE
     other           everything else (address arithmetic, epilogue, loads of scales)
 
-Each kernel's share of each category is printed, then its top instructions with their two
+Each kernel's share of each category is printed, then its samples by Nsight Compute's own stall
+reasons (the largest first: what "other" is made of), then its top instructions with their two
 largest stall reasons. Pages of one kernel name are summed (several launches profiled); a page
 identical to an earlier one of the same kernel is counted once (ncu 2025.3 prints each kernel's
 source page twice).
@@ -98,6 +99,15 @@ def read_kernels(path):
     return kernels
 
 
+def reason_totals(per_instruction):
+    """Samples by ncu's stall reason over all of a kernel's instructions, largest first."""
+    totals = {}
+    for _, reasons in per_instruction.values():
+        for reason, value in reasons.items():
+            totals[reason] = totals.get(reason, 0.0) + value
+    return sorted(((r, v) for r, v in totals.items() if v > 0), key=lambda kv: -kv[1])
+
+
 def summarize(launches):
     """Categories' sample sums and the per-instruction totals, over a kernel's pages."""
     by_category = {c: 0.0 for c in CATEGORIES}
@@ -126,6 +136,11 @@ def report(path, top, out=sys.stdout):
         for c in CATEGORIES:
             share = 100.0 * by_category[c] / total if total > 0 else 0.0
             print(f"   {c:14s} {by_category[c]:10.0f}  {share:5.1f}%", file=out)
+        reasons = reason_totals(per_instruction)
+        reason_sum = sum(v for _, v in reasons)
+        for reason, value in reasons[:top]:
+            share = 100.0 * value / reason_sum if reason_sum > 0 else 0.0
+            print(f"   reason {reason[len('stall_'):]:20s} {value:10.0f}  {share:5.1f}%", file=out)
         ranked = sorted(per_instruction.items(), key=lambda kv: -kv[1][0])[:top]
         for (index, source), (samples, reasons) in ranked:
             if samples <= 0:

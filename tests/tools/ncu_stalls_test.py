@@ -62,6 +62,19 @@ class NcuStallsTest(unittest.TestCase):
         top = max(per_instruction.items(), key=lambda kv: kv[1][0])
         self.assertIn("BRA 0x100", top[0][1])
 
+    def test_reason_totals(self):
+        path = self.write([page("KernelA", LOOP)])
+        kernels = ncu_stalls.read_kernels(path)
+        _, per_instruction = ncu_stalls.summarize(kernels["KernelA"])
+        totals = dict(ncu_stalls.reason_totals(per_instruction))
+        self.assertEqual(totals["stall_barrier"], 24 + 29)
+        self.assertEqual(totals["stall_long_sb"], 38)
+        self.assertEqual(totals["stall_wait"], sum(r[2] for r in LOOP) - 24 - 29 - 38)
+        self.assertNotIn("stall_barrier (Not Issued)", totals)
+        out = io.StringIO()
+        ncu_stalls.report(path, 3, out)
+        self.assertRegex(out.getvalue(), r"reason wait +%d" % totals["stall_wait"])
+
     def test_duplicate_page_once_and_launches_summed(self):
         other = [(a, s, 2 * n, 2 * b, 2 * l) for a, s, n, b, l in LOOP]
         path = self.write([page("KernelA", LOOP), page("KernelA", LOOP), page("KernelA", other),
