@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/combine.cuh"
 #include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.h"
@@ -385,7 +386,7 @@ __global__ void SwigluActivationKernel(const __nv_bfloat16* __restrict__ h, int6
     const int64_t c = i - r * f;
     const float g = __bfloat162float(h[r * 2 * f + c]);
     const float u = __bfloat162float(h[r * 2 * f + f + c]);
-    a[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
+    a[i] = __float2bfloat16_rn(Silu(g) * u);
   }
 }
 
@@ -406,7 +407,7 @@ __global__ void SwigluActivationVec8Kernel(const uint4* __restrict__ h, int64_t 
     for (int j = 0; j < 4; ++j) {
       const float2 g = __bfloat1622float2(g2[j]);
       const float2 u = __bfloat1622float2(u2[j]);
-      o2[j] = __floats2bfloat162_rn(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y);
+      o2[j] = __floats2bfloat162_rn(Silu(g.x) * u.x, Silu(g.y) * u.y);
     }
     a[i] = out;
   }
@@ -458,7 +459,7 @@ __global__ void SwigluActivationPaddedKernel(const __nv_bfloat16* __restrict__ h
     }
     const float g = __bfloat162float(h[r * 2 * f + c]);
     const float u = __bfloat162float(h[r * 2 * f + f + c]);
-    a[i] = __float2bfloat16_rn(g / (1.0f + expf(-g)) * u);
+    a[i] = __float2bfloat16_rn(Silu(g) * u);
   }
 }
 

@@ -26,6 +26,7 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -225,7 +226,7 @@ __device__ __forceinline__ Tile TileAt(const int32_t* prefix, int num_experts, i
 // epilogues call it, so the BF16 and the quantized activation come from the same values.
 __device__ __forceinline__ float SiluMul(float gate_acc, float up_acc) {
   const float g = Bf16Round(gate_acc), u = Bf16Round(up_acc);
-  return g / (1.0f + expf(-g)) * u;
+  return Silu(g) * u;
 }
 
 // A consumer warp's staging tile (16 rows x 128 bytes, 16-byte chunks XOR-swizzled by row) out to

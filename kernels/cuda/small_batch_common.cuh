@@ -12,6 +12,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/activation.cuh"
 #include "kernels/cuda/launch.h"
 
 namespace moe::kernels::cuda::small_batch {
@@ -298,7 +299,7 @@ __device__ __forceinline__ void StoreActivation(const float (&gu)[2][ROWS], int 
   if (idx < ROWS && idx < rows && lane == SumLane<V>(idx)) {
     const float gs = __bfloat162float(__float2bfloat16_rn(sum));
     const float us = __bfloat162float(__float2bfloat16_rn(up));
-    a[(r0 + idx) * f + c] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+    a[(r0 + idx) * f + c] = __float2bfloat16_rn(Silu(gs) * us);
   }
 }
 

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm<B>())
       // Gate and up rounded to BF16 as the reference does, then the activation.
       const float gs = __bfloat162float(__float2bfloat16_rn(gate));
       const float us = __bfloat162float(__float2bfloat16_rn(up));
-      a[row * f + col] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+      a[row * f + col] = __float2bfloat16_rn(Silu(gs) * us);
     });
   }
 }

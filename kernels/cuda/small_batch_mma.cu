@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
               // Gate and up rounded to BF16 as the GEMM path does, then the activation.
               const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
               const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
-              a[(r0 + r) * f + col] = __float2bfloat16_rn(gs / (1.0f + expf(-gs)) * us);
+              a[(r0 + r) * f + col] = __float2bfloat16_rn(Silu(gs) * us);
             }
           }
         }
