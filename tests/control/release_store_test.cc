@@ -187,7 +187,7 @@ TEST(RegistryLockTest, OneWriterPerRegistryNamingTheHolder) {
     const char ok = lock.ok() ? '1' : '0';
     if (write(ready[1], &ok, 1) != 1) _exit(3);
     char c;
-    (void)read(done[0], &c, 1);  // hold it until the parent is done
+    if (read(done[0], &c, 1) < 0) _exit(4);  // hold it until the parent is done
     _exit(0);
   }
   char ok = 0;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -22,9 +23,12 @@
 namespace moe {
 namespace {
 
+// A fresh directory path under the test's temporary directory (whatever was there removed).
 std::string TempDir(const std::string& name) {
   const std::string dir = absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name);
-  std::system(absl::StrCat("rm -rf '", dir, "'").c_str());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  EXPECT_FALSE(ec) << "removing " << dir << ": " << ec.message();
   return dir;
 }
 
@@ -76,7 +80,9 @@ TEST_P(HfRoundTrip, EveryExpertOfEveryMoeLayerReadsBackAsWritten) {
   EXPECT_EQ((*c)->naming(), k.naming);
   EXPECT_EQ((*c)->version(), "ckpt-rt");
   EXPECT_EQ((*c)->weight_dtype(), k.dtype);
-  if (k.max_shard_bytes > 0) EXPECT_GT((*c)->num_shards(), 1);
+  if (k.max_shard_bytes > 0) {
+    EXPECT_GT((*c)->num_shards(), 1);
+  }
   for (int l : k.want_layers) {
     for (int e = 0; e < spec.num_experts; ++e) {
       Expert want;
@@ -102,8 +108,9 @@ TEST_P(HfRoundTrip, EveryExpertOfEveryMoeLayerReadsBackAsWritten) {
   // Layers whose MLP is dense are the engine's.
   std::vector<uint16_t> gu(2 * 40 * 48), dn(48 * 40);
   for (int l = 0; l < spec.num_hidden_layers; ++l) {
-    if (!(*c)->IsMoeLayer(l))
+    if (!(*c)->IsMoeLayer(l)) {
       EXPECT_EQ((*c)->ReadExpert(l, 0, gu.data(), dn.data()).code(), absl::StatusCode::kInvalidArgument);
+    }
   }
   EXPECT_EQ((*c)->ReadExpert(k.want_layers[0], 5, gu.data(), dn.data()).code(), absl::StatusCode::kInvalidArgument);
 }
@@ -286,7 +293,9 @@ std::string Header(const std::string& json) {
 
 TEST(MappedSafetensorsTest, HostileHeadersAreRefusedNamingTheTensor) {
   const std::string dir = TempDir("hostile");
-  std::system(("mkdir -p '" + dir + "'").c_str());
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  ASSERT_FALSE(ec) << "creating " << dir << ": " << ec.message();
   const std::string path = dir + "/x.safetensors";
   const std::pair<std::string, std::string> cases[] = {
       {Header(
@@ -342,7 +351,12 @@ TEST(HfCheckpointTest, BrokenDirectoriesAreNamed) {
   ASSERT_FALSE(sidecar.ok());
   EXPECT_NE(sidecar.status().message().find("digests[0]"), std::string::npos) << sidecar.status();
   // No experts at all under any naming.
-  std::system(("rm -f '" + dir + "'/*.safetensors* '" + dir + "/moe_checkpoint.json'").c_str());
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string file = entry.path().filename().string();
+    if (file.find(".safetensors") != std::string::npos || file == "moe_checkpoint.json") {
+      ASSERT_TRUE(std::filesystem::remove(entry.path())) << entry.path();
+    }
+  }
   SafetensorsFile empty;
   empty.tensors["model.embed_tokens.weight"] = TensorBlob{"BF16", {1}, std::string(2, '\0')};
   ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", empty).ok());

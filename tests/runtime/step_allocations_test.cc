@@ -210,7 +210,9 @@ TEST(StepAllocationsTest, CpuKernelsKeepTheirHostTables) {
     ASSERT_TRUE(kernels::CheckSwiglu(sw).ok());
     ASSERT_TRUE(k->Swiglu(sw, nullptr).ok());
     ASSERT_TRUE(k->Combine(cb, nullptr).ok());
-    if (call == 1) EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+    if (call == 1) {
+      EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+    }
   }
   EXPECT_EQ(counts, (std::vector<int64_t>{3, 3, 3, 3}));
   EXPECT_EQ(rank_counts, counts);
@@ -243,7 +245,9 @@ TEST(StepAllocationsTest, CpuFp8ExpertsKeepTheirRowValues) {
   for (int call = 0; call < 2; ++call) {
     const int64_t before = bench::ThreadAllocations();
     ASSERT_TRUE(k->SwigluFp8(p, nullptr).ok());
-    if (call == 1) EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+    if (call == 1) {
+      EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+    }
     if (call == 0) first = y;
   }
   EXPECT_EQ(y, first);

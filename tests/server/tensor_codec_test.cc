@@ -171,7 +171,9 @@ TEST(TensorCodecTest, CheckFiniteBf16FindsExactlyTheNonFiniteValues) {
       rows[at] = static_cast<uint16_t>(v);
       const absl::Status s = CheckFiniteBf16(rows.data(), static_cast<int64_t>(rows.size()), "hidden");
       ASSERT_EQ(s.ok(), finite) << std::hex << v << " at " << at;
-      if (!finite) ASSERT_NE(s.message().find("hidden.data[" + std::to_string(at) + "]"), std::string::npos);
+      if (!finite) {
+        ASSERT_NE(s.message().find("hidden.data[" + std::to_string(at) + "]"), std::string::npos);
+      }
       rows[at] = 0x3f80;
     }
   }
