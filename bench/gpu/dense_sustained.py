@@ -15,16 +15,19 @@ import torch
 
 
 def block_scaled(aq, bq, n, dev):
-    """The first block-scale layout this torch's _scaled_mm takes, or None (and why)."""
+    """aq @ bq^T with A's scales 1 x 128 ([M, K/128]) and B's 128 x 128 ([K/128, N/128], square
+    here) in the first layout this torch's _scaled_mm takes (it wants some of them
+    outer-dim-major): (the call, the layout taken), or (None, "not run: " and the last refusal)."""
     why = "no layout taken"
     for sa in (torch.ones(n // 128, n, device=dev).t(), torch.ones(n, n // 128, device=dev)):
         for sb in (torch.ones(n // 128, n // 128, device=dev), torch.ones(n // 128, n // 128, device=dev).t()):
             try:
                 torch._scaled_mm(aq, bq.t(), sa, sb, out_dtype=torch.bfloat16)
-                return (lambda sa=sa, sb=sb: torch._scaled_mm(aq, bq.t(), sa, sb, out_dtype=torch.bfloat16)), ""
+                return ((lambda sa=sa, sb=sb: torch._scaled_mm(aq, bq.t(), sa, sb, out_dtype=torch.bfloat16)),
+                        "A 1x128 (stride %s), B 128x128 (stride %s)" % (sa.stride(), sb.stride()))
             except Exception as e:  # noqa: BLE001 (a refusal: this torch or cuBLAS takes no such scaling)
                 why = str(e).splitlines()[0][:160]
-    return None, why
+    return None, "not run: " + why
 
 
 def sustain(name, n, fn, ms):
@@ -64,7 +67,7 @@ def main():
     if fn is not None:
         sustain("dense_fp8_block", a.n, fn, a.ms)
     else:
-        print(json.dumps({"kind": "note", "what": "dense_fp8_block not run: " + why}), flush=True)
+        print(json.dumps({"kind": "note", "what": "dense_fp8_block " + why}), flush=True)
     one = torch.ones((), device=dev)
     sustain("dense_fp8_tensor", a.n, lambda: torch._scaled_mm(xq, wq.t(), one, one, out_dtype=torch.bfloat16), a.ms)
 

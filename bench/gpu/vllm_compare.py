@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from compare_report import ours_cells, report  # the table and the compare lines (no GPU needed)
+from dense_sustained import block_scaled  # the block-scaled dense GEMM in the layout this torch takes
 from torch_reference import median_us  # events around each call, after 3 warm-up calls; the median
 
 SHAPES = [
@@ -306,19 +307,9 @@ def dense_ceiling(reps):
     one = torch.ones((), device=dev)
     runs = {"bf16": lambda: torch.mm(a, b.t()),
             "fp8_tensor": lambda: torch._scaled_mm(aq, bq.t(), one, one, out_dtype=torch.bfloat16)}
-    # Blockwise: A's scales 1 x 128 ([M, K/128]), B's 128 x 128 ([K/128, N/128] here, square): the
-    # first layout this torch takes (it wants some of them outer-dim-major).
-    block_note = "not run"
-    for sa in (torch.ones(n // 128, n, device=dev).t(), torch.ones(n, n // 128, device=dev)):
-        for sb in (torch.ones(n // 128, n // 128, device=dev), torch.ones(n // 128, n // 128, device=dev).t()):
-            if "fp8_block" in runs:
-                break
-            try:
-                torch._scaled_mm(aq, bq.t(), sa, sb, out_dtype=torch.bfloat16)
-                runs["fp8_block"] = lambda sa=sa, sb=sb: torch._scaled_mm(aq, bq.t(), sa, sb, out_dtype=torch.bfloat16)
-                block_note = "A 1x128 (stride %s), B 128x128 (stride %s)" % (sa.stride(), sb.stride())
-            except Exception as e:  # noqa: BLE001 (a refusal: this torch or cuBLAS takes no such scaling)
-                block_note = "not run: %s" % str(e).splitlines()[0][:160]
+    block, block_note = block_scaled(aq, bq, n, dev)
+    if block is not None:
+        runs["fp8_block"] = block
     times = {k: [] for k in runs}
     for f in runs.values():
         f()
