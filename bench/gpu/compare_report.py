@@ -4,10 +4,14 @@ rounds of the project's bench (expert_layer_bench's "cell" lines) and of vLLM's 
 device-offset path and its eager prefill path; "compare" lines on stdout (what vllm_plot.py
 draws) and a Markdown table. FP8 cells (vLLM's "vllm-triton-fp8" lines, E4M3 with 128 x 128 block
 scales) pair with the project's FP8 layer ("fp8" eager, "fp8-graph" replayed), in a table of their
-own. vllm_compare.sh runs it after its rounds:
+own. With --clocks (an nvidia-smi sampler's lines "unix_ms, SM MHz, W" run beside the rounds), each
+side's mean SM clock over its cell's wall-clock windows (expert_layer_bench's "window" lines,
+vllm_compare.py's cells' own) goes into the compare lines and the table: a ratio taken at two
+different clocks (one side hot, the other cool) shows as such. vllm_compare.sh runs it after its
+rounds:
 
   python3 bench/gpu/compare_report.py --ours ours_1.jsonl ours_2.jsonl \
-      --peer vllm_1.jsonl vllm_2.jsonl [--md report.md] > vllm.jsonl
+      --peer vllm_1.jsonl vllm_2.jsonl [--clocks clocks.csv] [--md report.md] > vllm.jsonl
 """
 import argparse
 import json
@@ -23,15 +27,41 @@ def json_lines(path):
 
 
 def ours_cells(paths):
-    """(shape, T, path) -> the project's times over the rounds (one file a round), and
-    (shape, T, "weight_read") -> [the weight-read time]."""
+    """(shape, T, path) -> the project's times over the rounds (one file a round),
+    (shape, T, "weight_read") -> [the weight-read time] and (shape, T, "window") -> the cell's
+    wall-clock windows [(start, end) Unix ms], one a round."""
     cells = {}
     for path in paths:
         for c in json_lines(path):
-            if c.get("kind") == "cell" and c.get("impl") == "moe-runtime":
+            if c.get("impl") != "moe-runtime":
+                continue
+            if c.get("kind") == "cell":
                 cells.setdefault((c["shape"], c["T"], c["path"]), []).append(c["us"])
                 cells[(c["shape"], c["T"], "weight_read")] = [c["weight_read_us"]]
+            elif c.get("kind") == "window":
+                cells.setdefault((c["shape"], c["T"], "window"), []).append((c["start_unix_ms"], c["end_unix_ms"]))
     return cells
+
+
+def clock_samples(path):
+    """An nvidia-smi sampler's lines "unix_ms, SM MHz, W" -> [(unix_ms, MHz)]; lines that do not
+    parse (the sampler's last, cut short) are skipped."""
+    samples = []
+    with open(path) as f:
+        for line in f:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                samples.append((int(parts[0]), float(parts[1])))
+            except (ValueError, IndexError):
+                pass
+    return samples
+
+
+def mean_clock(samples, windows):
+    """The mean SM clock (MHz, rounded) over the samples inside any of `windows`; None without
+    samples there."""
+    inside = [mhz for ms, mhz in samples if any(a <= ms <= b for a, b in windows)]
+    return round(sum(inside) / len(inside)) if inside else None
 
 
 def median(values):
@@ -44,26 +74,34 @@ PATHS = {"vllm-triton": ("decode-graph", "prefill"), "vllm-triton-fp8": ("fp8-gr
 PRECISION = {"vllm-triton": "bf16", "vllm-triton-fp8": "fp8"}
 
 
-def report(ours, peer, md_path):
+def report(ours, peer, md_path, clocks=None):
     """The "compare" lines (the pair the table and vllm_plot.py show, decided here only) and the
     tables: each cell's median over the rounds, the project's figure the faster of its
     graph-replayed device-offset path and its eager path, where the bench ran both.
-    `peer`: (impl, shape, T) -> vLLM's cell lines, one a round, in the order timed."""
+    `peer`: (impl, shape, T) -> vLLM's cell lines, one a round, in the order timed. `clocks`:
+    [(unix_ms, SM MHz)] sampled beside the rounds, or None."""
     rows = {impl: [] for impl in PATHS}
     for (impl, name, t), cells in peer.items():
         us = median([c["us"] for c in cells])
         paths = [(median(ours[(name, t, p)]), p) for p in PATHS[impl] if (name, t, p) in ours]
         mine, mine_path = min(paths) if paths else (None, "-")
+        mhz = (None, None)
+        if clocks is not None:
+            mhz = (mean_clock(clocks, ours.get((name, t, "window"), [])),
+                   mean_clock(clocks, [(c["start_unix_ms"], c["end_unix_ms"]) for c in cells if "start_unix_ms" in c]))
         if mine:
-            print(json.dumps({"kind": "compare", "precision": PRECISION[impl], "shape": name, "T": t,
-                              "project_us": round(mine, 1), "project_path": mine_path, "vllm_us": round(us, 1),
-                              "weight_read_us": ours.get((name, t, "weight_read"), [None])[0],
-                              "project_over_vllm": round(mine / us, 3), "rounds": len(cells),
-                              "project_rounds_us": ours[(name, t, mine_path)],
-                              "vllm_rounds_us": [c["us"] for c in cells]}), flush=True)
+            line = {"kind": "compare", "precision": PRECISION[impl], "shape": name, "T": t,
+                    "project_us": round(mine, 1), "project_path": mine_path, "vllm_us": round(us, 1),
+                    "weight_read_us": ours.get((name, t, "weight_read"), [None])[0],
+                    "project_over_vllm": round(mine / us, 3), "rounds": len(cells),
+                    "project_rounds_us": ours[(name, t, mine_path)],
+                    "vllm_rounds_us": [c["us"] for c in cells]}
+            if clocks is not None:
+                line["project_sm_mhz"], line["vllm_sm_mhz"] = mhz
+            print(json.dumps(line), flush=True)
         padded = ours.get((name, t, "decode-padded-graph")) if impl == "vllm-triton" else None
         rows[impl].append((name, t, mine, mine_path, median(padded) if padded else None, us,
-                           cells[0]["config_source"]))
+                           cells[0]["config_source"], mhz))
     if md_path:
         with open(md_path, "w") as md:
             for impl, title in (("vllm-triton", ""), ("vllm-triton-fp8", "FP8 experts (E4M3, 128 x 128 block "
@@ -72,12 +110,15 @@ def report(ours, peer, md_path):
                     continue
                 md.write(title)
                 md.write("| shape | T | project µs | project path | project padded runner µs | vLLM Triton µs | "
-                         "project ÷ vLLM | vLLM config |\n|---|---|---|---|---|---|---|---|\n")
-                for name, t, mine, mine_path, padded, us, source in rows[impl]:
+                         "project ÷ vLLM | vLLM config |%s\n|---|---|---|---|---|---|---|---|%s\n" % (
+                             " SM MHz, project / vLLM |" if clocks is not None else "",
+                             "---|" if clocks is not None else ""))
+                for name, t, mine, mine_path, padded, us, source, mhz in rows[impl]:
                     best = min(x for x in (mine, padded) if x) if (mine or padded) else None
-                    md.write("| %s | %d | %s | %s | %s | %.1f | %s | %s |\n" % (
+                    md.write("| %s | %d | %s | %s | %s | %.1f | %s | %s |%s\n" % (
                         name, t, "%.1f" % mine if mine else "-", mine_path, "%.1f" % padded if padded else "-", us,
-                        "%.2f" % (best / us) if best else "-", source.split(" (")[0]))
+                        "%.2f" % (best / us) if best else "-", source.split(" (")[0],
+                        " %s / %s |" % tuple("-" if m is None else str(m) for m in mhz) if clocks is not None else ""))
                 md.write("\n")
 
 
@@ -96,12 +137,13 @@ def main(argv=None):
     ap.add_argument("--ours", nargs="+", required=True, help="expert_layer_bench's lines, one file a round")
     ap.add_argument("--peer", nargs="+", required=True, help="vllm_compare.py's lines, one file a round")
     ap.add_argument("--md", default="")
+    ap.add_argument("--clocks", default="", help="nvidia-smi samples beside the rounds: unix_ms, SM MHz, W")
     a = ap.parse_args(argv)
     peer = peer_cells(a.peer)
     if not peer:
         print("compare_report: no vLLM cell lines in %s" % " ".join(a.peer), file=sys.stderr)
         return 1
-    report(ours_cells(a.ours), peer, a.md)
+    report(ours_cells(a.ours), peer, a.md, clock_samples(a.clocks) if a.clocks else None)
     return 0
 
 

@@ -132,19 +132,22 @@ double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
 // --sustain_ms: `body` called back to back for `ms` milliseconds (the GPU kept busy, as a serving
 // rank keeps it), each call timed between events; prints one "sustained" line with the wall-clock
 // window (Unix ms, to match a clock / power sampler run beside it) and the calls' median.
+// Wall-clock milliseconds since the Unix epoch: the time base of nvidia-smi samplers run beside
+// a bench (sustained.sh, vllm_compare.sh).
+long long UnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 template <typename F>
 void Sustain(const char* what, const char* shape, int64_t t, int ms, cudaStream_t st, F&& body) {
-  using Clock = std::chrono::system_clock;
-  auto unix_ms = [] {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
-  };
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   std::vector<double> us;
-  const long long start = unix_ms();
-  while (unix_ms() - start < ms) us.push_back(TimeOnceUs(st, a, b, body));
-  const long long end = unix_ms();
+  const long long start = UnixMs();
+  while (UnixMs() - start < ms) us.push_back(TimeOnceUs(st, a, b, body));
+  const long long end = UnixMs();
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   std::printf(
@@ -340,6 +343,9 @@ int main(int argc, char** argv) {
     }
     for (int64_t t : s.tokens) {
       if (only_tokens > 0 && t != only_tokens) continue;
+      // The cell's wall-clock window ("window" line below): a sampler's SM clock over it says
+      // at what clock this cell's figures were taken.
+      const long long window_start = UnixMs();
       const int64_t routes = t * s.k;
       // Uniform top-k without replacement; gates normalized per token.
       std::vector<int32_t> topk(routes);
@@ -729,6 +735,10 @@ int main(int argc, char** argv) {
         decode_layer();
         breakdown("decode", decode, flops / (dense * 1e12) * 1e6);
       }
+      std::printf(
+          "{\"kind\": \"window\", \"impl\": \"moe-runtime\", \"shape\": \"%s\", \"T\": %lld, "
+          "\"start_unix_ms\": %lld, \"end_unix_ms\": %lld}\n",
+          s.name, static_cast<long long>(t), window_start, UnixMs());
       std::fflush(stdout);
       cudaFree(hidden);
       cudaFree(packed);

@@ -58,6 +58,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import types
 
 import torch
@@ -417,6 +418,7 @@ def main():
             for _ in range(3):
                 layer()
             torch.cuda.synchronize()
+            start_ms = int(time.time() * 1000)  # the timing's wall-clock window, for a clock sampler beside it
             eager = median_us(layer, a.reps)
             graph = torch.cuda.CUDAGraph()
             s = torch.cuda.Stream()
@@ -430,7 +432,8 @@ def main():
             us = min(replay, eager)
             cell = {"kind": "cell", "impl": impl, "shape": name, "T": t, "us": round(us, 1),
                     "us_eager": round(eager, 1), "us_graph": round(replay, 1), "naive_blocks": layer.naive,
-                    "config": config, "config_source": source, "rel_l2": rel, "ok": ok}
+                    "config": config, "config_source": source, "rel_l2": rel, "ok": ok,
+                    "start_unix_ms": start_ms, "end_unix_ms": int(time.time() * 1000)}
             print(json.dumps(cell), flush=True)
             peer[(impl, name, t)] = [cell]
             del layer, graph

@@ -6,7 +6,7 @@
 #   there: bench/gpu/vllm_compare.sh                       (carry dist and .peers)
 # One shape or T: BENCH_ARGS="--shape S --tokens T" VLLM_ARGS="--shape S --tokens T".
 # Results in $OUT (default gpu-out): ours_R.jsonl and vllm_R.jsonl a round, the merged vllm.jsonl
-# ("compare" lines: medians over the rounds) and vllm_compare.md.
+# ("compare" lines: medians over the rounds, each side's mean SM clock) and vllm_compare.md.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 VLLM="${VLLM:-$(ls -d .peers/vllm-* | sort -V | tail -1)}"
@@ -17,6 +17,12 @@ ROUNDS="${ROUNDS:-2}"
 mkdir -p "$OUT" "$OUT/routing"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+# The SM clock and board power every 100 ms beside the rounds ($OUT/clocks.csv: unix_ms, MHz, W):
+# the report gives each side's mean clock over its cells' windows.
+nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 |
+  while read -r line; do echo "$(date +%s%3N), $line"; done >"$OUT/clocks.csv" &
+sampler=$!
+trap 'kill $sampler 2>/dev/null || true; pkill -f "nvidia-smi --query-gpu=clocks.sm,power.draw" 2>/dev/null || true' EXIT
 ours() {  # round $1 (round 1 writes the routings that every round of vLLM reads)
   local extra=()
   [ "$1" -eq 1 ] && extra=(--routing_out "$OUT/routing")
@@ -49,7 +55,7 @@ for r in $(seq 1 "$ROUNDS"); do
   peer_files+=("$OUT/vllm_$r.jsonl")
 done
 python3 bench/gpu/compare_report.py --ours "${ours_files[@]}" --peer "${peer_files[@]}" \
-  --md "$OUT/vllm_compare.md" >"$OUT/vllm.jsonl"
+  --clocks "$OUT/clocks.csv" --md "$OUT/vllm_compare.md" >"$OUT/vllm.jsonl"
 rc=$?
 echo "merge rc=$rc ($ROUNDS rounds)"
 grep -h '"ceiling"' "$OUT"/ours_*.jsonl "$OUT"/vllm_*.jsonl

@@ -131,6 +131,43 @@ class CompareReportTest(unittest.TestCase):
         self.assertIn("| %s | 8192 | 1005.0 | fp8 | - | 910.0 | 1.10 |" % SHAPE, fp8_part)
         self.assertIn("| %s | 1 | 26.0 | fp8-graph | - | 31.0 | 0.84 |" % SHAPE, fp8_part)
 
+    def test_clocks_over_each_sides_windows(self):
+        # Round 1: the bench's window 1000-2000 ms, vLLM's cell 3000-4000; round 2 the other way
+        # round. Samples: 1900 MHz in the bench's windows, 1500 in vLLM's (the GPU hotter there),
+        # 1200 outside both (never counted), and a cut-off last line (skipped).
+        for name, window, cell in (("1", (1000, 2000), (3000, 4000)), ("2", (7000, 8000), (5000, 6000))):
+            ours(self.path("o" + name), [(8192, "prefill", 1300.0)])
+            with open(self.path("o" + name), "a") as f:
+                f.write(json.dumps({"kind": "window", "impl": "moe-runtime", "shape": SHAPE, "T": 8192,
+                                    "start_unix_ms": window[0], "end_unix_ms": window[1]}) + "\n")
+            with open(self.path("p" + name), "w") as f:
+                f.write(json.dumps({"kind": "cell", "impl": "vllm-triton", "shape": SHAPE, "T": 8192, "us": 1500.0,
+                                    "config_source": "tuned", "start_unix_ms": cell[0],
+                                    "end_unix_ms": cell[1]}) + "\n")
+        with open(self.path("clocks.csv"), "w") as f:
+            for ms, mhz in ((500, 1200), (1100, 1880), (1900, 1920), (3500, 1500), (4500, 1200), (5500, 1400),
+                            (6500, 1200), (7500, 1900)):
+                f.write("%d, %d, 690.0\n" % (ms, mhz))
+            f.write("8100, 19")
+        out = io.StringIO()
+        md = self.path("table.md")
+        with redirect_stdout(out):
+            rc = compare_report.main(["--ours", self.path("o1"), self.path("o2"), "--peer", self.path("p1"),
+                                      self.path("p2"), "--clocks", self.path("clocks.csv"), "--md", md])
+        self.assertEqual(rc, 0)
+        line = json.loads(out.getvalue().splitlines()[0])
+        self.assertEqual(line["project_sm_mhz"], 1900)  # (1880 + 1920 + 1900) / 3
+        self.assertEqual(line["vllm_sm_mhz"], 1450)  # (1500 + 1400) / 2
+        with open(md) as f:
+            text = f.read()
+        self.assertIn("| SM MHz, project / vLLM |", text)
+        self.assertIn("| 1300.0 | prefill | - | 1500.0 | 0.87 | tuned | 1900 / 1450 |", text)
+        # Without --clocks neither the fields nor the column appear.
+        rc, rows, text = self.run_report([self.path("o1"), self.path("o2")], [self.path("p1"), self.path("p2")])
+        self.assertEqual(rc, 0)
+        self.assertNotIn("project_sm_mhz", rows[8192])
+        self.assertNotIn("SM MHz", text)
+
     def test_no_vllm_lines_is_refused(self):
         ours(self.path("o1"), [(8192, "prefill", 1300.0)])
         with open(self.path("empty"), "w") as f:
