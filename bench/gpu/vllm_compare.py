@@ -39,6 +39,12 @@ A "ceiling" line times torch's dense GEMMs at 8192^3 taking turns: BF16 (torch.m
 and cuBLAS take them), so FP8's dense rate over BF16's on this GPU, under the same clocks, sits
 beside the layer's ratio.
 
+Shapes with no tuned file for this GPU (E32 k8 d7168 f2048 in BF16 in vLLM 0.33.0): vLLM's
+default config, or with --tune_missing (vllm_compare.sh passes it unless TUNE_MISSING=0) the
+fastest of the default and the configs vLLM's tuned files for this GPU pick at the nearest M, each
+timed eagerly on the cell (what a user who tunes the shape with vLLM's benchmark_moe.py would run,
+on the space vLLM's tuner has narrowed for the GPU; the cell's "searched_us" lists them).
+
 Routings: the files expert_layer_bench --routing_out wrote for the same cells (int32 top-k ids,
 then float32 gates). Every cell's output is checked against an FP32 reference.
 
@@ -48,7 +54,7 @@ needs no GPU, takes each cell's median over the rounds of both sides and writes 
 lines and the table from them.
 
   python3 bench/gpu/vllm_compare.py --vllm DIR --routing_dir R [--ours ours.jsonl ...] [--reps 40]
-      [--dtype bf16|fp8|both] [--md report.md] > vllm.jsonl
+      [--dtype bf16|fp8|both] [--tune_missing] [--md report.md] > vllm.jsonl
 """
 import argparse
 import ast
@@ -137,6 +143,25 @@ def tuned_configs(vllm_dir, e, n, device_name, dtype_suffix=""):
         return None, name
     # Keys are token counts; some files also carry metadata ("triton_version").
     return {int(k): v for k, v in json.load(open(path)).items() if k.isdigit()}, name
+
+
+def sibling_configs(vllm_dir, device_name, m, dtype_suffix=""):
+    """The configs vLLM's own tuning picked on this GPU for other shapes of the same dtype: from
+    every tuned file of the device (and dtype), the entry whose M is nearest `m`; distinct, in a
+    fixed order. A shape with no tuned file is searched over these (--tune_missing), as a user
+    would tune it with vLLM's benchmark_moe.py, on a search space vLLM's tuner has already
+    narrowed for this GPU."""
+    tail = "device_name=%s%s.json" % (device_name.replace(" ", "_"), dtype_suffix)
+    found = set()
+    folder = os.path.join(vllm_dir, FUSED, "configs")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(tail) or not name.startswith("E="):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            entries = {int(k): v for k, v in json.load(f).items() if k.isdigit()}
+        if entries:
+            found.add(json.dumps(entries[min(entries, key=lambda x: (abs(x - m), x))], sort_keys=True))
+    return [json.loads(c) for c in sorted(found)]
 
 
 def align(topk, e, block_m):
@@ -363,6 +388,9 @@ def main():
     ap.add_argument("--shape", default="")
     ap.add_argument("--tokens", default="", help="comma-separated T instead of the shape's list (as the bench ran)")
     ap.add_argument("--dtype", choices=("bf16", "fp8", "both"), default="bf16")
+    ap.add_argument("--tune_missing", action="store_true",
+                    help="a shape with no tuned file: the fastest of vLLM's default and the configs its tuned files "
+                         "for this GPU pick at the nearest M (sibling_configs), each timed eagerly")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -407,6 +435,14 @@ def main():
                 source = "vLLM default (no tuned file %s)" % cfg_file
             else:
                 config, source = default_config(t, e, f, d, k, None), "vLLM default (no tuned file %s)" % cfg_file
+            searched = []
+            if not tuned and a.tune_missing:
+                for cand in [config] + [c for c in sibling_configs(a.vllm, device_name, t, suffix) if c != config]:
+                    trial = VllmLayer(kernel, cand, x, w1, w2, topk, gates, scales, swap_ab)
+                    searched.append((median_us(trial, max(5, a.reps // 4)), cand))
+                    del trial
+                best_us, config = min(searched, key=lambda p: p[0])
+                source = "searched: fastest of %d H200 configs (no tuned file %s)" % (len(searched), cfg_file)
             layer = VllmLayer(kernel, config, x, w1, w2, topk, gates, scales, swap_ab)
             layer.out.fill_(float("nan"))
             out = layer().float()
@@ -433,6 +469,7 @@ def main():
             cell = {"kind": "cell", "impl": impl, "shape": name, "T": t, "us": round(us, 1),
                     "us_eager": round(eager, 1), "us_graph": round(replay, 1), "naive_blocks": layer.naive,
                     "config": config, "config_source": source, "rel_l2": rel, "ok": ok,
+                    "searched_us": [round(u, 1) for u, _ in searched],
                     "start_unix_ms": start_ms, "end_unix_ms": int(time.time() * 1000)}
             print(json.dumps(cell), flush=True)
             peer[(impl, name, t)] = [cell]

@@ -34,7 +34,9 @@ ours() {  # round $1 (round 1 writes the routings that every round of vLLM reads
 }
 peer() {
   # shellcheck disable=SC2086
-  python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --reps "$REPS" ${VLLM_ARGS:-} \
+  local tune=(--tune_missing)  # shapes vLLM has no tuned file for: its best sibling config (vllm_compare.py)
+  [ "${TUNE_MISSING:-1}" = 0 ] && tune=()
+  python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --reps "$REPS" "${tune[@]}" ${VLLM_ARGS:-} \
     >"$OUT/vllm_$1.jsonl" 2>"$OUT/vllm_$1.err"
   local rc=$?
   echo "vllm_compare round $1 rc=$rc"
