@@ -17,9 +17,9 @@ ROUNDS="${ROUNDS:-2}"
 mkdir -p "$OUT" "$OUT/routing"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-# The SM clock and board power every 100 ms beside the rounds ($OUT/clocks.csv: unix_ms, MHz, W):
+# The SM clock and board power every 50 ms beside the rounds ($OUT/clocks.csv: unix_ms, MHz, W):
 # the report gives each side's mean clock over its cells' windows.
-nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 |
+nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 |
   while read -r line; do echo "$(date +%s%3N), $line"; done >"$OUT/clocks.csv" &
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true; pkill -f "nvidia-smi --query-gpu=clocks.sm,power.draw" 2>/dev/null || true' EXIT

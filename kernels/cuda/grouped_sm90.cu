@@ -381,16 +381,54 @@ __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t
   }
 }
 
+// A consumer thread's scale pointers for one FP8 tile and the scales of its first stage: loaded by
+// Fp8FirstScales before the previous tile's epilogue, so that their latency (and that of the
+// tile's offsets before them) runs under it rather than at the start of the tile's main loop.
+// Half h of the weight rows: gate/up, the gate then the up rows of the tile's columns; down, the
+// tile's rows 128 at a time. `row0` is the thread's first accumulator row (its second is row0 + 8).
+template <int kHalves>
+struct Fp8Scales {
+  const float* sa0;
+  const float* sa1;
+  const float* sb[kHalves];
+  float s0, s1, b[kHalves];  // stage 0's
+};
+
+template <int BN, bool kSwiglu, int kHalves>
+__device__ __forceinline__ Fp8Scales<kHalves> Fp8FirstScales(const GroupedArgs& args, const Tile& tile, int64_t row0) {
+  Fp8Scales<kHalves> sc;
+  const int64_t last = args.a_rows - 1;  // rows past the operand (discarded) read the last row's scale
+  sc.sa0 = args.a_scales + (row0 < last ? row0 : last) * args.a_scale_ld;
+  sc.sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.a_scale_ld;
+  const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
+    const int64_t rows = kSwiglu ? b_row + h * args.up_rows : b_row + h * 128;
+    sc.sb[h] = args.b_scales + (rows / 128) * args.k_blocks;
+  }
+  sc.s0 = sc.sa0[0];
+  sc.s1 = sc.sa1[0];
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) sc.b[h] = sc.sb[h][0];
+  return sc;
+}
+
+// The columns an FP8 consumer warpgroup's MMAs cover, in 128-column halves (one weight block each).
+template <typename C, bool kSwiglu>
+__host__ __device__ constexpr int Fp8Halves() {
+  return (kSwiglu ? 2 : 1) * C::kWgN / 128;
+}
+
 // The FP8 tile's main loop (cooperative, 128-row tiles). A consumer warpgroup's 64 rows x
 // kWgN columns (gate/up: BN gate then BN up columns) are computed in halves of 128 columns, one
 // weight block wide: per stage and half, the MMAs of 128 K values into a partial accumulator
 // (E4M3 x E4M3, FP32), then acc += partial x row scale x the half's block scale (the scales
-// change every 128 K values, and every 128 weight rows). `row0` is the thread's first
-// accumulator row (its second is row0 + 8).
+// change every 128 K values, and every 128 weight rows). `sc`: the tile's scale pointers and
+// its first stage's scales (Fp8FirstScales).
 template <typename C, int BN, bool kSwiglu>
 __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0,
-                                            const GroupedArgs& args, const Tile& tile, int64_t row0, int a_off,
-                                            int lane, float* acc) {
+                                            const GroupedArgs& args, const Fp8Scales<Fp8Halves<C, kSwiglu>()>& sc,
+                                            int a_off, int lane, float* acc) {
   constexpr int kN = (kSwiglu ? 2 : 1) * C::kWgN;  // MMA columns of the warpgroup
   constexpr int kHalves = kN / 128;
   static_assert(kN % 128 == 0 && kHalves <= 2, "FP8 tiles: 128 or 256 columns a warpgroup");
@@ -398,27 +436,21 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
   float part[64];
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
-  const int64_t last = args.a_rows - 1;  // rows past the operand (discarded) read the last row's scale
-  const float* sa0 = args.a_scales + (row0 < last ? row0 : last) * args.a_scale_ld;
-  const float* sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.a_scale_ld;
-  const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
-  // Half h's weight rows: gate/up, the gate then the up rows of the tile's columns; down, the
-  // tile's rows 128 at a time.
-  const float* sb[kHalves];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    const int64_t rows = kSwiglu ? b_row + h * args.up_rows : b_row + h * 128;
-    sb[h] = args.b_scales + (rows / 128) * args.k_blocks;
-  }
   // The ring position: counted, not divided, a stage (the loop's issue slots are what the
   // promotion competes for).
   int stage = static_cast<int>(pos0 % C::kStages);
   uint32_t phase = static_cast<uint32_t>((pos0 / C::kStages) & 1);
   // Each stage's scales are loaded a stage ahead: their latency hides under the previous stage,
   // and nothing between the MMAs' issue and their wait depends on a load from memory.
-  float next_s0 = sa0[0], next_s1 = sa1[0], next_b[kHalves];
+  const float* sa0 = sc.sa0;
+  const float* sa1 = sc.sa1;
+  const float* sb[kHalves];
+  float next_s0 = sc.s0, next_s1 = sc.s1, next_b[kHalves];
 #pragma unroll
-  for (int h = 0; h < kHalves; ++h) next_b[h] = sb[h][0];
+  for (int h = 0; h < kHalves; ++h) {
+    sb[h] = sc.sb[h];
+    next_b[h] = sc.b[h];
+  }
   for (int kb = 0; kb < args.k_blocks; ++kb) {
     const float s0 = next_s0, s1 = next_s1;
     float b_scale[kHalves];
@@ -542,12 +574,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tile_step = kPingPong ? 2 : 1;  // tiles of the CTA's sequence a warpgroup takes
   uint8_t* staging = epilogue + (warp - 4) * kEpilogueWarpBytes;
   float acc[C::kAcc];
-  for (int j = kPingPong ? cw : 0;; j += tile_step) {
-    const int t = blockIdx.x + j * gridDim.x;
-    if (t >= total) break;
-    const Tile tile = TileAt(prefix, E, args.n_tiles, t);
-    const int64_t m0 = args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM;
-    const int64_t m_end = args.offsets[tile.expert + 1];
+  // A tile's expert, rows and (FP8) scale pointers and first scales: the next tile's are read
+  // before the current tile's epilogue, so the latency of its offsets and scales (global loads
+  // the main loop's first stage would otherwise wait for) runs under that epilogue.
+  constexpr int kH = kFp8 ? Fp8Halves<C, kSwiglu>() : 1;
+  struct TileRows {
+    Tile tile;
+    int64_t m0, m_end;
+    Fp8Scales<kH> sc;
+  };
+  auto rows_of = [&](int t) {
+    TileRows r;
+    r.tile = TileAt(prefix, E, args.n_tiles, t);
+    r.m0 = args.offsets[r.tile.expert] + static_cast<int64_t>(r.tile.row_tile) * BM;
+    r.m_end = args.offsets[r.tile.expert + 1];
+    if constexpr (kFp8) r.sc = Fp8FirstScales<BN, kSwiglu, kH>(args, r.tile, r.m0 + row_off + wl * 16 + lane / 4);
+    return r;
+  };
+  int j = kPingPong ? cw : 0;
+  if (static_cast<int>(blockIdx.x + j * gridDim.x) >= total) return;
+  TileRows cur = rows_of(blockIdx.x + j * gridDim.x);
+  for (;; j += tile_step) {
+    const Tile& tile = cur.tile;
+    const int64_t m0 = cur.m0, m_end = cur.m_end;
     // The ring position of the tile's first stage: every tile before it in the CTA's sequence
     // used k_blocks stages.
     const int64_t pos0 = static_cast<int64_t>(j) * args.k_blocks;
@@ -561,8 +610,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     int prev = -1;  // the stage whose MMAs may still run (released after them)
     if constexpr (kFp8) {
-      Fp8MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args, tile, m0 + row_off + wl * 16 + lane / 4, a_off, lane,
-                                  acc);
+      Fp8MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args, cur.sc, a_off, lane, acc);
     } else {
       MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     }
@@ -575,20 +623,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     WgmmaWait<0>();
     FenceAccumulators<C::kAcc>(acc);
     if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
+    const int t_next = static_cast<int>(blockIdx.x + (j + tile_step) * gridDim.x);
+    const bool more = t_next < total;
+    TileRows next = cur;
+    if (more) next = rows_of(t_next);
     const int64_t col0 = static_cast<int64_t>(tile.col_tile) * BN + col_off;
+    bool stored = false;
     if constexpr (kFp8 && kSwiglu) {
       static_assert(C::kSlices == 1 && C::kWgN == 128, "FP8 gate/up: one 128-column group a row and warp");
       if (args.out_q != nullptr) {
         StoreSliceQuantized(acc, staging, lane, m0 + row_off + wl * 16, col0, m_end, args.out_q, args.ld_out,
                             args.out_q_scales, args.out_q_scale_ld);
-        continue;
+        stored = true;
       }
     }
+    if (!stored) {
 #pragma unroll
-    for (int sl = 0; sl < C::kSlices; ++sl) {
-      StoreSlice<kSwiglu, C::kWgN>(acc + sl * C::kSliceAcc, staging, lane, m0 + row_off + sl * 64 + wl * 16, col0,
-                                   m_end, args.out, args.ld_out);
+      for (int sl = 0; sl < C::kSlices; ++sl) {
+        StoreSlice<kSwiglu, C::kWgN>(acc + sl * C::kSliceAcc, staging, lane, m0 + row_off + sl * 64 + wl * 16, col0,
+                                     m_end, args.out, args.ld_out);
+      }
     }
+    if (!more) break;
+    cur = next;
   }
 }
 
