@@ -8,7 +8,8 @@ fp8 draws the block-FP8 cells (VLLM_ARGS="--dtype fp8"): both sides' FP8 layers,
 read at one byte a value (the bench reports it for BF16's two; the block scales add 1/16384).
 
 It draws vllm_compare.py's "compare" lines, which hold the project's figure that script chose
-(the faster of its eager prefill and graph-replayed decode paths) beside vLLM's. Needs
+(the faster of its eager prefill and graph-replayed decode paths) beside vLLM's, and each side's
+mean SM clock (project / vLLM) under a cell's label where the run sampled it. Needs
 matplotlib (not a project dependency: install it where you plot).
 """
 import json
@@ -31,7 +32,11 @@ def main(vllm_path, out_path, precision="bf16"):
     if not cells:
         sys.exit(f"{vllm_path}: no {precision} compare lines (vllm_compare.py run without --ours, or not the merged "
                  "file?)")
-    labels = [f"{r['shape'].split('-')[0]} T={r['T']}" for r in cells]
+    # Where the run sampled the clock (vllm_compare.sh), each side's mean SM clock under its label:
+    # a ratio taken with one side hotter than the other reads as such.
+    labels = [f"{r['shape'].split('-')[0]} T={r['T']}" +
+              (f"\n{r['project_sm_mhz']}/{r['vllm_sm_mhz']} MHz" if r.get("project_sm_mhz") and r.get("vllm_sm_mhz")
+               else "") for r in cells]
     ratio = [r["project_us"] / r["vllm_us"] for r in cells]
     per_value = 0.5 if precision == "fp8" else 1.0  # weight_read_us is for two bytes a value
     read = [(r["weight_read_us"] or 0) * per_value / r["vllm_us"] for r in cells]
