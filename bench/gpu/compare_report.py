@@ -44,15 +44,17 @@ def ours_cells(paths):
 
 
 def clock_samples(path):
-    """An nvidia-smi sampler's lines "unix_ms, SM MHz, W" -> [(unix_ms, MHz)]; lines that do not
-    parse (the sampler's last, cut short) are skipped."""
+    """A clock sampler's lines "unix_ms, SM MHz, W" (bench/gpu/clock_sampler.sh) -> [(unix_ms,
+    MHz, W)]; lines without all three (the sampler's last, cut short) or that do not parse are
+    skipped."""
     samples = []
     with open(path) as f:
         for line in f:
             parts = [p.strip() for p in line.split(",")]
             try:
-                samples.append((int(parts[0]), float(parts[1])))
-            except (ValueError, IndexError):
+                if len(parts) == 3:
+                    samples.append((int(parts[0]), float(parts[1]), float(parts[2])))
+            except ValueError:
                 pass
     return samples
 
@@ -60,7 +62,7 @@ def clock_samples(path):
 def mean_clock(samples, windows):
     """The mean SM clock (MHz, rounded) over the samples inside any of `windows`; None without
     samples there."""
-    inside = [mhz for ms, mhz in samples if any(a <= ms <= b for a, b in windows)]
+    inside = [mhz for ms, mhz, _ in samples if any(a <= ms <= b for a, b in windows)]
     return round(sum(inside) / len(inside)) if inside else None
 
 
@@ -79,7 +81,7 @@ def report(ours, peer, md_path, clocks=None):
     tables: each cell's median over the rounds, the project's figure the faster of its
     graph-replayed device-offset path and its eager path, where the bench ran both.
     `peer`: (impl, shape, T) -> vLLM's cell lines, one a round, in the order timed. `clocks`:
-    [(unix_ms, SM MHz)] sampled beside the rounds, or None."""
+    clock_samples' [(unix_ms, SM MHz, W)] taken beside the rounds, or None."""
     rows = {impl: [] for impl in PATHS}
     for (impl, name, t), cells in peer.items():
         us = median([c["us"] for c in cells])

@@ -129,16 +129,16 @@ double TimeMedianUs(int reps, cudaStream_t st, F&& body) {
   return TimeMediansUs(reps, st, body)[0];
 }
 
-// --sustain_ms: `body` called back to back for `ms` milliseconds (the GPU kept busy, as a serving
-// rank keeps it), each call timed between events; prints one "sustained" line with the wall-clock
-// window (Unix ms, to match a clock / power sampler run beside it) and the calls' median.
-// Wall-clock milliseconds since the Unix epoch: the time base of nvidia-smi samplers run beside
-// a bench (sustained.sh, vllm_compare.sh).
+// Wall-clock milliseconds since the Unix epoch: the time base of the clock sampler run beside a
+// bench (bench/gpu/clock_sampler.sh: sustained.sh, vllm_compare.sh).
 long long UnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
+// --sustain_ms: `body` called back to back for `ms` milliseconds (the GPU kept busy, as a serving
+// rank keeps it), each call timed between events; prints one "sustained" line with the wall-clock
+// window (Unix ms, to match a clock / power sampler run beside it) and the calls' median.
 template <typename F>
 void Sustain(const char* what, const char* shape, int64_t t, int ms, cudaStream_t st, F&& body) {
   cudaEvent_t a, b;

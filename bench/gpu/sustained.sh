@@ -15,10 +15,9 @@ MS="${MS:-4000}"
 CELLS="${CELLS-E128-k8-d2048-f768:8192 E32-k8-d7168-f2048:4096 E8-k2-d4096-f14336:8192}"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:$PWD/dist/gpu/bin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 |
-  while read -r line; do echo "$(date +%s%3N), $line"; done >"$OUT/samples.csv" &
-sampler=$!
-trap 'kill $sampler 2>/dev/null || true; pkill -f "nvidia-smi --query-gpu=clocks.sm" 2>/dev/null || true' EXIT
+# shellcheck source=bench/gpu/clock_sampler.sh
+. bench/gpu/clock_sampler.sh
+start_clock_sampler "$OUT/samples.csv" 50
 : >"$OUT/sustained.jsonl"
 for cell in $CELLS; do
   dist/gpu/bin/expert_layer_bench --reps 5 --shape "${cell%%:*}" --tokens "${cell##*:}" --sustain_ms "$MS" |
@@ -30,13 +29,9 @@ fi
 sleep 0.2
 python3 - "$OUT/sustained.jsonl" "$OUT/samples.csv" <<'PY'
 import json, sys
-samples = []
-for line in open(sys.argv[2]):
-    parts = [p.strip() for p in line.split(",")]
-    try:
-        samples.append((int(parts[0]), float(parts[1]), float(parts[2])))
-    except (ValueError, IndexError):
-        pass
+sys.path.insert(0, "bench/gpu")
+from compare_report import clock_samples
+samples = clock_samples(sys.argv[2])
 print("shape | T | what | median µs | calls | SM MHz (mean) | W (mean) | samples | TFLOP/s")
 for line in open(sys.argv[1]):
     r = json.loads(line)

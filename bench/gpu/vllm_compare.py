@@ -441,7 +441,7 @@ def main():
                     trial = VllmLayer(kernel, cand, x, w1, w2, topk, gates, scales, swap_ab)
                     searched.append((median_us(trial, max(5, a.reps // 4)), cand))
                     del trial
-                best_us, config = min(searched, key=lambda p: p[0])
+                config = min(searched, key=lambda p: p[0])[1]
                 source = "searched: fastest of %d H200 configs (no tuned file %s)" % (len(searched), cfg_file)
             layer = VllmLayer(kernel, config, x, w1, w2, topk, gates, scales, swap_ab)
             layer.out.fill_(float("nan"))

@@ -19,10 +19,9 @@ export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PAT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 # The SM clock and board power every 50 ms beside the rounds ($OUT/clocks.csv: unix_ms, MHz, W):
 # the report gives each side's mean clock over its cells' windows.
-nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 |
-  while read -r line; do echo "$(date +%s%3N), $line"; done >"$OUT/clocks.csv" &
-sampler=$!
-trap 'kill $sampler 2>/dev/null || true; pkill -f "nvidia-smi --query-gpu=clocks.sm,power.draw" 2>/dev/null || true' EXIT
+# shellcheck source=bench/gpu/clock_sampler.sh
+. bench/gpu/clock_sampler.sh
+start_clock_sampler "$OUT/clocks.csv" 50
 ours() {  # round $1 (round 1 writes the routings that every round of vLLM reads)
   local extra=()
   [ "$1" -eq 1 ] && extra=(--routing_out "$OUT/routing")
