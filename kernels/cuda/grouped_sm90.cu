@@ -2,10 +2,13 @@
 // shared-memory stages, warpgroup MMAs (wgmma) reading both operands from shared memory, one
 // persistent CTA per SM walking the (expert, row tile, column tile) grid.
 //
-// Roles in a CTA of 384 threads: warpgroup 0 is the producer (one thread issues the TMA loads
-// of every stage; its registers go to the others through setmaxnreg), warpgroups 1 and 2 are
+// Roles in a CTA of 384 threads: one warpgroup is the producer (one thread issues the TMA loads
+// of every stage; its registers go to the others through setmaxnreg), the other two are
 // consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
-// 64-row tile; ping-pong: each owns every other 128-row tile, see Config). A stage holds a BM x 64 tile of the rows and
+// 64-row tile; ping-pong: each owns every other 128-row tile, see Config). In the FP8 kernels the
+// producer warpgroup's other three warps are the epilogue warps: the consumers leave each tile's
+// values in a shared-memory tile buffer and go on to the next tile while those warps apply
+// SwiGLU, quantize and store (EpilogueWarps). A stage holds a BM x 64 tile of the rows and
 // the weight rows of the column tile, both K-major with the 128-byte swizzle that TMA writes and wgmma reads. Barriers:
 // `full[s]` (the producer's expected bytes, completed by TMA) and `empty[s]` (one arrival per consumer warp after its
 // MMAs on the stage retired).
@@ -40,6 +43,7 @@ constexpr int kConsumerWarps = 8;
 constexpr int kSmemBudget = 192 * 1024;       // stages; the rest: epilogue staging, barriers, tile prefix
 constexpr int kEpilogueWarpBytes = 16 * 128;  // a consumer warp's 16 rows x 64 BF16 columns
 constexpr int kMaxExperts = 4096;
+constexpr int kTileBufRow = 512;  // bytes a row of the FP8 tile buffer: 256 BF16 values
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -154,7 +158,10 @@ struct GroupedArgs {
 // FP8 (kFp8): E4M3 operands, 128 K values (128 bytes) a stage, the same swizzle; each stage's
 // MMAs go into a partial accumulator that is scaled by its row's and block's scales and added
 // to the tile's FP32 accumulator (the scales change every 128 K values). Cooperative 128-row
-// tiles only, 256 columns a warpgroup (gate/up: 128 gate and 128 up columns; down: 256).
+// tiles only, 256 columns a warpgroup (gate/up: 128 gate and 128 up columns; down: 256). Their
+// 128 + 64 accumulators leave no registers for ping-pong tiles, so the epilogue is overlapped
+// with the next tile's main loop another way: the epilogue warps (kEpiWarps), from a tile buffer
+// that takes a stage's worth of shared memory (three stages instead of four; measured no slower).
 template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
 struct Config {
   static constexpr int kStageK = kFp8 ? 128 : kBK;      // K values a stage (128 bytes a row)
@@ -162,12 +169,22 @@ struct Config {
   static constexpr int kABytes = BM * 128;
   static constexpr int kBBytes = kBRows * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = kSmemBudget / kStageBytes;
+  // FP8: the tile's epilogue runs on the producer warpgroup's three idle warps (EpilogueWarps),
+  // from a tile buffer of BF16 values the consumers fill; it takes one stage's worth of the ring.
+  static constexpr bool kEpiWarps = kFp8;
+  static constexpr int kTileBufBytes = kEpiWarps ? BM * kTileBufRow : 0;
+  static constexpr int kStages = (kEpiWarps ? kSmemBudget - kTileBufBytes + kStageBytes : kSmemBudget) / kStageBytes;
   static constexpr int kSlices = kPingPong ? 2 : 1;                  // 64-row slices a consumer warpgroup computes
   static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
+  // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 64 K): the gate/up
+  // epilogue warps take 56 (16 values a lane in flight, no spills), the lone TMA thread and the
+  // down kernel's copying epilogue warps 40 (its consumers spill and run 1-3% slower at 224).
+  static constexpr int kProducerRegs = kEpiWarps && kSwiglu ? 56 : 40;
+  static constexpr int kConsumerRegs = kEpiWarps && kSwiglu ? 224 : 232;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 64 * 1024, "registers of one SM");
 
   // Gate/up where a consumer warpgroup computes all BN columns (128-row and ping-pong tiles):
   // its gate rows and up rows lie next to each other in the stage, so one MMA of 2 BN columns
@@ -175,8 +192,9 @@ struct Config {
   // split the columns between the warpgroups and issue two MMAs (splitting their boxes instead
   // costs a latency-bound small step more in loads than it saves).
   static constexpr bool kJointGateUp = kSwiglu && kWgN == BN;
-  static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + kConsumerWarps * kEpilogueWarpBytes + 2 * kStages * 8 + (kMaxExperts + 1) * 4;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes +
+                                    (kEpiWarps ? kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes) +
+                                    2 * (kStages + 1) * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
   static_assert(kAcc <= 128, "accumulators of a thread");
@@ -285,56 +303,135 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
   }
 }
 
-// The FP8 gate/up epilogue of one consumer warp's 16 rows (quantized activation out): the
-// tile's 128 activation columns (col0 a multiple of 128) are exactly one quantization group a
-// row, held by the row's quad of lanes, so each row's group is quantized in registers by the rule
-// of the quantization kernel that would otherwise read the BF16 activation back (fp8.cuh): the
-// same BF16 values a = bf16(silu(bf16(g)) * bf16(u)), their amax (a max is the same in any
-// order), the same scale and products, hence the same bytes. The bytes go through the warp's
-// staging tile (16 rows x 128 bytes, 16-byte chunks XOR-swizzled by row: conflict-free both
-// ways) and leave in 16-byte pieces; lane t = 0 of each quad writes its rows' scales.
-// Accumulators as in StoreSlice (kN = 128): gate acc[4 j + i], up acc[64 + 4 j + i].
-__device__ __forceinline__ void StoreSliceQuantized(float* acc, uint8_t* staging, int lane, int64_t row0, int64_t col0,
-                                                    int64_t m_end, uint8_t* q, int64_t ld_q, float* scales,
-                                                    int64_t scale_ld) {
-  const int g = lane >> 2, t = lane & 3;
-  float amax[2] = {0.0f, 0.0f};  // rows g and g + 8
+// The FP8 tile buffer (Config::kEpiWarps): a 128-row tile's BF16 values, 512 bytes a row in
+// 16-byte chunks XOR-swizzled by row (chunk c of row r at (c ^ (r % 8)) * 16), so that the
+// consumers' stmatrix (8 rows of one chunk) and the epilogue warps' row reads (whole rows) are both
+// conflict-free. Chunk c holds columns 8 c .. 8 c + 7: gate/up, gate columns in chunks 0-15 and
+// the up columns of the same activation columns in 16-31 (both rounded to BF16, the unfused path's
+// first rounding); down, the tile's 256 output columns.
+__device__ __forceinline__ uint32_t TileBufOffset(int row, int chunk) {
+  return static_cast<uint32_t>(row * kTileBufRow + ((chunk ^ (row & 7)) << 4));
+}
+
+// A consumer warp's 16 rows of the tile (from `row`), all 256 columns, from its accumulators into
+// the tile buffer: fragment J (columns 8 J + 2 (lane % 4), + 1 of rows lane / 4, + 8) is acc[4 J ..
+// 4 J + 3], the FP8 main loop's layout for both projections (gate/up: gate J < 16, up J >= 16).
+__device__ __forceinline__ void AccToTileBuf(const float* acc, uint8_t* buf, int lane, int row) {
+  const int st_row = row + (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int st_chunk = lane >> 4;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float v = Bf16Round(SiluMul(acc[4 * j + i], acc[64 + 4 * j + i]));
-      acc[4 * j + i] = v;
-      amax[i >> 1] = fmaxf(amax[i >> 1], fabsf(v));
-    }
-  }
-  float scale[2], inv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
-    amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
-    GroupScales(amax[h], &scale[h], &inv[h]);
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    // Columns 8 j + 2 t, + 1: chunk j / 2 of the row, byte 8 (j % 2) + 2 t within it.
+  for (int jp = 0; jp < 16; ++jp) {
+    uint32_t packed[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = g + 8 * h;
-      const uint16_t pair = Fp8Pair(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], inv[h]);
-      *reinterpret_cast<uint16_t*>(staging + row * 128 + (((j >> 1) ^ (row & 7)) << 4) + (j & 1) * 8 + 2 * t) = pair;
+      const float* v = acc + 4 * (2 * jp + h);
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+      packed[2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
+      packed[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
     }
+    StMatrixX4(buf + TileBufOffset(st_row, 2 * jp + st_chunk), packed);
   }
-  __syncwarp();
-  StagingToGlobal(staging, lane, row0, m_end,
-                  [&](int64_t row, int chunk) { return q + row * ld_q + col0 + chunk * 16; });
-  if (t == 0) {
+}
+
+__device__ __forceinline__ float Bf16Lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float Bf16Hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ uint4 LdsU4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// a = bf16(silu(g) * u) of the two BF16 pairs packed in g2 and u2, packed the same way
+// (SiluMul's rounding points: the same bits as the consumers' epilogue of the BF16 kernels).
+__device__ __forceinline__ uint32_t SiluMulPacked(uint32_t g2, uint32_t u2) {
+  const float lo = Silu(Bf16Lo(g2)) * Bf16Lo(u2), hi = Silu(Bf16Hi(g2)) * Bf16Hi(u2);
+  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+// The epilogue warps of an FP8 kernel (three warps of the producer warpgroup; its first warp's
+// first thread issues the loads): for each tile of the CTA's sequence, once the consumers have
+// filled the tile buffer (`buf_full`), its rows leave to memory and the buffer is handed back
+// (`buf_empty`), while the consumers run the next tile's main loop. Four rows a warp at a time,
+// eight lanes a row, so that each lane has 16 independent values in flight (one warp alone on
+// a dependency chain is what bounds this code). Gate/up: lane c of a row takes activation columns
+// 16 c .. 16 c + 15, a = bf16(silu(g) * u) from the buffer's BF16 gate and up values; out_q set,
+// the row's 128 values are one quantization group (fp8.cuh: amax over the row's eight lanes, then
+// the quantization kernel's scale and products), else the BF16 activation. Down: a lane a 16-byte
+// chunk of each row. Rows past the segment (m_end) are not written.
+template <int BM, int BN, bool kSwiglu>
+__device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int32_t* prefix, int total,
+                                              const uint8_t* buf, uint64_t* buf_full, uint64_t* buf_empty, int ew,
+                                              int lane) {
+  constexpr int kEpiWarpCount = 3;
+  const uint32_t base = SmemAddr(buf);
+  for (int j = 0;; ++j) {
+    const int t = static_cast<int>(blockIdx.x + j * gridDim.x);
+    if (t >= total) return;
+    const Tile tile = TileAt(prefix, args.num_experts, args.n_tiles, t);
+    const int64_t m0 = args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM;
+    const int64_t m_end = args.offsets[tile.expert + 1];
+    const int64_t col0 = static_cast<int64_t>(tile.col_tile) * BN;
+    MbarWait(buf_full, static_cast<uint32_t>(j & 1));
+    if constexpr (kSwiglu) {
+      const int c = lane & 7;
+#pragma unroll 1
+      for (int r = 4 * ew + (lane >> 3); r < BM; r += 4 * kEpiWarpCount) {
+        uint32_t a[8];  // the lane's 16 activation values, BF16 pairs
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (row0 + g + 8 * h < m_end) scales[(row0 + g + 8 * h) * scale_ld + col0 / 128] = scale[h];
+        for (int h = 0; h < 2; ++h) {
+          const uint4 g = LdsU4(base + TileBufOffset(r, 2 * c + h));
+          const uint4 u = LdsU4(base + TileBufOffset(r, 16 + 2 * c + h));
+          a[4 * h] = SiluMulPacked(g.x, u.x);
+          a[4 * h + 1] = SiluMulPacked(g.y, u.y);
+          a[4 * h + 2] = SiluMulPacked(g.z, u.z);
+          a[4 * h + 3] = SiluMulPacked(g.w, u.w);
+        }
+        const int64_t row = m0 + r;
+        if (args.out_q != nullptr) {
+          float amax = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmaxf(fabsf(Bf16Lo(a[i])), fabsf(Bf16Hi(a[i]))));
+#pragma unroll
+          for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          float scale, inv;
+          GroupScales(amax, &scale, &inv);
+          uint32_t q[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            q[i] = static_cast<uint32_t>(Fp8Pair(Bf16Lo(a[2 * i]), Bf16Hi(a[2 * i]), inv)) |
+                   static_cast<uint32_t>(Fp8Pair(Bf16Lo(a[2 * i + 1]), Bf16Hi(a[2 * i + 1]), inv)) << 16;
+          }
+          if (row < m_end) {
+            *reinterpret_cast<uint4*>(args.out_q + row * args.ld_out + col0 + 16 * c) =
+                make_uint4(q[0], q[1], q[2], q[3]);
+            if (c == 0) args.out_q_scales[row * args.out_q_scale_ld + col0 / 128] = scale;
+          }
+        } else if (row < m_end) {
+          uint16_t* dst = args.out + row * args.ld_out + col0 + 16 * c;
+          *reinterpret_cast<uint4*>(dst) = make_uint4(a[0], a[1], a[2], a[3]);
+          *reinterpret_cast<uint4*>(dst + 8) = make_uint4(a[4], a[5], a[6], a[7]);
+        }
+      }
+    } else {
+#pragma unroll 1
+      for (int r = 4 * ew; r < BM; r += 4 * kEpiWarpCount) {
+        uint4 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = LdsU4(base + TileBufOffset(r + i, lane));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (m0 + r + i < m_end)
+            *reinterpret_cast<uint4*>(args.out + (m0 + r + i) * args.ld_out + col0 + 8 * lane) = v[i];
+        }
+      }
     }
+    MbarArrive(buf_empty);
   }
-  __syncwarp();
 }
 
 // The BF16 tile's main loop: one group of MMAs in flight; a stage is released once the group
@@ -500,10 +597,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* epilogue = smem + C::kStages * C::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + kConsumerWarps * kEpilogueWarpBytes);
+  uint8_t* epilogue = smem + C::kStages * C::kStageBytes;  // staging tiles, or (kEpiWarps) the tile buffer
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(epilogue + (C::kEpiWarps ? C::kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes));
   uint64_t* empty = full + C::kStages;
-  int32_t* prefix = reinterpret_cast<int32_t*>(empty + C::kStages);
+  uint64_t* buf_full = empty + C::kStages;  // kEpiWarps: the tile buffer filled, then drained
+  uint64_t* buf_empty = buf_full + 1;
+  int32_t* prefix = reinterpret_cast<int32_t*>(buf_empty + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = args.num_experts;
 
@@ -512,6 +612,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       MbarInit(&full[s], 1);
       MbarInit(&empty[s], C::kEmptyArrivals);
     }
+    MbarInit(buf_full, 2 * 128);  // every consumer thread, after its rows' stmatrix
+    MbarInit(buf_empty, 3 * 32);  // every epilogue warp thread, after its reads
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (warp == 1) {  // row tiles before each expert (inclusive warp scans, 32 experts at a time)
@@ -533,9 +635,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int total = prefix[E] * args.n_tiles;
 
-  if (warp < 4) {  // producer warpgroup: one thread loads every stage in tile order
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x != 0) return;
+  // The producer warpgroup: the first, or (kEpiWarps) the last. The place makes no difference to
+  // the speed (measured); with the FP8 kernels' epilogue warps ptxas spills 16-64 bytes a thread
+  // when it is the first, none when it is the last (CUDA 13.0).
+  constexpr int kProducerWg = C::kEpiWarps ? 2 : 0;
+  if (warp / 4 == kProducerWg) {  // one thread loads every stage in tile order
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::kProducerRegs));
+    if constexpr (C::kEpiWarps) {
+      if (warp % 4 > 0) {
+        EpilogueWarps<BM, BN, kSwiglu>(args, prefix, total, epilogue, buf_full, buf_empty, warp % 4 - 1, lane);
+        return;
+      }
+    }
+    if (warp % 4 != 0 || lane != 0) return;
     int stage = 0;
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -563,16 +675,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The consumers' code is compiled to this budget (the launch bound's 168 registers a thread
   // hold until here): the FP8 tiles keep a 128-float accumulator and a 64-float partial.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int cw = (warp - 4) / 4;  // consumer warpgroup 0 or 1
-  const int wl = (warp - 4) % 4;  // warp within it
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(C::kConsumerRegs));
+  const int cwarp = kProducerWg == 0 ? warp - 4 : warp;  // consumer warp 0-7
+  const int cw = cwarp / 4;                              // consumer warpgroup 0 or 1
+  const int wl = cwarp % 4;                              // warp within it
   // Cooperative: where this warpgroup's rows and columns start within the tile.
   const int a_off = !kPingPong && BM == 128 ? cw * 64 * 128 : 0;
   const int b_off = !kPingPong && BM == 64 ? cw * C::kWgN * 128 : 0;
   const int row_off = !kPingPong && BM == 128 ? cw * 64 : 0;
   const int col_off = !kPingPong && BM == 64 ? cw * C::kWgN : 0;
   const int tile_step = kPingPong ? 2 : 1;  // tiles of the CTA's sequence a warpgroup takes
-  uint8_t* staging = epilogue + (warp - 4) * kEpilogueWarpBytes;
+  uint8_t* staging = epilogue + cwarp * kEpilogueWarpBytes;
   float acc[C::kAcc];
   // A tile's expert, rows and (FP8) scale pointers and first scales: the next tile's are read
   // before the current tile's epilogue, so the latency of its offsets and scales (global loads
@@ -625,19 +738,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (prev >= 0 && lane == 0) MbarArrive(&empty[prev]);
     const int t_next = static_cast<int>(blockIdx.x + (j + tile_step) * gridDim.x);
     const bool more = t_next < total;
+    if constexpr (C::kEpiWarps) {
+      static_assert(C::kSlices == 1 && C::kAcc == 128, "FP8: 64 rows x 256 columns a warpgroup");
+      // The buffer is free once the epilogue warps have read the previous tile out of it; the
+      // first tile's wait (parity 1 of a fresh barrier) passes at once.
+      MbarWait(buf_empty, static_cast<uint32_t>((j & 1) ^ 1));
+      AccToTileBuf(acc, epilogue, lane, row_off + wl * 16);
+      MbarArrive(buf_full);
+      if (!more) break;
+      cur = rows_of(t_next);
+      continue;
+    }
     TileRows next = cur;
     if (more) next = rows_of(t_next);
     const int64_t col0 = static_cast<int64_t>(tile.col_tile) * BN + col_off;
-    bool stored = false;
-    if constexpr (kFp8 && kSwiglu) {
-      static_assert(C::kSlices == 1 && C::kWgN == 128, "FP8 gate/up: one 128-column group a row and warp");
-      if (args.out_q != nullptr) {
-        StoreSliceQuantized(acc, staging, lane, m0 + row_off + wl * 16, col0, m_end, args.out_q, args.ld_out,
-                            args.out_q_scales, args.out_q_scale_ld);
-        stored = true;
-      }
-    }
-    if (!stored) {
+    if constexpr (!C::kEpiWarps) {
 #pragma unroll
       for (int sl = 0; sl < C::kSlices; ++sl) {
         StoreSlice<kSwiglu, C::kWgN>(acc + sl * C::kSliceAcc, staging, lane, m0 + row_off + sl * 64 + wl * 16, col0,

@@ -481,6 +481,40 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
   EXPECT_EQ(segment(api[0], d), segment(y[1], d)) << "SwigluFp8 against the direct launch";
 }
 
+// The Hopper FP8 kernels with several tiles a CTA (more tiles than SMs in both projections), so
+// that the consumers and the epilogue warps pass the tile buffer back and forth in both parities:
+// 300 experts of 0 to 130 rows (most a single partial row tile, some two), against the CPU, with
+// the activation quantized in the epilogue and as BF16 quantized after.
+TEST_F(CudaKernelsTest, GroupedSm90Fp8WithSeveralTilesACtaMatchesCpu) {
+  const int e = 300, d = 256, f = 256;
+  std::vector<int64_t> counts(e);
+  for (int i = 0; i < e; ++i) counts[i] = i % 5 == 0 ? 0 : (i % 7 == 0 ? 130 : 1 + i % 3);
+  Fp8Case c(rng_, *cpu_, e, d, f, counts, 2, 3);
+  ASSERT_TRUE(c.reference.ok()) << c.reference;
+  ASSERT_TRUE(cuda::GroupedSm90Fp8Supported(e, d, f));
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  int64_t row_tiles = 0;
+  for (const int64_t n : counts) row_tiles += (n + 127) / 128;
+  ASSERT_GT(row_tiles, sms) << "down tiles (one column tile): more than one a CTA";
+  DeviceVector<uint8_t> dxq(c.layer.x.size());
+  DeviceVector<float> dxs(c.layer.x.size() / 128);
+  c.QuantizeRows(*gpu_, dxq, dxs);
+  for (int fused = 0; fused < 2; ++fused) {
+    DeviceVector<uint16_t> da(static_cast<size_t>(c.rows) * f, 0), dy(c.layer.x.size(), kFp8Sentinel);
+    DeviceVector<uint8_t> daq(static_cast<size_t>(c.rows) * f);
+    DeviceVector<float> das(static_cast<size_t>(c.rows) * (f / 128));
+    ASSERT_EQ(
+        cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, c.rows, c.doff.get(), e, d, f, c.dqgu.get(),
+                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), fused ? nullptr : da.get(), daq.get(),
+                                         das.get(), dy.get(), nullptr, fused == 1),
+        cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(
+        c.ExpectMatchesReference(dy.Host(), fused ? "quantized in the epilogue" : "BF16 activation"));
+  }
+}
+
 // Decode-sized FP8 steps (fewer than 4 rows an expert on average) run the tensor-core GEMVs
 // (small_batch_fp8.cu): against the CPU's FP8 reference, with a row or two an expert and with
 // hot experts (segments of 9 and 20 rows: more than one pass of 8), for d not a multiple of 256
