@@ -170,10 +170,11 @@ struct Config {
   static constexpr int kBBytes = kBRows * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
   // FP8: the tile's epilogue runs on the producer warpgroup's three idle warps (EpilogueWarps),
-  // from a tile buffer of BF16 values the consumers fill; it takes one stage's worth of the ring.
+  // from a 64 KB tile buffer of BF16 values the consumers fill; beside it one SM's 227 KB hold
+  // three of the 48 KB FP8 stages (kSmemBytes' assertion below).
   static constexpr bool kEpiWarps = kFp8;
   static constexpr int kTileBufBytes = kEpiWarps ? BM * kTileBufRow : 0;
-  static constexpr int kStages = (kEpiWarps ? kSmemBudget - kTileBufBytes + kStageBytes : kSmemBudget) / kStageBytes;
+  static constexpr int kStages = kEpiWarps ? 3 : kSmemBudget / kStageBytes;
   static constexpr int kSlices = kPingPong ? 2 : 1;                  // 64-row slices a consumer warpgroup computes
   static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
@@ -689,7 +690,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[C::kAcc];
   // A tile's expert, rows and (FP8) scale pointers and first scales: the next tile's are read
   // before the current tile's epilogue, so the latency of its offsets and scales (global loads
-  // the main loop's first stage would otherwise wait for) runs under that epilogue.
+  // the main loop's first stage would otherwise wait for) runs under that epilogue. The FP8
+  // consumers (kEpiWarps) read them after handing their tile to the epilogue warps, which takes
+  // them only the stmatrix of AccToTileBuf.
   constexpr int kH = kFp8 ? Fp8Halves<C, kSwiglu>() : 1;
   struct TileRows {
     Tile tile;
