@@ -30,6 +30,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/bf16.cuh"
 #include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/wgmma.cuh"
@@ -333,9 +334,6 @@ __device__ __forceinline__ void AccToTileBuf(const float* acc, uint8_t* buf, int
     StMatrixX4(buf + TileBufOffset(st_row, 2 * jp + st_chunk), packed);
   }
 }
-
-__device__ __forceinline__ float Bf16Lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float Bf16Hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
 __device__ __forceinline__ uint4 LdsU4(uint32_t addr) {
   uint4 v;

@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/bf16.cuh"
 #include "kernels/cuda/launch.h"
 
 namespace moe::kernels::cuda::small_batch {
@@ -158,16 +159,6 @@ __device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-
-// Eight BF16 values to FP32 (exact: a BF16 is the high half of its FP32).
-__device__ __forceinline__ void Widen(const uint4& v, float (&f)[8]) {
-  const uint32_t word[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    f[2 * q] = __uint_as_float(word[q] << 16);
-    f[2 * q + 1] = __uint_as_float(word[q] & 0xffff0000u);
-  }
 }
 
 // Dots NW weight rows (each `len8` 16-byte vectors) with `rows` activation rows; x_at(r, i) is
