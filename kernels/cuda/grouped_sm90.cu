@@ -3,15 +3,16 @@
 // persistent CTA per SM walking the (expert, row tile, column tile) grid.
 //
 // Roles in a CTA of 384 threads: one warpgroup is the producer (one thread issues the TMA loads
-// of every stage; its registers go to the others through setmaxnreg), the other two are
+// of every stage, and in the FP8 kernels its warp copies the stage's scales; its registers go to
+// the others through setmaxnreg), the other two are
 // consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
 // 64-row tile; ping-pong: each owns every other 128-row tile, see Config). In the FP8 kernels the
 // producer warpgroup's other three warps are the epilogue warps: the consumers leave each tile's
 // values in a shared-memory tile buffer and go on to the next tile while those warps apply
 // SwiGLU, quantize and store (EpilogueWarps). A stage holds a BM x 64 tile of the rows and
 // the weight rows of the column tile, both K-major with the 128-byte swizzle that TMA writes and wgmma reads. Barriers:
-// `full[s]` (the producer's expected bytes, completed by TMA) and `empty[s]` (one arrival per consumer warp after its
-// MMAs on the stage retired).
+// `full[s]` (the producer's expected bytes, completed by TMA; FP8, also an arrival per producer lane once its
+// scale copies landed) and `empty[s]` (one arrival per consumer warp after its MMAs on the stage retired).
 //
 // Gate/up (kSwiglu): a column tile of BN activation columns loads BN gate rows and the BN up
 // rows of the same columns, so the epilogue applies SwiGLU in registers and writes only
@@ -83,6 +84,17 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int
       : "memory");
 }
 
+// Four bytes from global to shared memory, asynchronously (completion tracked by CpAsyncArrive).
+__device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(dst)), "l"(src) : "memory");
+}
+
+// One arrival on `bar` once every cp.async this thread issued before has landed (counted in the
+// barrier's arrivals: .noinc).
+__device__ __forceinline__ void CpAsyncArrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddr(bar)) : "memory");
+}
+
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -105,6 +117,14 @@ __device__ __forceinline__ uint64_t SmemDesc(const void* tile) {
   const uint64_t addr = SmemAddr(tile);
   return ((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
+
+// The same descriptor from its low word (SmemDesc's high word is a constant): a start address
+// advanced in 32 bits, so that no carry into the high word is computed (a stage's start
+// addresses, >> 4, stay below 2^14).
+__device__ __forceinline__ uint32_t SmemDescLo(const void* tile) {
+  return ((SmemAddr(tile) & 0x3FFFF) >> 4) | (1u << 16);
+}
+__device__ __forceinline__ uint64_t DescFromLo(uint32_t lo) { return (uint64_t{(1u << 30) | (1024 >> 4)} << 32) | lo; }
 
 // Four 8x8 BF16 matrices from fragment registers to shared memory; lane l gives the address of
 // row l % 8 of matrix l / 8.
@@ -176,7 +196,14 @@ struct Config {
   static constexpr bool kEpiWarps = kFp8;
   static constexpr int kTileBufBytes = kEpiWarps ? BM * kTileBufRow : 0;
   static constexpr int kStages = kEpiWarps ? 3 : kSmemBudget / kStageBytes;
-  static constexpr int kSlices = kPingPong ? 2 : 1;                  // 64-row slices a consumer warpgroup computes
+  // FP8: each stage's scales beside it, copied by the producer warp with the stage (cp.async,
+  // counted in the stage's full barrier): the row operand's 128 rows, then the weight block's of
+  // each 128-column half (Fp8Halves, at most 2), padded to 16 bytes.
+  static constexpr int kBlockScaleAt = kFp8 ? BM : 0;  // where a stage's weight block scales start
+  static constexpr int kScaleFloats = kFp8 ? kBlockScaleAt + 4 : 0;
+  static constexpr int kScaleBytes = kStages * kScaleFloats * 4;
+  static constexpr int kFullArrivals = kFp8 ? 1 + 32 : 1;  // the TMA thread, and (FP8) the producer warp's lanes
+  static constexpr int kSlices = kPingPong ? 2 : 1;        // 64-row slices a consumer warpgroup computes
   static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
@@ -195,7 +222,7 @@ struct Config {
   // costs a latency-bound small step more in loads than it saves).
   static constexpr bool kJointGateUp = kSwiglu && kWgN == BN;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes +
-                                    (kEpiWarps ? kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes) +
+                                    (kEpiWarps ? kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes) + kScaleBytes +
                                     2 * (kStages + 1) * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
@@ -333,6 +360,12 @@ __device__ __forceinline__ void AccToTileBuf(const float* acc, uint8_t* buf, int
     }
     StMatrixX4(buf + TileBufOffset(st_row, 2 * jp + st_chunk), packed);
   }
+}
+
+__device__ __forceinline__ float LdsF32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ uint4 LdsU4(uint32_t addr) {
@@ -477,54 +510,48 @@ __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t
   }
 }
 
-// A consumer thread's scale pointers for one FP8 tile and the scales of its first stage: loaded by
-// Fp8FirstScales before the previous tile's epilogue, so that their latency (and that of the
-// tile's offsets before them) runs under it rather than at the start of the tile's main loop.
-// Half h of the weight rows: gate/up, the gate then the up rows of the tile's columns; down, the
-// tile's rows 128 at a time. `row0` is the thread's first accumulator row (its second is row0 + 8).
-template <int kHalves>
-struct Fp8Scales {
-  const float* sa0;
-  const float* sa1;
-  const float* sb[kHalves];
-  float s0, s1, b[kHalves];  // stage 0's
-};
-
-template <int BN, bool kSwiglu, int kHalves>
-__device__ __forceinline__ Fp8Scales<kHalves> Fp8FirstScales(const GroupedArgs& args, const Tile& tile, int64_t row0) {
-  Fp8Scales<kHalves> sc;
-  const int64_t last = args.a_rows - 1;  // rows past the operand (discarded) read the last row's scale
-  sc.sa0 = args.a_scales + (row0 < last ? row0 : last) * args.a_scale_ld;
-  sc.sa1 = args.a_scales + (row0 + 8 < last ? row0 + 8 : last) * args.a_scale_ld;
-  const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    const int64_t rows = kSwiglu ? b_row + h * args.up_rows : b_row + h * 128;
-    sc.sb[h] = args.b_scales + (rows / 128) * args.k_blocks;
-  }
-  sc.s0 = sc.sa0[0];
-  sc.s1 = sc.sa1[0];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) sc.b[h] = sc.sb[h][0];
-  return sc;
-}
-
 // The columns an FP8 consumer warpgroup's MMAs cover, in 128-column halves (one weight block each).
 template <typename C, bool kSwiglu>
 __host__ __device__ constexpr int Fp8Halves() {
   return (kSwiglu ? 2 : 1) * C::kWgN / 128;
 }
 
+// The producer warp's copies of one FP8 stage's scales into `dst` (Config::kScaleFloats floats):
+// lane l the row operand's scales of the tile's rows l, l + 32, l + 64, l + 96 (rows past the
+// operand, discarded, read the last row's), lanes below Fp8Halves the weight block's of half l
+// (gate/up: the gate then the up rows of the tile's columns; down: the tile's rows 128 at a
+// time); then each lane's arrival on the stage's full barrier once its copies have landed.
+template <typename C, int BM, int BN, bool kSwiglu>
+__device__ __forceinline__ void Fp8StageScales(const GroupedArgs& args, const Tile& tile, int64_t a_row, int kb,
+                                               int lane, float* dst, uint64_t* full) {
+  constexpr int kHalves = Fp8Halves<C, kSwiglu>();
+  const int64_t last = args.a_rows - 1;
+#pragma unroll
+  for (int i = 0; i < BM / 32; ++i) {
+    const int r = lane + 32 * i;
+    const int64_t row = a_row + r < last ? a_row + r : last;
+    CpAsync4(dst + r, args.a_scales + row * args.a_scale_ld + kb);
+  }
+  if (lane < kHalves) {
+    const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
+    const int64_t rows = kSwiglu ? b_row + lane * args.up_rows : b_row + lane * 128;
+    CpAsync4(dst + C::kBlockScaleAt + lane, args.b_scales + (rows / 128) * args.k_blocks + kb);
+  }
+  CpAsyncArrive(full);
+}
+
 // The FP8 tile's main loop (cooperative, 128-row tiles). A consumer warpgroup's 64 rows x
 // kWgN columns (gate/up: BN gate then BN up columns) are computed in halves of 128 columns, one
 // weight block wide: per stage and half, the MMAs of 128 K values into a partial accumulator
 // (E4M3 x E4M3, FP32), then acc += partial x row scale x the half's block scale (the scales
-// change every 128 K values, and every 128 weight rows). `sc`: the tile's scale pointers and
-// its first stage's scales (Fp8FirstScales).
+// change every 128 K values, and every 128 weight rows). The scales come with the stage, in
+// shared memory (Fp8StageScales; `scales` is the shared address of stage 0's): `srow` is the
+// thread's first accumulator row within the tile (its second is srow + 8). Copied there by the
+// producer warp, they cost the consumers three shared loads a stage instead of four global loads
+// a stage ahead and their addresses, and no global load waits at a tile's start.
 template <typename C, int BN, bool kSwiglu>
-__device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0,
-                                            const GroupedArgs& args, const Fp8Scales<Fp8Halves<C, kSwiglu>()>& sc,
-                                            int a_off, int lane, float* acc) {
+__device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint32_t scales, uint64_t* full, uint64_t* empty,
+                                            int64_t pos0, int k_blocks, int a_off, int srow, int lane, float* acc) {
   constexpr int kN = (kSwiglu ? 2 : 1) * C::kWgN;  // MMA columns of the warpgroup
   constexpr int kHalves = kN / 128;
   static_assert(kN % 128 == 0 && kHalves <= 2, "FP8 tiles: 128 or 256 columns a warpgroup");
@@ -536,41 +563,33 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
   // promotion competes for).
   int stage = static_cast<int>(pos0 % C::kStages);
   uint32_t phase = static_cast<uint32_t>((pos0 / C::kStages) & 1);
-  // Each stage's scales are loaded a stage ahead: their latency hides under the previous stage,
-  // and nothing between the MMAs' issue and their wait depends on a load from memory.
-  const float* sa0 = sc.sa0;
-  const float* sa1 = sc.sa1;
-  const float* sb[kHalves];
-  float next_s0 = sc.s0, next_s1 = sc.s1, next_b[kHalves];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    sb[h] = sc.sb[h];
-    next_b[h] = sc.b[h];
-  }
-  for (int kb = 0; kb < args.k_blocks; ++kb) {
-    const float s0 = next_s0, s1 = next_s1;
-    float b_scale[kHalves];
-#pragma unroll
-    for (int h = 0; h < kHalves; ++h) b_scale[h] = next_b[h];
-    if (kb + 1 < args.k_blocks) {
-      next_s0 = sa0[kb + 1];
-      next_s1 = sa1[kb + 1];
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) next_b[h] = sb[h][kb + 1];
-    }
+  // The shared addresses of the stage's row scales of the thread and its block scales: advanced
+  // with the stage, not computed from it (which moves the stage count and the MMA descriptors'
+  // arithmetic off the uniform datapath).
+  constexpr uint32_t kScaleStride = C::kScaleFloats * 4;
+  uint32_t sa = scales + stage * kScaleStride + srow * 4;
+  uint32_t sb = scales + stage * kScaleStride + C::kBlockScaleAt * 4;
+  for (int kb = 0; kb < k_blocks; ++kb) {
     MbarWait(&full[stage], phase);
     const uint8_t* a_tile = smem + stage * C::kStageBytes;
     const uint8_t* b_tile = a_tile + C::kABytes;
-    const uint64_t da = SmemDesc(a_tile + a_off);
+    const float s0 = LdsF32(sa), s1 = LdsF32(sa + 8 * 4);
+    float b_scale[kHalves];
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) b_scale[h] = LdsF32(sb + h * 4);
+    const uint32_t da = SmemDescLo(a_tile + a_off);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h) {
-      const uint64_t db = SmemDesc(b_tile + h * 128 * 128);
+      const uint32_t db = SmemDescLo(b_tile + h * 128 * 128);
       WgmmaFence();
 #pragma unroll
-      for (int kk = 0; kk < 128 / 32; ++kk) WgmmaM64N128K32E4m3(part, da + 2 * kk, db + 2 * kk, kk > 0);
+      for (int kk = 0; kk < 128 / 32; ++kk)
+        WgmmaM64N128K32E4m3(part, DescFromLo(da + 2 * kk), DescFromLo(db + 2 * kk), kk > 0);
       WgmmaCommit();
       WgmmaWait<0>();
       FenceAccumulators<64>(part);
+      // The stage (its tiles and scales) is released after its last MMAs; the scale reads above
+      // are warp instructions that lane 0's arrival (release order) comes after.
       if (h == kHalves - 1 && lane == 0) MbarArrive(&empty[stage]);
       const float g0 = s0 * b_scale[h], g1 = s1 * b_scale[h];
       float* out = acc + h * 64;
@@ -585,6 +604,11 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint64_t* full, uint6
     if (++stage == C::kStages) {
       stage = 0;
       phase ^= 1;
+      sa -= (C::kStages - 1) * kScaleStride;
+      sb -= (C::kStages - 1) * kScaleStride;
+    } else {
+      sa += kScaleStride;
+      sb += kScaleStride;
     }
   }
 }
@@ -597,8 +621,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* epilogue = smem + C::kStages * C::kStageBytes;  // staging tiles, or (kEpiWarps) the tile buffer
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(epilogue + (C::kEpiWarps ? C::kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes));
+  float* scales =
+      reinterpret_cast<float*>(epilogue + (C::kEpiWarps ? C::kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes));
+  uint64_t* full = reinterpret_cast<uint64_t*>(scales + C::kStages * C::kScaleFloats);
   uint64_t* empty = full + C::kStages;
   uint64_t* buf_full = empty + C::kStages;  // kEpiWarps: the tile buffer filled, then drained
   uint64_t* buf_empty = buf_full + 1;
@@ -608,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      MbarInit(&full[s], 1);
+      MbarInit(&full[s], C::kFullArrivals);
       MbarInit(&empty[s], C::kEmptyArrivals);
     }
     MbarInit(buf_full, 2 * 128);  // every consumer thread, after its rows' stmatrix
@@ -646,22 +671,29 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
       }
     }
-    if (warp % 4 != 0 || lane != 0) return;
+    // The first warp: its first thread issues the TMA loads; FP8, all its lanes copy the scales.
+    if (warp % 4 != 0 || (!kFp8 && lane != 0)) return;
     int stage = 0;
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const Tile tile = TileAt(prefix, E, args.n_tiles, t);
-      const int a_row = static_cast<int>(args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM);
+      const int64_t m0 = args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM;
+      const int a_row = static_cast<int>(m0);
       const int b_row = tile.expert * args.b_rows_expert + tile.col_tile * BN;
       for (int kb = 0; kb < args.k_blocks; ++kb) {
         MbarWait(&empty[stage], phase ^ 1);
-        uint8_t* a_tile = smem + stage * C::kStageBytes;
-        uint8_t* b_tile = a_tile + C::kABytes;
-        MbarExpectTx(&full[stage], C::kStageBytes);
-        TmaLoad2d(a_tile, &map_a, kb * C::kStageK, a_row, &full[stage]);
-        TmaLoad2d(b_tile, &map_b, kb * C::kStageK, b_row, &full[stage]);
-        if constexpr (kSwiglu) {
-          TmaLoad2d(b_tile + BN * 128, &map_b, kb * C::kStageK, b_row + args.up_rows, &full[stage]);
+        if constexpr (kFp8) {
+          Fp8StageScales<C, BM, BN, kSwiglu>(args, tile, m0, kb, lane, scales + stage * C::kScaleFloats, &full[stage]);
+        }
+        if (lane == 0) {
+          uint8_t* a_tile = smem + stage * C::kStageBytes;
+          uint8_t* b_tile = a_tile + C::kABytes;
+          MbarExpectTx(&full[stage], C::kStageBytes);
+          TmaLoad2d(a_tile, &map_a, kb * C::kStageK, a_row, &full[stage]);
+          TmaLoad2d(b_tile, &map_b, kb * C::kStageK, b_row, &full[stage]);
+          if constexpr (kSwiglu) {
+            TmaLoad2d(b_tile + BN * 128, &map_b, kb * C::kStageK, b_row + args.up_rows, &full[stage]);
+          }
         }
         if (++stage == C::kStages) {
           stage = 0;
@@ -686,23 +718,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tile_step = kPingPong ? 2 : 1;  // tiles of the CTA's sequence a warpgroup takes
   uint8_t* staging = epilogue + cwarp * kEpilogueWarpBytes;
   float acc[C::kAcc];
-  // A tile's expert, rows and (FP8) scale pointers and first scales: the next tile's are read
-  // before the current tile's epilogue, so the latency of its offsets and scales (global loads
-  // the main loop's first stage would otherwise wait for) runs under that epilogue. The FP8
-  // consumers (kEpiWarps) read them after handing their tile to the epilogue warps, which takes
-  // them only the stmatrix of AccToTileBuf.
-  constexpr int kH = kFp8 ? Fp8Halves<C, kSwiglu>() : 1;
+  // A tile's expert and rows: the next tile's are read before the current tile's epilogue, so
+  // the latency of its offsets (global loads the main loop's first stage would otherwise wait
+  // for) runs under that epilogue. The FP8 consumers (kEpiWarps) read them after handing their
+  // tile to the epilogue warps, which takes them only the stmatrix of AccToTileBuf; their
+  // scales come with each stage.
   struct TileRows {
     Tile tile;
     int64_t m0, m_end;
-    Fp8Scales<kH> sc;
   };
   auto rows_of = [&](int t) {
     TileRows r;
     r.tile = TileAt(prefix, E, args.n_tiles, t);
     r.m0 = args.offsets[r.tile.expert] + static_cast<int64_t>(r.tile.row_tile) * BM;
     r.m_end = args.offsets[r.tile.expert + 1];
-    if constexpr (kFp8) r.sc = Fp8FirstScales<BN, kSwiglu, kH>(args, r.tile, r.m0 + row_off + wl * 16 + lane / 4);
     return r;
   };
   int j = kPingPong ? cw : 0;
@@ -724,7 +753,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     int prev = -1;  // the stage whose MMAs may still run (released after them)
     if constexpr (kFp8) {
-      Fp8MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args, cur.sc, a_off, lane, acc);
+      Fp8MainLoop<C, BN, kSwiglu>(smem, SmemAddr(scales), full, empty, pos0, args.k_blocks, a_off,
+                                  row_off + wl * 16 + lane / 4, lane, acc);
     } else {
       MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     }
