@@ -208,11 +208,12 @@ struct Config {
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
-  // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 64 K): the gate/up
-  // epilogue warps take 56 (16 values a lane in flight, no spills), the lone TMA thread and the
-  // down kernel's copying epilogue warps 40 (its consumers spill and run 1-3% slower at 224).
-  static constexpr int kProducerRegs = kEpiWarps && kSwiglu ? 56 : 40;
-  static constexpr int kConsumerRegs = kEpiWarps && kSwiglu ? 224 : 232;
+  // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 64 K): the FP8
+  // producer warpgroup takes 56 (the gate/up epilogue warps keep 16 values a lane in flight; the
+  // producer warp copies the stages' scales, and spilled at 40 in the down kernel, which ran 2-4%
+  // slower so), the BF16 kernels' lone TMA thread 40.
+  static constexpr int kProducerRegs = kEpiWarps ? 56 : 40;
+  static constexpr int kConsumerRegs = kEpiWarps ? 224 : 232;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 64 * 1024, "registers of one SM");
 
   // Gate/up where a consumer warpgroup computes all BN columns (128-row and ping-pong tiles):
