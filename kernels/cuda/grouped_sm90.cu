@@ -469,8 +469,12 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
 
 // The BF16 tile's main loop: one group of MMAs in flight; a stage is released once the group
 // after it was issued and its own retired (wait_group 1). The last stage stays in *prev, for the
-// caller to release after the tile's final wait.
-template <typename C, int BN, bool kSwiglu>
+// caller to release after the tile's final wait. kLive: the 64-row slices computed (the
+// ping-pong down kernel: 1 where the tile's rows end within its first 64, whose second slice
+// would only multiply padding; that slice's accumulators are left as they are and never
+// stored). The ping-pong gate/up kernel ran 12% slower so and computes both (bench/RESULTS.md,
+// 2026-12-04).
+template <typename C, int BN, bool kSwiglu, int kLive = C::kSlices>
 __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0, int k_blocks,
                                          int a_off, int b_off, int lane, float* acc, int* prev) {
   int stage = static_cast<int>(pos0 % C::kStages);
@@ -485,7 +489,7 @@ __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t
     for (int kk = 0; kk < kBK / 16; ++kk) {
       const int scale = (kb > 0 || kk > 0) ? 1 : 0;
 #pragma unroll
-      for (int sl = 0; sl < C::kSlices; ++sl) {
+      for (int sl = 0; sl < kLive; ++sl) {
         const uint64_t da = SmemDesc(a_tile + a_off + sl * 64 * 128);
         float* sacc = acc + sl * C::kSliceAcc;
         if constexpr (C::kJointGateUp) {
@@ -756,6 +760,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kFp8) {
       Fp8MainLoop<C, BN, kSwiglu>(smem, SmemAddr(scales), full, empty, pos0, args.k_blocks, a_off,
                                   row_off + wl * 16 + lane / 4, lane, acc);
+    } else if (kPingPong && !kSwiglu && m_end - m0 <= 64) {
+      MainLoop<C, BN, kSwiglu, 1>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     } else {
       MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     }
@@ -787,6 +793,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (!C::kEpiWarps) {
 #pragma unroll
       for (int sl = 0; sl < C::kSlices; ++sl) {
+        if (sl > 0 && m0 + row_off + sl * 64 >= m_end) break;  // no rows of the segment (ping-pong down: nor MMAs)
         StoreSlice<kSwiglu, C::kWgN>(acc + sl * C::kSliceAcc, staging, lane, m0 + row_off + sl * 64 + wl * 16, col0,
                                      m_end, args.out, args.ld_out);
       }
