@@ -12,6 +12,15 @@
 #   BENCHES=dist/gpu/bin/expert_layer_bench TUNINGS="- fp8_epilogue_quant=0" ROUNDS=4 \
 #     ARGS="--reps 10 --shape E128-k8-d2048-f768 --tokens 8192" bench/gpu/kernel_ab.sh
 #
+# SUSTAIN_MS=2000 also runs each build's BF16 and FP8 experts back to back for that long (the
+# "fp8" cells, T >= 1024: expert_layer_bench --sustain_ms), with nvidia-smi sampling the SM clock
+# beside them, and prints those medians with each window's mean clock: a kernel change is judged
+# at the power limit a serving GPU runs at as well as in bursts (bench/RESULTS.md, 2026-12-04,
+# thirty-fifth session: one launch at a time and back to back disagreed).
+#
+#   BENCHES="dist/gpu/prev/expert_layer_bench dist/gpu/bin/expert_layer_bench" ROUNDS=3 SUSTAIN_MS=2000 \
+#     ARGS="--reps 5 --shape E8-k2-d4096-f14336 --tokens 8192" bench/gpu/kernel_ab.sh
+#
 # Every JSON line of every run lands in $OUT/kernel_ab.jsonl with "build" and "round" added.
 # Paths are relative to the repository root (the script runs there). Even rounds run the builds
 # in reverse order, so that neither always runs first after the other.
@@ -30,6 +39,15 @@ OUT="${OUT:-/tmp/kernel_ab}"
 mkdir -p "$OUT"
 log="$OUT/kernel_ab.jsonl"
 : > "$log"
+samples=()
+if [ -n "${SUSTAIN_MS:-}" ]; then
+  case "$SUSTAIN_MS" in '' | *[!0-9]*) echo "kernel_ab: SUSTAIN_MS=$SUSTAIN_MS: want milliseconds" >&2; exit 2 ;; esac
+  ARGS="$ARGS --sustain_ms $SUSTAIN_MS"
+  # shellcheck source=bench/gpu/clock_sampler.sh
+  . bench/gpu/clock_sampler.sh
+  start_clock_sampler "$OUT/samples.csv" 50
+  samples=("$OUT/samples.csv")
+fi
 reversed="$(echo "$BENCHES" | tr ' ' '\n' | grep -v '^$' | tac | tr '\n' ' ')"
 for round in $(seq 1 "$ROUNDS"); do
   order="$BENCHES"
@@ -57,4 +75,5 @@ for line in sys.stdin:
     }
   done
 done
-python3 bench/gpu/kernel_ab.py "$log"
+sleep 0.2  # the sampler's last lines
+python3 bench/gpu/kernel_ab.py "$log" "${samples[@]}"
