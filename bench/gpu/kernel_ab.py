@@ -10,14 +10,9 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_report import clock_samples  # noqa: E402
+from compare_report import clock_samples, mean_clock  # noqa: E402
 
-SETTLE_MS = 500
-
-
-def window_mhz(samples, r):
-    inside = [mhz for ms, mhz, _ in samples if r["start_unix_ms"] + SETTLE_MS <= ms <= r["end_unix_ms"]]
-    return sum(inside) / len(inside) if inside else None
+SETTLE_MS = 500  # as sustained.sh
 
 
 def rows_of(path, samples=None):
@@ -38,7 +33,8 @@ def rows_of(path, samples=None):
             keys = [("bf16 experts (fp8 pair)", r["bf16_experts_us"]), ("fp8 experts", r["fp8_experts_us"])]
         elif kind == "sustained":
             keys = [(f"sustained {r['what']}", r["median_us"])]
-            mhz = window_mhz(samples, r) if samples is not None else None
+            if samples is not None:
+                mhz = mean_clock(samples, [(r["start_unix_ms"] + SETTLE_MS, r["end_unix_ms"])])
         else:
             continue
         for what, us in keys:

@@ -41,7 +41,7 @@ log="$OUT/kernel_ab.jsonl"
 : > "$log"
 samples=()
 if [ -n "${SUSTAIN_MS:-}" ]; then
-  case "$SUSTAIN_MS" in '' | *[!0-9]*) echo "kernel_ab: SUSTAIN_MS=$SUSTAIN_MS: want milliseconds" >&2; exit 2 ;; esac
+  case "$SUSTAIN_MS" in *[!0-9]*) echo "kernel_ab: SUSTAIN_MS=$SUSTAIN_MS: want milliseconds" >&2; exit 2 ;; esac
   ARGS="$ARGS --sustain_ms $SUSTAIN_MS"
   # shellcheck source=bench/gpu/clock_sampler.sh
   . bench/gpu/clock_sampler.sh
