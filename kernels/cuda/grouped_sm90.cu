@@ -75,8 +75,9 @@ __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
 // Hardware named barrier `id` of `count` threads (a multiple of 32): a warp's arrival without
 // waiting (a release), and a warp's arrival and wait for the rest (an acquire). Both are
 // aligned: the whole warp executes them together. The producer's syncs follow lane-divergent
-// code; ptxas reconverges the warp before them (a WARPSYNC.ALL ahead of each BAR.SYNC or run of them in the
-// SASS; an explicit __syncwarp() changed the kernels' code, not measured, so not taken).
+// code; ptxas reconverges the warp before them (a WARPSYNC.ALL ahead of each BAR.SYNC, or run
+// of them, in the SASS; an explicit __syncwarp() changed the kernels' code, not measured, so
+// not taken).
 __device__ __forceinline__ void NamedBarArrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
