@@ -797,7 +797,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // warpgroup within one phase of the stages it waits on (the barriers' parity is only
     // unambiguous that close).
     if constexpr (kPingPong) {
-      if (j > 0) asm volatile("bar.sync %0, 256;" ::"r"(1 + cw) : "memory");
+      if (j > 0) NamedBarSync(1 + cw, 256);
     }
     int prev = -1;  // the stage whose MMAs may still run (released after them)
     if constexpr (kFp8) {
@@ -811,8 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kPingPong) {
       // The next tile of the sequence (the other warpgroup's) may start, if there is one: every
       // arrival is matched by the other warpgroup's wait.
-      if (static_cast<int>(blockIdx.x + (j + 1) * gridDim.x) < total)
-        asm volatile("bar.arrive %0, 256;" ::"r"(1 + (cw ^ 1)) : "memory");
+      if (static_cast<int>(blockIdx.x + (j + 1) * gridDim.x) < total) NamedBarArrive(1 + (cw ^ 1), 256);
     }
     WgmmaWait<0>();
     FenceAccumulators<C::kAcc>(acc);
