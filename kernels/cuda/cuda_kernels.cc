@@ -792,7 +792,7 @@ class CudaKernels final : public ExpertKernels {
     // fp8_epilogue_quant=0).
     const bool bf16_activation = small || !fp8_epilogue_quant_;
     const size_t a_bytes = bf16_activation ? align(rows * f * 2) : 0, aq_bytes = align(rows * f),
-                 as_bytes = align(rows * (f / 128) * 4);
+                 as_bytes = align(static_cast<size_t>(cuda::Fp8ActivationScaleFloats(p.rows, f)) * 4);
     auto base = scratch_.Get(xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes);
     if (!base.ok()) return base.status();
     char* ptr = static_cast<char*>(*base);

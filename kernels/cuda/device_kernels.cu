@@ -651,8 +651,10 @@ __device__ __forceinline__ uint4 Fp8Bytes16(const float (&v)[16], float inv) {
 // time: two 16-byte loads and one 16-byte store a lane, the amax in three shuffles, one multiply
 // a value (a warp a group with four values a lane and a division a value kept the issue slots
 // 75% busy at 2.3 TB/s: bound by instructions, not memory).
+// scales_rows_ld > 0: the scales column-major ([groups_per_row, scales_rows_ld]).
 __global__ void QuantizeFp8Group128Kernel(const __nv_bfloat16* __restrict__ x, int64_t groups,
-                                          __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales) {
+                                          __nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales,
+                                          int groups_per_row, int64_t scales_rows_ld) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5; w * 4 < groups; w += warps) {
@@ -679,7 +681,9 @@ __global__ void QuantizeFp8Group128Kernel(const __nv_bfloat16* __restrict__ x, i
     float scale, inv;
     GroupScales(amax, &scale, &inv);
     if (!live) continue;
-    if (part == 0) scales[g] = scale;
+    if (part == 0) {
+      scales[scales_rows_ld > 0 ? (g % groups_per_row) * scales_rows_ld + g / groups_per_row : g] = scale;
+    }
     *reinterpret_cast<uint4*>(q + g * 128 + part * 16) = Fp8Bytes16(v, inv);
   }
 }
@@ -1186,9 +1190,12 @@ cudaError_t LaunchPackFp8(const uint16_t* x, int64_t tokens, int d, const int32_
 }
 
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
-                              cudaStream_t stream, int block_rows) {
+                              cudaStream_t stream, int block_rows, int64_t scales_rows_ld) {
   if (rows == 0) return cudaSuccess;
   const int groups_per_row = (d + group - 1) / group;
+  const bool group128 = group == 128 && d % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(q) % 16 == 0;
+  if (scales_rows_ld != 0 && (block_rows != 1 || !group128 || scales_rows_ld < rows)) return cudaErrorInvalidValue;
   if (block_rows != 1) {
     if (block_rows != 128 || group != 128) return cudaErrorInvalidValue;
     const int64_t blocks = (rows + 127) / 128 * groups_per_row;
@@ -1198,11 +1205,11 @@ cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group,
         scales);
     return cudaGetLastError();
   }
-  if (group == 128 && d % 128 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(q) % 16 == 0) {
+  if (group128) {
     const int64_t groups = rows * groups_per_row;
     QuantizeFp8Group128Kernel<<<Blocks((groups + 3) / 4 * 32), kThreads, 0, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(x), groups, reinterpret_cast<__nv_fp8_storage_t*>(q), scales);
+        reinterpret_cast<const __nv_bfloat16*>(x), groups, reinterpret_cast<__nv_fp8_storage_t*>(q), scales,
+        groups_per_row, scales_rows_ld);
     return cudaGetLastError();
   }
   QuantizeFp8Kernel<<<static_cast<unsigned>(rows * groups_per_row), kThreads, 0, stream>>>(

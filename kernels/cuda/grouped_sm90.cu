@@ -3,8 +3,9 @@
 // persistent CTA per SM walking the (expert, row tile, column tile) grid.
 //
 // Roles in a CTA of 384 threads: one warpgroup is the producer (one thread issues the TMA loads
-// of every stage, and in the FP8 kernels its warp copies the stage's scales; its registers go to
-// the others through setmaxnreg), the other two are
+// of every stage, and in the FP8 kernels its warp copies the stage's scales, or in the FP8 down
+// kernel its weight block scales beside the row scales' bulk copy; its registers go to the others
+// through setmaxnreg), the other two are
 // consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
 // 64-row tile; ping-pong: each owns every other 128-row tile, see Config). In the FP8 kernels the
 // producer warpgroup's other three warps are the epilogue warps: the consumers leave each tile's
@@ -99,6 +100,15 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int
       : "memory");
 }
 
+// `bytes` (a multiple of 16) from global to shared memory, both 16-byte aligned, by the TMA
+// unit's bulk copy, counted in `bar`'s transaction bytes like TmaLoad2d.
+__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   SmemAddr(dst)),
+               "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+               : "memory");
+}
+
 // Four bytes from global to shared memory, asynchronously (completion tracked by CpAsyncArrive).
 __device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(dst)), "l"(src) : "memory");
@@ -172,14 +182,17 @@ struct GroupedArgs {
   int up_rows;        // kSwiglu: where an expert's up rows start (f)
   uint16_t* out;      // [rows, ld_out] BF16
   int64_t ld_out;
-  // FP8 only: the row operand's scales [a_rows, K / 128] (one per row and 128 values) and the
-  // weights' [E * b_rows_expert / 128, K / 128] (one per 128 x 128 block).
+  // FP8 only: the row operand's scales, one per row and 128 values (gate/up: row-major
+  // [a_rows, K / 128], rows a_scale_ld floats apart; down: column-major [K / 128, a_scale_ld],
+  // Fp8ActivationScaleRows) and the weights' [E * b_rows_expert / 128, K / 128] (one per
+  // 128 x 128 block).
   const float* a_scales = nullptr;
   const float* b_scales = nullptr;
   int64_t a_rows = 0;
-  int64_t a_scale_ld = 0;  // floats between rows of a_scales (at least k_blocks)
-  // FP8 gate/up only, when set: the activation leaves quantized (E4M3 [rows, ld_out], one scale
-  // per row and 128 columns in out_q_scales [rows, out_q_scale_ld]) instead of as BF16 in `out`.
+  int64_t a_scale_ld = 0;
+  // FP8 gate/up only, when out_q is set: the activation leaves quantized (E4M3 [rows, ld_out],
+  // one scale per row and 128 columns in out_q_scales, column-major [f / 128, out_q_scale_ld])
+  // instead of as BF16 in `out`. out_q_scales is set either way.
   uint8_t* out_q = nullptr;
   float* out_q_scales = nullptr;
   int64_t out_q_scale_ld = 0;
@@ -214,9 +227,28 @@ struct Config {
   // FP8: each stage's scales beside it, copied by the producer warp with the stage (cp.async,
   // counted in the stage's full barrier): the row operand's 128 rows, then the weight block's of
   // each 128-column half (Fp8Halves, at most 2), padded to 16 bytes.
+  //
+  // Down (kScaleTma): the row operand's scales reach the kernel column-major (Fp8ActivationScaleRows
+  // floats a 128-column block, the gate/up epilogue's layout), so a stage's 128 are contiguous and
+  // one bulk copy by the TMA unit brings them with the tiles: BM + 4 floats from the tile's first
+  // row rounded down to 16 bytes (the consumers' rows shifted by m0 % 4). Near a block's last row
+  // the copy reads on into the next block's first rows, past the last block into the 132 floats
+  // of padding Fp8ActivationScaleFloats allocates; those rows' results are discarded. Only the
+  // weight block scales are copied by the producer warp (two lanes). The slots: the row scales of
+  // every stage, then the block scales of every stage. (H200, ncu cycles of the down kernel
+  // against 128 lanes' cp.async copies: E8 T = 8192 -10.6%, E32 T = 4096 -6.0%, E128 -1.9%.)
+  static constexpr bool kScaleTma = kFp8 && !kSwiglu;
   static constexpr int kBlockScaleAt = kFp8 ? BM : 0;  // where a stage's weight block scales start
   static constexpr int kScaleFloats = kFp8 ? kBlockScaleAt + 4 : 0;
-  static constexpr int kScaleBytes = kStages * kScaleFloats * 4;
+  // Bytes between stages' row scales and between their block scales, and where stage 0's block
+  // scales start.
+  static constexpr int kRowScaleStride = kScaleFloats * 4;
+  static constexpr int kBlockScaleStride = kScaleTma ? 16 : kScaleFloats * 4;
+  static constexpr int kBlockScalesAt = kScaleTma ? kStages * kRowScaleStride : kBlockScaleAt * 4;
+  static constexpr int kRowScaleTxBytes = kScaleTma ? (BM + 4) * 4 : 0;
+  static constexpr int kScaleBytes = kStages * kScaleFloats * 4 + (kScaleTma ? kStages * 16 : 0);
+  static_assert(kRowScaleStride % 16 == 0 && kRowScaleTxBytes <= kRowScaleStride, "row scale slots");
+  static_assert(kScaleBytes % 8 == 0, "the stage barriers after the scales");
   // The consumers read the scales with ordinary loads, which lane 0's release of the stage does
   // not order for the other lanes (compute-sanitizer's racecheck reported the pairs): every
   // consumer thread also releases the stage's scales, on the hardware named barrier
@@ -224,10 +256,17 @@ struct Config {
   // and the producer warp syncs on it after the stage's mbarrier, by when it has completed.
   // (Releasing the whole stage that way after the last MMAs, or by every consumer thread's
   // mbarrier arrival, put the release's latency in front of the refill: 2-12% more cycles.)
+  // The down kernel's row scales are then overwritten by the TMA unit (the async proxy) rather
+  // than by cp.async; as for TMA-filled shared memory read by ordinary loads elsewhere, the
+  // barrier's release orders the reads before it, with no proxy fence: a fence.proxy.async
+  // before each arrival cost 0.7-1.8% of the down kernel's cycles, and racecheck reports no
+  // hazard either way.
   static constexpr int kFp8ScaleBar = 3;  // named barriers 0 (__syncthreads), 1 and 2 (ping-pong order) are taken
   static constexpr int kFp8ScaleThreads = kConsumerWarps * 32 + 32;  // the consumers and the producer warp
   static_assert(!kFp8 || kFp8ScaleBar + kStages <= 16, "named barriers of a CTA");
-  static constexpr int kFullArrivals = kFp8 ? 1 + 32 : 1;  // the TMA thread, and (FP8) the producer warp's lanes
+  // The TMA thread, and (FP8) the producer warp's lanes that copy scales (down: the two lanes of
+  // the block scales).
+  static constexpr int kFullArrivals = !kFp8 ? 1 : kScaleTma ? 1 + 2 : 1 + 32;
   static constexpr int kSlices = kPingPong ? 2 : 1;        // 64-row slices a consumer warpgroup computes
   static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
@@ -437,6 +476,12 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
     MbarWait(buf_full, static_cast<uint32_t>(j & 1));
     if constexpr (kSwiglu) {
       const int c = lane & 7;
+      // The tile's rows of the column-major activation scales (one 128-column block: BN = 128).
+      static_assert(BN == 128, "gate/up FP8 tiles: one quantization block of columns");
+      // (out_q_scales is set even where out_q is not, so that this needs no select: one made
+      // ptxas spill.)
+      float* const tile_scales = args.out_q_scales + tile.col_tile * args.out_q_scale_ld + m0;
+      const int rows_left = static_cast<int>(m_end - m0);
 #pragma unroll 1
       for (int r = 4 * ew + (lane >> 3); r < BM; r += 4 * kEpiWarpCount) {
         uint32_t a[8];  // the lane's 16 activation values, BF16 pairs
@@ -450,6 +495,7 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
           a[4 * h + 3] = SiluMulPacked(g.w, u.w);
         }
         const int64_t row = m0 + r;
+        const bool live = r < rows_left;
         if (args.out_q != nullptr) {
           float amax = 0.0f;
 #pragma unroll
@@ -464,12 +510,12 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
             q[i] = static_cast<uint32_t>(Fp8Pair(Bf16Lo(a[2 * i]), Bf16Hi(a[2 * i]), inv)) |
                    static_cast<uint32_t>(Fp8Pair(Bf16Lo(a[2 * i + 1]), Bf16Hi(a[2 * i + 1]), inv)) << 16;
           }
-          if (row < m_end) {
+          if (live) {
             *reinterpret_cast<uint4*>(args.out_q + row * args.ld_out + col0 + 16 * c) =
                 make_uint4(q[0], q[1], q[2], q[3]);
-            if (c == 0) args.out_q_scales[row * args.out_q_scale_ld + col0 / 128] = scale;
+            if (c == 0) tile_scales[r] = scale;
           }
-        } else if (row < m_end) {
+        } else if (live) {
           uint16_t* dst = args.out + row * args.ld_out + col0 + 16 * c;
           *reinterpret_cast<uint4*>(dst) = make_uint4(a[0], a[1], a[2], a[3]);
           *reinterpret_cast<uint4*>(dst + 8) = make_uint4(a[4], a[5], a[6], a[7]);
@@ -546,28 +592,31 @@ __host__ __device__ constexpr int Fp8Halves() {
   return (kSwiglu ? 2 : 1) * C::kWgN / 128;
 }
 
-// The producer warp's copies of one FP8 stage's scales into `dst` (Config::kScaleFloats floats):
-// lane l the row operand's scales of the tile's rows l, l + 32, l + 64, l + 96 (rows past the
-// operand, discarded, read the last row's), lanes below Fp8Halves the weight block's of half l
-// (gate/up: the gate then the up rows of the tile's columns; down: the tile's rows 128 at a
-// time); then each lane's arrival on the stage's full barrier once its copies have landed.
+// The producer warp's copies of one FP8 stage's scales: lane l the row operand's scales of the
+// tile's rows l, l + 32, l + 64, l + 96 into `row_dst` (rows past the operand, discarded, read
+// the last row's; not in the down kernel, kScaleTma, whose row scales come by TMA), lanes below
+// Fp8Halves the weight block's of half l into `block_dst` (gate/up: the gate then the up rows of
+// the tile's columns; down: the tile's rows 128 at a time); then each copying lane's arrival on
+// the stage's full barrier once its copies have landed.
 template <typename C, int BM, int BN, bool kSwiglu>
 __device__ __forceinline__ void Fp8StageScales(const GroupedArgs& args, const Tile& tile, int64_t a_row, int kb,
-                                               int lane, float* dst, uint64_t* full) {
+                                               int lane, float* row_dst, float* block_dst, uint64_t* full) {
   constexpr int kHalves = Fp8Halves<C, kSwiglu>();
-  const int64_t last = args.a_rows - 1;
+  if constexpr (!C::kScaleTma) {
+    const int64_t last = args.a_rows - 1;
 #pragma unroll
-  for (int i = 0; i < BM / 32; ++i) {
-    const int r = lane + 32 * i;
-    const int64_t row = a_row + r < last ? a_row + r : last;
-    CpAsync4(dst + r, args.a_scales + row * args.a_scale_ld + kb);
+    for (int i = 0; i < BM / 32; ++i) {
+      const int r = lane + 32 * i;
+      const int64_t row = a_row + r < last ? a_row + r : last;
+      CpAsync4(row_dst + r, args.a_scales + row * args.a_scale_ld + kb);
+    }
   }
   if (lane < kHalves) {
     const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
     const int64_t rows = kSwiglu ? b_row + lane * args.up_rows : b_row + lane * 128;
-    CpAsync4(dst + C::kBlockScaleAt + lane, args.b_scales + (rows / 128) * args.k_blocks + kb);
+    CpAsync4(block_dst + lane, args.b_scales + (rows / 128) * args.k_blocks + kb);
   }
-  CpAsyncArrive(full);
+  if (!C::kScaleTma || lane < kHalves) CpAsyncArrive(full);
 }
 
 // The FP8 tile's main loop (cooperative, 128-row tiles). A consumer warpgroup's 64 rows x
@@ -596,9 +645,8 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint32_t scales, uint
   // The shared addresses of the stage's row scales of the thread and its block scales: advanced
   // with the stage, not computed from it (which moves the stage count and the MMA descriptors'
   // arithmetic off the uniform datapath).
-  constexpr uint32_t kScaleStride = C::kScaleFloats * 4;
-  uint32_t sa = scales + stage * kScaleStride + srow * 4;
-  uint32_t sb = scales + stage * kScaleStride + C::kBlockScaleAt * 4;
+  uint32_t sa = scales + stage * C::kRowScaleStride + srow * 4;
+  uint32_t sb = scales + stage * C::kBlockScaleStride + C::kBlockScalesAt;
   for (int kb = 0; kb < k_blocks; ++kb) {
     MbarWait(&full[stage], phase);
     const uint8_t* a_tile = smem + stage * C::kStageBytes;
@@ -635,11 +683,11 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint32_t scales, uint
     if (++stage == C::kStages) {
       stage = 0;
       phase ^= 1;
-      sa -= (C::kStages - 1) * kScaleStride;
-      sb -= (C::kStages - 1) * kScaleStride;
+      sa -= (C::kStages - 1) * C::kRowScaleStride;
+      sb -= (C::kStages - 1) * C::kBlockScaleStride;
     } else {
-      sa += kScaleStride;
-      sb += kScaleStride;
+      sa += C::kRowScaleStride;
+      sb += C::kBlockScaleStride;
     }
   }
 }
@@ -649,12 +697,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       GroupedArgs args) {
   using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
+  static_assert(!C::kScaleTma || Fp8Halves<C, kSwiglu>() == C::kFullArrivals - 1, "down: two block-scale lanes");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* epilogue = smem + C::kStages * C::kStageBytes;  // staging tiles, or (kEpiWarps) the tile buffer
   float* scales =
       reinterpret_cast<float*>(epilogue + (C::kEpiWarps ? C::kTileBufBytes : kConsumerWarps * kEpilogueWarpBytes));
-  uint64_t* full = reinterpret_cast<uint64_t*>(scales + C::kStages * C::kScaleFloats);
+  uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(scales) + C::kScaleBytes);
   uint64_t* empty = full + C::kStages;
   uint64_t* buf_full = empty + C::kStages;  // kEpiWarps: the tile buffer filled, then drained
   uint64_t* buf_empty = buf_full + 1;
@@ -715,24 +764,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kb = 0; kb < args.k_blocks; ++kb) {
         MbarWait(&empty[stage], phase ^ 1);
         // FP8: the stage's scales, once every consumer thread has released the slot's last ones.
-        // Gate/up copies them after the tiles' loads are issued, down before (H200, ncu, T = 8192:
-        // gate/up 4% fewer cycles so, down 2-5% more).
+        // Gate/up copies them after the tiles' loads are issued (H200, ncu, T = 8192: 4% fewer
+        // cycles than before); down loads its row scales with the tiles (kScaleTma) and copies
+        // the block scales before.
+        float* row_scales = scales + stage * (C::kRowScaleStride / 4);
         auto stage_scales = [&] {
           if (loads >= C::kStages) NamedBarSync(C::kFp8ScaleBar + stage, C::kFp8ScaleThreads);
-          Fp8StageScales<C, BM, BN, kSwiglu>(args, tile, m0, kb, lane, scales + stage * C::kScaleFloats, &full[stage]);
+          Fp8StageScales<C, BM, BN, kSwiglu>(args, tile, m0, kb, lane, row_scales,
+                                             scales + (C::kBlockScalesAt + stage * C::kBlockScaleStride) / 4,
+                                             &full[stage]);
         };
-        if constexpr (kFp8 && !kSwiglu) stage_scales();
+        if constexpr (C::kScaleTma) stage_scales();
         if (lane == 0) {
           uint8_t* a_tile = smem + stage * C::kStageBytes;
           uint8_t* b_tile = a_tile + C::kABytes;
-          MbarExpectTx(&full[stage], C::kStageBytes);
+          MbarExpectTx(&full[stage], C::kStageBytes + C::kRowScaleTxBytes);
           TmaLoad2d(a_tile, &map_a, kb * C::kStageK, a_row, &full[stage]);
           TmaLoad2d(b_tile, &map_b, kb * C::kStageK, b_row, &full[stage]);
           if constexpr (kSwiglu) {
             TmaLoad2d(b_tile + BN * 128, &map_b, kb * C::kStageK, b_row + args.up_rows, &full[stage]);
           }
+          if constexpr (C::kScaleTma) {
+            BulkLoad(row_scales, args.a_scales + kb * args.a_scale_ld + (a_row & ~3), C::kRowScaleTxBytes, &full[stage]);
+          }
         }
-        if constexpr (kFp8 && kSwiglu) stage_scales();
+        if constexpr (kFp8 && !C::kScaleTma) stage_scales();
         if (++stage == C::kStages) {
           stage = 0;
           phase ^= 1;
@@ -801,8 +857,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     int prev = -1;  // the stage whose MMAs may still run (released after them)
     if constexpr (kFp8) {
-      Fp8MainLoop<C, BN, kSwiglu>(smem, SmemAddr(scales), full, empty, pos0, args.k_blocks, a_off,
-                                  row_off + wl * 16 + lane / 4, lane, acc);
+      // (kScaleTma: the stage's row scales start at the tile's first row rounded down to 16 bytes.)
+      const int scale_row = row_off + wl * 16 + lane / 4 + (C::kScaleTma ? static_cast<int>(m0 & 3) : 0);
+      Fp8MainLoop<C, BN, kSwiglu>(smem, SmemAddr(scales), full, empty, pos0, args.k_blocks, a_off, scale_row, lane,
+                                  acc);
     } else if (kPingPong && !kSwiglu && m_end - m0 <= 64) {
       MainLoop<C, BN, kSwiglu, 1>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     } else {
@@ -983,26 +1041,29 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
   if (rows <= 0) return cudaSuccess;
   if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales_ld)) return cudaErrorInvalidValue;
   if (!quantize_in_epilogue && a == nullptr) return cudaErrorInvalidValue;
+  // The down kernel's bulk copies of the activation scales, and the quantization kernel's vectors.
+  if (a_scales == nullptr || reinterpret_cast<uintptr_t>(a_scales) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(aq) % 16 != 0 || reinterpret_cast<uintptr_t>(a) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
   GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
   up.a_scales = x_scales;
   up.a_scale_ld = x_scales_ld;
   up.b_scales = gate_up_scales;
   up.a_rows = rows;
-  if (quantize_in_epilogue) {
-    up.out_q = aq;
-    up.out_q_scales = a_scales;
-    up.out_q_scale_ld = f / 128;
-  }
+  if (quantize_in_epilogue) up.out_q = aq;
+  up.out_q_scales = a_scales;  // written only with out_q (EpilogueWarps)
+  up.out_q_scale_ld = Fp8ActivationScaleRows(rows);
   cudaError_t err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
                                                         static_cast<int64_t>(num_experts) * 2 * f, up, stream, xq_ld);
   if (err != cudaSuccess) return err;
   if (!quantize_in_epilogue) {
-    err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream);
+    err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream, 1, Fp8ActivationScaleRows(rows));
     if (err != cudaSuccess) return err;
   }
   GroupedArgs down{offsets, num_experts, f / 128, d / 256, d, 0, y, d};
   down.a_scales = a_scales;
-  down.a_scale_ld = f / 128;
+  down.a_scale_ld = Fp8ActivationScaleRows(rows);
   down.b_scales = down_scales;
   down.a_rows = rows;
   return Launch<128, 256, false, false, true>(aq, rows, f, w_down, static_cast<int64_t>(num_experts) * d, down, stream);

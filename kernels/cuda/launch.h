@@ -66,8 +66,10 @@ cudaError_t LaunchFindNonFiniteBf16(const uint16_t* x, int64_t n, unsigned long 
 // PackFp8Rows (kernels/api.h: PackFp8Params); out 16-byte aligned.
 cudaError_t LaunchPackFp8(const uint16_t* x, int64_t tokens, int d, const int32_t* dest, int k, int64_t out_rows,
                           uint8_t* out, cudaStream_t stream);
+// scales_rows_ld > 0 (group 128, block_rows 1, d a multiple of 128, x and q 16-byte aligned):
+// the scales column-major, [d / 128, scales_rows_ld >= rows] (the Hopper down kernel's layout).
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
-                              cudaStream_t stream, int block_rows = 1);
+                              cudaStream_t stream, int block_rows = 1, int64_t scales_rows_ld = 0);
 cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
                                 cudaStream_t stream, int block_rows = 1);
 
@@ -116,12 +118,20 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 // FP8 (E4M3) experts on the Hopper kernels: x quantized per (row, 128 values) into xq /
 // x_scales [rows, d / 128]; weights with one FP32 scale per 128 x 128 block (gate_up_scales
 // [E, 2f / 128, d / 128], down_scales [E, d / 128, f / 128]). The activation [rows, f] reaches
-// the down kernel quantized per (row, 128 values) in aq / a_scales [rows, f / 128]: with
+// the down kernel quantized per (row, 128 values) in aq [rows, f] and a_scales, column-major
+// [f / 128, Fp8ActivationScaleRows(rows)] in Fp8ActivationScaleFloats(rows, f) floats (a tile's
+// 128 scales of one block contiguous, one bulk copy; the decode GEMVs keep [rows, f / 128] in the
+// same scratch): with
 // `quantize_in_epilogue` the gate/up kernel's SwiGLU epilogue quantizes it in registers and `a`
 // is not touched (may be null); without, the epilogue writes it to a (BF16) and a quantization
 // kernel reads it back. The same bytes either way. y [rows, d] BF16. Scratch a, aq, a_scales
-// belongs to the caller.
+// belongs to the caller, each 16-byte aligned.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
+// Floats between the 128-column blocks of the Hopper FP8 kernels' activation scales: rows
+// rounded up to 16 bytes. a_scales holds f / 128 times that and 132 floats of padding (the down
+// kernel's copies of a row tile's scales start at 16-byte boundaries and may read past the end).
+inline int64_t Fp8ActivationScaleRows(int64_t rows) { return (rows + 3) / 4 * 4; }
+inline int64_t Fp8ActivationScaleFloats(int64_t rows, int f) { return Fp8ActivationScaleRows(rows) * (f / 128) + 132; }
 // The FP8 launchers' row operands: fewer than 2^31 rows, xq rows at least d bytes apart on
 // 16-byte boundaries, x_scales rows at least d / 128 floats apart.
 inline bool Fp8RowOperandsValid(int64_t rows, int d, int64_t xq_ld, int64_t x_scales_ld) {

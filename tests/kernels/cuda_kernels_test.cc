@@ -426,7 +426,7 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
   DeviceVector<uint8_t> dxq(x.size());
   DeviceVector<float> dxs(x.size() / 128);
   c.QuantizeRows(*gpu_, dxq, dxs);
-  const int64_t rows = c.rows, lo = c.lead, hi = c.offsets.back();
+  const int64_t rows = c.rows, lo = c.lead, hi = c.offsets.back(), ld = cuda::Fp8ActivationScaleRows(rows);
   constexpr uint8_t kByte = 0x5a;
   std::vector<std::vector<uint8_t>> q(2);
   std::vector<std::vector<float>> scales(2);
@@ -434,7 +434,8 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
   for (int fused = 0; fused < 2; ++fused) {
     DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(static_cast<size_t>(rows) * d, kFp8Sentinel);
     DeviceVector<uint8_t> daq(std::vector<uint8_t>(static_cast<size_t>(rows) * f, kByte));
-    DeviceVector<float> das(std::vector<float>(static_cast<size_t>(rows) * (f / 128), -3.0f));
+    // The activation scales column-major: [f / 128, ld].
+    DeviceVector<float> das(std::vector<float>(cuda::Fp8ActivationScaleFloats(rows, f), -3.0f));
     ASSERT_EQ(
         cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, rows, c.doff.get(), e, d, f, c.dqgu.get(),
                                          c.dsgu.get(), c.dqd.get(), c.dsd.get(), fused ? nullptr : da.get(), daq.get(),
@@ -448,7 +449,7 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
       for (int64_t r = 0; r < rows; ++r) {
         if (r >= lo && r < hi) continue;
         for (int col = 0; col < f; ++col) ASSERT_EQ(q[1][r * f + col], kByte) << "row " << r;
-        for (int g = 0; g < f / 128; ++g) ASSERT_EQ(scales[1][r * (f / 128) + g], -3.0f) << "row " << r;
+        for (int g = 0; g < f / 128; ++g) ASSERT_EQ(scales[1][g * ld + r], -3.0f) << "row " << r;
       }
     }
   }
@@ -456,9 +457,14 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
     return std::vector<std::decay_t<decltype(v[0])>>(v.begin() + lo * width, v.begin() + hi * width);
   };
   EXPECT_EQ(segment(q[1], f), segment(q[0], f)) << "quantized activation";
-  EXPECT_EQ(segment(scales[1], f / 128), segment(scales[0], f / 128)) << "activation scales";
+  for (int g = 0; g < f / 128; ++g) {
+    const auto block = [&](const std::vector<float>& v) {
+      return std::vector<float>(v.begin() + g * ld + lo, v.begin() + g * ld + hi);
+    };
+    EXPECT_EQ(block(scales[1]), block(scales[0])) << "activation scales, block " << g;
+    EXPECT_EQ(scales[1][g * ld + lo + 40], 1.0f) << "the zero row's scale";
+  }
   EXPECT_EQ(segment(y[1], d), segment(y[0], d)) << "down output";
-  for (int g = 0; g < f / 128; ++g) EXPECT_EQ(scales[1][(lo + 40) * (f / 128) + g], 1.0f) << "the zero row's scale";
   ASSERT_NO_FATAL_FAILURE(c.ExpectMatchesReference(y[1], "epilogue quantization"));
   // Through the API: the other setting, in a kernels object of its own, gives the same output.
   const CudaTuning saved = GetCudaTuning();
@@ -503,7 +509,7 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8WithSeveralTilesACtaMatchesCpu) {
   for (int fused = 0; fused < 2; ++fused) {
     DeviceVector<uint16_t> da(static_cast<size_t>(c.rows) * f, 0), dy(c.layer.x.size(), kFp8Sentinel);
     DeviceVector<uint8_t> daq(static_cast<size_t>(c.rows) * f);
-    DeviceVector<float> das(static_cast<size_t>(c.rows) * (f / 128));
+    DeviceVector<float> das(cuda::Fp8ActivationScaleFloats(c.rows, f));
     ASSERT_EQ(
         cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, c.rows, c.doff.get(), e, d, f, c.dqgu.get(),
                                          c.dsgu.get(), c.dqd.get(), c.dsd.get(), fused ? nullptr : da.get(), daq.get(),
