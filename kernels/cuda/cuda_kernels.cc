@@ -793,7 +793,9 @@ class CudaKernels final : public ExpertKernels {
     const bool bf16_activation = small || !fp8_epilogue_quant_;
     const size_t a_bytes = bf16_activation ? align(rows * f * 2) : 0, aq_bytes = align(rows * f),
                  as_bytes = align(static_cast<size_t>(cuda::Fp8ActivationScaleFloats(p.rows, f)) * 4);
-    auto base = scratch_.Get(xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes);
+    // The Hopper kernels' column-major copy of the rows' scales.
+    const size_t xst_bytes = small ? 0 : align(static_cast<size_t>(cuda::Fp8ActivationScaleFloats(p.rows, d)) * 4);
+    auto base = scratch_.Get(xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes + xst_bytes);
     if (!base.ok()) return base.status();
     char* ptr = static_cast<char*>(*base);
     const uint8_t* xq = quantized ? p.xq : reinterpret_cast<uint8_t*>(ptr);
@@ -801,6 +803,7 @@ class CudaKernels final : public ExpertKernels {
     uint16_t* a = bf16_activation ? reinterpret_cast<uint16_t*>(ptr + xq_bytes + xs_bytes) : nullptr;
     uint8_t* aq = reinterpret_cast<uint8_t*>(ptr + xq_bytes + xs_bytes + a_bytes);
     float* as = reinterpret_cast<float*>(ptr + xq_bytes + xs_bytes + a_bytes + aq_bytes);
+    float* xst = reinterpret_cast<float*>(ptr + xq_bytes + xs_bytes + a_bytes + aq_bytes + as_bytes);
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (!quantized) {
       CUDA_RETURN_IF_ERROR(cuda::LaunchQuantizeFp8(p.x, p.rows, d, 128, reinterpret_cast<uint8_t*>(ptr),
@@ -815,7 +818,7 @@ class CudaKernels final : public ExpertKernels {
     } else {
       CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d,
                                                             f, w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales,
-                                                            a, aq, as, p.y, st, fp8_epilogue_quant_));
+                                                            xst, a, aq, as, p.y, st, fp8_epilogue_quant_));
     }
     return absl::OkStatus();
   }

@@ -1189,6 +1189,26 @@ cudaError_t LaunchPackFp8(const uint16_t* x, int64_t tokens, int d, const int32_
   return cudaGetLastError();
 }
 
+// One thread a scale, in the output's order (its stores coalesced; a warp's loads read 32 rows'
+// scales of one group, each sector of a row read again by the next groups' warps, from L1/L2).
+__global__ void TransposeScalesKernel(const float* __restrict__ in, int64_t rows, int groups, int64_t ld,
+                                      float* __restrict__ out, int64_t out_ld) {
+  const int64_t n = rows * groups;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t g = i / rows, r = i - g * rows;
+    out[g * out_ld + r] = in[r * ld + g];
+  }
+}
+
+cudaError_t LaunchTransposeScales(const float* in, int64_t rows, int groups, int64_t ld, float* out, int64_t out_ld,
+                                  cudaStream_t stream) {
+  if (rows <= 0 || groups <= 0) return cudaSuccess;
+  if (ld < groups || out_ld < rows) return cudaErrorInvalidValue;
+  TransposeScalesKernel<<<Blocks(rows * groups), kThreads, 0, stream>>>(in, rows, groups, ld, out, out_ld);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group, uint8_t* q, float* scales,
                               cudaStream_t stream, int block_rows, int64_t scales_rows_ld) {
   if (rows == 0) return cudaSuccess;

@@ -3,9 +3,9 @@
 // persistent CTA per SM walking the (expert, row tile, column tile) grid.
 //
 // Roles in a CTA of 384 threads: one warpgroup is the producer (one thread issues the TMA loads
-// of every stage, and in the FP8 kernels its warp copies the stage's scales, or in the FP8 down
-// kernel its weight block scales beside the row scales' bulk copy; its registers go to the others
-// through setmaxnreg), the other two are
+// of every stage, and in the FP8 kernels the bulk copy of its row scales, while two more lanes of
+// its warp copy the weight block scales; its registers go to the others through setmaxnreg), the
+// other two are
 // consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
 // 64-row tile; ping-pong: each owns every other 128-row tile, see Config). In the FP8 kernels the
 // producer warpgroup's other three warps are the epilogue warps: the consumers leave each tile's
@@ -182,13 +182,11 @@ struct GroupedArgs {
   int up_rows;        // kSwiglu: where an expert's up rows start (f)
   uint16_t* out;      // [rows, ld_out] BF16
   int64_t ld_out;
-  // FP8 only: the row operand's scales, one per row and 128 values (gate/up: row-major
-  // [a_rows, K / 128], rows a_scale_ld floats apart; down: column-major [K / 128, a_scale_ld],
-  // Fp8ActivationScaleRows) and the weights' [E * b_rows_expert / 128, K / 128] (one per
-  // 128 x 128 block).
+  // FP8 only: the row operand's scales, one per row and 128 values, column-major
+  // [K / 128, a_scale_ld] (Fp8ActivationScaleRows, with Fp8ActivationScaleFloats' padding), and
+  // the weights' [E * b_rows_expert / 128, K / 128] (one per 128 x 128 block).
   const float* a_scales = nullptr;
   const float* b_scales = nullptr;
-  int64_t a_rows = 0;
   int64_t a_scale_ld = 0;
   // FP8 gate/up only, when out_q is set: the activation leaves quantized (E4M3 [rows, ld_out],
   // one scale per row and 128 columns in out_q_scales, column-major [f / 128, out_q_scale_ld])
@@ -224,30 +222,25 @@ struct Config {
   static constexpr bool kEpiWarps = kFp8;
   static constexpr int kTileBufBytes = kEpiWarps ? BM * kTileBufRow : 0;
   static constexpr int kStages = kEpiWarps ? 3 : kSmemBudget / kStageBytes;
-  // FP8: each stage's scales beside it, copied by the producer warp with the stage (cp.async,
-  // counted in the stage's full barrier): the row operand's 128 rows, then the weight block's of
-  // each 128-column half (Fp8Halves, at most 2), padded to 16 bytes.
-  //
-  // Down (kScaleTma): the row operand's scales reach the kernel column-major (Fp8ActivationScaleRows
-  // floats a 128-column block, the gate/up epilogue's layout), so a stage's 128 are contiguous and
-  // one bulk copy by the TMA unit brings them with the tiles: BM + 4 floats from the tile's first
-  // row rounded down to 16 bytes (the consumers' rows shifted by m0 % 4). Near a block's last row
-  // the copy reads on into the next block's first rows, past the last block into the 132 floats
-  // of padding Fp8ActivationScaleFloats allocates; those rows' results are discarded. Only the
-  // weight block scales are copied by the producer warp (two lanes). The slots: the row scales of
-  // every stage, then the block scales of every stage. (H200, ncu cycles of the down kernel
-  // against 128 lanes' cp.async copies: E8 T = 8192 -10.6%, E32 T = 4096 -6.0%, E128 -1.9%.)
-  static constexpr bool kScaleTma = kFp8 && !kSwiglu;
-  static constexpr int kBlockScaleAt = kFp8 ? BM : 0;  // where a stage's weight block scales start
-  static constexpr int kScaleFloats = kFp8 ? kBlockScaleAt + 4 : 0;
-  // Bytes between stages' row scales and between their block scales, and where stage 0's block
-  // scales start.
-  static constexpr int kRowScaleStride = kScaleFloats * 4;
-  static constexpr int kBlockScaleStride = kScaleTma ? 16 : kScaleFloats * 4;
-  static constexpr int kBlockScalesAt = kScaleTma ? kStages * kRowScaleStride : kBlockScaleAt * 4;
-  static constexpr int kRowScaleTxBytes = kScaleTma ? (BM + 4) * 4 : 0;
-  static constexpr int kScaleBytes = kStages * kScaleFloats * 4 + (kScaleTma ? kStages * 16 : 0);
-  static_assert(kRowScaleStride % 16 == 0 && kRowScaleTxBytes <= kRowScaleStride, "row scale slots");
+  // FP8: each stage's scales beside it, in slots the producer warp fills with the stage (counted
+  // in its full barrier). The row operand's scales reach the kernels column-major
+  // (Fp8ActivationScaleRows floats a 128-column block: the gate/up kernel's as LaunchTransposeScales
+  // leaves them, the down kernel's as the gate/up epilogue writes them), so a stage's 128 are
+  // contiguous and one bulk copy by the TMA unit brings them with the tiles: BM + 4 floats from
+  // the tile's first row rounded down to 16 bytes (the consumers' rows shifted by m0 % 4). Near a
+  // block's last row the copy reads on into the next block's first rows, past the last block into
+  // the 132 floats of padding Fp8ActivationScaleFloats allocates; those rows' results are
+  // discarded. Two producer lanes copy the weight block scales of the stage's two 128-column
+  // halves (cp.async). The slots: the row scales of every stage, then the block scales of every
+  // stage, 16 bytes each. (H200, ncu cycles against the producer warp's 128 cp.async copies of the
+  // row scales a stage: down -10.6% at E8 T = 8192, -6.0% at E32 T = 4096, -1.9% at E128
+  // T = 8192; gate/up -5.8%, -5.6%, -4.3%.)
+  static constexpr int kRowScaleStride = kFp8 ? (BM + 4) * 4 : 0;  // bytes between stages' row scales
+  static constexpr int kRowScaleTxBytes = kRowScaleStride;         // a stage's bulk copy
+  static constexpr int kBlockScaleStride = 16;
+  static constexpr int kBlockScalesAt = kStages * kRowScaleStride;  // where stage 0's block scales start
+  static constexpr int kScaleBytes = kFp8 ? kStages * (kRowScaleStride + kBlockScaleStride) : 0;
+  static_assert(kRowScaleStride % 16 == 0, "row scale slots on the bulk copy's 16-byte boundaries");
   static_assert(kScaleBytes % 8 == 0, "the stage barriers after the scales");
   // The consumers read the scales with ordinary loads, which lane 0's release of the stage does
   // not order for the other lanes (compute-sanitizer's racecheck reported the pairs): every
@@ -264,9 +257,8 @@ struct Config {
   static constexpr int kFp8ScaleBar = 3;  // named barriers 0 (__syncthreads), 1 and 2 (ping-pong order) are taken
   static constexpr int kFp8ScaleThreads = kConsumerWarps * 32 + 32;  // the consumers and the producer warp
   static_assert(!kFp8 || kFp8ScaleBar + kStages <= 16, "named barriers of a CTA");
-  // The TMA thread, and (FP8) the producer warp's lanes that copy scales (down: the two lanes of
-  // the block scales).
-  static constexpr int kFullArrivals = !kFp8 ? 1 : kScaleTma ? 1 + 2 : 1 + 32;
+  // The TMA thread, and (FP8) the two producer lanes that copy the block scales.
+  static constexpr int kFullArrivals = kFp8 ? 1 + 2 : 1;
   static constexpr int kSlices = kPingPong ? 2 : 1;        // 64-row slices a consumer warpgroup computes
   static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
@@ -433,6 +425,12 @@ __device__ __forceinline__ float LdsF32(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ int LdsS32(uint32_t addr) {
+  int v;
+  asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint4 LdsU4(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -592,31 +590,20 @@ __host__ __device__ constexpr int Fp8Halves() {
   return (kSwiglu ? 2 : 1) * C::kWgN / 128;
 }
 
-// The producer warp's copies of one FP8 stage's scales: lane l the row operand's scales of the
-// tile's rows l, l + 32, l + 64, l + 96 into `row_dst` (rows past the operand, discarded, read
-// the last row's; not in the down kernel, kScaleTma, whose row scales come by TMA), lanes below
-// Fp8Halves the weight block's of half l into `block_dst` (gate/up: the gate then the up rows of
-// the tile's columns; down: the tile's rows 128 at a time); then each copying lane's arrival on
-// the stage's full barrier once its copies have landed.
-template <typename C, int BM, int BN, bool kSwiglu>
-__device__ __forceinline__ void Fp8StageScales(const GroupedArgs& args, const Tile& tile, int64_t a_row, int kb,
-                                               int lane, float* row_dst, float* block_dst, uint64_t* full) {
+// The producer warp's copies of one FP8 stage's weight block scales (the row scales come by bulk
+// copy, Config): lane l < Fp8Halves the block's of half l into `block_dst` (gate/up: the gate then
+// the up rows of the tile's columns; down: the tile's rows 128 at a time), then its arrival on
+// the stage's full barrier once the copy has landed.
+template <typename C, int BN, bool kSwiglu>
+__device__ __forceinline__ void Fp8BlockScales(const GroupedArgs& args, const Tile& tile, int kb, int lane,
+                                               float* block_dst, uint64_t* full) {
   constexpr int kHalves = Fp8Halves<C, kSwiglu>();
-  if constexpr (!C::kScaleTma) {
-    const int64_t last = args.a_rows - 1;
-#pragma unroll
-    for (int i = 0; i < BM / 32; ++i) {
-      const int r = lane + 32 * i;
-      const int64_t row = a_row + r < last ? a_row + r : last;
-      CpAsync4(row_dst + r, args.a_scales + row * args.a_scale_ld + kb);
-    }
-  }
   if (lane < kHalves) {
     const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
     const int64_t rows = kSwiglu ? b_row + lane * args.up_rows : b_row + lane * 128;
     CpAsync4(block_dst + lane, args.b_scales + (rows / 128) * args.k_blocks + kb);
   }
-  if (!C::kScaleTma || lane < kHalves) CpAsyncArrive(full);
+  if (lane < kHalves) CpAsyncArrive(full);
 }
 
 // The FP8 tile's main loop (cooperative, 128-row tiles). A consumer warpgroup's 64 rows x
@@ -697,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       GroupedArgs args) {
   using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
-  static_assert(!C::kScaleTma || Fp8Halves<C, kSwiglu>() == C::kFullArrivals - 1, "down: two block-scale lanes");
+  static_assert(!kFp8 || Fp8Halves<C, kSwiglu>() == C::kFullArrivals - 1, "FP8: two block-scale lanes");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* epilogue = smem + C::kStages * C::kStageBytes;  // staging tiles, or (kEpiWarps) the tile buffer
@@ -737,7 +724,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) prefix[0] = 0;
   }
   __syncthreads();
-  const int total = prefix[E] * args.n_tiles;
+  // Tiles of the grid. The FP8 kernels read the count again in each role, after its setmaxnreg
+  // (an ordered shared load): a value live across the producer's 56-register cut was spilled.
+  const int all_tiles = prefix[E] * args.n_tiles;
+  auto tiles_after_setmaxnreg = [&] {
+    return C::kEpiWarps ? LdsS32(SmemAddr(prefix + E)) * args.n_tiles : all_tiles;
+  };
 
   // The producer warpgroup: the first, or (kEpiWarps) the last. The place makes no difference to
   // the speed (measured); with the FP8 kernels' epilogue warps ptxas spills 16-64 bytes a thread
@@ -745,6 +737,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kProducerWg = C::kEpiWarps ? 2 : 0;
   if (warp / 4 == kProducerWg) {  // one thread loads every stage in tile order
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::kProducerRegs));
+    const int total = tiles_after_setmaxnreg();
     if constexpr (C::kEpiWarps) {
       if (warp % 4 > 0) {
         EpilogueWarps<BM, BN, kSwiglu>(args, prefix, total, epilogue, buf_full, buf_empty, warp % 4 - 1, lane);
@@ -764,17 +757,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kb = 0; kb < args.k_blocks; ++kb) {
         MbarWait(&empty[stage], phase ^ 1);
         // FP8: the stage's scales, once every consumer thread has released the slot's last ones.
-        // Gate/up copies them after the tiles' loads are issued (H200, ncu, T = 8192: 4% fewer
-        // cycles than before); down loads its row scales with the tiles (kScaleTma) and copies
-        // the block scales before.
+        // Gate/up copies them after the tiles' loads are issued, down the block scales before and
+        // the row scales after (the orders measured fastest, H200 ncu at T = 8192).
         float* row_scales = scales + stage * (C::kRowScaleStride / 4);
         auto stage_scales = [&] {
           if (loads >= C::kStages) NamedBarSync(C::kFp8ScaleBar + stage, C::kFp8ScaleThreads);
-          Fp8StageScales<C, BM, BN, kSwiglu>(args, tile, m0, kb, lane, row_scales,
-                                             scales + (C::kBlockScalesAt + stage * C::kBlockScaleStride) / 4,
-                                             &full[stage]);
+          Fp8BlockScales<C, BN, kSwiglu>(args, tile, kb, lane,
+                                         scales + (C::kBlockScalesAt + stage * C::kBlockScaleStride) / 4, &full[stage]);
         };
-        if constexpr (C::kScaleTma) stage_scales();
+        auto row_scales_copy = [&] {
+          BulkLoad(row_scales, args.a_scales + kb * args.a_scale_ld + (a_row & ~3), C::kRowScaleTxBytes, &full[stage]);
+        };
+        if constexpr (kFp8 && !kSwiglu) stage_scales();
         if (lane == 0) {
           uint8_t* a_tile = smem + stage * C::kStageBytes;
           uint8_t* b_tile = a_tile + C::kABytes;
@@ -784,11 +778,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           if constexpr (kSwiglu) {
             TmaLoad2d(b_tile + BN * 128, &map_b, kb * C::kStageK, b_row + args.up_rows, &full[stage]);
           }
-          if constexpr (C::kScaleTma) {
-            BulkLoad(row_scales, args.a_scales + kb * args.a_scale_ld + (a_row & ~3), C::kRowScaleTxBytes, &full[stage]);
-          }
+          if constexpr (kFp8 && !kSwiglu) row_scales_copy();
         }
-        if constexpr (kFp8 && !C::kScaleTma) stage_scales();
+        if constexpr (kFp8 && kSwiglu) {
+          stage_scales();
+          if (lane == 0) row_scales_copy();
+        }
         if (++stage == C::kStages) {
           stage = 0;
           phase ^= 1;
@@ -811,6 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The consumers' code is compiled to this budget (the launch bound's 168 registers a thread
   // hold until here): the FP8 tiles keep a 128-float accumulator and a 64-float partial.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(C::kConsumerRegs));
+  const int total = tiles_after_setmaxnreg();
   const int cwarp = kProducerWg == 0 ? warp - 4 : warp;  // consumer warp 0-7
   const int cw = cwarp / 4;                              // consumer warpgroup 0 or 1
   const int wl = cwarp % 4;                              // warp within it
@@ -857,8 +853,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     int prev = -1;  // the stage whose MMAs may still run (released after them)
     if constexpr (kFp8) {
-      // (kScaleTma: the stage's row scales start at the tile's first row rounded down to 16 bytes.)
-      const int scale_row = row_off + wl * 16 + lane / 4 + (C::kScaleTma ? static_cast<int>(m0 & 3) : 0);
+      // (A stage's row scales start at the tile's first row rounded down to 16 bytes.)
+      const int scale_row = row_off + wl * 16 + lane / 4 + static_cast<int>(m0 & 3);
       Fp8MainLoop<C, BN, kSwiglu>(smem, SmemAddr(scales), full, empty, pos0, args.k_blocks, a_off, scale_row, lane,
                                   acc);
     } else if (kPingPong && !kSwiglu && m_end - m0 <= 64) {
@@ -1036,25 +1032,29 @@ bool GroupedSm90Fp8Supported(int num_experts, int d, int f) {
 cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const float* x_scales, int64_t x_scales_ld,
                                        int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
                                        const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
-                                       const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
-                                       cudaStream_t stream, bool quantize_in_epilogue) {
+                                       const float* down_scales, float* x_scales_t, uint16_t* a, uint8_t* aq,
+                                       float* a_scales, uint16_t* y, cudaStream_t stream, bool quantize_in_epilogue) {
   if (rows <= 0) return cudaSuccess;
   if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales_ld)) return cudaErrorInvalidValue;
   if (!quantize_in_epilogue && a == nullptr) return cudaErrorInvalidValue;
   // The down kernel's bulk copies of the activation scales, and the quantization kernel's vectors.
-  if (a_scales == nullptr || reinterpret_cast<uintptr_t>(a_scales) % 16 != 0 ||
+  if (a_scales == nullptr || reinterpret_cast<uintptr_t>(a_scales) % 16 != 0 || x_scales_t == nullptr ||
+      reinterpret_cast<uintptr_t>(x_scales_t) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(aq) % 16 != 0 || reinterpret_cast<uintptr_t>(a) % 16 != 0) {
     return cudaErrorInvalidValue;
   }
+  // The rows' scales column-major, as the kernels' bulk copies read them.
+  cudaError_t err = LaunchTransposeScales(x_scales, rows, d / 128, x_scales_ld, x_scales_t,
+                                          Fp8ActivationScaleRows(rows), stream);
+  if (err != cudaSuccess) return err;
   GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
-  up.a_scales = x_scales;
-  up.a_scale_ld = x_scales_ld;
+  up.a_scales = x_scales_t;
+  up.a_scale_ld = Fp8ActivationScaleRows(rows);
   up.b_scales = gate_up_scales;
-  up.a_rows = rows;
   if (quantize_in_epilogue) up.out_q = aq;
   up.out_q_scales = a_scales;  // written only with out_q (EpilogueWarps)
   up.out_q_scale_ld = Fp8ActivationScaleRows(rows);
-  cudaError_t err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
+  err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
                                                         static_cast<int64_t>(num_experts) * 2 * f, up, stream, xq_ld);
   if (err != cudaSuccess) return err;
   if (!quantize_in_epilogue) {
@@ -1065,7 +1065,6 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
   down.a_scales = a_scales;
   down.a_scale_ld = Fp8ActivationScaleRows(rows);
   down.b_scales = down_scales;
-  down.a_rows = rows;
   return Launch<128, 256, false, false, true>(aq, rows, f, w_down, static_cast<int64_t>(num_experts) * d, down, stream);
 }
 

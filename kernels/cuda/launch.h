@@ -72,6 +72,9 @@ cudaError_t LaunchQuantizeFp8(const uint16_t* x, int64_t rows, int d, int group,
                               cudaStream_t stream, int block_rows = 1, int64_t scales_rows_ld = 0);
 cudaError_t LaunchDequantizeFp8(const uint8_t* q, const float* scales, int64_t rows, int d, int group, uint16_t* x,
                                 cudaStream_t stream, int block_rows = 1);
+// in [rows, groups] (rows ld >= groups floats apart) into out, column-major [groups, out_ld >= rows].
+cudaError_t LaunchTransposeScales(const float* in, int64_t rows, int groups, int64_t ld, float* out, int64_t out_ld,
+                                  cudaStream_t stream);
 
 // Local-layer row assignment (kernels/api.h RouteRowsParams): each route (token t, slot j) with
 // expert id topk[t * k + j] gets a row of its expert's segment of an expert-major layout
@@ -124,8 +127,9 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 // same scratch): with
 // `quantize_in_epilogue` the gate/up kernel's SwiGLU epilogue quantizes it in registers and `a`
 // is not touched (may be null); without, the epilogue writes it to a (BF16) and a quantization
-// kernel reads it back. The same bytes either way. y [rows, d] BF16. Scratch a, aq, a_scales
-// belongs to the caller, each 16-byte aligned.
+// kernel reads it back. The same bytes either way. y [rows, d] BF16. Scratch x_scales_t (the
+// rows' scales column-major, Fp8ActivationScaleFloats(rows, d) floats: the kernels' layout), a,
+// aq, a_scales belongs to the caller, each 16-byte aligned.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
 // Floats between the 128-column blocks of the Hopper FP8 kernels' activation scales: rows
 // rounded up to 16 bytes. a_scales holds f / 128 times that and 132 floats of padding (the down
@@ -142,8 +146,8 @@ inline bool Fp8RowOperandsValid(int64_t rows, int d, int64_t xq_ld, int64_t x_sc
 cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const float* x_scales, int64_t x_scales_ld,
                                        int64_t rows, const int64_t* offsets, int num_experts, int d, int f,
                                        const uint8_t* w_gate_up, const float* gate_up_scales, const uint8_t* w_down,
-                                       const float* down_scales, uint16_t* a, uint8_t* aq, float* a_scales, uint16_t* y,
-                                       cudaStream_t stream, bool quantize_in_epilogue);
+                                       const float* down_scales, float* x_scales_t, uint16_t* a, uint8_t* aq,
+                                       float* a_scales, uint16_t* y, cudaStream_t stream, bool quantize_in_epilogue);
 
 // Decode-sized FP8 experts (small_batch_fp8.cu): tensor-core GEMVs over device-side segment
 // offsets with the operands of LaunchGroupedSm90SwigluFp8 (d and f multiples of 128; xq, the

@@ -436,9 +436,10 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
     DeviceVector<uint8_t> daq(std::vector<uint8_t>(static_cast<size_t>(rows) * f, kByte));
     // The activation scales column-major: [f / 128, ld].
     DeviceVector<float> das(std::vector<float>(cuda::Fp8ActivationScaleFloats(rows, f), -3.0f));
+    DeviceVector<float> dxst(cuda::Fp8ActivationScaleFloats(rows, d));
     ASSERT_EQ(
         cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, rows, c.doff.get(), e, d, f, c.dqgu.get(),
-                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), fused ? nullptr : da.get(), daq.get(),
+                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), dxst.get(), fused ? nullptr : da.get(), daq.get(),
                                          das.get(), dy.get(), nullptr, fused == 1),
         cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -510,9 +511,10 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8WithSeveralTilesACtaMatchesCpu) {
     DeviceVector<uint16_t> da(static_cast<size_t>(c.rows) * f, 0), dy(c.layer.x.size(), kFp8Sentinel);
     DeviceVector<uint8_t> daq(static_cast<size_t>(c.rows) * f);
     DeviceVector<float> das(cuda::Fp8ActivationScaleFloats(c.rows, f));
+    DeviceVector<float> dxst(cuda::Fp8ActivationScaleFloats(c.rows, d));
     ASSERT_EQ(
         cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, c.rows, c.doff.get(), e, d, f, c.dqgu.get(),
-                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), fused ? nullptr : da.get(), daq.get(),
+                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), dxst.get(), fused ? nullptr : da.get(), daq.get(),
                                          das.get(), dy.get(), nullptr, fused == 1),
         cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
