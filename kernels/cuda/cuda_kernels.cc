@@ -782,12 +782,16 @@ class CudaKernels final : public ExpertKernels {
                                                    "128, at most 4096 experts, E x 2 d_ff and E x d below 2^31)"));
     }
     if (p.rows == 0) return absl::OkStatus();
-    // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales];
-    // no xq and x scales when the caller quantized the rows.
+    // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales]
+    // [x scales column-major]; no xq and x scales when the caller quantized the rows. The Hopper
+    // kernels' rows quantized here (x 16-byte aligned) leave their scales column-major, where the
+    // kernels read them, instead of row-major for a copy.
     auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
     const size_t rows = static_cast<size_t>(p.rows);
     const bool quantized = p.xq != nullptr;
-    const size_t xq_bytes = quantized ? 0 : align(rows * d), xs_bytes = quantized ? 0 : align(rows * (d / 128) * 4);
+    const bool scales_in_place = !quantized && !small && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+    const size_t xq_bytes = quantized ? 0 : align(rows * d),
+                 xs_bytes = quantized || scales_in_place ? 0 : align(rows * (d / 128) * 4);
     // The BF16 activation only where a kernel reads it back (the GEMVs, or the Hopper kernels with
     // fp8_epilogue_quant=0).
     const bool bf16_activation = small || !fp8_epilogue_quant_;
@@ -807,7 +811,8 @@ class CudaKernels final : public ExpertKernels {
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (!quantized) {
       CUDA_RETURN_IF_ERROR(cuda::LaunchQuantizeFp8(p.x, p.rows, d, 128, reinterpret_cast<uint8_t*>(ptr),
-                                                   reinterpret_cast<float*>(ptr + xq_bytes), st));
+                                                   scales_in_place ? xst : reinterpret_cast<float*>(ptr + xq_bytes), st,
+                                                   1, scales_in_place ? cuda::Fp8ActivationScaleRows(p.rows) : 0));
     }
     const int64_t xq_ld = quantized && p.xq_ld > 0 ? p.xq_ld : d;
     const int64_t xs_ld = quantized && p.x_scales_ld > 0 ? p.x_scales_ld : d / 128;
@@ -816,7 +821,8 @@ class CudaKernels final : public ExpertKernels {
                                                            w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales, a,
                                                            aq, as, p.y, st));
     } else {
-      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, xs, xs_ld, p.rows, p.offsets, w.num_experts, d,
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, scales_in_place ? nullptr : xs, xs_ld, p.rows,
+                                                            p.offsets, w.num_experts, d,
                                                             f, w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales,
                                                             xst, a, aq, as, p.y, st, fp8_epilogue_quant_));
     }

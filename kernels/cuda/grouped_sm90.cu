@@ -1035,7 +1035,7 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
                                        const float* down_scales, float* x_scales_t, uint16_t* a, uint8_t* aq,
                                        float* a_scales, uint16_t* y, cudaStream_t stream, bool quantize_in_epilogue) {
   if (rows <= 0) return cudaSuccess;
-  if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales_ld)) return cudaErrorInvalidValue;
+  if (!Fp8RowOperandsValid(rows, d, xq_ld, x_scales == nullptr ? d / 128 : x_scales_ld)) return cudaErrorInvalidValue;
   if (!quantize_in_epilogue && a == nullptr) return cudaErrorInvalidValue;
   // The down kernel's bulk copies of the activation scales, and the quantization kernel's vectors.
   if (a_scales == nullptr || reinterpret_cast<uintptr_t>(a_scales) % 16 != 0 || x_scales_t == nullptr ||
@@ -1043,10 +1043,13 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
       reinterpret_cast<uintptr_t>(aq) % 16 != 0 || reinterpret_cast<uintptr_t>(a) % 16 != 0) {
     return cudaErrorInvalidValue;
   }
-  // The rows' scales column-major, as the kernels' bulk copies read them.
-  cudaError_t err = LaunchTransposeScales(x_scales, rows, d / 128, x_scales_ld, x_scales_t,
-                                          Fp8ActivationScaleRows(rows), stream);
-  if (err != cudaSuccess) return err;
+  // The rows' scales column-major, as the kernels' bulk copies read them (x_scales null: the
+  // caller wrote them there).
+  cudaError_t err = cudaSuccess;
+  if (x_scales != nullptr) {
+    err = LaunchTransposeScales(x_scales, rows, d / 128, x_scales_ld, x_scales_t, Fp8ActivationScaleRows(rows), stream);
+    if (err != cudaSuccess) return err;
+  }
   GroupedArgs up{offsets, num_experts, d / 128, f / 128, 2 * f, f, a, f};
   up.a_scales = x_scales_t;
   up.a_scale_ld = Fp8ActivationScaleRows(rows);

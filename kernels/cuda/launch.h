@@ -128,8 +128,10 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 // `quantize_in_epilogue` the gate/up kernel's SwiGLU epilogue quantizes it in registers and `a`
 // is not touched (may be null); without, the epilogue writes it to a (BF16) and a quantization
 // kernel reads it back. The same bytes either way. y [rows, d] BF16. Scratch x_scales_t (the
-// rows' scales column-major, Fp8ActivationScaleFloats(rows, d) floats: the kernels' layout), a,
-// aq, a_scales belongs to the caller, each 16-byte aligned.
+// rows' scales column-major, Fp8ActivationScaleFloats(rows, d) floats: the kernels' layout,
+// copied there from x_scales; x_scales null: the caller wrote them there, e.g. by
+// LaunchQuantizeFp8's scales_rows_ld), a, aq, a_scales belongs to the caller, each 16-byte
+// aligned.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
 // Floats between the 128-column blocks of the Hopper FP8 kernels' activation scales: rows
 // rounded up to 16 bytes. a_scales holds f / 128 times that and 132 floats of padding (the down

@@ -400,6 +400,36 @@ TEST_F(CudaKernelsTest, SwigluFp8MatchesCpu) {
   EXPECT_EQ(gpu_->SwigluFp8(odd, nullptr).code(), absl::StatusCode::kUnimplemented);
 }
 
+// The Hopper FP8 kernels' column-major copy of the rows' scales, against the host's: four
+// groups a thread (rows on 16-byte boundaries, groups in fours) and one (otherwise), rows past
+// `rows` in the output left alone.
+TEST_F(CudaKernelsTest, TransposeScalesMatchesHost) {
+  struct Case {
+    int64_t rows;
+    int groups;
+    int64_t ld;
+  };
+  for (const Case c : {Case{301, 8, 8}, Case{301, 4, 20}, Case{77, 3, 5}, Case{1, 2, 2}, Case{130, 56, 72}}) {
+    const int64_t out_ld = cuda::Fp8ActivationScaleRows(c.rows);
+    std::vector<float> in(static_cast<size_t>(c.rows * c.ld));
+    for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(i) * 0.5f + 1.0f;
+    DeviceVector<float> din(in), dout(static_cast<size_t>(out_ld * c.groups), -7.0f);
+    ASSERT_EQ(cuda::LaunchTransposeScales(din.get(), c.rows, c.groups, c.ld, dout.get(), out_ld, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> out = dout.Host();
+    for (int g = 0; g < c.groups; ++g) {
+      for (int64_t r = 0; r < out_ld; ++r) {
+        const float want = r < c.rows ? in[r * c.ld + g] : -7.0f;
+        ASSERT_EQ(out[g * out_ld + r], want) << "rows " << c.rows << " groups " << c.groups << " ld " << c.ld
+                                             << ": group " << g << " row " << r;
+      }
+    }
+  }
+  // A destination narrower than the rows is refused.
+  DeviceVector<float> d(16);
+  EXPECT_EQ(cuda::LaunchTransposeScales(d.get(), 8, 2, 2, d.get(), 4, nullptr), cudaErrorInvalidValue);
+}
+
 // The FP8 gate/up kernel's epilogue quantizes the activation in registers (the default): its
 // bytes and scales are those of the BF16 activation quantized by the quantization kernel after
 // the gate/up kernel (fp8_epilogue_quant=0), bit for bit, on every segment row, and so is the
