@@ -821,10 +821,9 @@ class CudaKernels final : public ExpertKernels {
                                                            w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales, a,
                                                            aq, as, p.y, st));
     } else {
-      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(xq, xq_ld, scales_in_place ? nullptr : xs, xs_ld, p.rows,
-                                                            p.offsets, w.num_experts, d,
-                                                            f, w.w_gate_up, w.gate_up_scales, w.w_down, w.down_scales,
-                                                            xst, a, aq, as, p.y, st, fp8_epilogue_quant_));
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90SwigluFp8(
+          xq, xq_ld, scales_in_place ? nullptr : xs, xs_ld, p.rows, p.offsets, w.num_experts, d, f, w.w_gate_up,
+          w.gate_up_scales, w.w_down, w.down_scales, xst, a, aq, as, p.y, st, fp8_epilogue_quant_));
     }
     return absl::OkStatus();
   }

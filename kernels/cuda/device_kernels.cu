@@ -1223,8 +1223,8 @@ cudaError_t LaunchTransposeScales(const float* in, int64_t rows, int groups, int
   if (rows <= 0 || groups <= 0) return cudaSuccess;
   if (ld < groups || out_ld < rows) return cudaErrorInvalidValue;
   if (groups % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0) {
-    TransposeScales4Kernel<<<Blocks(rows * (groups / 4)), kThreads, 0, stream>>>(
-        reinterpret_cast<const float4*>(in), rows, groups / 4, ld / 4, out, out_ld);
+    TransposeScales4Kernel<<<Blocks(rows * (groups / 4)), kThreads, 0, stream>>>(reinterpret_cast<const float4*>(in),
+                                                                                 rows, groups / 4, ld / 4, out, out_ld);
   } else {
     TransposeScalesKernel<<<Blocks(rows * groups), kThreads, 0, stream>>>(in, rows, groups, ld, out, out_ld);
   }

@@ -103,10 +103,10 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int
 // `bytes` (a multiple of 16) from global to shared memory, both 16-byte aligned, by the TMA
 // unit's bulk copy, counted in `bar`'s transaction bytes like TmaLoad2d.
 __device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   SmemAddr(dst)),
-               "l"(src), "r"(bytes), "r"(SmemAddr(bar))
-               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(SmemAddr(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
 }
 
 // Four bytes from global to shared memory, asynchronously (completion tracked by CpAsyncArrive).
@@ -259,7 +259,7 @@ struct Config {
   static_assert(!kFp8 || kFp8ScaleBar + kStages <= 16, "named barriers of a CTA");
   // The TMA thread, and (FP8) the two producer lanes that copy the block scales.
   static constexpr int kFullArrivals = kFp8 ? 1 + 2 : 1;
-  static constexpr int kSlices = kPingPong ? 2 : 1;        // 64-row slices a consumer warpgroup computes
+  static constexpr int kSlices = kPingPong ? 2 : 1;                  // 64-row slices a consumer warpgroup computes
   static constexpr int kWgN = kPingPong || BM == 128 ? BN : BN / 2;  // columns a warpgroup computes
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
@@ -727,9 +727,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Tiles of the grid. The FP8 kernels read the count again in each role, after its setmaxnreg
   // (an ordered shared load): a value live across the producer's 56-register cut was spilled.
   const int all_tiles = prefix[E] * args.n_tiles;
-  auto tiles_after_setmaxnreg = [&] {
-    return C::kEpiWarps ? LdsS32(SmemAddr(prefix + E)) * args.n_tiles : all_tiles;
-  };
+  auto tiles_after_setmaxnreg = [&] { return C::kEpiWarps ? LdsS32(SmemAddr(prefix + E)) * args.n_tiles : all_tiles; };
 
   // The producer warpgroup: the first, or (kEpiWarps) the last. The place makes no difference to
   // the speed (measured); with the FP8 kernels' epilogue warps ptxas spills 16-64 bytes a thread
@@ -1039,8 +1037,8 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
   if (!quantize_in_epilogue && a == nullptr) return cudaErrorInvalidValue;
   // The down kernel's bulk copies of the activation scales, and the quantization kernel's vectors.
   if (a_scales == nullptr || reinterpret_cast<uintptr_t>(a_scales) % 16 != 0 || x_scales_t == nullptr ||
-      reinterpret_cast<uintptr_t>(x_scales_t) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(aq) % 16 != 0 || reinterpret_cast<uintptr_t>(a) % 16 != 0) {
+      reinterpret_cast<uintptr_t>(x_scales_t) % 16 != 0 || reinterpret_cast<uintptr_t>(aq) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(a) % 16 != 0) {
     return cudaErrorInvalidValue;
   }
   // The rows' scales column-major, as the kernels' bulk copies read them (x_scales null: the
@@ -1057,8 +1055,8 @@ cudaError_t LaunchGroupedSm90SwigluFp8(const uint8_t* xq, int64_t xq_ld, const f
   if (quantize_in_epilogue) up.out_q = aq;
   up.out_q_scales = a_scales;  // written only with out_q (EpilogueWarps)
   up.out_q_scale_ld = Fp8ActivationScaleRows(rows);
-  err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up,
-                                                        static_cast<int64_t>(num_experts) * 2 * f, up, stream, xq_ld);
+  err = Launch<128, 128, true, false, true>(xq, rows, d, w_gate_up, static_cast<int64_t>(num_experts) * 2 * f, up,
+                                            stream, xq_ld);
   if (err != cudaSuccess) return err;
   if (!quantize_in_epilogue) {
     err = LaunchQuantizeFp8(a, rows, f, 128, aq, a_scales, stream, 1, Fp8ActivationScaleRows(rows));

@@ -420,8 +420,8 @@ TEST_F(CudaKernelsTest, TransposeScalesMatchesHost) {
     for (int g = 0; g < c.groups; ++g) {
       for (int64_t r = 0; r < out_ld; ++r) {
         const float want = r < c.rows ? in[r * c.ld + g] : -7.0f;
-        ASSERT_EQ(out[g * out_ld + r], want) << "rows " << c.rows << " groups " << c.groups << " ld " << c.ld
-                                             << ": group " << g << " row " << r;
+        ASSERT_EQ(out[g * out_ld + r], want)
+            << "rows " << c.rows << " groups " << c.groups << " ld " << c.ld << ": group " << g << " row " << r;
       }
     }
   }
@@ -469,8 +469,8 @@ TEST_F(CudaKernelsTest, Fp8ActivationQuantizedInTheEpilogueIsTheKernelsBytes) {
     DeviceVector<float> dxst(cuda::Fp8ActivationScaleFloats(rows, d));
     ASSERT_EQ(
         cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, rows, c.doff.get(), e, d, f, c.dqgu.get(),
-                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), dxst.get(), fused ? nullptr : da.get(), daq.get(),
-                                         das.get(), dy.get(), nullptr, fused == 1),
+                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), dxst.get(), fused ? nullptr : da.get(),
+                                         daq.get(), das.get(), dy.get(), nullptr, fused == 1),
         cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     q[fused] = daq.Host();
@@ -544,8 +544,8 @@ TEST_F(CudaKernelsTest, GroupedSm90Fp8WithSeveralTilesACtaMatchesCpu) {
     DeviceVector<float> dxst(cuda::Fp8ActivationScaleFloats(c.rows, d));
     ASSERT_EQ(
         cuda::LaunchGroupedSm90SwigluFp8(dxq.get(), d, dxs.get(), d / 128, c.rows, c.doff.get(), e, d, f, c.dqgu.get(),
-                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), dxst.get(), fused ? nullptr : da.get(), daq.get(),
-                                         das.get(), dy.get(), nullptr, fused == 1),
+                                         c.dsgu.get(), c.dqd.get(), c.dsd.get(), dxst.get(), fused ? nullptr : da.get(),
+                                         daq.get(), das.get(), dy.get(), nullptr, fused == 1),
         cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_NO_FATAL_FAILURE(
