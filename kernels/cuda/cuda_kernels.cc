@@ -783,13 +783,13 @@ class CudaKernels final : public ExpertKernels {
     }
     if (p.rows == 0) return absl::OkStatus();
     // Scratch: [xq rows x d] [x scales rows x d/128] [a rows x f BF16] [aq rows x f] [a scales]
-    // [x scales column-major]; no xq and x scales when the caller quantized the rows. The Hopper
-    // kernels' rows quantized here (x 16-byte aligned) leave their scales column-major, where the
-    // kernels read them, instead of row-major for a copy.
+    // [x scales column-major]; no xq and x scales when the caller quantized the rows. Rows the
+    // Hopper kernels take quantized here (x is 16-byte aligned, CheckSwigluFp8) leave their scales
+    // column-major, where the kernels read them, instead of row-major for a copy.
     auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
     const size_t rows = static_cast<size_t>(p.rows);
     const bool quantized = p.xq != nullptr;
-    const bool scales_in_place = !quantized && !small && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+    const bool scales_in_place = !quantized && !small;
     const size_t xq_bytes = quantized ? 0 : align(rows * d),
                  xs_bytes = quantized || scales_in_place ? 0 : align(rows * (d / 128) * 4);
     // The BF16 activation only where a kernel reads it back (the GEMVs, or the Hopper kernels with

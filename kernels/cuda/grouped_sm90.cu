@@ -266,7 +266,7 @@ struct Config {
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
   // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 64 K): the FP8
   // producer warpgroup takes 56 (the gate/up epilogue warps keep 16 values a lane in flight; the
-  // producer warp copies the stages' scales, and spilled at 40 in the down kernel, which ran 2-4%
+  // producer warp, then copying every row scale, spilled at 40 in the down kernel, which ran 2-4%
   // slower so), the BF16 kernels' lone TMA thread 40.
   static constexpr int kProducerRegs = kEpiWarps ? 56 : 40;
   static constexpr int kConsumerRegs = kEpiWarps ? 224 : 232;
@@ -611,10 +611,11 @@ __device__ __forceinline__ void Fp8BlockScales(const GroupedArgs& args, const Ti
 // weight block wide: per stage and half, the MMAs of 128 K values into a partial accumulator
 // (E4M3 x E4M3, FP32), then acc += partial x row scale x the half's block scale (the scales
 // change every 128 K values, and every 128 weight rows). The scales come with the stage, in
-// shared memory (Fp8StageScales; `scales` is the shared address of stage 0's): `srow` is the
-// thread's first accumulator row within the tile (its second is srow + 8). Copied there by the
-// producer warp, they cost the consumers three shared loads a stage instead of four global loads
-// a stage ahead and their addresses, and no global load waits at a tile's start.
+// shared memory (Config's scale slots; `scales` is the shared address of stage 0's): `srow` is
+// the thread's first row in the stage's row-scale slot (its second is srow + 8). Brought there by
+// the producer warpgroup's bulk copy and copies (Fp8BlockScales), they cost the consumers three
+// shared loads a stage (two row scales, the block scales as one pair) instead of four global
+// loads a stage ahead and their addresses, and no global load waits at a tile's start.
 template <typename C, int BN, bool kSwiglu>
 __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint32_t scales, uint64_t* full, uint64_t* empty,
                                             int64_t pos0, int k_blocks, int a_off, int srow, int lane, float* acc) {
@@ -742,7 +743,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
       }
     }
-    // The first warp: its first thread issues the TMA loads; FP8, all its lanes copy the scales.
+    // The first warp: its first thread issues the TMA loads (FP8: and the row scales' bulk copy,
+    // two lanes copy the block scales, and all lanes take the scale slots' named barriers).
     if (warp % 4 != 0 || (!kFp8 && lane != 0)) return;
     int stage = 0;
     uint32_t phase = 0;

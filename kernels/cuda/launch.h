@@ -134,8 +134,9 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 // aligned.
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f);
 // Floats between the 128-column blocks of the Hopper FP8 kernels' activation scales: rows
-// rounded up to 16 bytes. a_scales holds f / 128 times that and 132 floats of padding (the down
-// kernel's copies of a row tile's scales start at 16-byte boundaries and may read past the end).
+// rounded up to 16 bytes. a_scales (f / 128 blocks) and x_scales_t (d / 128) hold that many
+// floats a block and 132 floats of padding (the kernels' copies of a row tile's scales start at
+// 16-byte boundaries and may read past the last block's end).
 inline int64_t Fp8ActivationScaleRows(int64_t rows) { return (rows + 3) / 4 * 4; }
 inline int64_t Fp8ActivationScaleFloats(int64_t rows, int f) { return Fp8ActivationScaleRows(rows) * (f / 128) + 132; }
 // The FP8 launchers' row operands: fewer than 2^31 rows, xq rows at least d bytes apart on
