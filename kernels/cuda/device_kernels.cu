@@ -1189,32 +1189,28 @@ cudaError_t LaunchPackFp8(const uint16_t* x, int64_t tokens, int d, const int32_
   return cudaGetLastError();
 }
 
-// One thread a scale, in the output's order (its stores coalesced; a warp's loads read 32 rows'
-// scales of one group, each sector of a row read again by the next groups' warps, from L1/L2).
-__global__ void TransposeScalesKernel(const float* __restrict__ in, int64_t rows, int groups, int64_t ld,
+// kWidth groups a thread, in the output's order: one, or four (one 16-byte load of a row, where
+// rows start on 16-byte boundaries and the groups come in fours); the column stores coalesced
+// either way, a warp's loads 32 rows' scales of its groups (each sector of a row read again by
+// the next groups' warps, from L1/L2). `units`, `ld` in loads (kWidth floats).
+template <int kWidth>
+__global__ void TransposeScalesKernel(const float* __restrict__ in, int64_t rows, int units, int64_t ld,
                                       float* __restrict__ out, int64_t out_ld) {
-  const int64_t n = rows * groups;
+  const int64_t n = rows * units;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t g = i / rows, r = i - g * rows;
-    out[g * out_ld + r] = in[r * ld + g];
-  }
-}
-
-// Four groups a thread (one 16-byte load of a row, four coalesced column stores), where rows start
-// on 16-byte boundaries and the groups come in fours.
-__global__ void TransposeScales4Kernel(const float4* __restrict__ in, int64_t rows, int quads, int64_t ld4,
-                                       float* __restrict__ out, int64_t out_ld) {
-  const int64_t n = rows * quads;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t q = i / rows, r = i - q * rows;
-    const float4 v = in[r * ld4 + q];
-    float* col = out + 4 * q * out_ld + r;
-    col[0] = v.x;
-    col[out_ld] = v.y;
-    col[2 * out_ld] = v.z;
-    col[3 * out_ld] = v.w;
+    const int64_t u = i / rows, r = i - u * rows;
+    float* col = out + kWidth * u * out_ld + r;
+    if constexpr (kWidth == 4) {
+      const float4 v = reinterpret_cast<const float4*>(in)[r * ld + u];
+      col[0] = v.x;
+      col[out_ld] = v.y;
+      col[2 * out_ld] = v.z;
+      col[3 * out_ld] = v.w;
+    } else {
+      static_assert(kWidth == 1, "one or four groups a thread");
+      col[0] = in[r * ld + u];
+    }
   }
 }
 
@@ -1223,10 +1219,10 @@ cudaError_t LaunchTransposeScales(const float* in, int64_t rows, int groups, int
   if (rows <= 0 || groups <= 0) return cudaSuccess;
   if (ld < groups || out_ld < rows) return cudaErrorInvalidValue;
   if (groups % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0) {
-    TransposeScales4Kernel<<<Blocks(rows * (groups / 4)), kThreads, 0, stream>>>(reinterpret_cast<const float4*>(in),
-                                                                                 rows, groups / 4, ld / 4, out, out_ld);
+    TransposeScalesKernel<4>
+        <<<Blocks(rows * (groups / 4)), kThreads, 0, stream>>>(in, rows, groups / 4, ld / 4, out, out_ld);
   } else {
-    TransposeScalesKernel<<<Blocks(rows * groups), kThreads, 0, stream>>>(in, rows, groups, ld, out, out_ld);
+    TransposeScalesKernel<1><<<Blocks(rows * groups), kThreads, 0, stream>>>(in, rows, groups, ld, out, out_ld);
   }
   return cudaGetLastError();
 }

@@ -602,8 +602,8 @@ __device__ __forceinline__ void Fp8BlockScales(const GroupedArgs& args, const Ti
     const int64_t b_row = static_cast<int64_t>(tile.expert) * args.b_rows_expert + tile.col_tile * BN;
     const int64_t rows = kSwiglu ? b_row + lane * args.up_rows : b_row + lane * 128;
     CpAsync4(block_dst + lane, args.b_scales + (rows / 128) * args.k_blocks + kb);
+    CpAsyncArrive(full);
   }
-  if (lane < kHalves) CpAsyncArrive(full);
 }
 
 // The FP8 tile's main loop (cooperative, 128-row tiles). A consumer warpgroup's 64 rows x
