@@ -61,9 +61,11 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
         t.sm90_tile = CudaTuning::Sm90Tile::kRows128;
       } else if (value == "pingpong") {
         t.sm90_tile = CudaTuning::Sm90Tile::kPingPong;
+      } else if (value == "pingpong_wide") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kPingPongWide;
       } else {
         s = absl::InvalidArgumentError(
-            absl::StrCat("cuda tuning: sm90_tile=", value, ": want auto, rows64, rows128 or pingpong"));
+            absl::StrCat("cuda tuning: sm90_tile=", value, ": want auto, rows64, rows128, pingpong or pingpong_wide"));
       }
     } else if (key == "chain_streams") {
       s = ParseInt(key, value, 0, 4, &t.chain_streams);

@@ -7,7 +7,7 @@ lists its N/2 accumulator registers, which is why the file is generated. Run fro
 
 # (N, operand type): BF16 wrappers (k16) for every width the kernels use, the E4M3 one (k32) for
 # the FP8 kernels' 128-column halves.
-WRAPPERS = ((64, "bf16"), (128, "bf16"), (256, "bf16"), (128, "e4m3"))
+WRAPPERS = ((64, "bf16"), (128, "bf16"), (192, "bf16"), (256, "bf16"), (128, "e4m3"))
 
 
 def wrapper(n, dtype):

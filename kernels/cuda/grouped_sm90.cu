@@ -7,7 +7,8 @@
 // its warp copy the weight block scales; its registers go to the others through setmaxnreg), the
 // other two are
 // consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
-// 64-row tile; ping-pong: each owns every other 128-row tile, see Config). In the FP8 kernels the
+// 64-row tile; ping-pong: each owns every other 128-row tile, of 64 or (wide) 96 gate/up
+// columns, see Config). In the FP8 kernels the
 // producer warpgroup's other three warps are the epilogue warps: the consumers leave each tile's
 // values in a shared-memory tile buffer and go on to the next tile while those warps apply
 // SwiGLU, quantize and store (EpilogueWarps). A stage holds a BM x 64 tile of the rows and
@@ -165,8 +166,10 @@ __device__ __forceinline__ void Wgmma(float* d, uint64_t a, uint64_t b, int scal
     WgmmaM64N64K16(d, a, b, scale_d);
   } else if constexpr (N == 128) {
     WgmmaM64N128K16(d, a, b, scale_d);
+  } else if constexpr (N == 192) {
+    WgmmaM64N192K16(d, a, b, scale_d);
   } else {
-    static_assert(N == 256, "wgmma widths: 64, 128, 256");
+    static_assert(N == 256, "wgmma widths: 64, 128, 192, 256");
     WgmmaM64N256K16(d, a, b, scale_d);
   }
 }
@@ -268,9 +271,13 @@ struct Config {
   // producer warpgroup takes 56 (the gate/up epilogue warps keep 16 values a lane in flight; the
   // producer warp, then copying every row scale, spilled at 40 in the down kernel, which ran 2-4%
   // slower so), the BF16 kernels' lone TMA thread 40.
-  static constexpr int kProducerRegs = kEpiWarps ? 56 : 40;
-  static constexpr int kConsumerRegs = kEpiWarps ? 224 : 232;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 64 * 1024, "registers of one SM");
+  // The wide ping-pong gate/up tile's 192 accumulators a thread (128 rows x 96 gate and 96 up
+  // columns) take 240, its TMA thread 24.
+  static constexpr int kProducerRegs = kEpiWarps ? 56 : kAcc > 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = kEpiWarps ? 224 : kAcc > 128 ? 240 : 232;
+  // The CTA's registers are those of its launch (168 a thread: __launch_bounds__(384, 1)); a
+  // setmaxnreg.inc beyond what the producer's decrease freed waits forever.
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "registers of the CTA's launch");
 
   // Gate/up where a consumer warpgroup computes all BN columns (128-row and ping-pong tiles):
   // its gate rows and up rows lie next to each other in the stage, so one MMA of 2 BN columns
@@ -283,10 +290,10 @@ struct Config {
                                     2 * (kStages + 1) * 8 + (kMaxExperts + 1) * 4;
   static_assert(BM == 64 || BM == 128, "row tiles of 64 or 128");
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
-  static_assert(kAcc <= 128, "accumulators of a thread");
+  static_assert(kAcc <= 192, "accumulators of a thread");
   static_assert(!kFp8 || (BM == 128 && !kPingPong), "FP8 runs cooperative 128-row tiles");
   static_assert(kStages >= 2, "at least two stages");
-  static_assert(kWgN % 64 == 0, "the epilogue stages 64 columns at a time");
+  static_assert(kWgN % 32 == 0, "the epilogue stages 64 columns at a time, or 32 for the last");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
   static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
 };
@@ -335,12 +342,14 @@ __device__ __forceinline__ float SiluMul(float gate_acc, float up_acc) {
 
 // A consumer warp's staging tile (16 rows x 128 bytes, 16-byte chunks XOR-swizzled by row) out to
 // memory in 16-byte pieces: chunk c of row r (row0 + r < m_end) to dst(row0 + r, c).
-template <typename Dst>
+template <int kChunks = 8, typename Dst>
 __device__ __forceinline__ void StagingToGlobal(const uint8_t* staging, int lane, int64_t row0, int64_t m_end,
                                                 Dst&& dst) {
+  static_assert(kChunks == 8 || kChunks == 4, "whole rows or their first half");
+  constexpr int kShift = kChunks == 8 ? 3 : 2;
 #pragma unroll
-  for (int it = 0; it < 4; ++it) {
-    const int idx = it * 32 + lane, row = idx >> 3, chunk = idx & 7;
+  for (int it = 0; it < kChunks / 2; ++it) {
+    const int idx = it * 32 + lane, row = idx >> kShift, chunk = idx & (kChunks - 1);
     const uint4 v = *reinterpret_cast<const uint4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
     if (row0 + row < m_end) *reinterpret_cast<uint4*>(dst(row0 + row, chunk)) = v;
   }
@@ -359,9 +368,12 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
   const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1);
   const int st_chunk = lane >> 4;
 #pragma unroll
-  for (int window = 0; window < kN / 64; ++window) {
+  for (int window = 0; window < (kN + 63) / 64; ++window) {
+    // 64 columns a window; a last one of 32 (kN = 96, 192) fills half the staging rows.
+    constexpr int kFull = kN / 64;
+    const int pairs = window < kFull ? 4 : 2;
 #pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
+    for (int jp = 0; jp < pairs; ++jp) {
       uint32_t packed[4];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -383,8 +395,12 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
       StMatrixX4(staging + st_row * 128 + ((chunk ^ (st_row & 7)) << 4), packed);
     }
     __syncwarp();
-    StagingToGlobal(staging, lane, row0, m_end,
-                    [&](int64_t row, int chunk) { return out + row * ld_out + col0 + window * 64 + chunk * 8; });
+    auto dst = [&](int64_t row, int chunk) { return out + row * ld_out + col0 + window * 64 + chunk * 8; };
+    if (window < kFull) {
+      StagingToGlobal(staging, lane, row0, m_end, dst);
+    } else {
+      StagingToGlobal<4>(staging, lane, row0, m_end, dst);
+    }
     __syncwarp();
   }
 }
@@ -988,8 +1004,10 @@ struct Operands {
 
 // Gate/up (SwiGLU epilogue, kUpN activation columns a tile) into a, then down (kDownN output
 // columns a tile) into y, both on BM-row tiles.
+// (Column tiles must divide the projections: kUpN = 96 does not divide every f.)
 template <int BM, int kUpN, int kDownN, bool kPingPong>
 cudaError_t UpThenDown(const Operands& o, cudaStream_t stream) {
+  if (o.f % kUpN != 0 || o.d % kDownN != 0) return cudaErrorInvalidValue;
   const GroupedArgs up{o.offsets, o.num_experts, o.d / kBK, o.f / kUpN, 2 * o.f, o.f, o.a, o.f};
   const GroupedArgs down{o.offsets, o.num_experts, o.f / kBK, o.d / kDownN, o.d, 0, o.y, o.d};
   const cudaError_t err = Launch<BM, kUpN, true, kPingPong>(o.x, o.rows, o.d, o.w_gate_up,
@@ -1021,6 +1039,8 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
       return UpThenDown<128, 128, 256, false>(o, stream);
     case Sm90Schedule::kPingPong:
       return UpThenDown<128, 64, 128, true>(o, stream);
+    case Sm90Schedule::kPingPongWide:
+      return UpThenDown<128, 96, 128, true>(o, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -188,9 +188,18 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
     DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
     DeviceVector<int64_t> doff(offsets);
     const uint16_t sentinel = FloatToBf16(-12345.0f);
-    for (cuda::Sm90Schedule tile :
-         {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128, cuda::Sm90Schedule::kPingPong}) {
+    for (cuda::Sm90Schedule tile : {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128,
+                                    cuda::Sm90Schedule::kPingPong, cuda::Sm90Schedule::kPingPongWide}) {
       DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(x.size(), sentinel);
+      if (tile == cuda::Sm90Schedule::kPingPongWide && f % 96 != 0) {
+        // 96-column gate/up tiles: refused where they do not divide f, nothing written.
+        EXPECT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
+                                                dy.get(), tile, nullptr),
+                  cudaErrorInvalidValue);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        for (uint16_t v : dy.Host()) ASSERT_EQ(v, sentinel);
+        continue;
+      }
       ASSERT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
                                               dy.get(), tile, nullptr),
                 cudaSuccess);
