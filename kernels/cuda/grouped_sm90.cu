@@ -267,7 +267,8 @@ struct Config {
   static constexpr int kSliceAcc = (kSwiglu ? 2 : 1) * kWgN / 2;     // gate then up (kSwiglu)
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
-  // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= 64 K): the FP8
+  // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= the launch's 384 x
+  // 168, below): the FP8
   // producer warpgroup takes 56 (the gate/up epilogue warps keep 16 values a lane in flight; the
   // producer warp, then copying every row scale, spilled at 40 in the down kernel, which ran 2-4%
   // slower so), the BF16 kernels' lone TMA thread 40.
@@ -275,9 +276,12 @@ struct Config {
   // columns) take 240, its TMA thread 24.
   static constexpr int kProducerRegs = kEpiWarps ? 56 : kAcc > 128 ? 24 : 40;
   static constexpr int kConsumerRegs = kEpiWarps ? 224 : kAcc > 128 ? 240 : 232;
-  // The CTA's registers are those of its launch (168 a thread: __launch_bounds__(384, 1)); a
-  // setmaxnreg.inc beyond what the producer's decrease freed waits forever.
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * 168, "registers of the CTA's launch");
+  // The CTA's registers are those of its launch: __launch_bounds__(kThreads, 1) caps a thread at
+  // 64 K / kThreads rounded down to 8 (168), which ptxas allocates (-Xptxas -v: "Used 168
+  // registers" for every grouped kernel); a setmaxnreg.inc beyond what the producer's decrease
+  // freed waits forever (a 32-register producer with 240-register consumers hung).
+  static constexpr int kLaunchRegs = (64 * 1024 / kThreads) & ~7;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs, "registers of the CTA's launch");
 
   // Gate/up where a consumer warpgroup computes all BN columns (128-row and ping-pong tiles):
   // its gate rows and up rows lie next to each other in the stage, so one MMA of 2 BN columns
@@ -369,7 +373,7 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
   const int st_chunk = lane >> 4;
 #pragma unroll
   for (int window = 0; window < (kN + 63) / 64; ++window) {
-    // 64 columns a window; a last one of 32 (kN = 96, 192) fills half the staging rows.
+    // 64 columns a window; a last one of 32 (kN = 96) fills half of each staging row.
     constexpr int kFull = kN / 64;
     const int pairs = window < kFull ? 4 : 2;
 #pragma unroll
@@ -1030,7 +1034,7 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                                     Sm90Schedule schedule, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  if (rows >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  if (rows >= (int64_t{1} << 31) || !GroupedSm90Supported(num_experts, d, f)) return cudaErrorInvalidValue;
   const Operands o{x, rows, offsets, num_experts, d, f, w_gate_up, w_down, a, y};
   switch (schedule) {
     case Sm90Schedule::kRows64:
