@@ -1073,7 +1073,7 @@ class CudaKernels final : public ExpertKernels {
   // 1211, 4096 728 -> 709, 2048 484 -> 475, 1024 366 -> 359 (bench/RESULTS.md, 2026-12-04,
   // thirty-eighth session).
   static cuda::Sm90Schedule PingPongFor(int d_ff) {
-    return d_ff % 96 == 0 ? cuda::Sm90Schedule::kPingPongWide : cuda::Sm90Schedule::kPingPong;
+    return cuda::GroupedSm90WideSupported(d_ff) ? cuda::Sm90Schedule::kPingPongWide : cuda::Sm90Schedule::kPingPong;
   }
 
   // Both projections on the Hopper grouped kernels: the executed offsets go to the device in one

@@ -48,6 +48,7 @@ constexpr int kConsumerWarps = 8;
 constexpr int kSmemBudget = 192 * 1024;       // stages; the rest: epilogue staging, barriers, tile prefix
 constexpr int kEpilogueWarpBytes = 16 * 128;  // a consumer warp's 16 rows x 64 BF16 columns
 constexpr int kMaxExperts = 4096;
+constexpr int kWideUpN = 96;      // activation columns of a wide ping-pong gate/up tile (kPingPongWide)
 constexpr int kTileBufRow = 512;  // bytes a row of the FP8 tile buffer: 256 BF16 values
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
@@ -1008,7 +1009,7 @@ struct Operands {
 
 // Gate/up (SwiGLU epilogue, kUpN activation columns a tile) into a, then down (kDownN output
 // columns a tile) into y, both on BM-row tiles.
-// (Column tiles must divide the projections: kUpN = 96 does not divide every f.)
+// (Column tiles must divide the projections: kWideUpN does not divide every f.)
 template <int BM, int kUpN, int kDownN, bool kPingPong>
 cudaError_t UpThenDown(const Operands& o, cudaStream_t stream) {
   if (o.f % kUpN != 0 || o.d % kDownN != 0) return cudaErrorInvalidValue;
@@ -1044,10 +1045,12 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
     case Sm90Schedule::kPingPong:
       return UpThenDown<128, 64, 128, true>(o, stream);
     case Sm90Schedule::kPingPongWide:
-      return UpThenDown<128, 96, 128, true>(o, stream);
+      return UpThenDown<128, kWideUpN, 128, true>(o, stream);
   }
   return cudaErrorInvalidValue;
 }
+
+bool GroupedSm90WideSupported(int f) { return f % kWideUpN == 0; }
 
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f) {
   return GroupedSm90Supported(num_experts, d, f) && d % 128 == 0 && f % 128 == 0;

@@ -111,10 +111,12 @@ cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, i
 // activation (SwiGLU fused into the gate/up epilogue), y [rows, d] the down projection. Rows
 // outside every segment are not written. Schedules: cooperative 64- or 128-row tiles (both
 // consumer warpgroups on one tile), or ping-pong 128-row tiles (one warpgroup's epilogue under
-// the other's MMAs; kPingPongWide: gate/up tiles of 96 activation columns, f % 96 == 0, else
-// cudaErrorInvalidValue).
+// the other's MMAs; kPingPongWide: gate/up tiles of 96 activation columns, where
+// GroupedSm90WideSupported(f), else cudaErrorInvalidValue).
 enum class Sm90Schedule { kRows64, kRows128, kPingPong, kPingPongWide };
 bool GroupedSm90Supported(int num_experts, int d, int f);
+// Whether kPingPongWide's gate/up tiles divide f (on top of GroupedSm90Supported).
+bool GroupedSm90WideSupported(int f);
 cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
                                     Sm90Schedule schedule, cudaStream_t stream);

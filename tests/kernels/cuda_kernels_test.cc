@@ -192,6 +192,7 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
     for (cuda::Sm90Schedule tile : {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128,
                                     cuda::Sm90Schedule::kPingPong, cuda::Sm90Schedule::kPingPongWide}) {
       DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(x.size(), sentinel);
+      ASSERT_EQ(cuda::GroupedSm90WideSupported(f), f % 96 == 0);
       if (tile == cuda::Sm90Schedule::kPingPongWide && f % 96 != 0) {
         // 96-column gate/up tiles: refused where they do not divide f, nothing written.
         EXPECT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
