@@ -520,19 +520,22 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // before it creates kernels (kernels created earlier keep what they were made with; the launch
 // switches `pdl` and `mma_wide` apply from the next CreateCudaKernels on). The text form, what
 // mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
-// "gemm=auto|sm90|cublas|loop|grouped,sm90_tile=auto|rows64|rows128|pingpong|pingpong_wide,chain_streams=1..4,
-// fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,blocking_sync=0|1".
+// "gemm=auto|sm90|cublas|loop|grouped,sm90_tile=auto|rows64|rows128|pingpong|pingpong_wide|rows128_epi|wide_epi,
+// chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,blocking_sync=0|1".
 struct CudaTuning {
   // auto: the Hopper grouped kernels (grouped_sm90.cu) where the shape allows and segments
-  // average at most 512 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever
+  // average at most 2048 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever
   // the shape allows; cublas: cuBLAS only (chains or one grouped call by the work); loop: one
   // cuBLAS GEMM per expert; grouped: always one grouped cuBLAS call.
   enum class Gemm { kAuto, kSm90, kCublas, kLoop, kGrouped };
   Gemm gemm = Gemm::kAuto;
   // The Hopper kernels' schedule: auto (by the segments), rows64 / rows128 (cooperative tiles
   // of 64 or 128 rows), pingpong (128-row tiles, one per consumer warpgroup) or pingpong_wide
-  // (the same with gate/up tiles of 96 activation columns where 96 divides d_ff, else pingpong).
-  enum class Sm90Tile { kAuto, kRows64, kRows128, kPingPong, kPingPongWide };
+  // (the same with gate/up tiles of 96 activation columns where 96 divides d_ff, else pingpong);
+  // rows128_epi: cooperative 128-row tiles whose epilogues run on the producer warpgroup's idle
+  // warps (as the FP8 kernels' do), wide_epi: pingpong_wide's gate/up with rows128_epi's down
+  // (rows128_epi where 96 does not divide d_ff).
+  enum class Sm90Tile { kAuto, kRows64, kRows128, kPingPong, kPingPongWide, kRows128Epi, kWideEpiDown };
   Sm90Tile sm90_tile = Sm90Tile::kAuto;
   int chain_streams = 0;    // side streams for chained GEMMs; 0: the kernels' choice
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)

@@ -63,9 +63,14 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
         t.sm90_tile = CudaTuning::Sm90Tile::kPingPong;
       } else if (value == "pingpong_wide") {
         t.sm90_tile = CudaTuning::Sm90Tile::kPingPongWide;
+      } else if (value == "rows128_epi") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kRows128Epi;
+      } else if (value == "wide_epi") {
+        t.sm90_tile = CudaTuning::Sm90Tile::kWideEpiDown;
       } else {
         s = absl::InvalidArgumentError(
-            absl::StrCat("cuda tuning: sm90_tile=", value, ": want auto, rows64, rows128, pingpong or pingpong_wide"));
+            absl::StrCat("cuda tuning: sm90_tile=", value,
+                         ": want auto, rows64, rows128, pingpong, pingpong_wide, rows128_epi or wide_epi"));
       }
     } else if (key == "chain_streams") {
       s = ParseInt(key, value, 0, 4, &t.chain_streams);

@@ -1045,11 +1045,18 @@ class CudaKernels final : public ExpertKernels {
   }
 
   // The Hopper kernels' schedule for segments of `avg_rows` rows on average (sm90_tile forces one):
-  // 64-row tiles for short segments; for longer ones, ping-pong where the K loops are short
-  // (d <= 2048, d_ff <= 1024: each tile's epilogue is a large share of it, and ping-pong runs one
-  // warpgroup's epilogue under the other's MMAs), else cooperative 128-row tiles. One H200, prefill
-  // path, µs: E128 d2048 f768 T = 8192 experts, ping-pong 1088-1090 against 1125-1127
-  // cooperative; E32 d7168 f2048 T = 1024 a layer, 1457-1461 against 1419-1425 (bench/RESULTS.md).
+  // 64-row tiles for short segments. Up to kSm90EpilogueWarpsRows, ping-pong where the K loops
+  // are short (d <= 2048, d_ff <= 1024: each tile's epilogue is a large share of it, and
+  // ping-pong runs one warpgroup's epilogue under the other's MMAs; wide gate/up tiles where 96
+  // divides d_ff), else cooperative 128-row tiles. From there on the cooperative 128-row tiles
+  // whose epilogues run on the producer warpgroup's idle warps (rows128_epi), except the gate/up
+  // kernel of short K loops below kSm90CooperativeUpRows, which keeps the wide ping-pong tile
+  // (where 96 divides d_ff; else ping-pong for both, as before the epilogue warps' tiles). One
+  // H200, ncu cycles of gate/up + down (bench/RESULTS.md, 2026-12-04, thirty-ninth session):
+  // E128 d2048 f768 T = 1024 (64 rows an expert) wide ping-pong + ping-pong 521k, wide +
+  // epilogue warps 518k but 0.7-0.9% slower in time; T = 2048 617k, 606k, rows128_epi 626k;
+  // T = 8192 1597k, 1555k, 1541k; E32 d7168 f2048 T = 4096 rows128 6230k, rows128_epi 6023k;
+  // E8 d4096 f14336 T = 8192 11.97M, 11.54M.
   cuda::Sm90Schedule Sm90ScheduleFor(int64_t avg_rows, int d, int d_ff) const {
     switch (sm90_tile_) {
       case CudaTuning::Sm90Tile::kRows64:
@@ -1060,11 +1067,19 @@ class CudaKernels final : public ExpertKernels {
         return cuda::Sm90Schedule::kPingPong;
       case CudaTuning::Sm90Tile::kPingPongWide:
         return PingPongFor(d_ff);
+      case CudaTuning::Sm90Tile::kRows128Epi:
+        return cuda::Sm90Schedule::kRows128Epi;
+      case CudaTuning::Sm90Tile::kWideEpiDown:
+        return cuda::GroupedSm90WideSupported(d_ff) ? cuda::Sm90Schedule::kWideEpiDown
+                                                    : cuda::Sm90Schedule::kRows128Epi;
       case CudaTuning::Sm90Tile::kAuto:
         break;
     }
     if (avg_rows < kSm90SmallTileRows) return cuda::Sm90Schedule::kRows64;
-    return d <= 2048 && d_ff <= 1024 ? PingPongFor(d_ff) : cuda::Sm90Schedule::kRows128;
+    const bool short_k = d <= 2048 && d_ff <= 1024;
+    if (avg_rows < kSm90EpilogueWarpsRows) return short_k ? PingPongFor(d_ff) : cuda::Sm90Schedule::kRows128;
+    if (!short_k || avg_rows >= kSm90CooperativeUpRows) return cuda::Sm90Schedule::kRows128Epi;
+    return cuda::GroupedSm90WideSupported(d_ff) ? cuda::Sm90Schedule::kWideEpiDown : cuda::Sm90Schedule::kPingPong;
   }
 
   // Ping-pong, with (wide) 96 activation columns a gate/up tile where they divide d_ff: one MMA of
@@ -1221,11 +1236,21 @@ class CudaKernels final : public ExpertKernels {
   CudaTuning::Sm90Tile sm90_tile_;  // CudaTuning::sm90_tile
   // Measured on an H200 (bench/RESULTS.md, issue 19): segments averaging fewer rows than this
   // run faster with the 64-row tile (E128 T=128: 348 against 384 us a layer; E32 T=128: 735
-  // against 767), from 64 on the 128-row tile wins or ties; past 512 rows cuBLAS's grouped or
-  // chained GEMMs are 5-7% faster (E32 T=4096, E8 T=8192), at 512 the Hopper kernels are 1.8x
-  // faster (E128 T=8192).
+  // against 767), from 64 on the 128-row tile wins or ties. With the epilogue warps' tiles the
+  // Hopper kernels also beat cuBLAS's grouped or chained GEMMs on long segments (sustained BF16
+  // experts, E32 T=4096, 1024 rows an expert: 4728 -> 4643 us; E8 T=8192, 2048 rows: 9108 ->
+  // 8767; before them cuBLAS was 5-7% faster there): they take segments of up to
+  // kSm90MaxAvgRows on average, the longest measured.
   static constexpr int64_t kSm90SmallTileRows = 64;
-  static constexpr int64_t kSm90MaxAvgRows = 512;
+  static constexpr int64_t kSm90MaxAvgRows = 2048;
+  // From this many rows an expert on average the gate/up kernel of d <= 2048, d_ff <= 1024 runs
+  // the epilogue warps' cooperative tile as well (E128 T = 8192, 512 rows: 989k cycles against
+  // the wide ping-pong tile's 1003k; T = 4096, 256 rows: 579k against 575k).
+  static constexpr int64_t kSm90CooperativeUpRows = 512;
+  // From this many rows an expert on average the down kernel runs the epilogue warps' tiles
+  // (E128 T = 1024, 64 rows: 190.0k cycles against ping-pong's 188.0k; T = 2048, 128 rows:
+  // 223.7k against 234.7k).
+  static constexpr int64_t kSm90EpilogueWarpsRows = 128;
   // The decode path (device offsets) takes the Hopper kernels from this many rows an expert on
   // average (its capacity over the experts): E128 T=64 (4 an expert) 348 against 416 us a layer,
   // E32 T=16 (4) 693 against 785, E8 T=128 (32) 717 against 2095; E128 T=16 (1) stays on the

@@ -8,10 +8,10 @@
 // other two are
 // consumers (cooperative: each owns a 64-row half of a 128-row tile, or a column half of a
 // 64-row tile; ping-pong: each owns every other 128-row tile, of 64 or (wide) 96 gate/up
-// columns, see Config). In the FP8 kernels the
+// columns, see Config). In the FP8 kernels, and the BF16 ones' cooperative tiles with kEpi, the
 // producer warpgroup's other three warps are the epilogue warps: the consumers leave each tile's
 // values in a shared-memory tile buffer and go on to the next tile while those warps apply
-// SwiGLU, quantize and store (EpilogueWarps). A stage holds a BM x 64 tile of the rows and
+// SwiGLU, quantize (FP8) and store (EpilogueWarps). A stage holds a BM x 64 tile of the rows and
 // the weight rows of the column tile, both K-major with the 128-byte swizzle that TMA writes and wgmma reads. Barriers:
 // `full[s]` (the producer's expected bytes, completed by TMA; FP8, also an arrival per producer lane once its
 // scale copies landed) and `empty[s]` (one arrival per consumer warp after its MMAs on the stage retired;
@@ -213,7 +213,12 @@ struct GroupedArgs {
 // 128 + 64 accumulators leave no registers for ping-pong tiles, so the epilogue is overlapped
 // with the next tile's main loop another way: the epilogue warps (kEpiWarps), from a tile buffer
 // that takes a stage's worth of shared memory (three stages instead of four; measured no slower).
-template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
+// kEpi: the same for the BF16 kernels' cooperative 128-row tiles (128 x 128 gate+up, 128 x 256
+// down: 256 MMA columns a warpgroup, as the buffer holds). Against the ping-pong tiles they read
+// 25% fewer bytes a FLOP through L2 and still overlap the epilogue: E128 T = 8192 down 590k ->
+// 552k cycles, E8 T = 8192 gate/up 8.16M -> 7.74M against the consumers' own epilogue (H200,
+// bench/RESULTS.md, 2026-12-04, thirty-ninth session).
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false, bool kEpi = kFp8>
 struct Config {
   static constexpr int kStageK = kFp8 ? 128 : kBK;      // K values a stage (128 bytes a row)
   static constexpr int kBRows = kSwiglu ? 2 * BN : BN;  // weight rows a stage
@@ -223,7 +228,7 @@ struct Config {
   // FP8: the tile's epilogue runs on the producer warpgroup's three idle warps (EpilogueWarps),
   // from a 64 KB tile buffer of BF16 values the consumers fill; beside it one SM's 227 KB hold
   // three of the 48 KB FP8 stages (kSmemBytes' assertion below).
-  static constexpr bool kEpiWarps = kFp8;
+  static constexpr bool kEpiWarps = kEpi;
   static constexpr int kTileBufBytes = kEpiWarps ? BM * kTileBufRow : 0;
   static constexpr int kStages = kEpiWarps ? 3 : kSmemBudget / kStageBytes;
   // FP8: each stage's scales beside it, in slots the producer warp fills with the stage (counted
@@ -297,6 +302,9 @@ struct Config {
   static_assert(!kPingPong || BM == 128, "ping-pong tiles have 128 rows");
   static_assert(kAcc <= 192, "accumulators of a thread");
   static_assert(!kFp8 || (BM == 128 && !kPingPong), "FP8 runs cooperative 128-row tiles");
+  static_assert(!kFp8 || kEpi, "FP8 epilogues run on the epilogue warps");
+  static_assert(!kEpi || (BM == 128 && !kPingPong && (kSwiglu ? BN == 128 : BN == 256)),
+                "the epilogue warps take cooperative 128-row tiles of 256 MMA columns a warpgroup");
   static_assert(kStages >= 2, "at least two stages");
   static_assert(kWgN % 32 == 0, "the epilogue stages 64 columns at a time, or 32 for the last");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
@@ -410,7 +418,7 @@ __device__ __forceinline__ void StoreSlice(const float* acc, uint8_t* staging, i
   }
 }
 
-// The FP8 tile buffer (Config::kEpiWarps): a 128-row tile's BF16 values, 512 bytes a row in
+// The tile buffer (Config::kEpiWarps): a 128-row tile's BF16 values, 512 bytes a row in
 // 16-byte chunks XOR-swizzled by row (chunk c of row r at (c ^ (r % 8)) * 16), so that the
 // consumers' stmatrix (8 rows of one chunk) and the epilogue warps' row reads (whole rows) are both
 // conflict-free. Chunk c holds columns 8 c .. 8 c + 7: gate/up, gate columns in chunks 0-15 and
@@ -469,17 +477,17 @@ __device__ __forceinline__ uint32_t SiluMulPacked(uint32_t g2, uint32_t u2) {
   return *reinterpret_cast<const uint32_t*>(&p);
 }
 
-// The epilogue warps of an FP8 kernel (three warps of the producer warpgroup; its first warp's
-// first thread issues the loads): for each tile of the CTA's sequence, once the consumers have
-// filled the tile buffer (`buf_full`), its rows leave to memory and the buffer is handed back
+// The epilogue warps of an FP8 kernel or a BF16 one with kEpi (three warps of the producer
+// warpgroup; its first warp's first thread issues the loads): for each tile of the CTA's sequence, once the consumers
+// have filled the tile buffer (`buf_full`), its rows leave to memory and the buffer is handed back
 // (`buf_empty`), while the consumers run the next tile's main loop. Four rows a warp at a time,
 // eight lanes a row, so that each lane has 16 independent values in flight (one warp alone on
 // a dependency chain is what bounds this code). Gate/up: lane c of a row takes activation columns
-// 16 c .. 16 c + 15, a = bf16(silu(g) * u) from the buffer's BF16 gate and up values; out_q set,
+// 16 c .. 16 c + 15, a = bf16(silu(g) * u) from the buffer's BF16 gate and up values; FP8 with out_q set,
 // the row's 128 values are one quantization group (fp8.cuh: amax over the row's eight lanes, then
 // the quantization kernel's scale and products), else the BF16 activation. Down: a lane a 16-byte
 // chunk of each row. Rows past the segment (m_end) are not written.
-template <int BM, int BN, bool kSwiglu>
+template <int BM, int BN, bool kSwiglu, bool kFp8>
 __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int32_t* prefix, int total,
                                               const uint8_t* buf, uint64_t* buf_full, uint64_t* buf_empty, int ew,
                                               int lane) {
@@ -499,7 +507,7 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
       static_assert(BN == 128, "gate/up FP8 tiles: one quantization block of columns");
       // (out_q_scales is set even where out_q is not, so that this needs no select: one made
       // ptxas spill.)
-      float* const tile_scales = args.out_q_scales + tile.col_tile * args.out_q_scale_ld + m0;
+      float* const tile_scales = kFp8 ? args.out_q_scales + tile.col_tile * args.out_q_scale_ld + m0 : nullptr;
       const int rows_left = static_cast<int>(m_end - m0);
 #pragma unroll 1
       for (int r = 4 * ew + (lane >> 3); r < BM; r += 4 * kEpiWarpCount) {
@@ -515,7 +523,7 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
         }
         const int64_t row = m0 + r;
         const bool live = r < rows_left;
-        if (args.out_q != nullptr) {
+        if (kFp8 && args.out_q != nullptr) {
           float amax = 0.0f;
 #pragma unroll
           for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmaxf(fabsf(Bf16Lo(a[i])), fabsf(Bf16Hi(a[i]))));
@@ -701,11 +709,11 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint32_t scales, uint
   }
 }
 
-template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8>
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8, bool kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       GroupedArgs args) {
-  using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
+  using C = Config<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>;
   static_assert(!kFp8 || Fp8Halves<C, kSwiglu>() == C::kFullArrivals - 1, "FP8: two block-scale lanes");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -760,7 +768,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int total = tiles_after_setmaxnreg();
     if constexpr (C::kEpiWarps) {
       if (warp % 4 > 0) {
-        EpilogueWarps<BM, BN, kSwiglu>(args, prefix, total, epilogue, buf_full, buf_empty, warp % 4 - 1, lane);
+        EpilogueWarps<BM, BN, kSwiglu, kFp8>(args, prefix, total, epilogue, buf_full, buf_empty, warp % 4 - 1, lane);
         return;
       }
     }
@@ -962,11 +970,11 @@ int SmCount() {
   return sms;
 }
 
-template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false>
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false, bool kEpi = kFp8>
 cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_t b_rows, const GroupedArgs& args,
                    cudaStream_t stream, int64_t a_ld_bytes = 0) {
-  using C = Config<BM, BN, kSwiglu, kPingPong, kFp8>;
-  auto* kernel = GroupedGemmKernel<BM, BN, kSwiglu, kPingPong, kFp8>;
+  using C = Config<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>;
+  auto* kernel = GroupedGemmKernel<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>;
   // The shared-memory opt-in is a property of the function on each device: set it once a device
   // (a process may drive several GPUs).
   static std::mutex mu;
@@ -1007,19 +1015,26 @@ struct Operands {
   uint16_t *a, *y;
 };
 
-// Gate/up (SwiGLU epilogue, kUpN activation columns a tile) into a, then down (kDownN output
-// columns a tile) into y, both on BM-row tiles.
+// One projection's tiles: BM rows by BN columns (gate/up: activation columns), ping-pong or
+// cooperative, the epilogue in the consumers or (kEpi) on the epilogue warps.
+template <int BM_, int BN_, bool kPingPong_, bool kEpi_ = false>
+struct Tiles {
+  static constexpr int BM = BM_, BN = BN_;
+  static constexpr bool kPingPong = kPingPong_, kEpi = kEpi_;
+};
+
+// Gate/up (SwiGLU epilogue) into a on Up's tiles, then down into y on Down's.
 // (Column tiles must divide the projections: kWideUpN does not divide every f.)
-template <int BM, int kUpN, int kDownN, bool kPingPong>
+template <typename Up, typename Down>
 cudaError_t UpThenDown(const Operands& o, cudaStream_t stream) {
-  if (o.f % kUpN != 0 || o.d % kDownN != 0) return cudaErrorInvalidValue;
-  const GroupedArgs up{o.offsets, o.num_experts, o.d / kBK, o.f / kUpN, 2 * o.f, o.f, o.a, o.f};
-  const GroupedArgs down{o.offsets, o.num_experts, o.f / kBK, o.d / kDownN, o.d, 0, o.y, o.d};
-  const cudaError_t err = Launch<BM, kUpN, true, kPingPong>(o.x, o.rows, o.d, o.w_gate_up,
-                                                            static_cast<int64_t>(o.num_experts) * 2 * o.f, up, stream);
+  if (o.f % Up::BN != 0 || o.d % Down::BN != 0) return cudaErrorInvalidValue;
+  const GroupedArgs up{o.offsets, o.num_experts, o.d / kBK, o.f / Up::BN, 2 * o.f, o.f, o.a, o.f};
+  const GroupedArgs down{o.offsets, o.num_experts, o.f / kBK, o.d / Down::BN, o.d, 0, o.y, o.d};
+  const cudaError_t err = Launch<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi>(
+      o.x, o.rows, o.d, o.w_gate_up, static_cast<int64_t>(o.num_experts) * 2 * o.f, up, stream);
   if (err != cudaSuccess) return err;
-  return Launch<BM, kDownN, false, kPingPong>(o.a, o.rows, o.f, o.w_down, static_cast<int64_t>(o.num_experts) * o.d,
-                                              down, stream);
+  return Launch<Down::BM, Down::BN, false, Down::kPingPong, false, Down::kEpi>(
+      o.a, o.rows, o.f, o.w_down, static_cast<int64_t>(o.num_experts) * o.d, down, stream);
 }
 
 }  // namespace
@@ -1039,13 +1054,17 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
   const Operands o{x, rows, offsets, num_experts, d, f, w_gate_up, w_down, a, y};
   switch (schedule) {
     case Sm90Schedule::kRows64:
-      return UpThenDown<64, 128, 256, false>(o, stream);
+      return UpThenDown<Tiles<64, 128, false>, Tiles<64, 256, false>>(o, stream);
     case Sm90Schedule::kRows128:
-      return UpThenDown<128, 128, 256, false>(o, stream);
+      return UpThenDown<Tiles<128, 128, false>, Tiles<128, 256, false>>(o, stream);
     case Sm90Schedule::kPingPong:
-      return UpThenDown<128, 64, 128, true>(o, stream);
+      return UpThenDown<Tiles<128, 64, true>, Tiles<128, 128, true>>(o, stream);
     case Sm90Schedule::kPingPongWide:
-      return UpThenDown<128, kWideUpN, 128, true>(o, stream);
+      return UpThenDown<Tiles<128, kWideUpN, true>, Tiles<128, 128, true>>(o, stream);
+    case Sm90Schedule::kRows128Epi:
+      return UpThenDown<Tiles<128, 128, false, true>, Tiles<128, 256, false, true>>(o, stream);
+    case Sm90Schedule::kWideEpiDown:
+      return UpThenDown<Tiles<128, kWideUpN, true>, Tiles<128, 256, false, true>>(o, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -112,8 +112,10 @@ cudaError_t LaunchScatterPadded(const uint16_t* y_pad, const int64_t* offsets, i
 // outside every segment are not written. Schedules: cooperative 64- or 128-row tiles (both
 // consumer warpgroups on one tile), or ping-pong 128-row tiles (one warpgroup's epilogue under
 // the other's MMAs; kPingPongWide: gate/up tiles of 96 activation columns, where
-// GroupedSm90WideSupported(f), else cudaErrorInvalidValue).
-enum class Sm90Schedule { kRows64, kRows128, kPingPong, kPingPongWide };
+// GroupedSm90WideSupported(f), else cudaErrorInvalidValue). kRows128Epi: cooperative 128-row
+// tiles whose epilogues run on the producer warpgroup's idle warps (the same bits as kRows128);
+// kWideEpiDown: kPingPongWide's gate/up tiles, kRows128Epi's down tiles.
+enum class Sm90Schedule { kRows64, kRows128, kPingPong, kPingPongWide, kRows128Epi, kWideEpiDown };
 bool GroupedSm90Supported(int num_experts, int d, int f);
 // Whether kPingPongWide's gate/up tiles divide f (on top of GroupedSm90Supported).
 bool GroupedSm90WideSupported(int f);

@@ -189,11 +189,14 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
     DeviceVector<uint16_t> dwgu(wgu), dwd(wd), dx(x);
     DeviceVector<int64_t> doff(offsets);
     const uint16_t sentinel = FloatToBf16(-12345.0f);
-    for (cuda::Sm90Schedule tile : {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128,
-                                    cuda::Sm90Schedule::kPingPong, cuda::Sm90Schedule::kPingPongWide}) {
+    std::vector<uint16_t> rows128_y;  // kRows128's output, which kRows128Epi's must equal bit for bit
+    for (cuda::Sm90Schedule tile :
+         {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128, cuda::Sm90Schedule::kPingPong,
+          cuda::Sm90Schedule::kPingPongWide, cuda::Sm90Schedule::kRows128Epi, cuda::Sm90Schedule::kWideEpiDown}) {
       DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(x.size(), sentinel);
       ASSERT_EQ(cuda::GroupedSm90WideSupported(f), f % 96 == 0);
-      if (tile == cuda::Sm90Schedule::kPingPongWide && f % 96 != 0) {
+      const bool wide = tile == cuda::Sm90Schedule::kPingPongWide || tile == cuda::Sm90Schedule::kWideEpiDown;
+      if (wide && f % 96 != 0) {
         // 96-column gate/up tiles: refused where they do not divide f, nothing written.
         EXPECT_EQ(cuda::LaunchGroupedSm90Swiglu(dx.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), da.get(),
                                                 dy.get(), tile, nullptr),
@@ -207,6 +210,15 @@ TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
                 cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       std::vector<uint16_t> got = dy.Host();
+      // The epilogue warps' tiles run the same MMAs as the cooperative 128-row tiles, and their
+      // SwiGLU rounds where the consumers' does: the same bits.
+      if (tile == cuda::Sm90Schedule::kRows128) rows128_y = got;
+      if (tile == cuda::Sm90Schedule::kRows128Epi) {
+        ASSERT_EQ(rows128_y.size(), got.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          ASSERT_EQ(got[i], rows128_y[i]) << "rows128_epi differs from rows128 at " << i << " d=" << d << " f=" << f;
+        }
+      }
       for (int64_t r = 0; r < rows; ++r) {
         if (r >= lead && r < offsets.back()) continue;
         for (int c = 0; c < d; ++c) {

@@ -41,6 +41,8 @@ TEST(CudaTuningTest, EveryKey) {
   EXPECT_EQ(ParseCudaTuning("sm90_tile=rows128")->sm90_tile, CudaTuning::Sm90Tile::kRows128);
   EXPECT_EQ(ParseCudaTuning("sm90_tile=pingpong")->sm90_tile, CudaTuning::Sm90Tile::kPingPong);
   EXPECT_EQ(ParseCudaTuning("sm90_tile=pingpong_wide")->sm90_tile, CudaTuning::Sm90Tile::kPingPongWide);
+  EXPECT_EQ(ParseCudaTuning("sm90_tile=rows128_epi")->sm90_tile, CudaTuning::Sm90Tile::kRows128Epi);
+  EXPECT_EQ(ParseCudaTuning("sm90_tile=wide_epi")->sm90_tile, CudaTuning::Sm90Tile::kWideEpiDown);
   EXPECT_EQ(ParseCudaTuning("")->sm90_tile, CudaTuning::Sm90Tile::kAuto);
 }
 
