@@ -225,9 +225,9 @@ struct Config {
   static constexpr int kABytes = BM * 128;
   static constexpr int kBBytes = kBRows * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  // FP8: the tile's epilogue runs on the producer warpgroup's three idle warps (EpilogueWarps),
-  // from a 64 KB tile buffer of BF16 values the consumers fill; beside it one SM's 227 KB hold
-  // three of the 48 KB FP8 stages (kSmemBytes' assertion below).
+  // FP8 (and kEpi): the tile's epilogue runs on the producer warpgroup's three idle warps
+  // (EpilogueWarps), from a 64 KB tile buffer of BF16 values the consumers fill; beside it one
+  // SM's 227 KB hold three of the 48 KB stages (kSmemBytes' assertion below).
   static constexpr bool kEpiWarps = kEpi;
   static constexpr int kTileBufBytes = kEpiWarps ? BM * kTileBufRow : 0;
   static constexpr int kStages = kEpiWarps ? 3 : kSmemBudget / kStageBytes;
@@ -274,10 +274,10 @@ struct Config {
   static constexpr int kAcc = kSlices * kSliceAcc;
   static constexpr int kEmptyArrivals = kPingPong ? kConsumerWarps / 2 : kConsumerWarps;
   // Registers a thread after setmaxnreg (128 x producer + 256 x consumer <= the launch's 384 x
-  // 168, below): the FP8
-  // producer warpgroup takes 56 (the gate/up epilogue warps keep 16 values a lane in flight; the
-  // producer warp, then copying every row scale, spilled at 40 in the down kernel, which ran 2-4%
-  // slower so), the BF16 kernels' lone TMA thread 40.
+  // 168, below): with epilogue warps (FP8, BF16 kEpi) the producer warpgroup takes 56 (the
+  // gate/up epilogue warps keep 16 values a lane in flight; the FP8 producer warp, then copying
+  // every row scale, spilled at 40 in the down kernel, which ran 2-4% slower so), the other BF16
+  // kernels' lone TMA thread 40.
   // The wide ping-pong gate/up tile's 192 accumulators a thread (128 rows x 96 gate and 96 up
   // columns) take 240, its TMA thread 24.
   static constexpr int kProducerRegs = kEpiWarps ? 56 : kAcc > 128 ? 24 : 40;
