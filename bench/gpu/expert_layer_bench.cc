@@ -9,6 +9,9 @@
 //   [--sustain_ms MS (with the "fp8" lines, T >= 1024: the BF16 experts, then the FP8 experts from
 //    quantized rows, each run back to back for MS ms: "sustained" lines with their wall-clock
 //    windows, for a clock and power sampler beside the run: bench/gpu/sustained.sh)]
+//   [--cell_gap_ms MS (the GPU left idle that long before each cell's main paths are timed, so
+//    that every cell starts from the same state whatever ran before it; vllm_compare.py takes the
+//    same flag for its side)]
 //   [--routing_out DIR (writes each cell's routing to DIR/<shape>-T<t>.bin: int32 top-k ids then
 //    float32 gates, T*k of each, for peers timed on the same routings: bench/gpu/vllm_compare.py)]
 #include <cuda_runtime.h>
@@ -23,6 +26,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -273,6 +277,7 @@ int main(int argc, char** argv) {
   std::string only_shape, routing_out;
   int64_t only_tokens = -1;
   int sustain_ms = 0;  // > 0: the "fp8" cells' BF16 and FP8 experts also run back to back that long each
+  int cell_gap_ms = 0;
   moe::kernels::Layout layout = moe::kernels::Layout::kGrouped;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
@@ -284,6 +289,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--routing_out") && i + 1 < argc) routing_out = argv[++i];
     if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_tokens = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--sustain_ms") && i + 1 < argc) sustain_ms = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--cell_gap_ms") && i + 1 < argc) cell_gap_ms = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--layout") && i + 1 < argc) {
       const std::string l = argv[++i];
       layout = l == "padded" ? moe::kernels::Layout::kPaddedDense
@@ -528,6 +534,10 @@ int main(int argc, char** argv) {
         }
       }
       auto replay = [&] { CHECK_CUDA(cudaGraphLaunch(decode_exec, st)); };
+      if (cell_gap_ms > 0) {  // idle before the cell's main paths (--cell_gap_ms)
+        CHECK_CUDA(cudaStreamSynchronize(st));
+        std::this_thread::sleep_for(std::chrono::milliseconds(cell_gap_ms));
+      }
       std::vector<double> cells;  // prefill (unless --decode-only), then decode and decode-graph (where they run)
       if (!decode_only && decode_cells) {
         cells = TimeMediansUs(reps, st, layer, decode_layer, replay);

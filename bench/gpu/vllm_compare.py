@@ -384,6 +384,8 @@ def main():
     ap.add_argument("--routing_dir", required=True)
     ap.add_argument("--ours", nargs="*", default=[])
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--cell_gap_ms", type=int, default=0,
+                    help="the GPU left idle that long before each cell is timed (expert_layer_bench's flag)")
     ap.add_argument("--md", default="")
     ap.add_argument("--shape", default="")
     ap.add_argument("--tokens", default="", help="comma-separated T instead of the shape's list (as the bench ran)")
@@ -451,6 +453,9 @@ def main():
             # BF16: rounding only. FP8: the activations' E4M3 rounding too (a few percent).
             ok = math.isfinite(rel) and rel < (0.1 if fp8 else 2e-2)
             bad += not ok
+            if a.cell_gap_ms > 0:  # idle before the cell, as the bench's --cell_gap_ms
+                torch.cuda.synchronize()
+                time.sleep(a.cell_gap_ms / 1000.0)
             for _ in range(3):
                 layer()
             torch.cuda.synchronize()

@@ -14,6 +14,12 @@ REPS="${REPS:-40}"
 # Rounds: the bench and vLLM's timing take turns (even rounds vLLM first), each cell's median
 # over the rounds is compared (a single call's figures move by 5-10% with the GPU's heat).
 ROUNDS="${ROUNDS:-2}"
+# Both sides leave the GPU idle this long before each cell is timed (--cell_gap_ms), so that a
+# cell does not inherit the heat and power state of the one before it: vLLM's cells, timed from
+# Python between compiles and reference checks, started at ~1980 MHz while the bench's ran back to
+# back (E32 T = 1024 at 1448-1642 MHz right after the E8 T = 8192 cells; bench/RESULTS.md,
+# 2026-12-03 and 2026-12-04). 0: back to back, as before 2026-12-04 (thirty-ninth session).
+CELL_GAP_MS="${CELL_GAP_MS:-1000}"
 mkdir -p "$OUT" "$OUT/routing"
 export LD_LIBRARY_PATH="$PWD/dist/gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -26,7 +32,7 @@ ours() {  # round $1 (round 1 writes the routings that every round of vLLM reads
   local extra=()
   [ "$1" -eq 1 ] && extra=(--routing_out "$OUT/routing")
   # shellcheck disable=SC2086
-  dist/gpu/bin/expert_layer_bench --reps "$REPS" "${extra[@]}" ${BENCH_ARGS:-} >"$OUT/ours_$1.jsonl" 2>"$OUT/ours_$1.err"
+  dist/gpu/bin/expert_layer_bench --reps "$REPS" --cell_gap_ms "$CELL_GAP_MS" "${extra[@]}" ${BENCH_ARGS:-} >"$OUT/ours_$1.jsonl" 2>"$OUT/ours_$1.err"
   local rc=$?
   echo "expert_layer_bench round $1 rc=$rc"
   [ "$rc" -eq 0 ] || { tail -5 "$OUT/ours_$1.err"; return 1; }
@@ -35,7 +41,8 @@ peer() {
   # shellcheck disable=SC2086
   local tune=(--tune_missing)  # shapes vLLM has no tuned file for: its best sibling config (vllm_compare.py)
   [ "${TUNE_MISSING:-1}" = 0 ] && tune=()
-  python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --reps "$REPS" "${tune[@]}" ${VLLM_ARGS:-} \
+  python3 bench/gpu/vllm_compare.py --vllm "$VLLM" --routing_dir "$OUT/routing" --reps "$REPS" \
+    --cell_gap_ms "$CELL_GAP_MS" "${tune[@]}" ${VLLM_ARGS:-} \
     >"$OUT/vllm_$1.jsonl" 2>"$OUT/vllm_$1.err"
   local rc=$?
   echo "vllm_compare round $1 rc=$rc"
