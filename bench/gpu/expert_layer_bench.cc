@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
       if (only_tokens > 0 && t != only_tokens) continue;
       // The cell's wall-clock window ("window" line below): a sampler's SM clock over it says
       // at what clock this cell's figures were taken.
-      const long long window_start = UnixMs();
+      long long window_start = UnixMs();
       const int64_t routes = t * s.k;
       // Uniform top-k without replacement; gates normalized per token.
       std::vector<int32_t> topk(routes);
@@ -537,6 +537,7 @@ int main(int argc, char** argv) {
       if (cell_gap_ms > 0) {  // idle before the cell's main paths (--cell_gap_ms)
         CHECK_CUDA(cudaStreamSynchronize(st));
         std::this_thread::sleep_for(std::chrono::milliseconds(cell_gap_ms));
+        window_start = UnixMs();  // the cell's clock window without the idle gap
       }
       std::vector<double> cells;  // prefill (unless --decode-only), then decode and decode-graph (where they run)
       if (!decode_only && decode_cells) {

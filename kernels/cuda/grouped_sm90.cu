@@ -49,7 +49,7 @@ constexpr int kSmemBudget = 192 * 1024;       // stages; the rest: epilogue stag
 constexpr int kEpilogueWarpBytes = 16 * 128;  // a consumer warp's 16 rows x 64 BF16 columns
 constexpr int kMaxExperts = 4096;
 constexpr int kWideUpN = 96;      // activation columns of a wide ping-pong gate/up tile (kPingPongWide)
-constexpr int kTileBufRow = 512;  // bytes a row of the FP8 tile buffer: 256 BF16 values
+constexpr int kTileBufRow = 512;  // bytes a row of the epilogue warps' tile buffer: 256 BF16 values
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -503,10 +503,10 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
     MbarWait(buf_full, static_cast<uint32_t>(j & 1));
     if constexpr (kSwiglu) {
       const int c = lane & 7;
-      // The tile's rows of the column-major activation scales (one 128-column block: BN = 128).
-      static_assert(BN == 128, "gate/up FP8 tiles: one quantization block of columns");
-      // (out_q_scales is set even where out_q is not, so that this needs no select: one made
-      // ptxas spill.)
+      // FP8: the tile's rows of the column-major activation scales (one 128-column block: BN = 128).
+      static_assert(BN == 128, "gate/up tiles of the epilogue warps: one quantization block of columns");
+      // (FP8 sets out_q_scales even where out_q is not, so that this needs no runtime select: one
+      // made ptxas spill; the BF16 kernels have none, a compile-time choice.)
       float* const tile_scales = kFp8 ? args.out_q_scales + tile.col_tile * args.out_q_scale_ld + m0 : nullptr;
       const int rows_left = static_cast<int>(m_end - m0);
 #pragma unroll 1
@@ -754,7 +754,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) prefix[0] = 0;
   }
   __syncthreads();
-  // Tiles of the grid. The FP8 kernels read the count again in each role, after its setmaxnreg
+  // Tiles of the grid. The kernels with epilogue warps read the count again in each role, after its setmaxnreg
   // (an ordered shared load): a value live across the producer's 56-register cut was spilled.
   const int all_tiles = prefix[E] * args.n_tiles;
   auto tiles_after_setmaxnreg = [&] { return C::kEpiWarps ? LdsS32(SmemAddr(prefix + E)) * args.n_tiles : all_tiles; };
@@ -849,9 +849,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[C::kAcc];
   // A tile's expert and rows: the next tile's are read before the current tile's epilogue, so
   // the latency of its offsets (global loads the main loop's first stage would otherwise wait
-  // for) runs under that epilogue. The FP8 consumers (kEpiWarps) read them after handing their
-  // tile to the epilogue warps, which takes them only the stmatrix of AccToTileBuf; their
-  // scales come with each stage.
+  // for) runs under that epilogue. The consumers of the kernels with epilogue warps (kEpiWarps)
+  // read them after handing their tile to those warps, which takes them only the stmatrix of
+  // AccToTileBuf (FP8: their scales come with each stage).
   struct TileRows {
     Tile tile;
     int64_t m0, m_end;
@@ -902,7 +902,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int t_next = static_cast<int>(blockIdx.x + (j + tile_step) * gridDim.x);
     const bool more = t_next < total;
     if constexpr (C::kEpiWarps) {
-      static_assert(C::kSlices == 1 && C::kAcc == 128, "FP8: 64 rows x 256 columns a warpgroup");
+      static_assert(C::kSlices == 1 && C::kAcc == 128, "epilogue warps: 64 rows x 256 columns a warpgroup");
       // The buffer is free once the epilogue warps have read the previous tile out of it; the
       // first tile's wait (parity 1 of a fresh barrier) passes at once.
       MbarWait(buf_empty, static_cast<uint32_t>((j & 1) ^ 1));

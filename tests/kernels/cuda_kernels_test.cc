@@ -156,11 +156,19 @@ TEST_F(CudaKernelsTest, SwigluMatchesCpuInEveryLayout) {
 TEST_F(CudaKernelsTest, GroupedSm90MatchesCpu) {
   struct Shape {
     int d, f;
+    int segments = 0;  // 1: 128-511 rows an expert on average, 2: 512 or more (auto's other schedules)
   };
-  for (const Shape shape : {Shape{256, 128}, Shape{512, 384}, Shape{768, 256}, Shape{256, 256}, Shape{256, 384}}) {
+  for (const Shape shape : {Shape{256, 128}, Shape{512, 384}, Shape{768, 256}, Shape{256, 256}, Shape{256, 384},
+                            Shape{512, 384, 1}, Shape{512, 384, 2}, Shape{768, 256, 1}, Shape{768, 256, 2}}) {
     const int d = shape.d, f = shape.f;
     std::vector<int64_t> counts = {0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 2, 257};
-    if (d == 256 && f >= 256) {
+    if (shape.segments == 1) {
+      // Through the API below, auto takes wide_epi (f = 384) or pingpong (f = 256) here, and
+      // rows128_epi at 512 rows or more (segments == 2).
+      counts = {150, 0, 300, 129, 200};
+    } else if (shape.segments == 2) {
+      counts = {600, 530, 0, 700, 513};
+    } else if (d == 256 && f >= 256) {
       // 70 experts: the kernels' tile prefix scans 32 experts at a time (three rounds here), and
       // the grid's CTAs take several tiles each (f = 384: the wide gate/up tiles too).
       counts.clear();
