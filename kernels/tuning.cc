@@ -28,6 +28,25 @@ absl::Status ParseInt(absl::string_view key, absl::string_view value, int lo, in
   return absl::OkStatus();
 }
 
+// A key whose value names one of a few choices.
+template <typename E>
+struct Choice {
+  absl::string_view name;
+  E value;
+};
+template <typename E, size_t N>
+absl::Status ParseChoice(absl::string_view key, absl::string_view value, const Choice<E> (&choices)[N], E* out) {
+  std::string want;
+  for (size_t i = 0; i < N; ++i) {
+    if (value == choices[i].name) {
+      *out = choices[i].value;
+      return absl::OkStatus();
+    }
+    absl::StrAppend(&want, i == 0 ? "" : (i + 1 == N ? " or " : ", "), choices[i].name);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("cuda tuning: ", key, "=", value, ": want ", want));
+}
+
 }  // namespace
 
 absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
@@ -38,40 +57,22 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     int v = 0;
     absl::Status s;
     if (key == "gemm") {
-      if (value == "auto") {
-        t.gemm = CudaTuning::Gemm::kAuto;
-      } else if (value == "sm90") {
-        t.gemm = CudaTuning::Gemm::kSm90;
-      } else if (value == "cublas") {
-        t.gemm = CudaTuning::Gemm::kCublas;
-      } else if (value == "loop") {
-        t.gemm = CudaTuning::Gemm::kLoop;
-      } else if (value == "grouped") {
-        t.gemm = CudaTuning::Gemm::kGrouped;
-      } else {
-        s = absl::InvalidArgumentError(
-            absl::StrCat("cuda tuning: gemm=", value, ": want auto, sm90, cublas, loop or grouped"));
-      }
+      static constexpr Choice<CudaTuning::Gemm> kGemm[] = {{"auto", CudaTuning::Gemm::kAuto},
+                                                           {"sm90", CudaTuning::Gemm::kSm90},
+                                                           {"cublas", CudaTuning::Gemm::kCublas},
+                                                           {"loop", CudaTuning::Gemm::kLoop},
+                                                           {"grouped", CudaTuning::Gemm::kGrouped}};
+      s = ParseChoice(key, value, kGemm, &t.gemm);
     } else if (key == "sm90_tile") {
-      if (value == "auto") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kAuto;
-      } else if (value == "rows64") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kRows64;
-      } else if (value == "rows128") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kRows128;
-      } else if (value == "pingpong") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kPingPong;
-      } else if (value == "pingpong_wide") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kPingPongWide;
-      } else if (value == "rows128_epi") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kRows128Epi;
-      } else if (value == "wide_epi") {
-        t.sm90_tile = CudaTuning::Sm90Tile::kWideEpiDown;
-      } else {
-        s = absl::InvalidArgumentError(
-            absl::StrCat("cuda tuning: sm90_tile=", value,
-                         ": want auto, rows64, rows128, pingpong, pingpong_wide, rows128_epi or wide_epi"));
-      }
+      using Tile = CudaTuning::Sm90Tile;
+      static constexpr Choice<Tile> kTiles[] = {{"auto", Tile::kAuto},
+                                                {"rows64", Tile::kRows64},
+                                                {"rows128", Tile::kRows128},
+                                                {"pingpong", Tile::kPingPong},
+                                                {"pingpong_wide", Tile::kPingPongWide},
+                                                {"rows128_epi", Tile::kRows128Epi},
+                                                {"wide_epi", Tile::kWideEpiDown}};
+      s = ParseChoice(key, value, kTiles, &t.sm90_tile);
     } else if (key == "chain_streams") {
       s = ParseInt(key, value, 0, 4, &t.chain_streams);
     } else if (key == "fused_layer") {

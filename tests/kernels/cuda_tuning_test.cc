@@ -56,6 +56,11 @@ TEST(CudaTuningTest, BadInputNamesTheKey) {
     const std::string key = std::string(bad).substr(0, std::string(bad).find('='));
     EXPECT_NE(t.status().message().find(key), std::string::npos) << t.status();
   }
+  // A choice key's message lists every choice.
+  EXPECT_EQ(ParseCudaTuning("gemm=fast").status().message(),
+            "cuda tuning: gemm=fast: want auto, sm90, cublas, loop or grouped");
+  EXPECT_EQ(ParseCudaTuning("sm90_tile=96").status().message(),
+            "cuda tuning: sm90_tile=96: want auto, rows64, rows128, pingpong, pingpong_wide, rows128_epi or wide_epi");
 }
 
 TEST(CudaTuningTest, SetAndGetAreProcessWide) {
