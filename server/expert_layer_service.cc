@@ -122,7 +122,7 @@ struct DecodedStep {
 // (read once: the engine changing or shrinking the region later cannot reach this step), and
 // check the output region's range. Every error here is the request's.
 absl::Status DecodeStepRequest(const v1::StepRequest& req, const EngineApiOptions& options, SharedRegions& regions,
-                               DecodedStep* step) {
+                               std::optional<uid_t> caller_uid, DecodedStep* step) {
   ASSIGN_OR_RETURN(step->checked, CheckRequest(req, options));
   const CheckedStep& c = step->checked;
   thread_local std::vector<char> kept_in;
@@ -130,7 +130,7 @@ absl::Status DecodeStepRequest(const v1::StepRequest& req, const EngineApiOption
   if (req.has_hidden_region()) {
     const v1::SharedRegionRef& ref = req.hidden_region();
     char* rows = Scratch(kept_in, step->once_rows, c.wire_bytes);
-    RETURN_IF_ERROR(regions.Read(ref.region(), ref.offset(), ref.bytes(), rows, "hidden_region"));
+    RETURN_IF_ERROR(regions.Read(ref.region(), caller_uid, ref.offset(), ref.bytes(), rows, "hidden_region"));
     hidden = ReadBf16(req.hidden(), rows, c.wire_bytes, "hidden_region");
   } else {
     hidden = ReadBf16(req.hidden(), req.hidden().data().data(), req.hidden().data().size(), "hidden");
@@ -139,7 +139,7 @@ absl::Status DecodeStepRequest(const v1::StepRequest& req, const EngineApiOption
   step->hidden = *std::move(hidden);
   if (req.has_output_region()) {
     const v1::SharedRegionRef& ref = req.output_region();
-    RETURN_IF_ERROR(regions.CheckRange(ref.region(), ref.offset(), ref.bytes(), "output_region"));
+    RETURN_IF_ERROR(regions.CheckRange(ref.region(), caller_uid, ref.offset(), ref.bytes(), "output_region"));
   }
   LayerStepInput& in = step->input;
   in.step_id = req.step_id();
@@ -158,7 +158,7 @@ absl::Status DecodeStepRequest(const v1::StepRequest& req, const EngineApiOption
 
 // Phase: encode the output rows, inline or written to the request's output region.
 absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, absl::Span<const uint16_t> output,
-                          SharedRegions& regions, v1::StepResponse* resp) {
+                          SharedRegions& regions, std::optional<uid_t> caller_uid, v1::StepResponse* resp) {
   resp->set_step_id(req.step_id());
   if (!req.has_output_region()) {
     EncodeFromBf16(output, c.tokens, c.d, req.hidden().dtype(), resp->mutable_output());
@@ -169,7 +169,7 @@ absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, absl
   const v1::SharedRegionRef& ref = req.output_region();
   char* out = Scratch(kept_out, once_out, c.wire_bytes);
   EncodeBytes(output, req.hidden().dtype(), out);
-  RETURN_IF_ERROR(regions.Write(ref.region(), ref.offset(), ref.bytes(), out, "output_region"));
+  RETURN_IF_ERROR(regions.Write(ref.region(), caller_uid, ref.offset(), ref.bytes(), out, "output_region"));
   resp->mutable_output()->set_dtype(req.hidden().dtype());
   resp->mutable_output()->set_rows(c.tokens);
   resp->mutable_output()->set_cols(c.d);
@@ -245,20 +245,21 @@ absl::StatusOr<ExpertLayerServiceImpl::Caller> ExpertLayerServiceImpl::Authentic
   return caller;
 }
 
-absl::Status ExpertLayerServiceImpl::Run(const v1::StepRequest& req, v1::StepResponse* resp) {
+absl::Status ExpertLayerServiceImpl::Run(const Caller& caller, const v1::StepRequest& req, v1::StepResponse* resp) {
   const absl::Time start = absl::Now();
   const std::string phase = req.phase() == v1::PHASE_DECODE ? "decode" : "prefill";
   const char* path = "eager";  // the path label of the step latency histogram
-  const absl::Status status = RunStep(req, resp, &path);
+  const absl::Status status = RunStep(caller, req, resp, &path);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (status.ok()) resp->mutable_record()->set_server_latency_us(seconds * 1e6);
   metrics_->Step(phase, path, StatusLabel(status.code()), seconds);
   return status;
 }
 
-absl::Status ExpertLayerServiceImpl::RunStep(const v1::StepRequest& req, v1::StepResponse* resp, const char** path) {
+absl::Status ExpertLayerServiceImpl::RunStep(const Caller& caller, const v1::StepRequest& req, v1::StepResponse* resp,
+                                             const char** path) {
   DecodedStep step;
-  if (absl::Status s = DecodeStepRequest(req, options_, regions_, &step); !s.ok()) {
+  if (absl::Status s = DecodeStepRequest(req, options_, regions_, caller.uid, &step); !s.ok()) {
     // A request rejected here still takes part in its step's agreement (with the abort flag), so
     // the peers abort at once instead of waiting for this rank.
     absl::MutexLock lock(&step_mu_);
@@ -271,7 +272,7 @@ absl::Status ExpertLayerServiceImpl::RunStep(const v1::StepRequest& req, v1::Ste
     result = executor_->Execute(step.input);
   }
   if (!result.ok()) return result.status();
-  RETURN_IF_ERROR(EncodeOutput(req, step.checked, result->output, regions_, resp));
+  RETURN_IF_ERROR(EncodeOutput(req, step.checked, result->output, regions_, caller.uid, resp));
   executor_->RecycleOutput(std::move(result->output));  // the next step's rows go there
   *path = result->record.graph_replay ? "graph_replay" : result->record.recorded ? "recorded" : "eager";
   CountRecord(result->record, step.checked.decode, metrics_);
@@ -293,9 +294,10 @@ void ExpertLayerServiceImpl::EndStep() {
   metrics_->InFlight(in_flight_);
 }
 
-grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response) {
+grpc::Status ExpertLayerServiceImpl::ExecuteAuthenticated(const Caller& caller, const v1::StepRequest* request,
+                                                          v1::StepResponse* response) {
   if (absl::Status s = BeginStep(); !s.ok()) return ToGrpcStatus(s);
-  const absl::Status s = Run(*request, response);
+  const absl::Status s = Run(caller, *request, response);
   EndStep();
   return ToGrpcStatus(s);
 }
@@ -588,17 +590,19 @@ grpc::Status ExpertLayerServiceImpl::Execute(grpc::ServerContext* context, const
                                              v1::StepResponse* response) {
   // NOTE: an unauthenticated caller is refused before its request reaches the step agreement: it
   // cannot make the peers abort a step either.
-  if (auto caller = Authenticate(context); !caller.ok()) return ToGrpcStatus(caller.status());
-  return ExecuteAuthenticated(request, response);
+  auto caller = Authenticate(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ExecuteAuthenticated(*caller, request, response);
 }
 
 grpc::Status ExpertLayerServiceImpl::Step(grpc::ServerContext* context,
                                           grpc::ServerReaderWriter<v1::StepResponse, v1::StepRequest>* stream) {
-  if (auto caller = Authenticate(context); !caller.ok()) return ToGrpcStatus(caller.status());
+  auto caller = Authenticate(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
   v1::StepRequest request;
   while (stream->Read(&request)) {
     v1::StepResponse response;
-    const grpc::Status s = ExecuteAuthenticated(&request, &response);
+    const grpc::Status s = ExecuteAuthenticated(*caller, &request, &response);
     // A failed step ends the stream with its status; the engine reopens the stream to go on.
     if (!s.ok()) return s;
     if (!stream->Write(response)) break;
@@ -617,8 +621,9 @@ grpc::Status ExpertLayerServiceImpl::RegisterRegion(grpc::ServerContext* context
 grpc::Status ExpertLayerServiceImpl::UnregisterRegion(grpc::ServerContext* context,
                                                       const v1::UnregisterRegionRequest* request,
                                                       v1::UnregisterRegionResponse*) {
-  if (auto caller = Authenticate(context); !caller.ok()) return ToGrpcStatus(caller.status());
-  return ToGrpcStatus(regions_.Unregister(request->name()));
+  auto caller = Authenticate(context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(regions_.Unregister(request->name(), caller->uid));
 }
 
 void ExpertLayerServiceImpl::Drain() {

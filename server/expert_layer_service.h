@@ -74,11 +74,12 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
     std::optional<uid_t> uid;  // set for Unix-socket callers
   };
   absl::StatusOr<Caller> Authenticate(const grpc::ServerContext* context) const;
-  grpc::Status ExecuteAuthenticated(const v1::StepRequest* request, v1::StepResponse* response);
+  grpc::Status ExecuteAuthenticated(const Caller& caller, const v1::StepRequest* request, v1::StepResponse* response);
   // One step with its latency and outcome counted; RunStep decodes the request (a request it
   // refuses still takes part in the step's agreement), runs the step and encodes the response.
-  absl::Status Run(const v1::StepRequest& request, v1::StepResponse* response);
-  absl::Status RunStep(const v1::StepRequest& request, v1::StepResponse* response, const char** path);
+  absl::Status Run(const Caller& caller, const v1::StepRequest& request, v1::StepResponse* response);
+  absl::Status RunStep(const Caller& caller, const v1::StepRequest& request, v1::StepResponse* response,
+                       const char** path);
   absl::Status BeginStep();  // counted in flight, or UNAVAILABLE while draining
   void EndStep();
   void ServeRingStep(const RingStep& step, ring::Result* result);

@@ -46,6 +46,10 @@ int SharedRegions::size() {
 }
 
 absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, std::optional<uid_t> caller_uid) {
+  if (!caller_uid.has_value()) {
+    return absl::FailedPreconditionError(
+        "shared regions are for engines on the rank's host: call RegisterRegion on its --engine_socket");
+  }
   const std::string& prefix = options_.name_prefix;
   if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0 || name.size() > 255) {
     return absl::InvalidArgumentError(absl::StrCat("name: '", name, "' must start with '", prefix,
@@ -66,14 +70,16 @@ absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, st
   auto region = std::make_shared<Region>();
   region->fd = fd;
   region->bytes = bytes;
+  region->owner = *caller_uid;
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat("name: '", name, "' is not a regular shared-memory object"));
   }
-  const uid_t me = geteuid();
-  if (st.st_uid != me && !(caller_uid.has_value() && st.st_uid == *caller_uid)) {
-    return absl::PermissionDeniedError(absl::StrCat("name: '", name, "' is owned by uid ", st.st_uid,
-                                                    ", neither this daemon's (", me, ") nor the caller's"));
+  // The caller's own object only: one of the daemon's (a daemon-owned segment under the prefix)
+  // or of another engine is not this caller's to hand to a step.
+  if (st.st_uid != *caller_uid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("name: '", name, "' is owned by uid ", st.st_uid, ", not by the caller (uid ", *caller_uid, ")"));
   }
   if ((st.st_mode & S_IWOTH) != 0) {
     return absl::PermissionDeniedError(
@@ -84,6 +90,11 @@ absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, st
   }
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
+  if (it != regions_.end() && it->second->owner != *caller_uid) {
+    // The object changed owner since another engine registered it (unlinked and made again).
+    return absl::PermissionDeniedError(
+        absl::StrCat("name: '", name, "' is registered by another engine; it must unregister it first"));
+  }
   if (it == regions_.end() && static_cast<int>(regions_.size()) >= options_.max_regions) {
     return absl::ResourceExhaustedError(
         absl::StrCat("name: ", options_.max_regions, " regions are registered already; unregister one first"));
@@ -92,22 +103,33 @@ absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, st
   return absl::OkStatus();
 }
 
-absl::Status SharedRegions::Unregister(const std::string& name) {
+absl::Status SharedRegions::Unregister(const std::string& name, std::optional<uid_t> caller_uid) {
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("name: region '", name, "' is not registered"));
+  if (it == regions_.end() || !caller_uid.has_value() || it->second->owner != *caller_uid) {
+    return absl::NotFoundError(absl::StrCat("name: region '", name, "' is not registered by this caller"));
+  }
   regions_.erase(it);
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<SharedRegions::Region>> SharedRegions::Find(const std::string& name, uint64_t offset,
-                                                                           uint64_t bytes, const char* field) {
+absl::StatusOr<std::shared_ptr<SharedRegions::Region>> SharedRegions::Find(const std::string& name,
+                                                                           std::optional<uid_t> caller_uid,
+                                                                           uint64_t offset, uint64_t bytes,
+                                                                           const char* field) {
+  if (!caller_uid.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field,
+        ".region: shared regions are for engines on the rank's host (its --engine_socket); send the rows inline"));
+  }
   std::shared_ptr<Region> r;
   {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(name);
-    if (it == regions_.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(field, ".region: '", name, "' is not registered"));
+    // Another engine's region is answered as unknown: its name tells this caller nothing.
+    if (it == regions_.end() || it->second->owner != *caller_uid) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, ".region: '", name, "' is not registered by this caller"));
     }
     r = it->second;
   }
@@ -118,15 +140,16 @@ absl::StatusOr<std::shared_ptr<SharedRegions::Region>> SharedRegions::Find(const
   return r;
 }
 
-absl::Status SharedRegions::CheckRange(const std::string& name, uint64_t offset, uint64_t bytes, const char* field) {
-  auto r = Find(name, offset, bytes, field);
+absl::Status SharedRegions::CheckRange(const std::string& name, std::optional<uid_t> caller_uid, uint64_t offset,
+                                       uint64_t bytes, const char* field) {
+  auto r = Find(name, caller_uid, offset, bytes, field);
   if (!r.ok()) return r.status();
   return CheckCovers((*r)->fd, offset + bytes, name, field);
 }
 
-absl::Status SharedRegions::Read(const std::string& name, uint64_t offset, uint64_t bytes, void* out,
-                                 const char* field) {
-  auto r = Find(name, offset, bytes, field);
+absl::Status SharedRegions::Read(const std::string& name, std::optional<uid_t> caller_uid, uint64_t offset,
+                                 uint64_t bytes, void* out, const char* field) {
+  auto r = Find(name, caller_uid, offset, bytes, field);
   if (!r.ok()) return r.status();
   const int fd = (*r)->fd;
   if (absl::Status s = CheckCovers(fd, offset + bytes, name, field); !s.ok()) return s;
@@ -146,9 +169,9 @@ absl::Status SharedRegions::Read(const std::string& name, uint64_t offset, uint6
   return absl::OkStatus();
 }
 
-absl::Status SharedRegions::Write(const std::string& name, uint64_t offset, uint64_t bytes, const void* in,
-                                  const char* field) {
-  auto r = Find(name, offset, bytes, field);
+absl::Status SharedRegions::Write(const std::string& name, std::optional<uid_t> caller_uid, uint64_t offset,
+                                  uint64_t bytes, const void* in, const char* field) {
+  auto r = Find(name, caller_uid, offset, bytes, field);
   if (!r.ok()) return r.status();
   const int fd = (*r)->fd;
   if (absl::Status s = CheckCovers(fd, offset + bytes, name, field); !s.ok()) return s;

@@ -7,10 +7,12 @@
 // the field, never in a SIGBUS; rows are read once, at the step's start, so the engine changing
 // them afterwards cannot make ranks see different inputs for one step.
 //
-// Only objects whose name starts with the configured prefix (default "/moe-") are opened, with
-// O_NOFOLLOW; the object must be a regular file owned by the daemon's user or by the calling
-// engine's user (when the caller's uid is known from its Unix-socket credentials), and not
-// writable by other users.
+// Only engines on the rank's host register regions: the caller's uid comes from its Unix-socket
+// credentials. Only objects whose name starts with the configured prefix (default "/moe-") are
+// opened, with O_NOFOLLOW; the object must be a regular file owned by the registering engine's
+// user and not writable by other users. A region belongs to the uid that registered it: a step or
+// an Unregister from another uid finds no such region, so one engine can neither read, write nor
+// drop another's rows.
 //
 // Thread-safety: all methods are safe to call concurrently; a region unregistered while a step
 // reads it stays open until that read ends.
@@ -39,18 +41,22 @@ class SharedRegions {
  public:
   explicit SharedRegions(SharedRegionOptions options = {}) : options_(std::move(options)) {}
   ~SharedRegions();
-  // Opens an existing POSIX shared-memory object of at least `bytes` bytes. `caller_uid` is the
-  // registering engine's uid when known (Unix-socket peer credentials).
-  absl::Status Register(const std::string& name, uint64_t bytes, std::optional<uid_t> caller_uid = std::nullopt);
-  absl::Status Unregister(const std::string& name);
-  // Copies [offset, offset + bytes) of a registered region into `out`. `field` names the request
-  // field in errors: FAILED_PRECONDITION for an unknown region or one that shrank, INVALID_ARGUMENT
-  // for a range outside the registered size.
-  absl::Status Read(const std::string& name, uint64_t offset, uint64_t bytes, void* out, const char* field);
-  // Checks that [offset, offset + bytes) lies in a registered region (before a step runs).
-  absl::Status CheckRange(const std::string& name, uint64_t offset, uint64_t bytes, const char* field);
-  // Copies `bytes` bytes from `in` to [offset, offset + bytes) of a registered region.
-  absl::Status Write(const std::string& name, uint64_t offset, uint64_t bytes, const void* in, const char* field);
+  // Opens an existing POSIX shared-memory object of at least `bytes` bytes for the engine whose
+  // uid is `caller_uid` (Unix-socket peer credentials; FAILED_PRECONDITION without one). Naming a
+  // region this caller registered already registers it again (e.g. after resizing it).
+  absl::Status Register(const std::string& name, uint64_t bytes, std::optional<uid_t> caller_uid);
+  absl::Status Unregister(const std::string& name, std::optional<uid_t> caller_uid);
+  // Copies [offset, offset + bytes) of a region `caller_uid` registered into `out`. `field` names
+  // the request field in errors: FAILED_PRECONDITION for a region this caller has not registered
+  // or one that shrank, INVALID_ARGUMENT for a range outside the registered size.
+  absl::Status Read(const std::string& name, std::optional<uid_t> caller_uid, uint64_t offset, uint64_t bytes,
+                    void* out, const char* field);
+  // Checks that [offset, offset + bytes) lies in a region `caller_uid` registered (before a step runs).
+  absl::Status CheckRange(const std::string& name, std::optional<uid_t> caller_uid, uint64_t offset, uint64_t bytes,
+                          const char* field);
+  // Copies `bytes` bytes from `in` to [offset, offset + bytes) of a region `caller_uid` registered.
+  absl::Status Write(const std::string& name, std::optional<uid_t> caller_uid, uint64_t offset, uint64_t bytes,
+                     const void* in, const char* field);
   int size();
 
  private:
@@ -58,9 +64,10 @@ class SharedRegions {
     ~Region();
     int fd = -1;
     uint64_t bytes = 0;  // the registered size
+    uid_t owner = 0;     // the uid of the engine that registered it
   };
-  absl::StatusOr<std::shared_ptr<Region>> Find(const std::string& name, uint64_t offset, uint64_t bytes,
-                                               const char* field);
+  absl::StatusOr<std::shared_ptr<Region>> Find(const std::string& name, std::optional<uid_t> caller_uid,
+                                               uint64_t offset, uint64_t bytes, const char* field);
 
   const SharedRegionOptions options_;
   absl::Mutex mu_;

@@ -23,6 +23,8 @@ namespace moe {
 namespace {
 
 constexpr absl::Duration kClaimWindow = absl::Seconds(10);
+// A claim's 24 bytes, once connected (the client sends them at once, in one write).
+constexpr absl::Duration kClaimMessageDeadline = absl::Milliseconds(500);
 constexpr int64_t kSleepNs = 100'000'000;  // a sleeping ring thread re-checks its ring every 100 ms
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
@@ -256,21 +258,37 @@ void StepRings::ClaimLoop() {
 
 // One claim: [ring id, 8 bytes][ticket, 16 bytes] from a process of the ring's owner uid gets
 // one byte 'K' with the memfd attached; anything else gets 'N' and the connection closed.
+// The socket is open to every local user and claims are taken one at a time, so a caller that
+// owns no unclaimed ring is answered before anything is read, and the rest get one deadline for
+// the whole message: a peer trickling bytes cannot hold the claims of others.
 void StepRings::Claim(int conn) {
   ucred cred{};
   socklen_t len = sizeof(cred);
+  bool expected = getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
+  if (expected) {
+    absl::MutexLock lock(&mu_);
+    expected = false;
+    for (const auto& [id, ring] : rings_) expected = expected || (ring->conn < 0 && ring->owner == cred.uid);
+  }
   timeval tv{2, 0};
-  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   char msg[24];
   size_t got = 0;
-  while (got < sizeof(msg)) {
-    const ssize_t n = recv(conn, msg + got, sizeof(msg) - got, 0);
+  const absl::Time deadline = absl::Now() + kClaimMessageDeadline;
+  while (expected && got < sizeof(msg)) {
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (left_ms <= 0) break;
+    pollfd in{conn, POLLIN, 0};
+    const int ready = poll(&in, 1, static_cast<int>(left_ms));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) break;
+    const ssize_t n = recv(conn, msg + got, sizeof(msg) - got, MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (n <= 0) break;
     got += static_cast<size_t>(n);
   }
   std::shared_ptr<Ring> r;
-  if (got == sizeof(msg) && getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+  if (expected && got == sizeof(msg)) {
     uint64_t id = 0;
     std::memcpy(&id, msg, 8);
     absl::MutexLock lock(&mu_);

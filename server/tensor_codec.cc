@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -147,12 +148,20 @@ absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field)
   if (n < kParallelCheckValues) {
     bad = AnyNonFiniteBf16(rows, n);
   } else {
-    const int64_t chunk = (n / kCheckThreads + 3) / 4 * 4;
+    // Parts of a multiple of 4 values; the last one ends at n whatever the rounding left.
+    const int64_t chunk = ((n + kCheckThreads - 1) / kCheckThreads + 3) / 4 * 4;
     bool part[kCheckThreads] = {};
     std::vector<std::thread> threads;
+    threads.reserve(kCheckThreads - 1);
     for (int t = 1; t < kCheckThreads; ++t) {
-      const int64_t begin = std::min(n, t * chunk), end = std::min(n, (t + 1) * chunk);
-      threads.emplace_back([&part, rows, t, begin, end] { part[t] = AnyNonFiniteBf16(rows + begin, end - begin); });
+      const int64_t begin = std::min(n, t * chunk);
+      const int64_t end = t + 1 == kCheckThreads ? n : std::min(n, (t + 1) * chunk);
+      auto check = [&part, rows, t, begin, end] { part[t] = AnyNonFiniteBf16(rows + begin, end - begin); };
+      try {
+        threads.emplace_back(check);
+      } catch (const std::system_error&) {
+        check();  // no thread to be had (many requests at once): this one checks the part itself
+      }
     }
     part[0] = AnyNonFiniteBf16(rows, std::min(n, chunk));
     for (auto& th : threads) th.join();

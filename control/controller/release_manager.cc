@@ -539,7 +539,8 @@ absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::stri
     manifest = bundle->placement;
   }
   if (manifest.version() <= 0) return absl::InvalidArgumentError("manifest.version: must be positive");
-  if (!drives_ranks()) return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks");
+  if (!drives_ranks())
+    return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks or --world");
   absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kLoaded));
   if (applied.empty()) RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest, bundle));

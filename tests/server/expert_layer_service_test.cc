@@ -5,6 +5,7 @@
 #include "server/expert_layer_service.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -317,6 +318,49 @@ TEST_F(ServiceTest, TcpCallersNeedTheEngineToken) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
+// Shared regions are host memory of a known engine: a TCP caller, token or not, can neither
+// register one nor name one in a step (it would read or write another engine's rows).
+TEST_F(ServiceTest, TcpCallersWithTheTokenUseNoSharedRegions) {
+  ShmObject region("/moe-tcp-" + std::to_string(getpid()), 2 * kTokens * kD * 2);
+  ASSERT_TRUE(Register(region.name, region.bytes).ok());  // this engine's, on the Unix socket
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+    v1::RegisterRegionRequest reg;
+    reg.set_name(region.name);
+    reg.set_bytes(region.bytes);
+    v1::RegisterRegionResponse ignored;
+    const grpc::Status s = tcp_stub_->RegisterRegion(&ctx, reg, &ignored);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("--engine_socket"));
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+    v1::UnregisterRegionRequest unreg;
+    unreg.set_name(region.name);
+    v1::UnregisterRegionResponse ignored;
+    EXPECT_EQ(tcp_stub_->UnregisterRegion(&ctx, unreg, &ignored).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  v1::StepRequest out = Request(1);
+  out.mutable_output_region()->set_region(region.name);
+  out.mutable_output_region()->set_bytes(kTokens * kD * 2);
+  std::memset(region.base, 0x5a, region.bytes);
+  v1::StepResponse resp;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", std::string("Bearer ") + kToken);
+    const grpc::Status s = tcp_stub_->Execute(&ctx, out, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("output_region.region"));
+  }
+  EXPECT_EQ(std::string(region.base, region.bytes), std::string(region.bytes, 0x5a));  // nothing written
+  // The engine that registered it still uses it.
+  out.set_step_id(2);
+  ASSERT_TRUE(Call(out, &resp).ok());
+  EXPECT_NE(std::string(region.base, kTokens * kD * 2), std::string(kTokens * kD * 2, 0x5a));
+}
+
 class RefusedUidTest : public ServiceTest {
  protected:
   void SetUp() override { Start({geteuid() + 1}); }
@@ -604,6 +648,61 @@ TEST_F(RingTest, OverrunningTheSlotsClosesTheRing) {
 
 // The claim: only with the ticket, once, from the opener's uid; the memfd cannot be resized; an
 // engine that goes away takes its ring with it; rings are capped; TCP callers get none.
+// The claim socket is open to every local user and takes claims one at a time: a peer that
+// trickles its 24 bytes is cut off at the claim's deadline (it once held the socket for 2 s a
+// byte), and the ring's own engine claims the ring afterwards.
+TEST_F(RingTest, ATricklingClaimIsCutOffAndTheRingStaysClaimable) {
+  v1::OpenStepRingRequest req;
+  req.set_slots(1);
+  req.set_max_tokens(8);
+  req.set_d(kD);
+  req.set_k(kK);
+  v1::OpenStepRingResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->OpenStepRing(&ctx, req, &opened).ok());
+  }
+  auto connect_claim = [&] {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, opened.socket_path().c_str(), sizeof(addr.sun_path) - 1);
+    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  };
+  const int slow = connect_claim();
+  int sent = 0;
+  char reply = 0;
+  int got = -1;
+  bool answered = false;
+  while (sent < 23 && !answered) {                     // one byte every 200 ms, never the whole claim
+    if (send(slow, "x", 1, MSG_NOSIGNAL) != 1) break;  // answered and closed just now
+    ++sent;
+    pollfd in{slow, POLLIN, 0};
+    answered = poll(&in, 1, 200) == 1;
+  }
+  pollfd in{slow, POLLIN, 0};
+  answered = answered || poll(&in, 1, 1000) == 1;
+  ASSERT_TRUE(answered) << "the rank read " << sent << " trickled bytes without answering";
+  EXPECT_TRUE(ring::ReceiveReply(slow, &reply, &got));
+  EXPECT_EQ(reply, 'N');
+  EXPECT_EQ(got, -1);
+  EXPECT_LT(sent, 23);
+  close(slow);
+  // The ring's engine claims it with its ticket.
+  const int conn = connect_claim();
+  char msg[24];
+  const uint64_t id = opened.ring_id();
+  std::memcpy(msg, &id, 8);
+  std::memcpy(msg + 8, opened.ticket().data(), 16);
+  ASSERT_EQ(send(conn, msg, sizeof(msg), 0), 24);
+  ASSERT_TRUE(ring::ReceiveReply(conn, &reply, &got));
+  EXPECT_EQ(reply, 'K');
+  EXPECT_GE(got, 0);
+  if (got >= 0) close(got);
+  close(conn);
+}
+
 TEST_F(RingTest, ClaimsAreGuardedAndAnEngineThatLeavesTakesItsRing) {
   v1::OpenStepRingRequest req;
   req.set_slots(1);

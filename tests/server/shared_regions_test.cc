@@ -1,0 +1,80 @@
+// SharedRegions: a region belongs to the engine (uid) that registered it.
+#include "server/shared_regions.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include <sys/mman.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+using ::testing::HasSubstr;
+
+class SharedRegionsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    name_ = "/moe-regions-test-" + std::to_string(getpid());
+    shm_unlink(name_.c_str());
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, kBytes), 0);
+    close(fd);
+  }
+  void TearDown() override { shm_unlink(name_.c_str()); }
+
+  static constexpr uint64_t kBytes = 4096;
+  const uid_t me_ = geteuid();
+  const uid_t other_ = geteuid() + 1;
+  std::string name_;
+  SharedRegions regions_;
+};
+
+TEST_F(SharedRegionsTest, OnlyAnEngineWithCredentialsRegistersItsOwnObject) {
+  absl::Status s = regions_.Register(name_, kBytes, std::nullopt);  // a TCP caller: no uid
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("--engine_socket"));
+  s = regions_.Register(name_, kBytes, other_);  // the object is not that uid's
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not by the caller"));
+  EXPECT_EQ(regions_.size(), 0);
+  EXPECT_TRUE(regions_.Register(name_, kBytes, me_).ok());
+  EXPECT_EQ(regions_.size(), 1);
+}
+
+TEST_F(SharedRegionsTest, AnotherCallerCanNeitherReadWriteNorDropTheRegion) {
+  ASSERT_TRUE(regions_.Register(name_, kBytes, me_).ok());
+  const char rows[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  ASSERT_TRUE(regions_.Write(name_, me_, 16, sizeof rows, rows, "output_region").ok());
+  char got[8] = {};
+  for (const std::optional<uid_t> caller : {std::optional<uid_t>(other_), std::optional<uid_t>()}) {
+    absl::Status s = regions_.Read(name_, caller, 16, sizeof got, got, "hidden_region");
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("hidden_region.region"));
+    s = regions_.Write(name_, caller, 0, sizeof rows, rows, "output_region");
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("output_region.region"));
+    s = regions_.CheckRange(name_, caller, 0, sizeof rows, "output_region");
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    s = regions_.Unregister(name_, caller);
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  }
+  EXPECT_THAT(regions_.Read(name_, other_, 0, 8, got, "hidden_region").message(),
+              HasSubstr("not registered by this caller"));
+  // Nothing written by the refused calls; the owner still reads its rows and drops the region.
+  ASSERT_TRUE(regions_.Read(name_, me_, 0, sizeof got, got, "hidden_region").ok());
+  EXPECT_EQ(std::string(got, sizeof got), std::string(8, '\0'));
+  ASSERT_TRUE(regions_.Read(name_, me_, 16, sizeof got, got, "hidden_region").ok());
+  EXPECT_EQ(std::memcmp(got, rows, sizeof rows), 0);
+  EXPECT_TRUE(regions_.Unregister(name_, me_).ok());
+  EXPECT_EQ(regions_.size(), 0);
+}
+
+}  // namespace
+}  // namespace moe
