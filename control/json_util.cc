@@ -1,15 +1,51 @@
 #include "control/json_util.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
 
 namespace moe::json {
 
+namespace {
+
+// The deepest nesting of arrays and objects in `text`, outside strings. The parser is iterative,
+// but copying, comparing and dumping a parsed value recurse: a document a million levels deep
+// would overflow the stack of whatever handles it next.
+int NestingDepth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+}  // namespace
+
 absl::StatusOr<Json> Parse(const std::string& text, const std::string& what) {
+  if (NestingDepth(text) > kMaxNesting) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": nested deeper than ", kMaxNesting, " levels"));
+  }
   try {
     return Json::parse(text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // parse errors, and out_of_range for a number such as 1e999
     return absl::InvalidArgumentError(absl::StrCat(what, ": malformed JSON: ", e.what()));
   }
 }

@@ -15,6 +15,9 @@ namespace moe::json {
 
 using Json = nlohmann::ordered_json;
 
+// Arrays and objects nested deeper than this are refused (INVALID_ARGUMENT naming `what`).
+inline constexpr int kMaxNesting = 64;
+
 absl::StatusOr<Json> ParseFile(const std::string& path);
 absl::StatusOr<Json> Parse(const std::string& text, const std::string& what);
 

@@ -37,6 +37,16 @@ absl::StatusOr<ExpertCheckpoint> ExpertCheckpoint::Open(const SafetensorsFile& f
                           {checkpoint_keys::kDff, &c.shape_.d_ff}}) {
     if (absl::Status s = PositiveInt(file, key, out); !s.ok()) return s;
   }
+  // One expert's bytes (3 x d x d_ff BF16) must fit in the file's tensors: d and d_ff are then
+  // bounded by the file before anyone sizes a buffer from them.
+  uint64_t held = 0;
+  for (const auto& [name, t] : file.tensors) held += t.data.size();
+  uint64_t expert = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(c.shape_.d), static_cast<uint64_t>(c.shape_.d_ff) * 6, &expert) ||
+      expert > held) {
+    return absl::DataLossError(absl::StrCat("checkpoint metadata: d ", c.shape_.d, " x d_ff ", c.shape_.d_ff,
+                                            " makes one expert larger than the file's ", held, " tensor bytes"));
+  }
   return c;
 }
 
@@ -54,8 +64,11 @@ absl::StatusOr<ExpertCheckpoint::Tensors> ExpertCheckpoint::Expert(int expert) c
   if (gu == file_->tensors.end() || dn == file_->tensors.end()) {
     return absl::FailedPreconditionError(absl::StrCat("checkpoint has no tensors for expert ", expert));
   }
-  const size_t matrix_bytes = static_cast<size_t>(shape_.d) * shape_.d_ff * 2;
-  if (gu->second.data.size() != 2 * matrix_bytes || dn->second.data.size() != matrix_bytes) {
+  size_t matrix_bytes = 0;
+  const bool overflow =
+      __builtin_mul_overflow(static_cast<size_t>(shape_.d), static_cast<size_t>(shape_.d_ff) * 2, &matrix_bytes) ||
+      matrix_bytes > SIZE_MAX / 2;
+  if (overflow || gu->second.data.size() != 2 * matrix_bytes || dn->second.data.size() != matrix_bytes) {
     return absl::FailedPreconditionError(absl::StrCat("expert ", expert, " tensors have the wrong shape"));
   }
   return Tensors{&gu->second, &dn->second};

@@ -178,9 +178,31 @@ absl::Status HfCheckpoint::OpenShards() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A tensor must hold exactly `factors`' product of elements (checked products): the config's sizes
+// are then bounded by the files' bytes before anything is allocated from them.
+absl::Status ElementsMatch(const std::string& dir, const std::string& name, const TensorRef& t,
+                           std::initializer_list<int64_t> factors, const char* expected) {
+  int64_t want = 1;
+  for (int64_t f : factors) {
+    if (__builtin_mul_overflow(want, f, &want)) want = -1;
+    if (want < 0) break;
+  }
+  if (want < 0 || t.elements() != want) {
+    return absl::FailedPreconditionError(absl::StrCat(dir, ": ", name, " holds ", t.elements(),
+                                                      " elements; config.json's sizes give ", expected, " = ",
+                                                      want < 0 ? std::string("(overflow)") : absl::StrCat(want)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status HfCheckpoint::DetectNaming() {
   const int layer = config_.moe_layers.front();
   const MappedSafetensors* shard = nullptr;
+  const int64_t d = config_.hidden_size, f = config_.moe_intermediate_size, e = config_.num_experts;
   for (ExpertNaming n : {ExpertNaming::kMixtral, ExpertNaming::kProjections}) {
     const TensorRef* gate = Tensor(ExpertNames(n, layer, 0)[0], &shard);
     if (gate != nullptr) {
@@ -189,6 +211,7 @@ absl::Status HfCheckpoint::DetectNaming() {
       expert_source_bytes_ = 0;
       for (const std::string& name : ExpertNames(n, layer, 0)) {
         const TensorRef* t = Tensor(name, &shard);
+        if (t != nullptr) RETURN_IF_ERROR(ElementsMatch(dir_, name, *t, {d, f}, "hidden_size x intermediate size"));
         if (t != nullptr) expert_source_bytes_ += static_cast<int64_t>(t->bytes);
         const TensorRef* s = Tensor(name + "_scale_inv", &shard);
         if (s != nullptr) expert_source_bytes_ += static_cast<int64_t>(s->bytes);
@@ -200,6 +223,10 @@ absl::Status HfCheckpoint::DetectNaming() {
     const TensorRef* gu = Tensor(absl::StrCat(LayerPrefix(layer), prefix, ".experts.gate_up_proj"), &shard);
     const TensorRef* dn = Tensor(absl::StrCat(LayerPrefix(layer), prefix, ".experts.down_proj"), &shard);
     if (gu != nullptr && dn != nullptr) {
+      RETURN_IF_ERROR(ElementsMatch(dir_, absl::StrCat(LayerPrefix(layer), prefix, ".experts.gate_up_proj"), *gu,
+                                    {e, 2, f, d}, "experts x 2 x intermediate size x hidden_size"));
+      RETURN_IF_ERROR(ElementsMatch(dir_, absl::StrCat(LayerPrefix(layer), prefix, ".experts.down_proj"), *dn,
+                                    {e, f, d}, "experts x intermediate size x hidden_size"));
       naming_ = ExpertNaming::kFused;
       fused_prefix_ = prefix;
       weight_dtype_ = gu->dtype;

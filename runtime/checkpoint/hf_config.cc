@@ -75,7 +75,7 @@ absl::Status MoeLayers(const json& c, HfMoeConfig* out) {
   } else if (out->family == HfFamily::kQwen2Moe || out->family == HfFamily::kQwen3Moe) {
     int step = 1;
     if (absl::Status s = OptionalInt(c, "decoder_sparse_step", 1, 1, &step); !s.ok()) return s;
-    std::vector<int> dense;
+    std::vector<bool> dense(n, false);
     auto it = c.find("mlp_only_layers");
     if (it != c.end() && !it->is_null()) {
       if (!it->is_array()) return Bad("mlp_only_layers", "must be a list of layer indices");
@@ -83,11 +83,11 @@ absl::Status MoeLayers(const json& c, HfMoeConfig* out) {
         if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= n) {
           return Bad("mlp_only_layers", absl::StrCat("holds an index outside [0, ", n, ")"));
         }
-        dense.push_back(static_cast<int>(v.get<int64_t>()));
+        dense[static_cast<size_t>(v.get<int64_t>())] = true;
       }
     }
     for (int l = 0; l < n; ++l) {
-      if (std::find(dense.begin(), dense.end(), l) == dense.end() && (l + 1) % step == 0) out->moe_layers.push_back(l);
+      if (!dense[l] && (l + 1) % step == 0) out->moe_layers.push_back(l);
     }
   } else {
     int first_dense = 0, freq = 1;
@@ -139,6 +139,9 @@ absl::StatusOr<HfMoeConfig> ParseHfMoeConfig(const std::string& json_text) {
   out.family = *family;
   absl::Status s = PositiveInt(c, {"hidden_size"}, &out.hidden_size);
   if (s.ok()) s = PositiveInt(c, {"num_hidden_layers"}, &out.num_hidden_layers);
+  if (s.ok() && out.num_hidden_layers > kMaxHfLayers) {
+    s = Bad("num_hidden_layers", absl::StrCat("must be at most ", kMaxHfLayers));
+  }
   if (s.ok()) s = PositiveInt(c, {"num_experts_per_tok"}, &out.top_k);
   if (s.ok()) {
     switch (out.family) {

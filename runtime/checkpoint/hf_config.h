@@ -41,6 +41,8 @@ struct HfMoeConfig {
 
 // INVALID_ARGUMENT naming the key: not JSON, an unsupported model_type, a missing or
 // non-positive size, a layer list out of range, or no MoE layer at all.
+// The most decoder layers a config may declare (the largest MoE models have ~100).
+inline constexpr int kMaxHfLayers = 4096;
 absl::StatusOr<HfMoeConfig> ParseHfMoeConfig(const std::string& json_text);
 
 }  // namespace moe

@@ -51,12 +51,18 @@ absl::StatusOr<uint64_t> ShapeBytes(const std::string& path, const std::string& 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MappedSafetensors>> MappedSafetensors::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO's open would otherwise wait for a writer (no effect on regular files).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     return absl::NotFoundError(absl::StrCat(path, ": cannot stat: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    // A device or FIFO (a path handed in a bundle) would be read without end or block the reader.
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
   }
   std::unique_ptr<MappedSafetensors> f(new MappedSafetensors());
   f->path_ = path;
@@ -105,7 +111,7 @@ absl::StatusOr<std::unique_ptr<MappedSafetensors>> MappedSafetensors::Open(const
       }
       t.data = f->base_ + data_start + off[0];
       t.bytes = *bytes;
-      extents.emplace_back(off[0], off[1]);
+      if (off[1] > off[0]) extents.emplace_back(off[0], off[1]);  // an empty tensor overlaps nothing
       f->tensors_[it.key()] = std::move(t);
     } catch (const nlohmann::json::exception& e) {
       return Corrupt(path, absl::StrCat("tensor ", it.key(), ": ", e.what()));

@@ -29,7 +29,8 @@ struct TensorRef {
 
 class MappedSafetensors {
  public:
-  // NOT_FOUND when the file cannot be opened; DATA_LOSS naming the file (and the tensor) when
+  // NOT_FOUND when the file cannot be opened, FAILED_PRECONDITION when it is no regular file
+  // (a device or FIFO); DATA_LOSS naming the file (and the tensor) when
   // the header is malformed: length past the end, offsets outside the data or overlapping a
   // neighbour's, a shape whose element count overflows or does not match the bytes.
   static absl::StatusOr<std::unique_ptr<MappedSafetensors>> Open(const std::string& path);

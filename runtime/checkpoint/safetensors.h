@@ -25,7 +25,9 @@ struct SafetensorsFile {
 };
 
 absl::Status WriteSafetensors(const std::string& path, const SafetensorsFile& file);
-// Validates the header: offsets inside the file, contiguous, sizes = prod(shape) * dtype width.
+// The whole file in memory, with MappedSafetensors::Open's checks: a regular file, the header a JSON
+// object, offsets inside the data and not overlapping, sizes = prod(shape) * dtype width without
+// overflow, string metadata (DATA_LOSS naming the file and the tensor).
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
 
 }  // namespace moe

@@ -14,6 +14,12 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
                                                                                    const Topology& topology) {
   if (options.num_experts <= 0) return absl::InvalidArgumentError("placement.num_experts: must be positive");
   if (slots.empty()) return absl::InvalidArgumentError("placement.slots: must not be empty");
+  // The expert tables are sized by num_experts (per layer): bounded, so a request naming 2^31
+  // experts and one slot cannot make the rank allocate gigabytes.
+  if (options.num_experts > kMaxLogicalExperts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("placement.num_experts: ", options.num_experts, " above ", kMaxLogicalExperts));
+  }
   for (size_t i = 0; i < options.layers.size(); ++i) {
     if (options.layers[i] < 0 || (i > 0 && options.layers[i] <= options.layers[i - 1])) {
       return absl::InvalidArgumentError(
@@ -88,6 +94,12 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
   if (options.layers.empty() || layer_slots.size() != options.layers.size()) {
     return absl::InvalidArgumentError(absl::StrCat("placement.layer_slots: ", layer_slots.size(), " slot tables for ",
                                                    options.layers.size(), " layers"));
+  }
+  if (options.num_experts > 0 &&
+      static_cast<int64_t>(layer_slots.size()) > kMaxLayeredExpertEntries / options.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("placement.layers: ", layer_slots.size(), " layers x ",
+                                                   options.num_experts, " experts above ", kMaxLayeredExpertEntries,
+                                                   " (layer, expert) entries"));
   }
   std::vector<std::shared_ptr<const PlacementManifest>> tables;
   for (size_t i = 0; i < layer_slots.size(); ++i) {

@@ -7,6 +7,7 @@
 #ifndef MOE_RUNTIME_PLACEMENT_MANIFEST_H_
 #define MOE_RUNTIME_PLACEMENT_MANIFEST_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +33,11 @@ struct SlotRecord {
   // The expert's digest in each of the manifest's layers (empty, or one per layer).
   std::vector<std::string> layer_digests;
 };
+
+// Bounds on what a manifest from the network may size: logical experts in a layer, and layers x
+// experts over a layered manifest (DeepSeek-V3: 58 x 256; Qwen3-235B: 94 x 128).
+inline constexpr int kMaxLogicalExperts = 65536;
+inline constexpr int64_t kMaxLayeredExpertEntries = int64_t{1} << 22;
 
 struct ManifestOptions {
   PlacementVersion version;

@@ -108,6 +108,22 @@ TEST(TraceTest, BadInputNamesTheField) {
   EXPECT_EQ(json::Parse("{\"d\": 3,", "trace").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Operator and network JSON (bundles, traces): a number out of range is malformed input, not an
+// exception; nesting past kMaxNesting is refused before anything recursive touches it.
+TEST(TraceTest, HostileJsonIsInvalidArgumentNamingTheInput) {
+  const auto number = json::Parse("{\"a\": 1e999}", "bundle_json");
+  EXPECT_EQ(number.status().code(), absl::StatusCode::kInvalidArgument) << number.status();
+  EXPECT_NE(number.status().message().find("bundle_json"), std::string::npos) << number.status();
+  const std::string deep = "{\"x\":" + std::string(1000000, '[') + std::string(1000000, ']') + "}";
+  const auto nested = json::Parse(deep, "bundle_json");
+  EXPECT_EQ(nested.status().code(), absl::StatusCode::kInvalidArgument) << nested.status();
+  EXPECT_NE(nested.status().message().find("nested deeper than"), std::string::npos) << nested.status();
+  // At the limit it parses; brackets inside strings do not count.
+  const std::string at_limit = std::string(json::kMaxNesting, '[') + std::string(json::kMaxNesting, ']');
+  EXPECT_TRUE(json::Parse(at_limit, "t").ok());
+  EXPECT_TRUE(json::Parse("{\"s\": \"" + std::string(200, '[') + "\\\"\"}", "t").ok());
+}
+
 TEST(TraceTest, RouteToExpertNoSlotHoldsIsRejected) {
   Json doc = Load("trace-eight-routes.json");
   doc["placement"]["slots"].erase(5);  // drop q5, the only copy of expert 3

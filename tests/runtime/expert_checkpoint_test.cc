@@ -45,6 +45,14 @@ TEST(ExpertCheckpointTest, MissingOrBadMetadataNamesTheKey) {
   SafetensorsFile file = SyntheticCheckpoint({2, 8, 8}, 1, "c");
   file.metadata[checkpoint_keys::kD] = "-8";
   EXPECT_EQ(ExpertCheckpoint::Open(file).status().code(), absl::StatusCode::kDataLoss);
+  // Sizes the tensors cannot hold (a loader would size its buffers from them).
+  for (const char* big : {"2147483647", "4096"}) {
+    file.metadata[checkpoint_keys::kD] = big;
+    file.metadata[checkpoint_keys::kDff] = big;
+    const absl::Status s = ExpertCheckpoint::Open(file).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << big;
+    EXPECT_NE(s.message().find("larger than the file"), std::string::npos) << s;
+  }
 }
 
 TEST(ExpertCheckpointTest, AbsentOrMisshapenExpertNamesIt) {

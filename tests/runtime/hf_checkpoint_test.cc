@@ -3,6 +3,8 @@
 // scales dequantize as an independent decoder says; bad files and configs are named.
 #include "runtime/checkpoint/hf_checkpoint.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -10,6 +12,8 @@
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include <sys/stat.h>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -271,6 +275,9 @@ TEST(HfConfigTest, BadConfigsNameTheKey) {
       {R"({"model_type":"deepseek_v3","hidden_size":64,"num_hidden_layers":2,"num_experts_per_tok":2,
           "n_routed_experts":8,"moe_intermediate_size":8,"quantization_config":{"quant_method":"awq"}})",
        "quant_method"},
+      {R"({"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":1000000,"num_experts_per_tok":2,
+          "num_experts":8,"moe_intermediate_size":8})",
+       "num_hidden_layers"},
   };
   for (const auto& [text, want] : cases) {
     auto c = ParseHfMoeConfig(text);
@@ -308,14 +315,62 @@ TEST(MappedSafetensorsTest, HostileHeadersAreRefusedNamingTheTensor) {
       {Header(R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,40]}})") + std::string(4, 'x'), "outside"},
       {Header(R"({"a":{"dtype":"Q4","shape":[2],"data_offsets":[0,2]}})") + std::string(2, 'x'), "dtype"},
       {std::string("\xff\xff\xff\xff\0\0\0\0", 8), "header length"},
+      {Header("[0]"), "not a JSON object"},
+      {Header("5"), "not a JSON object"},
+      {Header(R"({"__metadata__":{"k":1}})"), "__metadata__"},
   };
+  // Both readers (the mapped one and the whole-file copy) refuse each alike.
   for (const auto& [bytes, want] : cases) {
     WriteFile(path, bytes);
     auto f = MappedSafetensors::Open(path);
     ASSERT_FALSE(f.ok()) << want;
     EXPECT_EQ(f.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_NE(f.status().message().find(want), std::string::npos) << f.status();
+    auto whole = ReadSafetensors(path);
+    ASSERT_FALSE(whole.ok()) << want;
+    EXPECT_EQ(whole.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(whole.status().message().find(want), std::string::npos) << whole.status();
   }
+  // An empty tensor inside another's extent overlaps nothing.
+  WriteFile(
+      path,
+      Header(
+          R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},"e":{"dtype":"BF16","shape":[0],"data_offsets":[2,2]}})") +
+          std::string(4, 'x'));
+  EXPECT_TRUE(MappedSafetensors::Open(path).ok());
+  // No regular file (a path a release bundle may name): refused before a byte is read.
+  for (const char* special : {"/dev/zero", "/dev/null"}) {
+    EXPECT_EQ(MappedSafetensors::Open(special).status().code(), absl::StatusCode::kFailedPrecondition) << special;
+    EXPECT_EQ(ReadSafetensors(special).status().code(), absl::StatusCode::kFailedPrecondition) << special;
+  }
+  const std::string fifo = dir + "/fifo.safetensors";
+  ::unlink(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const absl::Status fs = ReadSafetensors(fifo).status();  // no writer: nothing to wait for
+  EXPECT_EQ(fs.code(), absl::StatusCode::kFailedPrecondition) << fs;
+  EXPECT_NE(fs.message().find("not a regular file"), std::string::npos) << fs;
+  ::unlink(fifo.c_str());
+}
+
+// config.json's sizes must agree with the experts' tensors before anything is sized from them: a
+// hidden_size of 2^17 would have a loader zero-fill gigabytes before reading a byte.
+TEST(HfCheckpointTest, ConfigSizesThatDisagreeWithTheTensorsAreRefused) {
+  HfModelSpec spec;
+  spec.version = "v";
+  const std::string dir = TempDir("sizes");
+  ASSERT_TRUE(WriteHfModel(dir, spec, SyntheticExpertSource(spec.hidden_size, spec.moe_intermediate_size, 1)).ok());
+  ASSERT_TRUE(HfCheckpoint::Open(dir).ok());
+  std::ifstream in(dir + "/config.json");
+  const std::string config((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string key = "\"hidden_size\":";
+  const size_t at = config.find(key);
+  ASSERT_NE(at, std::string::npos) << config;
+  const size_t end = config.find_first_of(",}", at);
+  WriteFile(dir + "/config.json", config.substr(0, at) + key + " 131072" + config.substr(end));
+  auto bad = HfCheckpoint::Open(dir);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
+  EXPECT_NE(bad.status().message().find("config.json's sizes"), std::string::npos) << bad.status();
 }
 
 TEST(HfCheckpointTest, BrokenDirectoriesAreNamed) {

@@ -89,6 +89,12 @@ TEST(ManifestTest, StructuralErrorsNameTheField) {
   slots[0].expert = LogicalExpertId(4);
   EXPECT_THAT(std::string(PlacementManifest::Create(fixture::Options(17), slots, t).status().message()),
               HasSubstr("logical_expert_id"));
+  // 2^31 - 2 experts would size the expert tables at gigabytes a layer.
+  ManifestOptions huge = fixture::Options(17);
+  huge.num_experts = 2147483646;
+  const absl::Status s = PlacementManifest::Create(huge, fixture::V17Slots(), t).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("placement.num_experts"));
 }
 
 // 0x01D1: the four clauses reject four different failures.
