@@ -293,7 +293,14 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
     }
   }
   absl::MutexLock lock(&mu_);
-  if (c_.registry->State(v).ok()) {
+  if (auto state = c_.registry->State(v); state.ok()) {
+    if (*state == GenerationState::kRetired) {
+      // Its weights are gone: answering the repeat as prepared would let the controller record it
+      // LOADED, and activating it would then fail on every reconcile.
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("manifest.version: placement-v", v.value(),
+                                       " was retired on this rank; prepare the placement under a new version"));
+    }
     for (const GenerationInfo& g : c_.registry->List()) {
       if (g.version == v && SameSlots(*g.manifest, **manifest)) return Describe(v, resp);  // repeat
     }
@@ -465,6 +472,19 @@ grpc::Status RankAgentServiceImpl::StopDispatch(grpc::ServerContext* ctx, const 
 
 grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                                     v1::GenerationStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  {
+    // A generation this rank never held (it restarted or replaced a lost rank after the placement
+    // was prepared elsewhere) holds nothing here: retired already, so a rollback or a drain that
+    // retires it everywhere can finish.
+    absl::MutexLock lock(&mu_);
+    if (req->version() > 0 &&
+        c_.registry->State(PlacementVersion(req->version())).status().code() == absl::StatusCode::kNotFound) {
+      resp->set_version(req->version());
+      resp->set_state(v1::GENERATION_STATE_RETIRED);
+      return grpc::Status::OK;
+    }
+  }
   return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
     if (s == GenerationState::kRetired) return absl::OkStatus();
     if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);

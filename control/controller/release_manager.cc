@@ -199,6 +199,14 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
   if (to == ReleaseState::kActive) {
     return absl::FailedPreconditionError("to: ACTIVE is reached through Promote (the 0x0DC gate)");
   }
+  if (to == ReleaseState::kLoaded && drives_ranks()) {
+    // With rank agents LOADED means every rank prepared the placement: a hand-made LOADED would
+    // carry no placement, skip runner parity, and a promotion of it would leave the ranks serving
+    // the old one while the registry says otherwise.
+    return absl::FailedPreconditionError(
+        "to: LOADED is reached through LoadPlacement (`moectl placement load`) when the controller drives rank "
+        "agents");
+  }
   absl::MutexLock lock(&write_mu_);
   if (to == ReleaseState::kVerified) {
     // VERIFIED is the controller's own finding for a release with a bundle: its digest, every
@@ -377,6 +385,9 @@ absl::StatusOr<Promotion> StoreReleaseManager::Promote(const std::string& reques
                                                        const std::optional<GateEvidence>& evidence) {
   Promotion p;
   bool gate = true;
+  // The gate reads the prior (RollbackOK) and the candidate under the writer's lock, so no other
+  // promotion or rollback changes what it judged before this one commits.
+  absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::tie(p.evidence, gate), GateInputs(request_id, release_id, evidence));
   const PromotionDecision d = gate ? EvaluatePromotion(p.evidence.inputs, thresholds_) : PromotionDecision{true, {}};
   if (!d.promote) {
@@ -385,7 +396,6 @@ absl::StatusOr<Promotion> StoreReleaseManager::Promote(const std::string& reques
                      evidence.has_value() ? "" : " (read from the ranks)", p.evidence.findings.empty() ? "" : ": ",
                      absl::StrJoin(p.evidence.findings, "; ")));
   }
-  absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(p.transitions, CommitPromotion(request_id, release_id));
   ASSIGN_OR_RETURN(p.release, store_->Get(release_id));
   const ReleaseRecord& rec = p.release;
@@ -408,11 +418,30 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitRollbac
                                                                                   const std::string& reason) {
   ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kDraining));
   if (!applied.empty()) return applied;
+  ASSIGN_OR_RETURN(ReleaseRecord candidate, store_->Get(release_id));
   ASSIGN_OR_RETURN(ReleaseRecord prior, store_->Get(prior_release_id));
+  // 0x0EA rolls the ACTIVE candidate back to the release it replaced. A CANARY candidate is left
+  // through DRAINING (the ACTIVE release still serves); rolling it "back" would leave two ACTIVE.
+  if (candidate.state != ReleaseState::kActive) {
+    return absl::FailedPreconditionError(absl::StrCat("release_id: ", release_id, " is ",
+                                                      ReleaseStateName(candidate.state),
+                                                      "; only the ACTIVE release is rolled back (a CANARY one "
+                                                      "leaves through `release transition ID DRAINING`)"));
+  }
   if (prior.state != ReleaseState::kDraining) {
     return absl::FailedPreconditionError(absl::StrCat("prior_release_id: ", prior_release_id, " is ",
                                                       ReleaseStateName(prior.state),
                                                       "; only a DRAINING (loaded) release is re-activated"));
+  }
+  // The prior must have served: it entered DRAINING from ACTIVE (replaced by a promotion). One that
+  // was drained from SHADOW (canary blocked: runner parity differs) or CANARY never passed the
+  // 0x0DC gate, and ACTIVE is reached only through it.
+  ASSIGN_OR_RETURN(std::vector<StoredTransition> history, store_->History(prior_release_id));
+  if (history.empty() || history.back().to != ReleaseState::kDraining || history.back().from != ReleaseState::kActive) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("prior_release_id: ", prior_release_id, " entered DRAINING from ",
+                     history.empty() ? std::string("nowhere") : std::string(ReleaseStateName(history.back().from)),
+                     ", not from ACTIVE: it never passed the promotion gate, so it cannot be re-activated"));
   }
   // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
   // activate the prior release.
@@ -431,6 +460,11 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::Rollback(cons
   absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::vector<StoredTransition> transitions,
                    CommitRollback(request_id, release_id, prior_release_id, reason.empty() ? "rollback" : reason));
+  // A replay must be the same request: the ranks are driven from the recorded prior, never another.
+  if (transitions.size() < 2 || transitions[1].release_id != prior_release_id) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request_id: '", request_id, "' was used for a rollback to another prior release"));
+  }
   if (!drives_ranks()) return transitions;
   // On the ranks, 0x0EA's order (RollBack): activate the prior placement (each rank's candidate
   // stops dispatch in the same step), drain the candidate's handles to zero, retire it (each rank

@@ -329,6 +329,30 @@ TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(ranks_[1]->Trial().version(), 3);
   EXPECT_EQ(ranks_[1]->Trial().canary_every(), 3);
+
+  // Neither drained release can be made ACTIVE by a rollback: release-v2 was drained from SHADOW
+  // (it never passed the gate), and a CANARY candidate is no ACTIVE one to roll back.
+  for (auto& r : ranks_) r->TakeCalls();
+  const size_t committed = History("").size();
+  auto rollback = [&](const std::string& id, const std::string& candidate, const std::string& prior) {
+    v1::RollbackRequest req;
+    req.set_request_id(id);
+    req.set_release_id(candidate);
+    req.set_prior_release_id(prior);
+    v1::RollbackResponse resp;
+    return stub_->Rollback(Ctx().get(), req, &resp);
+  };
+  s = rollback("rb-blocked", "release-v1", "release-v2");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("entered DRAINING from SHADOW"));
+  s = rollback("rb-canary", "release-v3", "release-v2");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("only the ACTIVE release is rolled back"));
+  EXPECT_EQ(History("").size(), committed);
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_DRAINING);
+  EXPECT_EQ(Get("release-v3").state(), v1::RELEASE_STATE_CANARY);
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
 }
 
 TEST_F(GateTest, PromotionClausesComeFromTheRanks) {

@@ -108,6 +108,16 @@ TEST_F(RankAgentTest, GenerationSwapWithFences) {
   ASSERT_TRUE(Lifecycle("retire", 1, &st).ok());
   EXPECT_EQ(st.state(), v1::GENERATION_STATE_RETIRED);
   ASSERT_TRUE(Lifecycle("retire", 1, &st).ok());  // repeat
+  // A retired generation is not "prepared" again: its weights are gone.
+  grpc::Status again = Prepare(Manifest(1), &st);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << again.error_message();
+  EXPECT_THAT(again.error_message(), ::testing::HasSubstr("was retired on this rank"));
+  // Retiring a generation this rank never held (a restarted rank) holds nothing: done.
+  st.Clear();
+  ASSERT_TRUE(Lifecycle("retire", 77, &st).ok());
+  EXPECT_EQ(st.version(), 77);
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_RETIRED);
+  EXPECT_EQ(Lifecycle("activate", 77, &st).error_code(), grpc::StatusCode::NOT_FOUND);
 
   v1::AgentStatusResponse status;
   ASSERT_TRUE(stub_->Status(Ctx().get(), {}, &status).ok());
