@@ -487,9 +487,10 @@ grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, co
   }
   return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
     if (s == GenerationState::kRetired) return absl::OkStatus();
-    if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);
     absl::Status retired = c_.registry->Retire(v);
-    if (retired.ok()) c_.executor->DropGeneration(v);
+    if (!retired.ok()) return retired;  // still held: its trial (if any) goes on as it was
+    if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);
+    c_.executor->DropGeneration(v);
     return retired;
   });
 }

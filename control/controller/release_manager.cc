@@ -577,8 +577,19 @@ absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::stri
     return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks or --world");
   absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kLoaded));
-  if (applied.empty()) RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest, bundle));
-  return store_->Get(release_id);
+  if (applied.empty()) {
+    RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest, bundle));
+    return store_->Get(release_id);
+  }
+  // A replay must be the same request: the manifest recorded with it, not another.
+  ASSIGN_OR_RETURN(ReleaseRecord rec, store_->Get(release_id));
+  std::string manifest_json;
+  (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
+  if (rec.placement_version != manifest.version() || rec.placement_manifest != manifest_json) {
+    return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' loaded placement-v",
+                                                 rec.placement_version, " with another manifest"));
+  }
+  return rec;
 }
 
 absl::StatusOr<int64_t> StoreReleaseManager::MigrationPeak(const std::vector<ReleaseRecord>& releases,

@@ -444,6 +444,25 @@ TEST_F(GateTest, RollbackDrivesTheRanksInOrder) {
   EXPECT_EQ(resp.transitions(2).to(), v1::RELEASE_STATE_RETIRED);
   EXPECT_EQ(resp.transitions(2).reason(), "handles drained and retired on every rank");
   EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_RETIRED);
+
+  // Request ids answer only the request they were used for: the same rollback replays, one to
+  // another prior and a load of another manifest are refused, and the ranks are not driven.
+  ASSERT_TRUE(stub_->Rollback(Ctx().get(), req, &resp).ok());  // re-drives the ranks (no-ops there)
+  for (auto& r : ranks_) r->TakeCalls();
+  req.set_prior_release_id("release-v9");
+  s = stub_->Rollback(Ctx().get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+  v1::LoadPlacementRequest load;
+  load.set_request_id("release-v2:load");
+  load.set_release_id("release-v2");
+  *load.mutable_manifest() = Manifest(2);
+  v1::Release rel;
+  ASSERT_TRUE(stub_->LoadPlacement(Ctx().get(), load, &rel).ok());  // the recorded request
+  for (auto& r : ranks_) r->TakeCalls();
+  *load.mutable_manifest() = Manifest(7);
+  s = stub_->LoadPlacement(Ctx().get(), load, &rel);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
 }
 
 TEST_F(GateTest, FirstReleaseFromRankCountersHasNothingToRollBackTo) {
