@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <map>
+#include <set>
 #include <utility>
 
 #include <sqlite3.h>
@@ -13,6 +14,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+
+#include "runtime/status.h"
 
 namespace moe {
 
@@ -103,6 +106,12 @@ absl::Status Exec(sqlite3* db, const char* sql) {
   }
   return absl::OkStatus();
 }
+
+// The schema a registry file is at (PRAGMA user_version). 0: a file of a build before the number
+// was kept, whose releases table may lack the placement columns added since; 2: kSchema.
+constexpr int64_t kSchemaVersion = 2;
+
+absl::Status MigrateSchema(sqlite3* db, const std::string& path);
 
 // BEGIN IMMEDIATE ... COMMIT; rolls back unless Commit() succeeded.
 class WriteTxn {
@@ -255,9 +264,51 @@ absl::StatusOr<std::unique_ptr<ReleaseStore>> ReleaseStore::Open(const std::stri
   for (const char* pragma : {"PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL", "PRAGMA foreign_keys=ON"}) {
     if (absl::Status s = Exec(db, pragma); !s.ok()) return s;
   }
-  if (absl::Status s = Exec(db, kSchema); !s.ok()) return s;
+  if (absl::Status s = MigrateSchema(db, path); !s.ok()) return s;
   return store;
 }
+
+namespace {
+
+// Creates what is missing and brings an older file to kSchemaVersion in one transaction; a file
+// of a newer build is refused (FAILED_PRECONDITION) before anything is written to it.
+absl::Status MigrateSchema(sqlite3* db, const std::string& path) {
+  WriteTxn txn(db);
+  if (!txn.begin().ok()) return txn.begin();
+  int64_t version = 0;
+  {
+    Stmt v(db, "PRAGMA user_version");
+    ASSIGN_OR_RETURN(bool row, v.Step());
+    if (row) version = v.Int(0);
+  }
+  if (version > kSchemaVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("path: ", path, " is at registry schema ", version,
+                                                      ", written by a newer moe-controller (this one reads up to ",
+                                                      kSchemaVersion, ")"));
+  }
+  if (version == kSchemaVersion) return txn.Commit();
+  RETURN_IF_ERROR(Exec(db, kSchema));
+  // Columns added to releases after its first version (CREATE TABLE IF NOT EXISTS keeps an old table).
+  std::set<std::string> columns;
+  {
+    Stmt info(db, "PRAGMA table_info(releases)");
+    while (true) {
+      ASSIGN_OR_RETURN(bool more, info.Step());
+      if (!more) break;
+      columns.insert(info.Text(1));
+    }
+  }
+  if (columns.count("placement_version") == 0) {
+    RETURN_IF_ERROR(Exec(db, "ALTER TABLE releases ADD COLUMN placement_version INTEGER NOT NULL DEFAULT 0"));
+  }
+  if (columns.count("placement_manifest") == 0) {
+    RETURN_IF_ERROR(Exec(db, "ALTER TABLE releases ADD COLUMN placement_manifest BLOB"));
+  }
+  RETURN_IF_ERROR(Exec(db, absl::StrCat("PRAGMA user_version = ", kSchemaVersion).c_str()));
+  return txn.Commit();
+}
+
+}  // namespace
 
 ReleaseStore::~ReleaseStore() { sqlite3_close(db_); }
 

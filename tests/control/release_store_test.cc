@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 
+#include <sqlite3.h>
 #include <sys/wait.h>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,48 @@ std::string TempPath(const std::string& name) {
   const std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
   for (const char* suffix : {"", "-wal", "-shm"}) unlink((path + suffix).c_str());
   return path;
+}
+
+void Sql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* err = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK) << (err ? err : "");
+  sqlite3_free(err);
+  sqlite3_close(db);
+}
+
+// A registry of a build from before the placement columns (and before the schema was numbered)
+// is brought up to date when opened; one of a newer build is refused, untouched.
+TEST(ReleaseStoreTest, AnOlderRegistryIsMigratedAndANewerOneRefused) {
+  const std::string path = TempPath("old-schema.db");
+  Sql(path,
+      "CREATE TABLE releases (release_id TEXT PRIMARY KEY, bundle_digest TEXT NOT NULL, state TEXT NOT NULL, "
+      "revision INTEGER NOT NULL);"
+      "CREATE TABLE transitions (seq INTEGER PRIMARY KEY AUTOINCREMENT, request_id TEXT NOT NULL, part INTEGER NOT "
+      "NULL, release_id TEXT NOT NULL REFERENCES releases(release_id), from_state TEXT NOT NULL, to_state TEXT NOT "
+      "NULL, reason TEXT NOT NULL, UNIQUE (request_id, part));");
+  {
+    auto store = ReleaseStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Register("r1", "release-v1", "sha256:aa").ok());
+    ASSERT_TRUE((*store)->Transition("r2", "release-v1", ReleaseState::kVerified, "ok").ok());
+    ASSERT_TRUE((*store)->Apply("r3", {{"release-v1", ReleaseState::kLoaded, "prepared", 4, "{}"}}).ok());
+    EXPECT_TRUE((*store)->Verify().ok()) << (*store)->Verify();
+  }
+  {
+    auto store = ReleaseStore::Open(path);  // reopened at the current schema
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto rec = (*store)->Get("release-v1");
+    ASSERT_TRUE(rec.ok()) << rec.status();
+    EXPECT_EQ(rec->placement_version, 4);
+    EXPECT_EQ(rec->state, ReleaseState::kLoaded);
+  }
+  Sql(path, "PRAGMA user_version = 99");
+  auto newer = ReleaseStore::Open(path);
+  ASSERT_FALSE(newer.ok());
+  EXPECT_EQ(newer.status().code(), absl::StatusCode::kFailedPrecondition) << newer.status();
+  EXPECT_THAT(std::string(newer.status().message()), HasSubstr("schema 99"));
 }
 
 TEST(ReleaseStoreTest, TransitionsPersistAcrossReopen) {
