@@ -1,5 +1,8 @@
 #include "control/eplb_io.h"
 
+#include <cmath>
+#include <limits>
+
 #include "runtime/status.h"
 
 namespace moe {
@@ -22,6 +25,9 @@ absl::StatusOr<EplbProblem> ParseEplbProblem(const Json& doc) {
     }
     for (size_t e = 0; e < row->size(); ++e) {
       ASSIGN_OR_RETURN(double w, json::Number((*row)[e], absl::StrCat(path, "[", e, "]")));
+      if (!(std::abs(w) <= std::numeric_limits<float>::max())) {  // NaN too; the cast would be UB
+        return json::Invalid(absl::StrCat(path, "[", e, "]"), "must be a finite load within float range");
+      }
       p.weight.push_back(static_cast<float>(w));
     }
   }

@@ -150,6 +150,9 @@ TEST(EplbIoTest, RoundTripsTheFixture) {
   bad = Load("eplb-fixture.json");
   bad.erase("num_gpus");
   EXPECT_THAT(std::string(ParseEplbProblem(bad).status().message()), HasSubstr("num_gpus"));
+  bad = Load("eplb-fixture.json");
+  bad["weight"][0][1] = 1e300;  // no float holds it
+  EXPECT_THAT(std::string(ParseEplbProblem(bad).status().message()), HasSubstr("weight[0][1]"));
 }
 
 }  // namespace
