@@ -47,7 +47,7 @@ class RequestFuzzTest : public testing::OneRankTest {
  protected:
   void SetUp() override {
     SetUpRank(kExperts, kD, 32, 3);
-    path_ = "/tmp/moe-fuzz-" + std::to_string(getpid()) + ".sock";
+    path_ = "/tmp/moe-fuzz-" + std::to_string(getpid()) + "-" + std::to_string(std::random_device()()) + ".sock";
     listener_ = *UnixSocketListener::Create(path_, {});
     EngineApiOptions o;
     o.max_step_tokens = 4096;

@@ -64,7 +64,7 @@ class DeviceRowsRingTest : public ::testing::Test {
     char msg[24];
     std::memcpy(msg, &opened.id, 8);
     std::memcpy(msg + 8, opened.ticket.data(), 16);
-    if (send(*conn, msg, sizeof(msg), 0) != 24) return nullptr;
+    if (send(*conn, msg, sizeof(msg), MSG_NOSIGNAL) != 24) return nullptr;
     char reply = 0;
     int fd = -1;
     if (!ring::ReceiveReply(*conn, &reply, &fd) || reply != 'K' || fd < 0) return nullptr;
