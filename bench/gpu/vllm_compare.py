@@ -444,7 +444,7 @@ def main():
                     searched.append((median_us(trial, max(5, a.reps // 4)), cand))
                     del trial
                 config = min(searched, key=lambda p: p[0])[1]
-                source = "searched: fastest of %d H200 configs (no tuned file %s)" % (len(searched), cfg_file)
+                source = "searched: fastest of %d %s configs (no tuned file %s)" % (len(searched), device_name, cfg_file)
             layer = VllmLayer(kernel, config, x, w1, w2, topk, gates, scales, swap_ab)
             layer.out.fill_(float("nan"))
             out = layer().float()

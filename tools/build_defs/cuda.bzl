@@ -24,7 +24,10 @@ def cuda_library(name, srcs, hdrs = [], deps = [], cuda_deps = [], copts = [], *
             name = "%s_%s_nvcc" % (name, src.replace("/", "_").replace(".", "_")),
             srcs = depset([src] + hdrs + native.glob(["**/*.cuh", "**/*.h"])).to_list(),
             outs = [obj],
-            cmd = "%s %s %s -I. -I$(GENDIR) -c $(location %s) -o $@" % (
+            # nvcc names its temporary files after its pid, and actions in bazel's sandboxes
+            # share /tmp while each may run as the same pid of its own namespace: two nvcc at
+            # once once removed each other's tmpxft files. Each gets a directory of its own.
+            cmd = "t=$$(mktemp -d) && TMPDIR=$$t %s %s %s -I. -I$(GENDIR) -c $(location %s) -o $@; rc=$$?; rm -rf $$t; exit $$rc" % (
                 NVCC,
                 " ".join(NVCC_FLAGS),
                 " ".join(copts),
