@@ -495,6 +495,31 @@ grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, co
   });
 }
 
+grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                                     v1::GenerationStatus* resp) {
+  if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  if (req->version() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be positive");
+  const PlacementVersion v(req->version());
+  absl::MutexLock lock(&mu_);
+  resp->set_version(v.value());
+  auto state = c_.registry->State(v);
+  if (state.status().code() == absl::StatusCode::kNotFound) return grpc::Status::OK;  // nothing held here
+  if (!state.ok()) return ToGrpcStatus(state.status());
+  if (c_.executor->Trial().version == v.value()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat("version: placement-v", v.value(),
+                                                                            " is this rank's trial candidate; stop the "
+                                                                            "trial first"));
+  }
+  if (absl::Status s = c_.registry->Discard(v); !s.ok()) return ToGrpcStatus(s);
+  c_.executor->DropGeneration(v);
+  {
+    absl::MutexLock summary_lock(&summary_mu_);
+    materialized_.erase(v.value());
+  }
+  spdlog::info("placement-v{} discarded: prepared, never served", v.value());
+  return grpc::Status::OK;
+}
+
 grpc::Status RankAgentServiceImpl::SetTrial(grpc::ServerContext* ctx, const v1::TrialRequest* req,
                                             v1::TrialRequest* resp) {
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;

@@ -49,6 +49,8 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
                             v1::GenerationStatus* resp) override;
   grpc::Status RetireGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                 v1::GenerationStatus* resp) override;
+  grpc::Status DiscardGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
+                                 v1::GenerationStatus* resp) override;
   grpc::Status SetTrial(grpc::ServerContext* ctx, const v1::TrialRequest* req, v1::TrialRequest* resp) override;
   grpc::Status FetchSlotWeights(grpc::ServerContext* ctx, const v1::FetchSlotRequest* req,
                                 v1::SlotWeights* resp) override;

@@ -187,6 +187,24 @@ absl::Status AgentPool::Retire(int64_t version) {
   return OnEachVersion("retire", version, &v1::RankAgentService::Stub::RetireGeneration);
 }
 
+absl::Status AgentPool::Discard(int64_t version) {
+  const std::shared_ptr<const State> st = Current();
+  v1::GenerationRequest req;
+  req.set_version(version);
+  absl::Status first;
+  for (size_t r = 0; r < st->stubs.size(); ++r) {
+    if (st->stubs[r] == nullptr) continue;  // not a member of the epoch
+    auto ctx = Context();
+    v1::GenerationStatus out;
+    absl::Status s = FromGrpcStatus(st->stubs[r]->DiscardGeneration(ctx.get(), req, &out));
+    if (!s.ok() && first.ok()) {
+      first = absl::Status(s.code(), absl::StrCat("discard placement-v", version, " on rank ", r, " (",
+                                                  st->addresses[r], "): ", s.message()));
+    }
+  }
+  return first;
+}
+
 absl::Status AgentPool::AwaitDrained(int64_t version, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {

@@ -56,6 +56,9 @@ class AgentPool {
                        bool rebind = false);
   absl::Status Activate(int64_t version);
   absl::Status Retire(int64_t version);
+  // A PREPARED `version` that never served forgotten on every rank (DiscardGeneration), each
+  // tried whatever the others answered: the first error, naming its rank, or OK.
+  absl::Status Discard(int64_t version);
   // Trial steps of a PREPARED candidate on every rank (version 0 stops them).
   absl::Status SetTrial(int64_t version, int64_t shadow_every, int64_t canary_every);
   // Polls until no rank holds a dispatch handle on `version` (or `timeout`: DEADLINE_EXCEEDED

@@ -552,8 +552,19 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
     }
     absl::StrAppend(&reason, ", bundle ", rec.bundle_digest.substr(0, 19), " runtime coordinates checked");
   }
-  // Every rank has the generation prepared before the release is recorded LOADED.
-  RETURN_IF_ERROR(agents_->Prepare(manifest, bundle.has_value() ? &bundle->runtime : nullptr));
+  // Every rank has the generation prepared before the release is recorded LOADED. Where a rank
+  // refused or failed, the ranks that had prepared it forget it again (no release records the
+  // version: it was checked above), so that nothing stays allocated for a load that did not
+  // happen and the version may be loaded again, with other slots too.
+  if (absl::Status prepared = agents_->Prepare(manifest, bundle.has_value() ? &bundle->runtime : nullptr);
+      !prepared.ok()) {
+    const absl::Status discarded = agents_->Discard(version);
+    if (!discarded.ok()) spdlog::warn("load of placement-v{} failed; {}", version, std::string(discarded.message()));
+    return absl::Status(prepared.code(),
+                        absl::StrCat(prepared.message(), discarded.ok() ? "; every rank discarded it again"
+                                                                        : absl::StrCat("; not discarded everywhere (",
+                                                                                       discarded.message(), ")")));
+  }
   std::string manifest_json;
   (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
   return store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();

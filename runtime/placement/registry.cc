@@ -115,6 +115,25 @@ absl::Status GenerationRegistry::Retire(PlacementVersion v) {
   return absl::OkStatus();
 }
 
+absl::Status GenerationRegistry::Discard(PlacementVersion v) {
+  absl::MutexLock lock(&mu_);
+  auto it = generations_.find(v.value());
+  if (it == generations_.end()) return absl::NotFoundError(absl::StrCat(Name(v), " is not registered"));
+  const Entry& e = it->second;
+  if (e.state != GenerationState::kPrepared) {
+    return absl::FailedPreconditionError(absl::StrCat("discard of ", Name(v), " denied: it is ",
+                                                      GenerationStateName(e.state),
+                                                      " (only a PREPARED generation "
+                                                      "that never served is discarded; retire it instead)"));
+  }
+  if (!e.holders.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("discard of ", Name(v), " denied: trial refcount = ", e.holders.size()));
+  }
+  generations_.erase(it);
+  return absl::OkStatus();
+}
+
 bool GenerationRegistry::Entry::Hold(int64_t handle) {
   if (std::find(holders.begin(), holders.end(), handle) != holders.end()) return false;
   holders.push_back(handle);

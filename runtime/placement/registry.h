@@ -80,6 +80,11 @@ class GenerationRegistry {
   absl::Status StopDispatch(PlacementVersion v);
   // DRAINING -> RETIRED. FAILED_PRECONDITION while any lease is held or if ACTIVE.
   absl::Status Retire(PlacementVersion v);
+  // Forgets a PREPARED generation, as if it had never been prepared (a placement load that failed
+  // on another rank): it never served, so no handle names it, and the version may be prepared
+  // again, with other slots too. NOT_FOUND for an unknown version; FAILED_PRECONDITION once it
+  // has been activated (it is then retired, never forgotten) or while a trial lease holds it.
+  absl::Status Discard(PlacementVersion v);
   bool CanRetire(PlacementVersion v) const;
 
   // Acquires a lease on the ACTIVE generation for `handle`. UNAVAILABLE when none is active.

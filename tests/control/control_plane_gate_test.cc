@@ -48,6 +48,7 @@ class FakeRank final : public v1::RankAgentService::Service {
     auto m = ManifestFromProto(req->manifest(), topology);
     if (!m.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(m.status().message()));
     absl::MutexLock lock(&mu_);
+    if (refuse_prepare_) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of device memory");
     v1::GenerationStatus* g = Find(req->manifest().version());
     if (g == nullptr) {
       g = status_.add_generations();
@@ -82,6 +83,22 @@ class FakeRank final : public v1::RankAgentService::Service {
     g->set_state(v1::GENERATION_STATE_RETIRED);
     calls_.push_back(absl::StrCat("retire v", req->version()));
     *resp = *g;
+    return grpc::Status::OK;
+  }
+  grpc::Status DiscardGeneration(grpc::ServerContext*, const v1::GenerationRequest* req,
+                                 v1::GenerationStatus* resp) override {
+    absl::MutexLock lock(&mu_);
+    calls_.push_back(absl::StrCat("discard v", req->version()));
+    resp->set_version(req->version());
+    auto* gens = status_.mutable_generations();
+    for (int i = 0; i < gens->size(); ++i) {
+      if (gens->Get(i).version() != req->version()) continue;
+      if (gens->Get(i).state() != v1::GENERATION_STATE_PREPARED) {
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "served");
+      }
+      gens->DeleteSubrange(i, 1);
+      break;
+    }
     return grpc::Status::OK;
   }
   grpc::Status SetTrial(grpc::ServerContext*, const v1::TrialRequest* req, v1::TrialRequest* resp) override {
@@ -127,7 +144,16 @@ class FakeRank final : public v1::RankAgentService::Service {
     absl::MutexLock lock(&mu_);
     Find(version)->set_refcount(n);
   }
-  // The Activate / Retire calls since the last TakeCalls, in order.
+  // PrepareGeneration fails here (RESOURCE_EXHAUSTED) while set.
+  void RefusePrepare(bool refuse) {
+    absl::MutexLock lock(&mu_);
+    refuse_prepare_ = refuse;
+  }
+  bool Holds(int64_t version) {
+    absl::MutexLock lock(&mu_);
+    return Find(version) != nullptr;
+  }
+  // The Activate / Retire / Discard calls since the last TakeCalls, in order.
   std::vector<std::string> TakeCalls() {
     absl::MutexLock lock(&mu_);
     return std::exchange(calls_, {});
@@ -143,6 +169,7 @@ class FakeRank final : public v1::RankAgentService::Service {
   absl::Mutex mu_;
   v1::AgentStatusResponse status_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
+  bool refuse_prepare_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 v1::PlacementManifest Manifest(int64_t version) {
@@ -286,6 +313,38 @@ class GateTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::ControlPlaneService::Stub> stub_;
 };
+
+// A load that one rank refuses leaves nothing prepared on the others: each is asked to discard
+// the version, the release stays VERIFIED, and the same request succeeds once the rank can.
+TEST_F(GateTest, ALoadOneRankRefusesIsDiscardedOnEveryRank) {
+  Bootstrap();
+  for (auto& r : ranks_) r->TakeCalls();
+  v1::RegisterReleaseRequest reg;
+  reg.set_request_id("release-v2:register");
+  reg.set_release_id("release-v2");
+  reg.set_bundle_digest("sha256:release-v2");
+  v1::Release rel;
+  ASSERT_TRUE(stub_->RegisterRelease(Ctx().get(), reg, &rel).ok());
+  ASSERT_TRUE(Transition("release-v2:verify", "release-v2", v1::RELEASE_STATE_VERIFIED).ok());
+  ranks_[1]->RefusePrepare(true);
+  v1::LoadPlacementRequest load;
+  load.set_request_id("release-v2:load");
+  load.set_release_id("release-v2");
+  *load.mutable_manifest() = Manifest(2);
+  grpc::Status refused = stub_->LoadPlacement(Ctx().get(), load, &rel);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("rank 1"));
+  EXPECT_THAT(refused.error_message(), HasSubstr("every rank discarded it again"));
+  EXPECT_FALSE(ranks_[0]->Holds(2));  // rank 0 had prepared it
+  for (auto& r : ranks_) EXPECT_EQ(r->TakeCalls(), std::vector<std::string>{"discard v2"});
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_VERIFIED);
+  EXPECT_TRUE(ranks_[0]->Holds(1));  // the serving placement untouched
+  ranks_[1]->RefusePrepare(false);
+  grpc::Status loaded = stub_->LoadPlacement(Ctx().get(), load, &rel);
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_LOADED);
+  for (auto& r : ranks_) EXPECT_TRUE(r->Holds(2));
+}
 
 TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
   Bootstrap();

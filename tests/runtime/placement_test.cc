@@ -292,5 +292,31 @@ TEST(RegistryTest, RollbackReactivatesDrainingGeneration) {
   EXPECT_EQ(registry.List().size(), 2u);
 }
 
+// A prepared generation that never served is forgotten whole; one that served, or a trial holds,
+// is not.
+TEST(RegistryTest, DiscardForgetsOnlyAPreparedGenerationNoOneHolds) {
+  GenerationRegistry registry;
+  EXPECT_EQ(registry.Discard(PlacementVersion(5)).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry.Prepare(Version(5)).ok());
+  ASSERT_TRUE(registry.Prepare(Version(6)).ok());
+  ASSERT_TRUE(registry.Discard(PlacementVersion(5)).ok());
+  EXPECT_EQ(registry.State(PlacementVersion(5)).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_EQ(registry.List().size(), 1u);
+  ASSERT_TRUE(registry.Prepare(Version(5)).ok());  // the version may be prepared again
+  {
+    auto trial = registry.AcquireTrial(PlacementVersion(6), HandleId(1));
+    ASSERT_TRUE(trial.ok()) << trial.status();
+    EXPECT_EQ(registry.Discard(PlacementVersion(6)).code(), absl::StatusCode::kFailedPrecondition);
+    ASSERT_TRUE(trial->Release().ok());
+  }
+  ASSERT_TRUE(registry.Activate(PlacementVersion(6)).ok());
+  const absl::Status active = registry.Discard(PlacementVersion(6));
+  EXPECT_EQ(active.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(active.message()), testing::HasSubstr("ACTIVE"));
+  ASSERT_TRUE(registry.Activate(PlacementVersion(5)).ok());  // 6 drains
+  EXPECT_EQ(registry.Discard(PlacementVersion(6)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*registry.State(PlacementVersion(6)), GenerationState::kDraining);
+}
+
 }  // namespace
 }  // namespace moe

@@ -273,5 +273,52 @@ TEST_F(RankAgentTest, MaterializeFetchAndTrials) {
   EXPECT_EQ(executor_->Trial().version, -1);
 }
 
+// A placement whose load failed on another rank is forgotten here: its weights dropped, the
+// version preparable again with other slots. Only a PREPARED generation outside a trial.
+TEST_F(RankAgentTest, DiscardForgetsAPreparedGenerationThatNeverServed) {
+  v1::GenerationRequest req;
+  v1::GenerationStatus st;
+  {
+    grpc::ClientContext none;
+    req.set_version(2);
+    EXPECT_EQ(stub_->DiscardGeneration(&none, req, &st).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  req.set_version(0);
+  EXPECT_EQ(stub_->DiscardGeneration(Ctx().get(), req, &st).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  req.set_version(9);  // unknown here: nothing held, done
+  ASSERT_TRUE(stub_->DiscardGeneration(Ctx().get(), req, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_UNSPECIFIED);
+
+  ASSERT_TRUE(Prepare(Manifest(2), &st).ok());
+  // The same version with other slots (one more replica) is refused while v2 is held ...
+  const v1::PlacementManifest wider = ManifestToProto(
+      **DefaultPlacement(PlacementVersion(2), kExperts, 1, topology_, group_, ckpt_.metadata), topology_);
+  EXPECT_EQ(Prepare(wider, &st).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  req.set_version(2);
+  v1::TrialRequest t, got;
+  t.set_version(2);
+  t.set_shadow_every(2);
+  ASSERT_TRUE(stub_->SetTrial(Ctx().get(), t, &got).ok());
+  grpc::Status trial = stub_->DiscardGeneration(Ctx().get(), req, &st);
+  EXPECT_EQ(trial.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << trial.error_message();
+  EXPECT_THAT(trial.error_message(), HasSubstr("trial"));
+  t.set_version(0);
+  ASSERT_TRUE(stub_->SetTrial(Ctx().get(), t, &got).ok());
+  ASSERT_TRUE(stub_->DiscardGeneration(Ctx().get(), req, &st).ok());
+  EXPECT_FALSE(registry_.State(PlacementVersion(2)).ok());
+  ASSERT_TRUE(stub_->DiscardGeneration(Ctx().get(), req, &st).ok());  // repeat
+  EXPECT_EQ(StepGeneration(1), 1);                                    // steps never saw it
+  // ... and prepared after the discard.
+  ASSERT_TRUE(Prepare(wider, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
+  EXPECT_GT(st.local_slots(), kExperts);
+  // A generation that served is retired, never discarded.
+  req.set_version(1);
+  grpc::Status active = stub_->DiscardGeneration(Ctx().get(), req, &st);
+  EXPECT_EQ(active.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << active.error_message();
+  EXPECT_THAT(active.error_message(), HasSubstr("ACTIVE"));
+  EXPECT_EQ(*registry_.State(PlacementVersion(1)), GenerationState::kActive);
+}
+
 }  // namespace
 }  // namespace moe
