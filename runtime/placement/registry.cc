@@ -57,6 +57,11 @@ absl::Status GenerationRegistry::Prepare(std::shared_ptr<const PlacementManifest
   const int64_t v = manifest->version().value();
   if (generations_.count(v) != 0)
     return absl::AlreadyExistsError(absl::StrCat(Name(manifest->version()), " is already registered"));
+  if (bound_epoch_ != 0 && manifest->epoch().value() != bound_epoch_) {
+    return absl::FailedPreconditionError(absl::StrCat(Name(manifest->version()), " names process-group epoch ",
+                                                      manifest->epoch().value(), "; the group re-formed as epoch ",
+                                                      bound_epoch_, " (prepare it again)"));
+  }
   Entry& e = generations_[v];
   e.manifest = std::move(manifest);
   e.state = GenerationState::kPrepared;
@@ -221,6 +226,7 @@ absl::Status GenerationRegistry::Rebind(const ProcessGroup& group, const Topolog
     bound[v] = *std::move(m);
   }
   for (auto& [v, m] : bound) generations_[v].manifest = std::move(m);
+  bound_epoch_ = group.epoch().value();
   return absl::OkStatus();
 }
 

@@ -71,7 +71,9 @@ class GenerationRegistry {
   GenerationRegistry(const GenerationRegistry&) = delete;
   GenerationRegistry& operator=(const GenerationRegistry&) = delete;
 
-  // Adds a generation in PREPARED. ALREADY_EXISTS for a known version.
+  // Adds a generation in PREPARED. ALREADY_EXISTS for a known version; FAILED_PRECONDITION for a
+  // manifest of another process-group epoch than the last Rebind's (one verified against the
+  // group before it re-formed, registered after).
   absl::Status Prepare(std::shared_ptr<const PlacementManifest> manifest);
   // PREPARED -> ACTIVE; the previous ACTIVE generation (if any) becomes DRAINING.
   // A DRAINING generation may be re-activated (rollback); RETIRED may not.
@@ -125,6 +127,7 @@ class GenerationRegistry {
   mutable absl::Mutex mu_;
   std::map<int64_t, Entry> generations_ ABSL_GUARDED_BY(mu_);
   int64_t active_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t bound_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // the last Rebind's epoch (0: none yet)
 };
 
 }  // namespace moe

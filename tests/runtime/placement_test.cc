@@ -292,6 +292,27 @@ TEST(RegistryTest, RollbackReactivatesDrainingGeneration) {
   EXPECT_EQ(registry.List().size(), 2u);
 }
 
+// Once the group re-formed (Rebind), a manifest bound to an earlier epoch is refused: it was
+// verified against the group before, and registering it now would serve a stale binding.
+TEST(RegistryTest, PrepareAfterARebindNeedsTheNewEpoch) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  const std::shared_ptr<const PlacementManifest> old18 = Version(18);
+  const Topology hosts = *Topology::FromNodeNames({"host-a", "host-b", "host-b", "host-c"});
+  auto epoch13 =
+      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), {Rank(0), Rank(1), Rank(2), Rank(3)});
+  ASSERT_TRUE(epoch13.ok());
+  ASSERT_NE(old18->epoch().value(), 13);
+  ASSERT_TRUE(registry.Rebind(*epoch13, hosts).ok());
+  const absl::Status stale = registry.Prepare(old18);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("re-formed as epoch 13"));
+  EXPECT_EQ(registry.State(PlacementVersion(18)).status().code(), absl::StatusCode::kNotFound);
+  auto bound = old18->Rebound(*epoch13, hosts);
+  ASSERT_TRUE(bound.ok()) << bound.status();
+  EXPECT_TRUE(registry.Prepare(*bound).ok());
+}
+
 // A prepared generation that never served is forgotten whole; one that served, or a trial holds,
 // is not.
 TEST(RegistryTest, DiscardForgetsOnlyAPreparedGenerationNoOneHolds) {
