@@ -192,12 +192,27 @@ void GroupCoordinator::OnLost(int32_t rank, uint64_t incarnation) {
 void GroupCoordinator::Reform(const std::string& reason) {
   std::vector<int32_t> peers;
   for (const auto& [rank, m] : members_) peers.push_back(rank);
-  const int64_t epoch = last_epoch_ + 1;
+  int64_t epoch = last_epoch_ + 1;
   if (options_.store != nullptr) {
-    if (absl::Status s = options_.store->RecordEpoch(epoch, reason, absl::StrJoin(peers, ","), NowMs()); !s.ok()) {
-      spdlog::error("process group: recording epoch {}: {}", epoch, std::string(s.message()));
+    // Epochs never repeat, across controller restarts too: the next is past the highest the store
+    // holds (a read that failed at start left last_epoch_ behind it), and it exists only once
+    // recorded. An epoch formed unrecorded was once numbered again after a restart.
+    absl::StatusOr<int64_t> recorded = options_.store->LastEpoch();
+    absl::Status s = recorded.status();
+    if (recorded.ok()) {
+      epoch = std::max(last_epoch_, *recorded) + 1;
+      s = options_.store->RecordEpoch(epoch, reason, absl::StrJoin(peers, ","), NowMs());
+    }
+    if (!s.ok()) {
+      reason_ = absl::StrCat("epoch ", epoch, " not formed: the store did not record it (", s.message(),
+                             "); retrying each second: ", reason);
+      spdlog::error("process group: {}", reason_);
+      reform_retry_ = reason;
+      reform_retry_at_ = absl::Now() + absl::Seconds(1);
+      return;
     }
   }
+  reform_retry_.reset();
   last_epoch_ = epoch;
   serving_.reset();
   const bool full = static_cast<int>(peers.size()) == options_.world;
@@ -348,6 +363,10 @@ void GroupCoordinator::Tick() {
       absl::MutexLock lock(&mu_);
       if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(100))) return;
       MaybePublish();  // the survivors' grace may have run out
+      if (reform_retry_.has_value() && absl::Now() >= reform_retry_at_ && !members_.empty()) {
+        const std::string why = *reform_retry_;
+        Reform(why);
+      }
       if (adopting_.has_value() && absl::Now() >= adopting_->deadline) {
         const std::string why =
             absl::StrCat("epoch ", adopting_->epoch, "'s ranks did not all rejoin serving it within ",

@@ -97,7 +97,9 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnMessage(int32_t rank, uint64_t incarnation, const v1::MemberMessage& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnLost(int32_t rank, uint64_t incarnation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Starts forming the next epoch over the live members.
+  // Starts forming the next epoch over the live members: past the highest epoch recorded in the
+  // store, once recorded there; where the store cannot be read or written nothing is formed and
+  // the tick thread tries again a second later (reform_retry_).
   void Reform(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the forming epoch when every peer sent its endpoint and the membership may serve.
   void MaybePublish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -128,6 +130,8 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   std::vector<v1::EpochRecord> epochs_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::GroupView> ready_pending_ ABSL_GUARDED_BY(mu_);  // for on_ready
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<std::string> reform_retry_ ABSL_GUARDED_BY(mu_);  // the reason of a Reform not recorded
+  absl::Time reform_retry_at_ ABSL_GUARDED_BY(mu_);
   std::thread ticker_;
 };
 

@@ -410,6 +410,23 @@ TEST(GroupCoordinatorTest, AfterARestartAFaultDuringTheAdoptionOrALossAfterItFor
   }
 }
 
+// The next epoch is past the highest the store holds, not only past the coordinator's own count:
+// with epoch 8 recorded behind its back, the fault forms 9 (an epoch formed though its record
+// failed was once numbered again after a restart).
+TEST(GroupCoordinatorTest, ANewEpochIsPastTheHighestRecorded) {
+  auto store = StoreWithEpoch7("past_recorded");
+  Server s(RestartedOver(store.get()));
+  Member a(s, 0, 11, "host-a", kToken, 7);
+  AwaitStatus(
+      s.coordinator(), [](const v1::GroupStatus& x) { return x.live_ranks_size() == 1; }, "rank 0 rejoined");
+  ASSERT_TRUE(store->RecordEpoch(8, "recorded elsewhere", "0", 3).ok());
+  a.SendReady(7, false, "ucx: peer slot 1 failed");
+  const v1::PrepareEpoch p = a.NextPrepare(1);
+  EXPECT_EQ(p.epoch(), 9);
+  EXPECT_EQ(*store->LastEpoch(), 9);
+  a.Die();
+}
+
 TEST(GroupCoordinatorTest, AfterARestartTheGraceRunningOutFormsANewEpochOverWhoRejoined) {
   auto store = StoreWithEpoch7("adopt_grace");
   Server s(RestartedOver(store.get(), absl::Milliseconds(300)));
