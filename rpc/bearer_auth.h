@@ -1,5 +1,7 @@
 // Bearer-token check for control-plane services (moe-controller, rank agents): the token is
-// compared in constant time; a missing or wrong token is UNAUTHENTICATED.
+// compared in constant time; a missing or wrong token is UNAUTHENTICATED. A service with a
+// read-only role (moe-controller's --read_token_file) checks the presented token against each
+// role's with BearerIs.
 #ifndef MOE_RPC_BEARER_AUTH_H_
 #define MOE_RPC_BEARER_AUTH_H_
 
@@ -22,6 +24,9 @@ inline grpc::Status CheckBearer(const grpc::ServerContext* ctx, const std::strin
   }
   return grpc::Status::OK;
 }
+
+// Whether the call carries exactly `token` (an empty token never matches).
+inline bool BearerIs(const grpc::ServerContext* ctx, const std::string& token) { return CheckBearer(ctx, token).ok(); }
 
 }  // namespace moe
 

@@ -99,16 +99,28 @@ v1::ReleaseState ToProto(ReleaseState s) {
   return static_cast<v1::ReleaseState>(static_cast<int>(s) + 1);  // both enums list the states in order
 }
 
-ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseManager* manager, std::string token)
-    : manager_(manager), token_(std::move(token)) {}
+ControlPlaneServiceImpl::ControlPlaneServiceImpl(ReleaseManager* manager, std::string token, std::string read_token)
+    : manager_(manager), token_(std::move(token)), read_token_(std::move(read_token)) {}
 
-grpc::Status ControlPlaneServiceImpl::Authorize(const grpc::ServerContext* ctx) const {
+grpc::Status ControlPlaneServiceImpl::AuthorizeRead(const grpc::ServerContext* ctx) const {
+  if (BearerIs(ctx, read_token_)) return grpc::Status::OK;
   return CheckBearer(ctx, token_);
+}
+
+grpc::Status ControlPlaneServiceImpl::AuthorizeWrite(const grpc::ServerContext* ctx, const char* rpc) const {
+  grpc::Status s = CheckBearer(ctx, token_);
+  if (!s.ok() && BearerIs(ctx, read_token_)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat(rpc,
+                                     ": the read-only token (--read_token_file) cannot change the registry or the "
+                                     "ranks; this call needs the operators' token (--token_file)"));
+  }
+  return s;
 }
 
 grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                                       v1::Release* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeWrite(ctx, "RegisterRelease"); !s.ok()) return s;
   auto r = manager_->Register(req->request_id(), req->release_id(), req->bundle_digest(), req->bundle_json());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
@@ -118,7 +130,7 @@ grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, 
 grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx,
                                                         const v1::TransitionReleaseRequest* req,
                                                         v1::TransitionRecord* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeWrite(ctx, "TransitionRelease"); !s.ok()) return s;
   auto to = FromProto(req->to(), "to");
   if (!to.ok()) return ToGrpcStatus(to.status());
   auto t = manager_->Transition(req->request_id(), req->release_id(), *to, req->reason());
@@ -129,7 +141,7 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
 
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
                                               v1::PromoteResponse* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeWrite(ctx, "Promote"); !s.ok()) return s;
   std::optional<GateEvidence> evidence;
   if (req->has_evidence()) evidence = FromProto(req->evidence());
   auto promoted = manager_->Promote(req->request_id(), req->release_id(), evidence);
@@ -144,7 +156,7 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
 
 grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req,
                                                v1::RollbackResponse* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeWrite(ctx, "Rollback"); !s.ok()) return s;
   auto transitions = manager_->Rollback(req->request_id(), req->release_id(), req->prior_release_id(), req->reason());
   if (!transitions.ok()) return ToGrpcStatus(transitions.status());
   for (const StoredTransition& t : *transitions) Fill(t, resp->add_transitions());
@@ -153,7 +165,7 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
 
 grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req,
                                                     v1::Release* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeWrite(ctx, "LoadPlacement"); !s.ok()) return s;
   // No manifest: the placement of the release's bundle (INVALID_ARGUMENT from the manager when
   // the release has none).
   auto r = manager_->LoadPlacement(req->request_id(), req->release_id(), req->manifest());
@@ -164,7 +176,7 @@ grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, co
 
 grpc::Status ControlPlaneServiceImpl::ClusterStatus(grpc::ServerContext* ctx, const v1::ClusterStatusRequest*,
                                                     v1::ClusterStatusResponse* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeRead(ctx); !s.ok()) return s;
   for (auto& [status, address] : manager_->ClusterStatus()) {
     v1::RankAgentReport* r = resp->add_ranks();
     r->set_address(address);
@@ -179,7 +191,7 @@ grpc::Status ControlPlaneServiceImpl::ClusterStatus(grpc::ServerContext* ctx, co
 
 grpc::Status ControlPlaneServiceImpl::GetRelease(grpc::ServerContext* ctx, const v1::GetReleaseRequest* req,
                                                  v1::Release* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeRead(ctx); !s.ok()) return s;
   auto r = manager_->Get(req->release_id());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
@@ -188,7 +200,7 @@ grpc::Status ControlPlaneServiceImpl::GetRelease(grpc::ServerContext* ctx, const
 
 grpc::Status ControlPlaneServiceImpl::ListReleases(grpc::ServerContext* ctx, const v1::ListReleasesRequest*,
                                                    v1::ListReleasesResponse* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeRead(ctx); !s.ok()) return s;
   auto releases = manager_->List();
   if (!releases.ok()) return ToGrpcStatus(releases.status());
   for (const ReleaseRecord& r : *releases) Fill(r, resp->add_releases());
@@ -197,7 +209,7 @@ grpc::Status ControlPlaneServiceImpl::ListReleases(grpc::ServerContext* ctx, con
 
 grpc::Status ControlPlaneServiceImpl::History(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
                                               v1::HistoryResponse* resp) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeRead(ctx); !s.ok()) return s;
   auto history = manager_->History(req->release_id(), 0);
   if (!history.ok()) return ToGrpcStatus(history.status());
   for (const StoredTransition& t : *history) Fill(t, resp->add_transitions());
@@ -206,7 +218,7 @@ grpc::Status ControlPlaneServiceImpl::History(grpc::ServerContext* ctx, const v1
 
 grpc::Status ControlPlaneServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
                                             grpc::ServerWriter<v1::TransitionRecord>* writer) {
-  if (grpc::Status s = Authorize(ctx); !s.ok()) return s;
+  if (grpc::Status s = AuthorizeRead(ctx); !s.ok()) return s;
   if (req->after_seq() < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "after_seq: must be >= 0");
   int64_t last = req->after_seq();
   // Transitions are committed to SQLite before they are answered, so polling the table sees

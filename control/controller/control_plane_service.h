@@ -1,5 +1,6 @@
 // ControlPlaneService on moe-controller: the gRPC edge of the release registry. Every RPC checks
-// the bearer token first (UNAUTHENTICATED otherwise, before the manager is called), decodes the
+// the bearer token first (UNAUTHENTICATED otherwise, before the manager is called; the read-only
+// token on an RPC that writes: PERMISSION_DENIED, before the manager is called), decodes the
 // request, calls one ReleaseManager method (release_manager.h: the logic, its serialization and
 // its atomic store commits) and encodes the answer; a manager's error reaches the client with its
 // code and message as they are (rpc/grpc_status.h).
@@ -19,8 +20,11 @@ namespace moe {
 class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
  public:
   // `manager` is not owned and outlives the service. `token` must be non-empty: calls carry
-  // `authorization: Bearer <token>`.
-  ControlPlaneServiceImpl(ReleaseManager* manager, std::string token);
+  // `authorization: Bearer <token>`. `read_token` (empty: none) is also admitted by the RPCs that
+  // only read (ClusterStatus, GetRelease, ListReleases, History, Watch): dashboards, `moectl
+  // status` and `watch` without the power to register, load, promote or roll back. It must differ
+  // from `token`.
+  ControlPlaneServiceImpl(ReleaseManager* manager, std::string token, std::string read_token = "");
 
   grpc::Status RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                v1::Release* resp) override;
@@ -39,10 +43,14 @@ class ControlPlaneServiceImpl final : public v1::ControlPlaneService::Service {
                      grpc::ServerWriter<v1::TransitionRecord>* writer) override;
 
  private:
-  grpc::Status Authorize(const grpc::ServerContext* ctx) const;
+  // The operator token, or the read-only one.
+  grpc::Status AuthorizeRead(const grpc::ServerContext* ctx) const;
+  // The operator token only; the read-only one is PERMISSION_DENIED naming `rpc`.
+  grpc::Status AuthorizeWrite(const grpc::ServerContext* ctx, const char* rpc) const;
 
   ReleaseManager* manager_;
   const std::string token_;
+  const std::string read_token_;
 };
 
 // Conversions between the proto and the lifecycle enum (INVALID_ARGUMENT naming `field`).

@@ -3,11 +3,11 @@
 // in a SQLite file (WAL) before answering, and exports Prometheus metrics read from that file.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
@@ -15,13 +15,13 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "spdlog/spdlog.h"
 
 #include "control/controller/control_plane_service.h"
 #include "control/controller/group_coordinator.h"
+#include "control/controller/reconciler.h"
 #include "control/controller/release_manager.h"
 #include "control/store/release_store.h"
 #include "rpc/daemon_util.h"
@@ -31,6 +31,10 @@
 
 ABSL_FLAG(std::string, store, "", "SQLite file holding the release registry (created if missing)");
 ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every RPC must carry");
+ABSL_FLAG(std::string, read_token_file, "",
+          "file whose first line is a read-only bearer token (optional): it is admitted by ClusterStatus, "
+          "GetRelease, ListReleases, History, Watch and the process group's Status, and refused "
+          "(PERMISSION_DENIED) by every RPC that writes");
 ABSL_FLAG(int64_t, min_shadow, 100, "promotion gate: shadow samples required");
 ABSL_FLAG(int64_t, min_canary, 200, "promotion gate: canary samples required");
 ABSL_FLAG(double, max_drop_ratio, 0.005, "promotion gate: dropped / attempted routes");
@@ -64,7 +68,7 @@ ABSL_FLAG(int64_t, max_shadow_mismatches, 0,
           "plus failed shadow passes of its placement than this (runner parity differs -> block canary)");
 ABSL_FLAG(int, reconcile_interval_s, 5,
           "with --ranks: every N seconds, bring ranks that serve another placement than the ACTIVE release's (a "
-          "restarted moe-rankd) back to it; 0: only at start");
+          "restarted moe-rankd) back to it; 0: only at start and when an epoch of the process group serves");
 
 namespace moe {
 namespace {
@@ -111,6 +115,7 @@ class StoreCollector : public prometheus::Collectable {
 struct ControllerOptions {
   std::string store_path;
   std::string token;
+  std::string read_token;  // --read_token_file; empty: none
   PromotionThresholds thresholds;
   bool ranks_given = false;        // false: the controller keeps the registry only
   std::vector<std::string> ranks;  // --ranks (may still be empty: "," names no rank)
@@ -128,6 +133,14 @@ struct ControllerOptions {
 // --token_file and --store (INVALID_ARGUMENT naming the flag).
 absl::Status ParseRegistryFlags(ControllerOptions* o) {
   ASSIGN_OR_RETURN(o->token, ReadTokenFile(absl::GetFlag(FLAGS_token_file), "--token_file"));
+  if (!absl::GetFlag(FLAGS_read_token_file).empty()) {
+    ASSIGN_OR_RETURN(o->read_token, ReadTokenFile(absl::GetFlag(FLAGS_read_token_file), "--read_token_file"));
+    if (o->read_token == o->token) {
+      return absl::InvalidArgumentError(
+          "--read_token_file: holds the same token as --token_file (a read-only "
+          "token must be another one)");
+    }
+  }
   o->store_path = absl::GetFlag(FLAGS_store);
   if (o->store_path.empty()) return absl::InvalidArgumentError("--store: required");
   o->tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca)};
@@ -152,6 +165,11 @@ absl::Status ParseRankFlags(ControllerOptions* o) {
   o->adopt_grace = absl::Seconds(absl::GetFlag(FLAGS_adopt_grace_s));
   if (o->ranks_given || o->world > 0) {
     ASSIGN_OR_RETURN(o->agent_token, ReadTokenFile(absl::GetFlag(FLAGS_agent_token_file), "--agent_token_file"));
+    if (!o->read_token.empty() && o->read_token == o->agent_token) {
+      return absl::InvalidArgumentError(
+          "--read_token_file: holds the same token as --agent_token_file (a "
+          "read-only token must not let its holder join the group as a rank)");
+    }
   }
   o->drain_timeout = absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   o->migration = {absl::GetFlag(FLAGS_migration_budget_bytes), absl::GetFlag(FLAGS_expert_bytes)};
@@ -223,22 +241,6 @@ AgentGroup GroupOfView(const v1::GroupView& view) {
   return g;
 }
 
-// Periodic reconcile: a rank agent that restarted re-registers its generations here. Returns a
-// thread that is not joinable when there is nothing to reconcile.
-std::thread StartReconciler(ReleaseManager* manager, const AgentPool* agents, int interval_s,
-                            absl::Notification* stopping) {
-  if (agents == nullptr || agents->empty() || interval_s <= 0) return std::thread();
-  return std::thread([manager, interval_s, stopping] {
-    std::string last;
-    while (!stopping->WaitForNotificationWithTimeout(absl::Seconds(interval_s))) {
-      const absl::Status s = manager->Reconcile();
-      const std::string now = s.ok() ? "" : std::string(s.message());
-      if (now != last && !s.ok()) spdlog::warn("reconcile: {}", now);  // each new failure once
-      last = now;
-    }
-  });
-}
-
 // Logs the failure and returns `exit_code`.
 int Fail(const absl::Status& s, int exit_code) {
   spdlog::error("{}", std::string(s.message()));
@@ -266,7 +268,14 @@ int Main() {
   std::unique_ptr<AgentPool> agents = ConnectAgents(o);
   StoreReleaseManager manager(registry->store.get(), o.thresholds, agents.get(), AgentTopology(agents.get()),
                               o.drain_timeout, o.migration, o.trial);
-  ControlPlaneServiceImpl service(&manager, o.token);
+  ControlPlaneServiceImpl service(&manager, o.token, o.read_token);
+  // A rank agent that restarted re-registers its generations through the reconcile: every
+  // --reconcile_interval_s, and at once when an epoch of the group serves.
+  std::unique_ptr<Reconciler> reconciler;
+  if (agents != nullptr && !agents->empty()) {
+    reconciler = std::make_unique<Reconciler>([&manager] { return manager.Reconcile(); },
+                                              absl::Seconds(std::max(0, o.reconcile_interval_s)));
+  }
   // The process group formed here (--world): its own connection to the registry file records
   // the epochs; each epoch that serves re-drives the ACTIVE placement onto its ranks.
   std::unique_ptr<ReleaseStore> epoch_store;
@@ -279,16 +288,17 @@ int Main() {
     go.world = o.world;
     go.token = o.agent_token;
     go.operator_token = o.token;
+    go.read_token = o.read_token;
     go.store = epoch_store.get();
     go.survivor_grace = o.survivor_grace;
     go.adopt_grace = o.adopt_grace;
     AgentPool* pool = agents.get();
-    go.on_ready = [pool, &manager](const v1::GroupView& view) {
+    Reconciler* r = reconciler.get();
+    // On the coordinator's tick thread: the reconcile itself waits for the manager's writer lock
+    // (a LoadPlacement may hold it for minutes), so it runs on the reconciler's thread.
+    go.on_ready = [pool, r](const v1::GroupView& view) {
       pool->SetGroup(GroupOfView(view));
-      if (absl::Status s = manager.Reconcile(); !s.ok()) {
-        spdlog::warn("epoch {}: reconcile: {} (the periodic reconcile retries)", view.epoch(),
-                     std::string(s.message()));
-      }
+      if (r != nullptr) r->Kick();
     };
     group = std::make_unique<GroupCoordinator>(std::move(go));
   }
@@ -314,16 +324,13 @@ int Main() {
   spdlog::info("serving on port {} (metrics on {}), {} releases in {} (single writer: {}), {} rank agents", port,
                (*exposer)->GetListeningPorts().at(0), releases.ok() ? releases->size() : 0, o.store_path,
                registry->lock->path(), agents == nullptr ? 0 : agents->addresses().size());
-  absl::Notification stopping;
-  std::thread reconciler = StartReconciler(&manager, agents.get(), o.reconcile_interval_s, &stopping);
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: shutting down", sig);
   SdNotify(notify, "STOPPING=1");
   SetHealth({server->get(), health->get()}, "", false);
-  stopping.Notify();
-  if (reconciler.joinable()) reconciler.join();
   if (group != nullptr) group->Shutdown();
+  reconciler.reset();  // after the last on_ready; waits for a reconcile in progress
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   if (health->get() != nullptr) health->get()->Shutdown(std::chrono::system_clock::now());
   return kExitOk;

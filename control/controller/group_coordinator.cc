@@ -410,7 +410,7 @@ v1::GroupStatus GroupCoordinator::Snapshot() const {
 
 grpc::Status GroupCoordinator::Status(grpc::ServerContext* ctx, const v1::GroupStatusRequest*, v1::GroupStatus* resp) {
   if (grpc::Status s = CheckBearer(ctx, options_.token); !s.ok()) {
-    if (options_.operator_token.empty() || !CheckBearer(ctx, options_.operator_token).ok()) return s;
+    if (!BearerIs(ctx, options_.operator_token) && !BearerIs(ctx, options_.read_token)) return s;
   }
   *resp = Snapshot();
   return grpc::Status::OK;

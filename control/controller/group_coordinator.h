@@ -44,6 +44,7 @@ struct GroupCoordinatorOptions {
   int world = 0;
   std::string token;              // the rank agents' bearer token, which joining ranks present
   std::string operator_token;     // Status also answers callers holding the operators' token
+  std::string read_token;         // ... and the operators' read-only token (empty: none)
   ReleaseStore* store = nullptr;  // epochs are recorded here (not owned; its own connection)
   // 0: wait for a replacement as long as it takes; else form over the survivors after this long.
   absl::Duration survivor_grace = absl::ZeroDuration();

@@ -3,6 +3,8 @@
 // answers are encoded and its errors come back with their code and message.
 #include "control/controller/control_plane_service.h"
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +26,7 @@ namespace moe {
 namespace {
 
 constexpr char kToken[] = "0123456789abcdef-token";
+constexpr char kReadToken[] = "0123456789abcdef-reader";
 
 // Records every call (the method and its arguments) and answers `error` when it is set.
 class FakeReleaseManager final : public ReleaseManager {
@@ -122,7 +125,7 @@ class FakeReleaseManager final : public ReleaseManager {
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    service_ = std::make_unique<ControlPlaneServiceImpl>(&manager_, kToken);
+    service_ = std::make_unique<ControlPlaneServiceImpl>(&manager_, kToken, kReadToken);
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -155,6 +158,34 @@ TEST_F(ServiceTest, EveryRpcIsAuthorizedBeforeTheManagerIsCalled) {
     EXPECT_EQ(call(Ctx("0123456789abcdef-tokeN").get()).error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
   }
   EXPECT_TRUE(manager_.calls().empty());
+}
+
+TEST_F(ServiceTest, TheReadOnlyTokenIsRefusedByEveryWriteBeforeTheManagerIsCalledAndServedByEveryRead) {
+  const std::vector<std::string> writes = {"RegisterRelease", "TransitionRelease", "Promote", "Rollback",
+                                           "LoadPlacement"};
+  for (const auto& [name, call] : testing::EveryControlPlaneRpc(stub_.get())) {
+    const bool write = std::find(writes.begin(), writes.end(), name) != writes.end();
+    auto ctx = Ctx(kReadToken);
+    // Watch streams until cancelled: a deadline ends it once the handler has polled.
+    if (name == "Watch") ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    const size_t before = manager_.calls().size();
+    const grpc::Status s = call(ctx.get());
+    if (write) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << name;
+      EXPECT_THAT(s.error_message(), ::testing::StartsWith(name + ": the read-only token")) << name;
+      EXPECT_EQ(manager_.calls().size(), before) << name << " reached the manager";
+    } else {
+      EXPECT_NE(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << name;
+      EXPECT_NE(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << name;
+      EXPECT_GT(manager_.calls().size(), before) << name << " did not reach the manager";
+    }
+  }
+  // The operators' token still writes.
+  v1::RegisterReleaseRequest req;
+  req.set_request_id("req-1");
+  req.set_release_id("release-v2");
+  v1::Release r;
+  EXPECT_TRUE(stub_->RegisterRelease(Ctx().get(), req, &r).ok());
 }
 
 TEST_F(ServiceTest, RegisterHandsTheFieldsOverAndEncodesTheRecord) {

@@ -155,4 +155,32 @@ PY
 check "a malformed runtime field never reaches VERIFIED" 1 "runtime.decode_bucket_tokens" -- \
   "$MOECTL" "${C[@]}" release transition release-v23 VERIFIED --reason "claimed"
 check "... and the controller serves on" 0 "release-v23 *BUILT" -- "$MOECTL" "${C[@]}" releases list
+# A read-only token (--read_token_file): moectl's reads work with it, every write is refused
+# (PERMISSION_DENIED, exit 1) and commits nothing; the same token as --token_file is refused at
+# start (exit 2 naming the flag).
+check "read token equal to the operators' refused" 2 "read_token_file: holds the same token" -- \
+  "$CONTROLLER" --store "$TMP/other.db" --token_file "$TMP/token" --read_token_file "$TMP/token"
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$TMP/read.token"
+kill "$pid"; wait "$pid" 2>/dev/null
+rm -f "$TMP/port" "$TMP/metrics.port"
+"$CONTROLLER" --store "$TMP/registry.db" --token_file "$TMP/token" --read_token_file "$TMP/read.token" \
+  --port_file "$TMP/port" --metrics_port_file "$TMP/metrics.port" >>"$TMP/controller.log" 2>&1 &
+pid=$!
+for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+C=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/token")
+R=(--controller "127.0.0.1:$(cat "$TMP/port")" --token_file "$TMP/read.token")
+"$MOECTL" "${C[@]}" releases list --json >"$TMP/before-read.json"
+check "read token: list" 0 "release-v23 *BUILT" -- "$MOECTL" "${R[@]}" releases list
+check "read token: show" 0 "release-v18" -- "$MOECTL" "${R[@]}" releases show release-v18
+check "read token: register refused" 1 "PERMISSION_DENIED: RegisterRelease: the read-only token" -- \
+  "$MOECTL" "${R[@]}" release register release-v24 --digest sha256:24
+check "read token: transition refused" 1 "PERMISSION_DENIED: TransitionRelease" -- \
+  "$MOECTL" "${R[@]}" release transition release-v23 VERIFIED --reason x
+check "read token: rollback refused" 1 "PERMISSION_DENIED: Rollback" -- \
+  "$MOECTL" "${R[@]}" rollback release-v18 --prior release-v19
+"$MOECTL" "${C[@]}" releases list --json >"$TMP/after-read.json"
+cmp -s "$TMP/before-read.json" "$TMP/after-read.json" && echo "ok   the read token changed nothing" ||
+  { echo "FAIL the read token changed the registry"; diff "$TMP/before-read.json" "$TMP/after-read.json"; fail=1; }
+check "operators' token still writes" 0 "release-v24 BUILT" -- \
+  "$MOECTL" "${C[@]}" release register release-v24 --digest sha256:24
 exit $fail

@@ -268,6 +268,30 @@ TEST(GroupCoordinatorTest, SurvivorsFormAfterTheGraceRefuseWithoutACopyAndARepla
   replacement.Die();
 }
 
+TEST(GroupCoordinatorTest, StatusAnswersTheAgentsTheOperatorsAndTheReadOnlyTokenOnly) {
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.operator_token = "operator-secret-0123";
+  o.read_token = "reader-secret-0123";
+  Server s(o);
+  auto stub = v1::ProcessGroupService::NewStub(s.channel());
+  auto status = [&](const std::string& token) {
+    grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    v1::GroupStatus st;
+    return stub->Status(&ctx, {}, &st).error_code();
+  };
+  EXPECT_EQ(status(kToken), grpc::StatusCode::OK);
+  EXPECT_EQ(status("operator-secret-0123"), grpc::StatusCode::OK);
+  EXPECT_EQ(status("reader-secret-0123"), grpc::StatusCode::OK);
+  EXPECT_EQ(status("reader-secret-0124"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(status(""), grpc::StatusCode::UNAUTHENTICATED);
+  // The read-only token never joins the group as a rank.
+  Member m(s, 0, 1, "host-a", "reader-secret-0123");
+  EXPECT_EQ(m.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
 TEST(GroupCoordinatorTest, BadJoinsAreRefusedNamingTheField) {
   GroupCoordinatorOptions o;
   o.world = 2;
