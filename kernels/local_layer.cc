@@ -6,10 +6,13 @@ namespace moe::kernels {
 
 namespace {
 
-// Whether the experts read a scattered copy of the rows (LocalLayerScratch).
+// Whether the experts read a scattered copy of the rows (LocalLayerScratch), not the tokens' rows
+// through token_of_row.
 bool ScatterFirst(const ExpertKernels& kernels, const LocalLayerParams& p) {
-  return p.padded_capacity == 0 &&
-         kernels.DecodeGemmBeatsPadded(p.weights.num_experts, p.weights.d, p.weights.d_ff, p.num_tokens * p.k);
+  const ExpertWeights& w = p.weights;
+  const int64_t routes = p.num_tokens * p.k;
+  return p.padded_capacity == 0 && kernels.DecodeGemmBeatsPadded(w.num_experts, w.d, w.d_ff, routes) &&
+         !kernels.DecodeGemmGathersRows(w.num_experts, w.d, w.d_ff, routes);
 }
 
 }  // namespace

@@ -371,6 +371,145 @@ SwigluFp8Params PackedParams(SwigluFp8Params p, DeviceVector<uint8_t>& packed, D
   return p;
 }
 
+// The gate/up kernel reading its rows through an index (rows128_epi, cp.async by the producer
+// warp) against the same kernels on a copy of the rows put into expert order on the host: the
+// same bits. Indices of -1 and past the source read zeros, rows outside every segment are not
+// written, and the other schedules refuse an index with nothing written.
+TEST_F(CudaKernelsTest, GroupedSm90GatheredRowsEqualScatteredRows) {
+  struct Shape {
+    int d, f;
+    std::vector<int64_t> counts;  // empty: 70 experts of 0-149 rows (several tiles a CTA)
+  };
+  for (const Shape& shape : {Shape{256, 128, {}}, Shape{512, 384, {600, 530, 0, 700, 513}},
+                             Shape{768, 256, {0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 2, 257}}}) {
+    const int d = shape.d, f = shape.f;
+    std::vector<int64_t> counts = shape.counts;
+    if (counts.empty()) {
+      for (int i = 0; i < 70; ++i) counts.push_back(i % 7 == 0 ? 0 : static_cast<int64_t>(rng_() % 150));
+    }
+    const int e = static_cast<int>(counts.size());
+    SCOPED_TRACE(::testing::Message() << "E=" << e << " d=" << d << " f=" << f);
+    ASSERT_TRUE(cuda::GroupedSm90Supported(e, d, f));
+    std::vector<int64_t> offsets = Offsets(counts);
+    const int64_t lead = 3, tail = 9;  // expert-major rows outside every segment
+    for (int64_t& o : offsets) o += lead;
+    const int64_t rows = offsets.back() + tail;
+    const int64_t src_rows = rows / 3 + 5;  // tokens: each read by several rows
+    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, src_rows);
+    std::vector<int32_t> index(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint32_t v = rng_();
+      index[r] = v % 41 == 0   ? -1
+                 : v % 43 == 0 ? static_cast<int32_t>(src_rows + v % 5)
+                               : static_cast<int32_t>(v % src_rows);
+    }
+    std::vector<uint16_t> scattered(static_cast<size_t>(rows) * d, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (index[r] < 0 || index[r] >= src_rows) continue;
+      std::copy_n(layer.x.begin() + static_cast<int64_t>(index[r]) * d, d, scattered.begin() + r * d);
+    }
+    DeviceVector<uint16_t> dwgu(layer.wgu), dwd(layer.wd), dsrc(layer.x), dscattered(scattered);
+    DeviceVector<int64_t> doff(offsets);
+    DeviceVector<int32_t> dindex(index);
+    const uint16_t sentinel = FloatToBf16(-12345.0f);
+    DeviceVector<uint16_t> da(static_cast<size_t>(rows) * f, 0), dy(static_cast<size_t>(rows) * d, sentinel);
+    DeviceVector<uint16_t> dga(static_cast<size_t>(rows) * f, 0), dgy(static_cast<size_t>(rows) * d, sentinel);
+    ASSERT_EQ(cuda::LaunchGroupedSm90Swiglu(dscattered.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(),
+                                            da.get(), dy.get(), cuda::Sm90Schedule::kRows128Epi, nullptr),
+              cudaSuccess);
+    ASSERT_TRUE(cuda::GroupedSm90GathersRows(cuda::Sm90Schedule::kRows128Epi));
+    ASSERT_EQ(
+        cuda::LaunchGroupedSm90Swiglu(dsrc.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), dga.get(),
+                                      dgy.get(), cuda::Sm90Schedule::kRows128Epi, nullptr, dindex.get(), src_rows),
+        cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint16_t> want = dy.Host(), got = dgy.Host();
+    ASSERT_EQ(want.size(), got.size());
+    int64_t written = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "row " << i / d << " column " << i % d;
+      written += got[i] != sentinel;
+    }
+    const int64_t in_segments = offsets.back() - lead;
+    EXPECT_GT(written, in_segments * d / 2);  // the segments' rows were computed, not left alone
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= lead && r < offsets.back()) continue;
+      for (int c = 0; c < d; ++c) ASSERT_EQ(got[r * d + c], sentinel) << "row " << r << " outside every segment";
+    }
+    // Only rows128_epi's gate/up kernel reads through an index.
+    for (cuda::Sm90Schedule other : {cuda::Sm90Schedule::kRows64, cuda::Sm90Schedule::kRows128,
+                                     cuda::Sm90Schedule::kPingPong, cuda::Sm90Schedule::kWideEpiDown}) {
+      EXPECT_FALSE(cuda::GroupedSm90GathersRows(other));
+      DeviceVector<uint16_t> dz(static_cast<size_t>(rows) * d, sentinel);
+      EXPECT_EQ(cuda::LaunchGroupedSm90Swiglu(dsrc.get(), rows, doff.get(), e, d, f, dwgu.get(), dwd.get(), dga.get(),
+                                              dz.get(), other, nullptr, dindex.get(), src_rows),
+                cudaErrorInvalidValue);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (uint16_t v : dz.Host()) ASSERT_EQ(v, sentinel);
+    }
+  }
+}
+
+// LocalLayer's stages with sm90_gather=1 (the gate/up kernel reads the tokens' rows through
+// token_of_row, nothing scattered first) against the default kernels (a scattered copy): the
+// same bits, eager and replayed from a graph, where auto takes rows128_epi (512 rows an expert).
+TEST_F(CudaKernelsTest, LocalLayerGatheringInTheGateUpKernelEqualsScatteredRows) {
+  const int e = 8, k = 2, d = 512, f = 384;
+  const int64_t t = 2048;
+  CudaTuning tuning = GetCudaTuning();
+  const CudaTuning saved = tuning;
+  tuning.sm90_gather = true;
+  SetCudaTuning(tuning);
+  auto made = CreateCudaKernels();
+  SetCudaTuning(saved);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<ExpertKernels> gathering = std::move(*made);
+  if (saved.sm90_tile == CudaTuning::Sm90Tile::kAuto && saved.gemm == CudaTuning::Gemm::kAuto) {
+    ASSERT_TRUE(gathering->DecodeGemmGathersRows(e, d, f, t * k));
+    ASSERT_FALSE(gathering->DecodeGemmGathersRows(e, d, f, 64 * k));  // 16 rows an expert: another schedule
+  }
+  if (!saved.sm90_gather) ASSERT_FALSE(gpu_->DecodeGemmGathersRows(e, d, f, t * k));
+  auto wgu = RandomBf16(rng_, static_cast<size_t>(e) * 2 * f * d, 1.0f / std::sqrt(static_cast<float>(d)));
+  auto wd = RandomBf16(rng_, static_cast<size_t>(e) * d * f, 1.0f / std::sqrt(static_cast<float>(f)));
+  DeviceVector<uint16_t> dwgu(wgu), dwd(wd);
+  std::vector<int32_t> topk(static_cast<size_t>(t) * k);
+  for (int64_t i = 0; i < t; ++i) {
+    topk[i * k] = static_cast<int32_t>(rng_() % e);
+    topk[i * k + 1] = static_cast<int32_t>((topk[i * k] + 1 + rng_() % (e - 1)) % e);
+  }
+  auto x = RandomBf16(rng_, static_cast<size_t>(t) * d, 1.0f);
+  std::vector<float> gate(t * k);
+  for (auto& g : gate) g = std::uniform_real_distribution<float>(0, 1)(rng_);
+  DeviceVector<uint16_t> dx(x);
+  DeviceVector<int32_t> dtopk(topk);
+  DeviceVector<float> dgate(gate), want(t * d, -1.0f), got(t * d, -2.0f);
+  LocalLayerParams p = LayerInputs({dwgu.get(), dwd.get(), e, d, f}, dx.get(), dtopk.get(), dgate.get(), t, k);
+  LocalLayerScratch scratch, gathered_scratch;
+  p.out_fp32 = want.get();
+  ASSERT_TRUE(RunLocalLayerInStages(gpu_.get(), p, &scratch, nullptr).ok());
+  p.out_fp32 = got.get();
+  ASSERT_TRUE(RunLocalLayerInStages(gathering.get(), p, &gathered_scratch, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> expect = want.Host();
+  EXPECT_EQ(got.Host(), expect);
+  // Through the kernels' own LocalLayer, captured and replayed.
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaMemset(got.get(), 0xff, t * d * 4), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  ASSERT_TRUE(gathering->LocalLayer(p, st).ok());
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  EXPECT_EQ(got.Host(), expect);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+}
+
 // FP8 experts on the Hopper kernels against the CPU's FP8 reference (same quantization, same
 // rounding points: only the summation order differs) and, loosely, against the BF16 layer on
 // the dequantized weights. Rows outside the segments stay as they were.
