@@ -329,8 +329,8 @@ int Main() {
   spdlog::info("signal {}: shutting down", sig);
   SdNotify(notify, "STOPPING=1");
   SetHealth({server->get(), health->get()}, "", false);
-  if (group != nullptr) group->Shutdown();
-  reconciler.reset();  // after the last on_ready; waits for a reconcile in progress
+  if (group != nullptr) group->Shutdown();  // returns after the last on_ready (its tick thread joined)
+  reconciler.reset();                       // waits for a reconcile in progress
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   if (health->get() != nullptr) health->get()->Shutdown(std::chrono::system_clock::now());
   return kExitOk;

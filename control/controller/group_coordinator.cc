@@ -54,15 +54,16 @@ GroupCoordinator::GroupCoordinator(GroupCoordinatorOptions options) : options_(s
   ticker_ = std::thread([this] { Tick(); });
 }
 
-GroupCoordinator::~GroupCoordinator() {
-  Shutdown();
-  if (ticker_.joinable()) ticker_.join();
-}
+GroupCoordinator::~GroupCoordinator() { Shutdown(); }
 
 void GroupCoordinator::Shutdown() {
-  absl::MutexLock lock(&mu_);
-  stopping_ = true;
-  for (auto& [rank, m] : members_) m.ctx->TryCancel();
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (auto& [rank, m] : members_) m.ctx->TryCancel();
+  }
+  // Outside mu_: the tick thread takes it, and may be inside on_ready.
+  if (ticker_.joinable() && ticker_.get_id() != std::this_thread::get_id()) ticker_.join();
 }
 
 grpc::Status GroupCoordinator::Join(grpc::ServerContext* ctx, Stream* stream) {
@@ -209,6 +210,10 @@ void GroupCoordinator::Reform(const std::string& reason) {
       spdlog::error("process group: {}", reason_);
       reform_retry_ = reason;
       reform_retry_at_ = absl::Now() + absl::Seconds(1);
+      // What formed or served before names the membership this Reform replaces (a lost rank
+      // among its peers): nothing may publish or complete it while the new epoch waits.
+      forming_.reset();
+      serving_.reset();
       return;
     }
   }

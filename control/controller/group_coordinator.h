@@ -69,7 +69,8 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   // The epoch every member reported ready for (none before the first, and while re-forming).
   std::optional<v1::GroupView> ServingView() const;
   v1::GroupStatus Snapshot() const;
-  // Ends every Join stream (the server is shutting down).
+  // Ends every Join stream (the server is shutting down) and waits for the tick thread, so that
+  // no on_ready runs once it returns (its callee may then be destroyed). Not from on_ready.
   void Shutdown();
 
  private:

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
+#include <sqlite3.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -448,6 +449,73 @@ TEST(GroupCoordinatorTest, ANewEpochIsPastTheHighestRecorded) {
   const v1::PrepareEpoch p = a.NextPrepare(1);
   EXPECT_EQ(p.epoch(), 9);
   EXPECT_EQ(*store->LastEpoch(), 9);
+  a.Die();
+}
+
+// Runs `sql` on the registry file at `path` through a connection of the test's own.
+void Sql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* err = nullptr;
+  const int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err);
+  EXPECT_EQ(rc, SQLITE_OK) << (err != nullptr ? err : "") << ": " << sql;
+  sqlite3_free(err);
+  sqlite3_close(db);
+}
+
+// A rank lost while an epoch over both is forming, when the store refuses the next epoch: the
+// forming epoch (which names the lost rank) is dropped, so the survivor's READY for it completes
+// nothing and the grace publishes nothing; once the store records again, the retry forms the
+// survivors' epoch.
+TEST(GroupCoordinatorTest, AnEpochTheStoreRefusesLeavesNoStaleEpochFormingAndIsRetried) {
+  const std::string path = absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp", "/refused_record.db");
+  std::remove(path.c_str());
+  auto store = ReleaseStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  o.store = store->get();
+  o.survivor_grace = absl::Milliseconds(100);
+  Server s(o);
+  Member a(s, 0, 11, "host-a");
+  auto b = std::make_unique<Member>(s, 1, 22, "host-b");
+  const v1::PrepareEpoch pa = a.NextPrepare(2), pb = b->NextPrepare(2);
+  a.SendEndpoint(pa.epoch());
+  b->SendEndpoint(pb.epoch());
+  ASSERT_EQ(a.NextFormed().epoch(), pa.epoch());
+  ASSERT_EQ(b->NextFormed().epoch(), pa.epoch());
+  b->SendReady(pa.epoch(), true);
+  AwaitStatus(
+      s.coordinator(), [&](const v1::GroupStatus& x) { return x.forming_epoch() == pa.epoch(); }, "epoch forming");
+  Sql(path,
+      "CREATE TRIGGER refuse_epochs BEFORE INSERT ON group_epochs BEGIN SELECT RAISE(ABORT, 'refused by the test'); "
+      "END;");
+  b->Die();
+  const v1::GroupStatus refused = AwaitStatus(
+      s.coordinator(),
+      [](const v1::GroupStatus& x) {
+        return x.live_ranks_size() == 1 && x.reason().find("not formed") != std::string::npos;
+      },
+      "the next epoch refused by the store");
+  EXPECT_THAT(refused.reason(), HasSubstr("refused by the test"));
+  EXPECT_EQ(refused.forming_epoch(), 0) << "the epoch over the lost rank is still forming";
+  // The survivor's READY for the dropped epoch completes nothing; the grace publishes nothing.
+  a.SendReady(pa.epoch(), true);
+  absl::SleepFor(absl::Milliseconds(400));
+  v1::GroupStatus st = s.coordinator().Snapshot();
+  EXPECT_NE(st.state(), "SERVING") << st.ShortDebugString();
+  EXPECT_FALSE(s.coordinator().ServingView().has_value());
+  EXPECT_EQ(*(*store)->LastEpoch(), pa.epoch());
+  Sql(path, "DROP TRIGGER refuse_epochs;");
+  const v1::PrepareEpoch survivors = a.NextPrepare(1);
+  EXPECT_EQ(survivors.epoch(), pa.epoch() + 1);
+  EXPECT_THAT(survivors.reason(), HasSubstr("rank 1 lost"));
+  EXPECT_EQ(*(*store)->LastEpoch(), pa.epoch() + 1);
+  a.SendEndpoint(survivors.epoch());
+  const v1::GroupView alone = a.NextFormed();
+  EXPECT_EQ(alone.epoch(), survivors.epoch());
+  ASSERT_EQ(alone.members_size(), 1);
   a.Die();
 }
 
