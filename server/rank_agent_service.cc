@@ -501,6 +501,11 @@ grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, c
   if (req->version() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be positive");
   const PlacementVersion v(req->version());
   absl::MutexLock lock(&mu_);
+  // A discard that waited here behind a load, and whose caller gave up meanwhile, must not remove
+  // what a retried load may have prepared since.
+  if (ctx->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "version: the discard's caller left before it ran");
+  }
   resp->set_version(v.value());
   auto state = c_.registry->State(v);
   if (state.status().code() == absl::StatusCode::kNotFound) return grpc::Status::OK;  // nothing held here
@@ -511,7 +516,7 @@ grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, c
                                                                             "trial first"));
   }
   if (absl::Status s = c_.registry->Discard(v); !s.ok()) return ToGrpcStatus(s);
-  c_.executor->DropGeneration(v);
+  c_.executor->DiscardGeneration(v);
   {
     absl::MutexLock summary_lock(&summary_mu_);
     materialized_.erase(v.value());

@@ -414,10 +414,14 @@ v1::GroupStatus GroupCoordinator::Snapshot() const {
 }
 
 grpc::Status GroupCoordinator::Status(grpc::ServerContext* ctx, const v1::GroupStatusRequest*, v1::GroupStatus* resp) {
-  if (grpc::Status s = CheckBearer(ctx, options_.token); !s.ok()) {
-    if (!BearerIs(ctx, options_.operator_token) && !BearerIs(ctx, options_.read_token)) return s;
-  }
+  const grpc::Status agent = CheckBearer(ctx, options_.token);
+  if (!agent.ok() && !BearerIs(ctx, options_.operator_token) && !BearerIs(ctx, options_.read_token)) return agent;
   *resp = Snapshot();
+  // A member's endpoint is its data plane's bootstrap (NCCL: the group's unique id, which also
+  // names its shared-memory segments): for the ranks only, not for operators or dashboards.
+  if (!agent.ok()) {
+    for (v1::GroupMember& m : *resp->mutable_view()->mutable_members()) m.clear_endpoint();
+  }
   return grpc::Status::OK;
 }
 

@@ -384,6 +384,12 @@ void LayerExecutor::DropGeneration(PlacementVersion version) {
   }
 }
 
+void LayerExecutor::DiscardGeneration(PlacementVersion version) {
+  DropGeneration(version);
+  absl::MutexLock lock(&generations_mu_);
+  counters_.erase(version.value());
+}
+
 // The bucket's graph for (version, layer, d, k), captured on first use. Every member reaches the
 // capture at the same step: admission is decided over agreed counts.
 absl::StatusOr<std::shared_ptr<DecodeStepGraph>> LayerExecutor::BucketGraph(

@@ -164,6 +164,10 @@ class LayerExecutor {
   std::shared_ptr<const LocalExperts> HostWeights(PlacementVersion version) const;
   // Frees a retired generation's weights and plan layout (steps still using them hold a reference).
   void DropGeneration(PlacementVersion version);
+  // DropGeneration for a generation discarded before it served (it may be prepared again, with
+  // other slots): its step counters go too, so that no earlier trial's counts reach the next
+  // preparation's promotion evidence.
+  void DiscardGeneration(PlacementVersion version);
 
   // Admitted routes this rank's tokens sent to each logical expert since start (EPLB's input),
   // summed over the layers, and per layer (the layer index the steps named).

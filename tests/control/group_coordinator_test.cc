@@ -289,8 +289,32 @@ TEST(GroupCoordinatorTest, StatusAnswersTheAgentsTheOperatorsAndTheReadOnlyToken
   EXPECT_EQ(status("reader-secret-0124"), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(status(""), grpc::StatusCode::UNAUTHENTICATED);
   // The read-only token never joins the group as a rank.
-  Member m(s, 0, 1, "host-a", "reader-secret-0123");
-  EXPECT_EQ(m.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  {
+    Member m(s, 0, 1, "host-a", "reader-secret-0123");
+    EXPECT_EQ(m.Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // The members' endpoints (an NCCL group's unique id) reach the ranks' token only.
+  Member a(s, 0, 11, "host-a"), b(s, 1, 22, "host-b");
+  const int64_t epoch = FormOverBoth(s, a, b);
+  auto view = [&](const std::string& token) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    v1::GroupStatus st;
+    EXPECT_TRUE(stub->Status(&ctx, {}, &st).ok());
+    return st.view();
+  };
+  const v1::GroupView ranks = view(kToken);
+  ASSERT_EQ(ranks.members_size(), 2);
+  EXPECT_EQ(ranks.members(0).endpoint(), absl::StrCat("endpoint-of-0-", epoch));
+  for (const std::string token : {"operator-secret-0123", "reader-secret-0123"}) {
+    const v1::GroupView seen = view(token);
+    ASSERT_EQ(seen.members_size(), 2) << token;
+    EXPECT_EQ(seen.epoch(), epoch);
+    EXPECT_EQ(seen.members(1).node(), "host-b");
+    for (const v1::GroupMember& m : seen.members()) EXPECT_TRUE(m.endpoint().empty()) << token;
+  }
+  a.Die();
+  b.Die();
 }
 
 TEST(GroupCoordinatorTest, BadJoinsAreRefusedNamingTheField) {

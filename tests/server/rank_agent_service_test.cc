@@ -299,6 +299,8 @@ TEST_F(RankAgentTest, DiscardForgetsAPreparedGenerationThatNeverServed) {
   t.set_version(2);
   t.set_shadow_every(2);
   ASSERT_TRUE(stub_->SetTrial(Ctx().get(), t, &got).ok());
+  EXPECT_EQ(StepGeneration(2), 1);  // a shadow step: v2's counters hold a sample
+  ASSERT_EQ(executor_->Counters().at(2).shadow_samples, 1);
   grpc::Status trial = stub_->DiscardGeneration(Ctx().get(), req, &st);
   EXPECT_EQ(trial.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << trial.error_message();
   EXPECT_THAT(trial.error_message(), HasSubstr("trial"));
@@ -306,6 +308,7 @@ TEST_F(RankAgentTest, DiscardForgetsAPreparedGenerationThatNeverServed) {
   ASSERT_TRUE(stub_->SetTrial(Ctx().get(), t, &got).ok());
   ASSERT_TRUE(stub_->DiscardGeneration(Ctx().get(), req, &st).ok());
   EXPECT_FALSE(registry_.State(PlacementVersion(2)).ok());
+  EXPECT_EQ(executor_->Counters().count(2), 0u) << "the stopped trial's counts would reach the next v2";
   ASSERT_TRUE(stub_->DiscardGeneration(Ctx().get(), req, &st).ok());  // repeat
   EXPECT_EQ(StepGeneration(1), 1);                                    // steps never saw it
   // ... and prepared after the discard.
