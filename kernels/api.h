@@ -373,10 +373,6 @@ class ExpertKernels {
   // a runner (the layer executor's --decode_runner auto) need not ask PaddedDecodeCapacity. CUDA:
   // where the Hopper grouped kernels take the step; the CPU reference: never.
   virtual bool DecodeGemmBeatsPadded(int num_experts, int d, int d_ff, int64_t routes) const { return false; }
-  // Where DecodeGemmBeatsPadded: whether those GEMMs read the rows through x_row_index
-  // themselves, so that LocalLayer passes the tokens' rows instead of scattering them into expert
-  // order first. CUDA: with CudaTuning::sm90_gather, on rows128_epi's tiles; else never.
-  virtual bool DecodeGemmGathersRows(int num_experts, int d, int d_ff, int64_t routes) const { return false; }
   // Route planning on the kernels' memory (SealRoutesParams, RankByKeyParams). The defaults are
   // the CPU reference on host memory; CUDA runs them on `stream` without a host round trip.
   virtual absl::Status SealRoutes(const SealRoutesParams& p, Stream stream);
@@ -525,7 +521,7 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // switches `pdl` and `mma_wide` apply from the next CreateCudaKernels on). The text form, what
 // mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
 // "gemm=auto|sm90|cublas|loop|grouped,sm90_tile=auto|rows64|rows128|pingpong|pingpong_wide|rows128_epi|wide_epi,
-// chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,blocking_sync=0|1,sm90_gather=0|1".
+// chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,blocking_sync=0|1".
 struct CudaTuning {
   // auto: the Hopper grouped kernels (grouped_sm90.cu) where the shape allows and segments
   // average at most 2048 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever
@@ -548,10 +544,6 @@ struct CudaTuning {
   // FP8 experts on the Hopper kernels: the activation quantized in the gate/up kernel's epilogue
   // (false: written in BF16 and quantized by a kernel of its own; the same bytes, for A/B runs).
   bool fp8_epilogue_quant = true;
-  // BF16 experts on rows128_epi's tiles with a row index (LocalLayer's stages): the gate/up
-  // kernel reads the tokens' rows through it (cp.async by the producer warp) instead of a copy
-  // scattered into expert order first (DecodeGemmGathersRows).
-  bool sm90_gather = false;
   // Branches a recording may fork (ExpertKernels::ForkCapture), at most kMaxCaptureBranches; past
   // them, forked calls run in order on the stream they were forked from. The NaN/Inf scan forks
   // first, a lone decode step's read-back second.

@@ -6,13 +6,10 @@ namespace moe::kernels {
 
 namespace {
 
-// Whether the experts read a scattered copy of the rows (LocalLayerScratch), not the tokens' rows
-// through token_of_row.
+// Whether the experts read a scattered copy of the rows (LocalLayerScratch).
 bool ScatterFirst(const ExpertKernels& kernels, const LocalLayerParams& p) {
-  const ExpertWeights& w = p.weights;
-  const int64_t routes = p.num_tokens * p.k;
-  return p.padded_capacity == 0 && kernels.DecodeGemmBeatsPadded(w.num_experts, w.d, w.d_ff, routes) &&
-         !kernels.DecodeGemmGathersRows(w.num_experts, w.d, w.d_ff, routes);
+  return p.padded_capacity == 0 &&
+         kernels.DecodeGemmBeatsPadded(p.weights.num_experts, p.weights.d, p.weights.d_ff, p.num_tokens * p.k);
 }
 
 }  // namespace

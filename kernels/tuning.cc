@@ -91,14 +91,11 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     } else if (key == "blocking_sync") {
       s = ParseInt(key, value, 0, 1, &v);
       t.blocking_sync = v == 1;
-    } else if (key == "sm90_gather") {
-      s = ParseInt(key, value, 0, 1, &v);
-      t.sm90_gather = v == 1;
     } else {
       s = absl::InvalidArgumentError(absl::StrCat(
           "cuda tuning: unknown key '", key,
           "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, fp8_epilogue_quant, capture_branches, "
-          "blocking_sync, sm90_gather)"));
+          "blocking_sync)"));
     }
     if (!s.ok()) return s;
   }

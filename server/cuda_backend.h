@@ -41,7 +41,7 @@ std::string CudaBackendFile(const std::string& path);
 // NcclBackendOptions, Transport, DecodeStepGraph), so that a daemon refuses a libmoe_cuda.so
 // built from other sources instead of calling through a stale vtable. The two structs' sizes are
 // compared as well.
-inline constexpr int kCudaPluginAbi = 11;
+inline constexpr int kCudaPluginAbi = 10;
 
 class CudaBackend {
  public:

@@ -223,7 +223,6 @@ class CudaKernels final : public ExpertKernels {
         sm90_(tuning.gemm == CudaTuning::Gemm::kAuto || tuning.gemm == CudaTuning::Gemm::kSm90),
         sm90_forced_(tuning.gemm == CudaTuning::Gemm::kSm90),
         sm90_tile_(tuning.sm90_tile),
-        sm90_gather_(tuning.sm90_gather),
         chain_streams_forced_(tuning.chain_streams > 0 ? std::min(kSideStreams, tuning.chain_streams) : 0),
         fused_layer_(tuning.fused_layer),
         fp8_epilogue_quant_(tuning.fp8_epilogue_quant),
@@ -265,10 +264,6 @@ class CudaKernels final : public ExpertKernels {
   bool device_resident() const override { return true; }
   bool DecodeGemmBeatsPadded(int num_experts, int d, int d_ff, int64_t routes) const override {
     return Sm90Decode(num_experts, d, d_ff, routes);
-  }
-  bool DecodeGemmGathersRows(int num_experts, int d, int d_ff, int64_t routes) const override {
-    return sm90_gather_ && Sm90Decode(num_experts, d, d_ff, routes) &&
-           cuda::GroupedSm90GathersRows(Sm90ScheduleFor(routes / num_experts, d, d_ff));
   }
   int64_t AvailableBytes() override {
     size_t free = 0, total = 0;
@@ -876,23 +871,19 @@ class CudaKernels final : public ExpertKernels {
     if (p.layout.layout == Layout::kPaddedDense) return PaddedDecode(p, st);
     if (Sm90Decode(e_count, d, f, p.rows) && Aligned16({p.x, p.y, w.w_gate_up, w.w_down})) {
       // Enough rows an expert that reading its weights once per 64-row tile beats once per
-      // 8 or 16 rows: gather the rows (when an index is given), then the Hopper kernels; or
-      // (sm90_gather, rows128_epi) the gate/up kernel reads them through the index itself.
-      const cuda::Sm90Schedule schedule = Sm90ScheduleFor(p.rows / e_count, d, f);
-      const bool in_kernel = p.x_row_index != nullptr && sm90_gather_ && cuda::GroupedSm90GathersRows(schedule);
-      const bool gather_first = p.x_row_index != nullptr && !in_kernel;
-      const size_t x_bytes = gather_first ? (static_cast<size_t>(p.rows) * d * 2 + 255) & ~size_t{255} : 0;
+      // 8 or 16 rows: gather the rows (when an index is given), then the Hopper kernels.
+      const size_t x_bytes = p.x_row_index != nullptr ? (static_cast<size_t>(p.rows) * d * 2 + 255) & ~size_t{255} : 0;
       auto base = scratch_.Get(x_bytes + static_cast<size_t>(p.rows) * f * 2);
       if (!base.ok()) return base.status();
       uint16_t* xe = reinterpret_cast<uint16_t*>(*base);
       uint16_t* a = reinterpret_cast<uint16_t*>(static_cast<char*>(*base) + x_bytes);
-      if (gather_first) {
+      if (p.x_row_index != nullptr) {
         CUDA_RETURN_IF_ERROR(
             cuda::LaunchGatherRows(p.x, p.x_rows, p.x_row_index, p.rows, static_cast<int64_t>(d) * 2, xe, 0, st));
       }
-      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(gather_first ? xe : p.x, p.rows, p.device_offsets, e_count, d,
-                                                         f, w.w_gate_up, w.w_down, a, p.y, schedule, st,
-                                                         in_kernel ? p.x_row_index : nullptr, p.x_rows));
+      CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedSm90Swiglu(p.x_row_index != nullptr ? xe : p.x, p.rows, p.device_offsets,
+                                                         e_count, d, f, w.w_gate_up, w.w_down, a, p.y,
+                                                         Sm90ScheduleFor(p.rows / e_count, d, f), st));
       return absl::OkStatus();
     }
     auto a = scratch_.Get(static_cast<size_t>(p.rows) * f * 2);
@@ -1243,7 +1234,6 @@ class CudaKernels final : public ExpertKernels {
   bool sm90_ = true;                // the Hopper grouped kernels where supported (gemm=auto or sm90)
   bool sm90_forced_ = false;        // gemm=sm90: also for long segments
   CudaTuning::Sm90Tile sm90_tile_;  // CudaTuning::sm90_tile
-  bool sm90_gather_ = false;        // CudaTuning::sm90_gather
   // Measured on an H200 (bench/RESULTS.md, issue 19): segments averaging fewer rows than this
   // run faster with the 64-row tile (E128 T=128: 348 against 384 us a layer; E32 T=128: 735
   // against 767), from 64 on the 128-row tile wins or ties. With the epilogue warps' tiles the

@@ -122,16 +122,6 @@ __device__ __forceinline__ void CpAsyncArrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(SmemAddr(bar)) : "memory");
 }
 
-// 16 bytes from global to shared memory, asynchronously (CpAsyncArrive tracks it): `src_bytes`
-// of them read (16, or 0 for a zero-filled chunk), through L2 only.
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-// Orders the generic-proxy writes this thread has observed (cp.async's, made visible by the
-// stage's full barrier) before its later async-proxy reads of shared memory (wgmma).
-__device__ __forceinline__ void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -208,16 +198,6 @@ struct GroupedArgs {
   uint8_t* out_q = nullptr;
   float* out_q_scales = nullptr;
   int64_t out_q_scale_ld = 0;
-  // BF16 gate/up on rows128_epi's tiles only (GatherableConfig), when a_row_index is set: row m
-  // of the expert-major operand is row a_row_index[m] of a_src ([a_src_rows, K] BF16, K * 2
-  // bytes a row), zeros where m >= a_rows or the index is outside [0, a_src_rows). The producer
-  // warp's 32 lanes copy each stage's row tile by cp.async, written where the 128-byte swizzle
-  // puts it, each lane's copies counted on the stage's full barrier when they land; the tokens'
-  // rows are not scattered into expert order first (GatherRowsInGateUp).
-  const int32_t* a_row_index = nullptr;
-  const uint16_t* a_src = nullptr;
-  int64_t a_src_rows = 0;
-  int64_t a_rows = 0;
 };
 
 // Schedules. Cooperative: both consumer warpgroups work on one BM x BN tile (each 64 of its
@@ -330,14 +310,6 @@ struct Config {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
   static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle's 1024-byte alignment");
 };
-
-// The one kernel that reads its rows through an index (GroupedArgs::a_row_index): BF16 gate/up
-// on cooperative 128-row tiles with epilogue warps (rows128_epi), whose producer warp has 56
-// registers for the copies' addresses.
-template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8, bool kEpi>
-__host__ __device__ constexpr bool GatherableConfig() {
-  return kSwiglu && kEpi && !kFp8 && !kPingPong && BM == 128 && BN == 128;
-}
 
 // The tile's expert and first row: `prefix[e]` row tiles come before expert e's.
 __device__ __forceinline__ int ExpertOfTile(const int32_t* prefix, int num_experts, int mt) {
@@ -602,12 +574,11 @@ __device__ __forceinline__ void EpilogueWarps(const GroupedArgs& args, const int
 // 2026-12-04).
 template <typename C, int BN, bool kSwiglu, int kLive = C::kSlices>
 __device__ __forceinline__ void MainLoop(uint8_t* smem, uint64_t* full, uint64_t* empty, int64_t pos0, int k_blocks,
-                                         int a_off, int b_off, int lane, float* acc, int* prev, bool gathered = false) {
+                                         int a_off, int b_off, int lane, float* acc, int* prev) {
   int stage = static_cast<int>(pos0 % C::kStages);
   uint32_t phase = static_cast<uint32_t>((pos0 / C::kStages) & 1);
   for (int kb = 0; kb < k_blocks; ++kb) {
     MbarWait(&full[stage], phase);
-    if (gathered) FenceProxyAsyncShared();  // the row tile came by cp.async (the generic proxy)
     const uint8_t* a_tile = smem + stage * C::kStageBytes;
     const uint8_t* b_tile = a_tile + C::kABytes;
     const uint64_t db = SmemDesc(b_tile + b_off);
@@ -738,14 +709,11 @@ __device__ __forceinline__ void Fp8MainLoop(uint8_t* smem, uint32_t scales, uint
   }
 }
 
-// kGather: the row operand through GroupedArgs::a_row_index (GatherableConfig only; its own
-// instantiation, so that the other kernels' code is what it was without it).
-template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8, bool kEpi, bool kGather = false>
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8, bool kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       GroupedArgs args) {
   using C = Config<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>;
-  static_assert(!kGather || GatherableConfig<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>(), "rows128_epi's gate/up only");
   static_assert(!kFp8 || Fp8Halves<C, kSwiglu>() == C::kFullArrivals - 1, "FP8: two block-scale lanes");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -759,14 +727,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* prefix = reinterpret_cast<int32_t*>(buf_empty + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int E = args.num_experts;
-  // Rows through an index (GroupedArgs::a_row_index): the stage's full barrier also counts the
-  // producer warp's 32 lanes, each once its row copies have landed.
-  constexpr bool kGatherable = kGather;
-  constexpr bool gather = kGather;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      MbarInit(&full[s], gather ? C::kFullArrivals + 32 : C::kFullArrivals);
+      MbarInit(&full[s], C::kFullArrivals);
       MbarInit(&empty[s], C::kEmptyArrivals);
     }
     MbarInit(buf_full, 2 * 128);  // every consumer thread, after its rows' stmatrix
@@ -810,8 +774,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // The first warp: its first thread issues the TMA loads (FP8: and the row scales' bulk copy,
     // two lanes copy the block scales, and all lanes take the scale slots' named barriers).
-    // Gathered rows: every lane copies its share of each stage's row tile.
-    if (warp % 4 != 0 || (!kFp8 && !gather && lane != 0)) return;
+    if (warp % 4 != 0 || (!kFp8 && lane != 0)) return;
     int stage = 0;
     uint32_t phase = 0;
     int64_t loads = 0;  // stages filled (FP8: past the ring's first round, the scales are released too)
@@ -820,19 +783,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t m0 = args.offsets[tile.expert] + static_cast<int64_t>(tile.row_tile) * BM;
       const int a_row = static_cast<int>(m0);
       const int b_row = tile.expert * args.b_rows_expert + tile.col_tile * BN;
-      // Gathered rows: lane l holds the source rows of the tile's rows l, l + 32, ... (-1: zeros).
-      int src[kGatherable ? BM / 32 : 1];
-      if constexpr (kGatherable) {
-        {
-#pragma unroll
-          for (int i = 0; i < BM / 32; ++i) {
-            const int64_t m = m0 + i * 32 + lane;
-            int r = m < args.a_rows ? args.a_row_index[m] : -1;
-            if (r < 0 || r >= args.a_src_rows) r = -1;
-            src[i] = r;
-          }
-        }
-      }
       for (int kb = 0; kb < args.k_blocks; ++kb) {
         MbarWait(&empty[stage], phase ^ 1);
         // FP8: the stage's scales, once every consumer thread has released the slot's last ones.
@@ -848,34 +798,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           BulkLoad(row_scales, args.a_scales + kb * args.a_scale_ld + (a_row & ~3), C::kRowScaleTxBytes, &full[stage]);
         };
         if constexpr (kFp8 && !kSwiglu) stage_scales();
-        uint8_t* a_tile = smem + stage * C::kStageBytes;
         if (lane == 0) {
+          uint8_t* a_tile = smem + stage * C::kStageBytes;
           uint8_t* b_tile = a_tile + C::kABytes;
-          MbarExpectTx(&full[stage], (gather ? C::kBBytes : C::kStageBytes) + C::kRowScaleTxBytes);
-          if (!gather) TmaLoad2d(a_tile, &map_a, kb * C::kStageK, a_row, &full[stage]);
+          MbarExpectTx(&full[stage], C::kStageBytes + C::kRowScaleTxBytes);
+          TmaLoad2d(a_tile, &map_a, kb * C::kStageK, a_row, &full[stage]);
           TmaLoad2d(b_tile, &map_b, kb * C::kStageK, b_row, &full[stage]);
           if constexpr (kSwiglu) {
             TmaLoad2d(b_tile + BN * 128, &map_b, kb * C::kStageK, b_row + args.up_rows, &full[stage]);
           }
           if constexpr (kFp8 && !kSwiglu) row_scales_copy();
-        }
-        if constexpr (kGatherable) {
-          {
-            // Copy i of a lane: 16-byte chunk (lane % 8) of the tile's row 4 i + lane / 8, at
-            // chunk (lane % 8) ^ (row % 8) of that row in the stage (the 128-byte swizzle, as TMA
-            // writes it); the warp's 32 copies cover four whole rows.
-            const char* col = reinterpret_cast<const char*>(args.a_src) + kb * 128 + (lane & 7) * 16;
-            const int64_t row_bytes = static_cast<int64_t>(args.k_blocks) * 128;
-            const uint32_t a_s = SmemAddr(a_tile);
-#pragma unroll
-            for (int i = 0; i < BM / 4; ++i) {
-              const int r = 4 * i + (lane >> 3);
-              const int from = __shfl_sync(0xffffffffu, src[i / 8], r & 31);
-              const uint32_t dst = a_s + r * 128 + ((((lane & 7) ^ (r & 7))) << 4);
-              CpAsync16(dst, col + static_cast<int64_t>(from < 0 ? 0 : from) * row_bytes, from < 0 ? 0 : 16);
-            }
-            CpAsyncArrive(&full[stage]);
-          }
         }
         if constexpr (kFp8 && kSwiglu) {
           stage_scales();
@@ -957,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (kPingPong && !kSwiglu && m_end - m0 <= 64) {
       MainLoop<C, BN, kSwiglu, 1>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     } else {
-      MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev, gather);
+      MainLoop<C, BN, kSwiglu>(smem, full, empty, pos0, args.k_blocks, a_off, b_off, lane, acc, &prev);
     }
     if constexpr (kPingPong) {
       // The next tile of the sequence (the other warpgroup's) may start, if there is one: every
@@ -1038,12 +970,11 @@ int SmCount() {
   return sms;
 }
 
-template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false, bool kEpi = kFp8, bool kGather = false>
+template <int BM, int BN, bool kSwiglu, bool kPingPong, bool kFp8 = false, bool kEpi = kFp8>
 cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_t b_rows, const GroupedArgs& args,
                    cudaStream_t stream, int64_t a_ld_bytes = 0) {
   using C = Config<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>;
-  auto* kernel = GroupedGemmKernel<BM, BN, kSwiglu, kPingPong, kFp8, kEpi, kGather>;
-  if ((args.a_row_index != nullptr) != kGather) return cudaErrorInvalidValue;
+  auto* kernel = GroupedGemmKernel<BM, BN, kSwiglu, kPingPong, kFp8, kEpi>;
   // The shared-memory opt-in is a property of the function on each device: set it once a device
   // (a process may drive several GPUs).
   static std::mutex mu;
@@ -1065,13 +996,10 @@ cudaError_t Launch(const void* a, int64_t rows, int64_t k, const void* b, int64_
   if (err != cudaSuccess) return err;
   err = MapRows(&map_b, b, k, b_rows, BN, kFp8);
   if (err != cudaSuccess) return err;
-  // Row tiles: at most rows / BM + one partial tile an expert (gathered: of the expert-major
-  // rows, not of the map's source rows). The kernel counts tiles and rows in 32 bits.
-  const int64_t m_rows = args.a_row_index != nullptr ? args.a_rows : rows;
-  const int64_t tiles = (m_rows / BM + args.num_experts) * args.n_tiles;
-  if (tiles >= (int64_t{1} << 31) || m_rows + BM >= (int64_t{1} << 31) || rows + BM >= (int64_t{1} << 31)) {
-    return cudaErrorInvalidValue;
-  }
+  // Row tiles: at most rows / BM + one partial tile an expert. The kernel counts tiles and rows
+  // in 32 bits.
+  const int64_t tiles = (rows / BM + args.num_experts) * args.n_tiles;
+  if (tiles >= (int64_t{1} << 31) || rows + BM >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles < SmCount() ? tiles : SmCount());
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(map_a, map_b, args);
   return cudaGetLastError();
@@ -1085,8 +1013,6 @@ struct Operands {
   int num_experts, d, f;
   const uint16_t *w_gate_up, *w_down;
   uint16_t *a, *y;
-  const int32_t* x_row_index;  // null: x holds the expert-major rows
-  int64_t x_rows;              // with x_row_index: x's rows
 };
 
 // One projection's tiles: BM rows by BN columns (gate/up: activation columns), ping-pong or
@@ -1102,31 +1028,10 @@ struct Tiles {
 template <typename Up, typename Down>
 cudaError_t UpThenDown(const Operands& o, cudaStream_t stream) {
   if (o.f % Up::BN != 0 || o.d % Down::BN != 0) return cudaErrorInvalidValue;
-  GroupedArgs up{o.offsets, o.num_experts, o.d / kBK, o.f / Up::BN, 2 * o.f, o.f, o.a, o.f};
+  const GroupedArgs up{o.offsets, o.num_experts, o.d / kBK, o.f / Up::BN, 2 * o.f, o.f, o.a, o.f};
   const GroupedArgs down{o.offsets, o.num_experts, o.f / kBK, o.d / Down::BN, o.d, 0, o.y, o.d};
-  if (o.x_row_index != nullptr) {
-    if (!GatherableConfig<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi>() || o.x_rows <= 0 ||
-        o.x_rows >= (int64_t{1} << 31)) {
-      return cudaErrorInvalidValue;
-    }
-    up.a_row_index = o.x_row_index;
-    up.a_src = o.x;
-    up.a_src_rows = o.x_rows;
-    up.a_rows = o.rows;
-  }
-  // (Gathered: the row operand's tensor map, which the kernel then does not read, spans x.)
-  constexpr bool kGatherable = GatherableConfig<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi>();
-  const int64_t b_rows = static_cast<int64_t>(o.num_experts) * 2 * o.f;
-  cudaError_t err;
-  if constexpr (kGatherable) {
-    err = o.x_row_index != nullptr ? Launch<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi, true>(
-                                         o.x, o.x_rows, o.d, o.w_gate_up, b_rows, up, stream)
-                                   : Launch<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi>(
-                                         o.x, o.rows, o.d, o.w_gate_up, b_rows, up, stream);
-  } else {
-    err =
-        Launch<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi>(o.x, o.rows, o.d, o.w_gate_up, b_rows, up, stream);
-  }
+  const cudaError_t err = Launch<Up::BM, Up::BN, true, Up::kPingPong, false, Up::kEpi>(
+      o.x, o.rows, o.d, o.w_gate_up, static_cast<int64_t>(o.num_experts) * 2 * o.f, up, stream);
   if (err != cudaSuccess) return err;
   return Launch<Down::BM, Down::BN, false, Down::kPingPong, false, Down::kEpi>(
       o.a, o.rows, o.f, o.w_down, static_cast<int64_t>(o.num_experts) * o.d, down, stream);
@@ -1143,12 +1048,10 @@ bool GroupedSm90Supported(int num_experts, int d, int f) {
 
 cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                                    Sm90Schedule schedule, cudaStream_t stream, const int32_t* x_row_index,
-                                    int64_t x_rows) {
+                                    Sm90Schedule schedule, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   if (rows >= (int64_t{1} << 31) || !GroupedSm90Supported(num_experts, d, f)) return cudaErrorInvalidValue;
-  if (x_row_index != nullptr && !GroupedSm90GathersRows(schedule)) return cudaErrorInvalidValue;
-  const Operands o{x, rows, offsets, num_experts, d, f, w_gate_up, w_down, a, y, x_row_index, x_rows};
+  const Operands o{x, rows, offsets, num_experts, d, f, w_gate_up, w_down, a, y};
   switch (schedule) {
     case Sm90Schedule::kRows64:
       return UpThenDown<Tiles<64, 128, false>, Tiles<64, 256, false>>(o, stream);
@@ -1167,8 +1070,6 @@ cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64
 }
 
 bool GroupedSm90WideSupported(int f) { return f % kWideUpN == 0; }
-
-bool GroupedSm90GathersRows(Sm90Schedule schedule) { return schedule == Sm90Schedule::kRows128Epi; }
 
 bool GroupedSm90Fp8Supported(int num_experts, int d, int f) {
   return GroupedSm90Supported(num_experts, d, f) && d % 128 == 0 && f % 128 == 0;

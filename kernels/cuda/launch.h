@@ -119,15 +119,9 @@ enum class Sm90Schedule { kRows64, kRows128, kPingPong, kPingPongWide, kRows128E
 bool GroupedSm90Supported(int num_experts, int d, int f);
 // Whether kPingPongWide's gate/up tiles divide f (on top of GroupedSm90Supported).
 bool GroupedSm90WideSupported(int f);
-// With x_row_index (kRows128Epi only, else cudaErrorInvalidValue): expert-major row r is row
-// x_row_index[r] of x [x_rows, d] (an index outside [0, x_rows) reads zeros), read by the gate/up
-// kernel itself: no gathered copy of the rows is made (GroupedSm90GathersRows).
 cudaError_t LaunchGroupedSm90Swiglu(const uint16_t* x, int64_t rows, const int64_t* offsets, int num_experts, int d,
                                     int f, const uint16_t* w_gate_up, const uint16_t* w_down, uint16_t* a, uint16_t* y,
-                                    Sm90Schedule schedule, cudaStream_t stream, const int32_t* x_row_index = nullptr,
-                                    int64_t x_rows = 0);
-// Whether `schedule`'s gate/up kernel reads rows through an index (x_row_index above).
-bool GroupedSm90GathersRows(Sm90Schedule schedule);
+                                    Sm90Schedule schedule, cudaStream_t stream);
 
 // FP8 (E4M3) experts on the Hopper kernels: x quantized per (row, 128 values) into xq /
 // x_scales [rows, d / 128]; weights with one FP32 scale per 128 x 128 block (gate_up_scales

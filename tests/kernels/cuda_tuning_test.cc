@@ -18,13 +18,12 @@ TEST(CudaTuningTest, EmptyIsTheTunedDefaults) {
   EXPECT_EQ(t->capture_branches, 2);
   EXPECT_FALSE(t->blocking_sync);
   EXPECT_TRUE(t->fp8_epilogue_quant);
-  EXPECT_FALSE(t->sm90_gather);
 }
 
 TEST(CudaTuningTest, EveryKey) {
   auto t = ParseCudaTuning(
       "gemm=loop, chain_streams=2,fused_layer=0,pdl=0,mma_wide=1,sm90_tile=rows64,blocking_sync=1,"
-      "capture_branches=1,fp8_epilogue_quant=0,sm90_gather=1");
+      "capture_branches=1,fp8_epilogue_quant=0");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->gemm, CudaTuning::Gemm::kLoop);
   EXPECT_EQ(t->chain_streams, 2);
@@ -35,8 +34,6 @@ TEST(CudaTuningTest, EveryKey) {
   EXPECT_TRUE(t->blocking_sync);
   EXPECT_EQ(t->capture_branches, 1);
   EXPECT_FALSE(t->fp8_epilogue_quant);
-  EXPECT_TRUE(t->sm90_gather);
-  EXPECT_FALSE(ParseCudaTuning("sm90_gather=0")->sm90_gather);
   EXPECT_EQ(ParseCudaTuning("capture_branches=0")->capture_branches, 0);
   EXPECT_EQ(ParseCudaTuning("gemm=grouped")->gemm, CudaTuning::Gemm::kGrouped);
   EXPECT_EQ(ParseCudaTuning("gemm=sm90")->gemm, CudaTuning::Gemm::kSm90);
@@ -50,10 +47,9 @@ TEST(CudaTuningTest, EveryKey) {
 }
 
 TEST(CudaTuningTest, BadInputNamesTheKey) {
-  for (const char* bad :
-       {"pdl=2", "gemm=fast", "chain_streams=5", "sm90_tile=96", "sm90_tile=", "mma_wide=-2", "fused_layer=", "speed=1",
-        "pdl", "blocking_sync=2", "capture_branches=5", "capture_branches=-1", "fp8_epilogue_quant=2",
-        "fp8_epilogue_quant=", "sm90_gather=2", "sm90_gather="}) {
+  for (const char* bad : {"pdl=2", "gemm=fast", "chain_streams=5", "sm90_tile=96", "sm90_tile=", "mma_wide=-2",
+                          "fused_layer=", "speed=1", "pdl", "blocking_sync=2", "capture_branches=5",
+                          "capture_branches=-1", "fp8_epilogue_quant=2", "fp8_epilogue_quant="}) {
     auto t = ParseCudaTuning(bad);
     ASSERT_FALSE(t.ok()) << bad;
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << bad;
