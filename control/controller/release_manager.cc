@@ -567,7 +567,18 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
   }
   std::string manifest_json;
   (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
-  return store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();
+  const absl::Status recorded =
+      store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();
+  if (!recorded.ok()) {  // prepared everywhere, recorded nowhere: forgotten everywhere too
+    const absl::Status discarded = agents_->Discard(version);
+    if (!discarded.ok())
+      spdlog::warn("load of placement-v{} not recorded; {}", version, std::string(discarded.message()));
+    return absl::Status(recorded.code(),
+                        absl::StrCat(recorded.message(), discarded.ok() ? "; every rank discarded it again"
+                                                                        : absl::StrCat("; not discarded everywhere (",
+                                                                                       discarded.message(), ")")));
+  }
+  return recorded;
 }
 
 absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::string& request_id,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
+#include <sqlite3.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -199,6 +200,7 @@ class GateTest : public ::testing::Test {
     const char* dir = std::getenv("TEST_TMPDIR");
     const std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/gate-", getpid(), ".db");
     for (const char* suffix : {"", "-wal", "-shm"}) unlink((path + suffix).c_str());
+    store_path_ = path;
     store_ = *ReleaseStore::Open(path);
     pool_ = std::make_unique<AgentPool>(addresses, "agent-token", absl::Seconds(10));
     PromotionThresholds thresholds;
@@ -304,8 +306,19 @@ class GateTest : public ::testing::Test {
     return c;
   }
 
+  // Runs `sql` on the registry file through a connection of the test's own.
+  void Sql(const std::string& sql) {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(store_path_.c_str(), &db), SQLITE_OK);
+    char* err = nullptr;
+    EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK) << (err != nullptr ? err : "");
+    sqlite3_free(err);
+    sqlite3_close(db);
+  }
+
   std::vector<std::unique_ptr<FakeRank>> ranks_;
   std::vector<std::unique_ptr<grpc::Server>> rank_servers_;
+  std::string store_path_;
   std::unique_ptr<ReleaseStore> store_;
   std::unique_ptr<AgentPool> pool_;
   std::unique_ptr<StoreReleaseManager> manager_;
@@ -340,6 +353,41 @@ TEST_F(GateTest, ALoadOneRankRefusesIsDiscardedOnEveryRank) {
   EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_VERIFIED);
   EXPECT_TRUE(ranks_[0]->Holds(1));  // the serving placement untouched
   ranks_[1]->RefusePrepare(false);
+  grpc::Status loaded = stub_->LoadPlacement(Ctx().get(), load, &rel);
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_LOADED);
+  for (auto& r : ranks_) EXPECT_TRUE(r->Holds(2));
+}
+
+// Every rank prepared the load but the registry could not record it LOADED: the ranks discard
+// it too (nothing stays allocated for a load no release records), and the load succeeds once the
+// registry records again.
+TEST_F(GateTest, ALoadTheRegistryCannotRecordIsDiscardedOnEveryRank) {
+  Bootstrap();
+  v1::RegisterReleaseRequest reg;
+  reg.set_request_id("release-v2:register");
+  reg.set_release_id("release-v2");
+  reg.set_bundle_digest("sha256:release-v2");
+  v1::Release rel;
+  ASSERT_TRUE(stub_->RegisterRelease(Ctx().get(), reg, &rel).ok());
+  ASSERT_TRUE(Transition("release-v2:verify", "release-v2", v1::RELEASE_STATE_VERIFIED).ok());
+  for (auto& r : ranks_) r->TakeCalls();
+  Sql("CREATE TRIGGER refuse_loads BEFORE INSERT ON transitions WHEN NEW.to_state = 'LOADED' "
+      "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;");
+  v1::LoadPlacementRequest load;
+  load.set_request_id("release-v2:load");
+  load.set_release_id("release-v2");
+  *load.mutable_manifest() = Manifest(2);
+  grpc::Status refused = stub_->LoadPlacement(Ctx().get(), load, &rel);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(refused.error_message(), HasSubstr("refused by the test"));
+  EXPECT_THAT(refused.error_message(), HasSubstr("every rank discarded it again"));
+  for (auto& r : ranks_) {
+    EXPECT_FALSE(r->Holds(2));
+    EXPECT_EQ(r->TakeCalls(), std::vector<std::string>{"discard v2"});
+  }
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_VERIFIED);
+  Sql("DROP TRIGGER refuse_loads;");
   grpc::Status loaded = stub_->LoadPlacement(Ctx().get(), load, &rel);
   ASSERT_TRUE(loaded.ok()) << loaded.error_message();
   EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_LOADED);
