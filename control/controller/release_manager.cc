@@ -556,29 +556,28 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
   // refused or failed, the ranks that had prepared it forget it again (no release records the
   // version: it was checked above), so that nothing stays allocated for a load that did not
   // happen and the version may be loaded again, with other slots too.
+  // `failed` (the load's error) once every rank was asked to discard the version, saying whether
+  // each did.
+  auto discarded_after = [&](const absl::Status& failed) {
+    const absl::Status discarded = agents_->Discard(version);
+    if (!discarded.ok()) {
+      spdlog::warn("load of placement-v{} failed; {}", version, std::string(discarded.message()));
+    }
+    return absl::Status(failed.code(),
+                        absl::StrCat(failed.message(), discarded.ok() ? "; every rank discarded it again"
+                                                                      : absl::StrCat("; not discarded everywhere (",
+                                                                                     discarded.message(), ")")));
+  };
   if (absl::Status prepared = agents_->Prepare(manifest, bundle.has_value() ? &bundle->runtime : nullptr);
       !prepared.ok()) {
-    const absl::Status discarded = agents_->Discard(version);
-    if (!discarded.ok()) spdlog::warn("load of placement-v{} failed; {}", version, std::string(discarded.message()));
-    return absl::Status(prepared.code(),
-                        absl::StrCat(prepared.message(), discarded.ok() ? "; every rank discarded it again"
-                                                                        : absl::StrCat("; not discarded everywhere (",
-                                                                                       discarded.message(), ")")));
+    return discarded_after(prepared);
   }
   std::string manifest_json;
   (void)google::protobuf::util::MessageToJsonString(manifest, &manifest_json);
+  // Prepared everywhere but recorded nowhere: forgotten everywhere too.
   const absl::Status recorded =
       store_->Apply(request_id, {{release_id, ReleaseState::kLoaded, reason, version, manifest_json}}).status();
-  if (!recorded.ok()) {  // prepared everywhere, recorded nowhere: forgotten everywhere too
-    const absl::Status discarded = agents_->Discard(version);
-    if (!discarded.ok())
-      spdlog::warn("load of placement-v{} not recorded; {}", version, std::string(discarded.message()));
-    return absl::Status(recorded.code(),
-                        absl::StrCat(recorded.message(), discarded.ok() ? "; every rank discarded it again"
-                                                                        : absl::StrCat("; not discarded everywhere (",
-                                                                                       discarded.message(), ")")));
-  }
-  return recorded;
+  return recorded.ok() ? recorded : discarded_after(recorded);
 }
 
 absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::string& request_id,

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
-#include <sqlite3.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -24,6 +23,7 @@
 #include "control/controller/release_manager.h"
 #include "rpc/placement_proto.h"
 #include "runtime/placement/default_placement.h"
+#include "tests/control/registry_sql.h"
 
 namespace moe {
 namespace {
@@ -237,8 +237,8 @@ class GateTest : public ::testing::Test {
     v1::TransitionRecord rec;
     return stub_->TransitionRelease(Ctx().get(), req, &rec);
   }
-  // Register, verify, load `version` on the ranks, SHADOW.
-  void ToShadow(const std::string& id, int64_t version) {
+  // Register `id` and verify it.
+  void RegisterVerified(const std::string& id) {
     v1::RegisterReleaseRequest reg;
     reg.set_request_id(id + ":register");
     reg.set_release_id(id);
@@ -246,6 +246,11 @@ class GateTest : public ::testing::Test {
     v1::Release rel;
     ASSERT_TRUE(stub_->RegisterRelease(Ctx().get(), reg, &rel).ok());
     ASSERT_TRUE(Transition(id + ":verify", id, v1::RELEASE_STATE_VERIFIED).ok());
+  }
+  // Register, verify, load `version` on the ranks, SHADOW.
+  void ToShadow(const std::string& id, int64_t version) {
+    RegisterVerified(id);
+    v1::Release rel;
     v1::LoadPlacementRequest load;
     load.set_request_id(id + ":load");
     load.set_release_id(id);
@@ -306,15 +311,8 @@ class GateTest : public ::testing::Test {
     return c;
   }
 
-  // Runs `sql` on the registry file through a connection of the test's own.
-  void Sql(const std::string& sql) {
-    sqlite3* db = nullptr;
-    ASSERT_EQ(sqlite3_open(store_path_.c_str(), &db), SQLITE_OK);
-    char* err = nullptr;
-    EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err), SQLITE_OK) << (err != nullptr ? err : "");
-    sqlite3_free(err);
-    sqlite3_close(db);
-  }
+  // Runs `sql` on the registry's file (tests/control/registry_sql.h).
+  void Sql(const std::string& sql) { testing::RegistrySql(store_path_, sql); }
 
   std::vector<std::unique_ptr<FakeRank>> ranks_;
   std::vector<std::unique_ptr<grpc::Server>> rank_servers_;
@@ -332,13 +330,8 @@ class GateTest : public ::testing::Test {
 TEST_F(GateTest, ALoadOneRankRefusesIsDiscardedOnEveryRank) {
   Bootstrap();
   for (auto& r : ranks_) r->TakeCalls();
-  v1::RegisterReleaseRequest reg;
-  reg.set_request_id("release-v2:register");
-  reg.set_release_id("release-v2");
-  reg.set_bundle_digest("sha256:release-v2");
+  RegisterVerified("release-v2");
   v1::Release rel;
-  ASSERT_TRUE(stub_->RegisterRelease(Ctx().get(), reg, &rel).ok());
-  ASSERT_TRUE(Transition("release-v2:verify", "release-v2", v1::RELEASE_STATE_VERIFIED).ok());
   ranks_[1]->RefusePrepare(true);
   v1::LoadPlacementRequest load;
   load.set_request_id("release-v2:load");
@@ -364,13 +357,8 @@ TEST_F(GateTest, ALoadOneRankRefusesIsDiscardedOnEveryRank) {
 // registry records again.
 TEST_F(GateTest, ALoadTheRegistryCannotRecordIsDiscardedOnEveryRank) {
   Bootstrap();
-  v1::RegisterReleaseRequest reg;
-  reg.set_request_id("release-v2:register");
-  reg.set_release_id("release-v2");
-  reg.set_bundle_digest("sha256:release-v2");
+  RegisterVerified("release-v2");
   v1::Release rel;
-  ASSERT_TRUE(stub_->RegisterRelease(Ctx().get(), reg, &rel).ok());
-  ASSERT_TRUE(Transition("release-v2:verify", "release-v2", v1::RELEASE_STATE_VERIFIED).ok());
   for (auto& r : ranks_) r->TakeCalls();
   Sql("CREATE TRIGGER refuse_loads BEFORE INSERT ON transitions WHEN NEW.to_state = 'LOADED' "
       "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END;");

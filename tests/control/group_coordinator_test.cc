@@ -12,7 +12,6 @@
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
-#include <sqlite3.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -21,6 +20,7 @@
 #include "gtest/gtest.h"
 
 #include "control/store/release_store.h"
+#include "tests/control/registry_sql.h"
 
 namespace moe {
 namespace {
@@ -476,17 +476,6 @@ TEST(GroupCoordinatorTest, ANewEpochIsPastTheHighestRecorded) {
   a.Die();
 }
 
-// Runs `sql` on the registry file at `path` through a connection of the test's own.
-void Sql(const std::string& path, const std::string& sql) {
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
-  char* err = nullptr;
-  const int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err);
-  EXPECT_EQ(rc, SQLITE_OK) << (err != nullptr ? err : "") << ": " << sql;
-  sqlite3_free(err);
-  sqlite3_close(db);
-}
-
 // A rank lost while an epoch over both is forming, when the store refuses the next epoch: the
 // forming epoch (which names the lost rank) is dropped, so the survivor's READY for it completes
 // nothing and the grace publishes nothing; once the store records again, the retry forms the
@@ -512,7 +501,8 @@ TEST(GroupCoordinatorTest, AnEpochTheStoreRefusesLeavesNoStaleEpochFormingAndIsR
   b->SendReady(pa.epoch(), true);
   AwaitStatus(
       s.coordinator(), [&](const v1::GroupStatus& x) { return x.forming_epoch() == pa.epoch(); }, "epoch forming");
-  Sql(path,
+  testing::RegistrySql(
+      path,
       "CREATE TRIGGER refuse_epochs BEFORE INSERT ON group_epochs BEGIN SELECT RAISE(ABORT, 'refused by the test'); "
       "END;");
   b->Die();
@@ -531,7 +521,7 @@ TEST(GroupCoordinatorTest, AnEpochTheStoreRefusesLeavesNoStaleEpochFormingAndIsR
   EXPECT_NE(st.state(), "SERVING") << st.ShortDebugString();
   EXPECT_FALSE(s.coordinator().ServingView().has_value());
   EXPECT_EQ(*(*store)->LastEpoch(), pa.epoch());
-  Sql(path, "DROP TRIGGER refuse_epochs;");
+  testing::RegistrySql(path, "DROP TRIGGER refuse_epochs;");
   const v1::PrepareEpoch survivors = a.NextPrepare(1);
   EXPECT_EQ(survivors.epoch(), pa.epoch() + 1);
   EXPECT_THAT(survivors.reason(), HasSubstr("rank 1 lost"));
