@@ -202,6 +202,11 @@ class PeerAgents {
   std::map<int, std::unique_ptr<v1::RankAgentService::Stub>> stubs_;
 };
 
+// A generation registry's refusal of the request's version, named by the request's field.
+grpc::Status VersionRefused(const absl::Status& s) {
+  return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("version: ", s.message())));
+}
+
 }  // namespace
 
 absl::StatusOr<std::pair<Topology, ProcessGroup>> RankAgentServiceImpl::Membership() const {
@@ -449,8 +454,8 @@ grpc::Status RankAgentServiceImpl::Change(
   absl::MutexLock lock(&mu_);
   const PlacementVersion v(req.version());
   auto state = c_.registry->State(v);
-  if (!state.ok()) return ToGrpcStatus(state.status());
-  if (absl::Status s = change(v, *state); !s.ok()) return ToGrpcStatus(s);
+  if (!state.ok()) return VersionRefused(state.status());
+  if (absl::Status s = change(v, *state); !s.ok()) return VersionRefused(s);
   return Describe(v, resp);
 }
 
@@ -509,13 +514,13 @@ grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, c
   resp->set_version(v.value());
   auto state = c_.registry->State(v);
   if (state.status().code() == absl::StatusCode::kNotFound) return grpc::Status::OK;  // nothing held here
-  if (!state.ok()) return ToGrpcStatus(state.status());
+  if (!state.ok()) return VersionRefused(state.status());
   if (c_.executor->Trial().version == v.value()) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat("version: placement-v", v.value(),
                                                                             " is this rank's trial candidate; stop the "
                                                                             "trial first"));
   }
-  if (absl::Status s = c_.registry->Discard(v); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = c_.registry->Discard(v); !s.ok()) return VersionRefused(s);
   c_.executor->DiscardGeneration(v);
   {
     absl::MutexLock summary_lock(&summary_mu_);

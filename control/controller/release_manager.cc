@@ -563,10 +563,11 @@ absl::Status StoreReleaseManager::LoadNew(const std::string& request_id, const s
     if (!discarded.ok()) {
       spdlog::warn("load of placement-v{} failed; {}", version, std::string(discarded.message()));
     }
-    return absl::Status(failed.code(),
-                        absl::StrCat(failed.message(), discarded.ok() ? "; every rank discarded it again"
-                                                                      : absl::StrCat("; not discarded everywhere (",
-                                                                                     discarded.message(), ")")));
+    return absl::Status(
+        failed.code(),
+        absl::StrCat(failed.message(), discarded.ok()
+                                           ? "; no rank holds it now (each was asked to discard it)"
+                                           : absl::StrCat("; not discarded everywhere (", discarded.message(), ")")));
   };
   if (absl::Status prepared = agents_->Prepare(manifest, bundle.has_value() ? &bundle->runtime : nullptr);
       !prepared.ok()) {

@@ -4,6 +4,7 @@
 #include "control/controller/reconciler.h"
 
 #include <atomic>
+#include <thread>
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -35,7 +36,17 @@ TEST(ReconcilerTest, AKickReturnsWhileAReconcileIsBlockedAndKicksDuringItFoldInt
         return absl::OkStatus();
       },
       absl::ZeroDuration());
-  r.Kick();
+  // The first kick from a thread of its own, so that a Kick running the reconcile inline fails
+  // the test (it would block there on `release`) instead of hanging it.
+  absl::Notification kicked;
+  std::thread kicker([&] {
+    r.Kick();
+    kicked.Notify();
+  });
+  const bool returned = kicked.WaitForNotificationWithTimeout(absl::Seconds(5));
+  if (!returned) release.Notify();
+  kicker.join();
+  ASSERT_TRUE(returned) << "Kick ran the reconcile on the caller's thread";
   ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(10)));
   // The first run is blocked: each kick returns at once.
   const absl::Time t0 = absl::Now();

@@ -320,7 +320,14 @@ TEST_F(RankAgentTest, DiscardForgetsAPreparedGenerationThatNeverServed) {
   grpc::Status active = stub_->DiscardGeneration(Ctx().get(), req, &st);
   EXPECT_EQ(active.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << active.error_message();
   EXPECT_THAT(active.error_message(), HasSubstr("ACTIVE"));
+  EXPECT_THAT(active.error_message(), ::testing::StartsWith("version: ")) << "the refusal names the field";
   EXPECT_EQ(*registry_.State(PlacementVersion(1)), GenerationState::kActive);
+  // A version this rank never registered: the registry's refusal, named by the field too.
+  v1::GenerationRequest unknown;
+  unknown.set_version(77);
+  grpc::Status missing = stub_->ActivateGeneration(Ctx().get(), unknown, &st);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND) << missing.error_message();
+  EXPECT_THAT(missing.error_message(), ::testing::StartsWith("version: placement-v77"));
 }
 
 }  // namespace
