@@ -7,12 +7,22 @@
 #include <system_error>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #include "kernels/numeric.h"
 
 namespace moe {
 namespace {
+
+// Value `i` of the rows is not finite: named `hidden.data[i]` for rows sent inline, and by its
+// place among the values read for a shared-region reference (`hidden_region`), which has no data.
+absl::Status NotFinite(const char* field, int64_t i) {
+  const absl::string_view f(field);
+  if (absl::EndsWith(f, "_region")) return absl::InvalidArgumentError(absl::StrCat(f, ": value ", i, " is not finite"));
+  return absl::InvalidArgumentError(absl::StrCat(f, ".data[", i, "]: not finite"));
+}
 
 float HalfToFloat(uint16_t h) {
   const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -94,7 +104,7 @@ absl::Status Convert(const v1::Tensor& t, const char* p, const char* field, std:
     } else {
       std::memcpy(&v, p + 4 * i, 4);
     }
-    if (!std::isfinite(v)) return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
+    if (!std::isfinite(v)) return NotFinite(field, i);
     (*out)[i] = kernels::FloatToBf16(v);
   }
   return absl::OkStatus();
@@ -170,8 +180,7 @@ absl::Status CheckFiniteBf16(const uint16_t* rows, int64_t n, const char* field)
   if (!bad) return absl::OkStatus();
   // The index is looked for only when a value is bad.
   for (int64_t i = 0; i < n; ++i) {
-    if ((rows[i] & 0x7f80) == 0x7f80)
-      return absl::InvalidArgumentError(absl::StrCat(field, ".data[", i, "]: not finite"));
+    if ((rows[i] & 0x7f80) == 0x7f80) return NotFinite(field, i);
   }
   return absl::OkStatus();
 }

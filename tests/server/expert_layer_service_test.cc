@@ -188,6 +188,20 @@ TEST_F(ServiceTest, SharedMemoryPayloadEqualsInline) {
   EXPECT_TRUE(resp.output().data().empty());
   EXPECT_EQ(std::string(region + kTokens * kD * 2, kTokens * kD * 2), inline_resp.output().data());
 
+  // A non-finite value among the region's rows: refused, named by its place (the reference has
+  // no data field), and the output region untouched.
+  {
+    const std::string before(region + kTokens * kD * 2, kTokens * kD * 2);
+    uint16_t saved, nan = 0x7fc0;
+    std::memcpy(&saved, region + 2 * 5, 2);
+    std::memcpy(region + 2 * 5, &nan, 2);
+    req.set_step_id(31);
+    grpc::Status bad = Call(req, &resp);
+    EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(bad.error_message(), HasSubstr("hidden_region: value 5 is not finite"));
+    EXPECT_EQ(std::string(region + kTokens * kD * 2, kTokens * kD * 2), before);
+    std::memcpy(region + 2 * 5, &saved, 2);
+  }
   req.set_step_id(4);
   req.mutable_hidden_region()->set_offset(bytes - 10);  // runs past the region
   grpc::Status oob = Call(req, &resp);
