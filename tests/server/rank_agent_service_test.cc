@@ -5,10 +5,13 @@
 // load); every RPC needs the bearer token.
 #include "server/rank_agent_service.h"
 
+#include <chrono>
 #include <random>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -23,6 +26,41 @@ using ::testing::HasSubstr;
 
 constexpr int kD = 64, kExperts = 4;
 constexpr char kToken[] = "agent-token-0123456789";
+
+// Reads through `inner`, but every ReadExpert waits until Release(): a prepare that holds the
+// agent's lock for as long as a test needs.
+class HeldReader final : public CheckpointReader {
+ public:
+  explicit HeldReader(const CheckpointReader* inner) : inner_(inner) {}
+  const std::string& version() const override { return inner_->version(); }
+  ExpertShape shape() const override { return inner_->shape(); }
+  const std::vector<int64_t>& layers() const override { return inner_->layers(); }
+  absl::Status ReadExpert(int64_t layer, int expert, uint16_t* gate_up, uint16_t* down) const override {
+    {
+      absl::MutexLock lock(&mu_);
+      entered_ = true;
+      mu_.Await(absl::Condition(&released_));
+    }
+    return inner_->ReadExpert(layer, expert, gate_up, down);
+  }
+  std::string RecordedDigest(int64_t layer, int expert) const override { return inner_->RecordedDigest(layer, expert); }
+  std::string Describe() const override { return "held " + inner_->Describe(); }
+
+  void AwaitEntered() const {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&entered_));
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    released_ = true;
+  }
+
+ private:
+  const CheckpointReader* inner_;
+  mutable absl::Mutex mu_;
+  mutable bool entered_ = false;
+  bool released_ = false;
+};
 
 class RankAgentTest : public testing::OneRankTest {
  protected:
@@ -328,6 +366,49 @@ TEST_F(RankAgentTest, DiscardForgetsAPreparedGenerationThatNeverServed) {
   grpc::Status missing = stub_->ActivateGeneration(Ctx().get(), unknown, &st);
   EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND) << missing.error_message();
   EXPECT_THAT(missing.error_message(), ::testing::StartsWith("version: placement-v77"));
+}
+
+// A discard that waited behind a load while its caller gave up answers CANCELLED when it runs,
+// and removes nothing: the generation that load prepared meanwhile stays PREPARED.
+TEST_F(RankAgentTest, DiscardWhoseCallerLeftRemovesNothing) {
+  HeldReader held(reader_.get());
+  GenerationRegistry registry;  // nothing active here: every slot of a prepare is a checkpoint read
+  RankAgentContext c{Rank(0), &registry, executor_.get(), &held, kToken};
+  c.runtime.set_dtype("BF16");
+  RankAgentServiceImpl service(std::move(c));
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  auto stub = v1::RankAgentService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+
+  grpc::Status prepared;
+  std::thread load([&] {
+    v1::PrepareGenerationRequest req;
+    *req.mutable_manifest() = Manifest(2);
+    v1::GenerationStatus st;
+    prepared = stub->PrepareGeneration(Ctx().get(), req, &st);
+  });
+  held.AwaitEntered();  // the prepare holds the agent's lock, reading its first slot
+  v1::GenerationRequest req;
+  req.set_version(2);
+  v1::GenerationStatus st;
+  auto ctx = Ctx();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  EXPECT_EQ(stub->DiscardGeneration(ctx.get(), req, &st).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The server's deadline counts from the request's arrival, a little after the client's, and its
+  // cancellation reaches the call's context after that: give it time before the load lets go.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  held.Release();
+  load.join();
+  ASSERT_TRUE(prepared.ok()) << prepared.error_message();
+  server->Shutdown();  // returns once every handler has, the discard's too (it ran after the load)
+  auto state = registry.State(PlacementVersion(2));
+  ASSERT_TRUE(state.ok()) << "the discard whose caller left removed the prepared generation: " << state.status();
+  EXPECT_EQ(*state, GenerationState::kPrepared);
+  EXPECT_NE(executor_->HostWeights(PlacementVersion(2)), nullptr);
 }
 
 }  // namespace
