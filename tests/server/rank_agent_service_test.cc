@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -46,9 +47,10 @@ class HeldReader final : public CheckpointReader {
   std::string RecordedDigest(int64_t layer, int expert) const override { return inner_->RecordedDigest(layer, expert); }
   std::string Describe() const override { return "held " + inner_->Describe(); }
 
-  void AwaitEntered() const {
+  // False when no read began within `timeout` (the prepare failed before reading).
+  bool AwaitEntered(absl::Duration timeout) const {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(&entered_));
+    return mu_.AwaitWithTimeout(absl::Condition(&entered_), timeout);
   }
   void Release() {
     absl::MutexLock lock(&mu_);
@@ -391,7 +393,11 @@ TEST_F(RankAgentTest, DiscardWhoseCallerLeftRemovesNothing) {
     v1::GenerationStatus st;
     prepared = stub->PrepareGeneration(Ctx().get(), req, &st);
   });
-  held.AwaitEntered();  // the prepare holds the agent's lock, reading its first slot
+  if (!held.AwaitEntered(absl::Seconds(30))) {  // the prepare holds the agent's lock, reading its first slot
+    held.Release();
+    load.join();
+    FAIL() << "the prepare never read the checkpoint: " << prepared.error_message();
+  }
   v1::GenerationRequest req;
   req.set_version(2);
   v1::GenerationStatus st;
