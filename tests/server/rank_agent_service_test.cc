@@ -71,13 +71,19 @@ class RankAgentTest : public testing::OneRankTest {
     RankAgentContext c{Rank(0), &registry_, executor_.get(), reader_.get(), kToken};
     c.runtime.set_dtype("BF16");  // as moe-rankd reports --expert_dtype bf16
     service_ = std::make_unique<RankAgentServiceImpl>(std::move(c));
+    server_ = Serve(service_.get(), &stub_);
+  }
+  // `service` on a real socket at 127.0.0.1, and in `*stub` a client dialing it.
+  static std::unique_ptr<grpc::Server> Serve(RankAgentServiceImpl* service,
+                                             std::unique_ptr<v1::RankAgentService::Stub>* stub) {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
-    stub_ = v1::RankAgentService::NewStub(
+    builder.RegisterService(service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    *stub = v1::RankAgentService::NewStub(
         grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    return server;
   }
   void TearDown() override { server_->Shutdown(); }
 
@@ -378,13 +384,8 @@ TEST_F(RankAgentTest, DiscardWhoseCallerLeftRemovesNothing) {
   RankAgentContext c{Rank(0), &registry, executor_.get(), &held, kToken};
   c.runtime.set_dtype("BF16");
   RankAgentServiceImpl service(std::move(c));
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  auto stub = v1::RankAgentService::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  std::unique_ptr<v1::RankAgentService::Stub> stub;
+  std::unique_ptr<grpc::Server> server = Serve(&service, &stub);
 
   grpc::Status prepared;
   std::thread load([&] {
