@@ -604,9 +604,20 @@ int SmallBatchDownPreloadWarps(int num_experts, int d, int f, int64_t rows) {
 
 bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int f) {
   const int64_t routes = tokens * k;
-  return tokens > 0 && SmallBatchSupported(d, f) && routes <= small_batch::kBlockRoutes &&
-         num_experts <= small_batch::kCachedExperts && ExpectedSegmentRows(routes, num_experts, tokens) <= 1 &&
-         tokens * (d / 8) <= kFusedCombineVectors;
+  if (!(tokens > 0 && SmallBatchSupported(d, f) && routes <= small_batch::kBlockRoutes &&
+        num_experts <= small_batch::kCachedExperts && ExpectedSegmentRows(routes, num_experts, tokens) <= 1 &&
+        tokens * (d / 8) <= kFusedCombineVectors)) {
+    return false;
+  }
+  // The stages (what a graph of the step replays) must give the same bits: both down kernels
+  // preloaded (the same mma tiles, whatever their blocks' warps) or both streaming.
+  int sms = 0;
+  if (small_batch::SmCount(&sms) != cudaSuccess) return false;
+  const int busy = routes < num_experts ? static_cast<int>(routes) : num_experts;
+  const bool fused = PlanDown<true>(sms, num_experts, busy, routes, d, f,
+                                    small_batch::RouteInBlockBytes(num_experts, static_cast<int>(routes)))
+                         .warps != 0;
+  return fused == (SmallBatchDownPreloadWarps(num_experts, d, f, routes) != 0);
 }
 
 cudaError_t LaunchFusedLocalLayer(const uint16_t* x, const int32_t* topk, const float* gate, int64_t tokens, int k,
