@@ -17,11 +17,15 @@
 //     DownKernel: y[r, o] = bf16(a_r . Wd_o), one unit = two output rows;
 //   - both are launched as programmatic dependents (pdl.cuh): the gate/up grid is resident
 //     before the routing kernel ends, and the down grid takes SM slots as the gate/up blocks
-//     finish, prefetching its first weight rows into L2 before it waits for `a`.
+//     finish, prefetching its first weight rows into L2 before it waits for `a`; or, where a
+//     block's share of the down weights fits in shared memory, DownPreloadKernel's small blocks
+//     are resident beside the gate/up blocks and load that share while they run (below).
 // Longer segments loop over rows: any size is correct. Steps whose experts get more rows take
 // the tensor-core family (small_batch_mma.cu) or, for dimensions that are not multiples of 32,
 // the staged family (small_batch_staged.cu).
 #include <cuda_runtime.h>
+
+#include <mutex>
 
 #include <cuda_bf16.h>
 
@@ -474,14 +478,18 @@ bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t
   // The opt-in to this much dynamic shared memory (grown as needed, never shrunk), and the
   // gate/up kernel's preference for the largest shared-memory carve-out, so that an SM running
   // gate/up blocks has room for a down block beside them.
+  static std::mutex opt_mu;
   static size_t opted = 0;
-  if (lay.bytes > opted) {
-    if (cudaFuncSetAttribute(DownPreloadKernel<FUSED, WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(lay.bytes)) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
+  {
+    std::lock_guard<std::mutex> lock(opt_mu);
+    if (lay.bytes > opted) {
+      if (cudaFuncSetAttribute(DownPreloadKernel<FUSED, WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(lay.bytes)) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      opted = lay.bytes;
     }
-    opted = lay.bytes;
   }
   static const bool carveout = cudaFuncSetAttribute(GateUpKernel<FUSED>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                     cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
