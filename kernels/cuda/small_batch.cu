@@ -134,8 +134,10 @@ __device__ __forceinline__ void CombineInLastBlock(const LayerRoute& route, cons
   }
 }
 
-template <bool FUSED>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+// REG_BLOCKS: the blocks an SM the registers are budgeted for (4: 64 registers, so that three
+// blocks leave room for a preloading down block, below).
+template <bool FUSED, int REG_BLOCKS = kBlocksPerSm>
+__global__ void __launch_bounds__(kThreads, REG_BLOCKS)
     GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                  const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
                  const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a, LayerRoute route) {
@@ -232,16 +234,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 //
 // With one row an expert the two kernels read their weights one after the other: the down
 // kernel's blocks take SM slots only as the gate/up blocks finish, and then stream their weights
-// from DRAM (E=128, d=2048, d_ff=768, one token: 50 MB then 25 MB). Here a down block of 2 warps
-// (beside the three gate/up blocks an SM: the registers those leave) or of 8 warps (beside two)
-// becomes resident as soon as the gate/up kernel has started, and hands its share of the down
+// from DRAM (E=128, d=2048, d_ff=768, one token: 50 MB then 25 MB). Here a down block of 8 warps
+// (64 registers: one an SM, beside two gate/up blocks, or three held to 64 registers; registers
+// are allocated per SM sub-partition, two warps of each block in each of the four) becomes
+// resident as soon as the gate/up kernel has started, and hands its share of the down
 // weights to the TMA unit as bulk copies into shared memory; the two reads then share the
 // memory's bandwidth. Once the gate/up kernel is done, the block copies the activation rows of
 // its experts next to them and runs mma.sync tiles from shared memory alone.
 //
 // Work: a unit is (active expert, 16 output rows), one mma tile; a block takes a balanced
 // contiguous share of at most `tiles_cap` units (the host sizes the shared memory for it), a
-// warp every WARPS-th of them over the whole of k, so each output's dot product is summed in the
+// warp every kPreloadWarps-th of them over the whole of k, so each output's dot product is summed in the
 // same order whatever the grid (the fused layer and the stages give the same bits). The tile's
 // even and odd rows live in two regions 64 bytes apart modulo 128, so the lanes of one
 // 8-lane phase of a 16-byte load (rows g, g + 1 at the same k) hit distinct banks. A block
@@ -265,12 +268,7 @@ struct PreloadLayout {
   }
 };
 
-// The registers a block of WARPS warps may use: what three (WARPS = 2) or two (8) gate/up blocks
-// of kThreads leave of an SM's 64 Ki.
-template <int WARPS>
-constexpr int PreloadMinBlocks() {
-  return WARPS == 2 ? 16 : 3;
-}
+constexpr int kPreloadWarps = 8;
 
 // c += this lane's part of the tile (weight rows g, g + 8 from w_at(i, &lo, &hi)) times its
 // activation row (x_at(i)) over every k-chunk; i = chunk * 4 + t indexes 16-byte vectors.
@@ -287,12 +285,12 @@ __device__ __forceinline__ void TileDot(float (&c)[4], WAt&& w_at, XAt&& x_at, i
   }
 }
 
-template <bool FUSED, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, PreloadMinBlocks<WARPS>())
+template <bool FUSED>
+__global__ void __launch_bounds__(kPreloadWarps * 32, 4)  // 64 registers
     DownPreloadKernel(const uint4* __restrict__ a, const int64_t* __restrict__ offsets, int num_experts, int f8, int d,
                       const uint4* __restrict__ w_down, __nv_bfloat16* __restrict__ y, LayerRoute route, int tiles_cap,
                       int a_rows_cap) {
-  constexpr int kT = WARPS * 32;
+  constexpr int kT = kPreloadWarps * 32;
   // Offsets (or topk) and weights are inputs of the whole launch sequence, complete before the
   // gate/up kernel released this one: route and start the weight copies before waiting for `a`.
   const small_batch::BlockRouting routing = KernelRouting<FUSED, kT>(route, offsets, num_experts);
@@ -352,7 +350,7 @@ __global__ void __launch_bounds__(WARPS * 32, PreloadMinBlocks<WARPS>())
   if (a_rows > 0) MbarWait(&bar[1], 0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int chunks = f8 / 4;
-  for (int j = warp; j < tiles; j += WARPS) {
+  for (int j = warp; j < tiles; j += kPreloadWarps) {
     const int64_t u = u0 + j;
     const int e = expert_of(u);
     const int o = static_cast<int>(u % groups) * kTileRows + g;
@@ -418,8 +416,9 @@ KernelFootprint Footprint(Kernel kernel) {
 
 // How a step's down kernel runs: preloaded (warps > 0) or streaming after the gate/up kernel.
 struct DownPlan {
-  int warps = 0;  // 0: DownKernel
+  bool preload = false;  // false: DownKernel
   int gate_blocks_per_sm = kBlocksPerSm;
+  bool gate_64_registers = false;  // GateUpKernel<FUSED, 4>
   unsigned grid = 0;
   int tiles_cap = 0;
   int a_rows_cap = 0;
@@ -447,15 +446,14 @@ inline SmLimits GetSmLimits() {
   return limits;
 }
 
-// Registers a block of `threads` holds: whole warps of 256-register allocation units.
-inline int64_t BlockRegisters(int regs, int threads) {
-  return static_cast<int64_t>((regs * 32 + 255) / 256 * 256) * (threads / 32);
-}
+// Registers a warp holds: whole 256-register allocation units.
+inline int64_t WarpRegisters(int regs) { return static_cast<int64_t>((regs * 32 + 255) / 256 * 256); }
 
-template <bool FUSED, int WARPS>
+// GATE_REG_BLOCKS: the gate/up kernel's register budget (GateUpKernel's REG_BLOCKS).
+template <bool FUSED, int GATE_REG_BLOCKS>
 bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t route_bytes, DownPlan* plan) {
-  static const KernelFootprint gate = Footprint(GateUpKernel<FUSED>);
-  static const KernelFootprint down = Footprint(DownPreloadKernel<FUSED, WARPS>);
+  static const KernelFootprint gate = Footprint(GateUpKernel<FUSED, GATE_REG_BLOCKS>);
+  static const KernelFootprint down = Footprint(DownPreloadKernel<FUSED>);
   const SmLimits sm = GetSmLimits();
   if (gate.regs == 0 || down.regs == 0 || sm.smem_per_sm == 0) return false;
   const int64_t groups = d / kTileRows;
@@ -464,9 +462,10 @@ bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t
   const int64_t tiles = (units + grid - 1) / grid;
   if (tiles > (1 << 20) || max_rows > (1 << 20)) return false;
   const PreloadLayout lay(route_bytes, static_cast<int>(tiles), f, max_rows);
-  // Beside it on each SM: as many gate/up blocks as the registers leave (at most kBlocksPerSm).
-  const int64_t down_regs = BlockRegisters(down.regs, WARPS * 32), gate_regs = BlockRegisters(gate.regs, kThreads);
-  int64_t beside = (sm.regs - down_regs) / gate_regs;
+  // Beside it on each SM: as many gate/up blocks as the registers leave (at most kBlocksPerSm),
+  // counted in one of the SM's four sub-partitions, which holds a quarter of every block's warps.
+  const int64_t part = sm.regs / 4;
+  int64_t beside = (part - kPreloadWarps / 4 * WarpRegisters(down.regs)) / (kWarps / 4 * WarpRegisters(gate.regs));
   if (beside > kBlocksPerSm) beside = kBlocksPerSm;
   if (beside < 1) return false;
   const int64_t gate_smem = static_cast<int64_t>(gate.static_smem + route_bytes) + sm.reserved;
@@ -483,7 +482,7 @@ bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t
   {
     std::lock_guard<std::mutex> lock(opt_mu);
     if (lay.bytes > opted) {
-      if (cudaFuncSetAttribute(DownPreloadKernel<FUSED, WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      if (cudaFuncSetAttribute(DownPreloadKernel<FUSED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(lay.bytes)) != cudaSuccess) {
         cudaGetLastError();
         return false;
@@ -491,12 +490,14 @@ bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t
       opted = lay.bytes;
     }
   }
-  static const bool carveout = cudaFuncSetAttribute(GateUpKernel<FUSED>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                    cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
-                               (cudaGetLastError(), false);
+  static const bool carveout =
+      cudaFuncSetAttribute(GateUpKernel<FUSED, GATE_REG_BLOCKS>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
+      (cudaGetLastError(), false);
   (void)carveout;
-  plan->warps = WARPS;
+  plan->preload = true;
   plan->gate_blocks_per_sm = static_cast<int>(beside);
+  plan->gate_64_registers = GATE_REG_BLOCKS == 4;
   plan->grid = static_cast<unsigned>(grid);
   plan->tiles_cap = static_cast<int>(tiles);
   plan->a_rows_cap = static_cast<int>(max_rows);
@@ -515,8 +516,8 @@ DownPlan PlanDown(int sms, int num_experts, int max_active, int64_t max_rows, in
       num_experts > small_batch::kCachedExperts) {
     return plan;
   }
-  const bool ok = forced == 2 ? PlanPreload<FUSED, 8>(sms, max_active, max_rows, d, f, route_bytes, &plan)
-                              : PlanPreload<FUSED, 2>(sms, max_active, max_rows, d, f, route_bytes, &plan);
+  const bool ok = forced == 1 ? PlanPreload<FUSED, kBlocksPerSm>(sms, max_active, max_rows, d, f, route_bytes, &plan)
+                              : PlanPreload<FUSED, 4>(sms, max_active, max_rows, d, f, route_bytes, &plan);
   return ok ? plan : DownPlan{};
 }
 
@@ -537,20 +538,22 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
   auto grid = [&](int64_t max_units, int per_sm) {
     return small_batch::OneWave((max_units + kWarps - 1) / kWarps, static_cast<int64_t>(sms) * per_sm);
   };
-  cudaError_t e = LaunchDependent(
-      GateUpKernel<FUSED>, dim3(grid(static_cast<int64_t>(max_active) * f, plan.gate_blocks_per_sm)), dim3(kThreads),
-      smem, stream, reinterpret_cast<const uint4*>(x), x_row_index, offsets, num_experts, d / 8, f,
-      reinterpret_cast<const uint4*>(w_gate_up), reinterpret_cast<__nv_bfloat16*>(a), route);
+  const dim3 gate_grid(grid(static_cast<int64_t>(max_active) * f, plan.gate_blocks_per_sm));
+  const auto* x4 = reinterpret_cast<const uint4*>(x);
+  const auto* wgu4 = reinterpret_cast<const uint4*>(w_gate_up);
+  auto* a16 = reinterpret_cast<__nv_bfloat16*>(a);
+  cudaError_t e = plan.gate_64_registers
+                      ? LaunchDependent(GateUpKernel<FUSED, 4>, gate_grid, dim3(kThreads), smem, stream, x4,
+                                        x_row_index, offsets, num_experts, d / 8, f, wgu4, a16, route)
+                      : LaunchDependent(GateUpKernel<FUSED>, gate_grid, dim3(kThreads), smem, stream, x4, x_row_index,
+                                        offsets, num_experts, d / 8, f, wgu4, a16, route);
   if (e != cudaSuccess) return e;
   const auto* a4 = reinterpret_cast<const uint4*>(a);
   const auto* wd4 = reinterpret_cast<const uint4*>(w_down);
   auto* y16 = reinterpret_cast<__nv_bfloat16*>(y);
-  if (plan.warps == 2 || plan.warps == 8) {
-    return plan.warps == 2
-               ? LaunchDependent(DownPreloadKernel<FUSED, 2>, dim3(plan.grid), dim3(64), plan.smem, stream, a4, offsets,
-                                 num_experts, f / 8, d, wd4, y16, route, plan.tiles_cap, plan.a_rows_cap)
-               : LaunchDependent(DownPreloadKernel<FUSED, 8>, dim3(plan.grid), dim3(256), plan.smem, stream, a4,
-                                 offsets, num_experts, f / 8, d, wd4, y16, route, plan.tiles_cap, plan.a_rows_cap);
+  if (plan.preload) {
+    return LaunchDependent(DownPreloadKernel<FUSED>, dim3(plan.grid), dim3(kPreloadWarps * 32), plan.smem, stream, a4,
+                           offsets, num_experts, f / 8, d, wd4, y16, route, plan.tiles_cap, plan.a_rows_cap);
   }
   const int64_t down_units = static_cast<int64_t>(max_active) * ((d + kDownRows - 1) / kDownRows);
   return LaunchDependent(DownKernel<FUSED>, dim3(grid(down_units, kBlocksPerSm)), dim3(kThreads), smem, stream, a4,
@@ -603,11 +606,12 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
                                          w_down, a, y, stream);
 }
 
-int SmallBatchDownPreloadWarps(int num_experts, int d, int f, int64_t rows) {
+int SmallBatchDownPreloadBeside(int num_experts, int d, int f, int64_t rows) {
   int sms = 0;
   if (small_batch::SmCount(&sms) != cudaSuccess || num_experts < 1 || rows < 1) return 0;
   const int busy = rows < num_experts ? static_cast<int>(rows) : num_experts;
-  return PlanDown<false>(sms, num_experts, busy, rows, d, f, ActiveBytes(num_experts)).warps;
+  const DownPlan plan = PlanDown<false>(sms, num_experts, busy, rows, d, f, ActiveBytes(num_experts));
+  return plan.preload ? plan.gate_blocks_per_sm : 0;
 }
 
 bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int f) {
@@ -618,14 +622,14 @@ bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int
     return false;
   }
   // The stages (what a graph of the step replays) must give the same bits: both down kernels
-  // preloaded (the same mma tiles, whatever their blocks' warps) or both streaming.
+  // preloaded (the same mma tiles, whatever the gate/up kernel's registers) or both streaming.
   int sms = 0;
   if (small_batch::SmCount(&sms) != cudaSuccess) return false;
   const int busy = routes < num_experts ? static_cast<int>(routes) : num_experts;
   const bool fused = PlanDown<true>(sms, num_experts, busy, routes, d, f,
                                     small_batch::RouteInBlockBytes(num_experts, static_cast<int>(routes)))
-                         .warps != 0;
-  return fused == (SmallBatchDownPreloadWarps(num_experts, d, f, routes) != 0);
+                         .preload;
+  return fused == (SmallBatchDownPreloadBeside(num_experts, d, f, routes) != 0);
 }
 
 cudaError_t LaunchFusedLocalLayer(const uint16_t* x, const int32_t* topk, const float* gate, int64_t tokens, int k,
