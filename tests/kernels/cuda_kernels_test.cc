@@ -756,14 +756,14 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
     DeviceVector<uint16_t> dsource(source);
     DeviceVector<int32_t> dindex(index);
     std::vector<std::vector<uint16_t>> outs;
-    for (int preload : {0, 1, 2}) {
+    for (int preload : {0, 1, 2, 3}) {
       CudaTuning tuning = saved;
       tuning.down_preload = preload;
       SetCudaTuning(tuning);
       auto gpu = CreateCudaKernels();  // sets the process's launch switches
       ASSERT_TRUE(gpu.ok()) << gpu.status();
       // The gate/up blocks an SM beside each preloading down block (0: the streaming one).
-      EXPECT_EQ(cuda::SmallBatchDownPreloadBeside(e, d, f, declared), preload == 0 ? 0 : preload + 1)
+      EXPECT_EQ(cuda::SmallBatchDownPreloadBeside(e, d, f, declared), preload == 0 ? 0 : (preload == 1 ? 2 : 3))
           << "down_preload=" << preload;
       SwigluParams g = p;
       g.weights = {dwgu.get(), dwd.get(), e, d, f};
@@ -790,6 +790,7 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
       outs.push_back(std::move(got));
     }
     EXPECT_EQ(outs[1], outs[2]) << "beside two and three gate/up blocks";
+    EXPECT_EQ(outs[1], outs[3]) << "beside two and three gate/up blocks of three loads in flight";
   }
   SetCudaTuning(saved);
   ASSERT_TRUE(CreateCudaKernels().ok());  // the fixture's switches back

@@ -53,7 +53,7 @@ TEST(CudaTuningTest, BadInputNamesTheKey) {
   for (const char* bad :
        {"pdl=2", "gemm=fast", "chain_streams=5", "sm90_tile=96", "sm90_tile=", "mma_wide=-2", "fused_layer=", "speed=1",
         "pdl", "blocking_sync=2", "capture_branches=5", "capture_branches=-1", "fp8_epilogue_quant=2",
-        "fp8_epilogue_quant=", "down_preload=3", "down_preload=-2"}) {
+        "fp8_epilogue_quant=", "down_preload=4", "down_preload=-2"}) {
     auto t = ParseCudaTuning(bad);
     ASSERT_FALSE(t.ok()) << bad;
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << bad;
