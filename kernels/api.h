@@ -543,8 +543,8 @@ struct CudaTuning {
   int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
   // One-row-an-expert decode steps: the down kernel's blocks load their weights into shared
   // memory while the gate/up kernel runs, where they fit (small_batch.cu). 0: off (the down
-  // kernel streams its weights after the gate/up kernel); 1: a down block an SM beside two
-  // gate/up blocks; 2: beside three, the gate/up kernel held to 64 registers; -1: the default (2).
+  // kernel streams its weights after the gate/up kernel); 1 or -1 (the default): on, a down
+  // block an SM beside two gate/up blocks.
   int down_preload = -1;
   // FP8 experts on the Hopper kernels: the activation quantized in the gate/up kernel's epilogue
   // (false: written in BF16 and quantized by a kernel of its own; the same bytes, for A/B runs).

@@ -89,7 +89,7 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
     } else if (key == "down_preload") {
-      s = ParseInt(key, value, -1, 3, &t.down_preload);
+      s = ParseInt(key, value, -1, 1, &t.down_preload);
     } else if (key == "blocking_sync") {
       s = ParseInt(key, value, 0, 1, &v);
       t.blocking_sync = v == 1;

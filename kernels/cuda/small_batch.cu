@@ -134,10 +134,8 @@ __device__ __forceinline__ void CombineInLastBlock(const LayerRoute& route, cons
   }
 }
 
-// REG_BLOCKS: the blocks an SM the registers are budgeted for (4: 64 registers, so that three
-// blocks leave room for a preloading down block, below).
-template <bool FUSED, int REG_BLOCKS = kBlocksPerSm, int BATCH = 4>
-__global__ void __launch_bounds__(kThreads, REG_BLOCKS)
+template <bool FUSED>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     GateUpKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
                  const int64_t* __restrict__ offsets, int num_experts, int d8, int f,
                  const uint4* __restrict__ w_gate_up, __nv_bfloat16* __restrict__ a, LayerRoute route) {
@@ -162,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, REG_BLOCKS)
     for (int64_t row = seg_begin; row < seg_end; ++row) {
       const uint4* xp = x + SourceRow<FUSED>(x_row_index, row) * d8;
       float gu[2][1] = {};
-      DotRows<1, 2, BATCH>(
+      DotRows<1, 2, 4>(
           w, [&](int, int i) { return __ldg(xp + i); }, d8, 1, gu);
       small_batch::StoreActivation<1>(gu, 1, row, f, c, a);
     }
@@ -418,7 +416,6 @@ KernelFootprint Footprint(Kernel kernel) {
 struct DownPlan {
   bool preload = false;  // false: DownKernel
   int gate_blocks_per_sm = kBlocksPerSm;
-  int gate_variant = 0;  // 0: GateUpKernel<FUSED>; 1: <FUSED, 4, 4>; 2: <FUSED, 4, 3>
   unsigned grid = 0;
   int tiles_cap = 0;
   int a_rows_cap = 0;
@@ -449,10 +446,9 @@ inline SmLimits GetSmLimits() {
 // Registers a warp holds: whole 256-register allocation units.
 inline int64_t WarpRegisters(int regs) { return static_cast<int64_t>((regs * 32 + 255) / 256 * 256); }
 
-// GATE_REG_BLOCKS: the gate/up kernel's register budget (GateUpKernel's REG_BLOCKS).
-template <bool FUSED, int GATE_REG_BLOCKS, int GATE_BATCH>
+template <bool FUSED>
 bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t route_bytes, DownPlan* plan) {
-  static const KernelFootprint gate = Footprint(GateUpKernel<FUSED, GATE_REG_BLOCKS, GATE_BATCH>);
+  static const KernelFootprint gate = Footprint(GateUpKernel<FUSED>);
   static const KernelFootprint down = Footprint(DownPreloadKernel<FUSED>);
   const SmLimits sm = GetSmLimits();
   if (gate.regs == 0 || down.regs == 0 || sm.smem_per_sm == 0) return false;
@@ -490,14 +486,12 @@ bool PlanPreload(int sms, int max_active, int64_t max_rows, int d, int f, size_t
       opted = lay.bytes;
     }
   }
-  static const bool carveout = cudaFuncSetAttribute(GateUpKernel<FUSED, GATE_REG_BLOCKS, GATE_BATCH>,
-                                                    cudaFuncAttributePreferredSharedMemoryCarveout,
+  static const bool carveout = cudaFuncSetAttribute(GateUpKernel<FUSED>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                                     cudaSharedmemCarveoutMaxShared) == cudaSuccess ||
                                (cudaGetLastError(), false);
   (void)carveout;
   plan->preload = true;
   plan->gate_blocks_per_sm = static_cast<int>(beside);
-  plan->gate_variant = GATE_REG_BLOCKS == 4 ? (GATE_BATCH == 4 ? 1 : 2) : 0;
   plan->grid = static_cast<unsigned>(grid);
   plan->tiles_cap = static_cast<int>(tiles);
   plan->a_rows_cap = static_cast<int>(max_rows);
@@ -516,9 +510,7 @@ DownPlan PlanDown(int sms, int num_experts, int max_active, int64_t max_rows, in
       num_experts > small_batch::kCachedExperts) {
     return plan;
   }
-  const bool ok = forced == 1 ? PlanPreload<FUSED, kBlocksPerSm, 4>(sms, max_active, max_rows, d, f, route_bytes, &plan)
-                  : forced == 3 ? PlanPreload<FUSED, 4, 3>(sms, max_active, max_rows, d, f, route_bytes, &plan)
-                                : PlanPreload<FUSED, 4, 4>(sms, max_active, max_rows, d, f, route_bytes, &plan);
+  const bool ok = PlanPreload<FUSED>(sms, max_active, max_rows, d, f, route_bytes, &plan);
   return ok ? plan : DownPlan{};
 }
 
@@ -543,13 +535,8 @@ cudaError_t Launch(const uint16_t* x, const int32_t* x_row_index, const int64_t*
   const auto* x4 = reinterpret_cast<const uint4*>(x);
   const auto* wgu4 = reinterpret_cast<const uint4*>(w_gate_up);
   auto* a16 = reinterpret_cast<__nv_bfloat16*>(a);
-  cudaError_t e =
-      plan.gate_variant == 1   ? LaunchDependent(GateUpKernel<FUSED, 4, 4>, gate_grid, dim3(kThreads), smem, stream, x4,
-                                                 x_row_index, offsets, num_experts, d / 8, f, wgu4, a16, route)
-      : plan.gate_variant == 2 ? LaunchDependent(GateUpKernel<FUSED, 4, 3>, gate_grid, dim3(kThreads), smem, stream, x4,
-                                                 x_row_index, offsets, num_experts, d / 8, f, wgu4, a16, route)
-                               : LaunchDependent(GateUpKernel<FUSED>, gate_grid, dim3(kThreads), smem, stream, x4,
-                                                 x_row_index, offsets, num_experts, d / 8, f, wgu4, a16, route);
+  const cudaError_t e = LaunchDependent(GateUpKernel<FUSED>, gate_grid, dim3(kThreads), smem, stream, x4, x_row_index,
+                                        offsets, num_experts, d / 8, f, wgu4, a16, route);
   if (e != cudaSuccess) return e;
   const auto* a4 = reinterpret_cast<const uint4*>(a);
   const auto* wd4 = reinterpret_cast<const uint4*>(w_down);

@@ -704,9 +704,9 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
 
 // One row an expert with the down weights preloaded into shared memory while the gate/up kernel
 // runs (CudaTuning::down_preload, small_batch.cu), against the streaming down kernel and the CPU:
-// beside two gate/up blocks an SM and beside three (the default: gate/up held to 64 registers)
-// give the same bits (the same kernels' arithmetic), both match the CPU within rounding, and the
-// gather fused into the gate/up load gives the same bits as direct rows. Cases: the Qwen3-30B-A3B decode shape (8 of
+// switched on and by default a down block an SM preloads beside two gate/up blocks, both match
+// the CPU within rounding as the streaming kernel does, and the gather fused into the gate/up
+// load gives the same bits as direct rows. Cases: the Qwen3-30B-A3B decode shape (8 of
 // 128 experts, 8 tiles a block), a two-row segment with capacity above the rows, and three k-chunks of 32 with experts
 // skipped between busy ones.
 TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
@@ -756,14 +756,14 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
     DeviceVector<uint16_t> dsource(source);
     DeviceVector<int32_t> dindex(index);
     std::vector<std::vector<uint16_t>> outs;
-    for (int preload : {0, 1, 2, 3}) {
+    for (int preload : {0, 1, -1}) {
       CudaTuning tuning = saved;
       tuning.down_preload = preload;
       SetCudaTuning(tuning);
       auto gpu = CreateCudaKernels();  // sets the process's launch switches
       ASSERT_TRUE(gpu.ok()) << gpu.status();
       // The gate/up blocks an SM beside each preloading down block (0: the streaming one).
-      EXPECT_EQ(cuda::SmallBatchDownPreloadBeside(e, d, f, declared), preload == 0 ? 0 : (preload == 1 ? 2 : 3))
+      EXPECT_EQ(cuda::SmallBatchDownPreloadBeside(e, d, f, declared), preload == 0 ? 0 : 2)
           << "down_preload=" << preload;
       SwigluParams g = p;
       g.weights = {dwgu.get(), dwd.get(), e, d, f};
@@ -789,8 +789,7 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
       EXPECT_LT(rel, 1e-2) << "down_preload=" << preload;
       outs.push_back(std::move(got));
     }
-    EXPECT_EQ(outs[1], outs[2]) << "beside two and three gate/up blocks";
-    EXPECT_EQ(outs[1], outs[3]) << "beside two and three gate/up blocks of three loads in flight";
+    EXPECT_EQ(outs[1], outs[2]) << "down_preload=1 and the default";
   }
   SetCudaTuning(saved);
   ASSERT_TRUE(CreateCudaKernels().ok());  // the fixture's switches back
