@@ -541,6 +541,11 @@ struct CudaTuning {
   bool fused_layer = true;  // LocalLayer's fused one-token kernels (false: always in stages)
   bool pdl = true;          // programmatic dependent launch between consecutive kernels
   int mma_wide = -1;        // small-batch MMA: -1 by expected rows an expert, 0 narrow, 1 wide
+  // One-row-an-expert decode steps: the down kernel's blocks load their weights into shared
+  // memory while the gate/up kernel runs, where they fit (small_batch.cu). 0: off (the down
+  // kernel streams its weights after the gate/up kernel); 1 or -1 (the default): on, a down
+  // block an SM beside two gate/up blocks.
+  int down_preload = -1;
   // FP8 experts on the Hopper kernels: the activation quantized in the gate/up kernel's epilogue
   // (false: written in BF16 and quantized by a kernel of its own; the same bytes, for A/B runs).
   bool fp8_epilogue_quant = true;

@@ -34,6 +34,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/activation.cuh"
+#include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/bf16.cuh"
 #include "kernels/cuda/fp8.cuh"
 #include "kernels/cuda/launch.h"
@@ -51,30 +52,6 @@ constexpr int kMaxExperts = 4096;
 constexpr int kWideUpN = 96;      // activation columns of a wide ping-pong gate/up tile (kPingPongWide)
 constexpr int kTileBufRow = 512;  // bytes a row of the epilogue warps' tile buffer: 256 BF16 values
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(SmemAddr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
-}
-
 // Hardware named barrier `id` of `count` threads (a multiple of 32): a warp's arrival without
 // waiting (a release), and a warp's arrival and wait for the rest (an acquire). Both are
 // aligned: the whole warp executes them together. The producer's syncs follow lane-divergent
@@ -89,25 +66,12 @@ __device__ __forceinline__ void NamedBarSync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-__device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map, int32_t inner, int32_t outer,
                                           uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
           SmemAddr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(SmemAddr(bar))
-      : "memory");
-}
-
-// `bytes` (a multiple of 16) from global to shared memory, both 16-byte aligned, by the TMA
-// unit's bulk copy, counted in `bar`'s transaction bytes like TmaLoad2d.
-__device__ __forceinline__ void BulkLoad(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(SmemAddr(dst)),
-      "l"(src), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
 
@@ -735,7 +699,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     MbarInit(buf_full, 2 * 128);  // every consumer thread, after its rows' stmatrix
     MbarInit(buf_empty, 3 * 32);  // every epilogue warp thread, after its reads
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    MbarInitFence();
   }
   if (warp == 1) {  // row tiles before each expert (inclusive warp scans, 32 experts at a time)
     int carry = 0;

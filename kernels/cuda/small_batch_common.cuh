@@ -61,11 +61,12 @@ __host__ __device__ inline size_t ActiveBytes(int num_experts) {
                                       : static_cast<size_t>(num_experts + 1) * 8 + static_cast<size_t>(num_experts) * 4;
 }
 
-// Called by every thread of a kThreads block; `cache` is ActiveBytes(E) of shared memory.
+// Called by every thread of a THREADS block; `cache` is ActiveBytes(E) of shared memory.
+template <int THREADS = kThreads>
 __device__ inline ActiveExperts CompactActive(const int64_t* __restrict__ offsets, int num_experts, int64_t* cache) {
   if (num_experts > kCachedExperts) return {offsets, nullptr, num_experts};
   int* ids = reinterpret_cast<int*>(cache + num_experts + 1);
-  using Scan = cub::BlockScan<int, kThreads>;
+  using Scan = cub::BlockScan<int, THREADS>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int carry;
   for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) cache[i] = offsets[i];
@@ -314,6 +315,24 @@ __device__ __forceinline__ void StoreRows(const float (&acc)[NW][ROWS], int rows
 // expert, a tile of weight rows); each block takes a balanced contiguous share of the units, and
 // its warps split the k-chunks.
 constexpr int kRowsPerMma = 8;  // activation rows (the mma's n)
+
+// mma.sync m16n8k16, BF16 in, FP32 accumulated in c (the fragments' register layout).
+__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One 32-k chunk: lo / hi = this lane's 16 bytes of weight rows g / g + 8, xv = of activation
+// row g. Fragment k (2t, 2t + 1) <- k (8t, 8t + 1) and (2t + 8, 2t + 9) <- (8t + 2, 8t + 3) in
+// the first mma; the second takes 8t + 4 .. 8t + 7 the same way.
+__device__ __forceinline__ void MmaChunk(float (&c)[4], const uint4& lo, const uint4& hi, const uint4& xv) {
+  Mma(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+  Mma(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+}
 
 // The activation rows of a chunk [r0, r0 + rows) this lane feeds its NT mmas: row g of each
 // group of 8 (clamped to the chunk; `valid` false past it), as layout rows.

@@ -41,23 +41,6 @@ constexpr int KBatchChunks() {
   return NT == 1 ? 4 : 2;
 }
 
-__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One 32-k chunk: lo / hi = this lane's 16 bytes of weight rows g / g + 8, xv = of activation
-// row g. Fragment k (2t, 2t + 1) <- k (8t, 8t + 1) and (2t + 8, 2t + 9) <- (8t + 2, 8t + 3) in
-// the first mma; the second takes 8t + 4 .. 8t + 7 the same way.
-__device__ __forceinline__ void MmaChunk(float (&c)[4], const uint4& lo, const uint4& hi, const uint4& xv) {
-  Mma(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-  Mma(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
-}
-
 // The tile of 16 weight rows (lo: rows g, hi: rows g + 8 of this lane) times NT groups of 8
 // activation rows over this warp's k-chunks, summed over the block's warps: every weight load
 // feeds NT mmas. xrow[n] is this lane's row of group n (row g of it), x_valid[n] whether that

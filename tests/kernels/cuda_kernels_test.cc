@@ -702,6 +702,99 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
   }
 }
 
+// One row an expert with the down weights preloaded into shared memory while the gate/up kernel
+// runs (CudaTuning::down_preload, small_batch.cu), against the streaming down kernel and the CPU:
+// switched on and by default a down block an SM preloads beside two gate/up blocks, both match
+// the CPU within rounding as the streaming kernel does, and the gather fused into the gate/up
+// load gives the same bits as direct rows. Cases: the Qwen3-30B-A3B decode shape (8 of
+// 128 experts, 8 tiles a block), a two-row segment with capacity above the rows, and three k-chunks of 32 with experts
+// skipped between busy ones.
+TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
+  struct Case {
+    int e, d, f;
+    std::vector<int64_t> counts;  // rows an expert (empty: 8 distinct random experts, one row each)
+    int64_t declared;             // p.rows (0: the used rows + 2)
+  };
+  const std::vector<Case> cases = {
+      {128, 2048, 768, {}, 8},  // rows as LocalLayer's stages declare them: the routes
+      {16, 256, 64, {0, 0, 0, 2, 0, 0, 0, 1}, 0},
+      {8, 512, 96, {1, 0, 1, 1, 1, 0, 0, 1}, 0},
+  };
+  const CudaTuning saved = GetCudaTuning();
+  for (const Case& tc : cases) {
+    const int e = tc.e, d = tc.d, f = tc.f;
+    std::vector<int64_t> counts(e, 0);
+    if (tc.counts.empty()) {
+      std::vector<int> all(e);
+      for (int q = 0; q < e; ++q) all[q] = q;
+      std::shuffle(all.begin(), all.end(), rng_);
+      for (int q = 0; q < 8; ++q) counts[all[q]] = 1;
+    } else {
+      std::copy(tc.counts.begin(), tc.counts.end(), counts.begin());
+    }
+    const auto offsets = Offsets(counts);
+    const int64_t used = offsets.back(), held = used + 2;  // x and y hold `held` rows
+    const int64_t declared = tc.declared > 0 ? tc.declared : held;
+    SCOPED_TRACE(::testing::Message() << "E=" << e << " d=" << d << " f=" << f << " rows " << used << " declared "
+                                      << declared);
+    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, held);
+    std::vector<uint16_t> ref(layer.x.size(), 0);
+    SwigluParams p;
+    p.weights = {layer.wgu.data(), layer.wd.data(), e, d, f};
+    p.x = layer.x.data();
+    p.rows = held;
+    p.device_offsets = offsets.data();
+    p.y = ref.data();
+    ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+    ref.resize(used * d);
+    DeviceVector<uint16_t> dwgu(layer.wgu), dwd(layer.wd), dx(layer.x);
+    DeviceVector<int64_t> doff(offsets);
+    std::vector<int32_t> index(held);
+    for (int64_t r = 0; r < held; ++r) index[r] = static_cast<int32_t>(held - 1 - r);
+    std::vector<uint16_t> source(layer.x.size());
+    for (int64_t r = 0; r < held; ++r) std::copy_n(layer.x.begin() + r * d, d, source.begin() + index[r] * d);
+    DeviceVector<uint16_t> dsource(source);
+    DeviceVector<int32_t> dindex(index);
+    std::vector<std::vector<uint16_t>> outs;
+    for (int preload : {0, 1, -1}) {
+      CudaTuning tuning = saved;
+      tuning.down_preload = preload;
+      SetCudaTuning(tuning);
+      auto gpu = CreateCudaKernels();  // sets the process's launch switches
+      ASSERT_TRUE(gpu.ok()) << gpu.status();
+      // The gate/up blocks an SM beside each preloading down block (0: the streaming one).
+      EXPECT_EQ(cuda::SmallBatchDownPreloadBeside(e, d, f, declared), preload == 0 ? 0 : 2)
+          << "down_preload=" << preload;
+      SwigluParams g = p;
+      g.weights = {dwgu.get(), dwd.get(), e, d, f};
+      g.rows = declared;
+      g.device_offsets = doff.get();
+      g.max_segment_rows = 1;  // the streaming family whatever the segments
+      DeviceVector<uint16_t> dy(layer.x.size(), 0), dy2(layer.x.size(), 0);
+      g.x = dx.get();
+      g.y = dy.get();
+      ASSERT_TRUE((*gpu)->Swiglu(g, nullptr).ok());
+      g.x = dsource.get();
+      g.x_row_index = dindex.get();
+      g.x_rows = held;
+      g.y = dy2.get();
+      ASSERT_TRUE((*gpu)->Swiglu(g, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto got = dy.Host(), gathered = dy2.Host();
+      got.resize(used * d);
+      gathered.resize(used * d);
+      EXPECT_EQ(gathered, got) << "down_preload=" << preload;
+      double rel = 0;
+      EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, ref, &rel))) << "down_preload=" << preload;
+      EXPECT_LT(rel, 1e-2) << "down_preload=" << preload;
+      outs.push_back(std::move(got));
+    }
+    EXPECT_EQ(outs[1], outs[2]) << "down_preload=1 and the default";
+  }
+  SetCudaTuning(saved);
+  ASSERT_TRUE(CreateCudaKernels().ok());  // the fixture's switches back
+}
+
 // The tensor-core family's passes of 8 and 16 activation rows over a weight tile (a step takes
 // 16 a pass when its experts are expected to get 8 rows or more; the bound on segments steers it
 // here: 4 -> 8-row passes; 16, or none (mean 17 rows) -> 16). Each row's mmas run in the same k
