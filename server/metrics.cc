@@ -104,7 +104,8 @@ void RankMetrics::LayerRoutes(int64_t layer, int64_t accepted, int64_t served) {
   std::lock_guard<std::mutex> lock(series_mu_);
   LayerSeries& series = layer_series_[layer];
   if (series.accepted == nullptr) {
-    const std::map<std::string, std::string> labels = {{"release", release_}, {"layer", std::to_string(layer)}};
+    const std::map<std::string, std::string> labels = {
+        {"release", release_}, {"layer", layer < 0 ? std::string("all") : std::to_string(layer)}};
     series.accepted = &layer_routes_->Add(labels);
     series.served = &layer_served_->Add(labels);
   }

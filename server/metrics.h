@@ -33,7 +33,8 @@ class RankMetrics {
   // Accepted routes of a served step of `layer` (this rank's tokens), and the routes this rank's
   // experts served in it (every member's tokens: the load balancedness compares across ranks).
   // Label `layer`: bounded by the model's MoE layers (steps of any other layer are refused
-  // before they count).
+  // before they count); "all" for `layer` -1, a generation that names no layers and serves
+  // every one with one expert set (StepRecord::load_layer).
   void LayerRoutes(int64_t layer, int64_t accepted, int64_t served);
   void Fallback(const std::string& reason);
   void BytesSent(int64_t bytes);

@@ -16,6 +16,7 @@
 #include "rpc/placement_proto.h"
 #include "runtime/placement/default_placement.h"
 #include "runtime/placement/migration.h"
+#include "runtime/release/lifecycle.h"
 #include "runtime/status.h"
 
 namespace moe {
@@ -196,6 +197,10 @@ absl::Status StoreReleaseManager::VerifyRegisteredBundle(const std::string& rele
 absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::string& request_id,
                                                                  const std::string& release_id, ReleaseState to,
                                                                  const std::string& reason) {
+  // The request itself first: nothing below drives a rank for one the registry would refuse.
+  if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
+  if (release_id.empty()) return absl::InvalidArgumentError("release_id: required");
+  RETURN_IF_ERROR(CheckTransitionReason(reason));
   if (to == ReleaseState::kActive) {
     return absl::FailedPreconditionError("to: ACTIVE is reached through Promote (the 0x0DC gate)");
   }

@@ -16,6 +16,25 @@
 #include "runtime/status.h"
 
 namespace moe {
+namespace {
+
+// The key of a step's layer in the executor's per-layer tables where the generation gives every
+// layer one entry: the engine's layer values then cannot grow those tables (layers in a
+// manifest are >= 0).
+constexpr int64_t kEveryLayer = -1;
+
+// The device plan's tables are per layer only where the layers have slot tables of their own.
+int64_t TableLayer(const PlacementManifest& generation, int64_t layer) {
+  return generation.per_layer() ? layer : kEveryLayer;
+}
+
+// The load signal is per layer where the generation names its layers (a step of any other is
+// refused); one that serves every layer counts them together.
+int64_t LoadLayer(const PlacementManifest& generation, int64_t layer) {
+  return generation.layers().empty() ? kEveryLayer : layer;
+}
+
+}  // namespace
 absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecutorOptions options) {
   if (options.registry == nullptr || options.kernels == nullptr) {
     return absl::InvalidArgumentError("executor: registry and kernels required");
@@ -709,7 +728,8 @@ struct LayerExecutor::Pass {
   std::unique_ptr<DispatchHandle> spare_handle;  // the last pass's, Reset, for acquire to refill
   PlacementVersion version{0};
   std::shared_ptr<const ResidentExperts> weights;
-  int layer_index = 0;  // the step's layer in `weights`
+  int layer_index = 0;     // the step's layer in `weights`
+  int64_t load_layer = 0;  // ... in layer_load_ (acquire: LoadLayer)
   std::shared_ptr<const PlanLayout> layout;
   const PlacementManifest* manifest = nullptr;
   int64_t n_send = 0;                  // plan
@@ -856,7 +876,7 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   const bool lone_decode = LoneDecodeEligible(in, pass.po);
   if (options_.device_plan && (in.phase == Phase::kPrefill || lone_decode) && !pass.trial && !pass.po.shadow_pass &&
       in.tokens > 0 && (*manifest)->ServesLayer(in.layer)) {
-    pass.dtables = DeviceTablesFor(pass.version, in.layer, (*manifest)->ForLayer(in.layer));
+    pass.dtables = DeviceTablesFor(pass.version, TableLayer(**manifest, in.layer), (*manifest)->ForLayer(in.layer));
   }
   pass.device_plan = pass.dtables != nullptr;
   pass.lone_decode = pass.device_plan && in.phase == Phase::kDecode;
@@ -966,12 +986,13 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden: d = ", pass.in.d, ", the experts have d = ", pass.weights->host->d));
   }
+  // The load signal for rebalancing: routes this rank's tokens chose, per logical expert, per
+  // layer. Keyed once the layer is known to be served, and by LoadLayer, so that the engine's
+  // layer values cannot grow the table.
+  pass.load_layer = LoadLayer(*generation, pass.in.layer);
   if (!pass.po.shadow_pass && !pass.device_plan) {  // (the device plan counts per slot instead)
-    // The load signal for rebalancing: routes this rank's tokens chose, per logical expert, per
-    // layer. Counted once the layer is known to be served, so that the engine's layer values
-    // cannot grow the table.
     absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[pass.in.layer];
+    std::vector<int64_t>& load = layer_load_[pass.load_layer];
     if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
     for (int64_t i = 0; i < pass.in.tokens * pass.in.k; ++i) {
       if (pass.in.admitted == nullptr || pass.in.admitted[i] != 0) ++load[pass.in.topk_ids[i]];
@@ -1136,8 +1157,8 @@ struct LayerExecutor::DevicePlanTables {
 };
 
 std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTablesFor(
-    PlacementVersion version, int64_t layer, const std::shared_ptr<const PlacementManifest>& table) {
-  const std::pair<int64_t, int64_t> key(version.value(), layer);
+    PlacementVersion version, int64_t table_layer, const std::shared_ptr<const PlacementManifest>& table) {
+  const std::pair<int64_t, int64_t> key(version.value(), table_layer);
   {
     absl::MutexLock lock(&generations_mu_);
     auto it = device_tables_.find(key);
@@ -1209,7 +1230,8 @@ std::shared_ptr<const LayerExecutor::DevicePlanTables> LayerExecutor::DeviceTabl
 absl::Status LayerExecutor::RefreshDeviceTables(Pass& pass) {
   const LayerStepInput& in = pass.in;
   if (pass.dtables->version != pass.version) {
-    pass.dtables = DeviceTablesFor(pass.version, in.layer, pass.layout->manifest_ptr());
+    pass.dtables =
+        DeviceTablesFor(pass.version, TableLayer(*pass.handle->manifest(), in.layer), pass.layout->manifest_ptr());
   }
   if (pass.dtables == nullptr) {
     return absl::UnavailableError(absl::StrCat("step ", in.step_id, ": placement-v", pass.version.value(),
@@ -1309,7 +1331,7 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   pass.n_send = offsets[q];
   if (!pass.po.shadow_pass) {
     absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[in.layer];
+    std::vector<int64_t>& load = layer_load_[pass.load_layer];
     if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
     for (int k = 0; k < q; ++k) {
       if (t.expert_of_key[k] < static_cast<int32_t>(load.size())) load[t.expert_of_key[k]] += counts[k];
@@ -1602,7 +1624,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
       ++pass.n_send;
     }
     absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[in.layer];
+    std::vector<int64_t>& load = layer_load_[pass.load_layer];
     if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
     for (int64_t i = 0; i < routes; ++i) {
       if (keys[i] >= 0) ++load[t.expert_of_key[keys[i]]];
@@ -1977,6 +1999,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
   StepRecord& rec = result.record;
   rec.placement_version = pass.version.value();
   rec.layer = pass.in.layer;
+  rec.load_layer = pass.load_layer;
   CountRoutes(*pass.manifest, *options_.topology, options_.rank, buf_.slot_counts, pass.in.tokens * pass.in.k, &rec);
   const int me = options_.group->SlotOf(options_.rank).value();
   for (int i = 0; i < options_.group->size(); ++i) {

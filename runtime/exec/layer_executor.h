@@ -297,9 +297,10 @@ class LayerExecutor {
   // The step's output buffer on the host when the caller gave none (recycled, not zeroed).
   void ReserveOutput(Pass& pass);
   absl::Status DeviceDispatchPlan(Pass& pass);
-  // A layout's static slot choice in kernel memory (null when the host plan must run).
+  // A layout's static slot choice in kernel memory (null when the host plan must run), for the
+  // layer `table_layer` (TableLayer: -1 where the generation's layers share one slot table).
   struct DevicePlanTables;
-  std::shared_ptr<const DevicePlanTables> DeviceTablesFor(PlacementVersion version, int64_t layer,
+  std::shared_ptr<const DevicePlanTables> DeviceTablesFor(PlacementVersion version, int64_t table_layer,
                                                           const std::shared_ptr<const PlacementManifest>& table);
   // The payload, eagerly: rows staged, then a lone member's decode step in one kernels call, or
   // dispatch, experts, return and combine as separate calls sized by this step.
@@ -361,7 +362,8 @@ class LayerExecutor {
   std::map<std::tuple<int64_t, int, int, int>, Graph> graphs_by_key_ ABSL_GUARDED_BY(generations_mu_);
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
-  std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);  // by layer
+  // By layer (-1: the steps of generations that name no layers, LoadLayer).
+  std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);
   SemanticHandoff spare_handoff_ ABSL_GUARDED_BY(generations_mu_);  // a finished step's columns, refilled by the next
   // A finished pass's agreement, its records and its byte splits, for the next pass to refill
   // (a step of the same shape then allocates none of them).
@@ -380,7 +382,7 @@ class LayerExecutor {
   // By (version, layer index): per-layer generations plan each layer on its own slot table
   // (index -1 for generations whose layers share one).
   std::map<std::pair<int64_t, int>, std::shared_ptr<const PlanLayout>> layouts_ ABSL_GUARDED_BY(generations_mu_);
-  // By (version, layer): the device plan's tables, or null where the choice is not static.
+  // By (version, TableLayer): the device plan's tables, or null where the choice is not static.
   std::map<std::pair<int64_t, int64_t>, std::shared_ptr<const DevicePlanTables>> device_tables_
       ABSL_GUARDED_BY(generations_mu_);
 

@@ -87,6 +87,10 @@ const char* StepPhaseName(StepPhase phase);
 struct StepRecord {
   int64_t placement_version = 0;
   int64_t layer = 0;  // the MoE layer whose experts served the step
+  // The layer the rank counts the step's load under (metrics, rebalancing): `layer`, or -1 where
+  // the generation names no layers and serves every one with one expert set, so that the
+  // engine's layer values cannot grow the rank's tables or metric series.
+  int64_t load_layer = 0;
   bool graph_replay = false;
   // A lone member's decode step whose GPU work was one launch of a recording
   // (LayerExecutorOptions::lone_decode_graphs); not a decode-graph replay (its path stays eager).

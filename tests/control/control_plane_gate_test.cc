@@ -382,6 +382,52 @@ TEST_F(GateTest, ALoadTheRegistryCannotRecordIsDiscardedOnEveryRank) {
   for (auto& r : ranks_) EXPECT_TRUE(r->Holds(2));
 }
 
+// A transition the registry would refuse (no request id, no reason) drives no rank first: a
+// RETIRED without a reason left the ranks without the generation and the registry DRAINING,
+// and a CANARY without a request id whose parity fails drained the candidate under "/blocked".
+TEST_F(GateTest, ARefusedTransitionDrivesNoRank) {
+  auto transition = [&](const std::string& request_id, const std::string& id, v1::ReleaseState to,
+                        const std::string& reason) {
+    v1::TransitionReleaseRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id(id);
+    req.set_to(to);
+    req.set_reason(reason);
+    v1::TransitionRecord rec;
+    return stub_->TransitionRelease(Ctx().get(), req, &rec);
+  };
+  ToShadow("release-v1", 1);
+  ASSERT_TRUE(transition("drain-1", "release-v1", v1::RELEASE_STATE_DRAINING, "stop").ok());
+  ToShadow("release-v2", 2);
+  v1::GenerationCounters drift = Healthy(2);
+  drift.set_shadow_mismatches(4);  // a CANARY of release-v2 is blocked
+  for (auto& r : ranks_) r->SetCounters(drift);
+  for (auto& r : ranks_) r->TakeCalls();
+  const size_t before = History("").size();
+
+  grpc::Status s = transition("retire-1", "release-v1", v1::RELEASE_STATE_RETIRED, "");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("reason"));
+  s = transition("", "release-v1", v1::RELEASE_STATE_RETIRED, "done");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("request_id"));
+  s = transition("", "release-v2", v1::RELEASE_STATE_CANARY, "go");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("request_id"));
+  for (auto& r : ranks_) {
+    EXPECT_TRUE(r->TakeCalls().empty());
+    EXPECT_EQ(r->Trial().version(), 2);  // release-v2's shadow trials still running
+  }
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_DRAINING);
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_SHADOW);
+  EXPECT_EQ(History("").size(), before);
+  // The same retirement, asked properly, retires on every rank.
+  s = transition("retire-2", "release-v1", v1::RELEASE_STATE_RETIRED, "done");
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (auto& r : ranks_) EXPECT_EQ(r->TakeCalls(), std::vector<std::string>{"retire v1"});
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_RETIRED);
+}
+
 TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
   Bootstrap();
   ToShadow("release-v2", 2);

@@ -239,16 +239,16 @@ TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
 // check refuse the step naming the value; the next step is served and every handle released.
 //
 // PlanBothWays: a decode step planned on the host, then the same step with its routing in kernel
-// memory (the CPU kernels' memory is host memory), and how much each grew layer 0's expert load.
+// memory (the CPU kernels' memory is host memory), and how much each grew the expert load.
 struct PlannedBothWays {
   absl::StatusOr<LayerStepResult> host, device;
   std::vector<int64_t> host_load, device_load;  // per expert
 };
 PlannedBothWays PlanBothWays(LayerExecutor& exec, const RankInput& input, uint64_t* step, int experts) {
   const auto load = [&exec, experts] {
-    const auto m = exec.LayerExpertLoad();
-    auto it = m.find(0);
-    return it == m.end() ? std::vector<int64_t>(experts, 0) : it->second;
+    std::vector<int64_t> total = exec.ExpertLoad();
+    total.resize(std::max<size_t>(total.size(), experts), 0);
+    return total;
   };
   const auto grown = [](const std::vector<int64_t>& after, const std::vector<int64_t>& before) {
     std::vector<int64_t> d(after.size());
@@ -330,6 +330,33 @@ TEST_P(OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
   ASSERT_TRUE(served.ok()) << served.status();
   EXPECT_LT(ErrorAgainstReference(ckpt_, good, served->output), 1e-2);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
+// A generation that names no layers (one expert set) serves a step of any layer value; those
+// values cannot grow the rank's per-layer tables: every step's load is counted under layer -1
+// (the record's load_layer, the metrics' layer="all"), host and device plan alike.
+TEST_F(OneMemberTest, LayerValuesOfAGenerationWithoutLayersShareOneLoadEntry) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2, DecodeRunner::kKernels, /*device_plan=*/true);
+  ASSERT_TRUE(v1_->layers().empty());
+  std::mt19937 rng(31);
+  uint64_t step = 1;
+  int64_t accepted = 0;
+  for (const int64_t layer : {int64_t{0}, int64_t{7}, int64_t{1} << 20, int64_t{1} << 40}) {
+    for (const Phase phase : {Phase::kPrefill, Phase::kDecode}) {
+      const RankInput input = RandomInput(rng, 4);
+      auto r = executor_->Execute(input.Step(step++, layer, phase));
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->record.layer, layer);
+      EXPECT_EQ(r->record.load_layer, -1);
+      EXPECT_LT(ErrorAgainstReference(ckpt_, input, r->output), 1e-2);
+      accepted += r->record.routes_accepted;
+    }
+  }
+  const std::map<int64_t, std::vector<int64_t>> load = executor_->LayerExpertLoad();
+  ASSERT_EQ(load.size(), 1u);
+  EXPECT_EQ(load.begin()->first, -1);
+  EXPECT_EQ(std::accumulate(load.begin()->second.begin(), load.begin()->second.end(), int64_t{0}), accepted);
+  EXPECT_GT(accepted, 0);
 }
 
 // lone_decode_on_kernels = false: a lone member's decode step with its routing in kernel memory

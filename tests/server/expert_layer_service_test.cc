@@ -128,6 +128,34 @@ struct ShmObject {
   char* base;
 };
 
+// The fixture's placement names no layers (one expert set serves every layer): steps of any layer
+// value are served, and their routes are counted under one series, layer="all", so that an
+// engine's layer values cannot grow the metrics' label set.
+TEST_F(ServiceTest, LayerValuesOfAPlacementWithoutLayersShareOneSeries) {
+  uint64_t step = 1;
+  for (const int64_t layer : {int64_t{0}, int64_t{5}, int64_t{1} << 40}) {
+    v1::StepRequest req = Request(step++);
+    req.set_layer(layer);
+    v1::StepResponse resp;
+    const grpc::Status s = Call(req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.record().layer(), layer);
+  }
+  std::vector<std::string> layers;
+  double routes = 0;
+  for (const auto& family : metrics_.registry()->Collect()) {
+    if (family.name != "moe_layer_routes_total") continue;
+    for (const auto& m : family.metric) {
+      for (const auto& label : m.label) {
+        if (label.name == "layer") layers.push_back(label.value);
+      }
+      routes += m.counter.value;
+    }
+  }
+  EXPECT_EQ(layers, std::vector<std::string>{"all"});
+  EXPECT_EQ(routes, 3.0 * kTokens * kK);
+}
+
 TEST_F(ServiceTest, SharedMemoryPayloadEqualsInline) {
   v1::StepResponse inline_resp;
   ASSERT_TRUE(Call(Request(1), &inline_resp).ok());
