@@ -35,6 +35,9 @@ struct RankAgentContext {
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
   // The coordinates this rank runs (its flags), which a release bundle's must equal.
   v1::RuntimeCoordinates runtime;
+  // The most bytes of BF16 expert weights a prepared generation may put on this rank, checked
+  // before any is reserved (0: the host's available memory at the time, AvailableHostBytes).
+  int64_t max_weight_bytes = 0;
 };
 
 class RankAgentServiceImpl final : public v1::RankAgentService::Service {

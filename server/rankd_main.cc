@@ -292,18 +292,6 @@ struct Model {
   LocalExperts local;
 };
 
-// Host memory a load may use: MemAvailable of /proc/meminfo (0 when unknown: no limit).
-int64_t AvailableHostBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  std::string unit;
-  while (in >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return 0;
-}
-
 // Step: open the checkpoint, place it and load this rank's experts of every MoE layer, with
 // progress in the log and the metrics. A load over the host memory available, or over the free
 // memory of device-resident kernels (`kernels`, may be null), fails before it reads a byte,

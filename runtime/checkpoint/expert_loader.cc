@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include <sys/mman.h>
@@ -27,6 +29,17 @@ void AdviseHugePages(void* p, size_t bytes) {
 }
 
 }  // namespace
+
+int64_t AvailableHostBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
 
 absl::StatusOr<int64_t> LocalExpertBytes(const CheckpointReader& ckpt, const PlacementManifest& m, Rank rank) {
   int64_t n = 0;

@@ -37,6 +37,9 @@ struct LoadOptions {
   std::function<void(const LoadProgress&)> progress;
 };
 
+// Host memory a load may use: MemAvailable of /proc/meminfo (0 when unknown: no limit).
+int64_t AvailableHostBytes();
+
 // BF16 bytes of `rank`'s experts under `manifest` (every layer); INVALID_ARGUMENT on overflow.
 absl::StatusOr<int64_t> LocalExpertBytes(const CheckpointReader& checkpoint, const PlacementManifest& manifest,
                                          Rank rank);

@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -18,6 +19,7 @@
 
 #include "kernels/numeric.h"
 #include "rpc/placement_proto.h"
+#include "runtime/checkpoint/expert_loader.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {
@@ -199,6 +201,40 @@ TEST_F(RankAgentTest, BadManifestsLeaveNothingBehind) {
   EXPECT_EQ(Lifecycle("stop", 0, &st).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   // Nothing changed for serving.
   EXPECT_EQ(StepGeneration(4), 1);
+}
+
+// A manifest that puts more expert weights on the rank than it may hold is refused before any
+// is reserved (RESOURCE_EXHAUSTED naming manifest.slots and both numbers), leaving nothing
+// behind; at the limit it is prepared.
+TEST_F(RankAgentTest, AManifestOverTheWeightLimitIsRefusedBeforeAnythingIsReserved) {
+  const v1::PlacementManifest manifest = Manifest(2);
+  auto parsed = ManifestFromProto(manifest, topology_);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  auto need = LocalExpertBytes(*reader_, **parsed, Rank(0));
+  ASSERT_TRUE(need.ok()) << need.status();
+  for (const int64_t limit : {*need - 1, *need}) {
+    RankAgentContext c{Rank(0), &registry_, executor_.get(), reader_.get(), kToken};
+    c.runtime.set_dtype("BF16");
+    c.max_weight_bytes = limit;
+    RankAgentServiceImpl service(std::move(c));
+    std::unique_ptr<v1::RankAgentService::Stub> stub;
+    std::unique_ptr<grpc::Server> server = Serve(&service, &stub);
+    v1::PrepareGenerationRequest req;
+    *req.mutable_manifest() = manifest;
+    v1::GenerationStatus st;
+    const grpc::Status s = stub->PrepareGeneration(Ctx().get(), req, &st);
+    server->Shutdown();
+    if (limit < *need) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+      EXPECT_THAT(s.error_message(), HasSubstr("manifest.slots"));
+      EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat(*need, " bytes of expert weights, more than the ", limit)));
+      EXPECT_FALSE(registry_.State(PlacementVersion(2)).ok());
+      EXPECT_EQ(StepGeneration(5), 1);  // still serving
+    } else {
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(st.state(), v1::GENERATION_STATE_PREPARED);
+    }
+  }
 }
 
 // A release bundle's topology.nodes (RuntimeCoordinates.nodes): the rank prepares the placement
