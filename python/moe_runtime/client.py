@@ -189,9 +189,10 @@ class RankClient:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        with self._ring_lock:  # not while a step is in the ring
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
         self._channel.close()
 
     def __enter__(self) -> "RankClient":
@@ -225,9 +226,10 @@ class RankClient:
         ``[T, k]`` from the router, optional ``admitted`` ``[T, k]`` (0: a route the router
         dropped). Returns the gate-weighted expert output ``[T, d]``. Raises a
         :class:`moe_runtime.errors.MoeError` subclass for what the rank refused."""
-        ring = self._ring
-        if ring is not None and ring.fits(hidden, topk_ids):
-            with self._ring_lock:
+        with self._ring_lock:
+            ring = self._ring
+            if ring is not None and ring.fits(hidden, topk_ids):
+                self._drain_ring(ring, timeout or self.timeout)
                 return ring.step(
                     step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
                     expected_generation=expected_generation, timeout=timeout or self.timeout, rank=self.rank,
@@ -244,6 +246,21 @@ class RankClient:
             self._reconnect = e.code() == grpc.StatusCode.UNAVAILABLE
             raise errors.from_rpc_error(e, self.rank) from None
         return self._result(resp, rows, start)
+
+    def _drain_ring(self, ring: Any, timeout: float) -> None:
+        """An earlier ring step whose wait timed out (its caller got DeadlineExceeded) is still
+        outstanding: its answer is taken and dropped first, so that this step's wait returns this
+        step's answer. Its own error, if any, was its caller's to see; still none within
+        ``timeout``: DeadlineExceeded, and this step is not sent."""
+        while ring.outstanding:
+            try:
+                ring.wait(timeout, self.rank)
+            except errors.DeadlineExceeded:
+                raise errors.DeadlineExceeded(
+                    f"step ring: an earlier step whose wait timed out is still unanswered after {timeout}s; "
+                    "this step was not sent", rank=self.rank) from None
+            except errors.MoeError:
+                pass
 
     def _await_connection(self) -> None:
         """After a step failed UNAVAILABLE (the rank may have restarted: a replacement on the same
@@ -290,9 +307,10 @@ class RankClient:
         :meth:`open_ring` (then only torch BF16 tensors on that GPU fit the ring)."""
         ring = self.open_ring(max_tokens=max_tokens, d=d, k=k, slots=1, spin_us=spin_us, device=device,
                               done_events=done_events)
-        old, self._ring = self._ring, ring
-        if old is not None:
-            old.close()
+        with self._ring_lock:  # not while a step is in the old ring
+            old, self._ring = self._ring, ring
+            if old is not None:
+                old.close()
 
     @property
     def using_ring(self) -> bool:

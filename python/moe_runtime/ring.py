@@ -246,6 +246,12 @@ class StepRing:
         """Whether this ring's rows stay in GPU memory (``open(device=...)``)."""
         return self._rows is not None
 
+    @property
+    def outstanding(self) -> int:
+        """Steps submitted whose answer no wait() has taken yet (a wait that raised
+        DeadlineExceeded leaves its step outstanding: its answer is the next wait's)."""
+        return self._n_submitted - self._n_waited
+
     def fits(self, hidden: Any, topk_ids: Any) -> bool:
         """Whether a step can go through this ring: BF16 rows of this d, at most max_tokens rows
         and k routes (other dtypes would need a lossy cast; they go through gRPC). A ring with
@@ -507,7 +513,12 @@ class StepRing:
     def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, *,
              decode: bool = False, admitted: Any = None, expected_generation: int = 0,
              timeout: float = 60.0, rank: Optional[int] = None) -> StepResult:
-        """One step end to end: submit, then wait."""
+        """One step end to end: submit, then wait. Refused (FailedPrecondition) while an earlier
+        step is outstanding, whose answer the wait would return instead of this step's."""
+        if self.outstanding:
+            raise errors.FailedPrecondition(
+                f"step ring: {self.outstanding} step(s) outstanding (a submit without its wait, or a wait that "
+                "timed out); wait() for them before step()", rank=rank)
         self.submit(step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
                     expected_generation=expected_generation)
         return self.wait(timeout, rank)

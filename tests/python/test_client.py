@@ -363,6 +363,43 @@ def test_ring_slots_written_in_place(cluster):
         c1.close()
 
 
+def test_a_ring_step_whose_wait_timed_out_never_answers_the_next(cluster):
+    """A ring step whose wait timed out stays outstanding, its answer still to come: the client's
+    next step takes and drops that answer first and returns its own output, and a ring's own
+    step() refuses while a step is outstanding instead of returning the earlier step's answer."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(12)
+    xa0, xa1, xb0, xb1 = (random_step(rng, t) for t in (3, 2, 4, 2))
+    with RankGroup(cluster.targets, timeout=30) as group:
+        want_a = group.step(1, [StepInput(*xa0), StepInput(*xa1)])
+        want_b = group.step(1, [StepInput(*xb0), StepInput(*xb1)])
+    assert not np.array_equal(want_a[0].output[:3], want_b[0].output[:3])
+    c0, c1 = RankClient(cluster.targets[0], rank=0), RankClient(cluster.targets[1], rank=1)
+    try:
+        c0.use_ring(max_tokens=8, d=D, k=K, spin_us=200)
+        # Rank 1 has not got step 990001: rank 0 waits for it, the client's wait times out.
+        with pytest.raises(errors.DeadlineExceeded):
+            c0.step(990001, 1, *xa0, timeout=0.3)
+        c1.step(990001, 1, *xa1)  # now rank 0 runs it too; its answer lands in the ring unread
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(c1.step, 990002, 1, *xb1)
+            got = c0.step(990002, 1, *xb0)
+            other.result()
+        assert got.via == "ring" and np.array_equal(got.output, want_b[0].output)
+        with c0.open_ring(max_tokens=8, d=D, k=K, slots=2, spin_us=200) as ring, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ring.submit(990003, 1, *xa0)
+            with pytest.raises(errors.FailedPrecondition, match="outstanding"):
+                ring.step(990004, 1, *xb0)
+            other = pool.submit(c1.step, 990003, 1, *xa1)
+            assert np.array_equal(ring.wait(timeout=30).output, want_a[0].output)
+            other.result()
+    finally:
+        c0.close()
+        c1.close()
+
+
 def _stand_in_rank(target):
     """A gRPC server (not started) on `target` whose Execute echoes the rows: a rank's stand-in."""
     from concurrent import futures
