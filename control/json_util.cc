@@ -1,7 +1,12 @@
 #include "control/json_util.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -56,6 +61,23 @@ absl::StatusOr<Json> ParseFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return Parse(ss.str(), path);
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text, const std::string& what) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  auto failed = [&](const std::string& why) {
+    std::remove(tmp.c_str());
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", path, ": cannot write (", why, ")"));
+  };
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return failed(std::strerror(errno));
+    out << text;
+    out.close();
+    if (out.fail()) return failed("short write");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return failed(std::strerror(errno));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<const Json*> Member(const Json& obj, const std::string& path, const std::string& key) {

@@ -19,6 +19,10 @@ using Json = nlohmann::ordered_json;
 inline constexpr int kMaxNesting = 64;
 
 absl::StatusOr<Json> ParseFile(const std::string& path);
+// `text` as the file `path`, whole or not at all: written beside it and renamed over it once
+// flushed and closed, so that a failed write leaves any earlier file as it was.
+// INVALID_ARGUMENT "<what> <path>: cannot write (<reason>)".
+absl::Status WriteFile(const std::string& path, const std::string& text, const std::string& what);
 absl::StatusOr<Json> Parse(const std::string& text, const std::string& what);
 
 inline absl::Status Invalid(const std::string& path, const std::string& problem) {

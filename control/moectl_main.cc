@@ -251,7 +251,8 @@ int PreParse(int argc, char** argv) {
       continue;
     }
     if (a.size() > 1 && a[0] == '-') {
-      std::string name = a.substr(a.find_first_not_of('-'));
+      const size_t begin = a.find_first_not_of('-');
+      std::string name = begin == std::string::npos ? std::string() : a.substr(begin);
       const bool has_value = name.find('=') != std::string::npos;
       name = name.substr(0, name.find('='));
       const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
@@ -593,9 +594,7 @@ int BundleMake() {
   if (out.empty()) return Fail(absl::InvalidArgumentError("--out: required"));
   auto bundle = moe::MakeBundle(in);
   if (!bundle.ok()) return Fail(bundle.status());
-  std::ofstream f(out);
-  f << bundle->dump(2) << "\n";
-  if (!f) return Fail(absl::InvalidArgumentError(absl::StrCat("--out ", out, ": cannot write")));
+  if (absl::Status s = moe::json::WriteFile(out, bundle->dump(2) + "\n", "--out"); !s.ok()) return Fail(s);
   std::cout << "wrote " << out << ": " << in.release_id << ", " << (*bundle)["digest"].get<std::string>() << "\n";
   return moe::kExitOk;
 }

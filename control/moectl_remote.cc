@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 
+#include "control/json_util.h"
 #include "control/rebalance.h"
 #include "proto/moe/v1/control_plane.grpc.pb.h"
 #include "proto/moe/v1/process_group.grpc.pb.h"
@@ -147,6 +148,8 @@ absl::StatusOr<v1::ClusterStatusResponse> GetClusterStatus(const RemoteCall& cal
 absl::Status RunWatch(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
   if (o.after_seq < 0) return absl::InvalidArgumentError("--after: must be >= 0");
+  if (o.count < 0) return absl::InvalidArgumentError("--count: must be >= 0 (0: until --timeout_s or Ctrl-C)");
+  if (o.timeout_s < 0) return absl::InvalidArgumentError("--timeout_s: must be >= 0");
   v1::WatchRequest req;
   if (call.cmd.size() == 2) req.set_release_id(call.cmd[1]);
   req.set_after_seq(o.after_seq);
@@ -635,7 +638,7 @@ absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, int num_e
                                        id);
   }
   if (!m.ok()) return m.status();
-  std::ofstream(o.out) << Json(ManifestToProto(**m, topology));
+  RETURN_IF_ERROR(json::WriteFile(o.out, Json(ManifestToProto(**m, topology)), "--out"));
   std::cout << "wrote placement-v" << o.placement_version << " to " << o.out
             << ((*m)->per_layer() ? absl::StrCat(" (", (*m)->layers().size(), " per-layer slot tables)") : "") << "\n";
   return absl::OkStatus();

@@ -42,6 +42,9 @@ check "missing file" 2 "cannot open" -- "$MOECTL" plan --trace "$TMP/none.json"
 check "unknown command" 2 "moectl plan" -- "$MOECTL" frobnicate
 # One exit-code table: 0 ok, 1 refused, 2 bad usage or input, 3 unavailable (docs/cli.md).
 check "unknown flag" 2 "unknown flag --frobnicate" -- "$MOECTL" plan --frobnicate
+check "a flag of dashes only" 2 "unknown flag ---" -- "$MOECTL" plan ---
+check "watch --count -1" 2 "--count: must be >= 0" -- env MOE_TOKEN_FILE="$EX/eplb-fixture.json" "$MOECTL" watch \
+  --controller 127.0.0.1:1 --count -1
 check "version" 0 "^moectl [0-9]" -- "$MOECTL" --version
 check "per-command help" 0 "moectl placement load ID \[--manifest FILE\]" -- "$MOECTL" placement load -h
 out="$("$MOECTL" placement load --help)"
@@ -79,6 +82,8 @@ check "placement show bad file" 2 "--manifest" -- "$MOECTL" placement show --man
 check "bundle make" 0 "wrote .*rel-2, sha256:" -- "$MOECTL" bundle make --release rel-2 --prior rel-1 \
   --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --out "$TMP/bundle.json"
 check "bundle verify" 0 "verified rel-2 sha256:" -- "$MOECTL" bundle verify "$TMP/bundle.json"
+check "bundle make --out unwritable" 2 "--out $TMP/no-dir/b.json: cannot write" -- "$MOECTL" bundle make \
+  --release rel-2 --checkpoint "$TMP/bm" --manifest "$TMP/bp.json" --world 2 --out "$TMP/no-dir/b.json"
 check "bundle make --expert_dtype fp8" 0 "wrote" -- "$MOECTL" bundle make --release rel-2 --checkpoint "$TMP/bm" \
   --manifest "$TMP/bp.json" --world 2 --expert_dtype fp8 --out "$TMP/bundle-fp8.json"
 check "bundle make --expert_dtype int4" 2 "--expert_dtype: 'INT4'" -- "$MOECTL" bundle make \
