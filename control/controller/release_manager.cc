@@ -247,6 +247,9 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
   // either for DRAINING or RETIRED stops them.
   if (drives_ranks()) {
     ASSIGN_OR_RETURN(ReleaseRecord rec, store_->Get(release_id));
+    // Only while the release is still where this transition put it: a late retry of one it has
+    // since left (CANARY, then DRAINING) must not start its trials again.
+    if (rec.state != t.to) return t;
     absl::Status driven;
     if (rec.placement_version > 0 && t.to == ReleaseState::kShadow) {
       driven = agents_->SetTrial(rec.placement_version, trial_.shadow_every, 0);

@@ -331,6 +331,19 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
       return absl::AlreadyExistsError(
           absl::StrCat("release_id: '", release_id, "' is registered with bundle digest ", existing->bundle_digest));
     }
+    // A repeat that brings a bundle must find that bundle stored: one registered with the digest
+    // only was never checked against a bundle (VERIFIED, LoadPlacement), and is not made so now.
+    if (!bundle.empty()) {
+      Stmt q(db_, "SELECT bundle FROM bundles WHERE release_id = ?");
+      q.Bind(1, release_id);
+      auto row = q.Step();
+      if (!row.ok()) return row.status();
+      if (!*row) {
+        return absl::AlreadyExistsError(absl::StrCat("bundle_json: '", release_id,
+                                                     "' is registered with its digest only, without a bundle; "
+                                                     "register the bundle under a new release id"));
+      }
+    }
     return existing;  // idempotent repeat
   }
   if (existing.status().code() != absl::StatusCode::kNotFound) return existing.status();

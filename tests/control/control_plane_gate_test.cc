@@ -428,6 +428,24 @@ TEST_F(GateTest, ARefusedTransitionDrivesNoRank) {
   EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_RETIRED);
 }
 
+// A late retry of a transition the release has since left answers the recorded transition and
+// drives no trial: CANARY, then DRAINING, then the CANARY request again leaves trials stopped.
+TEST_F(GateTest, ALateRetryDoesNotRestartTrials) {
+  ToShadow("release-v2", 2);
+  for (auto& r : ranks_) r->SetCounters(Healthy(2));
+  ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
+  ASSERT_EQ(ranks_[0]->Trial().canary_every(), 3);
+  ASSERT_TRUE(Transition("release-v2:drain", "release-v2", v1::RELEASE_STATE_DRAINING).ok());
+  for (auto& r : ranks_) ASSERT_EQ(r->Trial().version(), 0);
+  const grpc::Status s = Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY);
+  EXPECT_TRUE(s.ok()) << s.error_message();  // the recorded answer
+  for (auto& r : ranks_) {
+    EXPECT_EQ(r->Trial().version(), 0);
+    EXPECT_EQ(r->Trial().canary_every(), 0);
+  }
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_DRAINING);
+}
+
 TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
   Bootstrap();
   ToShadow("release-v2", 2);

@@ -125,6 +125,14 @@ TEST(ReleaseStoreTest, BundlesAreStoredWithTheirRelease) {
   EXPECT_EQ(*store->Bundle("release-v1"), R"({"release_id":"release-v1"})");
   EXPECT_EQ(*store->Bundle("release-v2"), "");
   EXPECT_EQ(*store->Bundle("release-v9"), "");
+  // A repeat with the bundle finds it; a release registered with its digest only does not get
+  // one by a repeat (it was never checked against it).
+  EXPECT_TRUE(store->Register("r3", "release-v1", "sha256:b1", R"({"release_id":"release-v1"})").ok());
+  auto late = store->Register("r4", "release-v2", "sha256:b2", R"({"release_id":"release-v2"})");
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(late.status().message()), HasSubstr("digest only"));
+  EXPECT_EQ(*store->Bundle("release-v2"), "");
+  EXPECT_TRUE(store->Register("r5", "release-v2", "sha256:b2").ok());  // the digest-only repeat still is one
 }
 
 TEST(ReleaseStoreTest, RequestIdsAreIdempotent) {
