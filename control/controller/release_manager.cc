@@ -451,6 +451,30 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitRollbac
                      history.empty() ? std::string("nowhere") : std::string(ReleaseStateName(history.back().from)),
                      ", not from ACTIVE: it never passed the promotion gate, so it cannot be re-activated"));
   }
+  // Every rank must still hold the prior placement: a retirement of the prior that failed on some
+  // rank (they retire one by one before the registry records it) freed its weights on the
+  // others, and a rollback committed now would leave the registry ACTIVE on a placement no rank
+  // can activate.
+  if (drives_ranks() && prior.placement_version > 0) {
+    for (auto& [status, address] : agents_->Status()) {
+      if (!status.ok()) {
+        return absl::UnavailableError(absl::StrCat("prior_release_id: cannot check placement-v",
+                                                   prior.placement_version, " on rank ", address, ": ",
+                                                   status.status().message()));
+      }
+      std::optional<GenerationState> held;
+      for (const v1::GenerationStatus& g : status->generations()) {
+        if (g.version() == prior.placement_version) held = GenerationStateFromProto(g.state());
+      }
+      if (!held.has_value() || *held == GenerationState::kRetired) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("prior_release_id: ", prior_release_id, "'s placement-v", prior.placement_version, " is ",
+                         held.has_value() ? "RETIRED" : "not held", " on rank ", address,
+                         " (a retirement that did not complete everywhere?); it cannot be re-activated: retire ",
+                         prior_release_id, " and roll forward"));
+      }
+    }
+  }
   // 0x0EA's first two steps, in order and in one commit: stop new candidate dispatch, then
   // activate the prior release.
   return store_->Apply(

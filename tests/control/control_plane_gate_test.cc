@@ -569,6 +569,34 @@ TEST_F(GateTest, PromotionClausesComeFromTheRanks) {
 // 0x0EA on the ranks: the prior activated, the candidate drained to zero handles, then retired
 // and committed RETIRED; a candidate that does not drain stays DRAINING (committed) and the
 // request is retried with the same request_id.
+// A rollback to a prior whose placement one rank no longer holds (a retirement of the prior that
+// stopped after that rank) is refused before anything commits: the registry would say ACTIVE of
+// a placement the ranks cannot activate.
+TEST_F(GateTest, RollbackToAPriorARankRetiredIsRefused) {
+  Bootstrap();
+  ToShadow("release-v2", 2);
+  for (auto& r : ranks_) r->SetCounters(Healthy(2));
+  ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
+  v1::PromoteResponse promoted;
+  ASSERT_TRUE(Promote("p2", "release-v2", &promoted).ok());
+  ranks_[0]->SetState(1, v1::GENERATION_STATE_RETIRED);  // rank 0 retired placement-v1, rank 1 did not
+  for (auto& r : ranks_) r->TakeCalls();
+  const size_t before = History("").size();
+  v1::RollbackRequest req;
+  req.set_request_id("rb");
+  req.set_release_id("release-v2");
+  req.set_prior_release_id("release-v1");
+  req.set_reason("candidate faulted");
+  v1::RollbackResponse resp;
+  grpc::Status s = stub_->Rollback(Ctx().get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("placement-v1 is RETIRED on rank"));
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_DRAINING);
+  EXPECT_EQ(History("").size(), before);
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
+}
+
 TEST_F(GateTest, RollbackDrivesTheRanksInOrder) {
   Bootstrap();
   ToShadow("release-v2", 2);
