@@ -115,6 +115,15 @@ grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerCont
                                        m.decl.transport(), "; every member must use the same"));
     }
   }
+  std::vector<uint64_t>& admitted = admitted_[decl.rank()];
+  if (!admitted.empty() && admitted.back() != decl.incarnation() &&
+      std::find(admitted.begin(), admitted.end(), decl.incarnation()) != admitted.end()) {
+    // A process a newer one replaced (it was cut off, and came back): admitting it would evict
+    // the replacement, which would come back and evict it, and so on.
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("join: rank ", decl.rank(), "'s process ", absl::Hex(decl.incarnation()),
+                                     " was replaced by a newer one and is not admitted again (restart it)"));
+  }
   auto it = members_.find(decl.rank());
   if (it != members_.end()) {
     if (it->second.decl.incarnation() == decl.incarnation()) {
@@ -128,6 +137,11 @@ grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerCont
     members_.erase(it);
   }
   members_[decl.rank()] = Member{decl, stream, ctx};
+  if (admitted.empty() || admitted.back() != decl.incarnation()) {
+    constexpr size_t kAdmittedHistory = 16;
+    admitted.push_back(decl.incarnation());
+    if (admitted.size() > kAdmittedHistory) admitted.erase(admitted.begin());
+  }
   node_of_rank_[decl.rank()] = decl.node();
   // An epoch a member serves was numbered by a controller before: never number another the same
   // (should the registry have missed recording it). Bounded, so a member cannot run the numbers

@@ -120,6 +120,10 @@ class GroupCoordinator final : public v1::ProcessGroupService::Service {
   GroupCoordinatorOptions options_;
   mutable absl::Mutex mu_;
   std::map<int32_t, Member> members_ ABSL_GUARDED_BY(mu_);
+  // Per rank, the processes (incarnations) admitted so far, oldest first (the last
+  // kAdmittedHistory): one admitted before but not last was replaced, and is refused should it
+  // come back, instead of evicting its replacement (since this controller started).
+  std::map<int32_t, std::vector<uint64_t>> admitted_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> node_of_rank_ ABSL_GUARDED_BY(mu_);  // last declared node per rank
   int64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<Forming> forming_ ABSL_GUARDED_BY(mu_);

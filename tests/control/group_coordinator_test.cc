@@ -349,6 +349,34 @@ TEST(GroupCoordinatorTest, BadJoinsAreRefusedNamingTheField) {
   a.Die();
 }
 
+// A process that was replaced (cut off while a new process for its rank joined) and comes back is
+// refused, naming the rank: it does not evict its replacement, which keeps serving.
+TEST(GroupCoordinatorTest, AReplacedProcessThatComesBackIsRefused) {
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  Server s(o);
+  auto a = std::make_unique<Member>(s, 0, 11, "host-a");
+  Member b(s, 1, 21, "host-b");
+  FormOverBoth(s, *a, b);
+  Member a2(s, 0, 12, "host-a");  // the replacement: rank 0's first process is cut off
+  const int64_t epoch = FormOverBoth(s, a2, b);
+  a.reset();
+  {
+    Member old(s, 0, 11, "host-a");  // the first process comes back
+    const grpc::Status st = old.Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(st.error_message(), HasSubstr("rank 0's process"));
+    EXPECT_THAT(st.error_message(), HasSubstr("replaced"));
+  }
+  const v1::GroupStatus st = s.coordinator().Snapshot();
+  EXPECT_EQ(st.state(), "SERVING");
+  EXPECT_EQ(st.view().epoch(), epoch);  // no re-form
+  EXPECT_EQ(st.live_ranks_size(), 2);
+  a2.Die();
+  b.Die();
+}
+
 // A registry whose last recorded epoch is 7 over ranks 0 and 1 (the controller's state before a
 // restart).
 std::unique_ptr<ReleaseStore> StoreWithEpoch7(const std::string& name) {
