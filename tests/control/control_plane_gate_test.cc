@@ -298,6 +298,17 @@ class GateTest : public ::testing::Test {
     grpc::Status s = Promote("release-v1:promote", "release-v1", &resp, &e);
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
+  // release-v1 ACTIVE on placement-v1 (Bootstrap), then release-v2 on placement-v2 through a
+  // healthy canary and promoted from the ranks' counters: release-v1 DRAINING, the prior.
+  void PromoteV2OverV1() {
+    Bootstrap();
+    ToShadow("release-v2", 2);
+    for (auto& r : ranks_) r->SetCounters(Healthy(2));
+    ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
+    v1::PromoteResponse promoted;
+    const grpc::Status s = Promote("p2", "release-v2", &promoted);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
   // Counters of a healthy candidate on one rank: 120 steps of which 50 decode, 12 fallback.
   static v1::GenerationCounters Healthy(int64_t version) {
     v1::GenerationCounters c;
@@ -566,19 +577,11 @@ TEST_F(GateTest, PromotionClausesComeFromTheRanks) {
   EXPECT_EQ(resp.drained_release_id(), "release-v1");
 }
 
-// 0x0EA on the ranks: the prior activated, the candidate drained to zero handles, then retired
-// and committed RETIRED; a candidate that does not drain stays DRAINING (committed) and the
-// request is retried with the same request_id.
 // A rollback to a prior whose placement one rank no longer holds (a retirement of the prior that
 // stopped after that rank) is refused before anything commits: the registry would say ACTIVE of
 // a placement the ranks cannot activate.
 TEST_F(GateTest, RollbackToAPriorARankRetiredIsRefused) {
-  Bootstrap();
-  ToShadow("release-v2", 2);
-  for (auto& r : ranks_) r->SetCounters(Healthy(2));
-  ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
-  v1::PromoteResponse promoted;
-  ASSERT_TRUE(Promote("p2", "release-v2", &promoted).ok());
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
   ranks_[0]->SetState(1, v1::GENERATION_STATE_RETIRED);  // rank 0 retired placement-v1, rank 1 did not
   for (auto& r : ranks_) r->TakeCalls();
   const size_t before = History("").size();
@@ -597,14 +600,12 @@ TEST_F(GateTest, RollbackToAPriorARankRetiredIsRefused) {
   for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
 }
 
+// 0x0EA on the ranks: the prior activated, the candidate drained to zero handles, then retired
+// and committed RETIRED; a candidate that does not drain stays DRAINING (committed) and the
+// request is retried with the same request_id.
 TEST_F(GateTest, RollbackDrivesTheRanksInOrder) {
-  Bootstrap();
-  ToShadow("release-v2", 2);
-  for (auto& r : ranks_) r->SetCounters(Healthy(2));
-  ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
-  v1::PromoteResponse promoted;
-  grpc::Status s = Promote("p2", "release-v2", &promoted);
-  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
+  grpc::Status s;
   for (auto& r : ranks_) r->TakeCalls();
   ranks_[1]->SetRefcount(2, 1);  // a step still holds placement-v2 on rank 1
 
