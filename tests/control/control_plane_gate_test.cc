@@ -309,6 +309,15 @@ class GateTest : public ::testing::Test {
     const grpc::Status s = Promote("p2", "release-v2", &promoted);
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
+  // A rollback of release-v2 to release-v1 under `request_id`.
+  static v1::RollbackRequest RollbackV2ToV1(const std::string& request_id) {
+    v1::RollbackRequest req;
+    req.set_request_id(request_id);
+    req.set_release_id("release-v2");
+    req.set_prior_release_id("release-v1");
+    req.set_reason("candidate faulted");
+    return req;
+  }
   // Counters of a healthy candidate on one rank: 120 steps of which 50 decode, 12 fallback.
   static v1::GenerationCounters Healthy(int64_t version) {
     v1::GenerationCounters c;
@@ -585,11 +594,7 @@ TEST_F(GateTest, RollbackToAPriorARankRetiredIsRefused) {
   ranks_[0]->SetState(1, v1::GENERATION_STATE_RETIRED);  // rank 0 retired placement-v1, rank 1 did not
   for (auto& r : ranks_) r->TakeCalls();
   const size_t before = History("").size();
-  v1::RollbackRequest req;
-  req.set_request_id("rb");
-  req.set_release_id("release-v2");
-  req.set_prior_release_id("release-v1");
-  req.set_reason("candidate faulted");
+  v1::RollbackRequest req = RollbackV2ToV1("rb");
   v1::RollbackResponse resp;
   grpc::Status s = stub_->Rollback(Ctx().get(), req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
@@ -609,11 +614,7 @@ TEST_F(GateTest, RollbackDrivesTheRanksInOrder) {
   for (auto& r : ranks_) r->TakeCalls();
   ranks_[1]->SetRefcount(2, 1);  // a step still holds placement-v2 on rank 1
 
-  v1::RollbackRequest req;
-  req.set_request_id("rb");
-  req.set_release_id("release-v2");
-  req.set_prior_release_id("release-v1");
-  req.set_reason("candidate faulted");
+  v1::RollbackRequest req = RollbackV2ToV1("rb");
   v1::RollbackResponse resp;
   s = stub_->Rollback(Ctx().get(), req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
