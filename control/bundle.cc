@@ -215,6 +215,11 @@ absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint.version: the bundle names ", version, ", ", path, " holds ", c.version()));
   }
+  if (c.layers().empty()) {  // as MakeBundle: nothing per layer to re-read and hash
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint.path ", path,
+                                                      ": a single-file checkpoint records no MoE layers; a release "
+                                                      "bundle names a Hugging Face model directory"));
+  }
   if (static_cast<int64_t>(digests->size()) != static_cast<int64_t>(c.layers().size())) {
     return absl::FailedPreconditionError(absl::StrCat("checkpoint.digests: ", digests->size(), " layers, ", path,
                                                       " has ", c.layers().size(), " MoE layers"));

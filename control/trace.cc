@@ -18,6 +18,16 @@ using json::Json;
 
 namespace {
 
+// Sizes and indices of a trace, before they are narrowed to int: a larger value is refused, not
+// wrapped (2^32 would become 0 and divide by it).
+constexpr int64_t kMaxTraceDim = int64_t{1} << 20;  // d, d_ff, ranks, route slots
+constexpr int64_t kMaxTraceExperts = 65536;         // kMaxLogicalExperts
+
+absl::Status CheckRange(int64_t v, const std::string& path, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) return json::Invalid(path, absl::StrCat(v, " outside [", lo, ", ", hi, "]"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Topology> ParseTopology(const Json& doc) {
   ASSIGN_OR_RETURN(const Json* topo, json::Member(doc, "", "topology"));
   ASSIGN_OR_RETURN(const Json* nodes_json, json::Member(*topo, "topology", "nodes"));
@@ -36,6 +46,7 @@ absl::StatusOr<Topology> ParseTopology(const Json& doc) {
     RankInfo info;
     ASSIGN_OR_RETURN(const Json* rank, json::Member(r, path, "rank"));
     ASSIGN_OR_RETURN(int64_t rank_value, json::Int(*rank, path + ".rank"));
+    RETURN_IF_ERROR(CheckRange(rank_value, path + ".rank", 0, kMaxTraceDim));
     info.rank = Rank(static_cast<int32_t>(rank_value));
     ASSIGN_OR_RETURN(const Json* node, json::Member(r, path, "node"));
     ASSIGN_OR_RETURN(std::string node_name, json::String(*node, path + ".node"));
@@ -104,6 +115,7 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> ParsePlacement(const Js
     ASSIGN_OR_RETURN(rec.replica_name, json::StringOr(s, path, "replica", ""));
     ASSIGN_OR_RETURN(const Json* rank_json, json::Member(s, path, "rank"));
     ASSIGN_OR_RETURN(int64_t rank, json::Int(*rank_json, path + ".rank"));
+    RETURN_IF_ERROR(CheckRange(rank, path + ".rank", 0, kMaxTraceDim));
     if (!topology.HasRank(Rank(static_cast<int32_t>(rank)))) {
       return json::Invalid(path + ".rank", absl::StrCat("rank ", rank, " is not in the topology"));
     }
@@ -148,15 +160,16 @@ absl::StatusOr<TraceHeader> ParseHeader(const Json& doc, Trace* t) {
   TraceHeader header;
   ASSIGN_OR_RETURN(const Json* d_json, json::Member(doc, "", "d"));
   ASSIGN_OR_RETURN(int64_t d, json::Int(*d_json, "d"));
-  if (d <= 0) return json::Invalid("d", "must be positive");
+  RETURN_IF_ERROR(CheckRange(d, "d", 1, kMaxTraceDim));
   t->d = static_cast<int>(d);
   ASSIGN_OR_RETURN(int64_t d_ff, json::IntOr(doc, "", "d_ff", 4));
-  if (d_ff <= 0) return json::Invalid("d_ff", "must be positive");
+  RETURN_IF_ERROR(CheckRange(d_ff, "d_ff", 1, kMaxTraceDim));
   t->d_ff = static_cast<int>(d_ff);
   ASSIGN_OR_RETURN(const Json* e_json, json::Member(doc, "", "num_experts"));
   ASSIGN_OR_RETURN(header.num_experts, json::Int(*e_json, "num_experts"));
-  if (header.num_experts <= 0) return json::Invalid("num_experts", "must be positive");
+  RETURN_IF_ERROR(CheckRange(header.num_experts, "num_experts", 1, kMaxTraceExperts));
   ASSIGN_OR_RETURN(header.top_k, json::IntOr(doc, "", "top_k", 0));
+  RETURN_IF_ERROR(CheckRange(header.top_k, "top_k", 0, kMaxTraceExperts));
   ASSIGN_OR_RETURN(header.scope, json::IntOr(doc, "", "execution_scope", 0));
   return header;
 }
@@ -224,6 +237,7 @@ absl::StatusOr<int64_t> ParseRoute(const Json& r, size_t i, Trace* t) {
                          absl::StrCat(token, " but source rank ", src, " has ", tokens, " hidden rows"));
   }
   ASSIGN_OR_RETURN(int64_t route_slot, json::IntOr(r, path, "route_slot", 0));
+  RETURN_IF_ERROR(CheckRange(route_slot, path + ".route_slot", 0, kMaxTraceExperts - 1));
   ASSIGN_OR_RETURN(const Json* e_json, json::Member(r, path, "logical_expert"));
   ASSIGN_OR_RETURN(int64_t expert, json::Int(*e_json, path + ".logical_expert"));
   ASSIGN_OR_RETURN(const Json* g_json, json::Member(r, path, "gate"));
@@ -293,6 +307,7 @@ absl::Status ParseRunnerAndWidths(const Json& doc, Trace* t) {
   ASSIGN_OR_RETURN(t->alignment, json::IntOr(runner, "runner", "alignment", 1));
   ASSIGN_OR_RETURN(t->block_rows, json::IntOr(runner, "runner", "block_rows", 128));
   ASSIGN_OR_RETURN(int64_t block_cols, json::IntOr(runner, "runner", "block_cols", 0));
+  RETURN_IF_ERROR(CheckRange(block_cols, "runner.block_cols", 0, t->d_ff));
   t->block_cols = static_cast<int>(block_cols);
   if (t->alignment <= 0) return json::Invalid("runner.alignment", "must be positive");
   if (t->block_rows <= 0) return json::Invalid("runner.block_rows", "must be positive");
@@ -303,6 +318,8 @@ absl::Status ParseRunnerAndWidths(const Json& doc, Trace* t) {
   ASSIGN_OR_RETURN(int64_t wa, json::IntOr(widths, "widths", "activation", 2));
   ASSIGN_OR_RETURN(int64_t wo, json::IntOr(widths, "widths", "output", 2));
   if (wa <= 0 || wo <= 0) return json::Invalid("widths", "element widths must be positive");
+  RETURN_IF_ERROR(CheckRange(wa, "widths.activation", 1, 64));
+  RETURN_IF_ERROR(CheckRange(wo, "widths.output", 1, 64));
   t->widths.activation = static_cast<int>(wa);
   t->widths.output = static_cast<int>(wo);
   return absl::OkStatus();

@@ -1,7 +1,11 @@
 #include "runtime/checkpoint/expert_checkpoint.h"
 
+#include <tuple>
+#include <vector>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace moe {
 
@@ -47,6 +51,14 @@ absl::StatusOr<ExpertCheckpoint> ExpertCheckpoint::Open(const SafetensorsFile& f
     return absl::DataLossError(absl::StrCat("checkpoint metadata: d ", c.shape_.d, " x d_ff ", c.shape_.d_ff,
                                             " makes one expert larger than the file's ", held, " tensor bytes"));
   }
+  // And the expert count by the file's tensors (an expert has two): tables sized by it (the
+  // checkpoint's identity, a digest per expert) stay within what the file's header holds. An
+  // expert whose tensors are missing is named when it is read (Expert).
+  if (static_cast<size_t>(c.shape_.num_experts) > file.tensors.size()) {
+    return absl::DataLossError(absl::StrCat("checkpoint metadata: '", checkpoint_keys::kNumExperts, "' ",
+                                            c.shape_.num_experts, " experts, the file holds ", file.tensors.size(),
+                                            " tensors"));
+  }
   return c;
 }
 
@@ -70,6 +82,18 @@ absl::StatusOr<ExpertCheckpoint::Tensors> ExpertCheckpoint::Expert(int expert) c
       matrix_bytes > SIZE_MAX / 2;
   if (overflow || gu->second.data.size() != 2 * matrix_bytes || dn->second.data.size() != matrix_bytes) {
     return absl::FailedPreconditionError(absl::StrCat("expert ", expert, " tensors have the wrong shape"));
+  }
+  // The bytes are read as BF16 [2 d_ff, d] and [d, d_ff]: a tensor of another dtype or shape with
+  // the same byte count is refused, not reinterpreted.
+  const std::vector<int64_t> gu_shape = {2 * static_cast<int64_t>(shape_.d_ff), shape_.d};
+  const std::vector<int64_t> dn_shape = {shape_.d, shape_.d_ff};
+  for (const auto& [name, t, want] : {std::tuple<std::string, const TensorBlob*, const std::vector<int64_t>*>{
+                                          checkpoint_keys::GateUp(expert), &gu->second, &gu_shape},
+                                      {checkpoint_keys::Down(expert), &dn->second, &dn_shape}}) {
+    if (t->dtype != "BF16" || t->shape != *want) {
+      return absl::FailedPreconditionError(absl::StrCat(name, ": ", t->dtype, " [", absl::StrJoin(t->shape, ", "),
+                                                        "], expected BF16 [", absl::StrJoin(*want, ", "), "]"));
+    }
   }
   return Tensors{&gu->second, &dn->second};
 }

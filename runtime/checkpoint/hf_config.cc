@@ -105,7 +105,9 @@ absl::Status Quantization(const json& c, HfMoeConfig* out) {
   auto q = c.find("quantization_config");
   if (q == c.end() || q->is_null()) return absl::OkStatus();
   if (!q->is_object()) return Bad("quantization_config", "must be an object");
-  const std::string method = q->value("quant_method", "");
+  auto m = q->find("quant_method");
+  if (m != q->end() && !m->is_string()) return Bad("quantization_config.quant_method", "must be a string");
+  const std::string method = m != q->end() ? m->get<std::string>() : std::string();
   if (method != "fp8") {
     return Bad("quantization_config.quant_method", absl::StrCat("'", method, "' is not supported (fp8)"));
   }
@@ -160,6 +162,12 @@ absl::StatusOr<HfMoeConfig> ParseHfMoeConfig(const std::string& json_text) {
         if (s.ok()) s = PositiveInt(c, {"moe_intermediate_size"}, &out.moe_intermediate_size);
         break;
     }
+  }
+  // (A placement holds at most kMaxLogicalExperts, runtime/placement/manifest.h: a larger count
+  // would size the checkpoint's identity tables before any placement refuses it.)
+  constexpr int kMaxHfExperts = 65536;
+  if (s.ok() && out.num_experts > kMaxHfExperts) {
+    s = Bad("num_experts", absl::StrCat(out.num_experts, " routed experts, at most ", kMaxHfExperts));
   }
   if (s.ok() && out.top_k > out.num_experts) s = Bad("num_experts_per_tok", "exceeds the expert count");
   if (s.ok()) s = MoeLayers(c, &out);

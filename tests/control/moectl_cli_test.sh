@@ -36,6 +36,13 @@ python3 -c "
 import json; d=json.load(open('$EX/trace-eight-routes.json')); d['process_group']['peers']=[0,1,2]
 json.dump(d, open('$TMP/group.json','w'))"
 check "slot outside group" 2 "outside the process group" -- "$MOECTL" plan --trace "$TMP/group.json"
+python3 -c "
+import json; d=json.load(open('$EX/trace-eight-routes.json')); d['d']=2**32
+json.dump(d, open('$TMP/d32.json','w'))
+d=json.load(open('$EX/trace-eight-routes.json')); d['num_experts']=2**32+1
+json.dump(d, open('$TMP/e32.json','w'))"
+check "d past int" 2 "d: 4294967296 outside \[1, 1048576\]" -- "$MOECTL" plan --trace "$TMP/d32.json"
+check "num_experts past int" 2 "num_experts: 4294967297 outside" -- "$MOECTL" plan --trace "$TMP/e32.json"
 echo '{"weight": [[4,2,1,1]], "num_replicas": 6, "num_groups": 2, "num_nodes": 2, "num_gpus": 4}' > "$TMP/eplb.json"
 check "eplb non-divisible" 2 "num_replicas" -- "$MOECTL" eplb solve --input "$TMP/eplb.json"
 check "missing file" 2 "cannot open" -- "$MOECTL" plan --trace "$TMP/none.json"

@@ -53,6 +53,12 @@ TEST(ExpertCheckpointTest, MissingOrBadMetadataNamesTheKey) {
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << big;
     EXPECT_NE(s.message().find("larger than the file"), std::string::npos) << s;
   }
+  // An expert count the file's tensors cannot hold (the identity would size a table by it).
+  file = SyntheticCheckpoint({2, 8, 8}, 1, "c");
+  file.metadata[checkpoint_keys::kNumExperts] = "2147483647";
+  const absl::Status many = ExpertCheckpoint::Open(file).status();
+  EXPECT_EQ(many.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(many.message().find("2147483647 experts, the file holds 4 tensors"), std::string::npos) << many;
 }
 
 TEST(ExpertCheckpointTest, AbsentOrMisshapenExpertNamesIt) {
@@ -66,6 +72,19 @@ TEST(ExpertCheckpointTest, AbsentOrMisshapenExpertNamesIt) {
   EXPECT_NE(view->Expert(0).status().message().find("expert 0 tensors have the wrong shape"), std::string::npos);
   EXPECT_EQ(view->Expert(5).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(view->Digest(1).status().message().find("no digest for expert 1"), std::string::npos);
+  // The right byte count under another dtype or shape is refused, not read as BF16.
+  SafetensorsFile other = SyntheticCheckpoint({2, 8, 8}, 1, "c");
+  other.tensors[checkpoint_keys::GateUp(1)].dtype = "F32";
+  other.tensors[checkpoint_keys::GateUp(1)].shape = {8, 8};  // 4 x 64 bytes, as BF16 [16, 8]
+  other.tensors[checkpoint_keys::Down(0)].shape = {64};
+  auto typed = ExpertCheckpoint::Open(other);
+  ASSERT_TRUE(typed.ok()) << typed.status();
+  EXPECT_NE(typed->Expert(1).status().message().find("experts.1.w_gate_up: F32 [8, 8], expected BF16 [16, 8]"),
+            std::string::npos)
+      << typed->Expert(1).status();
+  EXPECT_NE(typed->Expert(0).status().message().find("experts.0.w_down: BF16 [64], expected BF16 [8, 8]"),
+            std::string::npos)
+      << typed->Expert(0).status();
 }
 
 }  // namespace

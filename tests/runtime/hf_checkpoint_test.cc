@@ -278,6 +278,12 @@ TEST(HfConfigTest, BadConfigsNameTheKey) {
       {R"({"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":1000000,"num_experts_per_tok":2,
           "num_experts":8,"moe_intermediate_size":8})",
        "num_hidden_layers"},
+      {R"({"model_type":"deepseek_v3","hidden_size":64,"num_hidden_layers":2,"num_experts_per_tok":2,
+          "n_routed_experts":8,"moe_intermediate_size":8,"quantization_config":{"quant_method":1}})",
+       "quant_method' must be a string"},
+      {R"({"model_type":"mixtral","hidden_size":1,"num_hidden_layers":2,"num_experts_per_tok":2,
+          "num_local_experts":1073741824,"intermediate_size":1})",
+       "1073741824 routed experts, at most 65536"},
   };
   for (const auto& [text, want] : cases) {
     auto c = ParseHfMoeConfig(text);
