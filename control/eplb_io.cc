@@ -1,5 +1,6 @@
 #include "control/eplb_io.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -42,6 +43,17 @@ absl::StatusOr<EplbProblem> ParseEplbProblem(const Json& doc) {
   RETURN_IF_ERROR(field("num_groups", &p.num_groups));
   RETURN_IF_ERROR(field("num_nodes", &p.num_nodes));
   RETURN_IF_ERROR(field("num_gpus", &p.num_gpus));
+  // The solution's tables: layers x replicas (phy2log) and layers x experts x the most copies
+  // one expert can get (log2phy); a small file must not ask for gigabytes of them.
+  constexpr int64_t kMaxSolutionEntries = int64_t{1} << 26;
+  const int64_t copies = std::max<int64_t>(1, int64_t{p.num_replicas} - p.experts + 1);
+  if (int64_t{p.layers} * p.num_replicas > kMaxSolutionEntries ||
+      int64_t{p.layers} * p.experts * copies > kMaxSolutionEntries) {
+    return json::Invalid("num_replicas",
+                         absl::StrCat(p.num_replicas, " replicas of ", p.experts, " experts over ", p.layers,
+                                      " layers: the solution would hold more than 2^26 "
+                                      "entries"));
+  }
   return p;
 }
 

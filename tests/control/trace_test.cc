@@ -153,6 +153,17 @@ TEST(EplbIoTest, RoundTripsTheFixture) {
   bad = Load("eplb-fixture.json");
   bad["weight"][0][1] = 1e300;  // no float holds it
   EXPECT_THAT(std::string(ParseEplbProblem(bad).status().message()), HasSubstr("weight[0][1]"));
+  // A few hundred bytes must not ask for gigabytes of solution: 100 layers x 2^24 replicas.
+  bad = Load("eplb-fixture.json");
+  bad["weight"] = Json::array();
+  for (int l = 0; l < 100; ++l) bad["weight"].push_back(Json::parse("[1]"));
+  bad["num_replicas"] = 1 << 24;
+  bad["num_groups"] = 1;
+  bad["num_nodes"] = 1;
+  bad["num_gpus"] = 1;
+  const absl::Status big = ParseEplbProblem(bad).status();
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(big.message()), HasSubstr("num_replicas: 16777216 replicas of 1 experts over 100 layers"));
 }
 
 }  // namespace
