@@ -258,7 +258,13 @@ absl::Status HfCheckpoint::ReadSidecar() {
           return absl::InvalidArgumentError(absl::StrCat(path, ": digests[", layer, "]: ", digests.size(),
                                                          " entries for ", config_.num_experts, " experts"));
         }
-        for (int e = 0; e < config_.num_experts; ++e) recorded_[{layer, e}] = digests[e];
+        for (int e = 0; e < config_.num_experts; ++e) {
+          // An empty digest would read as "not recorded" and skip the loader's check.
+          if (digests[e].empty()) {
+            return absl::InvalidArgumentError(absl::StrCat(path, ": digests[", layer, "][", e, "]: empty"));
+          }
+          recorded_[{layer, e}] = digests[e];
+        }
       }
     }
   } catch (const json::exception& e) {

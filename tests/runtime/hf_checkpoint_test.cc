@@ -411,6 +411,15 @@ TEST(HfCheckpointTest, BrokenDirectoriesAreNamed) {
   auto sidecar = HfCheckpoint::Open(dir);
   ASSERT_FALSE(sidecar.ok());
   EXPECT_NE(sidecar.status().message().find("digests[0]"), std::string::npos) << sidecar.status();
+  // ... or records an empty digest (read as none, it would skip the loader's check).
+  {
+    std::string row = "[";
+    for (int e = 0; e < spec.num_experts; ++e) absl::StrAppend(&row, e == 0 ? "" : ",", e == 1 ? "\"\"" : "\"ab\"");
+    WriteFile(dir + "/moe_checkpoint.json", absl::StrCat(R"({"version":"v","digests":{"0":)", row, "]}}"));
+    auto empty = HfCheckpoint::Open(dir);
+    ASSERT_FALSE(empty.ok());
+    EXPECT_NE(empty.status().message().find("][1]: empty"), std::string::npos) << empty.status();
+  }
   // No experts at all under any naming.
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
