@@ -356,17 +356,17 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
   out.experts.d = sizes.d;
   out.experts.d_ff = sizes.d_ff;
   out.experts.layers = sizes.layers;
+  const auto local = to.LocalSlots(c_.rank);
   // The weights the manifest puts here, checked (and sized with checked arithmetic) before any
   // is reserved: a manifest of many slots is refused, not allocated.
   ASSIGN_OR_RETURN(const int64_t need, LocalExpertBytes(*c_.checkpoint, to, c_.rank));
   const int64_t limit = c_.max_weight_bytes > 0 ? c_.max_weight_bytes : AvailableHostBytes();
   if (limit > 0 && need > limit) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("manifest.slots: placement-v", to.version().value(), " puts ", to.LocalSlots(c_.rank).size(),
-                     " slots on rank ", c_.rank.value(), ", ", need, " bytes of expert weights, more than the ", limit,
-                     " bytes ", c_.max_weight_bytes > 0 ? "this rank may hold" : "of host memory available"));
+        absl::StrCat("manifest.slots: placement-v", to.version().value(), " puts ", local.size(), " slots on rank ",
+                     c_.rank.value(), ", ", need, " bytes of expert weights, more than the ", limit, " bytes ",
+                     c_.max_weight_bytes > 0 ? "this rank may hold" : "of host memory available"));
   }
-  const auto local = to.LocalSlots(c_.rank);
   const size_t l_count = local.size();
   const size_t from_count = source.from != nullptr ? source.from->LocalSlots(c_.rank).size() : 0;
   out.experts.w_gate_up.resize(sizes.gu_n * l_count);

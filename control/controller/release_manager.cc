@@ -462,10 +462,8 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitRollbac
                                                    prior.placement_version, " on rank ", address, ": ",
                                                    status.status().message()));
       }
-      std::optional<GenerationState> held;
-      for (const v1::GenerationStatus& g : status->generations()) {
-        if (g.version() == prior.placement_version) held = GenerationStateFromProto(g.state());
-      }
+      const std::optional<GenerationState> held =
+          ReportOf(*status, address, candidate.placement_version, prior.placement_version).prior_state;
       if (!held.has_value() || *held == GenerationState::kRetired) {
         return absl::FailedPreconditionError(
             absl::StrCat("prior_release_id: ", prior_release_id, "'s placement-v", prior.placement_version, " is ",

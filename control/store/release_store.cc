@@ -334,11 +334,8 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
     // A repeat that brings a bundle must find that bundle stored: one registered with the digest
     // only was never checked against a bundle (VERIFIED, LoadPlacement), and is not made so now.
     if (!bundle.empty()) {
-      Stmt q(db_, "SELECT bundle FROM bundles WHERE release_id = ?");
-      q.Bind(1, release_id);
-      auto row = q.Step();
-      if (!row.ok()) return row.status();
-      if (!*row) {
+      ASSIGN_OR_RETURN(const std::string stored, Bundle(release_id));
+      if (stored.empty()) {
         return absl::AlreadyExistsError(absl::StrCat("bundle_json: '", release_id,
                                                      "' is registered with its digest only, without a bundle; "
                                                      "register the bundle under a new release id"));

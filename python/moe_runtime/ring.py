@@ -179,11 +179,11 @@ class StepRing:
             if os.fstat(memfd).st_size != g["total_bytes"]:
                 raise errors.FailedPrecondition("step ring: the memfd's size is not the ring's")
             self._mm = mmap.mmap(memfd, g["total_bytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, errors.MoeError) as e:
-            # Hanging up releases the claimed ring on the rank (one of its --max_step_rings).
+        except errors.MoeError:
+            self._conn.close()  # hanging up releases the claimed ring on the rank (one of --max_step_rings)
+            raise
+        except OSError as e:
             self._conn.close()
-            if isinstance(e, errors.MoeError):
-                raise
             raise errors.Unavailable(f"step ring: cannot map the ring's memory: {e}", rank=client.rank) from None
         finally:
             os.close(memfd)

@@ -1,6 +1,5 @@
 #include "runtime/checkpoint/expert_checkpoint.h"
 
-#include <tuple>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -85,16 +84,14 @@ absl::StatusOr<ExpertCheckpoint::Tensors> ExpertCheckpoint::Expert(int expert) c
   }
   // The bytes are read as BF16 [2 d_ff, d] and [d, d_ff]: a tensor of another dtype or shape with
   // the same byte count is refused, not reinterpreted.
-  const std::vector<int64_t> gu_shape = {2 * static_cast<int64_t>(shape_.d_ff), shape_.d};
-  const std::vector<int64_t> dn_shape = {shape_.d, shape_.d_ff};
-  for (const auto& [name, t, want] : {std::tuple<std::string, const TensorBlob*, const std::vector<int64_t>*>{
-                                          checkpoint_keys::GateUp(expert), &gu->second, &gu_shape},
-                                      {checkpoint_keys::Down(expert), &dn->second, &dn_shape}}) {
-    if (t->dtype != "BF16" || t->shape != *want) {
-      return absl::FailedPreconditionError(absl::StrCat(name, ": ", t->dtype, " [", absl::StrJoin(t->shape, ", "),
-                                                        "], expected BF16 [", absl::StrJoin(*want, ", "), "]"));
-    }
-  }
+  auto bf16 = [](const std::string& name, const TensorBlob& t, const std::vector<int64_t>& want) {
+    if (t.dtype == "BF16" && t.shape == want) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(name, ": ", t.dtype, " [", absl::StrJoin(t.shape, ", "),
+                                                      "], expected BF16 [", absl::StrJoin(want, ", "), "]"));
+  };
+  absl::Status s = bf16(checkpoint_keys::GateUp(expert), gu->second, {2 * static_cast<int64_t>(shape_.d_ff), shape_.d});
+  if (s.ok()) s = bf16(checkpoint_keys::Down(expert), dn->second, {shape_.d, shape_.d_ff});
+  if (!s.ok()) return s;
   return Tensors{&gu->second, &dn->second};
 }
 
