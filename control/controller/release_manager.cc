@@ -198,7 +198,7 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
                                                                  const std::string& release_id, ReleaseState to,
                                                                  const std::string& reason) {
   // The request itself first: nothing below drives a rank for one the registry would refuse.
-  if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
+  RETURN_IF_ERROR(RequireRequestId(request_id));
   if (release_id.empty()) return absl::InvalidArgumentError("release_id: required");
   RETURN_IF_ERROR(CheckTransitionReason(reason));
   if (to == ReleaseState::kActive) {
@@ -322,7 +322,7 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
 absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::Replay(const std::string& request_id,
                                                                           const std::string& release_id,
                                                                           ReleaseState first_to) const {
-  if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
+  RETURN_IF_ERROR(RequireRequestId(request_id));
   auto recorded = store_->Recorded(request_id);
   if (!recorded.ok()) return recorded.status();
   if (!recorded->empty() && (recorded->front().release_id != release_id || recorded->front().to != first_to)) {

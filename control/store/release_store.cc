@@ -206,12 +206,12 @@ absl::StatusOr<std::vector<StoredTransition>> ReadTransitions(Stmt& q) {
   return out;
 }
 
+}  // namespace
+
 absl::Status RequireRequestId(const std::string& request_id) {
   if (request_id.empty()) return absl::InvalidArgumentError("request_id: required (requests are idempotent by it)");
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<RegistryLock>> RegistryLock::Acquire(const std::string& store_path) {
   if (store_path.empty()) return absl::InvalidArgumentError("path: the registry lock needs the store's path");

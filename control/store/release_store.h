@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 #include "runtime/release/lifecycle.h"
@@ -39,6 +40,10 @@ struct StoredTransition {
   ReleaseState to = ReleaseState::kBuilt;
   std::string reason;
 };
+
+// Every write request names a request id (requests are idempotent by it): INVALID_ARGUMENT
+// naming `request_id` when it is empty. The store and the release manager check it first.
+absl::Status RequireRequestId(const std::string& request_id);
 
 // The single-writer lock of a registry file: an exclusive flock on "<store>.lock", held from
 // Acquire until destruction (the kernel drops it when the process dies, SIGKILL included, so a
