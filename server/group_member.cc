@@ -6,6 +6,8 @@
 #include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
 
+#include "rpc/group_protocol.h"
+
 namespace moe {
 
 GroupMember::GroupMember(GroupMemberOptions options) : options_(std::move(options)) {
@@ -47,8 +49,17 @@ void GroupMember::Run() {
   auto stub = v1::ProcessGroupService::NewStub(channel);
   std::string last;
   while (!stopping_) {
-    const grpc::Status s = Session(*stub);
+    bool fenced = false;
+    const grpc::Status s = Session(*stub, &fenced);
     if (stopping_) break;
+    if (fenced) {
+      spdlog::error("process group: controller {} refused this process for good ({}); it no longer serves or rejoins",
+                    options_.controller, s.error_message());
+      serving_epoch_ = 0;
+      fenced_ = true;
+      if (options_.fenced) options_.fenced(s.error_message());
+      return;
+    }
     const std::string why = absl::StrCat(s.error_code(), ": ", s.error_message());
     if (why != last) {
       spdlog::warn("process group: controller {}: stream ended ({}); serving epoch {} meanwhile, reconnecting",
@@ -59,7 +70,7 @@ void GroupMember::Run() {
   }
 }
 
-grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub) {
+grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub, bool* fenced) {
   grpc::ClientContext ctx;
   ctx.AddMetadata("authorization", absl::StrCat("Bearer ", options_.token));
   ctx.set_wait_for_ready(true);
@@ -86,7 +97,11 @@ grpc::Status GroupMember::Session(v1::ProcessGroupService::Stub& stub) {
       absl::MutexLock lock(&write_mu_);
       stream_ = nullptr;
     }
-    return stream->Finish();
+    grpc::Status s = stream->Finish();
+    const auto& trailers = ctx.GetServerTrailingMetadata();
+    *fenced =
+        !s.ok() && trailers.find(grpc::string_ref(kFencedTrailer.data(), kFencedTrailer.size())) != trailers.end();
+    return s;
   };
   v1::MemberMessage hello;
   *hello.mutable_join() = options_.join;

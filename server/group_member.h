@@ -5,7 +5,9 @@
 // group and transport, bound but not yet open for steps) and reports READY or the error;
 // SERVING(E), once every member is ready, runs `serve` (the epoch opens for steps). When the
 // controller goes away the rank keeps serving its epoch and reconnects, declaring it; the
-// controller adopts it (and sends SERVING again) or forms a new one.
+// controller adopts it (and sends SERVING again) or forms a new one. A process the controller
+// refuses as replaced by a newer one of its rank leaves its epoch (`fenced`) and stops rejoining:
+// rejoining after a controller restart, which forgets the refusal, would evict the replacement.
 //
 // Thread-safety: Start/Stop from one thread; the callbacks run on the member's own thread.
 #ifndef MOE_SERVER_GROUP_MEMBER_H_
@@ -38,6 +40,9 @@ struct GroupMemberOptions {
   std::function<absl::Status(const v1::GroupView&)> connect;
   // Opens the epoch for steps: every member of it is bound.
   std::function<void(int64_t epoch)> serve;
+  // The controller refused this process for good: a newer process of the same rank replaced it
+  // (the Join's kFencedTrailer). Leave the epoch served, if any; the member stops rejoining.
+  std::function<void(const std::string& why)> fenced;
   absl::Duration reconnect_backoff = absl::Milliseconds(500);
 };
 
@@ -53,11 +58,14 @@ class GroupMember {
   // The data plane of `epoch` failed for good (LayerExecutor::SetEpochFaultListener): tells the
   // controller, which forms a new epoch. Ignored unless `epoch` is the one served. Any thread.
   void ReportFault(int64_t epoch, const std::string& why);
+  // The controller refused this process as replaced by a newer one: it no longer rejoins.
+  bool fenced() const { return fenced_.load(); }
 
  private:
   void Run();
-  // One Join stream, until it ends. Returns why.
-  grpc::Status Session(v1::ProcessGroupService::Stub& stub);
+  // One Join stream, until it ends. Returns why; *fenced: the controller refused this process
+  // for good (kFencedTrailer).
+  grpc::Status Session(v1::ProcessGroupService::Stub& stub, bool* fenced);
   using Stream = grpc::ClientReaderWriter<v1::MemberMessage, v1::GroupMessage>;
   // Writes on the open stream (false: none open, or it broke). Writers take turns.
   bool Write(const v1::MemberMessage& m);
@@ -65,6 +73,7 @@ class GroupMember {
   GroupMemberOptions options_;
   std::atomic<int64_t> serving_epoch_{0};
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> fenced_{false};
   absl::Mutex mu_;
   grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;  // the open stream's (to cancel it)
   // Separate from mu_: a write may block on flow control while Stop cancels the stream.

@@ -419,6 +419,17 @@ class DataPlane {
     return UcxListenerAddress(*listener_);
   }
 
+  // This process no longer serves any epoch (the controller refused it as replaced by a newer
+  // process of its rank): steps answer UNAVAILABLE naming why, the transport is destroyed.
+  void Leave(const std::string& why) {
+    serving_epoch_ = 0;
+    if (serving_hook_) serving_hook_(false);
+    executor_->Unbind(absl::StrCat("rank ", o_.rank, ": this process no longer serves (", why, ")"));
+    metrics_->Epoch(0);
+    backend_->transport.reset();
+    listener_.reset();
+  }
+
   absl::Status Connect(const EpochView& view, bool open) {
     absl::Status s = ConnectOnce(view, open);
     metrics_->EpochChange(s.ok() ? "bound" : "failed", absl::ToDoubleSeconds(absl::Now() - prepared_at_));
@@ -559,6 +570,7 @@ std::unique_ptr<GroupMember> JoinThroughController(const RankdOptions& o, int ag
     return plane->Connect(view, /*open=*/false);  // opened by SERVING, once every member is bound
   };
   go.serve = [plane](int64_t epoch) { plane->Open(epoch); };
+  go.fenced = [plane](const std::string& why) { plane->Leave(why); };
   auto member = std::make_unique<GroupMember>(std::move(go));
   // A step that left the epoch's transport failed: only a new epoch heals it.
   executor->SetEpochFaultListener([m = member.get(), metrics](int64_t epoch, const std::string& why) {

@@ -10,6 +10,7 @@
 #include "spdlog/spdlog.h"
 
 #include "rpc/bearer_auth.h"
+#include "rpc/group_protocol.h"
 
 namespace moe {
 namespace {
@@ -119,10 +120,13 @@ grpc::Status GroupCoordinator::Admit(const v1::JoinGroup& decl, grpc::ServerCont
   if (!admitted.empty() && admitted.back() != decl.incarnation() &&
       std::find(admitted.begin(), admitted.end(), decl.incarnation()) != admitted.end()) {
     // A process a newer one replaced (it was cut off, and came back): admitting it would evict
-    // the replacement, which would come back and evict it, and so on.
+    // the replacement, which would come back and evict it, and so on. The trailer tells the
+    // member to stop serving and stop rejoining (GroupMember), rather than retry the refusal.
+    ctx->AddTrailingMetadata(std::string(kFencedTrailer), "replaced");
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("join: rank ", decl.rank(), "'s process ", absl::Hex(decl.incarnation()),
-                                     " was replaced by a newer one and is not admitted again (restart it)"));
+                                     " was replaced by a newer one and is not admitted again (it stops serving; "
+                                     "restarting it takes the rank over from the replacement)"));
   }
   auto it = members_.find(decl.rank());
   if (it != members_.end()) {

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 
 #include "control/store/release_store.h"
+#include "server/group_member.h"
 #include "tests/control/registry_sql.h"
 
 namespace moe {
@@ -45,6 +46,7 @@ class Server {
   }
   GroupCoordinator& coordinator() { return coordinator_; }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
 
  private:
   GroupCoordinator coordinator_;
@@ -374,6 +376,101 @@ TEST(GroupCoordinatorTest, AReplacedProcessThatComesBackIsRefused) {
   EXPECT_EQ(st.view().epoch(), epoch);  // no re-form
   EXPECT_EQ(st.live_ranks_size(), 2);
   a2.Die();
+  b.Die();
+}
+
+// The test's member `b` answers the next epoch over both ranks (its endpoint, then ready) while
+// the other member is a daemon's own GroupMember; returns the epoch once it serves.
+int64_t FormWithDaemon(Server& s, Member& b) {
+  const v1::PrepareEpoch p = b.NextPrepare(2);
+  b.SendEndpoint(p.epoch());
+  EXPECT_EQ(b.NextFormed().epoch(), p.epoch());
+  b.SendReady(p.epoch(), true);
+  AwaitStatus(
+      s.coordinator(),
+      [&](const v1::GroupStatus& st) { return st.state() == "SERVING" && st.view().epoch() == p.epoch(); },
+      absl::StrCat("epoch ", p.epoch(), " serving"));
+  return p.epoch();
+}
+
+// The rank daemon's own member (server/group_member.h) on the other end: once a newer process of
+// its rank joined, the old one is evicted, refused when it rejoins, leaves its epoch (`fenced`)
+// and stops rejoining, rather than retrying the refusal every backoff (a controller restarted
+// meanwhile, which forgets the refusal, would admit it and evict the replacement).
+TEST(GroupCoordinatorTest, AReplacedDaemonLeavesItsEpochAndStopsRejoining) {
+  GroupCoordinatorOptions o;
+  o.world = 2;
+  o.token = kToken;
+  Server s(o);
+  absl::Mutex mu;
+  std::vector<std::string> fenced_why(2);  // per daemon: why it was fenced ("" while not)
+  std::vector<int64_t> serving(2, 0);      // per daemon: the epoch it serves
+  auto daemon = [&](int i) {
+    GroupMemberOptions g;
+    g.controller = s.address();
+    g.token = kToken;
+    g.join.set_rank(0);
+    g.join.set_world(2);
+    g.join.set_node("host-a");
+    g.join.add_devices("cpu");
+    g.join.set_transport("ucx");
+    g.reconnect_backoff = absl::Milliseconds(20);
+    g.prepare = [&, i](const v1::PrepareEpoch& p) -> absl::StatusOr<std::string> {
+      absl::MutexLock lock(&mu);
+      serving[i] = 0;
+      return absl::StrCat("endpoint-of-daemon-", i, "-", p.epoch());
+    };
+    g.connect = [](const v1::GroupView&) { return absl::OkStatus(); };
+    g.serve = [&, i](int64_t epoch) {
+      absl::MutexLock lock(&mu);
+      serving[i] = epoch;
+    };
+    g.fenced = [&, i](const std::string& why) {
+      absl::MutexLock lock(&mu);
+      fenced_why[i] = why;
+      serving[i] = 0;
+    };
+    return std::make_unique<GroupMember>(std::move(g));
+  };
+  Member b(s, 1, 21, "host-b");
+  std::unique_ptr<GroupMember> first = daemon(0);
+  first->Start();
+  const int64_t e1 = FormWithDaemon(s, b);
+  auto serves = [&](int i, int64_t epoch) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline) {
+      {
+        absl::MutexLock lock(&mu);
+        if (serving[i] == epoch) return true;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  };
+  EXPECT_TRUE(serves(0, e1));
+  // The replacement joins: the first daemon is evicted, comes back at once and is refused.
+  std::unique_ptr<GroupMember> second = daemon(1);
+  second->Start();
+  const int64_t e2 = FormWithDaemon(s, b);
+  EXPECT_TRUE(serves(1, e2));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!first->fenced() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(first->fenced()) << "the replaced daemon was never told it is fenced";
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_THAT(fenced_why[0], HasSubstr("replaced by a newer one"));
+    EXPECT_EQ(serving[0], 0);
+    EXPECT_EQ(fenced_why[1], "");
+  }
+  EXPECT_FALSE(second->fenced());
+  // It stopped rejoining: the group serves the replacement's epoch, undisturbed.
+  absl::SleepFor(absl::Milliseconds(200));
+  const v1::GroupStatus st = s.coordinator().Snapshot();
+  EXPECT_EQ(st.state(), "SERVING");
+  EXPECT_EQ(st.view().epoch(), e2);
+  EXPECT_EQ(st.live_ranks_size(), 2);
+  first->Stop();
+  second->Stop();
   b.Die();
 }
 
