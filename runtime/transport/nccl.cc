@@ -112,21 +112,29 @@ class NcclTransport final : public Transport {
     return WithDevice(
         seq, timeout, send, send_total, recv, recv_total, [&](const void* dsend, void* drecv) -> absl::Status {
           NCCL_RETURN_IF_ERROR(ncclGroupStart());
-          int64_t so = 0, ro = 0;
-          for (int i = 0; i < size(); ++i) {
-            if (send_bytes[i] > 0) {
-              NCCL_RETURN_IF_ERROR(
-                  ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
+          // The group is ended on every path: NCCL's group depth is per thread, and a group left
+          // open would swallow this thread's later calls (queued, never launched).
+          absl::Status s = [&]() -> absl::Status {
+            int64_t so = 0, ro = 0;
+            for (int i = 0; i < size(); ++i) {
+              if (send_bytes[i] > 0) {
+                NCCL_RETURN_IF_ERROR(
+                    ncclSend(static_cast<const char*>(dsend) + so, send_bytes[i], ncclUint8, i, comm_, stream_));
+              }
+              if (recv_bytes[i] > 0) {
+                NCCL_RETURN_IF_ERROR(
+                    ncclRecv(static_cast<char*>(drecv) + ro, recv_bytes[i], ncclUint8, i, comm_, stream_));
+              }
+              so += send_bytes[i];
+              ro += recv_bytes[i];
             }
-            if (recv_bytes[i] > 0) {
-              NCCL_RETURN_IF_ERROR(
-                  ncclRecv(static_cast<char*>(drecv) + ro, recv_bytes[i], ncclUint8, i, comm_, stream_));
-            }
-            so += send_bytes[i];
-            ro += recv_bytes[i];
-          }
-          NCCL_RETURN_IF_ERROR(ncclGroupEnd());
-          return absl::OkStatus();
+            return absl::OkStatus();
+          }();
+          const absl::Status end = [&]() -> absl::Status {
+            NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+            return absl::OkStatus();
+          }();
+          return s.ok() ? end : s;
         });
   }
 
@@ -135,14 +143,23 @@ class NcclTransport final : public Transport {
   // staging host buffers through one device allocation. Small host buffers (a step agreement,
   // metadata) also go through pinned host staging, so their copies are true async copies: the
   // input copy, the collective and the output copy are enqueued back to back and the stream is
-  // waited for once.
+  // waited for once. A larger host output is copied only once the collective is done: a copy to
+  // pageable memory queued behind it would block this thread inside CUDA until the collective
+  // finished, where no deadline or interrupt is checked (a peer that never joins hangs it).
+  // Any failure of `op` itself (NCCL's own error return) leaves the communicator broken, as a
+  // failure seen while waiting does.
   template <typename Op>
   absl::Status WithDevice(uint64_t seq, absl::Duration timeout, const void* in, int64_t in_bytes, void* out,
                           int64_t out_bytes, Op&& op) {
     const bool in_dev = in_bytes == 0 || IsDevice(in);
     const bool out_dev = out_bytes == 0 || IsDevice(out);
+    auto run = [&](const void* din, void* dout) -> absl::Status {
+      absl::Status s = op(din, dout);
+      if (!s.ok()) Abandon();
+      return s;
+    };
     if (in_dev && out_dev) {
-      RETURN_IF_ERROR(op(in, out));
+      RETURN_IF_ERROR(run(in, out));
       return Wait(seq, timeout);
     }
     if (size() == 1 && !in_dev && !out_dev) {
@@ -176,13 +193,20 @@ class NcclTransport final : public Transport {
       }
       CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(din, src, in_bytes, cudaMemcpyHostToDevice, stream_));
     }
-    RETURN_IF_ERROR(op(din, dout));
-    if (!out_dev && out_bytes > 0) {
-      CUDART_RETURN_IF_ERROR(
-          cudaMemcpyAsync(pinned ? static_cast<void*>(hout) : out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
+    RETURN_IF_ERROR(run(din, dout));
+    if (pinned && !out_dev && out_bytes > 0) {
+      CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(hout, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
     }
     RETURN_IF_ERROR(Wait(seq, timeout));
-    if (pinned && !out_dev && out_bytes > 0) std::memcpy(out, hout, static_cast<size_t>(out_bytes));
+    if (!out_dev && out_bytes > 0) {
+      if (pinned) {
+        std::memcpy(out, hout, static_cast<size_t>(out_bytes));
+      } else {
+        // The collective is done: this copy waits on nothing but itself.
+        CUDART_RETURN_IF_ERROR(cudaMemcpyAsync(out, dout, out_bytes, cudaMemcpyDeviceToHost, stream_));
+        RETURN_IF_ERROR(Wait(seq, timeout));
+      }
+    }
     return absl::OkStatus();
   }
 

@@ -1,7 +1,8 @@
 // NCCL across the GPUs of this host: one forked process per GPU (NCCL_NVLS_ENABLE=0), the same
 // scenarios as the UCX test: random all-to-all-v after the header agreement (host buffers,
 // staged), header mismatch and generation split aborting every member, a killed member turning
-// into errors on the others within the timeout, and device-buffer all-to-all-v.
+// into errors on the others within the timeout, a large host exchange a peer never joins ending
+// at its timeout, and device-buffer all-to-all-v.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -12,6 +13,8 @@
 
 #include <sys/wait.h>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 #include "runtime/status.h"
@@ -105,6 +108,41 @@ TEST(NcclTransportTest, KilledPeerTurnsIntoErrorsWithinTheTimeout) {
   });
   for (int i = 0; i < n - 1; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
   EXPECT_EQ(codes[n - 1], -SIGKILL);
+}
+
+// A host-memory exchange past the pinned staging (1 MiB a peer each way) that a peer never joins
+// ends at its timeout: the copy into pageable memory is made once the collective is done, not
+// queued behind it, where it would hold the thread inside CUDA with no deadline checked. The
+// first exchange, which every member joins, sets up the pairs' connections.
+TEST(NcclTransportTest, LargeHostExchangeThatAPeerNeverJoinsEndsAtItsTimeout) {
+  const int n = Devices();
+  ASSERT_GE(n, 2) << "needs two GPUs";
+  const auto codes = RunProcesses(n, [n](Transport& t) -> absl::Status {
+    const int p = t.size();
+    const int64_t per_peer = int64_t{1} << 20;
+    std::vector<uint8_t> send(per_peer * p, static_cast<uint8_t>(t.slot() + 1)), recv(per_peer * p, 0);
+    std::vector<int64_t> splits(p, per_peer);
+    RETURN_IF_ERROR(t.AllToAllV(1, send.data(), splits, recv.data(), splits, absl::Seconds(30)));
+    for (int j = 0; j < p; ++j) {
+      if (recv[j * per_peer] != j + 1 || recv[(j + 1) * per_peer - 1] != j + 1) {
+        return absl::InternalError(absl::StrCat("exchange 1: wrong bytes from slot ", j));
+      }
+    }
+    if (t.slot() == n - 1) {  // never joins the second exchange
+      absl::SleepFor(absl::Seconds(10));
+      _exit(0);
+    }
+    const absl::Time start = absl::Now();
+    const absl::Status s = t.AllToAllV(2, send.data(), splits, recv.data(), splits, absl::Seconds(1));
+    const absl::Duration took = absl::Now() - start;
+    if (s.ok()) return absl::InternalError("an exchange a peer never joined succeeded");
+    if (took > absl::Seconds(4)) {
+      return absl::InternalError(absl::StrCat("the exchange took ", absl::FormatDuration(took), " for a 1 s timeout"));
+    }
+    if (!t.failed()) return absl::InternalError("the transport is not marked failed after the timeout");
+    return absl::OkStatus();
+  });
+  for (int i = 0; i < n; ++i) EXPECT_EQ(codes[i], 0) << "slot " << i;
 }
 
 TEST(NcclTransportTest, DeviceBuffersGoDirect) {
