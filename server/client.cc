@@ -303,7 +303,13 @@ absl::StatusOr<v1::StepRecord> StepRing::Wait(absl::Duration deadline, const uin
   ring::Result r;
   std::memcpy(&r, s + ring::kResultOffset, sizeof(r));
   const double client_us = absl::ToDoubleMicroseconds(absl::Now() - submit_times_[waited_ % slots_]);
+  const uint32_t expected_seq = waited_;
   ++waited_;
+  if (r.seq != expected_seq) {
+    // Another step's answer in this step's slot: never hand it out as this step's.
+    return absl::DataLossError(
+        absl::StrCat("step ring: slot answers step ", r.seq, " where step ", expected_seq, " was awaited"));
+  }
   if (r.code != 0) {
     r.message[sizeof(r.message) - 1] = '\0';
     return absl::Status(static_cast<absl::StatusCode>(r.code), r.message);

@@ -120,6 +120,12 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   if (slots < 1 || slots > ring::kMaxSlots) {
     return absl::InvalidArgumentError(absl::StrCat("slots: ", slots, " outside [1, ", ring::kMaxSlots, "]"));
   }
+  if ((slots & (slots - 1)) != 0) {
+    // Step n uses slot n mod slots with n a 32-bit counter that wraps: only a power of two keeps
+    // the slots in turn across the wrap (with 3, steps 2^32 - 1 and 2^32 would share slot 0).
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots: ", slots, " is not a power of two (1, 2, 4, 8 or 16; the step counter wraps at 2^32)"));
+  }
   ring::Geometry g;
   if (!ring::ComputeGeometry(max_tokens, d, k, slots, &g, on_device) || g.total_bytes > options_.max_ring_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens: a ring of ", slots, " slots of ", max_tokens,

@@ -94,6 +94,12 @@ class Internal(MoeError):
     code = "INTERNAL"
 
 
+class DataLoss(MoeError):
+    """A step's answer that is not this step's (e.g. a step ring's slot answering another step)."""
+
+    code = "DATA_LOSS"
+
+
 class Unknown(MoeError):
     code = "UNKNOWN"
 
@@ -113,6 +119,7 @@ _BY_CODE = {
         AlreadyExists,
         OutOfRange,
         Internal,
+        DataLoss,
         Unknown,
     )
 }

@@ -484,8 +484,12 @@ class StepRing:
         seq = self._n_waited & 0xFFFFFFFF
         rows, submitted_at = self._pending.pop(0)
         res = self._slot(seq) + RESULT_OFFSET
-        _, code = _RESULT_HEAD.unpack_from(self._mm, res)
+        answered, code = _RESULT_HEAD.unpack_from(self._mm, res)
         self._n_waited += 1
+        if answered != seq:
+            # Another step's answer in this step's slot: never hand it out as this step's.
+            raise errors.from_status_code(
+                15, f"step ring: slot answers step {answered} where step {seq} was awaited", rank)
         if code != 0:
             message = bytes(self._mm[res + 8 : res + 520]).split(b"\0", 1)[0].decode(errors="replace")
             raise errors.from_status_code(code, message, rank)

@@ -363,6 +363,40 @@ def test_ring_slots_written_in_place(cluster):
         c1.close()
 
 
+def test_a_ring_slot_answering_another_step_is_refused(cluster):
+    """The client checks that the answer in a step's slot is that step's (the result's seq): one
+    that names another step is a DATA_LOSS error, never handed out as this step's output."""
+    import struct
+    import time
+
+    from moe_runtime import errors
+    from moe_runtime.ring import OFF_COMPLETED, RESULT_OFFSET
+
+    rng = np.random.default_rng(12)
+    x0, x1 = random_step(rng, 3), random_step(rng, 2)
+    c0, c1 = RankClient(cluster.targets[0], rank=0), RankClient(cluster.targets[1], rank=1)
+    import concurrent.futures
+
+    try:
+        with c0.open_ring(max_tokens=8, d=D, k=K, slots=2, spin_us=200) as ring, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(c1.step, 770001, 1, *x1)
+            ring.submit(770001, 1, *x0)
+            other.result()
+            deadline = time.monotonic() + 30
+            while struct.unpack_from("<I", ring._mm, OFF_COMPLETED)[0] < 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert struct.unpack_from("<I", ring._mm, OFF_COMPLETED)[0] == 1, "the rank never answered"
+            res = ring._slot(0) + RESULT_OFFSET
+            assert struct.unpack_from("<I", ring._mm, res)[0] == 0  # step 0's own answer ...
+            struct.pack_into("<I", ring._mm, res, 7)  # ... made to name step 7
+            with pytest.raises(errors.DataLoss, match="answers step 7 where step 0 was awaited"):
+                ring.wait(timeout=30)
+    finally:
+        c0.close()
+        c1.close()
+
+
 def test_a_ring_step_whose_wait_timed_out_never_answers_the_next(cluster):
     """A ring step whose wait timed out stays outstanding, its answer still to come: the client's
     next step takes and drops that answer first and returns its own output, and a ring's own

@@ -608,6 +608,40 @@ TEST_F(RingTest, RingStepsEqualGrpcStepsAndWriteTheOutputInPlace) {
   EXPECT_EQ(ring->Execute(call).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// The client checks that the answer in a step's slot is that step's (the result's seq): one that
+// names another step is DATA_LOSS, never returned as this step's record and rows.
+TEST_F(RingTest, ASlotAnsweringAnotherStepIsDataLoss) {
+  std::unique_ptr<StepRing> ring = Open(/*slots=*/2);
+  ASSERT_NE(ring, nullptr);
+  const StepCall call = CallOf(Request(30));
+  auto slot = ring->NextSlot();
+  ASSERT_TRUE(slot.ok()) << slot.status();
+  std::memcpy(slot->hidden, call.hidden.data(), call.hidden.size() * 2);
+  std::memcpy(slot->topk_ids, call.topk_ids.data(), call.topk_ids.size() * 4);
+  std::memcpy(slot->topk_weights, call.topk_weights.data(), call.topk_weights.size() * 4);
+  StepRing::StepMeta meta;
+  meta.step_id = 30;
+  meta.tokens = kTokens;
+  meta.k = kK;
+  ASSERT_TRUE(ring->Submit(meta).ok());
+  ring::Geometry g;
+  ASSERT_TRUE(ring::ComputeGeometry(16, kD, kK, 2, &g));
+  char* slot0 = reinterpret_cast<char*>(slot->hidden) - g.hidden_offset;  // step 0's slot
+  auto* header = reinterpret_cast<ring::Header*>(slot0 - ring::kPage);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (header->completed.value.load(std::memory_order_acquire) < 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(header->completed.value.load(), 1u) << "the rank never answered";
+  auto* result = reinterpret_cast<ring::Result*>(slot0 + ring::kResultOffset);
+  EXPECT_EQ(result->seq, 0u);  // step 0's own answer ...
+  result->seq = 7;             // ... made to name step 7
+  auto rec = ring->Wait(absl::Seconds(30));
+  EXPECT_EQ(rec.status().code(), absl::StatusCode::kDataLoss) << rec.status();
+  EXPECT_NE(std::string(rec.status().message()).find("answers step 7 where step 0 was awaited"), std::string::npos)
+      << rec.status();
+}
+
 // What a hostile engine can write into a slot: each bad descriptor or payload is answered in the
 // slot with INVALID_ARGUMENT naming the field, and the ring serves the next step.
 TEST_F(RingTest, BadSlotsAreAnsweredNamingTheFieldAndTheRingServesOn) {

@@ -173,6 +173,26 @@ TEST_F(DeviceRowsRingTest, DeviceSlotsRoutingFlagAndOneRelease) {
   close(conn);
 }
 
+// Step n uses slot n mod slots with n a 32-bit counter: only a power of two keeps the slots in
+// turn across the wrap (with 3 slots, steps 2^32 - 1 and 2^32 would both use slot 0 while the
+// first is still outstanding), so other counts are refused, naming the field.
+TEST_F(DeviceRowsRingTest, ASlotCountThatIsNotAPowerOfTwoIsRefused) {
+  for (int slots : {3, 5, 6, 7, 9, 12, 15}) {
+    const uint32_t last = 0xFFFFFFFFu, next = last + 1;  // the wrap: next is 0
+    EXPECT_NE((last % slots + 1) % slots, next % slots) << "the turn survives the wrap at " << slots << " slots";
+    auto refused = rings_->Open(getuid(), slots, kMaxTokens, kD, kK);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << slots;
+    EXPECT_NE(std::string(refused.status().message()).find("slots: "), std::string::npos) << refused.status();
+    EXPECT_NE(std::string(refused.status().message()).find("power of two"), std::string::npos) << refused.status();
+  }
+  EXPECT_EQ(rings_->size(), 0);
+  for (int slots : {1, 2, 4, 8, 16}) {
+    auto opened = rings_->Open(getuid(), slots, kMaxTokens, kD, kK);
+    ASSERT_TRUE(opened.ok()) << slots << ": " << opened.status();
+    ASSERT_TRUE(rings_->Close(getuid(), opened->id).ok());
+  }
+}
+
 TEST_F(DeviceRowsRingTest, ARefusedRingReleasesTheMappingAndAHostRingRefusesDeviceRouting) {
   std::atomic<int> released{0};
   std::vector<char> device(1 << 16);
