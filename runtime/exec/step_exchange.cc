@@ -16,6 +16,9 @@ namespace {
 // when Q exceeds the record do the slot counts take a second all-gather (every member then
 // has the same Q).
 constexpr int kHeaderWords = 12;
+// The most routes one member can send in a step: --max_step_tokens is at most 2^24 and top-k at
+// most 64. A record above it is corrupt (sums of counts below it cannot overflow).
+constexpr int64_t kMaxMemberRoutes = (int64_t{1} << 24) * 64;
 enum Word {
   kStepId,
   kLayer,
@@ -119,12 +122,18 @@ absl::Status ReadAgreement(const RecordLayout& l, const std::vector<int64_t>& al
     out->graph_keys_agree = out->graph_keys_agree && l.At(all, i, kGraphKey) == all[kGraphKey];
   out->count_matrix.resize(static_cast<size_t>(p) * p);
   for (int i = 0; i < p; ++i) {
+    int64_t row = 0;
     for (int j = 0; j < p; ++j) {
       const int64_t c = l.At(all, i, kHeaderWords + j);
       if (c < 0) {
         return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
                                                " reports a negative count for peer slot ", j));
       }
+      if (c > kMaxMemberRoutes - row) {
+        return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
+                                               " reports more than ", kMaxMemberRoutes, " routes"));
+      }
+      row += c;
       out->count_matrix[i * p + j] = c;
     }
   }
@@ -145,19 +154,30 @@ absl::Status SumSlotRoutes(const RecordLayout& l, const std::vector<int64_t>& al
   const int p = l.p;
   const int64_t q = l.q;
   out->slot_routes.assign(q, 0);
+  const int64_t* from = nullptr;  // member i's q counts at from + i * stride
+  int64_t stride = 0;
   if (l.counts_inline) {
-    for (int i = 0; i < p; ++i) {
-      const int64_t* theirs = l.Inline(all, i);
-      for (int64_t j = 0; j < q; ++j) out->slot_routes[j] += theirs[j];
-    }
-    return absl::OkStatus();
+    from = l.Inline(all, 0);
+    stride = l.words;
+  } else {
+    std::vector<int64_t>& slots = *gathered;
+    slots.resize(q * p);
+    absl::Status s = transport.AllGather(header.step_id, slot_counts.data(), q * 8, slots.data(), timeout);
+    if (!s.ok()) return s;
+    from = slots.data();
+    stride = q;
   }
-  std::vector<int64_t>& slots = *gathered;
-  slots.resize(q * p);
-  absl::Status s = transport.AllGather(header.step_id, slot_counts.data(), q * 8, slots.data(), timeout);
-  if (!s.ok()) return s;
   for (int i = 0; i < p; ++i) {
-    for (int64_t j = 0; j < q; ++j) out->slot_routes[j] += slots[i * q + j];
+    const int64_t* theirs = from + i * stride;
+    int64_t total = 0;
+    for (int64_t j = 0; j < q; ++j) {
+      if (theirs[j] < 0 || theirs[j] > kMaxMemberRoutes - total) {
+        return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i,
+                                               " reports slot count ", theirs[j], " for physical slot ", j));
+      }
+      total += theirs[j];
+      out->slot_routes[j] += theirs[j];
+    }
   }
   return absl::OkStatus();
 }
@@ -178,6 +198,11 @@ absl::Status ReadInlineMeta(const RecordLayout& l, const std::vector<int64_t>& a
     if (l.At(all, i, kMetaEntries) != entries) {
       return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " sent ",
                                              l.At(all, i, kMetaEntries), " metadata entries for ", entries, " routes"));
+    }
+    if (!l.counts_inline || entries > 2 * (l.inline_room - l.q)) {
+      // A sender puts its entries inline only where they fit (RecordLayout): these do not.
+      return absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " claims ", entries,
+                                             " metadata entries inline, more than its record holds"));
     }
     const char* theirs = reinterpret_cast<const char*>(l.Inline(all, i) + l.q);
     const int64_t n = out->count_matrix[i * p + me];

@@ -89,5 +89,51 @@ TEST(LoopbackTransportTest, AnAbandonedStepAbortsItsAgreementAtOnceAndNothingLat
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(results[i].ok()) << "slot " << i << ": " << results[i];
 }
 
+// A peer's agreement record is checked before it is read: metadata claimed inline beyond what
+// the record holds, and counts past what any member can send (2^24 tokens x top-64), abort the
+// step naming the peer instead of reading past the record or sizing buffers by them. Slot 1
+// posts a crafted record whose identity words match slot 0's.
+TEST(LoopbackTransportTest, ACorruptPeerRecordAbortsTheStepNamingThePeer) {
+  struct Case {
+    int64_t count_to_0, meta_entries, slot_count;
+    const char* expect;
+  };
+  const int64_t kSlots = 4;
+  for (const Case& c :
+       {Case{5000, 5000, 0, "claims 5000 metadata entries inline"}, Case{int64_t{1} << 40, -1, 0, "reports more than"},
+        Case{3, -1, int64_t{-5}, "reports slot count -5"}, Case{3, -1, int64_t{1} << 62, "reports slot count"}}) {
+    auto results = RunMembers(2, [&](Transport& t) -> absl::Status {
+      const StepHeader h{900, 7, 17, 12};
+      if (t.slot() == 1) {
+        const int64_t words = kAgreementRecordWords;
+        std::vector<int64_t> record(words, 0), all(words * 2);
+        record[0] = static_cast<int64_t>(h.step_id);
+        record[1] = h.layer;
+        record[2] = h.placement_version;
+        record[3] = h.process_group_epoch;
+        record[6] = kSlots;           // slot_count_length
+        record[7] = -1;               // no shadow proposal
+        record[10] = c.meta_entries;  // metadata entries inline (-1: none)
+        record[12] = c.count_to_0;    // counts: to slot 0, to slot 1
+        record[14] = c.slot_count;    // physical slot 0's count (inline after the counts)
+        (void)t.StepGather(h.step_id, record.data(), words * 8, all.data(), absl::Seconds(20));
+        return absl::OkStatus();
+      }
+      const std::vector<int64_t> send = {0, 0}, slots(kSlots, 0);
+      const std::vector<int32_t> meta;
+      auto a = AgreeOnStep(t, h, send, absl::Seconds(20), slots, &meta);
+      if (a.ok()) return absl::InternalError("agreed on a corrupt record");
+      if (a.status().code() != absl::StatusCode::kAborted ||
+          a.status().message().find("peer slot 1") == std::string::npos ||
+          a.status().message().find(c.expect) == std::string::npos) {
+        return absl::InternalError(
+            absl::StrCat("expected ABORTED naming peer slot 1 and '", c.expect, "': ", a.status().ToString()));
+      }
+      return absl::OkStatus();
+    });
+    for (int i = 0; i < 2; ++i) EXPECT_TRUE(results[i].ok()) << c.expect << ": slot " << i << ": " << results[i];
+  }
+}
+
 }  // namespace
 }  // namespace moe
