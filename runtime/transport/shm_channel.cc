@@ -176,8 +176,11 @@ absl::StatusOr<bool> ShmStepChannel::Poll(int peer, StepGatherHeader* header, vo
   if (head == tail) return false;
   uint64_t body = 0;
   CopyOut(r->data, tail, &body, 8);
-  const uint64_t need = (8 + body + 7) / 8 * 8;
-  if (body < sizeof(StepGatherHeader) || need > head - tail) {
+  // The length word is the peer's: bounded before any arithmetic on it (a length near 2^64 would
+  // round `need` to 0, and the message would be read again forever).
+  const uint64_t need = body <= static_cast<uint64_t>(kRingBytes) ? (8 + body + 7) / 8 * 8 : 0;
+  if (body < sizeof(StepGatherHeader) || body > static_cast<uint64_t>(kRingBytes) || need > head - tail ||
+      head - tail > static_cast<uint64_t>(kRingBytes)) {
     return absl::DataLossError(absl::StrCat("shm agreement: a message of ", body, " bytes from peer slot ", peer,
                                             " with ", head - tail, " bytes published"));
   }

@@ -4,6 +4,7 @@
 // segments that do not fit are refused.
 #include "runtime/transport/shm_channel.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,6 +12,9 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -119,6 +123,42 @@ TEST(ShmStepChannelTest, AMemberThatDoesNotJoinLeavesTheOthersADeadline) {
   });
   ShmStepChannel::Unlink(name);
   EXPECT_EQ(codes, std::vector<int>(kSize, 0));
+}
+
+// A length word a peer corrupted (near 2^64, so that the rounded message size wraps to 0) is
+// DATA_LOSS naming the peer, not a message read again forever. The segment is written through a
+// mapping of its own: a 64-byte header, then size x size rings of {head, tail, data}, each of
+// head and tail on its own 64-byte line.
+TEST(ShmStepChannelTest, ACorruptLengthFromAPeerIsDataLoss) {
+  const std::string name = SegmentName("corrupt");
+  auto me = ShmStepChannel::Create(name, 2);
+  ASSERT_TRUE(me.ok()) << me.status();
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  struct stat st {};
+  ASSERT_EQ(fstat(fd, &st), 0);
+  void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_NE(base, MAP_FAILED);
+  const size_t ring_bytes = 128 + ShmStepChannel::kRingBytes;
+  ASSERT_EQ(static_cast<size_t>(st.st_size), 64 + 4 * ring_bytes) << "the segment's layout changed";
+  char* ring_1_to_0 = static_cast<char*>(base) + 64 + (1 * 2 + 0) * ring_bytes;
+  const uint64_t body = 0xFFFFFFFFFFFFFFF8ull, head = 64;
+  std::memcpy(ring_1_to_0 + 128, &body, 8);  // the message's length word
+  std::memcpy(ring_1_to_0, &head, 8);        // published
+  StepGatherHeader h;
+  char payload[64];
+  int64_t got = 0;
+  auto polled = (*me)->Poll(1, &h, payload, sizeof(payload), &got);
+  EXPECT_EQ(polled.status().code(), absl::StatusCode::kDataLoss) << polled.status();
+  EXPECT_NE(std::string(polled.status().message()).find("peer slot 1"), std::string::npos) << polled.status();
+  StepGatherBacklog backlog;
+  backlog.from.resize(2);
+  char mine[16] = {}, all[32];
+  const absl::Status s = RunStepGather(**me, backlog, 0, 2, 7, mine, 16, all, absl::Milliseconds(300));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  munmap(base, st.st_size);
+  ShmStepChannel::Unlink(name);
 }
 
 TEST(ShmStepChannelTest, SegmentsThatDoNotFitAreRefused) {
