@@ -498,6 +498,7 @@ class UcxTransport final : public Transport {
   struct Pending {
     std::vector<void*> recvs, sends;
     std::vector<bool> recv_done, send_done;
+    std::vector<size_t> recv_bytes;  // what each receive must carry
     bool Done(int i) const { return recv_done[i] && send_done[i]; }
   };
 
@@ -508,9 +509,10 @@ class UcxTransport final : public Transport {
                        absl::Span<const int64_t> recv_bytes) {
     const int n = size(), me = slot();
     Pending p{std::vector<void*>(n, nullptr), std::vector<void*>(n, nullptr), std::vector<bool>(n, false),
-              std::vector<bool>(n, false)};
+              std::vector<bool>(n, false), std::vector<size_t>(n, 0)};
     for (int i = 0; i < n; ++i) {
       if (i == me) continue;
+      p.recv_bytes[i] = static_cast<size_t>(recv_bytes[i]);
       p.recvs[i] = PostRecv(Tag(kind, position, i), static_cast<char*>(recv) + recv_off[i], recv_bytes[i]);
     }
     for (int i = 0; i < n; ++i) {
@@ -522,17 +524,38 @@ class UcxTransport final : public Transport {
     return p;
   }
 
+  // True when the receive finished (successfully or not); frees it. *length: the bytes the
+  // message carried (UCX fails a longer message than the buffer, but completes a shorter one).
+  static bool ReceiveCompleted(void** req, ucs_status_t* status, size_t* length) {
+    if (*req == nullptr || UCS_PTR_IS_ERR(*req)) return Completed(req, status);
+    ucp_tag_recv_info_t info{};
+    const ucs_status_t s = ucp_tag_recv_request_test(*req, &info);
+    if (s == UCS_INPROGRESS) return false;
+    *status = s;
+    *length = info.length;
+    ucp_request_free(*req);
+    *req = nullptr;
+    return true;
+  }
+
   // Tests peer i's receive and send; on a failed request or a failed peer, ends every request
-  // of the collective and returns UNAVAILABLE.
+  // of the collective and returns UNAVAILABLE; a receive shorter than its split is DATA_LOSS.
   absl::Status AdvancePeer(int i, Pending& p) {
     ucs_status_t st = UCS_OK;
-    if (!p.recv_done[i] && Completed(&p.recvs[i], &st)) {
+    size_t length = p.recv_bytes[i];
+    if (!p.recv_done[i] && ReceiveCompleted(&p.recvs[i], &st, &length)) {
       p.recv_done[i] = true;
       if (st != UCS_OK) {
         CancelAll(&p.recvs);
         CancelAll(&p.sends);
         return absl::UnavailableError(
             absl::StrCat("ucx: receive from peer slot ", i, " failed: ", ucs_status_string(st)));
+      }
+      if (length != p.recv_bytes[i]) {
+        CancelAll(&p.recvs);
+        CancelAll(&p.sends);
+        return absl::DataLossError(
+            absl::StrCat("ucx: peer slot ", i, " sent ", length, " bytes where ", p.recv_bytes[i], " were agreed"));
       }
     }
     if (!p.send_done[i] && Completed(&p.sends[i], &st)) {

@@ -63,6 +63,25 @@ TEST(UcxTransportTest, MetadataRidesWithTheAgreement) {
 // messages (64 KiB a peer): the others must fail within the timeout, not in the library's cancel
 // of a send nobody fetches, and their next step with it fails at once (the peer is marked
 // failed).
+// A message shorter than the split its receiver agreed on (UCX completes a short receive without
+// an error, leaving the rest of the segment as it was) is DATA_LOSS naming the peer, not a
+// segment with a stale tail. Slot 0 sends slot 1 8 bytes where slot 1 expects 16.
+TEST(UcxTransportTest, AShortMessageIsDataLossNamingThePeer) {
+  const auto codes = RunProcesses(2, [](Transport& t) -> absl::Status {
+    const int me = t.slot();
+    const std::vector<int64_t> send_bytes = me == 0 ? std::vector<int64_t>{4, 8} : std::vector<int64_t>{16, 4};
+    const std::vector<int64_t> recv_bytes = me == 0 ? std::vector<int64_t>{4, 16} : std::vector<int64_t>{16, 4};
+    std::vector<char> send(32, static_cast<char>(0x10 + me)), recv(32, static_cast<char>(0xAA));
+    const absl::Status s = t.AllToAllV(5, send.data(), send_bytes, recv.data(), recv_bytes, absl::Seconds(10));
+    if (me == 0) return s;  // it got the 16 bytes it agreed on
+    if (s.code() != absl::StatusCode::kDataLoss || s.message().find("peer slot 0 sent 8 bytes") == std::string::npos) {
+      return absl::InternalError(absl::StrCat("expected DATA_LOSS naming peer slot 0: ", s.ToString()));
+    }
+    return absl::OkStatus();
+  });
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(codes[i], kOk) << "slot " << i;
+}
+
 TEST(UcxTransportTest, SilentLivePeerTimesOutAndIsMarkedFailed) {
   const auto codes = RunProcesses(4, [](Transport& t) -> absl::Status {
     if (t.slot() == 3) {
