@@ -254,6 +254,11 @@ absl::Status VerifyForPublish(const PlacementManifest& manifest, const ProcessGr
   }
   for (int e = 0; e < manifest.num_experts(); ++e) {
     const auto copies = manifest.SlotsOf(LogicalExpertId(e));
+    if (copies.empty()) {
+      // 0x08B: every logical expert has m_e >= 1 copies, or its routes have no slot (0x01D1).
+      return absl::FailedPreconditionError(
+          absl::StrCat(manifest.VersionName(), ": logical expert ", e, " has no slot (every expert needs a copy)"));
+    }
     for (PhysicalSlotId q : copies) {
       if (manifest.slot(q).parameter_digest != manifest.slot(copies.front()).parameter_digest) {
         return absl::FailedPreconditionError(absl::StrCat(manifest.VersionName(), " slot ", manifest.slot(q).name,

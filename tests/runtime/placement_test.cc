@@ -125,6 +125,20 @@ TEST(ManifestTest, PublishRequiresEqualReplicaDigests) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("parameter digest"));
 }
 
+// 0x08B: every logical expert has at least one copy; a generation where one has none would
+// publish and then fail every step that routes to it, so publishing refuses it, naming it.
+TEST(ManifestTest, PublishRequiresACopyOfEveryLogicalExpert) {
+  Topology t = fixture::FourRankTwoNode();
+  auto slots = fixture::V17Slots();
+  slots.pop_back();  // q5, expert 3's only copy
+  auto m = PlacementManifest::Create(fixture::Options(17), slots, t);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ((*m)->num_experts(), 4);
+  auto s = VerifyForPublish(**m, fixture::IdentityGroup(), t);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("logical expert 3 has no slot"));
+}
+
 std::shared_ptr<const PlacementManifest> Version(int64_t v) {
   Topology t = fixture::FourRankTwoNode();
   return *PlacementManifest::Create(fixture::Options(v), fixture::V17Slots(), t);
