@@ -101,7 +101,8 @@ struct MigrationSource {
 };
 
 absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const Topology& topology,
-                                               const PlacementManifest& to, const SlotSizes& sizes) {
+                                               const ProcessGroup& group, const PlacementManifest& to,
+                                               const SlotSizes& sizes) {
   MigrationSource src;
   src.mine.resize(sizes.num_layers);
   const int64_t active = c.registry->ActiveVersion();
@@ -112,8 +113,9 @@ absl::StatusOr<MigrationSource> PlanFromActive(const RankAgentContext& c, const 
   }
   if (src.from != nullptr && src.weights != nullptr && src.from->layers() == to.layers() &&
       src.weights->layers == sizes.layers) {
-    ASSIGN_OR_RETURN(LayeredMigrationPlan plan,
-                     PlanLayeredMigration(*src.from, to, topology, static_cast<int64_t>(sizes.gu1 + sizes.dn1) * 2));
+    ASSIGN_OR_RETURN(
+        LayeredMigrationPlan plan,
+        PlanLayeredMigration(*src.from, to, topology, static_cast<int64_t>(sizes.gu1 + sizes.dn1) * 2, &group));
     for (int li = 0; li < sizes.num_layers; ++li) {
       for (const MigrationStep& st : plan.per_layer[li].steps) {
         if (st.target_rank == c.rank) src.mine[li][st.target_slot.value()] = st;
@@ -320,7 +322,7 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("peer_agents: ", peers.size(), " addresses for ", topology.num_ranks(), " ranks"));
   }
-  auto local = Materialize(**manifest, peers, topology);
+  auto local = Materialize(**manifest, peers, topology, group);
   if (!local.ok()) return ToGrpcStatus(local.status());
   const std::array<int, 4> summary = {local->retained, local->duplicated, local->copied, local->loaded};
   if (absl::Status s = c_.executor->AddGeneration(v, std::make_shared<LocalExperts>(std::move(local->experts)));
@@ -343,14 +345,15 @@ grpc::Status RankAgentServiceImpl::PrepareGeneration(grpc::ServerContext* ctx, c
 }
 
 absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materialize(
-    const PlacementManifest& to, const std::vector<std::string>& peers, const Topology& topology) {
+    const PlacementManifest& to, const std::vector<std::string>& peers, const Topology& topology,
+    const ProcessGroup& group) {
   const SlotSizes sizes = CheckpointSlotSizes(*c_.checkpoint);
   if (to.layers() != sizes.layers) {
     return absl::FailedPreconditionError(absl::StrCat("manifest.layers: placement-v", to.version().value(),
                                                       " serves other layers than checkpoint ", c_.checkpoint->version(),
                                                       " holds"));
   }
-  ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, topology, to, sizes));
+  ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, topology, group, to, sizes));
   PeerAgents peer_agents(peers, c_.token, c_.peer_credentials);
   Materialized out;
   out.experts.d = sizes.d;

@@ -69,13 +69,14 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
   grpc::Status Change(const grpc::ServerContext* ctx, const v1::GenerationRequest& req, v1::GenerationStatus* resp,
                       const std::function<absl::Status(PlacementVersion, GenerationState)>& change);
 
-  // This rank's slots of `to`, materialized as the 0x08F plan from the active placement says.
+  // This rank's slots of `to`, materialized as the 0x08F plan from the active placement says
+  // (copies only from members of `group`).
   struct Materialized {
     LocalExperts experts;
     int retained = 0, duplicated = 0, copied = 0, loaded = 0;
   };
   absl::StatusOr<Materialized> Materialize(const PlacementManifest& to, const std::vector<std::string>& peers,
-                                           const Topology& topology);
+                                           const Topology& topology, const ProcessGroup& group);
 
   RankAgentContext c_;
   absl::Mutex mu_;  // one lifecycle change at a time

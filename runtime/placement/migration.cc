@@ -40,11 +40,12 @@ int FindRetainable(const PlacementManifest& from, const PlacementManifest& to, c
 // The nearest compatible holder of `t` in the source placement for rank r, or -1: the same node
 // first, then the lowest rank, then the lowest slot id.
 int FindNearestHolder(const PlacementManifest& from, const PlacementManifest& to, const SlotRecord& t, int r,
-                      const Topology& topology) {
+                      const Topology& topology, const ProcessGroup* sources) {
   int best = -1;
   for (PhysicalSlotId s : from.SlotsOf(t.expert)) {
     const SlotRecord& c = from.slot(s);
     if (!SameState(c, from, t, to) || !topology.HasRank(c.rank)) continue;
+    if (sources != nullptr && !sources->Contains(c.rank)) continue;  // a lost rank serves no copy
     if (best < 0) {
       best = s.value();
       continue;
@@ -59,8 +60,9 @@ int FindNearestHolder(const PlacementManifest& from, const PlacementManifest& to
 
 // Picks the action (and source) for `step`, whose target is slot q on rank r. `first` is the
 // first target slot on rank r that materialized the expert, or -1.
-void ChooseSource(const PlacementManifest& from, const PlacementManifest& to, const Topology& topology, int r,
-                  PhysicalSlotId q, int32_t first, std::vector<bool>& claimed, MigrationStep& step) {
+void ChooseSource(const PlacementManifest& from, const PlacementManifest& to, const Topology& topology,
+                  const ProcessGroup* sources, int r, PhysicalSlotId q, int32_t first, std::vector<bool>& claimed,
+                  MigrationStep& step) {
   const SlotRecord& t = to.slot(q);
   const int retain = FindRetainable(from, to, t, r, claimed);
   if (retain >= 0) {
@@ -77,7 +79,7 @@ void ChooseSource(const PlacementManifest& from, const PlacementManifest& to, co
     step.source_is_target = true;
     return;
   }
-  const int best = FindNearestHolder(from, to, t, r, topology);
+  const int best = FindNearestHolder(from, to, t, r, topology, sources);
   if (best < 0) {
     step.action = MigrationAction::kCheckpointLoad;
     return;
@@ -117,7 +119,8 @@ void CountAction(MigrationAction action, int64_t expert_bytes, MigrationPlan& pl
 }  // namespace
 
 absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const PlacementManifest& to,
-                                            const Topology& topology, int64_t expert_bytes) {
+                                            const Topology& topology, int64_t expert_bytes,
+                                            const ProcessGroup* sources) {
   if (expert_bytes <= 0) return absl::InvalidArgumentError("expert_bytes: must be positive");
   if (from.num_experts() != to.num_experts()) {
     return absl::FailedPreconditionError(
@@ -139,7 +142,7 @@ absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const
       step.source_rank = Rank(-1);
       step.source_slot = PhysicalSlotId(-1);
       int32_t& first = materialized[static_cast<size_t>(r) * to.num_experts() + t.expert.value()];
-      ChooseSource(from, to, topology, r, q, first, claimed, step);
+      ChooseSource(from, to, topology, sources, r, q, first, claimed, step);
       if (first < 0) first = q.value();
       CountAction(step.action, expert_bytes, plan);
       plan.steps.push_back(step);
@@ -185,7 +188,8 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> LayerTable(const Placem
 }  // namespace
 
 absl::StatusOr<LayeredMigrationPlan> PlanLayeredMigration(const PlacementManifest& from, const PlacementManifest& to,
-                                                          const Topology& topology, int64_t expert_bytes) {
+                                                          const Topology& topology, int64_t expert_bytes,
+                                                          const ProcessGroup* sources) {
   if (from.layers() != to.layers()) {
     return absl::FailedPreconditionError(absl::StrCat(from.VersionName(), " and ", to.VersionName(),
                                                       " serve different layers: nothing migrates between them"));
@@ -200,7 +204,7 @@ absl::StatusOr<LayeredMigrationPlan> PlanLayeredMigration(const PlacementManifes
       absl::StatusOr<MigrationPlan> plan = absl::UnknownError("");
       auto a = LayerTable(from, i, topology);
       auto b = LayerTable(to, i, topology);
-      plan = !a.ok() ? a.status() : !b.ok() ? b.status() : PlanMigration(**a, **b, topology, expert_bytes);
+      plan = !a.ok() ? a.status() : !b.ok() ? b.status() : PlanMigration(**a, **b, topology, expert_bytes, sources);
       if (!plan.ok()) {
         return out.layers.empty() ? plan.status()
                                   : absl::Status(plan.status().code(),

@@ -9,7 +9,8 @@
 //   same-node copy    - copy from a source-placement holder on the same node;
 //   cross-node copy   - copy from a holder on another node;
 //   checkpoint load   - no holder exists: read from the checkpoint.
-// Network sources prefer the same node, then the lowest rank, then the lowest slot id.
+// Network sources prefer the same node, then the lowest rank, then the lowest slot id, among
+// the ranks of the group the copies come from (when one is given).
 // Compatible means same logical expert, same checkpoint and same parameter digest.
 //
 // Peak unique parameter storage during the overlap is resident(from) + resident(to) -
@@ -55,8 +56,12 @@ struct MigrationPlan {
 };
 
 // `expert_bytes` is the parameter payload of one expert copy (3 d d_ff b_w for SwiGLU).
+// `sources`, when given, is the process group the copies come from: a holder on a rank outside
+// it (a lost rank whose slots a rebound placement keeps) is never a network source, so such an
+// expert is copied from a member or loaded from the checkpoint.
 absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const PlacementManifest& to,
-                                            const Topology& topology, int64_t expert_bytes);
+                                            const Topology& topology, int64_t expert_bytes,
+                                            const ProcessGroup* sources = nullptr);
 
 // The migration of every MoE layer between two generations over the same layers: one plan per
 // layer on the layers' slot tables (their own in per-layer generations, else the shared one),
@@ -71,7 +76,8 @@ struct LayeredMigrationPlan {
 // FAILED_PRECONDITION when the generations serve different layers (a new checkpoint: every
 // slot loads from it).
 absl::StatusOr<LayeredMigrationPlan> PlanLayeredMigration(const PlacementManifest& from, const PlacementManifest& to,
-                                                          const Topology& topology, int64_t expert_bytes);
+                                                          const Topology& topology, int64_t expert_bytes,
+                                                          const ProcessGroup* sources = nullptr);
 
 }  // namespace moe
 

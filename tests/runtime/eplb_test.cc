@@ -208,5 +208,37 @@ TEST(MigrationTest, IncompatibleCopiesAreNotRetainedAndMissingExpertsLoad) {
   EXPECT_EQ(plan.retired_copies, 1);
 }
 
+// A rebound placement keeps the slots of a lost rank (PlacementManifest::Rebound), but that rank
+// serves no copies: given the group, the planner copies from a member instead. v17 plus a copy
+// of E1 on rank 0: E1's holders are q2 on rank 1 (rank 0's node) and q3 on rank 2 (the other
+// node); with rank 1 lost the copy comes from rank 2, across nodes.
+TEST(MigrationTest, CopiesComeOnlyFromMembersOfTheGroup) {
+  Topology t = fixture::FourRankTwoNode();
+  auto from = fixture::V17(t);
+  auto slots = fixture::V17Slots();
+  slots.push_back(fixture::Slot(6, 1, 2, 0, 0));
+  auto to = *PlacementManifest::Create(fixture::Options(18), slots, t);
+  auto step_of_q6 = [](const MigrationPlan& plan) {
+    for (const MigrationStep& s : plan.steps) {
+      if (s.target_slot == PhysicalSlotId(6)) return s;
+    }
+    ADD_FAILURE() << "no step for q6";
+    return MigrationStep{};
+  };
+  const MigrationStep all = step_of_q6(*PlanMigration(*from, *to, t, 36));
+  EXPECT_EQ(all.action, MigrationAction::kSameNodeCopy);
+  EXPECT_EQ(all.source_rank, Rank(1));
+  const ProcessGroup without1 =
+      *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), {Rank(0), Rank(2), Rank(3)});
+  const MigrationStep members = step_of_q6(*PlanMigration(*from, *to, t, 36, &without1));
+  EXPECT_EQ(members.action, MigrationAction::kCrossNodeCopy);
+  EXPECT_EQ(members.source_rank, Rank(2));
+  EXPECT_EQ(members.source_slot, PhysicalSlotId(3));
+  // With E1's other holder lost too, it loads from the checkpoint.
+  const ProcessGroup only0and3 =
+      *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(14), {Rank(0), Rank(3)});
+  EXPECT_EQ(step_of_q6(*PlanMigration(*from, *to, t, 36, &only0and3)).action, MigrationAction::kCheckpointLoad);
+}
+
 }  // namespace
 }  // namespace moe
