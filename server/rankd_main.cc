@@ -469,7 +469,12 @@ class DataPlane {
     }
     ASSIGN_OR_RETURN(Topology topology, Topology::FromNodeNames(view.node_of_rank));
     std::vector<Rank> ranks;
-    for (int32_t r : view.peers) ranks.push_back(Rank(r));
+    for (int32_t r : view.peers) {
+      if (r < 0 || r >= o_.world) {
+        return absl::InvalidArgumentError(absl::StrCat("epoch: member rank ", r, " outside [0, ", o_.world, ")"));
+      }
+      ranks.push_back(Rank(r));
+    }
     ASSIGN_OR_RETURN(ProcessGroup group,
                      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(view.epoch), ranks));
     if (o_.transport == "nccl") {

@@ -98,6 +98,11 @@ absl::StatusOr<ProcessGroup> ProcessGroup::Create(ProcessGroupId id, ProcessGrou
     if (r.value() < 0) {
       return absl::InvalidArgumentError(absl::StrCat("process_group.peers: negative rank ", r.value()));
     }
+    if (r.value() > ProcessGroup::kMaxGroupRank) {
+      // The rank -> slot table is sized by the largest rank.
+      return absl::InvalidArgumentError(absl::StrCat("process_group.peers: rank ", r.value(),
+                                                     " above the largest group rank ", ProcessGroup::kMaxGroupRank));
+    }
     max_rank = std::max(max_rank, r.value());
   }
   g.slot_of_.assign(max_rank + 1, -1);

@@ -58,7 +58,10 @@ class Topology {
 
 class ProcessGroup {
  public:
-  // `peers[i]` is the global rank stored at peer slot i. Ranks must be distinct and >= 0.
+  // The largest global rank a group may hold (the controller forms worlds of at most 4096).
+  static constexpr int kMaxGroupRank = 65535;
+  // `peers[i]` is the global rank stored at peer slot i. Ranks must be distinct and in
+  // [0, kMaxGroupRank].
   static absl::StatusOr<ProcessGroup> Create(ProcessGroupId id, ProcessGroupEpoch epoch, std::vector<Rank> peers);
   // Identity peer order over ranks 0..n-1.
   static ProcessGroup Identity(ProcessGroupId id, ProcessGroupEpoch epoch, int n);

@@ -45,6 +45,18 @@ TEST(TopologyTest, FromNodeNamesGroupsRanksByTheirHosts) {
   EXPECT_THAT(std::string(empty.status().message()), HasSubstr("topology.ranks[1].node"));
 }
 
+// A group's rank -> slot table is sized by its largest rank: one past kMaxGroupRank is refused
+// naming the field, not a table of gigabytes.
+TEST(TopologyTest, AGroupRankPastTheLimitIsRefused) {
+  auto huge = ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1), {Rank(0), Rank(2147483647)});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("process_group.peers: rank 2147483647"));
+  auto largest = ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(1),
+                                      {Rank(0), Rank(ProcessGroup::kMaxGroupRank)});
+  ASSERT_TRUE(largest.ok()) << largest.status();
+  EXPECT_TRUE(largest->Contains(Rank(ProcessGroup::kMaxGroupRank)));
+}
+
 // A new epoch rebinds a generation (PlacementManifest::Rebound): the epoch and every slot's node
 // follow the group; slots on a lost rank stay while each expert keeps a copy on a member, and an
 // expert left without one refuses the epoch, naming it.
