@@ -247,6 +247,18 @@ absl::StatusOr<ClusterPlan> PlanCluster(const FrozenHandoff& handoff, absl::Span
     return absl::FailedPreconditionError(absl::StrCat("process group ", g.id().value(), " has ", g.size(),
                                                       " peers but the topology has ", p_count, " ranks"));
   }
+  if (h.num_partitions != p_count) {
+    // Partition i is rank i's input; a rank with no rows keeps its (empty) partition (0x03A1).
+    return absl::FailedPreconditionError(
+        absl::StrCat("handoff names ", h.num_partitions, " partitions, the topology has ", p_count, " ranks"));
+  }
+  for (int r = 0; r < p_count; ++r) {
+    if (!g.Contains(Rank(r))) {
+      // 0x07G: the group's ranks are the topology's.
+      return absl::FailedPreconditionError(
+          absl::StrCat("process group ", g.id().value(), " does not hold rank ", r, " of the topology"));
+    }
+  }
   for (int s = 0; s < p_count; ++s) {
     RETURN_IF_ERROR(PlanSource(layout, source_slots[s], &plan.source[s]));
     for (size_t i = 0; i < plan.source_routes[s].size(); ++i) {

@@ -145,6 +145,35 @@ TEST(RoutePlanTest, RejectsLayoutForAnotherProcessGroupEpoch) {
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// 0x07G: the group's ranks are the topology's, and 0x03A1: every rank keeps its partition (empty
+// or not). A group of the right size holding a rank the topology lacks, and a handoff of fewer
+// partitions than ranks, are refused before planning reads past either.
+TEST(RoutePlanTest, RejectsAGroupOtherThanTheTopologysRanksAndMissingPartitions) {
+  Fixture f;
+  auto stranger =
+      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), {Rank(0), Rank(1), Rank(2), Rank(7)});
+  ASSERT_TRUE(stranger.ok()) << stranger.status();
+  auto layout = PlanLayout::Create(f.manifest, *stranger);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  {
+    SemanticHandoff no_rank3 = fixture::EightRoutes();
+    no_rank3.admitted[4] = false;  // r04, the one route to rank 3 (q5): no route names it
+    auto frozen = Freeze(no_rank3);
+    ASSERT_TRUE(frozen.ok()) << frozen.status();
+    auto plan = PlanCluster(*frozen, f.slots, *layout, f.topology);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(plan.status().message()), ::testing::HasSubstr("does not hold rank 3"));
+  }
+  SemanticHandoff two = fixture::EightRoutes();
+  two.num_partitions = 2;  // the routes name partitions 0 and 1 only
+  auto frozen = Freeze(two);
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  auto identity = PlanLayout::Create(f.manifest, fixture::IdentityGroup());
+  auto plan = PlanCluster(*frozen, f.slots, *identity, f.topology);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(plan.status().message()), ::testing::HasSubstr("2 partitions, the topology has 4 ranks"));
+}
+
 TEST(RoutePlanTest, DestinationRejectsRowsForForeignSlots) {
   Fixture f;
   auto layout = PlanLayout::Create(f.manifest, fixture::IdentityGroup());
