@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <system_error>
 #include <thread>
 
@@ -18,10 +19,13 @@ namespace {
 
 // Value `i` of the rows is not finite: named `hidden.data[i]` for rows sent inline, and by its
 // place among the values read for a shared-region reference (`hidden_region`), which has no data.
-absl::Status NotFinite(const char* field, int64_t i) {
+absl::Status NotFinite(const char* field, int64_t i, absl::string_view why = "") {
   const absl::string_view f(field);
-  if (absl::EndsWith(f, "_region")) return absl::InvalidArgumentError(absl::StrCat(f, ": value ", i, " is not finite"));
-  return absl::InvalidArgumentError(absl::StrCat(f, ".data[", i, "]: not finite"));
+  const std::string tail = why.empty() ? "" : absl::StrCat(" (", why, ")");
+  if (absl::EndsWith(f, "_region")) {
+    return absl::InvalidArgumentError(absl::StrCat(f, ": value ", i, " is not finite", tail));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(f, ".data[", i, "]: not finite", tail));
 }
 
 float HalfToFloat(uint16_t h) {
@@ -105,7 +109,10 @@ absl::Status Convert(const v1::Tensor& t, const char* p, const char* field, std:
       std::memcpy(&v, p + 4 * i, 4);
     }
     if (!std::isfinite(v)) return NotFinite(field, i);
-    (*out)[i] = kernels::FloatToBf16(v);
+    const uint16_t b = kernels::FloatToBf16(v);
+    // A finite FP32 value at or above ~3.3961e38 rounds to BF16 infinity.
+    if ((b & 0x7f80) == 0x7f80) return NotFinite(field, i, "after rounding to BF16");
+    (*out)[i] = b;
   }
   return absl::OkStatus();
 }

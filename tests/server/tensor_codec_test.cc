@@ -83,6 +83,16 @@ TEST(TensorCodecTest, LengthAndFinitenessErrorsNameTheField) {
   bad = DecodeToBf16(t, "hidden");
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("hidden.data[4]: not finite"));
+  // A finite FP32 value too large for BF16 would round to infinity: refused the same way.
+  t.set_dtype(v1::DTYPE_FP32);
+  t.set_rows(1);
+  t.set_cols(2);
+  const float big[2] = {1.0f, 3.4e38f};
+  t.set_data(std::string(reinterpret_cast<const char*>(big), sizeof(big)));
+  bad = DecodeToBf16(t, "hidden");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("hidden.data[1]: not finite (after rounding"));
 }
 
 // BF16 rows on the wire are read in place; other dtypes, or BF16 bytes at an odd address, are
