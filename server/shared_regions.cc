@@ -65,7 +65,22 @@ absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, st
   if (bytes > static_cast<uint64_t>(INT64_MAX)) return absl::InvalidArgumentError("bytes: too large");
   const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0) {
-    return absl::NotFoundError(absl::StrCat("name: shm_open('", name, "') failed: ", std::strerror(errno)));
+    const int e = errno;
+    const std::string why = absl::StrCat("name: shm_open('", name, "') failed: ", std::strerror(e));
+    switch (e) {
+      case ENOENT:
+        return absl::NotFoundError(why);
+      case EACCES:
+      case EPERM:
+        return absl::PermissionDeniedError(why);
+      case ELOOP:
+        return absl::InvalidArgumentError(absl::StrCat(why, " (a symbolic link is not a region)"));
+      case EMFILE:
+      case ENFILE:
+        return absl::ResourceExhaustedError(why);
+      default:
+        return absl::UnavailableError(why);
+    }
   }
   auto region = std::make_shared<Region>();
   region->fd = fd;

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <string>
 
@@ -46,6 +47,21 @@ TEST_F(SharedRegionsTest, OnlyAnEngineWithCredentialsRegistersItsOwnObject) {
   EXPECT_EQ(regions_.size(), 0);
   EXPECT_TRUE(regions_.Register(name_, kBytes, me_).ok());
   EXPECT_EQ(regions_.size(), 1);
+}
+
+// Why a name could not be opened decides the code: no such object is NOT_FOUND, a symbolic link
+// (refused with O_NOFOLLOW) INVALID_ARGUMENT, naming the field either way.
+TEST_F(SharedRegionsTest, AnUnopenableNameIsAnsweredByWhy) {
+  absl::Status s = regions_.Register(name_ + "-missing", kBytes, me_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_THAT(s.message(), HasSubstr("name: shm_open"));
+  const std::string link = name_ + "-link";
+  ASSERT_EQ(symlink(("/dev/shm" + name_).c_str(), ("/dev/shm" + link).c_str()), 0) << std::strerror(errno);
+  s = regions_.Register(link, kBytes, me_);
+  unlink(("/dev/shm" + link).c_str());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("symbolic link"));
+  EXPECT_EQ(regions_.size(), 0);
 }
 
 TEST_F(SharedRegionsTest, AnotherCallerCanNeitherReadWriteNorDropTheRegion) {
