@@ -138,6 +138,15 @@ ShmStepChannel::Ring* ShmStepChannel::ring(int from, int to) const {
 }
 
 absl::Status ShmStepChannel::Send(int peer, const StepGatherHeader& header, const void* payload, int64_t bytes) {
+  return SendOnRing(peer, header, payload, bytes, kSendWait);
+}
+
+absl::Status ShmStepChannel::SendWithoutWaiting(int peer, const StepGatherHeader& header) {
+  return SendOnRing(peer, header, nullptr, 0, absl::ZeroDuration());
+}
+
+absl::Status ShmStepChannel::SendOnRing(int peer, const StepGatherHeader& header, const void* payload, int64_t bytes,
+                                        absl::Duration wait) {
   if (peer < 0 || peer >= size_ || peer == me_) {
     return absl::InvalidArgumentError(absl::StrCat("shm agreement: peer slot ", peer));
   }
@@ -149,11 +158,11 @@ absl::Status ShmStepChannel::Send(int peer, const StepGatherHeader& header, cons
   Ring* r = ring(me_, peer);
   const uint64_t head = r->head.load(std::memory_order_relaxed);  // only this member writes it
   if (head + need - r->tail.load(std::memory_order_acquire) > static_cast<uint64_t>(kRingBytes)) {
-    const absl::Time deadline = absl::Now() + kSendWait;
+    const absl::Time deadline = absl::Now() + wait;
     while (head + need - r->tail.load(std::memory_order_acquire) > static_cast<uint64_t>(kRingBytes)) {
-      if (absl::Now() > deadline) {
-        return absl::UnavailableError(absl::StrCat(
-            "shm agreement: peer slot ", peer, " has not taken its messages for ", absl::FormatDuration(kSendWait)));
+      if (absl::Now() >= deadline) {
+        return absl::UnavailableError(absl::StrCat("shm agreement: peer slot ", peer,
+                                                   " has not taken its messages for ", absl::FormatDuration(wait)));
       }
       std::this_thread::yield();
     }

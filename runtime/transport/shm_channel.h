@@ -42,6 +42,8 @@ class ShmStepChannel final : public StepGatherChannel {
 
   // UNAVAILABLE when the peer has not taken older messages for a while (a dead peer's full ring).
   absl::Status Send(int peer, const StepGatherHeader& header, const void* payload, int64_t bytes) override;
+  // UNAVAILABLE at once when the peer's ring is full.
+  absl::Status SendWithoutWaiting(int peer, const StepGatherHeader& header) override;
   absl::StatusOr<bool> Poll(int peer, StepGatherHeader* header, void* payload, int64_t capacity,
                             int64_t* bytes) override;
   void Idle() override;
@@ -57,6 +59,8 @@ class ShmStepChannel final : public StepGatherChannel {
   static size_t SegmentBytes(int size);
   ShmStepChannel(void* base, size_t bytes, int me, int size) : base_(base), bytes_(bytes), me_(me), size_(size) {}
   Ring* ring(int from, int to) const;
+  absl::Status SendOnRing(int peer, const StepGatherHeader& header, const void* payload, int64_t bytes,
+                          absl::Duration wait);
 
   void* base_;
   size_t bytes_;

@@ -21,7 +21,7 @@ void Leave(StepGatherChannel& ch, int me, int size, uint64_t step, std::optional
   h.mismatch = mismatch.has_value() ? 1 : 0;
   h.mismatch_step = mismatch.value_or(0);
   for (int i = 0; i < size; ++i) {
-    if (i != me) ch.Send(i, h, nullptr, 0).IgnoreError();  // a failed peer is reported by the next call
+    if (i != me) ch.SendWithoutWaiting(i, h).IgnoreError();  // a failed peer is reported by the next call
   }
 }
 

@@ -45,6 +45,11 @@ class StepGatherChannel {
   virtual ~StepGatherChannel() = default;
   // Sends header + payload to `peer` (fire and forget; ordered after earlier sends to it).
   virtual absl::Status Send(int peer, const StepGatherHeader& header, const void* payload, int64_t bytes) = 0;
+  // A message without payload (a LEFT) sent only if it can go at once: a peer that stopped
+  // taking its messages must not hold a member that is giving a step up. Send by default.
+  virtual absl::Status SendWithoutWaiting(int peer, const StepGatherHeader& header) {
+    return Send(peer, header, nullptr, 0);
+  }
   // Takes the next message from `peer` when one has arrived: true and the header, with up to
   // `capacity` payload bytes copied to `payload` and their count in `*bytes`. False when none.
   virtual absl::StatusOr<bool> Poll(int peer, StepGatherHeader* header, void* payload, int64_t capacity,

@@ -161,6 +161,34 @@ TEST(ShmStepChannelTest, ACorruptLengthFromAPeerIsDataLoss) {
   ShmStepChannel::Unlink(name);
 }
 
+// A member giving a step up tells its peers at once, without waiting on one whose ring is full
+// (it stopped taking its messages): the LEFT is dropped for that peer instead of holding the
+// member for the channel's send wait (1 s) per such peer.
+TEST(ShmStepChannelTest, GivingAStepUpDoesNotWaitOnAFullRing) {
+  const std::string name = SegmentName("full");
+  auto me = ShmStepChannel::Create(name, 2);
+  ASSERT_TRUE(me.ok()) << me.status();
+  auto peer = ShmStepChannel::Open(name, 1, 2, absl::Seconds(5));  // opened, never polled
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  StepGatherHeader h;
+  h.type = StepGatherHeader::kRecord;
+  std::vector<char> record(kMaxStepGatherRecordBytes - 64);
+  int sent = 0;
+  for (; sent < 16; ++sent) {
+    h.step = sent;
+    if (!(*me)->SendWithoutWaiting(1, h).ok()) break;  // header-only messages until one does not fit
+    if (!(*me)->Send(1, h, record.data(), static_cast<int64_t>(record.size())).ok()) break;
+  }
+  ASSERT_LT(sent, 16) << "the ring never filled";
+  while ((*me)->SendWithoutWaiting(1, h).ok()) {
+  }
+  const absl::Time start = absl::Now();
+  AbandonStepGather(**me, 0, 2, 99);
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500)) << "waited on the full ring";
+  EXPECT_EQ((*me)->SendWithoutWaiting(1, h).code(), absl::StatusCode::kUnavailable);
+  ShmStepChannel::Unlink(name);
+}
+
 TEST(ShmStepChannelTest, SegmentsThatDoNotFitAreRefused) {
   const std::string name = SegmentName("refused");
   auto created = ShmStepChannel::Create(name, 2);
