@@ -4,9 +4,11 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -25,6 +27,9 @@ namespace {
 constexpr absl::Duration kClaimWindow = absl::Seconds(10);
 // A claim's 24 bytes, once connected (the client sends them at once, in one write).
 constexpr absl::Duration kClaimMessageDeadline = absl::Milliseconds(500);
+// Claims read at once (each a connection of a uid that owns an unclaimed ring), per uid and in all.
+constexpr int kMaxPendingClaimsPerUid = 16;
+constexpr int kMaxPendingClaims = 256;
 constexpr int64_t kSleepNs = 100'000'000;  // a sleeping ring thread re-checks its ring every 100 ms
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
@@ -250,56 +255,91 @@ void StepRings::Reap(bool all) {
 }
 
 void StepRings::ClaimLoop() {
+  // Claims in progress, each with its own deadline, read as their bytes arrive: a caller holding
+  // connections open (or trickling bytes) delays no one else's claim.
+  struct Pending {
+    int conn;
+    uid_t uid;
+    char msg[24];
+    size_t got;
+    absl::Time deadline;
+  };
+  std::vector<Pending> pending;
+  auto refuse = [](int conn) {
+    ring::SendReply(conn, 'N', -1);
+    close(conn);
+  };
   while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    const int n = poll(fds, 2, 1000);
-    if (n < 0 && errno != EINTR) return;
-    if (fds[1].revents != 0) return;
+    std::vector<pollfd> fds = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    absl::Time next = absl::Now() + absl::Seconds(1);
+    for (const Pending& c : pending) {
+      fds.push_back({c.conn, POLLIN, 0});
+      next = std::min(next, c.deadline);
+    }
+    const int64_t wait_ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(next - absl::Now()) + 1);
+    const int n = poll(fds.data(), fds.size(), static_cast<int>(wait_ms));
+    if (n < 0 && errno != EINTR) break;
+    if (fds[1].revents != 0) break;
     Reap(/*all=*/false);
+    const absl::Time now = absl::Now();
+    std::vector<Pending> still;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& c = pending[i];
+      bool failed = false;
+      if (n > 0 && fds[2 + i].revents != 0) {
+        const ssize_t got = recv(c.conn, c.msg + c.got, sizeof(c.msg) - c.got, MSG_DONTWAIT);
+        if (got > 0) {
+          c.got += static_cast<size_t>(got);
+        } else if (got == 0 || (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
+          failed = true;
+        }
+      }
+      if (c.got == sizeof(c.msg)) {
+        Claim(c.conn, c.uid, c.msg);
+      } else if (failed || now >= c.deadline) {
+        refuse(c.conn);
+      } else {
+        still.push_back(c);
+      }
+    }
+    pending = std::move(still);
     if (n <= 0 || (fds[0].revents & POLLIN) == 0) continue;
     const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn >= 0) Claim(conn);
+    if (conn < 0) continue;
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    bool expected = getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
+    if (expected) {
+      absl::MutexLock lock(&mu_);
+      expected = false;
+      for (const auto& [id, ring] : rings_) expected = expected || (ring->conn < 0 && ring->owner == cred.uid);
+    }
+    // A caller that owns no unclaimed ring is answered before anything is read; the claims in
+    // progress are bounded per uid, so that one uid's open connections leave room for another's.
+    int of_uid = 0;
+    for (const Pending& c : pending) of_uid += c.uid == cred.uid ? 1 : 0;
+    if (!expected || of_uid >= kMaxPendingClaimsPerUid || static_cast<int>(pending.size()) >= kMaxPendingClaims) {
+      refuse(conn);
+      continue;
+    }
+    timeval tv{2, 0};
+    setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    pending.push_back(Pending{conn, cred.uid, {}, 0, absl::Now() + kClaimMessageDeadline});
   }
+  for (const Pending& c : pending) close(c.conn);
 }
 
-// One claim: [ring id, 8 bytes][ticket, 16 bytes] from a process of the ring's owner uid gets
-// one byte 'K' with the memfd attached; anything else gets 'N' and the connection closed.
-// The socket is open to every local user and claims are taken one at a time, so a caller that
-// owns no unclaimed ring is answered before anything is read, and the rest get one deadline for
-// the whole message: a peer trickling bytes cannot hold the claims of others.
-void StepRings::Claim(int conn) {
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  bool expected = getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
-  if (expected) {
-    absl::MutexLock lock(&mu_);
-    expected = false;
-    for (const auto& [id, ring] : rings_) expected = expected || (ring->conn < 0 && ring->owner == cred.uid);
-  }
-  timeval tv{2, 0};
-  setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  char msg[24];
-  size_t got = 0;
-  const absl::Time deadline = absl::Now() + kClaimMessageDeadline;
-  while (expected && got < sizeof(msg)) {
-    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    if (left_ms <= 0) break;
-    pollfd in{conn, POLLIN, 0};
-    const int ready = poll(&in, 1, static_cast<int>(left_ms));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) break;
-    const ssize_t n = recv(conn, msg + got, sizeof(msg) - got, MSG_DONTWAIT);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-    if (n <= 0) break;
-    got += static_cast<size_t>(n);
-  }
+// One claim whose message arrived whole: [ring id, 8 bytes][ticket, 16 bytes] from a process of
+// the ring's owner uid gets one byte 'K' with the memfd attached; anything else gets 'N' and the
+// connection closed.
+void StepRings::Claim(int conn, uid_t uid, const char* msg) {
   std::shared_ptr<Ring> r;
-  if (expected && got == sizeof(msg)) {
+  {
     uint64_t id = 0;
     std::memcpy(&id, msg, 8);
     absl::MutexLock lock(&mu_);
     auto it = rings_.find(id);
-    if (it != rings_.end() && it->second->conn < 0 && it->second->owner == cred.uid &&
+    if (it != rings_.end() && it->second->conn < 0 && it->second->owner == uid &&
         SameTicket(it->second->ticket, msg + 8, 16)) {
       r = it->second;
       r->conn = conn;

@@ -113,7 +113,7 @@ class StepRings {
   struct Ring;
   StepRings(StepRingsOptions options, RingServe serve, RingAfter after, int listen_fd);
   void ClaimLoop();
-  void Claim(int conn);
+  void Claim(int conn, uid_t uid, const char* msg);
   void Serve(Ring* ring);
   void Reap(bool all);
 

@@ -727,8 +727,8 @@ TEST_F(RingTest, OverrunningTheSlotsClosesTheRing) {
 
 // The claim: only with the ticket, once, from the opener's uid; the memfd cannot be resized; an
 // engine that goes away takes its ring with it; rings are capped; TCP callers get none.
-// The claim socket is open to every local user and takes claims one at a time: a peer that
-// trickles its 24 bytes is cut off at the claim's deadline (it once held the socket for 2 s a
+// The claim socket is open to every local user: a peer that trickles its 24 bytes is cut off at
+// the claim's deadline (it once held the socket for 2 s a
 // byte), and the ring's own engine claims the ring afterwards.
 TEST_F(RingTest, ATricklingClaimIsCutOffAndTheRingStaysClaimable) {
   v1::OpenStepRingRequest req;
@@ -779,6 +779,55 @@ TEST_F(RingTest, ATricklingClaimIsCutOffAndTheRingStaysClaimable) {
   EXPECT_EQ(reply, 'K');
   EXPECT_GE(got, 0);
   if (got >= 0) close(got);
+  close(conn);
+}
+
+// Claims are read as their bytes arrive, each with its own deadline: connections that send
+// nothing (twelve here, 500 ms each when claims were taken one at a time: 6 s) do not hold the
+// claim of an engine that sends its message at once.
+TEST_F(RingTest, SilentConnectionsDoNotDelayAClaim) {
+  v1::OpenStepRingRequest req;
+  req.set_slots(1);
+  req.set_max_tokens(8);
+  req.set_d(kD);
+  req.set_k(kK);
+  v1::OpenStepRingResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->OpenStepRing(&ctx, req, &opened).ok());
+  }
+  auto connect_claim = [&] {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, opened.socket_path().c_str(), sizeof(addr.sun_path) - 1);
+    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+    return fd;
+  };
+  std::vector<int> silent;
+  for (int i = 0; i < 12; ++i) silent.push_back(connect_claim());
+  absl::SleepFor(absl::Milliseconds(50));  // accepted before the claim below
+  const absl::Time start = absl::Now();
+  const int conn = connect_claim();
+  char msg[24];
+  const uint64_t id = opened.ring_id();
+  std::memcpy(msg, &id, 8);
+  std::memcpy(msg + 8, opened.ticket().data(), 16);
+  ASSERT_EQ(send(conn, msg, sizeof(msg), MSG_NOSIGNAL), 24);
+  char reply = 0;
+  int got = -1;
+  ASSERT_TRUE(ring::ReceiveReply(conn, &reply, &got));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(reply, 'K');
+  if (got >= 0) close(got);
+  EXPECT_LT(took, absl::Seconds(3)) << "the claim waited behind the silent connections";
+  for (int fd : silent) {
+    pollfd in{fd, POLLIN, 0};
+    EXPECT_EQ(poll(&in, 1, 3000), 1) << "a silent connection was never answered";
+    EXPECT_TRUE(ring::ReceiveReply(fd, &reply, &got));
+    EXPECT_EQ(reply, 'N');
+    close(fd);
+  }
   close(conn);
 }
 
