@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -28,11 +29,23 @@ absl::Status CheckInputs(const SemanticHandoff& routes, const PartitionRows& hid
     return absl::InvalidArgumentError(
         absl::StrCat("expert_scale: ", expert_scale.size(), " values for ", routes.num_experts, " experts"));
   }
+  std::vector<int64_t> per_partition(hidden.size(), 0);
   for (int32_t r = 0; r < routes.size(); ++r) {
     const int64_t tokens = hidden[routes.origin[r].value()].size() / d;
     if (routes.token[r] >= tokens) {
       return absl::InvalidArgumentError(absl::StrCat("routes[", r, "].token: ", routes.token[r], " but partition ",
                                                      routes.origin[r].value(), " has ", tokens, " rows"));
+    }
+    ++per_partition[routes.origin[r].value()];
+  }
+  // 0x0CD: accepted + dropped = T x top_k for each partition. With (p, t, j) unique and in range
+  // (SemanticHandoff::Validate), the count proves every token has all of its k routes.
+  for (size_t p = 0; p < hidden.size(); ++p) {
+    const int64_t tokens = static_cast<int64_t>(hidden[p].size()) / d;
+    if (per_partition[p] != tokens * routes.top_k) {
+      return absl::InvalidArgumentError(absl::StrCat("routes: partition ", p, " has ", per_partition[p],
+                                                     " routes (accepted and dropped) for ", tokens, " tokens x top_k ",
+                                                     routes.top_k, " (0x0CD)"));
     }
   }
   return absl::OkStatus();

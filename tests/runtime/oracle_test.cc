@@ -67,6 +67,23 @@ TEST(OracleTest, PaddedCapacityBelowSegmentIsAnErrorNotADrop) {
   EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// 0x0CD: each partition carries T x top_k routes, accepted or dropped. A handoff missing one
+// (p1.t1's second route) would be computed as if the token had one expert less.
+TEST(OracleTest, AHandoffMissingARouteIsRefused) {
+  SemanticHandoff h = fixture::EightRoutes();
+  h.origin.pop_back();
+  h.token.pop_back();
+  h.route_slot.pop_back();
+  h.expert.pop_back();
+  h.gate.pop_back();
+  h.admitted.pop_back();
+  ASSERT_TRUE(h.Validate().ok());
+  auto out = SemanticOutputs(h, fixture::EightRouteHidden(), 3, fixture::TeachingScales());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(out.status().message()),
+              ::testing::HasSubstr("partition 1 has 3 routes (accepted and dropped) for 2 tokens x top_k 2"));
+}
+
 // Random routings under every selector and layout: the physical path equals the semantic one
 // (bitwise: both evaluate g * (s * h) in FP32), with dropped routes excluded from both.
 TEST(OracleTest, PhysicalEqualsSemanticOnRandomRoutings) {
