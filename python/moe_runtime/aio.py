@@ -13,7 +13,7 @@ from moe_runtime import errors
 from moe_runtime._proto import expert_layer_pb2_grpc as pb_grpc
 from moe_runtime.client import RECONNECT_GRACE_S, StepInput, StepRecord, StepResult, build_request
 from moe_runtime.group import GroupStepError, StepIds
-from moe_runtime.tensors import from_wire
+from moe_runtime.tensors import check_step_arrays, from_wire
 
 _MAX_MESSAGE = 1 << 30
 
@@ -86,11 +86,19 @@ class AsyncRankGroup:
         self.max_retries = max_retries
         self.step_ids = step_ids or StepIds()
         self.retried = 0
+        self._step_lock = asyncio.Lock()
 
     async def step(self, layer: int, inputs: Sequence[StepInput], *, decode: bool = False,
                    step_id: Optional[int] = None, timeout: Optional[float] = None) -> List[StepResult]:
         if len(inputs) != len(self.clients):
             raise ValueError(f"inputs: {len(inputs)} entries for {len(self.clients)} ranks")
+        for x in inputs:  # before any rank gets the step
+            check_step_arrays(x.hidden, x.topk_ids, x.topk_weights, x.admitted)
+        async with self._step_lock:  # one step at a time: every rank sees the steps in one order
+            return await self._step(layer, inputs, decode, step_id, timeout)
+
+    async def _step(self, layer: int, inputs: Sequence[StepInput], decode: bool, step_id: Optional[int],
+                    timeout: Optional[float]) -> List[StepResult]:
         sid = self.step_ids.next() if step_id is None else step_id
         for attempt in range(self.max_retries + 1):
             outcomes = await asyncio.gather(

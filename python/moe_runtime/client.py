@@ -230,10 +230,15 @@ class RankClient:
             ring = self._ring
             if ring is not None and ring.fits(hidden, topk_ids):
                 self._drain_ring(ring, timeout or self.timeout)
-                return ring.step(
-                    step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
-                    expected_generation=expected_generation, timeout=timeout or self.timeout, rank=self.rank,
-                )
+                if not ring.closed:
+                    return ring.step(
+                        step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
+                        expected_generation=expected_generation, timeout=timeout or self.timeout, rank=self.rank,
+                    )
+            if ring is not None and ring.closed:
+                # The rank closed the ring (its teardown, or an overrun): steps go through gRPC.
+                self._ring = None
+                ring.close()
         req, rows = build_request(
             step_id, layer, hidden, topk_ids, topk_weights, decode=decode, admitted=admitted,
             expected_generation=expected_generation,
@@ -252,7 +257,7 @@ class RankClient:
         outstanding: its answer is taken and dropped first, so that this step's wait returns this
         step's answer. Its own error, if any, was its caller's to see; still none within
         ``timeout``: DeadlineExceeded, and this step is not sent."""
-        while ring.outstanding:
+        while ring.outstanding and not ring.closed:
             try:
                 ring.wait(timeout, self.rank)
             except errors.DeadlineExceeded:
@@ -260,7 +265,7 @@ class RankClient:
                     f"step ring: an earlier step whose wait timed out is still unanswered after {timeout}s; "
                     "this step was not sent", rank=self.rank) from None
             except errors.MoeError:
-                pass
+                pass  # that step's own error (a closed ring ends the loop: nothing more is answered)
 
     def _await_connection(self) -> None:
         """After a step failed UNAVAILABLE (the rank may have restarted: a replacement on the same

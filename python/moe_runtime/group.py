@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Sequence
 
 from moe_runtime import errors
 from moe_runtime.client import RankClient, StepInput, StepResult
+from moe_runtime.tensors import check_step_arrays
 
 
 class StepIds:
@@ -56,6 +57,7 @@ class RankGroup:
         self.step_ids = step_ids or StepIds()
         self.retried = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.clients))
+        self._step_lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -80,9 +82,19 @@ class RankGroup:
     def step(self, layer: int, inputs: Sequence[StepInput], *, decode: bool = False,
              step_id: Optional[int] = None, timeout: Optional[float] = None) -> List[StepResult]:
         """One layer step: ``inputs[r]`` on rank r. Returns each rank's result, in rank order;
-        raises GroupStepError when a rank failed (after the retries of an all-ABORTED step)."""
+        raises GroupStepError when a rank failed (after the retries of an all-ABORTED step).
+        Every rank's share is checked (shapes, dtypes) before any rank gets the step, and steps
+        from several threads take turns (each with its retries), so every rank sees them in one
+        order."""
         if len(inputs) != self.size:
             raise ValueError(f"inputs: {len(inputs)} entries for {self.size} ranks")
+        for x in inputs:  # before any rank gets the step
+            check_step_arrays(x.hidden, x.topk_ids, x.topk_weights, x.admitted)
+        with self._step_lock:  # one step at a time: every rank sees the group's steps in one order
+            return self._step(layer, inputs, decode, step_id, timeout)
+
+    def _step(self, layer: int, inputs: Sequence[StepInput], decode: bool, step_id: Optional[int],
+              timeout: Optional[float]) -> List[StepResult]:
         sid = self.step_ids.next() if step_id is None else step_id
         for attempt in range(self.max_retries + 1):
             futures = [

@@ -72,12 +72,12 @@ class RankExperts(nn.Module):
             # Rings with device rows: the rows and routing stay on the GPU (each rank's share is
             # copied GPU to GPU into its ring's device slot).
             xh = x.detach().contiguous()
-            ih = ids.detach().to(torch.int32)
+            ih = ids.detach()  # ids past int32 are refused by the ring (never narrowed into range)
             wh = w.detach().float()
         else:
             # One host copy of the step's tensors; each rank gets a view of its rows.
             xh = x.detach().contiguous().cpu()
-            ih = ids.detach().to(torch.int32).cpu()
+            ih = ids.detach().cpu()  # narrowed to int32 by routing_arrays, which refuses ids past it
             wh = w.detach().float().cpu()
         inputs: List[StepInput] = [
             StepInput(xh[bounds[r] : bounds[r + 1]], ih[bounds[r] : bounds[r + 1]], wh[bounds[r] : bounds[r + 1]])

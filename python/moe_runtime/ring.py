@@ -258,6 +258,12 @@ class StepRing:
         DeadlineExceeded leaves its step outstanding: its answer is the next wait's)."""
         return self._n_submitted - self._n_waited
 
+    @property
+    def closed(self) -> bool:
+        """Whether the rank closed the ring (its teardown, or a step overrunning the slots): no
+        outstanding step will be answered, and no step can be submitted."""
+        return getattr(self, "_closed_word", None) is None or bool(self._closed_word.value)
+
     def fits(self, hidden: Any, topk_ids: Any) -> bool:
         """Whether a step can go through this ring: BF16 rows of this d, at most max_tokens rows
         and k routes (other dtypes would need a lossy cast; they go through gRPC). A ring with

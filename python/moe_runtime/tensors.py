@@ -125,6 +125,45 @@ _INT32 = np.dtype(np.int32)
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
+def check_step_arrays(hidden: Any, topk_ids: Any, topk_weights: Any, admitted: Any = None) -> None:
+    """What a step's send refuses in its arrays' shapes and dtypes (TypeError / ValueError naming
+    the field, as ``build_request`` and a ring's submit raise them), checked without converting or
+    copying the arrays: ``RankGroup`` checks every rank's share before it sends the step to any,
+    so that a bad share never leaves the other ranks waiting for a rank that never got it."""
+    if _is_torch(hidden):
+        shape = tuple(hidden.shape)
+        if len(shape) != 2:
+            raise ValueError(f"hidden: expected [tokens, d], got shape {shape}")
+        if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"hidden: torch dtype {hidden.dtype} (bfloat16, float16 or float32)")
+    else:
+        arr = np.asarray(hidden)
+        shape = arr.shape
+        if arr.ndim != 2:
+            raise ValueError(f"hidden: expected [tokens, d], got shape {shape}")
+        if arr.dtype not in _NP_WIRE:
+            raise TypeError(f"hidden: numpy dtype {arr.dtype} (uint16 BF16 bits, float16 or float32)")
+    tokens = shape[0]
+    if _is_torch(topk_ids):
+        ids_shape = tuple(topk_ids.shape)
+        integer = not (topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool)
+        ids_dtype = topk_ids.dtype
+    else:
+        ids = np.asarray(topk_ids)
+        ids_shape, integer, ids_dtype = ids.shape, ids.dtype.kind in "iu", ids.dtype
+    w_shape = tuple(topk_weights.shape) if _is_torch(topk_weights) else np.shape(topk_weights)
+    if len(ids_shape) != 2 or ids_shape[0] != tokens:
+        raise ValueError(f"topk_ids: expected [{tokens}, k], got shape {ids_shape}")
+    if tuple(w_shape) != tuple(ids_shape):
+        raise ValueError(f"topk_weights: shape {tuple(w_shape)} differs from topk_ids {tuple(ids_shape)}")
+    if not integer:
+        raise TypeError(f"topk_ids: integer dtype expected, got {ids_dtype}")
+    if admitted is not None:
+        a_shape = tuple(admitted.shape) if _is_torch(admitted) else np.shape(admitted)
+        if tuple(a_shape) != tuple(ids_shape):
+            raise ValueError(f"admitted: shape {tuple(a_shape)} differs from topk_ids {tuple(ids_shape)}")
+
+
 def admitted_bytes(admitted: Optional[Any], shape: Tuple[int, int]) -> bytes:
     if admitted is None:
         return b""

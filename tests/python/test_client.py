@@ -139,6 +139,72 @@ def test_bad_input_is_a_typed_error_on_its_rank_and_aborts_the_other(cluster):
             c.step(1, 0, h.astype(np.int64), ids, w)
 
 
+def test_a_bad_share_is_refused_before_any_rank_gets_the_step(cluster):
+    """A share the client refuses (float ids on rank 1) raises before rank 0 is sent the step:
+    rank 0 is not left waiting out its collective timeout, and the next step is served at once."""
+    import time
+
+    rng = np.random.default_rng(14)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        good = [StepInput(*random_step(rng, 3)) for _ in range(WORLD)]
+        bad = list(good)
+        bad[1] = StepInput(good[1].hidden, good[1].topk_ids.astype(np.float32), good[1].topk_weights)
+        start = time.monotonic()
+        with pytest.raises(TypeError, match="topk_ids: integer dtype"):
+            group.step(0, bad)
+        # Sent to rank 0, the step would hold it for its 3 s collective timeout (--timeout_ms).
+        assert time.monotonic() - start < 2.0, "rank 0 was sent the refused step and waited for rank 1"
+        check_outputs(cluster, 0, good, group.step(0, good))
+
+
+def test_steps_from_several_threads_take_turns(cluster):
+    """Steps issued on one group from two threads reach every rank in one order: none aborts."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(15)
+    inputs = [[StepInput(*random_step(rng, 2)) for _ in range(WORLD)] for _ in range(2)]
+    with RankGroup(cluster.targets, timeout=30, max_retries=0) as group:
+        def run(i):
+            for _ in range(40):
+                check_outputs(cluster, 1, inputs[i], group.step(1, inputs[i]))
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(run, 0), pool.submit(run, 1)]:
+                f.result()
+        assert group.retried == 0
+
+
+def test_a_ring_the_rank_closed_hands_steps_back_to_grpc(cluster):
+    """When the rank closes a client's ring, the client drops it and the next steps go through
+    gRPC, even with a step left outstanding in it (its answer never comes), instead of failing
+    every step or spinning on the dead ring."""
+    import concurrent.futures
+
+    from moe_runtime._proto import expert_layer_pb2 as pb
+
+    rng = np.random.default_rng(16)
+    x0, x1 = random_step(rng, 3), random_step(rng, 2)
+    with RankGroup(cluster.targets, timeout=30) as group:
+        want = group.step(1, [StepInput(*x0), StepInput(*x1)])
+    c0, c1 = RankClient(cluster.targets[0], rank=0), RankClient(cluster.targets[1], rank=1)
+    try:
+        c0.use_ring(max_tokens=8, d=D, k=K, spin_us=200)
+        ring = c0._ring
+        ring._n_submitted += 1  # a step left outstanding, as a submit racing the close leaves it
+        ring._pending.append((None, 0.0))
+        c0._stub.CloseStepRing(pb.CloseStepRingRequest(ring_id=ring.id), timeout=10)
+        assert ring.closed
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for step_id in (660001, 660002):
+                other = pool.submit(c1.step, step_id, 1, *x1)
+                got = c0.step(step_id, 1, *x0)
+                other.result(timeout=20)
+                assert got.via == "grpc" and np.array_equal(got.output, want[0].output)
+        assert not c0.using_ring
+    finally:
+        c0.close()
+        c1.close()
+
+
 def test_bad_input_through_a_ring_is_a_typed_error_too(cluster):
     rng = np.random.default_rng(5)
     with RankGroup(cluster.targets, timeout=30) as group:
