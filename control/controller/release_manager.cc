@@ -213,6 +213,7 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
         "agents");
   }
   absl::MutexLock lock(&write_mu_);
+  RETURN_IF_ERROR(RefuseIdOfAnotherRequest(request_id));
   if (to == ReleaseState::kVerified) {
     // VERIFIED is the controller's own finding for a release with a bundle: its digest, every
     // expert re-read from the checkpoint, the placement's digests (control/bundle.h). A retry
@@ -267,6 +268,17 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
   return t;
 }
 
+absl::Status StoreReleaseManager::RefuseIdOfAnotherRequest(const std::string& request_id) const {
+  // A request id committed without transitions (a registration) names another request: refused
+  // before any rank is driven for this one (the store would refuse it only after).
+  ASSIGN_OR_RETURN(const std::vector<StoredTransition> recorded, store_->Recorded(request_id));
+  if (!recorded.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const bool known, store_->HasRequest(request_id));
+  if (known)
+    return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+  return absl::OkStatus();
+}
+
 absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, const std::string& release_id) {
   const std::string& id = release_id;
   const std::string blocked_id = absl::StrCat(request_id, "/blocked");
@@ -280,6 +292,9 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
   if (!recorded.empty()) return absl::OkStatus();  // a retry of a committed transition: the store answers it
   ASSIGN_OR_RETURN(std::vector<StoredTransition> blocked, store_->Recorded(blocked_id));
   if (!blocked.empty()) {  // a retry of a refused one: the same answer, the ranks re-driven
+    if (blocked.front().release_id != release_id) {
+      return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
+    }
     const absl::Status stopped = agents_->SetTrial(0, 0, 0);
     return refusal(blocked.front().reason,
                    stopped.ok() ? "trials stopped on every rank"
@@ -628,6 +643,7 @@ absl::StatusOr<ReleaseRecord> StoreReleaseManager::LoadPlacement(const std::stri
   if (!drives_ranks())
     return absl::FailedPreconditionError("no rank agents: start moe-controller with --ranks or --world");
   absl::MutexLock lock(&write_mu_);
+  RETURN_IF_ERROR(RefuseIdOfAnotherRequest(request_id));
   ASSIGN_OR_RETURN(std::vector<StoredTransition> applied, Replay(request_id, release_id, ReleaseState::kLoaded));
   if (applied.empty()) {
     RETURN_IF_ERROR(LoadNew(request_id, release_id, manifest, bundle));
@@ -687,8 +703,11 @@ absl::Status StoreReleaseManager::Reconcile() {
       if (!google::protobuf::util::JsonStringToMessage(r.placement_manifest, &proto).ok()) {
         return absl::DataLossError(absl::StrCat(r.release_id, ": stored placement manifest does not parse"));
       }
-      // Bound to the epoch now served; a no-op where the rank already holds it.
-      RETURN_IF_ERROR(agents_->Prepare(proto, nullptr, /*rebind=*/true));
+      // Bound to the epoch now served; a no-op where the rank already holds it. With the release
+      // bundle's runtime coordinates, as at its load (0x0CB): a rank restarted with another
+      // decode runner, precision, kernel build or node refuses the placement.
+      ASSIGN_OR_RETURN(const std::optional<StoredBundle> bundle, ReadStoredBundle(r.release_id));
+      RETURN_IF_ERROR(agents_->Prepare(proto, bundle.has_value() ? &bundle->runtime : nullptr, /*rebind=*/true));
     }
     RETURN_IF_ERROR(agents_->Activate(r.placement_version));
     spdlog::info("reconcile: every rank serves placement-v{} of {} again", r.placement_version, r.release_id);

@@ -132,6 +132,8 @@ class StoreReleaseManager final : public ReleaseManager {
   bool drives_ranks() const { return agents_ != nullptr && !agents_->empty(); }
   // SHADOW -> CANARY admission (under write_mu_): OK to go on; otherwise the refusal, with the
   // candidate committed DRAINING (request `<request_id>/blocked`) and trials stopped.
+  // ALREADY_EXISTS when `request_id` names a committed request of another kind (a registration).
+  absl::Status RefuseIdOfAnotherRequest(const std::string& request_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_);
   absl::Status AdmitCanary(const std::string& request_id, const std::string& release_id);
   // A retried Promote / Rollback / LoadPlacement: the transitions recorded under `request_id`
   // (empty when new); ALREADY_EXISTS if the id was used for a different request.

@@ -466,6 +466,11 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
   return out;
 }
 
+absl::StatusOr<bool> ReleaseStore::HasRequest(const std::string& request_id) const {
+  ASSIGN_OR_RETURN(const std::string fingerprint, RecordedFingerprint(db_, request_id));
+  return !fingerprint.empty();
+}
+
 absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Recorded(const std::string& request_id) const {
   Stmt q(db_,
          "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions "

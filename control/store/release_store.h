@@ -105,6 +105,9 @@ class ReleaseStore {
   // The transitions committed under `request_id` (empty when the id is new), for callers that
   // derive a batch from current state and must answer a retry with the recorded result.
   absl::StatusOr<std::vector<StoredTransition>> Recorded(const std::string& request_id) const;
+  // Whether `request_id` names a committed request of any kind (a registration records no
+  // transitions): a request of another kind under it is refused before anything is driven.
+  absl::StatusOr<bool> HasRequest(const std::string& request_id) const;
 
   absl::StatusOr<ReleaseRecord> Get(const std::string& release_id) const;
   absl::StatusOr<std::vector<ReleaseRecord>> List() const;

@@ -422,6 +422,7 @@ TEST_F(GateTest, ARefusedTransitionDrivesNoRank) {
   v1::GenerationCounters drift = Healthy(2);
   drift.set_shadow_mismatches(4);  // a CANARY of release-v2 is blocked
   for (auto& r : ranks_) r->SetCounters(drift);
+  RegisterVerified("release-v9");
   for (auto& r : ranks_) r->TakeCalls();
   const size_t before = History("").size();
 
@@ -437,6 +438,24 @@ TEST_F(GateTest, ARefusedTransitionDrivesNoRank) {
   for (auto& r : ranks_) {
     EXPECT_TRUE(r->TakeCalls().empty());
     EXPECT_EQ(r->Trial().version(), 2);  // release-v2's shadow trials still running
+  }
+  // A request id already used for a registration (no transitions recorded under it): refused
+  // before the ranks retire the generation, not after (the registry still said DRAINING).
+  s = transition("release-v2:register", "release-v1", v1::RELEASE_STATE_RETIRED, "done");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(s.error_message(), HasSubstr("was used for another request"));
+  {
+    v1::LoadPlacementRequest load;  // the same for a load: no rank prepares it
+    load.set_request_id("release-v2:register");
+    load.set_release_id("release-v9");
+    *load.mutable_manifest() = Manifest(9);
+    v1::Release rel;
+    s = stub_->LoadPlacement(Ctx().get(), load, &rel);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  }
+  for (auto& r : ranks_) {
+    EXPECT_TRUE(r->TakeCalls().empty());
+    EXPECT_EQ(r->Trial().version(), 2);
   }
   EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_DRAINING);
   EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_SHADOW);
@@ -499,6 +518,18 @@ TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
   EXPECT_EQ(History("").size(), before + 1);
   // The release ACTIVE before is untouched.
   EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+  // The refused request's id for another release's CANARY is another request: no rank is
+  // driven (its shadow trials go on) and nothing is answered as that release's refusal.
+  ToShadow("release-v4", 4);
+  for (auto& r : ranks_) r->TakeCalls();
+  s = Transition("release-v2:canary", "release-v4", v1::RELEASE_STATE_CANARY);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+  for (auto& r : ranks_) {
+    EXPECT_TRUE(r->TakeCalls().empty());
+    EXPECT_EQ(r->Trial().version(), 4);
+  }
+  EXPECT_EQ(Get("release-v4").state(), v1::RELEASE_STATE_SHADOW);
+  ASSERT_TRUE(Transition("release-v4:drain", "release-v4", v1::RELEASE_STATE_DRAINING).ok());
 
   // A candidate whose shadow outputs match goes on to CANARY (shadow and canary trials).
   ToShadow("release-v3", 3);
