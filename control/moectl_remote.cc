@@ -218,9 +218,9 @@ absl::Status RunDrain(const RemoteCall& call) {
                                                       ": it is ACTIVE (serving); leave ACTIVE through ",
                                                       "promote of another release or rollback"));
   }
-  if (rel.state() != v1::RELEASE_STATE_DRAINING) {
+  if (rel.state() == v1::RELEASE_STATE_SHADOW || rel.state() == v1::RELEASE_STATE_CANARY) {
     RETURN_IF_ERROR(DrainTransition(call, call.request_id, release, v1::RELEASE_STATE_DRAINING, reason));
-  }
+  }  // BUILT, VERIFIED and LOADED never served: they go to RETIRED at once
   const absl::Time deadline = absl::Now() + absl::Seconds(o.timeout_s > 0 ? o.timeout_s : 60);
   absl::Status last;
   while (true) {

@@ -98,10 +98,15 @@ wait "$watcher"
   echo "ok   watch streamed the 3 new transitions in order" || { echo "FAIL watch"; cat "$TMP/watch.jsonl"; fail=1; }
 check "drain refuses the serving release" 1 "ACTIVE" -- "$MOECTL" "${C[@]}" drain release-v18
 check "drain a shadowed candidate" 0 "DRAINING -> RETIRED" -- "$MOECTL" "${C[@]}" drain release-v20 --reason abandoned
+check "register v30" 0 "release-v30 BUILT" -- "$MOECTL" "${C[@]}" release register release-v30 --digest sha256:v30
+for s in VERIFIED LOADED; do
+  check "release-v30 -> $s" 0 "-> $s" -- "$MOECTL" "${C[@]}" release transition release-v30 "$s" --reason "step $s"
+done
+check "drain a loaded release that never served" 0 "LOADED -> RETIRED" -- "$MOECTL" "${C[@]}" drain release-v30
 check "watch rejects a negative seq" 2 "after" -- "$MOECTL" "${C[@]}" watch --after -1
 
 curl -sf "http://127.0.0.1:$(cat "$TMP/metrics.port")/metrics" >"$TMP/scrape.txt" || { echo "FAIL scrape"; fail=1; }
-grep -q 'moe_controller_releases{state="ACTIVE"} 1' "$TMP/scrape.txt" && grep -q 'moe_controller_releases{state="RETIRED"} 2' "$TMP/scrape.txt" \
+grep -q 'moe_controller_releases{state="ACTIVE"} 1' "$TMP/scrape.txt" && grep -q 'moe_controller_releases{state="RETIRED"} 3' "$TMP/scrape.txt" \
   && echo "ok   metrics show the registry" || { echo "FAIL metrics"; grep moe_controller "$TMP/scrape.txt"; fail=1; }
 if command -v promtool >/dev/null; then
   promtool check metrics <"$TMP/scrape.txt" && echo "ok   promtool check metrics" || { echo "FAIL promtool"; fail=1; }
