@@ -1039,10 +1039,10 @@ absl::Status LayerExecutor::AgreePhase(Pass& pass, int64_t* agreed_shadow) {
     slot_counts.assign(m.num_slots(), 0);
     for (PhysicalSlotId q : buf_.accepted_slots) ++slot_counts[q.value()];
   }
-  // This member's graph manifest (bucket, whether it captures graphs, runner): members that
-  // differ serve decode steps eagerly.
-  const uint64_t manifest =
-      GraphManifestWord(options_.decode_rank_tokens, options_.decode_slot_routes, graphs_, options_.decode_runner);
+  // This member's graph manifest (bucket, whether it captures graphs, runner) and the step's
+  // k and d: members that differ serve decode steps eagerly.
+  const uint64_t manifest = GraphManifestWord(options_.decode_rank_tokens, options_.decode_slot_routes, graphs_,
+                                              options_.decode_runner, in.k, in.d);
   StepHeader header{in.step_id,
                     in.layer,
                     pass.version.value(),

@@ -140,11 +140,14 @@ void AcceptRoutes(const SemanticHandoff& routes, absl::Span<const PhysicalSlotId
   }
 }
 
-uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner) {
+uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner, int64_t k,
+                           int64_t d) {
   uint64_t word = SplitMix64(static_cast<uint64_t>(rank_tokens));
   word = SplitMix64(word ^ static_cast<uint64_t>(slot_routes));
   word = SplitMix64(word ^ (graphs ? 1u : 0u));
-  return SplitMix64(word ^ static_cast<uint64_t>(runner));
+  word = SplitMix64(word ^ static_cast<uint64_t>(runner));
+  word = SplitMix64(word ^ static_cast<uint64_t>(k));
+  return SplitMix64(word ^ static_cast<uint64_t>(d));
 }
 
 void InverseOf(const SemanticHandoff& routes, absl::Span<const int32_t> accepted_ids, const SourcePlan& source,

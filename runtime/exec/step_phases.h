@@ -62,9 +62,12 @@ std::optional<std::vector<int32_t>> StaticSlotChoice(const PlacementManifest& m,
 void AcceptRoutes(const SemanticHandoff& routes, absl::Span<const PhysicalSlotId> slots, std::vector<int32_t>* ids,
                   std::vector<PhysicalSlotId>* accepted);
 
-// agree: a member's decode-graph manifest (bucket, whether it captures graphs, runner) as one
-// word of the step header; members whose words differ serve decode steps eagerly.
-uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner);
+// agree: a member's decode-graph manifest (bucket, whether it captures graphs, runner) and the
+// step's shape (k routes a token, d; a graph is captured per shape) as one word of the step
+// header; members whose words differ serve decode steps eagerly, so no member replays a graph
+// shaped for another k than its peers' (its collectives would disagree in size).
+uint64_t GraphManifestWord(int64_t rank_tokens, int64_t slot_routes, bool graphs, DecodeRunner runner, int64_t k,
+                           int64_t d);
 
 // dispatch: the origin token and gate of every send position (what the handle binds), into
 // *out (its vectors keep their memory).

@@ -820,6 +820,33 @@ TEST_F(Fp8OneMemberTest, DecodeStepsWithRoutingInKernelMemoryMatchTheHostPlan) {
 // A group whose members run the experts in different precisions aborts every step on every
 // member before payload moves, naming expert_dtype (a token's routes would otherwise get BF16 or
 // FP8 experts depending on where they land).
+// A decode step's graph is shaped by its k (routes a token), which each engine sends: members
+// whose k differ (an idle rank's [0, 1] routing beside [T, 2]) disagree in the graph-key word, so
+// every member serves the step eagerly (graph_key_mismatch) and the outputs are right, instead of
+// each capturing graphs of other collective sizes.
+TEST(LayerExecutorTest, MembersWhoseDecodeStepsDifferInKServeThemEagerly) {
+  Rank4 w;
+  std::mt19937 rng(21);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, r == 3 ? 0 : 1));
+  std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      LayerStepInput in = inputs[r].Step(1, 0, Phase::kDecode);
+      if (r == 3) in.k = 1;  // no tokens, routing of another width
+      results[r] = w.exec[r]->Execute(in);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+    EXPECT_FALSE(results[r]->record.graph_replay) << "rank " << r;
+    EXPECT_EQ(results[r]->record.fallback_reason, "graph_key_mismatch") << "rank " << r;
+    if (r < 3) EXPECT_LE(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r;
+  }
+}
+
 TEST(LayerExecutorTest, MembersWithDifferentExpertDtypesAbortTheStep) {
   Rank4 w(0, 0b0100, kD8, kFf8);
   std::mt19937 rng(3);

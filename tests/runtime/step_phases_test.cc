@@ -104,12 +104,15 @@ TEST(StepPhasesTest, AcceptKeepsAdmittedRoutesInSemanticOrder) {
 }
 
 TEST(StepPhasesTest, GraphManifestWordTellsEverySettingApart) {
+  const auto word = [](int64_t tokens, int64_t routes, bool graphs, DecodeRunner runner, int64_t k = 2,
+                       int64_t d = 64) { return GraphManifestWord(tokens, routes, graphs, runner, k, d); };
   std::set<uint64_t> words = {
-      GraphManifestWord(8, 16, true, DecodeRunner::kKernels), GraphManifestWord(4, 16, true, DecodeRunner::kKernels),
-      GraphManifestWord(8, 32, true, DecodeRunner::kKernels), GraphManifestWord(8, 16, false, DecodeRunner::kKernels),
-      GraphManifestWord(8, 16, true, DecodeRunner::kPadded)};
-  EXPECT_EQ(words.size(), 5u);
-  EXPECT_EQ(GraphManifestWord(8, 16, true, DecodeRunner::kAuto), GraphManifestWord(8, 16, true, DecodeRunner::kAuto));
+      word(8, 16, true, DecodeRunner::kKernels),        word(4, 16, true, DecodeRunner::kKernels),
+      word(8, 32, true, DecodeRunner::kKernels),        word(8, 16, false, DecodeRunner::kKernels),
+      word(8, 16, true, DecodeRunner::kPadded),         word(8, 16, true, DecodeRunner::kKernels, 1),
+      word(8, 16, true, DecodeRunner::kKernels, 2, 128)};
+  EXPECT_EQ(words.size(), 7u);
+  EXPECT_EQ(word(8, 16, true, DecodeRunner::kAuto), word(8, 16, true, DecodeRunner::kAuto));
 }
 
 // Three accepted routes sent in the order 2, 0, 1 (send_order), so route i sits at
