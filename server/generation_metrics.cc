@@ -28,6 +28,7 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
     add(steps, version, "kind", "canary", c.canary_steps);
     add(steps, version, "kind", "failed", c.failed_steps);
     add(steps, version, "kind", "aborted", c.aborted_steps);
+    add(steps, version, "kind", "rejected", c.rejected_steps);
     if (c.shadow_samples > 0) {
       add(shadow, version, "result", "match", c.shadow_samples - c.shadow_mismatches - c.shadow_failures);
       add(shadow, version, "result", "mismatch", c.shadow_mismatches);

@@ -557,15 +557,20 @@ std::map<int64_t, GenerationCounters> LayerExecutor::Counters() const {
   return counters_;
 }
 
-void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary) {
+void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary,
+                          bool input_refused) {
   if (!r.ok()) {
     // A failed step counts against the generation it would have run on. ABORTED is the ranks'
     // agreement refusing the step before any payload moved (another rank rejected its input,
     // proposed another generation while a trial or a switch reaches the ranks one by one, or was
-    // in another step): not a fault of that generation, and the engine retries it.
+    // in another step): not a fault of that generation, and the engine retries it. Neither is
+    // input this rank's checks refused: a canary step with a bad expert id would otherwise count
+    // against the candidate and block its promotion.
     const int64_t v = canary ? Trial().version : options_.registry->ActiveVersion();
     absl::MutexLock lock(&generations_mu_);
-    if (r.status().code() == absl::StatusCode::kAborted) {
+    if (input_refused) {
+      ++counters_[v].rejected_steps;
+    } else if (r.status().code() == absl::StatusCode::kAborted) {
       ++counters_[v].aborted_steps;
     } else {
       ++counters_[v].failed_steps;
@@ -636,9 +641,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput
       in.expected_generation < 0) {
     PassOptions po;
     po.trial_version = t.version;
-    auto r = RunPass(in, po, nullptr);
+    PassOutcome outcome;
+    auto r = RunPass(in, po, &outcome);
     if (r.ok()) r->record.canary = true;
-    Count(r, in, true);
+    Count(r, in, true, outcome.input_refused);
     return r;
   }
   PassOptions po;
@@ -646,11 +652,11 @@ absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput
     po.shadow_version = t.version;
     po.shadow_every = t.shadow_every;
   }
-  int64_t shadow = -1;
-  auto r = RunPass(in, po, &shadow);
-  Count(r, in, false);
-  if (shadow < 0) return r;
-  RunShadow(in, shadow, r);
+  PassOutcome outcome;
+  auto r = RunPass(in, po, &outcome);
+  Count(r, in, false, outcome.input_refused);
+  if (outcome.agreed_shadow < 0) return r;
+  RunShadow(in, outcome.agreed_shadow, r);
   return r;
 }
 
@@ -679,7 +685,8 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   PassOptions spo;
   spo.trial_version = shadow;
   spo.shadow_pass = true;
-  auto s = RunPass(sin, spo, nullptr);
+  PassOutcome shadow_outcome;
+  auto s = RunPass(sin, spo, &shadow_outcome);
   // Outputs of different sizes give NaN, which is a mismatch too.
   absl::Span<const uint16_t> served;
   RowBuffer device_rows;  // the served rows, when they are on the device
@@ -749,6 +756,8 @@ struct LayerExecutor::Pass {
   bool device_plan = false;                  // planned by the kernels (validate decides)
   bool lone_decode = false;                  // ... as a lone member's decode step (LoneDecodePhase)
   bool check_in_recording = false;           // LoneDecodeSteps starts the caller's input check (start_input_check)
+  bool input_refused = false;                // the engine's input failed its checks (PassOutcome)
+  bool load_pending = false;                 // buf_.step_load holds this pass's routes (StepLoad)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
   const void* hidden = nullptr;          // the engine's rows where the kernels read them
@@ -758,7 +767,7 @@ struct LayerExecutor::Pass {
 };
 
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
-                                                       int64_t* agreed_shadow) {
+                                                       PassOutcome* outcome) {
   Pass pass(in, po);
   {  // the last pass's agreement, records and byte splits, to refill
     absl::MutexLock lock(&generations_mu_);
@@ -805,7 +814,10 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   absl::Status before_agreement = ValidatePhase(pass);
   pass.check_in_recording = check_may_be_recorded && pass.lone_decode;
   if (check_may_be_recorded && !pass.check_in_recording) check_started = in.start_input_check(nullptr);
-  if (before_agreement.ok()) before_agreement = std::move(check_started);
+  if (before_agreement.ok() && !check_started.ok()) {
+    before_agreement = std::move(check_started);
+    pass.input_refused = true;
+  }
   if (before_agreement.ok()) before_agreement = StageRows(pass);
   if (before_agreement.ok()) before_agreement = AcquirePhase(pass);
   // A failed step answers its engine only once the staged rows' copy (or a kernel reading rows in
@@ -821,22 +833,28 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     // rejected once that work has settled, as any step refused before its agreement.
     before_agreement = LoneDecodePhase(pass);
     if (!before_agreement.ok()) {
+      outcome->input_refused = pass.input_refused;
       settled(absl::OkStatus()).IgnoreError();
       return Reject(in.step_id, in.layer, std::move(before_agreement));
     }
     RETURN_IF_ERROR(ReleasePhase(pass));
+    CommitLoad(pass);
     return std::move(pass.result);
   }
   if (before_agreement.ok()) before_agreement = PlanPhase(pass);
   if (in.await_input_check) {
     absl::Status checked = in.await_input_check();
-    if (before_agreement.ok()) before_agreement = std::move(checked);
+    if (before_agreement.ok() && !checked.ok()) {
+      before_agreement = std::move(checked);
+      pass.input_refused = true;
+    }
   }
   if (!before_agreement.ok()) {
+    outcome->input_refused = pass.input_refused;
     settled(absl::OkStatus()).IgnoreError();
     return Reject(in.step_id, in.layer, std::move(before_agreement));
   }
-  if (absl::Status s = AgreePhase(pass, agreed_shadow); !s.ok()) return settled(std::move(s));
+  if (absl::Status s = AgreePhase(pass, &outcome->agreed_shadow); !s.ok()) return settled(std::move(s));
   if (absl::Status s = DispatchPlanPhase(pass); !s.ok()) return settled(std::move(s));
   if (pass.result.record.graph_replay) {
     // Replay (admitted decode step): the bucket's captured graph does dispatch through combine.
@@ -849,7 +867,22 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
     return settled(std::move(s));
   }
   RETURN_IF_ERROR(ReleasePhase(pass));
+  CommitLoad(pass);
   return std::move(pass.result);
+}
+
+std::vector<int64_t>& LayerExecutor::StepLoad(Pass& pass) {
+  pass.load_pending = true;
+  buf_.step_load.assign(pass.num_experts, 0);
+  return buf_.step_load;
+}
+
+void LayerExecutor::CommitLoad(const Pass& pass) {
+  if (!pass.load_pending) return;
+  absl::MutexLock lock(&generations_mu_);
+  std::vector<int64_t>& load = layer_load_[pass.load_layer];
+  if (load.size() < buf_.step_load.size()) load.resize(buf_.step_load.size(), 0);
+  for (size_t e = 0; e < buf_.step_load.size(); ++e) load[e] += buf_.step_load[e];
 }
 
 bool LayerExecutor::LoneDecodeEligible(const LayerStepInput& in, const PassOptions& po) const {
@@ -883,7 +916,10 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   if (pass.device_plan) {
     // The handoff's scalars are sealed here; its routes are keyed and checked by the kernels in
     // the plan phase (SealRoutes), into kernel memory that only this step writes.
-    RETURN_IF_ERROR(ValidateStepShape(in));
+    if (absl::Status s = ValidateStepShape(in); !s.ok()) {
+      pass.input_refused = true;
+      return s;
+    }
     SemanticHandoff scalars;
     scalars.scope = ExecutionScopeId(static_cast<int64_t>(in.step_id));
     scalars.num_experts = static_cast<int>(pass.num_experts);
@@ -894,7 +930,10 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     return absl::OkStatus();
   }
   if (in.routing_on_device) RETURN_IF_ERROR(RoutingToHost(pass));
-  RETURN_IF_ERROR(ValidateStepInput(in, static_cast<int>(pass.num_experts)));
+  if (absl::Status s = ValidateStepInput(in, static_cast<int>(pass.num_experts)); !s.ok()) {
+    pass.input_refused = true;
+    return s;
+  }
   SemanticHandoff columns;  // an earlier step's, when one was handed back (no allocation per step)
   {
     absl::MutexLock lock(&generations_mu_);
@@ -911,9 +950,13 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
 // registered host memory (both tables, one wait), which the pass then reads instead.
 absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
   const LayerStepInput& in = pass.in;
-  RETURN_IF_ERROR(ValidateStepShape(in));
+  if (absl::Status s = ValidateStepShape(in); !s.ok()) {
+    pass.input_refused = true;
+    return s;
+  }
   int64_t routes = 0;
   if (__builtin_mul_overflow(in.tokens, static_cast<int64_t>(in.k), &routes) || routes > (int64_t{1} << 36)) {
+    pass.input_refused = true;
     return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", in.tokens, " tokens x k = ", in.k, " is too large"));
   }
   if (routes == 0) {
@@ -991,9 +1034,7 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   // layer values cannot grow the table.
   pass.load_layer = LoadLayer(*generation, pass.in.layer);
   if (!pass.po.shadow_pass && !pass.device_plan) {  // (the device plan counts per slot instead)
-    absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[pass.load_layer];
-    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
+    std::vector<int64_t>& load = StepLoad(pass);
     for (int64_t i = 0; i < pass.in.tokens * pass.in.k; ++i) {
       if (pass.in.admitted == nullptr || pass.in.admitted[i] != 0) ++load[pass.in.topk_ids[i]];
     }
@@ -1243,8 +1284,8 @@ absl::Status LayerExecutor::RefreshDeviceTables(Pass& pass) {
 
 // SealRoutes' answer (status[0]: the first bad route, status[1]: the first without a slot) as the
 // host plan words it, the refused route's expert and gate read where the routing is.
-absl::Status LayerExecutor::SealedRoutesStatus(const LayerStepInput& in, const int64_t* status,
-                                               const PlacementManifest& m) {
+absl::Status LayerExecutor::SealedRoutesStatus(Pass& pass, const int64_t* status, const PlacementManifest& m) {
+  const LayerStepInput& in = pass.in;
   const int64_t routes = in.tokens * in.k;
   if (status[0] < 0 && status[1] < 0) return absl::OkStatus();
   const int64_t i = status[0] >= 0 ? status[0] : status[1];
@@ -1256,7 +1297,10 @@ absl::Status LayerExecutor::SealedRoutesStatus(const LayerStepInput& in, const i
   } else {
     r = {in.topk_ids[i], in.topk_weights[i]};
   }
-  if (status[0] >= 0) return RouteInputError(i, in.k, r.first, r.second, m.num_experts());
+  if (status[0] >= 0) {
+    pass.input_refused = true;  // the engine's route (no slot for a valid expert is the generation's)
+    return RouteInputError(i, in.k, r.first, r.second, m.num_experts());
+  }
   return absl::FailedPreconditionError(
       absl::StrCat("route ", i, ": no compatible slot holds logical expert ", r.first, " in ", m.VersionName()));
 }
@@ -1313,7 +1357,7 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   const int64_t* counts = host.data();
   const int64_t* offsets = counts + q;
   const int64_t* status = offsets + q + 1;
-  RETURN_IF_ERROR(SealedRoutesStatus(in, status, m));
+  RETURN_IF_ERROR(SealedRoutesStatus(pass, status, m));
   if (status[2] >= 0) return absl::InternalError(absl::StrCat("device plan: route ", status[2], " has no valid key"));
   // Counts per physical slot (the agreement's and the record's), the send splits, the load.
   const PlanLayout& layout = *pass.layout;
@@ -1330,9 +1374,7 @@ absl::Status LayerExecutor::DevicePlanPhase(Pass& pass) {
   source.send_offsets[peers] = offsets[q];
   pass.n_send = offsets[q];
   if (!pass.po.shadow_pass) {
-    absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[pass.load_layer];
-    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
+    std::vector<int64_t>& load = StepLoad(pass);
     for (int k = 0; k < q; ++k) {
       if (t.expert_of_key[k] < static_cast<int32_t>(load.size())) load[t.expert_of_key[k]] += counts[k];
     }
@@ -1613,7 +1655,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
     // Until the read-back enqueued before the layer has arrived (the kernels' stream up to it).
     RETURN_IF_ERROR(device_ ? WaitEvent(checks_event_.event, "decode step: the kernels' checks")
                             : kern.Synchronize(nullptr));
-    RETURN_IF_ERROR(SealedRoutesStatus(in, status, m));
+    RETURN_IF_ERROR(SealedRoutesStatus(pass, status, m));
     buf_.slot_counts.assign(m.num_slots(), 0);
     pass.n_send = 0;
     for (int64_t i = 0; i < routes; ++i) {
@@ -1623,9 +1665,7 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
       ++buf_.slot_counts[t.slot_of_key[keys[i]]];
       ++pass.n_send;
     }
-    absl::MutexLock lock(&generations_mu_);
-    std::vector<int64_t>& load = layer_load_[pass.load_layer];
-    if (load.size() < static_cast<size_t>(pass.num_experts)) load.resize(pass.num_experts, 0);
+    std::vector<int64_t>& load = StepLoad(pass);
     for (int64_t i = 0; i < routes; ++i) {
       if (keys[i] >= 0) ++load[t.expert_of_key[keys[i]]];
     }

@@ -266,6 +266,13 @@ class LayerExecutor {
     bool shadow_pass = false;                       // a shadow pass (not counted in the expert load)
     int64_t shadow_version = -1, shadow_every = 0;  // the shadow proposal in the step header
   };
+  // What a pass tells its caller beside its result.
+  struct PassOutcome {
+    int64_t agreed_shadow = -1;  // the shadow proposal the members agreed on (-1: none)
+    // Refused before the agreement by the checks of the engine's input (its shape, ids, gates,
+    // rows): the engine's fault, whichever generation would have served it (rejected_steps).
+    bool input_refused = false;
+  };
   // One pass of a step (the served pass, or a shadow pass): what its phases hand each other.
   struct Pass;
   struct ResidentExperts;
@@ -274,7 +281,12 @@ class LayerExecutor {
   int64_t DispatchRowBytes(const Pass& pass) const;
   absl::StatusOr<LayerStepResult> ExecuteBound(const LayerStepInput& input);
   absl::Status CheckBinding(const LayerExecutorOptions& o) const;
-  absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, int64_t* agreed_shadow);
+  absl::StatusOr<LayerStepResult> RunPass(const LayerStepInput& in, const PassOptions& po, PassOutcome* outcome);
+  // The served pass's routes per logical expert are counted into buf_.step_load and added to the
+  // layer's load (layer_load_) only once the step is served: a step aborted or failed, which the
+  // engine retries, is not counted twice.
+  std::vector<int64_t>& StepLoad(Pass& pass);
+  void CommitLoad(const Pass& pass);
   // The phases in the order RunPass runs them (runtime/exec/step.h). Until the agreement, an
   // error is answered by Reject (every peer aborts too); after it, the step fails as it is.
   absl::Status ValidatePhase(Pass& pass);
@@ -290,7 +302,7 @@ class LayerExecutor {
   // The device plan's halves of PlanPhase and DispatchPlanPhase (LayerExecutorOptions::device_plan).
   absl::Status DevicePlanPhase(Pass& pass);
   absl::Status RefreshDeviceTables(Pass& pass);
-  absl::Status SealedRoutesStatus(const LayerStepInput& in, const int64_t* status, const PlacementManifest& m);
+  absl::Status SealedRoutesStatus(Pass& pass, const int64_t* status, const PlacementManifest& m);
   // Polls `event` from the host for at most the collective timeout; DEADLINE_EXCEEDED names `work`.
   absl::Status WaitEvent(void* event, absl::string_view work);
   absl::Status RowsForKernels(Pass& pass);
@@ -329,7 +341,7 @@ class LayerExecutor {
   absl::StatusOr<uint16_t*> OutputRows(Pass& pass);
   absl::Status CopyOut(Pass& pass, const uint16_t* out);
   absl::Status ReleasePhase(Pass& pass);
-  void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary);
+  void Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary, bool input_refused);
   // Runs the sampled shadow pass of step `in` on `shadow` and counts whether it matches `served`.
   void RunShadow(const LayerStepInput& in, int64_t shadow, const absl::StatusOr<LayerStepResult>& served);
   absl::StatusOr<std::shared_ptr<DecodeStepGraph>> BucketGraph(const LayerStepInput& in, PlacementVersion version,
@@ -401,6 +413,7 @@ class LayerExecutor {
     std::vector<int32_t> g_send_index, g_expert_rows, g_layout_row, g_row_of_route, pad_of_send, pad_of_recv;
     std::vector<float> g_gates;
     std::vector<int64_t> slot_counts;
+    std::vector<int64_t> step_load;  // the served pass's routes per logical expert (StepLoad)
     SourcePlan source;
     DestinationPlan dest;
     // The device plan's step tables (kernel memory): keyed routes, gates, each route's send

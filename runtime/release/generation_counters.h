@@ -12,7 +12,8 @@ namespace moe {
 struct GenerationCounters {
   int64_t steps = 0;  // answered under this generation: prefill, decode and canary
   int64_t failed_steps = 0;
-  int64_t aborted_steps = 0;  // refused by the step agreement before payload (not failures)
+  int64_t aborted_steps = 0;   // refused by the step agreement before payload (not failures)
+  int64_t rejected_steps = 0;  // the engine's input refused by this rank's checks (not failures)
   int64_t canary_steps = 0;
   int64_t decode_steps = 0;
   int64_t fallback_steps = 0;     // decode steps that ran eagerly

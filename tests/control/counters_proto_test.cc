@@ -23,6 +23,7 @@ GenerationCounters Distinct() {
   c.shadow_mismatches = 110;
   c.shadow_failures = 111;
   c.stale_accepts = 112;
+  c.rejected_steps = 113;
   return c;
 }
 
@@ -41,6 +42,7 @@ TEST(CountersProtoTest, ToProtoWritesEveryFieldByName) {
   EXPECT_EQ(p.shadow_mismatches(), 110);
   EXPECT_EQ(p.shadow_failures(), 111);
   EXPECT_EQ(p.stale_accepts(), 112);
+  EXPECT_EQ(p.rejected_steps(), 113);
   // A counter added to the proto but not to the translation stays 0 here.
   const google::protobuf::Descriptor* d = p.GetDescriptor();
   const google::protobuf::Reflection* r = p.GetReflection();
@@ -74,13 +76,14 @@ TEST(CountersProtoTest, RoundTripsThroughWireFormat) {
   EXPECT_EQ(b.shadow_mismatches, a.shadow_mismatches);
   EXPECT_EQ(b.shadow_failures, a.shadow_failures);
   EXPECT_EQ(b.stale_accepts, a.stale_accepts);
+  EXPECT_EQ(b.rejected_steps, a.rejected_steps);
 }
 
 TEST(CountersProtoTest, EmptyProtoIsAllZero) {
   const GenerationCounters c = GenerationCountersFromProto(v1::GenerationCounters());
   EXPECT_EQ(c.steps + c.failed_steps + c.aborted_steps + c.canary_steps + c.decode_steps + c.fallback_steps +
                 c.routes_attempted + c.routes_dropped + c.shadow_samples + c.shadow_mismatches + c.shadow_failures +
-                c.stale_accepts,
+                c.stale_accepts + c.rejected_steps,
             0);
 }
 

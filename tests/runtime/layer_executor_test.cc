@@ -405,6 +405,44 @@ TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
   EXPECT_EQ(c.routes_attempted, accepted);
 }
 
+// A canary step whose input this rank refuses (an expert id out of range) counts as rejected
+// under the candidate, not as a failed step: a bad request must not block the promotion gate
+// (FaultsOK reads failed_steps). The expert load grows only by the steps served.
+TEST_F(OneMemberTest, ACanaryStepWithBadInputIsRejectedNotACandidateFailure) {
+  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
+  auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 4, topology_, group_, ckpt_.metadata);
+  ASSERT_TRUE(registry_.Prepare(v2).ok());
+  ASSERT_TRUE(
+      executor_
+          ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
+          .ok());
+  executor_->SetTrial(2, 0, 1);  // every step a canary step
+  std::mt19937 rng(21);
+  RankInput bad = RandomInput(rng, 5);
+  bad.ids[2] = kExperts + 3;
+  bad.admitted[2] = 1;
+  for (const Phase phase : {Phase::kDecode, Phase::kPrefill}) {
+    auto r = executor_->Execute(bad.Step(phase == Phase::kDecode ? 1 : 2, 0, phase));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  }
+  // An input check that fails (the service's row scan) is the engine's input too.
+  const RankInput good = RandomInput(rng, 5);
+  LayerStepInput checked = good.Step(3, 0, Phase::kPrefill);
+  checked.await_input_check = [] { return absl::InvalidArgumentError("hidden.data[1]: not finite"); };
+  EXPECT_EQ(executor_->Execute(checked).status().code(), absl::StatusCode::kInvalidArgument);
+  std::vector<int64_t> load = executor_->ExpertLoad();
+  EXPECT_EQ(std::accumulate(load.begin(), load.end(), int64_t{0}), 0) << "refused steps counted in the load";
+  auto served = executor_->Execute(good.Step(4, 0, Phase::kPrefill));
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_TRUE(served->record.canary);
+  const GenerationCounters c = executor_->Counters()[2];
+  EXPECT_EQ(c.rejected_steps, 3);
+  EXPECT_EQ(c.failed_steps, 0);
+  EXPECT_EQ(c.canary_steps, 1);
+  load = executor_->ExpertLoad();
+  EXPECT_EQ(std::accumulate(load.begin(), load.end(), int64_t{0}), served->record.routes_accepted);
+}
+
 // The input check that runs beside the first phases (the service's row scan) is awaited before
 // the agreement on every step, also one that failed earlier; its failure rejects the step with
 // its own error, and the next step is served.
@@ -624,6 +662,11 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
   EXPECT_EQ(results[1].status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("topk_ids[1][1]"));
   for (int r : {0, 2, 3}) EXPECT_EQ(results[r].status().code(), absl::StatusCode::kAborted) << "rank " << r;
+  // The aborted step, which the engine retries, is in no rank's expert load.
+  for (int r = 0; r < kRanks; ++r) {
+    const std::vector<int64_t> load = w.exec[r]->ExpertLoad();
+    EXPECT_EQ(std::accumulate(load.begin(), load.end(), int64_t{0}), 0) << "rank " << r;
+  }
   // The next step with good input succeeds everywhere.
   inputs[1].ids[3] = 0;
   results = RunStep(w, inputs, 2, 0);
@@ -843,7 +886,9 @@ TEST(LayerExecutorTest, MembersWhoseDecodeStepsDifferInKServeThemEagerly) {
     ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
     EXPECT_FALSE(results[r]->record.graph_replay) << "rank " << r;
     EXPECT_EQ(results[r]->record.fallback_reason, "graph_key_mismatch") << "rank " << r;
-    if (r < 3) EXPECT_LE(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r;
+    if (r < 3) {
+      EXPECT_LE(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r;
+    }
   }
 }
 
