@@ -259,12 +259,28 @@ absl::StatusOr<std::unique_ptr<ReleaseStore>> ReleaseStore::Open(const std::stri
     sqlite3_close(db);
     return s;
   }
-  std::unique_ptr<ReleaseStore> store(new ReleaseStore(db));
   sqlite3_busy_timeout(db, 5000);
   for (const char* pragma : {"PRAGMA journal_mode=WAL", "PRAGMA synchronous=FULL", "PRAGMA foreign_keys=ON"}) {
-    if (absl::Status s = Exec(db, pragma); !s.ok()) return s;
+    if (absl::Status s = Exec(db, pragma); !s.ok()) {
+      sqlite3_close(db);
+      return s;
+    }
   }
-  if (absl::Status s = MigrateSchema(db, path); !s.ok()) return s;
+  if (absl::Status s = MigrateSchema(db, path); !s.ok()) {
+    sqlite3_close(db);
+    return s;
+  }
+  // The readers' connection, opened once the file is in WAL mode and at the current schema.
+  sqlite3* read_db = nullptr;
+  if (sqlite3_open_v2(path.c_str(), &read_db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_FULLMUTEX, nullptr) != SQLITE_OK) {
+    absl::Status s = absl::UnavailableError(absl::StrCat("path: cannot open ", path, ": ", sqlite3_errmsg(read_db)));
+    sqlite3_close(read_db);
+    sqlite3_close(db);
+    return s;
+  }
+  std::unique_ptr<ReleaseStore> store(new ReleaseStore(db, read_db));
+  sqlite3_busy_timeout(read_db, 5000);
+  if (absl::Status s = Exec(read_db, "PRAGMA query_only=ON"); !s.ok()) return s;
   return store;
 }
 
@@ -310,7 +326,10 @@ absl::Status MigrateSchema(sqlite3* db, const std::string& path) {
 
 }  // namespace
 
-ReleaseStore::~ReleaseStore() { sqlite3_close(db_); }
+ReleaseStore::~ReleaseStore() {
+  sqlite3_close(read_db_);
+  sqlite3_close(db_);
+}
 
 absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_id, const std::string& release_id,
                                                      const std::string& bundle_digest, const std::string& bundle) {
@@ -318,6 +337,7 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
   if (release_id.empty()) return absl::InvalidArgumentError("release_id: required");
   if (bundle_digest.empty()) return absl::InvalidArgumentError("bundle_digest: required");
   const std::string fingerprint = absl::StrCat("register|", release_id, "|", bundle_digest);
+  absl::MutexLock lock(&write_mu_);
   WriteTxn txn(db_);
   if (!txn.begin().ok()) return txn.begin();
   auto recorded = RecordedFingerprint(db_, request_id);
@@ -355,6 +375,7 @@ absl::StatusOr<ReleaseRecord> ReleaseStore::Register(const std::string& request_
   if (recorded->empty()) {
     if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
   }
+  if (before_commit_) before_commit_();
   if (absl::Status s = txn.Commit(); !s.ok()) return s;
   return ReleaseRecord{release_id, bundle_digest, ReleaseState::kBuilt, 0};
 }
@@ -366,7 +387,8 @@ absl::StatusOr<int64_t> ReleaseStore::LastEpoch() const {
 }
 
 absl::StatusOr<std::pair<int64_t, std::string>> ReleaseStore::LastEpochPeers() const {
-  Stmt q(db_, "SELECT epoch, peers FROM group_epochs ORDER BY epoch DESC LIMIT 1");
+  absl::MutexLock lock(&read_mu_);
+  Stmt q(read_db_, "SELECT epoch, peers FROM group_epochs ORDER BY epoch DESC LIMIT 1");
   auto row = q.Step();
   if (!row.ok()) return row.status();
   if (!*row) return std::make_pair(int64_t{0}, std::string());
@@ -375,6 +397,7 @@ absl::StatusOr<std::pair<int64_t, std::string>> ReleaseStore::LastEpochPeers() c
 
 absl::Status ReleaseStore::RecordEpoch(int64_t epoch, const std::string& reason, const std::string& peers,
                                        int64_t created_ms) {
+  absl::MutexLock lock(&write_mu_);
   Stmt q(db_, "INSERT INTO group_epochs (epoch, reason, peers, created_ms) VALUES (?, ?, ?, ?)");
   q.Bind(1, epoch).Bind(2, reason).Bind(3, peers).Bind(4, created_ms);
   auto row = q.Step();
@@ -382,7 +405,8 @@ absl::Status ReleaseStore::RecordEpoch(int64_t epoch, const std::string& reason,
 }
 
 absl::StatusOr<std::string> ReleaseStore::Bundle(const std::string& release_id) const {
-  Stmt q(db_, "SELECT bundle FROM bundles WHERE release_id = ?");
+  absl::MutexLock lock(&read_mu_);
+  Stmt q(read_db_, "SELECT bundle FROM bundles WHERE release_id = ?");
   q.Bind(1, release_id);
   auto row = q.Step();
   if (!row.ok()) return row.status();
@@ -412,6 +436,7 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
     absl::StrAppend(&fingerprint, "|", m.release_id, "|", ReleaseStateName(m.to), "|", m.reason, "|",
                     m.placement_version);
   }
+  absl::MutexLock lock(&write_mu_);
   WriteTxn txn(db_);
   if (!txn.begin().ok()) return txn.begin();
   auto recorded = RecordedFingerprint(db_, request_id);
@@ -462,17 +487,20 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Apply(const std::str
     if (auto s = upd.Step(); !s.ok()) return s.status();
   }
   if (absl::Status s = RecordRequest(db_, request_id, fingerprint); !s.ok()) return s;
+  if (before_commit_) before_commit_();
   if (absl::Status s = txn.Commit(); !s.ok()) return s;
   return out;
 }
 
 absl::StatusOr<bool> ReleaseStore::HasRequest(const std::string& request_id) const {
-  ASSIGN_OR_RETURN(const std::string fingerprint, RecordedFingerprint(db_, request_id));
+  absl::MutexLock lock(&read_mu_);
+  ASSIGN_OR_RETURN(const std::string fingerprint, RecordedFingerprint(read_db_, request_id));
   return !fingerprint.empty();
 }
 
 absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Recorded(const std::string& request_id) const {
-  Stmt q(db_,
+  absl::MutexLock lock(&read_mu_);
+  Stmt q(read_db_,
          "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions "
          "WHERE request_id = ? ORDER BY part");
   q.Bind(1, request_id);
@@ -480,24 +508,26 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::Recorded(const std::
 }
 
 absl::StatusOr<ReleaseRecord> ReleaseStore::Get(const std::string& release_id) const {
-  return ReadRelease(db_, release_id);
+  absl::MutexLock lock(&read_mu_);
+  return ReadRelease(read_db_, release_id);
 }
 
-absl::StatusOr<std::vector<ReleaseRecord>> ReleaseStore::List() const {
-  Stmt q(db_, absl::StrCat(kReleaseColumns, " ORDER BY release_id").c_str());
+namespace {
+
+absl::StatusOr<std::vector<ReleaseRecord>> ListOn(sqlite3* db) {
+  Stmt q(db, absl::StrCat(kReleaseColumns, " ORDER BY release_id").c_str());
   return ReadReleases(q);
 }
 
-absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id,
-                                                                    int64_t after_seq) const {
+absl::StatusOr<std::vector<StoredTransition>> HistoryOn(sqlite3* db, const std::string& release_id, int64_t after_seq) {
   if (release_id.empty()) {
-    Stmt q(db_,
+    Stmt q(db,
            "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions WHERE seq > ? "
            "ORDER BY seq");
     q.Bind(1, after_seq);
     return ReadTransitions(q);
   }
-  Stmt q(db_,
+  Stmt q(db,
          "SELECT seq, request_id, part, release_id, from_state, to_state, reason FROM transitions WHERE release_id = ? "
          "AND seq > ? ORDER BY seq");
   q.Bind(1, release_id);
@@ -505,17 +535,39 @@ absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::s
   return ReadTransitions(q);
 }
 
+}  // namespace
+
+absl::StatusOr<std::vector<ReleaseRecord>> ReleaseStore::List() const {
+  absl::MutexLock lock(&read_mu_);
+  return ListOn(read_db_);
+}
+
+absl::StatusOr<std::vector<StoredTransition>> ReleaseStore::History(const std::string& release_id,
+                                                                    int64_t after_seq) const {
+  absl::MutexLock lock(&read_mu_);
+  return HistoryOn(read_db_, release_id, after_seq);
+}
+
 absl::Status ReleaseStore::Verify() const {
+  absl::MutexLock lock(&read_mu_);
+  // One read transaction: the releases and their histories from the same committed snapshot.
+  RETURN_IF_ERROR(Exec(read_db_, "BEGIN"));
+  absl::Status s = VerifyOn(read_db_);
+  Exec(read_db_, "COMMIT").IgnoreError();
+  return s;
+}
+
+absl::Status ReleaseStore::VerifyOn(sqlite3* db) {
   {
-    Stmt q(db_, "PRAGMA integrity_check");
+    Stmt q(db, "PRAGMA integrity_check");
     auto row = q.Step();
     if (!row.ok()) return row.status();
     if (!*row || q.Text(0) != "ok") return absl::InternalError(absl::StrCat("integrity_check: ", q.Text(0)));
   }
-  auto releases = List();
+  auto releases = ListOn(db);
   if (!releases.ok()) return releases.status();
   for (const ReleaseRecord& r : *releases) {
-    auto history = History(r.release_id);
+    auto history = HistoryOn(db, r.release_id, 0);
     if (!history.ok()) return history.status();
     ReleaseState state = ReleaseState::kBuilt;
     for (const StoredTransition& t : *history) {

@@ -2,12 +2,17 @@
 // Every lifecycle transition is committed here before the controller acts on it, so a controller
 // killed at any point reopens the file and resumes from the last committed transition.
 //
+// Thread-safe. Writes go through one connection, one transaction at a time (write_mu_); reads
+// through a second, query-only connection, so a reader (a Watch stream, the metrics collector, a
+// status RPC) sees committed rows only, never those of a transaction still open on the writer.
+//
 // Requests are idempotent by client request id: repeating a request id with the same content
 // returns the recorded result; reusing it for a different request is ALREADY_EXISTS.
 #ifndef MOE_CONTROL_STORE_RELEASE_STORE_H_
 #define MOE_CONTROL_STORE_RELEASE_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -15,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 #include "runtime/release/lifecycle.h"
 
@@ -127,9 +133,18 @@ class ReleaseStore {
   absl::StatusOr<std::pair<int64_t, std::string>> LastEpochPeers() const;
   absl::Status RecordEpoch(int64_t epoch, const std::string& reason, const std::string& peers, int64_t created_ms);
 
+  // Tests only: called inside every write transaction just before its COMMIT (on the writing
+  // thread, write_mu_ held: it may read, not write).
+  void SetBeforeCommitForTest(std::function<void()> hook) { before_commit_ = std::move(hook); }
+
  private:
-  explicit ReleaseStore(sqlite3* db) : db_(db) {}
-  sqlite3* db_;
+  ReleaseStore(sqlite3* db, sqlite3* read_db) : db_(db), read_db_(read_db) {}
+  static absl::Status VerifyOn(sqlite3* db);
+  absl::Mutex write_mu_;
+  sqlite3* db_;  // the writer: used under write_mu_ (Open's migration before any other use)
+  mutable absl::Mutex read_mu_;
+  sqlite3* read_db_ ABSL_PT_GUARDED_BY(read_mu_);  // query_only
+  std::function<void()> before_commit_;
 };
 
 }  // namespace moe

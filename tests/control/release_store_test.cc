@@ -7,11 +7,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <sqlite3.h>
 #include <sys/wait.h>
@@ -220,6 +223,87 @@ TEST(ReleaseStoreTest, BatchesAreAllOrNothing) {
   EXPECT_EQ(repeat[1].to, ReleaseState::kActive);
   EXPECT_EQ(store->Get("release-v18")->state, ReleaseState::kActive);
   EXPECT_TRUE(store->Verify().ok());
+}
+
+// Readers see committed rows only: inside a write transaction (just before its COMMIT) the
+// store's own reads (what a Watch stream, the metrics collector or a status RPC calls) still see
+// the state before it; after the commit they see it. Reads and writes share no connection.
+TEST(ReleaseStoreTest, ReadsDuringAWriteSeeOnlyCommittedRows) {
+  const std::string path = TempPath("read-committed.db");
+  auto store = ReleaseStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ReleaseStore& st = **store;
+  ASSERT_TRUE(st.Register("r1", "release-v1", "sha256:aa").ok());
+  int calls = 0;
+  st.SetBeforeCommitForTest([&] {
+    ++calls;
+    auto history = st.History("");
+    ASSERT_TRUE(history.ok()) << history.status();
+    EXPECT_TRUE(history->empty()) << "an uncommitted transition is visible: seq " << history->front().seq;
+    auto rec = st.Get("release-v1");
+    ASSERT_TRUE(rec.ok()) << rec.status();
+    EXPECT_EQ(rec->state, ReleaseState::kBuilt);
+    EXPECT_EQ(rec->revision, 0);
+    auto recorded = st.Recorded("r2");
+    ASSERT_TRUE(recorded.ok());
+    EXPECT_TRUE(recorded->empty());
+    EXPECT_FALSE(*st.HasRequest("r2"));
+    auto list = st.List();
+    ASSERT_TRUE(list.ok());
+    EXPECT_EQ(list->size(), 1u);
+  });
+  ASSERT_TRUE(st.Transition("r2", "release-v1", ReleaseState::kVerified, "ok").ok());
+  EXPECT_EQ(calls, 1);
+  st.SetBeforeCommitForTest([&] {
+    ++calls;
+    EXPECT_EQ(st.Get("release-v2").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(*st.Bundle("release-v2"), "");
+  });
+  ASSERT_TRUE(st.Register("r3", "release-v2", "sha256:bb", "{\"b\":1}").ok());
+  EXPECT_EQ(calls, 2);
+  st.SetBeforeCommitForTest(nullptr);
+  EXPECT_EQ(st.Get("release-v1")->state, ReleaseState::kVerified);
+  EXPECT_EQ(st.History("")->size(), 1u);
+  EXPECT_EQ(*st.Bundle("release-v2"), "{\"b\":1}");
+  EXPECT_TRUE(*st.HasRequest("r2"));
+  EXPECT_TRUE(st.Verify().ok());
+}
+
+// Writers on several threads (requests, epochs) each get a transaction of their own: none is
+// refused for another's open transaction, and every acknowledged write is there.
+TEST(ReleaseStoreTest, ConcurrentWritersAndReadersAllSucceed) {
+  const std::string path = TempPath("concurrent.db");
+  auto store = ReleaseStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ReleaseStore& st = **store;
+  constexpr int kPerThread = 25;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      for (int i = 0; i < kPerThread; ++i) {
+        const std::string id = absl::StrCat("release-", w, "-", i);
+        if (!st.Register(absl::StrCat("reg-", w, "-", i), id, "sha256:aa").ok()) ++failures;
+        if (!st.Transition(absl::StrCat("ver-", w, "-", i), id, ReleaseState::kVerified, "ok").ok()) ++failures;
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (int i = 1; i <= kPerThread; ++i) {
+      if (!st.RecordEpoch(i, "test", "0,1", i).ok()) ++failures;
+    }
+  });
+  threads.emplace_back([&] {
+    for (int i = 0; i < 4 * kPerThread; ++i) {
+      if (!st.History("").ok() || !st.List().ok()) ++failures;
+    }
+  });
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(st.List()->size(), 2u * kPerThread);
+  EXPECT_EQ(st.History("")->size(), 2u * kPerThread);
+  EXPECT_EQ(*st.LastEpoch(), kPerThread);
+  EXPECT_TRUE(st.Verify().ok());
 }
 
 TEST(RegistryLockTest, OneWriterPerRegistryNamingTheHolder) {
