@@ -1,6 +1,9 @@
 #include "control/controller/control_plane_service.h"
 
+#include <initializer_list>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -12,6 +15,39 @@
 namespace moe {
 
 namespace {
+
+// Caller-supplied names and reasons are stored in the registry for good and echoed in histories,
+// Watch streams and logs, so they are bounded here, before the manager sees them.
+constexpr size_t kMaxIdBytes = 128;       // request ids, release ids, digests
+constexpr size_t kMaxReasonBytes = 1024;  // a transition's reason, an evidence finding
+constexpr int kMaxFindings = 64;
+
+// INVALID_ARGUMENT naming `field` when `value` is longer than `max` bytes or holds a control
+// character (a newline or NUL would forge lines of the logs and the CLI's tables).
+grpc::Status CheckText(const char* field, const std::string& value, size_t max) {
+  if (value.size() > max) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(field, ": ", value.size(), " bytes; at most ", max));
+  }
+  for (size_t i = 0; i < value.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(value[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat(field, ": control character 0x", absl::Hex(c), " at byte ", i));
+    }
+  }
+  return grpc::Status::OK;
+}
+
+// Every text field of a write request: the first that fails, in the order given.
+grpc::Status CheckFields(std::initializer_list<std::pair<const char*, const std::string*>> ids,
+                         const std::string* reason = nullptr) {
+  for (const auto& [field, value] : ids) {
+    if (grpc::Status s = CheckText(field, *value, kMaxIdBytes); !s.ok()) return s;
+  }
+  if (reason != nullptr) return CheckText("reason", *reason, kMaxReasonBytes);
+  return grpc::Status::OK;
+}
 
 void Fill(const ReleaseRecord& r, v1::Release* out) {
   out->set_release_id(r.release_id);
@@ -121,6 +157,12 @@ grpc::Status ControlPlaneServiceImpl::AuthorizeWrite(const grpc::ServerContext* 
 grpc::Status ControlPlaneServiceImpl::RegisterRelease(grpc::ServerContext* ctx, const v1::RegisterReleaseRequest* req,
                                                       v1::Release* resp) {
   if (grpc::Status s = AuthorizeWrite(ctx, "RegisterRelease"); !s.ok()) return s;
+  if (grpc::Status s = CheckFields({{"request_id", &req->request_id()},
+                                    {"release_id", &req->release_id()},
+                                    {"bundle_digest", &req->bundle_digest()}});
+      !s.ok()) {
+    return s;
+  }
   auto r = manager_->Register(req->request_id(), req->release_id(), req->bundle_digest(), req->bundle_json());
   if (!r.ok()) return ToGrpcStatus(r.status());
   Fill(*r, resp);
@@ -131,6 +173,11 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
                                                         const v1::TransitionReleaseRequest* req,
                                                         v1::TransitionRecord* resp) {
   if (grpc::Status s = AuthorizeWrite(ctx, "TransitionRelease"); !s.ok()) return s;
+  if (grpc::Status s =
+          CheckFields({{"request_id", &req->request_id()}, {"release_id", &req->release_id()}}, &req->reason());
+      !s.ok()) {
+    return s;
+  }
   auto to = FromProto(req->to(), "to");
   if (!to.ok()) return ToGrpcStatus(to.status());
   auto t = manager_->Transition(req->request_id(), req->release_id(), *to, req->reason());
@@ -142,6 +189,18 @@ grpc::Status ControlPlaneServiceImpl::TransitionRelease(grpc::ServerContext* ctx
 grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1::PromoteRequest* req,
                                               v1::PromoteResponse* resp) {
   if (grpc::Status s = AuthorizeWrite(ctx, "Promote"); !s.ok()) return s;
+  if (grpc::Status s = CheckFields({{"request_id", &req->request_id()}, {"release_id", &req->release_id()}}); !s.ok()) {
+    return s;
+  }
+  if (req->evidence().findings_size() > kMaxFindings) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("evidence.findings: ", req->evidence().findings_size(), " entries; at most ", kMaxFindings));
+  }
+  for (int i = 0; i < req->evidence().findings_size(); ++i) {
+    const std::string field = absl::StrCat("evidence.findings[", i, "]");
+    if (grpc::Status s = CheckText(field.c_str(), req->evidence().findings(i), kMaxReasonBytes); !s.ok()) return s;
+  }
   std::optional<GateEvidence> evidence;
   if (req->has_evidence()) evidence = FromProto(req->evidence());
   auto promoted = manager_->Promote(req->request_id(), req->release_id(), evidence);
@@ -157,6 +216,13 @@ grpc::Status ControlPlaneServiceImpl::Promote(grpc::ServerContext* ctx, const v1
 grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v1::RollbackRequest* req,
                                                v1::RollbackResponse* resp) {
   if (grpc::Status s = AuthorizeWrite(ctx, "Rollback"); !s.ok()) return s;
+  if (grpc::Status s = CheckFields({{"request_id", &req->request_id()},
+                                    {"release_id", &req->release_id()},
+                                    {"prior_release_id", &req->prior_release_id()}},
+                                   &req->reason());
+      !s.ok()) {
+    return s;
+  }
   auto transitions = manager_->Rollback(req->request_id(), req->release_id(), req->prior_release_id(), req->reason());
   if (!transitions.ok()) return ToGrpcStatus(transitions.status());
   for (const StoredTransition& t : *transitions) Fill(t, resp->add_transitions());
@@ -166,6 +232,9 @@ grpc::Status ControlPlaneServiceImpl::Rollback(grpc::ServerContext* ctx, const v
 grpc::Status ControlPlaneServiceImpl::LoadPlacement(grpc::ServerContext* ctx, const v1::LoadPlacementRequest* req,
                                                     v1::Release* resp) {
   if (grpc::Status s = AuthorizeWrite(ctx, "LoadPlacement"); !s.ok()) return s;
+  if (grpc::Status s = CheckFields({{"request_id", &req->request_id()}, {"release_id", &req->release_id()}}); !s.ok()) {
+    return s;
+  }
   // No manifest: the placement of the release's bundle (INVALID_ARGUMENT from the manager when
   // the release has none).
   auto r = manager_->LoadPlacement(req->request_id(), req->release_id(), req->manifest());

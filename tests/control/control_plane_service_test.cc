@@ -225,6 +225,70 @@ TEST_F(ServiceTest, TransitionDecodesTheStateAndRefusesAnUnknownOneItself) {
   EXPECT_EQ(manager_.calls().size(), 1u);  // not called again
 }
 
+// Names and reasons from the caller are bounded and free of control characters before the
+// manager (and the registry, which keeps them for good) sees them: INVALID_ARGUMENT naming the
+// field, the manager not called; values at the bounds pass.
+TEST_F(ServiceTest, OverlongOrControlCharacterFieldsAreRefusedBeforeTheManager) {
+  const std::string long_id(129, 'a'), max_id(128, 'a'), long_reason(1025, 'r'), max_reason(1024, 'r');
+  const auto refused = [&](const grpc::Status& s, const std::string& field) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::StartsWith(field + ": ")) << field;
+  };
+  v1::Release r;
+  v1::RegisterReleaseRequest reg;
+  reg.set_request_id("req-1");
+  reg.set_release_id(long_id);
+  refused(stub_->RegisterRelease(Ctx().get(), reg, &r), "release_id");
+  reg.set_release_id("release-v2");
+  reg.set_bundle_digest("sha256:2\nforged line");
+  refused(stub_->RegisterRelease(Ctx().get(), reg, &r), "bundle_digest");
+  reg.set_bundle_digest("sha256:2");
+  reg.set_request_id(std::string("req\0x", 5));
+  refused(stub_->RegisterRelease(Ctx().get(), reg, &r), "request_id");
+
+  v1::TransitionReleaseRequest tr;
+  tr.set_request_id("req-2");
+  tr.set_release_id("release-v2");
+  tr.set_to(v1::RELEASE_STATE_SHADOW);
+  tr.set_reason(long_reason);
+  v1::TransitionRecord t;
+  refused(stub_->TransitionRelease(Ctx().get(), tr, &t), "reason");
+
+  v1::RollbackRequest rb;
+  rb.set_request_id("req-3");
+  rb.set_release_id("release-v2");
+  rb.set_prior_release_id(long_id);
+  rb.set_reason("bad");
+  v1::RollbackResponse rr;
+  refused(stub_->Rollback(Ctx().get(), rb, &rr), "prior_release_id");
+
+  v1::PromoteRequest pr;
+  pr.set_request_id(long_id);
+  pr.set_release_id("release-v2");
+  v1::PromoteResponse presp;
+  refused(stub_->Promote(Ctx().get(), pr, &presp), "request_id");
+  pr.set_request_id("req-4");
+  for (int i = 0; i < 65; ++i) pr.mutable_evidence()->add_findings("f");
+  refused(stub_->Promote(Ctx().get(), pr, &presp), "evidence.findings");
+  pr.mutable_evidence()->clear_findings();
+  pr.mutable_evidence()->add_findings("ok");
+  pr.mutable_evidence()->add_findings(long_reason);
+  refused(stub_->Promote(Ctx().get(), pr, &presp), "evidence.findings[1]");
+
+  v1::LoadPlacementRequest lp;
+  lp.set_request_id("req-5");
+  lp.set_release_id(long_id);
+  refused(stub_->LoadPlacement(Ctx().get(), lp, &r), "release_id");
+  EXPECT_TRUE(manager_.calls().empty());
+
+  // At the bounds: served.
+  tr.set_request_id(max_id);
+  tr.set_release_id(max_id);
+  tr.set_reason(max_reason);
+  EXPECT_TRUE(stub_->TransitionRelease(Ctx().get(), tr, &t).ok());
+  EXPECT_EQ(manager_.calls().size(), 1u);
+}
+
 TEST_F(ServiceTest, ManagerErrorsKeepTheirCodeAndMessage) {
   const std::vector<absl::Status> errors = {
       absl::FailedPreconditionError("to: ACTIVE is reached through Promote (the 0x0DC gate)"),
