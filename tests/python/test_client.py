@@ -302,12 +302,68 @@ def test_rows_by_reference_in_a_shared_region(cluster):
             other.result()
             assert np.array_equal(got.output, want[0].output)
             assert np.array_equal(region.array(4 * D * 2, (4, D)), want[0].output)
+        # The step's output view outlives the region's close (it unmapped the memory under it).
+        assert np.array_equal(got.output, want[0].output)
         # The region is gone from the rank once closed: naming it is an error naming the field.
         with pytest.raises(errors.MoeError, match="region"):
             c0.unregister_region(region.name)
     finally:
         c0.close()
         c1.close()
+
+
+class _RegionRecorder:
+    """Stands in for a RankClient's region calls (the rank's side is tested above)."""
+
+    def __init__(self, refuse: bool = False):
+        self.calls: list = []
+        self.refuse = refuse
+
+    def register_region(self, name, nbytes):
+        self.calls.append(("register", name, nbytes))
+        if self.refuse:
+            raise errors.ResourceExhausted("region: too many")
+
+    def unregister_region(self, name):
+        self.calls.append(("unregister", name))
+
+
+def test_a_shared_region_closed_under_live_views_keeps_them_valid():
+    from moe_runtime.shm import SharedRegion
+
+    c = _RegionRecorder()
+    region = SharedRegion(c, 4096)
+    assert os.path.exists("/dev/shm" + region.name)
+    view = region.array(1024, (8, 16))
+    view[:] = 7
+    tail = view[4:]
+    del view
+    region.close()
+    assert c.calls == [("register", region.name, 4096), ("unregister", region.name)]
+    assert not os.path.exists("/dev/shm" + region.name)
+    assert region.closed
+    assert int(tail.sum()) == 7 * 4 * 16  # still mapped while a view lives (close() unmapped it: a crash)
+    tail[:] = 1
+    region.close()  # idempotent: nothing more reaches the rank
+    assert len(c.calls) == 2
+    with pytest.raises(errors.FailedPrecondition, match="closed"):
+        region.array(0, (1,))
+    with pytest.raises(errors.FailedPrecondition, match="closed"):
+        region.step(1, 0, hidden_offset=0, tokens=1, d=8, topk_ids=np.zeros((1, 1), np.int32),
+                    topk_weights=np.ones((1, 1), np.float32), output_offset=0)
+    small = SharedRegion(c, 64)
+    for offset, shape in ((60, (4,)), (-2, (1,)), (0, (2, 17))):
+        with pytest.raises(errors.InvalidArgument, match="offset"):
+            small.array(offset, shape)
+    assert small.array(62, (1,)).shape == (1,)
+    small.close()
+    with pytest.raises(errors.InvalidArgument, match="nbytes"):
+        SharedRegion(c, 0)
+    refused = _RegionRecorder(refuse=True)
+    with pytest.raises(errors.ResourceExhausted):
+        SharedRegion(refused, 64)
+    name = refused.calls[0][1]
+    assert not os.path.exists("/dev/shm" + name)  # a region the rank refused leaves no file
 
 
 def test_the_package_installs_with_pip(tmp_path):
