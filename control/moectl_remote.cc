@@ -592,6 +592,8 @@ void PrintRebalance(int num_ranks, const RebalanceInput& in, const RebalancePlan
   }
   std::cout << absl::StrFormat("balancedness (mean/max rank load): before %.3f, after %.3f\n", plan.balancedness_before,
                                plan.balancedness_after);
+  std::cout << absl::StrFormat("gamma_rank (max/mean rank load): before %.3f, after %.3f\n", plan.gamma_before,
+                               plan.gamma_after);
 }
 
 // Per-layer EPLB: one line per layer, then the balancedness of the layers' summed rank loads.
@@ -614,6 +616,8 @@ void PrintLayerRebalance(int num_ranks, const RebalanceInputs& in, const std::ve
   }
   std::cout << absl::StrFormat("balancedness (mean/max rank load, every layer): before %.3f, after %.3f\n",
                                Balancedness(before), Balancedness(after));
+  std::cout << absl::StrFormat("gamma_rank (max/mean rank load, every layer): before %.3f, after %.3f\n",
+                               GammaRank(before), GammaRank(after));
 }
 
 // `rebalance --out F`: the plan as a PlacementManifest JSON over the ranks' topology: one slot
@@ -630,12 +634,16 @@ absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, int num_e
   absl::StatusOr<std::shared_ptr<const PlacementManifest>> m;
   if (!per_layer) {
     m = PlacementFromAssignment(PlacementVersion(o.placement_version), num_experts, plans.front().expert_rank, topology,
-                                group, id);
+                                group, id, plans.front().replica_rank);
   } else {
     std::vector<std::vector<std::pair<int, int>>> per_layer;
-    for (const RebalancePlan& p : plans) per_layer.push_back(p.expert_rank);
+    std::vector<std::vector<int>> replica_ranks;
+    for (const RebalancePlan& p : plans) {
+      per_layer.push_back(p.expert_rank);
+      replica_ranks.push_back(p.replica_rank);
+    }
     m = LayeredPlacementFromAssignment(PlacementVersion(o.placement_version), num_experts, per_layer, topology, group,
-                                       id);
+                                       id, replica_ranks);
   }
   if (!m.ok()) return m.status();
   RETURN_IF_ERROR(json::WriteFile(o.out, Json(ManifestToProto(**m, topology)), "--out"));

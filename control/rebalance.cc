@@ -36,6 +36,11 @@ double Balancedness(const std::vector<double>& rank_load) {
   return std::accumulate(rank_load.begin(), rank_load.end(), 0.0) / rank_load.size() / max;
 }
 
+double GammaRank(const std::vector<double>& rank_load) {
+  const double b = Balancedness(rank_load);
+  return b > 0 ? 1.0 / b : 1.0;
+}
+
 absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
   const int experts = static_cast<int>(in.expert_load.size());
   const int ranks = static_cast<int>(in.current_slot_experts.size());
@@ -62,6 +67,7 @@ absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
   }
   plan.copies_before = copies;
   plan.balancedness_before = Balancedness(plan.rank_load_before);
+  plan.gamma_before = GammaRank(plan.rank_load_before);
 
   EplbProblem p;
   p.layers = 1;
@@ -79,9 +85,11 @@ absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
     const int e = static_cast<int>(solution->phy2log[q]);
     after[q / per_rank].push_back(e);
     plan.expert_rank.emplace_back(e, q / per_rank);
+    plan.replica_rank.push_back(static_cast<int>(solution->phyrank[q]));
   }
   plan.rank_load_after = RankLoad(in.expert_load, after, &plan.copies_after);
   plan.balancedness_after = Balancedness(plan.rank_load_after);
+  plan.gamma_after = GammaRank(plan.rank_load_after);
   return plan;
 }
 

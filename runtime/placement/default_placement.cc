@@ -51,8 +51,12 @@ namespace {
 // checkpoint); >= 0: the expert's digest in that layer alone (a per-layer slot table).
 absl::StatusOr<std::vector<SlotRecord>> AssignmentSlots(int num_experts,
                                                         const std::vector<std::pair<int, int>>& expert_rank,
-                                                        const Topology& topology, const CheckpointIdentity& id,
-                                                        int layer_index) {
+                                                        const std::vector<int>& replica_ranks, const Topology& topology,
+                                                        const CheckpointIdentity& id, int layer_index) {
+  if (!replica_ranks.empty() && replica_ranks.size() != expert_rank.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica_ranks: ", replica_ranks.size(), " for ", expert_rank.size(), " slots"));
+  }
   if (static_cast<int>(id.digests.size()) < num_experts) {
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint has ", id.digests.size(), " experts, the placement ", num_experts));
@@ -70,7 +74,8 @@ absl::StatusOr<std::vector<SlotRecord>> AssignmentSlots(int num_experts,
     s.slot = PhysicalSlotId(static_cast<int32_t>(slots.size()));
     s.name = absl::StrCat("q", slots.size());
     s.expert = LogicalExpertId(e);
-    s.replica = ReplicaId(replicas[e]++);
+    // (PlacementManifest::Create checks that each expert's replica ids are 0..m_e-1.)
+    s.replica = ReplicaId(replica_ranks.empty() ? replicas[e]++ : replica_ranks[slots.size()]);
     s.rank = Rank(rank);
     s.domain = topology.NodeOf(Rank(rank));
     s.checkpoint = CheckpointVersion(id.version);
@@ -107,22 +112,30 @@ ManifestOptions OptionsFor(PlacementVersion version, int num_experts, const Proc
 
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
-    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id) {
-  auto slots = AssignmentSlots(num_experts, expert_rank, topology, id, -1);
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id,
+    const std::vector<int>& replica_ranks) {
+  auto slots = AssignmentSlots(num_experts, expert_rank, replica_ranks, topology, id, -1);
   if (!slots.ok()) return slots.status();
   return PlacementManifest::Create(OptionsFor(version, num_experts, group, id), *std::move(slots), topology);
 }
 
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> LayeredPlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::vector<std::pair<int, int>>>& expert_rank,
-    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id) {
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& id,
+    const std::vector<std::vector<int>>& replica_ranks) {
+  if (!replica_ranks.empty() && replica_ranks.size() != expert_rank.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica_ranks: ", replica_ranks.size(), " tables for ", expert_rank.size(), " layers"));
+  }
   if (id.layers.empty() || expert_rank.size() != id.layers.size()) {
     return absl::InvalidArgumentError(absl::StrCat("placement: ", expert_rank.size(), " per-layer assignments for a ",
                                                    id.layers.size(), "-layer checkpoint"));
   }
   std::vector<std::vector<SlotRecord>> tables;
   for (size_t i = 0; i < expert_rank.size(); ++i) {
-    auto slots = AssignmentSlots(num_experts, expert_rank[i], topology, id, static_cast<int>(i));
+    static const std::vector<int> kSlotOrder;
+    auto slots = AssignmentSlots(num_experts, expert_rank[i], replica_ranks.empty() ? kSlotOrder : replica_ranks[i],
+                                 topology, id, static_cast<int>(i));
     if (!slots.ok()) {
       return absl::Status(slots.status().code(), absl::StrCat("layer ", id.layers[i], ": ", slots.status().message()));
     }

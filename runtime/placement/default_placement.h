@@ -26,15 +26,17 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> DefaultPlacement(Placem
                                                                           const ProcessGroup& group,
                                                                           const CheckpointIdentity& checkpoint);
 
-// A manifest from (logical expert, rank) per physical slot, in slot order; replica ids count the
-// copies of each expert in that order. Checkpoint version, layers and digests come from the
-// checkpoint: a single-layer slot carries the expert's digest (FAILED_PRECONDITION when the
+// A manifest from (logical expert, rank) per physical slot, in slot order; replica ids are
+// `replica_ranks` (EPLB's phyrank per slot, 0x08C3: each expert's copies numbered 0..m_e-1 in
+// any slot order) or, when it is empty, count the copies of each expert in slot order. Checkpoint version, layers and
+// digests come from the checkpoint: a single-layer slot carries the expert's digest (FAILED_PRECONDITION when the
 // metadata has none); a multi-layer slot its per-layer digests and their CombinedDigest, both
 // empty when the checkpoint records none (the ranks then check nothing across each other).
 // EPLB's phy2log becomes a placement this way (slot q on rank q / (Q / P)).
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
-    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& checkpoint);
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& checkpoint,
+    const std::vector<int>& replica_ranks = {});
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::pair<int, int>>& expert_rank,
     const Topology& topology, const ProcessGroup& group, const std::map<std::string, std::string>& md);
@@ -44,7 +46,8 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementFromAssignment
 // its expert's digest in its layer. Every layer must put slot q on the same rank.
 absl::StatusOr<std::shared_ptr<const PlacementManifest>> LayeredPlacementFromAssignment(
     PlacementVersion version, int num_experts, const std::vector<std::vector<std::pair<int, int>>>& expert_rank,
-    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& checkpoint);
+    const Topology& topology, const ProcessGroup& group, const CheckpointIdentity& checkpoint,
+    const std::vector<std::vector<int>>& replica_ranks = {});
 
 // The identity of a single-file checkpoint from its metadata (FAILED_PRECONDITION without a
 // version).

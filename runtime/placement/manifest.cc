@@ -77,6 +77,17 @@ absl::StatusOr<std::shared_ptr<const PlacementManifest>> PlacementManifest::Crea
                      [&](PhysicalSlotId a, PhysicalSlotId b) {
                        return m->slots_[a.value()].replica < m->slots_[b.value()].replica;
                      });
+    // An expert's m_e copies are its replicas 0..m_e-1, each once (0x08C3 phyrank): rho_v(e)
+    // orders by them, so a repeated or missing one would make the copy order ambiguous.
+    for (int32_t i = m->expert_begin_[e]; i < m->expert_begin_[e + 1]; ++i) {
+      const SlotRecord& s = m->slots_[m->expert_slots_[i].value()];
+      if (s.replica.value() != i - m->expert_begin_[e]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "placement.slots[", s.name, "].replica_id: ", s.replica.value(), " for logical expert ", e, ", which has ",
+            m->expert_begin_[e + 1] - m->expert_begin_[e], " copies: its replica ids must be 0..",
+            m->expert_begin_[e + 1] - m->expert_begin_[e] - 1, ", each once"));
+      }
+    }
   }
 
   m->local_slots_.assign(topology.num_ranks(), {});

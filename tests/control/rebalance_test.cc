@@ -1,7 +1,14 @@
-// PlanRebalance: balancedness of the current and the EPLB placement, computed by hand.
+// PlanRebalance: balancedness of the current and the EPLB placement, computed by hand, and the
+// spec's EPLB fixture (0x08C3) through it into a placement manifest.
 #include "control/rebalance.h"
 
+#include <string>
+
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
+#include "runtime/placement/default_placement.h"
+#include "tests/runtime/fixtures.h"
 
 namespace moe {
 namespace {
@@ -30,6 +37,73 @@ TEST(RebalanceTest, HotExpertGetsCopiesAndRanksEvenOut) {
   EXPECT_EQ(on_rank0, 6);
 }
 
+// 0x08C3 / 0x08D: W = [4,2,1,1], four ranks on two nodes, two expert groups, eight slots. The
+// plan is the spec's target map (phy2log, replica ranks, rank loads, Gamma_rank = 5/3), and the
+// manifest built from it keeps the replica ranks, so rho_v(e) is the spec's log2phy
+// (E0: [p2, p3, p1]).
+TEST(RebalanceTest, TheSpecFixtureGivesItsTargetMapAndLog2Phy) {
+  RebalanceInput in;
+  in.expert_load = {4, 2, 1, 1};
+  in.current_slot_experts = {{0, 1}, {2, 3}, {0, 1}, {2, 3}};
+  in.num_replicas = 8;
+  in.num_groups = 2;
+  in.num_nodes = 2;
+  auto plan = PlanRebalance(in);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  using ::testing::ElementsAre;
+  using ::testing::Pair;
+  EXPECT_THAT(plan->expert_rank, ElementsAre(Pair(1, 0), Pair(0, 0), Pair(0, 1), Pair(0, 1), Pair(2, 2), Pair(2, 2),
+                                             Pair(3, 3), Pair(3, 3)));
+  EXPECT_THAT(plan->replica_rank, ElementsAre(0, 2, 0, 1, 0, 1, 0, 1));
+  EXPECT_THAT(plan->copies_after, ElementsAre(3, 1, 2, 2));
+  ASSERT_EQ(plan->rank_load_after.size(), 4u);
+  EXPECT_DOUBLE_EQ(plan->rank_load_after[0], 10.0 / 3);
+  EXPECT_DOUBLE_EQ(plan->rank_load_after[1], 8.0 / 3);
+  EXPECT_DOUBLE_EQ(plan->rank_load_after[2], 1);
+  EXPECT_DOUBLE_EQ(plan->rank_load_after[3], 1);
+  EXPECT_NEAR(plan->gamma_after, 5.0 / 3, 1e-12);
+  EXPECT_NEAR(plan->balancedness_after, 3.0 / 5, 1e-12);
+
+  CheckpointIdentity id;
+  id.version = "checkpoint-0042";
+  for (int e = 0; e < 4; ++e) id.digests.push_back({"sha256:e" + std::to_string(e)});
+  auto m = PlacementFromAssignment(PlacementVersion(2), 4, plan->expert_rank, fixture::FourRankTwoNode(),
+                                   fixture::IdentityGroup(), id, plan->replica_rank);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const auto slots = [&](int e) {
+    std::vector<int> out;
+    for (PhysicalSlotId q : (*m)->SlotsOf(LogicalExpertId(e))) out.push_back(q.value());
+    return out;
+  };
+  EXPECT_THAT(slots(0), ElementsAre(2, 3, 1));  // log2phy[E0] = [p2, p3, p1]
+  EXPECT_THAT(slots(1), ElementsAre(0));
+  EXPECT_THAT(slots(2), ElementsAre(4, 5));
+  EXPECT_THAT(slots(3), ElementsAre(6, 7));
+  EXPECT_EQ((*m)->slot(PhysicalSlotId(1)).replica.value(), 2);
+  EXPECT_EQ((*m)->slot(PhysicalSlotId(1)).domain.value(), 0);
+  EXPECT_EQ((*m)->slot(PhysicalSlotId(4)).domain.value(), 1);
+
+  // Replica ranks that repeat one, or skip one, for an expert's copies are refused by name.
+  std::vector<int> repeated = plan->replica_rank;
+  repeated[1] = 0;  // p1 and p2 both E0's replica 0
+  auto bad = PlacementFromAssignment(PlacementVersion(2), 4, plan->expert_rank, fixture::FourRankTwoNode(),
+                                     fixture::IdentityGroup(), id, repeated);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("replica_id"));
+  std::vector<int> skipped = plan->replica_rank;
+  skipped[1] = 3;
+  EXPECT_EQ(PlacementFromAssignment(PlacementVersion(2), 4, plan->expert_rank, fixture::FourRankTwoNode(),
+                                    fixture::IdentityGroup(), id, skipped)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlacementFromAssignment(PlacementVersion(2), 4, plan->expert_rank, fixture::FourRankTwoNode(),
+                                    fixture::IdentityGroup(), id, {0, 1})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(RebalanceTest, DefaultsAndErrors) {
   RebalanceInput in;
   in.expert_load = {5, 5, 5};
@@ -45,6 +119,8 @@ TEST(RebalanceTest, DefaultsAndErrors) {
   EXPECT_EQ(PlanRebalance(in).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_DOUBLE_EQ(Balancedness({2, 4}), 0.75);
   EXPECT_DOUBLE_EQ(Balancedness({0, 0}), 1.0);
+  EXPECT_DOUBLE_EQ(GammaRank({2, 4}), 4.0 / 3);
+  EXPECT_DOUBLE_EQ(GammaRank({0, 0}), 1.0);
 }
 
 }  // namespace

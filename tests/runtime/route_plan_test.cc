@@ -205,10 +205,11 @@ TEST(RoutePlanTest, MatchesComparisonSortOnRandomRoutings) {
     std::shuffle(peers.begin(), peers.end(), rng);
     ProcessGroup group = *ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(12), peers);
     std::vector<SlotRecord> slots;
+    std::vector<int> copies(experts, 0);
     for (int q = 0; q < experts + extra; ++q) {
       const int e = q < experts ? q : static_cast<int>(rng() % experts);
       const int rank = static_cast<int>(rng() % p_count);
-      slots.push_back(fixture::Slot(q, e, q < experts ? 0 : q, rank, rank / 2));
+      slots.push_back(fixture::Slot(q, e, copies[e]++, rank, rank / 2));
     }
     auto manifest = *PlacementManifest::Create(fixture::Options(17, experts), slots, topo);
     SemanticHandoff h;
