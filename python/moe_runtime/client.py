@@ -336,16 +336,23 @@ class RankClient:
 
 
 class StepStream:
-    """Steps over one ``Step`` stream, answered in order. Close it (or use ``with``) when done."""
+    """Steps over one ``Step`` stream, answered in order. Close it (or use ``with``) when done.
 
-    def __init__(self, client: RankClient, timeout: float):
+    ``timeout`` bounds each step, not the stream: a step not answered within it ends the stream
+    (``DeadlineExceeded``; later steps are ``Unavailable``: open another). Steps from several
+    threads take turns, each waiting for its own answer."""
+
+    def __init__(self, client: RankClient, timeout: Optional[float]):
         self._client = client
+        self._timeout = timeout
         self._requests: List[Any] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._responses: Iterator[Any] = client._stub.Step(
-            self._request_iter(), timeout=timeout, metadata=client._metadata
-        )
+        self._turn = threading.Lock()  # one step in flight: responses are matched to requests by order
+        self._expired: Optional[int] = None  # the step id whose answer did not come in time
+        self._waiting: Optional[int] = None  # the step id awaiting its answer (under _cond)
+        # No deadline on the call itself: it would end a stream kept open longer than one step's timeout.
+        self._responses: Any = client._stub.Step(self._request_iter(), metadata=client._metadata)
 
     def _request_iter(self) -> Iterator[Any]:
         while True:
@@ -357,19 +364,53 @@ class StepStream:
                 req = self._requests.pop(0)
             yield req
 
+    def _expire(self, step_id: int) -> None:
+        with self._cond:
+            if self._waiting != step_id:
+                return  # answered meanwhile
+            self._expired = step_id
+        self._responses.cancel()
+
     def step(self, step_id: int, layer: int, hidden: Any, topk_ids: Any, topk_weights: Any, **kw: Any) -> StepResult:
         req, rows = build_request(step_id, layer, hidden, topk_ids, topk_weights, **kw)
-        start = time.perf_counter()
-        with self._cond:
-            self._requests.append(req)
-            self._cond.notify()
-        try:
-            resp = next(self._responses)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, self._client.rank) from None
-        except StopIteration:
-            raise errors.Unavailable("step stream ended", rank=self._client.rank) from None
-        return self._client._result(resp, rows, start)
+        rank = self._client.rank
+        with self._turn:
+            if self._expired is not None:
+                raise errors.Unavailable(f"step stream ended: step {self._expired} was not answered within "
+                                         f"{self._timeout} s; open another stream", rank=rank)
+            start = time.perf_counter()
+            with self._cond:
+                if self._closed:
+                    raise errors.FailedPrecondition("step stream: closed", rank=rank)
+                self._requests.append(req)
+                self._waiting = step_id
+                self._cond.notify()
+            timer = None
+            if self._timeout:
+                timer = threading.Timer(self._timeout, self._expire, args=(step_id,))
+                timer.daemon = True
+                timer.start()
+            try:
+                resp = next(self._responses)
+                with self._cond:
+                    self._waiting = None
+                    expired = self._expired == step_id
+                if expired:  # the timer fired as the answer came: the stream is cancelled all the same
+                    raise errors.DeadlineExceeded(f"step {step_id}: answered after {self._timeout} s; the step "
+                                                  f"stream is ended", rank=rank)
+            except grpc.RpcError as e:
+                if self._expired == step_id:
+                    raise errors.DeadlineExceeded(f"step {step_id}: not answered within {self._timeout} s; the step "
+                                                  f"stream is ended", rank=rank) from None
+                raise errors.from_rpc_error(e, rank) from None
+            except StopIteration:
+                raise errors.Unavailable("step stream ended", rank=rank) from None
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                with self._cond:
+                    self._waiting = None
+            return self._client._result(resp, rows, start)
 
     def close(self) -> None:
         with self._cond:

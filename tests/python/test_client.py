@@ -256,6 +256,44 @@ def test_streams_serve_steps_in_order(cluster):
         c1.close()
 
 
+def test_a_stream_outlives_its_step_timeout_and_threads_take_turns(cluster):
+    """The stream's timeout bounds each step, not the stream: a step after the stream has been open
+    longer than it is served. Steps from two threads each get their own answer."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(17)
+    with RankClient(cluster.targets[0], rank=0) as c0, RankClient(cluster.targets[1], rank=1) as c1:
+        with c0.stream(timeout=1.5) as s, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            x0, x1 = random_step(rng, 3), random_step(rng, 2)
+            other = pool.submit(c1.step, 9301, 0, *x1)
+            check_outputs(cluster, 0, [StepInput(*x0), StepInput(*x1)], [s.step(9301, 0, *x0), other.result()])
+            time.sleep(2.0)  # longer than the timeout: a deadline on the call would have ended the stream
+            a0, a1 = random_step(rng, 4), random_step(rng, 1)
+            b0, b1 = random_step(rng, 2), random_step(rng, 3)
+            # Rank 1 takes the steps in order; on rank 0 the second thread's step is issued while the
+            # first one's is in flight on the same stream.
+            peers = pool.submit(lambda: [c1.step(9302, 0, *a1), c1.step(9303, 0, *b1)])
+            first = pool.submit(s.step, 9302, 0, *a0)
+            time.sleep(0.2)
+            second = pool.submit(s.step, 9303, 0, *b0)
+            p1 = peers.result()
+            check_outputs(cluster, 0, [StepInput(*a0), StepInput(*a1)], [first.result(), p1[0]])
+            check_outputs(cluster, 0, [StepInput(*b0), StepInput(*b1)], [second.result(), p1[1]])
+
+
+def test_a_stream_step_not_answered_in_time_ends_the_stream(cluster):
+    rng = np.random.default_rng(18)
+    with RankClient(cluster.targets[0], rank=0) as c0:
+        with c0.stream(timeout=0.5) as s:
+            start = time.monotonic()
+            with pytest.raises(errors.DeadlineExceeded, match="424343"):
+                s.step(424343, 0, *random_step(rng, 2))  # rank 1 never joins this step
+            assert time.monotonic() - start < 2.5  # the client's 0.5 s, not the rank's 3 s timeout
+            with pytest.raises(errors.Unavailable, match="open another stream"):
+                s.step(424344, 0, *random_step(rng, 2))
+    time.sleep(3.5)  # the rank's own timeout for the lone step, before the next tests' steps
+
+
 def test_a_rank_left_alone_answers_within_the_deadline(cluster):
     rng = np.random.default_rng(8)
     with RankClient(cluster.targets[0], rank=0) as c:
