@@ -11,7 +11,7 @@ from grpc import aio
 
 from moe_runtime import errors
 from moe_runtime._proto import expert_layer_pb2_grpc as pb_grpc
-from moe_runtime.client import RECONNECT_GRACE_S, StepInput, StepRecord, StepResult, build_request
+from moe_runtime.client import RECONNECT_GRACE_S, StepInput, StepRecord, StepResult, TlsFiles, build_request
 from moe_runtime.group import GroupStepError, StepIds
 from moe_runtime.tensors import check_step_arrays, from_wire
 
@@ -21,19 +21,21 @@ _MAX_MESSAGE = 1 << 30
 class AsyncRankClient:
     """One rank's data-plane API on an asyncio loop (create it inside the loop)."""
 
-    def __init__(self, target: str, *, token: Optional[str] = None, timeout: float = 60.0, rank: Optional[int] = None):
+    def __init__(self, target: str, *, token: Optional[str] = None, timeout: float = 60.0, rank: Optional[int] = None,
+                 tls: Optional[TlsFiles] = None):
         self.target, self.rank, self.timeout = target, rank, timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                # A rank that restarts (a replacement on the same address) is reached again within a second.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            # A rank that restarts (a replacement on the same address) is reached again within a second.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
+        ]
+        if tls is not None:
+            self._channel = aio.secure_channel(target, tls.credentials(), options=options)
+        else:
+            self._channel = aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.ExpertLayerServiceStub(self._channel)
         self._health = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
@@ -81,8 +83,9 @@ class AsyncRankGroup:
     """Every rank at once on an asyncio loop; all-ABORTED steps retried under a new step id."""
 
     def __init__(self, targets: Sequence[str], *, token: Optional[str] = None, timeout: float = 60.0,
-                 max_retries: int = 8, step_ids: Optional[StepIds] = None):
-        self.clients = [AsyncRankClient(t, token=token, timeout=timeout, rank=r) for r, t in enumerate(targets)]
+                 max_retries: int = 8, step_ids: Optional[StepIds] = None, tls: Optional[TlsFiles] = None):
+        self.clients = [AsyncRankClient(t, token=token, timeout=timeout, rank=r, tls=tls)
+                        for r, t in enumerate(targets)]
         self.max_retries = max_retries
         self.step_ids = step_ids or StepIds()
         self.retried = 0

@@ -15,7 +15,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 from moe_runtime import errors
-from moe_runtime.client import RankClient, StepInput, StepResult
+from moe_runtime.client import RankClient, StepInput, StepResult, TlsFiles
 from moe_runtime.tensors import check_step_arrays
 
 
@@ -51,8 +51,8 @@ class RankGroup:
     """Clients of ranks 0..P-1. ``targets``: each rank's address (``unix:/...`` or ``host:port``)."""
 
     def __init__(self, targets: Sequence[str], *, token: Optional[str] = None, timeout: float = 60.0,
-                 max_retries: int = 8, step_ids: Optional[StepIds] = None):
-        self.clients = [RankClient(t, token=token, timeout=timeout, rank=r) for r, t in enumerate(targets)]
+                 max_retries: int = 8, step_ids: Optional[StepIds] = None, tls: Optional[TlsFiles] = None):
+        self.clients = [RankClient(t, token=token, timeout=timeout, rank=r, tls=tls) for r, t in enumerate(targets)]
         self.max_retries = max_retries
         self.step_ids = step_ids or StepIds()
         self.retried = 0

@@ -456,6 +456,18 @@ def test_a_rank_over_tcp_with_a_token_and_mutual_tls(cluster, tmp_path):
         with RankClient(target, token="engine-token-0123456789abcdef", tls=good, timeout=10) as c:
             res = c.step(5, 0, *x)
             check_outputs(cluster, 0, [StepInput(*x)], [res])
+        # The groups, sync and asyncio, take the same TLS files.
+        with RankGroup([target], token="engine-token-0123456789abcdef", tls=good, timeout=10) as g:
+            check_outputs(cluster, 0, [StepInput(*x)], g.step(0, [StepInput(*x)]))
+
+        async def one_async_step():
+            ag = AsyncRankGroup([target], token="engine-token-0123456789abcdef", tls=good, timeout=10)
+            try:
+                return await ag.step(0, [StepInput(*x)])
+            finally:
+                await ag.close()
+
+        check_outputs(cluster, 0, [StepInput(*x)], asyncio.run(one_async_step()))
         with RankClient(target, token="engine-token-0123456789abcdef", timeout=3) as c:
             with pytest.raises(errors.Unavailable):
                 c.step(6, 0, *x)
