@@ -472,6 +472,10 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitRollbac
   // can activate.
   if (drives_ranks() && prior.placement_version > 0) {
     for (auto& [status, address] : agents_->Status()) {
+      // A rank outside the epoch served (lost; the group re-formed on the survivors) is neither
+      // checked nor driven: a rollback is what an operator needs most then. Its replacement is
+      // brought to the ACTIVE placement by the reconciler.
+      if (address.empty()) continue;
       if (!status.ok()) {
         return absl::UnavailableError(absl::StrCat("prior_release_id: cannot check placement-v",
                                                    prior.placement_version, " on rank ", address, ": ",

@@ -636,6 +636,35 @@ TEST_F(GateTest, RollbackToAPriorARankRetiredIsRefused) {
   for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
 }
 
+// A group that re-formed on the survivors of a lost rank (the rank is outside the epoch) can
+// still be rolled back: only the epoch's members are checked and driven. The lost rank, once
+// replaced, is brought to the ACTIVE placement by the reconciler.
+TEST_F(GateTest, RollbackOnTheSurvivorsOfALostRank) {
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
+  AgentGroup survivors;
+  survivors.epoch = 2;
+  survivors.addresses = pool_->addresses();
+  survivors.addresses[1] = "";  // rank 1 lost
+  for (int r = 0; r < kRanks; ++r) {
+    survivors.node_of_rank.push_back(TwoNodeTopology(kRanks).NodeName(TwoNodeTopology(kRanks).NodeOf(Rank(r))));
+  }
+  pool_->SetGroup(survivors);
+  rank_servers_[1]->Shutdown();
+  for (auto& r : ranks_) r->TakeCalls();
+  v1::RollbackResponse resp;
+  grpc::Status s = stub_->Rollback(Ctx().get(), RollbackV2ToV1("rb-survivors"), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_RETIRED);
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == 1) {
+      EXPECT_TRUE(ranks_[r]->TakeCalls().empty()) << "the lost rank was driven";
+    } else {
+      EXPECT_THAT(ranks_[r]->TakeCalls(), ::testing::ElementsAre("activate v1", "retire v2")) << "rank " << r;
+    }
+  }
+}
+
 // 0x0EA on the ranks: the prior activated, the candidate drained to zero handles, then retired
 // and committed RETIRED; a candidate that does not drain stays DRAINING (committed) and the
 // request is retried with the same request_id.
