@@ -111,6 +111,20 @@ absl::Status SharedRegions::Register(const std::string& name, uint64_t bytes, st
         absl::StrCat("name: '", name, "' is registered by another engine; it must unregister it first"));
   }
   if (it == regions_.end() && static_cast<int>(regions_.size()) >= options_.max_regions) {
+    // At the cap, regions whose object was unlinked are dropped first: no engine can name them
+    // again, and an engine that died without unregistering (its objects unlinked after it, e.g.
+    // by Python's resource tracker) would otherwise hold its slots for good. Below the cap an
+    // unlinked region stays (an engine may unlink its object early and keep stepping on it).
+    for (auto r = regions_.begin(); r != regions_.end();) {
+      struct stat held {};
+      if (fstat(r->second->fd, &held) == 0 && held.st_nlink == 0) {
+        r = regions_.erase(r);  // a step still reading it keeps it open
+      } else {
+        ++r;
+      }
+    }
+  }
+  if (it == regions_.end() && static_cast<int>(regions_.size()) >= options_.max_regions) {
     return absl::ResourceExhaustedError(
         absl::StrCat("name: ", options_.max_regions, " regions are registered already; unregister one first"));
   }

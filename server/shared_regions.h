@@ -34,7 +34,9 @@ namespace moe {
 
 struct SharedRegionOptions {
   std::string name_prefix = "/moe-";  // names must start with it ("/" + at least one character)
-  int max_regions = 64;               // registered at once (each holds a descriptor)
+  // Registered at once (each holds a descriptor). At the cap, regions whose object has been
+  // unlinked (an engine gone without unregistering) are dropped to make room.
+  int max_regions = 64;
 };
 
 class SharedRegions {

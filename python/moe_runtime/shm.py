@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import time
+from multiprocessing import resource_tracker
 from typing import Any, Optional
 
 import numpy as np
@@ -50,11 +51,16 @@ class SharedRegion:
             raise
         finally:
             os.close(fd)
+        # The resource tracker (multiprocessing's, as SharedMemory uses it) unlinks the object if
+        # this process dies without close(), even by SIGKILL; the rank then drops the region when
+        # it needs room (server/shared_regions.h).
+        resource_tracker.register(self.name, "shared_memory")
         try:
             client.register_region(self.name, nbytes)
         except errors.MoeError:
             self._unmap()
             os.unlink(path)
+            resource_tracker.unregister(self.name, "shared_memory")
             raise
 
     @property
@@ -104,6 +110,7 @@ class SharedRegion:
             os.unlink(_SHM_DIR + self.name)
         except FileNotFoundError:
             pass
+        resource_tracker.unregister(self.name, "shared_memory")
         self._unmap()
 
     def _unmap(self) -> None:

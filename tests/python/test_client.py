@@ -404,6 +404,35 @@ def test_a_shared_region_closed_under_live_views_keeps_them_valid():
     assert not os.path.exists("/dev/shm" + name)  # a region the rank refused leaves no file
 
 
+def test_a_shared_region_of_a_killed_engine_is_unlinked():
+    """An engine killed (SIGKILL) without closing its region: multiprocessing's resource tracker
+    unlinks the object after it, so the rank can reclaim the region's slot."""
+    import signal
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import os, sys, time\n"
+            "from moe_runtime.shm import SharedRegion\n"
+            "class C:\n"
+            "    def register_region(self, n, b): pass\n"
+            "    def unregister_region(self, n): pass\n"
+            "r = SharedRegion(C(), 4096)\n"
+            "print(r.name, flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root / "python")})
+    name = proc.stdout.readline().strip()
+    assert name.startswith("/moe-py-"), name
+    assert os.path.exists("/dev/shm" + name)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    for _ in range(100):
+        if not os.path.exists("/dev/shm" + name):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists("/dev/shm" + name), "the killed engine's region is still linked"
+
+
 def test_the_package_installs_with_pip(tmp_path):
     import shutil
     import sys

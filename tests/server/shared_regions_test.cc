@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <sys/mman.h>
 
@@ -90,6 +91,34 @@ TEST_F(SharedRegionsTest, AnotherCallerCanNeitherReadWriteNorDropTheRegion) {
   EXPECT_EQ(std::memcmp(got, rows, sizeof rows), 0);
   EXPECT_TRUE(regions_.Unregister(name_, me_).ok());
   EXPECT_EQ(regions_.size(), 0);
+}
+
+// At the cap, a region whose object was unlinked (its engine gone without unregistering) makes
+// room for a new one; one still linked does not, and below the cap an unlinked region stays.
+TEST(SharedRegionsCapTest, UnlinkedRegionsAreDroppedAtTheCap) {
+  SharedRegions regions(SharedRegionOptions{"/moe-", 2});
+  const uid_t me = geteuid();
+  std::vector<std::string> names;
+  for (int i = 0; i < 4; ++i) {
+    names.push_back("/moe-cap-test-" + std::to_string(getpid()) + "-" + std::to_string(i));
+    shm_unlink(names.back().c_str());
+    const int fd = shm_open(names.back().c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 64), 0);
+    close(fd);
+  }
+  ASSERT_TRUE(regions.Register(names[0], 64, me).ok());
+  ASSERT_TRUE(regions.Register(names[1], 64, me).ok());
+  EXPECT_EQ(regions.Register(names[2], 64, me).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_EQ(shm_unlink(names[0].c_str()), 0);  // its engine is gone; the rank still holds it
+  char got[8];
+  EXPECT_TRUE(regions.Read(names[0], me, 0, 8, got, "hidden_region").ok());  // kept until a Register meets the cap
+  EXPECT_TRUE(regions.Register(names[2], 64, me).ok());                      // at the cap: the unlinked one makes room
+  EXPECT_EQ(regions.size(), 2);
+  EXPECT_EQ(regions.Read(names[0], me, 0, 8, got, "hidden_region").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(regions.Read(names[1], me, 0, 8, got, "hidden_region").ok());
+  EXPECT_EQ(regions.Register(names[3], 64, me).code(), absl::StatusCode::kResourceExhausted);
+  for (const std::string& n : names) shm_unlink(n.c_str());
 }
 
 }  // namespace
