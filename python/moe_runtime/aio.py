@@ -11,11 +11,10 @@ from grpc import aio
 
 from moe_runtime import errors
 from moe_runtime._proto import expert_layer_pb2_grpc as pb_grpc
-from moe_runtime.client import RECONNECT_GRACE_S, StepInput, StepRecord, StepResult, TlsFiles, build_request
+from moe_runtime.client import (RECONNECT_GRACE_S, StepInput, StepRecord, StepResult, TlsFiles, build_request,
+                                channel_options)
 from moe_runtime.group import GroupStepError, StepIds
 from moe_runtime.tensors import check_step_arrays, from_wire
-
-_MAX_MESSAGE = 1 << 30
 
 
 class AsyncRankClient:
@@ -25,13 +24,7 @@ class AsyncRankClient:
                  tls: Optional[TlsFiles] = None):
         self.target, self.rank, self.timeout = target, rank, timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        options = [
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            # A rank that restarts (a replacement on the same address) is reached again within a second.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
-        ]
+        options = channel_options()
         if tls is not None:
             self._channel = aio.secure_channel(target, tls.credentials(), options=options)
         else:

@@ -144,6 +144,17 @@ def build_request(
     return req, rows
 
 
+def channel_options() -> "list[tuple[str, int]]":
+    """The options of a channel to a rank (this client's and the asyncio one's)."""
+    return [
+        ("grpc.max_receive_message_length", _MAX_MESSAGE),
+        ("grpc.max_send_message_length", _MAX_MESSAGE),
+        # A rank that restarts (a replacement on the same address) is reached again within a second.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
+    ]
+
+
 class RankClient:
     """One rank's data-plane API.
 
@@ -166,13 +177,7 @@ class RankClient:
         self.rank = rank
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        options = [
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
-            # A rank that restarts (a replacement on the same address) is reached again within a second.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(RECONNECT_GRACE_S * 1000)),
-        ]
+        options = channel_options()
         if channel is not None:
             self._channel = channel
         elif tls is not None:

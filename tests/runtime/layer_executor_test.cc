@@ -196,7 +196,20 @@ TEST(LayerExecutorTest, FourRanksMatchTheSemanticComputation) {
 // A lone member sends every row to itself, so its steps run no exchange of rows and count none
 // as sent; prefill steps are planned on the host or on the kernels (the parameter's second half).
 class OneMemberTest : public testing::OneRankTest,
-                      public ::testing::WithParamInterface<std::tuple<DecodeRunner, bool>> {};
+                      public ::testing::WithParamInterface<std::tuple<DecodeRunner, bool>> {
+ protected:
+  // The rank with placement-v2 PREPARED beside the ACTIVE v1 and its experts loaded: a
+  // candidate to put on trial.
+  void SetUpRankWithCandidateV2() {
+    SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
+    auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 4, topology_, group_, ckpt_.metadata);
+    ASSERT_TRUE(registry_.Prepare(v2).ok());
+    ASSERT_TRUE(
+        executor_
+            ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
+            .ok());
+  }
+};
 
 TEST_P(OneMemberTest, ServesDecodeAndPrefillSteps) {
   const auto [runner, device_plan] = GetParam();
@@ -377,13 +390,7 @@ TEST_F(OneMemberTest, DecodeStepsCanKeepTheHostPlan) {
 // A lone member's canary steps count their routes under the candidate (the promotion gate's
 // r_drop denominator), decode and prefill alike.
 TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
-  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
-  auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 4, topology_, group_, ckpt_.metadata);
-  ASSERT_TRUE(registry_.Prepare(v2).ok());
-  ASSERT_TRUE(
-      executor_
-          ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
-          .ok());
+  ASSERT_NO_FATAL_FAILURE(SetUpRankWithCandidateV2());
   executor_->SetTrial(2, 2, 3);  // every 3rd step a canary step, every 2nd a shadow
   std::mt19937 rng(9);
   int64_t accepted = 0;
@@ -409,13 +416,7 @@ TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
 // under the candidate, not as a failed step: a bad request must not block the promotion gate
 // (FaultsOK reads failed_steps). The expert load grows only by the steps served.
 TEST_F(OneMemberTest, ACanaryStepWithBadInputIsRejectedNotACandidateFailure) {
-  SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
-  auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 4, topology_, group_, ckpt_.metadata);
-  ASSERT_TRUE(registry_.Prepare(v2).ok());
-  ASSERT_TRUE(
-      executor_
-          ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
-          .ok());
+  ASSERT_NO_FATAL_FAILURE(SetUpRankWithCandidateV2());
   executor_->SetTrial(2, 0, 1);  // every step a canary step
   std::mt19937 rng(21);
   RankInput bad = RandomInput(rng, 5);
