@@ -180,7 +180,8 @@ absl::Status EncodeOutput(const v1::StepRequest& req, const CheckedStep& c, absl
 void CountRecord(const StepRecord& r, bool decode, RankMetrics* metrics) {
   metrics->LayerRoutes(r.load_layer, r.routes_accepted, r.routes_served);
   if (!r.fallback_reason.empty()) metrics->Fallback(r.fallback_reason);  // decode steps the graph did not admit
-  metrics->Routes(r.routes_attempted, r.routes_accepted, r.routes_dropped, r.routes_remote, r.routes_inter_node);
+  metrics->Routes(decode ? "decode" : "prefill", r.routes_attempted, r.routes_accepted, r.routes_dropped,
+                  r.routes_remote, r.routes_inter_node);
   metrics->BytesSent(r.bytes_sent);
   metrics->Generation(r.placement_version);
   metrics->StepPhases(decode ? "decode" : "prefill", r.phase_us);

@@ -17,6 +17,14 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
                                   "generation's: match, mismatch; or failed)",
                                   prometheus::MetricType::Counter,
                                   {}};
+  // Spec 0x0DB's stale-handle acceptance counter: steps answered by a generation they were not
+  // to use (GenerationCounters::stale_accepts); the fences refuse such steps, so anything but 0
+  // is a breach.
+  prometheus::MetricFamily stale{"moe_stale_accepts_total",
+                                 "steps answered by a placement generation other than the one they had to use "
+                                 "(spec 0x0DB stale-handle acceptance; 0 unless a fence broke)",
+                                 prometheus::MetricType::Counter,
+                                 {}};
   auto add = [&](prometheus::MetricFamily& f, int64_t version, const char* key, const char* value, int64_t n) {
     prometheus::ClientMetric m;
     m.label = {{"release", release_}, {"placement_generation", absl::StrCat(version)}, {key, value}};
@@ -29,6 +37,10 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
     add(steps, version, "kind", "failed", c.failed_steps);
     add(steps, version, "kind", "aborted", c.aborted_steps);
     add(steps, version, "kind", "rejected", c.rejected_steps);
+    prometheus::ClientMetric s;
+    s.label = {{"release", release_}, {"placement_generation", absl::StrCat(version)}};
+    s.counter.value = static_cast<double>(c.stale_accepts);
+    stale.metric.push_back(s);
     if (c.shadow_samples > 0) {
       add(shadow, version, "result", "match", c.shadow_samples - c.shadow_mismatches - c.shadow_failures);
       add(shadow, version, "result", "mismatch", c.shadow_mismatches);
@@ -51,7 +63,7 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
     m.gauge.value = static_cast<double>(n);
     states.metric.push_back(m);
   }
-  return {steps, shadow, states};
+  return {steps, shadow, stale, states};
 }
 
 }  // namespace moe

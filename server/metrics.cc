@@ -16,7 +16,9 @@ RankMetrics::RankMetrics(const std::string& release)
                   .Register(*registry_);
   routes_ = &prometheus::BuildCounter()
                  .Name("moe_routes_total")
-                 .Help("Routes by kind: attempted (denominator), accepted, dropped, remote, inter_node")
+                 .Help(
+                     "Routes of served steps by phase and kind: attempted (the denominator of dropped), "
+                     "accepted (the denominator of remote and inter_node), dropped, remote, inter_node")
                  .Register(*registry_);
   fallbacks_ = &prometheus::BuildCounter()
                     .Name("moe_decode_fallbacks_total")
@@ -178,19 +180,22 @@ void RankMetrics::StepPhases(const std::string& phase, const std::array<double, 
   for (int i = 0; i < kNumStepPhases; ++i) histograms[i]->Observe(us[i] * 1e-6);
 }
 
-void RankMetrics::Routes(int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote, int64_t inter_node) {
+void RankMetrics::Routes(const std::string& phase, int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote,
+                         int64_t inter_node) {
+  const bool decode = phase == "decode";
+  const std::string p = decode ? "decode" : "prefill";  // the label takes these two values only
   RouteSeries* r;
   {
     std::lock_guard<std::mutex> lock(series_mu_);
-    if (route_series_ == nullptr) {
-      route_series_ =
-          std::make_unique<RouteSeries>(RouteSeries{&routes_->Add({{"release", release_}, {"kind", "attempted"}}),
-                                                    &routes_->Add({{"release", release_}, {"kind", "accepted"}}),
-                                                    &routes_->Add({{"release", release_}, {"kind", "dropped"}}),
-                                                    &routes_->Add({{"release", release_}, {"kind", "remote"}}),
-                                                    &routes_->Add({{"release", release_}, {"kind", "inter_node"}})});
+    std::unique_ptr<RouteSeries>& series = route_series_[decode ? 1 : 0];
+    if (series == nullptr) {
+      const auto add = [&](const char* kind) {
+        return &routes_->Add({{"release", release_}, {"phase", p}, {"kind", kind}});
+      };
+      series = std::make_unique<RouteSeries>(
+          RouteSeries{add("attempted"), add("accepted"), add("dropped"), add("remote"), add("inter_node")});
     }
-    r = route_series_.get();
+    r = series.get();
   }
   r->attempted->Increment(static_cast<double>(attempted));
   r->accepted->Increment(static_cast<double>(accepted));

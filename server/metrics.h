@@ -29,7 +29,9 @@ class RankMetrics {
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
   void Step(const std::string& phase, const std::string& path, const std::string& status, double seconds);
-  void Routes(int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote, int64_t inter_node);
+  // A served step's routes by kind, labelled with its phase ("prefill", "decode").
+  void Routes(const std::string& phase, int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote,
+              int64_t inter_node);
   // Accepted routes of a served step of `layer` (this rank's tokens), and the routes this rank's
   // experts served in it (every member's tokens: the load balancedness compares across ranks).
   // Label `layer`: bounded by the model's MoE layers (steps of any other layer are refused
@@ -99,7 +101,7 @@ class RankMetrics {
   };
   std::mutex series_mu_;
   std::vector<StepSeries> step_series_;                                        // guarded by series_mu_
-  std::unique_ptr<RouteSeries> route_series_;                                  // guarded by series_mu_
+  std::unique_ptr<RouteSeries> route_series_[2];                               // prefill, decode; guarded by series_mu_
   std::vector<std::pair<std::string, prometheus::Counter*>> fallback_series_;  // guarded by series_mu_
   struct LayerSeries {
     prometheus::Counter* accepted = nullptr;  // moe_layer_routes_total

@@ -100,6 +100,10 @@ done
 [ "$served" = 0 ]; verdict $? "no canary step served by placement-v2 (moe_generation_steps_total kind=canary)"
 grep -Eq '^moe_shadow_steps_total\{.*placement_generation="2".*result="mismatch".*\} [1-9]' "$work/scrape2.txt"
 verdict $? "rank 2 exports its shadow mismatches (moe_shadow_steps_total)"
+# Spec 0x0DB's stale-handle acceptance counter, per generation: exported, and 0 (no fence broke).
+grep -Eq '^moe_stale_accepts_total\{.*placement_generation="2".*\} 0$' "$work/scrape2.txt" &&
+  ! grep -Eq '^moe_stale_accepts_total\{.*\} [1-9]' "$work/scrape2.txt"
+verdict $? "rank 2 exports stale-handle acceptances per generation, none (moe_stale_accepts_total)"
 if command -v promtool >/dev/null; then promtool check metrics <"$work/scrape2.txt"; verdict $? "promtool check metrics"; fi
 check "a re-run of the rollout does not resurrect it" 1 "DRAINING" -- "$M" "${C[@]}" rollout release-v2 \
   --manifest "$work/v2.json" --min_shadow 10 --min_canary 10

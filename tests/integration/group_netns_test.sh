@@ -94,7 +94,7 @@ def routes(r):
     out = {}
     for line in open(f"{sys.argv[1]}/scrape{r}"):
         m = re.match(r'moe_routes_total\{.*kind="(\w+)".*\} (\S+)', line)
-        if m: out[m.group(1)] = float(m.group(2))
+        if m: out[m.group(1)] = out.get(m.group(1), 0) + float(m.group(2))  # summed over the phases
     return out
 ok = True
 for r in range(4):
