@@ -466,6 +466,20 @@ absl::StatusOr<std::vector<StoredTransition>> StoreReleaseManager::CommitRollbac
                      history.empty() ? std::string("nowhere") : std::string(ReleaseStateName(history.back().from)),
                      ", not from ACTIVE: it never passed the promotion gate, so it cannot be re-activated"));
   }
+  // 0x0EA: the prior and the candidate serve one checkpoint (a release that changed the weights
+  // is left by rolling forward), as their recorded manifests say.
+  if (!prior.placement_manifest.empty() && !candidate.placement_manifest.empty()) {
+    v1::PlacementManifest p, c;
+    if (!google::protobuf::util::JsonStringToMessage(prior.placement_manifest, &p).ok() ||
+        !google::protobuf::util::JsonStringToMessage(candidate.placement_manifest, &c).ok()) {
+      return absl::DataLossError("rollback: a stored placement manifest does not parse");
+    }
+    if (p.checkpoint_version() != c.checkpoint_version()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "prior_release_id: ", prior_release_id, " serves ", p.checkpoint_version(), ", ", release_id, " serves ",
+          c.checkpoint_version(), ": a rollback keeps the checkpoint (0x0EA); roll forward instead"));
+    }
+  }
   // Every rank must still hold the prior placement: a retirement of the prior that failed on some
   // rank (they retire one by one before the registry records it) freed its weights on the
   // others, and a rollback committed now would leave the registry ACTIVE on a placement no rank

@@ -61,6 +61,7 @@ absl::StatusOr<RollbackReport> RollBack(RollbackTarget& target, PlacementVersion
   report.steps.push_back(absl::StrCat("release ", c, " graph resources"));
   RETURN_IF_ERROR(target.Retire(candidate));
   report.steps.push_back(absl::StrCat("retire ", c));
+  report.steps.push_back("rollback complete");
   return report;
 }
 
@@ -71,6 +72,19 @@ absl::StatusOr<RollbackReport> RollBack(GenerationRegistry& registry, PlacementV
   if (prior_state == GenerationState::kRetired) {
     return absl::FailedPreconditionError(
         absl::StrCat("placement-v", prior.value(), " is RETIRED: nothing to roll back to"));
+  }
+  // 0x0EA: `assert prior.checkpoint_version == candidate.checkpoint_version`. A rollback moves
+  // dispatch between placements of one checkpoint; a release that changed the weights is left
+  // by rolling forward.
+  std::shared_ptr<const PlacementManifest> p, q;
+  for (const GenerationInfo& g : registry.List()) {
+    if (g.version == prior) p = g.manifest;
+    if (g.version == candidate) q = g.manifest;
+  }
+  if (p != nullptr && q != nullptr && p->checkpoint() != q->checkpoint()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "placement-v", prior.value(), " serves ", p->checkpoint().value(), ", placement-v", candidate.value(),
+        " serves ", q->checkpoint().value(), ": a rollback keeps the checkpoint (roll forward instead)"));
   }
   RegistryRollback target(registry, release_graphs, drain_timeout);
   return RollBack(target, candidate, prior);

@@ -39,10 +39,12 @@ class RollbackTarget {
   virtual absl::Status Retire(PlacementVersion candidate) = 0;
 };
 
-// Runs the five steps on `target` in order; a failing step's status is returned unchanged.
+// Runs the five steps on `target` in order, then reports "rollback complete"; a failing step's
+// status is returned unchanged.
 absl::StatusOr<RollbackReport> RollBack(RollbackTarget& target, PlacementVersion candidate, PlacementVersion prior);
 
-// On one rank's registry. FAILED_PRECONDITION when the prior is RETIRED (nothing changed).
+// On one rank's registry. FAILED_PRECONDITION when the prior is RETIRED or serves another
+// checkpoint than the candidate (0x0EA; nothing changed).
 // Blocks (polling the refcount) until the candidate drained or `drain_timeout` passed
 // (DEADLINE_EXCEEDED: the candidate stays DRAINING, the prior stays ACTIVE; nothing retired).
 absl::StatusOr<RollbackReport> RollBack(GenerationRegistry& registry, PlacementVersion candidate,

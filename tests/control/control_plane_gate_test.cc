@@ -636,6 +636,23 @@ TEST_F(GateTest, RollbackToAPriorARankRetiredIsRefused) {
   for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
 }
 
+// 0x0EA: the prior must serve the candidate's checkpoint. A prior whose recorded placement is of
+// another checkpoint is refused before anything commits or any rank is driven.
+TEST_F(GateTest, RollbackToAPriorOfAnotherCheckpointIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
+  Sql("UPDATE releases SET placement_manifest = replace(placement_manifest, 'checkpoint-0042', 'checkpoint-0041') "
+      "WHERE release_id = 'release-v1';");
+  for (auto& r : ranks_) r->TakeCalls();
+  const size_t before = History("").size();
+  v1::RollbackResponse resp;
+  grpc::Status s = stub_->Rollback(Ctx().get(), RollbackV2ToV1("rb-ckpt"), &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("serves checkpoint-0041"));
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(History("").size(), before);
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
+}
+
 // A group that re-formed on the survivors of a lost rank (the rank is outside the epoch) can
 // still be rolled back: only the epoch's members are checked and driven. The lost rank, once
 // replaced, is brought to the ACTIVE placement by the reconciler.

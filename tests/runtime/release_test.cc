@@ -319,7 +319,7 @@ TEST(RollbackTest, OrderedStateTransferWithLiveHandles) {
   EXPECT_THAT(report->steps,
               ElementsAre("stop new dispatch on placement-v19", "activate placement-v18 for new dispatch",
                           "drain placement-v19 handles to zero", "release placement-v19 graph resources",
-                          "retire placement-v19"));
+                          "retire placement-v19", "rollback complete"));
   EXPECT_THAT(observed, ElementsAre("v18 active while v19 refcount=3"));
   EXPECT_FALSE(graphs_released_with_refs);
   EXPECT_EQ(*registry.State(PlacementVersion(19)), GenerationState::kRetired);
@@ -360,6 +360,26 @@ TEST(RollbackTest, RetiredPriorIsRefused) {
   EXPECT_EQ(registry.ActiveVersion(), 19);  // nothing half-applied
 }
 
+// 0x0EA asserts the prior and the candidate serve one checkpoint: a prior of another checkpoint
+// is refused before anything changes.
+TEST(RollbackTest, APriorOfAnotherCheckpointIsRefused) {
+  GenerationRegistry registry;
+  Topology t = fixture::FourRankTwoNode();
+  ManifestOptions older = fixture::Options(18);
+  older.checkpoint = CheckpointVersion("checkpoint-0041");
+  std::vector<SlotRecord> slots = fixture::V17Slots();
+  for (SlotRecord& s : slots) s.checkpoint = older.checkpoint;
+  ASSERT_TRUE(registry.Prepare(*PlacementManifest::Create(older, slots, t)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(18)).ok());
+  ASSERT_TRUE(registry.Prepare(Version(19)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(19)).ok());
+  auto report = RollBack(registry, PlacementVersion(19), PlacementVersion(18), nullptr, absl::Seconds(1));
+  EXPECT_EQ(report.status().code(), absl::StatusCode::kFailedPrecondition) << report.status();
+  EXPECT_THAT(std::string(report.status().message()), HasSubstr("checkpoint-0041"));
+  EXPECT_EQ(registry.ActiveVersion(), 19);  // nothing half-applied
+  EXPECT_EQ(*registry.State(PlacementVersion(18)), GenerationState::kDraining);
+}
+
 // A target that records the calls RollBack makes and fails the step named `fail_at`.
 class RecordingTarget : public RollbackTarget {
  public:
@@ -384,7 +404,8 @@ TEST(RollbackTest, OneOrderOverAnyTarget) {
   auto report = RollBack(target, PlacementVersion(19), PlacementVersion(18));
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_THAT(target.calls, ElementsAre("stop v19", "activate v18", "drain v19", "release v19", "retire v19"));
-  EXPECT_EQ(report->steps.size(), 5u);
+  EXPECT_EQ(report->steps.size(), 6u);
+  EXPECT_EQ(report->steps.back(), "rollback complete");
 }
 
 TEST(RollbackTest, FirstFailingStepStopsItAndIsReturnedUnchanged) {
