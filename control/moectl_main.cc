@@ -1,6 +1,7 @@
 // moectl: the operator CLI. Offline subcommands (no controller needed):
 //   moectl plan --trace FILE [--json] [--selector POLICY]
 //   moectl eplb solve --input FILE
+//   moectl overlap --input FILE
 //   moectl --controller HOST:PORT --token_file F releases list|show ID, release register|transition,
 //          promote, rollback   (controller subcommands, see docs/cli.md)
 // Bad input prints one message naming the field and exits 2.
@@ -29,6 +30,7 @@
 #include "control/eplb_io.h"
 #include "control/json_util.h"
 #include "control/moectl_remote.h"
+#include "control/overlap_io.h"
 #include "control/placement_report.h"
 #include "control/trace.h"
 #include "rpc/placement_proto.h"
@@ -45,7 +47,9 @@
 #include "runtime/status.h"
 
 ABSL_FLAG(std::string, trace, "", "plan: layer-step trace JSON (docs/trace-format.md)");
-ABSL_FLAG(std::string, input, "", "eplb solve: load JSON {weight, num_replicas, num_groups, num_nodes, num_gpus}");
+ABSL_FLAG(std::string, input, "",
+          "eplb solve: load JSON {weight, num_replicas, num_groups, num_nodes, num_gpus}; overlap: {tasks, buffers, "
+          "...} (docs/trace-format.md)");
 ABSL_FLAG(bool, json, false, "print machine-readable JSON instead of tables");
 ABSL_FLAG(int, experts, 16, "checkpoint synth: logical experts");
 ABSL_FLAG(int, d, 256, "checkpoint synth: hidden width");
@@ -129,6 +133,9 @@ constexpr char kUsage[] =
     "moectl: operator CLI of moe-runtime.\n"
     "  moectl plan --trace FILE [--json] [--selector POLICY]   plan a layer-step trace, print plan and ledgers\n"
     "  moectl eplb solve --input FILE                          solve expert placement (EPLB) as JSON\n"
+    "  moectl overlap --input FILE                             communication-compute overlap schedule (spec 0x09):\n"
+    "                                                          serialized and overlapped, buffer lifetimes; checks a\n"
+    "                                                          given schedule and lifetimes (analytical units)\n"
     "  moectl checkpoint synth --experts E --d D --d_ff F --seed S [--layers L --family F --dtype T --top_k K\n"
     "                          --first_dense N --shard_mb M --version V] --out DIR\n"
     "                                                          write a synthetic model in Hugging Face layout with a\n"
@@ -311,6 +318,21 @@ int Plan() {
   } else {
     std::cout << moe::RenderPlanText(*report);
   }
+  return moe::kExitOk;
+}
+
+int Overlap() {
+  const std::string path = absl::GetFlag(FLAGS_input);
+  if (path.empty()) return Fail(absl::InvalidArgumentError("--input: required"));
+  auto doc = moe::json::ParseFile(path);
+  if (!doc.ok()) return Fail(doc.status());
+  auto in = moe::ParseOverlapInput(*doc);
+  if (!in.ok()) return Fail(absl::Status(in.status().code(), absl::StrCat(path, ": ", in.status().message())));
+  auto report = moe::OverlapReport(*in);
+  if (!report.ok()) {
+    return Fail(absl::Status(report.status().code(), absl::StrCat(path, ": ", report.status().message())));
+  }
+  std::cout << report->dump() << "\n";
   return moe::kExitOk;
 }
 
@@ -622,6 +644,7 @@ int main(int argc, char** argv) {
   g_offline = !moe::IsRemoteCommand(cmd);
   if (cmd.size() == 1 && cmd[0] == "plan") return Plan();
   if (cmd.size() == 2 && cmd[0] == "eplb" && cmd[1] == "solve") return EplbSolve();
+  if (cmd.size() == 1 && cmd[0] == "overlap") return Overlap();
   if (cmd.size() == 2 && cmd[0] == "checkpoint" && cmd[1] == "synth") return CheckpointSynth();
   if (cmd.size() == 3 && cmd[0] == "checkpoint" && cmd[1] == "inspect") return CheckpointInspect(cmd[2]);
   if (cmd.size() == 3 && cmd[0] == "checkpoint" && cmd[1] == "digest") return CheckpointDigest(cmd[2]);

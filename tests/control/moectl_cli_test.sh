@@ -21,6 +21,31 @@ print("ok   plan json contract")
 PY
 check "eplb solve" 0 '"phy2log":\[\[1,0,0,0,2,2,3,3\]\]' -- "$MOECTL" eplb solve --input "$EX/eplb-fixture.json"
 
+# Spec 0x09's overlap fixture: both schedules, makespans 25 and 15, 8 units of overlap, the
+# nine lifetimes; a schedule whose expert starts at its dispatch's launch is refused (exit 2),
+# a task of 0 units is bad input (exit 2).
+"$MOECTL" overlap --input "$EX/overlap-fixture.json" > "$TMP/overlap.json"
+python3 - "$TMP/overlap.json" <<'PY' || fail=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["makespan"] == {"serialized": 25, "overlapped": 15}, r["makespan"]
+assert r["hidden_units"] == 10 and r["overlap_units"] == 8, r
+assert r["overlapped"]["shared_path"] == [1, 6] and r["overlapped"]["reduce"] == [14, 15], r["overlapped"]
+assert r["serialized"]["expert_0"] == [14, 18], r["serialized"]
+assert r["buffer_lifetimes"]["shared_output"] == [6, 15] and r["buffer_lifetimes"]["send_1"] == [2, 8]
+print("ok   overlap fixture")
+PY
+python3 -c "
+import json; d=json.load(open('$EX/overlap-fixture.json'))
+d['schedule']={'route_plan':[0,1],'pack_0':[1,2],'pack_1':[2,3],'dispatch_0':[2,5],'dispatch_1':[5,8],
+  'shared_path':[1,6],'expert_0':[2,6],'expert_1':[10,12],'combine_0':[10,12],'combine_1':[12,14],'reduce':[14,15]}
+json.dump(d, open('$TMP/overlap-early.json','w'))
+d=json.load(open('$EX/overlap-fixture.json')); d['tasks'][5]['units']=0
+json.dump(d, open('$TMP/overlap-zero.json','w'))"
+check "overlap: expert before its dispatch completes" 2 "completion, not launch" -- "$MOECTL" overlap \
+  --input "$TMP/overlap-early.json"
+check "overlap: a task of 0 units" 2 "task shared_path: units 0" -- "$MOECTL" overlap --input "$TMP/overlap-zero.json"
+
 printf '{"d": 3, "num_experts": ' > "$TMP/malformed.json"
 check "malformed json" 2 "malformed JSON" -- "$MOECTL" plan --trace "$TMP/malformed.json"
 python3 -c "
