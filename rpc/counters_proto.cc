@@ -9,6 +9,7 @@ v1::GenerationCounters GenerationCountersToProto(int64_t version, const Generati
   out.set_failed_steps(c.failed_steps);
   out.set_aborted_steps(c.aborted_steps);
   out.set_rejected_steps(c.rejected_steps);
+  out.set_count_failures(c.count_failures);
   out.set_canary_steps(c.canary_steps);
   out.set_decode_steps(c.decode_steps);
   out.set_fallback_steps(c.fallback_steps);
@@ -27,6 +28,7 @@ GenerationCounters GenerationCountersFromProto(const v1::GenerationCounters& p) 
   c.failed_steps = p.failed_steps();
   c.aborted_steps = p.aborted_steps();
   c.rejected_steps = p.rejected_steps();
+  c.count_failures = p.count_failures();
   c.canary_steps = p.canary_steps();
   c.decode_steps = p.decode_steps();
   c.fallback_steps = p.fallback_steps();

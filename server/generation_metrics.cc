@@ -63,7 +63,19 @@ std::vector<prometheus::MetricFamily> GenerationCollector::Collect() const {
     m.gauge.value = static_cast<double>(n);
     states.metric.push_back(m);
   }
-  return {steps, shadow, stale, states};
+  // Spec 0x0DB's count-conservation counter, per process-group epoch.
+  prometheus::MetricFamily conservation{"moe_count_conservation_failures_total",
+                                        "steps the ranks' agreement aborted because a member's route counts did not "
+                                        "conserve (spec 0x0DC N_count_failure), by process-group epoch",
+                                        prometheus::MetricType::Counter,
+                                        {}};
+  for (const auto& [epoch, n] : executor_->CountConservationFailures()) {
+    prometheus::ClientMetric m;
+    m.label = {{"release", release_}, {"process_group_epoch", absl::StrCat(epoch)}};
+    m.counter.value = static_cast<double>(n);
+    conservation.metric.push_back(m);
+  }
+  return {steps, shadow, stale, conservation, states};
 }
 
 }  // namespace moe

@@ -557,6 +557,11 @@ std::map<int64_t, GenerationCounters> LayerExecutor::Counters() const {
   return counters_;
 }
 
+std::map<int64_t, int64_t> LayerExecutor::CountConservationFailures() const {
+  absl::MutexLock lock(&generations_mu_);
+  return conservation_by_epoch_;
+}
+
 void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerStepInput& in, bool canary,
                           bool input_refused) {
   if (!r.ok()) {
@@ -572,6 +577,10 @@ void LayerExecutor::Count(const absl::StatusOr<LayerStepResult>& r, const LayerS
       ++counters_[v].rejected_steps;
     } else if (r.status().code() == absl::StatusCode::kAborted) {
       ++counters_[v].aborted_steps;
+      if (IsCountConservationFailure(r.status())) {
+        ++counters_[v].count_failures;
+        ++conservation_by_epoch_[options_.group->epoch().value()];
+      }
     } else {
       ++counters_[v].failed_steps;
     }

@@ -223,6 +223,9 @@ class LayerExecutor {
     int64_t canary_every = 0;
   };
   TrialConfig Trial() const;
+  // Steps aborted for count conservation (GenerationCounters::count_failures) per process-group
+  // epoch they ran in: spec 0x0DB's count-conservation counter.
+  std::map<int64_t, int64_t> CountConservationFailures() const;
   std::map<int64_t, GenerationCounters> Counters() const;
   // Shadow passes run as step id + this offset (their own handle ids and transport sequence).
   static constexpr uint64_t kShadowStepOffset = uint64_t{1} << 56;
@@ -375,6 +378,7 @@ class LayerExecutor {
   std::unique_ptr<ReplicaSelector> selector_;
   mutable absl::Mutex generations_mu_;
   // By layer (-1: the steps of generations that name no layers, LoadLayer).
+  std::map<int64_t, int64_t> conservation_by_epoch_ ABSL_GUARDED_BY(generations_mu_);
   std::map<int64_t, std::vector<int64_t>> layer_load_ ABSL_GUARDED_BY(generations_mu_);
   SemanticHandoff spare_handoff_ ABSL_GUARDED_BY(generations_mu_);  // a finished step's columns, refilled by the next
   // A finished pass's agreement, its records and its byte splits, for the next pass to refill

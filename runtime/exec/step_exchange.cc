@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace moe {
@@ -178,6 +179,15 @@ absl::Status SumSlotRoutes(const RecordLayout& l, const std::vector<int64_t>& al
       total += theirs[j];
       out->slot_routes[j] += theirs[j];
     }
+    int64_t sent = 0;  // bounded by ReadAgreement
+    for (int j = 0; j < p; ++j) sent += out->count_matrix[static_cast<size_t>(i) * p + j];
+    if (q > 0 && total != sent) {
+      absl::Status s = absl::AbortedError(absl::StrCat("step aborted before payload exchange: peer slot ", i, " sends ",
+                                                       sent, " routes but counts ", total,
+                                                       " by physical slot (count conservation, 0x0DC)"));
+      s.SetPayload(kCountConservationPayload, absl::Cord(absl::StrCat(i)));
+      return s;
+    }
   }
   return absl::OkStatus();
 }
@@ -214,6 +224,10 @@ absl::Status ReadInlineMeta(const RecordLayout& l, const std::vector<int64_t>& a
 }
 
 }  // namespace
+
+bool IsCountConservationFailure(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kAborted && s.GetPayload(kCountConservationPayload).has_value();
+}
 
 absl::Status AgreeOnStepInto(Transport& transport, const StepHeader& header, absl::Span<const int64_t> send_counts,
                              absl::Duration timeout, absl::Span<const int64_t> slot_counts,

@@ -83,6 +83,13 @@ struct AgreementScratch {
   std::vector<int64_t> mine, all, slots;
 };
 
+// Count conservation (0x0DC's N_count_failure): with slot counts given, a member's count row
+// (routes it sends) must sum to its slot counts (routes it sends, by physical slot). A record that
+// does not aborts the step everywhere; that ABORTED status carries this payload, so that the
+// member counts the failure (GenerationCounters::count_failures).
+inline constexpr char kCountConservationPayload[] = "type.moe/count_conservation";
+bool IsCountConservationFailure(const absl::Status& s);
+
 // AgreeOnStep into *out, whose vectors (and the scratch's) keep their memory from step to step:
 // a step of the same shape allocates nothing. On an error *out is unspecified.
 absl::Status AgreeOnStepInto(Transport& transport, const StepHeader& header, absl::Span<const int64_t> send_counts,

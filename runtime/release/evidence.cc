@@ -32,6 +32,7 @@ GateEvidence AggregateRankEvidence(const std::vector<RankReport>& ranks, const E
                                         expect.prior_problem.empty() ? "" : ": ", expect.prior_problem));
   }
   int64_t shadow = -1, canary = -1;
+  int64_t faults = 0;  // failed candidate steps and shadow passes (FaultsOK)
   for (const RankReport& r : ranks) {
     const GenerationCounters& c = r.counters;
     // Shadow passes and canary steps are collective: every rank counts each one, so the group
@@ -44,7 +45,12 @@ GateEvidence AggregateRankEvidence(const std::vector<RankReport>& ranks, const E
     in.fallback_steps += c.fallback_steps;
     in.route_mismatches += c.shadow_mismatches;
     in.stale_accepts += c.stale_accepts;
-    in.count_failures += c.shadow_failures + c.failed_steps;
+    faults += c.shadow_failures + c.failed_steps;
+    in.count_failures += c.count_failures;
+    if (c.count_failures > 0) {
+      out.findings.push_back(absl::StrCat("N_count_failure: ", r.name, ": ", c.count_failures,
+                                          " steps whose route counts did not conserve on ", candidate));
+    }
     if (c.shadow_failures + c.failed_steps > 0) {
       out.findings.push_back(absl::StrCat("FaultsOK: ", r.name, ": ", c.failed_steps, " failed steps and ",
                                           c.shadow_failures, " failed shadow passes on ", candidate));
@@ -82,7 +88,7 @@ GateEvidence AggregateRankEvidence(const std::vector<RankReport>& ranks, const E
   in.canary_samples = std::max<int64_t>(canary, 0);
   in.hash_ok = hashes;
   in.manifest_ok = prepared;
-  in.faults_ok = in.count_failures == 0;
+  in.faults_ok = faults == 0;
   in.rollback_ok = rollback;
   return out;
 }

@@ -26,6 +26,9 @@ struct GenerationCounters {
   // acceptance): expected_generation differs from the serving one, or a canary step's generation
   // is no longer PREPARED / ACTIVE. The fences reject such steps first, so this counts breaches.
   int64_t stale_accepts = 0;
+  // Steps the agreement aborted because a member's route counts did not conserve (its count row
+  // and its slot counts disagree; runtime/exec/step_exchange.h): 0x0DC's N_count_failure.
+  int64_t count_failures = 0;
 };
 
 }  // namespace moe

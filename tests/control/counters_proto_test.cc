@@ -24,6 +24,7 @@ GenerationCounters Distinct() {
   c.shadow_failures = 111;
   c.stale_accepts = 112;
   c.rejected_steps = 113;
+  c.count_failures = 114;
   return c;
 }
 
@@ -43,6 +44,7 @@ TEST(CountersProtoTest, ToProtoWritesEveryFieldByName) {
   EXPECT_EQ(p.shadow_failures(), 111);
   EXPECT_EQ(p.stale_accepts(), 112);
   EXPECT_EQ(p.rejected_steps(), 113);
+  EXPECT_EQ(p.count_failures(), 114);
   // A counter added to the proto but not to the translation stays 0 here.
   const google::protobuf::Descriptor* d = p.GetDescriptor();
   const google::protobuf::Reflection* r = p.GetReflection();
@@ -77,13 +79,14 @@ TEST(CountersProtoTest, RoundTripsThroughWireFormat) {
   EXPECT_EQ(b.shadow_failures, a.shadow_failures);
   EXPECT_EQ(b.stale_accepts, a.stale_accepts);
   EXPECT_EQ(b.rejected_steps, a.rejected_steps);
+  EXPECT_EQ(b.count_failures, a.count_failures);
 }
 
 TEST(CountersProtoTest, EmptyProtoIsAllZero) {
   const GenerationCounters c = GenerationCountersFromProto(v1::GenerationCounters());
   EXPECT_EQ(c.steps + c.failed_steps + c.aborted_steps + c.canary_steps + c.decode_steps + c.fallback_steps +
                 c.routes_attempted + c.routes_dropped + c.shadow_samples + c.shadow_mismatches + c.shadow_failures +
-                c.stale_accepts + c.rejected_steps,
+                c.stale_accepts + c.rejected_steps + c.count_failures,
             0);
 }
 

@@ -277,8 +277,17 @@ TEST(RankEvidenceTest, StaleAcceptsMismatchesAndFailuresAreCountedNotAssumed) {
   failing[1].counters.failed_steps = 2;
   failing[2].counters.shadow_failures = 1;
   e = AggregateRankEvidence(failing, Expect());
-  EXPECT_EQ(e.inputs.count_failures, 3);
-  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("FaultsOK", "N_count_failure = 0"));
+  EXPECT_FALSE(e.inputs.faults_ok);
+  EXPECT_EQ(e.inputs.count_failures, 0);  // failures are not count-conservation failures
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("FaultsOK"));
+
+  std::vector<RankReport> unconserved = HealthyRanks();
+  unconserved[3].counters.count_failures = 2;
+  e = AggregateRankEvidence(unconserved, Expect());
+  EXPECT_TRUE(e.inputs.faults_ok);
+  EXPECT_EQ(e.inputs.count_failures, 2);
+  EXPECT_THAT(EvaluatePromotion(e.inputs).failed, ElementsAre("N_count_failure = 0"));
+  EXPECT_THAT(e.findings, ::testing::Contains(::testing::HasSubstr("did not conserve")));
 }
 
 TEST(RankEvidenceTest, NoRanksIsNoEvidence) {

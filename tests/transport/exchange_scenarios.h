@@ -84,11 +84,16 @@ inline absl::Status GenerationSplitAbortsEveryone(Transport& t, int odd_slot) {
   if (std::string(agreement.status().message()).find("placement_generation") == std::string::npos) {
     return absl::InternalError(absl::StrCat("abort does not name the generation: ", agreement.status().message()));
   }
-  const std::vector<int64_t> same(20, 2);
+  // Each member's route to peer j goes to physical slot j: its slot counts sum to its count row
+  // (count conservation).
+  std::vector<int64_t> same(20, 0);
+  for (int j = 0; j < t.size(); ++j) ++same[j % same.size()];
   auto next = AgreeOnStep(t, StepHeader{401, 7, 2, 12}, send, absl::Seconds(20), same);
   if (!next.ok()) return next.status();
-  for (int64_t r : next->slot_routes) {
-    if (r != 2 * t.size()) return absl::InternalError(absl::StrCat("slot routes summed to ", r));
+  for (size_t q = 0; q < next->slot_routes.size(); ++q) {
+    if (next->slot_routes[q] != same[q] * t.size()) {
+      return absl::InternalError(absl::StrCat("slot ", q, "'s routes summed to ", next->slot_routes[q]));
+    }
   }
   return absl::OkStatus();
 }
@@ -138,7 +143,10 @@ inline absl::Status MetadataRidesWithTheAgreement(Transport& t) {
     for (int j = 0; j < p; ++j) {
       for (int64_t i = 0; i < send[j]; ++i) meta.push_back(me * 100000 + j * 1000 + static_cast<int32_t>(i));
     }
-    const std::vector<int64_t> slots(r == 2 ? kAgreementRecordWords : 24, 1 + me);
+    // The member's routes by physical slot (they sum to its count row: count conservation): all
+    // of them in slot 1 + me.
+    std::vector<int64_t> slots(r == 2 ? kAgreementRecordWords : 24, 0);
+    for (int64_t c : send) slots[1 + me] += c;
     const StepHeader h{static_cast<uint64_t>(600 + r), 7, 17, 12};
     auto a = AgreeOnStep(t, h, send, absl::Seconds(20), slots, &meta);
     if (!a.ok()) return a.status();
@@ -146,8 +154,14 @@ inline absl::Status MetadataRidesWithTheAgreement(Transport& t) {
     if (a->meta_received != fits) {
       return absl::InternalError(absl::StrCat("round ", r, ": meta_received ", a->meta_received));
     }
-    for (int64_t v : a->slot_routes) {
-      if (v != p * (p + 1) / 2) return absl::InternalError(absl::StrCat("round ", r, ": slot routes ", v));
+    for (size_t q = 0; q < a->slot_routes.size(); ++q) {
+      int64_t want = 0;  // member q - 1's routes
+      if (q >= 1 && static_cast<int>(q) <= p) {
+        for (int j = 0; j < p; ++j) want += matrix[(q - 1) * p + j];
+      }
+      if (a->slot_routes[q] != want) {
+        return absl::InternalError(absl::StrCat("round ", r, ": slot ", q, " routes ", a->slot_routes[q]));
+      }
     }
     std::vector<int64_t> send_bytes(p), recv_bytes(p);
     int64_t total = 0;

@@ -90,9 +90,10 @@ TEST(LoopbackTransportTest, AnAbandonedStepAbortsItsAgreementAtOnceAndNothingLat
 }
 
 // A peer's agreement record is checked before it is read: metadata claimed inline beyond what
-// the record holds, and counts past what any member can send (2^24 tokens x top-64), abort the
-// step naming the peer instead of reading past the record or sizing buffers by them. Slot 1
-// posts a crafted record whose identity words match slot 0's.
+// the record holds, counts past what any member can send (2^24 tokens x top-64), and a count row
+// that does not sum to the slot counts (count conservation, with the payload the executor counts
+// by) abort the step naming the peer instead of reading past the record or sizing buffers by
+// them. Slot 1 posts a crafted record whose identity words match slot 0's.
 TEST(LoopbackTransportTest, ACorruptPeerRecordAbortsTheStepNamingThePeer) {
   struct Case {
     int64_t count_to_0, meta_entries, slot_count;
@@ -100,8 +101,10 @@ TEST(LoopbackTransportTest, ACorruptPeerRecordAbortsTheStepNamingThePeer) {
   };
   const int64_t kSlots = 4;
   for (const Case& c :
-       {Case{5000, 5000, 0, "claims 5000 metadata entries inline"}, Case{int64_t{1} << 40, -1, 0, "reports more than"},
-        Case{3, -1, int64_t{-5}, "reports slot count -5"}, Case{3, -1, int64_t{1} << 62, "reports slot count"}}) {
+       {Case{5000, 5000, 5000, "claims 5000 metadata entries inline"},
+        Case{int64_t{1} << 40, -1, 0, "reports more than"}, Case{3, -1, int64_t{-5}, "reports slot count -5"},
+        Case{3, -1, int64_t{1} << 62, "reports slot count"},
+        Case{3, -1, 2, "sends 3 routes but counts 2 by physical slot (count conservation"}}) {
     auto results = RunMembers(2, [&](Transport& t) -> absl::Status {
       const StepHeader h{900, 7, 17, 12};
       if (t.slot() == 1) {
@@ -128,6 +131,11 @@ TEST(LoopbackTransportTest, ACorruptPeerRecordAbortsTheStepNamingThePeer) {
           a.status().message().find(c.expect) == std::string::npos) {
         return absl::InternalError(
             absl::StrCat("expected ABORTED naming peer slot 1 and '", c.expect, "': ", a.status().ToString()));
+      }
+      const bool conservation = std::string(c.expect).find("count conservation") != std::string::npos;
+      if (IsCountConservationFailure(a.status()) != conservation) {
+        return absl::InternalError(
+            absl::StrCat("count-conservation payload ", conservation ? "missing" : "set", ": ", a.status().ToString()));
       }
       return absl::OkStatus();
     });
