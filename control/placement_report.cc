@@ -51,9 +51,10 @@ std::string RenderMigration(const PlacementManifest& from, const PlacementManife
                       plan.same_node_copies, Bytes(plan.same_node_bytes), plan.cross_node_copies,
                       Bytes(plan.cross_node_bytes), plan.checkpoint_loads, Bytes(plan.checkpoint_bytes),
                       plan.retired_copies, Bytes(plan.retired_bytes)));
-  absl::StrAppend(&out, absl::StrFormat("resident before %s, after %s; peak during the overlap %s (reserve %s)\n",
+  absl::StrAppend(&out, absl::StrFormat("resident before %s, after %s; peak during the overlap %s (reserve %s); as "
+                                        "the ranks materialize it (retained copies copied) %s\n",
                                         Bytes(plan.resident_from), Bytes(plan.resident_to), Bytes(plan.peak_bytes),
-                                        Bytes(plan.reserved_bytes)));
+                                        Bytes(plan.reserved_bytes), Bytes(plan.materialized_peak_bytes)));
   return out;
 }
 

@@ -693,7 +693,9 @@ absl::StatusOr<int64_t> StoreReleaseManager::MigrationPeak(const std::vector<Rel
     if (!from.ok()) return from.status();
     auto plan = PlanLayeredMigration(**from, **target, topology, migration_.expert_bytes);
     if (!plan.ok()) return plan.status();
-    return plan->total.peak_bytes;
+    // What the ranks will hold at once: they copy retained slots too (materialized_peak_bytes),
+    // so 0x08G's shared-storage peak would undercount.
+    return plan->total.materialized_peak_bytes;
   }
   // Nothing active with a placement: every copy of every layer is loaded while nothing else is
   // resident.

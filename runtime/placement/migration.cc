@@ -158,6 +158,7 @@ absl::StatusOr<MigrationPlan> PlanMigration(const PlacementManifest& from, const
   plan.resident_to = static_cast<int64_t>(to.num_slots()) * expert_bytes;
   plan.peak_bytes = plan.resident_from + plan.resident_to - plan.retained_bytes;
   plan.reserved_bytes = plan.resident_to - plan.retained_bytes;
+  plan.materialized_peak_bytes = plan.resident_from + plan.resident_to;
   return plan;
 }
 
@@ -230,6 +231,7 @@ absl::StatusOr<LayeredMigrationPlan> PlanLayeredMigration(const PlacementManifes
     t.resident_to += p.resident_to;
     t.peak_bytes += p.peak_bytes;
     t.reserved_bytes += p.reserved_bytes;
+    t.materialized_peak_bytes += p.materialized_peak_bytes;
   }
   return out;
 }

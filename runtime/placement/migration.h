@@ -51,8 +51,13 @@ struct MigrationPlan {
   int64_t checkpoint_loads = 0, checkpoint_bytes = 0;
   int64_t retired_copies = 0, retired_bytes = 0;  // source copies no target retains
   int64_t resident_from = 0, resident_to = 0;
+  // 0x08G's peak: both generations resident, a retained copy's storage shared by them.
   int64_t peak_bytes = 0;
   int64_t reserved_bytes = 0;  // storage to reserve: every non-retained target copy
+  // The peak as the ranks materialize a plan today: every target slot gets storage of its own (a
+  // retained copy is copied into it in memory, no network), beside the source generation's until
+  // it retires, so nothing is shared: resident_from + resident_to. Admission uses this one.
+  int64_t materialized_peak_bytes = 0;
 };
 
 // `expert_bytes` is the parameter payload of one expert copy (3 d d_ff b_w for SwiGLU).

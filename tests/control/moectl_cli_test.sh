@@ -103,6 +103,12 @@ check "placement diff peak" 0 "peak during the overlap 589824 B" -- \
   "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152
 check "placement diff over budget" 2 "over the budget of 500000" -- \
   "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152 --budget_bytes 500000
+# The ranks copy the 8 retained slots too, so they hold 8 + 12 copies at once (983040 B): a
+# budget above the shared-storage peak but below that is refused.
+check "placement diff materialized peak" 0 "as the ranks materialize it (retained copies copied) 983040 B" -- \
+  "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152
+check "placement diff over budget as materialized" 2 "will hold 983040 bytes at once" -- \
+  "$MOECTL" placement diff --from "$TMP/p1.json" --to "$TMP/p2.json" --world 4 --expert_bytes 49152 --budget_bytes 700000
 check "placement show bad file" 2 "--manifest" -- "$MOECTL" placement show --manifest "$TMP/c8.safetensors" --world 4
 # Release bundles: made from a checkpoint with recorded digests and a placement, verified by
 # re-reading every expert; a bundle whose digest does not match its contents, a consistent bundle

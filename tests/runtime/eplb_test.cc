@@ -193,6 +193,8 @@ TEST(MigrationTest, PlacementV18ToV19MatchesSpec) {
   EXPECT_EQ(plan->resident_from, 216);
   EXPECT_EQ(plan->resident_to, 288);
   EXPECT_EQ(plan->peak_bytes, 396);
+  // The ranks copy the retained slots into the new generation's storage: 216 + 288 at once.
+  EXPECT_EQ(plan->materialized_peak_bytes, 504);
   EXPECT_EQ(plan->reserved_bytes, 5 * 36);  // five non-retained target copies (0x08G)
 }
 
