@@ -823,10 +823,9 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   absl::Status before_agreement = ValidatePhase(pass);
   pass.check_in_recording = check_may_be_recorded && pass.lone_decode;
   if (check_may_be_recorded && !pass.check_in_recording) check_started = in.start_input_check(nullptr);
-  if (before_agreement.ok() && !check_started.ok()) {
-    before_agreement = std::move(check_started);
-    pass.input_refused = true;
-  }
+  // (A check that cannot start is this rank's failure, not the input's: its verdict, awaited
+  // below, is the input's.)
+  if (before_agreement.ok()) before_agreement = std::move(check_started);
   if (before_agreement.ok()) before_agreement = StageRows(pass);
   if (before_agreement.ok()) before_agreement = AcquirePhase(pass);
   // A failed step answers its engine only once the staged rows' copy (or a kernel reading rows in
