@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -321,34 +322,32 @@ int Plan() {
   return moe::kExitOk;
 }
 
-int Overlap() {
+// The offline commands over one --input JSON file: `answer` turns the document into the JSON
+// printed; its errors are reported naming the file.
+int AnswerInput(const std::function<absl::StatusOr<moe::json::Json>(const moe::json::Json&)>& answer) {
   const std::string path = absl::GetFlag(FLAGS_input);
   if (path.empty()) return Fail(absl::InvalidArgumentError("--input: required"));
   auto doc = moe::json::ParseFile(path);
   if (!doc.ok()) return Fail(doc.status());
-  auto in = moe::ParseOverlapInput(*doc);
-  if (!in.ok()) return Fail(absl::Status(in.status().code(), absl::StrCat(path, ": ", in.status().message())));
-  auto report = moe::OverlapReport(*in);
-  if (!report.ok()) {
-    return Fail(absl::Status(report.status().code(), absl::StrCat(path, ": ", report.status().message())));
-  }
-  std::cout << report->dump() << "\n";
+  auto out = answer(*doc);
+  if (!out.ok()) return Fail(absl::Status(out.status().code(), absl::StrCat(path, ": ", out.status().message())));
+  std::cout << out->dump() << "\n";
   return moe::kExitOk;
 }
 
+int Overlap() {
+  return AnswerInput([](const moe::json::Json& doc) -> absl::StatusOr<moe::json::Json> {
+    ASSIGN_OR_RETURN(const moe::OverlapInput in, moe::ParseOverlapInput(doc));
+    return moe::OverlapReport(in);
+  });
+}
+
 int EplbSolve() {
-  const std::string path = absl::GetFlag(FLAGS_input);
-  if (path.empty()) return Fail(absl::InvalidArgumentError("--input: required"));
-  auto doc = moe::json::ParseFile(path);
-  if (!doc.ok()) return Fail(doc.status());
-  auto problem = moe::ParseEplbProblem(*doc);
-  if (!problem.ok())
-    return Fail(absl::Status(problem.status().code(), absl::StrCat(path, ": ", problem.status().message())));
-  auto solution = moe::RebalanceExperts(*problem);
-  if (!solution.ok())
-    return Fail(absl::Status(solution.status().code(), absl::StrCat(path, ": ", solution.status().message())));
-  std::cout << moe::EplbSolutionJson(*solution).dump() << "\n";
-  return moe::kExitOk;
+  return AnswerInput([](const moe::json::Json& doc) -> absl::StatusOr<moe::json::Json> {
+    ASSIGN_OR_RETURN(const moe::EplbProblem problem, moe::ParseEplbProblem(doc));
+    ASSIGN_OR_RETURN(const moe::EplbSolution solution, moe::RebalanceExperts(problem));
+    return moe::EplbSolutionJson(solution);
+  });
 }
 
 absl::StatusOr<moe::HfFamily> ParseFamily(const std::string& name) {

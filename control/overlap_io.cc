@@ -25,6 +25,16 @@ absl::StatusOr<std::vector<std::string>> Names(const Json& v, const std::string&
   return out;
 }
 
+// Member `key` of object `obj` (at `path`), required: a string, or an integer.
+absl::StatusOr<std::string> RequiredString(const Json& obj, const std::string& path, const std::string& key) {
+  ASSIGN_OR_RETURN(const Json* v, json::Member(obj, path, key));
+  return json::String(*v, absl::StrCat(path, ".", key));
+}
+absl::StatusOr<int64_t> RequiredInt(const Json& obj, const std::string& path, const std::string& key) {
+  ASSIGN_OR_RETURN(const Json* v, json::Member(obj, path, key));
+  return json::Int(*v, absl::StrCat(path, ".", key));
+}
+
 // {"name": [a, b], ...} in the order of `names` (every one present, no other).
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> Pairs(const Json& v, const std::string& path,
                                                                const std::vector<std::string>& names) {
@@ -64,12 +74,9 @@ absl::StatusOr<OverlapInput> ParseOverlapInput(const Json& doc) {
     const std::string path = absl::StrCat("tasks[", i, "]");
     if (!t.is_object()) return json::Invalid(path, "expected an object");
     OverlapTask task;
-    ASSIGN_OR_RETURN(const Json* name, json::Member(t, path, "name"));
-    ASSIGN_OR_RETURN(task.name, json::String(*name, path + ".name"));
-    ASSIGN_OR_RETURN(const Json* units, json::Member(t, path, "units"));
-    ASSIGN_OR_RETURN(task.units, json::Int(*units, path + ".units"));
-    ASSIGN_OR_RETURN(const Json* stream, json::Member(t, path, "stream"));
-    ASSIGN_OR_RETURN(task.stream, json::String(*stream, path + ".stream"));
+    ASSIGN_OR_RETURN(task.name, RequiredString(t, path, "name"));
+    ASSIGN_OR_RETURN(task.units, RequiredInt(t, path, "units"));
+    ASSIGN_OR_RETURN(task.stream, RequiredString(t, path, "stream"));
     if (t.contains("waits_for")) {
       ASSIGN_OR_RETURN(task.waits_for, Names(t["waits_for"], path + ".waits_for"));
     }
@@ -84,10 +91,8 @@ absl::StatusOr<OverlapInput> ParseOverlapInput(const Json& doc) {
       const std::string path = absl::StrCat("buffers[", i, "]");
       if (!b.is_object()) return json::Invalid(path, "expected an object");
       OverlapBuffer buf;
-      ASSIGN_OR_RETURN(const Json* name, json::Member(b, path, "name"));
-      ASSIGN_OR_RETURN(buf.name, json::String(*name, path + ".name"));
-      ASSIGN_OR_RETURN(const Json* producer, json::Member(b, path, "producer"));
-      ASSIGN_OR_RETURN(buf.producer, json::String(*producer, path + ".producer"));
+      ASSIGN_OR_RETURN(buf.name, RequiredString(b, path, "name"));
+      ASSIGN_OR_RETURN(buf.producer, RequiredString(b, path, "producer"));
       if (b.contains("from_producer_start")) {
         ASSIGN_OR_RETURN(buf.from_producer_start, json::Bool(b["from_producer_start"], path + ".from_producer_start"));
       }
