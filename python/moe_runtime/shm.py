@@ -67,10 +67,13 @@ class SharedRegion:
     def closed(self) -> bool:
         return self._mm is None
 
-    def array(self, offset: int, shape: "tuple[int, ...]", dtype: Any = np.uint16) -> np.ndarray:
-        """A numpy view of the region's bytes [offset, offset + size)."""
+    def _require_open(self) -> None:
         if self._mm is None:
             raise errors.FailedPrecondition(f"region {self.name}: closed")
+
+    def array(self, offset: int, shape: "tuple[int, ...]", dtype: Any = np.uint16) -> np.ndarray:
+        """A numpy view of the region's bytes [offset, offset + size)."""
+        self._require_open()
         dt = np.dtype(dtype)
         count = math.prod(int(n) for n in shape)
         if any(int(n) < 0 for n in shape) or offset < 0 or offset + count * dt.itemsize > self.nbytes:
@@ -84,8 +87,7 @@ class SharedRegion:
              expected_generation: int = 0, timeout: Optional[float] = None) -> StepResult:
         """A step whose BF16 rows ``[tokens, d]`` are at ``hidden_offset`` and whose output rows the
         rank writes at ``output_offset``; ``StepResult.output`` is a view of them."""
-        if self._mm is None:
-            raise errors.FailedPrecondition(f"region {self.name}: closed")
+        self._require_open()
         placeholder = np.zeros((tokens, d), dtype=np.uint16)
         req, _ = build_request(step_id, layer, placeholder, topk_ids, topk_weights, decode=decode, admitted=admitted,
                                expected_generation=expected_generation)
@@ -102,12 +104,13 @@ class SharedRegion:
         """Unregisters and unlinks the region; idempotent. Views handed out stay valid."""
         if self._mm is None:
             return
+        path = _SHM_DIR + self.name
         try:
             self.client.unregister_region(self.name)
         except errors.MoeError:
             pass
         try:
-            os.unlink(_SHM_DIR + self.name)
+            os.unlink(path)
         except FileNotFoundError:
             pass
         resource_tracker.unregister(self.name, "shared_memory")
