@@ -119,6 +119,10 @@ absl::StatusOr<BundleRuntime> ParseBundleRuntime(const json::Json& b) {
   if (!b.is_object()) return absl::InvalidArgumentError("bundle: not a JSON object");
   ASSIGN_OR_RETURN(const json::Json* r, json::Member(b, "bundle", "runtime"));
   if (!r->is_object()) return absl::InvalidArgumentError("runtime: not an object");
+  // A coordinate this runtime does not read (expert tensor parallelism, say) must not be served
+  // as if the bundle had not asked for it (0x0BE).
+  RETURN_IF_ERROR(json::OnlyMembers(
+      *r, "runtime", {"decode_runner", "decode_bucket_tokens", "decode_bucket_slot_routes", "dtype", "kernel_build"}));
   BundleRuntime out;
   ASSIGN_OR_RETURN(const json::Json* runner, json::Member(*r, "runtime", "decode_runner"));
   ASSIGN_OR_RETURN(out.decode_runner, json::String(*runner, "runtime.decode_runner"));
@@ -143,6 +147,7 @@ absl::StatusOr<BundleTopology> ParseBundleTopology(const json::Json& b) {
   if (!b.is_object()) return absl::InvalidArgumentError("bundle: not a JSON object");
   ASSIGN_OR_RETURN(const json::Json* topo, json::Member(b, "bundle", "topology"));
   if (!topo->is_object()) return absl::InvalidArgumentError("topology: not an object");
+  RETURN_IF_ERROR(json::OnlyMembers(*topo, "topology", {"world", "nodes"}));
   BundleTopology out;
   ASSIGN_OR_RETURN(const json::Json* world_field, json::Member(*topo, "topology", "world"));
   ASSIGN_OR_RETURN(out.world, json::Int(*world_field, "topology.world"));
@@ -182,6 +187,8 @@ absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)
   if (format != kBundleFormat) {
     return absl::InvalidArgumentError(absl::StrCat("format: '", format, "', expected '", kBundleFormat, "'"));
   }
+  RETURN_IF_ERROR(json::OnlyMembers(
+      b, "", {"format", "release_id", "prior_release", "checkpoint", "placement", "runtime", "topology", "digest"}));
   ASSIGN_OR_RETURN(const json::Json* release_field, json::Member(b, "bundle", "release_id"));
   ASSIGN_OR_RETURN(const std::string release_id, json::String(*release_field, "release_id"));
   if (release_id.empty()) return absl::InvalidArgumentError("release_id: empty");
@@ -193,6 +200,7 @@ absl::Status VerifyBundle(const json::Json& b, const std::function<Topology(int)
         absl::StrCat("digest: the bundle says ", digest, ", its contents hash to ", computed));
   }
   ASSIGN_OR_RETURN(const json::Json* ck, json::Member(b, "bundle", "checkpoint"));
+  RETURN_IF_ERROR(json::OnlyMembers(*ck, "checkpoint", {"path", "version", "layers", "experts", "digests"}));
   ASSIGN_OR_RETURN(const json::Json* path_field, json::Member(*ck, "checkpoint", "path"));
   ASSIGN_OR_RETURN(const std::string path, json::String(*path_field, "checkpoint.path"));
   ASSIGN_OR_RETURN(const json::Json* version_field, json::Member(*ck, "checkpoint", "version"));

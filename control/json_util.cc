@@ -87,6 +87,20 @@ absl::StatusOr<const Json*> Member(const Json& obj, const std::string& path, con
   return &*it;
 }
 
+absl::Status OnlyMembers(const Json& obj, const std::string& path, std::initializer_list<const char*> known) {
+  if (!obj.is_object()) return Invalid(path.empty() ? "document" : path, "expected an object");
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || it.key() == k;
+    if (ok) continue;
+    std::string names;
+    for (const char* k : known) absl::StrAppend(&names, names.empty() ? "" : ", ", k);
+    return Invalid(path.empty() ? it.key() : absl::StrCat(path, ".", it.key()),
+                   absl::StrCat("unknown member (known: ", names, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> Int(const Json& v, const std::string& path) {
   if (v.is_number_integer()) return v.get<int64_t>();
   if (v.is_number_float()) {

@@ -4,6 +4,7 @@
 #define MOE_CONTROL_JSON_UTIL_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,11 @@ absl::StatusOr<double> Number(const Json& v, const std::string& path);
 absl::StatusOr<std::string> String(const Json& v, const std::string& path);
 absl::StatusOr<const Json*> Array(const Json& v, const std::string& path);
 absl::StatusOr<bool> Bool(const Json& v, const std::string& path);
+
+// Refuses a member of object `obj` (at `path`; "" at the top) that is not one of `known`:
+// INVALID_ARGUMENT "<path>.<key>: unknown member (known: ...)". For documents whose every member
+// changes what runs, where one this reader skipped would be served as if it were not there.
+absl::Status OnlyMembers(const Json& obj, const std::string& path, std::initializer_list<const char*> known);
 
 // Optional members: the fallback when absent.
 absl::StatusOr<int64_t> IntOr(const Json& obj, const std::string& path, const std::string& key, int64_t fallback);

@@ -529,6 +529,7 @@ absl::Status RunPlacementLoad(const RemoteCall& call) {
 // The EPLB problems of `rebalance`: the routes every rank counted per expert and the slots each
 // serves now, summed over the layers, and per MoE layer when the active generation has layers.
 struct RebalanceInputs {
+  std::string checkpoint_version;  // the checkpoint every rank serves (the load was counted on)
   RebalanceInput total;
   std::vector<int64_t> layers;
   std::vector<RebalanceInput> per_layer;  // one per entry of `layers`
@@ -541,8 +542,16 @@ absl::StatusOr<RebalanceInputs> RebalanceInputFromRanks(const v1::ClusterStatusR
     x->num_groups = o.num_groups;
     x->num_nodes = o.num_nodes;
   }
+  // One load signal: one checkpoint, one placement, one group, and nodes the solver can pack to.
+  std::vector<RankLoadSource> sources;
   for (const v1::RankAgentReport& rep : resp.ranks()) {
     if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
+    sources.push_back({rep.address(), rep.status().checkpoint_version(), rep.status().node(),
+                       rep.status().active_version(), rep.status().process_group_epoch()});
+  }
+  RETURN_IF_ERROR(CheckOneLoadSignal(sources, o.num_nodes));
+  if (resp.ranks_size() > 0) in.checkpoint_version = resp.ranks(0).status().checkpoint_version();
+  for (const v1::RankAgentReport& rep : resp.ranks()) {
     const auto& routes = rep.status().expert_routes();
     if (in.total.expert_load.size() < static_cast<size_t>(routes.size())) in.total.expert_load.resize(routes.size(), 0);
     for (int e = 0; e < routes.size(); ++e) in.total.expert_load[e] += routes[e];
@@ -579,6 +588,16 @@ absl::StatusOr<RebalanceInputs> RebalanceInputFromRanks(const v1::ClusterStatusR
   return in;
 }
 
+// Which EPLB policy solved it, and what the rank loads printed are.
+void PrintPolicy(const RebalanceInput& in, const RebalancePlan& plan) {
+  std::cout << "policy: "
+            << (plan.hierarchical
+                    ? absl::StrCat("hierarchical (", in.num_groups, " groups over ", in.num_nodes, " nodes)")
+                    : std::string("global"))
+            << "; rank loads split each expert's routes evenly over its copies (the ideal a replica selector "
+               "reaches)\n";
+}
+
 void PrintRebalance(int num_ranks, const RebalanceInput& in, const RebalancePlan& plan) {
   std::cout << absl::StrFormat("EPLB over the load of %d ranks: %d physical slots\n", num_ranks, plan.num_replicas);
   std::cout << absl::StrFormat("%-8s %12s %8s %8s\n", "EXPERT", "ROUTES", "COPIES", "AFTER");
@@ -590,6 +609,7 @@ void PrintRebalance(int num_ranks, const RebalanceInput& in, const RebalancePlan
   for (size_t r = 0; r < plan.rank_load_before.size(); ++r) {
     std::cout << absl::StrFormat("%-8d %14.1f %14.1f\n", r, plan.rank_load_before[r], plan.rank_load_after[r]);
   }
+  PrintPolicy(in, plan);
   std::cout << absl::StrFormat("balancedness (mean/max rank load): before %.3f, after %.3f\n", plan.balancedness_before,
                                plan.balancedness_after);
   std::cout << absl::StrFormat("gamma_rank (max/mean rank load): before %.3f, after %.3f\n", plan.gamma_before,
@@ -614,6 +634,7 @@ void PrintLayerRebalance(int num_ranks, const RebalanceInputs& in, const std::ve
       after[r] += plans[i].rank_load_after[r];
     }
   }
+  PrintPolicy(in.per_layer.front(), plans.front());
   std::cout << absl::StrFormat("balancedness (mean/max rank load, every layer): before %.3f, after %.3f\n",
                                Balancedness(before), Balancedness(after));
   std::cout << absl::StrFormat("gamma_rank (max/mean rank load, every layer): before %.3f, after %.3f\n",
@@ -623,10 +644,17 @@ void PrintLayerRebalance(int num_ranks, const RebalanceInputs& in, const std::ve
 // `rebalance --out F`: the plan as a PlacementManifest JSON over the ranks' topology: one slot
 // table per layer when the plans are per layer.
 absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, int num_experts, bool per_layer,
-                                    const std::vector<RebalancePlan>& plans) {
+                                    const std::string& served_checkpoint, const std::vector<RebalancePlan>& plans) {
   std::unique_ptr<SafetensorsFile> storage;
   auto ckpt = OpenCheckpoint(o.checkpoint, &storage);
   if (!ckpt.ok()) return absl::InvalidArgumentError(absl::StrCat("--checkpoint: ", ckpt.status().message()));
+  // The load was counted on the ranks' checkpoint: a placement of another one plans for routes
+  // that checkpoint's router never made (0x08A: demand has provenance).
+  if ((*ckpt)->version() != served_checkpoint) {
+    return absl::FailedPreconditionError(absl::StrCat("--checkpoint: ", o.checkpoint, " is version '",
+                                                      (*ckpt)->version(), "', the ranks serve '", served_checkpoint,
+                                                      "' (their load was counted on it)"));
+  }
   MOE_CHECK(o.topology != nullptr, "RemoteOptions.topology: the caller provides the ranks' topology");
   const Topology topology = o.topology(world);
   const ProcessGroup group = LocalClusterGroup(world, o.epoch);
@@ -677,7 +705,7 @@ absl::Status RunRebalance(const RemoteCall& call) {
   }
   if (!o.out.empty()) {
     return WriteRebalanceManifest(o, resp.ranks_size(), static_cast<int>(in.total.expert_load.size()),
-                                  !in.layers.empty(), plans);
+                                  !in.layers.empty(), in.checkpoint_version, plans);
   }
   return absl::OkStatus();
 }

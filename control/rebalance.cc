@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 #include "runtime/placement/eplb.h"
 
@@ -79,6 +80,7 @@ absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
   p.num_gpus = ranks;
   auto solution = RebalanceExperts(p);
   if (!solution.ok()) return solution.status();
+  plan.hierarchical = solution->hierarchical;
   const int per_rank = plan.num_replicas / ranks;
   std::vector<std::vector<int>> after(ranks);
   for (int q = 0; q < plan.num_replicas; ++q) {
@@ -91,6 +93,49 @@ absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in) {
   plan.balancedness_after = Balancedness(plan.rank_load_after);
   plan.gamma_after = GammaRank(plan.rank_load_after);
   return plan;
+}
+
+absl::Status CheckRebalanceNodes(const std::vector<std::string>& node_of_rank, int num_nodes) {
+  if (num_nodes <= 1) return absl::OkStatus();
+  const int ranks = static_cast<int>(node_of_rank.size());
+  if (ranks % num_nodes != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--num_nodes: ", num_nodes, " nodes do not divide the ", ranks, " ranks"));
+  }
+  const int per_node = ranks / num_nodes;
+  for (int r = 0; r < ranks; ++r) {
+    const std::string& first = node_of_rank[r - r % per_node];  // the block's node
+    const bool starts_block = r % per_node == 0;
+    const bool seen_before = starts_block && std::find(node_of_rank.begin(), node_of_rank.begin() + r,
+                                                       node_of_rank[r]) != node_of_rank.begin() + r;
+    if (node_of_rank[r].empty() || node_of_rank[r] != first || seen_before) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--num_nodes ", num_nodes, ": the solver's node ", r / per_node, " is ranks ", r - r % per_node,
+                       "..", r - r % per_node + per_node - 1, ", but rank ", r, " is on node '", node_of_rank[r],
+                       "' (the ranks' nodes, in rank order: ", absl::StrJoin(node_of_rank, ","), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOneLoadSignal(const std::vector<RankLoadSource>& ranks, int num_nodes) {
+  std::vector<std::string> nodes;
+  for (const RankLoadSource& r : ranks) {
+    const RankLoadSource& first = ranks.front();
+    if (r.checkpoint_version != first.checkpoint_version) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", r.address, " serves checkpoint '",
+                                                        r.checkpoint_version, "', rank ", first.address, " '",
+                                                        first.checkpoint_version, "': their loads are not one signal"));
+    }
+    if (r.active_version != first.active_version || r.process_group_epoch != first.process_group_epoch) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r.address, " serves placement-v", r.active_version, " in process-group epoch ",
+                       r.process_group_epoch, ", rank ", first.address, " placement-v", first.active_version,
+                       " in epoch ", first.process_group_epoch, ": a switch under way? (try again)"));
+    }
+    nodes.push_back(r.node);
+  }
+  return CheckRebalanceNodes(nodes, num_nodes);
 }
 
 }  // namespace moe

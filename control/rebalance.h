@@ -6,9 +6,11 @@
 #define MOE_CONTROL_REBALANCE_H_
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace moe {
@@ -29,9 +31,35 @@ struct RebalancePlan {
   std::vector<int> copies_before, copies_after;  // [E]
   std::vector<std::pair<int, int>> expert_rank;  // new placement: (expert, rank) per slot, slot order
   std::vector<int> replica_rank;  // ... and each slot's rank among its expert's copies (EPLB's phyrank, 0x08C3)
+  // Which of EPLB's policies solved it: hierarchical (groups packed to nodes first) when the
+  // groups divide by the nodes, else the global one (0x08D: different contracts).
+  bool hierarchical = false;
 };
 
 absl::StatusOr<RebalancePlan> PlanRebalance(const RebalanceInput& in);
+
+// The hierarchical policy's nodes are contiguous blocks of num_gpus / num_nodes ranks (solver GPU
+// g is rank g, node n holds ranks [n*R/N, (n+1)*R/N)). With num_nodes > 1 the ranks' reported
+// nodes (`node_of_rank`, one per rank in rank order) must be exactly that layout: num_nodes
+// distinct names, each over one such block. FAILED_PRECONDITION naming the first rank that is
+// not (a packing on fictional nodes would be called node-local while it crosses them, 0x07I).
+absl::Status CheckRebalanceNodes(const std::vector<std::string>& node_of_rank, int num_nodes);
+
+// What one rank says its routes per expert were counted on (AgentStatusResponse), in rank order.
+struct RankLoadSource {
+  std::string address;
+  std::string checkpoint_version;
+  std::string node;
+  int64_t active_version = 0;
+  int64_t process_group_epoch = 0;
+};
+
+// The ranks' loads are one EPLB input only when every rank counted them on the same checkpoint
+// (0x08A: demand has provenance), serves the same placement generation in the same process-group
+// epoch (mid-switch, their slots belong to different generations, which no single current
+// placement explains), and their nodes are the solver's (CheckRebalanceNodes).
+// FAILED_PRECONDITION naming the first rank that differs from rank 0.
+absl::Status CheckOneLoadSignal(const std::vector<RankLoadSource>& ranks, int num_nodes);
 
 // mean / max of per-rank loads (1.0 for no load).
 double Balancedness(const std::vector<double>& rank_load);

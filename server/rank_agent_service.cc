@@ -353,6 +353,15 @@ absl::StatusOr<RankAgentServiceImpl::Materialized> RankAgentServiceImpl::Materia
                                                       " serves other layers than checkpoint ", c_.checkpoint->version(),
                                                       " holds"));
   }
+  // The ranks materialize the checkpoint the generation names, and verify every copy before it
+  // serves: a manifest of another checkpoint, or one that gives a copy nothing to be verified by,
+  // is refused before anything is read or copied.
+  if (to.checkpoint().value() != c_.checkpoint->version()) {
+    return absl::FailedPreconditionError(absl::StrCat("manifest.checkpoint_version: placement-v", to.version().value(),
+                                                      " is of checkpoint ", to.checkpoint().value(), ", rank ",
+                                                      c_.rank.value(), " serves ", c_.checkpoint->version()));
+  }
+  for (PhysicalSlotId q : to.LocalSlots(c_.rank)) RETURN_IF_ERROR(RequireSlotDigests(to, q, sizes.num_layers));
   ASSIGN_OR_RETURN(const MigrationSource source, PlanFromActive(c_, topology, group, to, sizes));
   PeerAgents peer_agents(peers, c_.token, c_.peer_credentials);
   Materialized out;
@@ -578,6 +587,7 @@ grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::Ag
   resp->set_rank(c_.rank.value());
   resp->set_active_version(c_.registry->ActiveVersion());
   resp->set_kernel_build(c_.runtime.kernel_build());
+  if (c_.checkpoint != nullptr) resp->set_checkpoint_version(c_.checkpoint->version());
   if (auto m = c_.executor->Membership(); m.has_value()) {
     resp->set_process_group_epoch(m->second.epoch().value());
     resp->set_node(m->first.NodeName(m->first.NodeOf(c_.rank)));

@@ -1,5 +1,7 @@
 #include "control/controller/release_manager.h"
 
+#include <algorithm>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -40,12 +42,23 @@ void ExpectRecordedManifest(const ReleaseRecord& candidate, const Topology& topo
   } else {
     manifest = *m;
   }
-  for (size_t q = 0; manifest != nullptr && q < manifest->slots().size(); ++q) {
-    if (manifest->slots()[q].parameter_digest.empty()) {  // the ranks had nothing to check it by
-      expect->manifest_problem =
-          absl::StrCat("slot ", manifest->slots()[q].name, " of the recorded manifest has no parameter digest");
-      manifest = nullptr;
+  // Every layer's table (a per-layer generation has one of its own per layer): a slot with no
+  // digest in any of them gave the ranks nothing to check its copy by.
+  const int tables = manifest == nullptr ? 0 : std::max<int>(1, static_cast<int>(manifest->layers().size()));
+  std::string undigested;
+  for (int li = 0; li < tables && undigested.empty(); ++li) {
+    for (const SlotRecord& slot : manifest->LayerAt(li).slots()) {
+      if (!slot.parameter_digest.empty()) continue;
+      undigested = absl::StrCat(
+          "slot ", slot.name, " of the recorded manifest",
+          manifest->layers().empty() ? std::string() : absl::StrCat(" (layer ", manifest->layers()[li], ")"),
+          " has no parameter digest");
+      break;
     }
+  }
+  if (!undigested.empty()) {
+    expect->manifest_problem = std::move(undigested);
+    manifest = nullptr;
   }
   if (manifest != nullptr) expect->manifest_digest = PlacementDigest(*manifest);
 }

@@ -78,6 +78,19 @@ absl::Status CheckSlotDigests(const PlacementManifest& m, PhysicalSlotId q, cons
   return absl::OkStatus();
 }
 
+absl::Status RequireSlotDigests(const PlacementManifest& m, PhysicalSlotId q, int num_layers) {
+  for (int li = 0; li < num_layers; ++li) {
+    if (!ExpectedLayerDigest(m, q, li).empty()) continue;
+    const SlotRecord& slot = m.LayerAt(li).slot(q);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "manifest.slots: slot ", slot.name, " (expert ", slot.expert.value(), ")",
+        m.layers().empty() ? std::string() : absl::StrCat(" layer ", m.layers()[li]),
+        " has no parameter digest, so its copy cannot be verified before it serves (record the checkpoint's digests: "
+        "moectl checkpoint digest)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LocalExperts> LoadLocalExperts(const CheckpointReader& ckpt, const PlacementManifest& m, Rank rank,
                                               const LoadOptions& options) {
   if (m.layers() != ckpt.layers()) {

@@ -56,6 +56,21 @@ TEST(BundleRuntimeTest, DtypeIsBf16OrFp8) {
   EXPECT_THAT(runtime("fp8").status().message(), HasSubstr("runtime.dtype: 'fp8'"));
 }
 
+// A coordinate the runtime does not read is refused, naming it, not served as if absent: this
+// runtime keeps every expert copy whole on one rank (no expert tensor parallelism, 0x0BE).
+TEST(BundleRuntimeTest, UnknownCoordinatesAreRefused) {
+  json::Json b;
+  b["runtime"] = {{"decode_runner", "kernels"}, {"decode_bucket_tokens", 8}, {"decode_bucket_slot_routes", 16}};
+  ASSERT_TRUE(ParseBundleRuntime(b).ok());
+  b["runtime"]["etp"] = 2;
+  absl::Status s = ParseBundleRuntime(b).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("runtime.etp: unknown member (known: decode_runner, "));
+  s = ParseBundleTopology(BundleWith({{"world", 2}, {"process_group_generation", "groups-v20-ep2-etp2"}})).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("topology.process_group_generation: unknown member"));
+}
+
 TEST(BundleTopologyTest, NodesAreCheckedRankByRank) {
   BundleTopology t;
   t.world = 3;

@@ -248,13 +248,14 @@ class GateTest : public ::testing::Test {
     ASSERT_TRUE(Transition(id + ":verify", id, v1::RELEASE_STATE_VERIFIED).ok());
   }
   // Register, verify, load `version` on the ranks, SHADOW.
-  void ToShadow(const std::string& id, int64_t version) {
+  void ToShadow(const std::string& id, int64_t version) { ToShadow(id, Manifest(version)); }
+  void ToShadow(const std::string& id, const v1::PlacementManifest& manifest) {
     RegisterVerified(id);
     v1::Release rel;
     v1::LoadPlacementRequest load;
     load.set_request_id(id + ":load");
     load.set_release_id(id);
-    *load.mutable_manifest() = Manifest(version);
+    *load.mutable_manifest() = manifest;
     grpc::Status loaded = stub_->LoadPlacement(Ctx().get(), load, &rel);
     ASSERT_TRUE(loaded.ok()) << loaded.error_message();
     ASSERT_TRUE(Transition(id + ":shadow", id, v1::RELEASE_STATE_SHADOW).ok());
@@ -615,6 +616,31 @@ TEST_F(GateTest, PromotionClausesComeFromTheRanks) {
   EXPECT_EQ(resp.evidence().findings_size(), 0);
   EXPECT_EQ(resp.release().state(), v1::RELEASE_STATE_ACTIVE);
   EXPECT_EQ(resp.drained_release_id(), "release-v1");
+}
+
+// HashOK reads every layer's slot table: a per-layer generation whose second layer leaves a slot
+// without a digest gave the ranks nothing to verify that copy by, so it is never promoted, though
+// its first table (the manifest's own slots) is complete.
+TEST_F(GateTest, HashOkNeedsADigestInEveryLayersTable) {
+  Bootstrap();
+  v1::PlacementManifest layered = Manifest(3);
+  layered.add_layers(0);
+  layered.add_layers(1);
+  for (int layer = 0; layer < 2; ++layer) {
+    v1::LayerSlots* table = layered.add_layer_slots();
+    table->set_layer(layer);
+    *table->mutable_slots() = layered.slots();
+  }
+  layered.mutable_layer_slots(1)->mutable_slots(2)->clear_parameter_digest();
+  ToShadow("release-v3", layered);
+  for (auto& r : ranks_) r->SetCounters(Healthy(3));
+  ASSERT_TRUE(Transition("release-v3:canary", "release-v3", v1::RELEASE_STATE_CANARY).ok());
+  v1::PromoteResponse resp;
+  grpc::Status s = Promote("p1", "release-v3", &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("HashOK"));
+  EXPECT_THAT(s.error_message(), HasSubstr("slot q2 of the recorded manifest (layer 1) has no parameter digest"));
+  EXPECT_EQ(Get("release-v3").state(), v1::RELEASE_STATE_CANARY);
 }
 
 // A rollback to a prior whose placement one rank no longer holds (a retirement of the prior that

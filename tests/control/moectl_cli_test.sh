@@ -150,11 +150,15 @@ json.dump(t, open(f"{d}/tampered.json", "w"))
 w = json.loads(json.dumps(b)); layer = sorted(w["checkpoint"]["digests"])[-1]
 w["checkpoint"]["digests"][layer][5] = "0" * 64; w["digest"] = digest(w)
 json.dump(w, open(f"{d}/wrong_expert.json", "w"))
+e = json.loads(json.dumps(b)); e["runtime"]["etp"] = 2; e["digest"] = digest(e)
+json.dump(e, open(f"{d}/etp.json", "w"))
 print("ok   bundle digest is the canonical JSON's SHA-256 (python recomputes it)")
 open(f"{d}/wrong_layer", "w").write(layer)
 PY
 [ $? = 0 ] || fail=1
 check "bundle: contents changed after its digest" 2 "digest: the bundle says" -- "$MOECTL" bundle verify "$TMP/tampered.json"
+check "bundle: a coordinate the runtime does not read (under a good digest)" 2 "runtime.etp: unknown member" -- \
+  "$MOECTL" bundle verify "$TMP/etp.json"
 check "bundle: one wrong expert digest" 2 "checkpoint.digests\[\"$(cat "$TMP/wrong_layer")\"\]\[5\]" -- \
   "$MOECTL" bundle verify "$TMP/wrong_expert.json"
 python3 - "$TMP/bm/model.safetensors" <<'PY'

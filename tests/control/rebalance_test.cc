@@ -3,6 +3,7 @@
 #include "control/rebalance.h"
 
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -121,6 +122,45 @@ TEST(RebalanceTest, DefaultsAndErrors) {
   EXPECT_DOUBLE_EQ(Balancedness({0, 0}), 1.0);
   EXPECT_DOUBLE_EQ(GammaRank({2, 4}), 4.0 / 3);
   EXPECT_DOUBLE_EQ(GammaRank({0, 0}), 1.0);
+}
+
+// The hierarchical policy's node n is ranks [n*R/N, (n+1)*R/N): the ranks' own nodes must be
+// that layout, else node packing would call a crossing placement node-local (0x07I).
+TEST(RebalanceTest, HierarchicalNodesMustBeTheRanksNodes) {
+  EXPECT_TRUE(CheckRebalanceNodes({"a", "a", "b", "b"}, 2).ok());
+  EXPECT_TRUE(CheckRebalanceNodes({"a", "b", "a", "b"}, 1).ok());  // one node: no node packing
+  absl::Status s = CheckRebalanceNodes({"a", "b", "a", "b"}, 2);   // interleaved
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()),
+              ::testing::HasSubstr("the solver's node 0 is ranks 0..1, but rank 1 is on node 'b'"));
+  s = CheckRebalanceNodes({"a", "a", "a", "a"}, 2);  // one real node called two
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("rank 2 is on node 'a'"));
+  EXPECT_EQ(CheckRebalanceNodes({"a", "a", "b", ""}, 2).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(CheckRebalanceNodes({"a", "a", "b"}, 2).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Loads counted on another checkpoint, or mid-switch (another generation or epoch), are not one
+// EPLB input: refused naming the rank.
+TEST(RebalanceTest, OneLoadSignalNeedsOneCheckpointGenerationAndEpoch) {
+  const std::vector<RankLoadSource> ok = {{"r0", "ckpt-1", "a", 3, 1}, {"r1", "ckpt-1", "b", 3, 1}};
+  EXPECT_TRUE(CheckOneLoadSignal(ok, 2).ok());
+  std::vector<RankLoadSource> bad = ok;
+  bad[1].checkpoint_version = "ckpt-2";
+  absl::Status s = CheckOneLoadSignal(bad, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("rank r1 serves checkpoint 'ckpt-2', rank r0 'ckpt-1'"));
+  bad = ok;
+  bad[1].active_version = 4;
+  s = CheckOneLoadSignal(bad, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("rank r1 serves placement-v4 in process-group epoch 1"));
+  bad = ok;
+  bad[0].process_group_epoch = 2;
+  EXPECT_EQ(CheckOneLoadSignal(bad, 1).code(), absl::StatusCode::kFailedPrecondition);
+  bad = ok;
+  bad[1].node = "a";  // both on one node, called two
+  EXPECT_EQ(CheckOneLoadSignal(bad, 2).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

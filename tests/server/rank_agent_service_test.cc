@@ -183,6 +183,23 @@ TEST_F(RankAgentTest, BadManifestsLeaveNothingBehind) {
   grpc::Status s = Prepare(drift, &st);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_FALSE(registry_.State(PlacementVersion(3)).ok());
+  // A slot with no digest gives the rank nothing to verify its copy by (0x08K): refused before
+  // anything is read, naming the slot.
+  v1::PlacementManifest undigested = Manifest(3);
+  undigested.mutable_slots(1)->clear_parameter_digest();
+  s = Prepare(undigested, &st);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("slot q1 (expert 1) has no parameter digest"));
+  EXPECT_FALSE(registry_.State(PlacementVersion(3)).ok());
+  // A generation of another checkpoint (every slot consistently so): this rank serves its own.
+  v1::PlacementManifest foreign = Manifest(3);
+  foreign.set_checkpoint_version("checkpoint-other");
+  for (v1::PhysicalSlot& slot : *foreign.mutable_slots()) slot.set_checkpoint_version("checkpoint-other");
+  s = Prepare(foreign, &st);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("manifest.checkpoint_version: placement-v3 is of checkpoint checkpoint-other"));
+  EXPECT_FALSE(registry_.State(PlacementVersion(3)).ok());
   // Process-group generation differs: reject load.
   v1::PlacementManifest epoch = Manifest(3);
   epoch.set_process_group_epoch(2);
