@@ -279,6 +279,35 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner, Expe
                uniform_steps);
   if (uniform_replays != uniform_steps)
     return fail(absl::InternalError("a uniform decode step inside the bucket ran eagerly"));
+  // A placement switch under live decode graphs (0x05H: the graph key follows the generation):
+  // placement-v2 has no extra replicas, so other slots on every rank. Its decode steps must
+  // capture and replay graphs of their own; a replay of v1's graph over v2's tables would route
+  // rows to the wrong experts, which the reference check catches.
+  auto v2 = DefaultPlacement(PlacementVersion(2), kExperts, 0, topology, group, ckpt.metadata);
+  if (!v2.ok()) return fail(v2.status());
+  auto local2 = LoadLocalExperts(ckpt, **v2, Rank(slot));
+  if (!local2.ok()) return fail(local2.status());
+  if (absl::Status s = registry.Prepare(*v2); !s.ok()) return fail(s);
+  if (absl::Status s = (*exec)->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*std::move(local2)));
+      !s.ok()) {
+    return fail(s);
+  }
+  if (absl::Status s = registry.Activate(PlacementVersion(2)); !s.ok()) return fail(s);
+  for (int64_t tokens : {1, 3, 8, 8}) {
+    ++step;
+    std::mt19937 rng(9000 * step + slot);
+    const Input in = MakeInput(rng, tokens, false);
+    auto r = run(step, Phase::kDecode, in);
+    if (!r.ok()) return fail(absl::Status(r.status().code(), absl::StrCat("v2 decode: ", r.status().message())));
+    if (r->record.placement_version != 2 || !r->record.graph_replay) {
+      return fail(
+          absl::InternalError(absl::StrCat("v2 decode T=", tokens, ": placement-v", r->record.placement_version,
+                                           ", replay ", r->record.graph_replay, " (", r->record.fallback_reason, ")")));
+    }
+    const std::string what = absl::StrCat("v2 decode T=", tokens, " (graph)");
+    if (absl::Status s = CheckAgainstReference(in, r->output, *cpu, reference, fp8, what.c_str()); !s.ok())
+      return fail(s);
+  }
   // Bad input on the last member: everyone fails the step (ABORTED on the others), then serves.
   ++step;
   std::mt19937 rng(77 + slot);
@@ -296,7 +325,9 @@ int Member(int slot, int size, const std::string& dir, DecodeRunner runner, Expe
   if (!again.ok()) return fail(again.status());
   if (absl::Status s = CheckAgainstReference(bad, again->output, *cpu, reference, fp8, "after abort"); !s.ok())
     return fail(s);
-  if (registry.Refcount(PlacementVersion(1)) != 0) return fail(absl::InternalError("a handle was not released"));
+  if (registry.Refcount(PlacementVersion(1)) != 0 || registry.Refcount(PlacementVersion(2)) != 0) {
+    return fail(absl::InternalError("a handle was not released"));
+  }
   return 0;
 }
 
