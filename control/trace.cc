@@ -365,6 +365,19 @@ Json LedgerJson(const RunnerLedger& l) {
               {"state_bytes", l.state_bytes}};
 }
 
+// The block-sparse layout's ledger also names its block shape and topology: the fixture's B_r = 2
+// is a teaching size, not MegaBlocks' 128 (0x04D), and the output says which ran.
+Json LedgerJson(const RunnerLedger& l, const RunnerLayoutParams& runner, int block_cols) {
+  Json j = LedgerJson(l);
+  if (runner.kind == RunnerKind::kBlockSparse) {
+    j["block_rows"] = runner.block_rows;
+    j["block_cols"] = block_cols;
+    j["row_blocks"] = l.row_blocks;
+    j["nonzero_blocks"] = l.nonzero_blocks;
+  }
+  return j;
+}
+
 // The plan's identity: digest, placement, process group, how replicas were selected and the
 // slot each admitted route went to.
 void AddPlanIdentity(const Trace& t, const FrozenHandoff& frozen, const std::vector<PhysicalSlotId>& slots,
@@ -529,7 +542,7 @@ absl::StatusOr<Json> RunnerLedgersJson(const Trace& t, const LoadLedger& loads,
   for (const RunnerLayoutParams& runner : runners) {
     ASSIGN_OR_RETURN(RunnerLayout layout_all, MakeRunnerLayout(loads.physical_slot_rows, runner));
     ASSIGN_OR_RETURN(RunnerLedger l, ComputeRunnerLedger(layout_all, t.d, t.d_ff, block_cols));
-    runner_ledgers[RunnerKindName(runner.kind)] = LedgerJson(l);
+    runner_ledgers[RunnerKindName(runner.kind)] = LedgerJson(l, runner, block_cols);
   }
   return runner_ledgers;
 }

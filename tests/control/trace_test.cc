@@ -37,6 +37,16 @@ TEST(TraceTest, EightRouteExampleReproducesSpec) {
   EXPECT_EQ(r["ledgers"]["lifetimes"]["peak_bytes"], 904);
   EXPECT_EQ(r["ledgers"]["bytes"]["remote_logical_excluding_protocol"], 144);
   EXPECT_EQ(r["ledgers"]["runners"]["capacity-padded dense"]["matmul_flops"], 1728);
+  // 0x04D: B_r = 2 (the fixture's teaching size, named), 12 executed rows, 864 FLOPs, six row
+  // blocks of two nonzero 2x2 column blocks each, and the 172-byte topology.
+  const Json& blocks = r["ledgers"]["runners"]["block sparse"];
+  EXPECT_EQ(blocks["block_rows"], 2);
+  EXPECT_EQ(blocks["block_cols"], 2);
+  EXPECT_EQ(blocks["executed_rows"], 12);
+  EXPECT_EQ(blocks["matmul_flops"], 864);
+  EXPECT_EQ(blocks["row_blocks"], 6);
+  EXPECT_EQ(blocks["nonzero_blocks"], 12);
+  EXPECT_EQ(blocks["state_bytes"], 172);
   EXPECT_EQ(r["ledgers"]["hierarchical_relay"]["added_relay_bytes"], 36);
   EXPECT_EQ(r["inverse"]["r06"]["local_expert_position"], 0);
   EXPECT_THAT(RenderPlanText(r), HasSubstr("p1.t0 -> [8.22, 82.2, 822.0]"));

@@ -45,6 +45,27 @@ TEST(TopologyTest, FromNodeNamesGroupsRanksByTheirHosts) {
   EXPECT_THAT(std::string(empty.status().message()), HasSubstr("topology.ranks[1].node"));
 }
 
+// 0x07I's topology mistakes, refused naming what is wrong: a rank listed twice (one rank in two
+// nodes), a rank on a node that does not exist, and two relays on one node.
+TEST(TopologyTest, ARankInTwoNodesAndTwoRelaysOnANodeAreRefused) {
+  const auto info = [](int r, int node, bool relay) {
+    RankInfo i;
+    i.rank = Rank(r);
+    i.node = TopologyDomainId(node);
+    i.node_relay = relay;
+    return i;
+  };
+  ASSERT_TRUE(Topology::Create({info(0, 0, true), info(1, 1, true)}, {"a", "b"}).ok());
+  auto twice = Topology::Create({info(0, 0, true), info(0, 1, true)}, {"a", "b"});
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("rank 0 is duplicated"));
+  auto nowhere = Topology::Create({info(0, 0, true), info(1, 2, false)}, {"a", "b"});
+  EXPECT_THAT(std::string(nowhere.status().message()), HasSubstr("topology.ranks[1].node: unknown domain 2"));
+  auto relays = Topology::Create({info(0, 0, true), info(1, 0, true)}, {"a"});
+  EXPECT_EQ(relays.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(relays.status().message()), HasSubstr("node a has two relays (ranks 0 and 1)"));
+}
+
 // A group's rank -> slot table is sized by its largest rank: one past kMaxGroupRank is refused
 // naming the field, not a table of gigabytes.
 TEST(TopologyTest, AGroupRankPastTheLimitIsRefused) {
@@ -337,6 +358,30 @@ TEST(RegistryTest, PrepareAfterARebindNeedsTheNewEpoch) {
   auto bound = old18->Rebound(*epoch13, hosts);
   ASSERT_TRUE(bound.ok()) << bound.status();
   EXPECT_TRUE(registry.Prepare(*bound).ok());
+}
+
+// A dispatch handle in flight pins its generation's binding (0x0CB: G_dispatch = G_combine): the
+// group cannot re-form under it. Rebind is refused naming the generation, and leaves every
+// manifest on its old epoch; once the handle is released it succeeds.
+TEST(RegistryTest, RebindWaitsForHandlesInFlight) {
+  GenerationRegistry registry;
+  ASSERT_TRUE(registry.Prepare(Version(17)).ok());
+  ASSERT_TRUE(registry.Activate(PlacementVersion(17)).ok());
+  const int64_t before = registry.RequireLive(PlacementVersion(17)).value()->epoch().value();
+  const Topology hosts = *Topology::FromNodeNames({"host-a", "host-b", "host-b", "host-c"});
+  auto epoch13 =
+      ProcessGroup::Create(ProcessGroupId("ep-group-0"), ProcessGroupEpoch(13), {Rank(0), Rank(1), Rank(2), Rank(3)});
+  ASSERT_TRUE(epoch13.ok());
+  ASSERT_NE(before, 13);
+  auto lease = registry.AcquireActive(HandleId(7));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const absl::Status held = registry.Rebind(*epoch13, hosts);
+  EXPECT_EQ(held.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(held.message()), HasSubstr("placement-v17: 1 dispatch handles still hold it"));
+  EXPECT_EQ(registry.RequireLive(PlacementVersion(17)).value()->epoch().value(), before);
+  ASSERT_TRUE(lease->Release().ok());
+  ASSERT_TRUE(registry.Rebind(*epoch13, hosts).ok());
+  EXPECT_EQ(registry.RequireLive(PlacementVersion(17)).value()->epoch().value(), 13);
 }
 
 // A prepared generation that never served is forgotten whole; one that served, or a trial holds,
