@@ -79,6 +79,9 @@ absl::Status CheckSlotDigests(const PlacementManifest& m, PhysicalSlotId q, cons
 }
 
 absl::Status RequireSlotDigests(const PlacementManifest& m, PhysicalSlotId q, int num_layers) {
+  // A shared multi-layer table's combined digest verifies every layer's copy together
+  // (CheckSlotDigests), with or without the per-layer ones.
+  if (!m.per_layer() && !m.layers().empty() && !m.slot(q).parameter_digest.empty()) return absl::OkStatus();
   for (int li = 0; li < num_layers; ++li) {
     if (!ExpectedLayerDigest(m, q, li).empty()) continue;
     const SlotRecord& slot = m.LayerAt(li).slot(q);

@@ -67,9 +67,10 @@ absl::Status CheckSlotDigests(const PlacementManifest& m, PhysicalSlotId q, cons
                               const std::vector<std::string>& how);
 
 // Before a rank materializes slot q of a generation it was sent (0x08F, 0x08K: no copy publishes
-// unverified): the manifest must expect a digest for each of its `num_layers` layer copies.
-// FAILED_PRECONDITION naming the slot, its expert and the layer otherwise. (A rank's start-up
-// placement, loaded from its own checkpoint, may carry none: CheckSlotDigests skips those.)
+// unverified): the manifest must expect a digest for each of its `num_layers` layer copies, or a
+// shared multi-layer table a combined one for them all. FAILED_PRECONDITION naming the slot, its expert and the layer
+// otherwise. (A rank's start-up placement, loaded from its own checkpoint, may carry none: CheckSlotDigests skips
+// those.)
 absl::Status RequireSlotDigests(const PlacementManifest& m, PhysicalSlotId q, int num_layers);
 
 }  // namespace moe

@@ -222,6 +222,26 @@ TEST(ExpertLoaderTest, RefusesOverBudgetWrongDigestsAndOtherLayers) {
   auto blank = *DefaultPlacement(PlacementVersion(4), kExperts, 0, topology, group, unknown);
   EXPECT_TRUE(blank->slot(PhysicalSlotId(0)).parameter_digest.empty());
   EXPECT_TRUE(LoadLocalExperts(*ckpt, *blank, Rank(0)).ok());
+  // ... but such a placement cannot be prepared later (RequireSlotDigests, before a rank
+  // materializes a generation it was sent): nothing would verify its copies. A shared table's
+  // combined digest alone verifies every layer's copy together.
+  const int layers = ckpt->num_layers();
+  EXPECT_TRUE(RequireSlotDigests(*m, PhysicalSlotId(0), layers).ok());
+  const absl::Status none = RequireSlotDigests(*blank, PhysicalSlotId(0), layers);
+  EXPECT_EQ(none.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(none.message(), HasSubstr("slot q0 (expert 0) layer 1 has no parameter digest"));
+  std::vector<SlotRecord> combined_only = m->slots();
+  for (SlotRecord& slot : combined_only) slot.layer_digests.clear();
+  ManifestOptions mo;
+  mo.version = PlacementVersion(5);
+  mo.process_group = m->process_group();
+  mo.epoch = m->epoch();
+  mo.checkpoint = m->checkpoint();
+  mo.num_experts = m->num_experts();
+  mo.layers = m->layers();
+  auto combined = PlacementManifest::Create(mo, combined_only, topology);
+  ASSERT_TRUE(combined.ok()) << combined.status();
+  EXPECT_TRUE(RequireSlotDigests(**combined, PhysicalSlotId(0), layers).ok());
 }
 
 }  // namespace
