@@ -586,6 +586,11 @@ absl::StatusOr<Json> Ledgers(const Trace& t, const ClusterPlan& plan, const Froz
                           {"uniform_padded_rows", b.padded_rows},
                           {"padding_rows", b.padding_rows}};
   ledgers["bytes"] = ByteLedgerJson(b);
+  ASSIGN_OR_RETURN(const PrecisionPayloads precision, ComputePrecisionPayloads(b.remote_routes, t.d));
+  ledgers["precision_payloads"] = {{"remote_rows", precision.remote_rows},
+                                   {"bf16", precision.bf16},
+                                   {"fp8_row_scale", precision.fp8_row_scale},
+                                   {"fp8_block128_scales", precision.fp8_block_scales}};
   ASSIGN_OR_RETURN(ledgers["lifetimes"], LifetimesJson(t, b));
   ASSIGN_OR_RETURN(ledgers["runners"], RunnerLedgersJson(t, loads, runners));
   ledgers["route_classes"] = RouteClassesJson(t, ComputeRouteClasses(plan, frozen, *t.topology, t.d, t.widths));
@@ -691,6 +696,12 @@ std::string RenderPlanText(const Json& r) {
                          x["intermediate_values"].dump(), x["matmul_flops"].dump(), x["state"].get<std::string>(),
                          x["state_bytes"].dump());
   }
+  const Json& precision = l["precision_payloads"];
+  o << absl::StrFormat(
+      "\nremote dispatch payload of %s rows by precision (data + scales, 0x0AB): BF16 %s B, FP8 + a scale a row %s B, "
+      "FP8 + a scale per 128 values %s B\n",
+      precision["remote_rows"].dump(), precision["bf16"].dump(), precision["fp8_row_scale"].dump(),
+      precision["fp8_block128_scales"].dump());
   o << "\nroute classes\n";
   for (auto it = l["route_classes"].begin(); it != l["route_classes"].end(); ++it) {
     const Json& x = it.value();

@@ -211,6 +211,27 @@ std::vector<ScheduleEvent> LayerStepEvents() {
   };
 }
 
+absl::StatusOr<PrecisionPayloads> ComputePrecisionPayloads(int64_t remote_rows, int64_t d, int64_t scale_block) {
+  if (remote_rows < 0) return absl::InvalidArgumentError("remote_rows: must not be negative");
+  if (d <= 0 || scale_block <= 0) return absl::InvalidArgumentError("d, scale_block: must be positive");
+  constexpr int64_t kBf16 = 2, kFp8 = 1, kScale = 4;
+  PrecisionPayloads p;
+  p.remote_rows = remote_rows;
+  p.d = d;
+  p.scale_block = scale_block;
+  const int64_t blocks = d / scale_block + (d % scale_block != 0);
+  int64_t row_bf16 = 0, row_fp8 = 0, row_fp8_blocks = 0;
+  if (__builtin_mul_overflow(d, kBf16, &row_bf16) || __builtin_mul_overflow(d, kFp8, &row_fp8) ||
+      __builtin_mul_overflow(blocks, kScale, &row_fp8_blocks) ||
+      __builtin_add_overflow(row_fp8_blocks, row_fp8, &row_fp8_blocks) ||
+      __builtin_mul_overflow(remote_rows, row_bf16, &p.bf16) ||
+      __builtin_mul_overflow(remote_rows, row_fp8 + kScale, &p.fp8_row_scale) ||
+      __builtin_mul_overflow(remote_rows, row_fp8_blocks, &p.fp8_block_scales)) {
+    return absl::InvalidArgumentError(absl::StrCat("d: ", remote_rows, " rows of width ", d, " overflow a byte count"));
+  }
+  return p;
+}
+
 std::vector<BufferLifetime> LayerStepBuffers(const ByteLedger& b, int d, const LedgerWidths& w) {
   const int64_t rows_in = b.tokens * d * w.activation;
   const int64_t rows_out = b.tokens * d * w.output;

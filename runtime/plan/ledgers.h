@@ -63,6 +63,22 @@ struct ByteLedger {
 };
 ByteLedger ComputeByteLedger(const ClusterPlan& plan, const FrozenHandoff& handoff, int d, const LedgerWidths& w);
 
+// 0x0AB: the logical remote dispatch payload of the same R_remote rows of width d in three
+// representations: BF16 data, FP8 data plus one FP32 scale per row, FP8 data plus one FP32 scale
+// per `scale_block` values of a row. Data and scales only (no alignment, metadata or protocol):
+// at small d the scales make FP8 larger than BF16.
+struct PrecisionPayloads {
+  int64_t remote_rows = 0;
+  int64_t d = 0;
+  int64_t scale_block = 128;
+  int64_t bf16 = 0;              // R_remote d b16
+  int64_t fp8_row_scale = 0;     // R_remote d b8 + R_remote b_s
+  int64_t fp8_block_scales = 0;  // R_remote d b8 + R_remote ceil(d / g) b_s
+};
+// INVALID_ARGUMENT for a negative row count, a non-positive width or block, or a payload past
+// int64.
+absl::StatusOr<PrecisionPayloads> ComputePrecisionPayloads(int64_t remote_rows, int64_t d, int64_t scale_block = 128);
+
 // 0x03D3-0x03D5: half-open buffer lifetimes over an event schedule.
 struct ScheduleEvent {
   std::string name;

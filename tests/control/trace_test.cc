@@ -48,6 +48,9 @@ TEST(TraceTest, EightRouteExampleReproducesSpec) {
   EXPECT_EQ(blocks["nonzero_blocks"], 12);
   EXPECT_EQ(blocks["state_bytes"], 172);
   EXPECT_EQ(r["ledgers"]["hierarchical_relay"]["added_relay_bytes"], 36);
+  EXPECT_EQ(r["ledgers"]["precision_payloads"], Json::parse(R"({"remote_rows": 6, "bf16": 36, "fp8_row_scale": 42,
+                                                                "fp8_block128_scales": 42})"));
+  EXPECT_THAT(RenderPlanText(r), HasSubstr("BF16 36 B, FP8 + a scale a row 42 B"));
   EXPECT_EQ(r["inverse"]["r06"]["local_expert_position"], 0);
   EXPECT_THAT(RenderPlanText(r), HasSubstr("p1.t0 -> [8.22, 82.2, 822.0]"));
 }

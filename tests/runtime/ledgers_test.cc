@@ -59,6 +59,27 @@ TEST(LedgersTest, ByteLedgersMatchSpec) {
 }
 
 // 0x03D6 larger shape: T=4096, k=2, d=4096, BF16, remote fraction 0.75.
+// 0x0AB's table: the fixture's six remote rows in BF16, FP8 with a scale per row and FP8 with a
+// scale per 128 values; at d = 3 the scales make FP8 the larger payload.
+TEST(LedgersTest, PrecisionPayloadsMatchSpec) {
+  Planned f;
+  const int64_t remote = ComputeByteLedger(f.plan, f.handoff, 3, LedgerWidths{}).remote_routes;
+  ASSERT_EQ(remote, 6);
+  const struct {
+    int64_t d, bf16, row, block;
+  } table[] = {{3, 36, 42, 42}, {16, 192, 120, 120}, {7168, 86016, 43032, 44352}};
+  for (const auto& want : table) {
+    auto p = ComputePrecisionPayloads(remote, want.d);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->bf16, want.bf16) << "d " << want.d;
+    EXPECT_EQ(p->fp8_row_scale, want.row) << "d " << want.d;
+    EXPECT_EQ(p->fp8_block_scales, want.block) << "d " << want.d;
+  }
+  EXPECT_EQ(ComputePrecisionPayloads(-1, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ComputePrecisionPayloads(6, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ComputePrecisionPayloads(int64_t{1} << 62, 7168).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LedgersTest, LargeShapeStagingAndRemotePayload) {
   Topology topo = Topology::SingleNode(4);
   std::vector<SlotRecord> slots;
