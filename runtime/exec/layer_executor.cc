@@ -1037,6 +1037,16 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden: d = ", pass.in.d, ", the experts have d = ", pass.weights->host->d));
   }
+  // Weights for another slot count than the generation puts here (every layer's table has the
+  // same slots on the same ranks) fail this rank's step before the agreement, so its peers abort
+  // at once instead of waiting out the timeout on an exchange it would not finish.
+  const LocalExperts& host = *pass.weights->host;
+  const int64_t local_slots = static_cast<int64_t>(generation->LocalSlots(options_.rank).size());
+  if (static_cast<int64_t>(host.layer_down_elems()) != local_slots * host.d * host.d_ff) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
+                                                      " number of local slots than placement-v", version.value(),
+                                                      " puts here (", local_slots, ")"));
+  }
   // The load signal for rebalancing: routes this rank's tokens chose, per logical expert, per
   // layer. Keyed once the layer is known to be served, and by LoadLayer, so that the engine's
   // layer values cannot grow the table.
@@ -1460,12 +1470,7 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
 absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   const LayerStepInput& in = pass.in;
   const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
-  const LocalExperts& host = *pass.weights->host;
-  if (pass.n_recv > 0 &&
-      static_cast<int64_t>(host.layer_down_elems()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
-    return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
-                                                      " number of local slots than placement-v", pass.version.value()));
-  }
+  const LocalExperts& host = *pass.weights->host;  // its slot count checked before the agreement (AcquirePhase)
   RETURN_IF_ERROR(RowsForKernels(pass));
   // A lone member holds every slot: a decode step's route, experts and combine are one kernels
   // call on the tokens as they are. Prefill steps keep the grouped GEMMs.
@@ -1600,10 +1605,6 @@ absl::Status LayerExecutor::LoneDecodeSteps(Pass& pass) {
   const LocalExperts& host = *pass.weights->host;
   int local_slots = 0;
   for (int32_t local : t.local_of_slot) local_slots = std::max(local_slots, local + 1);
-  if (static_cast<int64_t>(host.layer_down_elems()) != static_cast<int64_t>(local_slots) * in.d * host.d_ff) {
-    return absl::FailedPreconditionError(absl::StrCat("rank ", options_.rank.value(), " holds weights for a different",
-                                                      " number of local slots than placement-v", pass.version.value()));
-  }
   const int64_t routes = in.tokens * in.k;
   StepTables tables;  // the admitted table, when the engine gave one (host memory)
   const int t_admitted = in.admitted != nullptr ? tables.Add(in.admitted, routes) : -1;

@@ -674,6 +674,36 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
 }
 
+// Weights for another slot count than the generation puts on a rank (rank 2 holds placement-v17's
+// two slots' weights under placement-v18, which puts three there) fail that rank's step before
+// the agreement: its peers abort at once instead of waiting out the timeout in an exchange it
+// would not finish.
+TEST(LayerExecutorTest, WeightsForAnotherSlotCountFailTheStepBeforeTheAgreement) {
+  Rank4 w;
+  const std::shared_ptr<const PlacementManifest> v18 = w.Candidate(18);
+  ASSERT_EQ(v18->LocalSlots(Rank(2)).size(), 3u);
+  ASSERT_EQ(w.manifest->LocalSlots(Rank(2)).size(), 2u);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(w.registry[r].Prepare(v18).ok());
+    auto local = LoadLocalExperts(w.checkpoint, r == 2 ? *w.manifest : *v18, Rank(r));
+    ASSERT_TRUE(local.ok()) << local.status();
+    ASSERT_TRUE(w.exec[r]->AddGeneration(PlacementVersion(18), std::make_shared<LocalExperts>(*local)).ok());
+    ASSERT_TRUE(w.registry[r].Activate(PlacementVersion(18)).ok());
+  }
+  std::mt19937 rng(8);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 4));
+  const absl::Time start = absl::Now();
+  const auto results = RunStep(w, inputs, 1, 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // nobody waited out the 5 s timeout
+  EXPECT_EQ(results[2].status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(results[2].status().message()),
+              ::testing::HasSubstr("rank 2 holds weights for a different number of local slots than placement-v18 "
+                                   "puts here (3)"));
+  for (int r : {0, 1, 3}) EXPECT_EQ(results[r].status().code(), absl::StatusCode::kAborted) << "rank " << r;
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(w.registry[r].Refcount(PlacementVersion(18)), 0) << "rank " << r;
+}
+
 // The device plan (the kernels key, check and rank the routes; here the CPU reference) gives
 // the host plan's outputs bit for bit and the same records, with some members planning on the
 // kernels and others on the host in the same steps. Ranks 2 and 3 (node 1) choose expert 1's
