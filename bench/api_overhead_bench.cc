@@ -51,6 +51,7 @@ namespace moe {
 namespace {
 
 using bench::Median;
+using bench::Quantile;
 
 class EchoImpl final : public bench::Echo::Service {
  public:
@@ -324,11 +325,10 @@ int Main() {
         es->WritesDone();
         es->Finish().IgnoreError();
       }
-      std::sort(client.begin(), client.end());
       std::printf("%-8s %-7s %8lld %12.1f %12.1f %12.1f %12.1f %12.1f %7.2fx %7.2fx %12.1f %12.1f\n",
                   tokens <= 8 ? "decode" : "prefill", mode, static_cast<long long>(tokens), Median(api), Median(plain),
                   Median(held), Median(server_side), Median(compute), Median(api) / Median(plain),
-                  Median(api) / Median(held), Median(client), client[client.size() * 99 / 100]);
+                  Median(api) / Median(held), Median(client), Quantile(client, 0.99));
       if (use_ring) {  // where the executor's time went (medians, us)
         std::printf("  stages:");
         for (int i = 0; i < kNumStepPhases; ++i) {

@@ -31,6 +31,7 @@
 #include "runtime/checkpoint/expert_checkpoint.h"
 #include "runtime/checkpoint/synthetic.h"
 #include "runtime/logging.h"
+#include "runtime/quantile.h"
 #include "runtime/status.h"
 #include "server/client.h"
 
@@ -92,11 +93,8 @@ struct Stats {
   std::vector<std::map<std::string, std::vector<double>>> segment_latency_us;
 };
 
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
-}
+// 0x0DA's nearest rank (runtime/quantile.h), the convention of every reported quantile.
+double Percentile(std::vector<double> v, double q) { return NearestRank(std::move(v), q); }
 
 // The semantic computation from the checkpoint's own tensors, every MoE layer's experts read
 // through the same CheckpointReader the ranks load from (small models: all held in memory).

@@ -15,7 +15,11 @@ rounds:
 """
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/nearest_rank.py
+from nearest_rank import median  # noqa: E402  (0x0DA's nearest rank; a2a_report takes it from here)
 
 
 def json_lines(path):
@@ -64,11 +68,6 @@ def mean_clock(samples, windows):
     samples there."""
     inside = [mhz for ms, mhz, _ in samples if any(a <= ms <= b for a, b in windows)]
     return round(sum(inside) / len(inside)) if inside else None
-
-
-def median(values):
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
 
 
 # The project's paths each peer is compared with (the faster of them, medians over the rounds).

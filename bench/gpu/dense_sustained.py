@@ -9,9 +9,14 @@ plus "tflops"), for sustained.sh's sampler to put the SM clock and board power b
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/nearest_rank.py
+from nearest_rank import median  # noqa: E402  (0x0DA's nearest rank)
 
 
 def block_scaled(aq, bq, n, dev):
@@ -44,11 +49,10 @@ def sustain(name, n, fn, ms):
         b.synchronize()
         us.append(a.elapsed_time(b) * 1000.0)
     end = int(time.time() * 1000)
-    us.sort()
-    median = us[len(us) // 2]
+    mid = median(us)
     print(json.dumps({"kind": "sustained", "what": name, "shape": "dense-%d" % n, "T": n,
                       "start_unix_ms": start, "end_unix_ms": end, "calls": len(us),
-                      "median_us": round(median, 1), "tflops": round(2.0 * n ** 3 / (median * 1e-6) / 1e12, 1)}),
+                      "median_us": round(mid, 1), "tflops": round(2.0 * n ** 3 / (mid * 1e-6) / 1e12, 1)}),
           flush=True)
 
 

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
+import os
 import sys
 import time
 
 import torch
 
 from moe_runtime import RankClient, errors
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/nearest_rank.py
+from nearest_rank import median, quantile  # noqa: E402  (0x0DA's nearest rank)
 
 
 def make_step(t: int, d: int, k: int, experts: int, gen: torch.Generator):
@@ -201,8 +204,8 @@ def engine(rank: int, targets, args, barrier) -> int:
             torch.cuda.current_stream().synchronize()
             if i >= args.warmup:
                 alone.append((time.perf_counter() - start) * 1e6)
-        p = {m: (statistics.median(v), sorted(v)[int(0.99 * (len(v) - 1))]) for m, v in times.items()}
-        srv = " / ".join(f"{statistics.median(server[m]):.1f}" for m in modes)
+        p = {m: (median(v), quantile(v, 0.99)) for m, v in times.items()}
+        srv = " / ".join(f"{median(server[m]):.1f}" for m in modes)
         say(f"{phase + ':' + str(t):<14} {p['host'][0]:>10.1f} / {p['host'][1]:>7.1f} "
               f"{p['dev'][0]:>12.1f} / {p['dev'][1]:>7.1f} {p['devr'][0]:>10.1f} / {p['devr'][1]:>7.1f} "
               f"{p['host'][0] / p['dev'][0]:>8.2f}x {p['host'][0] / p['devr'][0]:>8.2f}x {srv:>22} "
@@ -210,13 +213,13 @@ def engine(rank: int, targets, args, barrier) -> int:
         say(f"    in place: p50 / p99 {p['inplace'][0]:.1f} / {p['inplace'][1]:.1f}, host / in place "
             f"{p['host'][0] / p['inplace'][0]:.2f}x; output as the slot's view: {p['view'][0]:.1f} / "
             f"{p['view'][1]:.1f}; in place without done events: {p['sync'][0]:.1f} / {p['sync'][1]:.1f}")
-        say(f"    engine alone (copy in, sync, clone, sync): p50 {statistics.median(alone):.1f}")
+        say(f"    engine alone (copy in, sync, clone, sync): p50 {median(alone):.1f}")
         if world > 1:
             print(f"    rank {rank} p50: " + ", ".join(f"{m} {p[m][0]:.1f}" for m in modes), flush=True)
         for mode in modes:
-            sub, wai, out = (statistics.median(x[j] for x in parts[mode]) for j in range(3))
-            st = {n: statistics.median(x[n] for x in stages[mode]) for n in stages[mode][0]}
-            seen_at = f" (answer seen at {statistics.median(seen[mode]):.1f})" if seen[mode] else ""
+            sub, wai, out = (median([x[j] for x in parts[mode]]) for j in range(3))
+            st = {n: median([x[n] for x in stages[mode]]) for n in stages[mode][0]}
+            seen_at = f" (answer seen at {median(seen[mode]):.1f})" if seen[mode] else ""
             say(f"    {mode:<4} engine: submit {sub:.1f}, wait {wai:.1f}{seen_at}, output ready {out:.1f}; "
                 "rank stages: " +
                   ", ".join(f"{n} {v:.1f}" for n, v in st.items()))

@@ -6,11 +6,10 @@ sampler's file as a second argument each sustained figure carries the mean SM cl
 import collections
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_report import clock_samples, mean_clock  # noqa: E402
+from compare_report import clock_samples, mean_clock, median  # noqa: E402
 
 SETTLE_MS = 500  # as sustained.sh
 
@@ -46,7 +45,7 @@ def main(path, samples_path=None):
     builds, rows = rows_of(path, clock_samples(samples_path) if samples_path else None)
     print("shape | T | what | " + " | ".join(builds) + " | last ÷ first")
     for (shape, t, what), by in rows.items():
-        meds = [statistics.median(us for us, _ in by[b]) if by[b] else float("nan") for b in builds]
+        meds = [median([us for us, _ in by[b]]) if by[b] else float("nan") for b in builds]
         spread = ["/".join(f"{us:.1f}" + (f"@{mhz:.0f}" if mhz is not None else "") for us, mhz in by[b])
                   for b in builds]  # in round order
         ratio = meds[-1] / meds[0] if meds[0] else float("nan")

@@ -3,8 +3,13 @@ expert_layer_bench: sort routes by expert, gather rows, torch._grouped_mm for ga
 SiLU-mul, gate-weighted index_add. Prints one JSON object per line."""
 import argparse
 import json
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/nearest_rank.py
+from nearest_rank import median  # noqa: E402  (0x0DA's nearest rank)
 
 SHAPES = [
     ("E128-k8-d2048-f768", 128, 8, 2048, 768, [1, 16, 128, 1024, 8192]),
@@ -25,8 +30,7 @@ def median_us(fn, reps):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+    return median(times)
 
 
 def main():

@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compare_report import ours_cells, report  # the table and the compare lines (no GPU needed)
+from compare_report import median, ours_cells, report  # the table and the compare lines (no GPU needed)
 from dense_sustained import block_scaled  # the block-scaled dense GEMM in the layout this torch takes
 from torch_reference import median_us  # events around each call, after 3 warm-up calls; the median
 
@@ -346,8 +346,7 @@ def dense_ceiling(reps):
     flops = 2.0 * n ** 3
     out = {"kind": "ceiling", "impl": "torch", "n": n, "block_scaling": block_note}
     for name, ts in times.items():
-        ts.sort()
-        out[name + "_tflops"] = round(flops / (ts[len(ts) // 2] * 1e-6) / 1e12, 1)
+        out[name + "_tflops"] = round(flops / (median(ts) * 1e-6) / 1e12, 1)
     out["fp8_tensor_over_bf16"] = round(out["fp8_tensor_tflops"] / out["bf16_tflops"], 3)
     if "fp8_block_tflops" in out:
         out["fp8_block_over_bf16"] = round(out["fp8_block_tflops"] / out["bf16_tflops"], 3)

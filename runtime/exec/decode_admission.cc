@@ -7,7 +7,8 @@ namespace moe {
 bool operator==(const GraphKey& a, const GraphKey& b) {
   return a.process_group == b.process_group && a.placement_version == b.placement_version &&
          a.checkpoint == b.checkpoint && a.d == b.d && a.k == b.k && a.activation_dtype == b.activation_dtype &&
-         a.gate_dtype == b.gate_dtype && a.dispatch == b.dispatch && a.runner == b.runner;
+         a.gate_dtype == b.gate_dtype && a.dispatch == b.dispatch && a.runner == b.runner &&
+         a.rank_token_capacity == b.rank_token_capacity && a.slot_route_capacity == b.slot_route_capacity;
 }
 
 const char* FallbackReasonName(FallbackReason r) {

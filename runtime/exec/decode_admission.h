@@ -29,6 +29,7 @@ struct GraphKey {
   std::vector<int64_t> rank_token_capacity;  // per rank (peer-slot order)
   std::vector<int64_t> slot_route_capacity;  // per physical slot
 
+  // Every field, the capacities C_T and C_q included (0x05D's K_graph).
   friend bool operator==(const GraphKey& a, const GraphKey& b);
 };
 

@@ -80,21 +80,15 @@ absl::StatusOr<EventIndex> IndexEvents(const std::vector<ScheduleEvent>& events)
   return index;
 }
 
-// Dependencies exist, every non-root event has one, and epochs follow dependencies.
+// Dependencies exist and every non-root event has one.
 absl::Status CheckDependencies(const std::vector<ScheduleEvent>& events, const EventIndex& index) {
   int roots = 0;
   for (const ScheduleEvent& e : events) {
     if (e.deps.empty()) ++roots;
     for (const std::string& dep : e.deps) {
-      auto it = index.find(dep);
-      if (it == index.end()) {
+      if (index.find(dep) == index.end()) {
         return absl::FailedPreconditionError(
             absl::StrCat("missing dependency: event ", e.name, " waits on unknown event ", dep));
-      }
-      if (events[it->second].epoch >= e.epoch) {
-        return absl::FailedPreconditionError(absl::StrCat("epoch before dependency: event ", e.name, " at epoch ",
-                                                          e.epoch, " does not follow ", dep, " at epoch ",
-                                                          events[it->second].epoch));
       }
     }
   }
@@ -105,8 +99,23 @@ absl::Status CheckDependencies(const std::vector<ScheduleEvent>& events, const E
   return absl::OkStatus();
 }
 
-// Cycle check (Kahn). Epoch ordering already excludes cycles among epoch-ordered events, but
-// the check stands on its own so a schedule with equal epochs is still rejected for the right reason.
+// Epochs follow dependencies (on an acyclic graph: CheckAcyclic runs first).
+absl::Status CheckEpochOrder(const std::vector<ScheduleEvent>& events, const EventIndex& index) {
+  for (const ScheduleEvent& e : events) {
+    for (const std::string& dep : e.deps) {
+      const ScheduleEvent& before = events[index.find(dep)->second];
+      if (before.epoch >= e.epoch) {
+        return absl::FailedPreconditionError(absl::StrCat("epoch before dependency: event ", e.name, " at epoch ",
+                                                          e.epoch, " does not follow ", dep, " at epoch ",
+                                                          before.epoch));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Cycle check (Kahn), before the epoch order: a cycle is named as one, whatever epochs its events
+// were given (any cycle also breaks the epoch order, which would otherwise be the reason given).
 absl::Status CheckAcyclic(const std::vector<ScheduleEvent>& events, const EventIndex& index) {
   std::vector<int> indegree(events.size(), 0);
   std::vector<std::vector<size_t>> users(events.size());
@@ -177,6 +186,7 @@ absl::StatusOr<LifetimeReport> CheckLifetimes(const std::vector<ScheduleEvent>& 
   ASSIGN_OR_RETURN(const EventIndex index, IndexEvents(events));
   RETURN_IF_ERROR(CheckDependencies(events, index));
   RETURN_IF_ERROR(CheckAcyclic(events, index));
+  RETURN_IF_ERROR(CheckEpochOrder(events, index));
 
   LifetimeReport report;
   int last_epoch = 0;

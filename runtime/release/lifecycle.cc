@@ -149,13 +149,4 @@ EvaluationRatios Ratios(const std::vector<EvaluationCell>& cells) {
   return r;
 }
 
-double NearestRank(std::vector<double> values, double q) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(n)));
-  rank = std::max<size_t>(1, std::min(rank, n));
-  return values[rank - 1];
-}
-
 }  // namespace moe

@@ -10,6 +10,8 @@
 
 #include "absl/status/statusor.h"
 
+#include "runtime/quantile.h"
+
 namespace moe {
 
 enum class ReleaseState { kBuilt, kVerified, kLoaded, kShadow, kCanary, kActive, kDraining, kRetired };
@@ -98,8 +100,7 @@ struct EvaluationRatios {
 };
 EvaluationRatios Ratios(const std::vector<EvaluationCell>& cells);
 
-// 0x0DA nearest-rank quantile: x_(ceil(q n)) of the sorted observations.
-double NearestRank(std::vector<double> values, double q);
+// (0x0DA's nearest-rank quantile, NearestRank, is runtime/quantile.h.)
 
 }  // namespace moe
 

@@ -28,6 +28,7 @@ check "eplb solve" 0 '"phy2log":\[\[1,0,0,0,2,2,3,3\]\]' -- "$MOECTL" eplb solve
 python3 - "$TMP/overlap.json" <<'PY' || fail=1
 import json, sys
 r = json.load(open(sys.argv[1]))
+assert r["units"].startswith("analytical"), r["units"]  # 0x09F: synthetic units are not latency
 assert r["makespan"] == {"serialized": 25, "overlapped": 15}, r["makespan"]
 assert r["hidden_units"] == 10 and r["overlap_units"] == 8, r
 assert r["overlapped"]["shared_path"] == [1, 6] and r["overlapped"]["reduce"] == [14, 15], r["overlapped"]

@@ -116,7 +116,7 @@ n="$(wc -l <"$work/recoveries")"
 [ "$n" -eq "$KILLS" ] || bad "$n of $KILLS kills recovered"
 echo "     epochs re-formed on a rank's data-plane report: $(grep -c 'reports epoch .* failed' "$work/controller.log")"
 python3 - "$work/recoveries" <<'EOF' || fails=$((fails + 1))
-import sys, statistics
+import math, sys
 rows = [l.split() for l in open(sys.argv[1])]
 ok = [int(r[5]) for r in rows if r[5] != "none"]
 for r in rows:
@@ -130,11 +130,11 @@ if stalls:
     print("FAIL kill(s) %s: no correct step within 30 s of the replacement starting" % ", ".join(stalls)); sys.exit(1)
 if not ok:
     print("FAIL no recovery saw a correct step"); sys.exit(1)
-q = lambda v, p: sorted(v)[min(len(v) - 1, int(p * len(v)))]
+q = lambda v, p: sorted(v)[max(1, math.ceil(p * len(v) - 1e-9)) - 1]  # 0x0DA's nearest rank
 print("ok   replacement start -> new epoch serving on every rank: min %d ms, median %d ms, p90 %d ms, max %d ms" %
-      (min(serving), statistics.median(serving), q(serving, 0.9), max(serving)))
+      (min(serving), q(serving, 0.5), q(serving, 0.9), max(serving)))
 print("     replacement start -> the engine driver's first correct step: min %d ms, median %d ms, p90 %d ms, "
-      "max %d ms" % (min(ok), statistics.median(ok), q(ok, 0.9), max(ok)))
+      "max %d ms" % (min(ok), q(ok, 0.5), q(ok, 0.9), max(ok)))
 if max(serving) > 10000:
     print("FAIL the group served a new epoch more than 10 s after a replacement started"); sys.exit(1)
 EOF

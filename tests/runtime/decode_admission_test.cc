@@ -56,6 +56,17 @@ TEST(DecodeAdmissionTest, EachReasonIsExact) {
   AdmissionStep stale = Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1});
   stale.key.placement_version = 18;  // replaying a v17 graph against v18 is stale state
   EXPECT_EQ(AdmitDecodeGraph(stale, &g).reason, FallbackReason::kGraphKeyMismatch);
+  // The capacities are part of the key: a step planned for a bucket of 8 tokens a rank does not
+  // replay the bucket-4 graph, though its counts would fit; the key is checked before any count.
+  AdmissionStep wider = Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1});
+  wider.key.rank_token_capacity = {8, 8, 8, 8};
+  EXPECT_EQ(AdmitDecodeGraph(wider, &g).reason, FallbackReason::kGraphKeyMismatch);
+  AdmissionStep stale_oversize = Step({5, 4, 2, 0}, {5, 4, 4, 3, 3, 3});
+  stale_oversize.key.placement_version = 18;
+  EXPECT_EQ(AdmitDecodeGraph(stale_oversize, &g).reason, FallbackReason::kGraphKeyMismatch);
+  AdmissionStep stale_prefill = Step({3, 2, 0, 0}, {2, 2, 2, 2, 1, 1}, false);
+  stale_prefill.key.placement_version = 18;
+  EXPECT_EQ(AdmitDecodeGraph(stale_prefill, &g).reason, FallbackReason::kPhaseNotDecode);
   EXPECT_EQ(AdmitDecodeGraph(Step({4, 4, 4, 4}, {2, 2, 2, 2, 2, 2}), &g).replay, true);  // at capacity
   EXPECT_EQ(AdmitDecodeGraph(Step({3, 2, 0, 0}, {3, 1, 2, 2, 1, 1}), &g).reason,
             FallbackReason::kExpertRouteCapacityExceeded);

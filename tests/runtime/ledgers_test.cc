@@ -123,7 +123,9 @@ TEST(LedgersTest, BufferLifetimesSumAndPeak) {
   EXPECT_EQ(report->peak_epoch, 4);
 }
 
-// 0x03D5: the oracle rejects six unsafe schedules.
+// 0x03D5: the oracle rejects six unsafe schedules, each for its own reason: an early send release,
+// an early handle release, a missing dependency, a cyclic event graph, an epoch before its
+// dependency and an overlapping live alias.
 TEST(LedgersTest, UnsafeSchedulesAreRejected) {
   Planned f;
   ByteLedger b = ComputeByteLedger(f.plan, f.handoff, 3, LedgerWidths{});
@@ -148,7 +150,7 @@ TEST(LedgersTest, UnsafeSchedulesAreRejected) {
         ev[0].deps = {"downstream_consumer"};
         ev.push_back({"root", "route", 0, {}});
       },
-      "epoch before dependency");
+      "cyclic event graph");
   expect_rejected(
       [](E&, B& bufs) {
         bufs.push_back({"second return payload", 48, 5, 7, "combine_complete", "expert_output_return"});
@@ -156,14 +158,17 @@ TEST(LedgersTest, UnsafeSchedulesAreRejected) {
       "overlapping live alias");
 }
 
+// A cycle (b waits on c, c on b) is named as one, whatever epochs its events carry; an acyclic
+// graph whose epochs run against a dependency is an ordering error.
 TEST(LedgersTest, CyclicEventGraphIsRejected) {
-  std::vector<ScheduleEvent> events = {{"a", "s", 0, {}}, {"b", "s", 1, {"a", "c"}}, {"c", "s", 2, {"b"}}};
-  auto report = CheckLifetimes(events, {});
-  ASSERT_FALSE(report.ok());
-  // b waits on c which is later: rejected as an ordering error before the cycle pass.
-  EXPECT_THAT(std::string(report.status().message()), HasSubstr("epoch before dependency"));
-  std::vector<ScheduleEvent> same_epoch = {{"a", "s", 0, {}}, {"b", "s", 1, {"a", "c"}}, {"c", "s", 1, {"b"}}};
-  EXPECT_FALSE(CheckLifetimes(same_epoch, {}).ok());
+  for (int c_epoch : {1, 2}) {
+    std::vector<ScheduleEvent> events = {{"a", "s", 0, {}}, {"b", "s", 1, {"a", "c"}}, {"c", "s", c_epoch, {"b"}}};
+    auto report = CheckLifetimes(events, {});
+    ASSERT_FALSE(report.ok());
+    EXPECT_THAT(std::string(report.status().message()), HasSubstr("cyclic event graph")) << "c at " << c_epoch;
+  }
+  std::vector<ScheduleEvent> backwards = {{"a", "s", 0, {}}, {"b", "s", 2, {"a"}}, {"c", "s", 1, {"b"}}};
+  EXPECT_THAT(std::string(CheckLifetimes(backwards, {}).status().message()), HasSubstr("epoch before dependency"));
 }
 
 // 0x04B-0x04F: runner ledgers over the global six segments [2,2,1,1,1,1].

@@ -53,11 +53,11 @@ class KernelAbTest(unittest.TestCase):
             kernel_ab.main(*args)
         return {tuple(line.split(" | ")[:3]): line.split(" | ")[3:] for line in out.getvalue().splitlines()[1:]}
 
-    def test_builds_in_order_rounds_in_order_and_the_ratio_of_medians(self):
+    def test_builds_in_order_rounds_in_order_and_the_ratio_of_medians(self):  # nearest-rank medians (0x0DA)
         t = self.table(self.log)
-        self.assertEqual(t[(SHAPE, "8192", "prefill layer")], ["9000.0/9100.0", "8900.0/8950.0", "0.986"])
+        self.assertEqual(t[(SHAPE, "8192", "prefill layer")], ["9000.0/9100.0", "8900.0/8950.0", "0.989"])
         self.assertEqual(t[(SHAPE, "8192", "prefill route")], ["15.0/15.0", "15.0/15.0", "1.000"])
-        self.assertEqual(t[(SHAPE, "8192", "fp8 experts")], ["5800.0/5900.0", "5700.0/5750.0", "0.979"])
+        self.assertEqual(t[(SHAPE, "8192", "fp8 experts")], ["5800.0/5900.0", "5700.0/5750.0", "0.983"])
         self.assertNotIn((SHAPE, "8192", "ceiling"), t)
 
     def test_sustained_windows_carry_their_clock(self):
