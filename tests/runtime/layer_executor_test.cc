@@ -69,7 +69,9 @@ struct Rank4 {
 
   // `device_plan`: bit r set = rank r plans prefill steps on its kernels; `fp8_ranks`: bit r set =
   // rank r's experts are FP8. `d`, `f`: the experts' widths (FP8 needs multiples of 128).
-  explicit Rank4(uint32_t device_plan = 0, uint32_t fp8_ranks = 0, int d = kD, int f = kFf)
+  // `decode_rank_tokens` > 0: the decode bucket's tokens a rank (the executor's default else).
+  explicit Rank4(uint32_t device_plan = 0, uint32_t fp8_ranks = 0, int d = kD, int f = kFf,
+                 int64_t decode_rank_tokens = 0)
       : checkpoint(SyntheticCheckpoint({kExperts, d, f}, 3, "checkpoint-0042")) {
     // Experts 0 and 1 replicated across nodes.
     manifest = TenSlots(17, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {0, 0, 1, 1, 2, 2, 3, 3, 3, 1});
@@ -88,6 +90,7 @@ struct Rank4 {
       o.timeout = absl::Seconds(5);
       o.device_plan = (device_plan >> r & 1) != 0;
       o.expert_dtype = (fp8_ranks >> r & 1) != 0 ? ExpertDtype::kFp8 : ExpertDtype::kBf16;
+      if (decode_rank_tokens > 0) o.decode_rank_tokens = decode_rank_tokens;
       exec[r] = *LayerExecutor::Create(std::move(o));
       auto local = LoadLocalExperts(checkpoint, *manifest, Rank(r));
       EXPECT_TRUE(local.ok()) << local.status();
@@ -672,6 +675,49 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
   inputs[1].ids[3] = 0;
   results = RunStep(w, inputs, 2, 0);
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+}
+
+// 0x05F through the executor: the fixture's oversize decode step, tokens [5, 4, 2, 0] a rank
+// against a bucket of 4, k = 2. Every rank runs it eagerly and says why with the one agreed reason,
+// rank_token_capacity_exceeded (rank 0's 5 > 4), accepts all 22 routes (no clipping) and returns
+// the reference; a step inside the bucket is refused only for want of captured graphs (no GPU).
+TEST(LayerExecutorTest, AnOversizeDecodeStepFallsBackWholeOnEveryRank) {
+  Rank4 w(0, 0, kD, kFf, /*decode_rank_tokens=*/4);
+  std::mt19937 rng(13);
+  const int64_t tokens[kRanks] = {5, 4, 2, 0};
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) {
+    inputs.push_back(testing::RandomTwoRouteInput(rng, tokens[r], kD, kExperts, /*drop_some=*/false));
+    inputs.back().admitted.assign(tokens[r] * 2, 1);  // every route admitted (the reference reads the table)
+  }
+  std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
+  const auto run = [&](uint64_t step) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] { results[r] = w.exec[r]->Execute(inputs[r].Step(step, 0, Phase::kDecode)); });
+    }
+    for (auto& t : threads) t.join();
+  };
+  run(1);
+  int64_t accepted = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+    EXPECT_FALSE(results[r]->record.graph_replay) << "rank " << r;
+    EXPECT_EQ(results[r]->record.fallback_reason, "rank_token_capacity_exceeded") << "rank " << r;
+    EXPECT_EQ(results[r]->record.routes_dropped, 0) << "rank " << r;
+    accepted += results[r]->record.routes_accepted;
+    if (tokens[r] > 0) {
+      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r;
+    }
+  }
+  EXPECT_EQ(accepted, 22);
+  inputs[0] = testing::RandomTwoRouteInput(rng, 3, kD, kExperts, /*drop_some=*/false);  // [3, 4, 2, 0]: fits
+  inputs[0].admitted.assign(6, 1);
+  run(2);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+    EXPECT_EQ(results[r]->record.fallback_reason, "stable_buffer_unavailable") << "rank " << r;
+  }
 }
 
 // Weights for another slot count than the generation puts on a rank (rank 2 holds placement-v17's
