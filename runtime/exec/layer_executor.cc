@@ -767,6 +767,7 @@ struct LayerExecutor::Pass {
   bool check_in_recording = false;           // LoneDecodeSteps starts the caller's input check (start_input_check)
   bool input_refused = false;                // the engine's input failed its checks (PassOutcome)
   bool load_pending = false;                 // buf_.step_load holds this pass's routes (StepLoad)
+  absl::Status combine_tables;               // CheckCombineTables of the host plan's tables (dispatch)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
   const void* hidden = nullptr;          // the engine's rows where the kernels read them
@@ -874,6 +875,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   } else if (absl::Status s = EagerPayload(pass); !s.ok()) {
     return settled(std::move(s));
   }
+  if (!pass.combine_tables.ok()) return settled(std::move(pass.combine_tables));
   RETURN_IF_ERROR(ReleasePhase(pass));
   CommitLoad(pass);
   return std::move(pass.result);
@@ -1154,6 +1156,25 @@ void LayerExecutor::AdmitDecode(Pass& pass) const {
   if (!admission.replay) pass.result.record.fallback_reason = FallbackReasonName(admission.reason);
 }
 
+namespace {
+
+// fault_swap_combine_routes: the first two sent routes of different tokens trade send positions.
+void SwapTwoTokensRoutes(int64_t k, std::vector<int32_t>* row_of_route) {
+  std::vector<int32_t>& rows = *row_of_route;
+  for (size_t a = 0; a < rows.size(); ++a) {
+    if (rows[a] < 0) continue;
+    for (size_t b = a + 1; b < rows.size(); ++b) {
+      if (rows[b] >= 0 && static_cast<int64_t>(a) / k != static_cast<int64_t>(b) / k) {
+        std::swap(rows[a], rows[b]);
+        return;
+      }
+    }
+    return;
+  }
+}
+
+}  // namespace
+
 // The handle binds the inverse coordinates; slot metadata reaches the expert ranks (host memory;
 // with the agreement when it fitted); the receive-side plan and the combine's tables.
 absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
@@ -1186,6 +1207,11 @@ absl::Status LayerExecutor::DispatchPlanPhase(Pass& pass) {
   RETURN_IF_ERROR(PlanDestination(*pass.layout, options_.rank, agreement.recv_counts, buf_.received, &buf_.dest));
   CombineTables(buf_.accepted_ids, source, pass.handle->inverse().gate, in.tokens * in.k, &buf_.row_of_route,
                 &buf_.gates);
+  if (options_.fault_swap_combine_routes) SwapTwoTokensRoutes(in.k, &buf_.row_of_route);
+  // Checked here, answered at publish: the exchange with the peers still runs (they serve their
+  // steps), and this rank's output, whose combine would permute rows, is never published.
+  pass.combine_tables =
+      CheckCombineTables(buf_.row_of_route, pass.handle->inverse().token, in.k, &buf_.combined_positions);
   ReserveOutput(pass);
   return absl::OkStatus();
 }

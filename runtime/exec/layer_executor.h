@@ -119,6 +119,11 @@ struct LayerExecutorOptions {
   // trial passes (shadow and canary steps of a candidate) are scaled by this factor on this rank,
   // as a candidate runner that computes something else would. 1 = off.
   float fault_trial_output_scale = 1.0f;
+  // Fault injection (tests of the 0x0E "inverse permutation is corrupt -> reject output before
+  // publish" row): the combine tables of this rank's host-planned steps have two routes of
+  // different tokens swapped, as a corrupted inverse would. Such a step runs its exchange with
+  // its peers (who serve theirs) and answers DATA_LOSS, publishing nothing. False = off.
+  bool fault_swap_combine_routes = false;
   // Device planning of prefill steps: the routes are keyed, checked and ranked into the send
   // order by the kernels (SealRoutes, RankByKey) where the rows are, and the receive side ranks
   // the arrived slot metadata there too, so the host handles no per-route data: it reads back
@@ -409,7 +414,8 @@ class LayerExecutor {
     kernels::KernelBuffer hidden, tables, send_rows, recv_rows, expert_in, expert_out, back_rows, returned, output;
     std::vector<uint8_t> tables_host;  // the step's tables in one block before their upload
     std::vector<int32_t> send_meta, recv_meta, row_of_route, local_ids;
-    std::vector<int64_t> local_slot_routes;  // a lone member's decode step: routes per local slot
+    std::vector<uint8_t> combined_positions;  // CheckCombineTables' scratch
+    std::vector<int64_t> local_slot_routes;   // a lone member's decode step: routes per local slot
     std::vector<float> gates;
     std::vector<PhysicalSlotId> slots, accepted_slots, received;
     std::vector<int32_t> accepted_ids;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -192,6 +193,32 @@ void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& sou
     (*row_of_route)[r] = pos;
     (*gates)[r] = gate_of_position[pos];
   }
+}
+
+absl::Status CheckCombineTables(absl::Span<const int32_t> row_of_route, absl::Span<const int32_t> position_token,
+                                int64_t k, std::vector<uint8_t>* seen) {
+  const int64_t n_send = static_cast<int64_t>(position_token.size());
+  seen->assign(n_send, 0);
+  int64_t combined = 0;
+  for (int64_t r = 0; r < static_cast<int64_t>(row_of_route.size()); ++r) {
+    const int32_t pos = row_of_route[r];
+    if (pos < 0) continue;
+    if (pos >= n_send || (*seen)[pos] != 0 || position_token[pos] != r / k) {
+      return absl::DataLossError(
+          absl::StrCat("inverse permutation: route ", r, " (token ", r / k, ") combines send position ", pos,
+                       pos >= n_send       ? absl::StrCat(", past the ", n_send, " sent")
+                       : (*seen)[pos] != 0 ? std::string(", which another route combines already")
+                                           : absl::StrCat(", which was sent for token ", position_token[pos]),
+                       "; the step's output is not published"));
+    }
+    (*seen)[pos] = 1;
+    ++combined;
+  }
+  if (combined != n_send) {
+    return absl::DataLossError(absl::StrCat("inverse permutation: ", combined, " routes combine the ", n_send,
+                                            " sent positions; the step's output is not published"));
+  }
+  return absl::OkStatus();
 }
 
 void CountRoutes(const PlacementManifest& m, const Topology& topology, Rank me, absl::Span<const int64_t> slot_counts,

@@ -84,6 +84,13 @@ struct ByteSplits {
 void SplitBytes(absl::Span<const int64_t> send_counts, absl::Span<const int64_t> recv_counts, int64_t row_bytes,
                 int64_t dispatch_row_bytes, ByteSplits* out);
 
+// 0x0E "inverse permutation is corrupt -> reject output before publish": the combine tables must
+// invert the send order, every sent position combined by exactly one route, and that route's
+// token (route r is token r / k) the one the position was sent for (`position_token`, the
+// handle's inverse coordinates). DATA_LOSS naming the route otherwise. `seen` is scratch.
+absl::Status CheckCombineTables(absl::Span<const int32_t> row_of_route, absl::Span<const int32_t> position_token,
+                                int64_t k, std::vector<uint8_t>* seen);
+
 // combine: the token-major view of the handle's coordinates the combine kernel reads: route
 // (t, j) -> its send position (-1: not sent) and its gate (0 when not sent).
 void CombineTables(absl::Span<const int32_t> accepted_ids, const SourcePlan& source,

@@ -70,8 +70,9 @@ struct Rank4 {
   // `device_plan`: bit r set = rank r plans prefill steps on its kernels; `fp8_ranks`: bit r set =
   // rank r's experts are FP8. `d`, `f`: the experts' widths (FP8 needs multiples of 128).
   // `decode_rank_tokens` > 0: the decode bucket's tokens a rank (the executor's default else).
+  // `swap_combine_ranks`: bit r set = rank r's combine tables are corrupted (fault injection).
   explicit Rank4(uint32_t device_plan = 0, uint32_t fp8_ranks = 0, int d = kD, int f = kFf,
-                 int64_t decode_rank_tokens = 0)
+                 int64_t decode_rank_tokens = 0, uint32_t swap_combine_ranks = 0)
       : checkpoint(SyntheticCheckpoint({kExperts, d, f}, 3, "checkpoint-0042")) {
     // Experts 0 and 1 replicated across nodes.
     manifest = TenSlots(17, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1}, {0, 0, 1, 1, 2, 2, 3, 3, 3, 1});
@@ -91,6 +92,7 @@ struct Rank4 {
       o.device_plan = (device_plan >> r & 1) != 0;
       o.expert_dtype = (fp8_ranks >> r & 1) != 0 ? ExpertDtype::kFp8 : ExpertDtype::kBf16;
       if (decode_rank_tokens > 0) o.decode_rank_tokens = decode_rank_tokens;
+      o.fault_swap_combine_routes = (swap_combine_ranks >> r & 1) != 0;
       exec[r] = *LayerExecutor::Create(std::move(o));
       auto local = LoadLocalExperts(checkpoint, *manifest, Rank(r));
       EXPECT_TRUE(local.ok()) << local.status();
@@ -675,6 +677,27 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
   inputs[1].ids[3] = 0;
   results = RunStep(w, inputs, 2, 0);
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+}
+
+// 0x0E "inverse permutation is corrupt -> reject output before publish": rank 1's combine tables
+// trade two routes of different tokens. Its step answers DATA_LOSS naming the route and publishes
+// nothing; its peers, whose exchange it completed, serve theirs correctly; nothing stays held.
+TEST(LayerExecutorTest, ACorruptInversePermutationIsRejectedBeforePublish) {
+  Rank4 w(0, 0, kD, kFf, 0, /*swap_combine_ranks=*/0b0010);
+  std::mt19937 rng(21);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 6));
+  for (uint64_t step : {1, 2}) {
+    const auto results = RunStep(w, inputs, step, 0);
+    EXPECT_EQ(results[1].status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("inverse permutation: route "));
+    EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("output is not published"));
+    for (int r : {0, 2, 3}) {
+      ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+      EXPECT_LT(ErrorAgainstReference(w.checkpoint, inputs[r], results[r]->output), 1e-2) << "rank " << r;
+    }
+    for (int r = 0; r < kRanks; ++r) EXPECT_EQ(w.registry[r].Refcount(PlacementVersion(17)), 0) << "rank " << r;
+  }
 }
 
 // 0x05F through the executor: the fixture's oversize decode step, tokens [5, 4, 2, 0] a rank

@@ -228,5 +228,22 @@ TEST(StepPhasesTest, TablesInPlaceOrInOneAlignedBlock) {
   EXPECT_EQ(std::vector<float>(gb, gb + 2), b);
 }
 
+// The combine tables invert the send order (0x0E): each sent position combined once, by a route
+// of the token it was sent for; anything else is DATA_LOSS naming the route.
+TEST(StepPhasesTest, CombineTablesMustInvertTheSendOrder) {
+  std::vector<uint8_t> seen;
+  // k = 2; routes (0,0) (0,1) (1,0) sent to positions 2, 0, 1; route (1,1) not sent.
+  const std::vector<int32_t> token_of_position = {0, 1, 0};
+  EXPECT_TRUE(CheckCombineTables({2, 0, 1, -1}, token_of_position, 2, &seen).ok());
+  const absl::Status swapped = CheckCombineTables({1, 0, 2, -1}, token_of_position, 2, &seen);
+  EXPECT_EQ(swapped.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(swapped.message().find("route 0 (token 0) combines send position 1, which was sent for token 1"),
+            std::string::npos)
+      << swapped.message();
+  EXPECT_EQ(CheckCombineTables({2, 2, 1, -1}, token_of_position, 2, &seen).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(CheckCombineTables({2, 0, 3, -1}, token_of_position, 2, &seen).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(CheckCombineTables({2, 0, -1, -1}, token_of_position, 2, &seen).code(), absl::StatusCode::kDataLoss);
+}
+
 }  // namespace
 }  // namespace moe
