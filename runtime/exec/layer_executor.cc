@@ -875,6 +875,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   } else if (absl::Status s = EagerPayload(pass); !s.ok()) {
     return settled(std::move(s));
   }
+  // (A replayed graph combined already; its step is answered with the error all the same.)
   if (!pass.combine_tables.ok()) return settled(std::move(pass.combine_tables));
   RETURN_IF_ERROR(ReleasePhase(pass));
   CommitLoad(pass);
@@ -2032,6 +2033,9 @@ absl::Status LayerExecutor::ReturnAndCombine(Pass& pass) {
                                                   buf_.returned.data(), pass.bytes.send, options_.timeout));
   }
   pass.clock.Enter(StepPhase::kCombine);
+  // Tables that do not invert the send order (CheckCombineTables): the rows came back, the peers
+  // are served, and nothing is combined into the output.
+  RETURN_IF_ERROR(pass.combine_tables);
   if (in.tokens == 0) return absl::OkStatus();
   const int32_t* row_of_route = pass.row_of_route;
   if (lone) row_of_route = buf_.d_lone_combine.as<int32_t>();  // composed in DispatchRows

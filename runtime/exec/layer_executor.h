@@ -121,8 +121,9 @@ struct LayerExecutorOptions {
   float fault_trial_output_scale = 1.0f;
   // Fault injection (tests of the 0x0E "inverse permutation is corrupt -> reject output before
   // publish" row): the combine tables of this rank's host-planned steps have two routes of
-  // different tokens swapped, as a corrupted inverse would. Such a step runs its exchange with
-  // its peers (who serve theirs) and answers DATA_LOSS, publishing nothing. False = off.
+  // different tokens swapped, as a corrupted inverse would. Such a step runs its exchanges with
+  // its peers (who serve theirs), combines nothing into its output (an eager step; a replayed
+  // graph combines inside the graph) and answers DATA_LOSS. False = off.
   bool fault_swap_combine_routes = false;
   // Device planning of prefill steps: the routes are keyed, checked and ranked into the send
   // order by the kernels (SealRoutes, RankByKey) where the rows are, and the receive side ranks

@@ -2,6 +2,7 @@
 // rank's output must equal the direct semantic computation (0x03C3) with the same weights.
 #include "runtime/exec/layer_executor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -680,15 +681,28 @@ TEST(LayerExecutorTest, BadInputOnOneRankAbortsTheStepEverywhereAndServingContin
 }
 
 // 0x0E "inverse permutation is corrupt -> reject output before publish": rank 1's combine tables
-// trade two routes of different tokens. Its step answers DATA_LOSS naming the route and publishes
-// nothing; its peers, whose exchange it completed, serve theirs correctly; nothing stays held.
+// trade two routes of different tokens. Its step answers DATA_LOSS naming the route and combines
+// nothing into its caller's output; its peers, whose exchanges it completed, serve theirs
+// correctly; nothing stays held.
 TEST(LayerExecutorTest, ACorruptInversePermutationIsRejectedBeforePublish) {
   Rank4 w(0, 0, kD, kFf, 0, /*swap_combine_ranks=*/0b0010);
   std::mt19937 rng(21);
   std::vector<RankInput> inputs;
   for (int r = 0; r < kRanks; ++r) inputs.push_back(RandomInput(rng, 6));
   for (uint64_t step : {1, 2}) {
-    const auto results = RunStep(w, inputs, step, 0);
+    // Rank 1 writes into its caller's memory: nothing may be combined into it.
+    std::vector<uint16_t> caller_out(6 * kD, 0x7FC0);
+    std::vector<absl::StatusOr<LayerStepResult>> results(kRanks, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        LayerStepInput in = inputs[r].Step(step, 0);
+        if (r == 1) in.output = caller_out.data();
+        results[r] = w.exec[r]->Execute(in);
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_TRUE(std::all_of(caller_out.begin(), caller_out.end(), [](uint16_t v) { return v == 0x7FC0; }));
     EXPECT_EQ(results[1].status().code(), absl::StatusCode::kDataLoss);
     EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("inverse permutation: route "));
     EXPECT_THAT(std::string(results[1].status().message()), ::testing::HasSubstr("output is not published"));
