@@ -556,6 +556,10 @@ grpc::Status RankAgentServiceImpl::SetTrial(grpc::ServerContext* ctx, const v1::
                                             v1::TrialRequest* resp) {
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
   if (req->version() < 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be >= 0");
+  if (req->stop_version() < 0 || (req->stop_version() > 0 && req->version() != 0)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "stop_version: must be >= 0, and only with version 0 (a stop)");
+  }
   if (req->shadow_every() < 0 || req->canary_every() < 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "shadow_every / canary_every: must be >= 0");
   }
@@ -571,9 +575,9 @@ grpc::Status RankAgentServiceImpl::SetTrial(grpc::ServerContext* ctx, const v1::
                                        c_.rank.value(), "; trials run on a PREPARED candidate"));
     }
     c_.executor->SetTrial(req->version(), req->shadow_every(), req->canary_every());
-  } else {
+  } else if (req->stop_version() == 0 || c_.executor->Trial().version == req->stop_version()) {
     c_.executor->SetTrial(-1, 0, 0);
-  }
+  }  // (else a stop of another generation's trial: the one running stays)
   const LayerExecutor::TrialConfig t = c_.executor->Trial();
   resp->set_version(std::max<int64_t>(t.version, 0));
   resp->set_shadow_every(t.shadow_every);

@@ -183,6 +183,16 @@ absl::Status AgentPool::SetTrial(int64_t version, int64_t shadow_every, int64_t 
                 });
 }
 
+absl::Status AgentPool::StopTrial(int64_t version) {
+  v1::TrialRequest req;
+  req.set_stop_version(version);
+  return OnEach(absl::StrCat("stop trials of placement-v", version),
+                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
+                  v1::TrialRequest out;
+                  return stub.SetTrial(&ctx, req, &out);
+                });
+}
+
 absl::Status AgentPool::Retire(int64_t version) {
   return OnEachVersion("retire", version, &v1::RankAgentService::Stub::RetireGeneration);
 }

@@ -61,6 +61,9 @@ class AgentPool {
   absl::Status Discard(int64_t version);
   // Trial steps of a PREPARED candidate on every rank (version 0 stops them).
   absl::Status SetTrial(int64_t version, int64_t shadow_every, int64_t canary_every);
+  // Stops the trial of placement-v`version` on every rank (TrialRequest.stop_version): a rank
+  // already trying another candidate keeps it.
+  absl::Status StopTrial(int64_t version);
   // Polls until no rank holds a dispatch handle on `version` (or `timeout`: DEADLINE_EXCEEDED
   // naming the ranks that still hold some).
   absl::Status AwaitDrained(int64_t version, absl::Duration timeout);

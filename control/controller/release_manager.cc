@@ -271,7 +271,7 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
       driven = agents_->SetTrial(rec.placement_version, trial_.shadow_every, trial_.canary_every);
     } else if ((t.from == ReleaseState::kShadow || t.from == ReleaseState::kCanary) &&
                (t.to == ReleaseState::kDraining || t.to == ReleaseState::kRetired)) {
-      driven = agents_->SetTrial(0, 0, 0);
+      driven = rec.placement_version > 0 ? agents_->StopTrial(rec.placement_version) : agents_->SetTrial(0, 0, 0);
     }
     if (!driven.ok()) {
       return absl::Status(driven.code(), absl::StrCat(release_id, " is committed ", ReleaseStateName(t.to), " but ",
@@ -308,7 +308,10 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
     if (blocked.front().release_id != release_id) {
       return absl::AlreadyExistsError(absl::StrCat("request_id: '", request_id, "' was used for another request"));
     }
-    const absl::Status stopped = agents_->SetTrial(0, 0, 0);
+    // Its own trial only: another candidate's, begun since, goes on.
+    ASSIGN_OR_RETURN(const ReleaseRecord drained, store_->Get(release_id));
+    const absl::Status stopped =
+        drained.placement_version > 0 ? agents_->StopTrial(drained.placement_version) : agents_->SetTrial(0, 0, 0);
     return refusal(blocked.front().reason,
                    stopped.ok() ? "trials stopped on every rank"
                                 : absl::StrCat("stopping trials failed: ", stopped.message(), " (retry)"));
@@ -340,7 +343,7 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
   RETURN_IF_ERROR(
       store_->Apply(blocked_id, {{id, ReleaseState::kDraining, absl::StrCat("canary blocked: ", reason)}}).status());
   spdlog::warn("{}: SHADOW -> CANARY refused, drained: {}", id, reason);
-  const absl::Status stopped = agents_->SetTrial(0, 0, 0);
+  const absl::Status stopped = agents_->StopTrial(rec.placement_version);
   return refusal(
       absl::StrCat("canary blocked: ", reason),
       stopped.ok() ? "trials stopped on every rank"
@@ -438,7 +441,7 @@ absl::StatusOr<Promotion> StoreReleaseManager::Promote(const std::string& reques
   // Drive the ranks only while the registry still says this release is ACTIVE: a late retry after
   // another promotion or a rollback must not switch the ranks back.
   if (drives_ranks() && rec.placement_version > 0 && rec.state == ReleaseState::kActive) {
-    absl::Status s = agents_->SetTrial(0, 0, 0);
+    absl::Status s = agents_->StopTrial(rec.placement_version);
     if (s.ok()) s = agents_->Activate(rec.placement_version);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat(release_id, " is committed ACTIVE but ", s.message(),

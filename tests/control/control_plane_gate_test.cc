@@ -104,8 +104,14 @@ class FakeRank final : public v1::RankAgentService::Service {
   }
   grpc::Status SetTrial(grpc::ServerContext*, const v1::TrialRequest* req, v1::TrialRequest* resp) override {
     absl::MutexLock lock(&mu_);
-    *status_.mutable_trial() = *req;
-    *resp = *req;
+    // As a real rank: a stop of another generation's trial leaves the one running.
+    const bool other_stop =
+        req->version() == 0 && req->stop_version() > 0 && status_.trial().version() != req->stop_version();
+    if (!other_stop) {
+      *status_.mutable_trial() = *req;
+      status_.mutable_trial()->clear_stop_version();
+    }
+    *resp = status_.trial();
     return grpc::Status::OK;
   }
   grpc::Status Status(grpc::ServerContext*, const v1::AgentStatusRequest*, v1::AgentStatusResponse* resp) override {
@@ -529,6 +535,12 @@ TEST_F(GateTest, ShadowMismatchesBlockCanaryAndDrainTheCandidate) {
     EXPECT_TRUE(r->TakeCalls().empty());
     EXPECT_EQ(r->Trial().version(), 4);
   }
+  // A retry of release-v2's refused CANARY re-drives its stop, of placement-v2's trial only:
+  // release-v4's shadow trials, begun since, go on.
+  s = Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("trials stopped on every rank"));
+  for (auto& r : ranks_) EXPECT_EQ(r->Trial().version(), 4);
   EXPECT_EQ(Get("release-v4").state(), v1::RELEASE_STATE_SHADOW);
   ASSERT_TRUE(Transition("release-v4:drain", "release-v4", v1::RELEASE_STATE_DRAINING).ok());
 

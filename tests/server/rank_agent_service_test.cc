@@ -368,6 +368,24 @@ TEST_F(RankAgentTest, MaterializeFetchAndTrials) {
   t.set_version(2);
   t.set_canary_every(-1);
   EXPECT_EQ(stub_->SetTrial(Ctx().get(), t, &got).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A stop names the trial it stops: one of another generation (a late stop of an earlier
+  // candidate's trial) leaves placement-v2's running; its own stops it.
+  v1::TrialRequest stop;
+  stop.set_stop_version(3);
+  ASSERT_TRUE(stub_->SetTrial(Ctx().get(), stop, &got).ok());
+  EXPECT_EQ(got.version(), 2);
+  EXPECT_EQ(executor_->Trial().version, 2);
+  stop.set_stop_version(2);
+  ASSERT_TRUE(stub_->SetTrial(Ctx().get(), stop, &got).ok());
+  EXPECT_EQ(got.version(), 0);
+  EXPECT_EQ(executor_->Trial().version, -1);
+  v1::TrialRequest both;  // a stop_version with a trial to start is not a stop
+  both.set_version(2);
+  both.set_stop_version(2);
+  EXPECT_EQ(stub_->SetTrial(Ctx().get(), both, &got).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  t.set_canary_every(3);
+  ASSERT_TRUE(stub_->SetTrial(Ctx().get(), t, &got).ok());
+  EXPECT_EQ(executor_->Trial().version, 2);
   ASSERT_TRUE(Lifecycle("activate", 2, &st).ok());  // promotion ends the trial
   EXPECT_EQ(executor_->Trial().version, -1);
 }
