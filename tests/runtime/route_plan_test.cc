@@ -5,6 +5,7 @@
 #include <random>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -124,6 +125,20 @@ TEST(RoutePlanTest, RejectsRouteToSlotOfAnotherExpert) {
   auto plan = PlanCluster(f.handoff, f.slots, *layout, f.topology);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(plan.status().message()), ::testing::HasSubstr("another logical expert"));
+}
+
+// A slot id outside the generation (an assignment made for another placement) is refused naming
+// the route and the generation, before any table is indexed with it.
+TEST(RoutePlanTest, RejectsASlotOutsideTheGeneration) {
+  for (int32_t bad : {-1, 6, 1 << 30}) {
+    Fixture f;
+    f.slots[3] = PhysicalSlotId(bad);
+    auto layout = PlanLayout::Create(f.manifest, fixture::IdentityGroup());
+    auto plan = PlanCluster(f.handoff, f.slots, *layout, f.topology);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(plan.status().message()),
+                ::testing::HasSubstr(absl::StrCat("route 3: physical slot ", bad, " is not in placement-v17")));
+  }
 }
 
 TEST(RoutePlanTest, RejectsMutatedHandoffBeforePlanning) {
