@@ -66,6 +66,10 @@ ABSL_FLAG(int64_t, canary_every, 4, "trials: in CANARY, every Nth step is served
 ABSL_FLAG(int64_t, max_shadow_mismatches, 0,
           "SHADOW -> CANARY is refused, and the candidate drained, when the ranks counted more shadow mismatches "
           "plus failed shadow passes of its placement than this (runner parity differs -> block canary)");
+ABSL_FLAG(int64_t, auto_rollback_faults, 0,
+          "with --ranks: roll the ACTIVE release back to the one its promotion drained once the ranks count this "
+          "many faults of its placement (failed steps, count-conservation failures, stale accepts), checked every "
+          "--reconcile_interval_s (0x0E: active candidate faults -> roll back); 0: off");
 ABSL_FLAG(int, reconcile_interval_s, 5,
           "with --ranks: every N seconds, bring ranks that serve another placement than the ACTIVE release's (a "
           "restarted moe-rankd) back to it; 0: only at start and when an epoch of the process group serves");
@@ -177,11 +181,12 @@ absl::Status ParseRankFlags(ControllerOptions* o) {
     return absl::InvalidArgumentError("--expert_bytes: required with --migration_budget_bytes");
   }
   o->trial = {absl::GetFlag(FLAGS_shadow_every), absl::GetFlag(FLAGS_canary_every),
-              absl::GetFlag(FLAGS_max_shadow_mismatches)};
+              absl::GetFlag(FLAGS_max_shadow_mismatches), absl::GetFlag(FLAGS_auto_rollback_faults)};
   if (o->trial.shadow_every <= 0 || o->trial.canary_every <= 0) {
     return absl::InvalidArgumentError("--shadow_every / --canary_every: must be positive");
   }
   if (o->trial.max_shadow_mismatches < 0) return absl::InvalidArgumentError("--max_shadow_mismatches: must be >= 0");
+  if (o->trial.auto_rollback_faults < 0) return absl::InvalidArgumentError("--auto_rollback_faults: must be >= 0");
   o->reconcile_interval_s = absl::GetFlag(FLAGS_reconcile_interval_s);
   return absl::OkStatus();
 }

@@ -719,8 +719,62 @@ absl::StatusOr<int64_t> StoreReleaseManager::MigrationPeak(const std::vector<Rel
   return static_cast<int64_t>((*target)->num_slots()) * layers * migration_.expert_bytes;
 }
 
+absl::Status StoreReleaseManager::RollBackAFaultingRelease() {
+  ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
+  for (const ReleaseRecord& r : releases) {
+    if (r.state != ReleaseState::kActive || r.placement_version <= 0) continue;
+    int64_t faults = 0;
+    for (auto& [status, address] : agents_->Status()) {
+      if (address.empty() || !status.ok()) continue;  // a lost rank's faults are the group's to re-form
+      for (const v1::GenerationCounters& c : status->counters()) {
+        if (c.version() == r.placement_version) faults += c.failed_steps() + c.count_failures() + c.stale_accepts();
+      }
+    }
+    if (faults < trial_.auto_rollback_faults) return absl::OkStatus();
+    // The prior: the release the promotion drained (committed under the same request id).
+    ASSIGN_OR_RETURN(std::vector<StoredTransition> history, store_->History(r.release_id));
+    std::string promotion, prior;
+    for (const StoredTransition& t : history) {
+      // Its last activation, if a promotion (from CANARY): one by a rollback (from DRAINING) drained
+      // the faulting release, which must never be rolled back to.
+      if (t.to == ReleaseState::kActive) promotion = t.from == ReleaseState::kCanary ? t.request_id : std::string();
+    }
+    if (!promotion.empty()) {
+      ASSIGN_OR_RETURN(std::vector<StoredTransition> committed, store_->Recorded(promotion));
+      for (const StoredTransition& t : committed) {
+        if (t.release_id != r.release_id && t.from == ReleaseState::kActive && t.to == ReleaseState::kDraining) {
+          prior = t.release_id;
+        }
+      }
+    }
+    if (prior.empty()) {
+      absl::MutexLock lock(&auto_rollback_mu_);
+      if (auto_rollback_warned_ != r.release_id) {  // once, not every reconcile
+        spdlog::warn(
+            "{}: {} faults of placement-v{} on the ranks, and no release its promotion drained to roll "
+            "back to",
+            r.release_id, faults, r.placement_version);
+        auto_rollback_warned_ = r.release_id;
+      }
+      return absl::OkStatus();
+    }
+    const std::string reason =
+        absl::StrCat("auto rollback: the ranks counted ", faults, " faults of placement-v", r.placement_version,
+                     " (--auto_rollback_faults ", trial_.auto_rollback_faults, ")");
+    spdlog::warn("{}: {}; rolling back to {}", r.release_id, reason, prior);
+    auto rolled = Rollback(absl::StrCat("auto-rollback:", r.release_id), r.release_id, prior, reason);
+    if (!rolled.ok()) {
+      return absl::Status(rolled.status().code(), absl::StrCat("auto rollback of ", r.release_id, " to ", prior, ": ",
+                                                               rolled.status().message()));
+    }
+    return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StoreReleaseManager::Reconcile() {
   if (!drives_ranks()) return absl::OkStatus();
+  if (trial_.auto_rollback_faults > 0) RETURN_IF_ERROR(RollBackAFaultingRelease());
   absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
   for (const ReleaseRecord& r : releases) {

@@ -44,6 +44,11 @@ struct TrialPolicy {
   int64_t shadow_every = 4;
   int64_t canary_every = 4;
   int64_t max_shadow_mismatches = 0;
+  // 0x0E "active candidate faults -> roll back to prior generation": once the ranks count this
+  // many faults (failed steps, count-conservation failures, stale accepts, summed over the ranks)
+  // of the ACTIVE release's placement, the reconcile rolls it back to the release its promotion
+  // drained. 0: off (a failed step may be a transport's fault, not the candidate's).
+  int64_t auto_rollback_faults = 0;
 };
 
 // What a promotion committed.
@@ -95,7 +100,8 @@ class ReleaseManager {
                                                       const v1::PlacementManifest& manifest) = 0;
   // After a restart, and periodically: the ranks' active generation is made the placement of the
   // release the store records ACTIVE (a controller killed between committing a promotion or
-  // rollback and driving the ranks finishes it here). Idempotent.
+  // rollback and driving the ranks finishes it here). Idempotent. With
+  // TrialPolicy.auto_rollback_faults, first rolls back an ACTIVE release whose faults reached it.
   virtual absl::Status Reconcile() = 0;
 };
 
@@ -151,6 +157,10 @@ class StoreReleaseManager final : public ReleaseManager {
   absl::StatusOr<std::vector<StoredTransition>> CommitPromotion(const std::string& request_id,
                                                                 const std::string& release_id);
   // The rollback's commit (under write_mu_), or the one recorded under `request_id`.
+  // TrialPolicy.auto_rollback_faults: the ACTIVE release rolled back when its faults reached it.
+  absl::Mutex auto_rollback_mu_;
+  std::string auto_rollback_warned_ ABSL_GUARDED_BY(auto_rollback_mu_);  // the release warned of, once
+  absl::Status RollBackAFaultingRelease();
   absl::StatusOr<std::vector<StoredTransition>> CommitRollback(const std::string& request_id,
                                                                const std::string& release_id,
                                                                const std::string& prior_release_id,

@@ -6,6 +6,7 @@
 //    reports against the one the controller computes over the manifest it recorded, RollbackOK
 //    from the prior placement's state on every rank, stale accepts summed, and r_fallback over
 //    all steps.
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -653,6 +654,50 @@ TEST_F(GateTest, HashOkNeedsADigestInEveryLayersTable) {
   EXPECT_THAT(s.error_message(), HasSubstr("HashOK"));
   EXPECT_THAT(s.error_message(), HasSubstr("slot q2 of the recorded manifest (layer 1) has no parameter digest"));
   EXPECT_EQ(Get("release-v3").state(), v1::RELEASE_STATE_CANARY);
+}
+
+// 0x0E "active candidate faults -> roll back to prior generation", with --auto_rollback_faults 2:
+// the reconcile leaves release-v2 ACTIVE at one fault of its placement on the ranks, and at two
+// rolls it back to release-v1, which its promotion drained. release-v1, ACTIVE again by that
+// rollback, is never rolled back to the release that faulted, whatever its own counts.
+TEST_F(GateTest, AnActiveReleaseWhoseFaultsReachTheThresholdIsRolledBack) {
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
+  PromotionThresholds thresholds;
+  thresholds.min_shadow = 10;
+  thresholds.min_canary = 10;
+  StoreReleaseManager automatic(store_.get(), thresholds, pool_.get(), TwoNodeTopology(kRanks), absl::Seconds(5),
+                                MigrationBudget{}, TrialPolicy{2, 3, 0, /*auto_rollback_faults=*/2});
+  for (auto& r : ranks_) r->TakeCalls();
+  v1::GenerationCounters faulty = Healthy(2);
+  faulty.set_failed_steps(1);
+  ranks_[1]->SetCounters(faulty);
+  ASSERT_TRUE(automatic.Reconcile().ok());
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_ACTIVE);
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
+
+  faulty.set_count_failures(1);  // two faults of placement-v2, summed over the ranks
+  ranks_[1]->SetCounters(faulty);
+  const absl::Status rolled = automatic.Reconcile();
+  ASSERT_TRUE(rolled.ok()) << rolled;
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_NE(Get("release-v2").state(), v1::RELEASE_STATE_ACTIVE);
+  bool reasoned = false;
+  for (const v1::TransitionRecord& t : History("release-v2")) {
+    reasoned =
+        reasoned || t.reason().find("auto rollback: the ranks counted 2 faults of placement-v2") != std::string::npos;
+  }
+  EXPECT_TRUE(reasoned);
+  for (auto& r : ranks_) {
+    const std::vector<std::string> calls = r->TakeCalls();
+    EXPECT_NE(std::find(calls.begin(), calls.end(), "activate v1"), calls.end());
+  }
+
+  v1::GenerationCounters prior_faults = Healthy(1);
+  prior_faults.set_failed_steps(5);
+  for (auto& r : ranks_) r->SetCounters(prior_faults);
+  ASSERT_TRUE(automatic.Reconcile().ok());
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
 }
 
 // A rollback to a prior whose placement one rank no longer holds (a retirement of the prior that
