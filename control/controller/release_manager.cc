@@ -318,9 +318,11 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
   }
   ASSIGN_OR_RETURN(ReleaseRecord rec, store_->Get(id));
   if (rec.state != ReleaseState::kShadow || rec.placement_version <= 0) return absl::OkStatus();
-  // Runner parity of the candidate, summed over the ranks (a shadow pass runs on every rank).
+  // Runner parity of the candidate, summed over the ranks (a shadow pass runs on every rank) of
+  // the epoch served: a lost rank outside it (the group re-formed on the survivors) ran none.
   int64_t samples = -1, mismatches = 0, failures = 0;
   for (auto& [status, address] : agents_->Status()) {
+    if (address.empty()) continue;
     if (!status.ok()) {
       return absl::UnavailableError(absl::StrCat("to: CANARY needs every rank's shadow counters of placement-v",
                                                  rec.placement_version, ": rank ", address, ": ",
@@ -334,6 +336,10 @@ absl::Status StoreReleaseManager::AdmitCanary(const std::string& request_id, con
       failures += c.shadow_failures();
     }
     samples = samples < 0 ? n : std::min(samples, n);
+  }
+  if (samples < 0) {
+    return absl::UnavailableError(absl::StrCat("to: CANARY needs the shadow counters of placement-v",
+                                               rec.placement_version, ": no member of the epoch served answered"));
   }
   if (mismatches + failures <= trial_.max_shadow_mismatches) return absl::OkStatus();
   const std::string reason =
@@ -369,16 +375,22 @@ absl::StatusOr<GateEvidence> StoreReleaseManager::EvidenceFromRanks(const Releas
   auto releases = store_->List();
   if (!releases.ok()) return releases.status();
   ExpectPrior(*releases, candidate, &expect);
+  // From the members of the epoch served: a rank outside it (lost; the group re-formed on the
+  // survivors) served no step of the candidate, and its replacement is brought to the ACTIVE
+  // placement, its copies verified, by the reconciler.
   std::vector<RankReport> reports;
   int rank = 0;
   for (auto& [status, address] : agents_->Status()) {
+    const int r = rank++;
+    if (address.empty()) continue;
     if (!status.ok()) {
       return absl::Status(status.status().code(),
                           absl::StrCat("evidence: rank ", address, ": ", status.status().message()));
     }
-    reports.push_back(ReportOf(*status, absl::StrCat("rank ", rank++, " (", address, ")"), candidate.placement_version,
+    reports.push_back(ReportOf(*status, absl::StrCat("rank ", r, " (", address, ")"), candidate.placement_version,
                                expect.prior_version));
   }
+  if (reports.empty()) return absl::UnavailableError("evidence: no member of the epoch served answered");
   return AggregateRankEvidence(reports, expect);
 }
 

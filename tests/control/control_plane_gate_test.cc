@@ -765,6 +765,36 @@ TEST_F(GateTest, RollbackOnTheSurvivorsOfALostRank) {
   }
 }
 
+// A candidate can also go on while the group serves on the survivors of a lost rank: SHADOW ->
+// CANARY reads the members' shadow counters and the promotion gate their evidence (the lost
+// rank served no candidate step); only the members are driven. The lost rank's replacement is
+// brought to the ACTIVE placement by the reconciler.
+TEST_F(GateTest, PromotionOnTheSurvivorsOfALostRank) {
+  Bootstrap();
+  ToShadow("release-v3", 3);
+  for (auto& r : ranks_) r->SetCounters(Healthy(3));
+  AgentGroup survivors;
+  survivors.epoch = 2;
+  survivors.addresses = pool_->addresses();
+  survivors.addresses[1] = "";  // rank 1 lost
+  for (int r = 0; r < kRanks; ++r) {
+    survivors.node_of_rank.push_back(TwoNodeTopology(kRanks).NodeName(TwoNodeTopology(kRanks).NodeOf(Rank(r))));
+  }
+  pool_->SetGroup(survivors);
+  rank_servers_[1]->Shutdown();
+  for (auto& r : ranks_) r->TakeCalls();
+  grpc::Status s = Transition("release-v3:canary", "release-v3", v1::RELEASE_STATE_CANARY);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::PromoteResponse resp;
+  s = Promote("p-survivors", "release-v3", &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(resp.evidence().hash_ok());
+  EXPECT_EQ(resp.evidence().steps(), 120);  // rank 0's alone
+  EXPECT_EQ(Get("release-v3").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_THAT(ranks_[0]->TakeCalls(), ::testing::ElementsAre("activate v3"));
+  EXPECT_TRUE(ranks_[1]->TakeCalls().empty()) << "the lost rank was driven";
+}
+
 // 0x0EA on the ranks: the prior activated, the candidate drained to zero handles, then retired
 // and committed RETIRED; a candidate that does not drain stays DRAINING (committed) and the
 // request is retried with the same request_id.
