@@ -317,6 +317,18 @@ class GateTest : public ::testing::Test {
     const grpc::Status s = Promote("p2", "release-v2", &promoted);
     ASSERT_TRUE(s.ok()) << s.error_message();
   }
+  // Rank `lost` leaves the group, which serves epoch 2 on the survivors; its agent stops.
+  void LoseRank(int lost) {
+    AgentGroup survivors;
+    survivors.epoch = 2;
+    survivors.addresses = pool_->addresses();
+    survivors.addresses[lost] = "";
+    for (int r = 0; r < kRanks; ++r) {
+      survivors.node_of_rank.push_back(TwoNodeTopology(kRanks).NodeName(TwoNodeTopology(kRanks).NodeOf(Rank(r))));
+    }
+    pool_->SetGroup(survivors);
+    rank_servers_[lost]->Shutdown();
+  }
   // A rollback of release-v2 to release-v1 under `request_id`.
   static v1::RollbackRequest RollbackV2ToV1(const std::string& request_id) {
     v1::RollbackRequest req;
@@ -741,15 +753,7 @@ TEST_F(GateTest, RollbackToAPriorOfAnotherCheckpointIsRefused) {
 // replaced, is brought to the ACTIVE placement by the reconciler.
 TEST_F(GateTest, RollbackOnTheSurvivorsOfALostRank) {
   ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
-  AgentGroup survivors;
-  survivors.epoch = 2;
-  survivors.addresses = pool_->addresses();
-  survivors.addresses[1] = "";  // rank 1 lost
-  for (int r = 0; r < kRanks; ++r) {
-    survivors.node_of_rank.push_back(TwoNodeTopology(kRanks).NodeName(TwoNodeTopology(kRanks).NodeOf(Rank(r))));
-  }
-  pool_->SetGroup(survivors);
-  rank_servers_[1]->Shutdown();
+  LoseRank(1);
   for (auto& r : ranks_) r->TakeCalls();
   v1::RollbackResponse resp;
   grpc::Status s = stub_->Rollback(Ctx().get(), RollbackV2ToV1("rb-survivors"), &resp);
@@ -773,15 +777,7 @@ TEST_F(GateTest, PromotionOnTheSurvivorsOfALostRank) {
   Bootstrap();
   ToShadow("release-v3", 3);
   for (auto& r : ranks_) r->SetCounters(Healthy(3));
-  AgentGroup survivors;
-  survivors.epoch = 2;
-  survivors.addresses = pool_->addresses();
-  survivors.addresses[1] = "";  // rank 1 lost
-  for (int r = 0; r < kRanks; ++r) {
-    survivors.node_of_rank.push_back(TwoNodeTopology(kRanks).NodeName(TwoNodeTopology(kRanks).NodeOf(Rank(r))));
-  }
-  pool_->SetGroup(survivors);
-  rank_servers_[1]->Shutdown();
+  LoseRank(1);
   for (auto& r : ranks_) r->TakeCalls();
   grpc::Status s = Transition("release-v3:canary", "release-v3", v1::RELEASE_STATE_CANARY);
   ASSERT_TRUE(s.ok()) << s.error_message();
