@@ -766,8 +766,13 @@ struct LayerExecutor::Pass {
   bool lone_decode = false;                  // ... as a lone member's decode step (LoneDecodePhase)
   bool check_in_recording = false;           // LoneDecodeSteps starts the caller's input check (start_input_check)
   bool input_refused = false;                // the engine's input failed its checks (PassOutcome)
-  bool load_pending = false;                 // buf_.step_load holds this pass's routes (StepLoad)
-  absl::Status combine_tables;               // CheckCombineTables of the host plan's tables (dispatch)
+  // `s`, a check of the engine's input: refused, it is the engine's fault (input_refused).
+  absl::Status InputCheck(absl::Status s) {
+    if (!s.ok()) input_refused = true;
+    return s;
+  }
+  bool load_pending = false;    // buf_.step_load holds this pass's routes (StepLoad)
+  absl::Status combine_tables;  // CheckCombineTables of the host plan's tables (dispatch)
   std::shared_ptr<const DevicePlanTables> dtables;
   const int64_t* recv_status = nullptr;  // the receive ranking's status (kernel memory)
   const void* hidden = nullptr;          // the engine's rows where the kernels read them
@@ -853,10 +858,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
   if (before_agreement.ok()) before_agreement = PlanPhase(pass);
   if (in.await_input_check) {
     absl::Status checked = in.await_input_check();
-    if (before_agreement.ok() && !checked.ok()) {
-      before_agreement = std::move(checked);
-      pass.input_refused = true;
-    }
+    if (before_agreement.ok()) before_agreement = pass.InputCheck(std::move(checked));
   }
   if (!before_agreement.ok()) {
     outcome->input_refused = pass.input_refused;
@@ -927,10 +929,7 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
   if (pass.device_plan) {
     // The handoff's scalars are sealed here; its routes are keyed and checked by the kernels in
     // the plan phase (SealRoutes), into kernel memory that only this step writes.
-    if (absl::Status s = ValidateStepShape(in); !s.ok()) {
-      pass.input_refused = true;
-      return s;
-    }
+    RETURN_IF_ERROR(pass.InputCheck(ValidateStepShape(in)));
     SemanticHandoff scalars;
     scalars.scope = ExecutionScopeId(static_cast<int64_t>(in.step_id));
     scalars.num_experts = static_cast<int>(pass.num_experts);
@@ -941,10 +940,7 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
     return absl::OkStatus();
   }
   if (in.routing_on_device) RETURN_IF_ERROR(RoutingToHost(pass));
-  if (absl::Status s = ValidateStepInput(in, static_cast<int>(pass.num_experts)); !s.ok()) {
-    pass.input_refused = true;
-    return s;
-  }
+  RETURN_IF_ERROR(pass.InputCheck(ValidateStepInput(in, static_cast<int>(pass.num_experts))));
   SemanticHandoff columns;  // an earlier step's, when one was handed back (no allocation per step)
   {
     absl::MutexLock lock(&generations_mu_);
@@ -961,14 +957,11 @@ absl::Status LayerExecutor::ValidatePhase(Pass& pass) {
 // registered host memory (both tables, one wait), which the pass then reads instead.
 absl::Status LayerExecutor::RoutingToHost(Pass& pass) {
   const LayerStepInput& in = pass.in;
-  if (absl::Status s = ValidateStepShape(in); !s.ok()) {
-    pass.input_refused = true;
-    return s;
-  }
+  RETURN_IF_ERROR(pass.InputCheck(ValidateStepShape(in)));
   int64_t routes = 0;
   if (__builtin_mul_overflow(in.tokens, static_cast<int64_t>(in.k), &routes) || routes > (int64_t{1} << 36)) {
-    pass.input_refused = true;
-    return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", in.tokens, " tokens x k = ", in.k, " is too large"));
+    return pass.InputCheck(
+        absl::InvalidArgumentError(absl::StrCat("topk_ids: ", in.tokens, " tokens x k = ", in.k, " is too large")));
   }
   if (routes == 0) {
     pass.HostRouting(in.topk_ids, in.topk_weights);  // nothing to read
@@ -1342,10 +1335,8 @@ absl::Status LayerExecutor::SealedRoutesStatus(Pass& pass, const int64_t* status
   } else {
     r = {in.topk_ids[i], in.topk_weights[i]};
   }
-  if (status[0] >= 0) {
-    pass.input_refused = true;  // the engine's route (no slot for a valid expert is the generation's)
-    return RouteInputError(i, in.k, r.first, r.second, m.num_experts());
-  }
+  // The engine's route (no slot for a valid expert is the generation's).
+  if (status[0] >= 0) return pass.InputCheck(RouteInputError(i, in.k, r.first, r.second, m.num_experts()));
   return absl::FailedPreconditionError(
       absl::StrCat("route ", i, ": no compatible slot holds logical expert ", r.first, " in ", m.VersionName()));
 }
@@ -1496,8 +1487,6 @@ absl::Status LayerExecutor::DeviceDispatchPlan(Pass& pass) {
 // transport moves directly); plans and slot metadata stay on the host.
 absl::Status LayerExecutor::EagerPayload(Pass& pass) {
   const LayerStepInput& in = pass.in;
-  const int local_slots = static_cast<int>(buf_.dest.expert_counts.size());
-  const LocalExperts& host = *pass.weights->host;  // its slot count checked before the agreement (AcquirePhase)
   RETURN_IF_ERROR(RowsForKernels(pass));
   // A lone member holds every slot: a decode step's route, experts and combine are one kernels
   // call on the tokens as they are. Prefill steps keep the grouped GEMMs.
