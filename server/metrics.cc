@@ -183,14 +183,14 @@ void RankMetrics::StepPhases(const std::string& phase, const std::array<double, 
 void RankMetrics::Routes(const std::string& phase, int64_t attempted, int64_t accepted, int64_t dropped, int64_t remote,
                          int64_t inter_node) {
   const bool decode = phase == "decode";
-  const std::string p = decode ? "decode" : "prefill";  // the label takes these two values only
   RouteSeries* r;
   {
     std::lock_guard<std::mutex> lock(series_mu_);
     std::unique_ptr<RouteSeries>& series = route_series_[decode ? 1 : 0];
     if (series == nullptr) {
       const auto add = [&](const char* kind) {
-        return &routes_->Add({{"release", release_}, {"phase", p}, {"kind", kind}});
+        // The phase label takes these two values only.
+        return &routes_->Add({{"release", release_}, {"phase", decode ? "decode" : "prefill"}, {"kind", kind}});
       };
       series = std::make_unique<RouteSeries>(
           RouteSeries{add("attempted"), add("accepted"), add("dropped"), add("remote"), add("inter_node")});
