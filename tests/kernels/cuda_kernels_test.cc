@@ -795,6 +795,107 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
   ASSERT_TRUE(CreateCudaKernels().ok());  // the fixture's switches back
 }
 
+// The tensor-core family's streamed variant (CudaTuning::mma_stream; the weights through a ring
+// of shared-memory stages filled by bulk copies, small_batch_mma.cu) against the CPU and the warp-split kernels it
+// replaces, in passes of 8 and 16 rows (mma_wide 0 / 1): each within rounding of the CPU, the
+// gather fused into the load giving the same bits as direct rows, and the default giving the bits
+// of whichever variant the launch's rule (SmallBatchStreams) picks. Cases: the E128 decode shape
+// with 16 tokens' routes (one slice of k a unit, 3 chunks a warp at k = 768), segments of up to
+// 37 rows (several blocks of rows a unit, ragged last blocks), and two one-row experts of d_ff
+// 8448 (33 slices of 256 a down unit).
+TEST_F(CudaKernelsTest, DeviceOffsetSwigluStreamedMatchesCpu) {
+  struct Case {
+    int e, d, f;
+    std::vector<int64_t> counts;  // rows an expert (empty: 16 tokens' top-8 over random experts)
+  };
+  const std::vector<Case> cases = {
+      {128, 2048, 768, {}},
+      {4, 512, 256, {0, 3, 20, 37}},
+      {8, 256, 8448, {0, 1, 0, 0, 0, 0, 1, 0}},
+  };
+  const CudaTuning saved = GetCudaTuning();
+  for (const Case& tc : cases) {
+    const int e = tc.e, d = tc.d, f = tc.f;
+    std::vector<int64_t> counts(e, 0);
+    if (tc.counts.empty()) {
+      std::vector<int> all(e);
+      for (int q = 0; q < e; ++q) all[q] = q;
+      for (int token = 0; token < 16; ++token) {
+        std::shuffle(all.begin(), all.end(), rng_);
+        for (int j = 0; j < 8; ++j) ++counts[all[j]];
+      }
+    } else {
+      std::copy(tc.counts.begin(), tc.counts.end(), counts.begin());
+    }
+    const auto offsets = Offsets(counts);
+    const int64_t used = offsets.back(), held = used + 2;
+    SCOPED_TRACE(::testing::Message() << "E=" << e << " d=" << d << " f=" << f << " rows " << used);
+    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, held);
+    std::vector<uint16_t> ref(layer.x.size(), 0);
+    SwigluParams p;
+    p.weights = {layer.wgu.data(), layer.wd.data(), e, d, f};
+    p.x = layer.x.data();
+    p.rows = held;
+    p.device_offsets = offsets.data();
+    p.y = ref.data();
+    ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+    ref.resize(used * d);
+    DeviceVector<uint16_t> dwgu(layer.wgu), dwd(layer.wd), dx(layer.x);
+    DeviceVector<int64_t> doff(offsets);
+    std::vector<int32_t> index(held);
+    for (int64_t r = 0; r < held; ++r) index[r] = static_cast<int32_t>(held - 1 - r);
+    std::vector<uint16_t> source(layer.x.size());
+    for (int64_t r = 0; r < held; ++r) std::copy_n(layer.x.begin() + r * d, d, source.begin() + index[r] * d);
+    DeviceVector<uint16_t> dsource(source);
+    DeviceVector<int32_t> dindex(index);
+    for (int wide : {0, 1}) {
+      std::vector<std::vector<uint16_t>> outs;  // mma_stream 0, 1, -1
+      bool default_streams = false;
+      for (int stream : {0, 1, -1}) {
+        SCOPED_TRACE(::testing::Message() << "mma_wide=" << wide << " mma_stream=" << stream);
+        auto tuning = ParseCudaTuning("gemm=cublas");  // the decode kernels, not the Hopper ones
+        ASSERT_TRUE(tuning.ok());
+        tuning->mma_wide = wide;
+        tuning->mma_stream = stream;
+        SetCudaTuning(*tuning);
+        auto gpu = CreateCudaKernels();  // sets the process's launch switches
+        ASSERT_TRUE(gpu.ok()) << gpu.status();
+        const bool streams = cuda::SmallBatchStreams(e, d, f, held);
+        if (stream >= 0) {
+          EXPECT_EQ(streams, stream == 1);
+        } else {
+          default_streams = streams;
+        }
+        SwigluParams g = p;
+        g.weights = {dwgu.get(), dwd.get(), e, d, f};
+        g.device_offsets = doff.get();
+        DeviceVector<uint16_t> dy(layer.x.size(), 0), dy2(layer.x.size(), 0);
+        g.x = dx.get();
+        g.y = dy.get();
+        ASSERT_TRUE((*gpu)->Swiglu(g, nullptr).ok());
+        g.x = dsource.get();
+        g.x_row_index = dindex.get();
+        g.x_rows = held;
+        g.y = dy2.get();
+        ASSERT_TRUE((*gpu)->Swiglu(g, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        auto got = dy.Host(), gathered = dy2.Host();
+        got.resize(used * d);
+        gathered.resize(used * d);
+        EXPECT_EQ(gathered, got);
+        double rel = 0;
+        EXPECT_LT(MaxAbsDiffBf16(got, ref, &rel), 0.05f);
+        EXPECT_LT(rel, 1e-2);
+        outs.push_back(std::move(got));
+      }
+      ASSERT_EQ(outs.size(), 3u);
+      EXPECT_EQ(outs[2], default_streams ? outs[1] : outs[0]) << "the default against the variant it picks";
+    }
+  }
+  SetCudaTuning(saved);
+  ASSERT_TRUE(CreateCudaKernels().ok());  // the fixture's switches back
+}
+
 // The tensor-core family's passes of 8 and 16 activation rows over a weight tile (a step takes
 // 16 a pass when its experts are expected to get 8 rows or more; the bound on segments steers it
 // here: 4 -> 8-row passes; 16, or none (mean 17 rows) -> 16). Each row's mmas run in the same k
