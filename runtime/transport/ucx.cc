@@ -437,8 +437,13 @@ class UcxTransport final : public Transport {
     ucp_request_param_t p{};
     return ucp_tag_send_nbx(peers_[i].ep, buf, len, tag, &p);
   }
+  // Always a request (never completed at the call): a receive whose message had already arrived
+  // would otherwise return UCS_OK with no request to read the message's length from, and a
+  // shorter message than the split would pass as whole (ReceiveCompleted; seen in CI as
+  // AShortMessageIsDataLossNamingThePeer answering OK when slot 0's 8 bytes came first).
   void* PostRecv(uint64_t tag, void* buf, size_t len) {
     ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     return ucp_tag_recv_nbx(base_->worker, buf, len, tag, ~uint64_t{0}, &p);
   }
   // True when the request finished (successfully or not); frees it.
