@@ -169,6 +169,42 @@ class CompareReportTest(unittest.TestCase):
         self.assertNotIn("project_sm_mhz", rows[8192])
         self.assertNotIn("SM MHz", text)
 
+    def test_the_goal_against_the_floor(self):
+        # Issue 19's 1.2x (vLLM / 1.2) where it is not below the cell's floor (weight read at the
+        # copy ceiling, or the FLOPs at the dense rate, the larger), else "ahead of vLLM":
+        #   T = 1:    read 17.8, vLLM 35 -> target 29.2 >= 17.8; project 30: not met.
+        #   T = 16:   read 177.5, vLLM 193 -> target 160.8 < 177.5; project 190: ahead.
+        #   T = 128:  read 287.6, vLLM 300 -> target 250 < 287.6; project 313: behind.
+        #   T = 4096: read 284.1, FLOPs 1.0e12 at 800 TFLOP/s -> 1250 us; vLLM 1437 -> target
+        #             1197.5 < 1250 (the FLOPs decide); project 1300: ahead.
+        #   T = 8192: FLOPs 6.4e11 -> 800 us; vLLM 1437 -> target 1197.5; project 1100: met.
+        cells = [(1, 30.0, 17.8, None), (16, 190.0, 177.5, None), (128, 313.0, 287.6, None),
+                 (4096, 1300.0, 284.1, 1.0e12), (8192, 1100.0, 284.1, 6.4e11)]
+        with open(self.path("o1"), "w") as f:
+            f.write('{"kind": "ceiling", "impl": "moe-runtime", "dense_bf16_tflops": 800.0}\n')
+            for t, us, read, flops in cells:
+                line = {"kind": "cell", "impl": "moe-runtime", "path": "decode-graph", "shape": SHAPE, "T": t,
+                        "us": us, "weight_read_us": read}
+                if flops:
+                    line["tflops"] = flops / us / 1e6
+                f.write(json.dumps(line) + "\n")
+            # An FP8 line of the same cell never sets the BF16 FLOPs.
+            f.write(json.dumps({"kind": "cell", "impl": "moe-runtime", "path": "fp8-graph", "shape": SHAPE,
+                                "T": 8192, "us": 700.0, "tflops": 2000.0, "weight_read_us": 284.1}) + "\n")
+        peer(self.path("p1"), [(1, 35.0), (16, 193.0), (128, 300.0), (4096, 1437.0), (8192, 1437.0)])
+        rc, rows, md = self.run_report([self.path("o1")], [self.path("p1")])
+        self.assertEqual(rc, 0)
+        self.assertEqual({t: rows[t]["goal"] for t in rows},
+                         {1: "not met", 16: "ahead", 128: "behind", 4096: "ahead", 8192: "met"})
+        self.assertEqual(rows[16]["goal_us"], 160.8)
+        self.assertEqual(rows[16]["floor_us"], 177.5)
+        self.assertEqual(rows[4096]["floor_us"], 1250.0)
+        self.assertEqual(rows[8192]["floor_us"], 800.0)
+        self.assertIn("| 29.2 | 17.8 | 1.2x not met |", md)
+        self.assertIn("| 160.8 | 177.5 | ahead (1.2x below the floor) |", md)
+        self.assertIn("| 250.0 | 287.6 | behind (1.2x below the floor) |", md)
+        self.assertIn("| 1197.5 | 800.0 | 1.2x met |", md)
+
     def test_no_vllm_lines_is_refused(self):
         ours(self.path("o1"), [(8192, "prefill", 1300.0)])
         with open(self.path("empty"), "w") as f:
