@@ -106,6 +106,9 @@ ABSL_FLAG(bool, dry_run, false, "rebalance: plan only (required)");
 ABSL_FLAG(int, num_replicas, 0, "rebalance: physical slots of the new placement (0: current, rounded to the ranks)");
 ABSL_FLAG(int, num_groups, 1, "rebalance: expert groups (EPLB hierarchical policy)");
 ABSL_FLAG(int, num_nodes, 1, "rebalance: nodes (EPLB hierarchical policy)");
+ABSL_FLAG(int, window_s, 0,
+          "rebalance: plan the routes counted over this many seconds, read twice (0: since each daemon started; "
+          "at most 3600)");
 ABSL_FLAG(std::string, prior, "", "rollback: the DRAINING release to re-activate");
 ABSL_FLAG(int64_t, min_shadow, 100, "rollout: shadow samples every rank must count before CANARY");
 ABSL_FLAG(int64_t, min_canary, 200, "rollout: canary steps every rank must count before the promotion");
@@ -686,6 +689,7 @@ int main(int argc, char** argv) {
     o.num_replicas = absl::GetFlag(FLAGS_num_replicas);
     o.num_groups = absl::GetFlag(FLAGS_num_groups);
     o.num_nodes = absl::GetFlag(FLAGS_num_nodes);
+    o.window_s = absl::GetFlag(FLAGS_window_s);
     o.out = absl::GetFlag(FLAGS_out);
     o.checkpoint = absl::GetFlag(FLAGS_checkpoint);
     o.placement_version = absl::GetFlag(FLAGS_placement_version);

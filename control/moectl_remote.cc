@@ -680,13 +680,62 @@ absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, int num_e
   return absl::OkStatus();
 }
 
-// `rebalance --dry_run [--out F ...]`: EPLB over the ranks' observed load, per MoE layer when
-// the ranks serve layers.
+// A rank report's route counters (expert_routes and per layer).
+RankLoadCounts CountsOf(const v1::RankAgentReport& rep) {
+  RankLoadCounts c;
+  c.source = {rep.address(), rep.status().checkpoint_version(), rep.status().node(), rep.status().active_version(),
+              rep.status().process_group_epoch()};
+  c.routes.assign(rep.status().expert_routes().begin(), rep.status().expert_routes().end());
+  for (const v1::LayerLoad& l : rep.status().layers()) {
+    c.layers.emplace_back(l.layer(), std::vector<int64_t>(l.expert_routes().begin(), l.expert_routes().end()));
+  }
+  return c;
+}
+
+// `rebalance --window_s N`: the ranks' status read twice N seconds apart, the second read's
+// route counters replaced by what was counted in between (LoadOverWindow's checks).
+absl::StatusOr<v1::ClusterStatusResponse> StatusOverWindow(const RemoteCall& call) {
+  ASSIGN_OR_RETURN(const v1::ClusterStatusResponse first, GetClusterStatus(call));
+  for (const v1::RankAgentReport& rep : first.ranks()) {
+    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
+  }
+  std::cerr << "counting routes for " << call.o.window_s << " s\n";
+  absl::SleepFor(absl::Seconds(call.o.window_s));
+  ASSIGN_OR_RETURN(v1::ClusterStatusResponse second, GetClusterStatus(call));
+  std::vector<RankLoadCounts> before, after;
+  for (const v1::RankAgentReport& rep : first.ranks()) before.push_back(CountsOf(rep));
+  for (const v1::RankAgentReport& rep : second.ranks()) {
+    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
+    after.push_back(CountsOf(rep));
+  }
+  ASSIGN_OR_RETURN(const std::vector<RankLoadCounts> window, LoadOverWindow(before, after));
+  for (int r = 0; r < second.ranks_size(); ++r) {
+    v1::AgentStatusResponse* st = second.mutable_ranks(r)->mutable_status();
+    for (int e = 0; e < st->expert_routes_size(); ++e) st->set_expert_routes(e, window[r].routes[e]);
+    for (int i = 0; i < st->layers_size(); ++i) {
+      for (int e = 0; e < st->layers(i).expert_routes_size(); ++e) {
+        st->mutable_layers(i)->set_expert_routes(e, window[r].layers[i].second[e]);
+      }
+    }
+  }
+  return second;
+}
+
+// `rebalance --dry_run [--window_s N] [--out F ...]`: EPLB over the ranks' observed load (since
+// each daemon started, or over a window), per MoE layer when the ranks serve layers.
 absl::Status RunRebalance(const RemoteCall& call) {
   const RemoteOptions& o = call.o;
   if (!o.dry_run)
     return absl::InvalidArgumentError("--dry_run: required (rebalance only plans; load the plan with placement load)");
-  ASSIGN_OR_RETURN(const v1::ClusterStatusResponse resp, GetClusterStatus(call));
+  if (o.window_s < 0 || o.window_s > 3600) {
+    return absl::InvalidArgumentError(absl::StrCat("--window_s: ", o.window_s, " (0 to 3600)"));
+  }
+  ASSIGN_OR_RETURN(const v1::ClusterStatusResponse resp,
+                   o.window_s > 0 ? StatusOverWindow(call) : GetClusterStatus(call));
+  std::cout << "load: "
+            << (o.window_s > 0 ? absl::StrCat("the routes counted over ", o.window_s, " s")
+                               : std::string("the routes counted since each daemon started"))
+            << "\n";
   ASSIGN_OR_RETURN(const RebalanceInputs in, RebalanceInputFromRanks(resp, o));
   std::vector<RebalancePlan> plans;
   if (in.layers.empty()) {

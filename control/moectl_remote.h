@@ -28,6 +28,7 @@ struct RemoteOptions {
   // rebalance
   bool dry_run = false;
   int num_replicas = 0, num_groups = 1, num_nodes = 1;
+  int window_s = 0;             // > 0: plan the routes counted over this many seconds (0: since each daemon started)
   std::string out, checkpoint;  // with --out: write the plan as a PlacementManifest JSON
   int64_t placement_version = 0, epoch = 1;
   // rebalance --out: the topology of the controller's `num_ranks` ranks, which the written

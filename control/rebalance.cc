@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 
 #include "runtime/placement/eplb.h"
+#include "runtime/status.h"
 
 namespace moe {
 
@@ -136,6 +137,71 @@ absl::Status CheckOneLoadSignal(const std::vector<RankLoadSource>& ranks, int nu
     nodes.push_back(r.node);
   }
   return CheckRebalanceNodes(nodes, num_nodes);
+}
+
+namespace {
+
+// after - before of one counter table, or FAILED_PRECONDITION naming the rank and what went back.
+absl::Status Subtract(const std::string& rank, const std::string& what, const std::vector<int64_t>& before,
+                      std::vector<int64_t>* after) {
+  if (before.size() != after->size()) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, ": ", what, "counts ", before.size(),
+                                                      " experts in the first read, ", after->size(), " in the second"));
+  }
+  for (size_t e = 0; e < before.size(); ++e) {
+    if ((*after)[e] < before[e]) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", rank, ": ", what, "expert ", e, "'s routes went from ",
+                                                        before[e], " to ", (*after)[e],
+                                                        ": the daemon restarted within the window (try again)"));
+    }
+    (*after)[e] -= before[e];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RankLoadCounts>> LoadOverWindow(const std::vector<RankLoadCounts>& before,
+                                                           const std::vector<RankLoadCounts>& after) {
+  if (before.size() != after.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("the first read lists ", before.size(), " ranks, the second ",
+                                                      after.size(), ": the group changed within the window"));
+  }
+  std::vector<RankLoadCounts> out = after;
+  int64_t total = 0;
+  for (size_t r = 0; r < after.size(); ++r) {
+    const RankLoadSource &a = before[r].source, &b = after[r].source;
+    if (a.address != b.address) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " is ", a.address, " in the first read, ", b.address, " in the second"));
+    }
+    if (a.checkpoint_version != b.checkpoint_version || a.active_version != b.active_version ||
+        a.process_group_epoch != b.process_group_epoch) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", b.address, " served checkpoint '", a.checkpoint_version, "' placement-v", a.active_version,
+          " epoch ", a.process_group_epoch, " at the window's start and '", b.checkpoint_version, "' placement-v",
+          b.active_version, " epoch ", b.process_group_epoch, " at its end: its slots changed within the window"));
+    }
+    RETURN_IF_ERROR(Subtract(b.address, "", before[r].routes, &out[r].routes));
+    if (before[r].layers.size() != after[r].layers.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", b.address, " reports ", before[r].layers.size(),
+                                                        " layers in the first read, ", after[r].layers.size(),
+                                                        " in the second"));
+    }
+    for (size_t i = 0; i < after[r].layers.size(); ++i) {
+      if (before[r].layers[i].first != after[r].layers[i].first) {
+        return absl::FailedPreconditionError(absl::StrCat("rank ", b.address, ": layer ", after[r].layers[i].first,
+                                                          " where the first read had ", before[r].layers[i].first));
+      }
+      RETURN_IF_ERROR(Subtract(b.address, absl::StrCat("layer ", after[r].layers[i].first, " "),
+                               before[r].layers[i].second, &out[r].layers[i].second));
+    }
+    for (int64_t n : out[r].routes) total += n;
+  }
+  if (total == 0) {
+    return absl::FailedPreconditionError("no routes were counted within the window: the ranks served no steps");
+  }
+  return out;
 }
 
 }  // namespace moe

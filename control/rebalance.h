@@ -61,6 +61,22 @@ struct RankLoadSource {
 // FAILED_PRECONDITION naming the first rank that differs from rank 0.
 absl::Status CheckOneLoadSignal(const std::vector<RankLoadSource>& ranks, int num_nodes);
 
+// One rank's route counters at one read (AgentStatusResponse.expert_routes and the layers'),
+// which run from the daemon's start.
+struct RankLoadCounts {
+  RankLoadSource source;
+  std::vector<int64_t> routes;                                   // [E]
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> layers;  // (layer, [E])
+};
+
+// `rebalance --window_s`: the routes counted between two reads of the same ranks, after - before.
+// FAILED_PRECONDITION naming the rank where the two reads are not one window of one signal: other
+// ranks (or another order), another checkpoint, active generation or epoch in the second read
+// (the slots changed within the window), other experts or layers, or a counter lower than before
+// (the daemon restarted within the window); and when no route at all was counted in it.
+absl::StatusOr<std::vector<RankLoadCounts>> LoadOverWindow(const std::vector<RankLoadCounts>& before,
+                                                           const std::vector<RankLoadCounts>& after);
+
 // mean / max of per-rank loads (1.0 for no load).
 double Balancedness(const std::vector<double>& rank_load);
 // Gamma_rank = max / mean of per-rank loads (0x08D; 1.0 for no load).

@@ -88,9 +88,9 @@ echo "$(ts)  promote: $(ctl promote release-v1 --evidence deploy/examples/promot
 driver=$!
 for _ in $(seq 300); do [ -e "$work/ready" ] && break; sleep 0.1; done
 echo "$(ts)  engine driver running steps"
-echo "$(ts)  EPLB over the load the ranks observed so far (moectl rebalance --dry_run):"
-ctl rebalance --dry_run --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/model" \
-  --placement_version 2 | grep -E "^(0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
+echo "$(ts)  EPLB over the load the ranks count in two seconds of traffic (moectl rebalance --dry_run --window_s 2):"
+ctl rebalance --dry_run --window_s 2 --num_replicas 20 --out "$work/placement-v2.json" --checkpoint "$work/model" \
+  --placement_version 2 | grep -E "^(load:|0 |1 |2 |3 |balancedness|wrote|EPLB|EXPERT +ROUTES|RANK)" | sed 's/^/      /'
 # release-v2 is a release bundle (moectl bundle make): the checkpoint's per-layer expert digests,
 # the EPLB placement, the ranks' runtime coordinates and the topology under one digest. moectl
 # rollout walks it under live traffic: register the bundle, VERIFIED once the controller verified

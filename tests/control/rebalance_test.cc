@@ -163,5 +163,56 @@ TEST(RebalanceTest, OneLoadSignalNeedsOneCheckpointGenerationAndEpoch) {
   EXPECT_EQ(CheckOneLoadSignal(bad, 2).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// `rebalance --window_s`: the routes counted between two reads (after - before, whole and per
+// layer), and each way the two reads fail to be one window of one signal, naming the rank.
+TEST(RebalanceTest, LoadOverWindowIsTheDifferenceOfOneSignal) {
+  auto rank = [](std::string address, std::vector<int64_t> routes, std::vector<int64_t> layer3) {
+    RankLoadCounts c;
+    c.source = {std::move(address), "ckpt-1", "a", 3, 1};
+    c.routes = std::move(routes);
+    c.layers = {{3, std::move(layer3)}};
+    return c;
+  };
+  const std::vector<RankLoadCounts> before = {rank("r0", {10, 5, 0}, {4, 2, 0}), rank("r1", {1, 1, 1}, {1, 0, 1})};
+  const std::vector<RankLoadCounts> after = {rank("r0", {30, 5, 7}, {12, 2, 3}), rank("r1", {1, 4, 1}, {1, 3, 1})};
+  auto w = LoadOverWindow(before, after);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)[0].routes, (std::vector<int64_t>{20, 0, 7}));
+  EXPECT_EQ((*w)[1].routes, (std::vector<int64_t>{0, 3, 0}));
+  EXPECT_EQ((*w)[0].layers[0].second, (std::vector<int64_t>{8, 0, 3}));
+  EXPECT_EQ((*w)[1].layers[0].second, (std::vector<int64_t>{0, 3, 0}));
+  EXPECT_EQ((*w)[1].source.address, "r1");
+
+  auto fails = [&](std::vector<RankLoadCounts> b, std::vector<RankLoadCounts> a, const std::string& want) {
+    auto r = LoadOverWindow(b, a);
+    ASSERT_FALSE(r.ok()) << want;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << want;
+    EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr(want));
+  };
+  std::vector<RankLoadCounts> a = after;
+  a[1].routes[2] = 0;  // r1 restarted: its counter went back
+  fails(before, a, "rank r1: expert 2's routes went from 1 to 0: the daemon restarted");
+  a = after;
+  a[0].layers[0].second[0] = 3;
+  fails(before, a, "rank r0: layer 3 expert 0's routes went from 4 to 3");
+  a = after;
+  a[1].source.active_version = 4;  // a switch within the window
+  fails(before, a, "rank r1 served checkpoint 'ckpt-1' placement-v3 epoch 1 at the window's start");
+  a = after;
+  a[0].source.process_group_epoch = 2;
+  fails(before, a, "its slots changed within the window");
+  a = after;
+  a[1].source.address = "r9";
+  fails(before, a, "rank 1 is r1 in the first read, r9 in the second");
+  fails(before, {after[0]}, "the first read lists 2 ranks, the second 1");
+  a = after;
+  a[0].routes.push_back(1);
+  fails(before, a, "rank r0: counts 3 experts in the first read, 4 in the second");
+  a = after;
+  a[1].layers.clear();
+  fails(before, a, "rank r1 reports 1 layers in the first read, 0 in the second");
+  fails(before, before, "no routes were counted within the window");
+}
+
 }  // namespace
 }  // namespace moe
