@@ -75,6 +75,44 @@ __device__ __forceinline__ void TileProduct(const uint4* lo, const uint4* hi, co
   SumTilesOverWarps<NT>(partial, c);
 }
 
+// Epilogues of a tile in the mma fragments' layout (c[n][0..1]: weight row g, rows 2t, 2t + 1 of
+// group n; c[n][2..3]: weight row g + 8), `rows` of the tile's rows valid from layout row r0.
+// Gate/up: a[r, col] = bf16(silu(bf16(gate)) * bf16(up)), gate and up rounded to BF16 as the
+// GEMM path does. Down: y[r, o] and y[r, o + 8].
+template <int NT>
+__device__ __forceinline__ void StoreActivationTile(const float (&c)[NT][4], int rows, int64_t r0, int f, int col,
+                                                    __nv_bfloat16* __restrict__ a) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = n * kRowsPerMma + 2 * t + j;
+      if (r < rows) {
+        const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
+        const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
+        a[(r0 + r) * f + col] = __float2bfloat16_rn(Silu(gs) * us);
+      }
+    }
+  }
+}
+template <int NT>
+__device__ __forceinline__ void StoreDownTile(const float (&c)[NT][4], int rows, int64_t r0, int d, int o,
+                                              __nv_bfloat16* __restrict__ y) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int r = n * kRowsPerMma + 2 * t + j;
+      if (r < rows) {
+        y[(r0 + r) * d + o] = __float2bfloat16_rn(c[n][j]);
+        y[(r0 + r) * d + o + 8] = __float2bfloat16_rn(c[n][2 + j]);
+      }
+    }
+  }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     GateUpMmaKernel(const uint4* __restrict__ x, const int32_t* __restrict__ x_row_index,
@@ -84,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   WaitForPredecessor();  // the offsets and rows come from the routing / receive kernels
   ReleaseDependents();
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2;
   for (TileWalk w(act, f / 8, d8 / 4); w.More(); w.Next()) {
     const int e = act.ids != nullptr ? act.ids[w.slot] : w.slot;
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
@@ -104,21 +142,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       }
       float c[NT][4];
       TileProduct<NT>(lo, hi, xrow, valid, w.chunk0, w.chunk1, partial, c);
-      if (threadIdx.x < 32) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int r = n * kRowsPerMma + 2 * t + j;
-            if (r < rows) {
-              // Gate and up rounded to BF16 as the GEMM path does, then the activation.
-              const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
-              const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
-              a[(r0 + r) * f + col] = __float2bfloat16_rn(Silu(gs) * us);
-            }
-          }
-        }
-      }
+      if (threadIdx.x < 32) StoreActivationTile<NT>(c, rows, r0, f, col, a);
     }
   }
 }
@@ -133,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const ActiveExperts act = CompactActive(offsets, num_experts, ActiveCache());
   WaitForPredecessor();  // `a` comes from the gate/up kernel
   ReleaseDependents();
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2;
   for (TileWalk w(act, d / 16, f8 / 4); w.More(); w.Next()) {
     const int e = act.ids != nullptr ? act.ids[w.slot] : w.slot;
     const int64_t seg_begin = act.offsets[e], seg_end = act.offsets[e + 1];
@@ -150,19 +174,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       for (int n = 0; n < NT; ++n) arow[n] = a + layout_row[n] * f8;
       float c[NT][4];
       TileProduct<NT>(lo, hi, arow, valid, w.chunk0, w.chunk1, partial, c);
-      if (threadIdx.x < 32) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int r = n * kRowsPerMma + 2 * t + j;
-            if (r < rows) {
-              y[(r0 + r) * d + o] = __float2bfloat16_rn(c[n][j]);
-              y[(r0 + r) * d + o + 8] = __float2bfloat16_rn(c[n][2 + j]);
-            }
-          }
-        }
-      }
+      if (threadIdx.x < 32) StoreDownTile<NT>(c, rows, r0, d, o, y);
     }
   }
 }
@@ -375,24 +387,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (use.slice == slices - 1) {
       SumTilesOverWarps<NT>(partial, c);
       if (warp == 0) {
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int r = n * kRowsPerMma + 2 * t + j;
-            if (r < rows) {
-              if constexpr (UP) {
-                // Gate and up rounded to BF16 as the GEMM path does, then the activation.
-                const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
-                const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
-                out[(r0 + r) * f + use.grp * 8 + g] = __float2bfloat16_rn(Silu(gs) * us);
-              } else {
-                const int o = use.grp * kTileWeightRows + g;
-                out[(r0 + r) * d + o] = __float2bfloat16_rn(c[n][j]);
-                out[(r0 + r) * d + o + 8] = __float2bfloat16_rn(c[n][2 + j]);
-              }
-            }
-          }
+        if constexpr (UP) {
+          StoreActivationTile<NT>(c, rows, r0, f, use.grp * 8 + g, out);
+        } else {
+          StoreDownTile<NT>(c, rows, r0, d, use.grp * kTileWeightRows + g, out);
         }
       }
     }
