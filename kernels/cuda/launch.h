@@ -180,10 +180,10 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
                                    int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
                                    uint16_t* a, uint16_t* y, int64_t rows, int64_t max_segment_rows,
                                    cudaStream_t stream);
-// Whether a step of `rows` rows runs the tensor-core family's streamed variant (the weights
-// through a ring of shared-memory stages; small_batch_mma.cu) under the current switches
+// Whether the decode kernels of this shape run the tensor-core family's streamed variant (the
+// weights through a ring of shared-memory stages; small_batch_mma.cu) under the current switches
 // (MmaStreamForced): the launch's own decision, for tests and benchmarks.
-bool SmallBatchStreams(int num_experts, int d, int f, int64_t rows);
+bool SmallBatchStreams(int num_experts, int d, int f);
 // Where a step of `rows` with one row an expert (the streaming kernels) loads the down weights
 // into shared memory while the gate/up kernel runs, under the current switches
 // (DownPreloadForced): the gate/up blocks an SM beside each down block; 0 where the down kernel

@@ -567,8 +567,8 @@ constexpr int64_t kFusedCombineVectors = kThreads;
 
 }  // namespace
 
-bool SmallBatchStreams(int num_experts, int d, int f, int64_t rows) {
-  return small_batch::MmaSupported(d, f) && small_batch::StreamChosen(num_experts, d, f, rows);
+bool SmallBatchStreams(int num_experts, int d, int f) {
+  return small_batch::MmaSupported(d, f) && small_batch::StreamChosen(num_experts, d, f);
 }
 
 bool SmallBatchSupported(int d, int f) {
@@ -588,7 +588,7 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
   // replay 32-33 us here, 37 us there). More rows: the tensor-core family when d and d_ff allow
   // (16 tokens: 204 us against 288 us here), else the staged family.
   const int64_t want = ExpectedSegmentRows(rows, num_experts, max_segment_rows);
-  if (SmallBatchStreams(num_experts, d, f, rows)) {
+  if (SmallBatchStreams(num_experts, d, f)) {
     return small_batch::LaunchStreamSwiglu(want > 1 && small_batch::WidePass(want), x, x_row_index, offsets,
                                            num_experts, d, f, w_gate_up, w_down, a, y, rows, stream);
   }
@@ -624,7 +624,7 @@ bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int
   int sms = 0;
   if (small_batch::SmCount(&sms) != cudaSuccess) return false;
   // (Nor where the stages stream the weights: other kernels, other bits.)
-  if (SmallBatchStreams(num_experts, d, f, routes)) return false;
+  if (SmallBatchStreams(num_experts, d, f)) return false;
   const int busy = routes < num_experts ? static_cast<int>(routes) : num_experts;
   const bool fused = PlanDown<true>(sms, num_experts, busy, routes, d, f,
                                     small_batch::RouteInBlockBytes(num_experts, static_cast<int>(routes)))

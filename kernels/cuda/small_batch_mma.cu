@@ -76,41 +76,39 @@ __device__ __forceinline__ void TileProduct(const uint4* lo, const uint4* hi, co
 }
 
 // Epilogues of a tile in the mma fragments' layout (c[n][0..1]: weight row g, rows 2t, 2t + 1 of
-// group n; c[n][2..3]: weight row g + 8), `rows` of the tile's rows valid from layout row r0.
-// Gate/up: a[r, col] = bf16(silu(bf16(gate)) * bf16(up)), gate and up rounded to BF16 as the
-// GEMM path does. Down: y[r, o] and y[r, o + 8].
-template <int NT>
-__device__ __forceinline__ void StoreActivationTile(const float (&c)[NT][4], int rows, int64_t r0, int f, int col,
-                                                    __nv_bfloat16* __restrict__ a) {
+// group n; c[n][2..3]: weight row g + 8): store(r, lo, hi) for each of this lane's tile rows r
+// below `rows`, lo and hi its sums with weight rows g and g + 8.
+template <int NT, typename Store>
+__device__ __forceinline__ void ForTileRows(const float (&c)[NT][4], int rows, Store&& store) {
   const int t = threadIdx.x & 3;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int r = n * kRowsPerMma + 2 * t + j;
-      if (r < rows) {
-        const float gs = __bfloat162float(__float2bfloat16_rn(c[n][j]));
-        const float us = __bfloat162float(__float2bfloat16_rn(c[n][2 + j]));
-        a[(r0 + r) * f + col] = __float2bfloat16_rn(Silu(gs) * us);
-      }
+      if (r < rows) store(r, c[n][j], c[n][2 + j]);
     }
   }
 }
+// Gate/up: a[r0 + r, col] = bf16(silu(bf16(gate)) * bf16(up)), gate and up rounded to BF16 as
+// the GEMM path does.
+template <int NT>
+__device__ __forceinline__ void StoreActivationTile(const float (&c)[NT][4], int rows, int64_t r0, int f, int col,
+                                                    __nv_bfloat16* __restrict__ a) {
+  ForTileRows<NT>(c, rows, [&](int r, float gate, float up) {
+    const float gs = __bfloat162float(__float2bfloat16_rn(gate));
+    const float us = __bfloat162float(__float2bfloat16_rn(up));
+    a[(r0 + r) * f + col] = __float2bfloat16_rn(Silu(gs) * us);
+  });
+}
+// Down: y[r0 + r, o] and y[r0 + r, o + 8].
 template <int NT>
 __device__ __forceinline__ void StoreDownTile(const float (&c)[NT][4], int rows, int64_t r0, int d, int o,
                                               __nv_bfloat16* __restrict__ y) {
-  const int t = threadIdx.x & 3;
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int r = n * kRowsPerMma + 2 * t + j;
-      if (r < rows) {
-        y[(r0 + r) * d + o] = __float2bfloat16_rn(c[n][j]);
-        y[(r0 + r) * d + o + 8] = __float2bfloat16_rn(c[n][2 + j]);
-      }
-    }
-  }
+  ForTileRows<NT>(c, rows, [&](int r, float lo, float hi) {
+    y[(r0 + r) * d + o] = __float2bfloat16_rn(lo);
+    y[(r0 + r) * d + o + 8] = __float2bfloat16_rn(hi);
+  });
 }
 
 template <int NT>
@@ -475,7 +473,7 @@ bool MmaSupported(int d, int f) { return d > 0 && f > 0 && d % 32 == 0 && f % 32
 // when CudaTuning::mma_stream = 1 (MmaStreamForced()). Off by default: this form of it has not
 // run on a GPU yet (bench/RESULTS.md, 2026-12-07, fifty-sixth session); a rule for when it pays
 // comes with its measurements.
-bool StreamChosen(int num_experts, int d, int f, int64_t /*rows*/) {
+bool StreamChosen(int num_experts, int d, int f) {
   if (MmaStreamForced() != 1 || d <= 0 || f <= 0 || num_experts > kCachedExperts) return false;
   return StreamStages(num_experts, d) != 0 && StreamStages(num_experts, f) != 0;
 }
