@@ -248,12 +248,26 @@ struct Rollout {
   }
 };
 
+// UNAVAILABLE naming the first rank whose agent did not answer the status read.
+absl::Status EveryRankAnswered(const v1::ClusterStatusResponse& resp) {
+  for (const v1::RankAgentReport& rep : resp.ranks()) {
+    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
+  }
+  return absl::OkStatus();
+}
+
+// What a rank's route counters were counted on (rebalance's one-signal checks).
+RankLoadSource SourceOf(const v1::RankAgentReport& rep) {
+  return {rep.address(), rep.status().checkpoint_version(), rep.status().node(), rep.status().active_version(),
+          rep.status().process_group_epoch()};
+}
+
 // The smallest count over the ranks of shadow samples / canary steps of `version`.
 absl::StatusOr<int64_t> LeastTrialCount(const RemoteCall& call, int64_t version, bool canary) {
   ASSIGN_OR_RETURN(const v1::ClusterStatusResponse resp, GetClusterStatus(call));
+  RETURN_IF_ERROR(EveryRankAnswered(resp));
   int64_t least = -1;
   for (const v1::RankAgentReport& rep : resp.ranks()) {
-    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
     int64_t n = 0;
     for (const v1::GenerationCounters& c : rep.status().counters()) {
       if (c.version() == version) n = canary ? c.canary_steps() : c.shadow_samples();
@@ -543,12 +557,9 @@ absl::StatusOr<RebalanceInputs> RebalanceInputFromRanks(const v1::ClusterStatusR
     x->num_nodes = o.num_nodes;
   }
   // One load signal: one checkpoint, one placement, one group, and nodes the solver can pack to.
+  RETURN_IF_ERROR(EveryRankAnswered(resp));
   std::vector<RankLoadSource> sources;
-  for (const v1::RankAgentReport& rep : resp.ranks()) {
-    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
-    sources.push_back({rep.address(), rep.status().checkpoint_version(), rep.status().node(),
-                       rep.status().active_version(), rep.status().process_group_epoch()});
-  }
+  for (const v1::RankAgentReport& rep : resp.ranks()) sources.push_back(SourceOf(rep));
   RETURN_IF_ERROR(CheckOneLoadSignal(sources, o.num_nodes));
   if (resp.ranks_size() > 0) in.checkpoint_version = resp.ranks(0).status().checkpoint_version();
   for (const v1::RankAgentReport& rep : resp.ranks()) {
@@ -683,8 +694,7 @@ absl::Status WriteRebalanceManifest(const RemoteOptions& o, int world, int num_e
 // A rank report's route counters (expert_routes and per layer).
 RankLoadCounts CountsOf(const v1::RankAgentReport& rep) {
   RankLoadCounts c;
-  c.source = {rep.address(), rep.status().checkpoint_version(), rep.status().node(), rep.status().active_version(),
-              rep.status().process_group_epoch()};
+  c.source = SourceOf(rep);
   c.routes.assign(rep.status().expert_routes().begin(), rep.status().expert_routes().end());
   for (const v1::LayerLoad& l : rep.status().layers()) {
     c.layers.emplace_back(l.layer(), std::vector<int64_t>(l.expert_routes().begin(), l.expert_routes().end()));
@@ -696,18 +706,14 @@ RankLoadCounts CountsOf(const v1::RankAgentReport& rep) {
 // route counters replaced by what was counted in between (LoadOverWindow's checks).
 absl::StatusOr<v1::ClusterStatusResponse> StatusOverWindow(const RemoteCall& call) {
   ASSIGN_OR_RETURN(const v1::ClusterStatusResponse first, GetClusterStatus(call));
-  for (const v1::RankAgentReport& rep : first.ranks()) {
-    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
-  }
+  RETURN_IF_ERROR(EveryRankAnswered(first));
   std::cerr << "counting routes for " << call.o.window_s << " s\n";
   absl::SleepFor(absl::Seconds(call.o.window_s));
   ASSIGN_OR_RETURN(v1::ClusterStatusResponse second, GetClusterStatus(call));
+  RETURN_IF_ERROR(EveryRankAnswered(second));
   std::vector<RankLoadCounts> before, after;
   for (const v1::RankAgentReport& rep : first.ranks()) before.push_back(CountsOf(rep));
-  for (const v1::RankAgentReport& rep : second.ranks()) {
-    if (!rep.error().empty()) return absl::UnavailableError(absl::StrCat("rank ", rep.address(), ": ", rep.error()));
-    after.push_back(CountsOf(rep));
-  }
+  for (const v1::RankAgentReport& rep : second.ranks()) after.push_back(CountsOf(rep));
   ASSIGN_OR_RETURN(const std::vector<RankLoadCounts> window, LoadOverWindow(before, after));
   for (int r = 0; r < second.ranks_size(); ++r) {
     v1::AgentStatusResponse* st = second.mutable_ranks(r)->mutable_status();
