@@ -139,6 +139,10 @@ absl::Status DispatchHandle::Release() {
   return lease_.Release();
 }
 
+absl::Status DispatchHandle::ReleaseAfterWork() {
+  return Advance(HandleState::kOriginRowsReady, HandleState::kReleasable, "release");
+}
+
 absl::Status CombineAndRelease(DispatchHandle* handle, const GenerationRegistry& registry,
                                PlacementVersion executor_version, absl::Span<const float> returned_rows, int d,
                                absl::Span<float> out) {

@@ -100,6 +100,12 @@ class DispatchHandle {
   absl::Status MarkOriginRowsReady();
   // 6 -> 7: releases the generation reference. The handle is consumed.
   absl::Status Release();
+  // 6 -> 7 for a step answered while its GPU work may still run (device rows with a done event,
+  // the engine's stream waiting on it): the generation reference stays held, for TakeLease to
+  // hand to whoever returns it once that work has finished. The handle is consumed.
+  absl::Status ReleaseAfterWork();
+  // The generation reference, moved out: held by the caller from here on (empty if none is held).
+  GenerationLease TakeLease() { return std::move(lease_); }
 
  private:
   DispatchHandle() = default;

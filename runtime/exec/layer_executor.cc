@@ -107,6 +107,7 @@ absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology,
   RETURN_IF_ERROR(CheckBinding(next));
   absl::MutexLock gate(&gate_mu_);
   if (bound_ || in_flight_ > 0) return absl::FailedPreconditionError("executor: Bind while bound (Unbind first)");
+  RETURN_IF_ERROR(AwaitAnsweredWork());  // Rebind needs every lease returned
   RETURN_IF_ERROR(options_.registry->Rebind(group, topology));
   {
     absl::MutexLock lock(&generations_mu_);
@@ -359,6 +360,95 @@ absl::Status LayerExecutor::WaitEvent(void* event, absl::string_view work) {
     }
     if (now - start > absl::Microseconds(200)) absl::SleepFor(absl::Microseconds(20));
   }
+}
+
+void LayerExecutor::HoldUntilDone(void* done_event, GenerationLease lease) {
+  int held;
+  {
+    absl::MutexLock lock(&answered_mu_);
+    answered_.push_back(AnsweredWork{done_event, std::move(lease)});
+    held = static_cast<int>(answered_.size());
+    answered_count_.store(held, std::memory_order_relaxed);
+  }
+  // An engine that never waits on its events cannot pile up leases: past a bound the step waits
+  // for the oldest work like a step without a done event would.
+  constexpr int kMaxAnswered = 256;
+  if (held <= kMaxAnswered) return;
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  while (ReleaseFinishedWork() > kMaxAnswered && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(20));
+}
+
+int LayerExecutor::ReleaseFinishedWork() {
+  if (answered_count_.load(std::memory_order_relaxed) == 0) return 0;
+  std::vector<GenerationLease> finished;  // returned outside the lock (the registry takes its own)
+  int held;
+  {
+    absl::MutexLock lock(&answered_mu_);
+    auto keep = answered_.begin();
+    for (AnsweredWork& w : answered_) {
+      // A query that fails (a device error) leaves no work running that could still read.
+      absl::StatusOr<bool> done = options_.kernels->EventDone(w.done_event);
+      if (!done.ok() || *done) {
+        finished.push_back(std::move(w.lease));
+      } else {
+        *keep++ = std::move(w);
+      }
+    }
+    answered_.erase(keep, answered_.end());
+    held = static_cast<int>(answered_.size());
+    answered_count_.store(held, std::memory_order_relaxed);
+  }
+  return held;
+}
+
+absl::Status LayerExecutor::AwaitAnswered(absl::FunctionRef<bool(const AnsweredWork&)> which, bool return_at_timeout) {
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  for (;;) {
+    if (ReleaseFinishedWork() == 0) return absl::OkStatus();
+    std::vector<GenerationLease> abandoned;  // returned outside the lock
+    int running = 0;
+    {
+      absl::MutexLock lock(&answered_mu_);
+      const bool timed_out = absl::Now() >= deadline;
+      auto keep = answered_.begin();
+      for (AnsweredWork& w : answered_) {
+        if (!which(w)) {
+          *keep++ = std::move(w);
+          continue;
+        }
+        ++running;
+        if (timed_out && return_at_timeout) {
+          abandoned.push_back(std::move(w.lease));
+        } else {
+          *keep++ = std::move(w);
+        }
+      }
+      answered_.erase(keep, answered_.end());
+      answered_count_.store(static_cast<int>(answered_.size()), std::memory_order_relaxed);
+      if (running == 0) return absl::OkStatus();
+      if (timed_out) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            running, " answered steps' GPU work did not finish within ", absl::FormatDuration(options_.timeout),
+            return_at_timeout ? "; their leases are returned as their event closes" : "; their leases stay held"));
+      }
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
+}
+
+absl::Status LayerExecutor::AwaitAnsweredWork() {
+  return AwaitAnswered([](const AnsweredWork&) { return true; }, false);
+}
+
+absl::Status LayerExecutor::AwaitDoneEvent(void* event) {
+  return AwaitAnswered([event](const AnsweredWork& w) { return w.done_event == event; }, true);
+}
+
+LayerExecutor::~LayerExecutor() {
+  // Work still running at the timeout is past waiting for: the leases go with the executor.
+  AwaitAnsweredWork().IgnoreError();
+  absl::MutexLock lock(&answered_mu_);
+  answered_.clear();
 }
 
 absl::StatusOr<void*> LayerExecutor::CreateDoneEvent(std::string* handle) {
@@ -784,7 +874,8 @@ struct LayerExecutor::Pass {
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
                                                        PassOutcome* outcome) {
   Pass pass(in, po);
-  {  // the last pass's agreement, records and byte splits, to refill
+  ReleaseFinishedWork();  // earlier answered steps' leases, where their GPU work has finished
+  {                       // the last pass's agreement, records and byte splits, to refill
     absl::MutexLock lock(&generations_mu_);
     pass.agreement = std::move(spare_pass_.agreement);
     pass.agreement_scratch = std::move(spare_pass_.scratch);
@@ -802,6 +893,12 @@ absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in,
       // empty ones, so the larger of the two is kept. The handle's lease is released here, where
       // its destruction released it, outside the executor's lock (the registry takes its own).
       InverseCoordinates bound = pass.handle != nullptr ? pass.handle->ReleaseInverse() : InverseCoordinates{};
+      if (pass.handle != nullptr && e->AnswersBeforeWork(pass.in)) {
+        // Its GPU work (enqueued, maybe not finished, whether or not the step succeeded) may
+        // still read the generation: the lease is returned once the done event has fired.
+        GenerationLease lease = pass.handle->TakeLease();
+        if (lease.held()) e->HoldUntilDone(pass.in.done_event, std::move(lease));
+      }
       if (pass.handle != nullptr) pass.handle->Reset();
       absl::MutexLock lock(&e->generations_mu_);
       e->spare_pass_.agreement = std::move(pass.agreement);
@@ -1001,6 +1098,9 @@ absl::Status LayerExecutor::StageRows(Pass& pass) {
 absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kAcquire);
   const HandleId id(static_cast<int64_t>(pass.in.step_id));
+  // An earlier step of this id answered before its GPU work finished still holds its lease
+  // under the id (the registry holds one lease an id): that work first.
+  RETURN_IF_ERROR(AwaitAnswered([id](const AnsweredWork& w) { return w.lease.handle() == id; }, false));
   ASSIGN_OR_RETURN(pass.handle, pass.trial
                                     ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group,
                                                                    pass.version, std::move(pass.spare_handle))
@@ -2063,7 +2163,7 @@ absl::Status LayerExecutor::ReleasePhase(Pass& pass) {
     }
   }
   RETURN_IF_ERROR(pass.handle->MarkOriginRowsReady());
-  RETURN_IF_ERROR(pass.handle->Release());
+  RETURN_IF_ERROR(AnswersBeforeWork(pass.in) ? pass.handle->ReleaseAfterWork() : pass.handle->Release());
   StepRecord& rec = result.record;
   rec.placement_version = pass.version.value();
   rec.layer = pass.in.layer;

@@ -24,6 +24,7 @@
 #ifndef MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
 #define MOE_RUNTIME_EXEC_LAYER_EXECUTOR_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -32,6 +33,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -201,9 +203,27 @@ class LayerExecutor {
   void CloseReadyEvent(void* event);
   absl::Status WaitReadyEvent(void* event);
   // An interprocess event of the rank's for an engine to wait on (LayerStepInput::done_event),
-  // its 64-byte CUDA IPC handle in `handle`; destroyed with CloseReadyEvent.
+  // its 64-byte CUDA IPC handle in `handle`; destroyed with CloseReadyEvent, after
+  // AwaitDoneEvent.
   // FAILED_PRECONDITION without device kernels.
   absl::StatusOr<void*> CreateDoneEvent(std::string* handle);
+
+  // A step with a done event answers once its GPU work is enqueued, and that work reads the
+  // generation's weights and writes the engine's memory after the answer. Such a step keeps its
+  // generation lease (spec 0x06B: released at 7, dispatch_state_releasable) until the event
+  // shows the work finished, so a retirement cannot free the weights under it.
+  // ReleaseFinishedWork returns the leases of the steps whose work has finished and answers how
+  // many are still held (a query: it never blocks); each step does it first.
+  int ReleaseFinishedWork();
+  // Waits, for at most the collective timeout, until no answered step's GPU work is running
+  // (before a generation retires, and when the executor goes); DEADLINE_EXCEEDED naming how many
+  // still run, their leases still held.
+  absl::Status AwaitAnsweredWork();
+  // The same for the steps that recorded `event` (before it is closed and the rows it guards are
+  // unmapped). At the timeout their leases are returned anyway, since the event is about to be
+  // destroyed (DEADLINE_EXCEEDED says so).
+  absl::Status AwaitDoneEvent(void* event);
+  ~LayerExecutor();
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
   // Callers serialize steps (one scan in flight).
@@ -382,6 +402,22 @@ class LayerExecutor {
   };
   std::map<std::tuple<int64_t, int, int, int>, Graph> graphs_by_key_ ABSL_GUARDED_BY(generations_mu_);
   std::unique_ptr<ReplicaSelector> selector_;
+  // Answered steps whose GPU work may still run, with their generation leases (ReleaseFinishedWork).
+  struct AnsweredWork {
+    void* done_event = nullptr;
+    GenerationLease lease;
+  };
+  void HoldUntilDone(void* done_event, GenerationLease lease);
+  // Waits for the answered steps that `which` picks (AwaitAnsweredWork); at the timeout, with
+  // `return_at_timeout`, their leases are returned anyway.
+  absl::Status AwaitAnswered(absl::FunctionRef<bool(const AnsweredWork&)> which, bool return_at_timeout);
+  // Whether a step answers before its GPU work has finished (device rows with a done event).
+  bool AnswersBeforeWork(const LayerStepInput& in) const {
+    return device_ && in.rows_on_device && in.done_event != nullptr;
+  }
+  absl::Mutex answered_mu_;
+  std::vector<AnsweredWork> answered_ ABSL_GUARDED_BY(answered_mu_);
+  std::atomic<int> answered_count_{0};  // answered_.size(), read without the lock by each step
   mutable absl::Mutex generations_mu_;
   // By layer (-1: the steps of generations that name no layers, LoadLayer).
   std::map<int64_t, int64_t> conservation_by_epoch_ ABSL_GUARDED_BY(generations_mu_);

@@ -4,6 +4,7 @@
 #ifndef MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
 #define MOE_TESTS_SERVER_ONE_RANK_FIXTURE_H_
 
+#include <functional>
 #include <memory>
 
 #include "gtest/gtest.h"
@@ -17,14 +18,16 @@
 namespace moe::testing {
 
 // A transport that counts the exchanges (AllToAllV) made through the one it wraps. Interrupt is
-// not forwarded: for tests that do not re-form the group.
+// not forwarded: for tests that do not re-form the group. `device_memory`: it says it moves
+// device memory too (for kernels that only pretend to keep rows there, in host memory).
 class CountingTransport final : public Transport {
  public:
-  explicit CountingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+  explicit CountingTransport(std::unique_ptr<Transport> inner, bool device_memory = false)
+      : inner_(std::move(inner)), device_memory_(device_memory) {}
   const char* name() const override { return inner_->name(); }
   int slot() const override { return inner_->slot(); }
   int size() const override { return inner_->size(); }
-  bool accepts_device_memory() const override { return inner_->accepts_device_memory(); }
+  bool accepts_device_memory() const override { return device_memory_ || inner_->accepts_device_memory(); }
   absl::Status AllGather(uint64_t seq, const void* in, int64_t bytes, void* out, absl::Duration timeout) override {
     return inner_->AllGather(seq, in, bytes, out, timeout);
   }
@@ -42,6 +45,7 @@ class CountingTransport final : public Transport {
 
  private:
   std::unique_ptr<Transport> inner_;
+  bool device_memory_;
   int exchanges_ = 0;
 };
 
@@ -59,12 +63,12 @@ class OneRankTest : public ::testing::Test {
     ASSERT_TRUE(registry_.Prepare(v1_).ok());
     ASSERT_TRUE(registry_.Activate(PlacementVersion(1)).ok());
     transport_ = fabric_.Endpoint(0);
-    if (count_exchanges_) {
-      auto counting = std::make_unique<CountingTransport>(std::move(transport_));
+    if (count_exchanges_ || make_kernels_) {
+      auto counting = std::make_unique<CountingTransport>(std::move(transport_), make_kernels_ != nullptr);
       counting_ = counting.get();
       transport_ = std::move(counting);
     }
-    kernels_ = kernels::CreateCpuKernels();
+    kernels_ = make_kernels_ ? make_kernels_() : kernels::CreateCpuKernels();
     LayerExecutorOptions eo;
     eo.rank = Rank(0);
     eo.topology = topology_;
@@ -76,6 +80,7 @@ class OneRankTest : public ::testing::Test {
     eo.device_plan = device_plan;
     eo.lone_decode_on_kernels = lone_decode_on_kernels_;
     eo.expert_dtype = dtype;
+    if (timeout_ > absl::ZeroDuration()) eo.timeout = timeout_;
     executor_ = *LayerExecutor::Create(std::move(eo));
     ASSERT_TRUE(executor_
                     ->AddGeneration(PlacementVersion(1),
@@ -83,8 +88,14 @@ class OneRankTest : public ::testing::Test {
                     .ok());
   }
 
-  bool lone_decode_on_kernels_ = true;     // set before SetUpRank: LayerExecutorOptions::lone_decode_on_kernels
-  bool count_exchanges_ = false;           // set before SetUpRank: the transport is a CountingTransport
+  bool lone_decode_on_kernels_ = true;  // set before SetUpRank: LayerExecutorOptions::lone_decode_on_kernels
+  // Set before SetUpRank: the kernels (the CPU reference when empty) and the collective timeout
+  // (the executor's default when zero).
+  std::function<std::unique_ptr<kernels::ExpertKernels>()> make_kernels_;
+  absl::Duration timeout_ = absl::ZeroDuration();
+  // Set before SetUpRank: the transport is a CountingTransport (always with make_kernels_, which
+  // then says it moves device memory: kernels of a test's own keep their rows in host memory).
+  bool count_exchanges_ = false;
   CountingTransport* counting_ = nullptr;  // then this one (owned by transport_)
   SafetensorsFile ckpt_;
   std::unique_ptr<CheckpointReader> reader_;  // over ckpt_

@@ -1,0 +1,226 @@
+// Steps that answer before their GPU work has finished (rows in the engine's device memory, a
+// done event the engine's stream waits on) keep their generation lease until the event shows
+// that work finished: a retirement cannot free the weights under it (spec 0x06B: the lease is
+// returned at dispatch_state_releasable, and only then may the generation retire).
+//
+// The kernels here are the CPU reference presented as device-resident, with events the test
+// fires by hand: a GPU whose work runs after the call that enqueued it.
+#include <atomic>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+#include "kernels/api.h"
+#include "runtime/exec/layer_executor.h"
+#include "runtime/placement/default_placement.h"
+#include "tests/runtime/random_step.h"
+#include "tests/server/one_rank_fixture.h"
+
+namespace moe {
+namespace {
+
+constexpr int kExperts = 8, kD = 32, kFf = 48;
+
+class HeldEventKernels final : public kernels::ExpertKernels {
+ public:
+  struct Event {
+    std::atomic<bool> fired{true};
+    int records = 0;
+  };
+  HeldEventKernels() : cpu_(kernels::CreateCpuKernels()) {}
+
+  const char* name() const override { return "cpu-held-events"; }
+  bool device_resident() const override { return true; }
+  absl::Status Gather(const kernels::GatherParams& p, kernels::Stream s) override { return cpu_->Gather(p, s); }
+  absl::Status HistogramScan(const kernels::HistogramParams& p, kernels::Stream s) override {
+    return cpu_->HistogramScan(p, s);
+  }
+  absl::Status RouteRows(const kernels::RouteRowsParams& p, kernels::Stream s) override {
+    return cpu_->RouteRows(p, s);
+  }
+  absl::Status Swiglu(const kernels::SwigluParams& p, kernels::Stream s) override { return cpu_->Swiglu(p, s); }
+  absl::Status Combine(const kernels::CombineParams& p, kernels::Stream s) override { return cpu_->Combine(p, s); }
+  absl::Status Quantize(const kernels::QuantizeParams& p, kernels::Stream s) override { return cpu_->Quantize(p, s); }
+  absl::Status Dequantize(const kernels::DequantizeParams& p, kernels::Stream s) override {
+    return cpu_->Dequantize(p, s);
+  }
+  absl::Status LocalLayer(const kernels::LocalLayerParams& p, kernels::Stream s) override {
+    return cpu_->LocalLayer(p, s);
+  }
+  absl::Status SwigluFp8(const kernels::SwigluFp8Params& p, kernels::Stream s) override {
+    return cpu_->SwigluFp8(p, s);
+  }
+
+  absl::StatusOr<void*> CreateIpcEvent(std::string* handle) override {
+    events_.push_back(std::make_unique<Event>());
+    *handle = std::string(64, static_cast<char>(events_.size()));
+    return events_.back().get();
+  }
+  // The work before the record "runs" until Fire (hold_work_) or is done at once.
+  absl::Status RecordEvent(void* event, kernels::Stream) override {
+    auto* e = static_cast<Event*>(event);
+    ++e->records;
+    e->fired = !hold_work_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> EventDone(void* event) override {
+    ++queries_;
+    return static_cast<Event*>(event)->fired.load();
+  }
+  void CloseIpcEvent(void* event) override { ++closed_; }
+
+  void Fire(void* event) { static_cast<Event*>(event)->fired = true; }
+  bool hold_work_ = true;
+  std::atomic<int> queries_{0};
+  int closed_ = 0;
+
+ private:
+  std::unique_ptr<kernels::ExpertKernels> cpu_;
+  std::vector<std::unique_ptr<Event>> events_;
+};
+
+class AnsweredWorkTest : public testing::OneRankTest {
+ protected:
+  void SetUp() override {
+    make_kernels_ = [this] {
+      auto k = std::make_unique<HeldEventKernels>();
+      held_ = k.get();
+      return k;
+    };
+    timeout_ = absl::Milliseconds(200);
+    SetUpRank(kExperts, kD, kFf, 3);
+  }
+  // placement-v2 (the same experts) ACTIVE, so that v1 drains and may retire.
+  void ActivateV2() {
+    auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 0, topology_, group_, ckpt_.metadata);
+    ASSERT_TRUE(registry_.Prepare(v2).ok());
+    ASSERT_TRUE(
+        executor_
+            ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
+            .ok());
+    ASSERT_TRUE(registry_.Activate(PlacementVersion(2)).ok());
+  }
+  // A step on `input` with its rows "in device memory" (this process's, as the fake's) and, when
+  // `done` is set, answered once enqueued.
+  absl::StatusOr<LayerStepResult> DeviceStep(const testing::RandomRankInput& input, uint64_t step, Phase phase,
+                                             std::vector<uint16_t>* out, void* done) {
+    out->assign(static_cast<size_t>(input.tokens) * kD, 0);
+    LayerStepInput in = input.Step(step, 0, phase);
+    in.rows_on_device = true;
+    in.output = out->data();
+    in.done_event = done;
+    return executor_->Execute(in);
+  }
+
+  HeldEventKernels* held_ = nullptr;
+};
+
+TEST_F(AnsweredWorkTest, TheLeaseIsHeldUntilTheDoneEventFires) {
+  std::string handle;
+  auto done = executor_->CreateDoneEvent(&handle);
+  ASSERT_TRUE(done.ok()) << done.status();
+  std::mt19937 rng(7);
+  uint64_t step = 1;
+  for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
+    const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 5, kD, kExperts, /*drop_some=*/true);
+    auto host = executor_->Execute(input.Step(step++, 0, phase));  // rows on the host: waited for
+    ASSERT_TRUE(host.ok()) << host.status();
+    EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+
+    std::vector<uint16_t> out;
+    auto answered = DeviceStep(input, step++, phase, &out, *done);
+    ASSERT_TRUE(answered.ok()) << answered.status();
+    EXPECT_EQ(out, std::vector<uint16_t>(host->output.begin(), host->output.end()))
+        << "the answered step's rows, phase " << static_cast<int>(phase);
+    EXPECT_EQ(static_cast<HeldEventKernels::Event*>(*done)->records, phase == Phase::kDecode ? 1 : 2);
+    EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1) << "the work still runs: its lease is held";
+    EXPECT_EQ(executor_->ReleaseFinishedWork(), 1);
+    EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
+    held_->Fire(*done);
+    EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+    EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+  }
+  // Rows on the device without a done event: the step waits for its work, holding nothing after.
+  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 3, kD, kExperts, /*drop_some=*/false);
+  std::vector<uint16_t> out;
+  ASSERT_TRUE(DeviceStep(input, step++, Phase::kDecode, &out, nullptr).ok());
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
+TEST_F(AnsweredWorkTest, ARetirementWaitsForTheWorkAndIsRefusedWhileItRuns) {
+  std::string handle;
+  void* done = *executor_->CreateDoneEvent(&handle);
+  std::mt19937 rng(8);
+  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 4, kD, kExperts, /*drop_some=*/false);
+  std::vector<uint16_t> out;
+  ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, done).ok());
+  ActivateV2();
+  // The work never finishes: the wait gives up at the timeout, the lease stays, v1 stays.
+  absl::Status waited = executor_->AwaitAnsweredWork();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  EXPECT_NE(waited.message().find("1 answered steps"), absl::string_view::npos) << waited;
+  absl::Status retired = registry_.Retire(PlacementVersion(1));
+  EXPECT_EQ(retired.code(), absl::StatusCode::kFailedPrecondition) << retired;
+  // Steps go on meanwhile, on v2 (each releases what has finished first: nothing has).
+  ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, done).ok());
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 2);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(2)), 1);
+  // Once it finishes, the wait returns and v1 retires.
+  std::thread gpu([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    held_->Fire(done);
+  });
+  EXPECT_TRUE(executor_->AwaitAnsweredWork().ok());
+  gpu.join();
+  EXPECT_TRUE(registry_.Retire(PlacementVersion(1)).ok());
+  executor_->DropGeneration(PlacementVersion(1));
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(2)), 0);
+}
+
+TEST_F(AnsweredWorkTest, AStepIdStillHeldWaitsForItsWork) {
+  std::string handle;
+  void* done = *executor_->CreateDoneEvent(&handle);
+  std::mt19937 rng(9);
+  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 2, kD, kExperts, /*drop_some=*/false);
+  std::vector<uint16_t> out;
+  ASSERT_TRUE(DeviceStep(input, 5, Phase::kDecode, &out, done).ok());
+  // The same id again while its first use still holds the lease under it: refused at the timeout
+  // (not ALREADY_EXISTS from the registry), then served once the work has finished.
+  auto again = DeviceStep(input, 5, Phase::kDecode, &out, done);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kDeadlineExceeded) << again.status();
+  held_->Fire(done);
+  held_->hold_work_ = false;
+  auto served = DeviceStep(input, 5, Phase::kDecode, &out, done);
+  EXPECT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
+TEST_F(AnsweredWorkTest, ClosingAnEventReturnsItsLeasesAtTheTimeout) {
+  std::string handle;
+  void* done = *executor_->CreateDoneEvent(&handle);
+  void* other = *executor_->CreateDoneEvent(&handle);
+  std::mt19937 rng(10);
+  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 2, kD, kExperts, /*drop_some=*/false);
+  std::vector<uint16_t> out;
+  ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, done).ok());
+  ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, other).ok());
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 2);
+  absl::Status closed = executor_->AwaitDoneEvent(done);
+  EXPECT_EQ(closed.code(), absl::StatusCode::kDeadlineExceeded) << closed;
+  EXPECT_NE(closed.message().find("returned"), absl::string_view::npos) << closed;
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1) << "the other event's step still holds its lease";
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 1);
+  held_->Fire(other);
+  EXPECT_TRUE(executor_->AwaitDoneEvent(other).ok());
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
+}  // namespace
+}  // namespace moe
