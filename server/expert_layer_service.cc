@@ -557,9 +557,8 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   rows.ready_event = event;
   auto done = std::make_shared<std::vector<void*>>();  // closed by the release, with the rest
   rows.release = [executor = executor_, base = m.base, event, done] {
-    // Steps answered before their GPU work finished may still write the rows: that work first.
-    // Past the timeout the events close anyway (their work is stuck; DEADLINE_EXCEEDED only says so).
-    for (void* e : *done) executor->AwaitDoneEvent(e).IgnoreError();
+    // Closing a done event waits for the work of the steps answered with it (which may still
+    // write the rows), so the rows are unmapped after it.
     for (void* e : *done) executor->CloseReadyEvent(e);
     if (event != nullptr) executor->CloseReadyEvent(event);
     executor->CloseDeviceRows(base);

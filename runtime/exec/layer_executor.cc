@@ -338,7 +338,11 @@ absl::StatusOr<void*> LayerExecutor::OpenReadyEvent(const std::string& ipc_handl
 }
 
 void LayerExecutor::CloseReadyEvent(void* event) {
-  if (device_) options_.kernels->CloseIpcEvent(event);
+  if (!device_) return;
+  // A done event's answered steps first: their leases name it (past the timeout they are
+  // returned anyway, and the event goes).
+  AwaitDoneEvent(event).IgnoreError();
+  options_.kernels->CloseIpcEvent(event);
 }
 
 absl::Status LayerExecutor::WaitReadyEvent(void* event) {

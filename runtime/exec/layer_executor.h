@@ -203,8 +203,8 @@ class LayerExecutor {
   void CloseReadyEvent(void* event);
   absl::Status WaitReadyEvent(void* event);
   // An interprocess event of the rank's for an engine to wait on (LayerStepInput::done_event),
-  // its 64-byte CUDA IPC handle in `handle`; destroyed with CloseReadyEvent, after
-  // AwaitDoneEvent.
+  // its 64-byte CUDA IPC handle in `handle`; destroyed with CloseReadyEvent, which waits for
+  // the work of the steps answered with it first (AwaitDoneEvent).
   // FAILED_PRECONDITION without device kernels.
   absl::StatusOr<void*> CreateDoneEvent(std::string* handle);
 
@@ -219,9 +219,9 @@ class LayerExecutor {
   // (before a generation retires, and when the executor goes); DEADLINE_EXCEEDED naming how many
   // still run, their leases still held.
   absl::Status AwaitAnsweredWork();
-  // The same for the steps that recorded `event` (before it is closed and the rows it guards are
-  // unmapped). At the timeout their leases are returned anyway, since the event is about to be
-  // destroyed (DEADLINE_EXCEEDED says so).
+  // The same for the steps answered with `event` (CloseReadyEvent does it before the event is
+  // destroyed). At the timeout their leases are returned anyway, since the event is about to go
+  // (DEADLINE_EXCEEDED says so).
   absl::Status AwaitDoneEvent(void* event);
   ~LayerExecutor();
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16

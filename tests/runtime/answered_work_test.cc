@@ -202,7 +202,7 @@ TEST_F(AnsweredWorkTest, AStepIdStillHeldWaitsForItsWork) {
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
 }
 
-TEST_F(AnsweredWorkTest, ClosingAnEventReturnsItsLeasesAtTheTimeout) {
+TEST_F(AnsweredWorkTest, ClosingAnEventWaitsForItsWorkAndReturnsItsLeasesAtTheTimeout) {
   std::string handle;
   void* done = *executor_->CreateDoneEvent(&handle);
   void* other = *executor_->CreateDoneEvent(&handle);
@@ -220,6 +220,16 @@ TEST_F(AnsweredWorkTest, ClosingAnEventReturnsItsLeasesAtTheTimeout) {
   held_->Fire(other);
   EXPECT_TRUE(executor_->AwaitDoneEvent(other).ok());
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+  // Closing an event waits the same way, then destroys it: its step's lease does not outlive it.
+  void* third = *executor_->CreateDoneEvent(&handle);
+  ASSERT_TRUE(DeviceStep(input, 3, Phase::kDecode, &out, third).ok());
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
+  const absl::Time start = absl::Now();
+  executor_->CloseReadyEvent(third);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200)) << "closed before the timeout with its work running";
+  EXPECT_EQ(held_->closed_, 1);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
 }
 
 }  // namespace
