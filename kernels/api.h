@@ -521,7 +521,7 @@ std::unique_ptr<ExpertKernels> CreateCpuKernels();
 // switches `pdl` and `mma_wide` apply from the next CreateCudaKernels on). The text form, what
 // mains take from --cuda_tuning or MOE_CUDA_TUNING, is comma-separated key=value:
 // "gemm=auto|sm90|cublas|loop|grouped,sm90_tile=auto|rows64|rows128|pingpong|pingpong_wide|rows128_epi|wide_epi,
-// chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,mma_stream=-1|0|1,down_preload=-1|0|1,blocking_sync=0|1".
+// chain_streams=1..4,fused_layer=0|1,pdl=0|1,mma_wide=-1|0|1,down_preload=-1|0|1,blocking_sync=0|1".
 struct CudaTuning {
   // auto: the Hopper grouped kernels (grouped_sm90.cu) where the shape allows and segments
   // average at most 2048 rows, else cuBLAS as `cublas` picks; sm90: the Hopper kernels wherever
@@ -546,11 +546,6 @@ struct CudaTuning {
   // kernel streams its weights after the gate/up kernel); 1 or -1 (the default): on, a down
   // block an SM beside two gate/up blocks.
   int down_preload = -1;
-  // Decode steps of a few rows an expert on the tensor cores: 1 streams the weights through a
-  // ring of shared-memory stages filled by bulk copies (small_batch_mma.cu's streamed variant)
-  // wherever both projections' k split into multiples of 256; -1 (the default) and 0: off (not
-  // yet measured on a GPU in this form; bench/RESULTS.md, fifty-sixth session).
-  int mma_stream = -1;
   // FP8 experts on the Hopper kernels: the activation quantized in the gate/up kernel's epilogue
   // (false: written in BF16 and quantized by a kernel of its own; the same bytes, for A/B runs).
   bool fp8_epilogue_quant = true;

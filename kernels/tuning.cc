@@ -88,18 +88,16 @@ absl::StatusOr<CudaTuning> ParseCudaTuning(absl::string_view spec) {
       t.fp8_epilogue_quant = v == 1;
     } else if (key == "mma_wide") {
       s = ParseInt(key, value, -1, 1, &t.mma_wide);
-    } else if (key == "mma_stream") {
-      s = ParseInt(key, value, -1, 1, &t.mma_stream);
     } else if (key == "down_preload") {
       s = ParseInt(key, value, -1, 1, &t.down_preload);
     } else if (key == "blocking_sync") {
       s = ParseInt(key, value, 0, 1, &v);
       t.blocking_sync = v == 1;
     } else {
-      s = absl::InvalidArgumentError(absl::StrCat("cuda tuning: unknown key '", key,
-                                                  "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, "
-                                                  "mma_stream, down_preload, fp8_epilogue_quant, "
-                                                  "capture_branches, blocking_sync)"));
+      s = absl::InvalidArgumentError(absl::StrCat(
+          "cuda tuning: unknown key '", key,
+          "' (gemm, sm90_tile, chain_streams, fused_layer, pdl, mma_wide, down_preload, fp8_epilogue_quant, "
+          "capture_branches, blocking_sync)"));
     }
     if (!s.ok()) return s;
   }

@@ -1336,7 +1336,7 @@ absl::StatusOr<std::unique_ptr<ExpertKernels>> CreateCudaKernels() {
   }
   cublasHandle_t handle;
   CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle));
-  cuda::SetLaunchSwitches(tuning.pdl, tuning.mma_wide, tuning.down_preload, tuning.mma_stream);
+  cuda::SetLaunchSwitches(tuning.pdl, tuning.mma_wide, tuning.down_preload);
   return std::unique_ptr<ExpertKernels>(new CudaKernels(handle, device, tuning));
 }
 

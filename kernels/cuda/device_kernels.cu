@@ -1278,18 +1278,15 @@ namespace {
 std::atomic<bool> launch_pdl{true};
 std::atomic<int> launch_mma_wide{-1};
 std::atomic<int> launch_down_preload{-1};
-std::atomic<int> launch_mma_stream{-1};
 }  // namespace
 
-void SetLaunchSwitches(bool pdl, int mma_wide, int down_preload, int mma_stream) {
-  launch_mma_stream.store(mma_stream, std::memory_order_relaxed);
+void SetLaunchSwitches(bool pdl, int mma_wide, int down_preload) {
   launch_pdl.store(pdl, std::memory_order_relaxed);
   launch_mma_wide.store(mma_wide, std::memory_order_relaxed);
   launch_down_preload.store(down_preload, std::memory_order_relaxed);
 }
 bool PdlEnabled() { return launch_pdl.load(std::memory_order_relaxed); }
 int MmaWideForced() { return launch_mma_wide.load(std::memory_order_relaxed); }
-int MmaStreamForced() { return launch_mma_stream.load(std::memory_order_relaxed); }
 int DownPreloadForced() { return launch_down_preload.load(std::memory_order_relaxed); }
 
 }  // namespace moe::kernels::cuda

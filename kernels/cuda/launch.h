@@ -10,11 +10,10 @@
 
 namespace moe::kernels::cuda {
 
-// The process's launch switches (CudaTuning::pdl, ::mma_wide, ::down_preload, ::mma_stream in
-// kernels/api.h), set by CreateCudaKernels from GetCudaTuning(); read at every launch.
-void SetLaunchSwitches(bool pdl, int mma_wide, int down_preload, int mma_stream);
+// The process's launch switches (CudaTuning::pdl, ::mma_wide, ::down_preload in kernels/api.h),
+// set by CreateCudaKernels from GetCudaTuning(); read at every launch.
+void SetLaunchSwitches(bool pdl, int mma_wide, int down_preload);
 int MmaWideForced();      // -1: by expected rows; 0 / 1: forced narrow / wide
-int MmaStreamForced();    // 1: the streamed variant wherever supported; -1 / 0: off
 int DownPreloadForced();  // -1: the default; 0: off; 1 / 2: beside 2 / 3 gate/up blocks
 
 // out[i] = in[index[i]] for rows of `row_bytes`; index < 0 or >= in_rows writes `fill_bf16`
@@ -180,10 +179,6 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
                                    int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
                                    uint16_t* a, uint16_t* y, int64_t rows, int64_t max_segment_rows,
                                    cudaStream_t stream);
-// Whether the decode kernels of this shape run the tensor-core family's streamed variant (the
-// weights through a ring of shared-memory stages; small_batch_mma.cu) under the current switches
-// (MmaStreamForced): the launch's own decision, for tests and benchmarks.
-bool SmallBatchStreams(int num_experts, int d, int f);
 // Where a step of `rows` with one row an expert (the streaming kernels) loads the down weights
 // into shared memory while the gate/up kernel runs, under the current switches
 // (DownPreloadForced): the gate/up blocks an SM beside each down block; 0 where the down kernel

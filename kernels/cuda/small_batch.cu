@@ -567,10 +567,6 @@ constexpr int64_t kFusedCombineVectors = kThreads;
 
 }  // namespace
 
-bool SmallBatchStreams(int num_experts, int d, int f) {
-  return small_batch::MmaSupported(d, f) && small_batch::StreamChosen(num_experts, d, f);
-}
-
 bool SmallBatchSupported(int d, int f) {
   // 16-byte rows, and one row of either projection inside the staged family's budget.
   return d > 0 && f > 0 && d % 8 == 0 && f % 8 == 0 && static_cast<size_t>(d) * 2 <= small_batch::kStagedRowBudget &&
@@ -588,10 +584,6 @@ cudaError_t LaunchSmallBatchSwiglu(const uint16_t* x, const int32_t* x_row_index
   // replay 32-33 us here, 37 us there). More rows: the tensor-core family when d and d_ff allow
   // (16 tokens: 204 us against 288 us here), else the staged family.
   const int64_t want = ExpectedSegmentRows(rows, num_experts, max_segment_rows);
-  if (SmallBatchStreams(num_experts, d, f)) {
-    return small_batch::LaunchStreamSwiglu(want > 1 && small_batch::WidePass(want), x, x_row_index, offsets,
-                                           num_experts, d, f, w_gate_up, w_down, a, y, rows, stream);
-  }
   if (want <= 1) {
     return Launch<false>(x, x_row_index, offsets, num_experts, num_experts, rows, d, f, w_gate_up, w_down, a, y,
                          LayerRoute{}, stream);
@@ -623,8 +615,6 @@ bool FusedLocalLayerSupported(int64_t tokens, int k, int num_experts, int d, int
   // preloaded (the same mma tiles, whatever the gate/up kernel's registers) or both streaming.
   int sms = 0;
   if (small_batch::SmCount(&sms) != cudaSuccess) return false;
-  // (Nor where the stages stream the weights: other kernels, other bits.)
-  if (SmallBatchStreams(num_experts, d, f)) return false;
   const int busy = routes < num_experts ? static_cast<int>(routes) : num_experts;
   const bool fused = PlanDown<true>(sms, num_experts, busy, routes, d, f,
                                     small_batch::RouteInBlockBytes(num_experts, static_cast<int>(routes)))

@@ -409,13 +409,6 @@ bool WidePass(int64_t want);
 cudaError_t LaunchMmaSwiglu(bool wide, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
                             int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
                             uint16_t* a, uint16_t* y, cudaStream_t stream);
-// The tensor-core family's streamed variant (the weights through a ring of shared-memory stages
-// filled by bulk copies): whether the shape takes it under the switches, and the launch (both
-// projections; `rows` bounds the busy experts).
-bool StreamChosen(int num_experts, int d, int f);
-cudaError_t LaunchStreamSwiglu(bool wide, const uint16_t* x, const int32_t* x_row_index, const int64_t* offsets,
-                               int num_experts, int d, int f, const uint16_t* w_gate_up, const uint16_t* w_down,
-                               uint16_t* a, uint16_t* y, int64_t rows, cudaStream_t stream);
 // The staged family's shared-memory bound on a row (bytes).
 constexpr size_t kStagedRowBudget = 96 * 1024;
 

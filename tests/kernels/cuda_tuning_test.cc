@@ -16,7 +16,6 @@ TEST(CudaTuningTest, EmptyIsTheTunedDefaults) {
   EXPECT_TRUE(t->pdl);
   EXPECT_EQ(t->mma_wide, -1);
   EXPECT_EQ(t->down_preload, -1);
-  EXPECT_EQ(t->mma_stream, -1);
   EXPECT_EQ(t->capture_branches, 2);
   EXPECT_FALSE(t->blocking_sync);
   EXPECT_TRUE(t->fp8_epilogue_quant);
@@ -25,7 +24,7 @@ TEST(CudaTuningTest, EmptyIsTheTunedDefaults) {
 TEST(CudaTuningTest, EveryKey) {
   auto t = ParseCudaTuning(
       "gemm=loop, chain_streams=2,fused_layer=0,pdl=0,mma_wide=1,sm90_tile=rows64,blocking_sync=1,"
-      "capture_branches=1,fp8_epilogue_quant=0,down_preload=1,mma_stream=0");
+      "capture_branches=1,fp8_epilogue_quant=0,down_preload=1");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->gemm, CudaTuning::Gemm::kLoop);
   EXPECT_EQ(t->chain_streams, 2);
@@ -37,8 +36,6 @@ TEST(CudaTuningTest, EveryKey) {
   EXPECT_EQ(t->capture_branches, 1);
   EXPECT_FALSE(t->fp8_epilogue_quant);
   EXPECT_EQ(t->down_preload, 1);
-  EXPECT_EQ(t->mma_stream, 0);
-  EXPECT_EQ(ParseCudaTuning("mma_stream=1")->mma_stream, 1);
   EXPECT_EQ(ParseCudaTuning("down_preload=0")->down_preload, 0);
   EXPECT_EQ(ParseCudaTuning("capture_branches=0")->capture_branches, 0);
   EXPECT_EQ(ParseCudaTuning("gemm=grouped")->gemm, CudaTuning::Gemm::kGrouped);
@@ -56,7 +53,7 @@ TEST(CudaTuningTest, BadInputNamesTheKey) {
   for (const char* bad :
        {"pdl=2", "gemm=fast", "chain_streams=5", "sm90_tile=96", "sm90_tile=", "mma_wide=-2", "fused_layer=", "speed=1",
         "pdl", "blocking_sync=2", "capture_branches=5", "capture_branches=-1", "fp8_epilogue_quant=2",
-        "fp8_epilogue_quant=", "down_preload=2", "down_preload=-2", "mma_stream=2", "mma_stream="}) {
+        "fp8_epilogue_quant=", "down_preload=2", "down_preload=-2"}) {
     auto t = ParseCudaTuning(bad);
     ASSERT_FALSE(t.ok()) << bad;
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << bad;
