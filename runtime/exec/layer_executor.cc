@@ -384,24 +384,22 @@ void LayerExecutor::HoldUntilDone(void* done_event, GenerationLease lease) {
 
 int LayerExecutor::ReleaseFinishedWork() {
   if (answered_count_.load(std::memory_order_relaxed) == 0) return 0;
-  std::vector<GenerationLease> finished;  // returned outside the lock (the registry takes its own)
-  int held;
-  {
-    absl::MutexLock lock(&answered_mu_);
-    auto keep = answered_.begin();
-    for (AnsweredWork& w : answered_) {
-      // A query that fails (a device error) leaves no work running that could still read.
-      absl::StatusOr<bool> done = options_.kernels->EventDone(w.done_event);
-      if (!done.ok() || *done) {
-        finished.push_back(std::move(w.lease));
-      } else {
-        *keep++ = std::move(w);
-      }
+  // The leases go back under the lock: the registry's own lock is a leaf, and a vector to carry
+  // them out would allocate a step.
+  absl::MutexLock lock(&answered_mu_);
+  auto keep = answered_.begin();
+  for (AnsweredWork& w : answered_) {
+    // A query that fails (a device error) leaves no work running that could still read.
+    absl::StatusOr<bool> done = options_.kernels->EventDone(w.done_event);
+    if (!done.ok() || *done) {
+      GenerationLease returned = std::move(w.lease);  // released here
+    } else {
+      *keep++ = std::move(w);
     }
-    answered_.erase(keep, answered_.end());
-    held = static_cast<int>(answered_.size());
-    answered_count_.store(held, std::memory_order_relaxed);
   }
+  answered_.erase(keep, answered_.end());
+  const int held = static_cast<int>(answered_.size());
+  answered_count_.store(held, std::memory_order_relaxed);
   return held;
 }
 
@@ -409,7 +407,6 @@ absl::Status LayerExecutor::AwaitAnswered(absl::FunctionRef<bool(const AnsweredW
   const absl::Time deadline = absl::Now() + options_.timeout;
   for (;;) {
     if (ReleaseFinishedWork() == 0) return absl::OkStatus();
-    std::vector<GenerationLease> abandoned;  // returned outside the lock
     int running = 0;
     {
       absl::MutexLock lock(&answered_mu_);
@@ -422,7 +419,7 @@ absl::Status LayerExecutor::AwaitAnswered(absl::FunctionRef<bool(const AnsweredW
         }
         ++running;
         if (timed_out && return_at_timeout) {
-          abandoned.push_back(std::move(w.lease));
+          GenerationLease returned = std::move(w.lease);  // released here
         } else {
           *keep++ = std::move(w);
         }
@@ -442,6 +439,10 @@ absl::Status LayerExecutor::AwaitAnswered(absl::FunctionRef<bool(const AnsweredW
 
 absl::Status LayerExecutor::AwaitAnsweredWork() {
   return AwaitAnswered([](const AnsweredWork&) { return true; }, false);
+}
+
+absl::Status LayerExecutor::AwaitAnsweredStep(HandleId id) {
+  return AwaitAnswered([id](const AnsweredWork& w) { return w.lease.handle() == id; }, false);
 }
 
 absl::Status LayerExecutor::AwaitDoneEvent(void* event) {
@@ -1103,8 +1104,8 @@ absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kAcquire);
   const HandleId id(static_cast<int64_t>(pass.in.step_id));
   // An earlier step of this id answered before its GPU work finished still holds its lease
-  // under the id (the registry holds one lease an id): that work first.
-  RETURN_IF_ERROR(AwaitAnswered([id](const AnsweredWork& w) { return w.lease.handle() == id; }, false));
+  // under the id: that work first.
+  RETURN_IF_ERROR(AwaitAnsweredStep(id));
   ASSIGN_OR_RETURN(pass.handle, pass.trial
                                     ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group,
                                                                    pass.version, std::move(pass.spare_handle))

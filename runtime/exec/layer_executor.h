@@ -223,6 +223,9 @@ class LayerExecutor {
   // destroyed). At the timeout their leases are returned anyway, since the event is about to go
   // (DEADLINE_EXCEEDED says so).
   absl::Status AwaitDoneEvent(void* event);
+  // The same for an earlier step of this id (the registry holds one lease an id): each step
+  // waits so before it acquires its generation; at the timeout its lease stays held.
+  absl::Status AwaitAnsweredStep(HandleId id);
   ~LayerExecutor();
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.

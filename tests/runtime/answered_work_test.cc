@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 
+#include "bench/alloc_counter.h"
 #include "kernels/api.h"
 #include "runtime/exec/layer_executor.h"
 #include "runtime/placement/default_placement.h"
@@ -230,6 +231,28 @@ TEST_F(AnsweredWorkTest, ClosingAnEventWaitsForItsWorkAndReturnsItsLeasesAtTheTi
   EXPECT_EQ(held_->closed_, 1);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
   EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+}
+
+// The leases' bookkeeping allocates nothing a step: returning the finished ones (each step does
+// it first) and the check for the step's own id, with work both finished and running.
+TEST_F(AnsweredWorkTest, ReturningFinishedLeasesAllocatesNothing) {
+  std::string handle;
+  void* first = *executor_->CreateDoneEvent(&handle);
+  void* second = *executor_->CreateDoneEvent(&handle);
+  std::mt19937 rng(11);
+  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 2, kD, kExperts, /*drop_some=*/false);
+  std::vector<uint16_t> out;
+  ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, first).ok());
+  ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, second).ok());
+  held_->Fire(first);
+  const int64_t before = bench::ThreadAllocations();
+  const int held = executor_->ReleaseFinishedWork();
+  const absl::Status other_id = executor_->AwaitAnsweredStep(HandleId(3));
+  EXPECT_EQ(bench::ThreadAllocations() - before, 0);
+  EXPECT_EQ(held, 1);
+  EXPECT_TRUE(other_id.ok()) << other_id;
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
+  held_->Fire(second);
 }
 
 }  // namespace
