@@ -514,9 +514,9 @@ grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, co
   }
   return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
     if (s == GenerationState::kRetired) return absl::OkStatus();
-    // Steps answered before their GPU work finished hold their leases until it has: that work
-    // first (bounded by the collective timeout), then the registry decides whether v is free.
-    c_.executor->AwaitAnsweredWork().IgnoreError();
+    // Steps answered before their GPU work finished hold their leases until it has: v's first
+    // (bounded by the collective timeout), then the registry decides whether v is free.
+    c_.executor->AwaitAnsweredGeneration(v).IgnoreError();
     absl::Status retired = c_.registry->Retire(v);
     if (!retired.ok()) return retired;  // still held: its trial (if any) goes on as it was
     if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);
@@ -545,7 +545,7 @@ grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, c
                                                                             " is this rank's trial candidate; stop the "
                                                                             "trial first"));
   }
-  c_.executor->AwaitAnsweredWork().IgnoreError();  // as RetireGeneration: answered trial steps' work first
+  c_.executor->AwaitAnsweredGeneration(v).IgnoreError();  // as RetireGeneration: v's answered trial steps first
   if (absl::Status s = c_.registry->Discard(v); !s.ok()) return VersionRefused(s);
   c_.executor->DiscardGeneration(v);
   {

@@ -445,6 +445,10 @@ absl::Status LayerExecutor::AwaitAnsweredStep(HandleId id) {
   return AwaitAnswered([id](const AnsweredWork& w) { return w.lease.handle() == id; }, false);
 }
 
+absl::Status LayerExecutor::AwaitAnsweredGeneration(PlacementVersion version) {
+  return AwaitAnswered([version](const AnsweredWork& w) { return w.lease.version() == version; }, false);
+}
+
 absl::Status LayerExecutor::AwaitDoneEvent(void* event) {
   return AwaitAnswered([event](const AnsweredWork& w) { return w.done_event == event; }, true);
 }

@@ -226,6 +226,9 @@ class LayerExecutor {
   // The same for an earlier step of this id (the registry holds one lease an id): each step
   // waits so before it acquires its generation; at the timeout its lease stays held.
   absl::Status AwaitAnsweredStep(HandleId id);
+  // The same for the steps of one generation (before it retires or is discarded: steps of the
+  // active one go on answering meanwhile, so waiting for all of them could last the timeout).
+  absl::Status AwaitAnsweredGeneration(PlacementVersion version);
   ~LayerExecutor();
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.

@@ -168,19 +168,25 @@ TEST_F(AnsweredWorkTest, ARetirementWaitsForTheWorkAndIsRefusedWhileItRuns) {
   absl::Status retired = registry_.Retire(PlacementVersion(1));
   EXPECT_EQ(retired.code(), absl::StatusCode::kFailedPrecondition) << retired;
   // Steps go on meanwhile, on v2 (each releases what has finished first: nothing has).
-  ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, done).ok());
+  void* later = *executor_->CreateDoneEvent(&handle);
+  ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, later).ok());
   EXPECT_EQ(executor_->ReleaseFinishedWork(), 2);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(2)), 1);
-  // Once it finishes, the wait returns and v1 retires.
+  // Once v1's work finishes, the wait for v1 returns (v2's step still runs) and v1 retires.
   std::thread gpu([&] {
     absl::SleepFor(absl::Milliseconds(20));
     held_->Fire(done);
   });
-  EXPECT_TRUE(executor_->AwaitAnsweredWork().ok());
+  const absl::Status v1_waited = executor_->AwaitAnsweredGeneration(PlacementVersion(1));
   gpu.join();
+  EXPECT_TRUE(v1_waited.ok()) << v1_waited;
   EXPECT_TRUE(registry_.Retire(PlacementVersion(1)).ok());
   executor_->DropGeneration(PlacementVersion(1));
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(2)), 1);
+  EXPECT_EQ(executor_->AwaitAnsweredGeneration(PlacementVersion(2)).code(), absl::StatusCode::kDeadlineExceeded);
+  held_->Fire(later);
+  EXPECT_TRUE(executor_->AwaitAnsweredWork().ok());
   EXPECT_EQ(registry_.Refcount(PlacementVersion(2)), 0);
 }
 
