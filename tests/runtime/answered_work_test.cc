@@ -17,7 +17,6 @@
 #include "bench/alloc_counter.h"
 #include "kernels/api.h"
 #include "runtime/exec/layer_executor.h"
-#include "runtime/placement/default_placement.h"
 #include "tests/runtime/random_step.h"
 #include "tests/server/one_rank_fixture.h"
 
@@ -68,15 +67,11 @@ class HeldEventKernels final : public kernels::ExpertKernels {
     e->fired = !hold_work_;
     return absl::OkStatus();
   }
-  absl::StatusOr<bool> EventDone(void* event) override {
-    ++queries_;
-    return static_cast<Event*>(event)->fired.load();
-  }
+  absl::StatusOr<bool> EventDone(void* event) override { return static_cast<Event*>(event)->fired.load(); }
   void CloseIpcEvent(void* event) override { ++closed_; }
 
   void Fire(void* event) { static_cast<Event*>(event)->fired = true; }
   bool hold_work_ = true;
-  std::atomic<int> queries_{0};
   int closed_ = 0;
 
  private:
@@ -97,13 +92,20 @@ class AnsweredWorkTest : public testing::OneRankTest {
   }
   // placement-v2 (the same experts) ACTIVE, so that v1 drains and may retire.
   void ActivateV2() {
-    auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 0, topology_, group_, ckpt_.metadata);
-    ASSERT_TRUE(registry_.Prepare(v2).ok());
-    ASSERT_TRUE(
-        executor_
-            ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
-            .ok());
+    ASSERT_NO_FATAL_FAILURE(PrepareGeneration(2, /*redundant=*/0));
     ASSERT_TRUE(registry_.Activate(PlacementVersion(2)).ok());
+  }
+  // One of the rank's done events (null, with a failure, if it cannot be made).
+  void* NewDoneEvent() {
+    std::string handle;
+    absl::StatusOr<void*> e = executor_->CreateDoneEvent(&handle);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? *e : nullptr;
+  }
+  // `tokens` tokens' two routes each, every route admitted.
+  testing::RandomRankInput Input(uint32_t seed, int64_t tokens) {
+    std::mt19937 rng(seed);
+    return testing::RandomTwoRouteInput(rng, tokens, kD, kExperts, /*drop_some=*/false);
   }
   // A step on `input` with its rows "in device memory" (this process's, as the fake's) and, when
   // `done` is set, answered once enqueued.
@@ -121,9 +123,8 @@ class AnsweredWorkTest : public testing::OneRankTest {
 };
 
 TEST_F(AnsweredWorkTest, TheLeaseIsHeldUntilTheDoneEventFires) {
-  std::string handle;
-  auto done = executor_->CreateDoneEvent(&handle);
-  ASSERT_TRUE(done.ok()) << done.status();
+  void* const done = NewDoneEvent();
+  ASSERT_NE(done, nullptr);
   std::mt19937 rng(7);
   uint64_t step = 1;
   for (Phase phase : {Phase::kDecode, Phase::kPrefill}) {
@@ -133,15 +134,15 @@ TEST_F(AnsweredWorkTest, TheLeaseIsHeldUntilTheDoneEventFires) {
     EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
 
     std::vector<uint16_t> out;
-    auto answered = DeviceStep(input, step++, phase, &out, *done);
+    auto answered = DeviceStep(input, step++, phase, &out, done);
     ASSERT_TRUE(answered.ok()) << answered.status();
     EXPECT_EQ(out, std::vector<uint16_t>(host->output.begin(), host->output.end()))
         << "the answered step's rows, phase " << static_cast<int>(phase);
-    EXPECT_EQ(static_cast<HeldEventKernels::Event*>(*done)->records, phase == Phase::kDecode ? 1 : 2);
+    EXPECT_EQ(static_cast<HeldEventKernels::Event*>(done)->records, phase == Phase::kDecode ? 1 : 2);
     EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1) << "the work still runs: its lease is held";
     EXPECT_EQ(executor_->ReleaseFinishedWork(), 1);
     EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
-    held_->Fire(*done);
+    held_->Fire(done);
     EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
     EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
   }
@@ -154,10 +155,8 @@ TEST_F(AnsweredWorkTest, TheLeaseIsHeldUntilTheDoneEventFires) {
 }
 
 TEST_F(AnsweredWorkTest, ARetirementWaitsForTheWorkAndIsRefusedWhileItRuns) {
-  std::string handle;
-  void* done = *executor_->CreateDoneEvent(&handle);
-  std::mt19937 rng(8);
-  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 4, kD, kExperts, /*drop_some=*/false);
+  void* done = NewDoneEvent();
+  const testing::RandomRankInput input = Input(8, 4);
   std::vector<uint16_t> out;
   ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, done).ok());
   ActivateV2();
@@ -168,7 +167,7 @@ TEST_F(AnsweredWorkTest, ARetirementWaitsForTheWorkAndIsRefusedWhileItRuns) {
   absl::Status retired = registry_.Retire(PlacementVersion(1));
   EXPECT_EQ(retired.code(), absl::StatusCode::kFailedPrecondition) << retired;
   // Steps go on meanwhile, on v2 (each releases what has finished first: nothing has).
-  void* later = *executor_->CreateDoneEvent(&handle);
+  void* later = NewDoneEvent();
   ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, later).ok());
   EXPECT_EQ(executor_->ReleaseFinishedWork(), 2);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
@@ -191,10 +190,8 @@ TEST_F(AnsweredWorkTest, ARetirementWaitsForTheWorkAndIsRefusedWhileItRuns) {
 }
 
 TEST_F(AnsweredWorkTest, AStepIdStillHeldWaitsForItsWork) {
-  std::string handle;
-  void* done = *executor_->CreateDoneEvent(&handle);
-  std::mt19937 rng(9);
-  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 2, kD, kExperts, /*drop_some=*/false);
+  void* done = NewDoneEvent();
+  const testing::RandomRankInput input = Input(9, 2);
   std::vector<uint16_t> out;
   ASSERT_TRUE(DeviceStep(input, 5, Phase::kDecode, &out, done).ok());
   // The same id again while its first use still holds the lease under it: refused at the timeout
@@ -210,11 +207,9 @@ TEST_F(AnsweredWorkTest, AStepIdStillHeldWaitsForItsWork) {
 }
 
 TEST_F(AnsweredWorkTest, ClosingAnEventWaitsForItsWorkAndReturnsItsLeasesAtTheTimeout) {
-  std::string handle;
-  void* done = *executor_->CreateDoneEvent(&handle);
-  void* other = *executor_->CreateDoneEvent(&handle);
-  std::mt19937 rng(10);
-  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 2, kD, kExperts, /*drop_some=*/false);
+  void* done = NewDoneEvent();
+  void* other = NewDoneEvent();
+  const testing::RandomRankInput input = Input(10, 2);
   std::vector<uint16_t> out;
   ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, done).ok());
   ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, other).ok());
@@ -228,7 +223,7 @@ TEST_F(AnsweredWorkTest, ClosingAnEventWaitsForItsWorkAndReturnsItsLeasesAtTheTi
   EXPECT_TRUE(executor_->AwaitDoneEvent(other).ok());
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
   // Closing an event waits the same way, then destroys it: its step's lease does not outlive it.
-  void* third = *executor_->CreateDoneEvent(&handle);
+  void* third = NewDoneEvent();
   ASSERT_TRUE(DeviceStep(input, 3, Phase::kDecode, &out, third).ok());
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
   const absl::Time start = absl::Now();
@@ -239,14 +234,13 @@ TEST_F(AnsweredWorkTest, ClosingAnEventWaitsForItsWorkAndReturnsItsLeasesAtTheTi
   EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
 }
 
-// The leases' bookkeeping allocates nothing a step: returning the finished ones (each step does
-// it first) and the check for the step's own id, with work both finished and running.
+// The leases' bookkeeping allocates nothing a step: returning the finished ones and the check for
+// the step's own id (each step does both as it acquires its generation), with work both finished
+// and running.
 TEST_F(AnsweredWorkTest, ReturningFinishedLeasesAllocatesNothing) {
-  std::string handle;
-  void* first = *executor_->CreateDoneEvent(&handle);
-  void* second = *executor_->CreateDoneEvent(&handle);
-  std::mt19937 rng(11);
-  const testing::RandomRankInput input = testing::RandomTwoRouteInput(rng, 2, kD, kExperts, /*drop_some=*/false);
+  void* first = NewDoneEvent();
+  void* second = NewDoneEvent();
+  const testing::RandomRankInput input = Input(11, 2);
   std::vector<uint16_t> out;
   ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, first).ok());
   ASSERT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, second).ok());

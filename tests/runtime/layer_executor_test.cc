@@ -208,12 +208,7 @@ class OneMemberTest : public testing::OneRankTest,
   // candidate to put on trial.
   void SetUpRankWithCandidateV2() {
     SetUpRank(kExperts, kD, kFf, 3, /*redundant=*/2);
-    auto v2 = *DefaultPlacement(PlacementVersion(2), kExperts, 4, topology_, group_, ckpt_.metadata);
-    ASSERT_TRUE(registry_.Prepare(v2).ok());
-    ASSERT_TRUE(
-        executor_
-            ->AddGeneration(PlacementVersion(2), std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *v2, Rank(0))))
-            .ok());
+    PrepareGeneration(2, /*redundant=*/4);
   }
 };
 

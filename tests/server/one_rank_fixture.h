@@ -57,6 +57,7 @@ class OneRankTest : public ::testing::Test {
   void SetUpRank(int experts, int d, int d_ff, uint64_t seed, int redundant = 0,
                  DecodeRunner runner = DecodeRunner::kKernels, bool device_plan = false,
                  ExpertDtype dtype = ExpertDtype::kBf16) {
+    experts_ = experts;
     ckpt_ = SyntheticCheckpoint({experts, d, d_ff}, seed, "checkpoint-0001");
     reader_ = *SingleFileReader(ckpt_);
     v1_ = *DefaultPlacement(PlacementVersion(1), experts, redundant, topology_, group_, ckpt_.metadata);
@@ -88,6 +89,17 @@ class OneRankTest : public ::testing::Test {
                     .ok());
   }
 
+  // After SetUpRank: another generation of the checkpoint's experts with `redundant` extra slots,
+  // PREPARED in the registry and its weights added to the executor.
+  void PrepareGeneration(int64_t version, int redundant) {
+    auto m = *DefaultPlacement(PlacementVersion(version), experts_, redundant, topology_, group_, ckpt_.metadata);
+    ASSERT_TRUE(registry_.Prepare(m).ok());
+    ASSERT_TRUE(executor_
+                    ->AddGeneration(PlacementVersion(version),
+                                    std::make_shared<LocalExperts>(*LoadLocalExperts(ckpt_, *m, Rank(0))))
+                    .ok());
+  }
+
   bool lone_decode_on_kernels_ = true;  // set before SetUpRank: LayerExecutorOptions::lone_decode_on_kernels
   // Set before SetUpRank: the kernels (the CPU reference when empty) and the collective timeout
   // (the executor's default when zero).
@@ -97,6 +109,7 @@ class OneRankTest : public ::testing::Test {
   // then says it moves device memory: kernels of a test's own keep their rows in host memory).
   bool count_exchanges_ = false;
   CountingTransport* counting_ = nullptr;  // then this one (owned by transport_)
+  int experts_ = 0;                        // SetUpRank's
   SafetensorsFile ckpt_;
   std::unique_ptr<CheckpointReader> reader_;  // over ckpt_
   Topology topology_ = TwoNodeTopology(1);
