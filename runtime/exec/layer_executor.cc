@@ -883,8 +883,7 @@ struct LayerExecutor::Pass {
 absl::StatusOr<LayerStepResult> LayerExecutor::RunPass(const LayerStepInput& in, const PassOptions& po,
                                                        PassOutcome* outcome) {
   Pass pass(in, po);
-  ReleaseFinishedWork();  // earlier answered steps' leases, where their GPU work has finished
-  {                       // the last pass's agreement, records and byte splits, to refill
+  {  // the last pass's agreement, records and byte splits, to refill
     absl::MutexLock lock(&generations_mu_);
     pass.agreement = std::move(spare_pass_.agreement);
     pass.agreement_scratch = std::move(spare_pass_.scratch);
@@ -1107,8 +1106,8 @@ absl::Status LayerExecutor::StageRows(Pass& pass) {
 absl::Status LayerExecutor::AcquirePhase(Pass& pass) {
   pass.clock.Enter(StepPhase::kAcquire);
   const HandleId id(static_cast<int64_t>(pass.in.step_id));
-  // An earlier step of this id answered before its GPU work finished still holds its lease
-  // under the id: that work first.
+  // Earlier answered steps' leases go back where their work has finished, and one of this id
+  // that still holds its lease under the id is waited for.
   RETURN_IF_ERROR(AwaitAnsweredStep(id));
   ASSIGN_OR_RETURN(pass.handle, pass.trial
                                     ? DispatchHandle::AcquireTrial(id, *pass.frozen, options_.registry, *options_.group,

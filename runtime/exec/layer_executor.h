@@ -213,7 +213,8 @@ class LayerExecutor {
   // generation lease (spec 0x06B: released at 7, dispatch_state_releasable) until the event
   // shows the work finished, so a retirement cannot free the weights under it.
   // ReleaseFinishedWork returns the leases of the steps whose work has finished and answers how
-  // many are still held (a query: it never blocks); each step does it first.
+  // many are still held (a query: it never blocks); each step does it before it acquires its
+  // generation (AwaitAnsweredStep).
   int ReleaseFinishedWork();
   // Waits, for at most the collective timeout, until no answered step's GPU work is running
   // (before a generation retires, and when the executor goes); DEADLINE_EXCEEDED naming how many
