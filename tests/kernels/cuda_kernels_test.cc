@@ -702,70 +702,6 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluMatchesCpu) {
   }
 }
 
-// A decode-path Swiglu case (device offsets): random experts with `held` rows, of which the
-// segments `offsets` use offsets.back(); the CPU's output of the used rows; and on the device
-// the weights, the rows, the offsets and the rows again in reverse order behind an index (the
-// gather fused into the gate/up load).
-struct DecodeSwigluCase {
-  void Init(std::mt19937& rng, ExpertKernels& cpu, int e_, int d_, int f_, std::vector<int64_t> offsets_) {
-    e = e_, d = d_, f = f_;
-    offsets = std::move(offsets_);
-    used = offsets.back(), held = used + 2;  // x and y hold `held` rows
-    layer = testing::RandomExperts(rng, e, d, f, held);
-    ref.assign(layer.x.size(), 0);
-    SwigluParams p;
-    p.weights = {layer.wgu.data(), layer.wd.data(), e, d, f};
-    p.x = layer.x.data();
-    p.rows = held;
-    p.device_offsets = offsets.data();
-    p.y = ref.data();
-    ASSERT_TRUE(cpu.Swiglu(p, nullptr).ok());
-    ref.resize(used * d);
-    std::vector<int32_t> index(held);
-    for (int64_t r = 0; r < held; ++r) index[r] = static_cast<int32_t>(held - 1 - r);
-    std::vector<uint16_t> source(layer.x.size());
-    for (int64_t r = 0; r < held; ++r) std::copy_n(layer.x.begin() + r * d, d, source.begin() + index[r] * d);
-    dwgu = std::make_unique<DeviceVector<uint16_t>>(layer.wgu);
-    dwd = std::make_unique<DeviceVector<uint16_t>>(layer.wd);
-    dx = std::make_unique<DeviceVector<uint16_t>>(layer.x);
-    dsource = std::make_unique<DeviceVector<uint16_t>>(source);
-    doff = std::make_unique<DeviceVector<int64_t>>(offsets);
-    dindex = std::make_unique<DeviceVector<int32_t>>(index);
-  }
-  // `gpu`'s Swiglu of `rows` declared rows (and the bound on segments) on the direct rows and on
-  // the gathered ones: *got is the direct output's used rows, and the gathered must equal it.
-  void Run(ExpertKernels& gpu, int64_t rows, int64_t max_segment_rows, std::vector<uint16_t>* got) {
-    SwigluParams g;
-    g.weights = {dwgu->get(), dwd->get(), e, d, f};
-    g.rows = rows;
-    g.device_offsets = doff->get();
-    g.max_segment_rows = max_segment_rows;
-    DeviceVector<uint16_t> dy(layer.x.size(), 0), dy2(layer.x.size(), 0);
-    g.x = dx->get();
-    g.y = dy.get();
-    ASSERT_TRUE(gpu.Swiglu(g, nullptr).ok());
-    g.x = dsource->get();
-    g.x_row_index = dindex->get();
-    g.x_rows = held;
-    g.y = dy2.get();
-    ASSERT_TRUE(gpu.Swiglu(g, nullptr).ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    *got = dy.Host();
-    auto gathered = dy2.Host();
-    got->resize(used * d);
-    gathered.resize(used * d);
-    EXPECT_EQ(gathered, *got) << "the gathered rows differ from the direct ones";
-  }
-  int e = 0, d = 0, f = 0;
-  std::vector<int64_t> offsets;
-  int64_t used = 0, held = 0;
-  testing::RandomLayer layer;
-  std::vector<uint16_t> ref;
-  std::unique_ptr<DeviceVector<uint16_t>> dwgu, dwd, dx, dsource;
-  std::unique_ptr<DeviceVector<int64_t>> doff;
-  std::unique_ptr<DeviceVector<int32_t>> dindex;
-};
-
 // One row an expert with the down weights preloaded into shared memory while the gate/up kernel
 // runs (CudaTuning::down_preload, small_batch.cu), against the streaming down kernel and the CPU:
 // switched on and by default a down block an SM preloads beside two gate/up blocks, both match
@@ -796,14 +732,31 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
     } else {
       std::copy(tc.counts.begin(), tc.counts.end(), counts.begin());
     }
-    DecodeSwigluCase c;
-    ASSERT_NO_FATAL_FAILURE(c.Init(rng_, *cpu_, e, d, f, Offsets(counts)));
-    const int64_t declared = tc.declared > 0 ? tc.declared : c.held;
-    SCOPED_TRACE(::testing::Message() << "E=" << e << " d=" << d << " f=" << f << " rows " << c.used << " declared "
+    const auto offsets = Offsets(counts);
+    const int64_t used = offsets.back(), held = used + 2;  // x and y hold `held` rows
+    const int64_t declared = tc.declared > 0 ? tc.declared : held;
+    SCOPED_TRACE(::testing::Message() << "E=" << e << " d=" << d << " f=" << f << " rows " << used << " declared "
                                       << declared);
+    const testing::RandomLayer layer = testing::RandomExperts(rng_, e, d, f, held);
+    std::vector<uint16_t> ref(layer.x.size(), 0);
+    SwigluParams p;
+    p.weights = {layer.wgu.data(), layer.wd.data(), e, d, f};
+    p.x = layer.x.data();
+    p.rows = held;
+    p.device_offsets = offsets.data();
+    p.y = ref.data();
+    ASSERT_TRUE(cpu_->Swiglu(p, nullptr).ok());
+    ref.resize(used * d);
+    DeviceVector<uint16_t> dwgu(layer.wgu), dwd(layer.wd), dx(layer.x);
+    DeviceVector<int64_t> doff(offsets);
+    std::vector<int32_t> index(held);
+    for (int64_t r = 0; r < held; ++r) index[r] = static_cast<int32_t>(held - 1 - r);
+    std::vector<uint16_t> source(layer.x.size());
+    for (int64_t r = 0; r < held; ++r) std::copy_n(layer.x.begin() + r * d, d, source.begin() + index[r] * d);
+    DeviceVector<uint16_t> dsource(source);
+    DeviceVector<int32_t> dindex(index);
     std::vector<std::vector<uint16_t>> outs;
     for (int preload : {0, 1, -1}) {
-      SCOPED_TRACE(::testing::Message() << "down_preload=" << preload);
       CudaTuning tuning = saved;
       tuning.down_preload = preload;
       SetCudaTuning(tuning);
@@ -812,11 +765,27 @@ TEST_F(CudaKernelsTest, DeviceOffsetSwigluDownPreloadMatchesCpu) {
       // The gate/up blocks an SM beside each preloading down block (0: the streaming one).
       EXPECT_EQ(cuda::SmallBatchDownPreloadBeside(e, d, f, declared), preload == 0 ? 0 : 2)
           << "down_preload=" << preload;
-      std::vector<uint16_t> got;
-      // max_segment_rows 1: the streaming family whatever the segments.
-      ASSERT_NO_FATAL_FAILURE(c.Run(**gpu, declared, 1, &got));
+      SwigluParams g = p;
+      g.weights = {dwgu.get(), dwd.get(), e, d, f};
+      g.rows = declared;
+      g.device_offsets = doff.get();
+      g.max_segment_rows = 1;  // the streaming family whatever the segments
+      DeviceVector<uint16_t> dy(layer.x.size(), 0), dy2(layer.x.size(), 0);
+      g.x = dx.get();
+      g.y = dy.get();
+      ASSERT_TRUE((*gpu)->Swiglu(g, nullptr).ok());
+      g.x = dsource.get();
+      g.x_row_index = dindex.get();
+      g.x_rows = held;
+      g.y = dy2.get();
+      ASSERT_TRUE((*gpu)->Swiglu(g, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto got = dy.Host(), gathered = dy2.Host();
+      got.resize(used * d);
+      gathered.resize(used * d);
+      EXPECT_EQ(gathered, got) << "down_preload=" << preload;
       double rel = 0;
-      EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, c.ref, &rel))) << "down_preload=" << preload;
+      EXPECT_TRUE(std::isfinite(MaxAbsDiffBf16(got, ref, &rel))) << "down_preload=" << preload;
       EXPECT_LT(rel, 1e-2) << "down_preload=" << preload;
       outs.push_back(std::move(got));
     }
