@@ -114,7 +114,16 @@ class CudaDecodeGraph final : public DecodeStepGraph {
       CUDART_RETURN_IF_ERROR(
           cudaMemcpyAsync(out_host_, out_.data(), t.tokens * s_.d * 2, cudaMemcpyDeviceToHost, stream));
     }
-    RETURN_IF_ERROR(WaitNcclStream(*transport_, seq, timeout));
+    if (absl::Status waited = WaitNcclStream(*transport_, seq, timeout); !waited.ok()) {
+      // The stream is left to the communicator's abort, and the graph's expert kernels after
+      // the exchange still read the generation's weights once it drains. The done event marks
+      // that point, so a step answered with this error keeps its generation lease until then
+      // (LayerExecutor::HoldUntilDone); the output copy is not enqueued.
+      if (t.rows_on_device && t.done_event != nullptr) {
+        cudaEventRecord(static_cast<cudaEvent_t>(t.done_event), stream);
+      }
+      return waited;
+    }
     if (t.rows_on_device) {
       // Only once the step succeeded: a step that timed out (its stream left to the abort) never
       // writes into the engine's memory later.
