@@ -557,8 +557,9 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   rows.ready_event = event;
   auto done = std::make_shared<std::vector<void*>>();  // closed by the release, with the rest
   rows.release = [executor = executor_, base = m.base, event, done] {
-    // Closing a done event waits for the work of the steps answered with it (which may still
-    // write the rows), so the rows are unmapped after it.
+    // The work of the steps answered with the done events (which may still write the rows) is
+    // waited for first, all in one wait, so the rows are unmapped after it.
+    executor->AwaitDoneEvents(*done).IgnoreError();
     for (void* e : *done) executor->CloseReadyEvent(e);
     if (event != nullptr) executor->CloseReadyEvent(event);
     executor->CloseDeviceRows(base);

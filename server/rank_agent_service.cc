@@ -512,11 +512,16 @@ grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, co
       return grpc::Status::OK;
     }
   }
+  // Steps answered before their GPU work finished hold their leases until it has: v's are waited
+  // for first (bounded by the collective timeout), outside the agent's lock, and only where the
+  // registry could retire v (not ACTIVE, and no trial adding steps of v); then it decides.
+  if (req->version() > 0) {
+    AwaitAnsweredSteps(PlacementVersion(req->version()), [](GenerationState s) {
+      return s != GenerationState::kActive && s != GenerationState::kRetired;
+    });
+  }
   return Change(ctx, *req, resp, [&](PlacementVersion v, GenerationState s) {
     if (s == GenerationState::kRetired) return absl::OkStatus();
-    // Steps answered before their GPU work finished hold their leases until it has: v's first
-    // (bounded by the collective timeout), then the registry decides whether v is free.
-    c_.executor->AwaitAnsweredGeneration(v).IgnoreError();
     absl::Status retired = c_.registry->Retire(v);
     if (!retired.ok()) return retired;  // still held: its trial (if any) goes on as it was
     if (c_.executor->Trial().version == v.value()) c_.executor->SetTrial(-1, 0, 0);
@@ -525,11 +530,19 @@ grpc::Status RankAgentServiceImpl::RetireGeneration(grpc::ServerContext* ctx, co
   });
 }
 
+void RankAgentServiceImpl::AwaitAnsweredSteps(PlacementVersion v, absl::FunctionRef<bool(GenerationState)> takes) {
+  absl::StatusOr<GenerationState> state = c_.registry->State(v);
+  if (!state.ok() || !takes(*state) || c_.executor->Trial().version == v.value()) return;
+  c_.executor->AwaitAnsweredGeneration(v).IgnoreError();
+}
+
 grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, const v1::GenerationRequest* req,
                                                      v1::GenerationStatus* resp) {
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
   if (req->version() <= 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "version: must be positive");
   const PlacementVersion v(req->version());
+  // As RetireGeneration: v's answered trial steps first, outside the lock.
+  AwaitAnsweredSteps(v, [](GenerationState s) { return s == GenerationState::kPrepared; });
   absl::MutexLock lock(&mu_);
   // A discard that waited here behind a load, and whose caller gave up meanwhile, must not remove
   // what a retried load may have prepared since.
@@ -545,7 +558,6 @@ grpc::Status RankAgentServiceImpl::DiscardGeneration(grpc::ServerContext* ctx, c
                                                                             " is this rank's trial candidate; stop the "
                                                                             "trial first"));
   }
-  c_.executor->AwaitAnsweredGeneration(v).IgnoreError();  // as RetireGeneration: v's answered trial steps first
   if (absl::Status s = c_.registry->Discard(v); !s.ok()) return VersionRefused(s);
   c_.executor->DiscardGeneration(v);
   {
@@ -592,6 +604,9 @@ grpc::Status RankAgentServiceImpl::SetTrial(grpc::ServerContext* ctx, const v1::
 grpc::Status RankAgentServiceImpl::Status(grpc::ServerContext* ctx, const v1::AgentStatusRequest*,
                                           v1::AgentStatusResponse* resp) {
   if (grpc::Status s = CheckBearer(ctx, c_.token); !s.ok()) return s;
+  // Leases of answered steps whose work has finished go back first, so that an idle rank's
+  // refcounts (what a drain waits on) count only work still running.
+  c_.executor->ReleaseFinishedWork();
   resp->set_rank(c_.rank.value());
   resp->set_active_version(c_.registry->ActiveVersion());
   resp->set_kernel_build(c_.runtime.kernel_build());

@@ -14,6 +14,7 @@
 
 #include <grpcpp/security/credentials.h>
 
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 
 #include "proto/moe/v1/rank_agent.grpc.pb.h"
@@ -64,6 +65,10 @@ class RankAgentServiceImpl final : public v1::RankAgentService::Service {
   // The executor's epoch; UNAVAILABLE naming the rank while it has none.
   absl::StatusOr<std::pair<Topology, ProcessGroup>> Membership() const;
   grpc::Status Describe(PlacementVersion v, v1::GenerationStatus* out) const;
+  // Waits (at most the collective timeout) for v's steps answered before their GPU work finished,
+  // where v's state is one the change `takes` and v is not the trial candidate (whose steps would
+  // keep adding more).
+  void AwaitAnsweredSteps(PlacementVersion v, absl::FunctionRef<bool(GenerationState)> takes);
   void Fill(const GenerationInfo& g, v1::GenerationStatus* out) const;
   // Authenticates, validates the version, and applies `change` to a known generation under mu_.
   grpc::Status Change(const grpc::ServerContext* ctx, const v1::GenerationRequest& req, v1::GenerationStatus* resp,

@@ -46,6 +46,8 @@ absl::StatusOr<std::unique_ptr<LayerExecutor>> LayerExecutor::Create(LayerExecut
   const bool bound = options.transport != nullptr || options.topology.has_value() || options.group.has_value();
   std::unique_ptr<LayerExecutor> e(new LayerExecutor(std::move(options)));
   e->device_ = e->options_.kernels->device_resident();
+  e->event_kernels_ = e->options_.kernels;
+  e->answered_timeout_ = e->options_.timeout;
   e->graphs_ = e->device_ && e->options_.decode_graphs != nullptr;
   e->selector_ = ReplicaSelector::Create(e->options_.selector);
   if (bound) {
@@ -105,9 +107,21 @@ absl::Status LayerExecutor::Bind(Transport* transport, const Topology& topology,
   next.group = group;
   next.decode_graphs = std::move(decode_graphs);
   RETURN_IF_ERROR(CheckBinding(next));
+  const auto unbound = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_mu_) {
+    return bound_ || in_flight_ > 0 ? absl::FailedPreconditionError("executor: Bind while bound (Unbind first)")
+                                    : absl::OkStatus();
+  };
+  {
+    absl::MutexLock gate(&gate_mu_);
+    RETURN_IF_ERROR(unbound());
+  }
+  // Rebind needs every lease returned. Waited for outside the gate (steps are refused while
+  // unbound, so no answered work is added), which Execute and Membership take meanwhile.
+  if (absl::Status s = AwaitAnsweredWork(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("executor: Bind: ", s.message()));
+  }
   absl::MutexLock gate(&gate_mu_);
-  if (bound_ || in_flight_ > 0) return absl::FailedPreconditionError("executor: Bind while bound (Unbind first)");
-  RETURN_IF_ERROR(AwaitAnsweredWork());  // Rebind needs every lease returned
+  RETURN_IF_ERROR(unbound());
   RETURN_IF_ERROR(options_.registry->Rebind(group, topology));
   {
     absl::MutexLock lock(&generations_mu_);
@@ -378,7 +392,7 @@ void LayerExecutor::HoldUntilDone(void* done_event, GenerationLease lease) {
   // for the oldest work like a step without a done event would.
   constexpr int kMaxAnswered = 256;
   if (held <= kMaxAnswered) return;
-  const absl::Time deadline = absl::Now() + options_.timeout;
+  const absl::Time deadline = absl::Now() + answered_timeout_;
   while (ReleaseFinishedWork() > kMaxAnswered && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(20));
 }
 
@@ -390,7 +404,7 @@ int LayerExecutor::ReleaseFinishedWork() {
   auto keep = answered_.begin();
   for (AnsweredWork& w : answered_) {
     // A query that fails (a device error) leaves no work running that could still read.
-    absl::StatusOr<bool> done = options_.kernels->EventDone(w.done_event);
+    absl::StatusOr<bool> done = event_kernels_->EventDone(w.done_event);
     if (!done.ok() || *done) {
       GenerationLease returned = std::move(w.lease);  // released here
     } else {
@@ -404,7 +418,7 @@ int LayerExecutor::ReleaseFinishedWork() {
 }
 
 absl::Status LayerExecutor::AwaitAnswered(absl::FunctionRef<bool(const AnsweredWork&)> which, bool return_at_timeout) {
-  const absl::Time deadline = absl::Now() + options_.timeout;
+  const absl::Time deadline = absl::Now() + answered_timeout_;
   for (;;) {
     if (ReleaseFinishedWork() == 0) return absl::OkStatus();
     int running = 0;
@@ -429,7 +443,7 @@ absl::Status LayerExecutor::AwaitAnswered(absl::FunctionRef<bool(const AnsweredW
       if (running == 0) return absl::OkStatus();
       if (timed_out) {
         return absl::DeadlineExceededError(absl::StrCat(
-            running, " answered steps' GPU work did not finish within ", absl::FormatDuration(options_.timeout),
+            running, " answered steps' GPU work did not finish within ", absl::FormatDuration(answered_timeout_),
             return_at_timeout ? "; their leases are returned as their event closes" : "; their leases stay held"));
       }
     }
@@ -447,6 +461,12 @@ absl::Status LayerExecutor::AwaitAnsweredStep(HandleId id) {
 
 absl::Status LayerExecutor::AwaitAnsweredGeneration(PlacementVersion version) {
   return AwaitAnswered([version](const AnsweredWork& w) { return w.lease.version() == version; }, false);
+}
+
+absl::Status LayerExecutor::AwaitDoneEvents(absl::Span<void* const> events) {
+  return AwaitAnswered(
+      [events](const AnsweredWork& w) { return std::find(events.begin(), events.end(), w.done_event) != events.end(); },
+      true);
 }
 
 absl::Status LayerExecutor::AwaitDoneEvent(void* event) {

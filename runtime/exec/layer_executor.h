@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 #include "kernels/api.h"
 #include "runtime/exec/decode_admission.h"
@@ -224,6 +225,9 @@ class LayerExecutor {
   // destroyed). At the timeout their leases are returned anyway, since the event is about to go
   // (DEADLINE_EXCEEDED says so).
   absl::Status AwaitDoneEvent(void* event);
+  // The same for several events in one wait, bounded by one timeout (a ring's done events, before
+  // the ring closes them: their waits one after the other could last the timeout each).
+  absl::Status AwaitDoneEvents(absl::Span<void* const> events);
   // The same for an earlier step of this id (the registry holds one lease an id): each step
   // waits so before it acquires its generation; at the timeout its lease stays held.
   absl::Status AwaitAnsweredStep(HandleId id);
@@ -422,6 +426,10 @@ class LayerExecutor {
   bool AnswersBeforeWork(const LayerStepInput& in) const {
     return device_ && in.rows_on_device && in.done_event != nullptr;
   }
+  // options_.kernels and options_.timeout, which Bind leaves as they are, for the answered-work
+  // functions that other threads call while Bind may assign options_.
+  kernels::ExpertKernels* event_kernels_ = nullptr;
+  absl::Duration answered_timeout_;
   absl::Mutex answered_mu_;
   std::vector<AnsweredWork> answered_ ABSL_GUARDED_BY(answered_mu_);
   std::atomic<int> answered_count_{0};  // answered_.size(), read without the lock by each step

@@ -4,7 +4,7 @@
 // returned at dispatch_state_releasable, and only then may the generation retire).
 //
 // The kernels here are the CPU reference presented as device-resident, with events the test
-// fires by hand: a GPU whose work runs after the call that enqueued it.
+// fires by hand (testing::HeldEventKernels): a GPU whose work runs after the call that enqueued it.
 #include <atomic>
 #include <memory>
 #include <random>
@@ -18,66 +18,15 @@
 #include "kernels/api.h"
 #include "runtime/exec/layer_executor.h"
 #include "tests/runtime/random_step.h"
+#include "tests/server/held_event_kernels.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {
 namespace {
 
+using testing::HeldEventKernels;
+
 constexpr int kExperts = 8, kD = 32, kFf = 48;
-
-class HeldEventKernels final : public kernels::ExpertKernels {
- public:
-  struct Event {
-    std::atomic<bool> fired{true};
-    int records = 0;
-  };
-  HeldEventKernels() : cpu_(kernels::CreateCpuKernels()) {}
-
-  const char* name() const override { return "cpu-held-events"; }
-  bool device_resident() const override { return true; }
-  absl::Status Gather(const kernels::GatherParams& p, kernels::Stream s) override { return cpu_->Gather(p, s); }
-  absl::Status HistogramScan(const kernels::HistogramParams& p, kernels::Stream s) override {
-    return cpu_->HistogramScan(p, s);
-  }
-  absl::Status RouteRows(const kernels::RouteRowsParams& p, kernels::Stream s) override {
-    return cpu_->RouteRows(p, s);
-  }
-  absl::Status Swiglu(const kernels::SwigluParams& p, kernels::Stream s) override { return cpu_->Swiglu(p, s); }
-  absl::Status Combine(const kernels::CombineParams& p, kernels::Stream s) override { return cpu_->Combine(p, s); }
-  absl::Status Quantize(const kernels::QuantizeParams& p, kernels::Stream s) override { return cpu_->Quantize(p, s); }
-  absl::Status Dequantize(const kernels::DequantizeParams& p, kernels::Stream s) override {
-    return cpu_->Dequantize(p, s);
-  }
-  absl::Status LocalLayer(const kernels::LocalLayerParams& p, kernels::Stream s) override {
-    return cpu_->LocalLayer(p, s);
-  }
-  absl::Status SwigluFp8(const kernels::SwigluFp8Params& p, kernels::Stream s) override {
-    return cpu_->SwigluFp8(p, s);
-  }
-
-  absl::StatusOr<void*> CreateIpcEvent(std::string* handle) override {
-    events_.push_back(std::make_unique<Event>());
-    *handle = std::string(64, static_cast<char>(events_.size()));
-    return events_.back().get();
-  }
-  // The work before the record "runs" until Fire (hold_work_) or is done at once.
-  absl::Status RecordEvent(void* event, kernels::Stream) override {
-    auto* e = static_cast<Event*>(event);
-    ++e->records;
-    e->fired = !hold_work_;
-    return absl::OkStatus();
-  }
-  absl::StatusOr<bool> EventDone(void* event) override { return static_cast<Event*>(event)->fired.load(); }
-  void CloseIpcEvent(void* event) override { ++closed_; }
-
-  void Fire(void* event) { static_cast<Event*>(event)->fired = true; }
-  bool hold_work_ = true;
-  int closed_ = 0;
-
- private:
-  std::unique_ptr<kernels::ExpertKernels> cpu_;
-  std::vector<std::unique_ptr<Event>> events_;
-};
 
 class AnsweredWorkTest : public testing::OneRankTest {
  protected:
@@ -232,6 +181,62 @@ TEST_F(AnsweredWorkTest, ClosingAnEventWaitsForItsWorkAndReturnsItsLeasesAtTheTi
   EXPECT_EQ(held_->closed_, 1);
   EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
   EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+}
+
+// A ring's done events are waited for together: one wait, one timeout, for the steps of all of
+// them (one after the other, each event's wait could last the timeout); others' steps stay held.
+TEST_F(AnsweredWorkTest, SeveralEventsAreAwaitedInOneWait) {
+  std::vector<void*> ring = {NewDoneEvent(), NewDoneEvent(), NewDoneEvent()};
+  void* outside = NewDoneEvent();
+  const testing::RandomRankInput input = Input(12, 2);
+  std::vector<uint16_t> out;
+  uint64_t step = 1;
+  for (void* e : ring) ASSERT_TRUE(DeviceStep(input, step++, Phase::kDecode, &out, e).ok());
+  ASSERT_TRUE(DeviceStep(input, step++, Phase::kDecode, &out, outside).ok());
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 4);
+  // Two of the ring's steps finish while it waits; the third never does.
+  std::thread gpu([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    held_->Fire(ring[0]);
+    held_->Fire(ring[2]);
+  });
+  const absl::Status waited = executor_->AwaitDoneEvents(ring);
+  gpu.join();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  EXPECT_NE(waited.message().find("1 answered steps"), absl::string_view::npos) << waited;
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1) << "the ring's leases went back, the other step's stays";
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 1);
+  held_->Fire(outside);
+  EXPECT_TRUE(executor_->AwaitDoneEvents(ring).ok());
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+}
+
+// A re-formed group's Bind waits for every answered step's work first (Rebind needs their leases
+// returned) and says so when that work does not finish.
+TEST_F(AnsweredWorkTest, BindWaitsForTheAnsweredWork) {
+  void* done = NewDoneEvent();
+  const testing::RandomRankInput input = Input(13, 3);
+  std::vector<uint16_t> out;
+  ASSERT_TRUE(DeviceStep(input, 1, Phase::kDecode, &out, done).ok());
+  executor_->Unbind("test: re-forming as epoch 2");
+  auto group = ProcessGroup::Create(group_.id(), ProcessGroupEpoch(2), {Rank(0)});
+  ASSERT_TRUE(group.ok()) << group.status();
+  const absl::Status refused = executor_->Bind(transport_.get(), topology_, *group, nullptr);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kDeadlineExceeded) << refused;
+  EXPECT_NE(refused.message().find("executor: Bind: 1 answered steps"), absl::string_view::npos) << refused;
+  EXPECT_FALSE(executor_->Membership().has_value());
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
+  std::thread gpu([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    held_->Fire(done);
+  });
+  const absl::Status bound = executor_->Bind(transport_.get(), topology_, *group, nullptr);
+  gpu.join();
+  ASSERT_TRUE(bound.ok()) << bound;
+  EXPECT_EQ(executor_->Membership()->second.epoch().value(), 2);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+  held_->hold_work_ = false;
+  EXPECT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, done).ok());
 }
 
 // The leases' bookkeeping allocates nothing a step: returning the finished ones and the check for

@@ -20,6 +20,7 @@
 #include "kernels/numeric.h"
 #include "rpc/placement_proto.h"
 #include "runtime/checkpoint/expert_loader.h"
+#include "tests/server/held_event_kernels.h"
 #include "tests/server/one_rank_fixture.h"
 
 namespace moe {
@@ -111,7 +112,9 @@ class RankAgentTest : public testing::OneRankTest {
     if (name == "stop") return stub_->StopDispatch(Ctx().get(), req, out);
     return stub_->RetireGeneration(Ctx().get(), req, out);
   }
-  int64_t StepGeneration(uint64_t step) {
+  // A step of 3 tokens on the active generation; with `done`, its rows "in device memory" (the
+  // held-event kernels') and answered once enqueued.
+  int64_t StepGeneration(uint64_t step, void* done = nullptr) {
     const int tokens = 3, k = 2;
     std::vector<uint16_t> hidden(tokens * kD);
     std::mt19937 rng(step);
@@ -126,6 +129,12 @@ class RankAgentTest : public testing::OneRankTest {
     in.topk_ids = ids.data();
     in.topk_weights = w.data();
     in.k = k;
+    std::vector<uint16_t> out(tokens * kD);
+    if (done != nullptr) {
+      in.rows_on_device = true;
+      in.output = out.data();
+      in.done_event = done;
+    }
     auto r = executor_->Execute(in);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->record.placement_version : -1;
@@ -173,6 +182,50 @@ TEST_F(RankAgentTest, GenerationSwapWithFences) {
   ASSERT_EQ(status.generations_size(), 2);
   EXPECT_EQ(status.generations(0).state(), v1::GENERATION_STATE_RETIRED);
   EXPECT_EQ(StepGeneration(3), 2);
+}
+
+// Steps answered before their GPU work finished (done events) hold their generation until it has:
+// a drain's refcount (what the controller waits on through Status) counts them while the work
+// runs and, once it has finished, not even on a rank that serves no further step.
+class RankAgentHeldWorkTest : public RankAgentTest {
+ protected:
+  void SetUp() override {
+    make_kernels_ = [this] {
+      auto k = std::make_unique<testing::HeldEventKernels>();
+      held_ = k.get();
+      return k;
+    };
+    timeout_ = absl::Milliseconds(200);
+    RankAgentTest::SetUp();
+  }
+  int64_t Refcount(int64_t version) {
+    v1::AgentStatusResponse status;
+    EXPECT_TRUE(stub_->Status(Ctx().get(), {}, &status).ok());
+    for (const auto& g : status.generations()) {
+      if (g.version() == version) return g.refcount();
+    }
+    return -1;
+  }
+  testing::HeldEventKernels* held_ = nullptr;
+};
+
+TEST_F(RankAgentHeldWorkTest, AnIdleRankReportsOnlyWorkStillRunning) {
+  std::string handle;
+  absl::StatusOr<void*> done = executor_->CreateDoneEvent(&handle);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(StepGeneration(1, *done), 1);
+  v1::GenerationStatus st;
+  ASSERT_TRUE(Prepare(Manifest(2), &st).ok());
+  ASSERT_TRUE(Lifecycle("activate", 2, &st).ok());
+  EXPECT_EQ(Refcount(1), 1) << "the answered step's work still runs";
+  grpc::Status early = Lifecycle("retire", 1, &st);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << early.error_message();
+  // Retiring the ACTIVE generation is refused by the registry, the answered work not waited for.
+  EXPECT_EQ(Lifecycle("retire", 2, &st).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  held_->Fire(*done);
+  EXPECT_EQ(Refcount(1), 0) << "finished work holds nothing, with no step since";
+  ASSERT_TRUE(Lifecycle("retire", 1, &st).ok());
+  EXPECT_EQ(st.state(), v1::GENERATION_STATE_RETIRED);
 }
 
 TEST_F(RankAgentTest, BadManifestsLeaveNothingBehind) {
