@@ -71,6 +71,9 @@ ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
 ABSL_FLAG(int, max_step_rings, 8,
           "step rings (shared-memory submission for co-located engines; claimed on --engine_socket + \".ring\") "
           "open at once; 0: no step rings");
+ABSL_FLAG(int, max_step_rings_per_uid, 0,
+          "of --max_step_rings, the most one engine uid may hold at once; 0: --max_step_rings divided among the "
+          "--engine_uids (at least 1)");
 ABSL_FLAG(int64_t, max_ring_bytes, int64_t{4} << 30, "most bytes of one step ring");
 ABSL_FLAG(int64_t, ring_spin_us, 50, "how long a step ring's thread spins for the doorbell before it sleeps");
 ABSL_FLAG(int, ring_check_threads, 8,
@@ -663,6 +666,9 @@ absl::Status StartServices(const RankdOptions& o, const Model& m, GenerationRegi
     StepRingsOptions ro;
     ro.socket_path = s->socket_path + ".ring";
     ro.max_rings = rings;
+    const int uids = std::max<int>(static_cast<int>(o.engine_uids.size()), 1);
+    const int per_uid = absl::GetFlag(FLAGS_max_step_rings_per_uid);
+    ro.max_rings_per_uid = per_uid > 0 ? std::min(per_uid, rings) : std::max(rings / uids, 1);
     ro.max_ring_bytes = static_cast<uint64_t>(std::max<int64_t>(absl::GetFlag(FLAGS_max_ring_bytes), 0));
     ro.spin_us = std::max<int64_t>(absl::GetFlag(FLAGS_ring_spin_us), 0);
     ro.check_threads = std::clamp(absl::GetFlag(FLAGS_ring_check_threads), 0, 64);

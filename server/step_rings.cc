@@ -139,13 +139,22 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   }
   Reap(/*all=*/false);
   {
-    // Refused before anything is allocated, mapped or pinned (checked again when it is added).
+    // Refused before anything is allocated, mapped or pinned; counted as opening until it is
+    // added (or refused below).
     absl::MutexLock lock(&mu_);
-    if (static_cast<int>(rings_.size()) >= options_.max_rings) {
-      return absl::ResourceExhaustedError(absl::StrCat("step rings: ", rings_.size(), " open, the limit is ",
-                                                       options_.max_rings, " (--max_step_rings)"));
-    }
+    if (absl::Status s = CheckRingLimits(caller); !s.ok()) return s;
+    ++opening_;
+    ++opening_by_uid_[caller];
   }
+  struct Opening {
+    StepRings* rings;
+    uid_t caller;
+    ~Opening() {
+      absl::MutexLock lock(&rings->mu_);
+      --rings->opening_;
+      if (--rings->opening_by_uid_[caller] == 0) rings->opening_by_uid_.erase(caller);
+    }
+  } opening{this, caller};
   auto r = std::make_shared<Ring>();
   r->device_rows = device_rows.rows;
   r->ready_event = device_rows.ready_event;
@@ -202,13 +211,27 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
   h->admitted_offset = g.admitted_offset;
   h->flags = on_device ? ring::kHeaderDeviceRows : 0;
   absl::MutexLock lock(&mu_);
-  if (static_cast<int>(rings_.size()) >= options_.max_rings) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("step rings: ", rings_.size(), " open, the limit is ", options_.max_rings, " (--max_step_rings)"));
-  }
   r->id = next_id_++;
   rings_[r->id] = r;
   return Opened{r->id, r->ticket, r->bytes};
+}
+
+absl::Status StepRings::CheckRingLimits(uid_t caller) {
+  if (static_cast<int>(rings_.size()) + opening_ >= options_.max_rings) {
+    return absl::ResourceExhaustedError(absl::StrCat("step rings: ", rings_.size(), " open and ", opening_,
+                                                     " opening, the limit is ", options_.max_rings,
+                                                     " (--max_step_rings)"));
+  }
+  const int per_uid = options_.max_rings_per_uid > 0 ? options_.max_rings_per_uid : options_.max_rings;
+  int held = 0;
+  for (const auto& [id, ring] : rings_) held += ring->owner == caller ? 1 : 0;
+  if (auto it = opening_by_uid_.find(caller); it != opening_by_uid_.end()) held += it->second;
+  if (held >= per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat("step rings: uid ", caller, " holds ", held,
+                                                     " (open or opening), the limit a uid is ", per_uid,
+                                                     " (--max_step_rings_per_uid)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status StepRings::Close(uid_t caller, uint64_t id) {

@@ -40,6 +40,9 @@ namespace moe {
 struct StepRingsOptions {
   std::string socket_path;  // the ring socket (moe-rankd: --engine_socket + ".ring")
   int max_rings = 8;        // open (claimed or not) at once
+  // Of those, the most one caller's uid may hold (or be opening) at once, so that one engine
+  // cannot take every ring from the others; 0: max_rings (one admitted uid).
+  int max_rings_per_uid = 0;
   uint64_t max_ring_bytes = uint64_t{4} << 30;
   int64_t spin_us = 50;  // the serving thread's spin before it sleeps on the futex
   // Workers of the NaN/Inf check of a step's rows, which runs beside the executor's first phases
@@ -126,6 +129,13 @@ class StepRings {
   absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);
+  // Rings being made (Open between its check and its insertion), in all and by uid: counted
+  // against the limits, so that concurrent opens cannot all pass the check and each map and pin
+  // a ring before they are refused.
+  int opening_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uid_t, int> opening_by_uid_ ABSL_GUARDED_BY(mu_);
+  // RESOURCE_EXHAUSTED when another ring for `caller` would pass a limit.
+  absl::Status CheckRingLimits(uid_t caller) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace moe

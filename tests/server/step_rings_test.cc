@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <sys/mman.h>
@@ -233,6 +234,79 @@ TEST_F(DeviceRowsRingTest, ARefusedRingReleasesTheMappingAndAHostRingRefusesDevi
   }
   munmap(base, host->bytes);
   close(conn);
+}
+
+// The ring limits: all of them (--max_step_rings) and a uid's share (--max_step_rings_per_uid),
+// so that one admitted engine cannot take every ring; a ring's close gives its uid one back. Rings
+// being opened count against both while they are made, so concurrent opens never pass them.
+TEST(StepRingLimitsTest, EachUidHasItsShareAndAllTogetherTheLimit) {
+  std::string dir = "/tmp/moe-rings-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  StepRingsOptions o;
+  o.socket_path = dir + "/ring.sock";
+  o.max_rings = 5;
+  o.max_rings_per_uid = 2;
+  auto rings = StepRings::Create(o, [](const RingStep&, ring::Result*) {});
+  ASSERT_TRUE(rings.ok()) << rings.status();
+  const uid_t a = getuid(), b = getuid() + 1, c = getuid() + 2;
+  std::vector<StepRings::Opened> a_rings;
+  for (int i = 0; i < 2; ++i) {
+    auto opened = (*rings)->Open(a, kSlots, kMaxTokens, kD, kK);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    a_rings.push_back(*opened);
+  }
+  auto third = (*rings)->Open(a, kSlots, kMaxTokens, kD, kK);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_NE(std::string(third.status().message()).find("--max_step_rings_per_uid"), std::string::npos)
+      << third.status();
+  for (uid_t other : {b, b}) EXPECT_TRUE((*rings)->Open(other, kSlots, kMaxTokens, kD, kK).ok());
+  EXPECT_TRUE((*rings)->Open(c, kSlots, kMaxTokens, kD, kK).ok());
+  auto sixth = (*rings)->Open(c, kSlots, kMaxTokens, kD, kK);
+  EXPECT_EQ(sixth.status().code(), absl::StatusCode::kResourceExhausted) << sixth.status();
+  EXPECT_NE(std::string(sixth.status().message()).find("--max_step_rings)"), std::string::npos) << sixth.status();
+  EXPECT_EQ((*rings)->size(), 5);
+  // Another uid cannot close a's ring; a's close gives a (and the whole) one ring back.
+  EXPECT_EQ((*rings)->Close(b, a_rings[0].id).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE((*rings)->Close(a, a_rings[0].id).ok());
+  EXPECT_TRUE((*rings)->Open(a, kSlots, kMaxTokens, kD, kK).ok());
+  EXPECT_EQ((*rings)->Open(a, kSlots, kMaxTokens, kD, kK).status().code(), absl::StatusCode::kResourceExhausted);
+  rings->reset();
+  rmdir(dir.c_str());
+}
+
+// Concurrent opens of one uid never hold more rings than its share, even while each is being made.
+TEST(StepRingLimitsTest, ConcurrentOpensStayWithinTheLimits) {
+  std::string dir = "/tmp/moe-rings-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  StepRingsOptions o;
+  o.socket_path = dir + "/ring.sock";
+  o.max_rings = 8;
+  o.max_rings_per_uid = 3;
+  std::atomic<int> registered{0}, most{0};
+  o.register_memory = [&](void*, int64_t) {
+    const int now = ++registered;
+    for (int seen = most.load(); now > seen && !most.compare_exchange_weak(seen, now);) {
+    }
+    absl::SleepFor(absl::Milliseconds(5));  // a pin that takes a while: the others run into it
+    return absl::OkStatus();
+  };
+  o.unregister_memory = [&](void*) { --registered; };
+  auto rings = StepRings::Create(o, [](const RingStep&, ring::Result*) {});
+  ASSERT_TRUE(rings.ok()) << rings.status();
+  std::atomic<int> served{0};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 12; ++i) {
+    callers.emplace_back([&] {
+      if ((*rings)->Open(getuid(), kSlots, kMaxTokens, kD, kK).ok()) ++served;
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  EXPECT_EQ(served.load(), 3);
+  EXPECT_EQ((*rings)->size(), 3);
+  EXPECT_LE(most.load(), 3) << "rings pinned at once past the uid's share";
+  rings->reset();
+  EXPECT_EQ(registered.load(), 0);
+  rmdir(dir.c_str());
 }
 
 }  // namespace
