@@ -360,12 +360,13 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
     std::optional<absl::Status> device_checked;
     bool device_check = false;
     absl::StatusOr<LayerStepResult> r;
+    // The engine's rows (and routing) are complete once its ready event fires: nothing of the
+    // step touches the engine's memory before (a bounded host wait, so an engine whose GPU work
+    // hangs gets DEADLINE_EXCEEDED instead of holding the rank). Waited for before the step lock,
+    // which every engine's steps take: one engine's hung work delays no other engine's steps.
+    if (checked.ok() && step.ready_event != nullptr) checked = executor_->WaitReadyEvent(step.ready_event);
     {
       absl::MutexLock lock(&step_mu_);
-      // The engine's rows (and routing) are complete once its ready event fires: nothing of the
-      // step touches the engine's memory before (a bounded host wait, so an engine whose GPU
-      // work hangs gets DEADLINE_EXCEEDED instead of holding the rank).
-      if (checked.ok() && step.ready_event != nullptr) checked = executor_->WaitReadyEvent(step.ready_event);
       device_check = checked.ok() && step.rows_on_device && desc.tokens > 0;
       if (device_check) {
         in.await_input_check = [this, &device_checked]() -> absl::Status {
