@@ -780,11 +780,31 @@ absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput
     po.shadow_version = t.version;
     po.shadow_every = t.shadow_every;
   }
+  // A step the members may sample for the shadow (the agreement samples step ids that are
+  // multiples of shadow_every) with host rows: the served pass and the shadow read one private
+  // copy of the rows, and the served rows are compared before they are written to the caller's
+  // memory. That memory may be a step ring's slot, which the engine can rewrite at any time: it
+  // must not be able to force mismatches (which block a candidate's canary) by changing the rows
+  // between the two passes.
+  LayerStepInput served_in = in;
+  RowBuffer rows_copy, out_copy;
+  const bool sampled = po.shadow_version >= 0 && po.shadow_every > 0 &&
+                       in.step_id % static_cast<uint64_t>(po.shadow_every) == 0 && !in.rows_on_device &&
+                       in.hidden != nullptr && in.tokens > 0 && in.d > 0;
+  if (sampled) {
+    const size_t n = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.d);
+    rows_copy.assign(in.hidden, in.hidden + n);
+    served_in.hidden = rows_copy.data();
+    if (in.output != nullptr) {
+      out_copy.resize(n);
+      served_in.output = out_copy.data();
+    }
+  }
   PassOutcome outcome;
-  auto r = RunPass(in, po, &outcome);
+  auto r = RunPass(served_in, po, &outcome);
   Count(r, in, false, outcome.input_refused);
-  if (outcome.agreed_shadow < 0) return r;
-  RunShadow(in, outcome.agreed_shadow, r);
+  if (outcome.agreed_shadow >= 0) RunShadow(served_in, outcome.agreed_shadow, r);
+  if (!out_copy.empty() && r.ok()) std::copy(out_copy.begin(), out_copy.end(), in.output);
   return r;
 }
 

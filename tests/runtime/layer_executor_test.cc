@@ -413,6 +413,36 @@ TEST_F(OneMemberTest, CanaryStepsCountTheirRoutesUnderTheCandidate) {
   EXPECT_EQ(c.routes_attempted, accepted);
 }
 
+// A step sampled for the shadow reads one private copy of its rows in both passes, and its served
+// rows reach the caller's memory after the comparison: an engine that rewrites its step ring's
+// slot between the two passes cannot force a mismatch (which would block the candidate's canary).
+TEST_F(OneMemberTest, AShadowedStepReadsOneCopyOfItsRows) {
+  ASSERT_NO_FATAL_FAILURE(SetUpRankWithCandidateV2());
+  executor_->SetTrial(2, 1, 0);  // every step a shadow
+  std::mt19937 rng(31);
+  const RankInput input = RandomInput(rng, 5);
+  std::vector<uint16_t> slot_rows = input.hidden, slot_out(input.hidden.size(), 0);
+  LayerStepInput in = input.Step(2, 0, Phase::kPrefill);
+  in.hidden = slot_rows.data();
+  in.output = slot_out.data();
+  int checks = 0;
+  in.await_input_check = [&] {
+    // The shadow pass's check (the second): the engine flips every row's signs under it.
+    if (++checks == 2) {
+      for (uint16_t& v : slot_rows) v ^= 0x8000;
+    }
+    return absl::OkStatus();
+  };
+  auto r = executor_->Execute(in);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(checks, 2);
+  const GenerationCounters c = executor_->Counters()[2];
+  EXPECT_EQ(c.shadow_samples, 1);
+  EXPECT_EQ(c.shadow_failures, 0);
+  EXPECT_EQ(c.shadow_mismatches, 0) << "the shadow read the rewritten rows";
+  EXPECT_LT(ErrorAgainstReference(ckpt_, input, slot_out), 1e-2) << "the served rows, in the caller's memory";
+}
+
 // A canary step whose input this rank refuses (an expert id out of range) counts as rejected
 // under the candidate, not as a failed step: a bad request must not block the promotion gate
 // (FaultsOK reads failed_steps). The expert load grows only by the steps served.
