@@ -559,8 +559,16 @@ absl::StatusOr<RingDeviceRows> ExpertLayerServiceImpl::MapDeviceRows(const v1::O
   auto done = std::make_shared<std::vector<void*>>();  // closed by the release, with the rest
   rows.release = [executor = executor_, base = m.base, event, done] {
     // The work of the steps answered with the done events (which may still write the rows) is
-    // waited for first, all in one wait, so the rows are unmapped after it.
-    executor->AwaitDoneEvents(*done).IgnoreError();
+    // waited for first, all in one wait, so the rows are unmapped after it. Work that does not
+    // finish within the timeout keeps its leases, its events and the mapping: they are left
+    // open rather than freed under kernels that may still run (a fault there would poison the
+    // rank's CUDA context for every engine).
+    if (absl::Status waited = executor->AwaitDoneEvents(*done); !waited.ok()) {
+      spdlog::warn("step ring teardown: {}; the ring's device rows stay mapped and its done events open",
+                   waited.ToString());
+      if (event != nullptr) executor->CloseReadyEvent(event);
+      return;
+    }
     for (void* e : *done) executor->CloseReadyEvent(e);
     if (event != nullptr) executor->CloseReadyEvent(event);
     executor->CloseDeviceRows(base);

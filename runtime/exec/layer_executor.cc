@@ -466,7 +466,7 @@ absl::Status LayerExecutor::AwaitAnsweredGeneration(PlacementVersion version) {
 absl::Status LayerExecutor::AwaitDoneEvents(absl::Span<void* const> events) {
   return AwaitAnswered(
       [events](const AnsweredWork& w) { return std::find(events.begin(), events.end(), w.done_event) != events.end(); },
-      true);
+      false);
 }
 
 absl::Status LayerExecutor::AwaitDoneEvent(void* event) {

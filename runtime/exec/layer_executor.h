@@ -225,8 +225,10 @@ class LayerExecutor {
   // destroyed). At the timeout their leases are returned anyway, since the event is about to go
   // (DEADLINE_EXCEEDED says so).
   absl::Status AwaitDoneEvent(void* event);
-  // The same for several events in one wait, bounded by one timeout (a ring's done events, before
-  // the ring closes them: their waits one after the other could last the timeout each).
+  // Several events' steps in one wait, bounded by one timeout (a ring's done events, before the
+  // ring closes them: their waits one after the other could last the timeout each). Unlike
+  // AwaitDoneEvent, at the timeout the leases stay held: the caller then keeps the events (and
+  // the memory the work writes) instead of closing them under running work.
   absl::Status AwaitDoneEvents(absl::Span<void* const> events);
   // The same for an earlier step of this id (the registry holds one lease an id): each step
   // waits so before it acquires its generation; at the timeout its lease stays held.
