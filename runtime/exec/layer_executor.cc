@@ -367,14 +367,15 @@ absl::Status LayerExecutor::WaitReadyEvent(void* event) {
 // The engine records its ready event before it submits, so it has nearly always fired by now:
 // the first query answers. Otherwise spin briefly, then poll every 20 us up to the timeout.
 absl::Status LayerExecutor::WaitEvent(void* event, absl::string_view work) {
-  const absl::Time start = absl::Now(), deadline = start + options_.timeout;
+  // (The members Bind never assigns: an engine's ready event is waited for outside any step.)
+  const absl::Time start = absl::Now(), deadline = start + answered_timeout_;
   for (;;) {
-    ASSIGN_OR_RETURN(const bool done, options_.kernels->EventDone(event));
+    ASSIGN_OR_RETURN(const bool done, event_kernels_->EventDone(event));
     if (done) return absl::OkStatus();
     const absl::Time now = absl::Now();
     if (now >= deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat(work, " did not finish within ", absl::FormatDuration(options_.timeout)));
+          absl::StrCat(work, " did not finish within ", absl::FormatDuration(answered_timeout_)));
     }
     if (now - start > absl::Microseconds(200)) absl::SleepFor(absl::Microseconds(20));
   }

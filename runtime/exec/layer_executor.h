@@ -429,7 +429,7 @@ class LayerExecutor {
     return device_ && in.rows_on_device && in.done_event != nullptr;
   }
   // options_.kernels and options_.timeout, which Bind leaves as they are, for the answered-work
-  // functions that other threads call while Bind may assign options_.
+  // functions and WaitEvent, which other threads call while Bind may assign options_.
   kernels::ExpertKernels* event_kernels_ = nullptr;
   absl::Duration answered_timeout_;
   absl::Mutex answered_mu_;
