@@ -236,6 +236,57 @@ TEST_F(DeviceRowsRingTest, ARefusedRingReleasesTheMappingAndAHostRingRefusesDevi
   close(conn);
 }
 
+// A step's descriptor and host routing are read once into the rank's own memory: an engine that
+// rewrites its slot while the step is served (here inside the serve callback, after the rank read
+// it) changes nothing the step sees.
+TEST_F(DeviceRowsRingTest, TheDescriptorAndRoutingAreReadOnce) {
+  rings_.reset();
+  std::atomic<char*> engine_view{nullptr};
+  ring::Geometry g;
+  ASSERT_TRUE(ring::ComputeGeometry(kMaxTokens, kD, kK, kSlots, &g));
+  std::vector<int32_t> seen_ids;
+  std::vector<float> seen_weights;
+  int64_t seen_tokens = -1;
+  bool routing_outside_ring = false;
+  StepRingsOptions o;
+  o.socket_path = dir_ + "/ring.sock";
+  o.spin_us = 0;
+  auto rings = StepRings::Create(o, [&](const RingStep& step, ring::Result* result) {
+    char* slot = engine_view.load() + ring::kPage + (step.desc.seq % kSlots) * g.slot_bytes;
+    // The engine's rewrite: every routing entry and the descriptor's token count.
+    std::memset(slot + g.ids_offset, 0x7f, kMaxTokens * kK * 4);
+    std::memset(slot + g.weights_offset, 0x7f, kMaxTokens * kK * 4);
+    reinterpret_cast<ring::Descriptor*>(slot)->tokens = kMaxTokens * 1000;
+    seen_tokens = step.desc.tokens;
+    const int64_t routes = step.desc.tokens * step.desc.k;
+    seen_ids.assign(step.topk_ids, step.topk_ids + routes);
+    seen_weights.assign(step.topk_weights, step.topk_weights + routes);
+    const char* ids = reinterpret_cast<const char*>(step.topk_ids);
+    routing_outside_ring = ids < engine_view.load() || ids >= engine_view.load() + g.total_bytes;
+    result->code = 0;
+  });
+  ASSERT_TRUE(rings.ok()) << rings.status();
+  rings_ = *std::move(rings);
+  auto opened = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  int conn = -1;
+  char* base = Claim(*opened, &conn);
+  ASSERT_NE(base, nullptr);
+  engine_view = base;
+  char* slot = base + ring::kPage;
+  const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6};
+  const std::vector<float> weights = {0.5f, 0.25f, 0.25f, 0.125f, 0.5f, 0.375f};
+  std::memcpy(slot + g.ids_offset, ids.data(), ids.size() * 4);
+  std::memcpy(slot + g.weights_offset, weights.data(), weights.size() * 4);
+  Submit(base, g, 0, 0, 2);
+  EXPECT_EQ(seen_tokens, 2);
+  EXPECT_EQ(seen_ids, ids);
+  EXPECT_EQ(seen_weights, weights);
+  EXPECT_TRUE(routing_outside_ring) << "the step reads its routing from the engine's slot";
+  munmap(base, opened->bytes);
+  close(conn);
+}
+
 // The ring limits: all of them (--max_step_rings) and a uid's share (--max_step_rings_per_uid),
 // so that one admitted engine cannot take every ring; a ring's close gives its uid one back. Rings
 // being opened count against both while they are made, so concurrent opens never pass them.
