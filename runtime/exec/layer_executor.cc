@@ -782,31 +782,73 @@ absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput
     po.shadow_every = t.shadow_every;
   }
   // A step the members may sample for the shadow (the agreement samples step ids that are
-  // multiples of shadow_every) with host rows: the served pass and the shadow read one private
-  // copy of the rows, and the served rows are compared before they are written to the caller's
-  // memory. That memory may be a step ring's slot, which the engine can rewrite at any time: it
-  // must not be able to force mismatches (which block a candidate's canary) by changing the rows
-  // between the two passes.
-  LayerStepInput served_in = in;
-  RowBuffer rows_copy, out_copy;
+  // multiples of shadow_every): the served pass and the shadow read one private copy of its rows
+  // and routing, and the served rows are compared before they are written to the caller's
+  // memory. That memory may be a step ring's slot or the engine's GPU buffers, which the engine
+  // can rewrite at any time: it must not be able to force mismatches (which block a candidate's
+  // canary) by changing them between the two passes. Rows and routing on the device are copied
+  // to the host for such a step, which is then served as a step with host rows.
   const bool sampled = po.shadow_version >= 0 && po.shadow_every > 0 &&
-                       in.step_id % static_cast<uint64_t>(po.shadow_every) == 0 && !in.rows_on_device &&
-                       in.hidden != nullptr && in.tokens > 0 && in.d > 0;
-  if (sampled) {
-    const size_t n = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.d);
-    rows_copy.assign(in.hidden, in.hidden + n);
-    served_in.hidden = rows_copy.data();
-    if (in.output != nullptr) {
-      out_copy.resize(n);
-      served_in.output = out_copy.data();
-    }
-  }
+                       in.step_id % static_cast<uint64_t>(po.shadow_every) == 0 && in.hidden != nullptr &&
+                       in.tokens > 0 && in.d > 0 && in.k > 0;
+  ShadowCopies copies;
+  const LayerStepInput& served_in = sampled ? CopyForShadow(in, &copies) : in;
   PassOutcome outcome;
   auto r = RunPass(served_in, po, &outcome);
   Count(r, in, false, outcome.input_refused);
   if (outcome.agreed_shadow >= 0) RunShadow(served_in, outcome.agreed_shadow, r);
-  if (!out_copy.empty() && r.ok()) std::copy(out_copy.begin(), out_copy.end(), in.output);
+  if (r.ok() && !copies.output.empty()) {
+    if (absl::Status written = WriteServedRows(in, copies.output); !written.ok()) return written;
+  }
   return r;
+}
+
+const LayerStepInput& LayerExecutor::CopyForShadow(const LayerStepInput& in, ShadowCopies* c) {
+  c->in = in;
+  const size_t n = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.d);
+  const size_t routes = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.k);
+  c->rows.resize(n);
+  c->ids.resize(routes);
+  c->weights.resize(routes);
+  if (in.rows_on_device) {
+    if (!options_.kernels->CopyToHost(c->rows.data(), in.hidden, static_cast<int64_t>(n) * 2, nullptr).ok()) return in;
+  } else {
+    std::copy(in.hidden, in.hidden + n, c->rows.begin());
+  }
+  if (in.routing_on_device) {
+    if (!options_.kernels->CopyToHost(c->ids.data(), in.topk_ids, static_cast<int64_t>(routes) * 4, nullptr).ok() ||
+        !options_.kernels->CopyToHost(c->weights.data(), in.topk_weights, static_cast<int64_t>(routes) * 4, nullptr)
+             .ok()) {
+      return in;
+    }
+  } else if (in.topk_ids != nullptr && in.topk_weights != nullptr) {
+    std::copy(in.topk_ids, in.topk_ids + routes, c->ids.begin());
+    std::copy(in.topk_weights, in.topk_weights + routes, c->weights.begin());
+  } else {
+    return in;  // refused by the pass as it is
+  }
+  c->in.hidden = c->rows.data();
+  c->in.topk_ids = c->ids.data();
+  c->in.topk_weights = c->weights.data();
+  c->in.rows_on_device = false;
+  c->in.routing_on_device = false;
+  c->in.done_event = nullptr;
+  if (in.output != nullptr || in.rows_on_device) {
+    c->output.resize(n);
+    c->in.output = c->output.data();
+  }
+  return c->in;
+}
+
+absl::Status LayerExecutor::WriteServedRows(const LayerStepInput& in, const RowBuffer& rows) {
+  if (!in.rows_on_device) {
+    std::copy(rows.begin(), rows.end(), in.output);
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(
+      options_.kernels->CopyToKernel(in.output, rows.data(), static_cast<int64_t>(rows.size()) * 2, nullptr));
+  if (in.done_event != nullptr) return options_.kernels->RecordEvent(in.done_event, nullptr);
+  return options_.kernels->Synchronize(nullptr);
 }
 
 void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const absl::StatusOr<LayerStepResult>& r) {

@@ -428,6 +428,18 @@ class LayerExecutor {
   bool AnswersBeforeWork(const LayerStepInput& in) const {
     return device_ && in.rows_on_device && in.done_event != nullptr;
   }
+  // A step the shadow may sample, served from private host copies of its rows and routing
+  // (ExecuteBound): CopyForShadow fills them and answers the input to serve (`in` itself when a
+  // copy fails), WriteServedRows writes the served rows to the caller's memory (and records its
+  // done event) once the shadow has compared them.
+  struct ShadowCopies {
+    LayerStepInput in;
+    RowBuffer rows, output;
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+  };
+  const LayerStepInput& CopyForShadow(const LayerStepInput& in, ShadowCopies* copies);
+  absl::Status WriteServedRows(const LayerStepInput& in, const RowBuffer& rows);
   // options_.kernels and options_.timeout, which Bind leaves as they are, for the answered-work
   // functions and WaitEvent, which other threads call while Bind may assign options_.
   kernels::ExpertKernels* event_kernels_ = nullptr;

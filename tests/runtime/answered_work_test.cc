@@ -243,6 +243,51 @@ TEST_F(AnsweredWorkTest, BindWaitsForTheAnsweredWork) {
   EXPECT_TRUE(DeviceStep(input, 2, Phase::kDecode, &out, done).ok());
 }
 
+// A step the release's shadow samples, with rows and routing in the engine's device memory, is
+// served from private copies of both, taken as the step begins: the engine rewriting them during
+// the step (here in the served pass's input check, before its rows are read) changes neither
+// pass, so no mismatch can be forced, and the served rows reach the engine's memory, with the
+// done event recorded after them, once compared.
+TEST_F(AnsweredWorkTest, AShadowedDeviceStepReadsOneCopyOfItsRowsAndRouting) {
+  ASSERT_NO_FATAL_FAILURE(PrepareGeneration(2, /*redundant=*/0));
+  executor_->SetTrial(2, 1, 0);  // every step a shadow
+  held_->hold_work_ = false;
+  void* done = NewDoneEvent();
+  const testing::RandomRankInput input = Input(14, 4);
+  auto host = executor_->Execute(input.Step(1, 0, Phase::kPrefill));
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::vector<uint16_t> rows = input.hidden, out(input.hidden.size(), 0);
+  std::vector<int32_t> ids = input.ids;
+  std::vector<float> gates = input.gates;
+  LayerStepInput in = input.Step(2, 0, Phase::kPrefill);
+  in.hidden = rows.data();
+  in.topk_ids = ids.data();
+  in.topk_weights = gates.data();
+  in.rows_on_device = in.routing_on_device = true;
+  in.output = out.data();
+  in.done_event = done;
+  int checks = 0;
+  in.await_input_check = [&] {
+    if (++checks == 1) {  // the served pass's check: the engine rewrites its rows and routing
+      for (uint16_t& v : rows) v ^= 0x8000;
+      for (int32_t& e : ids) e = (e + 1) % kExperts;
+    }
+    return absl::OkStatus();
+  };
+  const int records = static_cast<HeldEventKernels::Event*>(done)->records;
+  auto served = executor_->Execute(in);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(checks, 2);
+  const GenerationCounters c = executor_->Counters()[2];
+  EXPECT_EQ(c.shadow_samples, 2);
+  EXPECT_EQ(c.shadow_failures, 0);
+  EXPECT_EQ(c.shadow_mismatches, 0) << "the shadow read the rewritten rows or routing";
+  EXPECT_EQ(out, std::vector<uint16_t>(host->output.begin(), host->output.end())) << "the served rows";
+  EXPECT_EQ(static_cast<HeldEventKernels::Event*>(done)->records, records + 1) << "the done event, after the rows";
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 0);
+}
+
 // The leases' bookkeeping allocates nothing a step: returning the finished ones and the check for
 // the step's own id (each step does both as it acquires its generation), with work both finished
 // and running.
