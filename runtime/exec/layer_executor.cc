@@ -788,8 +788,7 @@ absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput
   // can rewrite at any time: it must not be able to force mismatches (which block a candidate's
   // canary) by changing them between the two passes. Rows and routing on the device are copied
   // to the host for such a step, which is then served as a step with host rows.
-  const bool sampled = po.shadow_version >= 0 && po.shadow_every > 0 &&
-                       in.step_id % static_cast<uint64_t>(po.shadow_every) == 0 && in.hidden != nullptr &&
+  const bool sampled = ShadowSamples(po.shadow_version, po.shadow_every, in.step_id) && in.hidden != nullptr &&
                        in.tokens > 0 && in.d > 0 && in.k > 0;
   ShadowCopies copies;
   const LayerStepInput& served_in = sampled ? CopyForShadow(in, &copies) : in;
@@ -805,8 +804,16 @@ absl::StatusOr<LayerStepResult> LayerExecutor::ExecuteBound(const LayerStepInput
 
 const LayerStepInput& LayerExecutor::CopyForShadow(const LayerStepInput& in, ShadowCopies* c) {
   c->in = in;
-  const size_t n = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.d);
-  const size_t routes = static_cast<size_t>(in.tokens) * static_cast<size_t>(in.k);
+  // The caller's sizes, checked before the pass validates them: a product that overflows, or
+  // whose byte count could, is left to the pass to refuse.
+  constexpr int64_t kMaxValues = int64_t{1} << 40;
+  int64_t n64 = 0, routes64 = 0;
+  if (__builtin_mul_overflow(in.tokens, static_cast<int64_t>(in.d), &n64) ||
+      __builtin_mul_overflow(in.tokens, static_cast<int64_t>(in.k), &routes64) || n64 > kMaxValues ||
+      routes64 > kMaxValues) {
+    return in;
+  }
+  const size_t n = static_cast<size_t>(n64), routes = static_cast<size_t>(routes64);
   c->rows.resize(n);
   c->ids.resize(routes);
   c->weights.resize(routes);
@@ -860,17 +867,11 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   sin.output = nullptr;  // the shadow's rows are only compared, never handed out
   sin.expected_generation = -1;
   sin.start_input_check = nullptr;  // started by the served pass; the shadow awaits its answer
-  RowBuffer host_rows;              // the engine's rows, when they are on the device: the shadow reads a host copy
-  if (in.rows_on_device && in.done_event != nullptr && r.ok()) {
-    // The served rows may still be in flight (on a graph's stream): read them once written.
-    if (!WaitEvent(in.done_event, "the step's GPU work").ok()) return;  // not compared; the answer stands
-  }
   if (in.rows_on_device && in.tokens > 0) {
-    host_rows.resize(static_cast<size_t>(in.tokens) * in.d);
-    if (!options_.kernels->CopyToHost(host_rows.data(), in.hidden, in.tokens * in.d * 2, nullptr).ok()) {
-      host_rows.clear();  // the pass below fails on the missing rows, counted as a shadow failure
-    }
-    sin.hidden = host_rows.empty() ? nullptr : host_rows.data();
+    // The served step's rows are still the engine's: CopyForShadow, which serves a sampled step
+    // from host copies, could not copy them. The shadow gets none, so its pass fails, counted as
+    // a shadow failure (nothing is compared).
+    sin.hidden = nullptr;
     sin.rows_on_device = false;
   }
   PassOptions spo;
@@ -879,16 +880,10 @@ void LayerExecutor::RunShadow(const LayerStepInput& in, int64_t shadow, const ab
   PassOutcome shadow_outcome;
   auto s = RunPass(sin, spo, &shadow_outcome);
   // Outputs of different sizes give NaN, which is a mismatch too.
-  absl::Span<const uint16_t> served;
-  RowBuffer device_rows;  // the served rows, when they are on the device
-  if (in.output != nullptr && in.rows_on_device) {
-    device_rows.resize(static_cast<size_t>(in.tokens) * in.d);
-    if (r.ok() && options_.kernels->CopyToHost(device_rows.data(), in.output, in.tokens * in.d * 2, nullptr).ok()) {
-      served = device_rows;
-    }
-  } else if (in.output != nullptr) {
+  absl::Span<const uint16_t> served;  // (rows on the device are not read: see above)
+  if (in.output != nullptr && !in.rows_on_device) {
     served = absl::MakeConstSpan(in.output, static_cast<size_t>(in.tokens) * in.d);
-  } else if (r.ok()) {
+  } else if (in.output == nullptr && r.ok()) {
     served = r->output;
   }
   const bool mismatch = s.ok() && r.ok() && !(kernels::RelativeL2Bf16(s->output, served) <= kShadowTolerance);

@@ -430,8 +430,8 @@ class LayerExecutor {
   }
   // A step the shadow may sample, served from private host copies of its rows and routing
   // (ExecuteBound): CopyForShadow fills them and answers the input to serve (`in` itself when a
-  // copy fails), WriteServedRows writes the served rows to the caller's memory (and records its
-  // done event) once the shadow has compared them.
+  // copy fails or the sizes are past any the pass takes), WriteServedRows writes the served rows to the caller's memory
+  // (and records its done event) once the shadow has compared them.
   struct ShadowCopies {
     LayerStepInput in;
     RowBuffer rows, output;

@@ -113,8 +113,7 @@ absl::Status ReadAgreement(const RecordLayout& l, const std::vector<int64_t>& al
                            StepAgreement* out) {
   const int p = l.p;
   // The shadow pass: every member proposed the same (version, period) and the step is sampled.
-  bool shadow =
-      all[kShadowVersion] >= 0 && all[kShadowEvery] > 0 && step_id % static_cast<uint64_t>(all[kShadowEvery]) == 0;
+  bool shadow = ShadowSamples(all[kShadowVersion], all[kShadowEvery], step_id);
   for (int i = 1; i < p && shadow; ++i) {
     shadow = l.At(all, i, kShadowVersion) == all[kShadowVersion] && l.At(all, i, kShadowEvery) == all[kShadowEvery];
   }

@@ -45,6 +45,13 @@ struct StepHeader {
   int64_t expert_dtype = 0;
 };
 
+// Whether a shadow proposal (candidate version, period) samples step `step_id`: the agreement's
+// rule (every member must also propose the same pair), which a member can apply to its own
+// proposal before the agreement.
+inline bool ShadowSamples(int64_t shadow_version, int64_t shadow_every, uint64_t step_id) {
+  return shadow_version >= 0 && shadow_every > 0 && step_id % static_cast<uint64_t>(shadow_every) == 0;
+}
+
 struct StepAgreement {
   std::vector<int64_t> count_matrix;  // [P * P], row = source peer slot, column = destination
   std::vector<int64_t> recv_counts;   // this member's column
