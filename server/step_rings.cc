@@ -143,7 +143,6 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
     // added (or refused below).
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckRingLimits(caller); !s.ok()) return s;
-    ++opening_;
     ++opening_by_uid_[caller];
   }
   struct Opening {
@@ -151,7 +150,6 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
     uid_t caller;
     ~Opening() {
       absl::MutexLock lock(&rings->mu_);
-      --rings->opening_;
       if (--rings->opening_by_uid_[caller] == 0) rings->opening_by_uid_.erase(caller);
     }
   } opening{this, caller};
@@ -217,15 +215,18 @@ absl::StatusOr<StepRings::Opened> StepRings::Open(uid_t caller, int slots, int64
 }
 
 absl::Status StepRings::CheckRingLimits(uid_t caller) {
-  if (static_cast<int>(rings_.size()) + opening_ >= options_.max_rings) {
-    return absl::ResourceExhaustedError(absl::StrCat("step rings: ", rings_.size(), " open and ", opening_,
+  int opening = 0, held = 0;  // in all; the caller's, open or opening
+  for (const auto& [uid, n] : opening_by_uid_) {
+    opening += n;
+    if (uid == caller) held += n;
+  }
+  if (static_cast<int>(rings_.size()) + opening >= options_.max_rings) {
+    return absl::ResourceExhaustedError(absl::StrCat("step rings: ", rings_.size(), " open and ", opening,
                                                      " opening, the limit is ", options_.max_rings,
                                                      " (--max_step_rings)"));
   }
   const int per_uid = options_.max_rings_per_uid > 0 ? options_.max_rings_per_uid : options_.max_rings;
-  int held = 0;
   for (const auto& [id, ring] : rings_) held += ring->owner == caller ? 1 : 0;
-  if (auto it = opening_by_uid_.find(caller); it != opening_by_uid_.end()) held += it->second;
   if (held >= per_uid) {
     return absl::ResourceExhaustedError(absl::StrCat("step rings: uid ", caller, " holds ", held,
                                                      " (open or opening), the limit a uid is ", per_uid,

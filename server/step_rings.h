@@ -129,10 +129,9 @@ class StepRings {
   absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, std::shared_ptr<Ring>> rings_ ABSL_GUARDED_BY(mu_);
-  // Rings being made (Open between its check and its insertion), in all and by uid: counted
-  // against the limits, so that concurrent opens cannot all pass the check and each map and pin
-  // a ring before they are refused.
-  int opening_ ABSL_GUARDED_BY(mu_) = 0;
+  // Rings being made (Open between its check and its insertion), by uid: counted against the
+  // limits, so that concurrent opens cannot all pass the check and each map and pin a ring
+  // before they are refused.
   std::map<uid_t, int> opening_by_uid_ ABSL_GUARDED_BY(mu_);
   // RESOURCE_EXHAUSTED when another ring for `caller` would pass a limit.
   absl::Status CheckRingLimits(uid_t caller) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

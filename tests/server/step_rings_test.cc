@@ -39,16 +39,23 @@ class DeviceRowsRingTest : public ::testing::Test {
     dir_ = "/tmp/moe-rings-XXXXXX";  // a short path: Unix socket paths have at most 107 characters
     ASSERT_NE(mkdtemp(dir_.data()), nullptr);
     StepRingsOptions o;
-    o.socket_path = dir_ + "/ring.sock";
     o.spin_us = 0;
-    auto rings = StepRings::Create(o, [this](const RingStep& step, ring::Result* result) {
+    rings_ = MakeRings(o, "ring.sock", [this](const RingStep& step, ring::Result* result) {
       absl::MutexLock lock(&seen_.mu);
       seen_.steps.push_back(step);
       result->code = step.status.ok() ? 0 : static_cast<int32_t>(step.status.code());
       std::snprintf(result->message, sizeof(result->message), "%s", std::string(step.status.message()).c_str());
     });
-    ASSERT_TRUE(rings.ok()) << rings.status();
-    rings_ = *std::move(rings);
+    ASSERT_NE(rings_, nullptr);
+  }
+  // StepRings of `o` on socket `name` in this test's directory (removed with it), serving with
+  // `serve` (by default: answering every step 0); null, with a failure, if it cannot start.
+  std::unique_ptr<StepRings> MakeRings(
+      StepRingsOptions o, const std::string& name, RingServe serve = [](const RingStep&, ring::Result*) {}) {
+    o.socket_path = dir_ + "/" + name;
+    auto rings = StepRings::Create(std::move(o), std::move(serve));
+    EXPECT_TRUE(rings.ok()) << rings.status();
+    return rings.ok() ? *std::move(rings) : nullptr;
   }
   void TearDown() override {
     rings_.reset();
@@ -249,9 +256,8 @@ TEST_F(DeviceRowsRingTest, TheDescriptorAndRoutingAreReadOnce) {
   int64_t seen_tokens = -1;
   bool routing_outside_ring = false;
   StepRingsOptions o;
-  o.socket_path = dir_ + "/ring.sock";
   o.spin_us = 0;
-  auto rings = StepRings::Create(o, [&](const RingStep& step, ring::Result* result) {
+  rings_ = MakeRings(o, "ring.sock", [&](const RingStep& step, ring::Result* result) {
     char* slot = engine_view.load() + ring::kPage + (step.desc.seq % kSlots) * g.slot_bytes;
     // The engine's rewrite: every routing entry and the descriptor's token count.
     std::memset(slot + g.ids_offset, 0x7f, kMaxTokens * kK * 4);
@@ -265,8 +271,7 @@ TEST_F(DeviceRowsRingTest, TheDescriptorAndRoutingAreReadOnce) {
     routing_outside_ring = ids < engine_view.load() || ids >= engine_view.load() + g.total_bytes;
     result->code = 0;
   });
-  ASSERT_TRUE(rings.ok()) << rings.status();
-  rings_ = *std::move(rings);
+  ASSERT_NE(rings_, nullptr);
   auto opened = rings_->Open(getuid(), kSlots, kMaxTokens, kD, kK);
   ASSERT_TRUE(opened.ok()) << opened.status();
   int conn = -1;
@@ -290,47 +295,41 @@ TEST_F(DeviceRowsRingTest, TheDescriptorAndRoutingAreReadOnce) {
 // The ring limits: all of them (--max_step_rings) and a uid's share (--max_step_rings_per_uid),
 // so that one admitted engine cannot take every ring; a ring's close gives its uid one back. Rings
 // being opened count against both while they are made, so concurrent opens never pass them.
-TEST(StepRingLimitsTest, EachUidHasItsShareAndAllTogetherTheLimit) {
-  std::string dir = "/tmp/moe-rings-XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+using StepRingLimitsTest = DeviceRowsRingTest;
+
+TEST_F(StepRingLimitsTest, EachUidHasItsShareAndAllTogetherTheLimit) {
   StepRingsOptions o;
-  o.socket_path = dir + "/ring.sock";
   o.max_rings = 5;
   o.max_rings_per_uid = 2;
-  auto rings = StepRings::Create(o, [](const RingStep&, ring::Result*) {});
-  ASSERT_TRUE(rings.ok()) << rings.status();
+  std::unique_ptr<StepRings> rings = MakeRings(o, "limits.sock");
+  ASSERT_NE(rings, nullptr);
   const uid_t a = getuid(), b = getuid() + 1, c = getuid() + 2;
   std::vector<StepRings::Opened> a_rings;
   for (int i = 0; i < 2; ++i) {
-    auto opened = (*rings)->Open(a, kSlots, kMaxTokens, kD, kK);
+    auto opened = rings->Open(a, kSlots, kMaxTokens, kD, kK);
     ASSERT_TRUE(opened.ok()) << opened.status();
     a_rings.push_back(*opened);
   }
-  auto third = (*rings)->Open(a, kSlots, kMaxTokens, kD, kK);
+  auto third = rings->Open(a, kSlots, kMaxTokens, kD, kK);
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
   EXPECT_NE(std::string(third.status().message()).find("--max_step_rings_per_uid"), std::string::npos)
       << third.status();
-  for (uid_t other : {b, b}) EXPECT_TRUE((*rings)->Open(other, kSlots, kMaxTokens, kD, kK).ok());
-  EXPECT_TRUE((*rings)->Open(c, kSlots, kMaxTokens, kD, kK).ok());
-  auto sixth = (*rings)->Open(c, kSlots, kMaxTokens, kD, kK);
+  for (uid_t other : {b, b}) EXPECT_TRUE(rings->Open(other, kSlots, kMaxTokens, kD, kK).ok());
+  EXPECT_TRUE(rings->Open(c, kSlots, kMaxTokens, kD, kK).ok());
+  auto sixth = rings->Open(c, kSlots, kMaxTokens, kD, kK);
   EXPECT_EQ(sixth.status().code(), absl::StatusCode::kResourceExhausted) << sixth.status();
   EXPECT_NE(std::string(sixth.status().message()).find("--max_step_rings)"), std::string::npos) << sixth.status();
-  EXPECT_EQ((*rings)->size(), 5);
+  EXPECT_EQ(rings->size(), 5);
   // Another uid cannot close a's ring; a's close gives a (and the whole) one ring back.
-  EXPECT_EQ((*rings)->Close(b, a_rings[0].id).code(), absl::StatusCode::kNotFound);
-  ASSERT_TRUE((*rings)->Close(a, a_rings[0].id).ok());
-  EXPECT_TRUE((*rings)->Open(a, kSlots, kMaxTokens, kD, kK).ok());
-  EXPECT_EQ((*rings)->Open(a, kSlots, kMaxTokens, kD, kK).status().code(), absl::StatusCode::kResourceExhausted);
-  rings->reset();
-  rmdir(dir.c_str());
+  EXPECT_EQ(rings->Close(b, a_rings[0].id).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(rings->Close(a, a_rings[0].id).ok());
+  EXPECT_TRUE(rings->Open(a, kSlots, kMaxTokens, kD, kK).ok());
+  EXPECT_EQ(rings->Open(a, kSlots, kMaxTokens, kD, kK).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 // Concurrent opens of one uid never hold more rings than its share, even while each is being made.
-TEST(StepRingLimitsTest, ConcurrentOpensStayWithinTheLimits) {
-  std::string dir = "/tmp/moe-rings-XXXXXX";
-  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+TEST_F(StepRingLimitsTest, ConcurrentOpensStayWithinTheLimits) {
   StepRingsOptions o;
-  o.socket_path = dir + "/ring.sock";
   o.max_rings = 8;
   o.max_rings_per_uid = 3;
   std::atomic<int> registered{0}, most{0};
@@ -342,22 +341,21 @@ TEST(StepRingLimitsTest, ConcurrentOpensStayWithinTheLimits) {
     return absl::OkStatus();
   };
   o.unregister_memory = [&](void*) { --registered; };
-  auto rings = StepRings::Create(o, [](const RingStep&, ring::Result*) {});
-  ASSERT_TRUE(rings.ok()) << rings.status();
+  std::unique_ptr<StepRings> rings = MakeRings(o, "limits.sock");
+  ASSERT_NE(rings, nullptr);
   std::atomic<int> served{0};
   std::vector<std::thread> callers;
   for (int i = 0; i < 12; ++i) {
     callers.emplace_back([&] {
-      if ((*rings)->Open(getuid(), kSlots, kMaxTokens, kD, kK).ok()) ++served;
+      if (rings->Open(getuid(), kSlots, kMaxTokens, kD, kK).ok()) ++served;
     });
   }
   for (std::thread& t : callers) t.join();
   EXPECT_EQ(served.load(), 3);
-  EXPECT_EQ((*rings)->size(), 3);
+  EXPECT_EQ(rings->size(), 3);
   EXPECT_LE(most.load(), 3) << "rings pinned at once past the uid's share";
-  rings->reset();
+  rings.reset();
   EXPECT_EQ(registered.load(), 0);
-  rmdir(dir.c_str());
 }
 
 }  // namespace
