@@ -421,7 +421,20 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
   m.seconds = seconds;
 }
 
+void ExpertLayerServiceImpl::NoteAnsweredWork() {
+  const LayerExecutor::AnsweredStats a = executor_->AnsweredWorkStats();
+  if (metrics_ != nullptr) metrics_->AnsweredWork(a.held, a.cap_waits, a.cap_timeouts);
+  if (a.cap_timeouts > cap_timeouts_logged_) {
+    cap_timeouts_logged_ = a.cap_timeouts;
+    spdlog::warn(
+        "{} steps found {} answered steps' GPU work unfinished and waited the collective timeout for it "
+        "(their leases stay held; an engine's GPU work does not finish, or it never waits on its done events)",
+        a.cap_timeouts, LayerExecutor::kMaxAnswered);
+  }
+}
+
 void ExpertLayerServiceImpl::NoteRecordedWork() {
+  NoteAnsweredWork();
   const RecordedWork::Stats& w = executor_->LoneDecodeRecordings();
   const int64_t total = w.recorded + w.stale + w.failed + w.evicted + w.full;
   if (total == recorded_counted_) return;

@@ -94,7 +94,10 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   absl::Mutex step_mu_;  // one layer step at a time: collectives run in arrival order
   // The executor's recordings of lone decode steps (LayerExecutor::LoneDecodeRecordings): counted
   // in the metrics when they change, and each failed one logged.
-  void NoteRecordedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  void NoteRecordedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);  // and NoteAnsweredWork
+  // The answered steps' leases and cap waits into the metrics; a new cap timeout is logged.
+  void NoteAnsweredWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
+  int64_t cap_timeouts_logged_ ABSL_GUARDED_BY(step_mu_) = 0;
   int64_t recorded_counted_ ABSL_GUARDED_BY(step_mu_) = 0;
   int64_t failures_logged_ ABSL_GUARDED_BY(step_mu_) = 0;
   absl::Mutex mu_;

@@ -69,6 +69,22 @@ RankMetrics::RankMetrics(const std::string& release)
   for (const char* outcome : {"recorded", "stale", "failed", "evicted", "full"}) {
     recorded_work_[i++] = &recorded.Add({{"release", release_}, {"outcome", outcome}});
   }
+  answered_held_ = &prometheus::BuildGauge()
+                        .Name("moe_answered_steps_held")
+                        .Help(
+                            "Steps answered before their GPU work finished (device rows with done events) whose "
+                            "generation leases are still held, as of the last step")
+                        .Register(*registry_)
+                        .Add({{"release", release_}});
+  auto& cap_waits = prometheus::BuildCounter()
+                        .Name("moe_answered_cap_waits_total")
+                        .Help(
+                            "Steps that found 256 answered steps' leases held and waited for the oldest work, by "
+                            "outcome: finished, or timeout (waited the collective timeout, the leases still held: "
+                            "an engine whose GPU work does not finish)")
+                        .Register(*registry_);
+  cap_waits_[0] = &cap_waits.Add({{"release", release_}, {"outcome", "finished"}});
+  cap_waits_[1] = &cap_waits.Add({{"release", release_}, {"outcome", "timeout"}});
   epoch_changes_ = &prometheus::BuildHistogram()
                         .Name("moe_process_group_rebuild_seconds")
                         .Help("Time from a PREPARE of a new epoch to its transport bound (or failed), by outcome")
@@ -231,6 +247,16 @@ void RankMetrics::RecordedWork(int64_t recorded, int64_t stale, int64_t failed, 
   for (size_t i = 0; i < now.size(); ++i) {
     if (now[i] > recorded_seen_[i]) recorded_work_[i]->Increment(static_cast<double>(now[i] - recorded_seen_[i]));
     recorded_seen_[i] = std::max(recorded_seen_[i], now[i]);
+  }
+}
+
+void RankMetrics::AnsweredWork(int64_t held, int64_t cap_waits, int64_t cap_timeouts) {
+  answered_held_->Set(static_cast<double>(held));
+  const std::array<int64_t, 2> now{cap_waits - cap_timeouts, cap_timeouts};
+  std::lock_guard<std::mutex> lock(recorded_mu_);
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (now[i] > cap_seen_[i]) cap_waits_[i]->Increment(static_cast<double>(now[i] - cap_seen_[i]));
+    cap_seen_[i] = std::max(cap_seen_[i], now[i]);
   }
 }
 

@@ -53,6 +53,10 @@ class RankMetrics {
   // recording ran recently), from the executor's running totals: each call counts their growth
   // since the last.
   void RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted, int64_t full);
+  // Steps answered before their GPU work finished whose generation leases are still held, and
+  // the running totals of steps that found LayerExecutor::kMaxAnswered of them held and waited
+  // for the oldest work (cap_timeouts: up to the timeout; LayerExecutor::AnsweredWorkStats).
+  void AnsweredWork(int64_t held, int64_t cap_waits, int64_t cap_timeouts);
   // Progress of the checkpoint load at start-up (runtime/checkpoint/expert_loader.h).
   void CheckpointLoad(int64_t bytes_done, int64_t bytes_total, int layers_done, int layers_total, double seconds);
   // The wall time of each phase of an answered step (runtime/exec/step.h), `phase` prefill or decode.
@@ -77,6 +81,9 @@ class RankMetrics {
   std::array<prometheus::Counter*, 5> recorded_work_{};  // recorded, stale, failed, evicted, full
   std::mutex recorded_mu_;
   std::array<int64_t, 5> recorded_seen_{};  // the totals last counted
+  prometheus::Gauge* answered_held_;
+  std::array<prometheus::Counter*, 2> cap_waits_{};  // finished, timeout
+  std::array<int64_t, 2> cap_seen_{};                // guarded by recorded_mu_
   prometheus::Gauge* load_bytes_done_;
   prometheus::Gauge* load_bytes_total_;
   prometheus::Gauge* load_layers_done_;

@@ -390,11 +390,17 @@ void LayerExecutor::HoldUntilDone(void* done_event, GenerationLease lease) {
     answered_count_.store(held, std::memory_order_relaxed);
   }
   // An engine that never waits on its events cannot pile up leases: past a bound the step waits
-  // for the oldest work like a step without a done event would.
-  constexpr int kMaxAnswered = 256;
+  // for the oldest work like a step without a done event would (counted: AnsweredWorkStats).
   if (held <= kMaxAnswered) return;
+  cap_waits_.fetch_add(1, std::memory_order_relaxed);
   const absl::Time deadline = absl::Now() + answered_timeout_;
-  while (ReleaseFinishedWork() > kMaxAnswered && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(20));
+  while (ReleaseFinishedWork() > kMaxAnswered) {
+    if (absl::Now() >= deadline) {
+      cap_timeouts_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    absl::SleepFor(absl::Microseconds(20));
+  }
 }
 
 int LayerExecutor::ReleaseFinishedWork() {

@@ -236,6 +236,20 @@ class LayerExecutor {
   // The same for the steps of one generation (before it retires or is discarded: steps of the
   // active one go on answering meanwhile, so waiting for all of them could last the timeout).
   absl::Status AwaitAnsweredGeneration(PlacementVersion version);
+  // The answered steps' leases as the last step left them, and the steps that found
+  // kMaxAnswered of them held: each such step waits (before it returns) for the oldest work to
+  // finish, up to the collective timeout; `cap_timeouts` of them waited that long, their leases
+  // still held (an engine that never lets its GPU work finish, or never waits on its events).
+  struct AnsweredStats {
+    int64_t held = 0;
+    int64_t cap_waits = 0;
+    int64_t cap_timeouts = 0;
+  };
+  AnsweredStats AnsweredWorkStats() const {
+    return AnsweredStats{answered_count_.load(std::memory_order_relaxed), cap_waits_.load(std::memory_order_relaxed),
+                         cap_timeouts_.load(std::memory_order_relaxed)};
+  }
+  static constexpr int kMaxAnswered = 256;
   ~LayerExecutor();
   // The NaN/Inf scan of `n` BF16 values in device memory (ExpertKernels::StartFindNonFiniteBf16
   // on the step stream): Start enqueues it, Finish waits and returns the first bad index or -1.
@@ -446,7 +460,8 @@ class LayerExecutor {
   absl::Duration answered_timeout_;
   absl::Mutex answered_mu_;
   std::vector<AnsweredWork> answered_ ABSL_GUARDED_BY(answered_mu_);
-  std::atomic<int> answered_count_{0};  // answered_.size(), read without the lock by each step
+  std::atomic<int> answered_count_{0};                   // answered_.size(), read without the lock by each step
+  std::atomic<int64_t> cap_waits_{0}, cap_timeouts_{0};  // AnsweredWorkStats
   mutable absl::Mutex generations_mu_;
   // By layer (-1: the steps of generations that name no layers, LoadLayer).
   std::map<int64_t, int64_t> conservation_by_epoch_ ABSL_GUARDED_BY(generations_mu_);

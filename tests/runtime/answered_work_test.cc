@@ -215,6 +215,49 @@ TEST_F(AnsweredWorkTest, SeveralEventsAreAwaitedInOneWait) {
   EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
 }
 
+// An engine that never lets its GPU work finish cannot pile up leases: the step past
+// kMaxAnswered held waits for the oldest work, up to the timeout, and each such wait is counted
+// (the rank's moe_answered_cap_waits_total) with its outcome.
+TEST_F(AnsweredWorkTest, StepsPastTheCapWaitForTheOldestWorkAndAreCounted) {
+  void* early = NewDoneEvent();
+  void* late = NewDoneEvent();
+  const testing::RandomRankInput input = Input(15, 1);
+  std::vector<uint16_t> out;
+  uint64_t step = 1;
+  for (int i = 0; i < LayerExecutor::kMaxAnswered; ++i) {
+    ASSERT_TRUE(DeviceStep(input, step++, Phase::kDecode, &out, early).ok());
+  }
+  LayerExecutor::AnsweredStats stats = executor_->AnsweredWorkStats();
+  EXPECT_EQ(stats.held, LayerExecutor::kMaxAnswered);
+  EXPECT_EQ(stats.cap_waits, 0);
+  // One more: the step waits the timeout for work that never finishes, and answers with every
+  // lease still held.
+  absl::Time start = absl::Now();
+  ASSERT_TRUE(DeviceStep(input, step++, Phase::kDecode, &out, early).ok());
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  stats = executor_->AnsweredWorkStats();
+  EXPECT_EQ(stats.held, LayerExecutor::kMaxAnswered + 1);
+  EXPECT_EQ(stats.cap_waits, 1);
+  EXPECT_EQ(stats.cap_timeouts, 1);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), LayerExecutor::kMaxAnswered + 1);
+  // The next one's wait ends when the older work finishes.
+  std::thread gpu([&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    held_->Fire(early);
+  });
+  start = absl::Now();
+  ASSERT_TRUE(DeviceStep(input, step++, Phase::kDecode, &out, late).ok());
+  gpu.join();
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(200));
+  stats = executor_->AnsweredWorkStats();
+  EXPECT_EQ(stats.held, 1) << "the late step's work still runs";
+  EXPECT_EQ(stats.cap_waits, 2);
+  EXPECT_EQ(stats.cap_timeouts, 1);
+  EXPECT_EQ(registry_.Refcount(PlacementVersion(1)), 1);
+  held_->Fire(late);
+  EXPECT_EQ(executor_->ReleaseFinishedWork(), 0);
+}
+
 // A re-formed group's Bind waits for every answered step's work first (Rebind needs their leases
 // returned) and says so when that work does not finish.
 TEST_F(AnsweredWorkTest, BindWaitsForTheAnsweredWork) {

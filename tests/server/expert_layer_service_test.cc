@@ -915,6 +915,27 @@ TEST(RankMetricsTest, RecordedWorkCountsTheTotalsGrowth) {
             (std::map<std::string, double>{{"recorded", 5}, {"stale", 1}, {"failed", 1}, {"evicted", 2}, {"full", 9}}));
 }
 
+// moe_answered_steps_held is the last count; moe_answered_cap_waits_total splits the running
+// totals by outcome (finished = waits - timeouts) and counts their growth.
+TEST(RankMetricsTest, AnsweredWorkSplitsTheCapWaitsByOutcome) {
+  RankMetrics metrics("test");
+  metrics.AnsweredWork(300, 2, 1);
+  metrics.AnsweredWork(12, 5, 1);
+  double held = -1;
+  std::map<std::string, double> waits;
+  for (const auto& family : metrics.registry()->Collect()) {
+    for (const auto& m : family.metric) {
+      if (family.name == "moe_answered_steps_held") held = m.gauge.value;
+      if (family.name != "moe_answered_cap_waits_total") continue;
+      for (const auto& label : m.label) {
+        if (label.name == "outcome") waits[label.value] = m.counter.value;
+      }
+    }
+  }
+  EXPECT_EQ(held, 12);
+  EXPECT_EQ(waits, (std::map<std::string, double>{{"finished", 4}, {"timeout", 1}}));
+}
+
 // A ring whose rows stay in the engine's GPU memory: its fields are checked before anything is
 // mapped, a rank on CPU kernels refuses it naming device_rows, and nothing is left open.
 // The device slot layout both sides compute (python/moe_runtime/ring.py device_geometry checks
