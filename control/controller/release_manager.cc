@@ -234,6 +234,26 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
     ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
     if (recorded.empty()) RETURN_IF_ERROR(VerifyRegisteredBundle(release_id));
   }
+  if (drives_ranks() && to == ReleaseState::kShadow) {
+    // Each rank runs one candidate's trial at a time (SetTrial replaces it): a second candidate
+    // entering SHADOW would silently take the first one's shadow and canary steps while the
+    // registry still names the first SHADOW or CANARY (CANARY is entered only from SHADOW, so
+    // this one check keeps a single candidate in trial). A retry of a committed transition is
+    // answered from the record.
+    ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
+    if (recorded.empty()) {
+      ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
+      for (const ReleaseRecord& other : releases) {
+        if (other.release_id == release_id) continue;
+        if (other.state == ReleaseState::kShadow || other.state == ReleaseState::kCanary) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "to: ", ReleaseStateName(to), " refused for ", release_id, ": ", other.release_id, " is ",
+              ReleaseStateName(other.state), " and the ranks run one candidate's trial at a time; promote or drain ",
+              other.release_id, " first"));
+        }
+      }
+    }
+  }
   if (drives_ranks() && to == ReleaseState::kCanary) {
     // 0x0E: runner parity differs -> block canary. A candidate whose shadow outputs differ never
     // serves live steps: the transition is refused and the candidate drained.
@@ -786,7 +806,18 @@ absl::Status StoreReleaseManager::RollBackAFaultingRelease() {
 
 absl::Status StoreReleaseManager::Reconcile() {
   if (!drives_ranks()) return absl::OkStatus();
-  if (trial_.auto_rollback_faults > 0) RETURN_IF_ERROR(RollBackAFaultingRelease());
+  if (trial_.auto_rollback_faults > 0) {
+    // A rollback that fails (a rank down, its prior not held everywhere) is retried at the next
+    // reconcile; meanwhile the ranks are still brought to the ACTIVE placement below, so a
+    // restarted rank or a new epoch's members are not left out by it.
+    if (absl::Status rolled = RollBackAFaultingRelease(); !rolled.ok()) {
+      absl::MutexLock lock(&auto_rollback_mu_);
+      if (auto_rollback_failed_ != rolled.message()) {  // once per distinct failure
+        spdlog::warn("reconcile: {}; the ranks are still brought to the ACTIVE placement", rolled.ToString());
+        auto_rollback_failed_ = std::string(rolled.message());
+      }
+    }
+  }
   absl::MutexLock lock(&write_mu_);
   ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
   for (const ReleaseRecord& r : releases) {

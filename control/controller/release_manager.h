@@ -160,6 +160,7 @@ class StoreReleaseManager final : public ReleaseManager {
   // TrialPolicy.auto_rollback_faults: the ACTIVE release rolled back when its faults reached it.
   absl::Mutex auto_rollback_mu_;
   std::string auto_rollback_warned_ ABSL_GUARDED_BY(auto_rollback_mu_);  // the release warned of, once
+  std::string auto_rollback_failed_ ABSL_GUARDED_BY(auto_rollback_mu_);  // the last rollback failure logged
   absl::Status RollBackAFaultingRelease();
   absl::StatusOr<std::vector<StoredTransition>> CommitRollback(const std::string& request_id,
                                                                const std::string& release_id,

@@ -148,6 +148,11 @@ class FakeRank final : public v1::RankAgentService::Service {
     absl::MutexLock lock(&mu_);
     return status_.trial();
   }
+  // The placement this rank serves, as after a restart on its boot placement.
+  void SetActive(int64_t version) {
+    absl::MutexLock lock(&mu_);
+    status_.set_active_version(version);
+  }
   void SetRefcount(int64_t version, int64_t n) {
     absl::MutexLock lock(&mu_);
     Find(version)->set_refcount(n);
@@ -710,6 +715,75 @@ TEST_F(GateTest, AnActiveReleaseWhoseFaultsReachTheThresholdIsRolledBack) {
   ASSERT_TRUE(automatic.Reconcile().ok());
   EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_ACTIVE);
   for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
+}
+
+// An auto-rollback that is refused (rank 0 retired the prior's placement) does not stop the
+// reconcile: rank 1, back on another placement as after a restart, is still brought to the
+// ACTIVE one, and the faulting release stays ACTIVE (nothing half-applied).
+TEST_F(GateTest, ARefusedAutoRollbackStillBringsTheRanksToTheActivePlacement) {
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
+  StoreReleaseManager automatic(store_.get(), PromotionThresholds{}, pool_.get(), TwoNodeTopology(kRanks),
+                                absl::Seconds(5), MigrationBudget{}, TrialPolicy{2, 3, 0, /*auto_rollback_faults=*/2});
+  v1::GenerationCounters faulty = Healthy(2);
+  faulty.set_failed_steps(2);
+  ranks_[1]->SetCounters(faulty);
+  ranks_[0]->SetState(1, v1::GENERATION_STATE_RETIRED);
+  ranks_[1]->SetActive(1);
+  for (auto& r : ranks_) r->TakeCalls();
+  const absl::Status reconciled = automatic.Reconcile();
+  EXPECT_TRUE(reconciled.ok()) << reconciled;
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(Get("release-v1").state(), v1::RELEASE_STATE_DRAINING);
+  for (auto& r : ranks_) EXPECT_EQ(r->TakeCalls(), std::vector<std::string>{"activate v2"});
+}
+
+// A prior that an operator retired since the promotion is no rollback target: the reconcile
+// neither tries it nor fails, and the faulting release stays ACTIVE.
+TEST_F(GateTest, AnAutoRollbackNeverTargetsARetiredPrior) {
+  ASSERT_NO_FATAL_FAILURE(PromoteV2OverV1());
+  ASSERT_TRUE(Transition("release-v1:retire", "release-v1", v1::RELEASE_STATE_RETIRED).ok());
+  StoreReleaseManager automatic(store_.get(), PromotionThresholds{}, pool_.get(), TwoNodeTopology(kRanks),
+                                absl::Seconds(5), MigrationBudget{}, TrialPolicy{2, 3, 0, /*auto_rollback_faults=*/2});
+  v1::GenerationCounters faulty = Healthy(2);
+  faulty.set_failed_steps(3);
+  ranks_[1]->SetCounters(faulty);
+  for (auto& r : ranks_) r->TakeCalls();
+  const size_t before = History("").size();
+  const absl::Status reconciled = automatic.Reconcile();
+  EXPECT_TRUE(reconciled.ok()) << reconciled;
+  EXPECT_EQ(Get("release-v2").state(), v1::RELEASE_STATE_ACTIVE);
+  EXPECT_EQ(History("").size(), before);
+  for (auto& r : ranks_) EXPECT_TRUE(r->TakeCalls().empty());
+}
+
+// The ranks run one candidate's trial at a time: a second candidate's SHADOW is refused while
+// the first is SHADOW or CANARY (it would take over the first one's trial steps while the
+// registry still names the first), and allowed once the first has left.
+TEST_F(GateTest, ASecondCandidatesTrialWaitsForTheFirst) {
+  ASSERT_NO_FATAL_FAILURE(Bootstrap());
+  ASSERT_NO_FATAL_FAILURE(ToShadow("release-v2", 2));
+  ASSERT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
+  ASSERT_NO_FATAL_FAILURE(RegisterVerified("release-v3"));
+  v1::LoadPlacementRequest load;
+  load.set_request_id("release-v3:load");
+  load.set_release_id("release-v3");
+  *load.mutable_manifest() = Manifest(3);
+  v1::Release rel;
+  ASSERT_TRUE(stub_->LoadPlacement(Ctx().get(), load, &rel).ok());
+  const grpc::Status refused = Transition("release-v3:shadow", "release-v3", v1::RELEASE_STATE_SHADOW);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(refused.error_message(), HasSubstr("to: SHADOW refused for release-v3: release-v2 is CANARY"));
+  EXPECT_EQ(Get("release-v3").state(), v1::RELEASE_STATE_LOADED);
+  for (auto& r : ranks_) {
+    EXPECT_EQ(r->Trial().version(), 2);
+    EXPECT_GT(r->Trial().canary_every(), 0) << "release-v2's canary goes on";
+  }
+  // A retry of release-v2's committed CANARY is still answered from the record.
+  EXPECT_TRUE(Transition("release-v2:canary", "release-v2", v1::RELEASE_STATE_CANARY).ok());
+  ASSERT_TRUE(Transition("release-v2:drain", "release-v2", v1::RELEASE_STATE_DRAINING).ok());
+  const grpc::Status shadow = Transition("release-v3:shadow", "release-v3", v1::RELEASE_STATE_SHADOW);
+  ASSERT_TRUE(shadow.ok()) << shadow.error_message();
+  for (auto& r : ranks_) EXPECT_EQ(r->Trial().version(), 3);
 }
 
 // A rollback to a prior whose placement one rank no longer holds (a retirement of the prior that
