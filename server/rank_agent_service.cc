@@ -444,7 +444,14 @@ grpc::Status RankAgentServiceImpl::FetchSlotWeights(grpc::ServerContext* ctx, co
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("placement-v", v.value(), ": no weights in memory on rank ", c_.rank.value()));
   }
-  // The slot's weights in the requested layer, or in every layer, layer after layer.
+  // The slot's weights in the requested layer. A generation of several layers is fetched a
+  // layer a call: all of them in one reply would be the layers' count times an expert's bytes
+  // (DeepSeek-V3: ~5 GB) allocated for each caller.
+  if (!req->has_layer() && w->num_layers() > 1) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("layer: required: placement-v", v.value(), " has ", w->num_layers(),
+                                     " layers, fetched one a call"));
+  }
   const size_t gu1 = static_cast<size_t>(2) * w->d_ff * w->d, dn1 = static_cast<size_t>(w->d) * w->d_ff;
   const size_t l_count = m->LocalSlots(c_.rank).size();
   int first = 0, last = w->num_layers();

@@ -314,6 +314,7 @@ absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int
   const MappedSafetensors* shard = nullptr;
   const TensorRef* t = Tensor(name, &shard);
   if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat(dir_, ": tensor ", name, " is missing"));
+  RETURN_IF_ERROR(shard->CheckIntact());  // a shorter file would fault the read (SIGBUS)
   if (t->shape != std::vector<int64_t>{rows, cols}) {
     return absl::FailedPreconditionError(absl::StrCat(dir_, ": tensor ", name, " has shape ", ShapeText(t->shape),
                                                       ", expected [", rows, ", ", cols, "]"));
@@ -347,6 +348,7 @@ absl::Status HfCheckpoint::ReadMatrix(const std::string& name, int64_t rows, int
                                                       scols, "] (one scale per ", br, "x", bc, " block of ", name, ")",
                                                       s == nullptr ? ", it is missing" : ""));
   }
+  RETURN_IF_ERROR(scale_shard->CheckIntact());
   std::vector<float> scales(static_cast<size_t>(srows * scols));
   for (int64_t i = 0; i < srows * scols; ++i) {
     if (s->dtype == "F32") {
@@ -389,6 +391,7 @@ absl::Status HfCheckpoint::ReadFusedExpert(const std::string& prefix, int expert
                                                         ShapeText(t->shape), ", expected BF16/F16/F32 ",
                                                         ShapeText(parts[i].second)));
     }
+    RETURN_IF_ERROR(shard->CheckIntact());         // a shorter file would fault the read (SIGBUS)
     const int64_t n = i == 0 ? 2 * f * d : d * f;  // elements of one expert in this part
     const int width = SafetensorsDtypeWidth(t->dtype);
     ToBf16(t->dtype, t->data + static_cast<uint64_t>(expert) * n * width, n, i == 0 ? gate_up : down);

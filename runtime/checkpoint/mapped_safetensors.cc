@@ -71,13 +71,17 @@ absl::StatusOr<std::unique_ptr<MappedSafetensors>> MappedSafetensors::Open(const
     ::close(fd);
     return Corrupt(path, "shorter than the header length");
   }
+  f->fd_ = fd;  // closed with the mapping
   void* p = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
   if (p == MAP_FAILED) return absl::ResourceExhaustedError(absl::StrCat(path, ": mmap: ", std::strerror(errno)));
   f->base_ = static_cast<const uint8_t*>(p);
   uint64_t len = 0;
   for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(f->base_[i]) << (8 * i);
   if (len > f->size_ - 8) return Corrupt(path, "header length past the end of file");
+  if (len > kMaxHeaderBytes) {
+    return Corrupt(path, absl::StrCat("header length ", len, " bytes is past the ", kMaxHeaderBytes >> 20,
+                                      " MiB a header may have"));
+  }
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(f->base_ + 8, f->base_ + 8 + len);
@@ -126,6 +130,19 @@ absl::StatusOr<std::unique_ptr<MappedSafetensors>> MappedSafetensors::Open(const
 
 MappedSafetensors::~MappedSafetensors() {
   if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status MappedSafetensors::CheckIntact() const {
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) return absl::DataLossError(absl::StrCat(path_, ": cannot stat: ", std::strerror(errno)));
+  if (static_cast<uint64_t>(st.st_size) < size_) {
+    return absl::DataLossError(
+        absl::StrCat(path_, ": the file is ", st.st_size, " bytes, ", size_,
+                     " when it was opened: it was truncated or rewritten in place (replace a "
+                     "served checkpoint's files by rename, or restart the rank on the new one)"));
+  }
+  return absl::OkStatus();
 }
 
 const TensorRef* MappedSafetensors::Find(const std::string& name) const {

@@ -33,7 +33,10 @@ class MappedSafetensors {
   // (a device or FIFO); DATA_LOSS naming the file (and the tensor) when
   // the header is malformed: length past the end, offsets outside the data or overlapping a
   // neighbour's, a shape whose element count overflows or does not match the bytes.
+  // A header past kMaxHeaderBytes is refused as DATA_LOSS too (its JSON tree would cost many
+  // times its length in memory).
   static absl::StatusOr<std::unique_ptr<MappedSafetensors>> Open(const std::string& path);
+  static constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
   ~MappedSafetensors();
   MappedSafetensors(const MappedSafetensors&) = delete;
   MappedSafetensors& operator=(const MappedSafetensors&) = delete;
@@ -43,6 +46,11 @@ class MappedSafetensors {
   const TensorRef* Find(const std::string& name) const;
   const std::map<std::string, TensorRef>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // DATA_LOSS naming the file when it is now shorter than when it was opened (truncated or
+  // rewritten in place): a read of the mapping past its new end would raise SIGBUS and end the
+  // process. Readers call it before they read a tensor (a file replaced by rename keeps the
+  // mapped one intact). It cannot stop a truncation during the read itself.
+  absl::Status CheckIntact() const;
   // Tells the kernel the caller is done with [data, data + bytes) of a tensor (MADV_DONTNEED on
   // the whole pages inside it), so a long load does not keep every shard's pages resident.
   void Release(const TensorRef& t) const;
@@ -54,6 +62,7 @@ class MappedSafetensors {
   std::string path_;
   const uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
+  int fd_ = -1;  // kept open for CheckIntact
   std::map<std::string, TensorRef> tensors_;
   std::map<std::string, std::string> metadata_;
 };

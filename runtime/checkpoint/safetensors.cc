@@ -1,5 +1,8 @@
 #include "runtime/checkpoint/safetensors.h"
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -27,15 +30,29 @@ absl::Status WriteSafetensors(const std::string& path, const SafetensorsFile& fi
   }
   std::string text = header.dump();
   while (text.size() % 8 != 0) text.push_back(' ');  // align the data section
-  std::ofstream out(path, std::ios::binary);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot open for writing"));
-  const uint64_t len = text.size();
-  char lenbuf[8];
-  for (int i = 0; i < 8; ++i) lenbuf[i] = static_cast<char>((len >> (8 * i)) & 0xff);
-  out.write(lenbuf, 8);
-  out.write(text.data(), text.size());
-  for (const auto& [name, t] : file.tensors) out.write(t.data.data(), t.data.size());
-  if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
+  // Written beside the file and renamed over it: a rank that has the old file mapped keeps
+  // reading it intact (truncating it in place would fault the rank's reads).
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return absl::PermissionDeniedError(absl::StrCat(tmp, ": cannot open for writing"));
+    const uint64_t len = text.size();
+    char lenbuf[8];
+    for (int i = 0; i < 8; ++i) lenbuf[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+    out.write(lenbuf, 8);
+    out.write(text.data(), text.size());
+    for (const auto& [name, t] : file.tensors) out.write(t.data.data(), t.data.size());
+    out.close();
+    if (!out) {
+      std::remove(tmp.c_str());
+      return absl::DataLossError(absl::StrCat(path, ": write failed"));
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    return absl::PermissionDeniedError(absl::StrCat(path, ": rename failed: ", std::strerror(err)));
+  }
   return absl::OkStatus();
 }
 

@@ -358,6 +358,62 @@ TEST(MappedSafetensorsTest, HostileHeadersAreRefusedNamingTheTensor) {
   ::unlink(fifo.c_str());
 }
 
+// A header longer than MappedSafetensors::kMaxHeaderBytes is refused before it is parsed (its
+// JSON tree would cost many times its length); the file is sparse, so this writes almost nothing.
+TEST(MappedSafetensorsTest, AnOversizedHeaderIsRefusedUnparsed) {
+  const std::string dir = TempDir("oversized");
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/x.safetensors";
+  const uint64_t len = MappedSafetensors::kMaxHeaderBytes + 1;
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+  WriteFile(path, bytes + "[");
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(len + 8)), 0);
+  for (const absl::Status& s : {MappedSafetensors::Open(path).status(), ReadSafetensors(path).status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("100 MiB"), std::string::npos) << s;
+  }
+}
+
+// A served checkpoint's shard that shrinks on disk (truncated or rewritten in place) is refused
+// with DATA_LOSS naming the file when an expert is read, instead of a SIGBUS from the mapping.
+// The project's own writer replaces files by rename, so a checkpoint rewritten under an open
+// reader leaves the reader's mapped copy intact.
+TEST(HfCheckpointTest, AShardChangedOnDiskIsRefusedOrReadIntact) {
+  for (ExpertNaming naming : {ExpertNaming::kMixtral, ExpertNaming::kFused}) {
+    HfModelSpec spec;
+    spec.family = HfFamily::kMixtral;
+    spec.naming = naming;
+    spec.hidden_size = 48;
+    spec.moe_intermediate_size = 40;
+    spec.num_experts = 3;
+    spec.num_hidden_layers = 2;
+    spec.version = "ckpt-disk";
+    const ExpertSource source = SyntheticExpertSource(48, 40, 21);
+    const std::string dir = TempDir(naming == ExpertNaming::kFused ? "changed_fused" : "changed");
+    ASSERT_TRUE(WriteHfModel(dir, spec, source).ok());
+    auto c = HfCheckpoint::Open(dir);
+    ASSERT_TRUE(c.ok()) << c.status();
+    const Expert before = Read(**c, 1, 2);
+    // Rewritten by the writer (another seed): the open reader still reads what it opened.
+    ASSERT_TRUE(WriteHfModel(dir, spec, SyntheticExpertSource(48, 40, 22)).ok());
+    const Expert kept = Read(**c, 1, 2);
+    EXPECT_EQ(kept.gu, before.gu);
+    EXPECT_EQ(kept.dn, before.dn);
+    // Truncated in place (as `cp` over it does first): refused, naming the file.
+    auto reopened = HfCheckpoint::Open(dir);
+    ASSERT_TRUE(reopened.ok()) << reopened.status();
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path().extension() == ".safetensors") ASSERT_EQ(::truncate(entry.path().c_str(), 16), 0);
+    }
+    std::vector<uint16_t> gu(2 * 40 * 48), dn(48 * 40);
+    const absl::Status s = (*reopened)->ReadExpert(1, 2, gu.data(), dn.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_NE(s.message().find("truncated or rewritten in place"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(".safetensors"), std::string::npos) << s;
+  }
+}
+
 // config.json's sizes must agree with the experts' tensors before anything is sized from them: a
 // hidden_size of 2^17 would have a loader zero-fill gigabytes before reading a byte.
 TEST(HfCheckpointTest, ConfigSizesThatDisagreeWithTheTensorsAreRefused) {
