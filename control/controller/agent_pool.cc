@@ -73,19 +73,16 @@ std::unique_ptr<grpc::ClientContext> AgentPool::Context() const {
   return ctx;
 }
 
-absl::Status AgentPool::OnEach(
-    const std::string& what,
-    const std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>& call) {
-  const std::shared_ptr<const State> st = Current();
-  if (group_mode_ && !st->group.has_value()) {
+absl::Status AgentPool::OnEachOf(const State& st, const std::string& what, const AgentCall& call) {
+  if (group_mode_ && !st.group.has_value()) {
     return absl::UnavailableError(absl::StrCat(what, ": the process group has not formed yet"));
   }
-  for (size_t r = 0; r < st->stubs.size(); ++r) {
-    if (st->stubs[r] == nullptr) continue;  // not a member of the epoch
+  for (size_t r = 0; r < st.stubs.size(); ++r) {
+    if (st.stubs[r] == nullptr) continue;  // not a member of the epoch
     auto ctx = Context();
-    absl::Status s = FromGrpcStatus(call(*st->stubs[r], *ctx));
+    absl::Status s = FromGrpcStatus(call(*st.stubs[r], *ctx));
     if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(what, " on rank ", r, " (", st->addresses[r], "): ", s.message()));
+      return absl::Status(s.code(), absl::StrCat(what, " on rank ", r, " (", st.addresses[r], "): ", s.message()));
     }
   }
   return absl::OkStatus();
@@ -95,8 +92,14 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1:
                                 bool rebind) {
   v1::PrepareGenerationRequest req;
   *req.mutable_manifest() = manifest;
+  // One snapshot for the epoch, the nodes, the peers and the members driven.
   const std::shared_ptr<const State> st = Current();
-  ASSIGN_OR_RETURN(const AgentGroup serving, ServingGroup());
+  AgentGroup serving;
+  if (st->group.has_value()) {
+    serving = *st->group;
+  } else {
+    ASSIGN_OR_RETURN(serving, ServingGroup());  // a fixed list of agents: what they report
+  }
   const AgentGroup* group = &serving;
   if (!rebind && manifest.process_group_epoch() != 0 && manifest.process_group_epoch() != group->epoch) {
     return absl::FailedPreconditionError(absl::StrCat("manifest.process_group_epoch: ", manifest.process_group_epoch(),
@@ -120,11 +123,11 @@ absl::Status AgentPool::Prepare(const v1::PlacementManifest& manifest, const v1:
   if (runtime != nullptr) *req.mutable_runtime() = *runtime;
   // Every rank may copy slots from the others (0x08F network copies).
   for (const std::string& a : st->addresses) req.add_peer_agents(a);
-  return OnEach(absl::StrCat("prepare placement-v", manifest.version()),
-                [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
-                  v1::GenerationStatus out;
-                  return stub.PrepareGeneration(&ctx, req, &out);
-                });
+  return OnEachOf(*st, absl::StrCat("prepare placement-v", manifest.version()),
+                  [&](v1::RankAgentService::Stub& stub, grpc::ClientContext& ctx) {
+                    v1::GenerationStatus out;
+                    return stub.PrepareGeneration(&ctx, req, &out);
+                  });
 }
 
 absl::StatusOr<AgentGroup> AgentPool::ServingGroup() {

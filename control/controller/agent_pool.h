@@ -84,8 +84,12 @@ class AgentPool {
   // The epoch and nodes a fixed list of agents reports through Status (UNAVAILABLE when they
   // disagree).
   absl::StatusOr<AgentGroup> ObservedGroup();
-  absl::Status OnEach(const std::string& what,
-                      const std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>& call);
+  using AgentCall = std::function<grpc::Status(v1::RankAgentService::Stub&, grpc::ClientContext&)>;
+  absl::Status OnEach(const std::string& what, const AgentCall& call) { return OnEachOf(*Current(), what, call); }
+  // The members of one snapshot of the group (a call that also reads the group's epoch, nodes
+  // or addresses takes them from the same snapshot: an epoch change between the reads would
+  // send epoch E's manifest to epoch E + 1's members).
+  absl::Status OnEachOf(const State& st, const std::string& what, const AgentCall& call);
   using VersionRpc = grpc::Status (v1::RankAgentService::Stub::*)(grpc::ClientContext*, const v1::GenerationRequest&,
                                                                   v1::GenerationStatus*);
   absl::Status OnEachVersion(const char* verb, int64_t version, VersionRpc rpc);
