@@ -423,6 +423,8 @@ void ExpertLayerServiceImpl::ServeRingStep(const RingStep& step, ring::Result* r
 
 void ExpertLayerServiceImpl::NoteAnsweredWork() {
   const LayerExecutor::AnsweredStats a = executor_->AnsweredWorkStats();
+  if (a.held == answered_noted_.held && a.cap_waits == answered_noted_.cap_waits) return;  // nearly every step
+  answered_noted_ = a;
   if (metrics_ != nullptr) metrics_->AnsweredWork(a.held, a.cap_waits, a.cap_timeouts);
   if (a.cap_timeouts > cap_timeouts_logged_) {
     cap_timeouts_logged_ = a.cap_timeouts;

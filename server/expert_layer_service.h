@@ -98,6 +98,7 @@ class ExpertLayerServiceImpl final : public v1::ExpertLayerService::Service {
   // The answered steps' leases and cap waits into the metrics; a new cap timeout is logged.
   void NoteAnsweredWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu_);
   int64_t cap_timeouts_logged_ ABSL_GUARDED_BY(step_mu_) = 0;
+  LayerExecutor::AnsweredStats answered_noted_ ABSL_GUARDED_BY(step_mu_);  // last put into the metrics
   int64_t recorded_counted_ ABSL_GUARDED_BY(step_mu_) = 0;
   int64_t failures_logged_ ABSL_GUARDED_BY(step_mu_) = 0;
   absl::Mutex mu_;

@@ -24,6 +24,8 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
 };
 
+// Writes `path` beside itself (`path`.tmp) and renames it into place: a reader that has the old
+// file mapped keeps reading it intact.
 absl::Status WriteSafetensors(const std::string& path, const SafetensorsFile& file);
 // The whole file in memory, with MappedSafetensors::Open's checks: a regular file, the header a JSON
 // object, offsets inside the data and not overlapping, sizes = prod(shape) * dtype width without
