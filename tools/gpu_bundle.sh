@@ -28,5 +28,15 @@ for t in "${TARGETS[@]}"; do
   done
 done
 chmod -R u+w "$out"
+strip "$out"/bin/*  # symbols only: what runs is the same, the carried tree smaller
 du -sh "$out"
 ls "$out/lib"
+# PACK=1 also writes dist/pack.tgz of all of dist/ (this bundle, dist/wheels, variants under
+# dist/gpu/*): the device tool carries at most 64 MiB of tree and carry paths together, which
+# the unpacked bundle with the wheels passes. Carry "dist/pack.tgz" and run
+# `tar xzf dist/pack.tgz && ...` there.
+if [ "${PACK:-0}" = 1 ]; then
+  rm -f dist/pack.tgz
+  tar czf /tmp/moe_pack.$$.tgz dist && mv /tmp/moe_pack.$$.tgz dist/pack.tgz
+  ls -la dist/pack.tgz
+fi
