@@ -241,23 +241,30 @@ void RankMetrics::Epoch(int64_t epoch) { epoch_->Set(static_cast<double>(epoch))
 
 void RankMetrics::EpochFault() { epoch_faults_->Increment(); }
 
-void RankMetrics::RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted, int64_t full) {
-  const std::array<int64_t, 5> now{recorded, stale, failed, evicted, full};
-  std::lock_guard<std::mutex> lock(recorded_mu_);
-  for (size_t i = 0; i < now.size(); ++i) {
-    if (now[i] > recorded_seen_[i]) recorded_work_[i]->Increment(static_cast<double>(now[i] - recorded_seen_[i]));
-    recorded_seen_[i] = std::max(recorded_seen_[i], now[i]);
+namespace {
+
+// Counts running totals' growth since the totals last seen (each counter by its own total),
+// keeping the larger of the two as seen.
+template <size_t N>
+void CountGrowth(const std::array<int64_t, N>& now, std::array<int64_t, N>& seen,
+                 const std::array<prometheus::Counter*, N>& counters) {
+  for (size_t i = 0; i < N; ++i) {
+    if (now[i] > seen[i]) counters[i]->Increment(static_cast<double>(now[i] - seen[i]));
+    seen[i] = std::max(seen[i], now[i]);
   }
+}
+
+}  // namespace
+
+void RankMetrics::RecordedWork(int64_t recorded, int64_t stale, int64_t failed, int64_t evicted, int64_t full) {
+  std::lock_guard<std::mutex> lock(recorded_mu_);
+  CountGrowth<5>({recorded, stale, failed, evicted, full}, recorded_seen_, recorded_work_);
 }
 
 void RankMetrics::AnsweredWork(int64_t held, int64_t cap_waits, int64_t cap_timeouts) {
   answered_held_->Set(static_cast<double>(held));
-  const std::array<int64_t, 2> now{cap_waits - cap_timeouts, cap_timeouts};
   std::lock_guard<std::mutex> lock(recorded_mu_);
-  for (size_t i = 0; i < now.size(); ++i) {
-    if (now[i] > cap_seen_[i]) cap_waits_[i]->Increment(static_cast<double>(now[i] - cap_seen_[i]));
-    cap_seen_[i] = std::max(cap_seen_[i], now[i]);
-  }
+  CountGrowth<2>({cap_waits - cap_timeouts, cap_timeouts}, cap_seen_, cap_waits_);
 }
 
 void RankMetrics::EpochChange(const std::string& outcome, double seconds) {

@@ -227,30 +227,28 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
   }
   absl::MutexLock lock(&write_mu_);
   RETURN_IF_ERROR(RefuseIdOfAnotherRequest(request_id));
-  if (to == ReleaseState::kVerified) {
+  // A retry of a committed transition is answered from the record: none of the checks below
+  // (which read the ranks or the bundle) runs for it.
+  ASSIGN_OR_RETURN(const std::vector<StoredTransition> recorded, store_->Recorded(request_id));
+  const bool retry = !recorded.empty();
+  if (to == ReleaseState::kVerified && !retry) {
     // VERIFIED is the controller's own finding for a release with a bundle: its digest, every
-    // expert re-read from the checkpoint, the placement's digests (control/bundle.h). A retry
-    // of a committed transition is answered from the record.
-    ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
-    if (recorded.empty()) RETURN_IF_ERROR(VerifyRegisteredBundle(release_id));
+    // expert re-read from the checkpoint, the placement's digests (control/bundle.h).
+    RETURN_IF_ERROR(VerifyRegisteredBundle(release_id));
   }
-  if (drives_ranks() && to == ReleaseState::kShadow) {
+  if (drives_ranks() && to == ReleaseState::kShadow && !retry) {
     // Each rank runs one candidate's trial at a time (SetTrial replaces it): a second candidate
     // entering SHADOW would silently take the first one's shadow and canary steps while the
     // registry still names the first SHADOW or CANARY (CANARY is entered only from SHADOW, so
-    // this one check keeps a single candidate in trial). A retry of a committed transition is
-    // answered from the record.
-    ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
-    if (recorded.empty()) {
-      ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
-      for (const ReleaseRecord& other : releases) {
-        if (other.release_id == release_id) continue;
-        if (other.state == ReleaseState::kShadow || other.state == ReleaseState::kCanary) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "to: ", ReleaseStateName(to), " refused for ", release_id, ": ", other.release_id, " is ",
-              ReleaseStateName(other.state), " and the ranks run one candidate's trial at a time; promote or drain ",
-              other.release_id, " first"));
-        }
+    // this one check keeps a single candidate in trial).
+    ASSIGN_OR_RETURN(std::vector<ReleaseRecord> releases, store_->List());
+    for (const ReleaseRecord& other : releases) {
+      if (other.release_id == release_id) continue;
+      if (other.state == ReleaseState::kShadow || other.state == ReleaseState::kCanary) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "to: ", ReleaseStateName(to), " refused for ", release_id, ": ", other.release_id, " is ",
+            ReleaseStateName(other.state), " and the ranks run one candidate's trial at a time; promote or drain ",
+            other.release_id, " first"));
       }
     }
   }
@@ -260,9 +258,8 @@ absl::StatusOr<StoredTransition> StoreReleaseManager::Transition(const std::stri
     RETURN_IF_ERROR(AdmitCanary(request_id, release_id));
   }
   if (drives_ranks() && (to == ReleaseState::kDraining || to == ReleaseState::kRetired)) {
-    ASSIGN_OR_RETURN(std::vector<StoredTransition> recorded, store_->Recorded(request_id));
     ASSIGN_OR_RETURN(ReleaseRecord rec, store_->Get(release_id));
-    if (recorded.empty() && rec.placement_version > 0) {
+    if (!retry && rec.placement_version > 0) {
       if (to == ReleaseState::kDraining && rec.state == ReleaseState::kActive) {
         return absl::FailedPreconditionError(
             absl::StrCat("to: ", release_id, " serves placement-v", rec.placement_version,
